@@ -10,6 +10,7 @@ Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,18 @@ from .hooks import HeadKnockout
 from .registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM"]
+
+
+def _one_line_user_errors(exc_type, exc, tb, _default=sys.excepthook):
+    # Under the stock `lm_eval` command a bad head list would end in a traceback
+    # through lm-eval's internals; a user mistake gets one line and exit status 1.
+    if issubclass(exc_type, HeadSpecError):
+        print(f"{MODEL_NAME}: error: {exc}", file=sys.stderr)
+    else:
+        _default(exc_type, exc, tb)
+
+
+sys.excepthook = _one_line_user_errors
 
 
 def _requested_heads(

@@ -22,16 +22,23 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))
+_LLAMA_STYLE = "model.layers.{l}.self_attn.o_proj"
 ARCHITECTURES: dict[str, tuple[str, dict, str, bool]] = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=KV_HEADS), "model.layers.{l}.self_attn.o_proj", False),
-    "qwen3": ("Qwen3Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), "model.layers.{l}.self_attn.o_proj", False),
-    "gemma2": ("Gemma2Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), "model.layers.{l}.self_attn.o_proj", False),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=KV_HEADS, pad_token_id=0), "model.layers.{l}.self_attn.o_proj", False),
-    "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128), "transformer.h.{l}.attn.c_proj", True),
+    "llama": ("LlamaConfig", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), _LLAMA_STYLE,
+              False),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), _LLAMA_STYLE,
+               False),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=KV_HEADS, pad_token_id=0), _LLAMA_STYLE,
+             False),
+    "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128),
+             "transformer.h.{l}.attn.c_proj", True),
     "gpt_neox": ("GPTNeoXConfig", dict(), "gpt_neox.layers.{l}.attention.dense", False),
-    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN, max_position_embeddings=128), "model.decoder.layers.{l}.self_attn.out_proj", False),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN,
+                              max_position_embeddings=128),
+            "model.decoder.layers.{l}.self_attn.out_proj", False),
 }
 GQA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
 
