@@ -1,0 +1,91 @@
+"""Picking the one number a task is measured by from lm-eval's results."""
+
+from pathlib import Path
+
+import pytest
+
+from lm_eval_headloc.metrics import (
+    TASK_METRICS,
+    MetricError,
+    metrics_of_task,
+    parse_task_metric,
+    task_score,
+)
+
+# Shaped like simple_evaluate's return value (only the keys we read).
+RESULTS = {
+    "results": {
+        "gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.30,
+                  "exact_match_stderr,strict-match": 0.01,
+                  "exact_match,flexible-extract": 0.42,
+                  "exact_match_stderr,flexible-extract": 0.01},
+        "arithmetic_1dc": {"alias": "arithmetic_1dc", "acc,none": 0.2},
+        "arithmetic_2da": {"alias": "arithmetic_2da", "acc,none": 0.6},
+        "mmlu": {"alias": "mmlu", "acc,none": 0.55, "acc_stderr,none": 0.01},
+        "mmlu_a": {"alias": " - a", "acc,none": 0.9},
+        "mmlu_b": {"alias": " - b", "acc,none": 0.1},
+        "mygroup": {"alias": "mygroup"},
+        "sub1": {"alias": " - sub1", "f1,none": 0.5, "perplexity,none": 12.0},
+        "sub2": {"alias": " - sub2", "f1,none": 0.7, "perplexity,none": 8.0},
+        "custom": {"alias": "custom", "brier_score,none": 0.3, "acc,none": 0.6},
+    },
+    "group_subtasks": {"mmlu": ["mmlu_a", "mmlu_b"], "mygroup": ["sub1", "sub2"]},
+    "configs": {"arithmetic_1dc": {"tag": ["arithmetic"]},
+                "arithmetic_2da": {"tag": "arithmetic"}, "gsm8k": {}},
+    "higher_is_better": {"custom": {"brier_score": False, "acc": True},
+                         "sub1": {"f1": True, "perplexity": False},
+                         "sub2": {"f1": True, "perplexity": False}},
+}
+
+
+def test_table_choices_for_builtins():
+    score = task_score(RESULTS, "gsm8k")
+    assert (score.metric, score.value, score.higher_is_better) == (
+        "exact_match,flexible-extract", 0.42, True)
+    assert TASK_METRICS["hellaswag"][0] == "acc_norm,none"
+    assert TASK_METRICS["mbpp"][0] == "pass_at_1,none"
+
+
+def test_tag_is_the_mean_over_its_tasks():
+    score = task_score(RESULTS, "arithmetic")
+    assert score.value == pytest.approx(0.4)
+    assert score.subtasks == ("arithmetic_1dc", "arithmetic_2da")
+
+
+def test_group_uses_the_harness_aggregate_when_reported_else_the_mean():
+    assert task_score(RESULTS, "mmlu").value == 0.55  # the harness's own group number
+    mean = task_score(RESULTS, "mygroup")
+    assert (mean.metric, mean.value, mean.subtasks) == ("f1,none", pytest.approx(0.6),
+                                                        ("sub1", "sub2"))
+    perplexity = task_score(RESULTS, "mygroup", "perplexity,none")
+    assert perplexity.value == 10.0 and perplexity.higher_is_better is False
+
+
+def test_unknown_task_falls_back_to_first_metric_and_harness_flag():
+    score = task_score(RESULTS, "custom")
+    assert (score.metric, score.higher_is_better) == ("brier_score,none", False)
+    assert task_score(RESULTS, "custom", "acc,none").value == 0.6
+
+
+def test_override_and_errors():
+    assert parse_task_metric("gsm8k:exact_match,strict-match") == (
+        "gsm8k", "exact_match,strict-match")
+    assert parse_task_metric("boolq:acc") == ("boolq", "acc,none")
+    assert parse_task_metric("boolq") == ("boolq", None)
+    task, metric = parse_task_metric("gsm8k:exact_match,strict-match")
+    assert task_score(RESULTS, task, metric).value == 0.30
+    with pytest.raises(MetricError, match="gsm8k.*no metric 'acc,none'.*exact_match,strict-match"
+                                          ", exact_match,flexible-extract$"):
+        task_score(RESULTS, "gsm8k", "acc,none")
+    with pytest.raises(MetricError, match="task 'nope' is not in the results"):
+        task_score(RESULTS, "nope")
+    with pytest.raises(MetricError, match="bad task spec"):
+        parse_task_metric("gsm8k:")
+
+
+def test_metrics_of_a_built_task():
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=str(Path(__file__).parent / "tasks"))
+    task = get_task_dict(["tiny_choice"], manager)["tiny_choice"]
+    assert metrics_of_task(task) == ["acc,none"]
