@@ -53,6 +53,23 @@ def test_stock_registry_finds_the_model_lazily_and_keeps_hf():
     assert result.stdout.split() == ["lm_eval_headloc.model:HFHeadAblateLM", "False"]
 
 
+def test_import_registers_without_the_startup_hook_and_entry_point_is_declared():
+    result = run_python(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path"
+        " if type(f).__name__ != '_WatchLmEvalModels']\n"
+        "import lm_eval_headloc\n"
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('hf-headablate').__name__, get_model('hf').__name__)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["HFHeadAblateLM", "HFLM"]
+    from importlib.metadata import entry_points
+
+    (entry,) = entry_points(group="lm_eval.models", name="hf-headablate")
+    assert entry.value == "lm_eval_headloc.model:HFHeadAblateLM"
+
+
 def _per_sample_loglikelihoods(results: dict) -> list[float]:
     """Every choice's loglikelihood, sample by sample, flattened."""
     return [float(r[0]) for s in results["samples"]["tiny_choice"] for r in s["filtered_resps"]]
