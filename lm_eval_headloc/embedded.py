@@ -22,10 +22,15 @@ def smollm2_location() -> tuple[str, str] | None:
     return (str(ggufs[0].parent), ggufs[0].name) if ggufs else None
 
 
-def smollm2_model_args() -> str:
-    """lm-eval ``model_args`` that load the embedded model on the CPU in float32."""
+def smollm2_model_args(device: str | None = "cpu") -> str:
+    """lm-eval ``model_args`` that load the embedded model in float32 on ``device``.
+
+    For the stock ``lm_eval`` command pass ``device=None`` and use ``--device cpu``: the
+    CLI always passes its own ``device`` to the model, and a second one is an error.
+    """
     location = smollm2_location()
     if location is None:
         raise FileNotFoundError(f"the embedded model is not installed; run: {INSTALL_HINT}")
     folder, gguf = location
-    return f"pretrained={folder},gguf_file={gguf},dtype=float32,device=cpu"
+    args = f"pretrained={folder},gguf_file={gguf},dtype=float32"
+    return f"{args},device={device}" if device else args
