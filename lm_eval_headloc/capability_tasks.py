@@ -1,0 +1,251 @@
+"""Small offline capability tasks: deterministic generators for their lm-eval data files.
+
+Nothing can be downloaded from the Hugging Face Hub on the development machines, so the
+project ships three tasks that run anywhere and that even a 135M model really does:
+
+- ``headloc_induction``: random common words, then their beginning again; the target is
+  the next word of the repeat (in-context copying). Scored by greedy match.
+- ``headloc_ioi``: indirect-object identification ("When Mary and John went to the store,
+  John gave a drink to" -> " Mary"), a choice between the two names.
+- ``headloc_arith``: few-shot single-digit addition ("6 + 1 =" -> " 7"), greedy match.
+
+Each generator is a pure function ``seed -> list of docs``. The committed JSONL files in
+``task_configs/headloc_*/`` are its output for :data:`SEED`; rewrite them with
+
+    python -m lm_eval_headloc.capability_tasks --out task_configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ARITH_SHOTS",
+    "COMMON_WORDS",
+    "FIRST_NAMES",
+    "GENERATORS",
+    "IOI_TEMPLATES",
+    "N_DOCS",
+    "SEED",
+    "chance_accuracy",
+    "data_file",
+    "docs_to_jsonl",
+    "make_arith_docs",
+    "make_induction_docs",
+    "make_ioi_docs",
+    "write_task_data",
+]
+
+SEED = 1234
+N_DOCS = 300
+
+# Common English words, each a single token (with its leading space) in the SmolLM2 /
+# Llama-style BPE vocabularies, so greedy match on the target is a one-token decision.
+COMMON_WORDS: tuple[str, ...] = tuple(
+    """
+    apple river green table house water paper chair window garden music money light night
+    friend school family mother father summer winter spring autumn morning evening animal
+    forest mountain ocean island city village market doctor teacher student letter number
+    picture story song game ball book door floor wall road bridge train plane boat ship car
+    bike horse bird fish tree flower grass stone sand cloud rain snow wind fire sun moon star
+    sky earth gold silver iron glass wood milk bread butter cheese sugar salt coffee tea juice
+    egg meat rice soup cake fruit orange lemon banana grape potato tomato onion carrot corn
+    bean king queen prince child baby girl boy man woman people army church hospital office
+    kitchen bedroom bottle box bag cup plate knife spoon fork shirt dress shoe hat coat button
+    pencil camera phone computer radio clock watch ring key lamp bed desk mirror blanket pillow
+    candle engine wheel rope chain hammer nail brush soap towel basket bucket ladder fence gate
+    tower castle farm field valley desert lake beach hill cave street park blue red yellow
+    black white brown purple pink happy quiet dark bright cold warm heavy simple strong soft
+    sweet fresh early late small large young old rich poor busy empty full clean round sharp
+    thick thin wild
+    """.split()
+)
+
+# Common first names, each a single token with its leading space (names never start a
+# prompt), so the two IOI choices are one-token continuations of equal length.
+FIRST_NAMES: tuple[str, ...] = tuple(
+    """
+    Mary John James Robert Michael William David Richard Joseph Thomas Charles Daniel Matthew
+    Mark Paul Andrew George Edward Jacob Peter Frank Scott Elizabeth Sarah Emily Anna Alice
+    Jack Tom Sam Ben Max Alex Chris Rose Jane
+    """.split()
+)
+
+# {a}/{b}: the two names in order of mention; {s}: the repeated one (the subject).
+IOI_TEMPLATES: tuple[str, ...] = (
+    "When {a} and {b} went to the {place}, {s} gave a {obj} to",
+    "After {a} and {b} arrived at the {place}, {s} handed a {obj} to",
+    "While {a} and {b} were working at the {place}, {s} passed a {obj} to",
+    "Then, {a} and {b} had a long day at the {place}. {s} gave a {obj} to",
+    "When {a} and {b} got a {obj} at the {place}, {s} decided to give it to",
+    "Yesterday {a} and {b} met at the {place}, and {s} brought a {obj} for",
+)
+IOI_PLACES: tuple[str, ...] = (
+    "store", "park", "school", "office", "beach", "restaurant", "library", "hospital",
+    "garden", "station", "market", "museum", "cafe", "party",
+)
+IOI_OBJECTS: tuple[str, ...] = (
+    "drink", "book", "gift", "letter", "ball", "pen", "key", "sandwich", "flower", "ticket",
+    "map", "phone", "basket", "hat",
+)
+
+INDUCTION_SEQUENCE_LEN = (10, 20)  # words before the repeat, inclusive range
+INDUCTION_REPEAT_LEN = (2, 5)  # words repeated before the target, inclusive range
+ARITH_SHOTS = 4  # solved examples before the question
+ARITH_REPEATS = 3  # each of the 100 (a, b) questions appears this often
+
+
+def make_induction_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
+    """Docs for ``headloc_induction``: ``context`` ends inside a repeat, ``target`` continues it.
+
+    ``target`` carries its leading space: lm-eval 0.4.13 sends a loglikelihood task's
+    target as the continuation with no delimiter.
+    A sequence of distinct common words is followed by its first ``repeat_len`` words
+    again; the target is word ``repeat_len`` of the sequence, the next word of the repeat.
+    Words are distinct, so the target is the only word that ever followed the last one.
+    """
+    rng = random.Random(f"headloc_induction:{seed}")
+    docs = []
+    for i in range(n):
+        words = rng.sample(COMMON_WORDS, rng.randint(*INDUCTION_SEQUENCE_LEN))
+        repeat_len = rng.randint(*INDUCTION_REPEAT_LEN)
+        docs.append({
+            "id": i,
+            "words": words,
+            "repeat_len": repeat_len,
+            "context": " ".join(words + words[:repeat_len]),
+            "target": " " + words[repeat_len],
+        })
+    return docs
+
+
+def make_ioi_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
+    """Docs for ``headloc_ioi``: choose between the two names, the non-repeated one is right.
+
+    ``choices`` are the names in order of mention and ``label`` the index of the answer.
+    Exactly half the docs repeat the second name (answer: the first), so always picking
+    the first or always the second name scores 50 %.
+    """
+    if n % 2:
+        raise ValueError(f"n={n} must be even so that the answer is the first name in half")
+    rng = random.Random(f"headloc_ioi:{seed}")
+    labels = [0] * (n // 2) + [1] * (n // 2)
+    rng.shuffle(labels)
+    docs = []
+    for i, label in enumerate(labels):
+        a, b = rng.sample(FIRST_NAMES, 2)
+        template = rng.choice(IOI_TEMPLATES)
+        place, obj = rng.choice(IOI_PLACES), rng.choice(IOI_OBJECTS)
+        subject = b if label == 0 else a  # the repeated name; the answer is the other one
+        docs.append({
+            "id": i,
+            "context": template.format(a=a, b=b, s=subject, place=place, obj=obj),
+            "choices": [a, b],
+            "label": label,
+        })
+    return docs
+
+
+def make_arith_docs(seed: int = SEED, n_repeats: int = ARITH_REPEATS) -> list[dict[str, Any]]:
+    """Docs for ``headloc_arith``: few-shot ``a + b =`` for every single-digit pair.
+
+    Every (a, b) in 0..9 x 0..9 appears ``n_repeats`` times, each time after different
+    solved examples, so the answer distribution is fixed (9 is the most frequent, 10 %).
+    The examples never show the question's own pair (in either order), so copying from
+    the context cannot answer it. ``target`` ends with the newline that ends every
+    example line, so answering 1 when the model means 10 is not counted as right, and
+    starts with a space like the induction target.
+    """
+    rng = random.Random(f"headloc_arith:{seed}")
+    pairs = [(a, b) for a in range(10) for b in range(10)] * n_repeats
+    rng.shuffle(pairs)
+    docs = []
+    for i, (a, b) in enumerate(pairs):
+        others = [p for p in set(pairs) if p not in ((a, b), (b, a))]
+        shots = rng.sample(sorted(others), ARITH_SHOTS)
+        lines = [f"{x} + {y} = {x + y}" for x, y in shots] + [f"{a} + {b} ="]
+        docs.append({
+            "id": i,
+            "a": a,
+            "b": b,
+            "answer": a + b,
+            "context": "\n".join(lines),
+            "target": f" {a + b}\n",
+        })
+    return docs
+
+
+GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
+    "headloc_induction": make_induction_docs,
+    "headloc_ioi": make_ioi_docs,
+    "headloc_arith": make_arith_docs,
+}
+
+
+def _majority_share(values: Iterable[Any]) -> float:
+    counts = Counter(values)
+    return max(counts.values()) / sum(counts.values())
+
+
+def chance_accuracy(task: str, docs: Sequence[dict[str, Any]]) -> float:
+    """Accuracy of the best trivial predictor on these docs (the bar a baseline must clear).
+
+    - induction: the better of always answering the most frequent target and guessing
+      uniformly among the words of the sequence;
+    - ioi: always picking the same position (first or second name);
+    - arith: always answering the most frequent sum.
+    """
+    if not docs:
+        raise ValueError("no docs")
+    if task == "headloc_induction":
+        uniform = sum(1 / len(set(d["words"])) for d in docs) / len(docs)
+        return max(uniform, _majority_share(d["target"] for d in docs))
+    if task == "headloc_ioi":
+        return _majority_share(d["label"] for d in docs)
+    if task == "headloc_arith":
+        return _majority_share(d["answer"] for d in docs)
+    raise ValueError(f"unknown task {task!r}; known: {', '.join(GENERATORS)}")
+
+
+def docs_to_jsonl(docs: Iterable[dict[str, Any]]) -> str:
+    """One JSON object a line, in a fixed form so the same docs give the same bytes."""
+    return "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
+
+
+def data_file(task_configs: str | Path, task: str) -> Path:
+    """Where a task's data file lives under a ``task_configs`` folder."""
+    return Path(task_configs) / task / f"{task}.jsonl"
+
+
+def write_task_data(task_configs: str | Path, seed: int = SEED) -> list[Path]:
+    """(Re)write every task's JSONL under ``task_configs``; returns the files written."""
+    written = []
+    for task, generate in GENERATORS.items():
+        path = data_file(task_configs, task)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(docs_to_jsonl(generate(seed)).encode("utf-8"))
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lm_eval_headloc.capability_tasks",
+        description="Write the data files of the headloc_* offline capability tasks.",
+    )
+    parser.add_argument("--out", required=True, help="the task_configs folder")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED} (committed)")
+    args = parser.parse_args(argv)
+    for path in write_task_data(args.out, args.seed):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

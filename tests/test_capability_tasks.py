@@ -1,0 +1,226 @@
+"""The offline capability tasks: deterministic data, lm-eval loading, and real baselines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lm_eval_headloc.capability_tasks import (
+    COMMON_WORDS,
+    FIRST_NAMES,
+    GENERATORS,
+    chance_accuracy,
+    data_file,
+    docs_to_jsonl,
+    main,
+    make_arith_docs,
+    make_induction_docs,
+    make_ioi_docs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TASK_CONFIGS = REPO / "task_configs"
+TASKS = list(GENERATORS)
+METRIC = "acc,none"  # every headloc task reports this key
+BASELINE_LIMIT = 64
+
+
+def _committed_docs(task: str) -> list[dict]:
+    lines = data_file(TASK_CONFIGS, task).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+# --- generators ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_same_seed_gives_identical_bytes_other_seed_differs(task):
+    generate = GENERATORS[task]
+    assert docs_to_jsonl(generate(7)) == docs_to_jsonl(generate(7))
+    assert docs_to_jsonl(generate(7)) != docs_to_jsonl(generate(8))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_committed_data_is_the_generator_output(task):
+    expected = docs_to_jsonl(GENERATORS[task](1234)).encode("utf-8")
+    assert data_file(TASK_CONFIGS, task).read_bytes() == expected, (
+        f"{task} data is stale; run: python -m lm_eval_headloc.capability_tasks --out task_configs"
+    )
+
+
+def test_main_rewrites_byte_identical_files(tmp_path):
+    assert main(["--out", str(tmp_path)]) == 0
+    for task in TASKS:
+        written = data_file(tmp_path, task).read_bytes()
+        assert written == data_file(TASK_CONFIGS, task).read_bytes()
+    assert main(["--out", str(tmp_path), "--seed", "5"]) == 0
+    changed = data_file(tmp_path, "headloc_ioi").read_bytes()
+    assert changed != data_file(TASK_CONFIGS, "headloc_ioi").read_bytes()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_at_least_200_docs_with_unique_ids(task):
+    docs = _committed_docs(task)
+    assert len(docs) >= 200
+    assert [d["id"] for d in docs] == list(range(len(docs)))
+
+
+def test_induction_target_is_the_next_word_of_the_repeat():
+    for doc in make_induction_docs():
+        words, k = doc["words"], doc["repeat_len"]
+        assert len(set(words)) == len(words) >= 10  # distinct: the next word is unambiguous
+        assert 1 <= k < len(words)
+        assert doc["context"].split() == words + words[:k]
+        assert doc["target"] == " " + words[k]
+        assert set(words) <= set(COMMON_WORDS)
+
+
+def test_ioi_answer_is_the_name_not_repeated_and_positions_are_balanced():
+    docs = make_ioi_docs()
+    for doc in docs:
+        a, b = doc["choices"]
+        answer, subject = doc["choices"][doc["label"]], doc["choices"][1 - doc["label"]]
+        assert a != b and {a, b} <= set(FIRST_NAMES)
+        words = doc["context"].split()
+        # both names are introduced in order, then only the subject comes back
+        assert words.index(a) < words.index(b)
+        assert words.count(answer) == 1
+        assert words.count(subject) == 2
+    first_share = sum(d["label"] == 0 for d in docs) / len(docs)
+    assert first_share == 0.5
+    assert chance_accuracy("headloc_ioi", docs) == 0.5
+    with pytest.raises(ValueError, match="even"):
+        make_ioi_docs(n=3)
+
+
+def test_arith_answers_are_sums_and_examples_are_right():
+    docs = make_arith_docs()
+    for doc in docs:
+        *shots, question = doc["context"].split("\n")
+        assert question == f"{doc['a']} + {doc['b']} ="
+        assert doc["answer"] == doc["a"] + doc["b"]
+        assert doc["target"] == f" {doc['answer']}\n"
+        for line in shots:
+            left, right = line.split(" = ")
+            x, y = map(int, left.split(" + "))
+            assert x + y == int(right)
+            assert {x, y} != {doc["a"], doc["b"]}  # the question itself is never shown
+    pairs = {(d["a"], d["b"]) for d in docs}
+    assert len(pairs) == 100  # every single-digit pair is asked
+    assert chance_accuracy("headloc_arith", docs) == pytest.approx(0.10)
+
+
+def test_chance_levels_are_low_and_unknown_task_is_refused():
+    assert chance_accuracy("headloc_induction", make_induction_docs()) < 0.12
+    with pytest.raises(ValueError, match="unknown task"):
+        chance_accuracy("nope", [{}])
+
+
+# --- lm-eval loading ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def task_dict():
+    """The headloc tasks loaded by lm-eval from another working directory."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    cwd = os.getcwd()
+    os.chdir(REPO.parent)  # the data must be found without relying on the working dir
+    try:
+        manager = TaskManager(include_path=str(TASK_CONFIGS))
+        return get_task_dict(TASKS, manager), manager
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_yaml_loads_through_lm_eval_with_all_docs(task, task_dict):
+    tasks, _ = task_dict
+    loaded = tasks[task]
+    docs = _committed_docs(task)
+    assert len(loaded.eval_docs) == len(docs)
+    first = loaded.eval_docs[0]
+    assert loaded.doc_to_text(first) == docs[0]["context"]
+    # the request lm-eval builds is exactly (context, expected continuation)
+    instances = loaded.construct_requests(first, loaded.doc_to_text(first))
+    instances = instances if isinstance(instances, list) else [instances]
+    continuations = [inst.arguments[1] for inst in instances]
+    if task == "headloc_ioi":
+        assert continuations == [f" {name}" for name in docs[0]["choices"]]
+    else:
+        assert continuations == [docs[0]["target"]]
+
+
+def test_headloc_tag_covers_the_three_tasks(task_dict):
+    from lm_eval.tasks import get_task_dict
+
+    _, manager = task_dict
+    assert set(TASKS) <= set(get_task_dict(["headloc"], manager))
+
+
+# --- the embedded real model (slow) ------------------------------------------------
+
+
+def _binomial_bar(chance: float, n: int, sigmas: float = 4.0) -> float:
+    """Score a trivial predictor reaches with probability ~1e-4 on n docs."""
+    return chance + sigmas * math.sqrt(chance * (1 - chance) / n)
+
+
+@pytest.mark.slow
+def test_stock_cli_runs_every_task(smollm2, tmp_path):
+    folder, gguf = smollm2
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # The device goes in --device: the stock CLI always passes one (default cuda:0), so a
+    # device= in --model_args as well would be a duplicate keyword argument.
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "hf-headablate",
+        "--model_args", f"pretrained={folder},gguf_file={gguf},dtype=float32",
+        "--device", "cpu", "--tasks", ",".join(TASKS),
+        "--include_path", str(TASK_CONFIGS), "--batch_size", "8", "--limit", "2",
+        "--output_path", str(tmp_path / "out"),
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [results_file] = list((tmp_path / "out").rglob("results_*.json"))
+    results = json.loads(results_file.read_text())["results"]
+    for task in TASKS:
+        assert 0.0 <= results[task][METRIC] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def smollm2_lm(smollm2):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    folder, gguf = smollm2
+    return HFHeadAblateLM(
+        pretrained=folder, gguf_file=gguf, dtype="float32", device="cpu", batch_size=64
+    )
+
+
+@pytest.mark.slow
+def test_words_and_names_are_single_tokens_for_smollm2(smollm2_lm):
+    tokenizer = smollm2_lm.tokenizer
+    multi = [w for w in COMMON_WORDS + FIRST_NAMES if len(tokenizer.tokenize(" " + w)) != 1]
+    assert not multi
+
+
+@pytest.mark.slow
+def test_smollm2_baselines_are_clearly_above_chance(smollm2_lm, task_dict):
+    from lm_eval.evaluator import evaluate
+
+    tasks, _ = task_dict
+    smollm2_lm.set_heads([])
+    results = evaluate(
+        lm=smollm2_lm, task_dict=tasks, limit=BASELINE_LIMIT, bootstrap_iters=0,
+        log_samples=False, verbosity="ERROR",
+    )["results"]
+    for task in TASKS:
+        chance = chance_accuracy(task, _committed_docs(task)[:BASELINE_LIMIT])
+        bar = _binomial_bar(chance, BASELINE_LIMIT)
+        assert results[task][METRIC] > bar, (task, results[task][METRIC], chance)

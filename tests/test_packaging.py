@@ -1,0 +1,48 @@
+"""A normal (non-editable) install ships the task configs and the start-up hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_ships_tasks_and_startup_hook(tmp_path):
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("lm_eval_headloc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in ["lm_eval_headloc_startup.pth", "_lm_eval_headloc_startup.py",
+                     "lm_eval_headloc/task_configs/swear/swear.yaml",
+                     "lm_eval_headloc/task_configs/swear/swear_prompts.jsonl",
+                     "lm_eval_headloc/task_configs/rhyme/rhyme_words.jsonl",
+                     "lm_eval_headloc/task_configs/headloc_induction/headloc_induction.jsonl",
+                     "lm_eval_headloc/task_configs/headloc_ioi/utils.py"]:
+        assert required in names, required
+
+    # Installed as a plain package (not from this checkout), our tasks are found.
+    site = tmp_path / "site"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+         str(wheel)], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         f"import sys; sys.path.insert(0, {str(site)!r})\n"
+         "import lm_eval_headloc\n"
+         "from lm_eval_headloc.tasks import make_task_manager, task_configs_dir\n"
+         "print(task_configs_dir())\n"
+         "manager = make_task_manager()\n"
+         "print(all(t in manager.all_tasks for t in ['swear', 'rhyme', 'headloc_induction']))"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    folder, found = probe.stdout.split()
+    assert folder.startswith(str(site)) and found == "True"
