@@ -56,7 +56,7 @@ def greedy(
     _check_positive_int("--rounds", rounds)
     _check_positive_int("--num-samples", num_samples)
     _check_positive_int("--top-k", top_k)
-    setup = prepare(model_args, tasks, include_path)
+    setup = prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     if rounds > 1 and len(setup.tasks) > 1:
         raise UsageError("--rounds > 1 follows one task's winners; give a single task")
     skipped = head_list(exclude, setup.num_layers, setup.num_heads, "--exclude") + head_list(
@@ -175,7 +175,7 @@ def verify(
                              f"{len(heads_by_task[name])} heads")
     general = [g for g in general if g not in heads_by_task]
     setup = prepare(identity["model_args"], targets + list(general),
-                    identity.get("include_path", []))
+                    identity.get("include_path", []), confirm_run_unsafe_code)
     folder = RunFolder(out or Path(run) / "verify")
     folder.start("verify", {"run": str(Path(run).resolve()), "top_k": top_k,
                             "general": list(general), "limit": limit,
@@ -319,7 +319,7 @@ def sweep(
         _check_positive_int("--masks", value)
     for value in sparsity:
         _check_sparsity(value)
-    setup = prepare(model_args, tasks, include_path)
+    setup = prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     folder = RunFolder(out)
     folder.start("sweep", {"model_args": setup.model_args, "tasks": list(tasks),
                            "masks": list(masks), "sparsity": list(sparsity), "design": design,

@@ -11,6 +11,7 @@ offline ``headloc_induction`` task.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -227,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:  # no arguments at all: the embedded default run
         args = parser.parse_args(["locate", *(argv or [])])
+    if not getattr(args, "verbose", False):  # the harness's chatter, unless --verbose
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
         run(args)
     except KeyboardInterrupt:

@@ -103,6 +103,7 @@ class Setup:
     num_layers: int
     num_heads: int
     task_manager: Any
+    loaded: dict[str, Any]  # task name -> lm-eval's TaskManager.load result, built once
 
     @property
     def total_heads(self) -> int:
@@ -110,8 +111,9 @@ class Setup:
 
 
 def prepare(model_args: str | None, tasks: Sequence[str], include_path: Sequence[str] = (),
-            extra_tasks: Sequence[str] = ()) -> Setup:
-    """Check model and task names (config only, no weights) and build the TaskManager."""
+            confirm_run_unsafe_code: bool = False) -> Setup:
+    """Check the model (config only, no weights), build the tasks once and check their
+    names, metrics and whether they run model-written code — all before any weights load."""
     if not tasks:
         raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
     model_args = resolve_model_args(model_args)
@@ -119,19 +121,23 @@ def prepare(model_args: str | None, tasks: Sequence[str], include_path: Sequence
     try:
         manager = make_task_manager(list(include_path))
         specs = [parse_task_metric(t) for t in _join_metric_filters(tasks, manager.all_tasks)]
-        check_task_names(manager, [name for name, _ in specs] + list(extra_tasks))
+        check_task_names(manager, [name for name, _ in specs])
     except ValueError as err:
         raise UsageError(str(err)) from None
     if len({name for name, _ in specs}) != len(specs):
         raise UsageError(f"--tasks {','.join(tasks)}: a task is named twice")
+    loaded = {name: manager.load([name]) for name, _ in specs}
     for name, metric in specs:
-        if metric is not None:  # checked now, not after loading the model
-            produced = sorted({key for task in manager.load([name])["tasks"].values()
-                               for key in metrics_of_task(task)})
+        leaves = loaded[name]["tasks"].values()
+        if metric is not None:
+            produced = sorted({key for task in leaves for key in metrics_of_task(task)})
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
-    return Setup(model_args, specs, num_layers, num_heads, manager)
+        if not confirm_run_unsafe_code and any(getattr(t, "UNSAFE_CODE", False) for t in leaves):
+            raise UsageError(f"task {name!r} executes model-written code; rerun with "
+                             "--confirm-run-unsafe-code if you accept that")
+    return Setup(model_args, specs, num_layers, num_heads, manager, loaded)
 
 
 def _join_metric_filters(parts: Sequence[str], known_tasks: Iterable[str]) -> list[str]:
@@ -159,25 +165,13 @@ def load_model(setup: Setup, batch_size: int | str = 32) -> Any:
 
 def open_measurement(setup: Setup, lm: Any, num_samples: int | None, seed: int,
                      apply_chat_template: bool | None, confirm_run_unsafe_code: bool,
-                     limit: int | None = None, verbose: bool = False,
-                     tasks: Sequence[tuple[str, str | None]] | None = None) -> Any:
+                     limit: int | None = None, verbose: bool = False) -> Any:
     from .measure import HarnessMeasurement
 
-    chosen = list(tasks if tasks is not None else setup.tasks)
-    unsafe = [name for name, _ in chosen if _is_unsafe(setup.task_manager, name)]
-    if unsafe and not confirm_run_unsafe_code:
-        raise UsageError(f"task {unsafe[0]!r} executes model-written code; rerun with "
-                         "--confirm-run-unsafe-code if you accept that")
-    return HarnessMeasurement(lm, chosen, setup.task_manager, num_samples=num_samples,
+    return HarnessMeasurement(lm, setup.tasks, setup.loaded, num_samples=num_samples,
                               seed=seed, apply_chat_template=apply_chat_template,
                               confirm_run_unsafe_code=confirm_run_unsafe_code, limit=limit,
                               verbose=verbose)
-
-
-def _is_unsafe(task_manager: Any, name: str) -> bool:
-    loaded = task_manager.load([name])
-    return any(getattr(t, "UNSAFE_CODE", False) or t.get_config("unsafe_code")
-               for t in loaded["tasks"].values())
 
 
 Measure = Callable[[Iterable[Head]], Mapping[str, TaskScore]]
@@ -334,7 +328,7 @@ def locate(
     _check_positive_int("--seed", seed, minimum=0)
     _check_sparsity(sparsity)
     _check_alpha(alpha)
-    setup = setup or prepare(model_args, tasks, include_path)
+    setup = setup or prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     if top_k > setup.total_heads:
         raise UsageError(f"--top-k {top_k}: the model has only {setup.total_heads} heads")
     excluded = head_list(exclude, setup.num_layers, setup.num_heads, "--exclude")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +89,8 @@ class _TaskGroup:
 class HarnessMeasurement:
     """Callable ``heads -> {task: TaskScore}`` over a fixed example subset.
 
-    ``tasks`` are ``(name, metric or None)`` pairs; ``lm`` is an ``HFHeadAblateLM``.
+    ``tasks`` are ``(name, metric or None)`` pairs; ``loaded_tasks`` maps each name to
+    what lm-eval's ``TaskManager.load([name])`` built; ``lm`` is an ``HFHeadAblateLM``.
     Generation tasks get the chat template when the model has one, unless
     ``apply_chat_template`` says otherwise.
     """
@@ -98,7 +99,7 @@ class HarnessMeasurement:
         self,
         lm: Any,
         tasks: Sequence[tuple[str, str | None]],
-        task_manager: Any,
+        loaded_tasks: Mapping[str, Any],
         num_samples: int | None = 100,
         seed: int = 0,
         apply_chat_template: bool | None = None,
@@ -116,7 +117,7 @@ class HarnessMeasurement:
         groups: dict[bool, dict[str, Any]] = {}
         self.doc_counts: dict[str, int] = {}
         for name, _ in self.tasks:
-            loaded = task_manager.load([name])
+            loaded = loaded_tasks[name]
             generative = any(t.get_config("output_type") == "generate_until"
                              for t in loaded["tasks"].values())
             chat = has_template and generative if apply_chat_template is None \

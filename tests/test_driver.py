@@ -43,7 +43,9 @@ def no_model_loading(monkeypatch):
     (["--tasks", "tiny_choice", "--exclude", "L29H8"], "--exclude: head L29H8 is outside"),
     (["--tasks", "tiny_choice", "--never-ablate", "L0H5"], "--never-ablate: head L0H5 is outside"),
     (["--tasks", "tiny_choice", "--design", "random"], "invalid choice: 'random'"),
-    (["--tasks", "tiny_choice:bleu"], "bleu"),
+    (["--tasks", "tiny_choice:bleu"], "produces no metric 'bleu,none'; it produces: acc,none"),
+    (["--tasks", "tiny_unsafe"], "task 'tiny_unsafe' executes model-written code; rerun with "
+                                 "--confirm-run-unsafe-code"),
 ])
 def test_bad_arguments_fail_before_the_model_loads(tiny_model_dir, tmp_path, capsys,
                                                    no_model_loading, extra, message):
@@ -57,12 +59,10 @@ def test_bad_arguments_fail_before_the_model_loads(tiny_model_dir, tmp_path, cap
     assert message in err[-1]
 
 
-def test_unknown_metric_lists_the_ones_the_task_produces(tiny_model_dir, tmp_path, capsys):
-    code = harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks",
-                   "tiny_choice:bleu", "--masks", "2", "--sparsity", "0.25",
-                   "--num-samples", "2", "--out", str(tmp_path / "run"))
-    assert code == 2
-    assert "produces no metric 'bleu,none'; it produces: acc,none" in capsys.readouterr().err
+def test_unsafe_tasks_run_only_when_confirmed(tiny_model_dir, tmp_path):
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_unsafe",
+                   "--masks", "2", "--sparsity", "0.25", "--num-samples", "2",
+                   "--confirm-run-unsafe-code", "--out", str(tmp_path / "run")) == 0
 
 
 def read_run(folder: Path) -> tuple[list[dict], dict]:
@@ -150,6 +150,9 @@ def test_refit_changes_alpha_without_the_model(tiny_model_dir, tmp_path, monkeyp
                    "--masks", "12", "--sparsity", "0.25", "--num-samples", "12",
                    "--out", str(out)) == 0
     monkeypatch.setattr(driver, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert harness("refit", str(out), "--exclude", "L0H0+L1H3") == 0
+    ranked = [h["head"] for h in json.loads((out / "heads.json").read_text())["heads"]]
+    assert len(ranked) == 6 and "L0H0" not in ranked and "L1H3" not in ranked
     assert harness("refit", str(out), "--alpha", "0.5", "--top-k", "2") == 0
     config = json.loads((out / "config.json").read_text())
     heads = json.loads((out / "heads.json").read_text())
@@ -205,6 +208,11 @@ def test_verify_universal_and_sweep(tiny_model_dir, tmp_path, capsys):
                    "--num-samples", "4", "--never-ablate", str(universal),
                    "--out", str(tmp_path / "x")) == 2
     assert "covers every head" in capsys.readouterr().err
+    assert harness("locate", *args, "--tasks", "tiny_copy", "--masks", "6", "--sparsity", "0.25",
+                   "--num-samples", "4", "--never-ablate", "L0H1+L1H2",
+                   "--out", str(tmp_path / "protected")) == 0
+    design = np.load(tmp_path / "protected" / "design_matrix.npy")
+    assert not design[:, [1, 6]].any() and design.any(axis=0).sum() == 6
 
     sweep = tmp_path / "sweep"
     assert harness("sweep", *args, "--tasks", "tiny_choice", "--masks", "4,6", "--sparsity",
