@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from lm_eval_headloc.profanity import find_profanity
+from lm_eval_headloc.taskdata import jsonl_docs
 
-DATA = Path(__file__).parent / "swear_prompts.jsonl"
-
-
-def load_docs(**kwargs: Any) -> datasets.DatasetDict:
-    """The prompts as a one-split DatasetDict, read from beside this file (works offline).
-
-    lm-eval passes the task metadata and model_args as keyword arguments; unused here.
-    """
-    rows = [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+load_docs = jsonl_docs(Path(__file__).parent / "swear_prompts.jsonl")
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, Any]:
