@@ -222,3 +222,23 @@ def test_verify_universal_and_sweep(tiny_model_dir, tmp_path, capsys):
     assert (sweep / "m6-p0.4" / "heads.json").is_file()
     assert result["best"]["drop"] == max(c["drop"] for c in result["cells"])
     assert "Best: --masks" in capsys.readouterr().out
+
+
+def test_chat_template_goes_to_generation_tasks_when_the_model_has_one(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.measure import HarnessMeasurement
+
+    setup = driver.prepare(f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                           ["swear", "tiny_copy"], [TASKS])
+    with_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ x }}"))
+    without = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+
+    def chat(lm, override=None):
+        return HarnessMeasurement(lm, setup.tasks, setup.loaded, num_samples=2,
+                                  apply_chat_template=override).chat_template
+
+    assert chat(with_template) == {"swear": True, "tiny_copy": False}
+    assert chat(without) == {"swear": False, "tiny_copy": False}
+    assert chat(with_template, override=False) == {"swear": False, "tiny_copy": False}
+    assert chat(without, override=True) == {"swear": True, "tiny_copy": True}
