@@ -143,6 +143,9 @@ class HeadKnockout:
             for m in self.modules
         ]
         self._active = [False] * self.num_layers
+        # Per-row masks (several masks in one batch): per layer None (not in row mode),
+        # False (row mode, nothing knocked out in this layer) or a (rows, 1, H, 1) tensor.
+        self._row_knocked: list[torch.Tensor | bool | None] = [None] * self.num_layers
         self._heads: tuple[Head, ...] = ()
         self._handles = [
             module.register_forward_pre_hook(self._make_hook(layer))
@@ -151,8 +154,20 @@ class HeadKnockout:
 
     def _make_hook(self, layer: int):
         active, knocked, num_heads = self._active, self._knocked, self.num_heads
+        row_knocked = self._row_knocked
 
         def knock_out_heads(module: nn.Module, args: tuple):
+            rows = row_knocked[layer]
+            if rows is False:
+                return None
+            if rows is not None:  # one mask per batch row
+                hidden, *rest = args
+                if rows.shape[0] != hidden.shape[0]:
+                    raise RuntimeError(f"per-row head masks for {rows.shape[0]} rows, batch "
+                                       f"has {hidden.shape[0]}")
+                per_head = hidden.unflatten(-1, (num_heads, -1)).masked_fill(
+                    rows.to(hidden.device), 0)
+                return (per_head.flatten(-2), *rest)
             if not active[layer]:
                 return None
             hidden, *rest = args
@@ -187,6 +202,27 @@ class HeadKnockout:
             self._active[layer] = True
         self._heads = tuple(parsed)
         return self._heads
+
+    def set_row_masks(self, knocked_out: torch.Tensor | None) -> None:
+        """One mask per batch row: ``knocked_out[r, j]`` True knocks out flat head ``j``
+        (``layer * H + head``) in row ``r`` of the next forward passes; ``None`` ends it.
+
+        Replaces the ``set_heads`` mask while set. Layers where no row knocks anything
+        out keep the no-cost path.
+        """
+        if knocked_out is None:
+            self._row_knocked[:] = [None] * self.num_layers
+            return
+        knocked_out = torch.as_tensor(knocked_out, dtype=torch.bool)
+        expected = self.num_layers * self.num_heads
+        if knocked_out.ndim != 2 or knocked_out.shape[1] != expected:
+            raise ValueError(f"per-row masks must have shape (rows, {expected}), "
+                             f"got {tuple(knocked_out.shape)}")
+        per_layer = knocked_out.view(-1, self.num_layers, self.num_heads)
+        for layer in range(self.num_layers):
+            rows = per_layer[:, layer]
+            self._row_knocked[layer] = (rows[:, None, :, None].to(self._knocked[layer].device)
+                                        if rows.any() else False)
 
     def remove(self) -> None:
         """Take the hooks off the model (the model is then as loaded)."""

@@ -194,3 +194,29 @@ def test_unreadable_architecture_says_how_to_name_the_module(tiny_model_dir):
     assert len(knockout.modules) == LAYERS
     with pytest.raises(AttentionOutputNotFound, match="matches 0 module"):
         HeadKnockout(model, attn_out="*.nothing")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_per_row_masks_equal_one_mask_at_a_time(tiny_model_dir, family):
+    lm = load_ablate(tiny_model_dir(family), ablate="L0H3")  # replaced while rows are set
+    masks = ["L1H2", "", "L0H0+L1H3", "L0H*"]
+    expected = []
+    for spec in masks:
+        lm.set_heads(spec)
+        expected.append(logits(lm.model)[0])
+    lm.set_heads("L0H3")
+    rows = torch.zeros(len(masks), LAYERS * HEADS, dtype=torch.bool)
+    for r, spec in enumerate(masks):
+        for head in (lm.knockout.set_heads(spec) if spec else []):
+            rows[r, head.index(HEADS)] = True
+    lm.knockout.set_heads("L0H3")
+    lm.knockout.set_row_masks(rows)
+    with torch.no_grad():
+        together = lm.model(INPUT_IDS.repeat(len(masks), 1)).logits
+    for r in range(len(masks)):
+        assert torch.allclose(together[r], expected[r], atol=1e-5), masks[r]
+    lm.knockout.set_row_masks(None)  # back to the set_heads mask
+    lm2 = load_ablate(tiny_model_dir(family), ablate="L0H3")
+    assert torch.equal(logits(lm.model), logits(lm2.model))
+    with pytest.raises(ValueError, match="per-row masks must have shape"):
+        lm.knockout.set_row_masks(torch.zeros(2, 3, dtype=torch.bool))
