@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of heads knocked out per mask (default 0.02)")
     p.add_argument("--design", choices=DESIGNS, default="stratified")
     p.add_argument("--alpha", type=_number, default=0.01, help="Lasso penalty (default 0.01)")
+    p.add_argument("--masks-per-pass", type=_positive_int, default=None, metavar="K",
+                   help="masks evaluated together in one forward pass (loglikelihood tasks; "
+                        "default: 1 on CPU, from free memory on a GPU)")
     p.add_argument("--out", default="runs/locate", metavar="DIR")
 
     p = sub.add_parser("refit", help="fit a locate run again from its stored measurements")
@@ -185,7 +188,8 @@ def _common(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> None:
     if args.command in (None, "locate"):
         rankings = driver.locate(out=args.out, masks=args.masks, sparsity=args.sparsity,
-                                 design=args.design, alpha=args.alpha, **_common(args))
+                                 design=args.design, alpha=args.alpha,
+                                 masks_per_pass=args.masks_per_pass, **_common(args))
         _print_rankings(rankings, args.top_k, args.out)
     elif args.command == "refit":
         rankings = driver.refit(args.run, alpha=args.alpha, top_k=args.top_k,

@@ -178,35 +178,59 @@ Measure = Callable[[Iterable[Head]], Mapping[str, TaskScore]]
 
 
 def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list[Head]]],
-             desc: str, progress: bool = True) -> dict[str, dict[str, Any]]:
+             desc: str, progress: bool = True, masks_per_pass: int = 1
+             ) -> dict[str, dict[str, Any]]:
     """Measure every (key, heads) not yet on disk; return all records by key.
 
-    Each record is appended (and fsynced) before the next measurement starts, so an
-    interrupted run loses at most the measurement in flight.
+    Each record is appended (and fsynced) before the next measurement (or, with
+    ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
+    loses at most the work in flight.
     """
     from tqdm import tqdm
 
     done = {r["key"]: r for r in folder.measurements()}
     todo = [(key, heads) for key, heads in plan if key not in done]
+    step = masks_per_pass if hasattr(measure, "measure_many") else 1
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
                disable=not progress, dynamic_ncols=True)
     try:
-        for key, heads in todo:
+        for start_index in range(0, len(todo), step):
+            chunk = todo[start_index:start_index + step]
             start = time.perf_counter()
-            scores = measure(heads)
-            record = {
-                "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
-                "scores": {name: s.value for name, s in scores.items()},
-                "metrics": {name: s.metric for name, s in scores.items()},
-                "higher_is_better": {name: s.higher_is_better for name, s in scores.items()},
-                "seconds": round(time.perf_counter() - start, 4),
-            }
-            folder.append_measurement(record)
-            done[key] = record
-            bar.update(1)
+            if step > 1:
+                all_scores = measure.measure_many([h for _, h in chunk], masks_per_pass=step)
+            else:
+                all_scores = [measure(chunk[0][1])]
+            seconds = (time.perf_counter() - start) / len(chunk)
+            for (key, heads), scores in zip(chunk, all_scores, strict=True):
+                record = {
+                    "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
+                    "scores": {name: s.value for name, s in scores.items()},
+                    "metrics": {name: s.metric for name, s in scores.items()},
+                    "higher_is_better": {name: s.higher_is_better for name, s in scores.items()},
+                    "seconds": round(seconds, 4),
+                }
+                folder.append_measurement(record)
+                done[key] = record
+                bar.update(1)
     finally:
         bar.close()
     return {key: done[key] for key, _ in plan}
+
+
+def auto_masks_per_pass(lm: Any) -> int:
+    """Masks per forward pass when none is asked for: 1 on a CPU, where the forward is
+    compute-bound and batching masks gains nothing (BENCH.md); on a GPU as many as a
+    quarter of the free memory holds, counting the logits of one batch per mask."""
+    import torch
+
+    device = torch.device(lm.device)
+    if device.type != "cuda":
+        return 1
+    free, _ = torch.cuda.mem_get_info(device)
+    batch = lm.batch_size if isinstance(lm.batch_size, int) else 32
+    per_mask = batch * 512 * lm.model.config.get_text_config().vocab_size * 4
+    return int(max(1, min(64, free // 4 // per_mask)))
 
 
 def _relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
@@ -312,6 +336,7 @@ def locate(
     force: bool = False,
     verbose: bool = False,
     progress: bool = True,
+    masks_per_pass: int | None = None,
     setup: Setup | None = None,
     lm: Any = None,
     measure: Measure | None = None,
@@ -328,6 +353,8 @@ def locate(
     _check_positive_int("--seed", seed, minimum=0)
     _check_sparsity(sparsity)
     _check_alpha(alpha)
+    if masks_per_pass is not None:
+        _check_positive_int("--masks-per-pass", masks_per_pass)
     setup = setup or prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     if top_k > setup.total_heads:
         raise UsageError(f"--top-k {top_k}: the model has only {setup.total_heads} heads")
@@ -359,7 +386,10 @@ def locate(
                          layers=setup.num_layers, heads_per_layer=setup.num_heads)
     plan = [("baseline", [])] + [(f"mask-{i:04d}", _mask_heads(row, setup.num_heads))
                                  for i, row in enumerate(matrix)]
-    records = run_plan(folder, measure, plan, desc="locate", progress=progress)
+    if masks_per_pass is None:
+        masks_per_pass = auto_masks_per_pass(measure.lm) if hasattr(measure, "lm") else 1
+    records = run_plan(folder, measure, plan, desc="locate", progress=progress,
+                       masks_per_pass=masks_per_pass)
     rankings = fit_rankings(matrix, records, [n for n, _ in setup.tasks], setup.num_heads,
                             alpha, excluded)
     write_locate_results(folder, rankings, top_k, folder.read_config())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,10 +70,11 @@ def choose_subset(doc_counts: dict[str, int], num_samples: int | None,
     """
     if num_samples is None:
         return None
-    rng = np.random.default_rng(seed)
     subset = {}
     for name in sorted(doc_counts):
         count = doc_counts[name]
+        # Seeded per task, so a task's subset does not depend on the other tasks run.
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         picked = rng.choice(count, size=min(num_samples, count), replace=False)
         subset[name] = sorted(int(i) for i in picked)
     return subset
@@ -135,13 +137,24 @@ class HarnessMeasurement:
         self.chat_template = {name: chat for chat, g in groups.items() for name in g["tasks"]}
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed)
+        self._requests: list[tuple[str, str]] | None = None
 
     @property
     def leaf_tasks(self) -> list[str]:
         return sorted(self.doc_counts)
 
-    def evaluate(self, heads: Iterable[Head | str]) -> dict[str, Any]:
-        """lm-eval's results dicts merged over the task groups, for this mask."""
+    @property
+    def loglikelihood_only(self) -> bool:
+        """True when every task asks only for loglikelihoods (several masks per pass work)."""
+        return all(task.get_config("output_type") in ("loglikelihood", "multiple_choice")
+                   for group in self._groups for task in group.loaded["tasks"].values())
+
+    def evaluate(self, heads: Iterable[Head | str], model: Any = None) -> dict[str, Any]:
+        """lm-eval's results dicts merged over the task groups, for this mask.
+
+        ``model`` stands in for the live model (``multimask.ReplayLM``) when answers were
+        computed beforehand.
+        """
         from lm_eval.evaluator import evaluate
 
         self.lm.set_heads(list(heads))
@@ -152,9 +165,9 @@ class HarnessMeasurement:
                     # Same few-shot examples in every measurement.
                     task.set_fewshot_seed(seed=FEWSHOT_SEED)
                 results = evaluate(
-                    lm=self.lm, task_dict=group.loaded, samples=self.subset, limit=self.limit,
-                    bootstrap_iters=0, log_samples=False,
-                    apply_chat_template=group.apply_chat_template,
+                    lm=model if model is not None else self.lm, task_dict=group.loaded,
+                    samples=self.subset, limit=self.limit, bootstrap_iters=0,
+                    log_samples=False, apply_chat_template=group.apply_chat_template,
                     fewshot_as_multiturn=group.apply_chat_template,
                     confirm_run_unsafe_code=self.confirm_run_unsafe_code,
                 )
@@ -163,6 +176,30 @@ class HarnessMeasurement:
                         merged.setdefault(key, {}).update(value)
         return merged
 
-    def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
-        results = self.evaluate(heads)
+    def _scores(self, results: dict[str, Any]) -> dict[str, TaskScore]:
         return {name: task_score(results, name, metric) for name, metric in self.tasks}
+
+    def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
+        return self._scores(self.evaluate(heads))
+
+    def measure_many(self, masks: Sequence[Sequence[Head]],
+                     masks_per_pass: int = 1) -> list[dict[str, TaskScore]]:
+        """Scores of several masks; with ``masks_per_pass > 1`` (loglikelihood tasks only)
+        K masks share each forward pass (``multimask``), the harness still scoring each."""
+        if masks_per_pass <= 1 or not self.loglikelihood_only:
+            return [self(heads) for heads in masks]
+        from .multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
+
+        if self._requests is None:  # the subset's requests, the same for every mask
+            recorder = RecordingLM(self.lm)
+            self.evaluate([], model=recorder)
+            self._requests = recorder.requests
+        batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) else 32
+        scores = []
+        for start in range(0, len(masks), masks_per_pass):
+            group = list(masks[start:start + masks_per_pass])
+            answers = loglikelihoods_for_masks(self.lm, self._requests, group,
+                                               batch_size * len(group))
+            for heads, answered in zip(group, answers, strict=True):
+                scores.append(self._scores(self.evaluate(heads, ReplayLM(self.lm, answered))))
+        return scores
