@@ -61,8 +61,10 @@ def greedy(
         raise UsageError("--rounds > 1 follows one task's winners; give a single task")
     skipped = head_list(exclude, setup.num_layers, setup.num_heads, "--exclude") + head_list(
         never_ablate, setup.num_layers, setup.num_heads, "--never-ablate")
-    candidates = [Head.from_index(i, setup.num_heads) for i in range(setup.total_heads)
-                  if Head.from_index(i, setup.num_heads) not in set(skipped)]
+    skipped_set = set(skipped)
+    candidates = [head for head in (Head.from_index(i, setup.num_heads)
+                                    for i in range(setup.total_heads))
+                  if head not in skipped_set]
     if rounds > len(candidates) or top_k > len(candidates):
         raise UsageError(f"--rounds {rounds} / --top-k {top_k}: only {len(candidates)} heads "
                          "can be knocked out")
