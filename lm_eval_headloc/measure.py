@@ -180,14 +180,24 @@ class HarnessMeasurement:
         return {name: task_score(results, name, metric) for name, metric in self.tasks}
 
     def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
+        return self.measure_many([list(heads)])[0]
+
+    def measure_with_model(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
+        """Scores with the live model answering lm-eval's requests itself (HFLM's own
+        loglikelihood and generation code), whatever the task type."""
         return self._scores(self.evaluate(heads))
 
     def measure_many(self, masks: Sequence[Sequence[Head]],
                      masks_per_pass: int = 1) -> list[dict[str, TaskScore]]:
-        """Scores of several masks; with ``masks_per_pass > 1`` (loglikelihood tasks only)
-        K masks share each forward pass (``multimask``), the harness still scoring each."""
-        if masks_per_pass <= 1 or not self.loglikelihood_only:
-            return [self(heads) for heads in masks]
+        """Scores of several masks.
+
+        Loglikelihood tasks: the subset's requests are recorded once and their answers
+        computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass,
+        logits only at the continuation tokens), then lm-eval's ``evaluate`` scores each
+        mask from those answers. Other tasks: ``measure_with_model``, one mask at a time.
+        """
+        if not self.loglikelihood_only:
+            return [self.measure_with_model(heads) for heads in masks]
         from .multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
 
         if self._requests is None:  # the subset's requests, the same for every mask
@@ -195,9 +205,10 @@ class HarnessMeasurement:
             self.evaluate([], model=recorder)
             self._requests = recorder.requests
         batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) else 32
+        per_pass = max(1, masks_per_pass)
         scores = []
-        for start in range(0, len(masks), masks_per_pass):
-            group = list(masks[start:start + masks_per_pass])
+        for start in range(0, len(masks), per_pass):
+            group = [list(heads) for heads in masks[start:start + per_pass]]
             answers = loglikelihoods_for_masks(self.lm, self._requests, group,
                                                batch_size * len(group))
             for heads, answered in zip(group, answers, strict=True):

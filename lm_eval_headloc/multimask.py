@@ -10,15 +10,17 @@ its filters, metrics and aggregation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .heads import Head
+from .heads import Head, parse_heads
 
-__all__ = ["RecordingLM", "ReplayLM", "loglikelihoods_for_masks"]
+__all__ = ["RecordingLM", "ReplayLM", "logits_only_at", "loglikelihoods_for_masks"]
 
 Answer = tuple[float, bool]
 
@@ -59,16 +61,57 @@ def _encode(lm: Any, context: str, continuation: str) -> tuple[list[int], list[i
     return lm._encode_pair(context, continuation)
 
 
+@contextlib.contextmanager
+def logits_only_at(model: Any, rows: torch.Tensor, positions: torch.Tensor
+                   ) -> Iterator[None]:
+    """Inside, the model's output embedding (``lm_head``) sees only the hidden states at
+    ``(rows[i], positions[i])``, so the forward returns logits of shape ``(1, S, vocab)``.
+
+    A loglikelihood needs the logits of the continuation tokens only; over the whole
+    sequence the vocabulary projection is a large share of a small model's forward and
+    of its memory (K masks x every position x the vocabulary). Whatever the model does
+    after ``lm_head`` (soft-capping, scaling) is elementwise, so it still applies.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
+        else None
+    if head is None:
+        raise AttributeError(f"{type(model).__name__} has no output embedding")
+
+    def pick_scored(_module: nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        return (hidden[rows, positions][None], *args[1:])
+
+    handle = head.register_forward_pre_hook(pick_scored)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _scored_logits(lm: Any, batch: torch.Tensor, rows: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """Logits ``(S, vocab)`` at the scored positions, computing no others when possible."""
+    try:
+        with logits_only_at(lm.model, rows, positions):
+            logits = lm._model_call(batch)
+        if logits.shape[:2] == (1, len(rows)):
+            return logits[0]
+    except AttributeError:
+        pass
+    # An architecture whose output embedding we cannot narrow: all logits, then pick.
+    return lm._model_call(batch)[rows, positions]
+
+
 @torch.no_grad()
 def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]],
-                             masks: Sequence[Sequence[Head]], batch_size: int = 32
+                             masks: Sequence[Sequence[Head | str]], batch_size: int = 32
                              ) -> list[dict[tuple[str, str], Answer]]:
     """(logprob, is_greedy) of every request under every mask, K masks per forward pass.
 
     Inputs are built as HFLM's ``_loglikelihood_tokens`` builds them (context +
     continuation minus the last token, truncated on the left to ``max_length``, right
     padding, causal attention), so the answers equal one-mask-at-a-time evaluation up to
-    float rounding.
+    float rounding. Logits are computed at the continuation positions only.
     """
     knockout = lm.knockout
     unique = list(dict.fromkeys(tuple(r) for r in requests))
@@ -77,8 +120,8 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]],
     row_masks = torch.zeros(len(masks), knockout.num_layers * knockout.num_heads,
                             dtype=torch.bool)
     for k, heads in enumerate(masks):
-        for head in heads:
-            row_masks[k, Head(*head).index(knockout.num_heads)] = True
+        for head in parse_heads(heads, knockout.num_layers, knockout.num_heads) if heads else []:
+            row_masks[k, head.index(knockout.num_heads)] = True
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
     per_pass = max(1, batch_size // max(1, len(masks)))  # rows per pass ~ batch_size
     try:
@@ -88,21 +131,34 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]],
                       for i in chunk]
             width = max(len(t) for t in tokens)
             batch = torch.zeros(len(chunk), width, dtype=torch.long)
-            for row, t in enumerate(tokens):
+            # The scored positions of every row of every mask copy, and their targets.
+            rows, positions, targets = [], [], []
+            for row, (t, i) in enumerate(zip(tokens, chunk, strict=True)):
                 batch[row, :len(t)] = torch.tensor(t)
+                continuation = encoded[i][1]
+                end = len(t)
+                positions.extend(range(end - len(continuation), end))
+                rows.extend([row] * len(continuation))
+                targets.extend(continuation)
+            copies = torch.arange(len(masks))[:, None] * len(chunk)
+            all_rows = (copies + torch.tensor(rows)[None]).flatten()
+            all_positions = torch.tensor(positions).repeat(len(masks))
             knockout.set_row_masks(row_masks.repeat_interleave(len(chunk), dim=0))
-            logits = lm._model_call(batch.repeat(len(masks), 1).to(lm.device))
+            logits = _scored_logits(lm, batch.repeat(len(masks), 1).to(lm.device),
+                                    all_rows.to(lm.device), all_positions.to(lm.device))
+            logprobs = F.log_softmax(logits.float(), dim=-1).view(len(masks), len(rows), -1)
+            target = torch.tensor(targets, device=logprobs.device)
+            token_logprob = logprobs.gather(2, target.expand(len(masks), -1)[..., None])[..., 0]
+            token_greedy = (logprobs.argmax(dim=-1) == target).float()
+            # Per request: the sum of its tokens' logprobs, and whether all were greedy.
+            owner = torch.tensor(rows, device=logprobs.device)
+            empty = torch.zeros(len(masks), len(chunk), device=logprobs.device)
+            summed = empty.index_add(1, owner, token_logprob)
+            misses = empty.index_add(1, owner, 1.0 - token_greedy)
+            summed, misses = summed.cpu().tolist(), misses.cpu().tolist()
             for k in range(len(masks)):
                 for row, i in enumerate(chunk):
-                    continuation = encoded[i][1]
-                    n = len(continuation)
-                    end = len(tokens[row])
-                    scored = F.log_softmax(
-                        logits[k * len(chunk) + row, end - n:end].float(), dim=-1)
-                    target = torch.tensor(continuation, device=scored.device)
-                    greedy = bool((scored.argmax(dim=-1) == target).all())
-                    logprob = float(scored.gather(1, target[:, None]).sum())
-                    answers[k][unique[i]] = (logprob, greedy)
+                    answers[k][unique[i]] = (summed[k][row], misses[k][row] == 0)
     finally:
         knockout.set_row_masks(None)
     return answers

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import ARCHITECTURES
 
 from lm_eval_headloc import driver
 from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.multimask import RecordingLM, loglikelihoods_for_masks
+from lm_eval_headloc.multimask import RecordingLM, logits_only_at, loglikelihoods_for_masks
 
 TASKS = str(Path(__file__).parent / "tasks")
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
@@ -45,10 +46,10 @@ def test_answers_equal_hflm_one_mask_at_a_time(measurement):
             assert answers[request][1] == greedy
 
 
-@pytest.mark.parametrize("per_pass", [2, 4, 6])
-def test_scores_equal_one_mask_at_a_time(measurement, per_pass):
+@pytest.mark.parametrize("per_pass", [1, 2, 4, 6])
+def test_scores_equal_the_model_answering_lm_eval_itself(measurement, per_pass):
     masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
-    one_by_one = [measurement(heads) for heads in masks]
+    one_by_one = [measurement.measure_with_model(heads) for heads in masks]
     batched = measurement.measure_many(masks, masks_per_pass=per_pass)
     for alone, together in zip(one_by_one, batched, strict=True):
         for task in alone:
@@ -82,3 +83,21 @@ def test_each_task_subset_ignores_the_other_tasks():
     alone = choose_subset({"b": 50}, 10, 0)["b"]
     assert choose_subset({"a": 50, "b": 50}, 10, 0)["b"] == alone
     assert choose_subset({"b": 50}, 10, 1)["b"] != alone
+
+
+@pytest.mark.parametrize("family", list(ARCHITECTURES))
+def test_logits_only_at_scored_positions_equal_full_logits(tiny_model_dir, family):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family), dtype=torch.float32)
+    model.eval()
+    batch = torch.randint(3, 300, (3, 7))
+    rows = torch.tensor([0, 0, 1, 2, 2, 2])
+    positions = torch.tensor([5, 6, 0, 2, 3, 6])
+    with torch.no_grad():
+        full = model(batch).logits
+        with logits_only_at(model, rows, positions):
+            narrow = model(batch).logits
+    assert narrow.shape == (1, len(rows), full.shape[-1])  # only the scored positions
+    torch.testing.assert_close(narrow[0], full[rows, positions], rtol=1e-5, atol=1e-5)
