@@ -218,10 +218,37 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
     return {key: done[key] for key, _ in plan}
 
 
+def masks_per_pass_for_memory(free_bytes: int, batch_size: int, config: Any,
+                              bytes_per_value: int = 2, max_length: int = 512,
+                              most: int = 64) -> int:
+    """How many masks' batches fit in half of ``free_bytes`` during one forward pass.
+
+    Per mask, ``batch_size`` rows of ``max_length`` tokens: one layer's activations
+    (residual, q/k/v/output, MLP), the key/value cache the forward keeps for every
+    layer, eager attention weights for one layer, and the logits at a few scored
+    positions per row (float32). Deliberately generous: a wrong guess costs an
+    out-of-memory error, a low one only some speed.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    ffn = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    layers = int(text.num_hidden_layers)
+    tokens = batch_size * max_length
+    activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
+    kv_cache = tokens * layers * 2 * kv_heads * head_dim * bytes_per_value
+    attention = batch_size * heads * max_length * max_length * bytes_per_value
+    logits = batch_size * 8 * int(text.vocab_size) * 4
+    per_mask = activations + kv_cache + attention + logits
+    return int(max(1, min(most, free_bytes // 2 // per_mask)))
+
+
 def auto_masks_per_pass(lm: Any) -> int:
     """Masks per forward pass when none is asked for: 1 on a CPU, where the forward is
-    compute-bound and batching masks gains nothing (BENCH.md); on a GPU as many as a
-    quarter of the free memory holds, counting the logits of one batch per mask."""
+    compute-bound and batching masks gains little (BENCH.md); on a GPU as many as half
+    of the free memory holds (``masks_per_pass_for_memory``)."""
     import torch
 
     device = torch.device(lm.device)
@@ -229,8 +256,9 @@ def auto_masks_per_pass(lm: Any) -> int:
         return 1
     free, _ = torch.cuda.mem_get_info(device)
     batch = lm.batch_size if isinstance(lm.batch_size, int) else 32
-    per_mask = batch * 512 * lm.model.config.get_text_config().vocab_size * 4
-    return int(max(1, min(64, free // 4 // per_mask)))
+    return masks_per_pass_for_memory(free, batch, lm.model.config,
+                                     torch.finfo(lm.model.dtype).bits // 8,
+                                     min(int(lm.max_length), 4096))
 
 
 def _relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:

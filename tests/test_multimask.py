@@ -101,3 +101,21 @@ def test_logits_only_at_scored_positions_equal_full_logits(tiny_model_dir, famil
             narrow = model(batch).logits
     assert narrow.shape == (1, len(rows), full.shape[-1])  # only the scored positions
     torch.testing.assert_close(narrow[0], full[rows, positions], rtol=1e-5, atol=1e-5)
+
+
+def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_model():
+    from transformers import LlamaConfig
+
+    from lm_eval_headloc.driver import masks_per_pass_for_memory
+
+    small = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    large = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    gib = 2**30
+    assert masks_per_pass_for_memory(0, 32, small) == 1  # never zero
+    assert masks_per_pass_for_memory(1000 * gib, 32, small) == 64  # capped
+    few, many = (masks_per_pass_for_memory(m * gib, 32, small) for m in (8, 64))
+    assert 1 <= few < many <= 64
+    assert masks_per_pass_for_memory(64 * gib, 32, large) < many
+    assert masks_per_pass_for_memory(64 * gib, 8, small) > many or many == 64
