@@ -14,6 +14,12 @@ through the chat template), one measurement under one random stratified mask is 
   ``torch.no_grad()`` for loglikelihood, ``model.generate`` with the same number of new
   tokens for generation, with the mask set by ``lm.set_heads``.
 
+For the loglikelihood task, **ours before** (``measure_with_model``: lm-eval's HFLM
+answering the requests itself, full logits) is timed too, as the before of the
+scored-positions change. Then (issue 5, part 2) ``measure_many(masks, masks_per_pass=K)``
+is timed on the same masks for K = 1, 4, 16, 64 (seconds per mask, and the largest score
+difference from K = 1; peak GPU memory on CUDA).
+
 Each is repeated; the median and the spread (min-max) in seconds per measurement and the
 ratios reference/ours and ours/limit are printed and written to ``BENCH.md``, which the
 script regenerates entirely. With ``--profile`` it also profiles ``ours`` on the
@@ -29,7 +35,9 @@ Options: ``--device cpu|cuda``, ``--repeats N`` (ours and limit, default 5),
 ``--reference-repeats N`` (default 3; each costs a model load), ``--num-samples N``
 (loglikelihood documents, default 100), ``--gen-samples N`` (generation documents, default
 16), ``--batch-size N`` (ours and limit, default 32), ``--seed N`` (mask and subsets, default
-0), ``--profile``, ``--out PATH`` (default ``BENCH.md``).
+0), ``--profile``, ``--masks-per-pass 1,4,16,64`` (0 skips that table), ``--multi-masks N``
+(masks per K, default 64), ``--multi-repeats N`` (default 2), ``--out PATH`` (default
+``BENCH.md``).
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from lm_eval_headloc import multimask  # noqa: E402
 from lm_eval_headloc.designs import design_matrix  # noqa: E402
 from lm_eval_headloc.driver import Setup, load_model, open_measurement, prepare  # noqa: E402
 from lm_eval_headloc.embedded import smollm2_model_args  # noqa: E402
@@ -69,6 +78,7 @@ from lm_eval_headloc.metrics import task_score  # noqa: E402
 from lm_eval_headloc.tasks import make_task_manager  # noqa: E402
 
 LOGLIK_TASK = "headloc_induction"
+LIMIT_LABEL = "full forward (= limit)"
 GEN_TASK = "rhyme"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,6 +151,8 @@ class GenBatch:
 class Recording:
     forward_inputs: list[torch.Tensor] = field(default_factory=list)
     generate_calls: list[GenBatch] = field(default_factory=list)
+    # (rows, positions) of the logits ours computes in each forward (loglikelihood).
+    scored: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def record_batches(lm: Any, call: Callable[[], Any]) -> tuple[Recording, Any]:
@@ -162,11 +174,19 @@ def record_batches(lm: Any, call: Callable[[], Any]) -> tuple[Recording, Any]:
             int(out.shape[1] - context.shape[1]), out.detach().clone()))
         return out
 
+    narrow = multimask.logits_only_at
+
+    def recording_narrow(model: Any, rows: torch.Tensor, positions: torch.Tensor) -> Any:
+        recording.scored.append((rows.detach().clone(), positions.detach().clone()))
+        return narrow(model, rows, positions)
+
     lm._model_call, lm._model_generate = recording_call, recording_generate
+    multimask.logits_only_at = recording_narrow
     try:
         result = call()
     finally:
         del lm._model_call, lm._model_generate  # back to the class's methods
+        multimask.logits_only_at = narrow
     return recording, result
 
 
@@ -214,6 +234,11 @@ class TaskResult:
     limit: Timing
     score_reference: float | None
     score_ours: float
+    # Ours with lm-eval's HFLM answering the requests itself (what ours did before
+    # loglikelihood tasks got the scored-positions path); empty for generation, where
+    # that is what ours does.
+    before: Timing = field(default_factory=Timing)
+    score_before: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -263,8 +288,12 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
     notes = []
     if recording.generate_calls and not check_limit_generation(lm, recording):
         notes.append("limit's generate differs from the harness's tokens")
-    ours, limit = time_interleaved([lambda: measure(heads), limit_fn(lm, recording)],
-                                   repeats, device)
+    fns = [lambda: measure(heads), limit_fn(lm, recording)]
+    score_before = None
+    if kind == "loglikelihood":
+        score_before = measure.measure_with_model(heads)[task].value  # also a warm-up
+        fns.append(lambda: measure.measure_with_model(heads))
+    ours, limit, *before = time_interleaved(fns, repeats, device)
     if recording.forward_inputs:
         shapes = [tuple(x.shape) for x in recording.forward_inputs]
         batches = (f"{len(shapes)} forward(s) of {' + '.join(f'{b}×{t}' for b, t in shapes)} "
@@ -278,7 +307,46 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
     reference, loading, score_ref = run_reference(setup.model_args, task, heads, subset, chat,
                                                   task_manager, reference_repeats)
     return TaskResult(task, kind, docs, batches, reference, loading, ours, limit, score_ref,
-                      score_ours, notes), measure, recording
+                      score_ours, before[0] if before else Timing(), score_before,
+                      notes), measure, recording
+
+
+# --- several masks per forward pass ------------------------------------------------------
+
+@dataclass
+class PerPassResult:
+    """``measure_many(masks, masks_per_pass=K)``: seconds per mask, agreement, memory."""
+
+    per_pass: int
+    seconds_per_mask: Timing = field(default_factory=Timing)
+    max_score_diff: float = 0.0  # largest |score - score at the first K| over the masks
+    peak_gib: float | None = None  # peak GPU memory allocated (CUDA only)
+
+
+def bench_masks_per_pass(measure: Any, task: str, masks: Sequence[Sequence[Head]],
+                         values: Sequence[int], repeats: int, device: str
+                         ) -> list[PerPassResult]:
+    """Time every K on the same masks, round-robin over K in each repetition."""
+    results = [PerPassResult(k) for k in values]
+    scores: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        for result in results:
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            _sync(device)
+            start = time.perf_counter()
+            out = measure.measure_many(masks, masks_per_pass=result.per_pass)
+            _sync(device)
+            result.seconds_per_mask.seconds.append((time.perf_counter() - start) / len(masks))
+            scores[result.per_pass] = [o[task].value for o in out]
+            if device.startswith("cuda"):
+                result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    first = scores[values[0]]
+    for result in results:
+        result.max_score_diff = max(abs(a - b) for a, b in
+                                    zip(first, scores[result.per_pass], strict=True))
+    return results
 
 
 # --- profile ------------------------------------------------------------------------------
@@ -286,16 +354,16 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
 # (label, file-name fragment, function name): cumulative time of these functions.
 PROFILE_ROWS: list[tuple[str, str, str]] = [
     ("`measure(heads)` (whole call)", "lm_eval_headloc/measure.py", "__call__"),
-    ("lm-eval `evaluate`", "lm_eval/evaluator.py", "evaluate"),
-    ("build requests (`Task.build_all_requests`)", "lm_eval/api/task.py", "build_all_requests"),
-    ("`lm.loglikelihood` (all model work)", "lm_eval/api/model.py", "loglikelihood"),
+    ("answers (`multimask.loglikelihoods_for_masks`: all model work)",
+     "lm_eval_headloc/multimask.py", "loglikelihoods_for_masks"),
     ("tokenization (`TemplateLM._encode_pair`)", "lm_eval/api/model.py", "_encode_pair"),
-    ("`HFLM._loglikelihood_tokens`", "lm_eval/models/huggingface.py", "_loglikelihood_tokens"),
     ("model forward (`HFLM._model_call`)", "lm_eval/models/huggingface.py", "_model_call"),
     ("head-knockout hooks (inside the forward)", "lm_eval_headloc/hooks.py", "knock_out_heads"),
-    ("`log_softmax` over the vocabulary", "~", "<method 'log_softmax' of"),
-    ("collation (`Collator` sort/batch/cache)", "lm_eval/models/utils.py", "get_batched"),
-    ("per-request `Collator.get_cache`", "lm_eval/models/utils.py", "get_cache"),
+    ("scored-position pick before `lm_head` (inside the forward)",
+     "lm_eval_headloc/multimask.py", "pick_scored"),
+    ("`log_softmax` (scored positions only)", "~", "<method 'log_softmax' of"),
+    ("lm-eval `evaluate` (scoring the answers)", "lm_eval/evaluator.py", "evaluate"),
+    ("build requests (`Task.build_all_requests`)", "lm_eval/api/task.py", "build_all_requests"),
     ("metrics (`Task.process_results`)", "lm_eval/api/task.py", "process_results"),
     ("aggregation (`_process_results`)", "lm_eval/evaluator_utils.py", "_process_results"),
 ]
@@ -324,8 +392,9 @@ class Profile:
 def forward_anatomy(lm: Any, recording: Recording, repeats: int,
                     device: str) -> list[tuple[str, Timing]]:
     """The limit's forward taken apart on the same batches: the transformer body alone
-    (hidden states, no output projection), the full forward (the limit), and the full
-    forward plus the log_softmax over the vocabulary that the harness computes."""
+    (hidden states, no output projection), the body plus the output projection at the
+    scored positions (what ours runs), the full forward (the limit), and the full forward
+    plus the log_softmax over the vocabulary that lm-eval's HFLM computes."""
     model = lm.model
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
@@ -339,9 +408,18 @@ def forward_anatomy(lm: Any, recording: Recording, repeats: int,
             for inps in recording.forward_inputs:
                 torch.log_softmax(model(inps).logits, dim=-1, dtype=torch.float32)
 
-    labels = ["transformer body only (no `lm_head`)", "full forward (= limit)",
-              "full forward + `log_softmax` (what the harness computes per batch)"]
-    fns = [body_only, limit_fn(lm, recording), with_log_softmax]
+    def scored_only() -> None:
+        with torch.no_grad():
+            for inps, (rows, positions) in zip(recording.forward_inputs, recording.scored,
+                                               strict=True):
+                with multimask.logits_only_at(model, rows, positions):
+                    model(inps).logits  # noqa: B018
+
+    labels = ["transformer body only (no `lm_head`)",
+              "body + `lm_head` at the scored positions only (ours' forward)",
+              LIMIT_LABEL,
+              "full forward + `log_softmax` (what lm-eval's HFLM computes per batch)"]
+    fns = [body_only, scored_only, limit_fn(lm, recording), with_log_softmax]
     for fn in fns:
         fn()  # warm-up
     return list(zip(labels, time_interleaved(fns, repeats, device), strict=True))
@@ -356,16 +434,15 @@ def profile_ours(measure: Any, heads: Sequence[Head], calls: int) -> Profile:
     stats = pstats.Stats(profiler)
     per = {label: _cumulative(stats, frag, name) / calls for label, frag, name in PROFILE_ROWS}
     labels = [label for label, _, _ in PROFILE_ROWS]
-    whole, evaluate, build, loglik, encode, tokens, forward, _, softmax, collate, cache, \
-        metrics, aggregate = (per[label] for label in labels)
+    whole, answers, encode, forward, _, _, softmax, evaluate, build, metrics, aggregate = \
+        (per[label] for label in labels)
     derived = [
-        ("outside `evaluate` (set_heads, logging/tqdm switch, score lookup)", whole - evaluate),
-        ("`evaluate` minus requests, model work, metrics, aggregation (bookkeeping)",
-         evaluate - build - loglik - metrics - aggregate),
-        ("`loglikelihood` minus `_loglikelihood_tokens` (request unpacking, tokenization)",
-         loglik - tokens),
-        ("`_loglikelihood_tokens` minus forward, log_softmax, collation (per-request "
-         "tensors, padding, slicing, argmax, gather)", tokens - forward - softmax - collate),
+        ("outside answers and `evaluate` (set_heads, logging/tqdm switch, score lookup)",
+         whole - answers - evaluate),
+        ("answers minus forward, tokenization, log_softmax (batching, gather, sums)",
+         answers - forward - encode - softmax),
+        ("`evaluate` minus requests, metrics, aggregation (bookkeeping)",
+         evaluate - build - metrics - aggregate),
         ("everything but the model forward", whole - forward),
     ]
     text = io.StringIO()
@@ -414,11 +491,11 @@ def fmt_score(value: float | None) -> str:
 
 def render(results: list[TaskResult], profile: Profile | None, args: argparse.Namespace,
            heads: Sequence[Head], command: str, model_args: str, total_s: float,
-           load: tuple[float, float]) -> str:
+           load: tuple[float, float], per_pass: list[PerPassResult]) -> str:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Measurement throughput: reference vs ours vs the forward-pass limit", "",
-        "Generated by `scripts/bench_measure.py` (issue 5, part 1); do not edit by hand.", "",
+        "Generated by `scripts/bench_measure.py` (issue 5); do not edit by hand.", "",
         "```bash", command, "```", "",
         f"- date: {now}; whole benchmark run {total_s:.0f} s; load average (1 min) "
         f"{load[0]:.2f} at the start, {load[1]:.2f} at the end (above the core count means "
@@ -428,24 +505,31 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
         f"- mask: one stratified mask, sparsity 0.02, seed {args.seed}: {len(heads)} heads "
         f"knocked out ({format_heads(heads)})",
         f"- ours and limit: batch size {args.batch_size}; reference: batch size 1", "",
-        "Seconds per measurement: median (min–max, n repetitions). Ours and limit are "
-        "timed alternately (ours, limit, ours, …) after one untimed warm-up call.", "",
+        "Seconds per measurement: median (min–max, n repetitions). Ours, limit and "
+        "ours-before are timed alternately (ours, limit, before, ours, …) after one untimed "
+        "warm-up call each.", "",
         "| task | docs | reference | of which model load | ours | limit | reference/ours | "
-        "ours/limit | score reference / ours |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "ours/limit | ours before (HFLM answers) | score reference / ours / before |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
+        before = r.before.cell() if r.before.seconds else "= ours"
         lines.append(
             f"| `{r.task}` ({r.kind}) | {r.docs} | {r.reference.cell()} | "
             f"{r.reference_load.cell()} | {r.ours.cell()} | "
             f"{r.limit.cell()} | {fmt_ratio(ratio(r.reference, r.ours))} | "
-            f"{fmt_ratio(ratio(r.ours, r.limit))} | {fmt_score(r.score_reference)} / "
-            f"{fmt_score(r.score_ours)} |")
+            f"{fmt_ratio(ratio(r.ours, r.limit))} | {before} | "
+            f"{fmt_score(r.score_reference)} / {fmt_score(r.score_ours)} / "
+            f"{fmt_score(r.score_before if r.before.seconds else r.score_ours)} |")
     lines.append("")
     for r in results:
         gap = r.ours.median - r.limit.median
         lines.append(f"- `{r.task}`: ours − limit = {gap:.3f} s per measurement "
                      f"({1000 * gap / r.docs:.1f} ms per document)")
+        if r.before.seconds:
+            lines.append(f"- `{r.task}`: before/ours = {fmt_ratio(ratio(r.before, r.ours))}, "
+                         f"before/limit = {fmt_ratio(ratio(r.before, r.limit))}, "
+                         f"reference/before = {fmt_ratio(ratio(r.reference, r.before))}")
     lines += ["", "What each column times:", "",
               "- **reference**: per mask, what the paper's released code does: a fresh "
               "`hf-headablate` model loaded from disk with the mask (`ablate=`), then "
@@ -453,18 +537,53 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
               "In its favour: the TaskManager (indexing every lm-eval task) is built once "
               "outside the timing, and `bootstrap_iters=0`, `log_samples=False` as in ours.",
               "- **ours**: `measure(heads)` of `headloc-harness` "
-              "(`driver.prepare` + `load_model` + `open_measurement` once, untimed), i.e. "
-              "`set_heads` on the loaded model and lm-eval's `evaluate` on the fixed subset.",
+              "(`driver.prepare` + `load_model` + `open_measurement` once, untimed). For "
+              "loglikelihood tasks: the subset's requests (recorded once, untimed in the "
+              "warm-up) are answered by `multimask.loglikelihoods_for_masks` (the mask set "
+              "per row, logits only at the continuation tokens), then lm-eval's `evaluate` "
+              "scores those answers. For generation tasks: `set_heads` on the loaded model "
+              "and lm-eval's `evaluate` on the fixed subset.",
+              "- **ours before (HFLM answers)**: `measure_with_model(heads)`, the same "
+              "measurement with lm-eval's HFLM answering the loglikelihood requests itself "
+              "(full logits, `log_softmax` over the vocabulary at every position): what ours "
+              "was before the scored-positions path.",
               "- **limit**: the exact token batches ours sends to the model (recorded from "
               "one ours call) replayed through the bare model with the same mask: "
               "`model(input_ids)` under `torch.no_grad()` (loglikelihood; lm-eval passes no "
               "attention mask, right padding) or `model.generate(..., max_new_tokens=<the "
               "tokens the harness generated>)` (generation). No harness, no per-request "
-              "Python, no log_softmax.", "",
+              "Python, no log_softmax. As the issue defines it, the limit computes the "
+              "logits at every position; ours computes them only where they are scored, "
+              "so for loglikelihood ours can be below the limit (ours/limit < 1). The "
+              "anatomy table below gives the floor of ours' own forward.", "",
               "Batches:", ""]
     lines += [f"- `{r.task}`: {r.batches}" for r in results]
     for r in results:
         lines += [f"- `{r.task}`: note: {note}" for note in r.notes]
+    if per_pass:
+        before = results[0].before if results[0].before.seconds else results[0].ours
+        first = per_pass[0]
+        docs_per_pass = min(args.batch_size, results[0].docs)
+        lines += ["", f"## Several masks per forward pass (`{LOGLIK_TASK}`, "
+                  f"{results[0].docs} documents)", "",
+                  f"`measure_many(masks, masks_per_pass=K)` on the same {args.multi_masks} "
+                  f"stratified masks (sparsity 0.02, seed {args.seed}) for each K: a batch "
+                  f"of {docs_per_pass} documents is replicated K times and every copy gets "
+                  "its own head mask, then lm-eval's `evaluate` scores each mask. Seconds per "
+                  f"mask: median (min–max) over {args.multi_repeats} repetition(s), K "
+                  "round-robin within each.", "",
+                  "| K (masks per pass) | rows per forward | s per mask | speed-up vs K = "
+                  f"{first.per_pass} | speed-up vs ours before (HFLM answers, one mask) | "
+                  f"max \\|score − score at K = {first.per_pass}\\| | peak GPU memory |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in per_pass:
+            peak = "n/a (CPU)" if r.peak_gib is None else f"{r.peak_gib:.1f} GiB"
+            lines.append(
+                f"| {r.per_pass} | {docs_per_pass * r.per_pass} | "
+                f"{r.seconds_per_mask.cell()} | "
+                f"{fmt_ratio(ratio(first.seconds_per_mask, r.seconds_per_mask))} | "
+                f"{fmt_ratio(ratio(before, r.seconds_per_mask))} | "
+                f"{r.max_score_diff:.2g} | {peak} |")
     if profile is not None:
         whole = dict(profile.rows)["`measure(heads)` (whole call)"]
         lines += ["", f"## Where the time goes (ours, `{LOGLIK_TASK}`)", "",
@@ -481,7 +600,7 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
             lines += ["", "The limit's forward taken apart on the same batches (timed "
                       "alternately, no profiler), seconds per measurement:", "",
                       "| forward variant | s | share of the limit |", "| --- | --- | --- |"]
-            full = profile.anatomy[1][1].median
+            full = dict(profile.anatomy)[LIMIT_LABEL].median
             for label, timing in profile.anatomy:
                 lines.append(f"| {label} | {timing.cell()} | {100 * timing.median / full:.0f} % |")
         lines += ["", "<details><summary>Top functions by own time (paths relative to "
@@ -508,9 +627,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help=f"profile ours on {LOGLIK_TASK} and add it to the report")
     parser.add_argument("--profile-calls", type=int, default=2)
+    parser.add_argument("--masks-per-pass", default="1,4,16,64",
+                        help="K values for the several-masks-per-pass table, comma-separated "
+                        "(default 1,4,16,64; 0 skips the table)")
+    parser.add_argument("--multi-masks", type=int, default=64,
+                        help="masks measured for each K (default 64)")
+    parser.add_argument("--multi-repeats", type=int, default=2,
+                        help="repetitions of each K (default 2)")
     parser.add_argument("--out", type=Path, default=REPO / "BENCH.md")
     args = parser.parse_args(argv)
-    for name in ("repeats", "num_samples", "gen_samples", "batch_size", "profile_calls"):
+    try:
+        values = [int(v) for v in args.masks_per_pass.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--masks-per-pass {args.masks_per_pass!r}: expected integers like 1,4,16")
+    if any(v < 0 for v in values):
+        parser.error(f"--masks-per-pass {args.masks_per_pass!r}: values must be >= 1 (or 0)")
+    args.per_pass_values = [] if values in ([], [0]) else values
+    if 0 in args.per_pass_values:
+        parser.error(f"--masks-per-pass {args.masks_per_pass!r}: 0 alone skips the table")
+    for name in ("repeats", "num_samples", "gen_samples", "batch_size", "profile_calls",
+                 "multi_masks", "multi_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.reference_repeats < 0 or args.seed < 0:
@@ -555,7 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{result.reference_load.cell()} s), ours {result.ours.cell()} s, "
               f"limit {result.limit.cell()} s; reference/ours "
               f"{fmt_ratio(ratio(result.reference, result.ours))}, ours/limit "
-              f"{fmt_ratio(ratio(result.ours, result.limit))}; score reference "
+              f"{fmt_ratio(ratio(result.ours, result.limit))}"
+              + (f"; before {result.before.cell()} s" if result.before.seconds else "")
+              + f"; score reference "
               f"{fmt_score(result.score_reference)}, ours {fmt_score(result.score_ours)}",
               flush=True)
         for note in result.notes:
@@ -573,9 +711,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, timing in profile.anatomy:
             print(f"  {timing.cell()} s  {label}", flush=True)
 
+    per_pass = []
+    if args.per_pass_values:
+        matrix = design_matrix("stratified", args.multi_masks, first.total_heads, 0.02,
+                               args.seed)
+        masks = [[Head.from_index(int(i), first.num_heads) for i in row.nonzero()[0]]
+                 for row in matrix]
+        print(f"masks per pass {args.per_pass_values} on {len(masks)} masks ...", flush=True)
+        per_pass = bench_masks_per_pass(measures[LOGLIK_TASK], LOGLIK_TASK, masks,
+                                        args.per_pass_values, args.multi_repeats, args.device)
+        for r in per_pass:
+            print(f"  K={r.per_pass}: {r.seconds_per_mask.cell()} s per mask, max score "
+                  f"difference {r.max_score_diff:.2g}", flush=True)
+
     total = time.perf_counter() - started
     args.out.write_text(render(results, profile, args, heads, command, model_args, total,
-                               (load_start, os.getloadavg()[0])))
+                               (load_start, os.getloadavg()[0]), per_pass))
     print(f"wrote {args.out} ({total:.0f} s in all)", flush=True)
     return 0
 
