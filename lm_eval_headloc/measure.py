@@ -194,9 +194,11 @@ class HarnessMeasurement:
         Loglikelihood tasks: the subset's requests are recorded once and their answers
         computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass,
         logits only at the continuation tokens), then lm-eval's ``evaluate`` scores each
-        mask from those answers. Other tasks: ``measure_with_model``, one mask at a time.
+        mask from those answers. Other tasks (or a seq2seq model): ``measure_with_model``,
+        one mask at a time.
         """
-        if not self.loglikelihood_only:
+        # multimask builds decoder-only inputs; seq2seq models answer through HFLM.
+        if not self.loglikelihood_only or getattr(self.lm, "backend", "causal") != "causal":
             return [self.measure_with_model(heads) for heads in masks]
         from .multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
 

@@ -5,7 +5,8 @@ once (lm-eval's ``evaluate`` run against a recorder), their loglikelihoods are c
 for K masks at a time (the batch is replicated K times and each row gets its own head
 mask through ``HeadKnockout.set_row_masks``), and each mask's answers are then handed to
 lm-eval's ``evaluate`` in turn through a replaying model, so the harness still applies
-its filters, metrics and aggregation.
+its filters, metrics and aggregation. Only the logits at the continuation tokens are
+computed (``logits_only_at``). Loglikelihood measurements take this path for K = 1 too.
 """
 
 from __future__ import annotations
