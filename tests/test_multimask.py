@@ -119,3 +119,19 @@ def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_model():
     assert 1 <= few < many <= 64
     assert masks_per_pass_for_memory(64 * gib, 32, large) < many
     assert masks_per_pass_for_memory(64 * gib, 8, small) > many or many == 64
+
+
+def test_seq2seq_models_answer_through_hflm(measurement, monkeypatch):
+    import lm_eval_headloc.multimask as multimask
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("multimask builds decoder-only inputs")
+
+    monkeypatch.setattr(multimask, "loglikelihoods_for_masks", refuse)
+    monkeypatch.setattr(measurement, "measure_with_model", lambda heads: {"hflm": heads})
+    monkeypatch.setattr(measurement.lm, "backend", "seq2seq")
+    masks = [parse_heads("L0H1", 2, 4), []]
+    assert measurement.measure_many(masks, masks_per_pass=2) == [{"hflm": m} for m in masks]
+    monkeypatch.setattr(measurement.lm, "backend", "causal")
+    with pytest.raises(AssertionError, match="decoder-only"):
+        measurement.measure_many(masks, masks_per_pass=2)
