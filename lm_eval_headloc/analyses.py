@@ -17,6 +17,7 @@ from .driver import (
     _check_positive_int,
     _check_sparsity,
     _relative_drop,
+    auto_masks_per_pass,
     head_list,
     load_model,
     locate,
@@ -50,12 +51,15 @@ def greedy(
     force: bool = False,
     verbose: bool = False,
     progress: bool = True,
+    masks_per_pass: int | None = None,
 ) -> dict[str, HeadRanking]:
     """One-shot greedy (``rounds=1``: each head alone, N measurements) or iterative greedy
     (``rounds=k``: k·N, the winners of earlier rounds kept knocked out)."""
     _check_positive_int("--rounds", rounds)
     _check_positive_int("--num-samples", num_samples)
     _check_positive_int("--top-k", top_k)
+    if masks_per_pass is not None:
+        _check_positive_int("--masks-per-pass", masks_per_pass)
     setup = prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     if rounds > 1 and len(setup.tasks) > 1:
         raise UsageError("--rounds > 1 follows one task's winners; give a single task")
@@ -81,6 +85,7 @@ def greedy(
     folder.update_config(example_subset=measure.subset, layers=setup.num_layers,
                          heads_per_layer=setup.num_heads)
     names = [n for n, _ in setup.tasks]
+    per_pass = masks_per_pass or auto_masks_per_pass(lm)
     base = run_plan(folder, measure, [("baseline", [])], desc="baseline", progress=progress)
     baseline = base["baseline"]
     winners: list[Head] = []
@@ -89,7 +94,7 @@ def greedy(
         plan = [(f"round{round_number}-{head}", [*winners, head])
                 for head in candidates if head not in winners]
         records = run_plan(folder, measure, plan, desc=f"greedy round {round_number}/{rounds}",
-                           progress=progress)
+                           progress=progress, masks_per_pass=per_pass)
         effects = {name: np.full(setup.total_heads, np.nan) for name in names}
         for (_, heads), record in zip(plan, records.values(), strict=True):
             for name in names:
@@ -312,6 +317,7 @@ def sweep(
     force: bool = False,
     verbose: bool = False,
     progress: bool = True,
+    masks_per_pass: int | None = None,
 ) -> dict[str, Any]:
     """Appendix A.1: a locate run per (masks, sparsity) cell on the example subset; each
     cell is scored by how much knocking out its top-k hurts the (first) task."""
@@ -321,6 +327,8 @@ def sweep(
         _check_positive_int("--masks", value)
     for value in sparsity:
         _check_sparsity(value)
+    if masks_per_pass is not None:
+        _check_positive_int("--masks-per-pass", masks_per_pass)
     setup = prepare(model_args, tasks, include_path, confirm_run_unsafe_code)
     folder = RunFolder(out)
     folder.start("sweep", {"model_args": setup.model_args, "tasks": list(tasks),
@@ -342,7 +350,8 @@ def sweep(
                 folder.path / cell, tasks=tasks, num_samples=num_samples, masks=m, sparsity=p,
                 design=design, alpha=alpha, top_k=top_k, seed=seed, exclude=exclude,
                 never_ablate=never_ablate, include_path=include_path, setup=setup,
-                measure=measure, progress=progress, force=force)
+                measure=measure, progress=progress, force=force,
+                masks_per_pass=masks_per_pass)
             top = rankings[task].top(top_k)
             check = run_plan(folder, measure, [(f"{cell}-top{top_k}", top)],
                              desc=f"check {cell}", progress=False)[f"{cell}-top{top_k}"]

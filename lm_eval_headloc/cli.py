@@ -96,6 +96,9 @@ def _add_search_options(parser: argparse.ArgumentParser) -> None:
                         help="heads kept out of the ranking (L0H1+L2H3 or a head file)")
     parser.add_argument("--never-ablate", default=None, metavar="HEADS|FILE",
                         help="heads kept out of every mask, e.g. universal.json")
+    parser.add_argument("--masks-per-pass", type=_positive_int, default=None, metavar="K",
+                        help="masks evaluated together in one forward pass (loglikelihood "
+                             "tasks; default: 1 on CPU, from free memory on a GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of heads knocked out per mask (default 0.02)")
     p.add_argument("--design", choices=DESIGNS, default="stratified")
     p.add_argument("--alpha", type=_number, default=0.01, help="Lasso penalty (default 0.01)")
-    p.add_argument("--masks-per-pass", type=_positive_int, default=None, metavar="K",
-                   help="masks evaluated together in one forward pass (loglikelihood tasks; "
-                        "default: 1 on CPU, from free memory on a GPU)")
     p.add_argument("--out", default="runs/locate", metavar="DIR")
 
     p = sub.add_parser("refit", help="fit a locate run again from its stored measurements")
@@ -182,14 +182,15 @@ def _common(args: argparse.Namespace) -> dict:
                 confirm_run_unsafe_code=args.confirm_run_unsafe_code,
                 batch_size=_batch_size(args.batch_size), force=args.force, verbose=args.verbose,
                 num_samples=args.num_samples, top_k=args.top_k, seed=args.seed,
-                exclude=args.exclude, never_ablate=args.never_ablate)
+                exclude=args.exclude, never_ablate=args.never_ablate,
+                masks_per_pass=args.masks_per_pass)
 
 
 def run(args: argparse.Namespace) -> None:
     if args.command in (None, "locate"):
         rankings = driver.locate(out=args.out, masks=args.masks, sparsity=args.sparsity,
                                  design=args.design, alpha=args.alpha,
-                                 masks_per_pass=args.masks_per_pass, **_common(args))
+                                 **_common(args))
         _print_rankings(rankings, args.top_k, args.out)
     elif args.command == "refit":
         rankings = driver.refit(args.run, alpha=args.alpha, top_k=args.top_k,

@@ -77,6 +77,24 @@ def test_locate_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_pat
                                                              rel=1e-5)
 
 
+def test_greedy_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_path):
+    import json
+
+    from lm_eval_headloc.cli import main
+
+    args = ["greedy", "--model-args", f"pretrained={tiny_model_dir('gpt2')},dtype=float32",
+            "--include-path", TASKS, "--tasks", "tiny_copy", "--num-samples", "6",
+            "--batch-size", "4", "--top-k", "2"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert main([*args, "--masks-per-pass", "3", "--out", str(tmp_path / "three")]) == 0
+    one, three = ([json.loads(x) for x in (tmp_path / d / "measurements.jsonl").read_text()
+                   .splitlines()] for d in ("one", "three"))
+    assert len(one) == len(three) == 1 + 8
+    for a, b in zip(one, three, strict=True):
+        assert b["mask"] == a["mask"]
+        assert b["scores"]["tiny_copy"] == pytest.approx(a["scores"]["tiny_copy"], rel=1e-5)
+
+
 def test_each_task_subset_ignores_the_other_tasks():
     from lm_eval_headloc.measure import choose_subset
 
