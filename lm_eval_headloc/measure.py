@@ -137,7 +137,7 @@ class HarnessMeasurement:
         self.chat_template = {name: chat for chat, g in groups.items() for name in g["tasks"]}
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed)
-        self._requests: list[tuple[str, str]] | None = None
+        self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
 
     @property
     def leaf_tasks(self) -> list[str]:
@@ -200,12 +200,17 @@ class HarnessMeasurement:
         # multimask builds decoder-only inputs; seq2seq models answer through HFLM.
         if not self.loglikelihood_only or getattr(self.lm, "backend", "causal") != "causal":
             return [self.measure_with_model(heads) for heads in masks]
-        from .multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
+        from .multimask import (
+            LoglikelihoodRequests,
+            RecordingLM,
+            ReplayLM,
+            loglikelihoods_for_masks,
+        )
 
         if self._requests is None:  # the subset's requests, the same for every mask
             recorder = RecordingLM(self.lm)
             self.evaluate([], model=recorder)
-            self._requests = recorder.requests
+            self._requests = LoglikelihoodRequests(self.lm, recorder.requests)
         batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) else 32
         per_pass = max(1, masks_per_pass)
         scores = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 
 from .heads import Head, parse_heads
 
-__all__ = ["RecordingLM", "ReplayLM", "logits_only_at", "loglikelihoods_for_masks"]
+__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch", "logits_only_at",
+           "loglikelihoods_for_masks"]
 
 Answer = tuple[float, bool]
 
@@ -89,77 +91,112 @@ def logits_only_at(model: Any, rows: torch.Tensor, positions: torch.Tensor
         handle.remove()
 
 
-def _scored_logits(lm: Any, batch: torch.Tensor, rows: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
+@dataclass
+class ScoredBatch:
+    """One forward pass's worth of requests, built as HFLM's ``_loglikelihood_tokens``
+    builds it (context + continuation minus the last token, truncated on the left to
+    ``max_length``, right padding), with where each continuation token is scored."""
+
+    keys: list[tuple[str, str]]  # the request of each batch row
+    input_ids: torch.Tensor  # (rows, width)
+    rows: torch.Tensor  # per scored token: its batch row ...
+    positions: torch.Tensor  # ... the position whose logits predict it ...
+    targets: torch.Tensor  # ... and the token
+
+
+class LoglikelihoodRequests:
+    """The loglikelihood requests of a fixed example subset, tokenized once and batched
+    once per batch size: a measurement loop reuses them for every mask."""
+
+    def __init__(self, lm: Any, requests: Sequence[tuple[str, str]]) -> None:
+        self.keys = list(dict.fromkeys(tuple(r) for r in requests))
+        self._encoded = [_encode(lm, c, x) for c, x in self.keys]
+        self._max_length = int(lm.max_length)
+        self._device = lm.device
+        self._batches: dict[int, list[ScoredBatch]] = {}
+        # Narrow lm_head to the scored positions unless the model has no output embedding.
+        get_head = getattr(lm.model, "get_output_embeddings", None)
+        self.narrow = get_head is not None and get_head() is not None
+
+    def batches(self, size: int) -> list[ScoredBatch]:
+        if size not in self._batches:
+            encoded = self._encoded
+            order = sorted(range(len(self.keys)), key=lambda i: -len(encoded[i][0] +
+                                                                      encoded[i][1]))
+            self._batches[size] = [self._batch(order[start:start + size])
+                                   for start in range(0, len(order), size)]
+        return self._batches[size]
+
+    def _batch(self, chunk: list[int]) -> ScoredBatch:
+        tokens = [(self._encoded[i][0] + self._encoded[i][1])[-(self._max_length + 1):][:-1]
+                  for i in chunk]
+        input_ids = torch.zeros(len(chunk), max(len(t) for t in tokens), dtype=torch.long)
+        rows, positions, targets = [], [], []
+        for row, (t, i) in enumerate(zip(tokens, chunk, strict=True)):
+            input_ids[row, :len(t)] = torch.tensor(t)
+            continuation = self._encoded[i][1]
+            positions.extend(range(len(t) - len(continuation), len(t)))
+            rows.extend([row] * len(continuation))
+            targets.extend(continuation)
+        device = self._device
+        return ScoredBatch([self.keys[i] for i in chunk], input_ids.to(device),
+                           torch.tensor(rows, device=device),
+                           torch.tensor(positions, device=device),
+                           torch.tensor(targets, device=device))
+
+
+def _scored_logits(lm: Any, requests: LoglikelihoodRequests, input_ids: torch.Tensor,
+                   rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Logits ``(S, vocab)`` at the scored positions, computing no others when possible."""
-    try:
+    if requests.narrow:
         with logits_only_at(lm.model, rows, positions):
-            logits = lm._model_call(batch)
+            logits = lm._model_call(input_ids)
         if logits.shape[:2] == (1, len(rows)):
             return logits[0]
-    except AttributeError:
-        pass
-    # An architecture whose output embedding we cannot narrow: all logits, then pick.
-    return lm._model_call(batch)[rows, positions]
+        requests.narrow = False  # lm_head is not where this model makes its logits
+    return lm._model_call(input_ids)[rows, positions]
 
 
 @torch.no_grad()
-def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]],
+def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | LoglikelihoodRequests,
                              masks: Sequence[Sequence[Head | str]], batch_size: int = 32
                              ) -> list[dict[tuple[str, str], Answer]]:
     """(logprob, is_greedy) of every request under every mask, K masks per forward pass.
 
-    Inputs are built as HFLM's ``_loglikelihood_tokens`` builds them (context +
-    continuation minus the last token, truncated on the left to ``max_length``, right
-    padding, causal attention), so the answers equal one-mask-at-a-time evaluation up to
-    float rounding. Logits are computed at the continuation positions only.
+    Each ``ScoredBatch`` is replicated once per mask, every copy with its own head mask,
+    so the answers equal one-mask-at-a-time evaluation up to float rounding. Logits are
+    computed at the continuation positions only. ``batch_size`` counts rows of a pass.
     """
+    if not isinstance(requests, LoglikelihoodRequests):
+        requests = LoglikelihoodRequests(lm, requests)
     knockout = lm.knockout
-    unique = list(dict.fromkeys(tuple(r) for r in requests))
-    encoded = [_encode(lm, c, x) for c, x in unique]
-    order = sorted(range(len(unique)), key=lambda i: -len(encoded[i][0] + encoded[i][1]))
-    row_masks = torch.zeros(len(masks), knockout.num_layers * knockout.num_heads,
+    k_masks = len(masks)
+    row_masks = torch.zeros(k_masks, knockout.num_layers * knockout.num_heads,
                             dtype=torch.bool)
     for k, heads in enumerate(masks):
         for head in parse_heads(heads, knockout.num_layers, knockout.num_heads) if heads else []:
             row_masks[k, head.index(knockout.num_heads)] = True
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
-    per_pass = max(1, batch_size // max(1, len(masks)))  # rows per pass ~ batch_size
     try:
-        for start in range(0, len(order), per_pass):
-            chunk = order[start:start + per_pass]
-            tokens = [(encoded[i][0] + encoded[i][1])[-(lm.max_length + 1):][:-1]
-                      for i in chunk]
-            width = max(len(t) for t in tokens)
-            batch = torch.zeros(len(chunk), width, dtype=torch.long)
-            # The scored positions of every row of every mask copy, and their targets.
-            rows, positions, targets = [], [], []
-            for row, (t, i) in enumerate(zip(tokens, chunk, strict=True)):
-                batch[row, :len(t)] = torch.tensor(t)
-                continuation = encoded[i][1]
-                end = len(t)
-                positions.extend(range(end - len(continuation), end))
-                rows.extend([row] * len(continuation))
-                targets.extend(continuation)
-            copies = torch.arange(len(masks))[:, None] * len(chunk)
-            all_rows = (copies + torch.tensor(rows)[None]).flatten()
-            all_positions = torch.tensor(positions).repeat(len(masks))
-            knockout.set_row_masks(row_masks.repeat_interleave(len(chunk), dim=0))
-            logits = _scored_logits(lm, batch.repeat(len(masks), 1).to(lm.device),
-                                    all_rows.to(lm.device), all_positions.to(lm.device))
-            logprobs = F.log_softmax(logits.float(), dim=-1).view(len(masks), len(rows), -1)
-            target = torch.tensor(targets, device=logprobs.device)
-            token_logprob = logprobs.gather(2, target.expand(len(masks), -1)[..., None])[..., 0]
+        for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
+            size = len(batch.keys)
+            knockout.set_row_masks(row_masks.repeat_interleave(size, dim=0))
+            copies = torch.arange(k_masks, device=batch.rows.device)[:, None] * size
+            logits = _scored_logits(lm, requests, batch.input_ids.repeat(k_masks, 1),
+                                    (copies + batch.rows).flatten(),
+                                    batch.positions.repeat(k_masks))
+            logprobs = F.log_softmax(logits.float(), dim=-1).view(k_masks, len(batch.rows), -1)
+            target = batch.targets.to(logprobs.device)
+            token_logprob = logprobs.gather(2, target.expand(k_masks, -1)[..., None])[..., 0]
             token_greedy = (logprobs.argmax(dim=-1) == target).float()
             # Per request: the sum of its tokens' logprobs, and whether all were greedy.
-            owner = torch.tensor(rows, device=logprobs.device)
-            empty = torch.zeros(len(masks), len(chunk), device=logprobs.device)
-            summed = empty.index_add(1, owner, token_logprob)
-            misses = empty.index_add(1, owner, 1.0 - token_greedy)
-            summed, misses = summed.cpu().tolist(), misses.cpu().tolist()
-            for k in range(len(masks)):
-                for row, i in enumerate(chunk):
-                    answers[k][unique[i]] = (summed[k][row], misses[k][row] == 0)
+            owner = batch.rows.to(logprobs.device)
+            empty = torch.zeros(k_masks, size, device=logprobs.device)
+            summed = empty.index_add(1, owner, token_logprob).cpu().tolist()
+            misses = empty.index_add(1, owner, 1.0 - token_greedy).cpu().tolist()
+            for k in range(k_masks):
+                for row, key in enumerate(batch.keys):
+                    answers[k][key] = (summed[k][row], misses[k][row] == 0)
     finally:
         knockout.set_row_masks(None)
     return answers

@@ -153,3 +153,15 @@ def test_seq2seq_models_answer_through_hflm(measurement, monkeypatch):
     monkeypatch.setattr(measurement.lm, "backend", "causal")
     with pytest.raises(AssertionError, match="decoder-only"):
         measurement.measure_many(masks, masks_per_pass=2)
+
+
+def test_requests_are_tokenized_once_per_measurement_run(measurement, monkeypatch):
+    masks = [parse_heads("L0H1", 2, 4), []]
+    first = measurement.measure_many(masks)  # records and tokenizes on first use
+    calls = []
+    encode = measurement.lm._encode_pair
+    monkeypatch.setattr(measurement.lm, "_encode_pair",
+                        lambda *args: calls.append(args) or encode(*args))
+    again = measurement.measure_many(masks, masks_per_pass=2)
+    assert calls == []
+    assert [s["tiny_choice"].value for s in again] == [s["tiny_choice"].value for s in first]
