@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["DESIGNS", "column_counts", "design_matrix", "knockouts_per_mask"]
+__all__ = ["DESIGNS", "column_counts", "design_matrix", "head_column_mask",
+           "knockouts_per_mask"]
 
 #: The design kinds :func:`design_matrix` accepts.
 DESIGNS: tuple[str, ...] = ("bernoulli", "stratified")
@@ -27,20 +28,29 @@ def _whole_number(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def _eligible_columns(num_heads: int, never_ablate: Sequence[int]) -> np.ndarray:
-    excluded = set()
-    for index in never_ablate:
+def head_column_mask(indices: Iterable[int], num_heads: int, name: str) -> np.ndarray:
+    """Boolean mask over the ``num_heads`` head columns, True at ``indices``.
+
+    Each index must be a whole number in ``0..num_heads-1``; ``name`` (the argument the
+    indices came from) goes into the error.
+    """
+    mask = np.zeros(num_heads, dtype=bool)
+    for index in indices:
         if (
             isinstance(index, bool)
             or not isinstance(index, numbers.Integral)
             or not 0 <= index < num_heads
         ):
             raise ValueError(
-                f"never_ablate index {index!r} is not a head column: must be a whole "
+                f"{name} index {index!r} is not a head column: must be a whole "
                 f"number in 0..{num_heads - 1} ({num_heads} heads)"
             )
-        excluded.add(int(index))
-    eligible = np.array([j for j in range(num_heads) if j not in excluded], dtype=np.intp)
+        mask[int(index)] = True
+    return mask
+
+
+def _eligible_columns(num_heads: int, never_ablate: Sequence[int]) -> np.ndarray:
+    eligible = np.flatnonzero(~head_column_mask(never_ablate, num_heads, "never_ablate"))
     if eligible.size == 0:
         raise ValueError(
             f"never_ablate lists all {num_heads} heads: at least one head must be eligible "

@@ -23,6 +23,7 @@ from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.linear_model import Lasso
 from sklearn.utils.validation import check_is_fitted
 
+from .designs import head_column_mask
 from .heads import Head
 
 __all__ = ["HeadLasso"]
@@ -204,19 +205,7 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         Every non-excluded head is listed, harmless ones (``coef_`` 0) after harmful ones.
         """
         check_is_fitted(self, "coef_")
-        num_heads = self.coef_.shape[0]
-        excluded = np.zeros(num_heads, dtype=bool)
-        for index in exclude:
-            if (
-                isinstance(index, bool)
-                or not isinstance(index, numbers.Integral)
-                or not 0 <= index < num_heads
-            ):
-                raise ValueError(
-                    f"exclude index {index!r} is not a head column: must be a whole number "
-                    f"in 0..{num_heads - 1}"
-                )
-            excluded[int(index)] = True
+        excluded = head_column_mask(exclude, self.coef_.shape[0], "exclude")
         harm = self.coef_ if higher_is_better else -self.coef_
         order = np.argsort(harm, kind="stable")
         return order[~excluded[order]]
