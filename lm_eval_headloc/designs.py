@@ -8,11 +8,12 @@ matrix, so a run folder that records the seed can rebuild (and check) its design
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from .checks import check_number
 
 __all__ = ["DESIGNS", "column_counts", "design_matrix", "head_column_mask",
            "knockouts_per_mask"]
@@ -21,39 +22,32 @@ __all__ = ["DESIGNS", "column_counts", "design_matrix", "head_column_mask",
 DESIGNS: tuple[str, ...] = ("bernoulli", "stratified")
 
 
-def _whole_number(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; True masks/heads is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be a whole number >= {minimum}")
-    return int(value)
+def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.ndarray:
+    """Boolean mask over the ``total_heads`` head columns, True at ``indices``.
 
-
-def head_column_mask(indices: Iterable[int], num_heads: int, name: str) -> np.ndarray:
-    """Boolean mask over the ``num_heads`` head columns, True at ``indices``.
-
-    Each index must be a whole number in ``0..num_heads-1``; ``name`` (the argument the
+    Each index must be a whole number in ``0..total_heads-1``; ``name`` (the argument the
     indices came from) goes into the error.
     """
-    mask = np.zeros(num_heads, dtype=bool)
+    mask = np.zeros(total_heads, dtype=bool)
     for index in indices:
         if (
             isinstance(index, bool)
             or not isinstance(index, numbers.Integral)
-            or not 0 <= index < num_heads
+            or not 0 <= index < total_heads
         ):
             raise ValueError(
                 f"{name} index {index!r} is not a head column: must be a whole "
-                f"number in 0..{num_heads - 1} ({num_heads} heads)"
+                f"number in 0..{total_heads - 1} ({total_heads} heads)"
             )
         mask[int(index)] = True
     return mask
 
 
-def _eligible_columns(num_heads: int, never_ablate: Sequence[int]) -> np.ndarray:
-    eligible = np.flatnonzero(~head_column_mask(never_ablate, num_heads, "never_ablate"))
+def _eligible_columns(total_heads: int, never_ablate: Sequence[int]) -> np.ndarray:
+    eligible = np.flatnonzero(~head_column_mask(never_ablate, total_heads, "never_ablate"))
     if eligible.size == 0:
         raise ValueError(
-            f"never_ablate lists all {num_heads} heads: at least one head must be eligible "
+            f"never_ablate lists all {total_heads} heads: at least one head must be eligible "
             "for knockout"
         )
     return eligible
@@ -71,12 +65,12 @@ def knockouts_per_mask(sparsity: float, num_eligible: int) -> int:
 def design_matrix(
     kind: str,
     num_masks: int,
-    num_heads: int,
+    total_heads: int,
     sparsity: float,
     seed: int,
     never_ablate: Sequence[int] = (),
 ) -> np.ndarray:
-    """A ``(num_masks, num_heads)`` bool matrix; ``True`` = head knocked out in that mask.
+    """A ``(num_masks, total_heads)`` bool matrix; ``True`` = head knocked out in that mask.
 
     ``"bernoulli"``: every eligible entry is knocked out independently with probability
     ``sparsity`` (the textbook compressed-sensing design; columns' counts vary by chance).
@@ -91,22 +85,15 @@ def design_matrix(
     """
     if not isinstance(kind, str) or kind not in DESIGNS:
         raise ValueError(f"unknown design kind {kind!r}: allowed kinds are {', '.join(DESIGNS)}")
-    num_masks = _whole_number("num_masks", num_masks, 1)
-    num_heads = _whole_number("num_heads", num_heads, 1)
-    seed = _whole_number("seed", seed, 0)
-    if (
-        isinstance(sparsity, bool)
-        or not isinstance(sparsity, numbers.Real)
-        or not math.isfinite(sparsity)
-        or not 0 < sparsity < 1
-    ):
-        raise ValueError(
-            f"sparsity={sparsity!r}: must be a number strictly between 0 and 1 "
-            "(the fraction of heads knocked out per mask, e.g. 0.02)"
-        )
-    eligible = _eligible_columns(num_heads, never_ablate)
+    num_masks = check_number(num_masks, "num_masks", whole=True, min_val=1)
+    total_heads = check_number(total_heads, "total_heads", whole=True, min_val=1)
+    seed = check_number(seed, "seed", whole=True, min_val=0)
+    # The fraction of heads knocked out per mask: 0 would measure nothing, 1 everything.
+    sparsity = check_number(sparsity, "sparsity", min_val=0, max_val=1,
+                            include_boundaries="neither")
+    eligible = _eligible_columns(total_heads, never_ablate)
     rng = np.random.default_rng(seed)
-    knocked_out = np.zeros((num_masks, num_heads), dtype=bool)
+    knocked_out = np.zeros((num_masks, total_heads), dtype=bool)
 
     if kind == "bernoulli":
         # Draw only the eligible columns so the rate over eligible heads is exactly p.

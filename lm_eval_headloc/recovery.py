@@ -15,53 +15,43 @@ is reported back in the score's own units.
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.linear_model import Lasso
-from sklearn.utils.validation import check_is_fitted
+from sklearn.metrics import r2_score
+from sklearn.utils.validation import check_is_fitted, validate_data
 
+from .checks import check_number
 from .designs import head_column_mask
 from .heads import Head
 
-__all__ = ["HeadLasso"]
+__all__ = ["HeadLasso", "harm"]
 
 
-def _as_design(design_matrix: object) -> np.ndarray:
-    matrix = np.asarray(design_matrix)
-    if matrix.ndim != 2:
-        raise ValueError(
-            f"design matrix must be 2-D (measurements × heads), got shape {matrix.shape}"
-        )
-    if matrix.dtype == bool:
-        return matrix.astype(np.float64)
+@contextmanager
+def _one_line_errors(design_matrix: object, scores: object = None) -> Iterator[None]:
+    """sklearn's input errors in one line, naming the shapes that were passed.
+
+    Its messages go on with advice meant for tables of features (reshape, impute); their
+    first line says what is wrong.
+    """
     try:
-        matrix = matrix.astype(np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"design matrix must hold 0/1 or True/False, got dtype {matrix.dtype}"
-        ) from None
-    if not np.all(np.isfinite(matrix)):
-        raise ValueError("design matrix holds NaN or infinite entries; expected 0/1")
-    return matrix
-
-
-def _as_scores(scores: object) -> np.ndarray:
-    values = np.asarray(scores)
-    if values.ndim != 1:
-        raise ValueError(f"scores must be 1-D (one per measurement), got shape {values.shape}")
-    try:
-        values = values.astype(np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"scores must be numbers, got dtype {values.dtype}") from None
-    bad = np.flatnonzero(~np.isfinite(values))
-    if bad.size:
-        raise ValueError(
-            f"score of measurement {bad[0]} is {values[bad[0]]}: every score must be finite"
-        )
-    return values
+        yield
+    except ValueError as error:
+        reason = str(error).splitlines()[0].rstrip(" :.")
+        passed = [("X", "design matrix", design_matrix)]
+        if scores is not None:
+            passed.append(("y", "scores", scores))
+        shapes = []
+        for sklearn_name, name, value in passed:  # sklearn says X and y
+            try:
+                shapes.append(f"{sklearn_name}: {name} of shape {np.shape(value)}")
+            except ValueError:  # ragged nested lists
+                shapes.append(f"{sklearn_name}: {name} of no regular shape")
+        raise ValueError(f"{reason} ({', '.join(shapes)})") from None
 
 
 class HeadLasso(RegressorMixin, BaseEstimator):
@@ -96,7 +86,8 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     intercept_: the fitted intercept (or the given baseline), in score units. It also
         absorbs the average small cost of the unimportant heads each mask knocks out (so
         it usually sits below the measured unablated score); it is not an estimate of y0.
-    r2_: R² of the fit on the measurements (original units).
+    r2_: R² of the fit on the measurements (original units); for scores that do not
+        vary, 1 if they are fitted exactly and 0 otherwise (sklearn's convention).
     n_measurements_: number of measurements (rows) fitted.
     scale_: the standard deviation the scores were divided by (1.0 if not standardised).
     baseline_: the baseline passed to ``fit`` (None if the intercept was fitted).
@@ -112,39 +103,31 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         self, design_matrix: object, scores: object, baseline: float | None = None
     ) -> HeadLasso:
         """Fit head effects; ``baseline`` is the unablated score (None: fit an intercept)."""
-        self._check_params()
-        knocked_out = _as_design(design_matrix)
-        y = _as_scores(scores)
-        if knocked_out.shape[0] != y.shape[0]:
-            raise ValueError(
-                f"design matrix has {knocked_out.shape[0]} rows (measurements) but there are "
-                f"{y.shape[0]} scores; they must match"
-            )
-        if y.shape[0] < 2:
-            raise ValueError(f"need at least 2 measurements to fit, got {y.shape[0]}")
-        if knocked_out.shape[1] < 1:
-            raise ValueError("design matrix has no columns (heads)")
+        alpha = check_number(self.alpha, "alpha", min_val=0, include_boundaries="neither")
+        max_iter = check_number(self.max_iter, "max_iter", whole=True, min_val=1)
+        if not isinstance(self.standardize, (bool, np.bool_)):
+            # check_number is for numbers; a truthy string such as "False" must not pass.
+            raise ValueError(f"standardize={self.standardize!r}: must be True or False")
         if baseline is not None:
-            if (
-                isinstance(baseline, bool)
-                or not isinstance(baseline, numbers.Real)
-                or not np.isfinite(baseline)
-            ):
-                raise ValueError(f"baseline={baseline!r}: must be a finite number or None")
-            baseline = float(baseline)
+            baseline = check_number(baseline, "baseline")
+        with _one_line_errors(design_matrix, scores):
+            # Scores as floats first: sklearn only converts object arrays of targets, and
+            # its finiteness check must see "nan" given as text too. validate_data sets
+            # n_features_in_; one measurement cannot show an effect, so at least two.
+            knocked_out, y = validate_data(
+                self, design_matrix, np.asarray(scores, dtype=np.float64),
+                dtype=np.float64, ensure_min_samples=2,
+            )
 
-        scale = 1.0
-        if self.standardize:
-            spread = float(np.std(y))
-            # A zero (or round-off) spread means no mask changed the score: nothing to
-            # standardise, and dividing would blow round-off up into "effects".
-            if spread > 1e-12 * max(1.0, float(np.max(np.abs(y)))):
-                scale = spread
+        spread = float(np.std(y))
+        # A zero (or round-off: the mean of 0.1s is not 0.1) spread means no mask changed
+        # the score: nothing to standardise, and dividing would blow round-off up into
+        # "effects".
+        constant = spread <= 1e-12 * max(1.0, float(np.max(np.abs(y))))
+        scale = spread if self.standardize and not constant else 1.0
 
         offset = 0.0 if baseline is None else baseline
-        lasso = Lasso(
-            alpha=self.alpha, fit_intercept=baseline is None, max_iter=self.max_iter
-        )
+        lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
         lasso.fit(knocked_out, (y - offset) / scale)
 
         self.coef_ = np.asarray(lasso.coef_, dtype=np.float64) * scale
@@ -154,32 +137,14 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         self.baseline_ = baseline
         self.scale_ = scale
         self.n_measurements_ = int(y.shape[0])
-        self.n_features_in_ = int(knocked_out.shape[1])
         self.n_iter_ = int(lasso.n_iter_)
-        residual = y - self._predict(knocked_out)
-        total = float(np.sum((y - y.mean()) ** 2))
-        # Constant scores: R² is 1 if they are fitted exactly, else 0 (sklearn's convention).
+        fitted = self._predict(knocked_out)
+        # Constant scores: 1 if fitted exactly, else 0 (r2_score's convention), both up to
+        # round-off; r2_score itself would give 0 for a round-off spread fitted to 1e-17.
         self.r2_ = (
-            1.0 - float(np.sum(residual**2)) / total
-            if total > 0
-            else float(np.allclose(residual, 0.0))
+            float(np.allclose(y - fitted, 0.0)) if constant else float(r2_score(y, fitted))
         )
         return self
-
-    def _check_params(self) -> None:
-        alpha = self.alpha
-        if (
-            isinstance(alpha, bool)
-            or not isinstance(alpha, numbers.Real)
-            or not np.isfinite(alpha)
-            or alpha <= 0
-        ):
-            raise ValueError(f"alpha={alpha!r}: must be a number > 0 (reference: 0.01)")
-        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, numbers.Integral) \
-                or self.max_iter < 1:
-            raise ValueError(f"max_iter={self.max_iter!r}: must be a whole number >= 1")
-        if not isinstance(self.standardize, (bool, np.bool_)):
-            raise ValueError(f"standardize={self.standardize!r}: must be True or False")
 
     def _predict(self, knocked_out: np.ndarray) -> np.ndarray:
         return self.intercept_ + knocked_out @ self.coef_
@@ -187,12 +152,8 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     def predict(self, design_matrix: object) -> np.ndarray:
         """Predicted scores ``intercept_ + A·coef_`` for each mask (row)."""
         check_is_fitted(self, "coef_")
-        knocked_out = _as_design(design_matrix)
-        if knocked_out.shape[1] != self.n_features_in_:
-            raise ValueError(
-                f"design matrix has {knocked_out.shape[1]} columns but the model was fitted "
-                f"on {self.n_features_in_} heads"
-            )
+        with _one_line_errors(design_matrix):
+            knocked_out = validate_data(self, design_matrix, dtype=np.float64, reset=False)
         return self._predict(knocked_out)
 
     def ranking(
@@ -206,14 +167,13 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         """
         check_is_fitted(self, "coef_")
         excluded = head_column_mask(exclude, self.coef_.shape[0], "exclude")
-        harm = self.coef_ if higher_is_better else -self.coef_
-        order = np.argsort(harm, kind="stable")
+        order = np.argsort(-harm(self.coef_, higher_is_better), kind="stable")
         return order[~excluded[order]]
 
     def top_heads(
         self,
         k: int,
-        num_heads_per_layer: int,
+        heads_per_layer: int,
         higher_is_better: bool = True,
         exclude: Iterable[int] = (),
     ) -> list[Head]:
@@ -223,20 +183,22 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         harmless ones in index order; check ``coef_`` when that matters.
         """
         check_is_fitted(self, "coef_")
-        num_heads = self.coef_.shape[0]
-        if (
-            isinstance(num_heads_per_layer, bool)
-            or not isinstance(num_heads_per_layer, numbers.Integral)
-            or num_heads_per_layer < 1
-            or num_heads % num_heads_per_layer
-        ):
+        total_heads = self.coef_.shape[0]
+        heads_per_layer = check_number(heads_per_layer, "heads_per_layer", whole=True,
+                                       min_val=1)
+        if total_heads % heads_per_layer:
             raise ValueError(
-                f"num_heads_per_layer={num_heads_per_layer!r}: must be a whole number >= 1 "
-                f"that divides the {num_heads} fitted heads"
+                f"heads_per_layer={heads_per_layer!r} does not divide the {total_heads} "
+                "fitted heads into layers"
             )
         order = self.ranking(higher_is_better=higher_is_better, exclude=exclude)
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= order.size:
-            raise ValueError(
-                f"k={k!r}: must be a whole number in 1..{order.size} (heads left to rank)"
-            )
-        return [Head.from_index(int(j), int(num_heads_per_layer)) for j in order[:k]]
+        # At most the heads left after ``exclude``.
+        k = check_number(k, "k", whole=True, min_val=1, max_val=order.size)
+        return [Head.from_flat_index(int(j), heads_per_layer) for j in order[:k]]
+
+
+def harm(effects: object, higher_is_better: bool) -> np.ndarray:
+    """How much knocking out each head hurts (positive = worse), whichever way the
+    score points: ``-effects`` for higher-is-better scores, ``effects`` otherwise."""
+    effects = np.asarray(effects, dtype=np.float64)
+    return -effects if higher_is_better else effects

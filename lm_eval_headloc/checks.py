@@ -1,0 +1,65 @@
+"""The one scalar check every public function and the CLI use for their numbers.
+
+``check_number`` wraps ``sklearn.utils.check_scalar`` (type and range) with the two
+things it lets through: ``True``/``False`` (bool is an int subclass) and NaN/infinity
+(every comparison with NaN is False). A failure is a ``UsageError``: one line naming the
+value and what is allowed, which the CLI prints without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from sklearn.utils import check_scalar
+
+__all__ = ["UsageError", "check_number"]
+
+
+class UsageError(ValueError):
+    """A bad argument (reported by the CLI in one line, exit status 2)."""
+
+
+def _shown(name: str, value: object) -> str:
+    # CLI flags read "--alpha nan", Python arguments "alpha=nan".
+    return f"{name} {value!r}" if name.startswith("--") else f"{name}={value!r}"
+
+
+def _allowed(whole: bool, min_val: float | None, max_val: float | None,
+             include_boundaries: str) -> str:
+    kind = "a whole number" if whole else "a finite number"
+    low = include_boundaries in ("left", "both")
+    high = include_boundaries in ("right", "both")
+    if min_val is not None and max_val is not None:
+        if not low and not high:
+            return f"{kind} strictly between {min_val:g} and {max_val:g}"
+        return (f"{kind} with {min_val:g} {'<=' if low else '<'} value "
+                f"{'<=' if high else '<'} {max_val:g}")
+    if min_val is not None:
+        return f"{kind} {'>=' if low else '>'} {min_val:g}"
+    if max_val is not None:
+        return f"{kind} {'<=' if high else '<'} {max_val:g}"
+    return kind
+
+
+def check_number(value: object, name: str, whole: bool = False, *,
+                 min_val: float | None = None, max_val: float | None = None,
+                 include_boundaries: str = "both") -> int | float:
+    """``value`` as an int (``whole``) or float, checked; else ``UsageError``.
+
+    >>> check_number(0.02, "--sparsity", min_val=0, max_val=1, include_boundaries="neither")
+    0.02
+    """
+    allowed = _allowed(whole, min_val, max_val, include_boundaries)
+    if isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}, not True/False")
+    target = numbers.Integral if whole else numbers.Real
+    try:
+        check_scalar(value, name, target, min_val=min_val, max_val=max_val,
+                     include_boundaries=include_boundaries)
+    except (TypeError, ValueError):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}")
+    return int(value) if whole else float(value)
