@@ -16,6 +16,8 @@ from typing import NamedTuple
 __all__ = [
     "Head",
     "HeadSpecError",
+    "check_head_names",
+    "check_top",
     "format_heads",
     "parse_heads",
     "read_heads_file",
@@ -36,16 +38,16 @@ class Head(NamedTuple):
     def __str__(self) -> str:
         return f"L{self.layer}H{self.head}"
 
-    def index(self, num_heads: int) -> int:
-        """Flat index ``layer * num_heads + head`` (the column of a design matrix)."""
-        return self.layer * num_heads + self.head
+    def flat_index(self, heads_per_layer: int) -> int:
+        """Flat index ``layer * heads_per_layer + head`` (the column of a design matrix)."""
+        return self.layer * heads_per_layer + self.head
 
     @classmethod
-    def from_index(cls, index: int, num_heads: int) -> Head:
-        return cls(*divmod(int(index), num_heads))
+    def from_flat_index(cls, index: int, heads_per_layer: int) -> Head:
+        return cls(*divmod(int(index), heads_per_layer))
 
 
-def _parse_token(token: str, num_heads: int | None) -> list[Head]:
+def _parse_token(token: str, heads_per_layer: int | None) -> list[Head]:
     token = token.strip()
     if not token:
         raise HeadSpecError(
@@ -60,37 +62,38 @@ def _parse_token(token: str, num_heads: int | None) -> list[Head]:
         )
     layer = int(match.group(1))
     if match.group(2) == "*":
-        if num_heads is None:
+        if heads_per_layer is None:
             raise HeadSpecError(
                 f"{token!r} names a whole layer, which needs the model's head count"
             )
-        return [Head(layer, h) for h in range(num_heads)]
+        return [Head(layer, h) for h in range(heads_per_layer)]
     return [Head(layer, int(match.group(2)))]
 
 
-def validate_heads(heads: Iterable[Head], num_layers: int, num_heads: int) -> None:
-    """Raise HeadSpecError naming the first head outside a ``num_layers × num_heads`` model."""
+def validate_heads(heads: Iterable[Head], num_layers: int, heads_per_layer: int) -> None:
+    """Raise HeadSpecError naming the first head outside a ``num_layers × heads_per_layer``
+    model (layer or head out of range)."""
     for head in heads:
         if not 0 <= head.layer < num_layers:
             raise HeadSpecError(
                 f"head {head} is outside the model: layer {head.layer} not in "
                 f"0..{num_layers - 1} ({num_layers} layers)"
             )
-        if not 0 <= head.head < num_heads:
+        if not 0 <= head.head < heads_per_layer:
             raise HeadSpecError(
                 f"head {head} is outside the model: head {head.head} not in "
-                f"0..{num_heads - 1} ({num_heads} heads per layer)"
+                f"0..{heads_per_layer - 1} ({heads_per_layer} heads per layer)"
             )
 
 
 def parse_heads(
     spec: str | Iterable[str | Head | tuple[int, int]],
     num_layers: int | None = None,
-    num_heads: int | None = None,
+    heads_per_layer: int | None = None,
 ) -> list[Head]:
     """Parse ``"L0H29+L1H31"`` (or a list of names or Heads) into sorted, unique Heads.
 
-    With ``num_layers``/``num_heads`` given, every head is checked against the model and
+    With ``num_layers``/``heads_per_layer`` given, every head is checked against the model and
     ``L{l}H*`` expands to the whole layer.
     """
     if isinstance(spec, str):
@@ -105,19 +108,42 @@ def parse_heads(
     heads: set[Head] = set()
     for token in tokens:
         if isinstance(token, str):
-            heads.update(_parse_token(token, num_heads))
+            heads.update(_parse_token(token, heads_per_layer))
         else:
-            layer, head = token
-            if isinstance(layer, bool) or isinstance(head, bool):
-                raise HeadSpecError(f"bad head {token!r}: layer and head must be integers")
-            heads.add(Head(int(layer), int(head)))
-    if num_layers is not None and num_heads is not None:
-        validate_heads(heads, num_layers, num_heads)
+            heads.add(_head_from_pair(token))
+    if num_layers is not None and heads_per_layer is not None:
+        validate_heads(heads, num_layers, heads_per_layer)
     else:
         for head in heads:
             if head.layer < 0 or head.head < 0:
                 raise HeadSpecError(f"bad head {head}: layer and head are zero-based")
     return sorted(heads)
+
+
+def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None:
+    """Raise HeadSpecError if ``spec`` is malformed whatever the model (``L3H*`` passes).
+
+    For checks before a model is loaded; the layer/head ranges need the model.
+    """
+    parse_heads(spec, heads_per_layer=1)  # any head count: L{l}H* only has to parse here
+
+
+def _head_from_pair(token: object) -> Head:
+    # A Head or a (layer, head) pair given from Python.
+    try:
+        layer, head = token  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise HeadSpecError(f"bad head {token!r}: expected a name like 'L0H29', a Head or a "
+                            "(layer, head) pair") from None
+    if type(layer) is not int or type(head) is not int:  # plain ints (the usual) skip this
+        from .checks import UsageError, check_number  # sklearn: only imported when needed
+
+        try:
+            layer = check_number(layer, "layer", whole=True)
+            head = check_number(head, "head", whole=True)
+        except UsageError as err:
+            raise HeadSpecError(f"bad head {token!r}: {err}") from None
+    return Head(layer, head)
 
 
 def format_heads(heads: Iterable[Head | tuple[int, int]]) -> str:
@@ -143,6 +169,16 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
     return names
 
 
+def check_top(top: object) -> int:
+    """``ablate_top`` as an int >= 1, else HeadSpecError (True, 0, 2.5 and "3" are refused)."""
+    from .checks import UsageError, check_number  # sklearn: only imported when needed
+
+    try:
+        return check_number(top, "ablate_top", whole=True, min_val=1)
+    except UsageError as err:
+        raise HeadSpecError(str(err)) from None
+
+
 def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     """Head names from a file, in file order (ranked files: best first).
 
@@ -150,6 +186,8 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     ``headloc-harness`` writes); any other file holds one head per line (``#`` comments
     and blank lines ignored; ``+``-joined lines allowed). ``top=K`` keeps the first K.
     """
+    if top is not None:
+        top = check_top(top)
     path = Path(path)
     if not path.is_file():
         raise HeadSpecError(f"head file not found: {path}")
@@ -167,8 +205,6 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
             if line:
                 names.extend(part.strip() for part in line.split("+"))
     if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-            raise HeadSpecError(f"ablate_top={top!r}: must be a whole number >= 1")
         if top > len(names):
             raise HeadSpecError(
                 f"ablate_top={top} but {path} lists only {len(names)} head(s)"

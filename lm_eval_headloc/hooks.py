@@ -36,17 +36,38 @@ class AttentionOutputNotFound(HeadSpecError):
     """The attention output projection of this architecture could not be discovered."""
 
 
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def attention_geometry(model: nn.Module) -> tuple[int, int]:
     """(layers, query heads per layer) from the model's (text) config."""
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    config = _text_config(model)
     try:
         return int(config.num_hidden_layers), int(config.num_attention_heads)
     except AttributeError as err:
         raise AttentionOutputNotFound(
             f"cannot read the layer/head counts from {type(config).__name__}: {err}"
         ) from None
+
+
+def _head_dim(model: nn.Module, heads_per_layer: int) -> int | None:
+    """Width of one head's slice of the output projection's input, per the config.
+
+    ``v_head_dim`` first: in multi-head latent attention (DeepSeek-V2/V3) the projection
+    takes the value heads while ``head_dim`` is the rotary query/key width. None when
+    the config does not tell.
+    """
+    config = _text_config(model)
+    for name in ("v_head_dim", "head_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(hidden, int) and hidden % heads_per_layer == 0:
+        return hidden // heads_per_layer
+    return None
 
 
 def _input_features(module: nn.Module) -> int | None:
@@ -56,6 +77,15 @@ def _input_features(module: nn.Module) -> int | None:
     if type(module).__name__ == "Conv1D" and weight is not None:  # GPT-2: weight (in, out)
         return int(weight.shape[0])
     return None
+
+
+def _fits(features: int | None, heads_per_layer: int, head_dim: int | None) -> bool:
+    # The input must be the concatenation of the heads' outputs: heads x head_dim wide.
+    if features is None:
+        return False
+    if head_dim is None:
+        return features % heads_per_layer == 0
+    return features == heads_per_layer * head_dim
 
 
 def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
@@ -73,7 +103,8 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def _output_projection(layer: nn.Module, index: int, num_heads: int) -> nn.Module:
+def _output_projection(layer: nn.Module, index: int, heads_per_layer: int,
+                       head_dim: int | None) -> nn.Module:
     candidates = []
     for name, module in layer.named_modules():
         parts = name.split(".")
@@ -81,8 +112,7 @@ def _output_projection(layer: nn.Module, index: int, num_heads: int) -> nn.Modul
             continue
         if not any(hint in parts[-2].lower() for hint in _ATTENTION_HINTS):
             continue
-        features = _input_features(module)
-        if features is not None and features % num_heads == 0:
+        if _fits(_input_features(module), heads_per_layer, head_dim):
             candidates.append((name, module))
     if len(candidates) == 1:
         return candidates[0][1]
@@ -101,27 +131,130 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
 
     Discovered from the config's layer count, the decoder layer list and the module
     names and shapes; ``attn_out`` (an fnmatch pattern over ``model.named_modules()``
-    names, e.g. ``model.layers.*.self_attn.o_proj``) names them explicitly instead.
+    names, e.g. ``model.layers.*.self_attn.o_proj``) names them explicitly instead, and
+    a probe forward pass checks that each match is what its attention block returns.
     """
-    num_layers, num_heads = attention_geometry(model)
+    num_layers, heads_per_layer = attention_geometry(model)
+    head_dim = _head_dim(model, heads_per_layer)
     if attn_out:
-        matches = [m for name, m in model.named_modules() if fnmatch.fnmatchcase(name, attn_out)]
-        if len(matches) != num_layers:
+        named = [(name, m) for name, m in model.named_modules()
+                 if fnmatch.fnmatchcase(name, attn_out)]
+        if len(named) != num_layers:
             raise AttentionOutputNotFound(
-                f"attn_out={attn_out!r} matches {len(matches)} module(s); it must match "
+                f"attn_out={attn_out!r} matches {len(named)} module(s); it must match "
                 f"exactly one per decoder layer ({num_layers})"
             )
     else:
         layers = _decoder_layers(model, num_layers)
-        matches = [_output_projection(layer, i, num_heads) for i, layer in enumerate(layers)]
-    for index, module in enumerate(matches):
+        named = [(f"decoder layer {i}", _output_projection(layer, i, heads_per_layer, head_dim))
+                 for i, layer in enumerate(layers)]
+    for index, (name, module) in enumerate(named):
         features = _input_features(module)
-        if features is None or features % num_heads:
+        if not _fits(features, heads_per_layer, head_dim):
+            expected = (f"{heads_per_layer} heads x {head_dim} = {heads_per_layer * head_dim}"
+                        if head_dim else f"a multiple of {heads_per_layer} heads")
             raise AttentionOutputNotFound(
-                f"attention output of layer {index} ({type(module).__name__}) takes "
-                f"{features} input features, not a multiple of {num_heads} heads"
+                f"attention output of layer {index} ({name}, {type(module).__name__}) takes "
+                f"{features} input features, not {expected}"
             )
-    return matches
+    if attn_out:
+        _check_feeds_attention_output(model, named, attn_out)
+    return [module for _, module in named]
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    # Attention blocks return (output, weights, ...) or just the output.
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    if actual.shape != expected.shape:
+        return False
+    # A few rounding steps of the coarser of the two dtypes (bf16/fp16 models).
+    eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+              for t in (actual, expected))
+    actual, expected = actual.detach().float(), expected.detach().float()
+    scale = max(expected.abs().max().item(), 1e-30)
+    return (actual - expected).abs().max().item() <= 4 * eps * scale
+
+
+def _probe_inputs(model: nn.Module) -> dict:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None) or 32
+    weight = getattr(embeddings, "weight", None)
+    device = weight.device if weight is not None and weight.device.type != "meta" else "cpu"
+    # A few distinct ordinary tokens (not 0-2, often pad/bos/eos with special embeddings).
+    ids = ((torch.arange(4) * 7 + 3) % vocab)[None].to(device)
+    inputs = {"input_ids": ids, "use_cache": False}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    return inputs
+
+
+def _check_feeds_attention_output(model: nn.Module, named: list[tuple[str, nn.Module]],
+                                  attn_out: str) -> None:
+    """Refuse ``attn_out`` matches that are not their attention block's output projection.
+
+    The width check alone lets a query/key/value projection through whenever hidden =
+    heads x head_dim (Llama's q_proj). What tells them apart: the output projection's
+    output is what the block returns to the residual stream, unchanged (or, in BLOOM,
+    with the block's residual input added). One probe forward pass on 4 tokens checks it.
+    """
+    records: list[dict] = [{} for _ in named]
+    handles = []
+
+    def keep(record: dict, key: str):
+        return lambda module, args, output: record.__setitem__(key, _first_tensor(output))
+
+    def keep_inputs(record: dict):
+        def hook(module, args, kwargs):
+            record["inputs"] = [t for t in (*args, *kwargs.values())
+                                if isinstance(t, torch.Tensor)]
+        return hook
+
+    for (name, module), record in zip(named, records, strict=True):
+        block_name = name.rpartition(".")[0]
+        block = model.get_submodule(block_name) if block_name else model
+        record["block_name"] = block_name or "the model"
+        handles += [module.register_forward_hook(keep(record, "output")),
+                    block.register_forward_pre_hook(keep_inputs(record), with_kwargs=True),
+                    block.register_forward_hook(keep(record, "block_output"))]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # dropout between the projection and the block's output would blur it
+    try:
+        with torch.no_grad():
+            model(**_probe_inputs(model))
+    except Exception as err:  # whatever broke, say so in one line
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise AttentionOutputNotFound(
+            f"attn_out={attn_out!r}: the probe forward pass that checks the matched modules "
+            f"failed ({type(err).__name__}: {message})"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
+    for (name, _), record in zip(named, records, strict=True):
+        output, block_output = record.get("output"), record.get("block_output")
+        if output is None or block_output is None:
+            raise AttentionOutputNotFound(
+                f"attn_out={attn_out!r} matches {name}, which (or whose block "
+                f"{record['block_name']}) did not run in a forward pass"
+            )
+        if not (_close(block_output, output) or any(
+                _close(block_output, output + residual)
+                for residual in record.get("inputs", []) if residual.shape == output.shape)):
+            raise AttentionOutputNotFound(
+                f"attn_out={attn_out!r} matches {name}, whose output is not what its block "
+                f"{record['block_name']} returns, so it is not the attention output "
+                "projection (a query/key/value projection?); name the projection whose input "
+                "is the heads' outputs, e.g. attn_out=model.layers.*.self_attn.o_proj"
+            )
 
 
 class HeadKnockout:
@@ -133,13 +266,13 @@ class HeadKnockout:
     """
 
     def __init__(self, model: nn.Module, attn_out: str | None = None) -> None:
-        self.num_layers, self.num_heads = attention_geometry(model)
+        self.num_layers, self.heads_per_layer = attention_geometry(model)
         self.modules = find_attention_outputs(model, attn_out)
-        self.head_dim = _input_features(self.modules[0]) // self.num_heads
+        self.head_dim = _input_features(self.modules[0]) // self.heads_per_layer
         # One boolean row per layer, on that layer's device (models may be split
         # across devices); True = knocked out.
         self._knocked = [
-            torch.zeros(self.num_heads, 1, dtype=torch.bool, device=_device_of(m))
+            torch.zeros(self.heads_per_layer, 1, dtype=torch.bool, device=_device_of(m))
             for m in self.modules
         ]
         self._active = [False] * self.num_layers
@@ -153,7 +286,7 @@ class HeadKnockout:
         ]
 
     def _make_hook(self, layer: int):
-        active, knocked, num_heads = self._active, self._knocked, self.num_heads
+        active, knocked, heads_per_layer = self._active, self._knocked, self.heads_per_layer
         row_knocked = self._row_knocked
 
         def knock_out_heads(module: nn.Module, args: tuple):
@@ -165,7 +298,7 @@ class HeadKnockout:
                 if rows.shape[0] != hidden.shape[0]:
                     raise RuntimeError(f"per-row head masks for {rows.shape[0]} rows, batch "
                                        f"has {hidden.shape[0]}")
-                per_head = hidden.unflatten(-1, (num_heads, -1)).masked_fill(
+                per_head = hidden.unflatten(-1, (heads_per_layer, -1)).masked_fill(
                     rows.to(hidden.device), 0)
                 return (per_head.flatten(-2), *rest)
             if not active[layer]:
@@ -175,7 +308,7 @@ class HeadKnockout:
             if mask.device != hidden.device:
                 mask = knocked[layer] = mask.to(hidden.device)
             # (..., H*d) -> (..., H, d); masked_fill gives exact zeros whatever the dtype.
-            per_head = hidden.unflatten(-1, (num_heads, -1)).masked_fill(mask, 0)
+            per_head = hidden.unflatten(-1, (heads_per_layer, -1)).masked_fill(mask, 0)
             return (per_head.flatten(-2), *rest)
 
         return knock_out_heads
@@ -190,7 +323,7 @@ class HeadKnockout:
         if isinstance(heads, str) and not heads.strip():
             parsed: list[Head] = []
         else:
-            parsed = parse_heads(heads, self.num_layers, self.num_heads)
+            parsed = parse_heads(heads, self.num_layers, self.heads_per_layer)
         for layer in {h.layer for h in self._heads}:  # clear only the layers in use
             self._knocked[layer].fill_(False)
             self._active[layer] = False
@@ -214,11 +347,11 @@ class HeadKnockout:
             self._row_knocked[:] = [None] * self.num_layers
             return
         knocked_out = torch.as_tensor(knocked_out, dtype=torch.bool)
-        expected = self.num_layers * self.num_heads
+        expected = self.num_layers * self.heads_per_layer
         if knocked_out.ndim != 2 or knocked_out.shape[1] != expected:
             raise ValueError(f"per-row masks must have shape (rows, {expected}), "
                              f"got {tuple(knocked_out.shape)}")
-        per_layer = knocked_out.view(-1, self.num_layers, self.num_heads)
+        per_layer = knocked_out.view(-1, self.num_layers, self.heads_per_layer)
         for layer in range(self.num_layers):
             rows = per_layer[:, layer]
             self._row_knocked[layer] = (rows[:, None, :, None].to(self._knocked[layer].device)
@@ -231,7 +364,7 @@ class HeadKnockout:
         self._handles = []
 
     def __repr__(self) -> str:
-        return (f"HeadKnockout({self.num_layers} layers x {self.num_heads} heads, "
+        return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads, "
                 f"knocked out: {format_heads(self._heads) or 'none'})")
 
 

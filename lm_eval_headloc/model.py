@@ -10,35 +10,29 @@ Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`
 from __future__ import annotations
 
 import hashlib
-import sys
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .heads import Head, HeadSpecError, format_heads, read_heads_file
+from .heads import Head, HeadSpecError, check_head_names, check_top, format_heads, read_heads_file
 from .hooks import HeadKnockout
 from .registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM"]
 
-
-def _one_line_user_errors(exc_type, exc, tb, _default=sys.excepthook):
-    # Under the stock `lm_eval` command a bad head list would end in a traceback
-    # through lm-eval's internals; a user mistake gets one line and exit status 1.
-    if issubclass(exc_type, HeadSpecError):
-        print(f"{MODEL_NAME}: error: {exc}", file=sys.stderr)
-    else:
-        _default(exc_type, exc, tb)
+# No sys.excepthook here: importing the model must not change how a program reports its
+# errors. The stock `lm_eval` command's one-line head errors come from registration.py.
 
 
-sys.excepthook = _one_line_user_errors
+def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) -> list[str]:
+    """The head names asked for, checked for syntax (not yet against the model).
 
-
-def _requested_heads(
-    ablate: str | Iterable[str] | None, ablate_file: str | None, ablate_top: int | None
-) -> list[str]:
+    lm-eval's model_args parser turns ``ablate=1`` into an int and ``ablate=True`` into a
+    bool, hence the type checks: they give one line instead of a TypeError deep inside.
+    """
     names: list[str] = []
     if ablate is not None:
         if isinstance(ablate, str):
@@ -47,12 +41,25 @@ def _requested_heads(
                     "ablate= is empty; give heads like ablate=L0H29+L1H31, or leave it out"
                 )
             names.extend(ablate.split("+"))
-        else:
+        elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
             names.extend(ablate)
+        else:
+            raise HeadSpecError(
+                f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
+                "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer)"
+            )
+    if ablate_top is not None:
+        ablate_top = check_top(ablate_top)
+        if ablate_file is None:
+            raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
     if ablate_file is not None:
+        if not isinstance(ablate_file, (str, os.PathLike)):
+            raise HeadSpecError(
+                f"ablate_file={ablate_file!r}: expected the path of a head file (a "
+                "headloc-harness heads.json, a JSON list, or one head per line)"
+            )
         names.extend(read_heads_file(ablate_file, top=ablate_top))
-    elif ablate_top is not None:
-        raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
+    check_head_names(names)
     return names
 
 
@@ -63,14 +70,18 @@ class HFHeadAblateLM(HFLM):
     def __init__(
         self,
         pretrained: Any,
-        ablate: str | Iterable[str] | None = None,
-        ablate_file: str | None = None,
+        ablate: str | Iterable[str | Head | tuple[int, int]] | None = None,
+        ablate_file: str | os.PathLike | None = None,
         ablate_top: int | None = None,
         attn_out: str | None = None,
         **kwargs: Any,
     ) -> None:
-        # Read the head list before loading weights, so a missing file fails fast.
+        # Read and parse the head list before loading weights, so a missing file or a
+        # malformed name fails fast; the layer/head ranges are checked once it is loaded.
         requested = _requested_heads(ablate, ablate_file, ablate_top)
+        if attn_out is not None and not isinstance(attn_out, str):
+            raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
+                                "e.g. attn_out=model.layers.*.self_attn.o_proj")
         super().__init__(pretrained=pretrained, **kwargs)
         self.knockout = HeadKnockout(self.model, attn_out=attn_out)
         self._cache_db = None
@@ -81,8 +92,8 @@ class HFHeadAblateLM(HFLM):
         return self.knockout.num_layers
 
     @property
-    def num_heads(self) -> int:
-        return self.knockout.num_heads
+    def heads_per_layer(self) -> int:
+        return self.knockout.heads_per_layer
 
     @property
     def knocked_out(self) -> tuple[Head, ...]:

@@ -2,15 +2,25 @@
 
 lm-eval 0.4.13 has no plugin discovery, so the package installs a start-up hook
 (``_lm_eval_headloc_startup.py`` via a ``.pth`` file) that calls ``register`` right after
-``lm_eval.models`` is imported; ``import lm_eval_headloc`` calls it too. Only a
-"module:Class" placeholder is registered: torch and transformers load when the model
-is first asked for, not before.
+``lm_eval.models`` is imported; ``import lm_eval_headloc`` does the same through
+``register_when_imported``, which loads that hook where Python did not (a checkout used
+without installing). Neither imports lm-eval:
+a program that never uses lm-eval does not pay for it. Only a "module:Class" placeholder
+is registered: torch and transformers load when the model is first asked for.
+
+``register`` also gives the stock ``lm_eval`` command one line, not a traceback, for a
+bad head list; only in that program, and only for our own ``HeadSpecError``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 MODEL_NAME = "hf-headablate"
 MODEL_TARGET = "lm_eval_headloc.model:HFHeadAblateLM"
+_WATCHED = "lm_eval.models"
 
 
 def register() -> None:
@@ -25,3 +35,67 @@ def register() -> None:
 
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target=MODEL_TARGET)
+    if _running_lm_eval_cli():
+        _install_cli_excepthook()
+
+
+def register_when_imported() -> None:
+    """``register`` now if ``lm_eval.models`` is loaded, else right after it is."""
+    if _WATCHED in sys.modules:
+        register()
+    else:
+        _load_startup_hook()
+
+
+def _load_startup_hook() -> None:
+    """Install the start-up hook's import watcher: the one copy of it. Installed, the hook
+    sits at the root of site-packages; in a source checkout it is in ``startup/``."""
+    module = sys.modules.get("_lm_eval_headloc_startup")
+    if module is None:
+        try:
+            import _lm_eval_headloc_startup as module
+        except ImportError:  # used from a checkout without installing
+            path = (Path(__file__).resolve().parent.parent / "startup"
+                    / "_lm_eval_headloc_startup.py")
+            spec = importlib.util.spec_from_file_location("_lm_eval_headloc_startup", path)
+            if spec is None or spec.loader is None or not path.is_file():
+                return  # nothing to watch with; lm_eval_headloc.registration.register() works
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+    # Again: a watcher may have been taken out since the import. (A hook from before
+    # install() existed inserted its watcher on import and has nothing to call.)
+    install = getattr(module, "install", None)
+    if install is not None:
+        install()
+
+
+# --- one line for a bad head list under the stock `lm_eval` command ---------------------
+
+def _running_lm_eval_cli() -> bool:
+    """Whether this process is the ``lm_eval`` console script or ``python -m lm_eval``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name in ("lm_eval", "lm_eval.__main__"):
+        return True
+    program = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return program in ("lm_eval", "lm-eval")
+
+
+def _install_cli_excepthook() -> None:
+    # lm-eval's CLI lets a model's constructor errors end in a traceback through its
+    # internals. A bad head list is a user mistake: one line (the exit status stays 1, as
+    # for any uncaught exception). Everything else goes to the hook that was there before.
+    previous = sys.excepthook
+    if getattr(previous, "_headloc_cli_hook", False):
+        return
+
+    def one_line_head_errors(exc_type, exc, tb):
+        from .heads import HeadSpecError
+
+        if isinstance(exc_type, type) and issubclass(exc_type, HeadSpecError):
+            print(f"{MODEL_NAME}: error: {exc}", file=sys.stderr)
+        else:
+            previous(exc_type, exc, tb)
+
+    one_line_head_errors._headloc_cli_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = one_line_head_errors

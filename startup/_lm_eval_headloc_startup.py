@@ -3,7 +3,8 @@
 It lets the stock ``lm_eval --model hf-headablate`` work without the user importing
 anything. It must cost nothing for unrelated programs: it imports no third-party
 module; it only waits for ``lm_eval.models`` to be imported and then registers the
-lazy ``hf-headablate`` placeholder (see ``lm_eval_headloc.registration``).
+lazy ``hf-headablate`` placeholder (see ``lm_eval_headloc.registration``, which also
+loads this module for ``import lm_eval_headloc`` where the ``.pth`` file did not).
 """
 
 import sys
@@ -49,5 +50,10 @@ class _WatchLmEvalModels(MetaPathFinder):
         return None
 
 
-if not any(type(f).__name__ == "_WatchLmEvalModels" for f in sys.meta_path):
-    sys.meta_path.insert(0, _WatchLmEvalModels())
+def install():
+    """Insert the watcher unless one is waiting already (idempotent)."""
+    if not any(type(f).__name__ == "_WatchLmEvalModels" for f in sys.meta_path):
+        sys.meta_path.insert(0, _WatchLmEvalModels())
+
+
+install()

@@ -7,6 +7,8 @@ import pytest
 from lm_eval_headloc.heads import (
     Head,
     HeadSpecError,
+    check_head_names,
+    check_top,
     format_heads,
     parse_heads,
     read_heads_file,
@@ -22,15 +24,15 @@ def test_parse_format_round_trip_is_sorted_and_unique():
 
 
 def test_whole_layer_expands_with_the_model_head_count():
-    assert parse_heads("L1H*+L0H0", num_layers=2, num_heads=3) == [
+    assert parse_heads("L1H*+L0H0", num_layers=2, heads_per_layer=3) == [
         Head(0, 0), Head(1, 0), Head(1, 1), Head(1, 2)]
     with pytest.raises(HeadSpecError, match="whole layer"):
         parse_heads("L1H*")
 
 
 def test_flat_index_round_trip():
-    assert Head(2, 3).index(9) == 21
-    assert Head.from_index(21, 9) == Head(2, 3)
+    assert Head(2, 3).flat_index(9) == 21
+    assert Head.from_flat_index(21, 9) == Head(2, 3)
 
 
 @pytest.mark.parametrize(
@@ -48,7 +50,7 @@ def test_flat_index_round_trip():
 )
 def test_bad_heads_name_the_value_and_the_allowed_range(spec, message):
     with pytest.raises(HeadSpecError, match=message) as info:
-        parse_heads(spec, num_layers=2, num_heads=4)
+        parse_heads(spec, num_layers=2, heads_per_layer=4)
     assert "\n" not in str(info.value)
 
 
@@ -80,3 +82,40 @@ def test_read_heads_file_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(HeadSpecError, match="not valid JSON"):
         read_heads_file(bad)
+
+
+def test_head_names_are_checked_without_a_model():
+    check_head_names("L3H*+L0H29+L12H0")  # whole layers parse without a head count
+    check_head_names([Head(0, 1), (2, 3), "L1H*"])
+    for spec, message in [("X1", "bad head name 'X1'"), ("l0h0", "bad head name 'l0h0'"),
+                          ("L*H1", r"bad head name 'L\*H1'"),
+                          ("L0H1++L1H2", "empty head name"), ("", "head list is empty")]:
+        with pytest.raises(HeadSpecError, match=message) as info:
+            check_head_names(spec)
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("pair, message", [
+    ((0, 1.5), r"bad head \(0, 1\.5\): head=1\.5: must be a whole number"),
+    ((True, 0), r"bad head \(True, 0\): layer=True: must be a whole number"),
+    (("0", 1), r"bad head \('0', 1\): layer='0': must be a whole number"),
+    (5, r"bad head 5: expected a name like 'L0H29', a Head or a \(layer, head\) pair"),
+    ((1, 2, 3), r"bad head \(1, 2, 3\): expected"),
+])
+def test_pairs_from_python_must_be_two_whole_numbers(pair, message):
+    # (0, 1.5) used to become L0H1 silently, 5 a TypeError.
+    with pytest.raises(HeadSpecError, match=message):
+        parse_heads([pair])
+    import numpy as np
+
+    assert parse_heads([(np.int64(1), np.int32(2))]) == [Head(1, 2)]
+
+
+@pytest.mark.parametrize("top", [True, 0, -1, 2.5, "3", [2]])
+def test_ablate_top_is_a_whole_number_from_one(top, tmp_path):
+    # Checked before the file is even looked for.
+    with pytest.raises(HeadSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
+        read_heads_file(tmp_path / "missing.json", top=top)
+    with pytest.raises(HeadSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
+        check_top(top)
+    assert check_top(3) == 3

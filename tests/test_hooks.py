@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, GQA_FAMILIES, HEADS, LAYERS
+from conftest import ARCHITECTURES, GQA_FAMILIES, HEADS, HIDDEN, KV_HEADS, LAYERS
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.heads import HeadSpecError
@@ -68,41 +69,58 @@ def test_no_heads_is_identical_to_plain_hf(tiny_model_dir, family):
     assert torch.equal(logits(lm.model), logits(plain.model))
 
 
-def _projection_inputs(model, family: str, layer: int) -> list[torch.Tensor]:
-    """What the output projection of `layer` receives, after the knockout hook."""
-    seen: list[torch.Tensor] = []
-    proj = model.get_submodule(ARCHITECTURES[family][2].format(l=layer))
-    handle = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
-    try:
-        logits(model)
-    finally:
-        handle.remove()
-    return seen
+def value_head_zeroed(folder, layer: int, kv_head: int):
+    """An independent copy whose key/value head `kv_head` has zero values in `layer`.
+
+    Every query head of that KV group then outputs exactly zero, whatever the attention
+    weights: the reference for knocking out the whole group, computed without our hook.
+    """
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    attn = model.model.layers[layer].self_attn
+    d = getattr(model.config, "head_dim", None) or HIDDEN // HEADS
+    if hasattr(attn, "v_proj"):
+        proj, start = attn.v_proj, 0
+    else:  # Phi-3: one fused projection, rows [queries | keys | values]
+        proj, start = attn.qkv_proj, (HEADS + KV_HEADS) * d
+    rows = slice(start + kv_head * d, start + (kv_head + 1) * d)
+    with torch.no_grad():
+        proj.weight[rows] = 0
+        if proj.bias is not None:  # Qwen2 has value biases
+            proj.bias[rows] = 0
+    return model
 
 
 @pytest.mark.parametrize("family", GQA_FAMILIES)
-def test_gqa_knockout_leaves_the_rest_of_the_kv_group(tiny_model_dir, family):
-    # Query heads 0 and 1 share key/value head 0 (4 query heads, 2 KV heads).
-    lm = load_ablate(tiny_model_dir(family))
-    (before,) = _projection_inputs(lm.model, family, layer=0)
-    lm.set_heads("L0H0")
-    (after,) = _projection_inputs(lm.model, family, layer=0)
-    per_head_before = before.unflatten(-1, (HEADS, -1))
-    per_head_after = after.unflatten(-1, (HEADS, -1))
-    assert torch.count_nonzero(per_head_after[..., 0, :]) == 0
-    assert torch.count_nonzero(per_head_before[..., 1, :]) > 0
-    assert torch.equal(per_head_after[..., 1:, :], per_head_before[..., 1:, :])
+def test_gqa_knockout_removes_one_query_head_not_its_kv_group(tiny_model_dir, family):
+    # 4 query heads, 2 KV heads: query heads 0-1 read KV head 0, 2-3 read KV head 1.
+    folder = tiny_model_dir(family)
+    lm = load_ablate(folder)
+    for group in range(KV_HEADS):
+        # Knocking out both query heads of a group = silencing its value head.
+        lm.set_heads(f"L0H{2 * group}+L0H{2 * group + 1}")
+        assert torch.allclose(logits(lm.model), logits(value_head_zeroed(folder, 0, group)),
+                              atol=1e-5), group
+    # One query head: its own o_proj columns only, not its whole KV group (a hook that
+    # sliced by KV heads, or zeroed the shared value head, would give the group result).
+    lm.set_heads("L0H1")
+    one = logits(lm.model)
+    assert torch.allclose(one, logits(zeroed_reference(folder, family, [(0, 1)])), atol=1e-5)
+    assert not torch.allclose(one, logits(value_head_zeroed(folder, 0, 0)), atol=1e-4)
+    assert not torch.allclose(one, logits(zeroed_reference(folder, family, [])), atol=1e-4)
 
 
-def test_switching_in_place_matches_a_fresh_model(tiny_model_dir):
+def test_switching_in_place_matches_hand_zeroed_weights(tiny_model_dir):
     folder = tiny_model_dir("qwen2")
     live = load_ablate(folder)
     hooks_before = [len(m._forward_pre_hooks) for m in live.knockout.modules]
-    for spec in ["L0H1", "L1H*", "L0H0+L0H3+L1H1", "L1H2"]:
+    # Each mask after another: a head left over from the previous mask would show.
+    for spec, heads in [("L0H1", [(0, 1)]), ("L1H*", [(1, 0), (1, 1), (1, 2), (1, 3)]),
+                        ("L0H0+L0H3+L1H1", [(0, 0), (0, 3), (1, 1)]), ("L1H2", [(1, 2)]),
+                        ("", [])]:
         live.set_heads(spec)
-        fresh = load_ablate(folder, ablate=spec)
-        assert live.knocked_out == fresh.knocked_out
-        assert torch.equal(logits(live.model), logits(fresh.model))
+        assert live.knocked_out == tuple(sorted(heads))
+        expected = logits(zeroed_reference(folder, "qwen2", heads))
+        assert torch.allclose(logits(live.model), expected, atol=1e-5), spec
     # Switching re-registers nothing.
     assert [len(m._forward_pre_hooks) for m in live.knockout.modules] == hooks_before
 
@@ -153,7 +171,7 @@ def test_peft_lora_on_the_output_projection(tiny_model_dir, tmp_path):
 
 def test_bad_heads_and_files_are_one_line_errors(tiny_model_dir, tmp_path):
     lm = load_ablate(tiny_model_dir("llama"))
-    assert (lm.num_layers, lm.num_heads) == (LAYERS, HEADS)
+    assert (lm.num_layers, lm.heads_per_layer) == (LAYERS, HEADS)
     for spec, message in [
         ("L99H0", r"L99H0 is outside the model: layer 99 not in 0\.\.1"),
         ("L0H9", r"L0H9 is outside the model: head 9 not in 0\.\.3"),
@@ -184,9 +202,11 @@ def test_ablate_file_with_top_k_and_union_with_ablate(tiny_model_dir, tmp_path):
 
 def test_unreadable_architecture_says_how_to_name_the_module(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
-    for layer in model.model.layers:  # hide the projection under an unknown name
-        layer.self_attn.mixer_out = layer.self_attn.o_proj
+    for layer in model.model.layers:  # list the projection under an unknown name only
+        o_proj = layer.self_attn.o_proj
         del layer.self_attn.o_proj
+        layer.self_attn.mixer_out = o_proj
+        layer.self_attn.__dict__["o_proj"] = o_proj  # what forward calls; not a submodule
     with pytest.raises(AttentionOutputNotFound, match="attn_out=") as info:
         HeadKnockout(model)
     assert "\n" not in str(info.value)
@@ -198,17 +218,15 @@ def test_unreadable_architecture_says_how_to_name_the_module(tiny_model_dir):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_per_row_masks_equal_one_mask_at_a_time(tiny_model_dir, family):
-    lm = load_ablate(tiny_model_dir(family), ablate="L0H3")  # replaced while rows are set
+    folder = tiny_model_dir(family)
+    lm = load_ablate(folder, ablate="L0H3")  # replaced while rows are set
     masks = ["L1H2", "", "L0H0+L1H3", "L0H*"]
-    expected = []
-    for spec in masks:
-        lm.set_heads(spec)
-        expected.append(logits(lm.model)[0])
-    lm.set_heads("L0H3")
+    by_hand = [[(1, 2)], [], [(0, 0), (1, 3)], [(0, 0), (0, 1), (0, 2), (0, 3)]]
+    expected = [logits(zeroed_reference(folder, family, heads))[0] for heads in by_hand]
     rows = torch.zeros(len(masks), LAYERS * HEADS, dtype=torch.bool)
     for r, spec in enumerate(masks):
         for head in (lm.knockout.set_heads(spec) if spec else []):
-            rows[r, head.index(HEADS)] = True
+            rows[r, head.flat_index(HEADS)] = True
     lm.knockout.set_heads("L0H3")
     lm.knockout.set_row_masks(rows)
     with torch.no_grad():
@@ -216,7 +234,76 @@ def test_per_row_masks_equal_one_mask_at_a_time(tiny_model_dir, family):
     for r in range(len(masks)):
         assert torch.allclose(together[r], expected[r], atol=1e-5), masks[r]
     lm.knockout.set_row_masks(None)  # back to the set_heads mask
-    lm2 = load_ablate(tiny_model_dir(family), ablate="L0H3")
-    assert torch.equal(logits(lm.model), logits(lm2.model))
+    assert torch.allclose(logits(lm.model), logits(zeroed_reference(folder, family, [(0, 3)])),
+                          atol=1e-5)
     with pytest.raises(ValueError, match="per-row masks must have shape"):
         lm.knockout.set_row_masks(torch.zeros(2, 3, dtype=torch.bool))
+
+
+# Patterns that match one module per layer, but the wrong one: each layer's input width
+# is hidden = heads x head_dim in these tiny models, so only the probe can refuse most.
+WRONG_ATTN_OUT = {
+    "llama": ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
+              "model.layers.*.self_attn.v_proj", "model.layers.*.mlp.gate_proj"],
+    "phi3": ["model.layers.*.self_attn.qkv_proj"],
+    "gpt2": ["transformer.h.*.attn.c_attn", "transformer.h.*.mlp.c_fc"],
+    "gpt_neox": ["gpt_neox.layers.*.attention.query_key_value"],
+    "opt": ["model.decoder.layers.*.self_attn.q_proj", "model.decoder.layers.*.fc1"],
+}
+
+
+@pytest.mark.parametrize("family", list(ARCHITECTURES))
+def test_attn_out_accepts_only_the_attention_output_projection(tiny_model_dir, family):
+    folder = tiny_model_dir(family)
+    pattern = ARCHITECTURES[family][2].replace("{l}", "*")
+    lm = load_ablate(folder, attn_out=pattern, ablate="L1H2")
+    expected = logits(zeroed_reference(folder, family, [(1, 2)]))
+    assert torch.allclose(logits(lm.model), expected, atol=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for wrong in WRONG_ATTN_OUT.get(family, []):
+        with pytest.raises(AttentionOutputNotFound, match=r"attn_out=|input features") as info:
+            HeadKnockout(model, attn_out=wrong)
+        assert "\n" not in str(info.value)
+        # The probe's hooks are gone again.
+        assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_attn_out_width_must_be_heads_times_head_dim(tiny_model_dir):
+    # down_proj takes 64 features: a multiple of 4 heads, but not 4 x 8.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
+    with pytest.raises(AttentionOutputNotFound,
+                       match=r"layer 0 \(model\.layers\.0\.mlp\.down_proj, Linear\) takes 64 "
+                             r"input features, not 4 heads x 8 = 32"):
+        HeadKnockout(model, attn_out="model.layers.*.mlp.down_proj")
+
+
+def test_discovery_skips_a_look_alike_of_the_wrong_width(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    for layer in model.model.layers:  # named like an output projection, 8 heads x 8 wide
+        layer.self_attn.out = nn.Linear(2 * HEADS * 8, 32)
+    knockout = HeadKnockout(model)
+    assert knockout.modules == [layer.self_attn.o_proj for layer in model.model.layers]
+
+
+def test_bloom_adds_the_residual_inside_attention_and_attn_out_still_works():
+    from transformers import BloomConfig
+
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=300, hidden_size=32, n_layer=LAYERS, n_head=HEADS)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        plain = logits(model)
+        dense = model.transformer.h[1].self_attention.dense
+        saved = dense.weight[:, 16:24].clone()
+        dense.weight[:, 16:24] = 0  # head 2 by hand
+        by_hand = logits(model)
+        dense.weight[:, 16:24] = saved
+    knockout = HeadKnockout(model, attn_out="transformer.h.*.self_attention.dense")
+    knockout.set_heads("L1H2")
+    assert torch.allclose(logits(model), by_hand, atol=1e-5)
+    assert not torch.allclose(by_hand, plain, atol=1e-4)
+    knockout.remove()
+    with pytest.raises(AttentionOutputNotFound, match="is not what its block"):
+        HeadKnockout(model, attn_out="transformer.h.*.self_attention.query_key_value")

@@ -53,11 +53,23 @@ def test_stock_registry_finds_the_model_lazily_and_keeps_hf():
     assert result.stdout.split() == ["lm_eval_headloc.model:HFHeadAblateLM", "False"]
 
 
-def test_import_registers_without_the_startup_hook_and_entry_point_is_declared():
+# Without the start-up hook: its watcher taken out (and, for a source checkout used
+# without installing, the hook module not importable at all: found in startup/ instead).
+NO_HOOK = ("import sys\n"
+           "sys.meta_path[:] = [f for f in sys.meta_path"
+           " if type(f).__name__ != '_WatchLmEvalModels']\n")
+NOT_INSTALLED = (NO_HOOK + "sys.modules.pop('_lm_eval_headloc_startup', None)\n"
+                 "class Block:\n"
+                 "    def find_spec(self, name, path=None, target=None):\n"
+                 "        if name == '_lm_eval_headloc_startup':\n"
+                 "            raise ImportError('not installed')\n"
+                 "sys.meta_path.insert(0, Block())\n")
+
+
+@pytest.mark.parametrize("without_hook", [NO_HOOK, NOT_INSTALLED], ids=["watcher", "module"])
+def test_import_registers_without_the_startup_hook_and_entry_point_is_declared(without_hook):
     result = run_python(
-        "import sys\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path"
-        " if type(f).__name__ != '_WatchLmEvalModels']\n"
+        without_hook +
         "import lm_eval_headloc\n"
         "from lm_eval.api.registry import get_model\n"
         "print(get_model('hf-headablate').__name__, get_model('hf').__name__)\n"
@@ -68,6 +80,114 @@ def test_import_registers_without_the_startup_hook_and_entry_point_is_declared()
 
     (entry,) = entry_points(group="lm_eval.models", name="hf-headablate")
     assert entry.value == "lm_eval_headloc.model:HFHeadAblateLM"
+
+
+def test_lm_eval_free_modules_do_not_import_lm_eval():
+    result = run_python(
+        "import sys\n"
+        "import lm_eval_headloc, lm_eval_headloc.heads, lm_eval_headloc.checks\n"
+        "import lm_eval_headloc.designs, lm_eval_headloc.recovery\n"
+        "print(sorted(m for m in ('lm_eval', 'torch') if m in sys.modules))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]"]
+
+
+def test_import_after_lm_eval_models_registers_at_once():
+    # The other order: lm_eval.models already imported, no start-up hook to catch it.
+    result = run_python(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path"
+        " if type(f).__name__ != '_WatchLmEvalModels']\n"
+        "import lm_eval.models\n"
+        "from lm_eval.api.registry import model_registry\n"
+        "print('hf-headablate' in model_registry)\n"
+        "import lm_eval_headloc\n"
+        "print('hf-headablate' in model_registry)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
+def test_excepthook_is_left_alone_outside_the_lm_eval_command():
+    # Importing the model (and lm-eval) in any other program changes no global hook.
+    result = run_python(
+        "import sys\n"
+        "before = sys.excepthook\n"
+        "import lm_eval.models, lm_eval_headloc, lm_eval_headloc.model\n"
+        "print(sys.excepthook is before)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"]
+
+
+def test_lm_eval_command_hook_handles_only_head_errors():
+    # As if this were the `lm_eval` console script: our errors get one line, everything
+    # else goes to the hook that was installed before.
+    result = run_python(
+        "import sys\n"
+        "seen = []\n"
+        "sys.excepthook = lambda kind, value, tb: seen.append(kind.__name__)\n"
+        "sys.argv[0] = '/somewhere/bin/lm_eval'\n"
+        "import lm_eval.models\n"
+        "from lm_eval_headloc.heads import HeadSpecError\n"
+        "for err in (HeadSpecError('bad head name X1'), KeyError('k'), SystemError('s')):\n"
+        "    sys.excepthook(type(err), err, None)\n"
+        "print(seen)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['KeyError', 'SystemError']"
+    assert result.stderr.strip() == "hf-headablate: error: bad head name X1"
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    """HFLM.__init__ (which loads the weights) fails loudly if reached."""
+    from lm_eval.models.huggingface import HFLM
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("weights are loading")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ablate="X1"), r"bad head name 'X1'"),
+    (dict(ablate="l0h0"), r"bad head name 'l0h0'"),
+    (dict(ablate="L*H1"), r"bad head name 'L\*H1'"),
+    (dict(ablate="L0H1++L1H2"), r"empty head name"),
+    # What lm-eval's model_args parser makes of ablate=1 and ablate=True.
+    (dict(ablate=1), r"^ablate=1: expected heads like ablate=L0H29\+L1H31"),
+    (dict(ablate=True), r"^ablate=True: expected heads like ablate=L0H29\+L1H31"),
+    (dict(ablate_file="h.txt", ablate_top=True),
+     r"^ablate_top=True: must be a whole number >= 1, not True/False"),
+    (dict(ablate_file="h.txt", ablate_top=0), r"^ablate_top=0: must be a whole number >= 1"),
+    (dict(ablate_file="h.txt", ablate_top=1.5), r"^ablate_top=1\.5: must be a whole number"),
+    (dict(ablate_top=2), r"^ablate_top=2 needs ablate_file=PATH"),
+    (dict(ablate_file=1), r"^ablate_file=1: expected the path of a head file"),
+    (dict(ablate_file="nope.json"), r"^head file not found: nope\.json"),
+    (dict(ablate="L0H1", ablate_file="bad.txt"), r"bad head name 'L0H\*\*'"),
+    (dict(attn_out=1), r"^attn_out=1: expected a module-name pattern"),
+])
+def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path, monkeypatch,
+                                                     kwargs, message):
+    from lm_eval_headloc.heads import HeadSpecError
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h.txt").write_text("L0H1\nL1H2\n")
+    (tmp_path / "bad.txt").write_text("L0H**\n")
+    with pytest.raises(HeadSpecError, match=message) as info:
+        HFHeadAblateLM(pretrained="never-loaded", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_head_ranges_are_checked_after_the_weights_load(no_weight_loading):
+    # L99H0 is well-formed: only the loaded model can say it is out of range.
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    with pytest.raises(AssertionError, match="weights are loading"):
+        HFHeadAblateLM(pretrained="never-loaded", ablate="L99H0+L3H*")
 
 
 def _per_sample_loglikelihoods(results: dict) -> list[float]:
@@ -114,11 +234,18 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     ("ablate=L99H0", r"hf-headablate: error: head L99H0 is outside the model: layer 99 not in"),
     ("ablate=L0H1+X1", r"hf-headablate: error: bad head name 'X1'"),
     ("ablate_file=/no/such/heads.json", r"hf-headablate: error: head file not found"),
+    ("ablate=1", r"hf-headablate: error: ablate=1: expected heads like ablate=L0H29\+L1H31"),
+    ("ablate_file=/no/such/heads.json,ablate_top=True",
+     r"hf-headablate: error: ablate_top=True: must be a whole number >= 1"),
+    ("-m lm_eval: ablate=L0H1+X1", r"hf-headablate: error: bad head name 'X1'"),
 ])
 def test_stock_cli_bad_heads_one_line_nonzero_exit(tiny_model_dir, bad, message):
     folder = tiny_model_dir("llama")
+    command = [LM_EVAL]
+    if bad.startswith("-m lm_eval: "):  # python -m lm_eval, not the console script
+        command, bad = [sys.executable, "-m", "lm_eval"], bad.removeprefix("-m lm_eval: ")
     cli = subprocess.run(
-        [LM_EVAL, "--model", "hf-headablate", "--model_args",
+        [*command, "--model", "hf-headablate", "--model_args",
          f"pretrained={folder},{bad}", "--device", "cpu", "--tasks", "tiny_choice",
          "--include_path", TASKS],
         capture_output=True, text=True, timeout=300,
@@ -184,7 +311,7 @@ def test_embedded_smollm2_gguf(smollm2):
 
     folder, gguf = smollm2
     lm = HFHeadAblateLM(pretrained=folder, gguf_file=gguf, device="cpu", dtype="float32")
-    assert (lm.num_layers, lm.num_heads) == (30, 9)
+    assert (lm.num_layers, lm.heads_per_layer) == (30, 9)
     ids = lm.tok_batch_encode(["When Mary and John went to the store, John gave a drink to"])[0]
     with torch.no_grad():
         plain = lm.model(ids).logits[0, -1]
