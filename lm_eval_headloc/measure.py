@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_number
 from .heads import Head
 from .metrics import TaskScore, task_score
 
@@ -138,10 +140,23 @@ class HarnessMeasurement:
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed)
         self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
+        self._batch_size: int | None = None  # rows per pass, resolved on first use
 
     @property
     def leaf_tasks(self) -> list[str]:
         return sorted(self.doc_counts)
+
+    @property
+    def examples_used(self) -> dict[str, int]:
+        """Documents each leaf task is measured on. ``num_samples`` (or ``limit``) larger
+        than a task's documents uses all of them, so this can be less than asked for."""
+        if self.subset is not None:
+            return {leaf: len(indices) for leaf, indices in self.subset.items()}
+        if self.limit is None:
+            return dict(self.doc_counts)
+        # lm-eval's evaluator_utils.get_sample_size: a limit below 1 is a fraction.
+        return {leaf: min(count, math.ceil(count * self.limit) if self.limit < 1.0
+                          else int(self.limit)) for leaf, count in self.doc_counts.items()}
 
     @property
     def loglikelihood_only(self) -> bool:
@@ -187,36 +202,82 @@ class HarnessMeasurement:
         loglikelihood and generation code), whatever the task type."""
         return self._scores(self.evaluate(heads))
 
+    @property
+    def scored_positions(self) -> bool:
+        """True when ``measure_many`` answers through ``multimask`` (loglikelihood tasks on
+        a decoder-only model that sees the request's tokens as they are); otherwise every
+        mask is measured by ``measure_with_model``."""
+        from .multimask import scored_positions_apply
+
+        return self.loglikelihood_only and scored_positions_apply(self.lm)
+
+    def _recorded(self) -> Any:
+        """The subset's loglikelihood requests (``multimask.LoglikelihoodRequests``),
+        recorded on first use: they are the same for every mask."""
+        from .multimask import LoglikelihoodRequests, RecordingLM
+
+        if self._requests is None:
+            recorder = RecordingLM(self.lm)
+            self.evaluate([], model=recorder)
+            self._requests = LoglikelihoodRequests(self.lm, recorder.requests)
+        return self._requests
+
+    def resolved_batch_size(self) -> int:
+        """Rows per forward pass (per mask) of the scored-positions path: the model's
+        ``batch_size``, or for ``auto``/``auto:N`` what lm-eval's own detection finds for
+        the widest recorded request (``multimask.auto_batch_size``), resolved once."""
+        if self._batch_size is None:
+            size = self.lm.batch_size
+            if isinstance(size, int):
+                self._batch_size = size
+            else:  # HFLM keeps "auto" for both auto and auto:N
+                from .multimask import auto_batch_size
+
+                self._batch_size = auto_batch_size(self.lm, self._recorded())
+        return self._batch_size
+
+    def auto_masks_per_pass(self) -> int:
+        """Masks per forward pass when none is asked for. 1 on a CPU, where the forward
+        is compute-bound and batching masks gains little (BENCH.md), and whenever masks
+        are measured one at a time anyway (generation tasks, ``scored_positions`` False).
+        On a GPU: as many as half of the free memory holds for the widest batch actually
+        sent (``multimask.masks_per_pass_for_memory``)."""
+        import torch
+
+        device = torch.device(self.lm.device)
+        if device.type != "cuda" or not self.scored_positions:
+            return 1
+        from .multimask import masks_per_pass_for_memory
+
+        # The batch size first: its auto detection uses memory, then frees it.
+        shapes = self._recorded().shapes(self.resolved_batch_size())
+        free, _ = torch.cuda.mem_get_info(device)
+        model = self.lm.model
+        return masks_per_pass_for_memory(free, shapes, model.config,
+                                         torch.finfo(model.dtype).bits // 8)
+
     def measure_many(self, masks: Sequence[Sequence[Head]],
                      masks_per_pass: int = 1) -> list[dict[str, TaskScore]]:
         """Scores of several masks.
 
         Loglikelihood tasks: the subset's requests are recorded once and their answers
-        computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass,
-        logits only at the continuation tokens), then lm-eval's ``evaluate`` scores each
-        mask from those answers. Other tasks (or a seq2seq model): ``measure_with_model``,
-        one mask at a time.
+        computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass of
+        K x ``resolved_batch_size()`` rows, logits only at the continuation tokens), then
+        lm-eval's ``evaluate`` scores each mask from those answers. Other tasks, a seq2seq
+        model or a prompt-learning adapter (``scored_positions`` False):
+        ``measure_with_model``, one mask at a time (``masks_per_pass`` is then unused).
         """
-        # multimask builds decoder-only inputs; seq2seq models answer through HFLM.
-        if not self.loglikelihood_only or getattr(self.lm, "backend", "causal") != "causal":
+        per_pass = check_number(masks_per_pass, "masks_per_pass", whole=True, min_val=1)
+        if not self.scored_positions:
             return [self.measure_with_model(heads) for heads in masks]
-        from .multimask import (
-            LoglikelihoodRequests,
-            RecordingLM,
-            ReplayLM,
-            loglikelihoods_for_masks,
-        )
+        from .multimask import ReplayLM, loglikelihoods_for_masks
 
-        if self._requests is None:  # the subset's requests, the same for every mask
-            recorder = RecordingLM(self.lm)
-            self.evaluate([], model=recorder)
-            self._requests = LoglikelihoodRequests(self.lm, recorder.requests)
-        batch_size = self.lm.batch_size if isinstance(self.lm.batch_size, int) else 32
-        per_pass = max(1, masks_per_pass)
+        requests = self._recorded()
+        batch_size = self.resolved_batch_size()
         scores = []
         for start in range(0, len(masks), per_pass):
             group = [list(heads) for heads in masks[start:start + per_pass]]
-            answers = loglikelihoods_for_masks(self.lm, self._requests, group,
+            answers = loglikelihoods_for_masks(self.lm, requests, group,
                                                batch_size * len(group))
             for heads, answered in zip(group, answers, strict=True):
                 scores.append(self._scores(self.evaluate(heads, ReplayLM(self.lm, answered))))

@@ -6,7 +6,8 @@ for K masks at a time (the batch is replicated K times and each row gets its own
 mask through ``HeadKnockout.set_row_masks``), and each mask's answers are then handed to
 lm-eval's ``evaluate`` in turn through a replaying model, so the harness still applies
 its filters, metrics and aggregation. Only the logits at the continuation tokens are
-computed (``logits_only_at``). Loglikelihood measurements take this path for K = 1 too.
+computed (``logits_only_at``). Loglikelihood measurements take this path for K = 1 too,
+except where the model's inputs are not the request's tokens (``scored_positions_apply``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from torch import nn
 
 from .heads import Head, parse_heads
 
-__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch", "logits_only_at",
-           "loglikelihoods_for_masks"]
+__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch", "auto_batch_size",
+           "logits_only_at", "loglikelihoods_for_masks", "masks_per_pass_for_memory",
+           "scored_positions_apply"]
 
 Answer = tuple[float, bool]
 
@@ -82,13 +84,29 @@ def logits_only_at(model: Any, rows: torch.Tensor, positions: torch.Tensor
 
     def pick_scored(_module: nn.Module, args: tuple) -> tuple:
         hidden = args[0]
-        return (hidden[rows, positions][None], *args[1:])
+        # With parallelize=True lm_head (and so its input) may sit on another GPU than
+        # the one the batch was built on; indices must be on the indexed tensor's device.
+        return (hidden[rows.to(hidden.device), positions.to(hidden.device)][None],
+                *args[1:])
 
     handle = head.register_forward_pre_hook(pick_scored)
     try:
         yield
     finally:
         handle.remove()
+
+
+def scored_positions_apply(lm: Any) -> bool:
+    """Whether ``loglikelihoods_for_masks`` answers for ``lm``: a decoder-only model that
+    sees exactly the request's tokens. A PEFT prompt-learning adapter (prompt, prefix or
+    P-tuning) prepends virtual tokens, which moves every scored position; HFLM allows for
+    them, so such a model answers through HFLM (``HarnessMeasurement.measure_with_model``).
+    """
+    if getattr(lm, "backend", "causal") != "causal":
+        return False
+    # PeftModel.active_peft_config; a plain transformers model has none (AttributeError).
+    config = getattr(lm.model, "active_peft_config", None)
+    return not getattr(config, "is_prompt_learning", False)
 
 
 @dataclass
@@ -127,6 +145,14 @@ class LoglikelihoodRequests:
                                    for start in range(0, len(order), size)]
         return self._batches[size]
 
+    def widest(self) -> tuple[list[int], list[int]]:
+        """(context, continuation) tokens of the request with the widest model input."""
+        return max(self._encoded, key=lambda pair: len(pair[0] + pair[1]))
+
+    def shapes(self, size: int) -> list[tuple[int, int, int]]:
+        """(rows, width, scored tokens) of each forward pass at batch size ``size``."""
+        return [(*batch.input_ids.shape, len(batch.targets)) for batch in self.batches(size)]
+
     def _batch(self, chunk: list[int]) -> ScoredBatch:
         tokens = [(self._encoded[i][0] + self._encoded[i][1])[-(self._max_length + 1):][:-1]
                   for i in chunk]
@@ -154,7 +180,8 @@ def _scored_logits(lm: Any, requests: LoglikelihoodRequests, input_ids: torch.Te
         if logits.shape[:2] == (1, len(rows)):
             return logits[0]
         requests.narrow = False  # lm_head is not where this model makes its logits
-    return lm._model_call(input_ids)[rows, positions]
+    logits = lm._model_call(input_ids)
+    return logits[rows.to(logits.device), positions.to(logits.device)]
 
 
 @torch.no_grad()
@@ -166,16 +193,22 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
     Each ``ScoredBatch`` is replicated once per mask, every copy with its own head mask,
     so the answers equal one-mask-at-a-time evaluation up to float rounding. Logits are
     computed at the continuation positions only. ``batch_size`` counts rows of a pass.
+    The log-softmax is taken in HFLM's ``softmax_dtype`` (default: the logits' dtype),
+    so the answers are HFLM's.
     """
+    if not scored_positions_apply(lm):
+        raise ValueError(f"{type(lm.model).__name__}: scored positions need a decoder-only "
+                         "model without a prompt-learning adapter; use HFLM's loglikelihood")
     if not isinstance(requests, LoglikelihoodRequests):
         requests = LoglikelihoodRequests(lm, requests)
     knockout = lm.knockout
     k_masks = len(masks)
-    row_masks = torch.zeros(k_masks, knockout.num_layers * knockout.num_heads,
-                            dtype=torch.bool)
+    per_layer = knockout.heads_per_layer
+    row_masks = torch.zeros(k_masks, knockout.num_layers * per_layer, dtype=torch.bool)
     for k, heads in enumerate(masks):
-        for head in parse_heads(heads, knockout.num_layers, knockout.num_heads) if heads else []:
-            row_masks[k, head.index(knockout.num_heads)] = True
+        for head in parse_heads(heads, knockout.num_layers, per_layer) if heads else []:
+            row_masks[k, head.flat_index(per_layer)] = True
+    softmax_dtype = getattr(lm, "softmax_dtype", None)
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
     try:
         for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
@@ -185,18 +218,71 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
             logits = _scored_logits(lm, requests, batch.input_ids.repeat(k_masks, 1),
                                     (copies + batch.rows).flatten(),
                                     batch.positions.repeat(k_masks))
-            logprobs = F.log_softmax(logits.float(), dim=-1).view(k_masks, len(batch.rows), -1)
+            # As HFLM's _loglikelihood_tokens: log_softmax(logits, dtype=softmax_dtype).
+            logprobs = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)
+            logprobs = logprobs.view(k_masks, len(batch.rows), -1)
             target = batch.targets.to(logprobs.device)
             token_logprob = logprobs.gather(2, target.expand(k_masks, -1)[..., None])[..., 0]
             token_greedy = (logprobs.argmax(dim=-1) == target).float()
             # Per request: the sum of its tokens' logprobs, and whether all were greedy.
+            # HFLM's logprobs.sum() accumulates half precision in float32 and rounds the
+            # total to the logprobs' dtype; so does this.
             owner = batch.rows.to(logprobs.device)
-            empty = torch.zeros(k_masks, size, device=logprobs.device)
-            summed = empty.index_add(1, owner, token_logprob).cpu().tolist()
-            misses = empty.index_add(1, owner, 1.0 - token_greedy).cpu().tolist()
+            total = torch.promote_types(logprobs.dtype, torch.float32)
+            empty = torch.zeros(k_masks, size, dtype=total, device=logprobs.device)
+            summed = (empty.index_add(1, owner, token_logprob.to(total))
+                      .to(logprobs.dtype).cpu().tolist())
+            misses = empty.index_add(1, owner, 1.0 - token_greedy.to(total)).cpu().tolist()
             for k in range(k_masks):
                 for row, key in enumerate(batch.keys):
                     answers[k][key] = (summed[k][row], misses[k][row] == 0)
     finally:
         knockout.set_row_masks(None)
     return answers
+
+
+def auto_batch_size(lm: Any, requests: LoglikelihoodRequests) -> int:
+    """Rows per forward pass for ``batch_size=auto``: lm-eval's own detection (HFLM
+    ``_detect_batch_size``: from ``max_batch_size`` down, halving on out-of-memory),
+    probed with the widest recorded request rather than ``max_length`` tokens, so on a
+    CPU the probe costs a few short forwards. No requests: 1 (nothing to batch).
+    """
+    if not requests.keys:
+        return 1
+    context, continuation = requests.widest()
+    return int(lm._detect_batch_size([(None, context, continuation)], 0))
+
+
+def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],
+                              config: Any, bytes_per_value: int = 2, most: int = 64) -> int:
+    """How many masks fit in half of ``free_bytes`` when each forward pass holds K copies
+    of a batch, for the largest of the batches ``shapes`` ((rows, width, scored tokens),
+    ``LoglikelihoodRequests.shapes``: the batches actually sent, not ``max_length`` rows).
+
+    Per copy: one layer's activations (residual, q/k/v/output, MLP), the key/value cache
+    the forward keeps for every layer, eager attention weights for one layer, and the
+    logits at the scored tokens with their log-softmax (counted at up to 8 bytes, for a
+    float64 ``softmax_dtype``). Deliberately generous: a wrong guess costs an
+    out-of-memory error, a low one only some speed.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    ffn = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    layers = int(text.num_hidden_layers)
+    vocab = int(text.vocab_size)
+
+    def per_copy(rows: int, width: int, scored: int) -> int:
+        tokens = rows * width
+        activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
+        kv_cache = tokens * layers * 2 * kv_heads * head_dim * bytes_per_value
+        attention = rows * heads * width * width * bytes_per_value
+        logits = scored * vocab * (bytes_per_value + 8)
+        return activations + kv_cache + attention + logits
+
+    need = max((per_copy(*shape) for shape in shapes), default=0)
+    if need == 0:
+        return most  # nothing to compute: any K fits
+    return int(max(1, min(most, free_bytes // 2 // need)))

@@ -1,49 +1,106 @@
-"""Several masks per forward pass give the same answers and scores as one at a time."""
+"""Several masks per forward pass give the same answers and scores as one at a time, and
+the scored-positions path gives HFLM's own answers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ARCHITECTURES
 
-from lm_eval_headloc import driver
 from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.multimask import RecordingLM, logits_only_at, loglikelihoods_for_masks
+from lm_eval_headloc.multimask import (
+    RecordingLM,
+    logits_only_at,
+    loglikelihoods_for_masks,
+    masks_per_pass_for_memory,
+)
 
 TASKS = str(Path(__file__).parent / "tasks")
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
 
 
 @pytest.fixture(scope="module")
-def measurement(tiny_model_dir):
-    folder = tiny_model_dir("qwen2")
-    setup = driver.prepare(f"pretrained={folder},dtype=float32,device=cpu",
-                           ["tiny_copy_ppl", "tiny_choice"], [TASKS])
-    lm = driver.load_model(setup, batch_size=4)
-    return driver.open_measurement(setup, lm, num_samples=10, seed=0,
-                                   apply_chat_template=None, confirm_run_unsafe_code=False)
+def task_manager():
+    from lm_eval_headloc.tasks import make_task_manager
+
+    return make_task_manager([TASKS])
 
 
-def test_answers_equal_hflm_one_mask_at_a_time(measurement):
-    lm = measurement.lm
-    recorder = RecordingLM(lm)
+def load_lm(folder: Path, **model_args):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
+                                                     "batch_size": 4, **model_args})
+
+
+def open_measurement(manager, lm, tasks, num_samples=10):
+    from lm_eval_headloc.measure import HarnessMeasurement
+
+    return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
+                              loaded_tasks={name: manager.load([name]) for name in tasks},
+                              num_samples=num_samples, seed=0)
+
+
+class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
+    def __init__(self, args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def measurement(tiny_model_dir, task_manager):
+    return open_measurement(task_manager, load_lm(tiny_model_dir("qwen2")),
+                            ["tiny_copy_ppl", "tiny_choice"])
+
+
+@pytest.fixture(scope="module")
+def requests(measurement):
+    recorder = RecordingLM(measurement.lm)
     measurement.evaluate([], model=recorder)
-    requests = recorder.requests
+    return recorder.requests
+
+
+def test_answers_equal_hflm_one_mask_at_a_time(measurement, requests):
+    lm = measurement.lm
     assert len(requests) == 4 * 2 + 10  # tiny_choice: 4 docs x 2 choices; tiny_copy: 10
     masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
     together = loglikelihoods_for_masks(lm, requests, masks, batch_size=8)
-
-    class Request:
-        def __init__(self, args):
-            self.args = args
-
     for heads, answers in zip(masks, together, strict=True):
         lm.set_heads(heads)
         alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
         for request, (logprob, greedy) in zip(requests, alone, strict=True):
             assert answers[request][0] == pytest.approx(logprob, abs=1e-4)
             assert answers[request][1] == greedy
+    lm.set_heads([])
+
+
+# (model dtype, HFLM softmax_dtype): HFLM takes the log-softmax in softmax_dtype, or in
+# the logits' dtype when none is given. A float32 log-softmax (what the scored path once
+# did) is off by ~1e-7 relative from a float64 one, and gives sums that bfloat16 cannot
+# hold where HFLM's sum is a bfloat16.
+SOFTMAX_CASES = [("float64", None), ("bfloat16", None), ("float32", "bfloat16")]
+
+
+@pytest.mark.parametrize(("dtype", "softmax_dtype"), SOFTMAX_CASES)
+def test_answers_use_hflms_softmax_dtype(tiny_model_dir, requests, dtype, softmax_dtype):
+    extra = {"softmax_dtype": softmax_dtype} if softmax_dtype else {}
+    lm = load_lm(tiny_model_dir("qwen2"), dtype=dtype, **extra)
+    masks = [[], parse_heads("L0H0+L1H3", 2, 4)]
+    together = loglikelihoods_for_masks(lm, requests, masks, batch_size=8)
+    for heads, answers in zip(masks, together, strict=True):
+        lm.set_heads(heads)
+        alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
+        for request, (logprob, greedy) in zip(requests, alone, strict=True):
+            ours = answers[request][0]
+            if dtype == "float64":
+                assert ours == pytest.approx(logprob, rel=1e-12, abs=1e-12)
+            else:  # a bfloat16 sum, within one bfloat16 step of HFLM's (lm_head on the
+                # scored positions alone may round differently)
+                assert torch.tensor(ours).to(torch.bfloat16).item() == ours
+                assert ours == pytest.approx(logprob, rel=2**-7)
+            assert answers[request][1] == greedy
+    lm.set_heads([])
 
 
 @pytest.mark.parametrize("per_pass", [1, 2, 4, 6])
@@ -62,7 +119,7 @@ def test_scores_equal_the_model_answering_lm_eval_itself(measurement, per_pass):
 def test_locate_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_path):
     import json
 
-    from lm_eval_headloc.cli import main
+    from lm_eval_headloc.commands.cli import main
 
     args = ["locate", "--model-args", f"pretrained={tiny_model_dir('llama')},dtype=float32",
             "--include-path", TASKS, "--tasks", "tiny_copy_ppl", "--masks", "9",
@@ -80,7 +137,7 @@ def test_locate_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_pat
 def test_greedy_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_path):
     import json
 
-    from lm_eval_headloc.cli import main
+    from lm_eval_headloc.commands.cli import main
 
     args = ["greedy", "--model-args", f"pretrained={tiny_model_dir('gpt2')},dtype=float32",
             "--include-path", TASKS, "--tasks", "tiny_copy", "--num-samples", "6",
@@ -105,7 +162,6 @@ def test_each_task_subset_ignores_the_other_tasks():
 
 @pytest.mark.parametrize("family", list(ARCHITECTURES))
 def test_logits_only_at_scored_positions_equal_full_logits(tiny_model_dir, family):
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family), dtype=torch.float32)
@@ -121,22 +177,79 @@ def test_logits_only_at_scored_positions_equal_full_logits(tiny_model_dir, famil
     torch.testing.assert_close(narrow[0], full[rows, positions], rtol=1e-5, atol=1e-5)
 
 
-def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_model():
+class OnOtherDevice(torch.Tensor):
+    """An index tensor on another device than the tensor it indexes (as the batch on
+    cuda:0 and lm_head's input on cuda:1 under parallelize=True): indexing with it fails
+    as torch fails then, until ``.to(device)`` moves it there (a plain tensor)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            with torch._C.DisableTorchFunctionSubclass():
+                return args[0].to(*args[1:], **kwargs).as_subclass(torch.Tensor)
+        if func is torch.Tensor.__getitem__ and isinstance(args[1], tuple) and any(
+                isinstance(index, cls) for index in args[1]):
+            raise RuntimeError("indices should be either on cpu or on the same device as "
+                               "the indexed tensor")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_logits_only_at_follows_the_hidden_states_device(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    batch = torch.randint(3, 300, (2, 5))
+    rows, positions = torch.tensor([0, 1, 1]), torch.tensor([4, 2, 3])
+    with torch.no_grad():
+        full = model(batch).logits
+        with logits_only_at(model, rows.as_subclass(OnOtherDevice),
+                            positions.as_subclass(OnOtherDevice)):
+            narrow = model(batch).logits
+    torch.testing.assert_close(narrow[0], full[rows, positions], rtol=1e-5, atol=1e-5)
+
+
+def _llama_config(hidden, ffn, layers, heads, kv_heads, vocab):
     from transformers import LlamaConfig
 
-    from lm_eval_headloc.driver import masks_per_pass_for_memory
+    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       vocab_size=vocab)
 
-    small = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
-    large = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
-    gib = 2**30
-    assert masks_per_pass_for_memory(0, 32, small) == 1  # never zero
-    assert masks_per_pass_for_memory(1000 * gib, 32, small) == 64  # capped
-    few, many = (masks_per_pass_for_memory(m * gib, 32, small) for m in (8, 64))
-    assert 1 <= few < many <= 64
-    assert masks_per_pass_for_memory(64 * gib, 32, large) < many
-    assert masks_per_pass_for_memory(64 * gib, 8, small) > many or many == 64
+
+SMOLLM2 = dict(hidden=576, ffn=1536, layers=30, heads=9, kv_heads=3, vocab=49152)
+LLAMA3_8B = dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256)
+GIB = 2**30
+
+
+def test_masks_per_pass_for_memory_by_hand():
+    # SmolLM2-135M in bfloat16, the widest batch BENCH.md records for headloc_induction:
+    # 32 rows x 26 tokens, one scored token per row. Per mask copy, in bytes:
+    #   activations  832 tokens x (6 x 576 + 3 x 1536) x 2    = 13_418_496
+    #   K/V cache    832 x 30 layers x 2 x 3 x 64 x 2         = 19_169_280
+    #   attention    32 rows x 9 heads x 26 x 26 x 2          =    389_376
+    #   logits       32 scored x 49152 x (2 + 8)              = 15_728_640
+    #   total                                                  = 48_705_792
+    smollm2 = _llama_config(**SMOLLM2)
+    shapes = [(32, 26, 32), (32, 20, 32), (4, 14, 4)]
+    assert masks_per_pass_for_memory(2 * 48_705_792 * 7, shapes, smollm2, 2) == 7
+    assert masks_per_pass_for_memory(2 * 48_705_792 * 7 - 1, shapes, smollm2, 2) == 6
+    # An 80 GB GPU holds the 64-mask cap (sizing rows by max_length gave 1-2).
+    assert masks_per_pass_for_memory(70 * GIB, shapes, smollm2, 2) == 64
+
+
+def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_batch_and_model():
+    small, large = _llama_config(**SMOLLM2), _llama_config(**LLAMA3_8B)
+    shapes = [(32, 512, 64)]  # about 0.8 GB per mask for the small model
+    assert masks_per_pass_for_memory(0, shapes, small) == 1  # never zero
+    assert masks_per_pass_for_memory(1000 * GIB, shapes, small) == 64  # capped
+    few, many = (masks_per_pass_for_memory(m * GIB, shapes, small) for m in (8, 64))
+    assert 1 < few < many < 64
+    assert masks_per_pass_for_memory(64 * GIB, shapes, large) < many
+    assert masks_per_pass_for_memory(64 * GIB, [(32, 1024, 64)], small) < many  # wider
+    assert masks_per_pass_for_memory(64 * GIB, [(64, 512, 128)], small) < many  # more rows
+    # Only the largest batch counts.
+    assert masks_per_pass_for_memory(64 * GIB, [*shapes, (4, 16, 4)], small) == many
 
 
 def test_seq2seq_models_answer_through_hflm(measurement, monkeypatch):
@@ -157,11 +270,23 @@ def test_seq2seq_models_answer_through_hflm(measurement, monkeypatch):
 
 def test_requests_are_tokenized_once_per_measurement_run(measurement, monkeypatch):
     masks = [parse_heads("L0H1", 2, 4), []]
-    first = measurement.measure_many(masks)  # records and tokenizes on first use
+    measurement.measure_many(masks)  # records and tokenizes on first use
     calls = []
     encode = measurement.lm._encode_pair
     monkeypatch.setattr(measurement.lm, "_encode_pair",
                         lambda *args: calls.append(args) or encode(*args))
     again = measurement.measure_many(masks, masks_per_pass=2)
     assert calls == []
-    assert [s["tiny_choice"].value for s in again] == [s["tiny_choice"].value for s in first]
+    monkeypatch.undo()  # HFLM's own path below tokenizes, as it should
+    for heads, scores in zip(masks, again, strict=True):
+        expected = measurement.measure_with_model(heads)
+        for task in expected:
+            assert scores[task].value == pytest.approx(expected[task].value, rel=1e-5)
+
+
+def test_masks_per_pass_must_be_a_positive_whole_number(measurement):
+    from lm_eval_headloc.checks import UsageError
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UsageError, match="masks_per_pass"):
+            measurement.measure_many([[]], masks_per_pass=bad)

@@ -1,0 +1,170 @@
+"""``HarnessMeasurement``: the examples it uses, its batch size, masks per pass, and the
+models whose loglikelihoods only HFLM computes right."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm_eval_headloc.heads import parse_heads
+from lm_eval_headloc.measure import HarnessMeasurement
+from lm_eval_headloc.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
+
+TASKS = str(Path(__file__).parent / "tasks")
+BOTH = ["tiny_copy_ppl", "tiny_choice"]
+DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them
+
+
+class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
+    def __init__(self, args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def task_manager():
+    from lm_eval_headloc.tasks import make_task_manager
+
+    return make_task_manager([TASKS])
+
+
+def load_lm(folder: Path, **model_args):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
+                                                     "batch_size": 4, **model_args})
+
+
+def open_measurement(manager, lm, tasks=BOTH, **options):
+    return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
+                              loaded_tasks={name: manager.load([name]) for name in tasks},
+                              seed=0, **options)
+
+
+@pytest.fixture(scope="module")
+def llama_lm(tiny_model_dir):
+    return load_lm(tiny_model_dir("llama"))
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({"num_samples": 10}, {"tiny_choice": 4, "tiny_copy_ppl": 10}),  # fewer docs: all
+    ({"num_samples": 100}, DOCS),
+    ({"num_samples": None}, DOCS),
+    ({"limit": 0.5}, {"tiny_choice": 2, "tiny_copy_ppl": 6}),  # a fraction, rounded up
+    ({"limit": 7}, {"tiny_choice": 4, "tiny_copy_ppl": 7}),
+])
+def test_examples_used_per_leaf_task(task_manager, llama_lm, options, expected):
+    measurement = open_measurement(task_manager, llama_lm, **options)
+    assert measurement.examples_used == expected
+    # lm-eval's own count of the documents it evaluated agrees.
+    results = measurement.evaluate([], model=RecordingLM(llama_lm))
+    assert {task: n["effective"] for task, n in results["n-samples"].items()} == expected
+
+
+def test_auto_batch_size_is_lm_evals_detection_on_the_widest_request(
+        tiny_model_dir, task_manager, llama_lm, monkeypatch):
+    lm = load_lm(tiny_model_dir("llama"), batch_size="auto:4", max_batch_size=6)
+    assert lm.batch_size == "auto"
+    measurement = open_measurement(task_manager, lm, num_samples=10)
+    detected, passes = [], []  # passes: (input shape, made by the detection?)
+    detect, call = lm._detect_batch_size, lm._model_call
+    detecting = [False]
+
+    def spy_detect(requests=None, pos=0):
+        detecting[0] = True
+        detected.append(detect(requests, pos))
+        detecting[0] = False
+        return detected[-1]
+
+    def spy_call(inps, *args, **kwargs):
+        passes.append((tuple(inps.shape), detecting[0]))
+        return call(inps, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "_detect_batch_size", spy_detect)
+    monkeypatch.setattr(lm, "_model_call", spy_call)
+    masks = [[], parse_heads("L0H1+L1H2", 2, 4), parse_heads("L1H*", 2, 4)]
+    first = measurement.measure_many(masks[:1])
+    again = measurement.measure_many(masks[1:], masks_per_pass=2)
+    assert detected == [6]  # on a CPU nothing runs out of memory: max_batch_size; once
+    probes = [shape for shape, probe in passes if probe]
+    used = [shape for shape, probe in passes if not probe]
+    # 18 requests (4 x 2 choices + 10): 6 rows per mask in each pass, 2 masks per pass.
+    assert [rows for rows, _ in used] == [6, 6, 6, 12, 12, 12]
+    # The probe is as wide as the widest batch sent, not max_length (128) wide.
+    widest = max(width for _, width in used)
+    assert widest < llama_lm.max_length == 128
+    assert {width for _, width in probes} == {widest}
+    # Scores equal HFLM's own at a fixed batch size.
+    fixed = open_measurement(task_manager, llama_lm, num_samples=10)
+    for heads, scores in zip(masks, first + again, strict=True):
+        expected = fixed.measure_with_model(heads)
+        for task in expected:
+            assert scores[task].value == pytest.approx(expected[task].value, rel=1e-5)
+
+
+def test_auto_masks_per_pass_is_sized_from_the_batches_sent(task_manager, llama_lm,
+                                                            monkeypatch):
+    measurement = open_measurement(task_manager, llama_lm, num_samples=10)
+    assert measurement.auto_masks_per_pass() == 1  # a CPU
+    passes, scored = [], []
+    call = llama_lm._model_call
+    monkeypatch.setattr(llama_lm, "_model_call", lambda inps, *args, **kwargs: (
+        passes.append(tuple(inps.shape)) or call(inps, *args, **kwargs)))
+    head = llama_lm.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, i, out: scored.append(out.shape[1]))
+    try:
+        measurement.measure_many([[]])
+    finally:
+        handle.remove()
+    assert len(passes) == len(scored) == math.ceil(18 / 4)
+    # Per mask copy of a (rows R, width W, S scored tokens) pass of the tiny Llama
+    # (hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 K/V heads, vocab 300, float32):
+    #   activations R*W*(6*32 + 3*64)*4 = 1536*R*W;  K/V cache R*W*2*2*2*8*4 = 256*R*W
+    #   attention R*4*W*W*4 = 16*R*W*W;  logits S*300*(4 + 8) = 3600*S
+    need = max(1792 * r * w + 16 * r * w * w + 3600 * s
+               for (r, w), s in zip(passes, scored, strict=True))
+    monkeypatch.setattr(llama_lm, "_device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need * 5, 0))
+    assert measurement.auto_masks_per_pass() == 5
+    monkeypatch.setattr(HarnessMeasurement, "loglikelihood_only", property(lambda s: False))
+    assert measurement.auto_masks_per_pass() == 1  # masks are measured one at a time
+
+
+def test_prompt_tuning_adapter_answers_through_hflm(tiny_model_dir, task_manager, tmp_path):
+    from peft import PromptTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir("llama")
+    torch.manual_seed(1)  # the virtual tokens start random
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                             PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    adapter.save_pretrained(tmp_path / "adapter")
+    lm = load_lm(folder, peft=str(tmp_path / "adapter"))
+    measurement = open_measurement(task_manager, lm, num_samples=6)
+    assert not measurement.scored_positions
+    masks = [[], parse_heads("L0H1+L1H2", 2, 4)]
+    measured = measurement.measure_many(masks, masks_per_pass=2)
+    # HFLM's own answers to the recorded requests, scored by lm-eval.
+    recorder = RecordingLM(lm)
+    measurement.evaluate([], model=recorder)
+    values = []
+    for heads, scores in zip(masks, measured, strict=True):
+        lm.set_heads(heads)
+        answers = lm.loglikelihood([Request(r) for r in recorder.requests],
+                                   disable_tqdm=True)
+        replay = ReplayLM(lm, dict(zip(recorder.requests, answers, strict=True)))
+        expected = measurement.evaluate(heads, replay)["results"]
+        assert scores["tiny_copy_ppl"].value == pytest.approx(
+            expected["tiny_copy_ppl"]["perplexity,none"], rel=1e-6)
+        assert scores["tiny_choice"].value == pytest.approx(
+            expected["tiny_choice"]["acc,none"], rel=1e-6)
+        values.append(scores["tiny_copy_ppl"].value)
+    assert values[0] != values[1]  # the mask matters
+    with pytest.raises(ValueError, match="prompt-learning"):
+        loglikelihoods_for_masks(lm, recorder.requests, masks)
+    # And the adapter matters: the bare model's perplexity differs.
+    bare = open_measurement(task_manager, load_lm(folder), num_samples=6)
+    assert bare.measure_many(masks[:1])[0]["tiny_copy_ppl"].value != pytest.approx(
+        values[0], rel=1e-3)
