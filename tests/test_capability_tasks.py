@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.capability_tasks import (
+from lm_eval_headloc.tasks.generators import (
     COMMON_WORDS,
     FIRST_NAMES,
     GENERATORS,
@@ -50,7 +50,7 @@ def test_same_seed_gives_identical_bytes_other_seed_differs(task):
 def test_committed_data_is_the_generator_output(task):
     expected = docs_to_jsonl(GENERATORS[task](1234)).encode("utf-8")
     assert data_file(TASK_CONFIGS, task).read_bytes() == expected, (
-        f"{task} data is stale; run: python -m lm_eval_headloc.capability_tasks --out task_configs"
+        f"{task} data is stale; run: python -m lm_eval_headloc.tasks.generators --out task_configs"
     )
 
 
@@ -116,8 +116,19 @@ def test_arith_answers_are_sums_and_examples_are_right():
     assert chance_accuracy("headloc_arith", docs) == pytest.approx(0.10)
 
 
-def test_chance_levels_are_low_and_unknown_task_is_refused():
-    assert chance_accuracy("headloc_induction", make_induction_docs()) < 0.12
+def test_chance_levels_by_hand_and_unknown_task_is_refused():
+    # Hand-made docs, one per branch of the best trivial predictor.
+    two, four = ["w0", "w1"], ["w0", "w1", "w2", "w3"]
+    docs = [{"words": two, "target": " a"}, {"words": four, "target": " b"},
+            {"words": four, "target": " c"}, {"words": four, "target": " d"}]
+    # guessing a word of the sequence: (1/2 + 3 * 1/4) / 4, better than any fixed target (1/4)
+    assert chance_accuracy("headloc_induction", docs) == pytest.approx(0.3125)
+    assert chance_accuracy("headloc_induction", docs[:1] * 3) == 1.0  # always " a"
+    assert chance_accuracy("headloc_ioi", [{"label": 0}] * 3 + [{"label": 1}]) == 0.75
+    assert chance_accuracy("headloc_arith", [{"answer": a} for a in (3, 3, 5, 7, 9)]) == 0.4
+    # The committed induction data: at least 10 distinct words a sequence, so guessing
+    # among them is right at most 1/10 of the time, and no target repeats more than that.
+    assert chance_accuracy("headloc_induction", make_induction_docs()) <= 0.1
     with pytest.raises(ValueError, match="unknown task"):
         chance_accuracy("nope", [{}])
 
@@ -183,14 +194,30 @@ def test_stock_cli_runs_every_task(smollm2, tmp_path):
         "--model_args", f"pretrained={folder},gguf_file={gguf},dtype=float32",
         "--device", "cpu", "--tasks", ",".join(TASKS),
         "--include_path", str(TASK_CONFIGS), "--batch_size", "8", "--limit", "2",
-        "--output_path", str(tmp_path / "out"),
+        "--output_path", str(tmp_path / "out"), "--log_samples",
     ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     [results_file] = list((tmp_path / "out").rglob("results_*.json"))
     results = json.loads(results_file.read_text())["results"]
     for task in TASKS:
-        assert 0.0 <= results[task][METRIC] <= 1.0
+        [samples_file] = list((tmp_path / "out").rglob(f"samples_{task}_*.jsonl"))
+        samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+        docs = _committed_docs(task)
+        assert sorted(s["doc_id"] for s in samples) == [0, 1]
+        # Each answer from the model's own numbers, not the harness's scorer: the logged
+        # (log-likelihood, is-greedy) pairs, written as strings.
+        right = []
+        for sample in samples:
+            doc = docs[sample["doc_id"]]
+            pairs = [(float(ll), greedy == "True") for ll, greedy in sample["filtered_resps"]]
+            if task == "headloc_ioi":  # one pair per name: the likelier name is the answer
+                likelihoods = [ll for ll, _ in pairs]
+                right.append(likelihoods.index(max(likelihoods)) == doc["label"])
+            else:  # the target is the model's greedy continuation
+                assert sample["arguments"]["gen_args_0"]["arg_1"] == doc["target"]
+                right.append(pairs[0][1])
+        assert results[task][METRIC] == pytest.approx(sum(right) / len(right)), task
 
 
 @pytest.fixture(scope="module")

@@ -83,9 +83,32 @@ def test_override_and_errors():
         parse_task_metric("gsm8k:")
 
 
-def test_metrics_of_a_built_task():
-    from lm_eval.tasks import TaskManager, get_task_dict
+@pytest.fixture(scope="module")
+def manager():
+    """lm-eval's task index with the test tasks and ours (building it takes seconds)."""
+    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(Path(__file__).parent / "tasks"))
+    here = Path(__file__).parent
+    return TaskManager(include_path=[str(here / "tasks"), str(here.parent / "task_configs")])
+
+
+def test_metrics_of_a_built_task(manager):
+    from lm_eval.tasks import get_task_dict
+
     task = get_task_dict(["tiny_choice"], manager)["tiny_choice"]
     assert metrics_of_task(task) == ["acc,none"]
+
+
+def test_table_metrics_of_our_tasks_are_what_their_yamls_report(manager):
+    # Two sources: the table in metrics.py and the metric_list lm-eval reads from each
+    # YAML in task_configs/ (a typo in either would measure nothing).
+    from lm_eval.tasks import get_task_dict
+
+    ours = [t for t in TASK_METRICS if t in ("swear", "rhyme", "rhyme_heldout")
+            or t.startswith("headloc_")]
+    assert len(ours) == 6
+    tasks = get_task_dict(ours, manager)
+    for name in ours:
+        metric, higher_is_better = TASK_METRICS[name]
+        assert metric in metrics_of_task(tasks[name]), name
+        assert tasks[name].higher_is_better()[metric.split(",")[0]] is higher_is_better, name

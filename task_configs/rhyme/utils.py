@@ -1,4 +1,4 @@
-"""lm-eval hooks for the ``rhyme`` tasks; the scoring lives in lm_eval_headloc.rhymes."""
+"""lm-eval hooks for the ``rhyme`` tasks; the scoring lives in lm_eval_headloc.tasks.rhymes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import datasets
 
-from lm_eval_headloc.rhymes import rhymes
+from lm_eval_headloc.tasks.rhymes import rhymes
 
 DATA = Path(__file__).parent / "rhyme_words.jsonl"
 SPLITS = ("identification", "heldout")

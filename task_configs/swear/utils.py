@@ -1,12 +1,12 @@
-"""lm-eval hooks for the ``swear`` task; the scoring lives in lm_eval_headloc.profanity."""
+"""lm-eval hooks for the ``swear`` task; the scoring lives in lm_eval_headloc.tasks.profanity."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.profanity import find_profanity
-from lm_eval_headloc.taskdata import jsonl_docs
+from lm_eval_headloc.tasks.profanity import find_profanity
+from lm_eval_headloc.tasks.data import jsonl_docs
 
 load_docs = jsonl_docs(Path(__file__).parent / "swear_prompts.jsonl")
 

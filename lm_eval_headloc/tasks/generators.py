@@ -12,7 +12,7 @@ project ships three tasks that run anywhere and that even a 135M model really do
 Each generator is a pure function ``seed -> list of docs``. The committed JSONL files in
 ``task_configs/headloc_*/`` are its output for :data:`SEED`; rewrite them with
 
-    python -m lm_eval_headloc.capability_tasks --out task_configs
+    python -m lm_eval_headloc.tasks.generators --out task_configs
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def write_task_data(task_configs: str | Path, seed: int = SEED) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lm_eval_headloc.capability_tasks",
+        prog="python -m lm_eval_headloc.tasks.generators",
         description="Write the data files of the headloc_* offline capability tasks.",
     )
     parser.add_argument("--out", required=True, help="the task_configs folder")

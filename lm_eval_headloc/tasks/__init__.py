@@ -1,0 +1,66 @@
+"""Finding tasks: our ``task_configs`` next to lm-eval's built-ins and the user's folders."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["UnknownTaskError", "check_task_names", "make_task_manager", "task_configs_dir"]
+
+
+class UnknownTaskError(ValueError):
+    """A task name lm-eval does not know (a user mistake, reported in one line)."""
+
+
+def task_configs_dir(package: Path | None = None) -> Path:
+    """Our YAML tasks: in a source checkout (an editable install) the repository's
+    ``task_configs`` next to ``pyproject.toml``, else the copy shipped inside the installed
+    package. A stray ``task_configs`` elsewhere (say ``site-packages/task_configs``) is
+    never taken for ours. ``package``: the ``lm_eval_headloc`` folder (default: this one).
+    """
+    package = package or Path(__file__).resolve().parent.parent
+    checkout = package.parent
+    candidates = [package / "task_configs"]
+    if (checkout / "pyproject.toml").is_file():
+        candidates.insert(0, checkout / "task_configs")
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"task_configs not found in {package}")
+
+
+def make_task_manager(include_path: str | Sequence[str] | None = None) -> Any:
+    """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``.
+
+    Indexing every task YAML takes seconds, so one manager per set of folders is kept for
+    the process (a notebook or sweep building runs over and over); its ``load`` builds
+    fresh task objects on every call.
+    """
+    extra = [include_path] if isinstance(include_path, str) else list(include_path or [])
+    for folder in extra:
+        if not Path(folder).is_dir():
+            raise UnknownTaskError(f"--include-path {folder!r} is not a folder")
+    return _task_manager((str(task_configs_dir()),
+                          *(str(Path(folder).resolve()) for folder in extra)))
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(folders: tuple[str, ...]) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(folders))
+
+
+def check_task_names(task_manager: Any, names: Iterable[str]) -> None:
+    """Raise UnknownTaskError for the first name that is no task, group or tag."""
+    known = set(task_manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UnknownTaskError(
+                f"unknown task {name!r}{hint} (`lm_eval ls tasks` lists them; add your own "
+                "folder with --include-path)")
