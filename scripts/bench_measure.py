@@ -69,8 +69,14 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from lm_eval_headloc import multimask  # noqa: E402
+from lm_eval_headloc.commands.engine import (  # noqa: E402
+    Setup,
+    load_model,
+    open_measurement,
+    prepare,
+)
+from lm_eval_headloc.commands.spec import RunSpec  # noqa: E402
 from lm_eval_headloc.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.driver import Setup, load_model, open_measurement, prepare  # noqa: E402
 from lm_eval_headloc.embedded import smollm2_model_args  # noqa: E402
 from lm_eval_headloc.heads import Head, format_heads  # noqa: E402
 from lm_eval_headloc.measure import quiet_harness  # noqa: E402
@@ -277,7 +283,7 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
 def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head],
                num_samples: int, seed: int, repeats: int, reference_repeats: int,
                device: str, task_manager: Any) -> tuple[TaskResult, Any, Recording]:
-    measure = open_measurement(setup, lm, num_samples, seed, None, False)
+    measure = open_measurement(setup, lm, num_samples=num_samples)  # seed: setup.spec's
     chat = measure.chat_template[next(iter(measure.chat_template))]
     subset = measure.subset
     docs = sum(len(v) for v in subset.values())
@@ -668,15 +674,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     model_args = smollm2_model_args(device=args.device)
 
-    setups = {task: prepare(model_args, [task]) for task in (LOGLIK_TASK, GEN_TASK)}
+    setups = {task: prepare(RunSpec(model_args=model_args, tasks=(task,), seed=args.seed,
+                                    batch_size=args.batch_size))
+              for task in (LOGLIK_TASK, GEN_TASK)}
     task_manager = make_task_manager()
     first = setups[LOGLIK_TASK]
     matrix = design_matrix("stratified", 1, first.total_heads, 0.02, args.seed)
-    heads = [Head.from_index(int(i), first.num_heads) for i in matrix[0].nonzero()[0]]
+    heads = [Head.from_flat_index(int(i), first.heads_per_layer) for i in matrix[0].nonzero()[0]]
     print(f"mask ({len(heads)} heads): {format_heads(heads)}", flush=True)
 
     loading = time.perf_counter()
-    lm = load_model(first, args.batch_size)
+    lm = load_model(first)
     print(f"model loaded in {time.perf_counter() - loading:.1f} s", flush=True)
 
     results, measures, recordings = [], {}, {}
@@ -715,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_pass_values:
         matrix = design_matrix("stratified", args.multi_masks, first.total_heads, 0.02,
                                args.seed)
-        masks = [[Head.from_index(int(i), first.num_heads) for i in row.nonzero()[0]]
+        masks = [[Head.from_flat_index(int(i), first.heads_per_layer) for i in row.nonzero()[0]]
                  for row in matrix]
         print(f"masks per pass {args.per_pass_values} on {len(masks)} masks ...", flush=True)
         per_pass = bench_masks_per_pass(measures[LOGLIK_TASK], LOGLIK_TASK, masks,

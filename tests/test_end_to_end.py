@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 
-from lm_eval_headloc.cli import main
 from lm_eval_headloc.embedded import smollm2_model_args
 
 
 @pytest.mark.slow
 def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
+    from lm_eval_headloc.commands.cli import main  # the headloc-harness entry point
+
     out = tmp_path / "induction"
     code = main(["locate", "--tasks", "headloc_induction", "--num-samples", "64",
                  "--masks", "60", "--sparsity", "0.03", "--top-k", "3", "--seed", "0",
@@ -20,25 +23,37 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
     heads = json.loads((out / "heads.json").read_text())
     top3 = heads["top_k"]
     assert len(top3) == 3
-    subset = json.loads((out / "config.json").read_text())["example_subset"]
+    subset = json.loads((out / "config.json").read_text())["example_subset"]  # task -> docs
+
+    # The control: as many heads as were located, drawn at random from the others and
+    # knocked out together.
+    others = [entry["head"] for entry in heads["heads"] if entry["head"] not in top3]
+    control = "+".join(np.random.default_rng(0).choice(others, size=3, replace=False))
 
     # Knock each head out alone through hf-headablate and the harness, on the same subset.
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from lm_eval_headloc.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import task_configs_dir
 
     manager = TaskManager(include_path=str(task_configs_dir()))
-    scores = {}
-    from lm_eval_headloc.model import HFHeadAblateLM
-
     lm = HFHeadAblateLM.create_from_arg_string(smollm2_model_args(), {"batch_size": 64})
-    for spec in ["", *top3]:
+    scores = {}
+    for spec in ["", *top3, control]:
         lm.set_heads(spec)
         results = lm_eval.simple_evaluate(model=lm, tasks=["headloc_induction"], samples=subset,
                                           task_manager=manager, bootstrap_iters=0)
         scores[spec] = results["results"]["headloc_induction"]["acc,none"]
     baseline = scores[""]
-    assert baseline == pytest.approx(heads["baseline"])
-    drops = {h: (baseline - scores[h]) / baseline for h in top3}
-    assert max(drops.values()) >= 0.40, drops
+    assert baseline == pytest.approx(heads["baseline"])  # locate measured the same thing
+    drops = {spec: baseline - score for spec, score in scores.items() if spec}
+    best = max(top3, key=drops.get)
+    # Bars from this run, not from a score seen once: (1) one located head alone hurts
+    # more than three random heads together; (2) its drop exceeds 4 binomial standard
+    # errors of the baseline accuracy on these n documents (the "clearly above chance"
+    # bar of test_capability_tasks), so it is not a few documents changing their answer.
+    assert drops[best] > drops[control], drops
+    n = len(subset["headloc_induction"])
+    noise = math.sqrt(baseline * (1 - baseline) / n)
+    assert drops[best] > 4 * noise, (drops, noise)

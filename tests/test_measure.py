@@ -4,16 +4,15 @@ models whose loglikelihoods only HFLM computes right."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_lm
 
 from lm_eval_headloc.heads import parse_heads
 from lm_eval_headloc.measure import HarnessMeasurement
 from lm_eval_headloc.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
 
-TASKS = str(Path(__file__).parent / "tasks")
 BOTH = ["tiny_copy_ppl", "tiny_choice"]
 DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them
 
@@ -21,20 +20,6 @@ DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py defi
 class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
     def __init__(self, args):
         self.args = args
-
-
-@pytest.fixture(scope="module")
-def task_manager():
-    from lm_eval_headloc.tasks import make_task_manager
-
-    return make_task_manager([TASKS])
-
-
-def load_lm(folder: Path, **model_args):
-    from lm_eval_headloc.model import HFHeadAblateLM
-
-    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
-                                                     "batch_size": 4, **model_args})
 
 
 def open_measurement(manager, lm, tasks=BOTH, **options):

@@ -3,11 +3,9 @@ the scored-positions path gives HFLM's own answers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import ARCHITECTURES
+from conftest import ARCHITECTURES, TASKS, load_lm
 
 from lm_eval_headloc.heads import parse_heads
 from lm_eval_headloc.multimask import (
@@ -17,22 +15,7 @@ from lm_eval_headloc.multimask import (
     masks_per_pass_for_memory,
 )
 
-TASKS = str(Path(__file__).parent / "tasks")
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
-
-
-@pytest.fixture(scope="module")
-def task_manager():
-    from lm_eval_headloc.tasks import make_task_manager
-
-    return make_task_manager([TASKS])
-
-
-def load_lm(folder: Path, **model_args):
-    from lm_eval_headloc.model import HFHeadAblateLM
-
-    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
-                                                     "batch_size": 4, **model_args})
 
 
 def open_measurement(manager, lm, tasks, num_samples=10):

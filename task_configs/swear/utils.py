@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.tasks.profanity import find_profanity
 from lm_eval_headloc.tasks.data import jsonl_docs
+from lm_eval_headloc.tasks.profanity import find_profanity
 
 load_docs = jsonl_docs(Path(__file__).parent / "swear_prompts.jsonl")
 

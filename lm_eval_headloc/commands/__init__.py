@@ -1,0 +1,26 @@
+"""The command layer: ``headloc-harness``'s subcommands as a Python API.
+
+Each subcommand takes a ``RunSpec`` (or the same options as keyword arguments), checks
+everything it can before any weights load, and writes a run folder it can resume::
+
+    from lm_eval_headloc.commands import RunSpec, locate, verify
+    rankings = locate("runs/smol", tasks=["headloc_induction"], masks=100)
+    table = verify("runs/smol", top_k=5)
+
+Modules: ``spec`` (the options, their checks and a run's identity), ``runfolder``,
+``engine`` (prepare, load, measure a plan), ``report`` (ranking files and figures), one
+module per subcommand, and ``cli``.
+"""
+
+from ..checks import UsageError
+from .greedy import greedy
+from .locate import locate, refit
+from .report import HeadRanking
+from .runfolder import RunFolder, RunFolderError
+from .spec import RunSpec
+from .sweep import sweep
+from .universal import universal
+from .verify import verify
+
+__all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "greedy",
+           "locate", "refit", "sweep", "universal", "verify"]

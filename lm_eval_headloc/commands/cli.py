@@ -1,0 +1,174 @@
+"""``headloc-harness``: a thin command line over ``lm_eval_headloc.commands``.
+
+    headloc-harness locate --model-args pretrained=...,dtype=bfloat16 --tasks gsm8k \\
+        --num-samples 100 --masks 100 --sparsity 0.02 --design stratified \\
+        --alpha 0.01 --top-k 5 --seed 0 --out runs/gsm8k
+
+With no arguments at all, ``locate`` runs on the embedded SmolLM2-135M-Instruct and the
+offline ``headloc_induction`` task. Every measuring option and its default come from
+``RunSpec`` (``spec.py``); this module only adds the positional arguments, ``--out`` and
+``--force``, and prints results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from .. import __version__
+from ..checks import UsageError
+from ..heads import HeadSpecError
+from ..metrics import MetricError
+from .greedy import greedy
+from .locate import locate, refit
+from .report import HeadRanking
+from .runfolder import RunFolder, RunFolderError
+from .spec import COMMAND_OPTIONS, RunSpec, add_options
+from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
+from .universal import universal, universal_table
+from .verify import verification_markdown, verify
+
+__all__ = ["build_parser", "main"]
+
+# Mistakes a user can make; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, HeadSpecError, MetricError,
+                                                RunFolderError, FileNotFoundError)
+
+
+def _list_of(convert: type) -> object:
+    def parse(text: str) -> list:
+        try:
+            return [convert(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of "
+                f"{'whole numbers' if convert is int else 'numbers'}") from None
+    return parse
+
+
+def _add_out(parser: argparse.ArgumentParser, default: str | None, help_text: str) -> None:
+    parser.add_argument("--out", default=default, metavar="DIR", help=help_text)
+    parser.add_argument("--force", action="store_true",
+                        help="start over in an existing run folder of this tool (never "
+                             "clears anything else)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headloc-harness",
+        description="Find the attention heads a capability lives in, through lm-eval.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("locate", help="compressed-sensing localization (the main job)")
+    add_options(p, COMMAND_OPTIONS["locate"])
+    _add_out(p, "runs/locate", "run folder (default runs/locate)")
+
+    p = sub.add_parser("refit", help="fit a locate run again from its stored measurements")
+    p.add_argument("run", metavar="RUN_DIR")
+    add_options(p, COMMAND_OPTIONS["refit"], keep_stored=True)
+
+    p = sub.add_parser("greedy", help="one-shot (N evaluations) or iterative greedy baseline")
+    add_options(p, COMMAND_OPTIONS["greedy"])
+    _add_out(p, "runs/greedy", "run folder (default runs/greedy)")
+
+    p = sub.add_parser("verify", help="knock out a run's top 1..k heads on task + general tasks")
+    p.add_argument("run", metavar="RUN_DIR")
+    add_options(p, COMMAND_OPTIONS["verify"])
+    _add_out(p, None, "folder for the table (default RUN_DIR/verify)")
+
+    p = sub.add_parser("universal", help="heads in the top-k of several tasks' runs")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    add_options(p, ("top_k",))
+    p.add_argument("--min-tasks", type=int, default=2, metavar="N",
+                   help="rankings a head must be in the top-k of (default 2)")
+    p.add_argument("--out", default="universal.json", metavar="FILE",
+                   help="JSON file to write (default universal.json)")
+
+    p = sub.add_parser("sweep", help="search --masks x --sparsity (paper appendix A.1)")
+    add_options(p, COMMAND_OPTIONS["sweep"])
+    # dest: the grids are sweep's own, not RunSpec's single masks/sparsity values.
+    p.add_argument("--masks", dest="masks_grid", type=_list_of(int), default=list(SWEEP_MASKS),
+                   metavar="M1,M2,...", help="masks per cell (default "
+                   + ",".join(map(str, SWEEP_MASKS)) + ")")
+    p.add_argument("--sparsity", dest="sparsity_grid", type=_list_of(float),
+                   default=list(SWEEP_SPARSITY),
+                   metavar="P1,P2,...", help="sparsity per cell (default "
+                   + ",".join(map(str, SWEEP_SPARSITY)) + ")")
+    _add_out(p, "runs/sweep", "run folder (default runs/sweep)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    command = args.command
+    if command == "locate":
+        _print_rankings(locate(args.out, RunSpec.from_namespace(args), force=args.force),
+                        args.out)
+    elif command == "refit":
+        _print_rankings(refit(args.run, alpha=args.alpha, top_k=args.top_k,
+                              exclude=args.exclude), args.run)
+    elif command == "greedy":
+        _print_rankings(greedy(args.out, RunSpec.from_namespace(args), force=args.force),
+                        args.out)
+    elif command == "verify":
+        table = verify(args.run, args.out, RunSpec.from_namespace(args), force=args.force)
+        print(verification_markdown(table))
+    elif command == "universal":
+        result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)
+        print(universal_table(result))
+        print(f"\n{len(result['heads'])} universal head(s) written to {args.out}")
+    elif command == "sweep":
+        result = sweep(args.out, args.masks_grid, args.sparsity_grid,
+                       RunSpec.from_namespace(args), force=args.force)
+        print(sweep_table(result))
+
+
+def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
+    top_k = RunSpec.from_config(RunFolder(out).read_config()).top_k
+    for task, ranking in rankings.items():
+        r2 = ranking.extra.get("r2")
+        fit = f", R² {r2:.3f}" if r2 is not None else ""
+        print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}{fit}")
+        for rank, head in enumerate(ranking.top(top_k), start=1):
+            print(f"  {rank}. {head}  {ranking.effect(head):+.4f}")
+    print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
+
+
+class _OneLineWarnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"headloc-harness: warning: {record.getMessage()}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # no arguments at all: the embedded default run
+        args = parser.parse_args(["locate", *(argv or [])])
+    if not getattr(args, "verbose", False):  # the harness's chatter, unless --verbose
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    ours = logging.getLogger("lm_eval_headloc")
+    handler = _OneLineWarnings(logging.WARNING)
+    ours.addHandler(handler)
+    ours.propagate = False
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        print("\nheadloc-harness: interrupted; rerun the same command to continue",
+              file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"headloc-harness: error: {message}", file=sys.stderr)
+        return 2
+    finally:
+        ours.removeHandler(handler)
+        ours.propagate = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""What every measuring subcommand runs on: check → prepare → load → measure a plan.
+
+``prepare`` does everything that can be done without the weights (the model's config,
+the tasks built once, every head list checked against the model), so a bad argument
+fails before the user waits for the model. ``run_plan`` measures the masks of a plan
+that are not on disk yet, each written before the next starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checks import UsageError
+from ..embedded import smollm2_location, smollm2_model_args
+from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
+from ..metrics import TaskScore, metrics_of_task, parse_task_metric
+from ..tasks import check_task_names, make_task_manager
+from .runfolder import RunFolder, RunFolderError
+from .spec import RunSpec, path_list
+
+__all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
+           "prepare", "run_plan"]
+
+log = logging.getLogger("lm_eval_headloc")
+
+# A design matrix is held in memory and saved as one bool array; refuse budgets past this.
+MAX_DESIGN_BYTES = 256 * 2**20
+
+
+@dataclass
+class Setup:
+    """What a subcommand knows before loading the model."""
+
+    spec: RunSpec  # resolved: model_args complete, tasks re-joined, include paths absolute
+    tasks: list[tuple[str, str | None]]  # (task, metric or None)
+    num_layers: int
+    heads_per_layer: int
+    loaded: dict[str, Any]  # task name -> lm-eval's TaskManager.load result, built once
+    exclude: list[Head]
+    never_ablate: list[Head]
+
+    @property
+    def total_heads(self) -> int:
+        return self.num_layers * self.heads_per_layer
+
+    @property
+    def task_names(self) -> list[str]:
+        return [name for name, _ in self.tasks]
+
+
+def resolve_model_args(model_args: str | None) -> str:
+    """None -> the embedded SmolLM2; a device is chosen when none is given."""
+    if not model_args:
+        return smollm2_model_args()
+    keys = {part.split("=", 1)[0].strip() for part in model_args.split(",") if part.strip()}
+    if "pretrained" not in keys:
+        raise UsageError(f"--model-args {model_args!r}: needs pretrained=<model name or folder>")
+    if "device" not in keys:
+        import torch
+
+        model_args += ",device=" + ("cuda" if torch.cuda.is_available() else "cpu")
+    return model_args
+
+
+def is_embedded(model_args: str | None) -> bool:
+    """Whether ``model_args`` load the embedded SmolLM2 (which runs fully offline)."""
+    location = smollm2_location()
+    return not model_args or (location is not None and f"pretrained={location[0]}" in
+                              model_args.split(","))
+
+
+def model_geometry(model_args: str) -> tuple[int, int]:
+    """(layers, query heads per layer) from the model's config alone: no weights loaded."""
+    from lm_eval.utils import simple_parse_args_string
+    from transformers import AutoConfig
+
+    args = simple_parse_args_string(model_args)
+    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
+              if k in args}
+    pretrained = str(args["pretrained"])
+    try:
+        config = AutoConfig.from_pretrained(pretrained, **kwargs)
+    except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
+        raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
+                         f"{str(err).splitlines()[0]}") from None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(config.num_hidden_layers), int(config.num_attention_heads)
+
+
+def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str) -> list[Head]:
+    """Heads from ``L0H1+L2H3`` or a head file (JSON / one per line), checked against the
+    model."""
+    if not spec:
+        return []
+    try:
+        names = read_heads_file(spec) if Path(spec).is_file() else spec
+        return parse_heads(names, num_layers, heads_per_layer)
+    except HeadSpecError as err:
+        raise UsageError(f"{what}: {err}") from None
+
+
+def _join_metric_filters(parts: Sequence[str], known_tasks: Iterable[str]) -> list[str]:
+    """["gsm8k:exact_match", "strict-match", "mmlu"] -> ["gsm8k:exact_match,strict-match",
+    "mmlu"]: a part that is no task, right after a TASK:METRIC without a filter, is that
+    metric's filter."""
+    known, joined = set(known_tasks), []
+    for part in parts:
+        previous = joined[-1] if joined else ""
+        if (":" in previous and "," not in previous.split(":", 1)[1] and ":" not in part
+                and part not in known):
+            joined[-1] = f"{previous},{part}"
+        else:
+            joined.append(part)
+    return joined
+
+
+_OFFLINE_HINT = ("lm-eval's built-in tasks download their data from the Hugging Face Hub; "
+                 "offline, use the headloc_* tasks (headloc_induction, headloc_ioi, "
+                 "headloc_arith) or your own with --include-path")
+
+
+def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
+    """Check the spec, the model (config only, no weights), the tasks (built once: names,
+    metrics, whether they run model-written code) and every head list — all before any
+    weights load. ``extra_tasks`` are measured too (verify's general tasks)."""
+    spec.validate()
+    model_args = resolve_model_args(spec.model_args)
+    num_layers, heads_per_layer = model_geometry(model_args)
+    try:
+        manager = make_task_manager(list(spec.include_path))
+        joined = _join_metric_filters([*spec.tasks, *extra_tasks], manager.all_tasks)
+        specs = [parse_task_metric(t) for t in joined]
+        check_task_names(manager, [name for name, _ in specs])
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if len({name for name, _ in specs}) != len(specs):
+        raise UsageError(f"--tasks {','.join(joined)}: a task is named twice")
+    loaded = {}
+    for name, metric in specs:
+        try:
+            loaded[name] = manager.load([name])
+        except Exception as err:  # noqa: BLE001 — a task whose data cannot be had
+            raise UsageError(f"cannot load task {name!r}: {str(err).splitlines()[0]} "
+                             f"({_OFFLINE_HINT})") from None
+        leaves = loaded[name]["tasks"].values()
+        if metric is not None:
+            produced = sorted({key for task in leaves for key in metrics_of_task(task)})
+            if metric not in produced:
+                raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
+                                 f"{', '.join(produced)}")
+        if not spec.confirm_run_unsafe_code and any(getattr(t, "UNSAFE_CODE", False)
+                                                    for t in leaves):
+            raise UsageError(f"task {name!r} executes model-written code; rerun with "
+                             "--confirm-run-unsafe-code if you accept that")
+    own = joined[:len(joined) - len(extra_tasks)] if extra_tasks else joined
+    resolved = spec.replace(model_args=model_args, tasks=tuple(own),
+                            include_path=tuple(path_list(spec.include_path)))
+    total = num_layers * heads_per_layer
+    if spec.top_k > total:
+        raise UsageError(f"--top-k {spec.top_k}: the model has only {total} heads")
+    exclude = head_list(spec.exclude, num_layers, heads_per_layer, "--exclude")
+    never = head_list(spec.never_ablate, num_layers, heads_per_layer, "--never-ablate")
+    if len(set(exclude) | set(never)) >= total:
+        which = ("--never-ablate covers" if len(never) >= total else "--exclude covers"
+                 if len(exclude) >= total else "--exclude and --never-ablate together cover")
+        raise UsageError(f"{which} every head ({total}); nothing is left to rank")
+    check_design_budget(spec.masks, total)
+    return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never)
+
+
+def check_design_budget(masks: int, total_heads: int) -> None:
+    """Refuse a design matrix too large to hold in memory and save (one byte per entry)."""
+    if masks * total_heads > MAX_DESIGN_BYTES:
+        raise UsageError(f"--masks {masks}: the design ({masks} masks x {total_heads} heads) "
+                         f"would take {masks * total_heads / 2**30:.1f} GiB; at most "
+                         f"{MAX_DESIGN_BYTES // total_heads} masks fit the "
+                         f"{MAX_DESIGN_BYTES // 2**20} MiB limit for this model")
+
+
+# --- the model and the measurement loop -----------------------------------------------
+
+def load_model(setup: Setup) -> Any:
+    from ..model import HFHeadAblateLM
+
+    return HFHeadAblateLM.create_from_arg_string(setup.spec.model_args,
+                                                 {"batch_size": setup.spec.batch_size})
+
+
+def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
+                     num_samples: int | None = None, limit: int | None = None) -> Any:
+    """The measurement of ``setup``'s tasks on ``lm``; the example subset it uses (and,
+    when a task has fewer documents than asked for, that fact) goes into ``folder``."""
+    from ..measure import HarnessMeasurement
+
+    spec = setup.spec
+    measure = HarnessMeasurement(
+        lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
+        apply_chat_template=spec.apply_chat_template,
+        confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
+        verbose=spec.verbose)
+    used = dict(measure.examples_used)
+    if num_samples is not None:
+        for task, count in sorted(used.items()):
+            if count < num_samples:
+                log.warning("%s has only %d documents; all %d are used (--num-samples %d)",
+                            task, count, count, num_samples)
+    if folder is not None:
+        folder.update_config(example_subset=measure.subset, examples_used=used,
+                             layers=setup.num_layers, heads_per_layer=setup.heads_per_layer)
+    return measure
+
+
+Measure = Callable[[Iterable[Head]], Mapping[str, TaskScore]]
+
+
+def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list[Head]]],
+             desc: str, progress: bool = True, masks_per_pass: int | None = 1
+             ) -> dict[str, dict[str, Any]]:
+    """Measure every (key, heads) not yet on disk; return all records by key.
+
+    Each record is appended (and fsynced) before the next measurement (or, with
+    ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
+    loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
+    A record on disk whose mask differs from the plan's refuses the folder.
+    """
+    from tqdm import tqdm
+
+    done = {r["key"]: r for r in folder.measurements()}
+    for key, heads in plan:
+        if key in done and done[key]["mask"] != format_heads(heads):
+            raise RunFolderError(
+                f"{folder.path}: measurement {key!r} on disk knocked out "
+                f"{done[key]['mask'] or 'nothing'}, this run plans "
+                f"{format_heads(heads) or 'nothing'}; the folder was made with other arguments "
+                "(use another --out or --force)")
+    todo = [(key, heads) for key, heads in plan if key not in done]
+    many = hasattr(measure, "measure_many")
+    if masks_per_pass is None:
+        masks_per_pass = measure.auto_masks_per_pass() if many and todo else 1
+    step = masks_per_pass if many else 1
+    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for start_index in range(0, len(todo), step):
+            chunk = todo[start_index:start_index + step]
+            start = time.perf_counter()
+            if step > 1:
+                all_scores = measure.measure_many([h for _, h in chunk], masks_per_pass=step)
+            else:
+                all_scores = [measure(chunk[0][1])]
+            seconds = (time.perf_counter() - start) / len(chunk)
+            for (key, heads), scores in zip(chunk, all_scores, strict=True):
+                record = {
+                    "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
+                    "scores": {name: s.value for name, s in scores.items()},
+                    "metrics": {name: s.metric for name, s in scores.items()},
+                    "higher_is_better": {name: s.higher_is_better for name, s in scores.items()},
+                    "seconds": round(seconds, 4),
+                }
+                folder.append_measurement(record)
+                done[key] = record
+                bar.update(1)
+    finally:
+        bar.close()
+    return {key: done[key] for key, _ in plan}

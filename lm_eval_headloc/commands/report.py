@@ -1,0 +1,134 @@
+"""What a run leaves for people: ranked head files, the heatmap, the markdown report.
+
+``write_ranking`` is the one writer of a ranking's files (heads.json/csv per task, the
+heatmap, report.md), used by locate, refit and greedy.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..heads import Head
+from ..recovery import harm
+from .runfolder import RunFolder
+
+__all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
+           "write_ranking"]
+
+
+@dataclass
+class HeadRanking:
+    """One task's result: every head's estimated effect, most harmful first."""
+
+    task: str
+    metric: str
+    higher_is_better: bool
+    baseline: float
+    effects: np.ndarray  # (total_heads,), score change from knocking out a head; NaN unknown
+    order: list[int]  # flat head indices, most harmful first (excluded heads left out)
+    heads_per_layer: int
+    extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
+
+    def top(self, k: int) -> list[Head]:
+        return [Head.from_flat_index(i, self.heads_per_layer) for i in self.order[:k]]
+
+    def effect(self, head: Head) -> float:
+        return float(self.effects[head.flat_index(self.heads_per_layer)])
+
+
+def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
+    """How much of the baseline a knockout removed (positive = worse); NaN at a zero
+    baseline, where a relative drop is undefined."""
+    change = float(harm(score - baseline, higher_is_better))
+    return change / abs(baseline) if baseline else float("nan")
+
+
+def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
+    """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
+
+    Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
+    ``effect`` (null where no effect was estimated).
+    """
+    return {
+        "task": ranking.task, "metric": ranking.metric,
+        "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
+        "heads_per_layer": ranking.heads_per_layer,
+        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra,
+        "heads": [
+            {"rank": rank, "head": str(head), "layer": head.layer, "head_in_layer": head.head,
+             "effect": ranking.effect(head)}
+            for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
+        ],
+    }
+
+
+def heads_table(ranking: HeadRanking) -> str:
+    """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["rank", "head", "layer", "head_in_layer", "effect"])
+    for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
+        effect = ranking.effect(head)
+        writer.writerow([rank, str(head), head.layer, head.head,
+                         f"{effect:.6g}" if np.isfinite(effect) else ""])
+    return out.getvalue()
+
+
+def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = "") -> None:
+    """Layers × heads image of each task's harm, its top-k heads circled; heads with no
+    estimate are left blank. Uses a bare ``Figure``: the caller's pyplot state and
+    backend are not touched."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
+    axes = fig.subplots(1, len(rankings), squeeze=False)[0]
+    for ax, ranking in zip(axes, rankings, strict=True):
+        # Harmful is red whichever way the metric points: show -harm on a red-blue map.
+        shown = -harm(ranking.effects, ranking.higher_is_better).reshape(
+            -1, ranking.heads_per_layer)
+        finite = np.abs(shown[np.isfinite(shown)])
+        limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+        image = ax.imshow(np.ma.masked_invalid(shown), cmap="RdBu", vmin=-limit, vmax=limit,
+                          aspect="auto", interpolation="nearest")
+        for head in ranking.top(top_k):
+            ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
+                       linewidths=1.5)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{ranking.task} ({ranking.metric})", fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8,
+                     label="score change on knockout" + ("" if ranking.higher_is_better
+                                                         else " (sign flipped)"))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
+                  title: str, report: str) -> None:
+    """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
+    ``ablate_file=runs/x/heads.json``), heatmap.png and report.md."""
+    for task, ranking in rankings.items():
+        folder.write_json(f"heads-{task}.json", ranked_heads_json(ranking, top_k))
+        folder.write_text(f"heads-{task}.csv", heads_table(ranking))
+    first = next(iter(rankings.values()))
+    folder.write_json("heads.json", ranked_heads_json(first, top_k))
+    folder.write_text("heads.csv", heads_table(first))
+    plot_heatmap(list(rankings.values()), top_k, folder.file("heatmap.png"), title=title)
+    folder.write_text("report.md", report)
+
+
+def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
+    """Markdown rows of a ranking's top-k: rank, head, effect."""
+    lines = [f"| rank | head | {effect_label} |", "| --- | --- | --- |"]
+    lines += [f"| {rank} | {head} | {ranking.effect(head):+.4f} |"
+              for rank, head in enumerate(ranking.top(top_k), start=1)]
+    return lines

@@ -1,0 +1,279 @@
+"""The run folder every ``headloc-harness`` subcommand writes, reads and resumes.
+
+``config.json``        the run's spec, identity, the example subset, package versions
+``measurements.jsonl`` one line per measurement, on disk before the next starts
+``design_matrix.npy``  the masks (locate), generated up front from the seed
+results files          written by the subcommand (heads.json, heads.csv, report.md, …)
+``.lock``              held while a command works in the folder (the holder's PID)
+
+A rerun of the same command continues where the last one stopped; a folder made with
+different defining arguments is refused. Nothing that is not provably ours is ever
+deleted or overwritten: ``--force`` clears only a folder whose ``config.json`` says it is
+a headloc-harness run, and any other non-empty folder is refused, forced or not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunFolder", "RunFolderError", "package_versions", "strict_json"]
+
+log = logging.getLogger("lm_eval_headloc")
+
+
+class RunFolderError(ValueError):
+    """A run folder that does not fit the command (a user mistake, reported in one line)."""
+
+
+def package_versions() -> dict[str, str]:
+    names = ["lm-eval-headloc", "lm_eval", "torch", "transformers", "peft", "numpy",
+             "scikit-learn", "gguf"]
+    versions = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, Mapping):
+        return {k: _finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_none(v) for v in data]
+    return data
+
+
+def strict_json(data: Any) -> str:
+    """JSON any strict parser reads: NaN and infinities (undefined numbers) become null."""
+    return json.dumps(_finite_or_none(data), indent=2, allow_nan=False) + "\n"
+
+
+def _is_measurement(record: Any) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("key"), str)
+            and isinstance(record.get("mask"), str) and isinstance(record.get("scores"), dict))
+
+
+class RunFolder:
+    """A folder of one run. Use as a context manager: the lock is released on exit."""
+
+    CONFIG = "config.json"
+    MEASUREMENTS = "measurements.jsonl"
+    LOCK = ".lock"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def exists(self) -> bool:
+        return self.file(self.CONFIG).is_file()
+
+    def read_config(self) -> dict[str, Any]:
+        """config.json, or a one-line RunFolderError if there is none or it is unreadable."""
+        path = self.file(self.CONFIG)
+        if not path.is_file():
+            raise RunFolderError(f"{self.path} is not a run folder (no {self.CONFIG})")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise RunFolderError(f"{path} is unreadable ({str(err).splitlines()[0]}); it was "
+                                 "not written by headloc-harness, which writes it atomically") \
+                from None
+        if not (isinstance(config, dict) and isinstance(config.get("command"), str)
+                and isinstance(config.get("identity"), dict)):
+            raise RunFolderError(f"{path} is not a headloc-harness run configuration")
+        return config
+
+    # --- starting a run -------------------------------------------------------------
+
+    def start(self, command: str, identity: Mapping[str, Any], settings: Mapping[str, Any],
+              spec: Mapping[str, Any] | None = None, force: bool = False,
+              protect: Iterable[str | Path] = ()) -> bool:
+        """Create the folder, or check that it holds this run; take its lock. True if
+        resuming.
+
+        ``protect``: folders this command reads from; the run folder may neither be one
+        of them nor contain one (so ``--force`` can never clear them).
+        """
+        identity = json.loads(json.dumps(identity))  # as it will read back from disk
+        self.refuse_inside(protect)
+        ours = self._check_ownership()
+        if not ours and self.path.exists() and any(self._entries()):
+            raise RunFolderError(
+                f"{self.path} is not empty and is not a headloc-harness run folder; choose "
+                "another --out (--force only clears run folders)")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RunFolderError(f"cannot create run folder {self.path}: "
+                                 f"{err.strerror or err}") from None
+        self._acquire()
+        if ours and not force:
+            config = self.read_config()
+            if config["command"] != command:
+                raise RunFolderError(
+                    f"{self.path} holds a '{config['command']}' run, not '{command}'; use "
+                    "another --out or --force to start over")
+            stored = config["identity"]
+            differing = sorted(k for k in set(identity) | set(stored)
+                               if identity.get(k) != stored.get(k))
+            if differing:
+                key = differing[0]
+                raise RunFolderError(
+                    f"{self.path} was made with {key}={stored.get(key)!r}, not "
+                    f"{identity.get(key)!r}; use another --out or --force to start over")
+            config["settings"] = dict(settings)
+            if spec is not None:
+                config["spec"] = dict(spec)
+            self._write_config(config)
+            return True
+        if ours:  # --force on a run folder of ours: clear everything but our lock
+            for entry in self._entries():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        self._write_config({
+            "command": command, "identity": identity, "settings": dict(settings),
+            "spec": dict(spec or {}), "versions": package_versions(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+        return False
+
+    def _entries(self) -> list[Path]:
+        return [p for p in self.path.iterdir() if p.name != self.LOCK]
+
+    def _check_ownership(self) -> bool:
+        """True if the folder is a run folder of ours; errors for what cannot be one."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunFolderError(f"--out {self.path} is a file, not a folder")
+        if not self.file(self.CONFIG).exists():
+            return False
+        self.read_config()  # raises if it is not ours
+        return True
+
+    def refuse_inside(self, protect: Iterable[str | Path]) -> None:
+        """Refuse to be (or to contain) any of these folders, which a command reads."""
+        here = self.path.resolve()
+        for source in protect:
+            source = Path(source).resolve()
+            if here == source or here in source.parents:
+                raise RunFolderError(f"--out {self.path} would write into {source}, which "
+                                     "this command reads from; choose another --out")
+
+    def _acquire(self) -> None:
+        """Hold an exclusive lock on the folder; a second process gets a one-line error."""
+        if self._lock_fd is not None:
+            return
+        lock = self.file(self.LOCK)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise RunFolderError(f"cannot write in {self.path}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderError(f"{self.path} is in use by another headloc-harness process "
+                                 f"(PID {holder}); wait for it or choose another --out") \
+                from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def lock(self) -> RunFolder:
+        """Take the lock of an existing run folder (refit); returns self."""
+        self.read_config()
+        self._acquire()
+        return self
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    # --- files ------------------------------------------------------------------------
+
+    def update_config(self, **fields: Any) -> None:
+        config = self.read_config()
+        config.update(fields)
+        self._write_config(config)
+
+    def _write_config(self, config: Mapping[str, Any]) -> None:
+        self.write_json(self.CONFIG, config)
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write atomically: a reader never sees half a file."""
+        target = self.file(name)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(text)
+        os.replace(partial, target)
+
+    def write_json(self, name: str, data: Any) -> None:
+        self.write_text(name, strict_json(data))
+
+    # --- measurements -------------------------------------------------------------
+
+    def measurements(self) -> list[dict[str, Any]]:
+        """Every measurement on disk, in order.
+
+        A last line without its newline was cut short by a kill: it is dropped (and
+        truncated, so appends stay valid). Any other line that is not a measurement is
+        skipped with a warning naming it and left in the file: good lines after it are
+        never lost.
+        """
+        path = self.file(self.MEASUREMENTS)
+        if not path.is_file():
+            return []
+        data = path.read_bytes()
+        lines = data.split(b"\n")
+        torn = lines.pop()  # b"" when the file ends with a newline
+        if torn:
+            with path.open("r+b") as handle:
+                handle.truncate(len(data) - len(torn))
+            log.warning("%s: dropped an unfinished last line (%d bytes) left by an "
+                        "interrupted run; it will be measured again", path, len(torn))
+        records = []
+        for number, raw in enumerate(lines, start=1):
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if not _is_measurement(record):
+                log.warning("%s line %d is not a measurement record; skipped (left in the "
+                            "file)", path, number)
+                continue
+            records.append(record)
+        return records
+
+    def append_measurement(self, record: Mapping[str, Any]) -> None:
+        """Append one line and force it to disk before the next measurement starts."""
+        line = json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
+        with self.file(self.MEASUREMENTS).open("a") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())

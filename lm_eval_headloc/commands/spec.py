@@ -1,0 +1,293 @@
+"""``RunSpec``: every option of a measuring run, defined once.
+
+A run of ``locate``, ``greedy``, ``sweep`` or ``verify`` is described by one frozen
+``RunSpec``, built from argparse (``RunSpec.from_namespace``) or from Python keyword
+arguments (``RunSpec(tasks=("gsm8k",), masks=200)``). Each field carries its own
+default, help text and role, so that:
+
+- the CLI's flags and defaults are generated from the fields (``add_options``), never
+  restated;
+- ``validate`` checks every value before anything is loaded;
+- ``identity(command)`` — what resume compares — is every field that can change a
+  run's measurements, so no option can be forgotten.
+
+Roles: ``result`` fields define what is measured; ``setting`` fields only change how
+the stored measurements are ranked (``refit`` may change them on a ``locate`` run);
+``runtime`` fields change how fast or how loudly a run goes, never its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..checks import UsageError, check_number
+from ..designs import DESIGNS
+
+__all__ = ["COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError", "add_options",
+           "parse_batch_size"]
+
+DEFAULT_TASK = "headloc_induction"
+RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
+
+# Fields a command may change on a run folder it resumes (everything else that is not
+# runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
+_REFITTABLE: dict[str, frozenset[str]] = {
+    "locate": frozenset({"alpha", "top_k", "exclude"}),
+    "greedy": frozenset({"top_k"}),
+}
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    # A metric's filter also follows a comma (gsm8k:exact_match,strict-match); the engine
+    # re-joins such parts once it knows the task names.
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_batch_size(value: int | str) -> int | str:
+    """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()):
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise UsageError(f"--batch-size {value!r}: must be a whole number >= 1, 'auto' "
+                             "or 'auto:N'") from None
+    return check_number(value, "--batch-size", whole=True, min_val=1)
+
+
+def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
+            metavar: str | None = None, whole: bool | None = None,
+            min_val: float | None = None, max_val: float | None = None,
+            include_boundaries: str = "both", choices: Sequence[str] | None = None,
+            switch: Any = None) -> Any:
+    """A RunSpec field with what the CLI and ``validate`` need to know about it.
+
+    ``switch``: a yes/no option — ``"store_true"`` or ``argparse.BooleanOptionalAction``.
+    """
+    number = None if whole is None else dict(whole=whole, min_val=min_val, max_val=max_val,
+                                             include_boundaries=include_boundaries)
+    return field(default=default, metadata=dict(help=help, role=role, parse=parse,
+                                                metavar=metavar, number=number,
+                                                choices=choices, switch=switch))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Every option of a measuring run (see the module docstring)."""
+
+    # --- what is measured ------------------------------------------------------------
+    model_args: str | None = _option(
+        None, "hf model_args, e.g. pretrained=meta-llama/Llama-3.1-8B,dtype=bfloat16 "
+              "(default: the embedded SmolLM2-135M-Instruct)", metavar="ARGS")
+    tasks: tuple[str, ...] = _option(
+        (DEFAULT_TASK,), "comma-separated lm-eval tasks, each optionally TASK:METRIC",
+        parse=_comma_list, metavar="TASKS")
+    include_path: tuple[str, ...] = _option(
+        (), "a folder of your own lm-eval task YAMLs (repeatable); our task_configs are "
+            "always included", metavar="DIR")
+    num_samples: int = _option(
+        100, "examples per task, the same seeded subset in every measurement",
+        parse=int, metavar="N", whole=True, min_val=1)
+    seed: int = _option(0, "seed of the example subset and the design", parse=int,
+                        whole=True, min_val=0)
+    apply_chat_template: bool | None = _option(
+        None, "ask through the chat template (default: for generation tasks when the "
+              "model has one)", switch=argparse.BooleanOptionalAction)
+    never_ablate: str | None = _option(
+        None, "heads kept out of every mask (L0H1+L2H3 or a head file, e.g. universal.json)",
+        metavar="HEADS|FILE")
+    # --- locate's design ---------------------------------------------------------------
+    design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
+    masks: int = _option(100, "measurements (masks) in the design", parse=int, metavar="M",
+                         whole=True, min_val=1)
+    sparsity: float = _option(0.02, "fraction of heads knocked out per mask", parse=float,
+                              metavar="P", whole=False, min_val=0, max_val=1,
+                              include_boundaries="neither")
+    # --- ranking -----------------------------------------------------------------------
+    alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
+                           parse=float, whole=False, min_val=0, include_boundaries="neither")
+    top_k: int = _option(5, "heads reported (and knocked out by verify)", SETTING,
+                         parse=int, metavar="K", whole=True, min_val=1)
+    exclude: str | None = _option(
+        None, "heads kept out of the ranking (L0H1+L2H3 or a head file)", SETTING,
+        metavar="HEADS|FILE")
+    # --- greedy ------------------------------------------------------------------------
+    rounds: int = _option(1, "1: one-shot greedy (N measurements); K: iterative, K*N",
+                          parse=int, metavar="K", whole=True, min_val=1)
+    # --- verify ------------------------------------------------------------------------
+    general: tuple[str, ...] | None = _option(
+        None, "general tasks for the Gen drop (default: hellaswag,boolq,arc_challenge,mmlu; "
+              "headloc_ioi,headloc_arith for the embedded model, which runs offline)",
+        parse=_comma_list, metavar="TASKS")
+    limit: int | None = _option(None, "examples per task (default: full datasets)",
+                                parse=int, metavar="N", whole=True, min_val=1)
+    # --- how, not what -------------------------------------------------------------------
+    batch_size: int | str = _option(32, "batch size: a number, 'auto' or 'auto:N'", RUNTIME,
+                                    parse=parse_batch_size, metavar="N")
+    masks_per_pass: int | None = _option(
+        None, "masks evaluated together in one forward pass (loglikelihood tasks; default: "
+              "1 on CPU, from free memory on a GPU)", RUNTIME, parse=int, metavar="K",
+        whole=True, min_val=1)
+    confirm_run_unsafe_code: bool = _option(
+        False, "allow tasks that execute model-written code (mbpp, humaneval)", RUNTIME,
+        switch="store_true")
+    verbose: bool = _option(False, "show lm-eval's per-measurement logging", RUNTIME,
+                            switch="store_true")
+    progress: bool = _option(True, "show progress bars", RUNTIME)  # Python API only
+
+    def __post_init__(self) -> None:
+        # Sequences become tuples, so a spec is hashable and compares by value.
+        for name in ("tasks", "include_path", "general"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = _comma_list(value) if name != "include_path" else (value,)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+            elif value is not None:
+                object.__setattr__(self, name, value)
+
+    # --- construction ------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, **overrides: Any) -> RunSpec:
+        """The spec of a parsed command line (flags it does not have keep the defaults)."""
+        given = {name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)}
+        return cls(**{**given, **overrides})
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RunSpec:
+        """The spec a run folder's config.json recorded."""
+        # Folders made before config.json held the whole spec: identity + settings.
+        recorded = {**config.get("identity", {}), **config.get("settings", {}),
+                    **config.get("spec", {})}
+        return cls(**{k: v for k, v in recorded.items() if k in cls.field_names()})
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return dataclasses.replace(self, **changes)
+
+    # --- checks --------------------------------------------------------------------------
+
+    def validate(self) -> RunSpec:
+        """Check every value that can be checked without the model; returns self."""
+        for spec_field in fields(self):
+            value = getattr(self, spec_field.name)
+            flag = "--" + spec_field.name.replace("_", "-")
+            number, choices = spec_field.metadata["number"], spec_field.metadata["choices"]
+            if number is not None and value is not None:
+                check_number(value, flag, **number)
+            if choices is not None and value not in choices:
+                raise UsageError(f"{flag} {value!r}: must be one of {', '.join(choices)}")
+        if not self.tasks:
+            raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
+        if self.general is not None and not self.general:
+            raise UsageError("--general is empty; name at least one task or leave it out")
+        parse_batch_size(self.batch_size)
+        for spec_field in fields(self):
+            value = getattr(self, spec_field.name)
+            if spec_field.metadata["switch"] is not None and value not in (None, True, False):
+                raise UsageError(f"--{spec_field.name.replace('_', '-')} {value!r}: must be "
+                                 "True or False")
+        for name in ("model_args", "never_ablate", "exclude"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
+        return self
+
+    # --- identity ----------------------------------------------------------------------
+
+    def identity(self, command: str) -> dict[str, Any]:
+        """The fields that define ``command``'s measurements, as JSON values: a run folder
+        made with other values is refused rather than resumed."""
+        refittable = _REFITTABLE.get(command, frozenset())
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)
+                if f.metadata["role"] != RUNTIME and f.name not in refittable}
+
+    def settings(self, command: str) -> dict[str, Any]:
+        """The fields ``command`` may change when it resumes (``refit``'s)."""
+        return {name: _jsonable(getattr(self, name))
+                for name in sorted(_REFITTABLE.get(command, ()))}
+
+    def as_config(self) -> dict[str, Any]:
+        """Every field, for config.json (``from_config`` reads it back)."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# --- the command line ------------------------------------------------------------------
+
+# The RunSpec fields each subcommand takes on the command line.
+_MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
+              "apply_chat_template", "never_ablate", "exclude", "top_k", "batch_size",
+              "masks_per_pass", "confirm_run_unsafe_code", "verbose")
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "locate": _MEASURING + ("design", "masks", "sparsity", "alpha"),
+    "greedy": _MEASURING + ("rounds",),
+    # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
+    "sweep": _MEASURING + ("design", "alpha"),
+    "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
+               "verbose"),
+    "refit": ("alpha", "top_k", "exclude"),
+}
+
+
+def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
+                keep_stored: bool = False) -> None:
+    """Add the flags of these RunSpec fields, defaults taken from the fields.
+
+    ``keep_stored``: every default is None, meaning "as stored in the run" (refit).
+    """
+    by_name = {f.name: f for f in fields(RunSpec)}
+    for name in names:
+        spec_field = by_name[name]
+        meta, flag = spec_field.metadata, "--" + name.replace("_", "-")
+        default = None if keep_stored else spec_field.default
+        shown = "the run's" if keep_stored else (
+            ",".join(default) if isinstance(default, tuple) else default)
+        say_default = shown is not None and shown != "" and "default:" not in meta["help"]
+        help_text = meta["help"] + (f" (default: {shown})" if say_default else "")
+        if meta["switch"] is not None:
+            parser.add_argument(flag, action=meta["switch"], default=spec_field.default,
+                                help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = dict(default=default, help=help_text)
+        if meta["choices"] is not None:
+            kwargs["choices"] = meta["choices"]
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        if name == "include_path":
+            kwargs.update(action="append", default=[])
+        elif meta["parse"] is not None:
+            kwargs["type"] = _argparse_type(meta["parse"], flag)
+        parser.add_argument(flag, **kwargs)
+
+
+def _argparse_type(parse: Any, flag: str) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, UsageError) as err:
+            reason = str(err) if isinstance(err, UsageError) else (
+                f"{text!r} is not a {'whole number' if parse is int else 'number'}")
+            raise argparse.ArgumentTypeError(reason) from None
+
+    convert.__name__ = flag
+    return convert
+
+
+def path_list(paths: Iterable[str | Path]) -> list[str]:
+    """Folders as absolute paths (what identity records, whatever the working directory)."""
+    return [str(Path(p).resolve()) for p in paths]

@@ -1,0 +1,90 @@
+"""``sweep``: the paper's hyper-parameter search (appendix A.1). A ``locate`` run per
+(masks, sparsity) cell on the example subset; each cell is scored by how much knocking
+out its top-k hurts the (first) task."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..checks import UsageError
+from ..recovery import harm
+from .engine import check_design_budget, load_model, open_measurement, prepare, run_plan
+from .locate import locate
+from .report import relative_drop
+from .runfolder import RunFolder
+from .spec import RunSpec
+
+__all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table"]
+
+SWEEP_MASKS = (100, 200)
+SWEEP_SPARSITY = (0.01, 0.02, 0.05)
+
+
+def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
+          sparsity: Sequence[float] = SWEEP_SPARSITY, spec: RunSpec | None = None, *,
+          force: bool = False, **options: Any) -> dict[str, Any]:
+    """Every (masks, sparsity) cell of the grid on one loaded model; returns the table.
+
+    Each cell is ``spec`` with that cell's ``masks`` and ``sparsity`` (checked before the
+    model loads); its locate run goes to ``out/m{M}-p{P}``.
+    """
+    spec = (spec or RunSpec()).replace(**options)
+    masks, sparsity = list(masks), list(sparsity)
+    if not masks or not sparsity:
+        raise UsageError("--masks and --sparsity each need at least one value")
+    setup = prepare(spec)
+    spec = setup.spec
+    cells = {f"m{m}-p{p:g}": spec.replace(masks=m, sparsity=p).validate()
+             for m in masks for p in sparsity}
+    for cell in cells.values():
+        check_design_budget(cell.masks, setup.total_heads)
+    task = setup.task_names[0]
+    with RunFolder(out) as folder:
+        folder.start("sweep", {**spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
+                     {}, spec.as_config(), force=force)
+        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
+        baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
+                            progress=spec.progress)["baseline"]
+        higher = bool(baseline["higher_is_better"][task])
+        results = []
+        for name, cell in cells.items():
+            rankings = locate(folder.path / name, cell, force=force, setup=setup,
+                              measure=measure)
+            top = rankings[task].top(spec.top_k)
+            key = f"{name}-top{spec.top_k}"
+            check = run_plan(folder, measure, [(key, top)], desc=f"check {name}",
+                             progress=False)[key]
+            score = check["scores"][task]
+            results.append({
+                "masks": cell.masks, "sparsity": cell.sparsity, "heads": [str(h) for h in top],
+                "score": score,
+                "drop": float(harm(score - baseline["scores"][task], higher)),
+                "relative_drop": relative_drop(baseline["scores"][task], score, higher),
+                "r2": rankings[task].extra["r2"]})
+        # Cells are compared by the absolute harm (defined even for a zero baseline).
+        best = max(results, key=lambda c: c["drop"])
+        result = {"task": task, "baseline": baseline["scores"][task], "top_k": spec.top_k,
+                  "cells": results, "best": best}
+        folder.write_json("sweep.json", result)
+        folder.write_text("sweep.md", sweep_table(result) + "\n")
+    return result
+
+
+def sweep_table(result: Mapping[str, Any]) -> str:
+    sparsities = sorted({c["sparsity"] for c in result["cells"]})
+    masks = sorted({c["masks"] for c in result["cells"]})
+    by_cell = {(c["masks"], c["sparsity"]): c for c in result["cells"]}
+    lines = [f"Drop of {result['task']} (baseline {result['baseline']:.4f}) when the "
+             f"top-{result['top_k']} heads of each cell are knocked out:", "",
+             "| masks \\ sparsity | " + " | ".join(f"{p:g}" for p in sparsities) + " |",
+             "| --- |" + " --- |" * len(sparsities)]
+    for m in masks:
+        lines.append(f"| {m} | " + " | ".join(
+            f"{by_cell[(m, p)]['drop']:+.4f}" if (m, p) in by_cell else ""
+            for p in sparsities) + " |")
+    best = result["best"]
+    lines += ["", f"Best: --masks {best['masks']} --sparsity {best['sparsity']:g} "
+              f"(heads {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"]
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""``universal``: heads in the top-k of several tasks' rankings (SPEC §2): the heads
+that hurt every task, to report apart and to keep out of masks (``--never-ablate``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..checks import UsageError, check_number
+from ..heads import read_heads_file
+from .runfolder import RunFolder, RunFolderError, strict_json
+from .spec import RunSpec
+
+__all__ = ["MADE_BY", "universal", "universal_table"]
+
+MADE_BY = "headloc-harness universal"  # marks a file of ours: the only kind we overwrite
+
+
+def _check_out(out: Path) -> None:
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; universal writes one JSON file "
+                         f"(e.g. {out / 'universal.json'})")
+    if out.exists():
+        try:
+            ours = json.loads(out.read_text()).get("made_by") == MADE_BY
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise UsageError(f"--out {out} exists and was not written by {MADE_BY}; "
+                             "choose another file")
+
+
+def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
+              min_tasks: int = 2) -> dict[str, Any]:
+    """Heads in the top-k of at least ``min_tasks`` task rankings -> ``out`` (JSON).
+
+    Rankings are labelled by their run folder's full path and task; every run must be
+    of the same model (the same ``model_args``).
+    """
+    top_k = RunSpec(top_k=top_k).validate().top_k  # --top-k's one check
+    min_tasks = check_number(min_tasks, "--min-tasks", whole=True, min_val=1)
+    if len(runs) < 2:
+        raise UsageError(f"universal needs at least 2 run folders, got {len(runs)}")
+    out = Path(out)
+    _check_out(out)
+    rankings: dict[str, list[str]] = {}
+    models: dict[str, str] = {}
+    for run in runs:
+        folder = RunFolder(run)
+        config = folder.read_config()
+        path = str(folder.path.resolve())
+        if path in models:
+            raise UsageError(f"run folder {run} is given twice")
+        models[path] = config.get("spec", config["identity"]).get("model_args", "")
+        files = sorted(folder.path.glob("heads-*.json"))
+        if not files:
+            raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
+        for file in files:
+            rankings[f"{path}:{file.stem.removeprefix('heads-')}"] = read_heads_file(file)
+    if len(set(models.values())) > 1:
+        first, *_ = models
+        other = next(p for p in models if models[p] != models[first])
+        raise UsageError(f"the runs are of different models ({first}: {models[first]!r}; "
+                         f"{other}: {models[other]!r}); universal heads compare one model's "
+                         "runs")
+    if min_tasks > len(rankings):
+        raise UsageError(f"--min-tasks {min_tasks}: only {len(rankings)} task rankings given")
+    ranks: dict[str, dict[str, int]] = {}
+    for label, names in rankings.items():
+        for rank, name in enumerate(names[:top_k], start=1):
+            ranks.setdefault(name, {})[label] = rank
+    chosen = sorted((h for h in ranks if len(ranks[h]) >= min_tasks),
+                    key=lambda h: (-len(ranks[h]), sum(ranks[h].values()), h))
+    result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
+              "min_tasks": min_tasks, "rankings": list(rankings),
+              "heads": [{"head": h, "tasks": len(ranks[h]), "ranks": ranks[h]} for h in chosen],
+              "candidates": {h: ranks[h] for h in sorted(ranks)}}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(strict_json(result))
+        os.replace(partial, out)
+    except OSError as err:
+        raise UsageError(f"cannot write --out {out}: {err.strerror or err}") from None
+    return result
+
+
+def universal_table(result: Mapping[str, Any]) -> str:
+    labels = result["rankings"]
+    lines = ["| head | tasks | " + " | ".join(labels) + " |",
+             "| --- | --- |" + " --- |" * len(labels)]
+    for entry in result["heads"]:
+        lines.append(f"| {entry['head']} | {entry['tasks']} | "
+                     + " | ".join(str(entry["ranks"].get(lbl, "")) for lbl in labels) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,673 @@
+"""headloc-harness on tiny random models: every subcommand, resume, and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TASKS
+
+from lm_eval_headloc.commands import RunSpec, engine
+from lm_eval_headloc.commands.cli import main
+
+
+def harness(*args: str) -> int:
+    try:
+        return main([*args])
+    except SystemExit as exit_:  # argparse's own errors
+        return exit_.code
+
+
+def tiny_args(folder) -> list[str]:
+    return ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
+
+
+def strict_json(path: Path):
+    """json.loads that refuses NaN/Infinity, as any strict JSON parser does."""
+    def refuse(name):
+        raise ValueError(f"{path} holds {name}, which is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def read_run(folder: Path) -> tuple[list[dict], dict]:
+    lines = [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
+    return lines, strict_json(folder / "heads.json")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Loading weights fails the test: arguments must be checked before."""
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
+    monkeypatch.setattr(HFHeadAblateLM, "__init__", refuse)
+
+
+def last_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "no error message"
+    return err[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny_locate_run(tiny_model_dir, tmp_path_factory):
+    """A finished locate run on a tiny Llama (8 heads) to read, refit and verify."""
+    out = tmp_path_factory.mktemp("runs") / "locate"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "12", "--sparsity", "0.25", "--num-samples", "12",
+                   "--top-k", "3", "--out", str(out)) == 0
+    return out
+
+
+# --- every subcommand checks everything before loading weights ------------------------
+
+LOCATE_BAD = [
+    (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--sparsity", "1.5"], "--sparsity 1.5: must be a finite number strictly between 0 and 1"),
+    (["--sparsity", "0"], "--sparsity 0.0: must be a finite number strictly between"),
+    (["--sparsity", "nan"], "--sparsity nan: must be"),
+    (["--alpha", "nan"], "--alpha nan: must be a finite number > 0"),
+    (["--alpha", "inf"], "--alpha inf: must be a finite number > 0"),
+    (["--alpha", "-1"], "--alpha -1.0: must be a finite number > 0"),
+    (["--masks", "0"], "--masks 0: must be a whole number >= 1"),
+    (["--masks", "x"], "argument --masks: 'x' is not a whole number"),
+    (["--masks", "1000000000"], "at most 33554432 masks fit the 256 MiB limit"),
+    (["--masks", "100000000"], "--masks 100000000: the design (100000000 masks x 8 heads)"),
+    (["--seed", "-1"], "--seed -1: must be a whole number >= 0"),
+    (["--num-samples", "0"], "--num-samples 0: must be a whole number >= 1"),
+    (["--masks-per-pass", "0"], "--masks-per-pass 0: must be a whole number >= 1"),
+    (["--batch-size", "big"], "--batch-size 'big': must be a whole number >= 1, 'auto'"),
+    (["--top-k", "9"], "--top-k 9: the model has only 8 heads"),
+    (["--exclude", "L29H8"], "--exclude: head L29H8 is outside"),
+    (["--never-ablate", "L0H5"], "--never-ablate: head L0H5 is outside"),
+    (["--exclude", "L0H*+L1H*"], "--exclude covers every head (8); nothing is left to rank"),
+    (["--never-ablate", "L0H*+L1H*"], "--never-ablate covers every head"),
+    (["--design", "random"], "invalid choice: 'random'"),
+    (["--tasks", "tiny_choice:bleu"], "produces no metric 'bleu,none'; it produces: acc,none"),
+    (["--tasks", "tiny_unsafe"], "task 'tiny_unsafe' executes model-written code; rerun with "
+                                 "--confirm-run-unsafe-code"),
+]
+
+
+GREEDY_BAD = [
+    (["--seed", "-1"], "--seed -1: must be a whole number >= 0"),
+    (["--rounds", "0"], "--rounds 0: must be a whole number >= 1"),
+    (["--rounds", "9"], "--rounds 9 / --top-k 5: only 8 heads can be knocked out"),
+    (["--top-k", "9"], "--top-k 9: the model has only 8 heads"),
+    (["--exclude", "L5H0"], "--exclude: head L5H0 is outside"),
+    (["--never-ablate", "L0H9"], "--never-ablate: head L0H9 is outside"),
+    (["--exclude", "L0H*", "--never-ablate", "L1H*"], "together cover every head"),
+    (["--rounds", "2", "--tasks", "tiny_copy,tiny_choice"], "--rounds > 1 follows one task"),
+    (["--num-samples", "0"], "--num-samples 0"),
+    (["--tasks", "no_such_task"], "unknown task"),
+]
+SWEEP_BAD = [
+    (["--seed", "-1"], "--seed -1"),
+    (["--alpha", "nan"], "--alpha nan"),
+    (["--masks", "4,0"], "--masks 0: must be a whole number >= 1"),
+    (["--masks", "4,x"], "not a comma-separated list of whole numbers"),
+    (["--sparsity", "0.2,1.5"], "--sparsity 1.5: must be"),
+    (["--masks", "4,100000000"], "--masks 100000000: the design"),
+    (["--top-k", "9"], "--top-k 9"),
+    (["--design", "random"], "invalid choice"),
+    (["--never-ablate", "L9H0"], "--never-ablate: head L9H0"),
+]
+
+
+@pytest.mark.parametrize("command, extra, message", [
+    *(("locate", *case) for case in LOCATE_BAD), *(("greedy", *case) for case in GREEDY_BAD),
+    *(("sweep", *case) for case in SWEEP_BAD)])
+def test_measuring_commands_check_arguments_before_loading(
+        tiny_model_dir, tmp_path, capsys, no_model_loading, command, extra, message):
+    out = tmp_path / "run"
+    code = harness(command, *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--out", str(out), *extra)
+    assert code == 2
+    assert message in last_error(capsys)
+    assert not out.exists(), "a refused run must write nothing"
+
+
+def fake_run(folder: Path, model_dir: Path, task: str = "tiny_copy",
+             heads: tuple[str, ...] = ("L1H2", "L0H0", "L0H3", "L1H0", "L0H1", "L1H1"),
+             model_args: str | None = None
+             ) -> Path:
+    """A finished-looking locate run written by hand (no model needed to make it)."""
+    spec = RunSpec(model_args=model_args or f"pretrained={model_dir},dtype=float32,device=cpu",
+                   tasks=(task,), include_path=(TASKS,))
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"),
+        "settings": spec.settings("locate"), "spec": spec.as_config(),
+        "layers": 2, "heads_per_layer": 4}))
+    (folder / f"heads-{task}.json").write_text(json.dumps(
+        {"heads": [{"rank": r, "head": h} for r, h in enumerate(heads, start=1)]}))
+    return folder
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--top-k", "0"], "--top-k 0: must be a whole number >= 1"),
+    (["--top-k", "7"], "--top-k 7: heads-tiny_copy.json ranks only 6 heads"),
+    (["--limit", "0"], "--limit 0: must be a whole number >= 1"),
+    (["--general", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--batch-size", "0"], "--batch-size 0"),
+])
+def test_verify_checks_arguments_before_loading(tiny_model_dir, tmp_path, capsys,
+                                                no_model_loading, extra, message):
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    assert harness("verify", str(run), *extra) == 2
+    assert message in last_error(capsys)
+
+
+def test_refit_and_universal_check_their_numbers(tiny_locate_run, tmp_path, capsys):
+    for args, message in [
+        (["refit", str(tiny_locate_run), "--alpha", "nan"], "--alpha nan: must be a finite"),
+        (["refit", str(tiny_locate_run), "--alpha", "inf"], "--alpha inf"),
+        (["refit", str(tiny_locate_run), "--top-k", "0"], "--top-k 0"),
+        (["refit", str(tiny_locate_run), "--top-k", "9"], "the model has only 8 heads"),
+        (["refit", str(tiny_locate_run), "--exclude", "L0H*+L1H*"], "covers every head"),
+        (["universal", str(tiny_locate_run), str(tiny_locate_run), "--min-tasks", "0"],
+         "--min-tasks 0"),
+    ]:
+        assert harness(*args) == 2, args
+        assert message in last_error(capsys), args
+
+
+# --- run folders: never touch what is not ours ----------------------------------------
+
+def test_force_never_clears_a_folder_that_is_not_a_run(tiny_model_dir, tmp_path, capsys,
+                                                        no_model_loading):
+    precious = tmp_path / "mine"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    for force in ([], ["--force"]):
+        code = harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                       "--out", str(precious), *force)
+        assert code == 2
+        assert "is not empty and is not a headloc-harness run folder" in last_error(capsys)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in precious.iterdir()) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("config_text", ["", '{"command": "loc', '{"a": 1}', "[1, 2]"])
+def test_unreadable_or_foreign_config_is_one_line_and_kept(tiny_model_dir, tmp_path, capsys,
+                                                           no_model_loading, config_text):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(config_text)
+    model = tiny_args(tiny_model_dir("llama"))
+    for args in (["locate", *model, "--tasks", "tiny_copy", "--out", str(run), "--force"],
+                 ["refit", str(run)], ["verify", str(run)]):
+        assert harness(*args) == 2, args
+        message = last_error(capsys)
+        assert "config.json" in message and "headloc-harness" in message, message
+    assert (run / "config.json").read_text() == config_text
+
+
+def test_out_that_is_a_file_or_cannot_be_created(tiny_model_dir, tmp_path, capsys,
+                                                 no_model_loading):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    model = tiny_args(tiny_model_dir("llama"))
+    assert harness("locate", *model, "--tasks", "tiny_copy", "--out", str(a_file)) == 2
+    assert f"--out {a_file} is a file" in last_error(capsys)
+    assert harness("locate", *model, "--tasks", "tiny_copy",
+                   "--out", str(a_file / "run")) == 2
+    assert "cannot create run folder" in last_error(capsys)
+    assert a_file.read_text() == "keep"
+
+
+def test_verify_never_writes_into_the_run_it_reads(tiny_model_dir, tmp_path, capsys,
+                                                   no_model_loading):
+    run = fake_run(tmp_path / "runs" / "a", tiny_model_dir("llama"))
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for out in (run, tmp_path / "runs", tmp_path):
+        assert harness("verify", str(run), "--out", str(out), "--force") == 2
+        assert "which this command reads from" in last_error(capsys)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_second_process_on_the_same_folder_is_refused(tiny_model_dir, tmp_path, capsys,
+                                                        no_model_loading):
+    from lm_eval_headloc.commands import RunFolder
+
+    out = tmp_path / "run"
+    spec = RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                   tasks=("tiny_copy",), include_path=(TASKS,))
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from lm_eval_headloc.commands import RunFolder\n"
+         "f = RunFolder(sys.argv[1]); f.start('locate', {}, {}); print('held', flush=True)\n"
+         "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                       "--out", str(out), "--force") == 2
+        assert f"in use by another headloc-harness process (PID {holder.pid})" in \
+            last_error(capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    # Released with its process: the folder can be taken now.
+    with RunFolder(out) as folder:
+        folder.start("locate", spec.identity("locate"), {}, force=True)
+
+
+def test_changing_any_identity_field_refuses_the_folder(tmp_path):
+    from lm_eval_headloc.commands import RunFolder, RunFolderError
+    from lm_eval_headloc.commands.spec import RESULT, SETTING
+
+    base = RunSpec()
+    changed_values = {
+        "model_args": "pretrained=other", "tasks": ("tiny_copy",), "include_path": ("/x",),
+        "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
+        "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
+        "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
+    }
+    from dataclasses import fields
+
+    roles = {f.name: f.metadata["role"] for f in fields(RunSpec)}
+    assert set(changed_values) == {n for n, r in roles.items() if r in (RESULT, SETTING)}
+    for command in ("locate", "greedy", "sweep", "verify"):
+        folder = tmp_path / command
+        with RunFolder(folder) as run:
+            run.start(command, base.identity(command), base.settings(command))
+        for name, value in changed_values.items():
+            other = base.replace(**{name: value})
+            resumable = name in base.settings(command)
+            with RunFolder(folder) as run:
+                if resumable:
+                    assert run.start(command, other.identity(command), other.settings(command))
+                else:
+                    with pytest.raises(RunFolderError, match=f"was made with {name}="):
+                        run.start(command, other.identity(command), other.settings(command))
+        # Runtime options never refuse a folder.
+        fast = base.replace(batch_size=4, masks_per_pass=8, verbose=True, progress=False,
+                            confirm_run_unsafe_code=True)
+        with RunFolder(folder) as run:
+            assert run.start(command, fast.identity(command), fast.settings(command))
+
+
+def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
+        tiny_model_dir, tmp_path, capsys):
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--out", str(tmp_path / "sweep")]
+    assert harness(*args) == 0
+    assert harness(*args, "--apply-chat-template") == 2
+    assert "was made with apply_chat_template=None, not True" in last_error(capsys)
+
+
+# --- measurements on disk --------------------------------------------------------------
+
+def test_measurement_log_keeps_every_good_line(tmp_path, caplog):
+    from lm_eval_headloc.commands import RunFolder
+
+    folder = RunFolder(tmp_path)
+    records = [{"key": f"mask-{i:04d}", "mask": f"L0H{i}", "scores": {"t": i / 10}}
+               for i in range(6)]
+    lines = [json.dumps(r) for r in records]
+    lines[2] = lines[2][:15]  # corrupt in the middle
+    lines.insert(4, "{}")  # valid JSON, not a measurement
+    (tmp_path / "measurements.jsonl").write_text("\n".join(lines) + "\n" + '{"key": "ma')
+    with caplog.at_level("WARNING", logger="lm_eval_headloc"):
+        kept = folder.measurements()
+    assert [r["key"] for r in kept] == ["mask-0000", "mask-0001", "mask-0003", "mask-0004",
+                                        "mask-0005"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("line 3 is not a measurement" in w for w in warnings)
+    assert any("line 5 is not a measurement" in w for w in warnings)
+    assert any("unfinished last line" in w for w in warnings)
+    # Only the torn tail was cut; the bad middle lines stay for the user to see.
+    assert (tmp_path / "measurements.jsonl").read_text() == "\n".join(lines) + "\n"
+
+
+def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path, capsys):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "8", "--sparsity", "0.25", "--num-samples", "6", "--out",
+            str(tmp_path / "run")]
+    assert harness(*args) == 0
+    log = tmp_path / "run" / "measurements.jsonl"
+    lines = log.read_text().splitlines()
+    lost = json.loads(lines[3])
+    lines[3] = "garbage"
+    log.write_text("\n".join(lines) + "\n")
+    assert harness(*args) == 0
+    assert "line 4 is not a measurement" in capsys.readouterr().err
+    after = log.read_text().splitlines()
+    assert after[:len(lines)] == lines and len(after) == len(lines) + 1  # only one redone
+    redone = json.loads(after[-1])
+    assert (redone["key"], redone["mask"], redone["scores"]) == (
+        lost["key"], lost["mask"], lost["scores"])
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("llama")
+    args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
+            "--sparsity", "0.25", "--num-samples", "12", "--seed", "3"]
+    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
+            f"sys.exit(main({args!r} + sys.argv[1:]))")
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(killed)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = killed / "measurements.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= 6:
+            process.kill()
+            break
+        time.sleep(0.02)
+    process.wait()
+    partial = len(log.read_text().splitlines())
+    assert 6 <= partial < 41, "the run was not interrupted part-way"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    resumed_records, resumed_heads = read_run(killed)
+    full_records, full_heads = read_run(full)
+    assert len(resumed_records) == 41
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
+    assert resumed_heads == full_heads
+
+
+# --- locate, refit ----------------------------------------------------------------------
+
+def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("qwen2")
+    out = tmp_path / "run"
+    code = harness("locate", *tiny_args(folder), "--tasks", "tiny_copy,tiny_choice",
+                   "--masks", "10", "--sparsity", "0.25", "--num-samples", "8", "--top-k", "3",
+                   "--out", str(out))
+    assert code == 0
+    for name in ["config.json", "design_matrix.npy", "measurements.jsonl", "heads.json",
+                 "heads.csv", "heads-tiny_choice.json", "heatmap.png", "report.md"]:
+        assert (out / name).is_file(), name
+    records, heads = read_run(out)
+    design = np.load(out / "design_matrix.npy")
+    assert design.shape == (10, 8) and (design.sum(axis=1) == 2).all()
+    assert [r["key"] for r in records] == ["baseline"] + [f"mask-{i:04d}" for i in range(10)]
+    # Each record's mask is its design row.
+    for row, record in zip(design, records[1:], strict=True):
+        assert record["mask"] == "+".join(f"L{i // 4}H{i % 4}" for i in np.flatnonzero(row))
+    assert set(records[1]["scores"]) == {"tiny_copy", "tiny_choice"}
+    config = strict_json(out / "config.json")
+    assert config["example_subset"]["tiny_copy"] == sorted(config["example_subset"]["tiny_copy"])
+    assert len(config["example_subset"]["tiny_copy"]) == 8
+    assert config["versions"]["lm_eval"]
+    assert heads["task"] == "tiny_copy" and len(heads["heads"]) == 8
+    assert all(h["head"] == f"L{h['layer']}H{h['head_in_layer']}" for h in heads["heads"])
+    assert heads["heads_per_layer"] == 4
+    # The masks really were applied: a mask's score matches a fresh evaluation under it.
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
+                        ablate=records[3]["mask"])
+    setup = engine.prepare(RunSpec(model_args=f"pretrained={folder},dtype=float32",
+                                   tasks=("tiny_copy",), include_path=(TASKS,)))
+    measure = engine.open_measurement(setup, lm, num_samples=8)
+    assert measure([*lm.knocked_out])["tiny_copy"].value == records[3]["scores"]["tiny_copy"]
+    # hf-headablate reads heads.json directly.
+    lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
+                        ablate_file=str(out / "heads.json"), ablate_top=3)
+    assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
+
+
+def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.commands import locate
+
+    spec = RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                   tasks=("tiny_copy",), include_path=(TASKS,), masks=4, sparsity=0.25,
+                   num_samples=4, progress=False)
+    by_spec = locate(tmp_path / "a", spec)
+    by_keywords = locate(tmp_path / "b", model_args=spec.model_args, tasks=["tiny_copy"],
+                         include_path=[TASKS], masks=4, sparsity=0.25, num_samples=4,
+                         progress=False)
+    assert by_spec["tiny_copy"].order == by_keywords["tiny_copy"].order
+    assert RunSpec.from_config(strict_json(tmp_path / "a" / "config.json")).masks == 4
+
+
+def test_num_samples_beyond_a_task_is_recorded_and_said(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "2", "--sparsity", "0.25", "--num-samples", "50",
+                   "--out", str(out)) == 0
+    from lm_eval_headloc.tasks import make_task_manager
+
+    loaded = make_task_manager([TASKS]).load(["tiny_choice"])
+    docs = len(loaded["tasks"]["tiny_choice"].eval_docs)
+    config = strict_json(out / "config.json")
+    assert config["examples_used"] == {"tiny_choice": docs} and docs < 50
+    assert f"tiny_choice has only {docs} documents; all {docs} are used" in \
+        capsys.readouterr().err
+    assert f"used tiny_choice {docs}" in (out / "report.md").read_text()
+
+
+def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, capsys,
+                                                  no_model_loading):
+    import shutil
+
+    out = shutil.copytree(tiny_locate_run, tmp_path / "run")
+    assert harness("refit", str(out)) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("  ") and ". L" in line]
+    assert len(printed) == 3  # the run's stored --top-k, not a default of 5
+    assert harness("refit", str(out), "--exclude", "L0H0+L1H3") == 0
+    ranked = [h["head"] for h in strict_json(out / "heads.json")["heads"]]
+    assert len(ranked) == 6 and "L0H0" not in ranked and "L1H3" not in ranked
+    assert harness("refit", str(out), "--alpha", "0.5", "--top-k", "2") == 0
+    config = strict_json(out / "config.json")
+    heads = strict_json(out / "heads.json")
+    assert config["settings"]["alpha"] == 0.5 and heads["alpha"] == 0.5
+    assert len(heads["top_k"]) == 2
+    assert all(h["effect"] == 0 for h in heads["heads"])  # a huge penalty zeroes everything
+
+
+def test_a_folder_of_another_run_is_refused_unless_forced(tiny_model_dir, tmp_path, capsys):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out",
+            str(tmp_path / "run")]
+    assert harness(*args) == 0
+    assert harness(*args, "--seed", "1") == 2
+    assert "was made with seed=0, not 1" in last_error(capsys)
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert strict_json(tmp_path / "run" / "config.json")["identity"]["seed"] == 1
+
+
+# --- greedy ------------------------------------------------------------------------------
+
+def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("gpt2")
+    one = tmp_path / "one"
+    assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
+                   "--top-k", "3", "--out", str(one)) == 0
+    records, heads = read_run(one)
+    assert len(records) == 1 + 8  # baseline + every head alone
+    base = records[0]["scores"]["tiny_copy"]
+    drops = {r["mask"]: base - r["scores"]["tiny_copy"] for r in records[1:]}
+    ranked = [h["head"] for h in heads["heads"]]
+    # Most harmful first, ties in head order (L0H0 < L0H1 < ... by flat index).
+    flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
+    assert ranked == sorted(drops, key=lambda h: (-drops[h], flat[h]))
+
+    it = tmp_path / "iterative"
+    assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
+                   "--rounds", "2", "--top-k", "3", "--out", str(it)) == 0
+    records, heads = read_run(it)  # strict JSON: no NaN for the round-1 winner
+    assert len(records) == 1 + 8 + 7
+    winner = heads["winners"][0]
+    assert all(r["mask"].count("+") == 1 and winner in r["mask"]
+               for r in records if r["key"].startswith("round2-"))
+    by_key = {r["key"]: r["scores"]["tiny_copy"] for r in records}
+    effects = {h["head"]: h["effect"] for h in heads["heads"]}
+    # The first winner's effect is what it cost in round 1; the others' their round 2 cost.
+    assert effects[winner] == pytest.approx(by_key[f"round1-{winner}"] - by_key["baseline"])
+    second = heads["winners"][1]
+    assert effects[second] == pytest.approx(by_key[f"round2-{second}"]
+                                            - by_key[f"round1-{winner}"])
+    assert [h["head"] for h in heads["heads"][:2]] == heads["winners"]
+    assert "nan" not in (it / "heads.csv").read_text().lower()
+
+
+# --- verify, universal, sweep ------------------------------------------------------------
+
+def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
+    run = tiny_locate_run
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "3", "--general", "tiny_copy",
+                   "--out", str(out)) == 0
+    table = strict_json(out / "verify.json")
+    rows = table["rows"]["tiny_choice"]
+    assert [r["k"] for r in rows] == [1, 2, 3]
+    assert rows[2]["heads"] == strict_json(run / "heads.json")["top_k"][:3]
+    base = table["baseline"]["tiny_choice"]
+    drop = (base - rows[0]["score"]) / base if base else None
+    assert rows[0]["task_drop"] == (pytest.approx(drop) if drop is not None else None)
+    assert "| k | heads | score | Task drop | Gen drop | tiny_copy |" in (
+        out / "verify.md").read_text()
+    # verify's scores are fresh evaluations: heads knocked out by hf-headablate itself.
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), dtype="float32",
+                        device="cpu", ablate="+".join(rows[1]["heads"]))
+    import lm_eval
+
+    from lm_eval_headloc.tasks import make_task_manager
+
+    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
+                                      task_manager=make_task_manager([TASKS]))
+    assert rows[1]["score"] == pytest.approx(results["results"]["tiny_choice"]["acc,none"])
+
+
+def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_model_dir,
+                                                                        tmp_path, capsys,
+                                                                        no_model_loading):
+    from lm_eval_headloc.commands.verify import DEFAULT_GENERAL, OFFLINE_GENERAL
+
+    assert engine.is_embedded(None)
+    assert not engine.is_embedded(f"pretrained={tiny_model_dir('llama')}")
+    assert "hellaswag" in DEFAULT_GENERAL and "headloc_ioi" in OFFLINE_GENERAL
+    # Another model offline: the paper's general tasks cannot be had; one line, a hint.
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    assert harness("verify", str(run)) == 2
+    message = last_error(capsys)
+    assert "cannot load task" in message and "headloc_ioi" in message
+
+
+def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = RunSpec(model_args=model_args, tasks=(task,))
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"), "spec": spec.as_config(),
+        "settings": {}}))
+    (folder / f"heads-{task}.json").write_text(json.dumps(
+        {"heads": [{"head": h} for h in heads]}))
+    return folder
+
+
+def test_universal_heads_by_hand(tmp_path, capsys):
+    # Three task rankings; top-3 of each: a: L0H1 L2H0 L1H1, b: L2H0 L3H3 L0H1, c: L0H1 ...
+    runs = [write_heads(tmp_path / "r1" / "locate", "a", ["L0H1", "L2H0", "L1H1", "L3H3"]),
+            write_heads(tmp_path / "r2" / "locate", "b", ["L2H0", "L3H3", "L0H1", "L1H1"]),
+            write_heads(tmp_path / "r3" / "locate", "c", ["L0H1", "L1H2", "L3H0", "L2H0"])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--min-tasks", "2",
+                   "--out", str(out)) == 0
+    result = strict_json(out)
+    # L0H1: in all three (ranks 1+3+1); L2H0: a, b (2+1); L3H3: only b; L1H1: only a.
+    assert [h["head"] for h in result["heads"]] == ["L0H1", "L2H0"]
+    assert [h["tasks"] for h in result["heads"]] == [3, 2]
+    # Two runs whose folders share a name are two rankings, labelled by full path.
+    assert len(result["rankings"]) == 3
+    assert all(str(tmp_path) in label for label in result["rankings"])
+    # Rerunning overwrites our own file; a foreign file or a folder is refused.
+    assert harness("universal", *map(str, runs), "--out", str(out)) == 0
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": true}')
+    for target, message in [(foreign, "was not written by headloc-harness universal"),
+                            (tmp_path, "is a folder")]:
+        assert harness("universal", *map(str, runs), "--out", str(target)) == 2
+        assert message in last_error(capsys)
+    assert foreign.read_text() == '{"mine": true}'
+    # Runs of different models (even of the same shape) are not compared.
+    other = write_heads(tmp_path / "r4", "d", ["L0H1"], model_args="another")
+    assert harness("universal", str(runs[0]), str(other), "--out", str(tmp_path / "v.json")) == 2
+    assert "the runs are of different models" in last_error(capsys)
+
+
+def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
+    args = tiny_args(tiny_model_dir("llama"))
+    universal = tmp_path / "universal.json"
+    universal.write_text(json.dumps({"heads": [{"head": "L0H1"}, {"head": "L1H2"}]}))
+    assert harness("locate", *args, "--tasks", "tiny_copy", "--masks", "6", "--sparsity", "0.25",
+                   "--num-samples", "4", "--never-ablate", str(universal),
+                   "--out", str(tmp_path / "protected")) == 0
+    design = np.load(tmp_path / "protected" / "design_matrix.npy")
+    assert not design[:, [1, 6]].any() and design.any(axis=0).sum() == 6
+
+    sweep = tmp_path / "sweep"
+    assert harness("sweep", *args, "--tasks", "tiny_choice", "--masks", "4,6", "--sparsity",
+                   "0.2,0.4", "--num-samples", "4", "--top-k", "2", "--out", str(sweep)) == 0
+    result = strict_json(sweep / "sweep.json")
+    assert len(result["cells"]) == 4
+    records = {r["key"]: r for r in map(json.loads,
+                                         (sweep / "measurements.jsonl").read_text().splitlines())}
+    base = records["baseline"]["scores"]["tiny_choice"]
+    for cell in result["cells"]:
+        name = f"m{cell['masks']}-p{cell['sparsity']:g}"
+        top = strict_json(sweep / name / "heads.json")["top_k"]
+        assert cell["heads"] == top
+        check = records[f"{name}-top2"]
+        assert check["mask"] == "+".join(sorted(top))
+        assert cell["drop"] == pytest.approx(base - check["scores"]["tiny_choice"])
+    assert result["best"]["drop"] == max(c["drop"] for c in result["cells"])
+    assert "Best: --masks" in capsys.readouterr().out
+
+
+def test_chat_template_goes_to_generation_tasks_when_the_model_has_one(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.measure import HarnessMeasurement
+
+    setup = engine.prepare(RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},"
+                                              "dtype=float32",
+                                   tasks=("swear", "tiny_copy"), include_path=(TASKS,)))
+    with_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ x }}"))
+    without = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+
+    def chat(lm, override=None):
+        return HarnessMeasurement(lm, setup.tasks, setup.loaded, num_samples=2,
+                                  apply_chat_template=override).chat_template
+
+    assert chat(with_template) == {"swear": True, "tiny_copy": False}
+    assert chat(without) == {"swear": False, "tiny_copy": False}
+    assert chat(with_template, override=False) == {"swear": False, "tiny_copy": False}
+    assert chat(without, override=True) == {"swear": True, "tiny_copy": True}
+
+
+def test_unsafe_tasks_run_only_when_confirmed(tiny_model_dir, tmp_path):
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_unsafe",
+                   "--masks", "2", "--sparsity", "0.25", "--num-samples", "2",
+                   "--confirm-run-unsafe-code", "--out", str(tmp_path / "run")) == 0
+
+
+def test_stray_task_configs_is_never_taken_for_ours(tmp_path):
+    from lm_eval_headloc.tasks import task_configs_dir
+
+    site = tmp_path / "site-packages"
+    (site / "task_configs").mkdir(parents=True)  # somebody else's folder
+    (site / "lm_eval_headloc" / "task_configs").mkdir(parents=True)
+    assert task_configs_dir(site / "lm_eval_headloc") == site / "lm_eval_headloc" / \
+        "task_configs"
+    checkout = tmp_path / "repo"
+    (checkout / "task_configs").mkdir(parents=True)
+    (checkout / "lm_eval_headloc").mkdir()
+    (checkout / "pyproject.toml").write_text("")
+    assert task_configs_dir(checkout / "lm_eval_headloc") == checkout / "task_configs"
