@@ -1,0 +1,238 @@
+"""The planted-sparse simulator (lm_eval_headloc.simulation) and its CLI.
+
+The simulator is the yardstick new recovery methods are compared on, so these tests pin
+down what its numbers mean: the same seed gives the same answer; a single knockout costs
+exactly the planted effect; the noise is the binomial of ``n_examples`` documents (checked
+against the closed form acc(1-acc)/n); no mask goes below the floor; a world the Lasso
+must solve is solved (and one it cannot is not), which a flipped sign or misaligned
+columns would break; and "masks needed" moves the right way with the target and world.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lm_eval_headloc.designs import design_matrix
+from lm_eval_headloc.simulation import (
+    SATURATIONS,
+    coverage_prediction,
+    hits_by_budget,
+    masks_needed,
+    planted_world,
+    recovered_top,
+    seed_trial,
+    simulate_scores,
+)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_recovery.py"
+SMALL_GRID = [4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+
+
+def test_same_seed_same_world_design_and_scores():
+    first = seed_trial(270, 0.02, 7, 60)
+    again = seed_trial(270, 0.02, 7, 60)
+    other = seed_trial(270, 0.02, 8, 60)
+    np.testing.assert_array_equal(first.world.effects, again.world.effects)
+    np.testing.assert_array_equal(first.design, again.design)
+    np.testing.assert_array_equal(first.scores, again.scores)
+    assert not np.array_equal(first.world.effects, other.world.effects)
+    assert not np.array_equal(first.scores, other.scores)
+    # simulate_scores draws only from the generator it is given.
+    scores = [simulate_scores(first.world, first.design, np.random.default_rng(3))
+              for _ in range(2)]
+    np.testing.assert_array_equal(*scores)
+
+
+def test_world_does_not_depend_on_sparsity_or_budget():
+    """Common random numbers: every sparsity and budget of a seed faces the same world."""
+    a = seed_trial(1024, 0.02, 4, 50)
+    b = seed_trial(1024, 0.1, 4, 300)
+    np.testing.assert_array_equal(a.world.effects, b.world.effects)
+
+
+@pytest.mark.parametrize("kind", ["stratified", "bernoulli"])
+def test_a_budget_is_a_prefix_of_a_larger_one(kind):
+    """masks_needed fits budgets as prefixes; that is only the package's design (and the
+    same noise) for M masks if the designs and score draws are prefix-consistent."""
+    large = design_matrix(kind, 300, 1024, 0.05, 11)
+    np.testing.assert_array_equal(design_matrix(kind, 73, 1024, 0.05, 11), large[:73])
+    short, long = seed_trial(270, 0.05, 2, 40, kind=kind), seed_trial(270, 0.05, 2, 200,
+                                                                      kind=kind)
+    np.testing.assert_array_equal(short.design, long.design[:40])
+    np.testing.assert_array_equal(short.scores, long.scores[:40])
+
+
+@pytest.mark.parametrize("saturation", SATURATIONS)
+def test_single_knockouts_cost_exactly_their_effect(saturation):
+    world = planted_world(270, np.random.default_rng(0), saturation=saturation)
+    single = np.eye(270, dtype=bool)
+    np.testing.assert_allclose(world.accuracy(single), world.baseline + world.effects,
+                               atol=1e-12)
+    np.testing.assert_allclose(world.accuracy(np.zeros((1, 270), bool)), world.baseline)
+
+
+def test_planted_heads_are_the_exhaustive_top5_and_the_tail_has_its_mass():
+    for n_heads in (270, 5120):
+        for seed in range(5):
+            world = planted_world(n_heads, np.random.default_rng(seed))
+            top5 = np.argsort(world.effects, kind="stable")[:5]
+            assert set(top5.tolist()) == set(world.planted.tolist())
+            drops = -world.effects[world.planted]
+            assert (np.diff(drops) <= 0).all()  # most harmful first
+            assert drops.min() >= 0.08 - 1e-12 and drops.max() <= 0.45 + 1e-12
+            tail = np.delete(world.effects, world.planted)
+            assert -tail.min() <= 0.5 * drops.min() + 1e-12  # the cap
+            headroom = world.baseline - world.floor
+            # Net tail mass is kept at tail_mass (8) even where the cap binds (N = 270).
+            assert -np.log1p(tail / headroom).sum() == pytest.approx(8.0, rel=1e-6)
+            assert 0.1 < np.mean(tail > 0) < 0.3  # ~20 % helpful heads
+
+
+@pytest.mark.parametrize("n_examples", [25, 100])
+def test_noise_is_binomial_with_variance_acc_times_one_minus_acc_over_n(n_examples):
+    world = planted_world(270, np.random.default_rng(1), n_examples=n_examples)
+    mask = np.zeros((1, 270), dtype=bool)
+    mask[0, world.planted[1]] = True  # a planted head out: accuracy baseline + effect
+    accuracy = world.baseline + world.effects[world.planted[1]]
+    repeats = 40_000
+    scores = simulate_scores(world, np.repeat(mask, repeats, axis=0),
+                             np.random.default_rng(2))
+    variance = accuracy * (1 - accuracy) / n_examples
+    # Standard errors: mean sqrt(var/R); variance ~ var*sqrt(2/R) (0.7 %); 4-5 of them.
+    assert scores.mean() == pytest.approx(accuracy, abs=4 * math.sqrt(variance / repeats))
+    assert scores.var(ddof=1) == pytest.approx(variance, rel=0.04)
+    # Scores are counts of documents over n_examples.
+    np.testing.assert_allclose(scores * n_examples, np.round(scores * n_examples))
+
+
+@pytest.mark.parametrize("saturation", SATURATIONS)
+def test_accuracy_never_goes_below_the_floor(saturation):
+    world = planted_world(270, np.random.default_rng(3), saturation=saturation)
+    rng = np.random.default_rng(4)
+    heavy = rng.random((500, 270)) < rng.uniform(0.0, 1.0, (500, 1))  # 0 %..100 % out
+    accuracy = world.accuracy(heavy)
+    assert accuracy.min() >= world.floor and accuracy.max() <= 1.0
+    everything = world.accuracy(np.ones((1, 270), bool))[0]
+    assert everything == pytest.approx(world.floor, abs=1e-3)
+    # Many heads out does saturate: 10 % of the heads take most of the headroom.
+    tenth = world.accuracy(design_matrix("stratified", 200, 270, 0.1, 0)).mean()
+    assert tenth < world.floor + 0.5 * (world.baseline - world.floor)
+
+
+def test_noiseless_big_effects_are_recovered_exactly_by_a_generous_budget_only():
+    """No tail, (almost) no noise, planted drops 0.25-0.45: 200 masks must find all five in
+    every seed, 5 masks (25 of 270 heads ever knocked out) cannot. A sign flip in the
+    ranking or a world whose columns do not line up with the design's finds ~0."""
+    options = dict(tail_mass=0.0, n_examples=10**9, planted_drops=(0.25, 0.45))
+    generous, tiny = [], []
+    for seed in range(5):
+        trial = seed_trial(270, 0.02, seed, 200, world_options=options)
+        generous.append(recovered_top(trial.world, trial.design, trial.scores))
+        tiny.append(recovered_top(trial.world, trial.design[:5], trial.scores[:5]))
+        # Scrambled columns: the same scores against another head order find little.
+        shuffled = trial.design[:, np.random.default_rng(seed).permutation(270)]
+        assert recovered_top(trial.world, shuffled, trial.scores) <= 2
+    assert generous == [5] * 5
+    assert max(tiny) < 5 and sum(tiny) <= 10
+
+
+def test_another_estimator_plugs_in_through_rank():
+    """``rank`` scores a new method on the same worlds; the Lasso's own ranking passed as
+    ``rank`` gives the default's hits, a ranking that ignores the data finds ~nothing."""
+    from lm_eval_headloc.recovery import HeadLasso
+
+    def lasso(design, scores):
+        return HeadLasso(alpha=0.01).fit(design, scores).ranking()
+
+    def blind(design, scores):
+        return np.arange(design.shape[1])[::-1]
+
+    default = hits_by_budget(270, 0.05, [100, 200], range(4))
+    np.testing.assert_array_equal(hits_by_budget(270, 0.05, [100, 200], range(4), rank=lasso),
+                                  default)
+    assert hits_by_budget(270, 0.05, [200], range(4), rank=blind).sum() <= 2
+    assert masks_needed(40, sparsity=0.1, budgets=SMALL_GRID, seeds=range(5),
+                        rank=blind).masks is None
+
+
+def test_hits_grow_with_the_budget_on_average():
+    hits = hits_by_budget(270, 0.05, [10, 60, 300], range(10))
+    assert hits.shape == (10, 3) and hits.min() >= 0 and hits.max() <= 5
+    means = hits.mean(axis=0)
+    assert means[0] < means[1] < means[2]
+    assert means[2] >= 3.5
+
+
+def test_masks_needed_moves_the_right_way_on_a_tiny_model():
+    common = dict(sparsity=0.1, budgets=SMALL_GRID, seeds=range(10))
+    easy = masks_needed(40, target_hits=2, **common)
+    usual = masks_needed(40, **common)
+    strict = masks_needed(40, target_hits=5, share=1.0, **common)
+    noisy = masks_needed(40, world_options=dict(n_examples=10), **common)
+    for result in (easy, usual, strict, noisy):
+        assert result.masks is None or result.masks in SMALL_GRID
+    assert easy.masks is not None and usual.masks is not None
+    assert easy.masks <= usual.masks
+    assert strict.masks is None or strict.masks >= usual.masks
+    assert noisy.masks is None or noisy.masks >= usual.masks
+    # The answer met the target; the budget before it (scanned) did not.
+    assert usual.success[0.1][usual.masks] >= 0.8
+    earlier = [m for m in usual.success[0.1] if m < usual.masks]
+    assert all(usual.success[0.1][m] < 0.8 for m in earlier)
+    assert earlier == [m for m in SMALL_GRID if m < usual.masks]  # scanned upwards
+    # Same call, same answer.
+    assert masks_needed(40, **common) == usual
+
+
+def test_masks_needed_is_none_when_no_budget_on_the_grid_suffices():
+    result = masks_needed(40, sparsity=[0.05, 0.1], budgets=[2, 3], seeds=range(5))
+    assert result.masks is None
+    assert result.by_sparsity == {0.05: None, 0.1: None}
+    assert result.sparsity == 0.05
+
+
+def test_masks_needed_over_sparsities_reports_the_best():
+    result = masks_needed(40, sparsity=[0.025, 0.1], budgets=SMALL_GRID, seeds=range(10))
+    found = {p: m for p, m in result.by_sparsity.items() if m is not None}
+    assert found and result.masks == min(found.values())
+    assert result.by_sparsity[result.sparsity] == result.masks
+
+
+def test_coverage_rule_matches_issue_10():
+    # (1 + 0.75 ln k)/p at 270 heads, p = 0.02: k = 5, 1/p = 54.
+    assert coverage_prediction(270, 0.02) == pytest.approx((1 + 0.75 * math.log(5)) * 54)
+
+
+def test_planted_world_refuses_impossible_parameters():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="planted_drops"):
+        planted_world(270, rng, planted_drops=(0.1, 0.6))  # beyond baseline - floor
+    with pytest.raises(ValueError, match="saturation"):
+        planted_world(270, rng, saturation="sigmoid")
+    with pytest.raises(ValueError, match="tail_helpful"):
+        planted_world(270, rng, tail_helpful=0.9)
+    world = planted_world(20, rng)
+    with pytest.raises(ValueError, match="design must be"):
+        world.accuracy(np.zeros((3, 21), bool))
+
+
+def test_cli_writes_a_table_with_its_command_and_world(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("simulate_recovery", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "SIM.md"
+    argv = ["--n-heads", "40,80", "--sparsities", "0.1", "--seeds", "3", "--budgets",
+            "8,16,32,64", "--fixed-budgets", "16", "--no-sensitivity", "--out", str(out)]
+    assert module.main(argv) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "python scripts/simulate_recovery.py --n-heads 40,80" in text
+    assert "tail_mass=8.0" in text and "saturation=logistic" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 40 ") or
+            line.startswith("| 80 ")]
+    assert len(rows) == 2
+    assert rows[0] in capsys.readouterr().out
