@@ -71,6 +71,8 @@ def tiny_locate_run(tiny_model_dir, tmp_path_factory):
 
 LOCATE_BAD = [
     (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--model-args="], "--model-args '': give pretrained=<model>"),
+    (["--include-path="], "--include-path '': give a folder of task YAMLs"),
     (["--sparsity", "1.5"], "--sparsity 1.5: must be a finite number strictly between 0 and 1"),
     (["--sparsity", "0"], "--sparsity 0.0: must be a finite number strictly between"),
     (["--sparsity", "nan"], "--sparsity nan: must be"),

@@ -96,9 +96,7 @@ def test_lm_eval_free_modules_do_not_import_lm_eval():
 def test_import_after_lm_eval_models_registers_at_once():
     # The other order: lm_eval.models already imported, no start-up hook to catch it.
     result = run_python(
-        "import sys\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path"
-        " if type(f).__name__ != '_WatchLmEvalModels']\n"
+        NO_HOOK +
         "import lm_eval.models\n"
         "from lm_eval.api.registry import model_registry\n"
         "print('hf-headablate' in model_registry)\n"

@@ -24,7 +24,7 @@ from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
 
 __all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
-           "prepare", "run_plan"]
+           "prepare", "record_examples", "run_plan"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -203,6 +203,14 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         apply_chat_template=spec.apply_chat_template,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose)
+    record_examples(folder, setup, measure, num_samples)
+    return measure
+
+
+def record_examples(folder: RunFolder | None, setup: Setup, measure: Any,
+                    num_samples: int | None) -> None:
+    """Say when a task has fewer documents than asked for, and put the example subset
+    and the counts used into ``folder``'s config (when given)."""
     used = dict(measure.examples_used)
     if num_samples is not None:
         for task, count in sorted(used.items()):
@@ -212,7 +220,6 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
     if folder is not None:
         folder.update_config(example_subset=measure.subset, examples_used=used,
                              layers=setup.num_layers, heads_per_layer=setup.heads_per_layer)
-    return measure
 
 
 Measure = Callable[[Iterable[Head]], Mapping[str, TaskScore]]

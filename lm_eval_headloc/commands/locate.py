@@ -12,7 +12,15 @@ from ..checks import UsageError
 from ..designs import design_matrix
 from ..heads import Head
 from ..recovery import HeadLasso
-from .engine import Setup, head_list, load_model, open_measurement, prepare, run_plan
+from .engine import (
+    Setup,
+    head_list,
+    load_model,
+    open_measurement,
+    prepare,
+    record_examples,
+    run_plan,
+)
 from .report import HeadRanking, ranking_table, write_ranking
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
@@ -113,11 +121,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         np.save(folder.file("design_matrix.npy"), matrix)
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
-        else:
-            folder.update_config(example_subset=measure.subset,
-                                 examples_used=dict(measure.examples_used),
-                                 layers=setup.num_layers,
-                                 heads_per_layer=setup.heads_per_layer)
+        else:  # sweep's measurement, shared by its cells: record it here too
+            record_examples(folder, setup, measure, num_samples=None)
         plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
                                      for key, row in zip(mask_keys(spec.masks), matrix,
                                                          strict=True)]

@@ -143,15 +143,14 @@ class RunSpec:
     progress: bool = _option(True, "show progress bars", RUNTIME)  # Python API only
 
     def __post_init__(self) -> None:
-        # Sequences become tuples, so a spec is hashable and compares by value.
+        # Sequences become tuples, so a spec is hashable and compares by value; a string
+        # is a comma-separated list (one folder for include_path).
         for name in ("tasks", "include_path", "general"):
             value = getattr(self, name)
             if isinstance(value, str):
-                value = _comma_list(value) if name != "include_path" else (value,)
-            if value is not None and not isinstance(value, tuple):
+                value = (value,) if name == "include_path" else _comma_list(value)
+            if value is not None:
                 object.__setattr__(self, name, tuple(value))
-            elif value is not None:
-                object.__setattr__(self, name, value)
 
     # --- construction ------------------------------------------------------------------
 
@@ -183,25 +182,29 @@ class RunSpec:
         for spec_field in fields(self):
             value = getattr(self, spec_field.name)
             flag = "--" + spec_field.name.replace("_", "-")
-            number, choices = spec_field.metadata["number"], spec_field.metadata["choices"]
-            if number is not None and value is not None:
-                check_number(value, flag, **number)
-            if choices is not None and value not in choices:
-                raise UsageError(f"{flag} {value!r}: must be one of {', '.join(choices)}")
+            meta = spec_field.metadata
+            if meta["number"] is not None and value is not None:
+                check_number(value, flag, **meta["number"])
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise UsageError(f"{flag} {value!r}: must be one of {', '.join(meta['choices'])}")
+            if meta["switch"] is not None and value not in (None, True, False):
+                raise UsageError(f"{flag} {value!r}: must be True or False")
         if not self.tasks:
             raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
         if self.general is not None and not self.general:
             raise UsageError("--general is empty; name at least one task or leave it out")
         parse_batch_size(self.batch_size)
-        for spec_field in fields(self):
-            value = getattr(self, spec_field.name)
-            if spec_field.metadata["switch"] is not None and value not in (None, True, False):
-                raise UsageError(f"--{spec_field.name.replace('_', '-')} {value!r}: must be "
-                                 "True or False")
         for name in ("model_args", "never_ablate", "exclude"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
+        # Empty means "the default" only when left out: '' is a mistake, not the embedded
+        # model or the current folder.
+        if self.model_args is not None and not self.model_args.strip():
+            raise UsageError("--model-args '': give pretrained=<model> (or leave it out for "
+                             "the embedded SmolLM2)")
+        if any(not str(folder).strip() for folder in self.include_path):
+            raise UsageError("--include-path '': give a folder of task YAMLs")
         return self
 
     # --- identity ----------------------------------------------------------------------
