@@ -8,6 +8,7 @@ subset, so the harness does the scoring (its filters, metrics and aggregation).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
@@ -21,6 +22,7 @@ import numpy as np
 from .checks import check_number
 from .heads import Head
 from .metrics import TaskScore, task_score
+from .signals import SIGNALS, gold_answers, gold_logprob
 
 __all__ = ["HarnessMeasurement", "choose_subset"]
 
@@ -96,7 +98,9 @@ class HarnessMeasurement:
     ``tasks`` are ``(name, metric or None)`` pairs; ``loaded_tasks`` maps each name to
     what lm-eval's ``TaskManager.load([name])`` built; ``lm`` is an ``HFHeadAblateLM``.
     Generation tasks get the chat template when the model has one, unless
-    ``apply_chat_template`` says otherwise.
+    ``apply_chat_template`` says otherwise. ``signal``: ``"metric"`` scores each task by
+    the harness (the task's metric); ``"logprob"`` by the mean log-likelihood of the gold
+    answers (``signals``), reported as metric ``logprob``, higher is better.
     """
 
     def __init__(
@@ -111,9 +115,14 @@ class HarnessMeasurement:
         num_fewshot: int | None = None,
         limit: int | None = None,
         verbose: bool = False,
+        signal: str = "metric",
     ) -> None:
+        if signal not in SIGNALS:
+            raise ValueError(f"signal {signal!r}: must be one of {', '.join(SIGNALS)}")
+        self.signal = signal
         self.lm = lm
         self.tasks = list(tasks)
+        self.leaves_of = {name: list(loaded_tasks[name]["tasks"]) for name, _ in self.tasks}
         self.confirm_run_unsafe_code = confirm_run_unsafe_code
         self.verbose = verbose
         self.limit = limit
@@ -140,6 +149,7 @@ class HarnessMeasurement:
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed)
         self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
+        self._golds: list[Any] | None = None  # signals.GoldAnswer per document, ditto
         self._batch_size: int | None = None  # rows per pass, resolved on first use
 
     @property
@@ -191,8 +201,23 @@ class HarnessMeasurement:
                         merged.setdefault(key, {}).update(value)
         return merged
 
-    def _scores(self, results: dict[str, Any]) -> dict[str, TaskScore]:
-        return {name: task_score(results, name, metric) for name, metric in self.tasks}
+    def _scores(self, results: dict[str, Any] | None,
+                answers: Mapping[tuple[str, str], tuple[float, bool]] | None = None
+                ) -> dict[str, TaskScore]:
+        """Each task's score: from lm-eval's ``results`` (metric signal) or from the gold
+        answers' loglikelihoods in ``answers`` (logprob signal; with the metric signal the
+        logprob is added when the answers hold it)."""
+        scores = {}
+        for name, metric in self.tasks:
+            logprob = None
+            if answers is not None and self._golds is not None:
+                logprob = gold_logprob(self._golds, answers, self.leaves_of[name])
+            if self.signal == "logprob":
+                scores[name] = TaskScore(name, "logprob", logprob, True)
+            else:
+                scores[name] = dataclasses.replace(task_score(results, name, metric),
+                                                   logprob=logprob)
+        return scores
 
     def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
         return self.measure_many([list(heads)])[0]
@@ -200,26 +225,55 @@ class HarnessMeasurement:
     def measure_with_model(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
         """Scores with the live model answering lm-eval's requests itself (HFLM's own
         loglikelihood and generation code), whatever the task type."""
-        return self._scores(self.evaluate(heads))
+        heads = list(heads)
+        if self.signal == "metric":
+            return self._scores(self.evaluate(heads))
+        from lm_eval.api.instance import Instance
+
+        keys = self._recorded().keys
+        self.lm.set_heads(heads)
+        with quiet_harness(self.verbose):
+            answered = self.lm.loglikelihood(
+                [Instance("loglikelihood", doc={}, arguments=key, idx=0) for key in keys],
+                disable_tqdm=True)
+        return self._scores(None, dict(zip(keys, answered, strict=True)))
 
     @property
     def scored_positions(self) -> bool:
-        """True when ``measure_many`` answers through ``multimask`` (loglikelihood tasks on
-        a decoder-only model that sees the request's tokens as they are); otherwise every
+        """True when ``measure_many`` answers through ``multimask`` (loglikelihood requests
+        — every task with the logprob signal, loglikelihood tasks with the metric — on a
+        decoder-only model that sees the request's tokens as they are); otherwise every
         mask is measured by ``measure_with_model``."""
         from .multimask import scored_positions_apply
 
-        return self.loglikelihood_only and scored_positions_apply(self.lm)
+        return ((self.signal == "logprob" or self.loglikelihood_only)
+                and scored_positions_apply(self.lm))
 
     def _recorded(self) -> Any:
-        """The subset's loglikelihood requests (``multimask.LoglikelihoodRequests``),
-        recorded on first use: they are the same for every mask."""
+        """The loglikelihood requests a mask is measured by (``multimask.
+        LoglikelihoodRequests``), recorded on first use: they are the same for every
+        mask. With the logprob signal: the gold answers' requests (generation tasks'
+        references included); with the metric: the tasks' own requests."""
         from .multimask import LoglikelihoodRequests, RecordingLM
 
         if self._requests is None:
             recorder = RecordingLM(self.lm)
             self.evaluate([], model=recorder)
-            self._requests = LoglikelihoodRequests(self.lm, recorder.requests)
+            leaves = {leaf: task for group in self._groups
+                      for leaf, task in group.loaded["tasks"].items()}
+            if self.signal == "logprob":
+                self._golds = gold_answers(recorder.instances, leaves, self.chat_template)
+                keys = [key for gold in self._golds for key in gold.requests]
+            else:
+                keys = recorder.requests
+                try:  # the logprob comes with the answers when every request is there
+                    golds = gold_answers(recorder.instances, leaves, self.chat_template)
+                    wanted = set(keys)
+                    if all(key in wanted for gold in golds for key in gold.requests):
+                        self._golds = golds
+                except ValueError:  # a document lm-eval scores but has no usable gold
+                    self._golds = None
+            self._requests = LoglikelihoodRequests(self.lm, keys)
         return self._requests
 
     def resolved_batch_size(self) -> int:
@@ -280,5 +334,7 @@ class HarnessMeasurement:
             answers = loglikelihoods_for_masks(self.lm, requests, group,
                                                batch_size * len(group))
             for heads, answered in zip(group, answers, strict=True):
-                scores.append(self._scores(self.evaluate(heads, ReplayLM(self.lm, answered))))
+                results = None if self.signal == "logprob" else self.evaluate(
+                    heads, ReplayLM(self.lm, answered))
+                scores.append(self._scores(results, answered))
         return scores

@@ -56,6 +56,9 @@ class TaskScore:
     value: float
     higher_is_better: bool
     subtasks: tuple[str, ...] = ()  # non-empty when the value is a mean over subtasks
+    # The gold answer's mean log-likelihood from the same answers, when it came for free
+    # (loglikelihood tasks measured by their metric); see ``signals``.
+    logprob: float | None = None
 
 
 def parse_task_metric(spec: str) -> tuple[str, str | None]:

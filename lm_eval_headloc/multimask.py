@@ -31,15 +31,25 @@ Answer = tuple[float, bool]
 
 
 class RecordingLM:
-    """Stands in for the model during one ``evaluate``: remembers the requests."""
+    """Stands in for the model during one ``evaluate``: remembers the requests.
+
+    ``requests``: the loglikelihood requests' ``(context, continuation)``; ``instances``:
+    every lm-eval ``Instance`` asked for (generation ones too, answered with ``""``).
+    """
 
     def __init__(self, lm: Any) -> None:
         self._lm = lm
         self.requests: list[tuple[str, str]] = []
+        self.instances: list[Any] = []
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Answer]:
         self.requests.extend(tuple(r.args) for r in requests)
+        self.instances.extend(requests)
         return [(0.0, False)] * len(requests)
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        self.instances.extend(requests)
+        return [""] * len(requests)
 
     def __getattr__(self, name: str) -> Any:  # rank, world_size, tokenizer_name, ...
         return getattr(self._lm, name)
@@ -54,6 +64,9 @@ class ReplayLM(RecordingLM):
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Answer]:
         return [self._answers[tuple(r.args)] for r in requests]
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        return self._lm.generate_until(requests, disable_tqdm=disable_tqdm)
 
 
 def _encode(lm: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:

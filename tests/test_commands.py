@@ -93,6 +93,11 @@ LOCATE_BAD = [
     (["--exclude", "L0H*+L1H*"], "--exclude covers every head (8); nothing is left to rank"),
     (["--never-ablate", "L0H*+L1H*"], "--never-ablate covers every head"),
     (["--design", "random"], "invalid choice: 'random'"),
+    (["--signal", "loud"], "invalid choice: 'loud'"),
+    (["--signal", "logprob", "--tasks", "tiny_choice:acc"],
+     "--tasks tiny_choice:acc,none: a metric is used only with --signal metric"),
+    (["--signal", "logprob", "--tasks", "tiny_rolling"],
+     "--signal logprob: task 'tiny_rolling' is loglikelihood_rolling"),
     (["--tasks", "tiny_choice:bleu"], "produces no metric 'bleu,none'; it produces: acc,none"),
     (["--tasks", "tiny_unsafe"], "task 'tiny_unsafe' executes model-written code; rerun with "
                                  "--confirm-run-unsafe-code"),
@@ -270,6 +275,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     changed_values = {
         "model_args": "pretrained=other", "tasks": ("tiny_copy",), "include_path": ("/x",),
         "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
+        "signal": "logprob",
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
     }
@@ -350,10 +356,11 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
         lost["key"], lost["mask"], lost["scores"])
 
 
-def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("options", [[], ["--signal", "logprob"]])
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
-            "--sparsity", "0.25", "--num-samples", "12", "--seed", "3"]
+            "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", *options]
     code = ("import sys; from lm_eval_headloc.commands.cli import main; "
             f"sys.exit(main({args!r} + sys.argv[1:]))")
     killed = tmp_path / "killed"

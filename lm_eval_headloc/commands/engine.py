@@ -19,6 +19,7 @@ from ..checks import UsageError
 from ..embedded import smollm2_location, smollm2_model_args
 from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
 from ..metrics import TaskScore, metrics_of_task, parse_task_metric
+from ..signals import SIGNAL_OUTPUT_TYPES
 from ..tasks import check_task_names, make_task_manager
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
@@ -153,6 +154,16 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
+        if spec.signal == "logprob":
+            for leaf, task in loaded[name]["tasks"].items():
+                kind = task.get_config("output_type")
+                if kind not in SIGNAL_OUTPUT_TYPES:
+                    raise UsageError(f"--signal logprob: task {leaf!r} is {kind}; the gold "
+                                     f"answer's log-likelihood is defined for "
+                                     f"{', '.join(SIGNAL_OUTPUT_TYPES)} (use --signal metric)")
+            if metric is not None:
+                raise UsageError(f"--tasks {name}:{metric}: a metric is used only with "
+                                 "--signal metric")
         if not spec.confirm_run_unsafe_code and any(getattr(t, "UNSAFE_CODE", False)
                                                     for t in leaves):
             raise UsageError(f"task {name!r} executes model-written code; rerun with "
@@ -202,7 +213,7 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
         apply_chat_template=spec.apply_chat_template,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
-        verbose=spec.verbose)
+        verbose=spec.verbose, signal=spec.signal)
     record_examples(folder, setup, measure, num_samples)
     return measure
 
@@ -269,6 +280,10 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
                     "higher_is_better": {name: s.higher_is_better for name, s in scores.items()},
                     "seconds": round(seconds, 4),
                 }
+                logprob = {name: s.logprob for name, s in scores.items()
+                           if s.logprob is not None}
+                if logprob:  # the gold answers' log-likelihood, measured along the way
+                    record["logprob"] = logprob
                 folder.append_measurement(record)
                 done[key] = record
                 bar.update(1)

@@ -62,12 +62,17 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     return rankings
 
 
+_SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
+                 "logprob": "the gold answers' mean log-likelihood (logprob)"}
+
+
 def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
                   config: Mapping[str, Any]) -> str:
     spec, settings = config["spec"], config["settings"]
     lines = [
         "# Head localization by compressed sensing", "",
         f"- model: `{spec['model_args']}`",
+        f"- signal: {_SIGNAL_WORDS[spec.get('signal', 'metric')]}",
         f"- design: {spec['design']}, {spec['masks']} masks, sparsity {spec['sparsity']}, "
         f"seed {spec['seed']}",
         f"- examples per task: {spec['num_samples']} asked, used "

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..checks import UsageError, check_number
 from ..designs import DESIGNS
+from ..signals import SIGNALS
 
 __all__ = ["COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError", "add_options",
            "parse_batch_size"]
@@ -100,6 +101,11 @@ class RunSpec:
     apply_chat_template: bool | None = _option(
         None, "ask through the chat template (default: for generation tasks when the "
               "model has one)", switch=argparse.BooleanOptionalAction)
+    signal: str = _option(
+        "metric", "what each measurement scores: the task's metric (as lm-eval reports it) "
+                  "or logprob, the mean log-likelihood of the gold answers (continuous; "
+                  "generation tasks teacher-forced on their reference answer)",
+        choices=SIGNALS)
     never_ablate: str | None = _option(
         None, "heads kept out of every mask (L0H1+L2H3 or a head file, e.g. universal.json)",
         metavar="HEADS|FILE")
@@ -234,7 +240,7 @@ def _jsonable(value: Any) -> Any:
 
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
-              "apply_chat_template", "never_ablate", "exclude", "top_k", "batch_size",
+              "apply_chat_template", "signal", "never_ablate", "exclude", "top_k", "batch_size",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "masks", "sparsity", "alpha"),

@@ -37,7 +37,9 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     out = Path(out) if out is not None else Path(run) / "verify"
     RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
     own = (spec or RunSpec()).replace(**options)
+    # Verification reports the tasks' own metrics, whatever signal the run ranked by.
     spec = RunSpec.from_config(config).replace(
+        signal="metric",
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")})
     spec.validate()
     heads_by_task: dict[str, list[str]] = {}

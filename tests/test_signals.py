@@ -1,0 +1,103 @@
+"""The logprob signal against sums done by hand over HFLM's own loglikelihoods."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import TASKS, load_lm
+
+from lm_eval_headloc.heads import parse_heads
+from lm_eval_headloc.measure import HarnessMeasurement
+
+
+def _docs(task: str) -> list[dict]:
+    folder = "tiny_copy" if task in ("tiny_copy", "tiny_generate") else task
+    spec = importlib.util.spec_from_file_location(f"{folder}_utils",
+                                                  Path(TASKS) / folder / "utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.load_docs()["test"])
+
+
+class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
+    def __init__(self, *args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    return load_lm(tiny_model_dir("llama"))
+
+
+def measurement(task_manager, lm, tasks, signal):
+    return HarnessMeasurement(lm, [(t, None) for t in tasks],
+                              {t: task_manager.load([t]) for t in tasks}, num_samples=None,
+                              seed=0, signal=signal)
+
+
+def hflm_loglikelihoods(lm, heads, pairs):
+    """HFLM's own answers (its full-logits code path, not ours) with ``heads`` out."""
+    lm.set_heads(heads)
+    try:
+        return [ll for ll, _ in lm.loglikelihood([Request(*p) for p in pairs],
+                                                 disable_tqdm=True)]
+    finally:
+        lm.set_heads([])
+
+
+MASKS = [[], parse_heads("L0H1", 2, 4), parse_heads("L0H0+L1H2+L1H3", 2, 4)]
+
+
+def by_hand(lm, task, heads):
+    """The task's logprob signal, written out from its YAML and documents."""
+    docs = _docs(task)
+    if task == "tiny_choice":  # target_delimiter " " before each choice; gold = answer
+        values = []
+        for doc in docs:
+            lls = hflm_loglikelihoods(lm, heads, [(doc["question"], " " + c)
+                                                  for c in doc["choices"]])
+            gold = lls[doc["answer"]]
+            values.append(gold - math.log(sum(math.exp(v) for v in lls)))
+        return float(np.mean(values))
+    # tiny_copy: the target's loglikelihood; tiny_generate: its reference answer, the
+    # same target, teacher-forced after the generation prompt (no delimiter).
+    return float(np.mean(hflm_loglikelihoods(lm, heads, [(d["context"], d["target"])
+                                                          for d in docs])))
+
+
+@pytest.mark.parametrize("task", ["tiny_copy", "tiny_choice", "tiny_generate"])
+def test_logprob_signal_equals_the_gold_answers_loglikelihood_by_hand(task_manager, lm, task):
+    measure = measurement(task_manager, lm, [task], "logprob")
+    assert measure.scored_positions  # generation too: its reference answer is a request
+    several = measure.measure_many(MASKS, masks_per_pass=2)
+    for heads, scores in zip(MASKS, several, strict=True):
+        score = scores[task]
+        assert (score.metric, score.higher_is_better) == ("logprob", True)
+        assert score.value == pytest.approx(by_hand(lm, task, heads), abs=1e-4)
+    # The masks are not all alike, so the comparison above could have failed.
+    assert len({round(s[task].value, 6) for s in several}) == len(MASKS)
+    # HFLM answering the same requests itself gives the same signal.
+    with_model = measure.measure_with_model(MASKS[2])[task].value
+    assert with_model == pytest.approx(several[2][task].value, abs=1e-4)
+
+
+def test_metric_signal_carries_the_logprob_of_the_same_answers(task_manager, lm):
+    tasks = ["tiny_copy", "tiny_choice"]
+    metric = measurement(task_manager, lm, tasks, "metric").measure_many(MASKS)
+    logprob = measurement(task_manager, lm, tasks, "logprob").measure_many(MASKS)
+    for with_metric, alone in zip(metric, logprob, strict=True):
+        for task in tasks:
+            assert with_metric[task].metric == "acc,none"
+            assert with_metric[task].logprob == pytest.approx(alone[task].value, abs=1e-9)
+
+
+def test_a_generation_task_measured_by_its_metric_has_no_free_logprob(task_manager, lm):
+    measure = measurement(task_manager, lm, ["tiny_copy", "tiny_generate"], "metric")
+    assert not measure.scored_positions
+    scores = measure(MASKS[1])
+    assert scores["tiny_generate"].metric == "exact_match,none"
+    assert all(s.logprob is None for s in scores.values())
