@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
-from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.base import BaseEstimator, RegressorMixin, clone
 from sklearn.linear_model import Lasso
 from sklearn.metrics import r2_score
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -28,7 +29,10 @@ from .checks import check_number
 from .designs import head_column_mask
 from .heads import Head
 
-__all__ = ["HeadLasso", "harm"]
+__all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm"]
+
+#: A head is *stable* in a top-k when at least this fraction of bootstrap refits put it there.
+STABLE = 0.9
 
 
 @contextmanager
@@ -202,3 +206,52 @@ def harm(effects: object, higher_is_better: bool) -> np.ndarray:
     score points: ``-effects`` for higher-is-better scores, ``effects`` otherwise."""
     effects = np.asarray(effects, dtype=np.float64)
     return -effects if higher_is_better else effects
+
+
+@dataclass(frozen=True)
+class Stability:
+    """How sure a fit is, per head, from refits on bootstrap resamples of the measurements.
+
+    ``selected``: the fraction of refits that put the head in the top-k (the ranking's own
+    top-k heads are stable when this is at least ``STABLE``); ``low``/``high``: the
+    2.5th and 97.5th percentiles of its refitted effect (a 95 % percentile interval, in
+    the score's units); ``resamples``: how many refits.
+
+    The interval is the Lasso *estimate's*: it shows how far the estimate moves with the
+    measurements. The L1 penalty shrinks every estimate towards 0, so it is no coverage
+    guarantee for the true effect (a strong head's true effect is typically a little
+    further from 0 than the whole interval).
+    """
+
+    selected: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    resamples: int
+
+
+def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: object,
+                        top_k: int, *, higher_is_better: bool = True,
+                        exclude: Iterable[int] = (), resamples: int = 200,
+                        seed: int = 0) -> Stability:
+    """Refit a clone of ``estimator`` on ``resamples`` resamples of the measurements (rows
+    drawn with replacement, ``np.random.default_rng(seed)``) and count how often each head
+    makes the top ``top_k``; the same seed gives the same answer."""
+    resamples = check_number(resamples, "resamples", whole=True, min_val=1)
+    top_k = check_number(top_k, "top_k", whole=True, min_val=1)
+    knocked_out = np.asarray(design_matrix, dtype=np.float64)
+    y = np.asarray(scores, dtype=np.float64)
+    if knocked_out.ndim != 2 or y.shape != (knocked_out.shape[0],):
+        raise ValueError(f"design matrix of shape {knocked_out.shape} and scores of shape "
+                         f"{y.shape} do not pair up row by row")
+    rows, total = knocked_out.shape
+    excluded = list(exclude)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(total, dtype=np.int64)
+    effects = np.empty((resamples, total))
+    for r in range(resamples):
+        picked = rng.integers(0, rows, size=rows)
+        refit = clone(estimator).fit(knocked_out[picked], y[picked])
+        effects[r] = refit.coef_
+        counts[refit.ranking(higher_is_better, excluded)[:top_k]] += 1
+    low, high = np.percentile(effects, [2.5, 97.5], axis=0)
+    return Stability(counts / resamples, low, high, resamples)

@@ -275,7 +275,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     changed_values = {
         "model_args": "pretrained=other", "tasks": ("tiny_copy",), "include_path": ("/x",),
         "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
-        "signal": "logprob",
+        "signal": "logprob", "bootstrap": 9,
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
     }
@@ -680,3 +680,56 @@ def test_stray_task_configs_is_never_taken_for_ours(tmp_path):
     (checkout / "lm_eval_headloc").mkdir()
     (checkout / "pyproject.toml").write_text("")
     assert task_configs_dir(checkout / "lm_eval_headloc") == checkout / "task_configs"
+
+
+def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
+                                                      no_model_loading):
+    import csv
+    import shutil
+
+    from lm_eval_headloc.recovery import HeadLasso, bootstrap_stability
+
+    out = shutil.copytree(tiny_locate_run, tmp_path / "run")
+    heads = strict_json(out / "heads.json")
+    assert heads["bootstrap"]["resamples"] == 200
+    # The files hold the bootstrap of the stored measurements (the run's seed).
+    design = np.load(out / "design_matrix.npy")
+    records = {r["key"]: r for r in read_run(out)[0]}
+    scores = [records[f"mask-{i:04d}"]["scores"]["tiny_choice"] for i in range(len(design))]
+    expected = bootstrap_stability(HeadLasso(alpha=0.01), design, scores, 3, resamples=200,
+                                   seed=0)
+    by_head = {h["head"]: h for h in heads["heads"]}
+    for flat in range(8):
+        entry = by_head[f"L{flat // 4}H{flat % 4}"]
+        assert entry["selected"] == pytest.approx(expected.selected[flat])
+        assert entry["effect_interval"] == pytest.approx([expected.low[flat],
+                                                          expected.high[flat]])
+    # Every refit puts exactly top-k (3) heads in its top-k.
+    assert sum(h["selected"] for h in heads["heads"]) == pytest.approx(3)
+    with open(out / "heads.csv") as f:
+        rows = {row["head"]: row for row in csv.DictReader(f)}
+    assert all(float(rows[h]["selected"]) == pytest.approx(by_head[h]["selected"])
+               for h in by_head)
+    assert "bootstrap refits" in (out / "report.md").read_text()
+    # refit recomputes it with its own number of resamples.
+    assert harness("refit", str(out), "--bootstrap", "20") == 0
+    refitted = strict_json(out / "heads.json")
+    assert refitted["bootstrap"]["resamples"] == 20
+    assert strict_json(out / "config.json")["settings"]["bootstrap"] == 20
+    assert harness("refit", str(out), "--bootstrap", "0") == 2
+
+
+def test_heatmap_hatches_unstable_top_heads(tmp_path):
+    from matplotlib.patches import Rectangle
+
+    from lm_eval_headloc.commands.report import HeadRanking, plot_heatmap
+    from lm_eval_headloc.recovery import Stability
+
+    selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
+    ranking = HeadRanking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
+                          stability=Stability(selected, -selected - 0.1, -selected + 0.1, 40))
+    assert [str(h) for h in ranking.unstable(3)] == ["L1H3"]
+    figure = plot_heatmap([ranking], 3, tmp_path / "heatmap.png")
+    hatched = [p for p in figure.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert [(p.get_x() + 0.5, p.get_y() + 0.5) for p in hatched] == [(3, 1)]
+    assert (tmp_path / "heatmap.png").stat().st_size > 0

@@ -407,3 +407,77 @@ def test_recovery_errors_are_one_line_and_name_the_value(call, fragment):
     with pytest.raises(ValueError, match=fragment) as error:
         call()
     assert "\n" not in str(error.value)
+
+
+# --------------------------------------------------------------------------- bootstrap
+
+def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01):
+    """A second implementation: sklearn's Lasso on standardised resampled scores,
+    the top-k by most negative coefficient, counted with plain numpy."""
+    from sklearn.linear_model import Lasso
+
+    rng = np.random.default_rng(seed)
+    rows, total = knocked_out.shape
+    chosen = np.zeros(total)
+    coefs = []
+    for _ in range(resamples):
+        pick = rng.integers(0, rows, size=rows)
+        y = scores[pick]
+        spread = y.std()
+        scale = spread if spread > 1e-12 * max(1.0, np.abs(y).max()) else 1.0
+        coef = Lasso(alpha=alpha, max_iter=10000).fit(
+            knocked_out[pick].astype(float), y / scale).coef_ * scale
+        coefs.append(coef)
+        chosen[np.argsort(coef, kind="stable")[:top_k]] += 1
+    return chosen / resamples, np.percentile(coefs, [2.5, 97.5], axis=0)
+
+
+def test_bootstrap_stability_equals_a_hand_written_bootstrap():
+    from lm_eval_headloc.recovery import bootstrap_stability
+
+    world = simulated_world(3)
+    knocked_out = design_matrix("stratified", 60, NUM_HEADS, 0.05, 3)
+    scores = world.measure(knocked_out)
+    stability = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, resamples=40, seed=7)
+    selected, (low, high) = _bootstrap_by_hand(knocked_out, scores, 5, 40, 7)
+    assert stability.resamples == 40
+    np.testing.assert_allclose(stability.selected, selected)
+    np.testing.assert_allclose(stability.low, low, atol=1e-9)
+    np.testing.assert_allclose(stability.high, high, atol=1e-9)
+    # Each refit puts exactly five heads in its top-5.
+    assert stability.selected.sum() == pytest.approx(5)
+    again = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, resamples=40, seed=7)
+    np.testing.assert_array_equal(again.selected, stability.selected)
+
+
+def test_bootstrap_is_sure_of_strong_heads_and_unsure_with_few_measurements():
+    from lm_eval_headloc.recovery import bootstrap_stability
+
+    world = simulated_world(5, noise=0.005, small=0.001, net_harm=0.0)
+    strongest = sorted(world.planted, key=lambda j: world.effects[j])[:3]
+    many = design_matrix("stratified", 300, NUM_HEADS, 0.05, 5)
+    scores = world.measure(many)
+    sure = bootstrap_stability(HeadLasso(), many, scores, 3, resamples=30)
+    assert all(sure.selected[j] >= 0.9 for j in strongest)
+    # The interval is the Lasso estimate's: around the full fit's (shrunk) effect.
+    fitted = HeadLasso().fit(many, scores).coef_
+    assert all(sure.low[j] < fitted[j] < sure.high[j] for j in strongest)
+    few = design_matrix("stratified", 12, NUM_HEADS, 0.05, 5)
+    unsure = bootstrap_stability(HeadLasso(), few, world.measure(few), 3, resamples=30)
+    assert min(unsure.selected[j] for j in strongest) < 0.9
+
+
+def test_bootstrap_ranks_lower_is_better_scores_by_their_rise_and_skips_excluded():
+    from lm_eval_headloc.recovery import bootstrap_stability
+
+    world = simulated_world(2, noise=0.005)
+    knocked_out = design_matrix("stratified", 120, NUM_HEADS, 0.05, 2)
+    scores = world.measure(knocked_out)
+    top = max(world.planted, key=lambda j: -world.effects[j])
+    flipped = bootstrap_stability(HeadLasso(), knocked_out, -scores, 5,
+                                  higher_is_better=False, resamples=20)
+    plain = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, resamples=20)
+    np.testing.assert_allclose(flipped.selected, plain.selected)
+    skipped = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, exclude=[top],
+                                  resamples=20)
+    assert plain.selected[top] > 0 and skipped.selected[top] == 0

@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> None:
         _print_rankings(locate(args.out, RunSpec.from_namespace(args), force=args.force),
                         args.out)
     elif command == "refit":
-        _print_rankings(refit(args.run, alpha=args.alpha, top_k=args.top_k,
-                              exclude=args.exclude), args.run)
+        _print_rankings(refit(args.run, **{name: getattr(args, name)
+                                           for name in COMMAND_OPTIONS["refit"]}), args.run)
     elif command == "greedy":
         _print_rankings(greedy(args.out, RunSpec.from_namespace(args), force=args.force),
                         args.out)

@@ -11,7 +11,7 @@ import numpy as np
 from ..checks import UsageError
 from ..designs import design_matrix
 from ..heads import Head
-from ..recovery import HeadLasso
+from ..recovery import HeadLasso, bootstrap_stability
 from .engine import (
     Setup,
     head_list,
@@ -38,8 +38,10 @@ def mask_keys(masks: int) -> list[str]:
 
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], heads_per_layer: int, alpha: float,
-                 exclude: Sequence[Head] = ()) -> dict[str, HeadRanking]:
-    """One Lasso per task over the stored measurements (rows in design order)."""
+                 exclude: Sequence[Head] = (), *, top_k: int = 5, bootstrap: int = 200,
+                 seed: int = 0) -> dict[str, HeadRanking]:
+    """One Lasso per task over the stored measurements (rows in design order), with each
+    head's stability from ``bootstrap`` refits on resampled measurements."""
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
     rankings = {}
@@ -51,6 +53,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
         estimator = HeadLasso(alpha=alpha).fit(design, y)
         order = [int(i) for i in estimator.ranking(higher_is_better=higher, exclude=excluded)]
+        stability = bootstrap_stability(HeadLasso(alpha=alpha), design, y, top_k,
+                                        higher_is_better=higher, exclude=excluded,
+                                        resamples=bootstrap, seed=seed)
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=np.asarray(estimator.coef_),
@@ -58,7 +63,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             extra={"method": "compressed sensing (Lasso)", "r2": float(estimator.r2_),
                    "alpha": alpha, "measurements": int(len(design)),
                    "excluded": [str(Head.from_flat_index(i, heads_per_layer))
-                                for i in excluded]})
+                                for i in excluded]},
+            stability=stability)
     return rankings
 
 
@@ -134,24 +140,30 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         records = run_plan(folder, measure, plan, desc="locate", progress=spec.progress,
                            masks_per_pass=spec.masks_per_pass)
         rankings = fit_rankings(matrix, records, setup.task_names, setup.heads_per_layer,
-                                spec.alpha, setup.exclude)
+                                spec.alpha, setup.exclude, top_k=spec.top_k,
+                                bootstrap=spec.bootstrap, seed=spec.seed)
         _write_results(folder, rankings, spec.top_k)
     return rankings
 
 
-def refit(out: str | Path, alpha: float | None = None, top_k: int | None = None,
-          exclude: str | None = None) -> dict[str, HeadRanking]:
-    """Fit again from the stored measurements, without touching the model. Options left
-    as None keep the run's stored values."""
+def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
+    """Fit again from the stored measurements, without touching the model.
+
+    ``settings``: the ranking settings to change (``RunSpec.refittable("locate")``:
+    alpha, top_k, exclude, bootstrap); one left out or None keeps the run's value.
+    """
+    allowed = RunSpec.refittable("locate")
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise TypeError(f"refit() got {', '.join(unknown)}; it can change "
+                        f"{', '.join(sorted(allowed))}")
     with RunFolder(out) as folder:
         config = folder.read_config()
         if config["command"] != "locate":
             raise RunFolderError(f"{out} holds a '{config['command']}' run; refit needs a "
                                  "locate run")
         stored = RunSpec.from_config(config)
-        changes = {name: value for name, value in
-                   (("alpha", alpha), ("top_k", top_k), ("exclude", exclude))
-                   if value is not None}
+        changes = {name: value for name, value in settings.items() if value is not None}
         spec = stored.replace(**changes).validate()
         layers, per_layer = config.get("layers"), config.get("heads_per_layer")
         if not (isinstance(layers, int) and isinstance(per_layer, int)):
@@ -172,7 +184,8 @@ def refit(out: str | Path, alpha: float | None = None, top_k: int | None = None,
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
         tasks = [t.split(":")[0] for t in spec.tasks]
-        rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded)
+        rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
+                                top_k=spec.top_k, bootstrap=spec.bootstrap, seed=spec.seed)
         folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
         _write_results(folder, rankings, spec.top_k)
     return rankings

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..heads import Head
-from ..recovery import harm
+from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
 __all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
@@ -35,12 +35,30 @@ class HeadRanking:
     order: list[int]  # flat head indices, most harmful first (excluded heads left out)
     heads_per_layer: int
     extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
+    stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
 
     def top(self, k: int) -> list[Head]:
         return [Head.from_flat_index(i, self.heads_per_layer) for i in self.order[:k]]
 
     def effect(self, head: Head) -> float:
         return float(self.effects[head.flat_index(self.heads_per_layer)])
+
+    def confidence(self, head: Head) -> dict[str, Any]:
+        """``selected`` (fraction of bootstrap refits with the head in the top-k) and
+        ``effect_interval`` (95 %); empty when the ranking has no bootstrap."""
+        if self.stability is None:
+            return {}
+        i = head.flat_index(self.heads_per_layer)
+        return {"selected": float(self.stability.selected[i]),
+                "effect_interval": [float(self.stability.low[i]),
+                                    float(self.stability.high[i])]}
+
+    def unstable(self, k: int) -> list[Head]:
+        """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
+        if self.stability is None:
+            return []
+        return [h for h in self.top(k)
+                if self.stability.selected[h.flat_index(self.heads_per_layer)] < STABLE]
 
 
 def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
@@ -54,38 +72,53 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
 
     Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
-    ``effect`` (null where no effect was estimated).
+    ``effect`` (null where no effect was estimated); with a bootstrap also ``selected``
+    (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %).
     """
+    stability = {} if ranking.stability is None else {
+        "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
+                      "unstable_in_top_k": [str(h) for h in ranking.unstable(top_k)]}}
     return {
         "task": ranking.task, "metric": ranking.metric,
         "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
         "heads_per_layer": ranking.heads_per_layer,
-        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra,
+        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
         "heads": [
             {"rank": rank, "head": str(head), "layer": head.layer, "head_in_layer": head.head,
-             "effect": ranking.effect(head)}
+             "effect": ranking.effect(head), **ranking.confidence(head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
 
 
 def heads_table(ranking: HeadRanking) -> str:
-    """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown)."""
+    """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown); with
+    a bootstrap also selected, effect_low, effect_high."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["rank", "head", "layer", "head_in_layer", "effect"])
+    boot = ranking.stability is not None
+    writer.writerow(["rank", "head", "layer", "head_in_layer", "effect",
+                     *(["selected", "effect_low", "effect_high"] if boot else [])])
     for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
         effect = ranking.effect(head)
-        writer.writerow([rank, str(head), head.layer, head.head,
-                         f"{effect:.6g}" if np.isfinite(effect) else ""])
+        row = [rank, str(head), head.layer, head.head,
+               f"{effect:.6g}" if np.isfinite(effect) else ""]
+        if boot:
+            confidence = ranking.confidence(head)
+            row += [f"{confidence['selected']:.6g}",
+                    *(f"{v:.6g}" for v in confidence["effect_interval"])]
+        writer.writerow(row)
     return out.getvalue()
 
 
-def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = "") -> None:
-    """Layers × heads image of each task's harm, its top-k heads circled; heads with no
-    estimate are left blank. Uses a bare ``Figure``: the caller's pyplot state and
-    backend are not touched."""
+def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = ""
+                 ) -> Any:
+    """Layers × heads image of each task's harm, its top-k heads circled (hatched when
+    fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are left
+    blank. Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are
+    not touched."""
     from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
     fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
     axes = fig.subplots(1, len(rankings), squeeze=False)[0]
@@ -100,9 +133,15 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
         for head in ranking.top(top_k):
             ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
                        linewidths=1.5)
+        unstable = ranking.unstable(top_k)
+        for head in unstable:
+            ax.add_patch(Rectangle((head.head - 0.5, head.layer - 0.5), 1, 1, fill=False,
+                                   hatch="////", edgecolor="black", linewidth=0))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-        ax.set_title(f"{ranking.task} ({ranking.metric})", fontsize=9)
+        note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
+                f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
+        ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8,
                      label="score change on knockout" + ("" if ranking.higher_is_better
                                                          else " (sign flipped)"))
@@ -110,6 +149,7 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
@@ -127,8 +167,19 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
 
 
 def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
-    """Markdown rows of a ranking's top-k: rank, head, effect."""
-    lines = [f"| rank | head | {effect_label} |", "| --- | --- | --- |"]
-    lines += [f"| {rank} | {head} | {ranking.effect(head):+.4f} |"
-              for rank, head in enumerate(ranking.top(top_k), start=1)]
+    """Markdown rows of a ranking's top-k: rank, head, effect (and, with a bootstrap, how
+    often refits put the head in the top-k and the effect's 95 % interval)."""
+    if ranking.stability is None:
+        lines = [f"| rank | head | {effect_label} |", "| --- | --- | --- |"]
+        return lines + [f"| {rank} | {head} | {ranking.effect(head):+.4f} |"
+                        for rank, head in enumerate(ranking.top(top_k), start=1)]
+    lines = [f"| rank | head | {effect_label} | 95 % interval | in top-{top_k} of "
+             f"{ranking.stability.resamples} bootstrap refits |",
+             "| --- | --- | --- | --- | --- |"]
+    for rank, head in enumerate(ranking.top(top_k), start=1):
+        confidence = ranking.confidence(head)
+        low, high = confidence["effect_interval"]
+        flag = "" if confidence["selected"] >= STABLE else " (unstable)"
+        lines.append(f"| {rank} | {head} | {ranking.effect(head):+.4f} | "
+                     f"[{low:+.4f}, {high:+.4f}] | {confidence['selected']:.0%}{flag} |")
     return lines

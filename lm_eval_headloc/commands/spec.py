@@ -38,7 +38,7 @@ RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 # Fields a command may change on a run folder it resumes (everything else that is not
 # runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
 _REFITTABLE: dict[str, frozenset[str]] = {
-    "locate": frozenset({"alpha", "top_k", "exclude"}),
+    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap"}),
     "greedy": frozenset({"top_k"}),
 }
 
@@ -124,6 +124,10 @@ class RunSpec:
     exclude: str | None = _option(
         None, "heads kept out of the ranking (L0H1+L2H3 or a head file)", SETTING,
         metavar="HEADS|FILE")
+    bootstrap: int = _option(
+        200, "refits on resampled measurements that give each head's stability (how "
+             "often it makes the top-k) and its effect's 95 % interval", SETTING,
+        parse=int, metavar="B", whole=True, min_val=1)
     # --- greedy ------------------------------------------------------------------------
     rounds: int = _option(1, "1: one-shot greedy (N measurements); K: iterative, K*N",
                           parse=int, metavar="K", whole=True, min_val=1)
@@ -163,6 +167,11 @@ class RunSpec:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @staticmethod
+    def refittable(command: str) -> frozenset[str]:
+        """The fields ``command`` may change on a run folder it resumes (refit's)."""
+        return _REFITTABLE.get(command, frozenset())
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace, **overrides: Any) -> RunSpec:
@@ -218,14 +227,14 @@ class RunSpec:
     def identity(self, command: str) -> dict[str, Any]:
         """The fields that define ``command``'s measurements, as JSON values: a run folder
         made with other values is refused rather than resumed."""
-        refittable = _REFITTABLE.get(command, frozenset())
+        refittable = self.refittable(command)
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)
                 if f.metadata["role"] != RUNTIME and f.name not in refittable}
 
     def settings(self, command: str) -> dict[str, Any]:
         """The fields ``command`` may change when it resumes (``refit``'s)."""
         return {name: _jsonable(getattr(self, name))
-                for name in sorted(_REFITTABLE.get(command, ()))}
+                for name in sorted(self.refittable(command))}
 
     def as_config(self) -> dict[str, Any]:
         """Every field, for config.json (``from_config`` reads it back)."""
@@ -243,13 +252,13 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k", "batch_size",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "locate": _MEASURING + ("design", "masks", "sparsity", "alpha"),
+    "locate": _MEASURING + ("design", "masks", "sparsity", "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
-    "sweep": _MEASURING + ("design", "alpha"),
+    "sweep": _MEASURING + ("design", "alpha", "bootstrap"),
     "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
                "verbose"),
-    "refit": ("alpha", "top_k", "exclude"),
+    "refit": tuple(sorted(_REFITTABLE["locate"])),
 }
 
 
@@ -267,10 +276,12 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
         shown = "the run's" if keep_stored else (
             ",".join(default) if isinstance(default, tuple) else default)
         say_default = shown is not None and shown != "" and "default:" not in meta["help"]
-        help_text = meta["help"] + (f" (default: {shown})" if say_default else "")
+        # argparse %-formats help texts.
+        help_text = (meta["help"] + (f" (default: {shown})" if say_default else "")
+                     ).replace("%", "%%")
         if meta["switch"] is not None:
             parser.add_argument(flag, action=meta["switch"], default=spec_field.default,
-                                help=meta["help"])
+                                help=meta["help"].replace("%", "%%"))
             continue
         kwargs: dict[str, Any] = dict(default=default, help=help_text)
         if meta["choices"] is not None:
