@@ -84,6 +84,7 @@ LOCATE_BAD = [
     (["--masks", "1000000000"], "at most 33554432 masks fit the 256 MiB limit"),
     (["--masks", "100000000"], "--masks 100000000: the design (100000000 masks x 8 heads)"),
     (["--seed", "-1"], "--seed -1: must be a whole number >= 0"),
+    (["--design-seed", "-2"], "--design-seed -2: must be a whole number >= 0"),
     (["--num-samples", "0"], "--num-samples 0: must be a whole number >= 1"),
     (["--masks-per-pass", "0"], "--masks-per-pass 0: must be a whole number >= 1"),
     (["--batch-size", "big"], "--batch-size 'big': must be a whole number >= 1, 'auto'"),
@@ -275,7 +276,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     changed_values = {
         "model_args": "pretrained=other", "tasks": ("tiny_copy",), "include_path": ("/x",),
         "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
-        "signal": "logprob", "bootstrap": 9,
+        "signal": "logprob", "bootstrap": 9, "design_seed": 4,
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
     }
@@ -733,3 +734,18 @@ def test_heatmap_hatches_unstable_top_heads(tmp_path):
     hatched = [p for p in figure.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
     assert [(p.get_x() + 0.5, p.get_y() + 0.5) for p in hatched] == [(3, 1)]
     assert (tmp_path / "heatmap.png").stat().st_size > 0
+
+
+def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.designs import design_matrix
+
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "6", "--sparsity", "0.25", "--num-samples", "5", "--seed", "1"]
+    assert harness(*args, "--out", str(tmp_path / "a")) == 0
+    assert harness(*args, "--design-seed", "9", "--out", str(tmp_path / "b")) == 0
+    config_a, config_b = (strict_json(tmp_path / f / "config.json") for f in "ab")
+    assert config_a["example_subset"] == config_b["example_subset"]
+    np.testing.assert_array_equal(np.load(tmp_path / "a" / "design_matrix.npy"),
+                                  design_matrix("stratified", 6, 8, 0.25, 1))
+    np.testing.assert_array_equal(np.load(tmp_path / "b" / "design_matrix.npy"),
+                                  design_matrix("stratified", 6, 8, 0.25, 9))

@@ -80,7 +80,9 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
         f"- model: `{spec['model_args']}`",
         f"- signal: {_SIGNAL_WORDS[spec.get('signal', 'metric')]}",
         f"- design: {spec['design']}, {spec['masks']} masks, sparsity {spec['sparsity']}, "
-        f"seed {spec['seed']}",
+        f"seed {spec['seed']}"
+        + (f", masks drawn with seed {spec['design_seed']}"
+           if spec.get("design_seed") is not None else ""),
         f"- examples per task: {spec['num_samples']} asked, used "
         + ", ".join(f"{t} {n}" for t, n in config.get("examples_used", {}).items())
         + " (the same subset in every measurement)",
@@ -127,8 +129,9 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         folder.start("locate", spec.identity("locate"), spec.settings("locate"),
                      spec.as_config(), force=force)
         matrix = design_matrix(spec.design, spec.masks, setup.total_heads, spec.sparsity,
-                               spec.seed, never_ablate=[h.flat_index(setup.heads_per_layer)
-                                                        for h in setup.never_ablate])
+                               spec.masks_seed,
+                               never_ablate=[h.flat_index(setup.heads_per_layer)
+                                             for h in setup.never_ablate])
         np.save(folder.file("design_matrix.npy"), matrix)
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
@@ -141,7 +144,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                            masks_per_pass=spec.masks_per_pass)
         rankings = fit_rankings(matrix, records, setup.task_names, setup.heads_per_layer,
                                 spec.alpha, setup.exclude, top_k=spec.top_k,
-                                bootstrap=spec.bootstrap, seed=spec.seed)
+                                bootstrap=spec.bootstrap, seed=spec.masks_seed)
         _write_results(folder, rankings, spec.top_k)
     return rankings
 
@@ -185,7 +188,8 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
         tasks = [t.split(":")[0] for t in spec.tasks]
         rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
-                                top_k=spec.top_k, bootstrap=spec.bootstrap, seed=spec.seed)
+                                top_k=spec.top_k, bootstrap=spec.bootstrap,
+                                seed=spec.masks_seed)
         folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
         _write_results(folder, rankings, spec.top_k)
     return rankings

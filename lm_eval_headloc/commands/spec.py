@@ -98,6 +98,9 @@ class RunSpec:
         parse=int, metavar="N", whole=True, min_val=1)
     seed: int = _option(0, "seed of the example subset and the design", parse=int,
                         whole=True, min_val=0)
+    design_seed: int | None = _option(
+        None, "seed of the masks alone, so designs can vary on the same examples "
+              "(default: --seed)", parse=int, metavar="SEED", whole=True, min_val=0)
     apply_chat_template: bool | None = _option(
         None, "ask through the chat template (default: for generation tasks when the "
               "model has one)", switch=argparse.BooleanOptionalAction)
@@ -187,6 +190,11 @@ class RunSpec:
                     **config.get("spec", {})}
         return cls(**{k: v for k, v in recorded.items() if k in cls.field_names()})
 
+    @property
+    def masks_seed(self) -> int:
+        """The seed the design (and its bootstrap) is drawn with."""
+        return self.seed if self.design_seed is None else self.design_seed
+
     def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
 
@@ -252,10 +260,11 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k", "batch_size",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "locate": _MEASURING + ("design", "masks", "sparsity", "alpha", "bootstrap"),
+    "locate": _MEASURING + ("design", "design_seed", "masks", "sparsity", "alpha",
+                            "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
-    "sweep": _MEASURING + ("design", "alpha", "bootstrap"),
+    "sweep": _MEASURING + ("design", "design_seed", "alpha", "bootstrap"),
     "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
                "verbose"),
     "refit": tuple(sorted(_REFITTABLE["locate"])),
