@@ -502,10 +502,14 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     assert len(records) == 1 + 8  # baseline + every head alone
     base = records[0]["scores"]["tiny_copy"]
     drops = {r["mask"]: base - r["scores"]["tiny_copy"] for r in records[1:]}
+    base_logprob = records[0]["logprob"]["tiny_copy"]
+    logprob_drops = {r["mask"]: base_logprob - r["logprob"]["tiny_copy"] for r in records[1:]}
     ranked = [h["head"] for h in heads["heads"]]
-    # Most harmful first, ties in head order (L0H0 < L0H1 < ... by flat index).
+    # Most harmful first; equal accuracy drops by the gold log-likelihood's drop, then in
+    # head order (L0H0 < L0H1 < ... by flat index).
     flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
-    assert ranked == sorted(drops, key=lambda h: (-drops[h], flat[h]))
+    assert ranked == sorted(drops, key=lambda h: (-drops[h], -logprob_drops[h], flat[h]))
+    assert len(set(drops.values())) < len(drops), "no tie: the tie-break was not tested"
 
     it = tmp_path / "iterative"
     assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",

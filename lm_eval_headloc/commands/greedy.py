@@ -27,6 +27,9 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
     A head's effect is its score change in the last round it was measured in: for a
     winner, the round it won (later rounds keep it knocked out and do not measure it).
+    Heads whose metric changed equally (with 100 examples, accuracy moves in steps of
+    0.01) are ordered by the change of the gold answers' log-likelihood where it was
+    measured along (loglikelihood tasks), then by head index.
     """
     spec = (spec or RunSpec()).replace(**options)
     setup = prepare(spec)
@@ -47,6 +50,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]
         effects = {name: np.full(setup.total_heads, np.nan) for name in names}
+        # Tie-breaker: the logprob's change; 0 where it was not measured.
+        logprob_effects = {name: np.zeros(setup.total_heads) for name in names}
         winners: list[Head] = []
         previous = baseline
         for round_number in range(1, spec.rounds + 1):
@@ -57,17 +62,21 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                progress=spec.progress, masks_per_pass=spec.masks_per_pass)
             for (key, heads) in plan:
                 for name in names:
-                    effects[name][heads[-1].flat_index(setup.heads_per_layer)] = (
-                        records[key]["scores"][name] - previous["scores"][name])
+                    flat = heads[-1].flat_index(setup.heads_per_layer)
+                    effects[name][flat] = records[key]["scores"][name] - previous["scores"][name]
+                    logprob_effects[name][flat] = _logprob(records[key], name) - _logprob(
+                        previous, name)
             task = names[0]
             task_harm = harm(effects[task], bool(baseline["higher_is_better"][task]))
             measured = [head for _, (*_, head) in plan]
-            winner = max(measured, key=lambda h: (task_harm[h.flat_index(setup.heads_per_layer)],
-                                                  -h.flat_index(setup.heads_per_layer)))
+            winner = max(measured, key=lambda h: (
+                task_harm[h.flat_index(setup.heads_per_layer)],
+                -logprob_effects[task][h.flat_index(setup.heads_per_layer)],
+                -h.flat_index(setup.heads_per_layer)))
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        rankings = _rankings(effects, winners, baseline, spec.rounds, setup.heads_per_layer,
-                             len(folder.measurements()))
+        rankings = _rankings(effects, logprob_effects, winners, baseline, spec.rounds,
+                             setup.heads_per_layer, len(folder.measurements()))
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.extra['method']} (each head's score change in its "
@@ -76,16 +85,23 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     return rankings
 
 
-def _rankings(effects: Mapping[str, np.ndarray], winners: list[Head],
-              baseline: Mapping[str, Any], rounds: int, heads_per_layer: int,
-              measurements: int) -> dict[str, HeadRanking]:
+def _logprob(record: Mapping[str, Any], task: str) -> float:
+    """The gold answers' log-likelihood a metric measurement carried (0 if none)."""
+    return float(record.get("logprob", {}).get(task, 0.0))
+
+
+def _rankings(effects: Mapping[str, np.ndarray], logprob_effects: Mapping[str, np.ndarray],
+              winners: list[Head], baseline: Mapping[str, Any], rounds: int,
+              heads_per_layer: int, measurements: int) -> dict[str, HeadRanking]:
     rankings = {}
     lead = [w.flat_index(heads_per_layer) for w in winners] if rounds > 1 else []
     for name, task_effects in effects.items():
         higher = bool(baseline["higher_is_better"][name])
         task_harm = harm(task_effects, higher)
-        # Most harmful first; ties by head index; heads never measured (skipped) left out.
-        rest = [int(i) for i in np.lexsort((np.arange(task_harm.size), -task_harm))
+        # Most harmful first; ties by the logprob's drop, then by head index; heads never
+        # measured (skipped) left out.
+        rest = [int(i) for i in np.lexsort((np.arange(task_harm.size),
+                                            logprob_effects[name], -task_harm))
                 if np.isfinite(task_harm[i]) and i not in lead]
         rankings[name] = HeadRanking(
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,

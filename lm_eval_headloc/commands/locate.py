@@ -38,10 +38,10 @@ def mask_keys(masks: int) -> list[str]:
 
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], heads_per_layer: int, alpha: float,
-                 exclude: Sequence[Head] = (), *, top_k: int = 5, bootstrap: int = 200,
-                 seed: int = 0) -> dict[str, HeadRanking]:
+                 exclude: Sequence[Head] = (), *, top_k: int = 5,
+                 bootstrap: int | None = 200, seed: int = 0) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
-    head's stability from ``bootstrap`` refits on resampled measurements."""
+    head's stability from ``bootstrap`` refits on resampled measurements (None: none)."""
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
     rankings = {}
@@ -53,9 +53,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
         estimator = HeadLasso(alpha=alpha).fit(design, y)
         order = [int(i) for i in estimator.ranking(higher_is_better=higher, exclude=excluded)]
-        stability = bootstrap_stability(HeadLasso(alpha=alpha), design, y, top_k,
-                                        higher_is_better=higher, exclude=excluded,
-                                        resamples=bootstrap, seed=seed)
+        stability = None if bootstrap is None else bootstrap_stability(
+            HeadLasso(alpha=alpha), design, y, top_k, higher_is_better=higher,
+            exclude=excluded, resamples=bootstrap, seed=seed)
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=np.asarray(estimator.coef_),
