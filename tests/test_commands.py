@@ -753,3 +753,26 @@ def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_
                                   design_matrix("stratified", 6, 8, 0.25, 1))
     np.testing.assert_array_equal(np.load(tmp_path / "b" / "design_matrix.npy"),
                                   design_matrix("stratified", 6, 8, 0.25, 9))
+
+
+def test_more_masks_extend_a_run_and_refit_can_take_fewer(tiny_model_dir, tmp_path, capsys):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--sparsity", "0.25", "--num-samples", "6", "--top-k", "3"]
+    grown, short, full = tmp_path / "grown", tmp_path / "short", tmp_path / "full"
+    assert harness(*args, "--masks", "6", "--out", str(grown)) == 0
+    assert harness(*args, "--masks", "6", "--out", str(short)) == 0
+    assert harness(*args, "--masks", "10", "--out", str(grown)) == 0
+    assert harness(*args, "--masks", "10", "--out", str(full)) == 0
+
+    def without_seconds(folder):
+        records, heads = read_run(folder)
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in records], heads
+
+    assert without_seconds(grown) == without_seconds(full)
+    assert len(without_seconds(grown)[0]) == 11
+    # refit on the first 6 masks is the 6-mask run.
+    assert harness("refit", str(grown), "--masks", "6") == 0
+    assert read_run(grown)[1] == read_run(short)[1]
+    assert harness("refit", str(grown), "--masks", "12") == 2
+    error = last_error(capsys)
+    assert "--masks 12: " in error and "has 10 masks" in error

@@ -153,7 +153,8 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
     """Fit again from the stored measurements, without touching the model.
 
     ``settings``: the ranking settings to change (``RunSpec.refittable("locate")``:
-    alpha, top_k, exclude, bootstrap); one left out or None keeps the run's value.
+    alpha, top_k, exclude, bootstrap, and masks — fewer than measured fits the first
+    ones); one left out or None keeps the run's value.
     """
     allowed = RunSpec.refittable("locate")
     unknown = sorted(set(settings) - allowed)
@@ -181,6 +182,10 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
                              "is left to rank")
         folder.lock()
         matrix = np.load(folder.file("design_matrix.npy"))
+        if spec.masks > len(matrix):
+            raise UsageError(f"--masks {spec.masks}: {out} has {len(matrix)} masks; rerun "
+                             f"locate with --masks {spec.masks} to measure the rest")
+        matrix = matrix[:spec.masks]  # the run as if it had stopped after spec.masks
         records = {r["key"]: r for r in folder.measurements()}
         missing = [k for k in ["baseline", *mask_keys(len(matrix))] if k not in records]
         if missing:

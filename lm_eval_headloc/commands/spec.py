@@ -37,8 +37,10 @@ RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 
 # Fields a command may change on a run folder it resumes (everything else that is not
 # runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
+# locate's masks too: a design's first M rows are the M-mask design, so more masks extend
+# a run and refit can fit on fewer.
 _REFITTABLE: dict[str, frozenset[str]] = {
-    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap"}),
+    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks"}),
     "greedy": frozenset({"top_k"}),
 }
 
@@ -114,7 +116,9 @@ class RunSpec:
         metavar="HEADS|FILE")
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
-    masks: int = _option(100, "measurements (masks) in the design", parse=int, metavar="M",
+    masks: int = _option(100, "measurements (masks) in the design; rerun with more to "
+                              "extend a run, refit with fewer to see it shorter",
+                         parse=int, metavar="M",
                          whole=True, min_val=1)
     sparsity: float = _option(0.02, "fraction of heads knocked out per mask", parse=float,
                               metavar="P", whole=False, min_val=0, max_val=1,
