@@ -235,7 +235,8 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
                         seed: int = 0) -> Stability:
     """Refit a clone of ``estimator`` on ``resamples`` resamples of the measurements (rows
     drawn with replacement, ``np.random.default_rng(seed)``) and count how often each head
-    makes the top ``top_k``; the same seed gives the same answer."""
+    makes the top ``top_k`` with a harmful effect (a refit that finds fewer harmful heads
+    selects fewer); the same seed gives the same answer."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
     top_k = check_number(top_k, "top_k", whole=True, min_val=1)
     knocked_out = np.asarray(design_matrix, dtype=np.float64)
@@ -252,6 +253,7 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
         picked = rng.integers(0, rows, size=rows)
         refit = clone(estimator).fit(knocked_out[picked], y[picked])
         effects[r] = refit.coef_
-        counts[refit.ranking(higher_is_better, excluded)[:top_k]] += 1
+        top = refit.ranking(higher_is_better, excluded)[:top_k]
+        counts[top[harm(refit.coef_[top], higher_is_better) > 0]] += 1
     low, high = np.percentile(effects, [2.5, 97.5], axis=0)
     return Stability(counts / resamples, low, high, resamples)

@@ -428,7 +428,8 @@ def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01):
         coef = Lasso(alpha=alpha, max_iter=10000).fit(
             knocked_out[pick].astype(float), y / scale).coef_ * scale
         coefs.append(coef)
-        chosen[np.argsort(coef, kind="stable")[:top_k]] += 1
+        top = np.argsort(coef, kind="stable")[:top_k]
+        chosen[top[coef[top] < 0]] += 1  # only heads whose knockout hurts
     return chosen / resamples, np.percentile(coefs, [2.5, 97.5], axis=0)
 
 
@@ -444,8 +445,8 @@ def test_bootstrap_stability_equals_a_hand_written_bootstrap():
     np.testing.assert_allclose(stability.selected, selected)
     np.testing.assert_allclose(stability.low, low, atol=1e-9)
     np.testing.assert_allclose(stability.high, high, atol=1e-9)
-    # Each refit puts exactly five heads in its top-5.
-    assert stability.selected.sum() == pytest.approx(5)
+    # Each refit puts at most five heads in its top-5.
+    assert 4 < stability.selected.sum() <= 5
     again = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, resamples=40, seed=7)
     np.testing.assert_array_equal(again.selected, stability.selected)
 

@@ -180,14 +180,15 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         which = ("--never-ablate covers" if len(never) >= total else "--exclude covers"
                  if len(exclude) >= total else "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
-    check_design_budget(spec.masks, total)
+    check_design_budget(spec.design_rows, total,
+                        "--max-masks" if spec.masks == "auto" else "--masks")
     return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never)
 
 
-def check_design_budget(masks: int, total_heads: int) -> None:
+def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> None:
     """Refuse a design matrix too large to hold in memory and save (one byte per entry)."""
     if masks * total_heads > MAX_DESIGN_BYTES:
-        raise UsageError(f"--masks {masks}: the design ({masks} masks x {total_heads} heads) "
+        raise UsageError(f"{flag} {masks}: the design ({masks} masks x {total_heads} heads) "
                          f"would take {masks * total_heads / 2**30:.1f} GiB; at most "
                          f"{MAX_DESIGN_BYTES // total_heads} masks fit the "
                          f"{MAX_DESIGN_BYTES // 2**20} MiB limit for this model")

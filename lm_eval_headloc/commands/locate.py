@@ -79,8 +79,8 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
         "# Head localization by compressed sensing", "",
         f"- model: `{spec['model_args']}`",
         f"- signal: {_SIGNAL_WORDS[spec.get('signal', 'metric')]}",
-        f"- design: {spec['design']}, {spec['masks']} masks, sparsity {spec['sparsity']}, "
-        f"seed {spec['seed']}"
+        f"- design: {spec['design']}, {_masks_words(spec, config)}, sparsity "
+        f"{spec['sparsity']}, seed {spec['seed']}"
         + (f", masks drawn with seed {spec['design_seed']}"
            if spec.get("design_seed") is not None else ""),
         f"- examples per task: {spec['num_samples']} asked, used "
@@ -102,14 +102,35 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
     return "\n".join(lines) + "\n"
 
 
+def _masks_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    if spec["masks"] != "auto":
+        return f"{spec['masks']} masks"
+    return (f"{config.get('masks_used')} masks (--masks auto: measured until every top-k "
+            f"head was stable, at most {spec['max_masks']})")
+
+
 def _write_results(folder: RunFolder, rankings: Mapping[str, HeadRanking],
                    top_k: int) -> None:
     config = folder.read_config()
     spec = config["spec"]
     write_ranking(folder, rankings, top_k,
-                  title=f"{spec['design']} design, {spec['masks']} masks, "
-                        f"p={spec['sparsity']}",
+                  title=f"{spec['design']} design, {_masks_words(spec, config)}, "
+                        f"p={spec['sparsity']}".replace(" (", "\n("),
                   report=locate_report(rankings, top_k, config))
+
+
+#: --masks auto: masks in the first round, and each round's growth (a share of the masks
+#: measured so far, at least ROUND_MIN), so a run checks its stability ~log(M) times.
+FIRST_ROUND, ROUND_MIN, ROUND_GROWTH = 20, 10, 0.25
+
+
+def auto_rounds(max_masks: int) -> list[int]:
+    """The mask counts after which ``--masks auto`` checks whether to stop."""
+    counts = [min(FIRST_ROUND, max_masks)]
+    while counts[-1] < max_masks:
+        step = max(ROUND_MIN, int(counts[-1] * ROUND_GROWTH))
+        counts.append(min(max_masks, counts[-1] + step))
+    return counts
 
 
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
@@ -128,7 +149,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         folder.start("locate", spec.identity("locate"), spec.settings("locate"),
                      spec.as_config(), force=force)
-        matrix = design_matrix(spec.design, spec.masks, setup.total_heads, spec.sparsity,
+        matrix = design_matrix(spec.design, spec.design_rows, setup.total_heads, spec.sparsity,
                                spec.masks_seed,
                                never_ablate=[h.flat_index(setup.heads_per_layer)
                                              for h in setup.never_ablate])
@@ -138,13 +159,22 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         else:  # sweep's measurement, shared by its cells: record it here too
             record_examples(folder, setup, measure, num_samples=None)
         plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
-                                     for key, row in zip(mask_keys(spec.masks), matrix,
+                                     for key, row in zip(mask_keys(len(matrix)), matrix,
                                                          strict=True)]
-        records = run_plan(folder, measure, plan, desc="locate", progress=spec.progress,
-                           masks_per_pass=spec.masks_per_pass)
-        rankings = fit_rankings(matrix, records, setup.task_names, setup.heads_per_layer,
-                                spec.alpha, setup.exclude, top_k=spec.top_k,
-                                bootstrap=spec.bootstrap, seed=spec.masks_seed)
+        checks = auto_rounds(spec.max_masks) if spec.masks == "auto" else [spec.masks]
+        for used in checks:
+            # Each round measures what is not on disk yet, then fits the first `used`
+            # masks: the decision to go on depends only on the seed and the measurements,
+            # so a killed run resumes to the same stop.
+            records = run_plan(folder, measure, plan[:used + 1], desc="locate",
+                               progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+            rankings = fit_rankings(matrix[:used], records, setup.task_names,
+                                    setup.heads_per_layer, spec.alpha, setup.exclude,
+                                    top_k=spec.top_k, bootstrap=spec.bootstrap,
+                                    seed=spec.masks_seed)
+            if not any(r.unstable(spec.top_k) for r in rankings.values()):
+                break
+        folder.update_config(masks_used=used)
         _write_results(folder, rankings, spec.top_k)
     return rankings
 
@@ -182,10 +212,12 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
                              "is left to rank")
         folder.lock()
         matrix = np.load(folder.file("design_matrix.npy"))
-        if spec.masks > len(matrix):
-            raise UsageError(f"--masks {spec.masks}: {out} has {len(matrix)} masks; rerun "
-                             f"locate with --masks {spec.masks} to measure the rest")
-        matrix = matrix[:spec.masks]  # the run as if it had stopped after spec.masks
+        # --masks auto: the masks the run measured before it stopped.
+        used = config.get("masks_used", len(matrix)) if spec.masks == "auto" else spec.masks
+        if used > len(matrix):
+            raise UsageError(f"--masks {used}: {out} has {len(matrix)} masks; rerun "
+                             f"locate with --masks {used} to measure the rest")
+        matrix = matrix[:used]  # the run as if it had stopped after `used` masks
         records = {r["key"]: r for r in folder.measurements()}
         missing = [k for k in ["baseline", *mask_keys(len(matrix))] if k not in records]
         if missing:

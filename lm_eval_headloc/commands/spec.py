@@ -40,7 +40,7 @@ RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 # locate's masks too: a design's first M rows are the M-mask design, so more masks extend
 # a run and refit can fit on fewer.
 _REFITTABLE: dict[str, frozenset[str]] = {
-    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks"}),
+    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks"}),
     "greedy": frozenset({"top_k"}),
 }
 
@@ -63,6 +63,20 @@ def parse_batch_size(value: int | str) -> int | str:
             raise UsageError(f"--batch-size {value!r}: must be a whole number >= 1, 'auto' "
                              "or 'auto:N'") from None
     return check_number(value, "--batch-size", whole=True, min_val=1)
+
+
+def parse_masks(value: int | str) -> int | str:
+    """A whole number >= 1 or ``auto``."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise UsageError(f"--masks {value!r}: must be a whole number >= 1 or 'auto'"
+                             ) from None
+    return check_number(value, "--masks", whole=True, min_val=1)
 
 
 def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
@@ -116,10 +130,12 @@ class RunSpec:
         metavar="HEADS|FILE")
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
-    masks: int = _option(100, "measurements (masks) in the design; rerun with more to "
-                              "extend a run, refit with fewer to see it shorter",
-                         parse=int, metavar="M",
-                         whole=True, min_val=1)
+    masks: int | str = _option(
+        100, "measurements (masks) in the design; rerun with more to extend a run, refit "
+             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
+             "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
+    max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
+                             metavar="M", whole=True, min_val=1)
     sparsity: float = _option(0.02, "fraction of heads knocked out per mask", parse=float,
                               metavar="P", whole=False, min_val=0, max_val=1,
                               include_boundaries="neither")
@@ -195,6 +211,11 @@ class RunSpec:
         return cls(**{k: v for k, v in recorded.items() if k in cls.field_names()})
 
     @property
+    def design_rows(self) -> int:
+        """Masks in the design: ``masks``, or ``max_masks`` for ``masks="auto"``."""
+        return self.max_masks if self.masks == "auto" else self.masks
+
+    @property
     def masks_seed(self) -> int:
         """The seed the design (and its bootstrap) is drawn with."""
         return self.seed if self.design_seed is None else self.design_seed
@@ -221,6 +242,7 @@ class RunSpec:
         if self.general is not None and not self.general:
             raise UsageError("--general is empty; name at least one task or leave it out")
         parse_batch_size(self.batch_size)
+        parse_masks(self.masks)
         for name in ("model_args", "never_ablate", "exclude"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -264,14 +286,15 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k", "batch_size",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "locate": _MEASURING + ("design", "design_seed", "masks", "sparsity", "alpha",
-                            "bootstrap"),
+    "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
+                            "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("design", "design_seed", "alpha", "bootstrap"),
     "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
                "verbose"),
-    "refit": tuple(sorted(_REFITTABLE["locate"])),
+    # max_masks may change when a run resumes, but refit measures nothing.
+    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks"})),
 }
 
 
