@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SIGNALS", "SIGNAL_OUTPUT_TYPES", "GoldAnswer", "gold_answers", "gold_logprob"]
+__all__ = ["SIGNALS", "SIGNAL_OUTPUT_TYPES", "GoldAnswer", "gold_answers", "gold_logprob",
+           "signal_weights"]
 
 #: What a measurement scores: the harness metric, or the gold answer's log-likelihood.
 SIGNALS: tuple[str, ...] = ("metric", "logprob")
@@ -46,6 +47,18 @@ class GoldAnswer:
         lls = [float(answers[r][0]) for r in self.requests]
         gold = _logsumexp([lls[i] for i in self.gold])
         return gold - _logsumexp(lls) if self.normalize else gold
+
+    def gradient(self, answers: Mapping[Request, tuple[float, bool]]) -> list[float]:
+        """d logprob / d ll(request) for each of ``requests``: the gold's share of the
+        gold set minus, when normalized, each choice's share of all choices."""
+        lls = [float(answers[r][0]) for r in self.requests]
+        gold_total = _logsumexp([lls[i] for i in self.gold])
+        grad = [math.exp(lls[i] - gold_total) if i in self.gold else 0.0
+                for i in range(len(lls))]
+        if self.normalize:
+            total = _logsumexp(lls)
+            grad = [g - math.exp(ll - total) for g, ll in zip(grad, lls, strict=True)]
+        return grad
 
 
 def _logsumexp(values: Sequence[float]) -> float:
@@ -107,6 +120,20 @@ def gold_answers(instances: Iterable[Any], tasks: Mapping[str, Any],
             raise ValueError(f"task {leaf!r} ({kind}): the logprob signal needs one of "
                              f"{', '.join(SIGNAL_OUTPUT_TYPES)}")
     return answers
+
+
+def signal_weights(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],
+                   leaves: Iterable[str]) -> dict[Request, float]:
+    """d gold_logprob / d ll(request) for every request of ``leaves``' documents: the
+    weights that make a weighted sum of request log-likelihoods have the signal's
+    gradient (``prior`` back-propagates that sum)."""
+    wanted = set(leaves)
+    chosen = [g for g in golds if g.task in wanted]
+    weights: dict[Request, float] = {}
+    for gold in chosen:
+        for request, grad in zip(gold.requests, gold.gradient(answers), strict=True):
+            weights[request] = weights.get(request, 0.0) + grad / len(chosen)
+    return weights
 
 
 def gold_logprob(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],
