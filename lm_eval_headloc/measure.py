@@ -22,7 +22,7 @@ import numpy as np
 from .checks import check_number
 from .heads import Head
 from .metrics import TaskScore, task_score
-from .signals import SIGNALS, gold_answers, gold_logprob
+from .signals import SIGNALS, gold_answers, gold_logprob, signal_weights
 
 __all__ = ["HarnessMeasurement", "choose_subset"]
 
@@ -275,6 +275,34 @@ class HarnessMeasurement:
                     self._golds = None
             self._requests = LoglikelihoodRequests(self.lm, keys)
         return self._requests
+
+    def attribution(self) -> dict[str, np.ndarray]:
+        """Attribution patching (``prior``): each task's estimated change of its logprob
+        signal from knocking out each head, one forward and one backward pass over the
+        gold answers' requests (whatever signal the run measures). Decoder-only models
+        (``scored_positions_apply``) only."""
+        from .multimask import (
+            LoglikelihoodRequests,
+            RecordingLM,
+            loglikelihoods_for_masks,
+            scored_positions_apply,
+        )
+        from .prior import attribution_effects
+
+        if not scored_positions_apply(self.lm):
+            raise ValueError("the attribution prior needs a decoder-only model without a "
+                             "prompt-learning adapter")
+        recorder = RecordingLM(self.lm)
+        self.evaluate([], model=recorder)
+        leaves = {leaf: task for group in self._groups
+                  for leaf, task in group.loaded["tasks"].items()}
+        golds = gold_answers(recorder.instances, leaves, self.chat_template)
+        requests = LoglikelihoodRequests(self.lm, [k for g in golds for k in g.requests])
+        batch_size = self.resolved_batch_size()
+        answers = loglikelihoods_for_masks(self.lm, requests, [[]], batch_size)[0]
+        return {name: attribution_effects(self.lm, requests, signal_weights(
+                    golds, answers, self.leaves_of[name]), batch_size)
+                for name, _ in self.tasks}
 
     def resolved_batch_size(self) -> int:
         """Rows per forward pass (per mask) of the scored-positions path: the model's

@@ -24,7 +24,11 @@ import torch.nn.functional as F
 
 from .multimask import LoglikelihoodRequests, logits_only_at
 
-__all__ = ["attribution_effects"]
+__all__ = ["PRIOR_EASE", "attribution_effects", "prior_penalty_weights"]
+
+#: How much the prior eases the Lasso penalty of the head it finds most harmful: its
+#: penalty is divided by 1 + PRIOR_EASE (others by less; harmless-looking heads keep 1).
+PRIOR_EASE = 1.0
 
 Request = tuple[str, str]
 
@@ -84,3 +88,14 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
             handle.remove()
         captured.clear()
     return effects.flatten().numpy()
+
+
+def prior_penalty_weights(harm_estimates: np.ndarray, ease: float = PRIOR_EASE) -> np.ndarray:
+    """Per-head Lasso penalty factors from a prior's harm estimates (positive = the
+    knockout hurts): ``1 / (1 + ease * share)``, ``share`` the head's harm over the
+    largest. A mild adaptive Lasso: no head's penalty rises, so a head the prior misses
+    (a false negative) is found as without a prior."""
+    harm = np.clip(np.asarray(harm_estimates, dtype=np.float64), 0.0, None)
+    top = harm.max() if harm.size else 0.0
+    share = harm / top if top > 0 else np.zeros_like(harm)
+    return 1.0 / (1.0 + ease * share)

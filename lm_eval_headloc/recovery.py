@@ -71,6 +71,9 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         behaviour). If the scores do not vary, nothing is divided (``scale_ = 1``).
     max_iter:
         Coordinate-descent iterations for the Lasso.
+    penalty_weights:
+        Optional ``(N,)`` positive factors on each head's L1 penalty (an adaptive Lasso:
+        a head a prior says is likely gets a smaller one). None: the same for all.
 
     Fit with ``baseline=None`` (default, the reference): an intercept is fitted along
     with the head effects. Fit with ``baseline=y0`` (a measured unablated score): no
@@ -98,10 +101,12 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     n_features_in_: number of heads (columns).
     """
 
-    def __init__(self, alpha: float = 0.01, standardize: bool = True, max_iter: int = 10000):
+    def __init__(self, alpha: float = 0.01, standardize: bool = True, max_iter: int = 10000,
+                 penalty_weights: object = None):
         self.alpha = alpha
         self.standardize = standardize
         self.max_iter = max_iter
+        self.penalty_weights = penalty_weights
 
     def fit(
         self, design_matrix: object, scores: object, baseline: float | None = None
@@ -130,11 +135,19 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         constant = spread <= 1e-12 * max(1.0, float(np.max(np.abs(y))))
         scale = spread if self.standardize and not constant else 1.0
 
+        weights = np.ones(knocked_out.shape[1])
+        if self.penalty_weights is not None:
+            weights = np.asarray(self.penalty_weights, dtype=np.float64)
+            if weights.shape != (knocked_out.shape[1],) or not np.all(np.isfinite(weights)) \
+                    or np.any(weights <= 0):
+                raise ValueError(f"penalty_weights: need {knocked_out.shape[1]} finite "
+                                 f"positive numbers, one per head (got shape {weights.shape})")
         offset = 0.0 if baseline is None else baseline
         lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
-        lasso.fit(knocked_out, (y - offset) / scale)
+        # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
+        lasso.fit(knocked_out / weights, (y - offset) / scale)
 
-        self.coef_ = np.asarray(lasso.coef_, dtype=np.float64) * scale
+        self.coef_ = np.asarray(lasso.coef_, dtype=np.float64) / weights * scale
         self.intercept_ = (
             float(lasso.intercept_) * scale if baseline is None else baseline
         )

@@ -278,7 +278,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     changed_values = {
         "model_args": "pretrained=other", "tasks": ("tiny_copy",), "include_path": ("/x",),
         "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
-        "signal": "logprob", "bootstrap": 9, "design_seed": 4, "max_masks": 12,
+        "signal": "logprob", "bootstrap": 9, "design_seed": 4, "max_masks": 12, "prior": "atp",
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
     }
@@ -802,3 +802,37 @@ def test_masks_auto_stops_at_the_first_stable_round(tiny_model_dir, tmp_path):
     if earlier is not None:
         assert harness("refit", str(out), "--masks", str(earlier)) == 0
         assert strict_json(out / "heads.json")["bootstrap"]["unstable_in_top_k"]
+
+
+def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.commands.locate import fit_rankings
+    from lm_eval_headloc.prior import prior_penalty_weights
+    from lm_eval_headloc.recovery import HeadLasso
+
+    out = tmp_path / "prior"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+            "--prior", "atp", "--out", str(out)]
+    assert harness(*args) == 0
+    prior = strict_json(out / "prior.json")
+    effects = np.array(prior["tasks"]["tiny_choice"]["effects"])
+    assert effects.shape == (8,) and np.abs(effects).max() > 0
+    heads = strict_json(out / "heads.json")
+    assert heads["prior_top_k"] == prior["tasks"]["tiny_choice"]["ranking"][:3]
+    assert "attribution prior's own top-3" in (out / "report.md").read_text()
+    # The fit is the weighted Lasso with the prior's weights (most harmful: most eased).
+    weights = prior_penalty_weights(-effects)
+    assert weights.min() == pytest.approx(0.5) and weights.max() <= 1
+    records = {r["key"]: r for r in read_run(out)[0]}
+    design = np.load(out / "design_matrix.npy")
+    y = [records[f"mask-{i:04d}"]["scores"]["tiny_choice"] for i in range(10)]
+    expected = HeadLasso(penalty_weights=weights).fit(design, y).coef_
+    assert [h["effect"] for h in heads["heads"]] == pytest.approx(
+        [expected[int(h["layer"]) * 4 + int(h["head_in_layer"])] for h in heads["heads"]])
+    # Resuming reads prior.json back; refit keeps using it.
+    before = (out / "prior.json").read_text()
+    assert harness(*args) == 0 and harness("refit", str(out)) == 0
+    assert (out / "prior.json").read_text() == before
+    assert strict_json(out / "heads.json")["heads"] == heads["heads"]
+    plain = fit_rankings(design, records, ["tiny_choice"], 4, 0.01, bootstrap=None)
+    assert not np.allclose(plain["tiny_choice"].effects, expected)

@@ -482,3 +482,33 @@ def test_bootstrap_ranks_lower_is_better_scores_by_their_rise_and_skips_excluded
     skipped = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, exclude=[top],
                                   resamples=20)
     assert plain.selected[top] > 0 and skipped.selected[top] == 0
+
+
+def test_penalty_weights_solve_the_weighted_lasso():
+    """The KKT conditions of min 1/(2n)|y/s - c - X b|^2 + alpha sum_j w_j |b_j|, checked
+    on the fitted coefficients (an optimality check, not a second fit)."""
+    world = simulated_world(4)
+    knocked_out = design_matrix("stratified", 80, NUM_HEADS, 0.05, 4)
+    scores = world.measure(knocked_out)
+    rng = np.random.default_rng(0)
+    weights = rng.uniform(0.3, 3.0, NUM_HEADS)
+    fit = HeadLasso(alpha=0.01, penalty_weights=weights, max_iter=100000).fit(
+        knocked_out, scores)
+    scale = scores.std()
+    b = fit.coef_ / scale
+    x = knocked_out.astype(float)
+    residual = scores / scale - fit.intercept_ / scale - x @ b
+    assert abs(residual.mean()) < 1e-8  # the intercept's condition
+    correlation = x.T @ residual / len(scores)
+    active = b != 0
+    assert active.sum() >= 3
+    np.testing.assert_allclose(correlation[active], 0.01 * weights[active] * np.sign(b[active]),
+                               atol=1e-5)
+    assert np.all(np.abs(correlation[~active]) <= 0.01 * weights[~active] + 1e-5)
+    # Equal weights of 2 are the plain Lasso with twice the penalty.
+    doubled = HeadLasso(alpha=0.01, penalty_weights=np.full(NUM_HEADS, 2.0)).fit(
+        knocked_out, scores)
+    np.testing.assert_allclose(doubled.coef_, HeadLasso(alpha=0.02).fit(
+        knocked_out, scores).coef_, atol=1e-8)
+    with pytest.raises(ValueError, match="penalty_weights: need 270 finite positive"):
+        HeadLasso(penalty_weights=np.zeros(NUM_HEADS)).fit(knocked_out, scores)

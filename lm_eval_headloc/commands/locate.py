@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,8 @@ import numpy as np
 from ..checks import UsageError
 from ..designs import design_matrix
 from ..heads import Head
-from ..recovery import HeadLasso, bootstrap_stability
+from ..prior import prior_penalty_weights
+from ..recovery import HeadLasso, bootstrap_stability, harm
 from .engine import (
     Setup,
     head_list,
@@ -39,9 +42,12 @@ def mask_keys(masks: int) -> list[str]:
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], heads_per_layer: int, alpha: float,
                  exclude: Sequence[Head] = (), *, top_k: int = 5,
-                 bootstrap: int | None = 200, seed: int = 0) -> dict[str, HeadRanking]:
+                 bootstrap: int | None = 200, seed: int = 0,
+                 priors: Mapping[str, Any] | None = None) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
-    head's stability from ``bootstrap`` refits on resampled measurements (None: none)."""
+    head's stability from ``bootstrap`` refits on resampled measurements (None: none).
+    ``priors``: task -> attribution estimates of the logprob signal's change per head
+    (prior.json), which ease the penalty of likely heads (``prior_penalty_weights``)."""
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
     rankings = {}
@@ -51,11 +57,13 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
-        estimator = HeadLasso(alpha=alpha).fit(design, y)
+        weights = None if priors is None else prior_penalty_weights(
+            harm(priors[task], higher_is_better=True))
+        estimator = HeadLasso(alpha=alpha, penalty_weights=weights).fit(design, y)
         order = [int(i) for i in estimator.ranking(higher_is_better=higher, exclude=excluded)]
         stability = None if bootstrap is None else bootstrap_stability(
-            HeadLasso(alpha=alpha), design, y, top_k, higher_is_better=higher,
-            exclude=excluded, resamples=bootstrap, seed=seed)
+            HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
+            higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed)
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=np.asarray(estimator.coef_),
@@ -63,7 +71,10 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             extra={"method": "compressed sensing (Lasso)", "r2": float(estimator.r2_),
                    "alpha": alpha, "measurements": int(len(design)),
                    "excluded": [str(Head.from_flat_index(i, heads_per_layer))
-                                for i in excluded]},
+                                for i in excluded],
+                   **({} if priors is None else {"prior_top_k": [
+                       str(Head.from_flat_index(int(i), heads_per_layer))
+                       for i in np.argsort(priors[task], kind="stable")[:top_k]]})},
             stability=stability)
     return rankings
 
@@ -97,7 +108,10 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
             f"Baseline (nothing knocked out): {ranking.baseline:.4f}. "
             f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
             "measurements.", "",
-            *ranking_table(ranking, top_k, "estimated change on knockout"), ""]
+            *ranking_table(ranking, top_k, "estimated change on knockout"), "",
+            *([f"The attribution prior's own top-{top_k} (prior.json): "
+               + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
+              if "prior_top_k" in ranking.extra else [])]
     lines.append("Check the heads with `headloc-harness verify` (knocks them out for real).")
     return "\n".join(lines) + "\n"
 
@@ -117,6 +131,33 @@ def _write_results(folder: RunFolder, rankings: Mapping[str, HeadRanking],
                   title=f"{spec['design']} design, {_masks_words(spec, config)}, "
                         f"p={spec['sparsity']}".replace(" (", "\n("),
                   report=locate_report(rankings, top_k, config))
+
+
+def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
+    """prior.json's per-task attribution estimates (flat head order)."""
+    data = json.loads(folder.file("prior.json").read_text())
+    return {task: np.asarray(entry["effects"], dtype=np.float64)
+            for task, entry in data["tasks"].items()}
+
+
+def attribution_prior(folder: RunFolder, measure: Any) -> dict[str, np.ndarray]:
+    """The run's attribution prior: prior.json when a resumed run made it, else computed
+    (``HarnessMeasurement.attribution``) and written there with its cost."""
+    if folder.file("prior.json").is_file():
+        return stored_prior(folder)
+    start = time.perf_counter()
+    effects = measure.attribution()
+    seconds = time.perf_counter() - start
+    per_layer = measure.lm.knockout.heads_per_layer
+    folder.write_json("prior.json", {
+        "method": "attribution patching (AtP) of the logprob signal: estimated change of "
+                  "each task's mean gold log-likelihood when a head is knocked out",
+        "seconds": round(seconds, 3),
+        "tasks": {task: {"effects": [float(v) for v in values],
+                         "ranking": [str(Head.from_flat_index(int(i), per_layer))
+                                     for i in np.argsort(values, kind="stable")]}
+                  for task, values in effects.items()}})
+    return effects
 
 
 #: --masks auto: masks in the first round, and each round's growth (a share of the masks
@@ -161,6 +202,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
                                      for key, row in zip(mask_keys(len(matrix)), matrix,
                                                          strict=True)]
+        priors = attribution_prior(folder, measure) if spec.prior == "atp" else None
         checks = auto_rounds(spec.max_masks) if spec.masks == "auto" else [spec.masks]
         for used in checks:
             # Each round measures what is not on disk yet, then fits the first `used`
@@ -171,7 +213,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             rankings = fit_rankings(matrix[:used], records, setup.task_names,
                                     setup.heads_per_layer, spec.alpha, setup.exclude,
                                     top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                    seed=spec.masks_seed)
+                                    seed=spec.masks_seed, priors=priors)
             if not any(r.unstable(spec.top_k) for r in rankings.values()):
                 break
         folder.update_config(masks_used=used)
@@ -224,9 +266,10 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
         tasks = [t.split(":")[0] for t in spec.tasks]
+        priors = stored_prior(folder) if spec.prior == "atp" else None
         rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
                                 top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                seed=spec.masks_seed)
+                                seed=spec.masks_seed, priors=priors)
         folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
         _write_results(folder, rankings, spec.top_k)
     return rankings

@@ -139,6 +139,11 @@ class RunSpec:
     sparsity: float = _option(0.02, "fraction of heads knocked out per mask", parse=float,
                               metavar="P", whole=False, min_val=0, max_val=1,
                               include_boundaries="neither")
+    prior: str = _option(
+        "none", "atp: attribution patching of the logprob signal (one forward + backward "
+                "pass) eases the Lasso penalty of heads it finds harmful, never excluding "
+                "any; saved as prior.json and ranked in the report",
+        choices=("none", "atp"))
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
                            parse=float, whole=False, min_val=0, include_boundaries="neither")
@@ -287,7 +292,7 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
-                            "alpha", "bootstrap"),
+                            "prior", "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("design", "design_seed", "alpha", "bootstrap"),
