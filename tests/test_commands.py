@@ -836,3 +836,28 @@ def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_pat
     assert strict_json(out / "heads.json")["heads"] == heads["heads"]
     plain = fit_rankings(design, records, ["tiny_choice"], 4, 0.01, bootstrap=None)
     assert not np.allclose(plain["tiny_choice"].effects, expected)
+
+
+@pytest.mark.parametrize("options", [
+    ["--signal", "logprob"],
+    ["--masks", "auto", "--max-masks", "30", "--top-k", "2"],
+    ["--prior", "atp", "--signal", "logprob", "--design-seed", "5"],
+])
+def test_new_options_give_equal_results_with_k_masks_per_pass_and_refit(
+        tiny_model_dir, tmp_path, options):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy,tiny_choice",
+            "--masks", "12", "--sparsity", "0.25", "--num-samples", "6", "--bootstrap", "30",
+            *options]
+    one, three = tmp_path / "one", tmp_path / "three"
+    assert harness(*args, "--masks-per-pass", "1", "--out", str(one)) == 0
+    assert harness(*args, "--masks-per-pass", "3", "--out", str(three)) == 0
+    records_one, heads_one = read_run(one)
+    records_three, heads_three = read_run(three)
+    assert [r["key"] for r in records_one] == [r["key"] for r in records_three]
+    for a, b in zip(records_one, records_three, strict=True):
+        assert a["mask"] == b["mask"]
+        assert a["scores"] == pytest.approx(b["scores"], abs=1e-9)
+    assert [h["head"] for h in heads_one["heads"]] == [h["head"] for h in heads_three["heads"]]
+    # refit with the run's own settings writes the same ranking and stability.
+    assert harness("refit", str(three)) == 0
+    assert strict_json(three / "heads.json") == heads_three
