@@ -76,6 +76,8 @@ LOCATE_BAD = [
     (["--sparsity", "1.5"], "--sparsity 1.5: must be a finite number strictly between 0 and 1"),
     (["--sparsity", "0"], "--sparsity 0.0: must be a finite number strictly between"),
     (["--sparsity", "nan"], "--sparsity nan: must be"),
+    (["--sparsity", "x"], "--sparsity 'x': must be a number strictly between 0 and 1, or 'auto'"),
+    (["--sparsity", "auto", "--masks", "5"], "--masks 5: --sparsity auto's pilot alone takes 5"),
     (["--alpha", "nan"], "--alpha nan: must be a finite number > 0"),
     (["--alpha", "inf"], "--alpha inf: must be a finite number > 0"),
     (["--alpha", "-1"], "--alpha -1.0: must be a finite number > 0"),
@@ -360,7 +362,8 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
 
 
 @pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
-                                     ["--masks", "auto", "--max-masks", "40", "--top-k", "2"]])
+                                     ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
+                                     ["--sparsity", "auto"]])
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
@@ -841,6 +844,7 @@ def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_pat
 @pytest.mark.parametrize("options", [
     ["--signal", "logprob"],
     ["--masks", "auto", "--max-masks", "30", "--top-k", "2"],
+    ["--sparsity", "auto", "--masks", "14"],
     ["--prior", "atp", "--signal", "logprob", "--design-seed", "5"],
 ])
 def test_new_options_give_equal_results_with_k_masks_per_pass_and_refit(
@@ -861,3 +865,23 @@ def test_new_options_give_equal_results_with_k_masks_per_pass_and_refit(
     # refit with the run's own settings writes the same ranking and stability.
     assert harness("refit", str(three)) == 0
     assert strict_json(three / "heads.json") == heads_three
+
+
+def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.designs import knockouts_per_mask
+
+    out = tmp_path / "pilot"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--sparsity", "auto", "--masks", "16", "--num-samples", "6",
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    records, heads = read_run(out)
+    assert len(records) == 1 + 16  # baseline + 16 measurements, the pilot's included
+    chosen = config["pilot"]["sparsity"]
+    assert chosen in (0.02, 0.2) and config["masks_used"] == 16
+    matrix = np.load(out / "design_matrix.npy")
+    assert len(matrix) == heads["measurements"] == 15  # the floor mask is not fitted
+    assert config["row_keys"][:4] == ["pilot-p0.02-0", "pilot-p0.02-1", "pilot-p0.2-0",
+                                      "pilot-p0.2-1"]
+    assert (matrix[4:].sum(axis=1) == knockouts_per_mask(chosen, 8)).all()
+    assert "sparsity auto: " in (out / "report.md").read_text()

@@ -182,6 +182,15 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
     check_design_budget(spec.design_rows, total,
                         "--max-masks" if spec.masks == "auto" else "--masks")
+    if spec.sparsity == "auto":
+        from ..pilot import pilot_design
+
+        never_flat = [h.flat_index(heads_per_layer) for h in never]
+        pilot = len(pilot_design(total, spec.masks_seed, never_flat)[0])
+        if spec.design_rows <= pilot:
+            flag = "--max-masks" if spec.masks == "auto" else "--masks"
+            raise UsageError(f"{flag} {spec.design_rows}: --sparsity auto's pilot alone takes "
+                             f"{pilot} measurements; give more")
     return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never)
 
 

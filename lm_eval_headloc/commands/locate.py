@@ -13,6 +13,7 @@ import numpy as np
 from ..checks import UsageError
 from ..designs import design_matrix
 from ..heads import Head
+from ..pilot import KEEP, choose_sparsity, pilot_design
 from ..prior import prior_penalty_weights
 from ..recovery import HeadLasso, bootstrap_stability, harm
 from .engine import (
@@ -43,16 +44,19 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], heads_per_layer: int, alpha: float,
                  exclude: Sequence[Head] = (), *, top_k: int = 5,
                  bootstrap: int | None = 200, seed: int = 0,
-                 priors: Mapping[str, Any] | None = None) -> dict[str, HeadRanking]:
+                 priors: Mapping[str, Any] | None = None,
+                 keys: Sequence[str] | None = None) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
     ``priors``: task -> attribution estimates of the logprob signal's change per head
-    (prior.json), which ease the penalty of likely heads (``prior_penalty_weights``)."""
+    (prior.json), which ease the penalty of likely heads (``prior_penalty_weights``).
+    ``keys``: the measurement of each design row (default ``mask-0000``, ...)."""
+    keys = mask_keys(len(design)) if keys is None else list(keys)
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
     rankings = {}
     for task in tasks:
-        y = np.array([records[key]["scores"][task] for key in mask_keys(len(design))])
+        y = np.array([records[key]["scores"][task] for key in keys])
         higher = bool(baseline["higher_is_better"][task])
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
@@ -91,7 +95,7 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
         f"- model: `{spec['model_args']}`",
         f"- signal: {_SIGNAL_WORDS[spec.get('signal', 'metric')]}",
         f"- design: {spec['design']}, {_masks_words(spec, config)}, sparsity "
-        f"{spec['sparsity']}, seed {spec['seed']}"
+        f"{_sparsity_words(spec, config)}, seed {spec['seed']}"
         + (f", masks drawn with seed {spec['design_seed']}"
            if spec.get("design_seed") is not None else ""),
         f"- examples per task: {spec['num_samples']} asked, used "
@@ -116,6 +120,17 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
     return "\n".join(lines) + "\n"
 
 
+def _sparsity_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    if spec["sparsity"] != "auto":
+        return f"{spec['sparsity']}"
+    pilot = config["pilot"]
+    return (f"auto: {pilot['sparsity']:g}, the largest whose pilot masks kept ≥ "
+            f"{pilot['keep_at_least']:.0%} of the score's distance to a mask of half the "
+            "heads (" + "; ".join(f"p={level}: " + ", ".join(
+                f"{share:.0%}" for share in shares.values())
+                for level, shares in pilot["kept"].items()) + ")")
+
+
 def _masks_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
     if spec["masks"] != "auto":
         return f"{spec['masks']} masks"
@@ -129,7 +144,8 @@ def _write_results(folder: RunFolder, rankings: Mapping[str, HeadRanking],
     spec = config["spec"]
     write_ranking(folder, rankings, top_k,
                   title=f"{spec['design']} design, {_masks_words(spec, config)}, "
-                        f"p={spec['sparsity']}".replace(" (", "\n("),
+                        f"p={config.get('pilot', {}).get('sparsity', spec['sparsity'])}"
+                        .replace(" (", "\n("),
                   report=locate_report(rankings, top_k, config))
 
 
@@ -190,33 +206,49 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         folder.start("locate", spec.identity("locate"), spec.settings("locate"),
                      spec.as_config(), force=force)
-        matrix = design_matrix(spec.design, spec.design_rows, setup.total_heads, spec.sparsity,
-                               spec.masks_seed,
-                               never_ablate=[h.flat_index(setup.heads_per_layer)
-                                             for h in setup.never_ablate])
-        np.save(folder.file("design_matrix.npy"), matrix)
+        per_layer = setup.heads_per_layer
+        never = [h.flat_index(per_layer) for h in setup.never_ablate]
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
         else:  # sweep's measurement, shared by its cells: record it here too
             record_examples(folder, setup, measure, num_samples=None)
-        plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
-                                     for key, row in zip(mask_keys(len(matrix)), matrix,
-                                                         strict=True)]
+        # --sparsity auto: the pilot's masks come first and join the fit (not the floor's).
+        sparsity, row_keys, rows, spent = spec.sparsity, [], np.zeros((0, setup.total_heads),
+                                                                       dtype=bool), 0
+        if spec.sparsity == "auto":
+            keys, levels, pilot = pilot_design(setup.total_heads, spec.masks_seed, never)
+            records = run_plan(folder, measure, [("baseline", [])] + [
+                (k, _mask_heads(row, per_layer)) for k, row in zip(keys, pilot, strict=True)],
+                desc="pilot", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+            sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
+            folder.update_config(pilot={"sparsity": sparsity, "kept": kept,
+                                        "measurements": len(keys), "keep_at_least": KEEP})
+            row_keys, rows = keys[:-1], pilot[:-1]
+            spent = 1  # the floor mask: measured, not fitted
+        main = spec.design_rows - len(row_keys) - spent
+        matrix = np.vstack([rows, design_matrix(spec.design, main, setup.total_heads,
+                                                sparsity, spec.masks_seed, never)])
+        row_keys = [*row_keys, *mask_keys(main)]
+        np.save(folder.file("design_matrix.npy"), matrix)
+        folder.update_config(row_keys=row_keys)
+        plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
+                                     for key, row in zip(row_keys, matrix, strict=True)]
         priors = attribution_prior(folder, measure) if spec.prior == "atp" else None
-        checks = auto_rounds(spec.max_masks) if spec.masks == "auto" else [spec.masks]
+        checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
+                  else [len(matrix)])
         for used in checks:
             # Each round measures what is not on disk yet, then fits the first `used`
-            # masks: the decision to go on depends only on the seed and the measurements,
+            # rows: the decision to go on depends only on the seed and the measurements,
             # so a killed run resumes to the same stop.
             records = run_plan(folder, measure, plan[:used + 1], desc="locate",
                                progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            rankings = fit_rankings(matrix[:used], records, setup.task_names,
-                                    setup.heads_per_layer, spec.alpha, setup.exclude,
-                                    top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                    seed=spec.masks_seed, priors=priors)
+            rankings = fit_rankings(matrix[:used], records, setup.task_names, per_layer,
+                                    spec.alpha, setup.exclude, top_k=spec.top_k,
+                                    bootstrap=spec.bootstrap, seed=spec.masks_seed,
+                                    priors=priors, keys=row_keys[:used])
             if not any(r.unstable(spec.top_k) for r in rankings.values()):
                 break
-        folder.update_config(masks_used=used)
+        folder.update_config(masks_used=used + spent)
         _write_results(folder, rankings, spec.top_k)
     return rankings
 
@@ -254,14 +286,20 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
                              "is left to rank")
         folder.lock()
         matrix = np.load(folder.file("design_matrix.npy"))
-        # --masks auto: the masks the run measured before it stopped.
+        # --masks auto: the masks the run measured before it stopped. Counts are of
+        # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
+        spent = 1 if "pilot" in config else 0
         used = config.get("masks_used", len(matrix)) if spec.masks == "auto" else spec.masks
-        if used > len(matrix):
-            raise UsageError(f"--masks {used}: {out} has {len(matrix)} masks; rerun "
+        if used - spent > len(matrix):
+            raise UsageError(f"--masks {used}: {out} has {len(matrix) + spent} masks; rerun "
                              f"locate with --masks {used} to measure the rest")
-        matrix = matrix[:used]  # the run as if it had stopped after `used` masks
+        if used - spent < 1:
+            raise UsageError(f"--masks {used}: the pilot's floor mask is one of them; give at "
+                             f"least {spent + 1}")
+        matrix = matrix[:used - spent]  # the run as if it had stopped after `used` masks
+        row_keys = config.get("row_keys", mask_keys(len(matrix)))[:len(matrix)]
         records = {r["key"]: r for r in folder.measurements()}
-        missing = [k for k in ["baseline", *mask_keys(len(matrix))] if k not in records]
+        missing = [k for k in ["baseline", *row_keys] if k not in records]
         if missing:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
@@ -269,7 +307,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         priors = stored_prior(folder) if spec.prior == "atp" else None
         rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
                                 top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                seed=spec.masks_seed, priors=priors)
+                                seed=spec.masks_seed, priors=priors, keys=row_keys)
         folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
         _write_results(folder, rankings, spec.top_k)
     return rankings

@@ -79,6 +79,21 @@ def parse_masks(value: int | str) -> int | str:
     return check_number(value, "--masks", whole=True, min_val=1)
 
 
+def parse_sparsity(value: float | str) -> float | str:
+    """A number strictly between 0 and 1, or ``auto``."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return text
+        try:
+            value = float(text)
+        except ValueError:
+            raise UsageError(f"--sparsity {value!r}: must be a number strictly between 0 "
+                             "and 1, or 'auto'") from None
+    return check_number(value, "--sparsity", min_val=0, max_val=1,
+                        include_boundaries="neither")
+
+
 def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
             metavar: str | None = None, whole: bool | None = None,
             min_val: float | None = None, max_val: float | None = None,
@@ -136,9 +151,11 @@ class RunSpec:
              "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
     max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
                              metavar="M", whole=True, min_val=1)
-    sparsity: float = _option(0.02, "fraction of heads knocked out per mask", parse=float,
-                              metavar="P", whole=False, min_val=0, max_val=1,
-                              include_boundaries="neither")
+    sparsity: float | str = _option(
+        0.02, "fraction of heads knocked out per mask; auto: the largest of 0.02, 0.05, "
+              "0.1, 0.2 whose pilot masks stay clear of the score's floor (the pilot's "
+              "masks count towards --masks and join the fit)", parse=parse_sparsity,
+        metavar="P")
     prior: str = _option(
         "none", "atp: attribution patching of the logprob signal (one forward + backward "
                 "pass) eases the Lasso penalty of heads it finds harmful, never excluding "
@@ -248,6 +265,7 @@ class RunSpec:
             raise UsageError("--general is empty; name at least one task or leave it out")
         parse_batch_size(self.batch_size)
         parse_masks(self.masks)
+        parse_sparsity(self.sparsity)
         for name in ("model_args", "never_ablate", "exclude"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

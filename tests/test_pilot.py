@@ -1,0 +1,59 @@
+"""--sparsity auto: the pilot's masks and its choice, against hand-made scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lm_eval_headloc.pilot import (
+    FLOOR_KEY,
+    PILOT_MASKS,
+    PILOT_SPARSITIES,
+    choose_sparsity,
+    pilot_design,
+)
+
+
+def test_pilot_masks_per_level_and_a_half_floor_mask():
+    keys, levels, matrix = pilot_design(270, seed=3, never_ablate=[0, 1])
+    assert len(keys) == len(levels) == len(matrix) == PILOT_MASKS * len(PILOT_SPARSITIES) + 1
+    assert keys[-1] == FLOOR_KEY and levels[-1] == 0.5
+    counts = matrix.sum(axis=1)
+    assert list(counts[:-1]) == [5, 5, 13, 13, 27, 27, 54, 54]  # round(p * 268)
+    assert counts[-1] == 134
+    assert not matrix[:, [0, 1]].any()
+    again = pilot_design(270, seed=3, never_ablate=[0, 1])
+    np.testing.assert_array_equal(again[2], matrix)
+    assert not np.array_equal(pilot_design(270, seed=4)[2], matrix)
+    # 8 heads: 0.02, 0.05 and 0.1 all knock out one head; measured once.
+    small_keys, small_levels, small = pilot_design(8, seed=0)
+    assert small_levels == [0.02, 0.02, 0.2, 0.2, 0.5]
+    assert list(small.sum(axis=1)) == [1, 1, 2, 2, 4]
+
+
+def records_for(levels, keys, by_level, floor, baseline=0.6, higher=True):
+    records = {"baseline": {"scores": {"t": baseline}, "higher_is_better": {"t": higher}},
+               FLOOR_KEY: {"scores": {"t": floor}}}
+    for key, level in zip(keys, levels, strict=True):
+        if key != FLOOR_KEY:
+            records[key] = {"scores": {"t": by_level[level]}}
+    return records
+
+
+def test_choice_is_the_largest_level_keeping_half_the_way_to_the_floor():
+    keys, levels, _ = pilot_design(270, seed=0)
+    # Distance to the floor: 0.5; kept: 0.9, 0.7, 0.4, 0.1 of it.
+    records = records_for(levels, keys, {0.02: 0.55, 0.05: 0.45, 0.1: 0.3, 0.2: 0.15}, 0.1)
+    chosen, kept = choose_sparsity(levels, keys, records, ["t"])
+    assert chosen == 0.05
+    assert kept["0.1"]["t"] == pytest.approx(0.4)
+    # Lower is better (perplexity): the same shares mirrored.
+    mirrored = records_for(levels, keys, {0.02: 0.65, 0.05: 0.75, 0.1: 0.9, 0.2: 1.05}, 1.1,
+                           higher=False)
+    assert choose_sparsity(levels, keys, mirrored, ["t"])[0] == 0.05
+    # Nothing moves the score: the largest level.
+    flat = records_for(levels, keys, dict.fromkeys(PILOT_SPARSITIES, 0.6), 0.6)
+    assert choose_sparsity(levels, keys, flat, ["t"])[0] == 0.2
+    # Every level at the floor: the smallest.
+    floored = records_for(levels, keys, dict.fromkeys(PILOT_SPARSITIES, 0.1), 0.1)
+    assert choose_sparsity(levels, keys, floored, ["t"])[0] == 0.02
