@@ -190,6 +190,24 @@ def auto_rounds(max_masks: int) -> list[int]:
     return counts
 
 
+def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
+           never: Sequence[int]) -> tuple[float, list[str], np.ndarray, int]:
+    """(sparsity, pilot row keys, pilot rows, measurements spent outside the rows): with
+    ``--sparsity auto`` the pilot is measured and chooses; its masks come first in the
+    design and join the fit, its floor mask does not."""
+    if spec.sparsity != "auto":
+        return spec.sparsity, [], np.zeros((0, setup.total_heads), dtype=bool), 0
+    keys, levels, pilot = pilot_design(setup.total_heads, spec.masks_seed, never)
+    plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
+                                 for key, row in zip(keys, pilot, strict=True)]
+    records = run_plan(folder, measure, plan, desc="pilot", progress=spec.progress,
+                       masks_per_pass=spec.masks_per_pass)
+    sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
+    folder.update_config(pilot={"sparsity": sparsity, "kept": kept,
+                                "measurements": len(keys), "keep_at_least": KEEP})
+    return sparsity, keys[:-1], pilot[:-1], 1
+
+
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Any = None, **options: Any
            ) -> dict[str, HeadRanking]:
@@ -212,19 +230,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
         else:  # sweep's measurement, shared by its cells: record it here too
             record_examples(folder, setup, measure, num_samples=None)
-        # --sparsity auto: the pilot's masks come first and join the fit (not the floor's).
-        sparsity, row_keys, rows, spent = spec.sparsity, [], np.zeros((0, setup.total_heads),
-                                                                       dtype=bool), 0
-        if spec.sparsity == "auto":
-            keys, levels, pilot = pilot_design(setup.total_heads, spec.masks_seed, never)
-            records = run_plan(folder, measure, [("baseline", [])] + [
-                (k, _mask_heads(row, per_layer)) for k, row in zip(keys, pilot, strict=True)],
-                desc="pilot", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
-            folder.update_config(pilot={"sparsity": sparsity, "kept": kept,
-                                        "measurements": len(keys), "keep_at_least": KEEP})
-            row_keys, rows = keys[:-1], pilot[:-1]
-            spent = 1  # the floor mask: measured, not fitted
+        sparsity, row_keys, rows, spent = _pilot(folder, measure, spec, setup, never)
         main = spec.design_rows - len(row_keys) - spent
         matrix = np.vstack([rows, design_matrix(spec.design, main, setup.total_heads,
                                                 sparsity, spec.masks_seed, never)])
