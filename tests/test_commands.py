@@ -885,3 +885,20 @@ def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path)
                                       "pilot-p0.2-1"]
     assert (matrix[4:].sum(axis=1) == knockouts_per_mask(chosen, 8)).all()
     assert "sparsity auto: " in (out / "report.md").read_text()
+
+
+def test_a_folder_made_before_an_option_existed_resumes_at_its_default(tmp_path):
+    from lm_eval_headloc.commands import RunFolder, RunFolderError
+
+    old = RunSpec().identity("locate")
+    del old["signal"], old["prior"]  # a folder made before these options existed
+    folder = tmp_path / "old"
+    with RunFolder(folder) as run:
+        run.start("locate", old, {})
+    with RunFolder(folder) as run:
+        assert run.start("locate", RunSpec().identity("locate"), {},
+                         assumed=RunSpec.defaults())
+    with RunFolder(folder) as run, pytest.raises(RunFolderError,
+                                                 match="was made with signal='metric'"):
+        run.start("locate", RunSpec(signal="logprob").identity("locate"), {},
+                  assumed=RunSpec.defaults())

@@ -223,7 +223,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         folder.start("locate", spec.identity("locate"), spec.settings("locate"),
-                     spec.as_config(), force=force)
+                     spec.as_config(), force=force, assumed=RunSpec.defaults())
         per_layer = setup.heads_per_layer
         never = [h.flat_index(per_layer) for h in setup.never_ablate]
         if measure is None:

@@ -111,9 +111,12 @@ class RunFolder:
 
     def start(self, command: str, identity: Mapping[str, Any], settings: Mapping[str, Any],
               spec: Mapping[str, Any] | None = None, force: bool = False,
-              protect: Iterable[str | Path] = ()) -> bool:
+              protect: Iterable[str | Path] = (), assumed: Mapping[str, Any] = {}) -> bool:
         """Create the folder, or check that it holds this run; take its lock. True if
         resuming.
+
+        ``assumed``: what a stored identity without a key was made with — options added
+        to the tool after the folder was made, which then behaved as their defaults do.
 
         ``protect``: folders this command reads from; the run folder may neither be one
         of them nor contain one (so ``--force`` can never clear them).
@@ -138,6 +141,8 @@ class RunFolder:
                     f"{self.path} holds a '{config['command']}' run, not '{command}'; use "
                     "another --out or --force to start over")
             stored = config["identity"]
+            assumed = json.loads(json.dumps(dict(assumed)))
+            stored = {**{k: v for k, v in assumed.items() if k in identity}, **stored}
             differing = sorted(k for k in set(identity) | set(stored)
                                if identity.get(k) != stored.get(k))
             if differing:

@@ -288,6 +288,12 @@ class RunSpec:
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)
                 if f.metadata["role"] != RUNTIME and f.name not in refittable}
 
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every field's default as a JSON value: what a run folder made before a field
+        existed was made with (``RunFolder.start``'s ``assumed``)."""
+        return {f.name: _jsonable(f.default) for f in fields(cls)}
+
     def settings(self, command: str) -> dict[str, Any]:
         """The fields ``command`` may change when it resumes (``refit``'s)."""
         return {name: _jsonable(getattr(self, name))
