@@ -106,10 +106,15 @@ def _comma(kind: type) -> Any:
     return lambda text: [kind(part) for part in text.split(",") if part.strip()]
 
 
+_RANKED: list[bool] = []
+
+
 def ground_truth(task: str) -> dict[str, Any]:
-    """The exhaustive ranking of ``task`` (benchmarks/exhaustive, made if missing)."""
-    if not (GROUND_TRUTH / f"heads-{task}.json").is_file():
+    """The exhaustive ranking of ``task``: greedy's on benchmarks/exhaustive, run once per
+    benchmark (it measures what is missing, then ranks with today's rules)."""
+    if not _RANKED:
         greedy(GROUND_TRUTH, RunSpec(tasks=TASKS, top_k=20))
+        _RANKED.append(True)
     return json.loads((GROUND_TRUTH / f"heads-{task}.json").read_text())
 
 

@@ -101,3 +101,25 @@ def test_a_generation_task_measured_by_its_metric_has_no_free_logprob(task_manag
     scores = measure(MASKS[1])
     assert scores["tiny_generate"].metric == "exact_match,none"
     assert all(s.logprob is None for s in scores.values())
+
+
+def test_signal_weights_are_the_signals_derivative():
+    from lm_eval_headloc.signals import GoldAnswer, gold_logprob, signal_weights
+
+    golds = [GoldAnswer("a", 0, (("c", " x"), ("c", " y"), ("c", " z")), (1,), True),
+             GoldAnswer("a", 1, (("d", " x"), ("d", " y")), (0, 1), True),
+             GoldAnswer("a", 2, (("e", " w"),), (0,), False),
+             GoldAnswer("b", 0, (("f", " v"),), (0,), False)]
+    answers = {("c", " x"): (-1.0, False), ("c", " y"): (-2.5, False),
+               ("c", " z"): (-0.3, True), ("d", " x"): (-4.0, False),
+               ("d", " y"): (-1.5, True), ("e", " w"): (-7.0, True), ("f", " v"): (-2.0, True)}
+    weights = signal_weights(golds, answers, ["a"])
+    assert ("f", " v") not in weights
+    eps = 1e-6
+    for key in answers:
+        if key == ("f", " v"):
+            continue
+        up = {**answers, key: (answers[key][0] + eps, False)}
+        down = {**answers, key: (answers[key][0] - eps, False)}
+        numeric = (gold_logprob(golds, up, ["a"]) - gold_logprob(golds, down, ["a"])) / (2 * eps)
+        assert weights[key] == pytest.approx(numeric, abs=1e-8)
