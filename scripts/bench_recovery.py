@@ -323,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          for r in results], indent=1))
     import torch
 
+    not_run = [m.name for m in METHODS if m not in methods]
     command = "python scripts/bench_recovery.py " + shlex.join(
         sys.argv[1:] if argv is None else list(argv))
     lines = [
@@ -340,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "standardised scores, fitted intercept", "",
         "Methods (each a `headloc-harness locate` configuration; stratified design):", "",
         *[f"- **{m.name}**: {m.about}" for m in methods], "",
+        *([f"Not in this file (not run yet): {', '.join(not_run) or 'none'}; tasks not "
+           f"run: {', '.join(t for t in TASKS if t not in args.tasks) or 'none'}; budgets: "
+           f"{', '.join(map(str, budgets))} of {', '.join(map(str, BUDGETS))}.", ""]
+          if not_run or set(args.tasks) != set(TASKS) else []),
         "Cost of a cell: M measurement-equivalents (M masks, each one forward pass over the "
         "example subset; one baseline measurement more for every method).", "",
     ]
