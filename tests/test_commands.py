@@ -89,6 +89,8 @@ LOCATE_BAD = [
     (["--masks", "100000000"], "--masks 100000000: the design (100000000 masks x 8 heads)"),
     (["--seed", "-1"], "--seed -1: must be a whole number >= 0"),
     (["--design-seed", "-2"], "--design-seed -2: must be a whole number >= 0"),
+    (["--bootstrap", "1000000000"], "--bootstrap 1000000000: must be a whole number with 1 <= value <= 10000"),
+    (["--bootstrap", "0"], "--bootstrap 0: must be a whole number"),
     (["--num-samples", "0"], "--num-samples 0: must be a whole number >= 1"),
     (["--masks-per-pass", "0"], "--masks-per-pass 0: must be a whole number >= 1"),
     (["--batch-size", "big"], "--batch-size 'big': must be a whole number >= 1, 'auto'"),

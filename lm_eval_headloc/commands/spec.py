@@ -34,6 +34,9 @@ __all__ = ["COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError", "add_opti
 
 DEFAULT_TASK = "headloc_induction"
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
+#: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
+#: than this would keep a run fitting for hours after its last measurement.
+MAX_BOOTSTRAP = 10_000
 
 # Fields a command may change on a run folder it resumes (everything else that is not
 # runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
@@ -51,47 +54,40 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def parse_batch_size(value: int | str) -> int | str:
-    """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
+def _number_or_word(value: float | str, flag: str, is_word: Any, allowed: str, *,
+                    whole: bool, **limits: Any) -> float | str:
+    """A number within ``limits`` (``check_number``), or a word ``is_word`` accepts; a
+    text that is neither is refused naming ``allowed``."""
     if isinstance(value, str):
         text = value.strip()
-        if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()):
+        if is_word(text):
             return text
         try:
-            value = int(text)
+            value = int(text) if whole else float(text)
         except ValueError:
-            raise UsageError(f"--batch-size {value!r}: must be a whole number >= 1, 'auto' "
-                             "or 'auto:N'") from None
-    return check_number(value, "--batch-size", whole=True, min_val=1)
+            raise UsageError(f"{flag} {value!r}: must be {allowed}") from None
+    return check_number(value, flag, whole=whole, **limits)
+
+
+def parse_batch_size(value: int | str) -> int | str:
+    """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
+    return _number_or_word(
+        value, "--batch-size",
+        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit()),
+        "a whole number >= 1, 'auto' or 'auto:N'", whole=True, min_val=1)
 
 
 def parse_masks(value: int | str) -> int | str:
     """A whole number >= 1 or ``auto``."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text == "auto":
-            return text
-        try:
-            value = int(text)
-        except ValueError:
-            raise UsageError(f"--masks {value!r}: must be a whole number >= 1 or 'auto'"
-                             ) from None
-    return check_number(value, "--masks", whole=True, min_val=1)
+    return _number_or_word(value, "--masks", lambda t: t == "auto",
+                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
 
 
 def parse_sparsity(value: float | str) -> float | str:
     """A number strictly between 0 and 1, or ``auto``."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text == "auto":
-            return text
-        try:
-            value = float(text)
-        except ValueError:
-            raise UsageError(f"--sparsity {value!r}: must be a number strictly between 0 "
-                             "and 1, or 'auto'") from None
-    return check_number(value, "--sparsity", min_val=0, max_val=1,
-                        include_boundaries="neither")
+    return _number_or_word(value, "--sparsity", lambda t: t == "auto",
+                           "a number strictly between 0 and 1, or 'auto'", whole=False,
+                           min_val=0, max_val=1, include_boundaries="neither")
 
 
 def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
@@ -172,7 +168,7 @@ class RunSpec:
     bootstrap: int = _option(
         200, "refits on resampled measurements that give each head's stability (how "
              "often it makes the top-k) and its effect's 95 % interval", SETTING,
-        parse=int, metavar="B", whole=True, min_val=1)
+        parse=int, metavar="B", whole=True, min_val=1, max_val=MAX_BOOTSTRAP)
     # --- greedy ------------------------------------------------------------------------
     rounds: int = _option(1, "1: one-shot greedy (N measurements); K: iterative, K*N",
                           parse=int, metavar="K", whole=True, min_val=1)
