@@ -150,6 +150,8 @@ class HarnessMeasurement:
             self.doc_counts, num_samples, seed)
         self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
         self._golds: list[Any] | None = None  # signals.GoldAnswer per document, ditto
+        self._instances: list[Any] | None = None  # lm-eval's requests, recorded once
+        self._all_golds: list[Any] | None = None  # every document's gold, made once
         self._batch_size: int | None = None  # rows per pass, resolved on first use
 
     @property
@@ -249,26 +251,43 @@ class HarnessMeasurement:
         return ((self.signal == "logprob" or self.loglikelihood_only)
                 and scored_positions_apply(self.lm))
 
-    def _recorded(self) -> Any:
-        """The loglikelihood requests a mask is measured by (``multimask.
-        LoglikelihoodRequests``), recorded on first use: they are the same for every
-        mask. With the logprob signal: the gold answers' requests (generation tasks'
-        references included); with the metric: the tasks' own requests."""
-        from .multimask import LoglikelihoodRequests, RecordingLM
+    def _recorded_instances(self) -> list[Any]:
+        """lm-eval's requests (``Instance`` objects) for the subset, recorded once by
+        running ``evaluate`` against a recorder: they are the same for every mask."""
+        from .multimask import RecordingLM
 
-        if self._requests is None:
+        if self._instances is None:
             recorder = RecordingLM(self.lm)
             self.evaluate([], model=recorder)
+            self._instances = recorder.instances
+        return self._instances
+
+    def _gold_answers(self) -> list[Any]:
+        """Every document's gold answer (``signals.gold_answers``), made once."""
+        if self._all_golds is None:
             leaves = {leaf: task for group in self._groups
                       for leaf, task in group.loaded["tasks"].items()}
+            self._all_golds = gold_answers(self._recorded_instances(), leaves,
+                                           self.chat_template)
+        return self._all_golds
+
+    def _recorded(self) -> Any:
+        """The loglikelihood requests a mask is measured by (``multimask.
+        LoglikelihoodRequests``), made on first use. With the logprob signal: the gold
+        answers' requests (generation tasks' references included); with the metric: the
+        tasks' own requests."""
+        from .multimask import LoglikelihoodRequests
+
+        if self._requests is None:
             if self.signal == "logprob":
-                self._golds = gold_answers(recorder.instances, leaves, self.chat_template)
+                self._golds = self._gold_answers()
                 keys = [key for gold in self._golds for key in gold.requests]
             else:
-                keys = recorder.requests
+                keys = [tuple(i.args) for i in self._recorded_instances()
+                        if i.request_type == "loglikelihood"]
                 try:  # the logprob comes with the answers when every request is there
-                    golds = gold_answers(recorder.instances, leaves, self.chat_template)
                     wanted = set(keys)
+                    golds = self._gold_answers()
                     if all(key in wanted for gold in golds for key in gold.requests):
                         self._golds = golds
                 except ValueError:  # a document lm-eval scores but has no usable gold
@@ -283,7 +302,6 @@ class HarnessMeasurement:
         (``scored_positions_apply``) only."""
         from .multimask import (
             LoglikelihoodRequests,
-            RecordingLM,
             loglikelihoods_for_masks,
             scored_positions_apply,
         )
@@ -292,12 +310,9 @@ class HarnessMeasurement:
         if not scored_positions_apply(self.lm):
             raise ValueError("the attribution prior needs a decoder-only model without a "
                              "prompt-learning adapter")
-        recorder = RecordingLM(self.lm)
-        self.evaluate([], model=recorder)
-        leaves = {leaf: task for group in self._groups
-                  for leaf, task in group.loaded["tasks"].items()}
-        golds = gold_answers(recorder.instances, leaves, self.chat_template)
-        requests = LoglikelihoodRequests(self.lm, [k for g in golds for k in g.requests])
+        golds = self._gold_answers()
+        requests = self._recorded() if self.signal == "logprob" else LoglikelihoodRequests(
+            self.lm, [key for gold in golds for key in gold.requests])
         batch_size = self.resolved_batch_size()
         answers = loglikelihoods_for_masks(self.lm, requests, [[]], batch_size)[0]
         return {name: attribution_effects(self.lm, requests, signal_weights(
