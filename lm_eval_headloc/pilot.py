@@ -21,7 +21,7 @@ import numpy as np
 from .designs import design_matrix, knockouts_per_mask
 from .recovery import harm
 
-__all__ = ["FLOOR_KEY", "FLOOR_SPARSITY", "KEEP", "PILOT_MASKS", "PILOT_SPARSITIES",
+__all__ = ["FLOOR_KEY", "FLOOR_SPARSITY", "KEEP", "PILOT_MASKS", "PILOT_SPARSITIES", "UNFITTED",
            "choose_sparsity", "pilot_design"]
 
 PILOT_SPARSITIES: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
@@ -30,6 +30,8 @@ FLOOR_SPARSITY = 0.5
 FLOOR_KEY = "pilot-floor"
 #: A sparsity is informative when its masks keep this share of the distance to the floor.
 KEEP = 0.5
+#: Pilot measurements that are not design rows (the floor mask, last in the pilot).
+UNFITTED = 1
 
 
 def pilot_design(total_heads: int, seed: int, never_ablate: Sequence[int] = ()

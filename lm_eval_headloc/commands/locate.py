@@ -13,7 +13,7 @@ import numpy as np
 from ..checks import UsageError
 from ..designs import design_matrix
 from ..heads import Head
-from ..pilot import KEEP, choose_sparsity, pilot_design
+from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import prior_penalty_weights
 from ..recovery import HeadLasso, bootstrap_stability, harm
 from .engine import (
@@ -205,7 +205,7 @@ def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
     sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
     folder.update_config(pilot={"sparsity": sparsity, "kept": kept,
                                 "measurements": len(keys), "keep_at_least": KEEP})
-    return sparsity, keys[:-1], pilot[:-1], 1
+    return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], UNFITTED
 
 
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
@@ -294,7 +294,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         matrix = np.load(folder.file("design_matrix.npy"))
         # --masks auto: the masks the run measured before it stopped. Counts are of
         # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
-        spent = 1 if "pilot" in config else 0
+        spent = UNFITTED if "pilot" in config else 0
         used = config.get("masks_used", len(matrix)) if spec.masks == "auto" else spec.masks
         if used - spent > len(matrix):
             raise UsageError(f"--masks {used}: {out} has {len(matrix) + spent} masks; rerun "
