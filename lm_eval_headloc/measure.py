@@ -22,7 +22,7 @@ import numpy as np
 from .checks import check_number
 from .heads import Head
 from .metrics import TaskScore, task_score
-from .signals import SIGNALS, gold_answers, gold_logprob, signal_weights
+from .signals import SIGNAL_OUTPUT_TYPES, SIGNALS, gold_answers, gold_logprob, signal_weights
 
 __all__ = ["HarnessMeasurement", "choose_subset"]
 
@@ -295,6 +295,17 @@ class HarnessMeasurement:
             self._requests = LoglikelihoodRequests(self.lm, keys)
         return self._requests
 
+    @property
+    def attributable(self) -> bool:
+        """True when ``attribution`` can run: every task has gold answers (its output type
+        is one of ``SIGNAL_OUTPUT_TYPES``) and the model is decoder-only without a
+        prompt-learning adapter (``--prior auto`` uses the prior exactly then)."""
+        from .multimask import scored_positions_apply
+
+        return scored_positions_apply(self.lm) and all(
+            task.get_config("output_type") in SIGNAL_OUTPUT_TYPES
+            for group in self._groups for task in group.loaded["tasks"].values())
+
     def attribution(self) -> dict[str, np.ndarray]:
         """Attribution patching (``prior``): each task's estimated change of its logprob
         signal from knocking out each head, one forward and one backward pass over the
@@ -310,6 +321,9 @@ class HarnessMeasurement:
         if not scored_positions_apply(self.lm):
             raise ValueError("the attribution prior needs a decoder-only model without a "
                              "prompt-learning adapter")
+        # The prior is of the unablated model, whatever mask was measured last (a pilot's
+        # floor mask left in place made a resumed run's prior differ from a fresh one's).
+        self.lm.set_heads([])
         golds = self._gold_answers()
         requests = self._recorded() if self.signal == "logprob" else LoglikelihoodRequests(
             self.lm, [key for gold in golds for key in gold.requests])

@@ -55,3 +55,20 @@ def test_attribution_is_the_signals_derivative_along_each_head(tiny_model_dir, t
         assert effects[flat] == pytest.approx(-derivative, rel=1e-3, abs=1e-6)
     assert np.abs(effects).max() > 1e-3  # heads matter, so the comparison could fail
     torch.set_grad_enabled(True)
+
+
+def test_the_prior_is_of_the_unablated_model_whatever_was_measured_last(tiny_model_dir,
+                                                                       task_manager):
+    """A run computes its prior after the pilot's half-heads floor mask: that mask must
+    not stay in place (a resumed run, which skipped it, got another prior)."""
+    lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64")
+    measure = HarnessMeasurement(lm, [("tiny_choice", None)],
+                                 {"tiny_choice": task_manager.load(["tiny_choice"])},
+                                 num_samples=None, signal="metric")
+    fresh = measure.attribution()["tiny_choice"]
+    half = [Head(0, 0), Head(0, 3), Head(1, 1), Head(1, 2)]
+    measure.measure_with_model(half)  # the metric path leaves the mask set on the model
+    assert lm.knockout.heads  # so the check below could fail
+    after = measure.attribution()["tiny_choice"]
+    np.testing.assert_allclose(after, fresh, rtol=1e-9, atol=1e-12)
+    torch.set_grad_enabled(True)
