@@ -15,7 +15,7 @@ is reported back in the score's own units.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -245,11 +245,16 @@ class Stability:
 def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: object,
                         top_k: int, *, higher_is_better: bool = True,
                         exclude: Iterable[int] = (), resamples: int = 200,
-                        seed: int = 0) -> Stability:
+                        seed: int = 0,
+                        select: Callable[[np.ndarray], np.ndarray] | None = None
+                        ) -> Stability:
     """Refit a clone of ``estimator`` on ``resamples`` resamples of the measurements (rows
     drawn with replacement, ``np.random.default_rng(seed)``) and count how often each head
     makes the top ``top_k`` with a harmful effect (a refit that finds fewer harmful heads
-    selects fewer); the same seed gives the same answer."""
+    selects fewer); the same seed gives the same answer.
+
+    ``select``: the heads a refit's ranking (most harmful first, ``exclude`` left out)
+    leads to, when that is not its own harmful top-k (``confirm.confirm_selector``)."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
     top_k = check_number(top_k, "top_k", whole=True, min_val=1)
     knocked_out = np.asarray(design_matrix, dtype=np.float64)
@@ -266,7 +271,11 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
         picked = rng.integers(0, rows, size=rows)
         refit = clone(estimator).fit(knocked_out[picked], y[picked])
         effects[r] = refit.coef_
-        top = refit.ranking(higher_is_better, excluded)[:top_k]
+        ranking = refit.ranking(higher_is_better, excluded)
+        if select is not None:
+            counts[select(ranking)] += 1
+            continue
+        top = ranking[:top_k]
         counts[top[harm(refit.coef_[top], higher_is_better) > 0]] += 1
     low, high = np.percentile(effects, [2.5, 97.5], axis=0)
     return Stability(counts / resamples, low, high, resamples)

@@ -23,6 +23,10 @@ def harness(*args: str) -> int:
         return exit_.code
 
 
+#: locate's ranking from the masks' Lasso alone (before --confirm and --prior auto).
+LASSO_ONLY = ["--prior", "none", "--confirm", "0"]
+
+
 def tiny_args(folder) -> list[str]:
     return ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
 
@@ -59,11 +63,12 @@ def last_error(capsys) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_locate_run(tiny_model_dir, tmp_path_factory):
-    """A finished locate run on a tiny Llama (8 heads) to read, refit and verify."""
+    """A finished locate run on a tiny Llama (8 heads) to read, refit and verify: the
+    Lasso's ranking alone (no prior, no confirmation)."""
     out = tmp_path_factory.mktemp("runs") / "locate"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
                    "--masks", "12", "--sparsity", "0.25", "--num-samples", "12",
-                   "--top-k", "3", "--out", str(out)) == 0
+                   "--top-k", "3", *LASSO_ONLY, "--out", str(out)) == 0
     return out
 
 
@@ -285,19 +290,29 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "num_samples": 7, "seed": 3, "apply_chat_template": False, "never_ablate": "L0H0",
         "signal": "logprob", "bootstrap": 9, "design_seed": 4, "max_masks": 12, "prior": "atp",
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
-        "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3,
+        "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
     }
     from dataclasses import fields
 
     roles = {f.name: f.metadata["role"] for f in fields(RunSpec)}
     assert set(changed_values) == {n for n, r in roles.items() if r in (RESULT, SETTING)}
+    # What each command's measurements depend on, written out: the options every
+    # measuring command shares, and its own (a refittable setting resumes).
+    shared = {"model_args", "tasks", "include_path", "num_samples", "seed",
+              "apply_chat_template", "signal", "never_ablate", "exclude", "top_k"}
+    design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap"}
+    refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
+                                                                "bootstrap"},
+                "greedy": (shared - {"top_k"}) | {"rounds"},
+                "sweep": shared | design,
+                "verify": shared | {"general", "limit"}}
     for command in ("locate", "greedy", "sweep", "verify"):
         folder = tmp_path / command
         with RunFolder(folder) as run:
             run.start(command, base.identity(command), base.settings(command))
         for name, value in changed_values.items():
             other = base.replace(**{name: value})
-            resumable = name in base.settings(command)
+            resumable = name not in refusing[command]
             with RunFolder(folder) as run:
                 if resumable:
                     assert run.start(command, other.identity(command), other.settings(command))
@@ -412,9 +427,14 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
     records, heads = read_run(out)
     design = np.load(out / "design_matrix.npy")
     assert design.shape == (10, 8) and (design.sum(axis=1) == 2).all()
-    assert [r["key"] for r in records] == ["baseline"] + [f"mask-{i:04d}" for i in range(10)]
+    # The defaults confirm up to 25 heads: all 8 of this model, each alone, after the masks.
+    confirmed = strict_json(out / "config.json")["confirm"]["heads"]
+    assert sorted(confirmed) == [f"L{i // 4}H{i % 4}" for i in range(8)]
+    assert [r["key"] for r in records] == ["baseline"] + [f"mask-{i:04d}" for i in range(10)] \
+        + [f"alone-{h}" for h in confirmed]
+    assert all(r["mask"] == r["key"][len("alone-"):] for r in records[11:])
     # Each record's mask is its design row.
-    for row, record in zip(design, records[1:], strict=True):
+    for row, record in zip(design, records[1:11], strict=True):
         assert record["mask"] == "+".join(f"L{i // 4}H{i % 4}" for i in np.flatnonzero(row))
     assert set(records[1]["scores"]) == {"tiny_copy", "tiny_choice"}
     config = strict_json(out / "config.json")
@@ -765,8 +785,9 @@ def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_
 
 
 def test_more_masks_extend_a_run_and_refit_can_take_fewer(tiny_model_dir, tmp_path, capsys):
+    # Without confirmation: a confirming run's refit keeps the heads it measured alone.
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-            "--sparsity", "0.25", "--num-samples", "6", "--top-k", "3"]
+            "--sparsity", "0.25", "--num-samples", "6", "--top-k", "3", *LASSO_ONLY]
     grown, short, full = tmp_path / "grown", tmp_path / "short", tmp_path / "full"
     assert harness(*args, "--masks", "6", "--out", str(grown)) == 0
     assert harness(*args, "--masks", "6", "--out", str(short)) == 0
@@ -795,7 +816,7 @@ def test_masks_auto_stops_at_the_first_stable_round(tiny_model_dir, tmp_path):
     out = tmp_path / "auto"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
                    "--sparsity", "0.25", "--num-samples", "12", "--top-k", "1",
-                   "--bootstrap", "50", "--masks", "auto", "--max-masks", "60",
+                   "--bootstrap", "50", "--masks", "auto", "--max-masks", "60", *LASSO_ONLY,
                    "--out", str(out)) == 0
     used = strict_json(out / "config.json")["masks_used"]
     records, heads = read_run(out)
@@ -818,7 +839,7 @@ def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_pat
     out = tmp_path / "prior"
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
             "--masks", "10", "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
-            "--prior", "atp", "--out", str(out)]
+            "--prior", "atp", "--confirm", "0", "--out", str(out)]
     assert harness(*args) == 0
     prior = strict_json(out / "prior.json")
     effects = np.array(prior["tasks"]["tiny_choice"]["effects"])
@@ -875,7 +896,7 @@ def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path)
 
     out = tmp_path / "pilot"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--sparsity", "auto", "--masks", "16", "--num-samples", "6",
+                   "--sparsity", "auto", "--masks", "16", "--num-samples", "6", *LASSO_ONLY,
                    "--out", str(out)) == 0
     config = strict_json(out / "config.json")
     records, heads = read_run(out)
@@ -890,18 +911,137 @@ def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path)
     assert "sparsity auto: " in (out / "report.md").read_text()
 
 
-def test_a_folder_made_before_an_option_existed_resumes_at_its_default(tmp_path):
+def test_a_folder_made_before_an_option_existed_resumes_as_it_was_made(tmp_path):
     from lm_eval_headloc.commands import RunFolder, RunFolderError
 
-    old = RunSpec().identity("locate")
-    del old["signal"], old["prior"]  # a folder made before these options existed
+    # A folder made before --signal, --prior and --confirm existed: it measured the task
+    # metric with no prior and confirmed nothing, which is not what today's defaults do.
+    legacy = RunSpec(prior="none", confirm=0)
+    old = legacy.identity("locate")
+    del old["signal"], old["prior"], old["confirm"]
     folder = tmp_path / "old"
     with RunFolder(folder) as run:
         run.start("locate", old, {})
     with RunFolder(folder) as run:
-        assert run.start("locate", RunSpec().identity("locate"), {},
-                         assumed=RunSpec.defaults())
+        assert run.start("locate", legacy.identity("locate"), {},
+                         assumed=RunSpec.assumed_for_old_runs())
+    with RunFolder(folder) as run, pytest.raises(RunFolderError,
+                                                 match="was made with confirm=0"):
+        run.start("locate", RunSpec(prior="none").identity("locate"), {},
+                  assumed=RunSpec.assumed_for_old_runs())
+    stored = RunSpec.from_config({"identity": old})
+    assert (stored.signal, stored.prior, stored.confirm) == ("metric", "none", 0)
+    # A greedy folder from when every command recorded locate's design (masks=100, ...)
+    # resumes though those defaults changed: they never made its measurements.
+    wide = {**RunSpec().identity("greedy"), "masks": 100, "sparsity": 0.02, "alpha": 0.01}
+    with RunFolder(tmp_path / "greedy") as run:
+        run.start("greedy", wide, {})
+    with RunFolder(tmp_path / "greedy") as run:
+        assert run.start("greedy", RunSpec().identity("greedy"), {},
+                         assumed=RunSpec.assumed_for_old_runs())
     with RunFolder(folder) as run, pytest.raises(RunFolderError,
                                                  match="was made with signal='metric'"):
-        run.start("locate", RunSpec(signal="logprob").identity("locate"), {},
-                  assumed=RunSpec.defaults())
+        run.start("locate", legacy.replace(signal="logprob").identity("locate"), {},
+                  assumed=RunSpec.assumed_for_old_runs())
+
+
+# --- confirmation (--confirm) -----------------------------------------------------------
+
+def test_confirm_knocks_out_the_likeliest_heads_alone_and_ranks_them_first(
+        tiny_model_dir, tmp_path):
+    import csv
+
+    from sklearn.linear_model import Lasso
+
+    out = tmp_path / "confirm"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "12", "--sparsity", "0.25", "--num-samples", "8", "--top-k", "2",
+            "--signal", "logprob", "--prior", "none", "--confirm", "3", "--out", str(out)]
+    assert harness(*args) == 0
+    records = {r["key"]: r for r in read_run(out)[0]}
+    heads = strict_json(out / "heads.json")
+    config = strict_json(out / "config.json")
+    # Candidates without a prior: the masks' Lasso's three most harmful heads, fitted
+    # here with sklearn directly (scores over their standard deviation, intercept).
+    design = np.load(out / "design_matrix.npy")
+    y = np.array([records[f"mask-{i:04d}"]["scores"]["tiny_copy"] for i in range(12)])
+    coef = Lasso(alpha=0.01, max_iter=10000).fit(design.astype(float), y / y.std()).coef_
+    screen = [f"L{i // 4}H{i % 4}" for i in np.argsort(coef, kind="stable")]
+    assert config["confirm"]["heads"] == screen[:3]
+    assert config["confirm"]["consumed"] == {"tiny_copy": 3}
+    # Each was measured alone, and the ranking starts with them by measured change.
+    base = records["baseline"]["scores"]["tiny_copy"]
+    alone = {h: records[f"alone-{h}"]["scores"]["tiny_copy"] - base for h in screen[:3]}
+    assert all(records[f"alone-{h}"]["mask"] == h for h in alone)
+    first = [h["head"] for h in heads["heads"][:3]]
+    assert sorted(alone.values()) == [alone[h] for h in first]
+    assert [h["head"] for h in heads["heads"][3:]] == [h for h in screen if h not in alone]
+    for entry in heads["heads"]:
+        assert entry["measured_alone"] == (entry["head"] in alone)
+        if entry["measured_alone"]:
+            assert entry["effect"] == pytest.approx(alone[entry["head"]])
+            assert entry["effect_interval"] is None
+        else:
+            assert entry["effect"] == pytest.approx(coef[
+                entry["layer"] * 4 + entry["head_in_layer"]] * y.std())
+    with open(out / "heads.csv") as f:
+        rows = {row["head"]: row for row in csv.DictReader(f)}
+    assert {h for h, row in rows.items() if row["measured_alone"] == "1"} == set(alone)
+    report = (out / "report.md").read_text()
+    assert "3 heads knocked out one at a time" in report and "measured alone" in report
+    # refit measures nothing: the confirmed heads stay, the screen's fit may change.
+    assert harness("refit", str(out), "--alpha", "0.05") == 0
+    assert strict_json(out / "config.json")["confirm"] == config["confirm"]
+    assert [h["head"] for h in strict_json(out / "heads.json")["heads"][:3]] == first
+    assert harness("refit", str(out), "--alpha", "0.01") == 0
+    assert strict_json(out / "heads.json") == heads
+
+
+def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_dir, tmp_path):
+    out = tmp_path / "both"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
+                   "--prior", "atp", "--confirm", "4", "--out", str(out)) == 0
+    from lm_eval_headloc.prior import prior_penalty_weights
+    from lm_eval_headloc.recovery import HeadLasso
+
+    stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]
+    prior = stored["ranking"]
+    records = {r["key"]: r for r in read_run(out)[0]}
+    design = np.load(out / "design_matrix.npy")
+    y = [records[f"mask-{i:04d}"]["scores"]["tiny_choice"] for i in range(8)]
+    # The screen: the prior-eased Lasso (checked against its definition above).
+    fit = HeadLasso(penalty_weights=prior_penalty_weights(-np.array(stored["effects"])))
+    screen = [f"L{i // 4}H{i % 4}" for i in fit.fit(design, y).ranking()]
+    expected = []
+    for source in [prior, screen, prior, screen]:  # in turn, skipping what is taken
+        expected.append(next(h for h in source if h not in expected))
+    assert strict_json(out / "config.json")["confirm"]["heads"] == expected
+    # --confirm above the model's 8 heads: every head alone (one-shot greedy's ranking).
+    every = tmp_path / "every"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
+                   "--out", str(every)) == 0  # the defaults: --confirm 25, --prior auto
+    config = strict_json(every / "config.json")
+    assert len(config["confirm"]["heads"]) == 8 and config["prior_used"] is True
+    records = {r["key"]: r for r in read_run(every)[0]}
+    base = records["baseline"]["scores"]["tiny_choice"]
+    changes = {h: records[f"alone-{h}"]["scores"]["tiny_choice"] - base
+               for h in config["confirm"]["heads"]}
+    ranked = [h["head"] for h in strict_json(every / "heads.json")["heads"]]
+    assert [changes[h] for h in ranked] == sorted(changes.values())
+
+
+def test_prior_auto_is_none_where_there_are_no_gold_answers(tiny_model_dir, tmp_path,
+                                                            capsys):
+    out = tmp_path / "rolling"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_rolling",
+            "--masks", "6", "--sparsity", "0.25", "--num-samples", "4", "--confirm", "2"]
+    assert harness(*args, "--out", str(out)) == 0
+    assert strict_json(out / "config.json")["prior_used"] is False
+    assert not (out / "prior.json").exists()
+    assert "attribution prior: none (--prior auto)" in (out / "report.md").read_text()
+    assert harness(*args, "--prior", "atp", "--out", str(tmp_path / "x")) == 2
+    error = last_error(capsys)
+    assert "--prior atp: task 'tiny_rolling' is loglikelihood_rolling" in error
+    assert not (tmp_path / "x").exists()

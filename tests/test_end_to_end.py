@@ -16,9 +16,9 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
     from lm_eval_headloc.commands.cli import main  # the headloc-harness entry point
 
     out = tmp_path / "induction"
+    # The defaults: 25 masks, the attribution prior, 25 heads confirmed alone.
     code = main(["locate", "--tasks", "headloc_induction", "--num-samples", "64",
-                 "--masks", "60", "--sparsity", "0.03", "--top-k", "3", "--seed", "0",
-                 "--batch-size", "64", "--out", str(out)])
+                 "--top-k", "3", "--seed", "0", "--batch-size", "64", "--out", str(out)])
     assert code == 0
     heads = json.loads((out / "heads.json").read_text())
     top3 = heads["top_k"]
@@ -48,6 +48,11 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
     baseline = scores[""]
     assert baseline == pytest.approx(heads["baseline"])  # locate measured the same thing
     drops = {spec: baseline - score for spec, score in scores.items() if spec}
+    # The top heads were measured alone by locate: the same changes as the stock harness's.
+    by_head = {entry["head"]: entry for entry in heads["heads"]}
+    for head in top3:
+        assert by_head[head]["measured_alone"] is True
+        assert by_head[head]["effect"] == pytest.approx(-drops[head], abs=1e-9)
     best = max(top3, key=drops.get)
     # Bars from this run, not from a score seen once: (1) one located head alone hurts
     # more than three random heads together; (2) its drop exceeds 4 binomial standard

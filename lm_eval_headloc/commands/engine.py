@@ -154,13 +154,18 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
-        if spec.signal == "logprob":
+        needs_gold = [flag for flag, wanted in (("--signal logprob", spec.signal == "logprob"),
+                                                ("--prior atp", spec.prior == "atp")) if wanted]
+        for flag in needs_gold:
             for leaf, task in loaded[name]["tasks"].items():
                 kind = task.get_config("output_type")
                 if kind not in SIGNAL_OUTPUT_TYPES:
-                    raise UsageError(f"--signal logprob: task {leaf!r} is {kind}; the gold "
-                                     f"answer's log-likelihood is defined for "
-                                     f"{', '.join(SIGNAL_OUTPUT_TYPES)} (use --signal metric)")
+                    instead = ("--signal metric" if flag == "--signal logprob"
+                               else "--prior auto or none")
+                    raise UsageError(f"{flag}: task {leaf!r} is {kind}; the gold answer's "
+                                     "log-likelihood is defined for "
+                                     f"{', '.join(SIGNAL_OUTPUT_TYPES)} (use {instead})")
+        if spec.signal == "logprob":
             if metric is not None:
                 raise UsageError(f"--tasks {name}:{metric}: a metric is used only with "
                                  "--signal metric")

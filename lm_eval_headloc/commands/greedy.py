@@ -45,7 +45,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     names = setup.task_names
     with RunFolder(out) as folder:
         folder.start("greedy", spec.identity("greedy"), spec.settings("greedy"),
-                     spec.as_config(), force=force, assumed=RunSpec.defaults())
+                     spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
         measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]

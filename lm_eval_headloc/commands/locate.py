@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
+from ..confirm import candidates, confirm_selector, confirmed_order, task_candidates
 from ..designs import design_matrix
-from ..heads import Head
+from ..heads import Head, parse_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import prior_penalty_weights
 from ..recovery import HeadLasso, bootstrap_stability, harm
@@ -40,17 +41,36 @@ def mask_keys(masks: int) -> list[str]:
     return [f"mask-{i:04d}" for i in range(masks)]
 
 
+def alone_key(head: Head) -> str:
+    """The measurement of ``head`` knocked out alone (confirmation)."""
+    return f"alone-{head}"
+
+
+def own_candidates(prior: np.ndarray | None, screen_order: Sequence[int], count: int,
+                   skip: Sequence[int]) -> list[int]:
+    """A task's first ``count`` candidates for confirmation: the prior's likeliest and the
+    screen's, alternately (``confirm.task_candidates``)."""
+    orders = [screen_order] if prior is None else [
+        np.argsort(prior, kind="stable"), screen_order]  # most negative change first
+    return task_candidates(orders, count, skip)
+
+
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], heads_per_layer: int, alpha: float,
                  exclude: Sequence[Head] = (), *, top_k: int = 5,
                  bootstrap: int | None = 200, seed: int = 0,
                  priors: Mapping[str, Any] | None = None,
-                 keys: Sequence[str] | None = None) -> dict[str, HeadRanking]:
+                 keys: Sequence[str] | None = None,
+                 confirmed: Mapping[str, Any] | None = None) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
     ``priors``: task -> attribution estimates of the logprob signal's change per head
     (prior.json), which ease the penalty of likely heads (``prior_penalty_weights``).
-    ``keys``: the measurement of each design row (default ``mask-0000``, ...)."""
+    ``keys``: the measurement of each design row (default ``mask-0000``, ...).
+    ``confirmed``: config.json's ``confirm`` (heads measured alone, how many of each
+    task's candidates they are, heads never knocked out): those heads rank first, by
+    their measured change (``confirm.confirmed_order``), and the bootstrap asks which of
+    them a refit of the screen would have confirmed into the top-k."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
@@ -65,22 +85,54 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             harm(priors[task], higher_is_better=True))
         estimator = HeadLasso(alpha=alpha, penalty_weights=weights).fit(design, y)
         order = [int(i) for i in estimator.ranking(higher_is_better=higher, exclude=excluded)]
+        effects, select, alone = np.array(estimator.coef_, dtype=np.float64), None, {}
+        if confirmed is not None:
+            alone = _measured_alone(confirmed, records, task, heads_per_layer)
+            skip = sorted({*confirmed["never"], *excluded})
+            own = own_candidates(None if priors is None else priors[task], order,
+                                 confirmed["consumed"][task], skip)
+            select = confirm_selector(
+                alone, None if priors is None else np.argsort(priors[task], kind="stable"),
+                confirmed["consumed"][task], set(alone) - set(own), higher, top_k, skip)
+            order = confirmed_order(alone, order, higher, excluded)
+            for head, (change, _) in alone.items():
+                effects[head] = change
         stability = None if bootstrap is None else bootstrap_stability(
             HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
-            higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed)
+            higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
+            select=select)
+        if stability is not None and alone:
+            # A head measured alone has one measurement, not a spread of Lasso refits.
+            stability.low[list(alone)] = stability.high[list(alone)] = np.nan
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
-            baseline=float(baseline["scores"][task]), effects=np.asarray(estimator.coef_),
+            baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer,
             extra={"method": "compressed sensing (Lasso)", "r2": float(estimator.r2_),
                    "alpha": alpha, "measurements": int(len(design)),
                    "excluded": [str(Head.from_flat_index(i, heads_per_layer))
                                 for i in excluded],
+                   **({} if confirmed is None else {"confirmed": [
+                       str(Head.from_flat_index(h, heads_per_layer)) for h in alone]}),
                    **({} if priors is None else {"prior_top_k": [
                        str(Head.from_flat_index(int(i), heads_per_layer))
                        for i in np.argsort(priors[task], kind="stable")[:top_k]]})},
             stability=stability)
     return rankings
+
+
+def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
+                    task: str, heads_per_layer: int) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change; 0 where not recorded) knocked out alone."""
+    base = records["baseline"]
+    changes = {}
+    for name in confirmed["heads"]:
+        head = parse_heads(name)[0]
+        record = records[alone_key(head)]
+        changes[head.flat_index(heads_per_layer)] = (
+            record["scores"][task] - base["scores"][task],
+            record.get("logprob", {}).get(task, 0.0) - base.get("logprob", {}).get(task, 0.0))
+    return changes
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
@@ -101,6 +153,9 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
         f"- examples per task: {spec['num_samples']} asked, used "
         + ", ".join(f"{t} {n}" for t, n in config.get("examples_used", {}).items())
         + " (the same subset in every measurement)",
+        f"- attribution prior: {'atp (prior.json)' if config.get('prior_used') else 'none'}"
+        + (f" (--prior {spec.get('prior')})" if spec.get("prior") == "auto" else ""),
+        f"- confirmation: {_confirm_words(config)}",
         f"- Lasso alpha: {settings['alpha']}",
         f"- never knocked out: {spec.get('never_ablate') or 'none'}",
         f"- excluded from the ranking: {settings.get('exclude') or 'none'}", "",
@@ -118,6 +173,17 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
               if "prior_top_k" in ranking.extra else [])]
     lines.append("Check the heads with `headloc-harness verify` (knocks them out for real).")
     return "\n".join(lines) + "\n"
+
+
+def _confirm_words(config: Mapping[str, Any]) -> str:
+    confirmed = config.get("confirm")
+    if not confirmed:
+        return "none (every head ranked by the Lasso's estimate)"
+    return (f"{len(confirmed['heads'])} heads knocked out one at a time, the "
+            + ("attribution prior's and " if config.get("prior_used") else "")
+            + "the masks' fit's likeliest in turn; they rank first, by their measured "
+            "change (their stability: how often a bootstrap refit of the masks would have "
+            "confirmed them into the top-k)")
 
 
 def _sparsity_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
@@ -154,6 +220,12 @@ def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
     data = json.loads(folder.file("prior.json").read_text())
     return {task: np.asarray(entry["effects"], dtype=np.float64)
             for task, entry in data["tasks"].items()}
+
+
+def uses_prior(spec: RunSpec, measure: Any) -> bool:
+    """Whether the run computes the attribution prior: ``--prior atp``, or ``auto`` where
+    the measurement can (``HarnessMeasurement.attributable``)."""
+    return spec.prior == "atp" or (spec.prior == "auto" and measure.attributable)
 
 
 def attribution_prior(folder: RunFolder, measure: Any) -> dict[str, np.ndarray]:
@@ -223,7 +295,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         folder.start("locate", spec.identity("locate"), spec.settings("locate"),
-                     spec.as_config(), force=force, assumed=RunSpec.defaults())
+                     spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
         per_layer = setup.heads_per_layer
         never = [h.flat_index(per_layer) for h in setup.never_ablate]
         if measure is None:
@@ -239,7 +311,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         folder.update_config(row_keys=row_keys)
         plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
                                      for key, row in zip(row_keys, matrix, strict=True)]
-        priors = attribution_prior(folder, measure) if spec.prior == "atp" else None
+        priors = attribution_prior(folder, measure) if uses_prior(spec, measure) else None
+        folder.update_config(prior_used=priors is not None)
         checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
                   else [len(matrix)])
         for used in checks:
@@ -255,8 +328,39 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             if not any(r.unstable(spec.top_k) for r in rankings.values()):
                 break
         folder.update_config(masks_used=used + spent)
+        if spec.confirm:
+            confirmed = _confirm(folder, measure, spec, rankings, priors, never,
+                                 [h.flat_index(per_layer) for h in setup.exclude])
+            records = {r["key"]: r for r in folder.measurements()}
+            rankings = fit_rankings(matrix[:used], records, setup.task_names, per_layer,
+                                    spec.alpha, setup.exclude, top_k=spec.top_k,
+                                    bootstrap=spec.bootstrap, seed=spec.masks_seed,
+                                    priors=priors, keys=row_keys[:used], confirmed=confirmed)
         _write_results(folder, rankings, spec.top_k)
     return rankings
+
+
+def _confirm(folder: RunFolder, measure: Any, spec: RunSpec,
+             screen: Mapping[str, HeadRanking], priors: Mapping[str, np.ndarray] | None,
+             never: Sequence[int], excluded: Sequence[int]) -> dict[str, Any]:
+    """Measure the screen's and the prior's likeliest heads alone (``--confirm``); returns
+    what config.json records of it (``fit_rankings``' ``confirmed``). Heads never knocked
+    out or excluded from the ranking are no candidates."""
+    skip = sorted({*never, *excluded})
+    per_task = {task: own_candidates(None if priors is None else priors[task],
+                                     ranking.order, spec.confirm, skip)
+                for task, ranking in screen.items()}
+    picked, consumed = candidates(per_task, spec.confirm)
+    heads = [Head.from_flat_index(h, next(iter(screen.values())).heads_per_layer)
+             for h in picked]
+    confirmed = {"heads": [str(h) for h in heads], "consumed": consumed,
+                 "never": sorted(int(h) for h in never)}
+    # Written before measuring: a resumed run that derives other candidates (another
+    # --alpha) records those; the measurements already on disk stay.
+    folder.update_config(confirm=confirmed)
+    run_plan(folder, measure, [("baseline", [])] + [(alone_key(h), [h]) for h in heads],
+             desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+    return confirmed
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
@@ -305,15 +409,21 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         matrix = matrix[:used - spent]  # the run as if it had stopped after `used` masks
         row_keys = config.get("row_keys", mask_keys(len(matrix)))[:len(matrix)]
         records = {r["key"]: r for r in folder.measurements()}
-        missing = [k for k in ["baseline", *row_keys] if k not in records]
+        # --confirm: the heads the run measured alone stay what they were (refit measures
+        # nothing); the screen's fit, and so each head's stability, follows the settings.
+        confirmed = config.get("confirm")
+        alone = [alone_key(h) for h in parse_heads(confirmed["heads"])] if confirmed else []
+        missing = [k for k in ["baseline", *row_keys, *alone] if k not in records]
         if missing:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
         tasks = [t.split(":")[0] for t in spec.tasks]
-        priors = stored_prior(folder) if spec.prior == "atp" else None
+        priors = stored_prior(folder) if config.get("prior_used", spec.prior == "atp") \
+            else None
         rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
                                 top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                seed=spec.masks_seed, priors=priors, keys=row_keys)
+                                seed=spec.masks_seed, priors=priors, keys=row_keys,
+                                confirmed=confirmed)
         folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
         _write_results(folder, rankings, spec.top_k)
     return rankings

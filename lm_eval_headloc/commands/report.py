@@ -49,9 +49,16 @@ class HeadRanking:
         if self.stability is None:
             return {}
         i = head.flat_index(self.heads_per_layer)
+        low, high = float(self.stability.low[i]), float(self.stability.high[i])
+        # None for a head measured alone (--confirm): one measurement has no spread.
         return {"selected": float(self.stability.selected[i]),
-                "effect_interval": [float(self.stability.low[i]),
-                                    float(self.stability.high[i])]}
+                "effect_interval": [low, high] if np.isfinite(low) else None}
+
+    def measured_alone(self, head: Head) -> bool | None:
+        """Whether ``head``'s effect was measured alone (``--confirm``), rather than
+        estimated; None when the run confirmed nothing."""
+        confirmed = self.extra.get("confirmed")
+        return None if confirmed is None else str(head) in confirmed
 
     def unstable(self, k: int) -> list[Head]:
         """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
@@ -85,10 +92,16 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
         "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
         "heads": [
             {"rank": rank, "head": str(head), "layer": head.layer, "head_in_layer": head.head,
-             "effect": ranking.effect(head), **ranking.confidence(head)}
+             "effect": ranking.effect(head), **ranking.confidence(head),
+             **_alone_field(ranking, head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
+
+
+def _alone_field(ranking: HeadRanking, head: Head) -> dict[str, bool]:
+    alone = ranking.measured_alone(head)
+    return {} if alone is None else {"measured_alone": alone}
 
 
 def heads_table(ranking: HeadRanking) -> str:
@@ -97,16 +110,21 @@ def heads_table(ranking: HeadRanking) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     boot = ranking.stability is not None
+    confirmed = "confirmed" in ranking.extra
     writer.writerow(["rank", "head", "layer", "head_in_layer", "effect",
+                     *(["measured_alone"] if confirmed else []),
                      *(["selected", "effect_low", "effect_high"] if boot else [])])
     for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
         effect = ranking.effect(head)
         row = [rank, str(head), head.layer, head.head,
                f"{effect:.6g}" if np.isfinite(effect) else ""]
+        if confirmed:
+            row.append(int(bool(ranking.measured_alone(head))))
         if boot:
             confidence = ranking.confidence(head)
+            interval = confidence["effect_interval"]  # None: measured alone
             row += [f"{confidence['selected']:.6g}",
-                    *(f"{v:.6g}" for v in confidence["effect_interval"])]
+                    *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
         writer.writerow(row)
     return out.getvalue()
 
@@ -178,8 +196,10 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
              "| --- | --- | --- | --- | --- |"]
     for rank, head in enumerate(ranking.top(top_k), start=1):
         confidence = ranking.confidence(head)
-        low, high = confidence["effect_interval"]
+        interval = confidence["effect_interval"]
+        shown = "measured alone" if interval is None else (
+            f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
         flag = "" if confidence["selected"] >= STABLE else " (unstable)"
-        lines.append(f"| {rank} | {head} | {ranking.effect(head):+.4f} | "
-                     f"[{low:+.4f}, {high:+.4f}] | {confidence['selected']:.0%}{flag} |")
+        lines.append(f"| {rank} | {head} | {ranking.effect(head):+.4f} | {shown} | "
+                     f"{confidence['selected']:.0%}{flag} |")
     return lines

@@ -143,8 +143,9 @@ class RunFolder:
             stored = config["identity"]
             assumed = json.loads(json.dumps(dict(assumed)))
             stored = {**{k: v for k, v in assumed.items() if k in identity}, **stored}
-            differing = sorted(k for k in set(identity) | set(stored)
-                               if identity.get(k) != stored.get(k))
+            # Only what defines this run's measurements now: a key the folder recorded
+            # that this command no longer compares (an older, wider identity) is moot.
+            differing = sorted(k for k in identity if identity[k] != stored.get(k))
             if differing:
                 key = differing[0]
                 raise RunFolderError(

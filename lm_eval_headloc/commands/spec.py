@@ -8,8 +8,8 @@ default, help text and role, so that:
 - the CLI's flags and defaults are generated from the fields (``add_options``), never
   restated;
 - ``validate`` checks every value before anything is loaded;
-- ``identity(command)`` — what resume compares — is every field that can change a
-  run's measurements, so no option can be forgotten.
+- ``identity(command)`` — what resume compares — is every field that can change the
+  command's measurements, so no option can be forgotten.
 
 Roles: ``result`` fields define what is measured; ``setting`` fields only change how
 the stored measurements are ranked (``refit`` may change them on a ``locate`` run);
@@ -33,6 +33,9 @@ __all__ = ["COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError", "add_opti
            "parse_batch_size"]
 
 DEFAULT_TASK = "headloc_induction"
+#: --prior's values: auto resolves to atp or none once the tasks and model are known.
+PRIORS: tuple[str, ...] = ("auto", "atp", "none")
+_SAME = object()  # _option's legacy: the same as the default
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 #: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
 #: than this would keep a run fitting for hours after its last measurement.
@@ -94,16 +97,18 @@ def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
             metavar: str | None = None, whole: bool | None = None,
             min_val: float | None = None, max_val: float | None = None,
             include_boundaries: str = "both", choices: Sequence[str] | None = None,
-            switch: Any = None) -> Any:
+            switch: Any = None, legacy: Any = _SAME) -> Any:
     """A RunSpec field with what the CLI and ``validate`` need to know about it.
 
     ``switch``: a yes/no option — ``"store_true"`` or ``argparse.BooleanOptionalAction``.
+    ``legacy``: the value that gives what run folders made before the field existed did,
+    when that is not the default (``RunSpec.assumed_for_old_runs``).
     """
     number = None if whole is None else dict(whole=whole, min_val=min_val, max_val=max_val,
                                              include_boundaries=include_boundaries)
-    return field(default=default, metadata=dict(help=help, role=role, parse=parse,
-                                                metavar=metavar, number=number,
-                                                choices=choices, switch=switch))
+    return field(default=default, metadata=dict(
+        help=help, role=role, parse=parse, metavar=metavar, number=number, choices=choices,
+        switch=switch, legacy=default if legacy is _SAME else legacy))
 
 
 @dataclass(frozen=True)
@@ -142,21 +147,28 @@ class RunSpec:
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     masks: int | str = _option(
-        100, "measurements (masks) in the design; rerun with more to extend a run, refit "
-             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
-             "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
+        25, "measurements (masks) in the design; rerun with more to extend a run, refit "
+            "with fewer to see it shorter; auto: measure in rounds until every top-k head "
+            "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
     max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
                              metavar="M", whole=True, min_val=1)
     sparsity: float | str = _option(
-        0.02, "fraction of heads knocked out per mask; auto: the largest of 0.02, 0.05, "
+        0.1, "fraction of heads knocked out per mask; auto: the largest of 0.02, 0.05, "
               "0.1, 0.2 whose pilot masks stay clear of the score's floor (the pilot's "
               "masks count towards --masks and join the fit)", parse=parse_sparsity,
         metavar="P")
     prior: str = _option(
-        "none", "atp: attribution patching of the logprob signal (one forward + backward "
+        "auto", "atp: attribution patching of the logprob signal (one forward + backward "
                 "pass) eases the Lasso penalty of heads it finds harmful, never excluding "
-                "any; saved as prior.json and ranked in the report",
-        choices=("none", "atp"))
+                "any, and names half of --confirm's candidates; saved as prior.json and "
+                "ranked in the report; auto: atp where the tasks have gold answers and the "
+                "model is decoder-only, else none",
+        choices=PRIORS, legacy="none")
+    confirm: int = _option(
+        25, "after the masks, knock out this many heads one at a time, alternately the "
+            "prior's and the masks' fit's likeliest, and rank them first by what they "
+            "measured (0: rank by the fit alone)", parse=int, metavar="N", whole=True,
+        min_val=0, legacy=0)
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
                            parse=float, whole=False, min_val=0, include_boundaries="neither")
@@ -224,8 +236,9 @@ class RunSpec:
     def from_config(cls, config: Mapping[str, Any]) -> RunSpec:
         """The spec a run folder's config.json recorded."""
         # Folders made before config.json held the whole spec: identity + settings.
-        recorded = {**config.get("identity", {}), **config.get("settings", {}),
-                    **config.get("spec", {})}
+        # A field the folder does not record did not exist yet: what it did then.
+        recorded = {**cls.assumed_for_old_runs(), **config.get("identity", {}),
+                    **config.get("settings", {}), **config.get("spec", {})}
         return cls(**{k: v for k, v in recorded.items() if k in cls.field_names()})
 
     @property
@@ -279,16 +292,22 @@ class RunSpec:
 
     def identity(self, command: str) -> dict[str, Any]:
         """The fields that define ``command``'s measurements, as JSON values: a run folder
-        made with other values is refused rather than resumed."""
+        made with other values is refused rather than resumed. Those are the fields every
+        measuring command shares and ``command``'s own options (``COMMAND_OPTIONS``):
+        locate's design does not make a greedy run's measurements, so a changed default
+        of ``--masks`` does not refuse a greedy folder."""
         refittable = self.refittable(command)
+        used = {*_MEASURING, *COMMAND_OPTIONS.get(command, ())}
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)
-                if f.metadata["role"] != RUNTIME and f.name not in refittable}
+                if f.metadata["role"] != RUNTIME and f.name not in refittable
+                and f.name in used}
 
     @classmethod
-    def defaults(cls) -> dict[str, Any]:
-        """Every field's default as a JSON value: what a run folder made before a field
-        existed was made with (``RunFolder.start``'s ``assumed``)."""
-        return {f.name: _jsonable(f.default) for f in fields(cls)}
+    def assumed_for_old_runs(cls) -> dict[str, Any]:
+        """What a run folder made before a field existed was made with, per field, as JSON
+        values (``RunFolder.start``'s ``assumed``): its default, or for a field whose
+        default does something new (``confirm``, ``prior``) the value that does not."""
+        return {f.name: _jsonable(f.metadata["legacy"]) for f in fields(cls)}
 
     def settings(self, command: str) -> dict[str, Any]:
         """The fields ``command`` may change when it resumes (``refit``'s)."""
@@ -312,10 +331,10 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "masks_per_pass", "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
-                            "prior", "alpha", "bootstrap"),
+                            "prior", "confirm", "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
-    "sweep": _MEASURING + ("design", "design_seed", "alpha", "bootstrap"),
+    "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
     "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
                "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.

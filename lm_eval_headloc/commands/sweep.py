@@ -43,7 +43,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     task = setup.task_names[0]
     with RunFolder(out) as folder:
         folder.start("sweep", {**spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
-                     {}, spec.as_config(), force=force, assumed=RunSpec.defaults())
+                     {}, spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
         measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]

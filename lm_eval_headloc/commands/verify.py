@@ -62,7 +62,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         folder.start("verify", {**spec.identity("verify"), "run": str(Path(run).resolve()),
                                 "heads": {t: "+".join(h) for t, h in heads_by_task.items()}},
                      {}, spec.as_config(), force=force, protect=[run],
-                     assumed=RunSpec.defaults())
+                     assumed=RunSpec.assumed_for_old_runs())
         measure = open_measurement(setup, load_model(setup), folder, limit=spec.limit)
         plan = [("baseline", [])] + [
             (f"{task}-top{k}", parse_heads(names[:k])) for task, names in heads_by_task.items()
