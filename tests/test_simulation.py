@@ -236,3 +236,40 @@ def test_cli_writes_a_table_with_its_command_and_world(tmp_path, capsys):
             line.startswith("| 80 ")]
     assert len(rows) == 2
     assert rows[0] in capsys.readouterr().out
+
+
+def test_confirming_defaults_in_the_simulator():
+    """Single knockouts follow the world's own accuracy; confirming every head is the
+    exhaustive search; a noise-free prior is the effects themselves."""
+    from lm_eval_headloc.simulation import (
+        confirmed_masks_needed,
+        confirmed_top,
+        exhaustive_top,
+        measured_alone,
+        simulated_prior,
+    )
+
+    trial = seed_trial(40, 0.1, seed=2, max_masks=30)
+    world = trial.world
+    one_hot = np.eye(world.n_heads, dtype=bool)
+    expected = world.accuracy(one_hot)  # the world's own combination rule, one head each
+    draws = [measured_alone(world, noise_seed=s) for s in range(400)]
+    base = np.mean([b for b, _ in draws])
+    single = np.mean([b + c for b, c in draws], axis=0)
+    assert base == pytest.approx(world.baseline, abs=0.01)
+    np.testing.assert_allclose(single, expected, atol=0.012)  # 4 s.e. of 40,000 documents
+    base, changes = measured_alone(world, noise_seed=7)
+    assert sorted(exhaustive_top(changes, 5)) == sorted(np.argsort(changes)[:5])
+    # Confirming every head ranks exactly as the exhaustive search does.
+    top = confirmed_top(world, trial.design, trial.scores, None, world.n_heads, changes)
+    assert list(top) == list(exhaustive_top(changes, 5))
+    rng = np.random.default_rng(0)
+    np.testing.assert_array_equal(simulated_prior(world, rng, noise=0.0, miss=0.0),
+                                  world.effects)
+    missed = simulated_prior(world, np.random.default_rng(0), noise=0.0, miss=1.0)
+    np.testing.assert_allclose(missed[world.planted], 0.02 * world.effects[world.planted])
+    # Noise-free, no-miss prior and a world without noise to speak of: found at once.
+    needed, success = confirmed_masks_needed(
+        60, budgets=[14, 20], seeds=range(4), prior_options={"noise": 0.0, "miss": 0.0},
+        world_options={"n_examples": 100_000}, against="planted")
+    assert needed == 14 and success == {14: 1.0}
