@@ -46,12 +46,17 @@ def alone_key(head: Head) -> str:
     return f"alone-{head}"
 
 
-def own_candidates(prior: np.ndarray | None, screen_order: Sequence[int], count: int,
+def prior_order(priors: Mapping[str, np.ndarray] | None, task: str) -> np.ndarray | None:
+    """The prior's ranking of ``task``'s heads, most harmful (most negative estimated
+    change of the logprob) first; None without a prior."""
+    return None if priors is None else np.argsort(priors[task], kind="stable")
+
+
+def own_candidates(prior: Sequence[int] | None, screen_order: Sequence[int], count: int,
                    skip: Sequence[int]) -> list[int]:
-    """A task's first ``count`` candidates for confirmation: the prior's likeliest and the
-    screen's, alternately (``confirm.task_candidates``)."""
-    orders = [screen_order] if prior is None else [
-        np.argsort(prior, kind="stable"), screen_order]  # most negative change first
+    """A task's first ``count`` candidates for confirmation: the prior's (``prior_order``)
+    and the screen's likeliest, alternately (``confirm.task_candidates``)."""
+    orders = [screen_order] if prior is None else [prior, screen_order]
     return task_candidates(orders, count, skip)
 
 
@@ -89,11 +94,10 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         if confirmed is not None:
             alone = _measured_alone(confirmed, records, task, heads_per_layer)
             skip = sorted({*confirmed["never"], *excluded})
-            own = own_candidates(None if priors is None else priors[task], order,
-                                 confirmed["consumed"][task], skip)
-            select = confirm_selector(
-                alone, None if priors is None else np.argsort(priors[task], kind="stable"),
-                confirmed["consumed"][task], set(alone) - set(own), higher, top_k, skip)
+            count = confirmed["consumed"][task]
+            own = own_candidates(prior_order(priors, task), order, count, skip)
+            select = confirm_selector(alone, prior_order(priors, task), count,
+                                      set(alone) - set(own), higher, top_k, skip)
             order = confirmed_order(alone, order, higher, excluded)
             for head, (change, _) in alone.items():
                 effects[head] = change
@@ -108,7 +112,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer,
-            extra={"method": "compressed sensing (Lasso)", "r2": float(estimator.r2_),
+            extra={"method": "compressed sensing (Lasso)" + (
+                       "" if confirmed is None else ", the likeliest heads measured alone"),
+                   "r2": float(estimator.r2_),
                    "alpha": alpha, "measurements": int(len(design)),
                    "excluded": [str(Head.from_flat_index(i, heads_per_layer))
                                 for i in excluded],
@@ -116,7 +122,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                        str(Head.from_flat_index(h, heads_per_layer)) for h in alone]}),
                    **({} if priors is None else {"prior_top_k": [
                        str(Head.from_flat_index(int(i), heads_per_layer))
-                       for i in np.argsort(priors[task], kind="stable")[:top_k]]})},
+                       for i in prior_order(priors, task)[:top_k]]})},
             stability=stability)
     return rankings
 
@@ -347,8 +353,8 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec,
     what config.json records of it (``fit_rankings``' ``confirmed``). Heads never knocked
     out or excluded from the ranking are no candidates."""
     skip = sorted({*never, *excluded})
-    per_task = {task: own_candidates(None if priors is None else priors[task],
-                                     ranking.order, spec.confirm, skip)
+    per_task = {task: own_candidates(prior_order(priors, task), ranking.order,
+                                     spec.confirm, skip)
                 for task, ranking in screen.items()}
     picked, consumed = candidates(per_task, spec.confirm)
     heads = [Head.from_flat_index(h, next(iter(screen.values())).heads_per_layer)

@@ -80,7 +80,8 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
 
     Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
     ``effect`` (null where no effect was estimated); with a bootstrap also ``selected``
-    (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %).
+    (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
+    for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``.
     """
     stability = {} if ranking.stability is None else {
         "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
