@@ -16,7 +16,10 @@ the M-mask design itself (checked below). Per (task, method, budget, seed):
   top-5 knocked out together, over the drop with the exhaustive top-5 knocked out.
 
 Cost is counted in measurement-equivalents (forward passes over the example subset):
-M masks (the baseline measurement, one more, is left out of every row alike).
+M masks (the baseline measurement, one more, is left out of every row alike). A
+confirming method (``--confirm``, the defaults) spends a budget M as 4 for the
+attribution prior (its measured cost is in the table), then (M − 4)/2 masks and as many
+heads knocked out alone; its runs are made per budget (a confirmation is no prefix).
 
 Methods that fit the logprob signal use the same runs as their metric twins: a
 measurement by the metric records the gold answers' log-likelihood from the same
@@ -81,13 +84,34 @@ class Method:
     prior: bool = False  # the attribution prior eases the penalty of likely heads
     design: str = "stratified"
     alpha: float = 0.01
+    #: Confirmation (--confirm): a budget M is the prior's allowance, then (M - allowance)
+    #: split between masks and heads knocked out alone; a run per budget (no prefixes).
+    confirm: bool = False
 
     @property
     def run_name(self) -> str:  # methods differing only in fit_on share their runs
-        return f"{self.design}-p{self.sparsity:g}"
+        return f"{self.design}-p{self.sparsity:g}" + ("-confirm" if self.confirm else "")
 
+    def split(self, budget: int) -> tuple[int, int]:
+        """(masks, heads confirmed alone) of a budget."""
+        if not self.confirm:
+            return budget, 0
+        masks = (budget - PRIOR_ALLOWANCE) // 2
+        return masks, budget - PRIOR_ALLOWANCE - masks
+
+
+#: Measurement-equivalents a confirming method sets aside for the attribution prior (its
+#: measured cost, seconds over a measurement's, is in each table's cost column).
+PRIOR_ALLOWANCE = 4
+DEFAULTS = RunSpec()
 
 METHODS = (
+    Method("default", f"the defaults: `--prior {DEFAULTS.prior}` (atp here), p = "
+           f"{DEFAULTS.sparsity:g}, the task {DEFAULTS.signal}; a budget M is "
+           f"{PRIOR_ALLOWANCE} for the prior, then `--masks` and `--confirm` (M − "
+           f"{PRIOR_ALLOWANCE})/2 each (at M = 54 the defaults themselves, "
+           f"{DEFAULTS.masks} + {DEFAULTS.confirm})",
+           DEFAULTS.sparsity, DEFAULTS.signal, prior=True, confirm=True),
     Method("paper", "task metric, p = 0.02 (the paper's settings, the default today)",
            0.02, "metric"),
     Method("logprob-p0.02", "gold log-likelihood, p = 0.02", 0.02, "logprob"),
@@ -137,15 +161,29 @@ def top_heads(matrix: np.ndarray, records: Mapping[str, Any], task: str, method:
 
 def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
                 budgets: Sequence[int], setup: Any, measure: Any,
-                prior: Mapping[str, np.ndarray]) -> dict[tuple[str, int, int], list[Head]]:
+                prior: Mapping[str, np.ndarray], confirm_budgets: Sequence[int]
+                ) -> dict[tuple[str, int, int], list[Head]]:
     """Each method's top-5 per (budget, seed): one locate run per (design, sparsity, seed)
     of the largest budget, fitted on its first M masks for each budget M."""
     tops = {}
-    for run_name in dict.fromkeys(m.run_name for m in methods):
+    for method in (m for m in methods if m.confirm):
+        for budget in (b for b in budgets if b in confirm_budgets):
+            masks, confirm = method.split(budget)
+            for seed in seeds:
+                cell = setup.spec.replace(design=method.design, sparsity=method.sparsity,
+                                          design_seed=seed, masks=masks, confirm=confirm,
+                                          prior="atp", signal=method.fit_on, bootstrap=1)
+                out = WORK / task / method.run_name / f"m{budget}-seed{seed}"
+                print(f"[{task}] {method.name} seed {seed}: {masks} masks + {confirm} alone "
+                      f"-> {out}", flush=True)
+                tops[method.name, budget, seed] = locate(
+                    out, cell, setup=setup, measure=measure)[task].top(TOP)
+    for run_name in dict.fromkeys(m.run_name for m in methods if not m.confirm):
         first = next(m for m in methods if m.run_name == run_name)
         for seed in seeds:
             cell = setup.spec.replace(design=first.design, sparsity=first.sparsity,
-                                      design_seed=seed, masks=max(budgets), bootstrap=1)
+                                      design_seed=seed, masks=max(budgets), bootstrap=1,
+                                      prior="none", confirm=0)
             out = WORK / task / run_name / f"seed{seed}"
             print(f"[{task}] {run_name} seed {seed}: {cell.masks} masks -> {out}", flush=True)
             locate(out, cell, setup=setup, measure=measure)
@@ -162,7 +200,8 @@ def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
 
 
 def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
-               budgets: Sequence[int], lm: Any) -> tuple[dict[str, Any], Any]:
+               budgets: Sequence[int], lm: Any, confirm_budgets: Sequence[int]
+               ) -> tuple[dict[str, Any], Any]:
     truth = ground_truth(task)
     true_top = truth["top_k"][:TOP]
     spec = RunSpec(tasks=(task,), masks=max(budgets), progress=True)
@@ -184,7 +223,8 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
         prior = attribution_prior(joint, measure) if any(m.prior for m in methods) else {}
         prior_seconds = json.loads(joint.file("prior.json").read_text())["seconds"] \
             if prior else None
-        tops = run_methods(task, methods, seeds, budgets, setup, measure, prior)
+        tops = run_methods(task, methods, seeds, budgets, setup, measure, prior,
+                           confirm_budgets)
         # Joint knockouts: every distinct top-5, and the exhaustive top-5, measured once.
         plan = {"baseline": []}
         for heads in [parse_heads("+".join(true_top)), *tops.values()]:
@@ -224,10 +264,15 @@ def _prior_ranks(effects: np.ndarray, heads: Sequence[str], per_layer: int
 def _cost(method: Method, result: Mapping[str, Any]) -> str:
     if not method.prior or not result["prior_seconds"]:
         return "M"
-    return f"M + {result['prior_seconds'] / result['measurement_seconds']:.1f}"
+    prior = result["prior_seconds"] / result["measurement_seconds"]
+    if method.confirm:
+        return f"M − {PRIOR_ALLOWANCE} + {prior:.1f}"
+    return f"M + {prior:.1f}"
 
 
-def _cell(values: Sequence[float], goal_share: bool = True) -> str:
+def _cell(values: Sequence[float | None], goal_share: bool = True) -> str:
+    if any(v is None for v in values):
+        return "not run"
     mean = float(np.mean(values))
     share = float(np.mean([v >= FOUND_GOAL for v in values]))
     return f"{mean:.1f} · {share:.0%}" if goal_share else f"{mean:.2f}"
@@ -260,7 +305,8 @@ def task_section(result: Mapping[str, Any], methods: Sequence[Method], seeds: Se
             + " of its ranking.", ""]
     for m in methods:
         lines.append(f"| {m.name} | {_cost(m, result)} | " + " | ".join(
-            _cell([result["found"][m.name, b, s] for s in seeds]) for b in budgets) + " |")
+            _cell([result["found"].get((m.name, b, s)) for s in seeds]) for b in budgets)
+                     + " |")
     lines += ["", f"Joint drop: the run's top-{TOP} knocked out together, as a share of the "
               f"exhaustive top-{TOP}'s drop; median (min–max) over seeds.", "",
               "| method | " + " | ".join(f"M = {b}" for b in budgets) + " |",
@@ -268,7 +314,10 @@ def task_section(result: Mapping[str, Any], methods: Sequence[Method], seeds: Se
     for m in methods:
         cells = []
         for b in budgets:
-            ratios = [result["ratios"][m.name, b, s] for s in seeds]
+            ratios = [result["ratios"].get((m.name, b, s)) for s in seeds]
+            if None in ratios:
+                cells.append("not run")
+                continue
             cells.append(f"{np.median(ratios):.0%} ({min(ratios):.0%}–{max(ratios):.0%})")
         lines.append(f"| {m.name} | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -289,6 +338,9 @@ def goal_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method]
     for m in methods:
         cells = []
         for r in results:
+            if (m.name, budget, seeds[0]) not in r["found"]:
+                cells.append("not run")
+                continue
             share = np.mean([r["found"][m.name, budget, s] >= FOUND_GOAL for s in seeds])
             drop = float(np.median([r["ratios"][m.name, budget, s] for s in seeds]))
             ok = share >= SEED_SHARE_GOAL and drop >= DROP_GOAL
@@ -303,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5, help="design seeds 0..N-1")
     parser.add_argument("--budgets", type=_comma(int), default=list(BUDGETS))
     parser.add_argument("--methods", type=_comma(str), default=[m.name for m in METHODS])
+    parser.add_argument("--confirm-budgets", type=_comma(int), default=None,
+                        help="the budgets confirming methods run at (default: all; each "
+                             "is its own run, not a prefix)")
     parser.add_argument("--out", type=Path, default=ROOT / "RECOVERY.md")
     args = parser.parse_args(argv)
     known = {m.name: m for m in METHODS}
@@ -315,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.time()
     lm, results = None, []
     for task in args.tasks:
-        result, lm = bench_task(task, methods, seeds, budgets, lm)
+        result, lm = bench_task(task, methods, seeds, budgets, lm,
+                                args.confirm_budgets or budgets)
         results.append(result)
     (WORK / "results.json").write_text(json.dumps(
         [{**r, "found": {"|".join(map(str, k)): v for k, v in r["found"].items()},

@@ -173,7 +173,8 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
             f"Baseline (nothing knocked out): {ranking.baseline:.4f}. "
             f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
             "measurements.", "",
-            *ranking_table(ranking, top_k, "estimated change on knockout"), "",
+            *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
+                           else "estimated change on knockout"), "",
             *([f"The attribution prior's own top-{top_k} (prior.json): "
                + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
               if "prior_top_k" in ranking.extra else [])]
