@@ -3,9 +3,10 @@
 The simulator is the yardstick new recovery methods are compared on, so these tests pin
 down what its numbers mean: the same seed gives the same answer; a single knockout costs
 exactly the planted effect; the noise is the binomial of ``n_examples`` documents (checked
-against the closed form acc(1-acc)/n); no mask goes below the floor; a world the Lasso
-must solve is solved (and one it cannot is not), which a flipped sign or misaligned
-columns would break; and "masks needed" moves the right way with the target and world.
+against the closed form acc(1-acc)/n), or fixed documents counted by hand; no mask goes
+below the floor; a world the Lasso must solve is solved (and one it cannot is not), which
+a flipped sign or misaligned columns would break; and "masks needed" moves the right way
+with the target and world.
 """
 
 from __future__ import annotations
@@ -273,3 +274,92 @@ def test_confirming_defaults_in_the_simulator():
         60, budgets=[14, 20], seeds=range(4), prior_options={"noise": 0.0, "miss": 0.0},
         world_options={"n_examples": 100_000}, against="planted")
     assert needed == 14 and success == {14: 1.0}
+
+
+def _documents_by_hand(world, design):
+    """Every document, every mask, one at a time: the module docstring's rule written out
+    (right when it guesses or its logit plus its own steps of the heads out is above 0)."""
+    docs = world.documents
+    scores = []
+    for mask in np.asarray(design, dtype=bool):
+        right = 0
+        for d in range(world.n_examples):
+            logit = docs.logits[d] + sum(docs.steps[d, j] for j in np.flatnonzero(mask))
+            right += bool(docs.guessed[d]) or logit > 0
+        scores.append(right / world.n_examples)
+    return np.array(scores)
+
+
+def test_fixed_documents_give_the_same_score_to_the_same_mask_and_match_a_hand_count():
+    world = planted_world(30, np.random.default_rng(5), noise="documents", n_examples=40)
+    design = design_matrix("stratified", 12, 30, 0.1, 0)
+    first = simulate_scores(world, design, np.random.default_rng(1))
+    again = simulate_scores(world, design, np.random.default_rng(2))  # rng: nothing drawn
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_allclose(first, _documents_by_hand(world, design))
+    # The effects are the binomial world's (the documents are drawn after them).
+    binomial = planted_world(30, np.random.default_rng(5), n_examples=40)
+    np.testing.assert_array_equal(world.effects, binomial.effects)
+    np.testing.assert_array_equal(world.planted, binomial.planted)
+    assert binomial.documents is None and world.params["noise"] == "documents"
+
+
+def test_fixed_documents_single_knockouts_are_the_hand_count_of_each_head_alone():
+    from lm_eval_headloc.simulation import measured_alone
+
+    world = planted_world(25, np.random.default_rng(6), noise="documents", n_examples=30)
+    base, changes = measured_alone(world, noise_seed=0)
+    again = measured_alone(world, noise_seed=99)  # the same documents: nothing is drawn
+    assert base == again[0]
+    np.testing.assert_array_equal(changes, again[1])
+    by_hand = _documents_by_hand(world, np.vstack([np.zeros(25), np.eye(25)]))
+    assert base == pytest.approx(by_hand[0])
+    np.testing.assert_allclose(changes, by_hand[1:] - by_hand[0])
+
+
+def test_alike_documents_average_to_the_logistic_accuracy():
+    # heterogeneity 0: every document has the same steps, so over many documents the
+    # share right is floor + (1 - floor) * expit(logit), the logistic world's accuracy.
+    n = 40_000
+    world = planted_world(50, np.random.default_rng(7), noise="documents", n_examples=n,
+                          heterogeneity=0.0)
+    design = design_matrix("stratified", 6, 50, 0.1, 1)
+    expected = world.accuracy(design)
+    tolerance = 4 * np.sqrt(expected * (1 - expected) / n)  # 4 s.e. of n documents
+    assert np.all(np.abs(simulate_scores(world, design, None) - expected) <= tolerance)
+
+
+def test_fixed_documents_refuse_what_they_cannot_model():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="noise='documents' needs saturation='logistic'"):
+        planted_world(20, rng, noise="documents", saturation="clip")
+    with pytest.raises(ValueError, match="noise='poisson'"):
+        planted_world(20, rng, noise="poisson")
+    with pytest.raises(ValueError, match="heterogeneity=-1"):
+        planted_world(20, rng, noise="documents", heterogeneity=-1)
+
+
+def test_cli_refuses_fixed_documents_with_another_saturation(capsys):
+    spec = importlib.util.spec_from_file_location("simulate_recovery", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--saturation", "clip"])
+    assert exit_info.value.code == 2
+    assert "--noise documents needs --saturation logistic" in capsys.readouterr().err
+    assert module.parse_args(["--saturation", "clip", "--noise", "binomial"]).noise == "binomial"
+
+
+def test_confirming_with_fixed_documents_measures_exactly_the_ground_truth():
+    """With fixed documents a head confirmed alone is the exhaustive search's own
+    measurement: confirming every head returns the exhaustive top-5 whatever the masks."""
+    from lm_eval_headloc.simulation import confirmed_top, exhaustive_top, measured_alone
+
+    trial = seed_trial(40, 0.1, seed=3, max_masks=10,
+                       world_options={"noise": "documents"})
+    _, changes = measured_alone(trial.world, noise_seed=0)
+    by_hand = _documents_by_hand(trial.world, np.vstack([np.zeros(40), np.eye(40)]))
+    truth = np.argsort(by_hand[1:] - by_hand[0], kind="stable")[:5]
+    assert list(exhaustive_top(changes)) == list(truth)
+    top = confirmed_top(trial.world, trial.design, trial.scores, None, 40, changes)
+    assert list(top) == list(truth)
