@@ -1,4 +1,4 @@
-"""Knockout hooks: zero the output of chosen attention heads in any HF causal LM.
+"""Knockout hooks: ablate the output of chosen attention heads in any HF causal LM.
 
 A head's output reaches the residual stream only through the attention output
 projection (``o_proj``, ``out_proj``, ``c_proj``, ``dense`` …), whose input is the
@@ -258,17 +258,26 @@ def _check_feeds_attention_output(model: nn.Module, named: list[tuple[str, nn.Mo
 
 
 class HeadKnockout:
-    """Zero-ablation of attention heads through forward pre-hooks on the output projections.
+    """Ablation of attention heads through forward pre-hooks on the output projections.
 
     >>> knockout = HeadKnockout(model)          # hooks installed once
     >>> knockout.set_heads("L0H3+L1H0")          # switch in place, any number of times
     >>> knockout.set_heads([])                   # nothing knocked out: no extra cost
+
+    A knocked-out head's slice becomes ``replacement + scale · (slice − replacement)``:
+    the replacement is zero unless :meth:`set_replacement` gives per-layer means
+    (``ablation.py``); ``scale`` 0 (default) is the replacement itself, 1 the head as it
+    is (both exact), 2 amplification.
     """
 
-    def __init__(self, model: nn.Module, attn_out: str | None = None) -> None:
+    def __init__(self, model: nn.Module, attn_out: str | None = None, *,
+                 scale: float = 0.0) -> None:
         self.num_layers, self.heads_per_layer = attention_geometry(model)
         self.modules = find_attention_outputs(model, attn_out)
         self.head_dim = _input_features(self.modules[0]) // self.heads_per_layer
+        self.scale = float(scale)
+        # Per layer: None (zeros) or a (heads, head_dim) tensor on that layer's device.
+        self._replacement: list[torch.Tensor | None] = [None] * self.num_layers
         # One boolean row per layer, on that layer's device (models may be split
         # across devices); True = knocked out.
         self._knocked = [
@@ -287,7 +296,7 @@ class HeadKnockout:
 
     def _make_hook(self, layer: int):
         active, knocked, heads_per_layer = self._active, self._knocked, self.heads_per_layer
-        row_knocked = self._row_knocked
+        row_knocked, ablated = self._row_knocked, self._ablated
 
         def knock_out_heads(module: nn.Module, args: tuple):
             rows = row_knocked[layer]
@@ -298,8 +307,8 @@ class HeadKnockout:
                 if rows.shape[0] != hidden.shape[0]:
                     raise RuntimeError(f"per-row head masks for {rows.shape[0]} rows, batch "
                                        f"has {hidden.shape[0]}")
-                per_head = hidden.unflatten(-1, (heads_per_layer, -1)).masked_fill(
-                    rows.to(hidden.device), 0)
+                per_head = ablated(layer, hidden.unflatten(-1, (heads_per_layer, -1)),
+                                   rows.to(hidden.device))
                 return (per_head.flatten(-2), *rest)
             if not active[layer]:
                 return None
@@ -307,11 +316,41 @@ class HeadKnockout:
             mask = knocked[layer]
             if mask.device != hidden.device:
                 mask = knocked[layer] = mask.to(hidden.device)
-            # (..., H*d) -> (..., H, d); masked_fill gives exact zeros whatever the dtype.
-            per_head = hidden.unflatten(-1, (heads_per_layer, -1)).masked_fill(mask, 0)
+            # (..., H*d) -> (..., H, d)
+            per_head = ablated(layer, hidden.unflatten(-1, (heads_per_layer, -1)), mask)
             return (per_head.flatten(-2), *rest)
 
         return knock_out_heads
+
+    def _ablated(self, layer: int, per_head: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``per_head`` (..., H, d) with the heads in ``mask`` (broadcastable, True = out)
+        replaced: the one place the ablation kind and the scale act."""
+        scale, replacement = self.scale, self._replacement[layer]
+        if scale == 1.0:
+            return per_head  # the head as it is, exactly
+        if replacement is None:
+            if scale == 0.0:
+                return per_head.masked_fill(mask, 0)  # exact zeros whatever the dtype
+            return torch.where(mask, per_head * scale, per_head)
+        if replacement.device != per_head.device or replacement.dtype != per_head.dtype:
+            replacement = self._replacement[layer] = replacement.to(per_head)
+        if scale == 0.0:
+            return torch.where(mask, replacement, per_head)
+        return torch.where(mask, replacement + scale * (per_head - replacement), per_head)
+
+    def set_replacement(self, per_layer: list[torch.Tensor] | None) -> None:
+        """What knocked-out heads are replaced by: per layer a ``(heads, head_dim)``
+        tensor (mean ablation), or ``None`` for zeros."""
+        if per_layer is None:
+            self._replacement[:] = [None] * self.num_layers
+            return
+        shape = (self.heads_per_layer, self.head_dim)
+        if len(per_layer) != self.num_layers or any(tuple(t.shape) != shape
+                                                    for t in per_layer):
+            raise ValueError(f"replacements must be {self.num_layers} tensors of shape "
+                             f"{shape}")
+        self._replacement[:] = [t.to(_device_of(m)) for t, m in zip(per_layer, self.modules,
+                                                                     strict=True)]
 
     @property
     def heads(self) -> tuple[Head, ...]:

@@ -5,11 +5,16 @@
 Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`` …) plus
 ``ablate=HEADS``, ``ablate_file=PATH`` with optional ``ablate_top=K``, and
 ``attn_out=PATTERN`` for architectures whose attention output cannot be discovered.
+What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean`` (default
+zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies), and for
+``mean`` the reference set ``ablation_data=FILE|TASK`` (``ablation_field=`` for JSONL)
+whose means are cached under ``ablation_cache=DIR``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -17,6 +22,14 @@ from typing import Any
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from .ablation import (
+    AblationError,
+    cached_head_means,
+    check_ablation,
+    check_scale,
+    head_means,
+    reference_texts,
+)
 from .heads import Head, HeadSpecError, check_head_names, check_top, format_heads, read_heads_file
 from .hooks import HeadKnockout
 from .registration import MODEL_NAME
@@ -74,18 +87,51 @@ class HFHeadAblateLM(HFLM):
         ablate_file: str | os.PathLike | None = None,
         ablate_top: int | None = None,
         attn_out: str | None = None,
+        ablation: str = "zero",
+        scale: float = 0.0,
+        ablation_data: str | os.PathLike | None = None,
+        ablation_field: str | None = None,
+        ablation_cache: str | os.PathLike | None = None,
         **kwargs: Any,
     ) -> None:
-        # Read and parse the head list before loading weights, so a missing file or a
-        # malformed name fails fast; the layer/head ranges are checked once it is loaded.
+        # Read and parse the head list and the reference set before loading weights, so
+        # a missing file or a malformed name fails fast; the layer/head ranges are
+        # checked once the model is loaded.
         requested = _requested_heads(ablate, ablate_file, ablate_top)
         if attn_out is not None and not isinstance(attn_out, str):
             raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
                                 "e.g. attn_out=model.layers.*.self_attn.o_proj")
+        self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
+        texts = _reference_set(self.ablation, ablation_data, ablation_field)
         super().__init__(pretrained=pretrained, **kwargs)
-        self.knockout = HeadKnockout(self.model, attn_out=attn_out)
+        self.knockout = HeadKnockout(self.model, attn_out=attn_out, scale=self.scale)
+        self.ablation_data = None if ablation_data is None else str(ablation_data)
+        self.means_file: str | None = None
+        if texts is not None:
+            self._set_means(texts, pretrained, attn_out, ablation_cache, kwargs)
         self._cache_db = None
         self.set_heads(requested)
+
+    def _set_means(self, texts: list[str], pretrained: Any, attn_out: str | None,
+                   cache_dir: Any, kwargs: dict[str, Any]) -> None:
+        """Mean ablation's replacements: from the cache, or one pass over ``texts``."""
+        tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
+        digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+        fields = {
+            "model": pretrained if isinstance(pretrained, (str, os.PathLike))
+            else getattr(self.model.config, "_name_or_path", type(self.model).__name__),
+            **{name: kwargs.get(name) for name in ("gguf_file", "revision", "peft", "delta")},
+            "weights": _weights_fingerprint(self.model), "dtype": str(self.model.dtype),
+            "attn_out": attn_out, "tokens": digest,
+        }
+        knockout = self.knockout
+
+        def compute() -> list:
+            return head_means(self.model, knockout.modules, knockout.heads_per_layer, tokens)
+
+        means, path = cached_head_means(fields, compute, cache_dir)
+        knockout.set_replacement(means)
+        self.means_file = str(path)
 
     @property
     def num_layers(self) -> int:
@@ -121,7 +167,11 @@ class HFHeadAblateLM(HFLM):
         """Name of the response-cache table for the current mask."""
         if not self.knocked_out:
             return "unnamed"  # sqlitedict's default table, the one plain `hf` uses
-        digest = hashlib.sha256(format_heads(self.knocked_out).encode()).hexdigest()[:24]
+        # The kind and scale change the answers too (zero at scale 0: the old key).
+        key = format_heads(self.knocked_out)
+        if (self.ablation, self.scale) != ("zero", 0.0):
+            key += f"|{self.ablation}|{self.scale!r}|{self.means_file}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         return f"headablate-{digest}"
 
     def _select_cache_table(self) -> None:
@@ -140,4 +190,34 @@ class HFHeadAblateLM(HFLM):
     def get_model_info(self) -> dict:
         info = super().get_model_info()
         info["ablate"] = format_heads(self.knocked_out)
+        info.update(ablation=self.ablation, scale=self.scale, ablation_data=self.ablation_data,
+                    means_file=self.means_file)
         return info
+
+
+def _reference_set(ablation: str, data: Any, field: Any) -> list[str] | None:
+    """The reference texts mean ablation needs (None for zero), read before loading."""
+    if field is not None and not isinstance(field, str):
+        raise AblationError(f"ablation_field={field!r}: expected a JSONL field name")
+    if ablation == "zero":
+        if data is not None or field is not None:
+            raise AblationError("ablation_data=/ablation_field= are for ablation=mean; "
+                                "zero ablation uses no reference set")
+        return None
+    if data is None:
+        raise AblationError(f"ablation={ablation} needs a reference set: ablation_data= a "
+                            "text file (one example per line), a JSONL file or a task name")
+    return reference_texts(data, field)
+
+
+def _weights_fingerprint(model: Any) -> str:
+    """A digest of every parameter's name, shape and sum: cached means follow the weights
+    (a folder overwritten with other weights gets new means), at one pass over them."""
+    import torch
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            total = float(tensor.double().sum()) if tensor.device.type != "meta" else 0.0
+            digest.update(f"{name}{tuple(tensor.shape)}{total!r}".encode())
+    return digest.hexdigest()

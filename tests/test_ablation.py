@@ -1,0 +1,270 @@
+"""Ablation kinds (issue 11): mean ablation and scale, against computations by hand.
+
+Every expected value here comes from the plain ``transformers`` model with hooks written
+in the test: activations recorded one text at a time (no padding, no batching), means
+taken with numpy-free torch code of the test's own, and the substitution done by a
+pre-hook that edits one head's slice. None of it calls ``ablation.py`` or ``hooks.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, TASKS, load_lm
+
+from lm_eval_headloc.ablation import AblationError, cached_head_means, reference_texts
+
+LM_EVAL = str(Path(sys.executable).parent / "lm_eval")
+TEXTS = ["the cat sat on the mat", "Mary and John went to the store",
+         "one plus two equals three", "the dog gave a drink to the cat when it sat"]
+PROBE = "John gave the dog a drink and the cat sat"
+
+
+def _plain(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def _projection(model, family: str, layer: int):
+    return model.get_submodule(ARCHITECTURES[family][2].format(l=layer))
+
+
+def _means_by_hand(model, tokenizer, family: str, texts: list[str]) -> list[torch.Tensor]:
+    """Each layer's mean o_proj input over every token of every text, one text at a time."""
+    layers = model.config.num_hidden_layers
+    seen: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    handles = [_projection(model, family, i).register_forward_pre_hook(
+        lambda module, args, i=i: seen[i].append(args[0][0].detach().clone()))
+        for i in range(layers)]
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+            model(ids)
+    for handle in handles:
+        handle.remove()
+    return [torch.cat(rows).double().mean(0).float() for rows in seen]
+
+
+def _logits_with(model, tokenizer, family: str, edit: dict) -> torch.Tensor:
+    """Logits of PROBE with ``edit[(layer, head)](slice) -> new slice`` applied by hand."""
+    heads = model.config.num_attention_heads
+    handles = []
+    for layer in {layer for layer, _ in edit}:
+        def hook(module, args, layer=layer):
+            hidden = args[0].clone()
+            width = hidden.shape[-1] // heads
+            for (at, head), change in edit.items():
+                if at == layer:
+                    part = slice(head * width, (head + 1) * width)
+                    hidden[..., part] = change(hidden[..., part], layer, head, width)
+            return (hidden,)
+        handles.append(_projection(model, family, layer).register_forward_pre_hook(hook))
+    ids = tokenizer(PROBE, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    for handle in handles:
+        handle.remove()
+    return logits
+
+
+def _lm_logits(lm) -> torch.Tensor:
+    ids = torch.tensor([lm.tok_encode(PROBE)])
+    with torch.no_grad():
+        return lm.model(ids).logits
+
+
+@pytest.fixture
+def reference_file(tmp_path):
+    path = tmp_path / "reference.txt"
+    path.write_text("\n".join(TEXTS) + "\n\n", encoding="utf-8")  # a blank line: skipped
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "opt"])
+def test_mean_ablation_equals_means_recorded_and_substituted_by_hand(
+        family, tiny_model_dir, reference_file, tmp_path):
+    folder = tiny_model_dir(family)
+    model, tokenizer = _plain(folder)
+    means = _means_by_hand(model, tokenizer, family, TEXTS)
+    out = [(1, 2), (0, 1), (0, 3)]
+
+    def to_mean(_, layer, head, width):
+        return means[layer][head * width:(head + 1) * width]
+
+    expected = _logits_with(model, tokenizer, family, {h: to_mean for h in out})
+    lm = load_lm(folder, ablate="L1H2+L0H1+L0H3", ablation="mean",
+                 ablation_data=str(reference_file), ablation_cache=str(tmp_path / "cache"))
+    torch.testing.assert_close(_lm_logits(lm), expected, rtol=1e-5, atol=1e-5)
+    # Not the zero-ablation answer (the test could not pass by ignoring the kind).
+    zero = _logits_with(model, tokenizer, family,
+                        {h: (lambda s, *_: torch.zeros_like(s)) for h in out})
+    assert (zero - expected).abs().max() > 1e-3
+    assert lm.get_model_info()["ablation"] == "mean"
+
+
+def test_scale_zero_is_zero_ablation_and_scale_one_no_ablation_bit_for_bit(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    zero = _lm_logits(load_lm(folder, ablate="L0H1+L1H3"))
+    assert torch.equal(_lm_logits(load_lm(folder, ablate="L0H1+L1H3", scale=0)), zero)
+    plain = _lm_logits(load_lm(folder))
+    assert torch.equal(_lm_logits(load_lm(folder, ablate="L0H1+L1H3", scale=1)), plain)
+    assert not torch.equal(zero, plain)
+    # scale=2: the paper code's amplification, the two slices doubled by hand.
+    model, tokenizer = _plain(folder)
+    doubled = _logits_with(model, tokenizer, "llama",
+                           {(0, 1): lambda s, *_: 2 * s, (1, 3): lambda s, *_: 2 * s})
+    torch.testing.assert_close(_lm_logits(load_lm(folder, ablate="L0H1+L1H3", scale="2")),
+                               doubled, rtol=1e-5, atol=1e-5)
+
+
+def test_mean_with_a_scale_interpolates_towards_the_head(tiny_model_dir, reference_file,
+                                                         tmp_path):
+    folder = tiny_model_dir("mistral")
+    model, tokenizer = _plain(folder)
+    means = _means_by_hand(model, tokenizer, "mistral", TEXTS)
+
+    def half_way(part, layer, head, width):
+        mean = means[layer][head * width:(head + 1) * width]
+        return mean + 0.5 * (part - mean)
+
+    expected = _logits_with(model, tokenizer, "mistral", {(1, 0): half_way})
+    lm = load_lm(folder, ablate="L1H0", ablation="mean", scale=0.5,
+                 ablation_data=str(reference_file), ablation_cache=str(tmp_path))
+    torch.testing.assert_close(_lm_logits(lm), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(_lm_logits(load_lm(folder, ablate="L1H0", ablation="mean", scale=1,
+                                          ablation_data=str(reference_file),
+                                          ablation_cache=str(tmp_path))),
+                       _lm_logits(load_lm(folder)))
+
+
+def test_one_mask_per_row_equals_one_mask_at_a_time_under_mean_ablation(
+        tiny_model_dir, reference_file, tmp_path):
+    lm = load_lm(tiny_model_dir("qwen2"), ablation="mean", ablation_data=str(reference_file),
+                 ablation_cache=str(tmp_path))
+    masks = [["L0H1"], ["L1H2", "L0H0"], [], ["L1H0", "L1H1", "L1H3"]]
+    ids = torch.tensor([lm.tok_encode(PROBE)])
+    one_at_a_time = []
+    with torch.no_grad():
+        for heads in masks:
+            lm.set_heads(heads)
+            one_at_a_time.append(lm.model(ids).logits[0])
+        lm.set_heads([])
+        rows = torch.zeros(len(masks), 8, dtype=torch.bool)  # flat index layer * 4 + head
+        for row, heads in enumerate(masks):
+            for name in heads:
+                layer, head = int(name[1]), int(name[3])
+                rows[row, layer * 4 + head] = True
+        lm.knockout.set_row_masks(rows)
+        together = lm.model(ids.repeat(len(masks), 1)).logits
+        lm.knockout.set_row_masks(None)
+    for row, expected in enumerate(one_at_a_time):
+        torch.testing.assert_close(together[row], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_means_are_cached_by_model_data_and_dtype_and_foreign_files_are_refused(
+        tiny_model_dir, reference_file, tmp_path, monkeypatch):
+    folder, cache = tiny_model_dir("llama"), tmp_path / "cache"
+    first = load_lm(folder, ablate="L0H1", ablation="mean",
+                    ablation_data=str(reference_file), ablation_cache=str(cache))
+    assert Path(first.means_file).parent == cache and Path(first.means_file).is_file()
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the means were computed again instead of read from the cache")
+
+    monkeypatch.setattr("lm_eval_headloc.model.head_means", no_second_pass)
+    again = load_lm(folder, ablate="L0H1", ablation="mean",
+                    ablation_data=str(reference_file), ablation_cache=str(cache))
+    assert again.means_file == first.means_file
+    assert torch.equal(_lm_logits(again), _lm_logits(first))
+    monkeypatch.undo()
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(TEXTS[:2]), encoding="utf-8")
+    changed = load_lm(folder, ablate="L0H1", ablation="mean", ablation_data=str(other),
+                      ablation_cache=str(cache))
+    assert changed.means_file != first.means_file
+    # A file of our name that is not these means is never replaced.
+    Path(first.means_file).write_bytes(b"somebody else's file")
+    with pytest.raises(AblationError, match="exists but is not these means"):
+        load_lm(folder, ablate="L0H1", ablation="mean", ablation_data=str(reference_file),
+                ablation_cache=str(cache))
+    assert Path(first.means_file).read_bytes() == b"somebody else's file"
+
+
+def test_cache_keeps_what_compute_gave_and_writes_no_partial_file(tmp_path):
+    means = [torch.arange(6.0).view(2, 3)]
+    got, path = cached_head_means({"model": "m"}, lambda: means, tmp_path)
+    assert torch.equal(got[0], means[0])
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    again, same = cached_head_means({"model": "m"}, lambda: 1 / 0, tmp_path)
+    assert same == path and torch.equal(again[0], means[0])
+
+
+def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
+    jsonl = tmp_path / "ref.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t, "prompt": t.upper()}) for t in TEXTS),
+                     encoding="utf-8")
+    assert reference_texts(jsonl) == TEXTS
+    assert reference_texts(jsonl, "prompt") == [t.upper() for t in TEXTS]
+    # A task: each evaluated document's prompt, here tiny_copy's {{context}} field.
+    sys.path.insert(0, str(Path(TASKS) / "tiny_copy"))
+    try:
+        import utils as tiny_copy_utils
+    finally:
+        sys.path.pop(0)
+    docs = tiny_copy_utils.load_docs()["test"]
+    assert reference_texts("tiny_copy", task_manager=task_manager) == [
+        doc["context"] for doc in docs]
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(ablation="median"), "ablation='median': must be one of zero, mean"),
+    (dict(ablation="mean"), "ablation=mean needs a reference set"),
+    (dict(scale="big"), "scale='big': must be a finite number"),
+    (dict(scale="inf"), "scale='inf': must be a finite number"),
+    (dict(scale=True), "scale=True: must be a finite number"),
+    (dict(ablation_data="x.txt"), "are for ablation=mean"),
+    (dict(ablation="mean", ablation_data="no_such_file_or_task"),
+     "'no_such_file_or_task' is neither a file nor an lm-eval task"),
+    (dict(ablation="mean", ablation_data="EMPTY"), "has no examples"),
+    (dict(ablation="mean", ablation_data="DIR"), "is not a file"),
+    (dict(ablation="mean", ablation_data="JSONL", ablation_field="body"),
+     "line 1: no text field 'body' \\(fields: prompt, text\\)"),
+])
+def test_bad_ablation_input_is_one_line_before_any_weights_load(args, message, tmp_path):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
+    (tmp_path / "ref.jsonl").write_text(json.dumps({"text": "a", "prompt": "b"}) + "\n",
+                                        encoding="utf-8")
+    where = {"EMPTY": tmp_path / "empty.txt", "DIR": tmp_path, "JSONL": tmp_path / "ref.jsonl"}
+    args = {k: str(where.get(v, v)) if k == "ablation_data" else v for k, v in args.items()}
+    # No such model folder: an error about the weights would mean the check came too late.
+    with pytest.raises(AblationError, match=message) as error:
+        HFHeadAblateLM(pretrained=str(tmp_path / "no-model-here"), **args)
+    assert "\n" not in str(error.value)
+
+
+def test_stock_cli_runs_mean_ablation_and_refuses_a_bad_kind(tiny_model_dir, reference_file,
+                                                             tmp_path):
+    folder = tiny_model_dir("llama")
+    base = [LM_EVAL, "--model", "hf-headablate", "--device", "cpu", "--tasks", "tiny_copy",
+            "--include_path", TASKS, "--limit", "4"]
+    args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation=mean,"
+            f"ablation_data={reference_file},ablation_cache={tmp_path / 'cache'}")
+    ran = subprocess.run([*base, "--model_args", args, "--output_path", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    assert "tiny_copy" in results["results"]
+    assert any((tmp_path / "cache").glob("means-*.pt"))
+    bad = subprocess.run([*base, "--model_args", f"pretrained={folder},ablation=median"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "ablation='median': must be one of zero, mean" in bad.stderr
