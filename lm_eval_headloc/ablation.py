@@ -9,6 +9,14 @@ projection's input (``hooks.HeadKnockout``); the kind says what that slice is re
   no-grad pass of the unablated model (:func:`head_means`) and cached on disk
   (:func:`cached_head_means`), so that the head keeps its typical contribution and loses
   only what depends on the input.
+- ``resample``: the head's output on another input, activation patching from a donor
+  (:class:`Resampler`). Each model input (a batch row) gets one donor from the reference
+  set, picked by a seeded hash of the row's tokens, so the same example gets the same
+  donor in every measurement, whatever the batch; a donor that the row starts with (the
+  example itself) is passed over, so the set needs two examples at least. Positions are
+  aligned from the start: the row's i-th real token gets the donor's i-th token's output,
+  and past the donor's end its last token's (a shorter donor's final state stands in for
+  the rest). Donor outputs come from the unablated model and are kept in memory.
 
 ``scale`` generalises both: a knocked-out head's slice becomes
 ``replacement + scale · (output − replacement)``. ``scale=0`` (default) is the
@@ -25,7 +33,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +42,12 @@ from torch import nn
 
 from .heads import HeadSpecError
 
-__all__ = ["ABLATIONS", "AblationError", "cached_head_means", "check_ablation",
-           "check_scale", "default_cache_dir", "head_means", "reference_texts"]
+__all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "check_ablation",
+           "check_reference_set", "check_scale", "default_cache_dir", "head_means",
+           "head_outputs", "pick_donor", "reference_texts", "task_texts"]
 
 #: The ablation kinds, the default first.
-ABLATIONS: tuple[str, ...] = ("zero", "mean")
+ABLATIONS: tuple[str, ...] = ("zero", "mean", "resample")
 
 
 class AblationError(HeadSpecError):
@@ -130,12 +139,88 @@ def _task_texts(name: str, field: str | None, task_manager: Any) -> list[str]:
         raise AblationError(f"ablation_data={name!r} is neither a file nor an lm-eval task "
                             "name (a text file, one example per line; a JSONL file; or a "
                             "task, e.g. ablation_data=headloc_induction)")
+    return task_texts(task_manager.load([name])["tasks"])
+
+
+def task_texts(tasks: dict[str, Any], subset: dict[str, list[int]] | None = None
+               ) -> list[str]:
+    """Each document's prompt (``doc_to_text``) of lm-eval ``tasks`` (leaf name -> task),
+    over the documents ``subset`` names per leaf (default: every evaluated document)."""
     texts = []
-    for task in task_manager.load([name])["tasks"].values():
-        for doc in task.eval_docs:
+    for leaf, task in tasks.items():
+        docs = list(task.eval_docs)
+        if subset is not None and leaf in subset:
+            docs = [docs[i] for i in subset[leaf]]
+        for doc in docs:
             text = task.doc_to_text(doc)
             texts.append(text if isinstance(text, str) else str(text))
     return texts
+
+
+def check_reference_set(kind: str, texts: Sequence[str]) -> None:
+    """Refuse a reference set the kind cannot use (resample needs another example)."""
+    if kind == "resample" and len(set(texts)) < 2:
+        raise AblationError(f"ablation=resample needs at least two different reference "
+                            f"examples to take donors from; the reference set has "
+                            f"{len(set(texts))}")
+
+
+def _padded(token_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and the mask of real positions."""
+    width = max(len(tokens) for tokens in token_lists)
+    ids = torch.zeros(len(token_lists), width, dtype=torch.long)
+    real = torch.zeros(len(token_lists), width, dtype=torch.bool)
+    for row, tokens in enumerate(token_lists):
+        ids[row, :len(tokens)] = torch.as_tensor(list(tokens))
+        real[row, :len(tokens)] = True
+    return ids, real
+
+
+class _Recorded(Exception):
+    """Raised by the last recording hook to end a forward pass early."""
+
+
+def _recorded(model: nn.Module, modules: Sequence[nn.Module],
+              token_lists: Sequence[Sequence[int]], batch_size: int
+              ) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per batch of ``token_lists`` (right-padded, with an attention mask): the mask of
+    real positions and every module's input (rows, width, features), no grad, in eval
+    mode; the model's training flags are restored after."""
+    if not token_lists or not all(len(tokens) for tokens in token_lists):
+        raise AblationError("the reference set needs at least one token in every example")
+    inputs: list[torch.Tensor | None] = [None] * len(modules)
+
+    def record(layer: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            inputs[layer] = args[0].detach()
+            if layer == len(modules) - 1:
+                # Nothing past the last output projection is needed: stop the forward
+                # there (cheaper, and no output-side hook of the caller's sees this pass).
+                raise _Recorded
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(i)) for i, m in enumerate(modules)]
+    device = next(p.device for p in model.parameters())
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(token_lists), batch_size):
+                ids, real = _padded(token_lists[start:start + batch_size])
+                try:
+                    model(input_ids=ids.to(device), attention_mask=real.long().to(device),
+                          use_cache=False)
+                except _Recorded:
+                    pass
+                if any(hidden is None for hidden in inputs):
+                    raise RuntimeError("an attention output projection was not called")
+                yield real, list(inputs)
+                inputs[:] = [None] * len(modules)  # type: ignore[arg-type]
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
 
 
 def head_means(model: nn.Module, modules: Sequence[nn.Module], heads_per_layer: int,
@@ -147,44 +232,91 @@ def head_means(model: nn.Module, modules: Sequence[nn.Module], heads_per_layer: 
     the mean does not depend on how the texts are batched (beyond float rounding).
     Sums are kept in float64.
     """
-    if not token_lists or not all(len(tokens) for tokens in token_lists):
-        raise AblationError("the reference set needs at least one token in every example")
     sums: list[torch.Tensor | None] = [None] * len(modules)
-    keep: dict[str, torch.Tensor] = {}
     positions = 0
-
-    def record(layer: int):
-        def hook(module: nn.Module, args: tuple) -> None:
-            hidden = args[0][keep["real"].to(args[0].device)]  # (positions, H*d)
-            total = hidden.double().sum(0).cpu()
+    for real, inputs in _recorded(model, modules, token_lists, batch_size):
+        for layer, hidden in enumerate(inputs):
+            total = hidden[real.to(hidden.device)].double().sum(0).cpu()
             sums[layer] = total if sums[layer] is None else sums[layer] + total
-        return hook
-
-    handles = [m.register_forward_pre_hook(record(i)) for i, m in enumerate(modules)]
-    device = next(p.device for p in model.parameters())
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(token_lists), batch_size):
-                chunk = token_lists[start:start + batch_size]
-                width = max(len(tokens) for tokens in chunk)
-                ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                real = torch.zeros(len(chunk), width, dtype=torch.bool)
-                for row, tokens in enumerate(chunk):
-                    ids[row, :len(tokens)] = torch.as_tensor(list(tokens))
-                    real[row, :len(tokens)] = True
-                keep["real"] = real
-                model(input_ids=ids.to(device), attention_mask=real.long().to(device),
-                      use_cache=False)
-                positions += int(real.sum())
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, training in modes:
-            module.training = training
+        positions += int(real.sum())
     dtype = next(p.dtype for p in model.parameters())
-    return [(total / positions).view(heads_per_layer, -1).to(dtype) for total in sums]
+    return [(total / positions).view(heads_per_layer, -1).to(dtype)  # type: ignore[union-attr]
+            for total in sums]
+
+
+def head_outputs(model: nn.Module, modules: Sequence[nn.Module],
+                 token_lists: Sequence[Sequence[int]], batch_size: int = 8
+                 ) -> list[list[torch.Tensor]]:
+    """Per text of ``token_lists``, every layer's output-projection input at its real
+    positions, ``(len(tokens), H·d)``, from a no-grad pass of ``model`` as it is."""
+    outputs: list[list[torch.Tensor]] = []
+    for real, inputs in _recorded(model, modules, token_lists, batch_size):
+        for row in range(real.shape[0]):
+            length = int(real[row].sum())
+            outputs.append([hidden[row, :length].clone() for hidden in inputs])
+    return outputs
+
+
+def pick_donor(tokens: Sequence[int], references: Sequence[Sequence[int]], seed: int = 0
+               ) -> int:
+    """The reference example whose outputs row ``tokens`` gets under resample: a seeded
+    hash of the tokens (independent of batching and order), moving on past any reference
+    the row starts with (the example itself, or its prompt)."""
+    text = json.dumps([int(seed), [int(t) for t in tokens]])
+    first = int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) % len(references)
+    for step in range(len(references)):
+        index = (first + step) % len(references)
+        donor = references[index]
+        if list(tokens[:len(donor)]) != list(donor):
+            return index
+    raise AblationError("ablation=resample: every reference example is a prefix of the "
+                        "model's input, so none can be a donor; use other reference data")
+
+
+class Resampler:
+    """Donor outputs for resample ablation: which donor each row gets (:func:`pick_donor`),
+    their outputs from the unablated model (computed once per donor and kept while under
+    ``cache_bytes``), and the position alignment (the module docstring)."""
+
+    def __init__(self, references: Sequence[Sequence[int]], seed: int = 0,
+                 cache_bytes: int = 2 * 2**30) -> None:
+        self.references = [list(tokens) for tokens in references]
+        self.seed = int(seed)
+        self.cache_bytes = cache_bytes
+        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+
+    def donors(self, model: nn.Module, modules: Sequence[nn.Module],
+               rows: Sequence[Sequence[int]], starts: Sequence[int], columns: int
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """For rows whose real tokens are ``rows[b]``, starting at column ``starts[b]`` of
+        inputs ``columns`` wide: per layer the donors' outputs (rows, donor width, H·d),
+        and the (rows, columns) index of the donor position each column gets."""
+        chosen = [pick_donor(tokens, self.references, self.seed) for tokens in rows]
+        missing = sorted(set(chosen) - set(self._cache))
+        fresh = dict(zip(missing, head_outputs(model, modules,
+                                               [self.references[i] for i in missing]),
+                         strict=True)) if missing else {}
+        for index, outputs in fresh.items():
+            size = sum(t.numel() * t.element_size() for t in outputs)
+            if self._cached_bytes + size <= self.cache_bytes:
+                self._cache[index] = outputs
+                self._cached_bytes += size
+        per_donor = {i: self._cache.get(i) or fresh[i] for i in set(chosen)}
+        width = max(len(self.references[i]) for i in chosen)
+        layers = len(modules)
+        stacked = []
+        for layer in range(layers):
+            sample = per_donor[chosen[0]][layer]
+            block = sample.new_zeros(len(chosen), width, sample.shape[-1])
+            for row, donor in enumerate(chosen):
+                values = per_donor[donor][layer]
+                block[row, :len(values)] = values.to(block.device)
+            stacked.append(block)
+        lengths = torch.tensor([len(self.references[i]) for i in chosen])
+        offsets = torch.arange(columns)[None, :] - torch.as_tensor(list(starts))[:, None]
+        index = torch.minimum(offsets.clamp(min=0), (lengths - 1)[:, None])
+        return stacked, index
 
 
 def default_cache_dir() -> Path:

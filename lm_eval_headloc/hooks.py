@@ -14,8 +14,9 @@ No lm-eval import here: this module works on a bare ``transformers``/PEFT model.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -278,6 +279,12 @@ class HeadKnockout:
         self.scale = float(scale)
         # Per layer: None (zeros) or a (heads, head_dim) tensor on that layer's device.
         self._replacement: list[torch.Tensor | None] = [None] * self.num_layers
+        # Resample ablation: per layer a (rows, donor width, H, d) tensor of donor outputs,
+        # and per row which donor position stands in for each column (rows, columns).
+        self._donors: list[torch.Tensor] | None = None
+        self._donor_index: torch.Tensor | None = None
+        self.first_column = 0  # the columns a forward sees start here (generation's cache)
+        self._suspended = [False]  # a list: the hooks hold it (see suspended)
         # One boolean row per layer, on that layer's device (models may be split
         # across devices); True = knocked out.
         self._knocked = [
@@ -296,11 +303,11 @@ class HeadKnockout:
 
     def _make_hook(self, layer: int):
         active, knocked, heads_per_layer = self._active, self._knocked, self.heads_per_layer
-        row_knocked, ablated = self._row_knocked, self._ablated
+        row_knocked, ablated, suspended = self._row_knocked, self._ablated, self._suspended
 
         def knock_out_heads(module: nn.Module, args: tuple):
             rows = row_knocked[layer]
-            if rows is False:
+            if rows is False or suspended[0]:
                 return None
             if rows is not None:  # one mask per batch row
                 hidden, *rest = args
@@ -325,18 +332,75 @@ class HeadKnockout:
     def _ablated(self, layer: int, per_head: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``per_head`` (..., H, d) with the heads in ``mask`` (broadcastable, True = out)
         replaced: the one place the ablation kind and the scale act."""
-        scale, replacement = self.scale, self._replacement[layer]
+        scale = self.scale
         if scale == 1.0:
             return per_head  # the head as it is, exactly
+        replacement = self.replacement(layer, per_head)
         if replacement is None:
             if scale == 0.0:
                 return per_head.masked_fill(mask, 0)  # exact zeros whatever the dtype
             return torch.where(mask, per_head * scale, per_head)
-        if replacement.device != per_head.device or replacement.dtype != per_head.dtype:
-            replacement = self._replacement[layer] = replacement.to(per_head)
         if scale == 0.0:
             return torch.where(mask, replacement, per_head)
         return torch.where(mask, replacement + scale * (per_head - replacement), per_head)
+
+    def replacement(self, layer: int, per_head: torch.Tensor) -> torch.Tensor | None:
+        """What layer ``layer``'s knocked-out heads become where its output projection sees
+        ``per_head`` (..., H, d): None for zeros, else a tensor broadcastable to it (the
+        mean's (H, d), or the donors' (rows, columns, H, d) under resample)."""
+        if self._donors is not None:
+            donors, index = self._donors[layer], self._donor_index
+            if per_head.dim() != 4 or per_head.shape[0] != donors.shape[0]:
+                raise RuntimeError(f"resample ablation: layer {layer} sees "
+                                   f"{tuple(per_head.shape[:-2])} positions, donors were set "
+                                   f"for {donors.shape[0]} rows")
+            columns = per_head.shape[1]
+            picked = index[:, self.first_column:self.first_column + columns]
+            if picked.shape[1] != columns:
+                raise RuntimeError(f"resample ablation: columns {self.first_column}.."
+                                   f"{self.first_column + columns} past the {index.shape[1]} "
+                                   "donors were aligned to")
+            rows = torch.arange(donors.shape[0], device=donors.device)[:, None]
+            return donors[rows, picked.to(donors.device)].to(per_head)
+        replacement = self._replacement[layer]
+        if replacement is None:
+            return None
+        if replacement.device != per_head.device or replacement.dtype != per_head.dtype:
+            replacement = self._replacement[layer] = replacement.to(per_head)
+        return replacement
+
+    def set_donors(self, per_layer: list[torch.Tensor] | None,
+                   index: torch.Tensor | None = None) -> None:
+        """Resample ablation for the next forward passes: ``per_layer[l]`` (rows, width,
+        H·d) holds each row's donor outputs at layer ``l``, ``index`` (rows, columns) which
+        donor position replaces each column of that row; ``None`` ends it."""
+        if per_layer is None:
+            self._donors, self._donor_index, self.first_column = None, None, 0
+            return
+        if len(per_layer) != self.num_layers or index is None or index.dim() != 2:
+            raise ValueError(f"donors must be {self.num_layers} tensors and a (rows, columns) "
+                             "index")
+        self._donors = [t.unflatten(-1, (self.heads_per_layer, -1)).to(_device_of(m))
+                        for t, m in zip(per_layer, self.modules, strict=True)]
+        self._donor_index = index
+        self.first_column = 0
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside, the hooks leave every head as it is (the donors' own clean pass)."""
+        saved, self._suspended[0] = self._suspended[0], True
+        try:
+            yield
+        finally:
+            self._suspended[0] = saved
+
+    @property
+    def any_knocked_out(self) -> bool:
+        """Whether the next forward pass knocks out any head."""
+        rows = self._row_knocked
+        if any(r is not None for r in rows):
+            return any(r is not None and r is not False for r in rows)
+        return any(self._active)
 
     def set_replacement(self, per_layer: list[torch.Tensor] | None) -> None:
         """What knocked-out heads are replaced by: per layer a ``(heads, head_dim)``

@@ -13,10 +13,11 @@ whose means are cached under ``ablation_cache=DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -24,8 +25,10 @@ from lm_eval.models.huggingface import HFLM
 
 from .ablation import (
     AblationError,
+    Resampler,
     cached_head_means,
     check_ablation,
+    check_reference_set,
     check_scale,
     head_means,
     reference_texts,
@@ -92,6 +95,7 @@ class HFHeadAblateLM(HFLM):
         ablation_data: str | os.PathLike | None = None,
         ablation_field: str | None = None,
         ablation_cache: str | os.PathLike | None = None,
+        resample_seed: int = 0,
         **kwargs: Any,
     ) -> None:
         # Read and parse the head list and the reference set before loading weights, so
@@ -101,37 +105,127 @@ class HFHeadAblateLM(HFLM):
         if attn_out is not None and not isinstance(attn_out, str):
             raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
                                 "e.g. attn_out=model.layers.*.self_attn.o_proj")
+        if isinstance(resample_seed, bool) or not isinstance(resample_seed, int) \
+                or resample_seed < 0:
+            raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
+                                ">= 0")
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
         texts = _reference_set(self.ablation, ablation_data, ablation_field)
         super().__init__(pretrained=pretrained, **kwargs)
         self.knockout = HeadKnockout(self.model, attn_out=attn_out, scale=self.scale)
         self.ablation_data = None if ablation_data is None else str(ablation_data)
+        self.resample_seed = resample_seed
         self.means_file: str | None = None
-        if texts is not None:
-            self._set_means(texts, pretrained, attn_out, ablation_cache, kwargs)
-        self._cache_db = None
-        self.set_heads(requested)
-
-    def _set_means(self, texts: list[str], pretrained: Any, attn_out: str | None,
-                   cache_dir: Any, kwargs: dict[str, Any]) -> None:
-        """Mean ablation's replacements: from the cache, or one pass over ``texts``."""
-        tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
-        digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
-        fields = {
+        self.reference_digest: str | None = None
+        self.resampler: Resampler | None = None
+        self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
+        # What cached means are keyed by besides their tokens.
+        self._means_key = {
             "model": pretrained if isinstance(pretrained, (str, os.PathLike))
             else getattr(self.model.config, "_name_or_path", type(self.model).__name__),
             **{name: kwargs.get(name) for name in ("gguf_file", "revision", "peft", "delta")},
-            "weights": _weights_fingerprint(self.model), "dtype": str(self.model.dtype),
-            "attn_out": attn_out, "tokens": digest,
+            "dtype": str(self.model.dtype), "attn_out": attn_out,
         }
+        if texts is not None:
+            self.set_reference_set(texts, ablation_cache)
+        self._cache_db = None
+        self.set_heads(requested)
+
+    def set_reference_set(self, texts: list[str],
+                          cache_dir: str | os.PathLike | None = None) -> None:
+        """The reference examples of mean or resample ablation (``ablation.py``): for mean,
+        their per-head means (from the cache under ``cache_dir``, or one pass over them);
+        for resample, the donors."""
+        if self.ablation == "zero":
+            raise AblationError("ablation=zero uses no reference set")
+        check_reference_set(self.ablation, texts)
+        tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
+        self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         knockout = self.knockout
+        if self.ablation == "resample":
+            self.resampler = Resampler(tokens, seed=self.resample_seed)
+            return
+        fields = {**self._means_key, "weights": _weights_fingerprint(self.model),
+                  "tokens": self.reference_digest}
 
         def compute() -> list:
-            return head_means(self.model, knockout.modules, knockout.heads_per_layer, tokens)
+            with knockout.suspended():  # the unablated model's means
+                return head_means(self.model, knockout.modules, knockout.heads_per_layer,
+                                  tokens)
 
         means, path = cached_head_means(fields, compute, cache_dir)
         knockout.set_replacement(means)
         self.means_file = str(path)
+
+    @contextlib.contextmanager
+    def donors_for(self, input_ids: Any, attention_mask: Any = None, columns: int | None = None,
+                   *, always: bool = False) -> Iterator[None]:
+        """Resample ablation's donors for a forward pass over ``input_ids`` (right-padded
+        with zeros, or left-padded as ``attention_mask`` says) while inside; nothing to do
+        for other kinds, or when no head is knocked out (unless ``always``)."""
+        if self.resampler is None or not (always or self.knockout.any_knocked_out):
+            yield
+            return
+        ids = input_ids.tolist()
+        if attention_mask is not None:  # generation: left padding; the prompt is the row
+            starts = [len(row) - int(sum(mask)) for row, mask in
+                      zip(ids, attention_mask.tolist(), strict=True)]
+            rows = [row[start:] for row, start in zip(ids, starts, strict=True)]
+        else:  # loglikelihood batches: right padding with zeros
+            starts = [0] * len(ids)
+            rows = []
+            for row in ids:
+                row = row[:max((i + 1 for i, t in enumerate(row) if t != 0), default=1)]
+                # The donor follows the prompt, not the answer scored after it, so every
+                # choice of a multiple-choice question gets the same donor.
+                rows.append(row[:self._prompt_lengths.get(tuple(row), len(row))])
+        knockout = self.knockout
+        with knockout.suspended():
+            donors, index = self.resampler.donors(
+                self.model, knockout.modules, rows, starts,
+                columns if columns is not None else input_ids.shape[1])
+        knockout.set_donors(donors, index)
+        try:
+            yield
+        finally:
+            knockout.set_donors(None)
+
+    def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]]) -> None:
+        """Note where the prompt ends in the model input of each (context, continuation)
+        token pair, built as HFLM builds it (resample picks donors by the prompt)."""
+        for context, continuation in encoded:
+            row = (context + continuation)[-(self.max_length + 1):][:-1]
+            self._prompt_lengths[tuple(row)] = max(1, len(row) - len(continuation) + 1)
+
+    def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
+        self.remember_prompts((context, continuation) for _, context, continuation in requests)
+        return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+    def _model_call(self, inps: Any, attn_mask: Any = None, labels: Any = None) -> Any:
+        with self.donors_for(inps):
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, context: Any, max_length: int, stop: list[str],
+                        **generation_kwargs: Any) -> Any:
+        if self.resampler is None or not self.knockout.any_knocked_out:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        knockout, seen = self.knockout, [0]
+
+        def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
+            # With the key/value cache each step sees only its new columns: say where
+            # they start, so each gets its aligned donor position.
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            position = kwargs.get("cache_position")
+            knockout.first_column = int(position[0]) if position is not None else seen[0]
+            seen[0] = knockout.first_column + (ids.shape[1] if ids is not None else 1)
+
+        width = max(int(max_length), int(context.shape[1]))
+        with self.donors_for(context, generation_kwargs.get("attention_mask"), width):
+            handle = self.model.register_forward_pre_hook(track_columns, with_kwargs=True)
+            try:
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            finally:
+                handle.remove()
 
     @property
     def num_layers(self) -> int:
@@ -170,7 +264,8 @@ class HFHeadAblateLM(HFLM):
         # The kind and scale change the answers too (zero at scale 0: the old key).
         key = format_heads(self.knocked_out)
         if (self.ablation, self.scale) != ("zero", 0.0):
-            key += f"|{self.ablation}|{self.scale!r}|{self.means_file}"
+            key += (f"|{self.ablation}|{self.scale!r}|{self.means_file}|"
+                    f"{self.reference_digest}|{self.resample_seed}")
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         return f"headablate-{digest}"
 
@@ -191,7 +286,9 @@ class HFHeadAblateLM(HFLM):
         info = super().get_model_info()
         info["ablate"] = format_heads(self.knocked_out)
         info.update(ablation=self.ablation, scale=self.scale, ablation_data=self.ablation_data,
-                    means_file=self.means_file)
+                    means_file=self.means_file, reference_digest=self.reference_digest)
+        if self.ablation == "resample":
+            info["resample_seed"] = self.resample_seed
         return info
 
 
@@ -201,13 +298,15 @@ def _reference_set(ablation: str, data: Any, field: Any) -> list[str] | None:
         raise AblationError(f"ablation_field={field!r}: expected a JSONL field name")
     if ablation == "zero":
         if data is not None or field is not None:
-            raise AblationError("ablation_data=/ablation_field= are for ablation=mean; "
-                                "zero ablation uses no reference set")
+            raise AblationError("ablation_data=/ablation_field= are for ablation=mean or "
+                                "resample; zero ablation uses no reference set")
         return None
     if data is None:
         raise AblationError(f"ablation={ablation} needs a reference set: ablation_data= a "
                             "text file (one example per line), a JSONL file or a task name")
-    return reference_texts(data, field)
+    texts = reference_texts(data, field)
+    check_reference_set(ablation, texts)
+    return texts
 
 
 def _weights_fingerprint(model: Any) -> str:

@@ -142,6 +142,8 @@ class LoglikelihoodRequests:
     def __init__(self, lm: Any, requests: Sequence[tuple[str, str]]) -> None:
         self.keys = list(dict.fromkeys(tuple(r) for r in requests))
         self._encoded = [_encode(lm, c, x) for c, x in self.keys]
+        if hasattr(lm, "remember_prompts"):  # resample ablation picks donors by the prompt
+            lm.remember_prompts(self._encoded)
         self._max_length = int(lm.max_length)
         self._device = lm.device
         self._batches: dict[int, list[ScoredBatch]] = {}

@@ -62,8 +62,8 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
                                        dtype=torch.float64)
             if not row_weights.any():
                 continue
-            captured.clear()
-            with torch.enable_grad():
+            with torch.enable_grad(), lm.donors_for(batch.input_ids, always=True):
+                captured.clear()  # after the donors' own pass, which these hooks also saw
                 if requests.narrow:
                     with logits_only_at(model, batch.rows, batch.positions):
                         logits = model(batch.input_ids).logits[0]
@@ -77,11 +77,17 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
                 per_token = row_weights.to(logprobs)[batch.rows.to(logprobs.device)]
                 objective = (token_logprob * per_token).sum()
                 grads = torch.autograd.grad(objective, captured, allow_unused=True)
+                # What a knocked-out slice z becomes is r + s·(z − r) (hooks.py), a change
+                # of (1 − s)·(r − z): r = 0 for zero ablation, the mean, or the donor's.
+                replaced = [knockout.replacement(layer, z.detach().unflatten(
+                    -1, (per_layer, head_dim))) for layer, z in enumerate(captured)]
             for layer, (z, grad) in enumerate(zip(captured, grads, strict=True)):
                 if grad is None:
                     continue
-                change = -(z.detach().double() * grad.double())
-                change = change.reshape(*change.shape[:-1], per_layer, head_dim)
+                z = z.detach().double().unflatten(-1, (per_layer, head_dim))
+                moved = -z if replaced[layer] is None else replaced[layer].double() - z
+                change = (1.0 - knockout.scale) * moved * grad.double().unflatten(
+                    -1, (per_layer, head_dim))
                 effects[layer] += change.sum(dim=tuple(range(change.dim() - 2)) + (-1,)).cpu()
     finally:
         for handle in handles:

@@ -224,12 +224,14 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
 
 
 @pytest.mark.parametrize("args, message", [
-    (dict(ablation="median"), "ablation='median': must be one of zero, mean"),
+    (dict(ablation="median"), "ablation='median': must be one of zero, mean, resample"),
     (dict(ablation="mean"), "ablation=mean needs a reference set"),
     (dict(scale="big"), "scale='big': must be a finite number"),
     (dict(scale="inf"), "scale='inf': must be a finite number"),
     (dict(scale=True), "scale=True: must be a finite number"),
-    (dict(ablation_data="x.txt"), "are for ablation=mean"),
+    (dict(ablation_data="x.txt"), "are for ablation=mean or resample"),
+    (dict(ablation="resample", ablation_data="ONE"), "needs at least two different reference"),
+    (dict(ablation="resample", ablation_data="JSONL", resample_seed=-1), "resample_seed=-1"),
     (dict(ablation="mean", ablation_data="no_such_file_or_task"),
      "'no_such_file_or_task' is neither a file nor an lm-eval task"),
     (dict(ablation="mean", ablation_data="EMPTY"), "has no examples"),
@@ -243,7 +245,9 @@ def test_bad_ablation_input_is_one_line_before_any_weights_load(args, message, t
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
     (tmp_path / "ref.jsonl").write_text(json.dumps({"text": "a", "prompt": "b"}) + "\n",
                                         encoding="utf-8")
-    where = {"EMPTY": tmp_path / "empty.txt", "DIR": tmp_path, "JSONL": tmp_path / "ref.jsonl"}
+    (tmp_path / "one.txt").write_text("one example\none example\n", encoding="utf-8")
+    where = {"EMPTY": tmp_path / "empty.txt", "DIR": tmp_path, "JSONL": tmp_path / "ref.jsonl",
+             "ONE": tmp_path / "one.txt"}
     args = {k: str(where.get(v, v)) if k == "ablation_data" else v for k, v in args.items()}
     # No such model folder: an error about the weights would mean the check came too late.
     with pytest.raises(AblationError, match=message) as error:
@@ -267,4 +271,148 @@ def test_stock_cli_runs_mean_ablation_and_refuses_a_bad_kind(tiny_model_dir, ref
     bad = subprocess.run([*base, "--model_args", f"pretrained={folder},ablation=median"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "ablation='median': must be one of zero, mean" in bad.stderr
+    assert "ablation='median': must be one of zero, mean, resample" in bad.stderr
+
+
+# --- resample ------------------------------------------------------------------------
+
+def _recorded_by_hand(model, tokenizer, family: str, text: str) -> list[torch.Tensor]:
+    """Each layer's o_proj input (positions, H*d) on ``text`` alone."""
+    layers = model.config.num_hidden_layers
+    seen: list[torch.Tensor] = [None] * layers
+    handles = [_projection(model, family, i).register_forward_pre_hook(
+        lambda module, args, i=i: seen.__setitem__(i, args[0][0].detach().clone()))
+        for i in range(layers)]
+    with torch.no_grad():
+        model(tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _patched_by_donor(donor: list[torch.Tensor]):
+    """A slice edit: position i gets the donor's position min(i, donor length - 1)."""
+    def patch(part, layer, head, width):
+        values = donor[layer][:, head * width:(head + 1) * width]
+        picked = torch.clamp(torch.arange(part.shape[-2]), max=values.shape[0] - 1)
+        return values[picked]
+    return patch
+
+
+# The first reference is PROBE's own beginning, so it is passed over and the second is
+# the donor whatever the hash: one shorter than PROBE (its last position repeats), one
+# longer (cut to PROBE's length).
+DONORS = {"short": "Mary and John went", "long": "Mary and John went to the store and the "
+          "dog gave a drink to the cat when it sat down on the mat by the door"}
+
+
+@pytest.mark.parametrize("family, donor", [("llama", "short"), ("qwen3", "long"),
+                                           ("gpt2", "short"), ("opt", "long")])
+def test_resample_equals_donor_recorded_and_patched_by_hand(family, donor, tiny_model_dir,
+                                                            tmp_path):
+    folder = tiny_model_dir(family)
+    model, tokenizer = _plain(folder)
+    reference = tmp_path / "reference.txt"
+    reference.write_text(f"John gave the dog\n{DONORS[donor]}\n", encoding="utf-8")
+    probe_ids = tokenizer(PROBE, add_special_tokens=False).input_ids
+    own = tokenizer("John gave the dog", add_special_tokens=False).input_ids
+    assert probe_ids[:len(own)] == own  # else the test would not force the donor
+    patch = _patched_by_donor(_recorded_by_hand(model, tokenizer, family, DONORS[donor]))
+    out = [(1, 2), (0, 1), (0, 3)]
+    expected = _logits_with(model, tokenizer, family, {h: patch for h in out})
+    lm = load_lm(folder, ablate="L1H2+L0H1+L0H3", ablation="resample",
+                 ablation_data=str(reference))
+    with torch.no_grad():
+        got = lm._model_call(torch.tensor([lm.tok_encode(PROBE)]))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    zero = _logits_with(model, tokenizer, family,
+                        {h: (lambda s, *_: torch.zeros_like(s)) for h in out})
+    assert (zero - expected).abs().max() > 1e-3
+    assert lm.get_model_info()["ablation"] == "resample"
+
+
+def test_resample_donor_follows_the_row_not_its_batch_or_padding(tiny_model_dir, tmp_path):
+    reference = tmp_path / "reference.txt"
+    reference.write_text("\n".join(TEXTS + list(DONORS.values())), encoding="utf-8")
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1+L1H0", ablation="resample",
+                 ablation_data=str(reference))
+    rows = [lm.tok_encode(t) for t in (PROBE, DONORS["long"], "the cat")]
+    batch = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, tokens in enumerate(rows):
+        batch[i, :len(tokens)] = torch.tensor(tokens)
+    with torch.no_grad():
+        together = lm._model_call(batch)
+        for i, tokens in enumerate(rows):
+            alone = lm._model_call(torch.tensor([tokens]))[0]
+            torch.testing.assert_close(together[i, :len(tokens)], alone, rtol=1e-5, atol=1e-5)
+    # Another seed picks other donors for some rows, so the answers move.
+    other = load_lm(tiny_model_dir("llama"), ablate="L0H1+L1H0", ablation="resample",
+                    ablation_data=str(reference), resample_seed=7)
+    with torch.no_grad():
+        assert not torch.allclose(other._model_call(batch), together)
+
+
+def test_resample_and_mean_masks_per_pass_equal_hflm_one_mask_at_a_time(
+        tiny_model_dir, task_manager, tmp_path):
+    from test_multimask import MASKS, Request, open_measurement
+
+    from lm_eval_headloc.heads import parse_heads
+    from lm_eval_headloc.multimask import RecordingLM, loglikelihoods_for_masks
+
+    reference = tmp_path / "reference.txt"
+    reference.write_text("\n".join(TEXTS), encoding="utf-8")
+    for kind in ("resample", "mean"):
+        lm = load_lm(tiny_model_dir("qwen2"), ablation=kind, ablation_data=str(reference),
+                     ablation_cache=str(tmp_path))
+        measurement = open_measurement(task_manager, lm, ["tiny_copy_ppl", "tiny_choice"])
+        recorder = RecordingLM(lm)
+        measurement.evaluate([], model=recorder)
+        requests = recorder.requests
+        masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+        together = loglikelihoods_for_masks(lm, requests, masks, batch_size=8)
+        changed = 0
+        for heads, answers in zip(masks, together, strict=True):
+            lm.set_heads(heads)
+            alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
+            for request, (logprob, greedy) in zip(requests, alone, strict=True):
+                assert answers[request][0] == pytest.approx(logprob, abs=1e-4), kind
+                assert answers[request][1] == greedy
+            changed += any(abs(answers[r][0] - together[1][r][0]) > 1e-3 for r in requests)
+        assert changed >= 4, kind  # the knockouts do change the answers
+        lm.set_heads([])
+
+
+def test_resample_generation_uses_the_kv_cache_and_equals_patching_by_hand(
+        tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("llama")
+    model, tokenizer = _plain(folder)
+    reference = tmp_path / "reference.txt"
+    reference.write_text(f"John gave the dog\n{DONORS['short']}\n", encoding="utf-8")
+    patch = _patched_by_donor(_recorded_by_hand(model, tokenizer, "llama", DONORS["short"]))
+    heads = model.config.num_attention_heads
+    hooks = []
+    for layer, head in [(0, 1), (1, 2)]:
+        def hook(module, args, layer=layer, head=head):
+            hidden = args[0].clone()
+            width = hidden.shape[-1] // heads
+            part = slice(head * width, (head + 1) * width)
+            hidden[..., part] = patch(hidden[..., part], layer, head, width)
+            return (hidden,)
+        hooks.append(_projection(model, "llama", layer).register_forward_pre_hook(hook))
+    ids = tokenizer(PROBE, add_special_tokens=False).input_ids
+    with torch.no_grad():  # greedy by hand, the whole sequence every step (no cache)
+        for _ in range(6):
+            ids = ids + [int(model(torch.tensor([ids])).logits[0, -1].argmax())]
+    for hook in hooks:
+        hook.remove()
+    lm = load_lm(folder, ablate="L0H1+L1H2", ablation="resample", ablation_data=str(reference))
+    probe = lm.tok_encode(PROBE)
+    short = lm.tok_encode("the cat")
+    # Two rows, left-padded as HFLM pads prompts for generation.
+    width = len(probe)
+    context = torch.full((2, width), lm.tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    context[0], mask[0] = torch.tensor(probe), 1
+    context[1, width - len(short):], mask[1, width - len(short):] = torch.tensor(short), 1
+    generated = lm._model_generate(context, width + 6, stop=[], attention_mask=mask)
+    assert generated[0].tolist() == ids
