@@ -127,18 +127,25 @@ class HFHeadAblateLM(HFLM):
             "dtype": str(self.model.dtype), "attn_out": attn_out,
         }
         if texts is not None:
-            self.set_reference_set(texts, ablation_cache)
+            self.set_ablation(self.ablation, texts, ablation_cache)
         self._cache_db = None
         self.set_heads(requested)
 
-    def set_reference_set(self, texts: list[str],
-                          cache_dir: str | os.PathLike | None = None) -> None:
-        """The reference examples of mean or resample ablation (``ablation.py``): for mean,
-        their per-head means (from the cache under ``cache_dir``, or one pass over them);
-        for resample, the donors."""
-        if self.ablation == "zero":
-            raise AblationError("ablation=zero uses no reference set")
-        check_reference_set(self.ablation, texts)
+    def set_ablation(self, kind: str, texts: list[str] | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> None:
+        """Switch the ablation kind on the live model (``ablation.py``). Mean and resample
+        need the reference examples ``texts``: for mean their per-head means (from the
+        cache under ``cache_dir``, or one pass over them), for resample the donors."""
+        kind = check_ablation(kind)
+        if (kind == "zero") != (texts is None):
+            raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
+                                                        else "needs reference texts"))
+        self.knockout.set_replacement(None)
+        self.ablation, self.resampler, self.means_file = kind, None, None
+        self.reference_digest = None
+        if texts is None:
+            return
+        check_reference_set(kind, texts)
         tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
         self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         knockout = self.knockout

@@ -291,6 +291,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "signal": "logprob", "bootstrap": 9, "design_seed": 4, "max_masks": 12, "prior": "atp",
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
+        "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
     }
     from dataclasses import fields
 
@@ -299,7 +300,8 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     # What each command's measurements depend on, written out: the options every
     # measuring command shares, and its own (a refittable setting resumes).
     shared = {"model_args", "tasks", "include_path", "num_samples", "seed",
-              "apply_chat_template", "signal", "never_ablate", "exclude", "top_k"}
+              "apply_chat_template", "signal", "never_ablate", "exclude", "top_k",
+              "ablation", "scale", "ablation_data"}
     design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
                                                                 "bootstrap"},
@@ -381,7 +383,8 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
                                      ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
-                                     ["--sparsity", "auto"]])
+                                     ["--sparsity", "auto"], ["--ablation", "mean"],
+                                     ["--ablation", "resample", "--scale", "0.5"]])
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",

@@ -27,17 +27,22 @@ def scaled_head(lm, head: Head, factor: float):
     return module.register_forward_pre_hook(scale)
 
 
-@pytest.mark.parametrize("family, task", [("llama", "tiny_copy"), ("llama", "tiny_choice"),
-                                          ("gpt2", "tiny_choice")])
-def test_attribution_is_the_signals_derivative_along_each_head(tiny_model_dir, task_manager,
-                                                               family, task):
-    lm = load_lm(tiny_model_dir(family), dtype="float64", softmax_dtype="float64")
+def _measure_and_attribute(lm, task_manager, task: str):
+    """The logprob measurement of ``task`` on ``lm`` and the prior's estimates on it."""
     measure = HarnessMeasurement(lm, [(task, None)], {task: task_manager.load([task])},
                                  num_samples=None, signal="logprob")
     requests = measure._recorded()
     answers = loglikelihoods_for_masks(lm, requests, [[]])[0]
     weights = signal_weights(measure._golds, answers, measure.leaves_of[task])
-    effects = attribution_effects(lm, requests, weights, batch_size=3)
+    return measure, attribution_effects(lm, requests, weights, batch_size=3)
+
+
+@pytest.mark.parametrize("family, task", [("llama", "tiny_copy"), ("llama", "tiny_choice"),
+                                          ("gpt2", "tiny_choice")])
+def test_attribution_is_the_signals_derivative_along_each_head(tiny_model_dir, task_manager,
+                                                               family, task):
+    lm = load_lm(tiny_model_dir(family), dtype="float64", softmax_dtype="float64")
+    measure, effects = _measure_and_attribute(lm, task_manager, task)
     layers, per_layer = lm.knockout.num_layers, lm.knockout.heads_per_layer
     assert effects.shape == (layers * per_layer,)
     eps = 1e-2  # float64 forwards still differ by ~1e-9: a smaller step is noise
@@ -71,4 +76,38 @@ def test_the_prior_is_of_the_unablated_model_whatever_was_measured_last(tiny_mod
     assert lm.knockout.heads  # so the check below could fail
     after = measure.attribution()["tiny_choice"]
     np.testing.assert_allclose(after, fresh, rtol=1e-9, atol=1e-12)
+    torch.set_grad_enabled(True)
+
+
+def test_attribution_follows_the_ablation_kind_and_scale(tiny_model_dir, task_manager,
+                                                         tmp_path):
+    """Under mean ablation at scale s a head's slice moves by (1 - s)(mean - z): the
+    estimate must be the signal's derivative along that direction, scaled."""
+    reference = tmp_path / "reference.txt"
+    reference.write_text("the cat sat on the mat\nMary and John went to the store\n",
+                         encoding="utf-8")
+    lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64",
+                 ablation="mean", scale=0.5, ablation_data=str(reference),
+                 ablation_cache=str(tmp_path))
+    task = "tiny_choice"
+    measure, effects = _measure_and_attribute(lm, task_manager, task)
+    d, eps = lm.knockout.head_dim, 1e-2
+    for flat in (0, 5):
+        head = Head.from_flat_index(flat, lm.knockout.heads_per_layer)
+        mean = lm.knockout._replacement[head.layer][head.head]
+        part = slice(head.head * d, (head.head + 1) * d)
+        values = []
+        for step in (eps, -eps):
+            def toward_mean(_module, args, step=step, part=part, mean=mean):
+                z = args[0].clone()
+                z[..., part] += step * (mean - z[..., part])
+                return (z, *args[1:])
+            handle = lm.knockout.modules[head.layer].register_forward_pre_hook(toward_mean)
+            try:
+                values.append(measure.measure_with_model([])[task].value)
+            finally:
+                handle.remove()
+        derivative = (values[0] - values[1]) / (2 * eps)
+        assert abs(derivative) > 1e-4  # the direction matters, so the test could fail
+        assert effects[flat] == pytest.approx(0.5 * derivative, rel=1e-3, abs=1e-6)
     torch.set_grad_enabled(True)

@@ -26,7 +26,7 @@ from .greedy import greedy
 from .locate import locate, refit
 from .report import HeadRanking
 from .runfolder import RunFolder, RunFolderError
-from .spec import COMMAND_OPTIONS, RunSpec, add_options
+from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
 from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
 from .universal import universal, universal_table
 from .verify import verification_markdown, verify
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="knock out a run's top 1..k heads on task + general tasks")
     p.add_argument("run", metavar="RUN_DIR")
     add_options(p, COMMAND_OPTIONS["verify"])
+    add_options(p, ABLATION_FLAGS, keep_stored=True)  # default: the run's ablation
     _add_out(p, None, "folder for the table (default RUN_DIR/verify)")
 
     p = sub.add_parser("universal", help="heads in the top-k of several tasks' runs")
@@ -114,7 +115,9 @@ def run(args: argparse.Namespace) -> None:
         _print_rankings(greedy(args.out, RunSpec.from_namespace(args), force=args.force),
                         args.out)
     elif command == "verify":
-        table = verify(args.run, args.out, RunSpec.from_namespace(args), force=args.force)
+        kind = {name: vars(args).pop(name) for name in ABLATION_FLAGS}  # None: the run's
+        table = verify(args.run, args.out, RunSpec.from_namespace(args), force=args.force,
+                       **kind)
         print(verification_markdown(table))
     elif command == "universal":
         result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)

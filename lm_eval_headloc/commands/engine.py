@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError
 from ..embedded import smollm2_location, smollm2_model_args
 from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
@@ -25,7 +26,7 @@ from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
 
 __all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
-           "prepare", "record_examples", "run_plan"]
+           "prepare", "record_examples", "run_plan", "set_ablation"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -44,6 +45,9 @@ class Setup:
     loaded: dict[str, Any]  # task name -> lm-eval's TaskManager.load result, built once
     exclude: list[Head]
     never_ablate: list[Head]
+    # Mean/resample's reference examples when --ablation-data names them; None: the run's
+    # own tasks on its example subset, taken once the measurement has chosen it.
+    reference: list[str] | None = None
 
     @property
     def total_heads(self) -> int:
@@ -52,6 +56,21 @@ class Setup:
     @property
     def task_names(self) -> list[str]:
         return [name for name, _ in self.tasks]
+
+    @property
+    def run_task_names(self) -> list[str]:
+        """The run's own tasks (``task_names`` less verify's general tasks)."""
+        return self.task_names[:len(self.spec.tasks)]
+
+    def reference_texts(self, subset: Mapping[str, list[int]] | None) -> list[str]:
+        """Mean/resample's reference examples: --ablation-data's, else the prompts of the
+        run's own tasks on ``subset``."""
+        from ..ablation import task_texts
+
+        if self.reference is not None:
+            return self.reference
+        return [text for name in self.run_task_names
+                for text in task_texts(self.loaded[name]["tasks"], subset)]
 
 
 def resolve_model_args(model_args: str | None) -> str:
@@ -196,7 +215,15 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             flag = "--max-masks" if spec.masks == "auto" else "--masks"
             raise UsageError(f"{flag} {spec.design_rows}: --sparsity auto's pilot alone takes "
                              f"{pilot} measurements; give more")
-    return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never)
+    reference = None
+    if spec.ablation != "zero" and spec.ablation_data is not None:
+        try:
+            reference = reference_texts(spec.ablation_data, task_manager=manager)
+            check_reference_set(spec.ablation, reference)
+        except AblationError as err:
+            raise UsageError(f"--ablation-data: {err}") from None
+    return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never,
+                 reference)
 
 
 def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> None:
@@ -213,8 +240,9 @@ def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> 
 def load_model(setup: Setup) -> Any:
     from ..model import HFHeadAblateLM
 
-    return HFHeadAblateLM.create_from_arg_string(setup.spec.model_args,
-                                                 {"batch_size": setup.spec.batch_size})
+    # The kind is set once the reference set is known (open_measurement); the scale now.
+    return HFHeadAblateLM.create_from_arg_string(
+        setup.spec.model_args, {"batch_size": setup.spec.batch_size, "scale": setup.spec.scale})
 
 
 def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
@@ -230,7 +258,34 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal)
     record_examples(folder, setup, measure, num_samples)
+    set_ablation(setup, lm, measure.subset, folder)
     return measure
+
+
+def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
+                 folder: RunFolder | None = None) -> None:
+    """Put ``setup``'s ablation kind on ``lm``: mean and resample take their reference
+    examples from --ablation-data, or else from the run's own tasks on ``subset``; mean's
+    statistics are cached in ``folder`` (``means/``). What was used goes into its config."""
+    spec = setup.spec
+    if spec.ablation == "zero":
+        lm.set_ablation("zero")
+        texts, source = None, None
+    else:
+        texts = setup.reference_texts(subset)
+        source = spec.ablation_data or ("the run's tasks on its example subset: "
+                                        + ",".join(setup.run_task_names))
+        try:
+            lm.set_ablation(spec.ablation, texts,
+                            None if folder is None else folder.file("means"))
+        except AblationError as err:
+            raise UsageError(f"--ablation {spec.ablation}: {err}") from None
+    if folder is not None:
+        folder.update_config(ablation={
+            "kind": spec.ablation, "scale": spec.scale, "reference": source,
+            "reference_examples": None if texts is None else len(texts),
+            "reference_digest": lm.reference_digest, "means_file": lm.means_file,
+            "resample_seed": lm.resample_seed if spec.ablation == "resample" else None})
 
 
 def record_examples(folder: RunFolder | None, setup: Setup, measure: Any,

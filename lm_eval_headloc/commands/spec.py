@@ -25,12 +25,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..ablation import ABLATIONS
 from ..checks import UsageError, check_number
 from ..designs import DESIGNS
 from ..signals import SIGNALS
 
-__all__ = ["COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError", "add_options",
-           "parse_batch_size"]
+__all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError",
+           "add_options", "parse_batch_size"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --prior's values: auto resolves to atp or none once the tasks and model are known.
@@ -144,6 +145,18 @@ class RunSpec:
     never_ablate: str | None = _option(
         None, "heads kept out of every mask (L0H1+L2H3 or a head file, e.g. universal.json)",
         metavar="HEADS|FILE")
+    ablation: str = _option(
+        "zero", "what a knocked-out head's output becomes: zero; mean, its mean over the "
+                "reference set's tokens; resample, its output on another example of the "
+                "reference set", choices=ABLATIONS)
+    scale: float = _option(
+        0.0, "knocked-out heads' outputs become replacement + S x (output - replacement): 0 "
+             "replaces them, 1 leaves them as they are, 2 amplifies (with --ablation zero: "
+             "the output doubled)", parse=float, metavar="S", whole=False)
+    ablation_data: str | None = _option(
+        None, "reference set of --ablation mean or resample: a text file (one example per "
+              "line), a JSONL file (its text field) or an lm-eval task (default: the run's "
+              "tasks on its example subset)", metavar="FILE|TASK")
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     masks: int | str = _option(
@@ -275,7 +288,10 @@ class RunSpec:
         parse_batch_size(self.batch_size)
         parse_masks(self.masks)
         parse_sparsity(self.sparsity)
-        for name in ("model_args", "never_ablate", "exclude"):
+        if self.ablation_data is not None and self.ablation == "zero":
+            raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
+                             "--ablation mean or resample; zero ablation uses none")
+        for name in ("model_args", "never_ablate", "exclude", "ablation_data"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
@@ -284,6 +300,15 @@ class RunSpec:
         if self.model_args is not None and not self.model_args.strip():
             raise UsageError("--model-args '': give pretrained=<model> (or leave it out for "
                              "the embedded SmolLM2)")
+        if self.model_args is not None:
+            given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
+            clash = sorted(given & set(ABLATION_FLAGS))
+            if clash:
+                raise UsageError(f"--model-args {clash[0]}=...: give it as "
+                                 f"{ABLATION_FLAGS[clash[0]]}, which the run records")
+        if self.ablation_data is not None and not self.ablation_data.strip():
+            raise UsageError("--ablation-data '': give a file or a task, or leave it out for "
+                             "the run's tasks")
         if any(not str(folder).strip() for folder in self.include_path):
             raise UsageError("--include-path '': give a folder of task YAMLs")
         return self
@@ -325,16 +350,21 @@ def _jsonable(value: Any) -> Any:
 
 # --- the command line ------------------------------------------------------------------
 
+#: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
+ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
+                  "ablation_data": "--ablation-data"}
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
-              "apply_chat_template", "signal", "never_ablate", "exclude", "top_k", "batch_size",
-              "masks_per_pass", "confirm_run_unsafe_code", "verbose")
+              "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
+              "ablation_data", "exclude", "top_k", "batch_size", "masks_per_pass",
+              "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
                             "prior", "confirm", "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
+    # verify's ablation flags default to the run's (add_options(keep_stored=True)).
     "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
                "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.

@@ -16,7 +16,7 @@ from ..heads import parse_heads, read_heads_file
 from .engine import is_embedded, load_model, open_measurement, prepare, run_plan
 from .report import relative_drop
 from .runfolder import RunFolder, RunFolderError
-from .spec import COMMAND_OPTIONS, RunSpec
+from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "verification_markdown", "verify"]
 
@@ -30,17 +30,24 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     """Verify run ``run``; the table goes to ``out`` (default ``RUN/verify``).
 
     The model, tasks and chat-template setting are the run's; ``spec`` or keyword options
-    give verify's own (top_k, general, limit, batch_size, …).
+    give verify's own (top_k, general, limit, batch_size, …). ``ablation``, ``scale`` and
+    ``ablation_data`` keywords change the run's ablation for the verification.
     """
     source = RunFolder(run)
     config = source.read_config()
     out = Path(out) if out is not None else Path(run) / "verify"
     RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
+    # The ablation is the run's unless given (verify --ablation mean checks heads found
+    # under one kind under another); zero ablation takes no reference set.
+    kind = {name: options.pop(name) for name in ABLATION_FLAGS if options.get(name) is not None}
+    if kind.get("ablation") == "zero":
+        kind.setdefault("ablation_data", None)
     own = (spec or RunSpec()).replace(**options)
     # Verification reports the tasks' own metrics, whatever signal the run ranked by.
     spec = RunSpec.from_config(config).replace(
         signal="metric",
-        **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")})
+        **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
+        **kind)
     spec.validate()
     heads_by_task: dict[str, list[str]] = {}
     for task_spec in spec.tasks:
@@ -58,6 +65,9 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     general = tuple(g for g in general if g not in heads_by_task)
     spec = spec.replace(general=general)
     setup = prepare(spec, extra_tasks=general)
+    if spec.ablation != "zero":
+        # The run's own tasks on the run's example subset (verify's --limit is another).
+        setup.reference = setup.reference_texts(config.get("example_subset"))
     with RunFolder(out) as folder:
         folder.start("verify", {**spec.identity("verify"), "run": str(Path(run).resolve()),
                                 "heads": {t: "+".join(h) for t, h in heads_by_task.items()}},

@@ -1,0 +1,136 @@
+"""Ablation kinds through headloc-harness (issue 11): flags, run identity, verify.
+
+Expected scores come from lm-eval itself answering with a separately built
+``hf-headablate`` model (``simple_evaluate``), never from the harness's own files.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TASKS
+from test_commands import (
+    harness,
+    last_error,
+    no_model_loading,  # noqa: F401 (a fixture, used by name)
+    strict_json,
+    tiny_args,
+)
+
+TEXTS = ["the cat sat on the mat", "Mary and John went to the store",
+         "one plus two equals three", "the dog gave a drink to the cat when it sat"]
+
+
+def _records(folder):
+    return {r["key"]: r for r in map(json.loads,
+                                     (folder / "measurements.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture
+def reference(tmp_path):
+    path = tmp_path / "reference.txt"
+    path.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["mean", "resample"])
+def test_greedy_under_a_kind_scores_what_lm_eval_scores_with_that_model(
+        kind, tiny_model_dir, tmp_path, reference):
+    import lm_eval
+
+    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.tasks import make_task_manager
+
+    folder = tiny_model_dir("llama")
+    out = tmp_path / "run"
+    # 100 samples > tiny_choice's 4 documents: every document, as simple_evaluate below.
+    assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_choice", "--ablation", kind,
+                   "--ablation-data", str(reference), "--scale", "0.25",
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    assert config["identity"]["ablation"] == kind and config["identity"]["scale"] == 0.25
+    assert config["ablation"]["reference"] == str(reference)
+    assert config["ablation"]["reference_examples"] == len(TEXTS)
+    records = _records(out)
+    manager = make_task_manager([TASKS])
+    for heads in ("L0H1", "L1H3"):
+        record = next(r for r in records.values() if r["mask"] == heads)
+        lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
+                            ablate=heads, ablation=kind, scale=0.25,
+                            ablation_data=str(reference), ablation_cache=str(tmp_path / "c"))
+        results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
+                                          task_manager=manager)
+        assert record["scores"]["tiny_choice"] == pytest.approx(
+            results["results"]["tiny_choice"]["acc,none"])
+
+
+def test_locate_mean_by_default_on_the_runs_examples_with_k_masks_per_pass(
+        tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("qwen2")
+    args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy_ppl", "--masks", "12",
+            "--sparsity", "0.25", "--num-samples", "6", "--ablation", "mean"]
+    assert harness(*args, "--out", str(tmp_path / "one"), "--masks-per-pass", "1") == 0
+    assert harness(*args, "--out", str(tmp_path / "four"), "--masks-per-pass", "4") == 0
+    one, four = _records(tmp_path / "one"), _records(tmp_path / "four")
+    assert one.keys() == four.keys()
+    for key in one:
+        assert one[key]["scores"] == pytest.approx(four[key]["scores"], abs=1e-5)
+    config = strict_json(tmp_path / "one" / "config.json")
+    assert config["ablation"]["reference"].startswith("the run's tasks on its example subset")
+    assert config["ablation"]["reference_examples"] == 6  # the subset, not every document
+    means = config["ablation"]["means_file"]
+    assert means.startswith(str(tmp_path / "one" / "means"))
+    # Mean ablation is not zero ablation: the same masks score otherwise.
+    assert harness(*args[:-2], "--out", str(tmp_path / "zero")) == 0
+    zero = _records(tmp_path / "zero")
+    assert any(abs(zero[k]["scores"]["tiny_copy_ppl"] - one[k]["scores"]["tiny_copy_ppl"])
+               > 1e-4 for k in one if k != "baseline")
+
+
+def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys):
+    folder = tiny_model_dir("llama")
+    run = tmp_path / "run"
+    assert harness("locate", *tiny_args(folder), "--tasks", "tiny_copy_ppl", "--masks", "8",
+                   "--sparsity", "0.25", "--num-samples", "5", "--out", str(run)) == 0
+    assert harness("verify", str(run), "--top-k", "2", "--general", "tiny_choice",
+                   "--out", str(tmp_path / "zero")) == 0
+    assert harness("verify", str(run), "--top-k", "2", "--general", "tiny_choice",
+                   "--ablation", "mean", "--out", str(tmp_path / "mean")) == 0
+    zero = strict_json(tmp_path / "zero" / "verify.json")
+    mean = strict_json(tmp_path / "mean" / "verify.json")
+    rows = "tiny_copy_ppl"
+    assert zero["rows"][rows][1]["heads"] == mean["rows"][rows][1]["heads"]
+    assert strict_json(tmp_path / "zero" / "config.json")["ablation"]["kind"] == "zero"
+    config = strict_json(tmp_path / "mean" / "config.json")
+    assert config["identity"]["ablation"] == "mean"
+    assert config["ablation"]["reference_examples"] == 5  # the run's example subset
+    assert zero["baseline"] == mean["baseline"]  # nothing knocked out: no kind at all
+    assert all(abs(a["score"] - b["score"]) > 1e-6
+               for a, b in zip(zero["rows"][rows], mean["rows"][rows], strict=True))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ablation", "median"], "invalid choice: 'median'"),
+    (["--scale", "inf"], "--scale inf: must be"),
+    (["--ablation-data", "ref.txt"], "a reference set is for --ablation mean or resample"),
+    (["--ablation", "mean", "--ablation-data", "no_such_task"],
+     "--ablation-data: ablation_data='no_such_task' is neither a file nor an lm-eval task"),
+    (["--ablation", "resample", "--ablation-data", "ONE"],
+     "needs at least two different reference examples"),
+    (["--model-args", "pretrained=x,ablation=mean"], "--model-args ablation=...: give it as "
+                                                      "--ablation"),
+])
+@pytest.mark.usefixtures("no_model_loading")
+def test_bad_ablation_flags_are_one_line_before_loading(tiny_model_dir, tmp_path, capsys,
+                                                        extra, message):
+    one = tmp_path / "one.txt"
+    one.write_text("a single example\n", encoding="utf-8")
+    extra = [str(one) if arg == "ONE" else arg for arg in extra]
+    out = tmp_path / "run"
+    for command in ("locate", "greedy"):
+        code = harness(command, *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                       "--out", str(out), *extra)
+        assert code == 2
+        assert message in last_error(capsys)
+        assert not out.exists()
