@@ -255,18 +255,21 @@ def test_bad_ablation_input_is_one_line_before_any_weights_load(args, message, t
     assert "\n" not in str(error.value)
 
 
-def test_stock_cli_runs_mean_ablation_and_refuses_a_bad_kind(tiny_model_dir, reference_file,
+def test_stock_cli_runs_mean_and_resample_and_refuses_a_bad_kind(tiny_model_dir, reference_file,
                                                              tmp_path):
     folder = tiny_model_dir("llama")
     base = [LM_EVAL, "--model", "hf-headablate", "--device", "cpu", "--tasks", "tiny_copy",
             "--include_path", TASKS, "--limit", "4"]
-    args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation=mean,"
-            f"ablation_data={reference_file},ablation_cache={tmp_path / 'cache'}")
-    ran = subprocess.run([*base, "--model_args", args, "--output_path", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
-    assert "tiny_copy" in results["results"]
+    for kind in ("mean", "resample"):
+        args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation={kind},scale=0.5,"
+                f"ablation_data={reference_file},ablation_cache={tmp_path / 'cache'}")
+        out = tmp_path / kind
+        ran = subprocess.run([*base, "--model_args", args, "--output_path", str(out)],
+                             capture_output=True, text=True, timeout=300)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        results = json.loads(next(out.rglob("results_*.json")).read_text())
+        assert "tiny_copy" in results["results"]
+        assert results["config"]["model_args"]["ablation"] == kind
     assert any((tmp_path / "cache").glob("means-*.pt"))
     bad = subprocess.run([*base, "--model_args", f"pretrained={folder},ablation=median"],
                          capture_output=True, text=True, timeout=300)
