@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -162,7 +163,7 @@ class HFHeadAblateLM(HFLM):
 
         means, path = cached_head_means(fields, compute, cache_dir)
         knockout.set_replacement(means)
-        self.means_file = str(path)
+        self.means_file = str(Path(path).resolve())
 
     @contextlib.contextmanager
     def donors_for(self, input_ids: Any, attention_mask: Any = None, columns: int | None = None,
