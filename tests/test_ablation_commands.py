@@ -134,3 +134,16 @@ def test_bad_ablation_flags_are_one_line_before_loading(tiny_model_dir, tmp_path
         assert code == 2
         assert message in last_error(capsys)
         assert not out.exists()
+
+
+def test_sweep_cells_measure_and_record_the_kind(tiny_model_dir, tmp_path, reference):
+    out = tmp_path / "sweep"
+    assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy_ppl",
+                   "--masks", "6", "--sparsity", "0.25,0.5", "--num-samples", "4",
+                   "--confirm", "2", "--ablation", "resample", "--ablation-data",
+                   str(reference), "--out", str(out)) == 0
+    for cell in ("m6-p0.25", "m6-p0.5"):
+        config = strict_json(out / cell / "config.json")
+        assert config["identity"]["ablation"] == "resample"
+        assert config["ablation"]["reference_examples"] == len(TEXTS)
+    assert strict_json(out / "config.json")["ablation"]["kind"] == "resample"

@@ -258,15 +258,16 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal)
     record_examples(folder, setup, measure, num_samples)
-    set_ablation(setup, lm, measure.subset, folder)
+    measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
     return measure
 
 
 def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
-                 folder: RunFolder | None = None) -> None:
+                 folder: RunFolder | None = None) -> dict[str, Any]:
     """Put ``setup``'s ablation kind on ``lm``: mean and resample take their reference
     examples from --ablation-data, or else from the run's own tasks on ``subset``; mean's
-    statistics are cached in ``folder`` (``means/``). What was used goes into its config."""
+    statistics are cached in ``folder`` (``means/``). What was used goes into its config,
+    and is returned."""
     spec = setup.spec
     if spec.ablation == "zero":
         lm.set_ablation("zero")
@@ -280,12 +281,13 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
                             None if folder is None else folder.file("means"))
         except AblationError as err:
             raise UsageError(f"--ablation {spec.ablation}: {err}") from None
-    if folder is not None:
-        folder.update_config(ablation={
-            "kind": spec.ablation, "scale": spec.scale, "reference": source,
+    used = {"kind": spec.ablation, "scale": spec.scale, "reference": source,
             "reference_examples": None if texts is None else len(texts),
             "reference_digest": lm.reference_digest, "means_file": lm.means_file,
-            "resample_seed": lm.resample_seed if spec.ablation == "resample" else None})
+            "resample_seed": lm.resample_seed if spec.ablation == "resample" else None}
+    if folder is not None:
+        folder.update_config(ablation=used)
+    return used
 
 
 def record_examples(folder: RunFolder | None, setup: Setup, measure: Any,

@@ -309,6 +309,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
         else:  # sweep's measurement, shared by its cells: record it here too
             record_examples(folder, setup, measure, num_samples=None)
+            folder.update_config(ablation=getattr(measure, "ablation_config", None))
         sparsity, row_keys, rows, spent = _pilot(folder, measure, spec, setup, never)
         main = spec.design_rows - len(row_keys) - spent
         matrix = np.vstack([rows, design_matrix(spec.design, main, setup.total_heads,
