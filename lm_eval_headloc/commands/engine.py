@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from ..signals import SIGNAL_OUTPUT_TYPES
 from ..tasks import check_task_names, make_task_manager
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
+from .workers import check_workers
 
 __all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
            "prepare", "record_examples", "run_plan", "set_ablation"]
@@ -149,6 +150,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     metrics, whether they run model-written code) and every head list — all before any
     weights load. ``extra_tasks`` are measured too (verify's general tasks)."""
     spec.validate()
+    check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker)
     model_args = resolve_model_args(spec.model_args)
     num_layers, heads_per_layer = model_geometry(model_args)
     try:
@@ -259,6 +261,11 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         verbose=spec.verbose, signal=spec.signal)
     record_examples(folder, setup, measure, num_samples)
     measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
+    if spec.workers > 1:
+        from .workers import start_workers
+
+        measure = start_workers(setup, measure, num_samples=num_samples, limit=limit,
+                                extra_tasks=setup.task_names[len(setup.run_task_names):])
     return measure
 
 
@@ -330,21 +337,29 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
                 "(use another --out or --force)")
     todo = [(key, heads) for key, heads in plan if key not in done]
     many = hasattr(measure, "measure_many")
+    distributed = hasattr(measure, "measure_chunks")
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if many and todo else 1
     step = masks_per_pass if many else 1
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
-               disable=not progress, dynamic_ncols=True)
-    try:
-        for start_index in range(0, len(todo), step):
-            chunk = todo[start_index:start_index + step]
+    chunks = [todo[start:start + step] for start in range(0, len(todo), step)]
+
+    def measured_in_turn() -> Iterator[tuple[int, list[Mapping[str, TaskScore]], float]]:
+        for index, chunk in enumerate(chunks):
             start = time.perf_counter()
             if step > 1:
                 all_scores = measure.measure_many([h for _, h in chunk], masks_per_pass=step)
             else:
                 all_scores = [measure(chunk[0][1])]
-            seconds = (time.perf_counter() - start) / len(chunk)
-            for (key, heads), scores in zip(chunk, all_scores, strict=True):
+            yield index, all_scores, (time.perf_counter() - start) / len(chunk)
+
+    # On workers (--workers) chunks complete in any order; each is written as it arrives.
+    results = (measure.measure_chunks([[h for _, h in c] for c in chunks], masks_per_pass)
+               if distributed else measured_in_turn())
+    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for index, all_scores, seconds in results:
+            for (key, heads), scores in zip(chunks[index], all_scores, strict=True):
                 record = {
                     "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
                     "scores": {name: s.value for name, s in scores.items()},
@@ -361,4 +376,6 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
                 bar.update(1)
     finally:
         bar.close()
+        if distributed and todo:
+            folder.update_config(workers=measure.workers_config())
     return {key: done[key] for key, _ in plan}

@@ -211,6 +211,17 @@ class RunSpec:
         None, "masks evaluated together in one forward pass (loglikelihood tasks; default: "
               "1 on CPU, from free memory on a GPU)", RUNTIME, parse=int, metavar="K",
         whole=True, min_val=1)
+    workers: int = _option(
+        1, "measure on N Ray workers, each loading the model once (a local Ray unless "
+           "--ray-address; needs pip install 'lm-eval-headloc[ray]')", RUNTIME, parse=int,
+        metavar="N", whole=True, min_val=1)
+    ray_address: str | None = _option(
+        None, "with --workers: join this Ray cluster (e.g. auto, or HOST:6379 from ray "
+              "start --head)", RUNTIME, metavar="ADDR")
+    gpus_per_worker: float | None = _option(
+        None, "with --workers: GPUs per worker (default 1 where CUDA is available, else 0; "
+              "more than 1 spreads the model over them with parallelize=True on one node)",
+        RUNTIME, parse=float, metavar="G", whole=False, min_val=0)
     confirm_run_unsafe_code: bool = _option(
         False, "allow tasks that execute model-written code (mbpp, humaneval)", RUNTIME,
         switch="store_true")
@@ -291,7 +302,7 @@ class RunSpec:
         if self.ablation_data is not None and self.ablation == "zero":
             raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
                              "--ablation mean or resample; zero ablation uses none")
-        for name in ("model_args", "never_ablate", "exclude", "ablation_data"):
+        for name in ("model_args", "never_ablate", "exclude", "ablation_data", "ray_address"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
@@ -357,7 +368,8 @@ ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
               "ablation_data", "exclude", "top_k", "batch_size", "masks_per_pass",
-              "confirm_run_unsafe_code", "verbose")
+              "workers", "ray_address", "gpus_per_worker", "confirm_run_unsafe_code",
+              "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
                             "prior", "confirm", "alpha", "bootstrap"),
@@ -365,8 +377,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
-    "verify": ("top_k", "general", "limit", "batch_size", "confirm_run_unsafe_code",
-               "verbose"),
+    "verify": ("top_k", "general", "limit", "batch_size", "workers", "ray_address",
+               "gpus_per_worker", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks"})),
 }

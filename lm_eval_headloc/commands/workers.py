@@ -1,0 +1,265 @@
+"""Measurements on many processes, GPUs and nodes: Ray actors, each with its own model.
+
+Masks are independent, so the unit of work is a chunk of masks (one forward pass's worth
+with ``--masks-per-pass K``). ``--workers N`` (N > 1) starts N long-lived Ray actors
+(:class:`MeasurementWorker`); each loads the model once and rebuilds the tasks and the
+fixed example subset from the run's spec, exactly as the driver did. Before any work a
+worker reports a fingerprint of its recorded requests and its unablated scores; the
+driver refuses one that differs from its own (another model, task version or subset).
+
+Only the driver generates masks and writes the run folder: ``engine.run_plan`` appends
+each chunk's records by mask key as results arrive, in any order, so resume works as
+before. A chunk whose worker dies is given to another worker; the run fails, with what
+was measured kept on disk, only when no worker is left.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..checks import UsageError
+from ..heads import Head, format_heads, parse_heads
+from ..metrics import TaskScore
+
+__all__ = ["RAY_EXTRA", "DistributedMeasurement", "MeasurementWorker", "WorkerError",
+           "check_workers", "measurement_fingerprint", "start_workers"]
+
+log = logging.getLogger("lm_eval_headloc")
+
+RAY_EXTRA = "pip install 'lm-eval-headloc[ray]'"
+#: Environment variables of torch.distributed / accelerate launchers: a worker inheriting
+#: them (a driver started by torchrun or under Slurm) would make HFLM set up a process
+#: group of its own. Each worker is a single process with its own devices.
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                   "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                   "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+#: Unablated scores of a worker and of the driver may differ by float rounding at most.
+BASELINE_TOLERANCE = 1e-6
+
+
+class WorkerError(UsageError):
+    """Workers that cannot be used (refused, or all gone): reported in one line."""
+
+
+def check_workers(workers: int, ray_address: str | None, gpus_per_worker: float | None
+                  ) -> None:
+    """Refuse what cannot work, before any model loads: Ray options without workers, or
+    workers without Ray installed."""
+    if workers == 1:
+        for flag, value in (("--ray-address", ray_address),
+                            ("--gpus-per-worker", gpus_per_worker)):
+            if value is not None:
+                raise UsageError(f"{flag} {value}: is for --workers N with N > 1")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(f"--workers {workers}: needs Ray, which is not installed; "
+                         f"install it with {RAY_EXTRA}")
+
+
+def measurement_fingerprint(measure: Any) -> str:
+    """A digest of what a measurement asks the model: the example subset and every
+    request lm-eval built for it (few-shot contexts, chat templates and all)."""
+    instances = measure._recorded_instances()
+    text = json.dumps({"subset": measure.subset, "limit": measure.limit,
+                       "signal": measure.signal,
+                       "requests": [[i.request_type, i.task_name, i.doc_id, i.idx,
+                                     list(map(str, i.args))] for i in instances]},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _scores_as_values(scores: Mapping[str, TaskScore]) -> dict[str, float]:
+    return {name: float(score.value) for name, score in scores.items()}
+
+
+class MeasurementWorker:
+    """One worker's model and measurement (made a Ray actor by :func:`start_workers`).
+
+    Built from the driver's resolved spec, the extra tasks it measures (verify's general
+    tasks), its example count or limit and its reference set, so it measures exactly
+    what the driver would.
+    """
+
+    def __init__(self, spec: dict[str, Any], extra_tasks: Sequence[str],
+                 num_samples: int | None, limit: int | None,
+                 reference: list[str] | None, threads: int | None = None) -> None:
+        for name in DISTRIBUTED_ENV:
+            os.environ.pop(name, None)
+        import torch
+
+        from .engine import load_model, open_measurement, prepare
+        from .spec import RunSpec
+
+        if threads:  # several workers on one machine share its cores
+            torch.set_num_threads(threads)
+        self.setup = prepare(RunSpec(**spec).replace(workers=1, ray_address=None,
+                                                     gpus_per_worker=None),
+                             extra_tasks=extra_tasks)
+        self.setup.reference = reference
+        self.measure = open_measurement(self.setup, load_model(self.setup), None,
+                                        num_samples=num_samples, limit=limit)
+
+    def describe(self) -> dict[str, Any]:
+        """What the driver checks (fingerprint, unablated scores) and records (where)."""
+        import platform
+
+        return {"fingerprint": measurement_fingerprint(self.measure),
+                "baseline": _scores_as_values(self.measure([])),
+                "device": str(self.measure.lm.device), "host": platform.node(),
+                "pid": os.getpid()}
+
+    def measure_masks(self, masks: Sequence[str], masks_per_pass: int | None
+                      ) -> list[dict[str, TaskScore]]:
+        heads = [parse_heads(mask) if mask else [] for mask in masks]
+        if len(heads) > 1 and hasattr(self.measure, "measure_many"):
+            per_pass = masks_per_pass or self.measure.auto_masks_per_pass()
+            return self.measure.measure_many(heads, masks_per_pass=per_pass)
+        return [self.measure(h) for h in heads]
+
+
+class DistributedMeasurement:
+    """The driver's measurement (``local``: prior, baseline checks, everything but the
+    masks) with its masks measured on Ray actors (:meth:`measure_chunks`)."""
+
+    def __init__(self, local: Any, actors: list[Any], described: list[dict[str, Any]],
+                 ray: Any) -> None:
+        self._local, self._ray = local, ray
+        self._actors = list(actors)
+        self._described = {id(a): d for a, d in zip(actors, described, strict=True)}
+        self._measured: collections.Counter[int] = collections.Counter()
+        self._seconds: dict[int, float] = collections.defaultdict(float)
+        # The actors end with this object (a command's end), not with the Python session.
+        weakref.finalize(self, _kill, ray, list(actors))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._local, name)
+
+    def __call__(self, heads: Sequence[Head]) -> dict[str, TaskScore]:
+        return self._local(heads)
+
+    def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
+                       masks_per_pass: int | None = None
+                       ) -> Iterator[tuple[int, list[dict[str, TaskScore]], float]]:
+        """Yield ``(index, scores, seconds per mask)`` of each chunk as it completes, every
+        worker kept busy; a chunk whose worker dies is given to another."""
+        ray = self._ray
+        from ray.exceptions import RayActorError
+
+        pending = collections.deque(enumerate(chunks))
+        idle = list(self._actors)
+        running: dict[Any, tuple[Any, int, float]] = {}
+        while pending or running:
+            while pending and idle:
+                actor = idle.pop(0)
+                index, chunk = pending.popleft()
+                ref = actor.measure_masks.remote([format_heads(h) for h in chunk],
+                                                 masks_per_pass)
+                running[ref] = (actor, index, time.perf_counter())
+            if not running:
+                raise WorkerError(f"every worker has died ({len(pending)} chunk(s) of masks "
+                                  "left); what was measured is on disk: rerun to resume")
+            (ref,), _ = ray.wait(list(running), num_returns=1)
+            actor, index, started = running.pop(ref)
+            try:
+                scores = ray.get(ref)
+            except RayActorError as err:
+                self._actors.remove(actor)
+                log.warning("worker %s died (%s); its masks go to the %d left",
+                            self._described[id(actor)]["pid"], str(err).splitlines()[0],
+                            len(self._actors))
+                pending.appendleft((index, chunks[index]))
+                continue
+            seconds = time.perf_counter() - started
+            self._measured[id(actor)] += len(chunks[index])
+            self._seconds[id(actor)] += seconds
+            idle.append(actor)
+            yield index, scores, seconds / max(1, len(chunks[index]))
+
+    def workers_config(self) -> list[dict[str, Any]]:
+        """Each worker's place and throughput, for config.json."""
+        rows = []
+        for key, described in self._described.items():
+            measured, seconds = self._measured[key], self._seconds[key]
+            rows.append({"host": described["host"], "pid": described["pid"],
+                         "device": described["device"], "measurements": measured,
+                         "per_second": round(measured / seconds, 4) if seconds else None,
+                         "alive": any(id(a) == key for a in self._actors)})
+        return rows
+
+    def close(self) -> None:
+        _kill(self._ray, self._actors)
+        self._actors = []
+
+
+def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
+                  num_samples: int | None = None, limit: int | None = None,
+                  worker_spec: dict[str, Any] | None = None) -> DistributedMeasurement:
+    """Start ``setup.spec.workers`` actors (a local Ray unless ``--ray-address``), check
+    each against the driver's measurement ``local``, and return the distributed
+    measurement. ``worker_spec`` overrides the spec the workers are built from (tests)."""
+    import ray
+
+    spec = setup.spec
+    workers = spec.workers
+    gpus = spec.gpus_per_worker
+    if gpus is None:
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+    if not ray.is_initialized():
+        if spec.ray_address:
+            ray.init(address=spec.ray_address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,
+                     log_to_driver=False)
+    config = dict(worker_spec or spec.as_config())
+    if gpus > 1:  # a model over several GPUs: one worker's GPUs on one node
+        config["model_args"] += ",parallelize=True"
+    threads = None if spec.ray_address or gpus else max(1, (os.cpu_count() or 1) // workers)
+    actor_class = ray.remote(MeasurementWorker)
+    actors = []
+    for _ in range(workers):
+        options: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus, "max_restarts": 0}
+        if gpus > 1:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = placement_group([{"GPU": gpus, "CPU": 1}], strategy="STRICT_PACK")
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group)
+        actors.append(actor_class.options(**options).remote(
+            config, list(extra_tasks), num_samples, limit, setup.reference, threads))
+    described = ray.get([actor.describe.remote() for actor in actors])
+    own = {"fingerprint": measurement_fingerprint(local),
+           "baseline": _scores_as_values(local([]))}
+    for seen in described:
+        if seen["fingerprint"] != own["fingerprint"]:
+            _kill(ray, actors)
+            raise WorkerError(f"worker {seen['pid']} on {seen['host']} records other requests "
+                              "than the driver (another model, task version or example "
+                              "subset); refused")
+        for task, value in own["baseline"].items():
+            other = seen["baseline"].get(task, math.nan)
+            if not math.isclose(other, value, rel_tol=BASELINE_TOLERANCE,
+                                abs_tol=BASELINE_TOLERANCE):
+                _kill(ray, actors)
+                raise WorkerError(f"worker {seen['pid']} on {seen['host']} scores {task} "
+                                  f"{other!r} unablated, the driver {value!r}; refused")
+    return DistributedMeasurement(local, actors, described, ray)
+
+
+def _kill(ray: Any, actors: list[Any]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 (already gone, or Ray already shut down)
+            pass

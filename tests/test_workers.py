@@ -1,0 +1,180 @@
+"""--workers: measurements on Ray actors (issue 12), on tiny models and a local Ray.
+
+The reference for every distributed run is the same run on one process (--workers 1):
+its measurements per mask key, its design and its ranking must come out equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import TASKS
+from test_commands import harness, last_error, tiny_args
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                reason="Ray is not installed (pip install "
+                                       "'lm-eval-headloc[ray]')")
+
+LOCATE = ["--tasks", "tiny_copy_ppl", "--masks", "10", "--sparsity", "0.25",
+          "--num-samples", "6", "--confirm", "3"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _by_key(folder):
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    keys = [r["key"] for r in records]
+    assert len(keys) == len(set(keys)), "a mask key was measured twice"
+    return {r["key"]: (r["mask"], r["scores"]) for r in records}
+
+
+def _same_run(a, b):
+    assert _by_key(a).keys() == _by_key(b).keys()
+    for key, (mask, scores) in _by_key(a).items():
+        other_mask, other_scores = _by_key(b)[key]
+        assert mask == other_mask
+        assert scores == pytest.approx(other_scores, abs=1e-6), key
+    assert np.array_equal(np.load(a / "design_matrix.npy"), np.load(b / "design_matrix.npy"))
+    heads = [json.loads((f / "heads.json").read_text())["top_k"] for f in (a, b)]
+    assert heads[0] == heads[1]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("workers") / "one"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE,
+                   "--out", str(out)) == 0
+    return out
+
+
+def test_two_workers_write_what_one_process_writes(local_ray, tiny_model_dir, tmp_path,
+                                                   one_process_run):
+    out = tmp_path / "two"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
+                   "--out", str(out)) == 0
+    _same_run(out, one_process_run)
+    workers = json.loads((out / "config.json").read_text())["workers"]
+    assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+    assert sum(w["measurements"] for w in workers) > 0
+
+
+def test_a_killed_worker_has_its_masks_measured_by_another(local_ray, tiny_model_dir,
+                                                           tmp_path, one_process_run,
+                                                           monkeypatch):
+    from lm_eval_headloc.commands import workers
+
+    original = workers.DistributedMeasurement.measure_chunks
+    killed = []
+
+    def kill_one_after_the_first_result(self, chunks, masks_per_pass=None):
+        results = original(self, chunks, masks_per_pass)
+        for result in results:
+            if not killed and len(self._actors) == 2:
+                victim = self._actors[0]
+                local_ray.kill(victim)  # it may be busy with a chunk: that one is redone
+                killed.append(victim)
+            yield result
+
+    monkeypatch.setattr(workers.DistributedMeasurement, "measure_chunks",
+                        kill_one_after_the_first_result)
+    out = tmp_path / "killed"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
+                   "--out", str(out)) == 0
+    assert killed
+    _same_run(out, one_process_run)
+    alive = [w["alive"] for w in json.loads((out / "config.json").read_text())["workers"]]
+    assert sorted(alive) == [False, True]
+
+
+def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
+        local_ray, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from lm_eval_headloc.commands import workers
+
+    original = workers.DistributedMeasurement.measure_chunks
+
+    def kill_all_after_two_results(self, chunks, masks_per_pass=None):
+        for count, result in enumerate(original(self, chunks, masks_per_pass), start=1):
+            if count == 2:
+                for actor in list(self._actors):
+                    local_ray.kill(actor)
+            yield result
+
+    monkeypatch.setattr(workers.DistributedMeasurement, "measure_chunks",
+                        kill_all_after_two_results)
+    out = tmp_path / "gone"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
+                   "--out", str(out)) != 0
+    assert "every worker has died" in last_error(capsys)
+    assert len(_by_key(out)) >= 2
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seed": 5}, "records other requests than the driver"),  # another example subset
+    ({"model_args": "OTHER"}, "unablated, the driver"),
+])
+def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_dir,
+                                                          change, message):
+    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
+    from lm_eval_headloc.commands.workers import WorkerError, start_workers
+
+    args = dict(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                tasks=("tiny_copy_ppl",), include_path=(TASKS,),
+                num_samples=6)
+    setup = prepare(RunSpec(**args))
+    local = open_measurement(setup, load_model(setup), None, num_samples=6)
+    if change.get("model_args") == "OTHER":  # same tokenizer, another model
+        change = {"model_args": f"pretrained={tiny_model_dir('qwen2')},dtype=float32"}
+    worker_spec = {**setup.spec.replace(workers=2).as_config(), **change}
+    with pytest.raises(WorkerError, match=message):
+        start_workers(setup, local, num_samples=6, worker_spec=worker_spec)
+
+
+def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, tmp_path,
+                                                    one_process_run):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2"]
+    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
+            f"sys.exit(main({args!r} + sys.argv[1:]))")
+    out = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / "measurements.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= 4:
+            process.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.05)
+    process.wait(timeout=120)
+    partial = len(log.read_text().splitlines())
+    assert 4 <= partial < len(_by_key(one_process_run)), "not interrupted part-way"
+    assert harness(*args, "--out", str(out)) == 0
+    _same_run(out, one_process_run)
+
+
+def test_workers_without_ray_or_ray_options_without_workers_are_refused(
+        tiny_model_dir, tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--out", str(tmp_path / "x")]
+    assert harness(*base, "--workers", "2") == 2
+    assert "install it with pip install 'lm-eval-headloc[ray]'" in last_error(capsys)
+    assert harness(*base, "--ray-address", "auto") == 2
+    assert "--ray-address auto: is for --workers N with N > 1" in last_error(capsys)
+    assert not (tmp_path / "x").exists()
