@@ -43,8 +43,9 @@ RAY_EXTRA = "pip install 'lm-eval-headloc[ray]'"
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                    "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
-#: Unablated scores of a worker and of the driver may differ by float rounding at most.
-BASELINE_TOLERANCE = 1e-6
+#: Unablated scores of a worker and of the driver may differ by float rounding at most
+#: (other thread counts or devices sum in another order): relative, then absolute.
+BASELINE_TOLERANCE = (1e-4, 1e-6)
 
 
 class WorkerError(UsageError):
@@ -249,8 +250,8 @@ def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
                               "subset); refused")
         for task, value in own["baseline"].items():
             other = seen["baseline"].get(task, math.nan)
-            if not math.isclose(other, value, rel_tol=BASELINE_TOLERANCE,
-                                abs_tol=BASELINE_TOLERANCE):
+            relative, absolute = BASELINE_TOLERANCE
+            if not math.isclose(other, value, rel_tol=relative, abs_tol=absolute):
                 _kill(ray, actors)
                 raise WorkerError(f"worker {seen['pid']} on {seen['host']} scores {task} "
                                   f"{other!r} unablated, the driver {value!r}; refused")
