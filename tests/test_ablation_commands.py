@@ -88,6 +88,23 @@ def test_locate_mean_by_default_on_the_runs_examples_with_k_masks_per_pass(
                > 1e-4 for k in one if k != "baseline")
 
 
+@pytest.mark.parametrize("design", ["stratified", "bernoulli"])
+def test_resample_with_the_logprob_signal_and_k_masks_per_pass(tiny_model_dir, tmp_path,
+                                                               design):
+    # tiny_copy is a generation task: the logprob signal teacher-forces its answers as
+    # loglikelihood requests, so K masks share a pass under resample too.
+    args = ["locate", *tiny_args(tiny_model_dir("qwen2")), "--tasks", "tiny_copy",
+            "--signal", "logprob", "--design", design, "--masks", "10", "--sparsity", "0.3",
+            "--num-samples", "6", "--ablation", "resample"]
+    assert harness(*args, "--out", str(tmp_path / "one"), "--masks-per-pass", "1") == 0
+    assert harness(*args, "--out", str(tmp_path / "five"), "--masks-per-pass", "5") == 0
+    one, five = _records(tmp_path / "one"), _records(tmp_path / "five")
+    assert one.keys() == five.keys()
+    for key in one:
+        assert one[key]["scores"] == pytest.approx(five[key]["scores"], abs=1e-5)
+    assert len({round(r["scores"]["tiny_copy"], 6) for r in one.values()}) > 3
+
+
 def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys):
     folder = tiny_model_dir("llama")
     run = tmp_path / "run"

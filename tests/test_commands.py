@@ -385,24 +385,31 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
                                      ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
                                      ["--sparsity", "auto"], ["--ablation", "mean"],
                                      ["--ablation", "resample", "--scale", "0.5"]])
+def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
+                     ) -> int:
+    """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
+    SIGINT) once ``after`` measurements are on disk; the measurements it left."""
+    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
+            f"sys.exit(main({args!r} + sys.argv[1:]))")
+    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / "measurements.jsonl"
+    deadline = time.time() + seconds
+    while time.time() < deadline and process.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= after:
+            stop(process)
+            break
+        time.sleep(0.02)
+    process.wait(timeout=seconds)
+    return len(log.read_text().splitlines())
+
+
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
             "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", *options]
-    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
-            f"sys.exit(main({args!r} + sys.argv[1:]))")
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(killed)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = killed / "measurements.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and process.poll() is None:
-        if log.is_file() and len(log.read_text().splitlines()) >= 6:
-            process.kill()
-            break
-        time.sleep(0.02)
-    process.wait()
-    partial = len(log.read_text().splitlines())
+    partial = stopped_part_way(args, killed, after=6, stop=subprocess.Popen.kill)
     assert 6 <= partial < 41, "the run was not interrupted part-way"
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"

@@ -9,14 +9,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from conftest import TASKS
-from test_commands import harness, last_error, tiny_args
+from test_commands import harness, last_error, stopped_part_way, tiny_args
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="Ray is not installed (pip install "
@@ -73,29 +70,34 @@ def test_two_workers_write_what_one_process_writes(local_ray, tiny_model_dir, tm
     assert sum(w["measurements"] for w in workers) > 0
 
 
-def test_a_killed_worker_has_its_masks_measured_by_another(local_ray, tiny_model_dir,
-                                                           tmp_path, one_process_run,
-                                                           monkeypatch):
+def kill_workers_after(monkeypatch, ray, results: int, count: int) -> list:
+    """Once a measuring call has had ``results`` chunks back, ``ray.kill`` ``count``
+    workers (once per test); the killed actors are returned, as they die."""
     from lm_eval_headloc.commands import workers
 
     original = workers.DistributedMeasurement.measure_chunks
-    killed = []
+    killed: list = []
 
-    def kill_one_after_the_first_result(self, chunks, masks_per_pass=None):
-        results = original(self, chunks, masks_per_pass)
-        for result in results:
-            if not killed and len(self._actors) == 2:
-                victim = self._actors[0]
-                local_ray.kill(victim)  # it may be busy with a chunk: that one is redone
-                killed.append(victim)
+    def killing(self, chunks, masks_per_pass=None):
+        for seen, result in enumerate(original(self, chunks, masks_per_pass), start=1):
+            if seen == results and not killed:
+                for actor in list(self._actors)[:count]:
+                    ray.kill(actor)  # it may be busy with a chunk: that one is redone
+                    killed.append(actor)
             yield result
 
-    monkeypatch.setattr(workers.DistributedMeasurement, "measure_chunks",
-                        kill_one_after_the_first_result)
+    monkeypatch.setattr(workers.DistributedMeasurement, "measure_chunks", killing)
+    return killed
+
+
+def test_a_killed_worker_has_its_masks_measured_by_another(local_ray, tiny_model_dir,
+                                                           tmp_path, one_process_run,
+                                                           monkeypatch):
+    killed = kill_workers_after(monkeypatch, local_ray, results=1, count=1)
     out = tmp_path / "killed"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) == 0
-    assert killed
+    assert len(killed) == 1
     _same_run(out, one_process_run)
     alive = [w["alive"] for w in json.loads((out / "config.json").read_text())["workers"]]
     assert sorted(alive) == [False, True]
@@ -103,19 +105,7 @@ def test_a_killed_worker_has_its_masks_measured_by_another(local_ray, tiny_model
 
 def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
         local_ray, tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from lm_eval_headloc.commands import workers
-
-    original = workers.DistributedMeasurement.measure_chunks
-
-    def kill_all_after_two_results(self, chunks, masks_per_pass=None):
-        for count, result in enumerate(original(self, chunks, masks_per_pass), start=1):
-            if count == 2:
-                for actor in list(self._actors):
-                    local_ray.kill(actor)
-            yield result
-
-    monkeypatch.setattr(workers.DistributedMeasurement, "measure_chunks",
-                        kill_all_after_two_results)
+    kill_workers_after(monkeypatch, local_ray, results=2, count=2)
     out = tmp_path / "gone"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) != 0
@@ -148,20 +138,9 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
 def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, tmp_path,
                                                     one_process_run):
     args = ["locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2"]
-    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
-            f"sys.exit(main({args!r} + sys.argv[1:]))")
     out = tmp_path / "interrupted"
-    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = out / "measurements.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if log.is_file() and len(log.read_text().splitlines()) >= 4:
-            process.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.05)
-    process.wait(timeout=120)
-    partial = len(log.read_text().splitlines())
+    partial = stopped_part_way(args, out, after=4, seconds=300,
+                               stop=lambda process: process.send_signal(signal.SIGINT))
     assert 4 <= partial < len(_by_key(one_process_run)), "not interrupted part-way"
     assert harness(*args, "--out", str(out)) == 0
     _same_run(out, one_process_run)
