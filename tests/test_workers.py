@@ -181,3 +181,13 @@ def test_greedy_and_verify_on_workers_equal_one_process(local_ray, tiny_model_di
         assert one_row["score"] == pytest.approx(two_row["score"], rel=1e-5, abs=1e-6)
         assert one_row["general_scores"] == pytest.approx(two_row["general_scores"],
                                                           rel=1e-5, abs=1e-6)
+
+
+def test_more_workers_than_the_cluster_can_place_is_one_line(local_ray, tiny_model_dir,
+                                                             tmp_path, capsys):
+    # The module's Ray has 2 CPUs: three one-CPU workers can never all start.
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "3",
+                   "--out", str(out)) == 2
+    assert "--workers 3 with 1 CPU each needs 3 CPUs; the Ray cluster has 2" in \
+        last_error(capsys)

@@ -43,6 +43,9 @@ RAY_EXTRA = "pip install 'lm-eval-headloc[ray]'"
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                    "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+#: How long workers may take to load their model and report before the run gives up:
+#: a request the cluster cannot place (more GPUs than free) would otherwise wait forever.
+START_SECONDS = float(os.environ.get("HEADLOC_WORKER_START_SECONDS", 3600))
 #: Unablated scores of a worker and of the driver may differ by float rounding at most
 #: (other thread counts or devices sum in another order): relative, then absolute.
 BASELINE_TOLERANCE = (1e-4, 1e-6)
@@ -223,6 +226,12 @@ def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,
                      log_to_driver=False)
+    available = ray.cluster_resources()
+    for name, each in (("GPU", gpus), ("CPU", 1)):
+        if workers * each > available.get(name, 0):
+            raise WorkerError(f"--workers {workers} with {each:g} {name} each needs "
+                              f"{workers * each:g} {name}s; the Ray cluster has "
+                              f"{available.get(name, 0):g}")
     config = dict(worker_spec or spec.as_config())
     if gpus > 1:  # a model over several GPUs: one worker's GPUs on one node
         config["model_args"] += ",parallelize=True"
@@ -239,7 +248,16 @@ def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group)
         actors.append(actor_class.options(**options).remote(
             config, list(extra_tasks), num_samples, limit, setup.reference, threads))
-    described = ray.get([actor.describe.remote() for actor in actors])
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        described = ray.get([actor.describe.remote() for actor in actors],
+                            timeout=START_SECONDS)
+    except GetTimeoutError:
+        _kill(ray, actors)
+        raise WorkerError(f"the workers did not load and report within {START_SECONDS:g} s "
+                          "(HEADLOC_WORKER_START_SECONDS); see `ray status` for what the "
+                          "cluster could not place") from None
     own = {"fingerprint": measurement_fingerprint(local),
            "baseline": _scores_as_values(local([]))}
     for seen in described:
