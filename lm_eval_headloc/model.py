@@ -147,6 +147,9 @@ class HFHeadAblateLM(HFLM):
         if texts is None:
             return
         check_reference_set(kind, texts)
+        if kind == "resample" and getattr(self, "backend", "causal") != "causal":
+            raise AblationError("ablation=resample needs a decoder-only model (its donors "
+                                "are aligned by position in one sequence); use mean")
         tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
         self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         knockout = self.knockout

@@ -419,3 +419,10 @@ def test_resample_generation_uses_the_kv_cache_and_equals_patching_by_hand(
     context[1, width - len(short):], mask[1, width - len(short):] = torch.tensor(short), 1
     generated = lm._model_generate(context, width + 6, stop=[], attention_mask=mask)
     assert generated[0].tolist() == ids
+
+
+def test_resample_refuses_a_seq2seq_model_in_one_line(tiny_model_dir, monkeypatch):
+    lm = load_lm(tiny_model_dir("llama"))
+    monkeypatch.setattr(lm, "backend", "seq2seq")  # as HFLM marks encoder-decoder models
+    with pytest.raises(AblationError, match="ablation=resample needs a decoder-only model"):
+        lm.set_ablation("resample", TEXTS)
