@@ -381,10 +381,6 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
         lost["key"], lost["mask"], lost["scores"])
 
 
-@pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
-                                     ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
-                                     ["--sparsity", "auto"], ["--ablation", "mean"],
-                                     ["--ablation", "resample", "--scale", "0.5"]])
 def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
                      ) -> int:
     """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
@@ -404,6 +400,10 @@ def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: floa
     return len(log.read_text().splitlines())
 
 
+@pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
+                                     ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
+                                     ["--sparsity", "auto"], ["--ablation", "mean"],
+                                     ["--ablation", "resample", "--scale", "0.5"]])
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
