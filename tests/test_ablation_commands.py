@@ -7,6 +7,7 @@ Expected scores come from lm-eval itself answering with a separately built
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import TASKS
@@ -65,17 +66,24 @@ def test_greedy_under_a_kind_scores_what_lm_eval_scores_with_that_model(
             results["results"]["tiny_choice"]["acc,none"])
 
 
+def _same_with_k_masks_per_pass(args: list[str], tmp_path: Path, k: int) -> dict:
+    """Run ``args`` one mask per pass (to tmp_path/one) and ``k`` per pass; assert every
+    measurement agrees; the one-per-pass records."""
+    assert harness(*args, "--out", str(tmp_path / "one"), "--masks-per-pass", "1") == 0
+    assert harness(*args, "--out", str(tmp_path / "k"), "--masks-per-pass", str(k)) == 0
+    one, shared = _records(tmp_path / "one"), _records(tmp_path / "k")
+    assert one.keys() == shared.keys()
+    for key in one:
+        assert one[key]["scores"] == pytest.approx(shared[key]["scores"], abs=1e-5)
+    return one
+
+
 def test_locate_mean_by_default_on_the_runs_examples_with_k_masks_per_pass(
         tiny_model_dir, tmp_path):
     folder = tiny_model_dir("qwen2")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy_ppl", "--masks", "12",
             "--sparsity", "0.25", "--num-samples", "6", "--ablation", "mean"]
-    assert harness(*args, "--out", str(tmp_path / "one"), "--masks-per-pass", "1") == 0
-    assert harness(*args, "--out", str(tmp_path / "four"), "--masks-per-pass", "4") == 0
-    one, four = _records(tmp_path / "one"), _records(tmp_path / "four")
-    assert one.keys() == four.keys()
-    for key in one:
-        assert one[key]["scores"] == pytest.approx(four[key]["scores"], abs=1e-5)
+    one = _same_with_k_masks_per_pass(args, tmp_path, 4)
     config = strict_json(tmp_path / "one" / "config.json")
     assert config["ablation"]["reference"].startswith("the run's tasks on its example subset")
     assert config["ablation"]["reference_examples"] == 6  # the subset, not every document
@@ -96,12 +104,7 @@ def test_resample_with_the_logprob_signal_and_k_masks_per_pass(tiny_model_dir, t
     args = ["locate", *tiny_args(tiny_model_dir("qwen2")), "--tasks", "tiny_copy",
             "--signal", "logprob", "--design", design, "--masks", "10", "--sparsity", "0.3",
             "--num-samples", "6", "--ablation", "resample"]
-    assert harness(*args, "--out", str(tmp_path / "one"), "--masks-per-pass", "1") == 0
-    assert harness(*args, "--out", str(tmp_path / "five"), "--masks-per-pass", "5") == 0
-    one, five = _records(tmp_path / "one"), _records(tmp_path / "five")
-    assert one.keys() == five.keys()
-    for key in one:
-        assert one[key]["scores"] == pytest.approx(five[key]["scores"], abs=1e-5)
+    one = _same_with_k_masks_per_pass(args, tmp_path, 5)
     assert len({round(r["scores"]["tiny_copy"], 6) for r in one.values()}) > 3
 
 
