@@ -30,6 +30,9 @@ Usage (repository root; run folders go to benchmarks/recovery-runs, resumed on r
     python scripts/bench_recovery.py --out RECOVERY.md
     python scripts/bench_recovery.py --tasks headloc_induction --seeds 2 --budgets 25,54 \\
         --methods paper,logprob-p0.05 --out /tmp/recovery.md
+
+The whole benchmark takes hours on a CPU: make it a part at a time (a task, a few
+methods), then render every part that is on disk with ``--no-new-runs``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from lm_eval_headloc.commands.locate import (  # noqa: E402
     attribution_prior,
     fit_rankings,
     locate,
+    mask_keys,
 )
 from lm_eval_headloc.commands.runfolder import RunFolder  # noqa: E402
 from lm_eval_headloc.designs import design_matrix  # noqa: E402
@@ -159,21 +163,34 @@ def top_heads(matrix: np.ndarray, records: Mapping[str, Any], task: str, method:
     return rankings[task].top(TOP)
 
 
+def measured_prefix(out: Path) -> int:
+    """How many of a run folder's first design rows have a measurement (0: no run)."""
+    if not (out / "design_matrix.npy").is_file():
+        return 0
+    measured = {r["key"] for r in RunFolder(out).measurements()}
+    rows = len(np.load(out / "design_matrix.npy"))
+    return next((i for i, key in enumerate(mask_keys(rows)) if key not in measured), rows)
+
+
 def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
                 budgets: Sequence[int], setup: Any, measure: Any,
-                prior: Mapping[str, np.ndarray], confirm_budgets: Sequence[int]
-                ) -> dict[tuple[str, int, int], list[Head]]:
+                prior: Mapping[str, np.ndarray], confirm_budgets: Sequence[int],
+                new_runs: bool = True) -> dict[tuple[str, int, int], list[Head]]:
     """Each method's top-5 per (budget, seed): one locate run per (design, sparsity, seed)
-    of the largest budget, fitted on its first M masks for each budget M."""
+    of the largest budget, fitted on its first M masks for each budget M. Without
+    ``new_runs`` only what is on disk is fitted: a confirming run that finished, and a
+    budget within the masks a run has measured; the rest is left out ("not run")."""
     tops = {}
     for method in (m for m in methods if m.confirm):
         for budget in (b for b in budgets if b in confirm_budgets):
             masks, confirm = method.split(budget)
             for seed in seeds:
+                out = WORK / task / method.run_name / f"m{budget}-seed{seed}"
+                if not new_runs and not (out / "heads.json").is_file():
+                    continue
                 cell = setup.spec.replace(design=method.design, sparsity=method.sparsity,
                                           design_seed=seed, masks=masks, confirm=confirm,
                                           prior="atp", signal=method.fit_on, bootstrap=1)
-                out = WORK / task / method.run_name / f"m{budget}-seed{seed}"
                 print(f"[{task}] {method.name} seed {seed}: {masks} masks + {confirm} alone "
                       f"-> {out}", flush=True)
                 tops[method.name, budget, seed] = locate(
@@ -185,23 +202,28 @@ def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
                                       design_seed=seed, masks=max(budgets), bootstrap=1,
                                       prior="none", confirm=0)
             out = WORK / task / run_name / f"seed{seed}"
-            print(f"[{task}] {run_name} seed {seed}: {cell.masks} masks -> {out}", flush=True)
-            locate(out, cell, setup=setup, measure=measure)
+            if new_runs:
+                print(f"[{task}] {run_name} seed {seed}: {cell.masks} masks -> {out}",
+                      flush=True)
+                locate(out, cell, setup=setup, measure=measure)
+            elif measured_prefix(out) < min(budgets):
+                continue
             matrix = np.load(out / "design_matrix.npy")
+            measured = measured_prefix(out)
             # The first M rows are the M-mask design: a budget is a prefix.
             assert np.array_equal(matrix[:min(budgets)], design_matrix(
                 first.design, min(budgets), setup.total_heads, first.sparsity, seed))
             records = {r["key"]: r for r in RunFolder(out).measurements()}
             for method in (m for m in methods if m.run_name == run_name):
-                for budget in budgets:
+                for budget in (b for b in budgets if b <= measured):
                     tops[method.name, budget, seed] = top_heads(
                         matrix[:budget], records, task, method, setup.heads_per_layer, prior)
     return tops
 
 
 def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
-               budgets: Sequence[int], lm: Any, confirm_budgets: Sequence[int]
-               ) -> tuple[dict[str, Any], Any]:
+               budgets: Sequence[int], lm: Any, confirm_budgets: Sequence[int],
+               new_runs: bool = True) -> tuple[dict[str, Any], Any]:
     truth = ground_truth(task)
     true_top = truth["top_k"][:TOP]
     spec = RunSpec(tasks=(task,), masks=max(budgets), progress=True)
@@ -224,7 +246,7 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
         prior_seconds = json.loads(joint.file("prior.json").read_text())["seconds"] \
             if prior else None
         tops = run_methods(task, methods, seeds, budgets, setup, measure, prior,
-                           confirm_budgets)
+                           confirm_budgets, new_runs)
         # Joint knockouts: every distinct top-5, and the exhaustive top-5, measured once.
         plan = {"baseline": []}
         for heads in [parse_heads("+".join(true_top)), *tops.values()]:
@@ -338,7 +360,7 @@ def goal_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method]
     for m in methods:
         cells = []
         for r in results:
-            if (m.name, budget, seeds[0]) not in r["found"]:
+            if any((m.name, budget, s) not in r["found"] for s in seeds):
                 cells.append("not run")
                 continue
             share = np.mean([r["found"][m.name, budget, s] >= FOUND_GOAL for s in seeds])
@@ -358,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--confirm-budgets", type=_comma(int), default=None,
                         help="the budgets confirming methods run at (default: all; each "
                              "is its own run, not a prefix)")
+    parser.add_argument("--no-new-runs", dest="new_runs", action="store_false",
+                        help="fit only the locate runs already on disk (a benchmark made "
+                             "over several sessions); cells without one say 'not run'. "
+                             "The joint knockouts of the heads found are still measured")
     parser.add_argument("--out", type=Path, default=ROOT / "RECOVERY.md")
     args = parser.parse_args(argv)
     known = {m.name: m for m in METHODS}
@@ -371,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lm, results = None, []
     for task in args.tasks:
         result, lm = bench_task(task, methods, seeds, budgets, lm,
-                                args.confirm_budgets or budgets)
+                                args.confirm_budgets or budgets, args.new_runs)
         results.append(result)
     (WORK / "results.json").write_text(json.dumps(
         [{**r, "found": {"|".join(map(str, k)): v for k, v in r["found"].items()},
@@ -401,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"run: {', '.join(t for t in TASKS if t not in args.tasks) or 'none'}; budgets: "
            f"{', '.join(map(str, budgets))} of {', '.join(map(str, BUDGETS))}.", ""]
           if not_run or set(args.tasks) != set(TASKS) else []),
+        *(["Made with `--no-new-runs`: only the runs on disk were fitted; a cell without a "
+           "complete run for every seed says \"not run\".", ""] if not args.new_runs else []),
         "Cost of a cell: M measurement-equivalents (M masks, each one forward pass over the "
         "example subset; one baseline measurement more for every method).", "",
     ]
