@@ -116,7 +116,7 @@ METHODS = (
            f"{PRIOR_ALLOWANCE})/2 each (at M = 54 the defaults themselves, "
            f"{DEFAULTS.masks} + {DEFAULTS.confirm})",
            DEFAULTS.sparsity, DEFAULTS.signal, prior=True, confirm=True),
-    Method("paper", "task metric, p = 0.02 (the paper's settings, the default today)",
+    Method("paper", "task metric, p = 0.02 (the paper's settings, no confirmation)",
            0.02, "metric"),
     Method("logprob-p0.02", "gold log-likelihood, p = 0.02", 0.02, "logprob"),
     Method("metric-p0.05", "task metric, p = 0.05", 0.05, "metric"),
