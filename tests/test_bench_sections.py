@@ -1,0 +1,61 @@
+"""BENCH.md's writers each replace only their own part (scripts/bench_sections.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sections.py"
+_spec = importlib.util.spec_from_file_location("bench_sections", SCRIPT)
+bench_sections = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_sections)
+
+FILE = """# CPU head
+
+cpu table
+
+<!-- bench_workers: start -->
+
+## Workers
+
+cpu workers
+
+<!-- bench_workers: end -->
+"""
+
+
+def test_a_gpu_section_is_appended_then_replaced_leaving_the_rest_byte_for_byte(tmp_path):
+    bench = tmp_path / "BENCH.md"
+    bench.write_text(FILE, encoding="utf-8")
+    name = bench_sections.section_name("bench_measure", "cuda")
+    assert name == "bench_measure cuda"
+    bench_sections.write_section(bench, name, "## GPU\n\nfirst")
+    assert bench.read_text(encoding="utf-8") == FILE + (
+        "\n<!-- bench_measure cuda: start -->\n\n## GPU\n\nfirst\n\n"
+        "<!-- bench_measure cuda: end -->\n")
+    bench_sections.write_section(bench, name, "## GPU\n\nsecond")
+    text = bench.read_text(encoding="utf-8")
+    assert text.startswith(FILE) and "second" in text and "first" not in text
+    assert text.count("bench_measure cuda: start") == 1
+
+
+def test_the_cpu_head_is_replaced_and_every_section_kept(tmp_path):
+    bench = tmp_path / "BENCH.md"
+    bench.write_text(FILE + "\n<!-- bench_measure cuda: start -->\n\ngpu\n\n"
+                     "<!-- bench_measure cuda: end -->\n", encoding="utf-8")
+    bench_sections.write_head(bench, "# New head\n\nnew cpu table\n")
+    assert bench.read_text(encoding="utf-8") == (
+        "# New head\n\nnew cpu table\n\n"
+        "<!-- bench_workers: start -->\n\n## Workers\n\ncpu workers\n\n"
+        "<!-- bench_workers: end -->\n\n"
+        "<!-- bench_measure cuda: start -->\n\ngpu\n\n<!-- bench_measure cuda: end -->\n")
+
+
+def test_cpu_sections_keep_their_old_marker_name():
+    assert bench_sections.section_name("bench_workers", "cpu") == "bench_workers"
+
+
+def test_demote_moves_headings_down_but_not_inside_code_blocks():
+    text = "# Title\n\n## Part\n\n```bash\n# a shell comment\n```\n#hashtag"
+    assert bench_sections.demote(text) == (
+        "## Title\n\n### Part\n\n```bash\n# a shell comment\n```\n#hashtag")
