@@ -7,8 +7,9 @@ Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`
 ``attn_out=PATTERN`` for architectures whose attention output cannot be discovered.
 What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean`` (default
 zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies), and for
-``mean`` the reference set ``ablation_data=FILE|TASK`` (``ablation_field=`` for JSONL)
-whose means are cached under ``ablation_cache=DIR``.
+``mean`` the reference set ``ablation_data=FILE|TASK`` (``ablation_field=`` for JSONL,
+``ablation_include_path=DIR`` for a task in the CLI's ``--include_path``, which lm-eval
+does not pass to models) whose means are cached under ``ablation_cache=DIR``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class HFHeadAblateLM(HFLM):
         scale: float = 0.0,
         ablation_data: str | os.PathLike | None = None,
         ablation_field: str | None = None,
+        ablation_include_path: str | os.PathLike | None = None,
         ablation_cache: str | os.PathLike | None = None,
         resample_seed: int = 0,
         **kwargs: Any,
@@ -111,7 +113,8 @@ class HFHeadAblateLM(HFLM):
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
                                 ">= 0")
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
-        texts = _reference_set(self.ablation, ablation_data, ablation_field)
+        texts = _reference_set(self.ablation, ablation_data, ablation_field,
+                               ablation_include_path)
         super().__init__(pretrained=pretrained, **kwargs)
         self.knockout = HeadKnockout(self.model, attn_out=attn_out, scale=self.scale)
         self.ablation_data = None if ablation_data is None else str(ablation_data)
@@ -303,19 +306,31 @@ class HFHeadAblateLM(HFLM):
         return info
 
 
-def _reference_set(ablation: str, data: Any, field: Any) -> list[str] | None:
-    """The reference texts mean ablation needs (None for zero), read before loading."""
+def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = None
+                   ) -> list[str] | None:
+    """The reference texts mean ablation needs (None for zero), read before loading.
+    ``include_path``: a folder of task YAMLs where ``data`` names a task (the stock CLI's
+    ``--include_path`` does not reach the model)."""
     if field is not None and not isinstance(field, str):
         raise AblationError(f"ablation_field={field!r}: expected a JSONL field name")
     if ablation == "zero":
-        if data is not None or field is not None:
-            raise AblationError("ablation_data=/ablation_field= are for ablation=mean or "
-                                "resample; zero ablation uses no reference set")
+        if data is not None or field is not None or include_path is not None:
+            raise AblationError("ablation_data=/ablation_field=/ablation_include_path= are "
+                                "for ablation=mean or resample; zero ablation uses no "
+                                "reference set")
         return None
     if data is None:
         raise AblationError(f"ablation={ablation} needs a reference set: ablation_data= a "
                             "text file (one example per line), a JSONL file or a task name")
-    texts = reference_texts(data, field)
+    manager = None
+    if include_path is not None:
+        if not isinstance(include_path, (str, os.PathLike)) or not Path(include_path).is_dir():
+            raise AblationError(f"ablation_include_path={str(include_path)!r} is not a folder "
+                                "(expected a folder of lm-eval task YAMLs)")
+        from .tasks import make_task_manager
+
+        manager = make_task_manager(str(include_path))
+    texts = reference_texts(data, field, task_manager=manager)
     check_reference_set(ablation, texts)
     return texts
 

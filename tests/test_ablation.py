@@ -206,6 +206,34 @@ def test_cache_keeps_what_compute_gave_and_writes_no_partial_file(tmp_path):
     assert same == path and torch.equal(again[0], means[0])
 
 
+def _tiny_copy_contexts() -> list[str]:
+    """tiny_copy's prompts ({{context}}), read from its documents, not through lm-eval."""
+    sys.path.insert(0, str(Path(TASKS) / "tiny_copy"))
+    try:
+        import utils as tiny_copy_utils
+    finally:
+        sys.path.pop(0)
+    return [doc["context"] for doc in tiny_copy_utils.load_docs()["test"]]
+
+
+def test_a_task_from_an_include_path_is_a_reference_set(tiny_model_dir, tmp_path):
+    # The stock CLI's --include_path never reaches the model; ablation_include_path does.
+    folder = tiny_model_dir("llama")
+    model, tokenizer = _plain(folder)
+    means = _means_by_hand(model, tokenizer, "llama", _tiny_copy_contexts())
+
+    def to_mean(_, layer, head, width):
+        return means[layer][head * width:(head + 1) * width]
+
+    expected = _logits_with(model, tokenizer, "llama", {(1, 2): to_mean, (0, 1): to_mean})
+    lm = load_lm(folder, ablate="L1H2+L0H1", ablation="mean", ablation_data="tiny_copy",
+                 ablation_include_path=TASKS, ablation_cache=str(tmp_path / "cache"))
+    torch.testing.assert_close(_lm_logits(lm), expected, rtol=1e-5, atol=1e-5)
+    # Other means than TEXTS' (the task's prompts were used, not some other set).
+    other = _means_by_hand(model, tokenizer, "llama", TEXTS)
+    assert (other[1] - means[1]).abs().max() > 1e-3
+
+
 def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     jsonl = tmp_path / "ref.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": t, "prompt": t.upper()}) for t in TEXTS),
@@ -213,14 +241,7 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     assert reference_texts(jsonl) == TEXTS
     assert reference_texts(jsonl, "prompt") == [t.upper() for t in TEXTS]
     # A task: each evaluated document's prompt, here tiny_copy's {{context}} field.
-    sys.path.insert(0, str(Path(TASKS) / "tiny_copy"))
-    try:
-        import utils as tiny_copy_utils
-    finally:
-        sys.path.pop(0)
-    docs = tiny_copy_utils.load_docs()["test"]
-    assert reference_texts("tiny_copy", task_manager=task_manager) == [
-        doc["context"] for doc in docs]
+    assert reference_texts("tiny_copy", task_manager=task_manager) == _tiny_copy_contexts()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -235,6 +256,11 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     (dict(ablation="mean", ablation_data="no_such_file_or_task"),
      "'no_such_file_or_task' is neither a file nor an lm-eval task"),
     (dict(ablation="mean", ablation_data="EMPTY"), "has no examples"),
+    # tests/tasks is not where lm-eval looks unless the model is told.
+    (dict(ablation="mean", ablation_data="tiny_copy"), "'tiny_copy' is neither a file nor"),
+    (dict(ablation="mean", ablation_data="tiny_copy", ablation_include_path="NOFOLDER"),
+     "ablation_include_path='.*no-such-folder' is not a folder"),
+    (dict(ablation_include_path="TASKS"), "ablation_include_path= are for ablation=mean"),
     (dict(ablation="mean", ablation_data="DIR"), "is not a file"),
     (dict(ablation="mean", ablation_data="JSONL", ablation_field="body"),
      "line 1: no text field 'body' \\(fields: prompt, text\\)"),
@@ -248,7 +274,9 @@ def test_bad_ablation_input_is_one_line_before_any_weights_load(args, message, t
     (tmp_path / "one.txt").write_text("one example\none example\n", encoding="utf-8")
     where = {"EMPTY": tmp_path / "empty.txt", "DIR": tmp_path, "JSONL": tmp_path / "ref.jsonl",
              "ONE": tmp_path / "one.txt"}
-    args = {k: str(where.get(v, v)) if k == "ablation_data" else v for k, v in args.items()}
+    where.update(NOFOLDER=tmp_path / "no-such-folder", TASKS=TASKS)
+    args = {k: str(where.get(v, v)) if k in ("ablation_data", "ablation_include_path") else v
+            for k, v in args.items()}
     # No such model folder: an error about the weights would mean the check came too late.
     with pytest.raises(AblationError, match=message) as error:
         HFHeadAblateLM(pretrained=str(tmp_path / "no-model-here"), **args)
@@ -260,9 +288,12 @@ def test_stock_cli_runs_mean_and_resample_and_refuses_a_bad_kind(tiny_model_dir,
     folder = tiny_model_dir("llama")
     base = [LM_EVAL, "--model", "hf-headablate", "--device", "cpu", "--tasks", "tiny_copy",
             "--include_path", TASKS, "--limit", "4"]
+    # mean's reference set is a task of the --include_path folder, resample's a file.
+    reference = {"mean": f"ablation_data=tiny_copy,ablation_include_path={TASKS}",
+                 "resample": f"ablation_data={reference_file}"}
     for kind in ("mean", "resample"):
         args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation={kind},scale=0.5,"
-                f"ablation_data={reference_file},ablation_cache={tmp_path / 'cache'}")
+                f"{reference[kind]},ablation_cache={tmp_path / 'cache'}")
         out = tmp_path / kind
         ran = subprocess.run([*base, "--model_args", args, "--output_path", str(out)],
                              capture_output=True, text=True, timeout=300)
