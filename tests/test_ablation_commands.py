@@ -66,6 +66,28 @@ def test_greedy_under_a_kind_scores_what_lm_eval_scores_with_that_model(
             results["results"]["tiny_choice"]["acc,none"])
 
 
+def test_a_jsonl_field_names_the_reference_set(tiny_model_dir, tmp_path, reference):
+    jsonl = tmp_path / "reference.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": "other words " * (i + 1), "prompt": text}) + "\n"
+                             for i, text in enumerate(TEXTS)), encoding="utf-8")
+    common = ["greedy", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+              "--ablation", "mean"]
+    assert harness(*common, "--ablation-data", str(reference), "--out",
+                   str(tmp_path / "txt")) == 0
+    assert harness(*common, "--ablation-data", str(jsonl), "--ablation-field", "prompt",
+                   "--out", str(tmp_path / "field")) == 0
+    assert harness(*common, "--ablation-data", str(jsonl), "--out", str(tmp_path / "text")) == 0
+    txt, field, text = (_records(tmp_path / name) for name in ("txt", "field", "text"))
+    # The field's texts are the text file's lines: the same means, the same answers.
+    assert {k: r["logprob"] for k, r in field.items()} == {k: r["logprob"] for k, r in txt.items()}
+    # Without --ablation-field the JSONL's "text" is read: other means, other answers.
+    assert any(abs(text[k]["logprob"]["tiny_choice"] - txt[k]["logprob"]["tiny_choice"]) > 1e-6
+               for k in txt if k != "baseline")
+    config = strict_json(tmp_path / "field" / "config.json")
+    assert config["identity"]["ablation_field"] == "prompt"
+    assert config["ablation"]["reference"] == f"{jsonl} (field 'prompt')"
+
+
 def _same_with_k_masks_per_pass(args: list[str], tmp_path: Path, k: int) -> dict:
     """Run ``args`` one mask per pass (to tmp_path/one) and ``k`` per pass; assert every
     measurement agrees; the one-per-pass records."""
@@ -140,13 +162,23 @@ def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys
      "needs at least two different reference examples"),
     (["--model-args", "pretrained=x,ablation=mean"], "--model-args ablation=...: give it as "
                                                       "--ablation"),
+    (["--ablation", "mean", "--ablation-field", "body"],
+     "--ablation-field 'body': names a field of a JSONL --ablation-data"),
+    (["--ablation", "mean", "--ablation-data", "JSONL", "--ablation-field", "body"],
+     "--ablation-data: ablation_data='JSONL' line 1: no text field 'body' (fields: prompt, "
+     "text)"),
+    (["--ablation", "mean", "--ablation-data", "ONE", "--ablation-field", "prompt"],
+     "ablation_field='prompt' needs a JSONL file"),
 ])
 @pytest.mark.usefixtures("no_model_loading")
 def test_bad_ablation_flags_are_one_line_before_loading(tiny_model_dir, tmp_path, capsys,
                                                         extra, message):
     one = tmp_path / "one.txt"
     one.write_text("a single example\n", encoding="utf-8")
-    extra = [str(one) if arg == "ONE" else arg for arg in extra]
+    jsonl = tmp_path / "ref.jsonl"
+    jsonl.write_text(json.dumps({"text": "a", "prompt": "b"}) + "\n", encoding="utf-8")
+    extra = [{"ONE": str(one), "JSONL": str(jsonl)}.get(arg, arg) for arg in extra]
+    message = message.replace("'JSONL'", repr(str(jsonl)))
     out = tmp_path / "run"
     for command in ("locate", "greedy"):
         code = harness(command, *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",

@@ -220,7 +220,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     reference = None
     if spec.ablation != "zero" and spec.ablation_data is not None:
         try:
-            reference = reference_texts(spec.ablation_data, task_manager=manager)
+            reference = reference_texts(spec.ablation_data, spec.ablation_field,
+                                        task_manager=manager)
             check_reference_set(spec.ablation, reference)
         except AblationError as err:
             raise UsageError(f"--ablation-data: {err}") from None
@@ -283,6 +284,8 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
         texts = setup.reference_texts(subset)
         source = spec.ablation_data or ("the run's tasks on its example subset: "
                                         + ",".join(setup.run_task_names))
+        if spec.ablation_field is not None:
+            source += f" (field {spec.ablation_field!r})"
         try:
             lm.set_ablation(spec.ablation, texts,
                             None if folder is None else folder.file("means"))

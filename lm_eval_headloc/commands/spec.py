@@ -157,6 +157,9 @@ class RunSpec:
         None, "reference set of --ablation mean or resample: a text file (one example per "
               "line), a JSONL file (its text field) or an lm-eval task (default: the run's "
               "tasks on its example subset)", metavar="FILE|TASK")
+    ablation_field: str | None = _option(
+        None, "with a JSONL --ablation-data: the field that holds each example's text "
+              "(default: text)", metavar="FIELD")
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     masks: int | str = _option(
@@ -302,7 +305,11 @@ class RunSpec:
         if self.ablation_data is not None and self.ablation == "zero":
             raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
                              "--ablation mean or resample; zero ablation uses none")
-        for name in ("model_args", "never_ablate", "exclude", "ablation_data", "ray_address"):
+        if self.ablation_field is not None and self.ablation_data is None:
+            raise UsageError(f"--ablation-field {self.ablation_field!r}: names a field of a "
+                             "JSONL --ablation-data; give that file too")
+        for name in ("model_args", "never_ablate", "exclude", "ablation_data",
+                     "ablation_field", "ray_address"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
@@ -363,11 +370,11 @@ def _jsonable(value: Any) -> Any:
 
 #: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
 ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
-                  "ablation_data": "--ablation-data"}
+                  "ablation_data": "--ablation-data", "ablation_field": "--ablation-field"}
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
-              "ablation_data", "exclude", "top_k", "batch_size", "masks_per_pass",
+              "ablation_data", "ablation_field", "exclude", "top_k", "batch_size", "masks_per_pass",
               "workers", "ray_address", "gpus_per_worker", "confirm_run_unsafe_code",
               "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {

@@ -42,6 +42,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     kind = {name: options.pop(name) for name in ABLATION_FLAGS if options.get(name) is not None}
     if kind.get("ablation") == "zero":
         kind.setdefault("ablation_data", None)
+    if "ablation_data" in kind:  # the run's JSONL field belongs to the run's file
+        kind.setdefault("ablation_field", None)
     own = (spec or RunSpec()).replace(**options)
     # Verification reports the tasks' own metrics, whatever signal the run ranked by.
     spec = RunSpec.from_config(config).replace(
