@@ -292,6 +292,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
         "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
+        "ablation_field": "prompt",
     }
     from dataclasses import fields
 
@@ -301,7 +302,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     # measuring command shares, and its own (a refittable setting resumes).
     shared = {"model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k",
-              "ablation", "scale", "ablation_data"}
+              "ablation", "scale", "ablation_data", "ablation_field"}
     design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
                                                                 "bootstrap"},
