@@ -88,6 +88,9 @@ def reference_texts(source: object, field: str | None = None,
     if not isinstance(source, (str, os.PathLike)) or not str(source).strip():
         raise AblationError(f"ablation_data={source!r}: expected a text or JSONL file, or "
                             "an lm-eval task name")
+    if field is not None and not field.strip():
+        raise AblationError(f"ablation_field={field!r}: give the JSONL field that holds the "
+                            "text, or leave it out for 'text'")
     path = Path(source)
     if path.is_file():
         texts = _jsonl_texts(path, field) if path.suffix == ".jsonl" else _lines(path, field)

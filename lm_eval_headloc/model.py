@@ -324,12 +324,12 @@ def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = Non
                             "text file (one example per line), a JSONL file or a task name")
     manager = None
     if include_path is not None:
-        if not isinstance(include_path, (str, os.PathLike)) or not Path(include_path).is_dir():
-            raise AblationError(f"ablation_include_path={str(include_path)!r} is not a folder "
-                                "(expected a folder of lm-eval task YAMLs)")
-        from .tasks import make_task_manager
+        from .tasks import UnknownTaskError, make_task_manager
 
-        manager = make_task_manager(str(include_path))
+        try:
+            manager = make_task_manager(str(include_path), option="ablation_include_path=")
+        except UnknownTaskError as err:
+            raise AblationError(str(err)) from None
     texts = reference_texts(data, field, task_manager=manager)
     check_reference_set(ablation, texts)
     return texts

@@ -261,6 +261,11 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     (dict(ablation="mean", ablation_data="tiny_copy", ablation_include_path="NOFOLDER"),
      "ablation_include_path='.*no-such-folder' is not a folder"),
     (dict(ablation_include_path="TASKS"), "ablation_include_path= are for ablation=mean"),
+    # '' would be the current folder, not a mistake caught.
+    (dict(ablation="mean", ablation_data="tiny_copy", ablation_include_path=""),
+     "ablation_include_path='' is not a folder"),
+    (dict(ablation="mean", ablation_data="JSONL", ablation_field=" "),
+     "ablation_field=' ': give the JSONL field"),
     (dict(ablation="mean", ablation_data="DIR"), "is not a file"),
     (dict(ablation="mean", ablation_data="JSONL", ablation_field="body"),
      "line 1: no text field 'body' \\(fields: prompt, text\\)"),

@@ -167,6 +167,8 @@ def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys
     (["--ablation", "mean", "--ablation-data", "JSONL", "--ablation-field", "body"],
      "--ablation-data: ablation_data='JSONL' line 1: no text field 'body' (fields: prompt, "
      "text)"),
+    (["--ablation", "mean", "--ablation-data", "JSONL", "--ablation-field", ""],
+     "ablation_field='': give the JSONL field that holds the text"),
     (["--ablation", "mean", "--ablation-data", "ONE", "--ablation-field", "prompt"],
      "ablation_field='prompt' needs a JSONL file"),
 ])

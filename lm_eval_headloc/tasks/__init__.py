@@ -32,17 +32,20 @@ def task_configs_dir(package: Path | None = None) -> Path:
     raise FileNotFoundError(f"task_configs not found in {package}")
 
 
-def make_task_manager(include_path: str | Sequence[str] | None = None) -> Any:
+def make_task_manager(include_path: str | Sequence[str] | None = None,
+                      option: str = "--include-path ") -> Any:
     """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``.
 
     Indexing every task YAML takes seconds, so one manager per set of folders is kept for
     the process (a notebook or sweep building runs over and over); its ``load`` builds
-    fresh task objects on every call.
+    fresh task objects on every call. ``option``: how an error names the setting (''
+    would be the current folder: refused).
     """
     extra = [include_path] if isinstance(include_path, str) else list(include_path or [])
     for folder in extra:
-        if not Path(folder).is_dir():
-            raise UnknownTaskError(f"--include-path {folder!r} is not a folder")
+        if not str(folder).strip() or not Path(folder).is_dir():
+            raise UnknownTaskError(f"{option}{str(folder)!r} is not a folder (expected a "
+                                   "folder of lm-eval task YAMLs)")
     return _task_manager((str(task_configs_dir()),
                           *(str(Path(folder).resolve()) for folder in extra)))
 
