@@ -32,12 +32,11 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
 
     # Knock each head out alone through hf-headablate and the harness, on the same subset.
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from lm_eval_headloc.model import HFHeadAblateLM
-    from lm_eval_headloc.tasks import task_configs_dir
+    from lm_eval_headloc.tasks import make_task_manager
 
-    manager = TaskManager(include_path=str(task_configs_dir()))
+    manager = make_task_manager()  # the one the run used, kept per process
     lm = HFHeadAblateLM.create_from_arg_string(smollm2_model_args(), {"batch_size": 64})
     scores = {}
     for spec in ["", *top3, control]:

@@ -86,10 +86,9 @@ def test_override_and_errors():
 @pytest.fixture(scope="module")
 def manager():
     """lm-eval's task index with the test tasks and ours (building it takes seconds)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval_headloc.tasks import make_task_manager
 
-    here = Path(__file__).parent
-    return TaskManager(include_path=[str(here / "tasks"), str(here.parent / "task_configs")])
+    return make_task_manager([str(Path(__file__).parent / "tasks")])
 
 
 def test_metrics_of_a_built_task(manager):

@@ -195,11 +195,13 @@ def _per_sample_loglikelihoods(results: dict) -> list[float]:
 
 def _simple_evaluate(model_args: str | None = None, model=None, **kwargs) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
+    from lm_eval_headloc.tasks import make_task_manager
+
+    # The package's manager is kept per process: indexing lm-eval's tasks takes seconds.
     return lm_eval.simple_evaluate(
         model=model if model is not None else "hf-headablate", model_args=model_args,
-        tasks=["tiny_choice"], task_manager=TaskManager(include_path=TASKS),
+        tasks=["tiny_choice"], task_manager=make_task_manager([TASKS]),
         log_samples=True, **kwargs,
     )
 
@@ -228,31 +230,43 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     assert config["model_args"]["ablate"] == "L0H1+L1H2"
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("ablate=L99H0", r"hf-headablate: error: head L99H0 is outside the model: layer 99 not in"),
-    ("ablate=L0H1+X1", r"hf-headablate: error: bad head name 'X1'"),
-    ("ablate_file=/no/such/heads.json", r"hf-headablate: error: head file not found"),
-    ("ablate=1", r"hf-headablate: error: ablate=1: expected heads like ablate=L0H29\+L1H31"),
-    ("ablate_file=/no/such/heads.json,ablate_top=True",
-     r"hf-headablate: error: ablate_top=True: must be a whole number >= 1"),
-    ("-m lm_eval: ablate=L0H1+X1", r"hf-headablate: error: bad head name 'X1'"),
-])
-def test_stock_cli_bad_heads_one_line_nonzero_exit(tiny_model_dir, bad, message):
+BAD_HEADS = {
+    "ablate=L99H0": r"hf-headablate: error: head L99H0 is outside the model: layer 99 not in",
+    "ablate=L0H1+X1": r"hf-headablate: error: bad head name 'X1'",
+    "ablate_file=/no/such/heads.json": r"hf-headablate: error: head file not found",
+    "ablate=1": r"hf-headablate: error: ablate=1: expected heads like ablate=L0H29\+L1H31",
+    "ablate_file=/no/such/heads.json,ablate_top=True":
+        r"hf-headablate: error: ablate_top=True: must be a whole number >= 1",
+    "-m lm_eval: ablate=L0H1+X1": r"hf-headablate: error: bad head name 'X1'",
+}
+
+
+@pytest.fixture(scope="module")
+def stock_cli_errors(tiny_model_dir) -> dict[str, tuple[int, str]]:
+    """Each bad model_args through the stock CLI, all started at once: each process spends
+    its ~15 s importing lm-eval and indexing its tasks, mostly on one core."""
     folder = tiny_model_dir("llama")
-    command = [LM_EVAL]
-    if bad.startswith("-m lm_eval: "):  # python -m lm_eval, not the console script
-        command, bad = [sys.executable, "-m", "lm_eval"], bad.removeprefix("-m lm_eval: ")
-    cli = subprocess.run(
-        [*command, "--model", "hf-headablate", "--model_args",
-         f"pretrained={folder},{bad}", "--device", "cpu", "--tasks", "tiny_choice",
-         "--include_path", TASKS],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert cli.returncode != 0
-    assert "Traceback" not in cli.stderr
+    running = {}
+    for bad in BAD_HEADS:
+        command, args = [LM_EVAL], bad
+        if bad.startswith("-m lm_eval: "):  # python -m lm_eval, not the console script
+            command, args = [sys.executable, "-m", "lm_eval"], bad.removeprefix("-m lm_eval: ")
+        running[bad] = subprocess.Popen(
+            [*command, "--model", "hf-headablate", "--model_args", f"pretrained={folder},{args}",
+             "--device", "cpu", "--tasks", "tiny_choice", "--include_path", TASKS],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    errors = {bad: process.communicate(timeout=300)[1] for bad, process in running.items()}
+    return {bad: (running[bad].returncode, stderr) for bad, stderr in errors.items()}
+
+
+@pytest.mark.parametrize("bad", BAD_HEADS)
+def test_stock_cli_bad_heads_one_line_nonzero_exit(stock_cli_errors, bad):
     import re
 
-    assert re.search(message, cli.stderr.strip().splitlines()[-1])
+    returncode, stderr = stock_cli_errors[bad]
+    assert returncode != 0
+    assert "Traceback" not in stderr
+    assert re.search(BAD_HEADS[bad], stderr.strip().splitlines()[-1])
 
 
 def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):

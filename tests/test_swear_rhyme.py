@@ -210,10 +210,11 @@ def test_swear_prompts() -> None:
 
 @pytest.fixture(scope="module")
 def task_dict():
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    tm = TaskManager(include_path=str(TASKS))
-    return get_task_dict(["swear", "rhyme", "rhyme_heldout"], tm)
+    from lm_eval_headloc.tasks import make_task_manager
+
+    return get_task_dict(["swear", "rhyme", "rhyme_heldout"], make_task_manager())
 
 
 def test_tasks_load(task_dict) -> None:
