@@ -162,6 +162,15 @@ def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys
      "needs at least two different reference examples"),
     (["--model-args", "pretrained=x,ablation=mean"], "--model-args ablation=...: give it as "
                                                       "--ablation"),
+    (["--model-args", "pretrained=x,ablation_include_path=/d"],
+     "--model-args ablation_include_path=...: give the folder as --include-path"),
+    (["--model-args", "pretrained=x,ablation_cache=/d"],
+     "--model-args ablation_cache=...: a run keeps its mean statistics in its own folder"),
+    (["--model-args", "pretrained=x,ablate_top=3,ablate_file=h.json"],
+     "--model-args ablate_file=...: headloc-harness picks the heads each measurement knocks "
+     "out"),
+    (["--model-args", "pretrained=x,ablate=L0H1"],
+     "--model-args ablate=...: headloc-harness picks the heads"),
     (["--ablation", "mean", "--ablation-field", "body"],
      "--ablation-field 'body': names a field of a JSONL --ablation-data"),
     (["--ablation", "mean", "--ablation-data", "JSONL", "--ablation-field", "body"],

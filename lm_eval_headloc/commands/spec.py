@@ -320,10 +320,13 @@ class RunSpec:
                              "the embedded SmolLM2)")
         if self.model_args is not None:
             given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
-            clash = sorted(given & set(ABLATION_FLAGS))
-            if clash:
+            clash = sorted(given & {*ABLATION_FLAGS, *HARNESS_MODEL_ARGS})
+            if clash and clash[0] in ABLATION_FLAGS:
                 raise UsageError(f"--model-args {clash[0]}=...: give it as "
                                  f"{ABLATION_FLAGS[clash[0]]}, which the run records")
+            if clash:
+                raise UsageError(f"--model-args {clash[0]}=...: "
+                                 f"{HARNESS_MODEL_ARGS[clash[0]]}")
         if self.ablation_data is not None and not self.ablation_data.strip():
             raise UsageError("--ablation-data '': give a file or a task, or leave it out for "
                              "the run's tasks")
@@ -371,6 +374,16 @@ def _jsonable(value: Any) -> Any:
 #: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
 ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
                   "ablation_data": "--ablation-data", "ablation_field": "--ablation-field"}
+_PICKS_HEADS = ("headloc-harness picks the heads each measurement knocks out (--exclude and "
+                "--never-ablate keep heads out of the search)")
+#: The hf-headablate model args the harness sets itself for every measurement, which in
+#: --model-args would be silently overridden: why each is refused.
+HARNESS_MODEL_ARGS = {
+    "ablate": _PICKS_HEADS, "ablate_file": _PICKS_HEADS, "ablate_top": _PICKS_HEADS,
+    "ablation_include_path": "give the folder as --include-path, where --ablation-data "
+                             "finds its task",
+    "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
+}
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
