@@ -296,21 +296,26 @@ def test_stock_cli_runs_mean_and_resample_and_refuses_a_bad_kind(tiny_model_dir,
     # mean's reference set is a task of the --include_path folder, resample's a file.
     reference = {"mean": f"ablation_data=tiny_copy,ablation_include_path={TASKS}",
                  "resample": f"ablation_data={reference_file}"}
+    # The three processes run at once: each spends its ~15 s importing and indexing tasks.
+    running = {}
     for kind in ("mean", "resample"):
         args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation={kind},scale=0.5,"
                 f"{reference[kind]},ablation_cache={tmp_path / 'cache'}")
-        out = tmp_path / kind
-        ran = subprocess.run([*base, "--model_args", args, "--output_path", str(out)],
-                             capture_output=True, text=True, timeout=300)
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        results = json.loads(next(out.rglob("results_*.json")).read_text())
+        running[kind] = subprocess.Popen(
+            [*base, "--model_args", args, "--output_path", str(tmp_path / kind)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    running["median"] = subprocess.Popen(
+        [*base, "--model_args", f"pretrained={folder},ablation=median"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = {kind: process.communicate(timeout=300)[1] for kind, process in running.items()}
+    for kind in ("mean", "resample"):
+        assert running[kind].returncode == 0, stderr[kind][-3000:]
+        results = json.loads(next((tmp_path / kind).rglob("results_*.json")).read_text())
         assert "tiny_copy" in results["results"]
         assert results["config"]["model_args"]["ablation"] == kind
     assert any((tmp_path / "cache").glob("means-*.pt"))
-    bad = subprocess.run([*base, "--model_args", f"pretrained={folder},ablation=median"],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "ablation='median': must be one of zero, mean, resample" in bad.stderr
+    assert running["median"].returncode != 0 and "Traceback" not in stderr["median"]
+    assert "ablation='median': must be one of zero, mean, resample" in stderr["median"]
 
 
 # --- resample ------------------------------------------------------------------------
