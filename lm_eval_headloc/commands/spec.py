@@ -320,13 +320,11 @@ class RunSpec:
                              "the embedded SmolLM2)")
         if self.model_args is not None:
             given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
-            clash = sorted(given & {*ABLATION_FLAGS, *HARNESS_MODEL_ARGS})
-            if clash and clash[0] in ABLATION_FLAGS:
-                raise UsageError(f"--model-args {clash[0]}=...: give it as "
-                                 f"{ABLATION_FLAGS[clash[0]]}, which the run records")
+            refused = {**{name: f"give it as {flag}, which the run records"
+                          for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
+            clash = sorted(given & set(refused))
             if clash:
-                raise UsageError(f"--model-args {clash[0]}=...: "
-                                 f"{HARNESS_MODEL_ARGS[clash[0]]}")
+                raise UsageError(f"--model-args {clash[0]}=...: {refused[clash[0]]}")
         if self.ablation_data is not None and not self.ablation_data.strip():
             raise UsageError("--ablation-data '': give a file or a task, or leave it out for "
                              "the run's tasks")
