@@ -395,6 +395,11 @@ class HeadKnockout:
             self._suspended[0] = saved
 
     @property
+    def is_suspended(self) -> bool:
+        """Whether the hooks leave every head as it is now (inside ``suspended``)."""
+        return self._suspended[0]
+
+    @property
     def any_knocked_out(self) -> bool:
         """Whether the next forward pass knocks out any head."""
         rows = self._row_knocked

@@ -306,17 +306,18 @@ class HarnessMeasurement:
             task.get_config("output_type") in SIGNAL_OUTPUT_TYPES
             for group in self._groups for task in group.loaded["tasks"].values())
 
-    def attribution(self) -> dict[str, np.ndarray]:
+    def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]:
         """Attribution patching (``prior``): each task's estimated change of its logprob
-        signal from knocking out each head, one forward and one backward pass over the
-        gold answers' requests (whatever signal the run measures). Decoder-only models
-        (``scored_positions_apply``) only."""
+        signal from knocking out each head, a ``(len(points), heads)`` array: per path
+        point (``prior.attribution_effects``' ``at``) a forward pass for the answers there
+        and a forward and backward pass over the gold answers' requests (whatever signal
+        the run measures). Decoder-only models (``scored_positions_apply``) only."""
         from .multimask import (
             LoglikelihoodRequests,
             loglikelihoods_for_masks,
             scored_positions_apply,
         )
-        from .prior import attribution_effects
+        from .prior import attribution_effects, path_point
 
         if not scored_positions_apply(self.lm):
             raise ValueError("the attribution prior needs a decoder-only model without a "
@@ -328,10 +329,16 @@ class HarnessMeasurement:
         requests = self._recorded() if self.signal == "logprob" else LoglikelihoodRequests(
             self.lm, [key for gold in golds for key in gold.requests])
         batch_size = self.resolved_batch_size()
-        answers = loglikelihoods_for_masks(self.lm, requests, [[]], batch_size)[0]
-        return {name: attribution_effects(self.lm, requests, signal_weights(
-                    golds, answers, self.leaves_of[name]), batch_size)
-                for name, _ in self.tasks}
+        effects: dict[str, list[np.ndarray]] = {name: [] for name, _ in self.tasks}
+        for at in points:
+            # The signal's weights are its derivatives at this point's own answers.
+            with path_point(self.lm, at):
+                answers = loglikelihoods_for_masks(self.lm, requests, [[]], batch_size)[0]
+            for name, _ in self.tasks:
+                weights = signal_weights(golds, answers, self.leaves_of[name])
+                effects[name].append(attribution_effects(self.lm, requests, weights,
+                                                         batch_size, at=at))
+        return {name: np.stack(rows) for name, rows in effects.items()}
 
     def resolved_batch_size(self) -> int:
         """Rows per forward pass (per mask) of the scored-positions path: the model's

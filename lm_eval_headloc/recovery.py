@@ -253,8 +253,8 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     makes the top ``top_k`` with a harmful effect (a refit that finds fewer harmful heads
     selects fewer); the same seed gives the same answer.
 
-    ``select``: the heads a refit's ranking (most harmful first, ``exclude`` left out)
-    leads to, when that is not its own harmful top-k (``confirm.confirm_selector``)."""
+    ``select``: the heads a resample (its row indices into the measurements) leads to,
+    when that is not the refit's own harmful top-k (``locate``'s confirmation replay)."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
     top_k = check_number(top_k, "top_k", whole=True, min_val=1)
     knocked_out = np.asarray(design_matrix, dtype=np.float64)
@@ -273,7 +273,7 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
         effects[r] = refit.coef_
         ranking = refit.ranking(higher_is_better, excluded)
         if select is not None:
-            counts[select(ranking)] += 1
+            counts[select(picked)] += 1
             continue
         top = ranking[:top_k]
         counts[top[harm(refit.coef_[top], higher_is_better) > 0]] += 1

@@ -305,7 +305,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
               "ablation", "scale", "ablation_data", "ablation_field"}
     design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
-                                                                "bootstrap"},
+                                                                "bootstrap", "confirm"},
                 "greedy": (shared - {"top_k"}) | {"rounds"},
                 "sweep": shared | design,
                 "verify": shared | {"general", "limit"}}
@@ -421,6 +421,82 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
     assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
     assert resumed_heads == full_heads
+
+
+def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_path):
+    """Killed (-9) in the second round of confirmation (8 heads, rounds of 5 and 2): the
+    resumed run makes the same picks in the same order, and ranks as an unbroken run."""
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "12", "--seed", "3",
+            "--prior", "atp-path", "--confirm", "7"]
+    killed = tmp_path / "killed"
+    # baseline + 10 masks + round 1's 5 heads + 1 of round 2
+    partial = stopped_part_way(args, killed, after=17, stop=subprocess.Popen.kill)
+    assert 17 <= partial < 18 + 1, "the run was not stopped inside round 2"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    resumed_records, resumed_heads = read_run(killed)
+    full_records, full_heads = read_run(full)
+    assert len(full_records) == 1 + 10 + 7
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
+    assert resumed_heads == full_heads
+    assert strict_json(killed / "config.json")["confirm"] == \
+        strict_json(full / "config.json")["confirm"]
+
+
+def test_a_fit_that_tells_no_heads_apart_says_so(tiny_model_dir, tmp_path, capsys):
+    """Two masks that knock out the same heads' complements: every head in mask 0 has the
+    same evidence as every other, so the ranking is ties, not an order."""
+    out = tmp_path / "flat"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--masks", "2", "--sparsity", "0.5", "--num-samples", "4", "--top-k", "3",
+                   "--prior", "none", "--confirm", "0", "--out", str(out)) == 0
+    heads = strict_json(out / "heads.json")
+    design = np.load(out / "design_matrix.npy")
+    records = {r["key"]: r for r in read_run(out)[0]}
+    y = [records[f"mask-{i:04d}"]["scores"]["tiny_copy"] for i in range(2)]
+    entries = heads["heads"]
+    # By hand: with every effect 0 a head's evidence is its contrast, the score of the
+    # mask that knocks it out minus the other's (each head is in exactly one mask).
+    assert all(e["effect"] == 0 for e in entries)
+
+    def contrast(entry):
+        row = int(np.flatnonzero(design[:, entry["layer"] * 4 + entry["head_in_layer"]])[0])
+        return y[row] - y[1 - row]
+
+    for above, below in zip(entries, entries[1:], strict=False):
+        assert below["tied_with_above"] == (contrast(above) == contrast(below))
+    report = (out / "report.md").read_text()
+    printed = capsys.readouterr().out
+    if y[0] == y[1]:  # nothing tells any head apart
+        assert "No head stands out" in report and "no head stands out" in printed
+        assert "1. L0H0" not in printed
+    else:  # two groups of four: the top-3 all come from the more harmful mask
+        assert "Tied (the same evidence" in report
+
+
+def test_a_larger_confirm_measures_only_the_new_heads(tiny_model_dir, tmp_path):
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "12", "--seed", "3",
+            "--prior", "atp"]
+    grown = tmp_path / "grown"
+    assert harness(*base, "--confirm", "3", "--out", str(grown)) == 0
+    first = read_run(grown)[0]
+    assert harness(*base, "--confirm", "7", "--out", str(grown)) == 0
+    after = read_run(grown)[0]
+    assert after[:len(first)] == first  # nothing measured again, nothing rewritten
+    assert len(after) == len(first) + 4
+    fresh = tmp_path / "fresh"
+    assert harness(*base, "--confirm", "7", "--out", str(fresh)) == 0
+    strip = [[{k: v for k, v in r.items() if k != "seconds"} for r in read_run(folder)[0]]
+             for folder in (grown, fresh)]
+    assert strip[0] == strip[1]
+    assert read_run(grown)[1] == read_run(fresh)[1]
+    config = strict_json(grown / "config.json")["confirm"]
+    assert config["heads"][:3] == [r["key"][len("alone-"):] for r in first[11:]]
+    assert config["rounds"] == [config["heads"][:5], config["heads"][5:]]
 
 
 # --- locate, refit ----------------------------------------------------------------------
@@ -842,6 +918,24 @@ def test_masks_auto_stops_at_the_first_stable_round(tiny_model_dir, tmp_path):
         assert strict_json(out / "heads.json")["bootstrap"]["unstable_in_top_k"]
 
 
+def test_prior_atp_path_saves_both_points_and_takes_their_rankings_in_turn(tiny_model_dir,
+                                                                         tmp_path):
+    out = tmp_path / "path"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "6", "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+                   "--prior", "atp-path", "--confirm", "0", "--out", str(out)) == 0
+    points = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"]
+    assert [p["at"] for p in points] == [0.0, 0.5]
+    assert points[0]["effects"] != points[1]["effects"]
+    expected = []  # by hand: the clean run's first, the half-ablated run's first, ...
+    for first, second in zip(points[0]["ranking"], points[1]["ranking"], strict=True):
+        for head in (first, second):
+            if head not in expected:
+                expected.append(head)
+    assert strict_json(out / "heads.json")["prior_top_k"] == expected[:3]
+    assert "half ablated" in (out / "report.md").read_text()
+
+
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
     from lm_eval_headloc.commands.locate import fit_rankings
     from lm_eval_headloc.prior import prior_penalty_weights
@@ -853,10 +947,12 @@ def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_pat
             "--prior", "atp", "--confirm", "0", "--out", str(out)]
     assert harness(*args) == 0
     prior = strict_json(out / "prior.json")
-    effects = np.array(prior["tasks"]["tiny_choice"]["effects"])
+    assert [p["at"] for p in prior["tasks"]["tiny_choice"]["points"]] == [0.0]
+    clean = prior["tasks"]["tiny_choice"]["points"][0]
+    effects = np.array(clean["effects"])
     assert effects.shape == (8,) and np.abs(effects).max() > 0
     heads = strict_json(out / "heads.json")
-    assert heads["prior_top_k"] == prior["tasks"]["tiny_choice"]["ranking"][:3]
+    assert heads["prior_top_k"] == clean["ranking"][:3]
     assert "attribution prior's own top-3" in (out / "report.md").read_text()
     # The fit is the weighted Lasso with the prior's weights (most harmful: most eased).
     weights = prior_penalty_weights(-effects)
@@ -927,8 +1023,9 @@ def test_a_folder_made_before_an_option_existed_resumes_as_it_was_made(tmp_path)
 
     # A folder made before --signal, --prior and --confirm existed: it measured the task
     # metric with no prior and confirmed nothing, which is not what today's defaults do.
+    # (--confirm is a setting now: resuming with one confirms on top of the masks.)
     legacy = RunSpec(prior="none", confirm=0)
-    old = legacy.identity("locate")
+    old = {**legacy.identity("locate"), "confirm": 0}
     del old["signal"], old["prior"], old["confirm"]
     folder = tmp_path / "old"
     with RunFolder(folder) as run:
@@ -937,8 +1034,8 @@ def test_a_folder_made_before_an_option_existed_resumes_as_it_was_made(tmp_path)
         assert run.start("locate", legacy.identity("locate"), {},
                          assumed=RunSpec.assumed_for_old_runs())
     with RunFolder(folder) as run, pytest.raises(RunFolderError,
-                                                 match="was made with confirm=0"):
-        run.start("locate", RunSpec(prior="none").identity("locate"), {},
+                                                 match="was made with prior='none'"):
+        run.start("locate", RunSpec(confirm=0).identity("locate"), {},
                   assumed=RunSpec.assumed_for_old_runs())
     stored = RunSpec.from_config({"identity": old})
     assert (stored.signal, stored.prior, stored.confirm) == ("metric", "none", 0)
@@ -979,22 +1076,39 @@ def test_confirm_knocks_out_the_likeliest_heads_alone_and_ranks_them_first(
     coef = Lasso(alpha=0.01, max_iter=10000).fit(design.astype(float), y / y.std()).coef_
     screen = [f"L{i // 4}H{i % 4}" for i in np.argsort(coef, kind="stable")]
     assert config["confirm"]["heads"] == screen[:3]
-    assert config["confirm"]["consumed"] == {"tiny_copy": 3}
+    assert config["confirm"]["picked_by"] == {"tiny_copy": screen[:3]}
+    assert config["confirm"]["rounds"] == [screen[:3]]  # one round (of at most 5)
     # Each was measured alone, and the ranking starts with them by measured change.
     base = records["baseline"]["scores"]["tiny_copy"]
     alone = {h: records[f"alone-{h}"]["scores"]["tiny_copy"] - base for h in screen[:3]}
     assert all(records[f"alone-{h}"]["mask"] == h for h in alone)
     first = [h["head"] for h in heads["heads"][:3]]
     assert sorted(alone.values()) == [alone[h] for h in first]
-    assert [h["head"] for h in heads["heads"][3:]] == [h for h in screen if h not in alone]
+    # The rest: the masks refitted with the measured heads' changes held fixed (sklearn
+    # on the residual), equal fits ordered by the residual's marginal contrast.
+    flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
+    held = [flat[h] for h in alone]
+    residual = y - design[:, held].astype(float) @ np.array(list(alone.values()))
+    free = [i for i in range(8) if i not in held]
+    refit_coef = dict(zip(free, Lasso(alpha=0.01, max_iter=10000).fit(
+        design[:, free].astype(float), residual / residual.std()).coef_ * residual.std(),
+        strict=True))
+
+    def contrast(i):
+        inside = [r for r, row in zip(residual, design, strict=True) if row[i]]
+        outside = [r for r, row in zip(residual, design, strict=True) if not row[i]]
+        return np.mean(inside) - np.mean(outside) if inside and outside else 0.0
+
+    tail = sorted(free, key=lambda i: (refit_coef[i], contrast(i), i))
+    assert [h["head"] for h in heads["heads"][3:]] == [f"L{i // 4}H{i % 4}" for i in tail]
     for entry in heads["heads"]:
         assert entry["measured_alone"] == (entry["head"] in alone)
         if entry["measured_alone"]:
             assert entry["effect"] == pytest.approx(alone[entry["head"]])
             assert entry["effect_interval"] is None
         else:
-            assert entry["effect"] == pytest.approx(coef[
-                entry["layer"] * 4 + entry["head_in_layer"]] * y.std())
+            assert entry["effect"] == pytest.approx(
+                refit_coef[flat[entry["head"]]], abs=1e-9)
     with open(out / "heads.csv") as f:
         rows = {row["head"]: row for row in csv.DictReader(f)}
     assert {h for h, row in rows.items() if row["measured_alone"] == "1"} == set(alone)
@@ -1016,7 +1130,7 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
     from lm_eval_headloc.prior import prior_penalty_weights
     from lm_eval_headloc.recovery import HeadLasso
 
-    stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]
+    stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]
     prior = stored["ranking"]
     records = {r["key"]: r for r in read_run(out)[0]}
     design = np.load(out / "design_matrix.npy")
@@ -1027,12 +1141,13 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
     expected = []
     for source in [prior, screen, prior, screen]:  # in turn, skipping what is taken
         expected.append(next(h for h in source if h not in expected))
+    assert np.count_nonzero(fit.coef_) >= 2  # the screen's picks are its fit's, not ties
     assert strict_json(out / "config.json")["confirm"]["heads"] == expected
     # --confirm above the model's 8 heads: every head alone (one-shot greedy's ranking).
     every = tmp_path / "every"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
                    "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
-                   "--out", str(every)) == 0  # the defaults: --confirm 25, --prior auto
+                   "--out", str(every)) == 0  # the defaults: --confirm 35, --prior auto
     config = strict_json(every / "config.json")
     assert len(config["confirm"]["heads"]) == 8 and config["prior_used"] is True
     records = {r["key"]: r for r in read_run(every)[0]}

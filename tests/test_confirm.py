@@ -1,41 +1,162 @@
-"""Confirmation (``confirm.py``): candidates, the confirmed ranking and its bootstrap.
-
-Expected values are written out by hand from the docstrings' rules.
-"""
+"""Confirmation in rounds and the screen's order, against answers worked out by hand."""
 
 from __future__ import annotations
 
 import numpy as np
-from sklearn.linear_model import Lasso
+import pytest
 
 from lm_eval_headloc.confirm import (
-    candidates,
-    confirm_selector,
+    confirmation,
     confirmed_order,
     confirmed_top,
-    task_candidates,
+    marginal_contrast,
+    screen,
+    tied_with_above,
 )
-from lm_eval_headloc.recovery import HeadLasso, bootstrap_stability
+from lm_eval_headloc.designs import design_matrix
 
 
-def test_task_candidates_alternate_and_skip_repeats():
-    prior, screen = [3, 1, 4, 0, 5], [1, 9, 2, 6]
-    # 3 (prior), 1 (screen), prior's next new is 4 (1 taken), screen's 9, prior 0, screen 2
-    assert task_candidates([prior, screen], 6) == [3, 1, 4, 9, 0, 2]
-    # prior: 1 (3 skipped); screen: 2 (1 taken, 9 skipped); prior: 4
-    assert task_candidates([prior, screen], 3, skip=[3, 9]) == [1, 2, 4]
-    assert task_candidates([screen], 2) == [1, 9]
-    # A list that runs out leaves the rest to the other; never more than exist.
-    assert task_candidates([[7], [8, 7, 6]], 10) == [7, 8, 6]
+def test_marginal_contrast_by_hand():
+    design = np.array([[1, 0, 1], [1, 1, 0], [0, 1, 0], [0, 0, 0]], dtype=bool)
+    scores = np.array([1.0, 2.0, 4.0, 8.0])
+    # head 0: in rows 0,1 (mean 1.5), out rows 2,3 (mean 6) -> -4.5
+    # head 1: in rows 1,2 (mean 3), out rows 0,3 (mean 4.5) -> -1.5
+    # head 2: in row 0 (1), out rows 1-3 (mean 14/3) -> -11/3
+    np.testing.assert_allclose(marginal_contrast(design, scores), [-4.5, -1.5, -11 / 3])
+    # A head in every mask or in none has no evidence either way.
+    both = np.array([[1, 0], [1, 0]], dtype=bool)
+    np.testing.assert_array_equal(marginal_contrast(both, np.array([1.0, 3.0])), [0, 0])
 
 
-def test_candidates_share_the_budget_between_tasks():
-    picked, used = candidates({"a": [1, 2, 3, 4], "b": [2, 5, 6]}, 4)
-    # a:1, b:2, a: 2 taken (free) -> 3, b:5
-    assert picked == [1, 2, 3, 5]
-    assert used == {"a": 3, "b": 2}
-    picked, used = candidates({"a": [1]}, 5)
-    assert picked == [1] and used == {"a": 1}
+def test_the_screens_order_is_informative_after_the_fits_zeros():
+    """Where the Lasso leaves heads at 0 (a large alpha: all of them), they are ordered by
+    the marginal contrast, never by head index."""
+    design = np.array([[1, 0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 0], [1, 1, 0, 0]], dtype=bool)
+    scores = np.array([5.0, 6.0, 9.0, 4.0])
+    fit = screen(design, scores, True, alpha=100.0)
+    assert np.all(fit.effects == 0)
+    # Contrasts by hand: head 0: (5+4)/2 - (6+9)/2 = -3; head 1: (6+4)/2 - (5+9)/2 = -2;
+    # head 2: 9 - 5 = +4; head 3: (5+6)/2 - (9+4)/2 = -1. Most harmful (most negative) first.
+    assert fit.order == [0, 1, 3, 2]
+    # Lower is better: the largest rise is the most harmful.
+    assert screen(design, scores, False, alpha=100.0).order == [2, 3, 1, 0]
+    # Excluded heads are not ranked.
+    assert screen(design, scores, True, alpha=100.0, exclude=[1]).order == [0, 3, 2]
+
+
+def test_the_screen_with_confirmed_heads_held_fixed_points_at_what_is_left():
+    """Two planted heads, one strong (0) and one weaker (5) that shares its masks with a
+    decoy (3) more often than not. Holding head 0 at its measured change leaves a residual
+    that only head 5 explains."""
+    design = np.zeros((8, 8), dtype=bool)
+    for row, heads in enumerate([[0, 3], [0, 5], [0, 3, 5], [5, 1], [3, 2], [1, 2],
+                                 [4, 6], [6, 7]]):
+        design[row, heads] = True
+    truth = np.zeros(8)
+    truth[0], truth[5] = -4.0, -1.0
+    scores = 10.0 + design @ truth
+    fit = screen(design, scores, True, alpha=1e-3, fixed={0: -4.0})
+    assert 0 not in fit.order
+    assert fit.effects[0] == -4.0
+    assert fit.order[0] == 5
+    # The residual is exactly 10 + (-1)·[head 5 in mask]: its fit recovers -1 for head 5.
+    assert fit.effects[5] == pytest.approx(-1.0, abs=0.01)
+
+
+def test_rounds_take_turns_across_sources_and_rounds():
+    """One task, a prior ranking and a screen; rounds of 2, budget 5. Turns go on across
+    rounds: prior, screen | prior, screen | prior."""
+    prior = [9, 8, 7, 6, 5]
+    screen_order = [0, 9, 1, 2, 3]
+    seen = []
+
+    def measure(heads):
+        seen.append(list(heads))
+        return {"t": {h: (-1.0, 0.0) for h in heads}}
+
+    done = confirmation({"t": [prior]}, {"t": lambda _changes: screen_order}, measure, 5,
+                        round_size=2)
+    assert done.rounds == [[9, 0], [8, 1], [7]]
+    assert seen == [[9, 0], [9, 0, 8, 1], [9, 0, 8, 1, 7]]  # all so far, after each round
+    assert done.picked_by == {"t": [9, 0, 8, 1, 7]}
+
+
+def test_what_a_round_measured_steers_the_next_picks():
+    """The screen sees the changes measured so far: once head 1 measured harmless, this
+    screen puts head 6 first, so round 2's screen pick is 6 (not the 2 it named before)."""
+    def screen_of(changes):
+        if 1 in changes and changes[1][0] == 0.0:
+            return [6, 2, 3]
+        return [1, 2, 3]
+
+    def measure(heads):
+        return {"t": {h: (0.0 if h == 1 else -1.0, 0.0) for h in heads}}
+
+    done = confirmation({"t": [[4, 5]]}, {"t": screen_of}, measure, 4, round_size=2)
+    assert done.heads == [4, 1, 5, 6]
+
+
+def test_a_larger_budget_extends_the_same_picks():
+    rng = np.random.default_rng(0)
+    design = design_matrix("stratified", 10, 30, 0.2, seed=1)
+    truth = np.zeros(30)
+    truth[[3, 17, 22]] = [-3.0, -2.0, -1.5]
+    scores = 5 + design @ truth + 0.1 * rng.standard_normal(10)
+    prior = list(rng.permutation(30))
+
+    def screen_of(changes):
+        return screen(design, scores, True, fixed={h: c[0] for h, c in changes.items()}).order
+
+    def measure(heads):
+        return {"t": {h: (float(truth[h]), 0.0) for h in heads}}
+
+    short = confirmation({"t": [prior]}, {"t": screen_of}, measure, 7, round_size=3)
+    long = confirmation({"t": [prior]}, {"t": screen_of}, measure, 16, round_size=3)
+    assert long.heads[:7] == short.heads
+    assert len(long.heads) == 16
+
+
+def test_tasks_share_the_budget_and_skip_heads_already_picked():
+    done = confirmation({"a": [[1, 2, 3, 4]], "b": [[2, 5, 6]]}, {},
+                        lambda heads: {}, 5, round_size=5, skip=[3])
+    # a: 1, b: 2, a: 2 taken -> its next, 4 (3 is skipped), b: 5, a: nothing left, b: 6.
+    assert done.heads == [1, 2, 4, 5, 6]
+    assert done.picked_by == {"a": [1, 4], "b": [2, 5, 6]}
+
+
+def test_confirmation_stops_when_every_head_is_taken():
+    done = confirmation({"t": [[0, 1, 2]]}, {}, lambda heads: {}, 10, round_size=2,
+                        skip=[1])
+    assert done.heads == [0, 2]
+
+
+def test_confirmation_finds_a_strong_head_the_prior_ranks_last():
+    """A world where the truth is known: 60 heads, four planted, additive scores. The
+    prior ranks one planted head (11) last; 16 stratified masks and the residual screen
+    find it among 16 heads measured alone, so the confirmed top-4 is exactly the planted
+    set."""
+    total = 60
+    truth = np.zeros(total)
+    planted = {11: -0.30, 25: -0.25, 40: -0.20, 52: -0.15}
+    for head, change in planted.items():
+        truth[head] = change
+    design = design_matrix("stratified", 16, total, 0.1, seed=4)
+    scores = 0.8 + design @ truth
+    prior = [h for h in range(total) if h != 11] + [11]  # blind to head 11
+    prior = [25, 40, 52] + [h for h in prior if h not in (25, 40, 52)]
+
+    def screen_of(changes):
+        return screen(design, scores, True, fixed={h: c[0] for h, c in changes.items()}).order
+
+    def measure(heads):
+        return {"t": {h: (float(truth[h]), 0.0) for h in heads}}
+
+    done = confirmation({"t": [prior]}, {"t": screen_of}, measure, 16)
+    alone = measure(done.heads)["t"]
+    assert confirmed_top(alone, done.heads, 4, True) == [11, 25, 40, 52]
+    # Without the screen the prior alone would not reach head 11 within the budget.
+    alone_prior = confirmation({"t": [prior]}, {}, measure, 16).heads
+    assert 11 not in alone_prior
 
 
 def test_confirmed_order_ranks_measured_heads_first():
@@ -48,38 +169,15 @@ def test_confirmed_order_ranks_measured_heads_first():
     assert confirmed_top(alone, [4, 5, 2], 5, True) == [2, 4]  # 5 helps: left out
 
 
-def test_bootstrap_of_a_confirmation_counts_what_refits_would_confirm():
-    """The selector's counts equal a hand-written loop over the same resamples."""
-    rng = np.random.default_rng(3)
-    design = rng.random((30, 12)) < 0.25
-    truth = np.zeros(12)
-    truth[[2, 7]] = -1.0
-    scores = 3 + design @ truth + 0.3 * rng.standard_normal(30)
-    alone = {2: (-0.9, 0.0), 7: (-0.6, 0.0), 5: (-0.2, 0.0), 0: (0.1, 0.0)}
-    prior = [5, 0, 11, 10]
-    selector = confirm_selector(alone, prior, own_count=3, others=[], higher_is_better=True,
-                                top_k=2)
-    stability = bootstrap_stability(HeadLasso(alpha=0.05), design, scores, 2,
-                                    resamples=40, seed=1, select=selector)
-    counts = np.zeros(12)
-    draw = np.random.default_rng(1)
-    for _ in range(40):
-        rows = draw.integers(0, 30, size=30)
-        y = scores[rows]
-        scale = y.std()
-        fit = Lasso(alpha=0.05, max_iter=10000).fit(design[rows].astype(float), y / scale)
-        screen = list(np.argsort(fit.coef_, kind="stable"))  # most negative first
-        own = []  # prior, screen alternately: 3 heads
-        queues = [list(prior), screen]
-        while len(own) < 3:
-            for queue in queues:
-                head = next(h for h in queue if h not in own)
-                if len(own) < 3:
-                    own.append(head)
-        measured = [h for h in own if h in alone]
-        harmful = sorted((h for h in measured if alone[h][0] < 0), key=lambda h: alone[h][0])
-        counts[harmful[:2]] += 1
-    np.testing.assert_array_equal(stability.selected, counts / 40)
-    # Heads the prior names are confirmed in every refit; 2 and 7 only when the screen
-    # puts them first.
-    assert stability.selected[5] > 0
+def test_ties_are_equal_evidence_not_equal_rank():
+    # Heads 0 and 1 are in exactly the same masks: no measurement tells them apart.
+    design = np.array([[1, 1, 0, 0], [0, 0, 1, 0], [1, 1, 0, 1], [0, 0, 0, 1]], dtype=bool)
+    scores = np.array([1.0, 3.0, 0.5, 2.5])
+    fit = screen(design, scores, True, alpha=100.0)  # every effect 0: contrasts decide
+    order = confirmed_order({}, fit.order, True)
+    assert order[:2] == [0, 1] and tied_with_above(order, {}, fit) == [1]
+    # Measured alone, equal score and logprob changes are a tie; a different logprob is not.
+    alone = {2: (-0.1, -0.5), 3: (-0.1, -0.5), 0: (-0.1, -0.7)}
+    order = confirmed_order(alone, fit.order, True)
+    assert order[:3] == [0, 2, 3]
+    assert tied_with_above(order, alone, fit) == [3]

@@ -10,7 +10,7 @@ from conftest import load_lm
 from lm_eval_headloc.heads import Head
 from lm_eval_headloc.measure import HarnessMeasurement
 from lm_eval_headloc.multimask import loglikelihoods_for_masks
-from lm_eval_headloc.prior import attribution_effects
+from lm_eval_headloc.prior import attribution_effects, path_point
 from lm_eval_headloc.signals import signal_weights
 
 
@@ -62,6 +62,53 @@ def test_attribution_is_the_signals_derivative_along_each_head(tiny_model_dir, t
     torch.set_grad_enabled(True)
 
 
+@pytest.mark.parametrize("at", [0.5, 0.25])
+def test_attribution_at_a_path_point_is_the_derivative_there(tiny_model_dir, task_manager,
+                                                             at):
+    """At ``at`` every head's slice is (1 - at)·z (zero ablation); the estimate for head j
+    is the signal's derivative as j alone moves on towards 0, taken there: j's factor
+    1 - at - eps against 1 - at + eps, every other head at 1 - at (hooks of our own)."""
+    lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64")
+    task = "tiny_choice"
+    measure = HarnessMeasurement(lm, [(task, None)], {task: task_manager.load([task])},
+                                 num_samples=None, signal="logprob")
+    requests = measure._recorded()
+    clean = attribution_effects(lm, requests, signal_weights(
+        measure._golds, loglikelihoods_for_masks(lm, requests, [[]])[0],
+        measure.leaves_of[task]), batch_size=3)
+    with path_point(lm, at):
+        answers = loglikelihoods_for_masks(lm, requests, [[]])[0]
+    weights = signal_weights(measure._golds, answers, measure.leaves_of[task])
+    effects = attribution_effects(lm, requests, weights, batch_size=3, at=at)
+    knockout, eps = lm.knockout, 1e-2
+    d = knockout.head_dim
+
+    def all_scaled(head: Head | None, factor: float):
+        def scale(module, args):
+            z = args[0] * (1 - at)
+            if head is not None and module is knockout.modules[head.layer]:
+                part = slice(head.head * d, (head.head + 1) * d)
+                z[..., part] = args[0][..., part] * factor
+            return (z, *args[1:])
+        return [m.register_forward_pre_hook(scale) for m in knockout.modules]
+
+    for flat in range(knockout.num_layers * knockout.heads_per_layer):
+        head = Head.from_flat_index(flat, knockout.heads_per_layer)
+        values = []
+        for factor in (1 - at - eps, 1 - at + eps):
+            handles = all_scaled(head, factor)
+            try:
+                values.append(measure.measure_with_model([])[task].value)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        assert effects[flat] == pytest.approx((values[0] - values[1]) / (2 * eps),
+                                              rel=1e-3, abs=1e-6)
+    # The point matters: the estimates differ from the clean run's, so the test could fail.
+    assert np.abs(effects - clean).max() > 1e-3
+    torch.set_grad_enabled(True)
+
+
 def test_the_prior_is_of_the_unablated_model_whatever_was_measured_last(tiny_model_dir,
                                                                        task_manager):
     """A run computes its prior after the pilot's half-heads floor mask: that mask must
@@ -70,11 +117,12 @@ def test_the_prior_is_of_the_unablated_model_whatever_was_measured_last(tiny_mod
     measure = HarnessMeasurement(lm, [("tiny_choice", None)],
                                  {"tiny_choice": task_manager.load(["tiny_choice"])},
                                  num_samples=None, signal="metric")
-    fresh = measure.attribution()["tiny_choice"]
+    fresh = measure.attribution((0.0, 0.5))["tiny_choice"]
+    assert fresh.shape == (2, 8)
     half = [Head(0, 0), Head(0, 3), Head(1, 1), Head(1, 2)]
     measure.measure_with_model(half)  # the metric path leaves the mask set on the model
     assert lm.knockout.heads  # so the check below could fail
-    after = measure.attribution()["tiny_choice"]
+    after = measure.attribution((0.0, 0.5))["tiny_choice"]
     np.testing.assert_allclose(after, fresh, rtol=1e-9, atol=1e-12)
     torch.set_grad_enabled(True)
 

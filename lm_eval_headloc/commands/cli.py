@@ -135,8 +135,14 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
         r2 = ranking.extra.get("r2")
         fit = f", R² {r2:.3f}" if r2 is not None else ""
         print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}{fit}")
-        for rank, head in enumerate(ranking.top(top_k), start=1):
-            print(f"  {rank}. {head}  {ranking.effect(head):+.4f}")
+        tied = set(ranking.extra.get("tied_with_above", []))
+        top = ranking.top(top_k)
+        if len(top) > 1 and all(str(h) in tied for h in top[1:]):
+            print("  no head stands out: the fit found no effect that tells the heads apart")
+            continue
+        for rank, head in enumerate(top, start=1):
+            print(f"  {rank}. {head}  {ranking.effect(head):+.4f}"
+                  + ("  (tied with the head above)" if str(head) in tied else ""))
     print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
 
 

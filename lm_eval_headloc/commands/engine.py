@@ -20,6 +20,7 @@ from ..checks import UsageError
 from ..embedded import smollm2_location, smollm2_model_args
 from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
 from ..metrics import TaskScore, metrics_of_task, parse_task_metric
+from ..prior import PRIOR_POINTS
 from ..signals import SIGNAL_OUTPUT_TYPES
 from ..tasks import check_task_names, make_task_manager
 from .runfolder import RunFolder, RunFolderError
@@ -176,7 +177,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
         needs_gold = [flag for flag, wanted in (("--signal logprob", spec.signal == "logprob"),
-                                                ("--prior atp", spec.prior == "atp")) if wanted]
+                                                (f"--prior {spec.prior}",
+                                                 spec.prior in PRIOR_POINTS)) if wanted]
         for flag in needs_gold:
             for leaf, task in loaded[name]["tasks"].items():
                 kind = task.get_config("output_type")

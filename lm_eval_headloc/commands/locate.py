@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..checks import UsageError
-from ..confirm import candidates, confirm_selector, confirmed_order, task_candidates
+from ..confirm import (
+    ROUND,
+    Changes,
+    confirmation,
+    confirmed_order,
+    confirmed_top,
+    screen,
+    tied_with_above,
+)
 from ..designs import design_matrix
 from ..heads import Head, parse_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
-from ..prior import prior_penalty_weights
+from ..prior import PRIOR_POINTS, prior_penalty_weights
 from ..recovery import HeadLasso, bootstrap_stability, harm
 from .engine import (
     Setup,
@@ -46,18 +54,19 @@ def alone_key(head: Head) -> str:
     return f"alone-{head}"
 
 
-def prior_order(priors: Mapping[str, np.ndarray] | None, task: str) -> np.ndarray | None:
-    """The prior's ranking of ``task``'s heads, most harmful (most negative estimated
-    change of the logprob) first; None without a prior."""
-    return None if priors is None else np.argsort(priors[task], kind="stable")
+def prior_orders(priors: Mapping[str, np.ndarray] | None, task: str) -> list[list[int]]:
+    """The prior's rankings of ``task``'s heads, one per path point (prior.json), most
+    harmful (most negative estimated change of the logprob) first; [] without a prior."""
+    if priors is None:
+        return []
+    return [[int(i) for i in np.argsort(point, kind="stable")]
+            for point in np.atleast_2d(priors[task])]
 
 
-def own_candidates(prior: Sequence[int] | None, screen_order: Sequence[int], count: int,
-                   skip: Sequence[int]) -> list[int]:
-    """A task's first ``count`` candidates for confirmation: the prior's (``prior_order``)
-    and the screen's likeliest, alternately (``confirm.task_candidates``)."""
-    orders = [screen_order] if prior is None else [prior, screen_order]
-    return task_candidates(orders, count, skip)
+def _penalty_weights(priors: Mapping[str, np.ndarray] | None, task: str) -> np.ndarray | None:
+    # The clean run's estimate (the first point) eases the Lasso, as plain AtP always has.
+    return None if priors is None else prior_penalty_weights(
+        harm(np.atleast_2d(priors[task])[0], higher_is_better=True))
 
 
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
@@ -69,13 +78,14 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  confirmed: Mapping[str, Any] | None = None) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
-    ``priors``: task -> attribution estimates of the logprob signal's change per head
-    (prior.json), which ease the penalty of likely heads (``prior_penalty_weights``).
-    ``keys``: the measurement of each design row (default ``mask-0000``, ...).
-    ``confirmed``: config.json's ``confirm`` (heads measured alone, how many of each
-    task's candidates they are, heads never knocked out): those heads rank first, by
-    their measured change (``confirm.confirmed_order``), and the bootstrap asks which of
-    them a refit of the screen would have confirmed into the top-k."""
+    ``priors``: task -> attribution estimates of the logprob signal's change per head and
+    path point (prior.json); the first point eases the penalty of likely heads
+    (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
+    ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
+    measured alone rank first, by their measured change (``confirm.confirmed_order``), the
+    rest by the screen refitted with those changes held fixed (``confirm.screen``); the
+    bootstrap asks which of them a replay of the confirmation on a resample of the masks
+    would have confirmed into the top-k."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
     baseline = records["baseline"]
     excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
@@ -86,21 +96,17 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
-        weights = None if priors is None else prior_penalty_weights(
-            harm(priors[task], higher_is_better=True))
-        estimator = HeadLasso(alpha=alpha, penalty_weights=weights).fit(design, y)
-        order = [int(i) for i in estimator.ranking(higher_is_better=higher, exclude=excluded)]
-        effects, select, alone = np.array(estimator.coef_, dtype=np.float64), None, {}
+        weights = _penalty_weights(priors, task)
+        alone = {} if confirmed is None else _measured_alone(confirmed, records, task,
+                                                             heads_per_layer)
+        fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights,
+                     fixed={h: change for h, (change, _) in alone.items()}, exclude=excluded)
+        order = confirmed_order(alone, fit.order, higher, excluded)
+        select = None
         if confirmed is not None:
-            alone = _measured_alone(confirmed, records, task, heads_per_layer)
-            skip = sorted({*confirmed["never"], *excluded})
-            count = confirmed["consumed"][task]
-            own = own_candidates(prior_order(priors, task), order, count, skip)
-            select = confirm_selector(alone, prior_order(priors, task), count,
-                                      set(alone) - set(own), higher, top_k, skip)
-            order = confirmed_order(alone, order, higher, excluded)
-            for head, (change, _) in alone.items():
-                effects[head] = change
+            select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
+                                          weights, prior_orders(priors, task), top_k,
+                                          excluded, heads_per_layer)
         stability = None if bootstrap is None else bootstrap_stability(
             HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
             higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
@@ -110,35 +116,73 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             stability.low[list(alone)] = stability.high[list(alone)] = np.nan
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
-            baseline=float(baseline["scores"][task]), effects=effects,
+            baseline=float(baseline["scores"][task]), effects=fit.effects,
             order=order, heads_per_layer=heads_per_layer,
             extra={"method": "compressed sensing (Lasso)" + (
                        "" if confirmed is None else ", the likeliest heads measured alone"),
-                   "r2": float(estimator.r2_),
+                   "r2": fit.r2,
                    "alpha": alpha, "measurements": int(len(design)),
+                   "tied_with_above": [str(Head.from_flat_index(h, heads_per_layer))
+                                       for h in tied_with_above(order, alone, fit)],
                    "excluded": [str(Head.from_flat_index(i, heads_per_layer))
                                 for i in excluded],
-                   **({} if confirmed is None else {"confirmed": [
-                       str(Head.from_flat_index(h, heads_per_layer)) for h in alone]}),
+                   **({} if confirmed is None else {
+                       "confirmed": [str(Head.from_flat_index(h, heads_per_layer))
+                                     for h in alone],
+                       "implicated": [str(Head.from_flat_index(h, heads_per_layer))
+                                      for h in fit.order
+                                      if harm(fit.effects[h], higher) > 0],
+                       "next": list(confirmed.get("next", {}).get(task, []))}),
                    **({} if priors is None else {"prior_top_k": [
-                       str(Head.from_flat_index(int(i), heads_per_layer))
-                       for i in prior_order(priors, task)[:top_k]]})},
+                       str(Head.from_flat_index(h, heads_per_layer))
+                       for h in alternated(prior_orders(priors, task), top_k)]})},
             stability=stability)
     return rankings
 
 
+def alternated(orders: Sequence[Sequence[int]], count: int) -> list[int]:
+    """The first ``count`` distinct heads of ``orders`` taken in turn."""
+    return confirmation({"": orders}, {}, lambda _heads: {}, count, round_size=count).heads
+
+
+def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str,
+                         design: np.ndarray, y: np.ndarray, higher: bool, alpha: float,
+                         weights: np.ndarray | None, sources: list[list[int]], top_k: int,
+                         excluded: Sequence[int], heads_per_layer: int
+                         ) -> Callable[[np.ndarray], np.ndarray]:
+    """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
+    on a resample of the masks (its rows). The task's own picks are replayed with screens
+    fitted on those rows (``confirm.confirmation``); a pick the run did not measure cannot
+    be ranked, so it is left out (a head only the screen found is as stable as the screen
+    is); heads measured for the run's other tasks stay in the pool."""
+    per_layer = heads_per_layer
+    own = [parse_heads(name)[0].flat_index(per_layer)
+           for name in confirmed.get("picked_by", {}).get(task, confirmed["heads"])]
+    others = set(alone) - set(own)
+    skip = sorted({*confirmed["never"], *excluded})
+    round_size = int(confirmed.get("round_size", len(own) or 1))
+
+    def select(rows: np.ndarray) -> np.ndarray:
+        def screen_on_rows(changes: Changes) -> list[int]:
+            return screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
+                          fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
+
+        def lookup(heads: list[int]) -> dict[str, Changes]:
+            return {task: {h: alone[h] for h in heads if h in alone}}
+
+        replay = confirmation({task: sources}, {task: screen_on_rows}, lookup, len(own),
+                              round_size=round_size, skip=skip)
+        pool = {h for h in replay.heads if h in alone} | others
+        return np.array(confirmed_top(alone, pool, top_k, higher), dtype=np.int64)
+
+    return select
+
+
 def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
                     task: str, heads_per_layer: int) -> dict[int, tuple[float, float]]:
-    """head -> (score change, logprob change; 0 where not recorded) knocked out alone."""
-    base = records["baseline"]
-    changes = {}
-    for name in confirmed["heads"]:
-        head = parse_heads(name)[0]
-        record = records[alone_key(head)]
-        changes[head.flat_index(heads_per_layer)] = (
-            record["scores"][task] - base["scores"][task],
-            record.get("logprob", {}).get(task, 0.0) - base.get("logprob", {}).get(task, 0.0))
-    return changes
+    """head -> (score change, logprob change) of every head the run measured alone."""
+    heads = [parse_heads(name)[0].flat_index(heads_per_layer) for name in confirmed["heads"]]
+    return _changes(records, heads, task, heads_per_layer)
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
@@ -159,7 +203,7 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
         f"- examples per task: {spec['num_samples']} asked, used "
         + ", ".join(f"{t} {n}" for t, n in config.get("examples_used", {}).items())
         + " (the same subset in every measurement)",
-        f"- attribution prior: {'atp (prior.json)' if config.get('prior_used') else 'none'}"
+        f"- attribution prior: {_prior_words(config)}"
         + (f" (--prior {spec.get('prior')})" if spec.get("prior") == "auto" else ""),
         f"- confirmation: {_confirm_words(config)}",
         f"- Lasso alpha: {settings['alpha']}",
@@ -175,22 +219,78 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
             "measurements.", "",
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
-            *([f"The attribution prior's own top-{top_k} (prior.json): "
-               + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
+            *_tie_words(ranking, top_k),
+            *_unconfirmed_words(ranking.extra),
+            *([f"The attribution prior's own top-{top_k} (prior.json"
+               + (", its rankings in turn" if config.get("prior_method") == "atp-path" else "")
+               + "): " + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
               if "prior_top_k" in ranking.extra else [])]
     lines.append("Check the heads with `headloc-harness verify` (knocks them out for real).")
     return "\n".join(lines) + "\n"
+
+
+def _prior_words(config: Mapping[str, Any]) -> str:
+    if not config.get("prior_used"):
+        return "none"
+    # Runs from before path points computed plain AtP and did not record its name.
+    method = config.get("prior_method") or "atp"
+    return {"atp": "atp (prior.json): attribution patching at the clean run",
+            "atp-path": "atp-path (prior.json): attribution patching at the clean run and "
+                        "with every head half ablated, each ranking the heads"}[method]
 
 
 def _confirm_words(config: Mapping[str, Any]) -> str:
     confirmed = config.get("confirm")
     if not confirmed:
         return "none (every head ranked by the Lasso's estimate)"
-    return (f"{len(confirmed['heads'])} heads knocked out one at a time, the "
-            + ("attribution prior's and " if config.get("prior_used") else "")
-            + "the masks' fit's likeliest in turn; they rank first, by their measured "
-            "change (their stability: how often a bootstrap refit of the masks would have "
-            "confirmed them into the top-k)")
+    rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
+              if "rounds" in confirmed else "")
+    return (f"{len(confirmed['heads'])} heads knocked out one at a time{rounds}, the "
+            + ("attribution prior's rankings and " if config.get("prior_used") else "")
+            + "the masks' fit's likeliest in turn (the fit redone after each round with "
+            "the measured heads' changes held fixed); they rank first, by their measured "
+            "change (their stability: how often a replay of the confirmation on a bootstrap "
+            "resample of the masks would have confirmed them into the top-k)")
+
+
+def _tie_words(ranking: HeadRanking, top_k: int) -> list[str]:
+    """Ties in the top-k said as such: equal evidence is no order."""
+    tied = set(ranking.extra.get("tied_with_above", []))
+    top = [str(h) for h in ranking.top(top_k)]
+    if len(top) > 1 and all(h in tied for h in top[1:]):
+        return [f"No head stands out: all {len(top)} listed heads have the same evidence "
+                "(the fit found no effect that tells them apart); their order is the head "
+                "index.", ""]
+    groups: list[list[str]] = []
+    for head in top:
+        if head in tied and groups:
+            groups[-1].append(head)
+        else:
+            groups.append([head])
+    ties = [" = ".join(group) for group in groups if len(group) > 1]
+    below = ranking.top(top_k + 1)
+    if len(below) > top_k and str(below[top_k]) in tied:
+        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with heads "
+                    "below it)")
+    return [f"Tied (the same evidence; listed in head order): {'; '.join(ties)}.", ""] \
+        if ties else []
+
+
+def _unconfirmed_words(extra: Mapping[str, Any]) -> list[str]:
+    """Where to look next: heads the masks' fit implicates that no one measured alone, and
+    the round a larger --confirm would measure."""
+    if "confirmed" not in extra:
+        return []
+    implicated = extra.get("implicated", [])
+    lines = ["Not measured alone: " + (
+        "the masks' fit (with the measured heads held fixed) implicates "
+        + ", ".join(implicated[:10]) + (f" and {len(implicated) - 10} more"
+                                        if len(implicated) > 10 else "")
+        if implicated else "the masks' fit implicates no other head") + "."]
+    if extra.get("next"):
+        lines.append("A larger `--confirm` would measure next: "
+                     + ", ".join(extra["next"]) + ".")
+    return [" ".join(lines), ""]
 
 
 def _sparsity_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
@@ -223,34 +323,48 @@ def _write_results(folder: RunFolder, rankings: Mapping[str, HeadRanking],
 
 
 def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
-    """prior.json's per-task attribution estimates (flat head order)."""
+    """prior.json's per-task attribution estimates, ``(points, heads)`` in flat head order
+    (a file from before path points holds the clean run's alone)."""
     data = json.loads(folder.file("prior.json").read_text())
-    return {task: np.asarray(entry["effects"], dtype=np.float64)
+    return {task: np.atleast_2d(np.asarray(
+                [p["effects"] for p in entry["points"]] if "points" in entry
+                else entry["effects"], dtype=np.float64))
             for task, entry in data["tasks"].items()}
 
 
-def uses_prior(spec: RunSpec, measure: Any) -> bool:
-    """Whether the run computes the attribution prior: ``--prior atp``, or ``auto`` where
-    the measurement can (``HarnessMeasurement.attributable``)."""
-    return spec.prior == "atp" or (spec.prior == "auto" and measure.attributable)
+def prior_method(spec: RunSpec, measure: Any) -> str | None:
+    """The attribution prior the run computes (a ``PRIOR_POINTS`` key), or None: ``auto``
+    is ``atp-path`` where the measurement can (``HarnessMeasurement.attributable``)."""
+    if spec.prior == "auto":
+        return "atp-path" if measure.attributable else None
+    return None if spec.prior == "none" else spec.prior
 
 
-def attribution_prior(folder: RunFolder, measure: Any) -> dict[str, np.ndarray]:
+def attribution_prior(folder: RunFolder, measure: Any, method: str) -> dict[str, np.ndarray]:
     """The run's attribution prior: prior.json when a resumed run made it, else computed
-    (``HarnessMeasurement.attribution``) and written there with its cost."""
+    (``HarnessMeasurement.attribution`` at ``method``'s path points) and written there
+    with its cost."""
     if folder.file("prior.json").is_file():
         return stored_prior(folder)
+    points = PRIOR_POINTS[method]
     start = time.perf_counter()
-    effects = measure.attribution()
+    effects = measure.attribution(points)
     seconds = time.perf_counter() - start
     per_layer = measure.lm.knockout.heads_per_layer
+
+    def ranking(values: np.ndarray) -> list[str]:
+        return [str(Head.from_flat_index(int(i), per_layer))
+                for i in np.argsort(values, kind="stable")]
+
     folder.write_json("prior.json", {
-        "method": "attribution patching (AtP) of the logprob signal: estimated change of "
-                  "each task's mean gold log-likelihood when a head is knocked out",
-        "seconds": round(seconds, 3),
-        "tasks": {task: {"effects": [float(v) for v in values],
-                         "ranking": [str(Head.from_flat_index(int(i), per_layer))
-                                     for i in np.argsort(values, kind="stable")]}
+        "method": f"{method}: attribution patching (AtP) of the logprob signal, the "
+                  "estimated change of each task's mean gold log-likelihood when a head is "
+                  "knocked out, with the gradient taken at each path point (0: the clean "
+                  "run; a: every head moved a of the way to its ablated value)",
+        "prior": method, "seconds": round(seconds, 3),
+        "tasks": {task: {"points": [{"at": at, "effects": [float(v) for v in row],
+                                     "ranking": ranking(row)}
+                                    for at, row in zip(points, values, strict=True)]}
                   for task, values in effects.items()}})
     return effects
 
@@ -319,8 +433,9 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         folder.update_config(row_keys=row_keys)
         plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
                                      for key, row in zip(row_keys, matrix, strict=True)]
-        priors = attribution_prior(folder, measure) if uses_prior(spec, measure) else None
-        folder.update_config(prior_used=priors is not None)
+        method = prior_method(spec, measure)
+        priors = attribution_prior(folder, measure, method) if method else None
+        folder.update_config(prior_used=priors is not None, prior_method=method)
         checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
                   else [len(matrix)])
         for used in checks:
@@ -337,8 +452,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                 break
         folder.update_config(masks_used=used + spent)
         if spec.confirm:
-            confirmed = _confirm(folder, measure, spec, rankings, priors, never,
-                                 [h.flat_index(per_layer) for h in setup.exclude])
+            confirmed = _confirm(folder, measure, spec, setup, matrix[:used], row_keys[:used],
+                                 priors, never)
             records = {r["key"]: r for r in folder.measurements()}
             rankings = fit_rankings(matrix[:used], records, setup.task_names, per_layer,
                                     spec.alpha, setup.exclude, top_k=spec.top_k,
@@ -348,27 +463,71 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     return rankings
 
 
-def _confirm(folder: RunFolder, measure: Any, spec: RunSpec,
-             screen: Mapping[str, HeadRanking], priors: Mapping[str, np.ndarray] | None,
-             never: Sequence[int], excluded: Sequence[int]) -> dict[str, Any]:
-    """Measure the screen's and the prior's likeliest heads alone (``--confirm``); returns
+def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
+             design: np.ndarray, keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
+             never: Sequence[int]) -> dict[str, Any]:
+    """Measure ``--confirm`` heads alone in rounds (``confirm.confirmation``): the prior's
+    rankings and the screen, refitted after each round with what it measured; returns
     what config.json records of it (``fit_rankings``' ``confirmed``). Heads never knocked
-    out or excluded from the ranking are no candidates."""
+    out or excluded from the ranking are no candidates. Every pick follows from the
+    measurements on disk, so a resumed run makes the same picks and measures only what
+    is missing."""
+    per_layer, tasks = setup.heads_per_layer, setup.task_names
+    excluded = [h.flat_index(per_layer) for h in setup.exclude]
+    records = {r["key"]: r for r in folder.measurements()}
+    higher = {t: bool(records["baseline"]["higher_is_better"][t]) for t in tasks}
+    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
+
+    def screen_of(task: str) -> Callable[[Changes], list[int]]:
+        weights = _penalty_weights(priors, task)
+        return lambda changes: screen(
+            design, scores[task], higher[task], alpha=spec.alpha, penalty_weights=weights,
+            fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
+
+    def measured(heads: list[int]) -> dict[str, Changes]:
+        done = run_plan(folder, measure, [("baseline", [])] + [
+            (alone_key(h), [h]) for h in (Head.from_flat_index(i, per_layer) for i in heads)],
+            desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+        return {t: _changes(done, heads, t, per_layer) for t in tasks}
+
+    def on_disk(heads: list[int]) -> dict[str, Changes]:
+        records.update({r["key"]: r for r in folder.measurements()})
+        known = [h for h in heads
+                 if alone_key(Head.from_flat_index(h, per_layer)) in records]
+        return {t: _changes(records, known, t, per_layer) for t in tasks}
+
+    sources = {t: prior_orders(priors, t) for t in tasks}
+    screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
     skip = sorted({*never, *excluded})
-    per_task = {task: own_candidates(prior_order(priors, task), ranking.order,
-                                     spec.confirm, skip)
-                for task, ranking in screen.items()}
-    picked, consumed = candidates(per_task, spec.confirm)
-    heads = [Head.from_flat_index(h, next(iter(screen.values())).heads_per_layer)
-             for h in picked]
-    confirmed = {"heads": [str(h) for h in heads], "consumed": consumed,
+    done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
+    # The round a larger --confirm would measure next: the same picks (they do not depend
+    # on the budget), one round further, measuring nothing.
+    ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)
+
+    def names(heads: Sequence[int]) -> list[str]:
+        return [str(Head.from_flat_index(h, per_layer)) for h in heads]
+
+    confirmed = {"heads": names(done.heads), "round_size": ROUND,
+                 "rounds": [names(r) for r in done.rounds],
+                 "picked_by": {t: names(done.picked_by[t]) for t in tasks},
+                 "next": {t: names(ahead.picked_by[t][len(done.picked_by[t]):])
+                          for t in tasks},
                  "never": sorted(int(h) for h in never)}
-    # Written before measuring: a resumed run that derives other candidates (another
-    # --alpha) records those; the measurements already on disk stay.
     folder.update_config(confirm=confirmed)
-    run_plan(folder, measure, [("baseline", [])] + [(alone_key(h), [h]) for h in heads],
-             desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
     return confirmed
+
+
+def _changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
+             heads_per_layer: int) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change; 0 where not recorded) knocked out alone."""
+    base = records["baseline"]
+    changes = {}
+    for head in heads:
+        record = records[alone_key(Head.from_flat_index(head, heads_per_layer))]
+        changes[head] = (
+            record["scores"][task] - base["scores"][task],
+            record.get("logprob", {}).get(task, 0.0) - base.get("logprob", {}).get(task, 0.0))
+    return changes
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
@@ -378,7 +537,8 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
     alpha, top_k, exclude, bootstrap, and masks — fewer than measured fits the first
     ones); one left out or None keeps the run's value.
     """
-    allowed = RunSpec.refittable("locate")
+    # --confirm can change when locate resumes (it measures); refit measures nothing.
+    allowed = RunSpec.refittable("locate") - {"confirm"}
     unknown = sorted(set(settings) - allowed)
     if unknown:
         raise TypeError(f"refit() got {', '.join(unknown)}; it can change "
@@ -426,7 +586,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
         tasks = [t.split(":")[0] for t in spec.tasks]
-        priors = stored_prior(folder) if config.get("prior_used", spec.prior == "atp") \
+        priors = stored_prior(folder) if config.get("prior_used", spec.prior in PRIOR_POINTS) \
             else None
         rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
                                 top_k=spec.top_k, bootstrap=spec.bootstrap,

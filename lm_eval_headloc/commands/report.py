@@ -81,7 +81,9 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
     ``effect`` (null where no effect was estimated); with a bootstrap also ``selected``
     (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
-    for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``.
+    for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
+    from locate ``tied_with_above``: the head's evidence equals the head ranked above it
+    (their order is then the head index, which says nothing).
     """
     stability = {} if ranking.stability is None else {
         "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
@@ -94,7 +96,9 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
         "heads": [
             {"rank": rank, "head": str(head), "layer": head.layer, "head_in_layer": head.head,
              "effect": ranking.effect(head), **ranking.confidence(head),
-             **_alone_field(ranking, head)}
+             **_alone_field(ranking, head),
+             **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
+                if "tied_with_above" in ranking.extra else {})}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }

@@ -34,8 +34,8 @@ __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "Usag
            "add_options", "parse_batch_size"]
 
 DEFAULT_TASK = "headloc_induction"
-#: --prior's values: auto resolves to atp or none once the tasks and model are known.
-PRIORS: tuple[str, ...] = ("auto", "atp", "none")
+#: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
+PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "none")
 _SAME = object()  # _option's legacy: the same as the default
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 #: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
@@ -45,9 +45,11 @@ MAX_BOOTSTRAP = 10_000
 # Fields a command may change on a run folder it resumes (everything else that is not
 # runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
 # locate's masks too: a design's first M rows are the M-mask design, so more masks extend
-# a run and refit can fit on fewer.
+# a run and refit can fit on fewer; and its --confirm, whose picks do not depend on the
+# budget, so a larger one measures only what is new (refit measures nothing: not there).
 _REFITTABLE: dict[str, frozenset[str]] = {
-    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks"}),
+    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks",
+                         "confirm"}),
     "greedy": frozenset({"top_k"}),
 }
 
@@ -163,7 +165,7 @@ class RunSpec:
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     masks: int | str = _option(
-        25, "measurements (masks) in the design; rerun with more to extend a run, refit "
+        12, "measurements (masks) in the design; rerun with more to extend a run, refit "
             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
             "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
     max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
@@ -176,15 +178,19 @@ class RunSpec:
     prior: str = _option(
         "auto", "atp: attribution patching of the logprob signal (one forward + backward "
                 "pass) eases the Lasso penalty of heads it finds harmful, never excluding "
-                "any, and names half of --confirm's candidates; saved as prior.json and "
-                "ranked in the report; auto: atp where the tasks have gold answers and the "
-                "model is decoder-only, else none",
+                "any, and its ranking takes turns with the masks' in naming --confirm's "
+                "candidates; atp-path: the same, and a second pass with every head half "
+                "ablated, whose ranking takes a turn too (it sees heads whose effect the "
+                "clean run's gradient hides); saved as prior.json and ranked in the "
+                "report; auto: atp-path where the tasks have gold answers and the model is "
+                "decoder-only, else none",
         choices=PRIORS, legacy="none")
     confirm: int = _option(
-        25, "after the masks, knock out this many heads one at a time, alternately the "
-            "prior's and the masks' fit's likeliest, and rank them first by what they "
-            "measured (0: rank by the fit alone)", parse=int, metavar="N", whole=True,
-        min_val=0, legacy=0)
+        35, "after the masks, knock out this many heads one at a time, in rounds of 5: "
+            "the prior's rankings and the masks' fit (redone after each round with the "
+            "measured heads held fixed) name one each in turn; they rank first, by what "
+            "they measured (0: rank by the fit alone; rerun with more to measure more)",
+        parse=int, metavar="N", whole=True, min_val=0, legacy=0)
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
                            parse=float, whole=False, min_val=0, include_boundaries="neither")
@@ -398,7 +404,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "verify": ("top_k", "general", "limit", "batch_size", "workers", "ray_address",
                "gpus_per_worker", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
-    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks"})),
+    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
 
 
