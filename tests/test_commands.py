@@ -1147,7 +1147,7 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
     every = tmp_path / "every"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
                    "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
-                   "--out", str(every)) == 0  # the defaults: --confirm 35, --prior auto
+                   "--out", str(every)) == 0  # the defaults: --confirm 34, --prior auto
     config = strict_json(every / "config.json")
     assert len(config["confirm"]["heads"]) == 8 and config["prior_used"] is True
     records = {r["key"]: r for r in read_run(every)[0]}

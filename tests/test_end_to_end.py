@@ -16,7 +16,7 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
     from lm_eval_headloc.commands.cli import main  # the headloc-harness entry point
 
     out = tmp_path / "induction"
-    # The defaults: 25 masks, the attribution prior, 25 heads confirmed alone.
+    # The defaults: the two-point prior, 12 masks, 34 heads confirmed alone in rounds.
     code = main(["locate", "--tasks", "headloc_induction", "--num-samples", "64",
                  "--top-k", "3", "--seed", "0", "--batch-size", "64", "--out", str(out)])
     assert code == 0

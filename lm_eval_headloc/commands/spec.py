@@ -186,7 +186,7 @@ class RunSpec:
                 "decoder-only, else none",
         choices=PRIORS, legacy="none")
     confirm: int = _option(
-        35, "after the masks, knock out this many heads one at a time, in rounds of 5: "
+        34, "after the masks, knock out this many heads one at a time, in rounds of 5: "
             "the prior's rankings and the masks' fit (redone after each round with the "
             "measured heads held fixed) name one each in turn; they rank first, by what "
             "they measured (0: rank by the fit alone; rerun with more to measure more)",
