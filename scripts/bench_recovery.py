@@ -519,16 +519,14 @@ def task_section(result: Mapping[str, Any], methods: Sequence[Method], seeds: Se
     return lines + [""]
 
 
-def goal_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method],
-                 seeds: Sequence[int], budgets: Sequence[int], budget: int = 54) -> list[str]:
-    """Issue 10's done-when at ``budget``: >= 4/5 in >= 80 % of seeds and a median joint
-    drop >= 90 % of the exhaustive top-5's, per task."""
+def verdict_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method],
+                    seeds: Sequence[int], budgets: Sequence[int], title: str, about: str,
+                    verdict: Any, budget: int = 54) -> list[str]:
+    """A yes/no table at ``budget``, one cell per (method, task): ``verdict(result, method
+    name, budget, seeds)`` gives (met, what the cell shows)."""
     if budget not in budgets:
         return []
-    lines = [f"## The goal at M = {budget}", "",
-             f"≥ {FOUND_GOAL}/{TOP} of the exhaustive top-{TOP} in ≥ {SEED_SHARE_GOAL:.0%} of "
-             f"seeds, and a joint drop ≥ {DROP_GOAL:.0%} of the exhaustive top-{TOP}'s (the "
-             "median over seeds).", "",
+    lines = [f"## {title} at M = {budget}", "", about, "",
              "| method | " + " | ".join(r["task"] for r in results) + " |",
              "| --- |" + " --- |" * len(results)]
     for m in methods:
@@ -537,39 +535,28 @@ def goal_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method]
             if any((m.name, budget, s) not in r["found"] for s in seeds):
                 cells.append("not run")
                 continue
-            share = np.mean([r["found"][m.name, budget, s] >= FOUND_GOAL for s in seeds])
-            drop = float(np.median([r["ratios"][m.name, budget, s] for s in seeds]))
-            ok = share >= SEED_SHARE_GOAL and drop >= DROP_GOAL
-            cells.append(f"{'yes' if ok else 'no'} ({share:.0%}, {drop:.0%})")
+            ok, shown = verdict(r, m.name, budget, seeds)
+            cells.append(f"{'yes' if ok else 'no'} ({shown})")
         lines.append(f"| {m.name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def exact_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method],
-                  seeds: Sequence[int], budgets: Sequence[int], budget: int = 54
-                  ) -> list[str]:
-    """Issue 25's done-when at ``budget``: the exhaustive top-5 exactly (5/5) in >= 80 % of
-    seeds, and the exhaustive top-3 (all three in the run's top-5) in every seed."""
-    if budget not in budgets:
-        return []
-    lines = [f"## Exactly the top-{TOP} at M = {budget}", "",
-             f"{TOP}/{TOP} of the exhaustive top-{TOP} in ≥ {SEED_SHARE_GOAL:.0%} of seeds, "
-             f"and the exhaustive top-3 in the run's top-{TOP} in every seed. Cells: share "
-             f"of seeds with {TOP}/{TOP} · share with the top-3.", "",
-             "| method | " + " | ".join(r["task"] for r in results) + " |",
-             "| --- |" + " --- |" * len(results)]
-    for m in methods:
-        cells = []
-        for r in results:
-            if any((m.name, budget, s) not in r["found"] for s in seeds):
-                cells.append("not run")
-                continue
-            exact = np.mean([r["found"][m.name, budget, s] == TOP for s in seeds])
-            top3 = np.mean([r["top3"][m.name, budget, s] for s in seeds])
-            ok = exact >= SEED_SHARE_GOAL and top3 == 1.0
-            cells.append(f"{'yes' if ok else 'no'} ({exact:.0%} · {top3:.0%})")
-        lines.append(f"| {m.name} | " + " | ".join(cells) + " |")
-    return lines + [""]
+def goal_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[int]
+                 ) -> tuple[bool, str]:
+    """Issue 10's done-when: >= 4/5 in >= 80 % of seeds and a median joint drop >= 90 %
+    of the exhaustive top-5's."""
+    share = np.mean([r["found"][name, budget, s] >= FOUND_GOAL for s in seeds])
+    drop = float(np.median([r["ratios"][name, budget, s] for s in seeds]))
+    return share >= SEED_SHARE_GOAL and drop >= DROP_GOAL, f"{share:.0%}, {drop:.0%}"
+
+
+def exact_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[int]
+                  ) -> tuple[bool, str]:
+    """Issue 25's done-when: the exhaustive top-5 exactly (5/5) in >= 80 % of seeds, and
+    the exhaustive top-3 (all three in the run's top-5) in every seed."""
+    exact = np.mean([r["found"][name, budget, s] == TOP for s in seeds])
+    top3 = np.mean([r["top3"][name, budget, s] for s in seeds])
+    return exact >= SEED_SHARE_GOAL and top3 == 1.0, f"{exact:.0%} · {top3:.0%}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -637,14 +624,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(`Reused` in the script: the exhaustive folder's heads alone, the metric-p0.1 "
         "runs' masks): a measurement is a function of its mask on fixed examples, and the "
         "375 heads the earlier defaults' runs measured alone equal the exhaustive folder's "
-        "in every metric value. This render: "
+        "in every metric value (benchmarks/README.md). This invocation of the script: "
         + ", ".join(f"{r['task']} {r['reused']['looked_up']} looked up, "
-                    f"{r['reused']['measured']} measured" for r in results) + ".", "",
+                    f"{r['reused']['measured']} measured" for r in results)
+        + " (runs already on disk counted theirs when they were made).", "",
     ]
     for result in results:
         lines += task_section(result, methods, seeds, budgets)
-    lines += exact_section(results, methods, seeds, budgets)
-    lines += goal_section(results, methods, seeds, budgets)
+    lines += verdict_section(
+        results, methods, seeds, budgets, f"Exactly the top-{TOP}",
+        f"{TOP}/{TOP} of the exhaustive top-{TOP} in ≥ {SEED_SHARE_GOAL:.0%} of seeds, and the "
+        f"exhaustive top-3 in the run's top-{TOP} in every seed. Cells: share of seeds with "
+        f"{TOP}/{TOP} · share with the top-3.", exact_verdict)
+    lines += verdict_section(
+        results, methods, seeds, budgets, "The goal",
+        f"≥ {FOUND_GOAL}/{TOP} of the exhaustive top-{TOP} in ≥ {SEED_SHARE_GOAL:.0%} of "
+        f"seeds, and a joint drop ≥ {DROP_GOAL:.0%} of the exhaustive top-{TOP}'s (the "
+        "median over seeds).", goal_verdict)
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
     return 0
