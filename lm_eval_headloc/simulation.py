@@ -63,7 +63,8 @@ accuracy collapses and recovery gets worse, not better):
   measured alone measures exactly its ground truth (:func:`measured_alone`).
 
 ``scripts/simulate_recovery.py`` prints the masks needed per ``N`` and sparsity
-(``SIMULATION.md``).
+(``SIMULATION.md``), and the measurement-equivalents the confirming defaults need
+(:func:`confirmed_masks_needed`), today's and those before (:data:`METHODS`).
 """
 
 from __future__ import annotations
@@ -80,19 +81,29 @@ from .recovery import HeadLasso
 __all__ = [
     "DEFAULT_BUDGETS",
     "Documents",
+    "MASK_SHARE",
+    "METHODS",
     "NOISES",
+    "PRIOR_ALLOWANCE",
+    "PRIOR_POINTS",
     "Ranker",
     "SATURATIONS",
     "NeededMasks",
     "SeedTrial",
     "World",
+    "confirmed_masks_needed",
+    "confirmed_split",
+    "confirmed_top",
     "coverage_prediction",
+    "exhaustive_top",
     "hits_by_budget",
     "masks_needed",
+    "measured_alone",
     "planted_world",
     "recovered_top",
     "seed_trial",
     "simulate_scores",
+    "simulated_prior",
 ]
 
 #: How a world turns many knockouts into one accuracy (see the module docstring).
@@ -502,29 +513,74 @@ def coverage_prediction(n_heads: int, sparsity: float) -> float:
 
 # --- the defaults: an attribution prior, a screen of masks and confirmation ------------
 
-#: Measurement-equivalents a simulated run sets aside for the attribution prior (one
-#: forward and one backward pass cost 3.2-3.6 measurements on the embedded model,
-#: RECOVERY.md).
-PRIOR_ALLOWANCE = 4
+#: The confirming methods the simulator runs. ``"defaults"``: today's (``--prior auto``,
+#: which is atp-path: two rankings, the clean run's and the half-ablated run's; then
+#: ``--masks`` 12 at p = 0.1 and ``--confirm`` 34 picked in rounds of ``confirm.ROUND``,
+#: the screen refitted after each round with the measured heads held fixed).
+#: ``"before"``: the defaults until then (``--prior atp``, one ranking; 25 + 25, every
+#: head to confirm picked up front, the prior's and the plain fit's in turn).
+METHODS: tuple[str, ...] = ("defaults", "before")
+
+#: Rankings (path points) each method's prior gives (``prior.PRIOR_POINTS``).
+PRIOR_POINTS: dict[str, int] = {"defaults": 2, "before": 1}
+
+#: Measurement-equivalents a simulated run sets aside for the attribution prior: one
+#: forward and one backward pass cost 3.1-3.6 measurements on the embedded model
+#: (RECOVERY.md), atp-path's two passes and a forward for the answers at its second
+#: point 6.3-7.1, so 8 (scripts/bench_recovery.py's ``PRIOR_ALLOWANCE``; a test checks).
+PRIOR_ALLOWANCE: dict[str, int] = {"defaults": 8, "before": 4}
+
+#: The defaults' share of a budget, after the prior's allowance, spent on masks:
+#: ``--masks`` / (``--masks`` + ``--confirm``) = 12 / 46 (12 + 34 at M = 54; a test
+#: checks it against ``RunSpec``'s defaults).
+MASK_SHARE = 12 / 46
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: must be one of {', '.join(METHODS)}")
 
 
 def simulated_prior(world: World, rng: np.random.Generator, *, noise: float = 0.7,
-                    miss: float = 0.2, additive: float = 0.0) -> np.ndarray:
-    """An attribution-patching-like estimate of every head's single-knockout effect.
+                    miss: float = 0.2, additive: float = 0.0, points: int = 1,
+                    shared_misses: bool = False) -> np.ndarray:
+    """An attribution-patching-like estimate of every head's single-knockout effect at
+    each of ``points`` path points: a ``(points, N)`` array.
 
-    Each head's effect times ``exp(noise · z)`` (a linear approximation is off by a factor,
-    not by a fixed amount); each planted head independently, with probability ``miss``, a
-    false negative (its estimate shrunk to 2 %: attention that saturates hides the head
-    from the gradient, as L16H0 of the embedded model's induction task, ranked 257th of
-    270); plus ``additive`` × the weakest planted drop × a standard normal, an error
-    that does not shrink with the tail's heads (0: none). On the embedded model the
-    exhaustive top-5 of two tasks stood at ranks 1, 2, 3, 10, 257 and 1, 2, 4, 5, 43.
+    At each point, each head's effect times ``exp(noise · z)`` (a linear approximation is
+    off by a factor, not by a fixed amount); each planted head independently, with
+    probability ``miss``, a false negative (its estimate shrunk to 2 %: attention that
+    saturates hides the head from the gradient, as L16H0 of the embedded model's induction
+    task, ranked 257th of 270); plus ``additive`` × the weakest planted drop × a standard
+    normal, an error that does not shrink with the tail's heads (0: none). On the embedded
+    model the exhaustive top-5 of two tasks stood at ranks 1, 2, 3, 10, 257 and 1, 2, 4,
+    5, 43 (the clean run's ranking).
+
+    Assumption: every point draws its own noise and its own false negatives,
+    independently of the others, so a head is missed by all points with probability
+    ``miss ** points``. The embedded model suggests it (the clean run ranks induction's
+    strongest head 257th and the half-ablated run 6th; arithmetic's second head 15th
+    and 227th), but two tasks are no proof: where real misses correlate between points,
+    the second point finds less than simulated here, and these numbers are optimistic.
+    ``shared_misses``: the opposite extreme, every point misses point 0's heads (its
+    noise stays its own), to bound what the assumption is worth. The points are drawn
+    one after the other from ``rng`` (the same draws either way), so point 0 is what a
+    one-point prior from the same ``rng`` gives.
     """
-    estimate = world.effects * np.exp(noise * rng.standard_normal(world.n_heads))
-    missed = world.planted[rng.random(world.planted.size) < miss]
-    estimate[missed] *= 0.02
+    if points < 1:
+        raise ValueError(f"points={points}: must be >= 1")
     weakest = float(-world.effects[world.planted].max())
-    return estimate + additive * weakest * rng.standard_normal(world.n_heads)
+    estimates = np.empty((points, world.n_heads))
+    first_missed = None
+    for point in range(points):
+        estimate = world.effects * np.exp(noise * rng.standard_normal(world.n_heads))
+        missed = world.planted[rng.random(world.planted.size) < miss]
+        if shared_misses:
+            first_missed = missed if first_missed is None else first_missed
+            missed = first_missed
+        estimate[missed] *= 0.02
+        estimates[point] = estimate + additive * weakest * rng.standard_normal(world.n_heads)
+    return estimates
 
 
 def measured_alone(world: World, noise_seed: int) -> tuple[float, np.ndarray]:
@@ -549,52 +605,94 @@ def exhaustive_top(changes: np.ndarray, top: int = 5) -> np.ndarray:
 
 def confirmed_top(world: World, design: np.ndarray, scores: np.ndarray,
                   prior: np.ndarray | None, confirm: int, changes: np.ndarray, *,
-                  top: int = 5, alpha: float = 0.01) -> np.ndarray:
-    """A confirming run's top ``top``: the masks' Lasso (penalty eased by the prior,
-    ``prior.prior_penalty_weights``) and the prior name ``confirm`` candidates in turn
-    (``confirm.task_candidates``), each measured alone (``changes``, from
-    :func:`measured_alone`) and ranked by measured change (``confirm.confirmed_order``)."""
-    from .confirm import confirmed_order, task_candidates
+                  method: str = "defaults", top: int = 5, alpha: float = 0.01) -> np.ndarray:
+    """A confirming run's top ``top`` (``commands.locate``'s ``_confirm`` and
+    ``fit_rankings`` on one task): ``confirm`` heads measured alone (``changes``, from
+    :func:`measured_alone`), picked by ``confirm.confirmation`` from the prior's rankings
+    (``prior``: ``(points, N)`` estimates as :func:`simulated_prior` gives, or None) and
+    the masks' screen (``confirm.screen``, its Lasso's penalty eased by the first point,
+    ``prior.prior_penalty_weights``), then ranked by measured change ahead of the screen's
+    order (``confirm.confirmed_order``).
+
+    ``method="defaults"``: rounds of ``confirm.ROUND``, the screen refitted before each
+    with the heads measured so far held fixed, and the final order's screen too.
+    ``"before"``: the old up-front pick, one round of all ``confirm`` heads from the
+    plain fit (nothing held fixed) and the prior's rankings in turn, and the final
+    order's screen the same plain fit. ``world`` is not used (kept for the callers).
+    """
+    from .confirm import ROUND, confirmation, confirmed_order, screen
     from .prior import prior_penalty_weights
 
-    weights = None if prior is None else prior_penalty_weights(np.clip(-prior, 0, None))
-    screen = HeadLasso(alpha=alpha, penalty_weights=weights).fit(design, scores).ranking()
-    orders = [screen] if prior is None else [np.argsort(prior, kind="stable"), screen]
-    alone = {h: (float(changes[h]), 0.0) for h in task_candidates(orders, confirm)}
-    return np.asarray(confirmed_order(alone, screen, higher_is_better=True)[:top])
+    _check_method(method)
+    prior = None if prior is None else np.atleast_2d(prior)
+    weights = None if prior is None else prior_penalty_weights(np.clip(-prior[0], 0, None))
+
+    def fitted(known: Mapping[int, tuple[float, float]]) -> list[int]:
+        return screen(design, scores, True, alpha=alpha, penalty_weights=weights,
+                      fixed={h: change for h, (change, _) in known.items()}).order
+
+    def measure(heads: list[int]) -> dict[str, dict[int, tuple[float, float]]]:
+        return {"task": {h: (float(changes[h]), 0.0) for h in heads}}
+
+    if method == "defaults":
+        refit, round_size = fitted, ROUND
+    else:
+        # With nothing held fixed the screen IS the old plain fit. Its order among the
+        # Lasso's zero coefficients now follows the marginal contrast, where the old
+        # HeadLasso.ranking() kept index order: only which zero-coefficient heads fill
+        # the screen's late turns can differ, an accepted departure from the old code.
+        plain = fitted({})
+
+        def refit(_known: Mapping[int, tuple[float, float]]) -> list[int]:
+            return plain
+
+        round_size = max(confirm, 1)
+    sources = {"task": [] if prior is None
+               else [np.argsort(point, kind="stable").tolist() for point in prior]}
+    done = confirmation(sources, {"task": refit}, measure, confirm, round_size=round_size)
+    alone = measure(done.heads)["task"]
+    # The screen's order matters only when fewer than ``top`` heads were measured.
+    rest = () if len(alone) >= top else refit(alone)
+    return np.asarray(confirmed_order(alone, rest, higher_is_better=True)[:top])
 
 
-def confirmed_split(budget: int) -> tuple[int, int]:
-    """(masks, heads confirmed) of a budget in measurement-equivalents, after the
-    prior's allowance: the rest halved, as the defaults (25 + 25 at 54) do."""
-    masks = (budget - PRIOR_ALLOWANCE) // 2
-    return masks, budget - PRIOR_ALLOWANCE - masks
+def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True
+                    ) -> tuple[int, int]:
+    """(masks, heads confirmed) of a budget in measurement-equivalents, after the prior's
+    allowance (none without a prior): ``"defaults"``, ``MASK_SHARE`` of the rest in masks
+    (rounded; 12 + 34 at 54); ``"before"``, the rest halved (25 + 25 at 54)."""
+    _check_method(method)
+    rest = budget - (PRIOR_ALLOWANCE[method] if use_prior else 0)
+    masks = round(rest * MASK_SHARE) if method == "defaults" else rest // 2
+    return masks, rest - masks
 
 
 def confirmed_masks_needed(
     n_heads: int, *, sparsity: float = 0.1, budgets: Sequence[int] = DEFAULT_BUDGETS,
     seeds: Sequence[int] = range(50), target_hits: int = 4, share: float = 0.8,
-    use_prior: bool = True, prior_options: Mapping[str, float] | None = None,
+    use_prior: bool = True, prior_options: Mapping[str, object] | None = None,
     world_options: Mapping[str, object] | None = None, top: int = 5,
-    against: str = "exhaustive",
+    against: str = "exhaustive", method: str = "defaults",
 ) -> tuple[int | None, dict[int, float]]:
-    """:func:`masks_needed` for the confirming defaults: the smallest budget (in
-    measurement-equivalents, the prior's allowance included when it is used) whose run
-    holds >= ``target_hits`` of the truth's top ``top`` for >= ``share`` of ``seeds``,
-    and each scanned budget's share of successful seeds. The truth (``against``):
-    ``"exhaustive"``, the one-at-a-time search on the same documents
+    """:func:`masks_needed` for a confirming ``method`` (:data:`METHODS`): the smallest
+    budget (in measurement-equivalents, the prior's allowance included when it is used)
+    whose run (:func:`confirmed_split`, :func:`confirmed_top`) holds >= ``target_hits``
+    of the truth's top ``top`` for >= ``share`` of ``seeds``, and each scanned budget's
+    share of successful seeds. The prior has the method's ``PRIOR_POINTS``. The truth
+    (``against``): ``"exhaustive"``, the one-at-a-time search on the same documents
     (:func:`measured_alone`, RECOVERY.md's ground truth), or ``"planted"``. A seed's
     world and masks are :func:`seed_trial`'s; its prior and its documents' draws for
-    single knockouts come from further streams of the seed."""
+    single knockouts come from further streams of the seed (the same for both methods:
+    their first prior point is the same draw)."""
     if against not in ("exhaustive", "planted"):
         raise ValueError(f"against={against!r}: must be exhaustive or planted")
+    _check_method(method)
     budgets = sorted({int(b) for b in budgets})
     required = math.ceil(share * len(seeds) - 1e-9)
     trials: dict[int, SeedTrial] = {}
     priors, changes, truths, success = {}, {}, {}, {}
     for budget in budgets:
-        masks, confirm = confirmed_split(budget) if use_prior else (
-            budget // 2, budget - budget // 2)
+        masks, confirm = confirmed_split(budget, method, use_prior)
         if min(masks, confirm) < 2:
             continue
         met = failed = 0
@@ -605,6 +703,7 @@ def confirmed_masks_needed(
                 world = trials[seed].world
                 prior_seq, alone_seq = np.random.SeedSequence(seed).spawn(5)[3:]
                 priors[seed] = simulated_prior(world, np.random.default_rng(prior_seq),
+                                               points=PRIOR_POINTS[method],
                                                **(prior_options or {}))
                 changes[seed] = measured_alone(world, int(alone_seq.generate_state(1)[0]))[1]
                 truths[seed] = (exhaustive_top(changes[seed], top) if against == "exhaustive"
@@ -612,7 +711,7 @@ def confirmed_masks_needed(
             trial = trials[seed]
             found = confirmed_top(trial.world, trial.design[:masks], trial.scores[:masks],
                                   priors[seed] if use_prior else None, confirm,
-                                  changes[seed], top=top)
+                                  changes[seed], method=method, top=top)
             hits = np.intersect1d(found, truths[seed]).size
             met, failed = met + (hits >= target_hits), failed + (hits < target_hits)
             if met >= required or failed > len(seeds) - required:

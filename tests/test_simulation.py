@@ -239,9 +239,10 @@ def test_cli_writes_a_table_with_its_command_and_world(tmp_path, capsys):
     assert rows[0] in capsys.readouterr().out
 
 
-def test_confirming_defaults_in_the_simulator():
+@pytest.mark.parametrize("method", ["defaults", "before"])
+def test_confirming_defaults_in_the_simulator(method):
     """Single knockouts follow the world's own accuracy; confirming every head is the
-    exhaustive search; a noise-free prior is the effects themselves."""
+    exhaustive search (either method); a noise-free prior is the effects themselves."""
     from lm_eval_headloc.simulation import (
         confirmed_masks_needed,
         confirmed_top,
@@ -262,18 +263,146 @@ def test_confirming_defaults_in_the_simulator():
     base, changes = measured_alone(world, noise_seed=7)
     assert sorted(exhaustive_top(changes, 5)) == sorted(np.argsort(changes)[:5])
     # Confirming every head ranks exactly as the exhaustive search does.
-    top = confirmed_top(world, trial.design, trial.scores, None, world.n_heads, changes)
+    top = confirmed_top(world, trial.design, trial.scores, None, world.n_heads, changes,
+                        method=method)
+    assert list(top) == list(exhaustive_top(changes, 5))
+    perfect = simulated_prior(world, np.random.default_rng(0), noise=0.0, miss=0.0,
+                              points=2)
+    top = confirmed_top(world, trial.design, trial.scores, perfect, world.n_heads, changes,
+                        method=method)
     assert list(top) == list(exhaustive_top(changes, 5))
     rng = np.random.default_rng(0)
     np.testing.assert_array_equal(simulated_prior(world, rng, noise=0.0, miss=0.0),
-                                  world.effects)
+                                  world.effects[None])
     missed = simulated_prior(world, np.random.default_rng(0), noise=0.0, miss=1.0)
-    np.testing.assert_allclose(missed[world.planted], 0.02 * world.effects[world.planted])
-    # Noise-free, no-miss prior and a world without noise to speak of: found at once.
+    np.testing.assert_allclose(missed[0, world.planted], 0.02 * world.effects[world.planted])
+    # Noise-free, no-miss prior and a world without noise to speak of: found at once
+    # (16: the first budget with >= 5 heads confirmed by both methods, 2 + 6 and 6 + 6).
     needed, success = confirmed_masks_needed(
-        60, budgets=[14, 20], seeds=range(4), prior_options={"noise": 0.0, "miss": 0.0},
-        world_options={"n_examples": 100_000}, against="planted")
-    assert needed == 14 and success == {14: 1.0}
+        60, budgets=[16, 20], seeds=range(4), prior_options={"noise": 0.0, "miss": 0.0},
+        world_options={"n_examples": 100_000}, against="planted", method=method)
+    assert needed == 16 and success == {16: 1.0}
+    with pytest.raises(ValueError, match="method='after'"):
+        confirmed_top(world, trial.design, trial.scores, None, 5, changes, method="after")
+
+
+def test_the_simulated_splits_and_prior_points():
+    """How a budget is split (12 + 34 at M = 54 after atp-path's allowance of 8, the rest
+    rounded in that ratio; 25 + 25 after atp's 4 before), with and without a prior, and
+    how many rankings each method's prior gives (prior.PRIOR_POINTS). That these are the
+    package's defaults: test_the_simulated_defaults_are_the_packages_defaults."""
+    from lm_eval_headloc.prior import PRIOR_POINTS
+    from lm_eval_headloc.simulation import PRIOR_POINTS as SIMULATED_POINTS
+    from lm_eval_headloc.simulation import confirmed_split
+
+    assert SIMULATED_POINTS == {"defaults": len(PRIOR_POINTS["atp-path"]),
+                                "before": len(PRIOR_POINTS["atp"])}
+    assert confirmed_split(54) == (12, 34)
+    assert confirmed_split(54, "before") == (25, 25)
+    assert confirmed_split(100) == (24, 68)  # round(92 * 12 / 46) = round(24.0)
+    assert confirmed_split(30) == (6, 16)  # round(22 * 12 / 46) = round(5.74)
+    # Without a prior there is no allowance: the whole budget is split.
+    assert confirmed_split(46, use_prior=False) == (12, 34)
+    assert confirmed_split(54, "before", use_prior=False) == (27, 27)
+    with pytest.raises(ValueError, match="method="):
+        confirmed_split(54, "atp")
+
+
+def _up_front(orders, count):
+    """The old defaults' candidates, written out: the orders take turns, each naming its
+    likeliest head not picked yet, until ``count`` heads are picked."""
+    picked, turn = [], 0
+    while len(picked) < count:
+        order = orders[turn % len(orders)]
+        turn += 1
+        picked.append(next(int(h) for h in order if int(h) not in picked))
+    return picked
+
+
+@pytest.mark.parametrize("use_prior", [True, False])
+def test_before_is_the_old_up_front_alternation(use_prior):
+    """method="before": the prior's one ranking and the plain fit's take turns up front
+    (nothing measured steers the picks, nothing is held fixed in the fit), and the
+    top-5 are the picked heads most harmful first by their measured change."""
+    from lm_eval_headloc.confirm import screen
+    from lm_eval_headloc.prior import prior_penalty_weights
+    from lm_eval_headloc.simulation import confirmed_top, measured_alone, simulated_prior
+
+    for seed in range(4):
+        trial = seed_trial(40, 0.1, seed, 12, world_options={"noise": "documents"})
+        _, changes = measured_alone(trial.world, noise_seed=0)
+        prior = simulated_prior(trial.world, np.random.default_rng(seed)) if use_prior \
+            else None
+        weights = None if prior is None else prior_penalty_weights(np.clip(-prior[0], 0,
+                                                                           None))
+        plain = screen(trial.design, trial.scores, True, penalty_weights=weights).order
+        orders = [plain] if prior is None else [np.argsort(prior[0], kind="stable"), plain]
+        for confirm in (3, 8, 15):
+            picked = _up_front(orders, confirm)
+            by_hand = sorted(picked, key=lambda h: (changes[h], h))
+            by_hand += [h for h in plain if h not in picked]
+            found = confirmed_top(trial.world, trial.design, trial.scores, prior, confirm,
+                                  changes, method="before")
+            assert list(found) == by_hand[:5]
+
+
+def test_defaults_pick_in_rounds_with_the_fit_redone():
+    """method="defaults" is confirm.confirmation with the prior's rankings and the screen
+    refitted on what each round measured: with the measured changes fed back, its
+    top-5 differs from "before"'s on some seed (the rounds matter), and a prior that
+    names the planted heads at both points finds them at once."""
+    from lm_eval_headloc.simulation import confirmed_top, measured_alone, simulated_prior
+
+    differs = 0
+    for seed in range(8):
+        trial = seed_trial(120, 0.1, seed, 10, world_options={"noise": "documents"})
+        _, changes = measured_alone(trial.world, noise_seed=0)
+        prior = simulated_prior(trial.world, np.random.default_rng(seed), points=2)
+        tops = [confirmed_top(trial.world, trial.design, trial.scores, prior, 20, changes,
+                              method=m) for m in ("defaults", "before")]
+        differs += list(tops[0]) != list(tops[1])
+        # Near-exact measurements: the planted heads are the exhaustive top-5.
+        exact = seed_trial(120, 0.1, seed, 10, world_options={"n_examples": 10**7})
+        _, changes = measured_alone(exact.world, noise_seed=0)
+        perfect = simulated_prior(exact.world, np.random.default_rng(seed), noise=0.0,
+                                  miss=0.0, points=2)
+        found = confirmed_top(exact.world, exact.design, exact.scores, perfect, 10, changes)
+        assert list(found) == list(exact.world.planted)
+    assert differs >= 1
+
+
+def test_prior_points_draw_independent_misses():
+    """Every point draws its own noise and its own false negatives (unless told to share
+    point 0's); point 0 is the one-point prior's draw."""
+    from lm_eval_headloc.simulation import simulated_prior
+
+    world = planted_world(400, np.random.default_rng(0), k_true=60,
+                          planted_drops=(0.2, 0.45), tail_mass=2.0)
+    all_missed = simulated_prior(world, np.random.default_rng(1), noise=0.0, miss=1.0,
+                                 points=2)
+    assert all_missed.shape == (2, 400)
+    for point in all_missed:  # every planted head shrunk at both points, the rest exact
+        np.testing.assert_allclose(point[world.planted], 0.02 * world.effects[world.planted])
+        np.testing.assert_array_equal(np.delete(point, world.planted),
+                                      np.delete(world.effects, world.planted))
+    half = simulated_prior(world, np.random.default_rng(2), noise=0.0, miss=0.5, points=2)
+    missed = [set(world.planted[np.isclose(point[world.planted],
+                                           0.02 * world.effects[world.planted])].tolist())
+              for point in half]
+    assert all(15 <= len(m) <= 45 for m in missed)  # ~30 of 60 each
+    assert missed[0] != missed[1]
+    # Independent: about a quarter of the planted heads missed at both (15 expected).
+    assert 5 <= len(missed[0] & missed[1]) <= 25
+    shared = simulated_prior(world, np.random.default_rng(2), noise=0.0, miss=0.5, points=2,
+                             shared_misses=True)
+    np.testing.assert_array_equal(shared[0], half[0])  # the same draws, point 0's misses
+    np.testing.assert_array_equal(shared[1], half[0])
+    noisy = simulated_prior(world, np.random.default_rng(3), points=2)
+    assert not np.allclose(noisy[0], noisy[1])  # their own noise too
+    one = simulated_prior(world, np.random.default_rng(3))
+    np.testing.assert_array_equal(one[0], noisy[0])
+    with pytest.raises(ValueError, match="points=0"):
+        simulated_prior(world, np.random.default_rng(3), points=0)
 
 
 def _documents_by_hand(world, design):
@@ -361,5 +490,29 @@ def test_confirming_with_fixed_documents_measures_exactly_the_ground_truth():
     by_hand = _documents_by_hand(trial.world, np.vstack([np.zeros(40), np.eye(40)]))
     truth = np.argsort(by_hand[1:] - by_hand[0], kind="stable")[:5]
     assert list(exhaustive_top(changes)) == list(truth)
-    top = confirmed_top(trial.world, trial.design, trial.scores, None, 40, changes)
-    assert list(top) == list(truth)
+    for method in ("defaults", "before"):
+        top = confirmed_top(trial.world, trial.design, trial.scores, None, 40, changes,
+                            method=method)
+        assert list(top) == list(truth)
+
+
+def test_the_simulated_defaults_are_the_packages_defaults():
+    """The simulator's split and prior allowance must follow the real defaults (RunSpec)
+    and the recovery benchmark's allowance, or SIMULATION.md describes another method."""
+    import importlib.util
+    import sys
+
+    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.simulation import MASK_SHARE, PRIOR_ALLOWANCE, confirmed_split
+
+    defaults = RunSpec()
+    assert MASK_SHARE == defaults.masks / (defaults.masks + defaults.confirm)
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_recovery",
+                                                  root / "scripts" / "bench_recovery.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_recovery", bench)
+    spec.loader.exec_module(bench)
+    assert PRIOR_ALLOWANCE["defaults"] == bench.PRIOR_ALLOWANCE[defaults.prior.replace(
+        "auto", "atp-path")]
+    assert confirmed_split(54) == (defaults.masks, defaults.confirm)
