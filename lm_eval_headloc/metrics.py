@@ -1,9 +1,10 @@
 """Which single number a task is measured by, and whether higher is better.
 
 The driver needs one scalar per task per measurement. ``TASK_METRICS`` holds the
-paper's choices for lm-eval's built-ins (SPEC §2) and ours; any other task falls back
-to its first metric and the harness's own higher-is-better flag. ``task:metric``
-overrides either.
+metric the compressed-sensing paper's released code (Bair, Xu, Sun & Kolter, arXiv
+2603.03335) scores lm-eval's built-ins by, and our own tasks' metrics; any other task
+falls back to its first metric and the harness's own higher-is-better flag.
+``task:metric`` overrides either.
 
 Scores are read from the dict ``lm_eval.simple_evaluate`` returns: the harness does
 the scoring (filters, metrics, group aggregation); this module only picks the number.
@@ -15,13 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import UserError
+
 __all__ = ["TASK_METRICS", "MetricError", "TaskScore", "metrics_of_task", "parse_task_metric",
            "task_score"]
 
 # task -> (metric key as lm-eval reports it, higher is better).
 # Groups and tags not aggregated by the harness are the mean over their subtasks.
 TASK_METRICS: dict[str, tuple[str, bool]] = {
-    # SPEC §2, the reference code's choices
+    # lm-eval's built-ins: the metrics the paper's released code scores them by
     "gsm8k": ("exact_match,flexible-extract", True),
     "arithmetic": ("acc,none", True),  # a tag: mean over arithmetic_1dc ... _5ds
     "mbpp": ("pass_at_1,none", True),
@@ -45,7 +48,7 @@ TASK_METRICS: dict[str, tuple[str, bool]] = {
 _NOT_METRICS = ("alias", "samples", "name", "sample_len", "sample_count")
 
 
-class MetricError(ValueError):
+class MetricError(UserError):
     """A task or metric the results do not have (a user mistake, reported in one line)."""
 
 

@@ -1,4 +1,4 @@
-"""Recover per-head effects from knockout measurements with a Lasso (SPEC §2).
+"""Recover per-head effects from knockout measurements with a Lasso.
 
 The model is ``y ≈ y0 + A·β``: ``A`` the design matrix (``True`` = head knocked out),
 ``y`` the task score of each measurement, ``y0`` the score with nothing knocked out and
@@ -6,7 +6,8 @@ The model is ``y ≈ y0 + A·β``: ``A`` the design matrix (``True`` = head knoc
 task, so ``β`` is sparse and an L1 penalty recovers it from far fewer measurements than
 heads. For a higher-is-better score the task's heads are the most negative ``β_j``.
 
-Reference settings (the paper's code): divide the scores by their standard deviation,
+Reference settings (the released code of the compressed-sensing paper, Bair, Xu, Sun &
+Kolter, arXiv 2603.03335): divide the scores by their standard deviation,
 fit ``sklearn.linear_model.Lasso(alpha=0.01)`` *with* an intercept. Standardising makes
 ``alpha`` mean the same for a score in [0, 1] and one in the hundreds; the intercept
 takes up ``y0`` together with the common cost of a mask's unimportant heads. ``coef_``
@@ -253,6 +254,11 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     makes the top ``top_k`` with a harmful effect (a refit that finds fewer harmful heads
     selects fewer); the same seed gives the same answer.
 
+    Each refit is the estimator's own model: an ``estimator`` fitted with ``baseline=y0``
+    refits pinned to that baseline, one fitted with an intercept (or not fitted) fits an
+    intercept. Refitting a pinned fit with a free intercept would report the stability
+    of another estimator, not of the one whose ranking is reported.
+
     ``select``: the heads a resample (its row indices into the measurements) leads to,
     when that is not the refit's own harmful top-k (``locate``'s confirmation replay)."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
@@ -264,12 +270,14 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
                          f"{y.shape} do not pair up row by row")
     rows, total = knocked_out.shape
     excluded = list(exclude)
+    # clone() keeps the parameters, not what fit() was given: the baseline is carried over.
+    baseline = getattr(estimator, "baseline_", None)
     rng = np.random.default_rng(seed)
     counts = np.zeros(total, dtype=np.int64)
     effects = np.empty((resamples, total))
     for r in range(resamples):
         picked = rng.integers(0, rows, size=rows)
-        refit = clone(estimator).fit(knocked_out[picked], y[picked])
+        refit = clone(estimator).fit(knocked_out[picked], y[picked], baseline=baseline)
         effects[r] = refit.coef_
         ranking = refit.ranking(higher_is_better, excluded)
         if select is not None:

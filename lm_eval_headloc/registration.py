@@ -9,7 +9,9 @@ a program that never uses lm-eval does not pay for it. Only a "module:Class" pla
 is registered: torch and transformers load when the model is first asked for.
 
 ``register`` also gives the stock ``lm_eval`` command one line, not a traceback, for a
-bad head list; only in that program, and only for our own ``HeadSpecError``.
+mistake in our model's arguments (a bad head list, ablation kind or reference set); only
+in that program, and only for our own ``UserError``s: any other exception, ours or not,
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _load_startup_hook() -> None:
         install()
 
 
-# --- one line for a bad head list under the stock `lm_eval` command ---------------------
+# --- one line for a user's mistake under the stock `lm_eval` command ---------------------
 
 def _running_lm_eval_cli() -> bool:
     """Whether this process is the ``lm_eval`` console script or ``python -m lm_eval``."""
@@ -83,19 +85,20 @@ def _running_lm_eval_cli() -> bool:
 
 def _install_cli_excepthook() -> None:
     # lm-eval's CLI lets a model's constructor errors end in a traceback through its
-    # internals. A bad head list is a user mistake: one line (the exit status stays 1, as
-    # for any uncaught exception). Everything else goes to the hook that was there before.
+    # internals. A UserError (a bad head list, ablation kind, reference set) is the user's
+    # mistake: one line (the exit status stays 1, as for any uncaught exception).
+    # Everything else, internal errors included, goes to the hook that was there before.
     previous = sys.excepthook
     if getattr(previous, "_headloc_cli_hook", False):
         return
 
-    def one_line_head_errors(exc_type, exc, tb):
-        from .heads import HeadSpecError
+    def one_line_user_errors(exc_type, exc, tb):
+        from .errors import UserError, one_line
 
-        if isinstance(exc_type, type) and issubclass(exc_type, HeadSpecError):
-            print(f"{MODEL_NAME}: error: {exc}", file=sys.stderr)
+        if isinstance(exc_type, type) and issubclass(exc_type, UserError):
+            print(f"{MODEL_NAME}: error: {one_line(exc)}", file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 
-    one_line_head_errors._headloc_cli_hook = True  # type: ignore[attr-defined]
-    sys.excepthook = one_line_head_errors
+    one_line_user_errors._headloc_cli_hook = True  # type: ignore[attr-defined]
+    sys.excepthook = one_line_user_errors

@@ -13,22 +13,35 @@ measurement. Per document:
   generation task is measured with loglikelihood requests (and K masks per pass).
 
 A task's signal is the mean over its documents (over every leaf of a group).
+
+A task whose documents have no gold answer (``doc_to_target: ""``: one scored by a
+function of the generated text alone, such as ``swear``) has no such signal: what would be
+measured is the log-likelihood of an empty answer (at most a delimiter), which says nothing
+about the task, so its changes and their attribution are noise. :func:`no_gold_reason`
+tells such a task before any weights load; ``--signal logprob`` and ``--prior atp`` /
+``atp-path`` are refused for it (:func:`check_gold_answers`), and ``--prior auto``
+resolves to none there.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SIGNALS", "SIGNAL_OUTPUT_TYPES", "GoldAnswer", "gold_answers", "gold_logprob",
-           "signal_weights"]
+__all__ = ["GOLD_SAMPLE", "SIGNALS", "SIGNAL_OUTPUT_TYPES", "GoldAnswer",
+           "check_gold_answers", "gold_answers", "gold_logprob", "has_gold_answers",
+           "no_gold_reason", "no_logprob_reason", "signal_weights"]
 
 #: What a measurement scores: the harness metric, or the gold answer's log-likelihood.
 SIGNALS: tuple[str, ...] = ("metric", "logprob")
 #: lm-eval output types the logprob signal is defined for.
 SIGNAL_OUTPUT_TYPES: tuple[str, ...] = ("loglikelihood", "multiple_choice", "generate_until")
+
+#: Documents of a task whose gold answers are looked at to tell whether it has any.
+GOLD_SAMPLE = 5
 
 Request = tuple[str, str]
 
@@ -144,3 +157,71 @@ def gold_logprob(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[fl
     if not values:
         raise ValueError(f"no documents recorded for {', '.join(sorted(wanted))}")
     return float(sum(values) / len(values))
+
+
+# --- whether a task has gold answers at all ------------------------------------------
+
+def _empty_gold(target: Any) -> bool:
+    # An index (multiple choice: 0 is the first choice) is a gold answer; text is one
+    # when it has a visible character; a list when one of its entries is.
+    if target is None:
+        return True
+    if isinstance(target, str):
+        return not target.strip()
+    if isinstance(target, (list, tuple)):
+        return all(_empty_gold(t) for t in target)
+    return False
+
+
+def no_gold_reason(task: Any, leaf: str | None = None, sample: int = GOLD_SAMPLE
+                   ) -> str | None:
+    """Why the lm-eval task ``task`` has no gold-answer log-likelihood to measure, or None
+    when it has one: an output type the signal is not defined for, or no gold answer
+    (``doc_to_target`` empty) in its first ``sample`` documents. Reads the documents
+    the task has already loaded; no model is needed. ``leaf``: the name to say."""
+    name = leaf or task.get_config("task")
+    kind = task.get_config("output_type")
+    if kind not in SIGNAL_OUTPUT_TYPES:
+        return (f"task {name!r} is {kind}; the gold answer's log-likelihood is defined for "
+                f"{', '.join(SIGNAL_OUTPUT_TYPES)}")
+    docs = list(itertools.islice(task.eval_docs, sample))
+    if not docs:
+        return f"task {name!r} has no documents"
+    try:
+        targets = [task.doc_to_target(doc) for doc in docs]
+    except Exception as err:  # noqa: BLE001 -- a task's own template or function failing
+        said = str(err).strip()
+        return (f"task {name!r}: its gold answer cannot be read ({type(err).__name__}"
+                + (f": {said.splitlines()[0]})" if said else ")"))
+    if all(_empty_gold(target) for target in targets):
+        return (f"task {name!r} has no gold answer (doc_to_target is empty for its first "
+                f"{len(docs)} documents), so it has no log-likelihood signal")
+    return None
+
+
+def has_gold_answers(task: Any) -> bool:
+    """Whether the lm-eval task ``task`` has a gold-answer log-likelihood to measure
+    (:func:`no_gold_reason` is None)."""
+    return no_gold_reason(task) is None
+
+
+def no_logprob_reason(leaves: Mapping[str, Any]) -> str | None:
+    """The first leaf task's reason to have no log-likelihood signal (``leaves``: leaf
+    name -> lm-eval task, as ``TaskManager.load(...)["tasks"]`` gives), or None when
+    every leaf has one: why ``--prior auto`` computes no attribution prior."""
+    for leaf, task in leaves.items():
+        reason = no_gold_reason(task, leaf)
+        if reason is not None:
+            return reason
+    return None
+
+
+def check_gold_answers(leaves: Mapping[str, Any], flag: str) -> None:
+    """Refuse ``flag`` (``--signal logprob``, ``--prior atp`` …) in one line naming the
+    task when a leaf of ``leaves`` has no gold answer, before any weights load."""
+    reason = no_logprob_reason(leaves)
+    if reason is not None:
+        from .checks import UsageError  # sklearn: imported only when refusing
+
+        instead = "--signal metric" if flag.startswith("--signal") else "--prior auto or none"
+        raise UsageError(f"{flag}: {reason} (use {instead})")

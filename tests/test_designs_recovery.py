@@ -411,9 +411,11 @@ def test_recovery_errors_are_one_line_and_name_the_value(call, fragment):
 
 # --------------------------------------------------------------------------- bootstrap
 
-def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01):
+def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01,
+                       baseline=None):
     """A second implementation: sklearn's Lasso on standardised resampled scores,
-    the top-k by most negative coefficient, counted with plain numpy."""
+    the top-k by most negative coefficient, counted with plain numpy. ``baseline``: the
+    unablated score each refit is pinned to (no intercept), as ``HeadLasso.fit``'s."""
     from sklearn.linear_model import Lasso
 
     rng = np.random.default_rng(seed)
@@ -425,8 +427,9 @@ def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01):
         y = scores[pick]
         spread = y.std()
         scale = spread if spread > 1e-12 * max(1.0, np.abs(y).max()) else 1.0
-        coef = Lasso(alpha=alpha, max_iter=10000).fit(
-            knocked_out[pick].astype(float), y / scale).coef_ * scale
+        offset = 0.0 if baseline is None else baseline
+        coef = Lasso(alpha=alpha, max_iter=10000, fit_intercept=baseline is None).fit(
+            knocked_out[pick].astype(float), (y - offset) / scale).coef_ * scale
         coefs.append(coef)
         top = np.argsort(coef, kind="stable")[:top_k]
         chosen[top[coef[top] < 0]] += 1  # only heads whose knockout hurts
@@ -449,6 +452,27 @@ def test_bootstrap_stability_equals_a_hand_written_bootstrap():
     assert 4 < stability.selected.sum() <= 5
     again = bootstrap_stability(HeadLasso(), knocked_out, scores, 5, resamples=40, seed=7)
     np.testing.assert_array_equal(again.selected, stability.selected)
+
+
+def test_bootstrap_of_a_pinned_fit_refits_pinned_to_its_baseline():
+    # Unimportant heads that cost a little on average (net_harm) are what the intercept
+    # absorbs and a pinned baseline must explain with head effects: the two models select
+    # differently here, so a bootstrap that dropped the baseline could not pass.
+    from lm_eval_headloc.recovery import bootstrap_stability
+
+    world = simulated_world(6, net_harm=0.02)
+    knocked_out = design_matrix("stratified", 40, NUM_HEADS, 0.05, 6)
+    scores = world.measure(knocked_out)
+    pinned_by_hand = _bootstrap_by_hand(knocked_out, scores, 5, 30, 1, baseline=world.baseline)
+    free_by_hand = _bootstrap_by_hand(knocked_out, scores, 5, 30, 1)
+    assert not np.allclose(pinned_by_hand[0], free_by_hand[0])
+    for baseline, (selected, (low, high)) in ((world.baseline, pinned_by_hand),
+                                              (None, free_by_hand)):
+        fitted = HeadLasso().fit(knocked_out, scores, baseline=baseline)
+        stability = bootstrap_stability(fitted, knocked_out, scores, 5, resamples=30, seed=1)
+        np.testing.assert_allclose(stability.selected, selected)
+        np.testing.assert_allclose(stability.low, low, atol=1e-9)
+        np.testing.assert_allclose(stability.high, high, atol=1e-9)
 
 
 def test_bootstrap_is_sure_of_strong_heads_and_unsure_with_few_measurements():

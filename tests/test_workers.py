@@ -1,4 +1,4 @@
-"""--workers: measurements on Ray actors (issue 12), on tiny models and a local Ray.
+"""--workers: measurements on Ray actors, on tiny models and a local Ray.
 
 The reference for every distributed run is the same run on one process (--workers 1):
 its measurements per mask key, its design and its ranking must come out equal.
@@ -191,3 +191,11 @@ def test_more_workers_than_the_cluster_can_place_is_one_line(local_ray, tiny_mod
                    "--out", str(out)) == 2
     assert "--workers 3 with 1 CPU each needs 3 CPUs; the Ray cluster has 2" in \
         last_error(capsys)
+
+
+def test_the_address_of_a_running_cluster_passes_the_address_check(local_ray):
+    # --ray-address is checked (a TCP connection within --ray-timeout) before the model
+    # loads; a live cluster's own address must pass it.
+    from lm_eval_headloc.commands.workers import check_ray_address
+
+    check_ray_address(local_ray.get_runtime_context().gcs_address, 10)

@@ -19,13 +19,11 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from .. import __version__
-from ..checks import UsageError
-from ..heads import HeadSpecError
-from ..metrics import MetricError
+from ..errors import UserError, one_line
 from .greedy import greedy
 from .locate import locate, refit
 from .report import HeadRanking
-from .runfolder import RunFolder, RunFolderError
+from .result import load_run
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
 from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
 from .universal import universal, universal_table
@@ -33,9 +31,10 @@ from .verify import verification_markdown, verify
 
 __all__ = ["build_parser", "main"]
 
-# Mistakes a user can make; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, HeadSpecError, MetricError,
-                                                RunFolderError, FileNotFoundError)
+# Mistakes a user can make, each raised with a one-line message written for them. Anything
+# else keeps its traceback: a FileNotFoundError or ValueError from inside the package or a
+# library is a bug to report, not the user's to fix, so it is never taken for one.
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
 
 
 def _list_of(convert: type) -> object:
@@ -104,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Run the subcommand ``args`` were parsed for, printing what it prints."""
     command = args.command
     if command == "locate":
         _print_rankings(locate(args.out, RunSpec.from_namespace(args), force=args.force),
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
-    top_k = RunSpec.from_config(RunFolder(out).read_config()).top_k
+    top_k = load_run(out).spec.top_k
     for task, ranking in rankings.items():
         r2 = ranking.extra.get("r2")
         fit = f", R² {r2:.3f}" if r2 is not None else ""
@@ -170,8 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except USER_ERRORS as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"headloc-harness: error: {message}", file=sys.stderr)
+        print(f"headloc-harness: error: {one_line(err)}", file=sys.stderr)
         return 2
     finally:
         ours.removeHandler(handler)

@@ -22,6 +22,8 @@ import json
 import logging
 import math
 import os
+import socket
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,8 +33,9 @@ from ..checks import UsageError
 from ..heads import Head, format_heads, parse_heads
 from ..metrics import TaskScore
 
-__all__ = ["RAY_EXTRA", "DistributedMeasurement", "MeasurementWorker", "WorkerError",
-           "check_workers", "measurement_fingerprint", "start_workers"]
+__all__ = ["RAY_EXTRA", "RAY_TIMEOUT", "DistributedMeasurement", "MeasurementWorker",
+           "WorkerError", "check_ray_address", "check_workers", "measurement_fingerprint",
+           "start_workers"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -46,6 +49,10 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
 #: How long workers may take to load their model and report before the run gives up:
 #: a request the cluster cannot place (more GPUs than free) would otherwise wait forever.
 START_SECONDS = float(os.environ.get("HEADLOC_WORKER_START_SECONDS", 3600))
+#: --ray-timeout's default, in seconds: how long the address of a Ray cluster may take to
+#: answer. Ray's own connection attempt to an address nothing listens at retries for about
+#: 14 minutes (20 tries of some 40 s) and ends in a traceback, after the model has loaded.
+RAY_TIMEOUT = 60.0
 #: Unablated scores of a worker and of the driver may differ by float rounding at most
 #: (other thread counts or devices sum in another order): relative, then absolute.
 BASELINE_TOLERANCE = (1e-4, 1e-6)
@@ -55,10 +62,11 @@ class WorkerError(UsageError):
     """Workers that cannot be used (refused, or all gone): reported in one line."""
 
 
-def check_workers(workers: int, ray_address: str | None, gpus_per_worker: float | None
-                  ) -> None:
-    """Refuse what cannot work, before any model loads: Ray options without workers, or
-    workers without Ray installed."""
+def check_workers(workers: int, ray_address: str | None, gpus_per_worker: float | None,
+                  ray_timeout: float = RAY_TIMEOUT) -> None:
+    """Refuse what cannot work, before any model loads: Ray options without workers,
+    workers without Ray installed, or a ``--ray-address`` nothing answers at within
+    ``ray_timeout`` seconds (:func:`check_ray_address`)."""
     if workers == 1:
         for flag, value in (("--ray-address", ray_address),
                             ("--gpus-per-worker", gpus_per_worker)):
@@ -68,12 +76,97 @@ def check_workers(workers: int, ray_address: str | None, gpus_per_worker: float 
     if importlib.util.find_spec("ray") is None:
         raise UsageError(f"--workers {workers}: needs Ray, which is not installed; "
                          f"install it with {RAY_EXTRA}")
+    if ray_address is not None:
+        check_ray_address(ray_address, ray_timeout)
+
+
+def check_ray_address(address: str, timeout: float = RAY_TIMEOUT) -> None:
+    """Raise ``WorkerError`` naming ``address`` when no server accepts a connection there
+    within ``timeout`` seconds (the whole check, name lookup included).
+
+    ``address`` is what ``ray.init`` takes: ``HOST:PORT``, ``ray://HOST:PORT`` (Ray
+    Client), ``auto`` (the cluster Ray finds on this machine or in ``RAY_ADDRESS``) or
+    ``local`` (a new local cluster: nothing to check). This is a TCP connection, not a Ray
+    handshake: it tells an address nothing listens at (a cluster not started, a typo in
+    the host or port) from one where a server is up, and leaves the rest to Ray.
+    """
+    if address == "local" or ("://" in address and not address.startswith("ray://")):
+        return  # a new local cluster, or a scheme of a Ray plugin: Ray's to check
+    flag = f"--ray-address {address}"
+    if address == "auto":
+        target = _auto_address(flag)
+        if target is None:
+            return
+    else:
+        target = address.removeprefix("ray://")
+    host_port = _host_and_port(target)
+    if host_port is None:
+        if address.startswith("ray://"):
+            return  # Ray Client may have a default port for it
+        raise WorkerError(f"{flag}: expected auto, HOST:PORT (as `ray start --head` "
+                          "prints) or ray://HOST:PORT")
+    reason = _connect_within(*host_port, timeout)
+    if reason is not None:
+        raise WorkerError(f"{flag}: no Ray cluster answers at {target} ({reason}); start "
+                          "one there with `ray start --head`, or give the address it prints")
+
+
+def _auto_address(flag: str) -> str | None:
+    """``auto``'s HOST:PORT as Ray resolves it, or None when that cannot be asked."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # another Ray's internals: leave the address to ray.init
+        return None
+    try:
+        return canonicalize_bootstrap_address("auto")
+    except ConnectionError:  # Ray found no cluster to join
+        raise WorkerError(f"{flag}: no running Ray cluster found on this machine or in "
+                          "RAY_ADDRESS; start one with `ray start --head`, or give "
+                          "HOST:PORT") from None
+
+
+def _host_and_port(target: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6 address]:port`` split; None when there is no valid port."""
+    if target.startswith("["):
+        host, sep, port = target[1:].partition("]:")
+    else:
+        host, sep, port = target.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return host, int(port)
+
+
+def _connect_within(host: str, port: int, timeout: float) -> str | None:
+    """Why no TCP connection to ``host:port`` was made within ``timeout`` s, or None.
+
+    The attempt runs in a daemon thread so that the wait is bounded as a whole: a name
+    lookup does not honour a socket's timeout, and a name with several addresses gets
+    the timeout once per address. An attempt still running when the time is up is
+    abandoned (it ends with its socket timeout, or with the process)."""
+    outcome: list[str | None] = []
+    waited = f"no answer within --ray-timeout {timeout:g} s"
+
+    def attempt() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                outcome.append(None)
+        except socket.gaierror as err:
+            outcome.append(f"unknown host: {err.strerror or err}")
+        except TimeoutError:
+            outcome.append(waited)
+        except OSError as err:  # refused, unreachable: said at once, not after the wait
+            outcome.append((err.strerror or type(err).__name__).lower())
+
+    thread = threading.Thread(target=attempt, name="headloc-ray-address", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else waited
 
 
 def measurement_fingerprint(measure: Any) -> str:
     """A digest of what a measurement asks the model: the example subset and every
     request lm-eval built for it (few-shot contexts, chat templates and all)."""
-    instances = measure._recorded_instances()
+    instances = measure.recorded_instances()
     text = json.dumps({"subset": measure.subset, "limit": measure.limit,
                        "signal": measure.signal,
                        "requests": [[i.request_type, i.task_name, i.doc_id, i.idx,
@@ -125,10 +218,9 @@ class MeasurementWorker:
     def measure_masks(self, masks: Sequence[str], masks_per_pass: int | None
                       ) -> list[dict[str, TaskScore]]:
         heads = [parse_heads(mask) if mask else [] for mask in masks]
-        if len(heads) > 1 and hasattr(self.measure, "measure_many"):
-            per_pass = masks_per_pass or self.measure.auto_masks_per_pass()
-            return self.measure.measure_many(heads, masks_per_pass=per_pass)
-        return [self.measure(h) for h in heads]
+        per_pass = masks_per_pass or self.measure.auto_masks_per_pass()
+        ((_, scores, _),) = self.measure.measure_chunks([heads], per_pass)
+        return scores
 
 
 class DistributedMeasurement:
@@ -222,6 +314,9 @@ def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
         gpus = 1 if torch.cuda.is_available() else 0
     if not ray.is_initialized():
         if spec.ray_address:
+            # Checked before the model loaded (prepare); again now, for a cluster that went
+            # away while it loaded: Ray's own retries would take some 14 minutes.
+            check_ray_address(spec.ray_address, spec.ray_timeout)
             ray.init(address=spec.ray_address, log_to_driver=False)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,

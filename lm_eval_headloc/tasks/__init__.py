@@ -8,10 +8,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import InternalError, UserError
+
 __all__ = ["UnknownTaskError", "check_task_names", "make_task_manager", "task_configs_dir"]
 
 
-class UnknownTaskError(ValueError):
+class UnknownTaskError(UserError):
     """A task name lm-eval does not know (a user mistake, reported in one line)."""
 
 
@@ -29,7 +31,10 @@ def task_configs_dir(package: Path | None = None) -> Path:
     for candidate in candidates:
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"task_configs not found in {package}")
+    # Our own files, not the user's: their absence is a broken install, never a mistake
+    # in the command, so it keeps its traceback.
+    raise InternalError(f"task_configs not found in {package}: the installed "
+                        "lm-eval-headloc is incomplete; reinstall it")
 
 
 def make_task_manager(include_path: str | Sequence[str] | None = None,
