@@ -16,6 +16,11 @@ rounds the screen is refitted with the confirmed heads' measured changes held fi
 the screen's order is informative all the way down (its Lasso's zeros ordered by the
 marginal contrast of the same residual, never by head index).
 
+A budget in measurement-equivalents is spent as the prior's allowance, masks and heads
+measured alone (``budget_split``; the defaults' 54 as 8 + 12 + 34). Heads measured alone
+rank by one rule (``rank_measured``), whether a confirmation picked them or one-shot
+greedy measured every head.
+
 The procedure (``confirmation``) is a pure function of its sources and of what each
 round measured, and a round's picks do not depend on the budget, so a run with a larger
 ``--confirm`` measures only what is new and a killed run resumes to the same picks.
@@ -26,13 +31,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .recovery import HeadLasso, harm
 
-__all__ = ["ROUND", "Confirmation", "confirmation", "confirmed_order", "confirmed_top",
-           "marginal_contrast", "screen", "tied_with_above"]
+__all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
+           "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split",
+           "confirmation", "confirmed_order", "confirmed_top", "marginal_contrast",
+           "measured_changes", "prior_penalty_weights", "prior_rankings", "prior_weights",
+           "rank_measured", "screen", "tied_with_above"]
 
 #: Heads measured alone per round: small, so that each round's measurements steer the
 #: next picks, and a whole number of masks-per-pass batches on a GPU.
@@ -40,6 +49,74 @@ ROUND = 5
 
 #: What a head measured alone changed, per task: (score change, logprob change).
 Changes = Mapping[int, tuple[float, float]]
+
+# --- the budget: the prior's allowance, masks, heads measured alone ----------------------
+
+#: Measurement-equivalents (one measurement: a forward pass over the example subset) set
+#: aside for the attribution prior, by ``--prior`` method. On the embedded model atp's
+#: forward and backward pass cost 3.2-3.6 measurements; atp-path's two passes and a
+#: forward for the answers at its second point 6.3-7.1 (RECOVERY.md times them).
+PRIOR_ALLOWANCE: dict[str, int] = {"none": 0, "atp": 4, "atp-path": 8}
+
+#: The defaults' budget in measurement-equivalents: atp-path's allowance, then masks and
+#: heads measured alone.
+DEFAULT_BUDGET = 54
+
+#: The share of a budget, after the prior's allowance, spent on masks (12 of the default
+#: budget's 46); the rest is heads measured alone.
+MASK_SHARE = 12 / 46
+
+
+def budget_split(total: int, prior: str = "atp-path") -> tuple[int, int]:
+    """(masks, heads measured alone) of a budget of ``total`` measurement-equivalents:
+    ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``MASK_SHARE`` of the rest in
+    masks (rounded to the nearest, halves to even), the remainder measured alone."""
+    if prior not in PRIOR_ALLOWANCE:
+        raise ValueError(f"prior={prior!r}: must be one of {', '.join(PRIOR_ALLOWANCE)}")
+    rest = int(total) - PRIOR_ALLOWANCE[prior]
+    masks = round(rest * MASK_SHARE)
+    return masks, rest - masks
+
+
+#: ``--masks`` and ``--confirm``'s defaults: the default budget's split (12 + 34).
+DEFAULT_MASKS, DEFAULT_ALONE = budget_split(DEFAULT_BUDGET)
+
+# --- the prior's part: its rankings and the screen's penalty weights ---------------------
+
+#: How much the prior eases the Lasso penalty of the head it finds most harmful: its
+#: penalty is divided by 1 + PRIOR_EASE (others by less; harmless-looking heads keep 1).
+PRIOR_EASE = 1.0
+
+
+def prior_penalty_weights(harm_estimates: np.ndarray, ease: float = PRIOR_EASE) -> np.ndarray:
+    """Per-head Lasso penalty factors from a prior's harm estimates (positive = the
+    knockout hurts): ``1 / (1 + ease * share)``, ``share`` the head's harm over the
+    largest. A mild adaptive Lasso: no head's penalty rises, so a head the prior misses
+    (a false negative) is found as without a prior."""
+    hurt = np.clip(np.asarray(harm_estimates, dtype=np.float64), 0.0, None)
+    top = hurt.max() if hurt.size else 0.0
+    share = hurt / top if top > 0 else np.zeros_like(hurt)
+    return 1.0 / (1.0 + ease * share)
+
+
+def prior_weights(estimates: np.ndarray | None) -> np.ndarray | None:
+    """The screen's penalty weights from a prior's estimates of the logprob's change
+    (``(points, heads)`` or one point; most negative = most harmful): the first point's,
+    the clean run's, eases the penalty of likely heads (``prior_penalty_weights``); None
+    without a prior."""
+    if estimates is None:
+        return None
+    return prior_penalty_weights(harm(np.atleast_2d(estimates)[0], higher_is_better=True))
+
+
+def prior_rankings(estimates: np.ndarray | None) -> list[list[int]]:
+    """The prior's rankings, one per point of ``estimates`` (``(points, heads)`` or one
+    point), most harmful (most negative estimated change of the logprob) first, equal
+    estimates in head order; [] without a prior."""
+    if estimates is None:
+        return []
+    return [[int(h) for h in np.argsort(point, kind="stable")]
+            for point in np.atleast_2d(estimates)]
 
 
 def marginal_contrast(design_matrix: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -161,6 +238,13 @@ def confirmation(sources: Mapping[str, Sequence[Sequence[int]]],
     return Confirmation(rounds, picked_by)
 
 
+def alternated(orders: Sequence[Sequence[int]], count: int) -> list[int]:
+    """The first ``count`` distinct heads of ``orders`` taken in turn, each naming its
+    likeliest head not taken yet (one with none left passes its turn): what a
+    confirmation with these sources picks when nothing it measures steers the picks."""
+    return confirmation({"": orders}, {}, lambda _heads: {}, count, round_size=count).heads
+
+
 def _next_pick(orders: Sequence[Sequence[int]], turns: dict[str, int], task: str,
                taken: set[int]) -> int | None:
     """The task's next source's likeliest head not taken (a source with none left passes
@@ -174,14 +258,36 @@ def _next_pick(orders: Sequence[Sequence[int]], turns: dict[str, int], task: str
     return None
 
 
+def measured_changes(reference: Mapping[str, Any], measured: Mapping[int, Mapping[str, Any]],
+                     task: str) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change) of ``task`` in each head's measurement
+    record (a run folder's: ``scores`` and, where recorded, ``logprob`` by task) against
+    the ``reference`` record's; a logprob not recorded counts as 0."""
+    def logprob(record: Mapping[str, Any]) -> float:
+        return float(record.get("logprob", {}).get(task, 0.0))
+
+    return {int(head): (record["scores"][task] - reference["scores"][task],
+                        logprob(record) - logprob(reference))
+            for head, record in measured.items()}
+
+
+def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
+    """The ranking rule of heads measured (``changes[head] = (score change, logprob
+    change)``): the most harmful score change first; equal score changes (a metric over
+    100 examples moves in steps of 0.01) by the larger drop of the logprob; equal both,
+    by head index. That last order is no evidence: ``tied_with_above`` says which heads
+    it ordered."""
+    return sorted((int(h) for h in changes), key=lambda h: (
+        -float(harm(changes[h][0], higher_is_better)), float(changes[h][1]), h))
+
+
 def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
                     exclude: Iterable[int] = ()) -> list[int]:
-    """The ranking: heads measured alone first, most harmful first by their measured
-    change (``alone[head] = (score change, logprob change)``; equal score changes by the
-    logprob's, then by index), then every other head in ``screen_order``."""
+    """The ranking: heads measured alone first, by ``rank_measured``, then every other
+    head in ``screen_order``; heads in ``exclude`` left out."""
     excluded = set(exclude)
-    confirmed = sorted((h for h in alone if h not in excluded), key=lambda h: (
-        -float(harm(alone[h][0], higher_is_better)), -float(harm(alone[h][1], True)), h))
+    confirmed = rank_measured({h: c for h, c in alone.items() if h not in excluded},
+                              higher_is_better)
     return confirmed + [int(h) for h in screen_order if h not in alone and h not in excluded]
 
 
@@ -193,14 +299,18 @@ def confirmed_top(alone: Changes, pool: Iterable[int], top_k: int,
     return [h for h in order[:top_k] if harm(alone[h][0], higher_is_better) > 0]
 
 
-def tied_with_above(order: Sequence[int], alone: Changes, fit: Screen) -> list[int]:
+def tied_with_above(order: Sequence[int], alone: Changes, fit: Screen | None = None
+                    ) -> list[int]:
     """The heads of ``order`` whose evidence equals the head ranked just above them: the
     same measured changes (both measured alone), or the same fitted effect and marginal
-    contrast (neither measured). Their order between them is the head index, which says
-    nothing: a ranking must call them ties."""
+    contrast (neither measured; without a ``fit``, a head not measured alone ties with
+    none). Their order between them is the head index, which says nothing: a ranking
+    must call them ties."""
     def evidence(head: int) -> tuple:
         if head in alone:
             return ("alone", *alone[head])
+        if fit is None:
+            return ("unmeasured", head)
         return ("fit", float(fit.effects[head]), float(fit.contrast[head]))
 
     return [int(below) for above, below in zip(order, order[1:], strict=False)

@@ -1,4 +1,4 @@
-"""Recovery benchmark (issue 10): how many measurements find a task's heads.
+"""Recovery benchmark: how many measurements find a task's heads.
 
 Ground truth: the exhaustive single-head knockout of each task on the embedded SmolLM2
 (one-shot greedy: every head alone, ranked by the task's metric, ties by the gold
@@ -17,9 +17,11 @@ the M-mask design itself (checked below). Per (task, method, budget, seed):
 
 Cost is counted in measurement-equivalents (forward passes over the example subset):
 M masks (the baseline measurement, one more, is left out of every row alike). A
-confirming method (``--confirm``, the defaults) spends a budget M as 4 for the
-attribution prior (its measured cost is in the table), then (M − 4)/2 masks and as many
-heads knocked out alone; its runs are made per budget (a confirmation is no prefix).
+confirming method (``--confirm``, the defaults) spends a budget M as its prior's
+allowance (``confirm.PRIOR_ALLOWANCE``; the prior's measured cost is in the table), then
+masks and heads knocked out alone as the simulator splits it
+(``bench.simulation.confirmed_split``: the defaults' ``confirm.budget_split``, the
+earlier defaults' halves); its runs are made per budget (a confirmation is no prefix).
 
 Methods that fit the logprob signal use the same runs as their metric twins: a
 measurement by the metric records the gold answers' log-likelihood from the same
@@ -54,19 +56,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from lm_eval_headloc.bench.simulation import confirmed_split  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
 from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare, run_plan  # noqa: E402
 from lm_eval_headloc.commands.greedy import greedy  # noqa: E402
 from lm_eval_headloc.commands.locate import (  # noqa: E402
-    alternated,
     attribution_prior,
     fit_rankings,
     locate,
     mask_keys,
-    prior_orders,
     refit,
 )
 from lm_eval_headloc.commands.runfolder import RunFolder  # noqa: E402
+from lm_eval_headloc.confirm import PRIOR_ALLOWANCE, alternated, prior_rankings  # noqa: E402
 from lm_eval_headloc.designs import design_matrix  # noqa: E402
 from lm_eval_headloc.heads import Head, format_heads, parse_heads  # noqa: E402
 from lm_eval_headloc.metrics import TaskScore  # noqa: E402
@@ -79,8 +81,8 @@ GROUND_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(TASKS)
                         + " --top-k 20 --out benchmarks/exhaustive")
 WORK = ROOT / "benchmarks" / "recovery-runs"
 TOP = 5
-#: The done-when of issue 10: >= 4 of the exhaustive top-5 in >= 80 % of seeds, and a
-#: joint drop >= 90 % of the exhaustive top-5's.
+#: The recovery goal: >= 4 of the exhaustive top-5 in >= 80 % of seeds, and a joint drop
+#: >= 90 % of the exhaustive top-5's.
 FOUND_GOAL, SEED_SHARE_GOAL, DROP_GOAL = 4, 0.8, 0.9
 
 
@@ -93,13 +95,12 @@ class Method:
     prior: bool = False  # the attribution prior eases the penalty of likely heads
     design: str = "stratified"
     alpha: float = 0.01
-    #: Confirmation (--confirm): a budget M is the prior's allowance, then (M - allowance)
-    #: split between masks (``mask_share`` of it) and heads knocked out alone; a run per
-    #: budget (no prefixes).
+    #: Confirmation (--confirm): a budget M is the prior's allowance, then the rest split
+    #: between masks and heads knocked out alone as the simulated method ``split_as``
+    #: splits it (``bench.simulation.confirmed_split``); a run per budget (no prefixes).
     confirm: bool = False
     prior_kind: str = "atp"  # --prior of a confirming method
-    allowance: int = 4
-    mask_share: float = 0.5
+    split_as: str = "before"
     #: Not a locate run: a peer method computed from the prior or from other runs' masks.
     peer: str | None = None
 
@@ -109,24 +110,20 @@ class Method:
             "" if not self.confirm else "-confirm" if self.prior_kind == "atp"
             else f"-{self.prior_kind}")
 
+    @property
+    def allowance(self) -> int:
+        """Measurement-equivalents set aside for a confirming method's prior (its measured
+        cost, seconds over a measurement's, is in each table's cost column)."""
+        return PRIOR_ALLOWANCE[self.prior_kind]
+
     def split(self, budget: int) -> tuple[int, int]:
         """(masks, heads confirmed alone) of a budget."""
         if not self.confirm:
             return budget, 0
-        if self.mask_share == 0.5:  # the rule the earlier defaults' runs were made with
-            masks = (budget - self.allowance) // 2
-        else:
-            masks = round((budget - self.allowance) * self.mask_share)
-        return masks, budget - self.allowance - masks
+        return confirmed_split(budget, self.split_as)
 
 
-#: Measurement-equivalents a confirming method sets aside for the attribution prior (its
-#: measured cost, seconds over a measurement's, is in each table's cost column): one
-#: forward and one backward pass for atp (3.2-3.6 measured); atp-path takes two, and a
-#: forward for the answers at its second point (6.3-7.1).
-PRIOR_ALLOWANCE = {"atp": 4, "atp-path": 8}
 DEFAULTS = RunSpec()
-_DEFAULT_SHARE = DEFAULTS.masks / (DEFAULTS.masks + DEFAULTS.confirm)
 
 METHODS = (
     Method("default", f"the defaults: `--prior {DEFAULTS.prior}` (atp-path here), p = "
@@ -136,8 +133,7 @@ METHODS = (
            f"`--confirm` the rest, measured alone in rounds of 5 (at M = 54 the defaults "
            f"themselves, {DEFAULTS.masks} + {DEFAULTS.confirm})",
            DEFAULTS.sparsity, DEFAULTS.signal, prior=True, confirm=True,
-           prior_kind="atp-path", allowance=PRIOR_ALLOWANCE["atp-path"],
-           mask_share=_DEFAULT_SHARE),
+           prior_kind="atp-path", split_as="defaults"),
     Method("default-before", "the defaults until this change: `--prior atp`, p = 0.1, "
            f"the task metric; {PRIOR_ALLOWANCE['atp']} for the prior, then `--masks` and "
            "`--confirm` (M − 4)/2 each (at M = 54: 25 + 25, the heads to confirm picked up "
@@ -220,7 +216,7 @@ def peer_tops(task: str, method: Method, seeds: Sequence[int], budgets: Sequence
     per_layer = setup.heads_per_layer
     tops = {}
     if method.peer in ("atp", "atp-path"):
-        orders = prior_orders(priors[method.peer], task)
+        orders = prior_rankings(priors[method.peer][task])
         top = [Head.from_flat_index(h, per_layer) for h in alternated(orders, TOP)]
         return {(method.name, b, s): top for b in budgets for s in seeds}
     from sklearn.linear_model import Ridge
@@ -543,8 +539,8 @@ def verdict_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Meth
 
 def goal_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[int]
                  ) -> tuple[bool, str]:
-    """Issue 10's done-when: >= 4/5 in >= 80 % of seeds and a median joint drop >= 90 %
-    of the exhaustive top-5's."""
+    """The recovery goal: >= 4/5 in >= 80 % of seeds and a median joint drop >= 90 % of
+    the exhaustive top-5's."""
     share = np.mean([r["found"][name, budget, s] >= FOUND_GOAL for s in seeds])
     drop = float(np.median([r["ratios"][name, budget, s] for s in seeds]))
     return share >= SEED_SHARE_GOAL and drop >= DROP_GOAL, f"{share:.0%}, {drop:.0%}"
@@ -552,8 +548,8 @@ def goal_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[i
 
 def exact_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[int]
                   ) -> tuple[bool, str]:
-    """Issue 25's done-when: the exhaustive top-5 exactly (5/5) in >= 80 % of seeds, and
-    the exhaustive top-3 (all three in the run's top-5) in every seed."""
+    """The exact goal: the exhaustive top-5 exactly (5/5) in >= 80 % of seeds, and the
+    exhaustive top-3 (all three in the run's top-5) in every seed."""
     exact = np.mean([r["found"][name, budget, s] == TOP for s in seeds])
     top3 = np.mean([r["top3"][name, budget, s] for s in seeds])
     return exact >= SEED_SHARE_GOAL and top3 == 1.0, f"{exact:.0%} · {top3:.0%}"

@@ -1,7 +1,7 @@
-"""Masks needed to find a task's heads, in the planted-sparse simulator (issue 10).
+"""Masks needed to find a task's heads, in the planted-sparse simulator.
 
 For each model size N (default 270, 1,024, 5,120 heads) and sparsity (default 0.02, the
-package default, and 0.05, 0.1), seeds draw a world (``lm_eval_headloc.simulation``:
+package default, and 0.05, 0.1), seeds draw a world (``lm_eval_headloc.bench.simulation``:
 five planted heads, a diffuse tail of small effects, a floor with logistic saturation,
 100 fixed documents that every measurement shares, as a real run's example subset),
 the package's stratified design and ``HeadLasso``
@@ -11,7 +11,8 @@ the package's stratified design and ``HeadLasso``
   the 5 planted heads in >= 80 % of seeds (budgets scanned upwards, stopping at the first
   that meets it; "> max" when none on the grid does);
 - **coverage**: at that budget, how often each head was knocked out (M·k/N), next to
-  issue 10's coverage rule ``(1 + 0.75 ln k)/p`` (in masks);
+  the coverage rule ``(1 + 0.75 ln k)/p`` (in masks: each head knocked out about
+  1 + 0.75 ln k times);
 - **hits at fixed budgets** (54, 100, 150): mean planted heads in the top-5 over seeds and
   the share of seeds with >= 4;
 - **mean acc**: the noise-free accuracy averaged over those masks (baseline 0.57, floor
@@ -41,13 +42,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from lm_eval_headloc.confirm import ROUND  # noqa: E402
-from lm_eval_headloc.designs import DESIGNS, knockouts_per_mask  # noqa: E402
-from lm_eval_headloc.simulation import (  # noqa: E402
+from lm_eval_headloc.bench.simulation import (  # noqa: E402
     DEFAULT_BUDGETS,
+    METHOD_PRIOR,
     METHODS,
     NOISES,
-    PRIOR_ALLOWANCE,
     PRIOR_POINTS,
     SATURATIONS,
     confirmed_masks_needed,
@@ -58,6 +57,8 @@ from lm_eval_headloc.simulation import (  # noqa: E402
     planted_world,
     seed_trial,
 )
+from lm_eval_headloc.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, ROUND  # noqa: E402
+from lm_eval_headloc.designs import DESIGNS, knockouts_per_mask  # noqa: E402
 
 #: World variants for the sensitivity table: what the answer depends on.
 VARIANTS: dict[str, dict[str, object]] = {
@@ -277,8 +278,8 @@ EMBEDDED = "prior as on the embedded model (noise 0.7, 20 % missed)"
 
 def _comparison(needed: dict[tuple[str, str, str], list[int | None]],
                 n_heads: list[int], over: str) -> list[str]:
-    """The issue's check in words: the new defaults' measurement-equivalents against the
-    old ones' at each N, per truth, whichever way it comes out."""
+    """The check in words: the new defaults' measurement-equivalents against the old
+    ones' at each N, per truth, whichever way it comes out."""
     def shown(value: int | None) -> str:
         return over if value is None else str(value)
 
@@ -313,28 +314,31 @@ def defaults_section(args: argparse.Namespace) -> str:
     """Measurement-equivalents the confirming defaults need (``--prior auto --confirm``),
     today's and those before: against the planted heads and against the exhaustive
     one-at-a-time search."""
-    masks, confirm = confirmed_split(54)  # the defaults themselves: their ratio splits M
+    # The defaults themselves: their ratio splits M.
+    masks, confirm = confirmed_split(DEFAULT_BUDGET)
+    allowance = {method: PRIOR_ALLOWANCE[METHOD_PRIOR[method]] for method in METHODS}
     lines = ["", "## The defaults: prior, masks, then heads confirmed alone", "",
              "Two methods, each a budget M of measurement-equivalents at p = 0.1 "
-             "(`simulation.confirmed_split`, `simulation.confirmed_top`, the package's "
-             "`confirm` functions):", "",
+             "(`bench.simulation.confirmed_split`, `bench.simulation.confirming_run_top`, "
+             "the package's `confirm` functions):", "",
              f"- **defaults** (today's: `--prior auto`, i.e. atp-path): "
-             f"{PRIOR_ALLOWANCE['defaults']} for a prior of {PRIOR_POINTS['defaults']} "
+             f"{allowance['defaults']} for a prior of {PRIOR_POINTS['defaults']} "
              "rankings (the clean run's and the half-ablated run's: "
-             "`simulation.simulated_prior`, each point with its own noise and its own "
+             "`bench.simulation.simulated_prior`, each point with its own noise and its own "
              "missed heads, drawn independently, an assumption that is optimistic where "
-             f"real misses correlate), then round((M − {PRIOR_ALLOWANCE['defaults']}) · "
+             f"real misses correlate), then round((M − {allowance['defaults']}) · "
              f"{masks}/{masks + confirm}) masks and the rest measured alone "
-             f"({masks} + {confirm} at M = 54, the defaults "
+             f"({masks} + {confirm} at M = {DEFAULT_BUDGET}, the defaults "
              f"themselves), picked in rounds of {ROUND} "
              "(`confirm.confirmation`): the prior's two rankings and the masks' Lasso "
              "take turns, and the Lasso is refitted before each round with the heads "
              "measured so far held fixed (`confirm.screen`);",
              f"- **before** (the defaults until this change: `--prior atp`): "
-             f"{PRIOR_ALLOWANCE['before']} for a prior of {PRIOR_POINTS['before']} ranking "
+             f"{allowance['before']} for a prior of {PRIOR_POINTS['before']} ranking "
              f"(the same draw as the defaults' first), then (M − "
-             f"{PRIOR_ALLOWANCE['before']})/2 masks and as many heads measured alone "
-             f"({' + '.join(map(str, confirmed_split(54, 'before')))} at M = 54), all "
+             f"{allowance['before']})/2 masks and as many heads measured alone "
+             f"({' + '.join(map(str, confirmed_split(DEFAULT_BUDGET, 'before')))} at "
+             f"M = {DEFAULT_BUDGET}), all "
              "picked up front, the prior's ranking and the plain Lasso's in turn. One "
              "departure from the old code: the Lasso's zero coefficients are ordered by "
              "their marginal contrast (the new `confirm.screen`), not by head index.", "",
@@ -375,7 +379,7 @@ def defaults_section(args: argparse.Namespace) -> str:
                       file=sys.stderr, flush=True)
     comparison = _comparison(needed_by_row, args.n_heads, over)
     if comparison:
-        lines += ["", "The issue's check, the new defaults against those before with the "
+        lines += ["", "The check, the new defaults against those before with the "
                   "prior as on the embedded model (measurement-equivalents, fewer is "
                   "better):", "", *comparison]
     return "\n".join(lines) + "\n"
@@ -392,7 +396,8 @@ def header(args: argparse.Namespace, argv: list[str], seconds: float) -> str:
         "",
         f"```bash\n{command.strip()}\n```",
         "",
-        "Simulator: `lm_eval_headloc/simulation.py` (its docstring argues the world model). "
+        "Simulator: `lm_eval_headloc/bench/simulation.py` (its docstring argues the world "
+        "model). "
         f"Estimator: the package's `HeadLasso(alpha={args.alpha:g})` on standardised scores "
         f"with a fitted intercept; design `{args.design}` (`designs.design_matrix`). Seeds "
         f"0..{args.seeds - 1}; seed s draws the same world at every sparsity and budget, "
@@ -404,8 +409,9 @@ def header(args: argparse.Namespace, argv: list[str], seconds: float) -> str:
         f"**masks needed**: smallest budget on `{','.join(map(str, args.budgets))}` whose "
         f"top-5 holds ≥ {args.target_hits} of the 5 planted heads in ≥ {100 * args.share:g} % "
         "of seeds (scanned upwards, first success). **coverage**: times each head is "
-        "knocked out at that budget, M·k/N. **rule**: issue 10's `(1 + 0.75 ln k)/p` in "
-        "masks. **hits @M**: mean planted heads in the top-5 over all seeds (share of seeds "
+        "knocked out at that budget, M·k/N. **rule**: the coverage rule "
+        "`(1 + 0.75 ln k)/p` in masks. **hits @M**: mean planted heads in the top-5 over "
+        "all seeds (share of seeds "
         f"with ≥ {args.target_hits}). **mean acc**: noise-free accuracy averaged over seed "
         f"0's first {max(args.fixed_budgets)} masks (baseline {params['baseline']}, floor "
         f"{params['floor']}).",

@@ -6,10 +6,20 @@ import numpy as np
 import pytest
 
 from lm_eval_headloc.confirm import (
+    DEFAULT_ALONE,
+    DEFAULT_BUDGET,
+    DEFAULT_MASKS,
+    alternated,
+    budget_split,
     confirmation,
     confirmed_order,
     confirmed_top,
     marginal_contrast,
+    measured_changes,
+    prior_penalty_weights,
+    prior_rankings,
+    prior_weights,
+    rank_measured,
     screen,
     tied_with_above,
 )
@@ -181,3 +191,89 @@ def test_ties_are_equal_evidence_not_equal_rank():
     order = confirmed_order(alone, fit.order, True)
     assert order[:3] == [0, 2, 3]
     assert tied_with_above(order, alone, fit) == [3]
+
+
+def test_rank_measured_by_hand():
+    changes = {3: (-0.02, -0.4), 0: (-0.05, -0.1), 8: (-0.02, -0.9), 5: (0.01, -2.0),
+               1: (-0.02, -0.4)}
+    # harm: 0 (0.05); 8, 3, 1 (0.02: by the logprob's drop, 8's -0.9 first; 3 and 1 the
+    # same -0.4: by index, 1 then 3); 5 helps (-0.01) whatever its logprob.
+    assert rank_measured(changes, True) == [0, 8, 1, 3, 5]
+    # Lower is better: a rise is harmful, so 5 leads; the rest fall, 0 the most.
+    assert rank_measured(changes, False) == [5, 8, 1, 3, 0]
+    assert rank_measured({}, True) == []
+    # The measured part of confirmed_order is this rule.
+    assert confirmed_order(changes, [7, 0], True)[:5] == rank_measured(changes, True)
+
+
+def test_rank_measured_is_greedys_old_rule_on_ties():
+    """The rule greedy wrote out twice (a lexsort of the ranking, a max for the winner)
+    gives the same order and winner as rank_measured, on changes with many ties."""
+    rng = np.random.default_rng(0)
+    for higher in (True, False):
+        score = rng.integers(-3, 2, 40) / 100  # accuracy steps: many equal changes
+        logprob = rng.integers(-2, 1, 40) / 10
+        changes = {h: (float(score[h]), float(logprob[h])) for h in range(40)}
+        harmful = -score if higher else score
+        assert rank_measured(changes, higher) == [
+            int(i) for i in np.lexsort((np.arange(40), logprob, -harmful))]
+        winner = max(range(40), key=lambda h: (harmful[h], -logprob[h], -h))
+        assert rank_measured(changes, higher)[0] == winner
+
+
+def test_measured_changes_against_a_reference_record():
+    reference = {"scores": {"a": 0.5, "b": 2.0}, "logprob": {"a": -1.0}}
+    measured = {4: {"scores": {"a": 0.25, "b": 3.0}, "logprob": {"a": -1.5}},
+                2: {"scores": {"a": 0.75, "b": 2.0}}}
+    assert measured_changes(reference, measured, "a") == {4: (-0.25, -0.5), 2: (0.25, 1.0)}
+    # b has no logprob anywhere: 0 - 0.
+    assert measured_changes(reference, measured, "b") == {4: (1.0, 0.0), 2: (0.0, 0.0)}
+
+
+def test_alternated_takes_turns_and_skips_what_is_taken():
+    # 1 (first), 2 (second), first: 2 taken -> 3, second: 2, 4 -> 4, first: 5 ...
+    assert alternated([[1, 2, 3, 5], [2, 4, 5, 6]], 5) == [1, 2, 3, 4, 5]
+    # An order with nothing left passes its turn; the count stops at what there is.
+    assert alternated([[0], [1, 2, 3]], 10) == [0, 1, 2, 3]
+    assert alternated([[7, 8]], 1) == [7]
+    assert alternated([], 3) == [] and alternated([[1, 2]], 0) == []
+
+
+def test_budget_split_by_hand():
+    # The defaults: 54 - 8 (atp-path) = 46 -> 12 masks, 34 alone.
+    assert DEFAULT_BUDGET == 54 and (DEFAULT_MASKS, DEFAULT_ALONE) == (12, 34)
+    assert budget_split(54) == (12, 34)
+    assert budget_split(100) == (24, 68)  # 92 * 12/46 = 24
+    assert budget_split(30) == (6, 16)  # 22 * 12/46 = 5.74
+    assert budget_split(54, "atp") == (13, 37)  # 50 * 12/46 = 13.04
+    assert budget_split(46, "none") == (12, 34)
+    with pytest.raises(ValueError, match="prior='auto'"):
+        budget_split(54, "auto")
+
+
+def test_the_cli_defaults_are_the_default_budgets_split():
+    from lm_eval_headloc.commands import RunSpec
+
+    assert (RunSpec().masks, RunSpec().confirm) == (12, 34) == budget_split(DEFAULT_BUDGET)
+
+
+def test_prior_rankings_and_weights_by_hand():
+    estimates = np.array([[-0.1, -0.4, 0.2, -0.4], [0.0, -0.3, -0.5, 0.1]])
+    # Most negative first; equal estimates (heads 1 and 3) in head order.
+    assert prior_rankings(estimates) == [[1, 3, 0, 2], [2, 1, 0, 3]]
+    assert prior_rankings(estimates[0]) == [[1, 3, 0, 2]]
+    assert prior_rankings(None) == [] and prior_weights(None) is None
+    # The first point's harm (0.1, 0.4, 0 (a rise), 0.4) over the largest, 0.4: weights
+    # 1 / (1 + share).
+    np.testing.assert_allclose(prior_weights(estimates), [1 / 1.25, 0.5, 1.0, 0.5])
+    np.testing.assert_allclose(prior_penalty_weights(np.zeros(3)), [1.0, 1.0, 1.0])
+
+
+def test_prior_penalty_weights_are_the_prior_modules():
+    """One rule: the attribution prior's module (torch) and this numpy one agree."""
+    from lm_eval_headloc import prior
+
+    harms = np.random.default_rng(1).normal(size=50)
+    np.testing.assert_array_equal(prior.prior_penalty_weights(harms),
+                                  prior_penalty_weights(harms))
+    assert prior.PRIOR_EASE == 1.0

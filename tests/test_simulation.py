@@ -1,4 +1,4 @@
-"""The planted-sparse simulator (lm_eval_headloc.simulation) and its CLI.
+"""The planted-sparse simulator (lm_eval_headloc.bench.simulation) and its CLI.
 
 The simulator is the yardstick new recovery methods are compared on, so these tests pin
 down what its numbers mean: the same seed gives the same answer; a single knockout costs
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lm_eval_headloc.designs import design_matrix
-from lm_eval_headloc.simulation import (
+from lm_eval_headloc.bench.simulation import (
     SATURATIONS,
     coverage_prediction,
     hits_by_budget,
@@ -29,6 +30,7 @@ from lm_eval_headloc.simulation import (
     seed_trial,
     simulate_scores,
 )
+from lm_eval_headloc.designs import design_matrix
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_recovery.py"
 SMALL_GRID = [4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
@@ -204,7 +206,7 @@ def test_masks_needed_over_sparsities_reports_the_best():
     assert result.by_sparsity[result.sparsity] == result.masks
 
 
-def test_coverage_rule_matches_issue_10():
+def test_coverage_rule_by_hand():
     # (1 + 0.75 ln k)/p at 270 heads, p = 0.02: k = 5, 1/p = 54.
     assert coverage_prediction(270, 0.02) == pytest.approx((1 + 0.75 * math.log(5)) * 54)
 
@@ -243,9 +245,9 @@ def test_cli_writes_a_table_with_its_command_and_world(tmp_path, capsys):
 def test_confirming_defaults_in_the_simulator(method):
     """Single knockouts follow the world's own accuracy; confirming every head is the
     exhaustive search (either method); a noise-free prior is the effects themselves."""
-    from lm_eval_headloc.simulation import (
+    from lm_eval_headloc.bench.simulation import (
         confirmed_masks_needed,
-        confirmed_top,
+        confirming_run_top,
         exhaustive_top,
         measured_alone,
         simulated_prior,
@@ -263,13 +265,13 @@ def test_confirming_defaults_in_the_simulator(method):
     base, changes = measured_alone(world, noise_seed=7)
     assert sorted(exhaustive_top(changes, 5)) == sorted(np.argsort(changes)[:5])
     # Confirming every head ranks exactly as the exhaustive search does.
-    top = confirmed_top(world, trial.design, trial.scores, None, world.n_heads, changes,
-                        method=method)
+    top = confirming_run_top(world, trial.design, trial.scores, None, world.n_heads,
+                             changes, method=method)
     assert list(top) == list(exhaustive_top(changes, 5))
     perfect = simulated_prior(world, np.random.default_rng(0), noise=0.0, miss=0.0,
                               points=2)
-    top = confirmed_top(world, trial.design, trial.scores, perfect, world.n_heads, changes,
-                        method=method)
+    top = confirming_run_top(world, trial.design, trial.scores, perfect, world.n_heads,
+                             changes, method=method)
     assert list(top) == list(exhaustive_top(changes, 5))
     rng = np.random.default_rng(0)
     np.testing.assert_array_equal(simulated_prior(world, rng, noise=0.0, miss=0.0),
@@ -283,7 +285,8 @@ def test_confirming_defaults_in_the_simulator(method):
         world_options={"n_examples": 100_000}, against="planted", method=method)
     assert needed == 16 and success == {16: 1.0}
     with pytest.raises(ValueError, match="method='after'"):
-        confirmed_top(world, trial.design, trial.scores, None, 5, changes, method="after")
+        confirming_run_top(world, trial.design, trial.scores, None, 5, changes,
+                           method="after")
 
 
 def test_the_simulated_splits_and_prior_points():
@@ -291,9 +294,9 @@ def test_the_simulated_splits_and_prior_points():
     rounded in that ratio; 25 + 25 after atp's 4 before), with and without a prior, and
     how many rankings each method's prior gives (prior.PRIOR_POINTS). That these are the
     package's defaults: test_the_simulated_defaults_are_the_packages_defaults."""
+    from lm_eval_headloc.bench.simulation import PRIOR_POINTS as SIMULATED_POINTS
+    from lm_eval_headloc.bench.simulation import confirmed_split
     from lm_eval_headloc.prior import PRIOR_POINTS
-    from lm_eval_headloc.simulation import PRIOR_POINTS as SIMULATED_POINTS
-    from lm_eval_headloc.simulation import confirmed_split
 
     assert SIMULATED_POINTS == {"defaults": len(PRIOR_POINTS["atp-path"]),
                                 "before": len(PRIOR_POINTS["atp"])}
@@ -324,9 +327,13 @@ def test_before_is_the_old_up_front_alternation(use_prior):
     """method="before": the prior's one ranking and the plain fit's take turns up front
     (nothing measured steers the picks, nothing is held fixed in the fit), and the
     top-5 are the picked heads most harmful first by their measured change."""
+    from lm_eval_headloc.bench.simulation import (
+        confirming_run_top,
+        measured_alone,
+        simulated_prior,
+    )
     from lm_eval_headloc.confirm import screen
     from lm_eval_headloc.prior import prior_penalty_weights
-    from lm_eval_headloc.simulation import confirmed_top, measured_alone, simulated_prior
 
     for seed in range(4):
         trial = seed_trial(40, 0.1, seed, 12, world_options={"noise": "documents"})
@@ -341,8 +348,8 @@ def test_before_is_the_old_up_front_alternation(use_prior):
             picked = _up_front(orders, confirm)
             by_hand = sorted(picked, key=lambda h: (changes[h], h))
             by_hand += [h for h in plain if h not in picked]
-            found = confirmed_top(trial.world, trial.design, trial.scores, prior, confirm,
-                                  changes, method="before")
+            found = confirming_run_top(trial.world, trial.design, trial.scores, prior,
+                                       confirm, changes, method="before")
             assert list(found) == by_hand[:5]
 
 
@@ -351,22 +358,27 @@ def test_defaults_pick_in_rounds_with_the_fit_redone():
     refitted on what each round measured: with the measured changes fed back, its
     top-5 differs from "before"'s on some seed (the rounds matter), and a prior that
     names the planted heads at both points finds them at once."""
-    from lm_eval_headloc.simulation import confirmed_top, measured_alone, simulated_prior
+    from lm_eval_headloc.bench.simulation import (
+        confirming_run_top,
+        measured_alone,
+        simulated_prior,
+    )
 
     differs = 0
     for seed in range(8):
         trial = seed_trial(120, 0.1, seed, 10, world_options={"noise": "documents"})
         _, changes = measured_alone(trial.world, noise_seed=0)
         prior = simulated_prior(trial.world, np.random.default_rng(seed), points=2)
-        tops = [confirmed_top(trial.world, trial.design, trial.scores, prior, 20, changes,
-                              method=m) for m in ("defaults", "before")]
+        tops = [confirming_run_top(trial.world, trial.design, trial.scores, prior, 20,
+                                   changes, method=m) for m in ("defaults", "before")]
         differs += list(tops[0]) != list(tops[1])
         # Near-exact measurements: the planted heads are the exhaustive top-5.
         exact = seed_trial(120, 0.1, seed, 10, world_options={"n_examples": 10**7})
         _, changes = measured_alone(exact.world, noise_seed=0)
         perfect = simulated_prior(exact.world, np.random.default_rng(seed), noise=0.0,
                                   miss=0.0, points=2)
-        found = confirmed_top(exact.world, exact.design, exact.scores, perfect, 10, changes)
+        found = confirming_run_top(exact.world, exact.design, exact.scores, perfect, 10,
+                                   changes)
         assert list(found) == list(exact.world.planted)
     assert differs >= 1
 
@@ -374,7 +386,7 @@ def test_defaults_pick_in_rounds_with_the_fit_redone():
 def test_prior_points_draw_independent_misses():
     """Every point draws its own noise and its own false negatives (unless told to share
     point 0's); point 0 is the one-point prior's draw."""
-    from lm_eval_headloc.simulation import simulated_prior
+    from lm_eval_headloc.bench.simulation import simulated_prior
 
     world = planted_world(400, np.random.default_rng(0), k_true=60,
                           planted_drops=(0.2, 0.45), tail_mass=2.0)
@@ -434,7 +446,7 @@ def test_fixed_documents_give_the_same_score_to_the_same_mask_and_match_a_hand_c
 
 
 def test_fixed_documents_single_knockouts_are_the_hand_count_of_each_head_alone():
-    from lm_eval_headloc.simulation import measured_alone
+    from lm_eval_headloc.bench.simulation import measured_alone
 
     world = planted_world(25, np.random.default_rng(6), noise="documents", n_examples=30)
     base, changes = measured_alone(world, noise_seed=0)
@@ -482,7 +494,7 @@ def test_cli_refuses_fixed_documents_with_another_saturation(capsys):
 def test_confirming_with_fixed_documents_measures_exactly_the_ground_truth():
     """With fixed documents a head confirmed alone is the exhaustive search's own
     measurement: confirming every head returns the exhaustive top-5 whatever the masks."""
-    from lm_eval_headloc.simulation import confirmed_top, exhaustive_top, measured_alone
+    from lm_eval_headloc.bench.simulation import confirming_run_top, exhaustive_top, measured_alone
 
     trial = seed_trial(40, 0.1, seed=3, max_masks=10,
                        world_options={"noise": "documents"})
@@ -491,28 +503,82 @@ def test_confirming_with_fixed_documents_measures_exactly_the_ground_truth():
     truth = np.argsort(by_hand[1:] - by_hand[0], kind="stable")[:5]
     assert list(exhaustive_top(changes)) == list(truth)
     for method in ("defaults", "before"):
-        top = confirmed_top(trial.world, trial.design, trial.scores, None, 40, changes,
-                            method=method)
+        top = confirming_run_top(trial.world, trial.design, trial.scores, None, 40,
+                                 changes, method=method)
         assert list(top) == list(truth)
 
 
 def test_the_simulated_defaults_are_the_packages_defaults():
-    """The simulator's split and prior allowance must follow the real defaults (RunSpec)
-    and the recovery benchmark's allowance, or SIMULATION.md describes another method."""
-    import importlib.util
-    import sys
-
+    """The simulator's split and prior allowance must be the real defaults' (RunSpec's
+    --masks and --confirm after the allowance of the prior --prior auto resolves to) and
+    the recovery benchmark's, at every budget, or SIMULATION.md and RECOVERY.md describe
+    another method than the package runs."""
+    from lm_eval_headloc.bench.simulation import METHOD_PRIOR, confirmed_split
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.simulation import MASK_SHARE, PRIOR_ALLOWANCE, confirmed_split
+    from lm_eval_headloc.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
 
     defaults = RunSpec()
-    assert MASK_SHARE == defaults.masks / (defaults.masks + defaults.confirm)
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    assert defaults.prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
+                                                         "before": "atp"}
+    # The default budget is the prior's allowance, the masks and the heads alone.
+    assert DEFAULT_BUDGET == PRIOR_ALLOWANCE["atp-path"] + defaults.masks + defaults.confirm
+    assert confirmed_split(DEFAULT_BUDGET) == (defaults.masks, defaults.confirm)
+    root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("bench_recovery",
                                                   root / "scripts" / "bench_recovery.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("bench_recovery", bench)
     spec.loader.exec_module(bench)
-    assert PRIOR_ALLOWANCE["defaults"] == bench.PRIOR_ALLOWANCE[defaults.prior.replace(
-        "auto", "atp-path")]
-    assert confirmed_split(54) == (defaults.masks, defaults.confirm)
+    methods = {m.name: m for m in bench.METHODS}
+    assert methods["default"].allowance == PRIOR_ALLOWANCE[METHOD_PRIOR["defaults"]] == 8
+    assert methods["default-before"].allowance == PRIOR_ALLOWANCE[METHOD_PRIOR["before"]] == 4
+    for budget in range(10, 400):
+        assert (confirmed_split(budget) == budget_split(budget)
+                == methods["default"].split(budget)), budget
+        assert confirmed_split(budget, "before") == methods["default-before"].split(budget)
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=root, timeout=600)
+
+
+def test_the_simulator_runs_without_torch():
+    """The simulator (a confirming run with a two-point prior included) is numpy and the
+    package's numpy modules: no torch, transformers or lm-eval."""
+    done = _run_python(
+        "import sys\n"
+        "import numpy as np\n"
+        "from lm_eval_headloc.bench.simulation import (confirming_run_top, measured_alone,\n"
+        "    seed_trial, simulated_prior)\n"
+        "trial = seed_trial(40, 0.1, 0, 12)\n"
+        "_, changes = measured_alone(trial.world, 0)\n"
+        "prior = simulated_prior(trial.world, np.random.default_rng(0), points=2)\n"
+        "for method in ('defaults', 'before'):\n"
+        "    confirming_run_top(trial.world, trial.design, trial.scores, prior, 8, changes,\n"
+        "                       method=method)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'lm_eval') if m in sys.modules))\n")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_core_never_imports_the_bench_subpackage():
+    """Every module of the package outside ``bench`` imported: none of them pulls in
+    ``lm_eval_headloc.bench``."""
+    root = Path(__file__).resolve().parents[1]
+    package = root / "lm_eval_headloc"
+    modules = sorted(
+        ".".join(("lm_eval_headloc", *path.relative_to(package).with_suffix("").parts))
+        .removesuffix(".__init__")
+        for path in package.rglob("*.py") if "bench" not in path.relative_to(package).parts)
+    assert {"lm_eval_headloc", "lm_eval_headloc.model", "lm_eval_headloc.hooks",
+            "lm_eval_headloc.confirm", "lm_eval_headloc.commands.cli",
+            "lm_eval_headloc.commands.locate"} <= set(modules)
+    done = _run_python(
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('lm_eval_headloc.bench')))\n")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -1,5 +1,6 @@
-"""``greedy``: the paper's baselines. One-shot (each head alone, N measurements) or
-iterative (k rounds, each keeping the earlier winners knocked out, k·N)."""
+"""``greedy``: the paper's baselines. One-shot (each head alone, N measurements: a
+confirmation of every head, ranked by the same rule) or iterative (k rounds, each keeping
+the earlier winners knocked out, k·N)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
+from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
 from ..heads import Head
-from ..recovery import harm
 from .engine import load_model, open_measurement, prepare, run_plan
-from .report import HeadRanking, ranking_table, write_ranking
+from .report import HeadRanking, ranking_table, tie_words, write_ranking
+from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
 
@@ -27,9 +29,10 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
     A head's effect is its score change in the last round it was measured in: for a
     winner, the round it won (later rounds keep it knocked out and do not measure it).
-    Heads whose metric changed equally (with 100 examples, accuracy moves in steps of
-    0.01) are ordered by the change of the gold answers' log-likelihood where it was
-    measured along (loglikelihood tasks), then by head index.
+    Heads rank, and each round's winner is chosen, by the rule for heads measured alone
+    (``confirm.rank_measured``): the most harmful change of the metric first, equal ones
+    (with 100 examples, accuracy moves in steps of 0.01) by the drop of the gold answers'
+    log-likelihood where it was measured along (loglikelihood tasks), then by head index.
     """
     spec = (spec or RunSpec()).replace(**options)
     setup = prepare(spec)
@@ -44,14 +47,16 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                          f"{len(candidates)} heads can be knocked out")
     names = setup.task_names
     with RunFolder(out) as folder:
-        folder.start("greedy", spec.identity("greedy"), spec.settings("greedy"),
-                     spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
-        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
+        # config.json's phases: started, measuring, and (--workers) measured: their shares.
+        run = start_run(folder, "greedy", spec, force=force)
+        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
+                                   run=run)
+        run.save(folder, measure)
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]
-        effects = {name: np.full(setup.total_heads, np.nan) for name in names}
-        # Tie-breaker: the logprob's change; 0 where it was not measured.
-        logprob_effects = {name: np.zeros(setup.total_heads) for name in names}
+        higher = {name: bool(baseline["higher_is_better"][name]) for name in names}
+        # Per task, each head's changes in the last round it was measured in.
+        changes: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
         winners: list[Head] = []
         previous = baseline
         for round_number in range(1, spec.rounds + 1):
@@ -60,22 +65,20 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             records = run_plan(folder, measure, plan,
                                desc=f"greedy round {round_number}/{spec.rounds}",
                                progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            for (key, heads) in plan:
-                for name in names:
-                    flat = heads[-1].flat_index(setup.heads_per_layer)
-                    effects[name][flat] = records[key]["scores"][name] - previous["scores"][name]
-                    logprob_effects[name][flat] = _logprob(records[key], name) - _logprob(
-                        previous, name)
+            measured = {heads[-1].flat_index(setup.heads_per_layer): records[key]
+                        for key, heads in plan}
+            for name in names:
+                changes[name].update(measured_changes(previous, measured, name))
+            # The round's winner: the first task's most harmful head of this round, by the
+            # rule that ranks heads measured alone.
             task = names[0]
-            task_harm = harm(effects[task], bool(baseline["higher_is_better"][task]))
-            measured = [head for _, (*_, head) in plan]
-            winner = max(measured, key=lambda h: (
-                task_harm[h.flat_index(setup.heads_per_layer)],
-                -logprob_effects[task][h.flat_index(setup.heads_per_layer)],
-                -h.flat_index(setup.heads_per_layer)))
+            winner = Head.from_flat_index(rank_measured(
+                {h: changes[task][h] for h in measured}, higher[task])[0],
+                setup.heads_per_layer)
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        rankings = _rankings(effects, logprob_effects, winners, baseline, spec.rounds,
+        run.save(folder, measure)  # written only if the workers' shares changed
+        rankings = _rankings(changes, winners, baseline, spec.rounds, setup.total_heads,
                              setup.heads_per_layer, len(folder.measurements()))
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
@@ -85,31 +88,31 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     return rankings
 
 
-def _logprob(record: Mapping[str, Any], task: str) -> float:
-    """The gold answers' log-likelihood a metric measurement carried (0 if none)."""
-    return float(record.get("logprob", {}).get(task, 0.0))
-
-
-def _rankings(effects: Mapping[str, np.ndarray], logprob_effects: Mapping[str, np.ndarray],
-              winners: list[Head], baseline: Mapping[str, Any], rounds: int,
+def _rankings(changes: Mapping[str, Changes], winners: list[Head],
+              baseline: Mapping[str, Any], rounds: int, total_heads: int,
               heads_per_layer: int, measurements: int) -> dict[str, HeadRanking]:
+    """Each task's ranking: iterative greedy's winners first, in the order they won, then
+    every head measured by ``confirm.rank_measured`` (one-shot greedy: every head, ranked
+    as a confirmation that measured every head alone ranks them); heads never measured
+    (skipped) are left out and their effect is NaN."""
     rankings = {}
     lead = [w.flat_index(heads_per_layer) for w in winners] if rounds > 1 else []
-    for name, task_effects in effects.items():
+    for name, task_changes in changes.items():
         higher = bool(baseline["higher_is_better"][name])
-        task_harm = harm(task_effects, higher)
-        # Most harmful first; ties by the logprob's drop, then by head index; heads never
-        # measured (skipped) left out.
-        rest = [int(i) for i in np.lexsort((np.arange(task_harm.size),
-                                            logprob_effects[name], -task_harm))
-                if np.isfinite(task_harm[i]) and i not in lead]
+        effects = np.full(total_heads, np.nan)
+        effects[list(task_changes)] = [change for change, _ in task_changes.values()]
+        rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
+        # Equal measured changes are ties (an iterative winner is ranked by its round).
+        tied = [h for h in tied_with_above(lead + rest, task_changes) if h not in lead]
         rankings[name] = HeadRanking(
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,
-            baseline=float(baseline["scores"][name]), effects=task_effects,
+            baseline=float(baseline["scores"][name]), effects=effects,
             order=lead + rest, heads_per_layer=heads_per_layer,
             extra={"method": "iterative greedy" if rounds > 1 else "one-shot greedy",
                    "rounds": rounds, "winners": [str(w) for w in winners],
-                   "measurements": measurements})
+                   "measurements": measurements,
+                   "tied_with_above": [str(Head.from_flat_index(h, heads_per_layer))
+                                       for h in tied]})
     return rankings
 
 
@@ -118,5 +121,8 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
     for name, ranking in rankings.items():
         lines += [f"# {ranking.extra['method']}: {name} ({ranking.metric})", "",
                   f"Baseline: {ranking.baseline:.4f}; {ranking.extra['measurements']} "
-                  "measurements.", "", *ranking_table(ranking, top_k, "score change"), ""]
+                  "measurements.", "",
+                  *tie_words(ranking, top_k, "every head measured alone changed the score "
+                             "and log-likelihood alike"),
+                  *ranking_table(ranking, top_k, "score change"), ""]
     return "\n".join(lines)

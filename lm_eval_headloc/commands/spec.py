@@ -27,8 +27,10 @@ from typing import Any
 
 from ..ablation import ABLATIONS
 from ..checks import UsageError, check_number
+from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS
 from ..designs import DESIGNS
 from ..signals import SIGNALS
+from .workers import RAY_TIMEOUT
 
 __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError",
            "add_options", "parse_batch_size"]
@@ -164,8 +166,10 @@ class RunSpec:
               "(default: text)", metavar="FIELD")
     # --- locate's design ---------------------------------------------------------------
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
+    # --masks and --confirm: the default budget's split (confirm.budget_split).
     masks: int | str = _option(
-        12, "measurements (masks) in the design; rerun with more to extend a run, refit "
+        DEFAULT_MASKS,
+        "measurements (masks) in the design; rerun with more to extend a run, refit "
             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
             "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
     max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
@@ -186,7 +190,8 @@ class RunSpec:
                 "decoder-only, else none",
         choices=PRIORS, legacy="none")
     confirm: int = _option(
-        34, "after the masks, knock out this many heads one at a time, in rounds of 5: "
+        DEFAULT_ALONE,
+        "after the masks, knock out this many heads one at a time, in rounds of 5: "
             "the prior's rankings and the masks' fit (redone after each round with the "
             "measured heads held fixed) name one each in turn; they rank first, by what "
             "they measured (0: rank by the fit alone; rerun with more to measure more)",
@@ -227,6 +232,11 @@ class RunSpec:
     ray_address: str | None = _option(
         None, "with --workers: join this Ray cluster (e.g. auto, or HOST:6379 from ray "
               "start --head)", RUNTIME, metavar="ADDR")
+    ray_timeout: float = _option(
+        RAY_TIMEOUT, "with --ray-address: seconds the address may take to answer; checked "
+                     "before the model loads, it ends the run in one line if nothing "
+                     "answers", RUNTIME, parse=float, metavar="SECONDS", whole=False,
+        min_val=0, include_boundaries="neither")
     gpus_per_worker: float | None = _option(
         None, "with --workers: GPUs per worker (default 1 where CUDA is available, else 0; "
               "more than 1 spreads the model over them with parallelize=True on one node)",
@@ -392,8 +402,8 @@ HARNESS_MODEL_ARGS = {
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
               "ablation_data", "ablation_field", "exclude", "top_k", "batch_size", "masks_per_pass",
-              "workers", "ray_address", "gpus_per_worker", "confirm_run_unsafe_code",
-              "verbose")
+              "workers", "ray_address", "ray_timeout", "gpus_per_worker",
+              "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
                             "prior", "confirm", "alpha", "bootstrap"),
@@ -402,7 +412,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
     "verify": ("top_k", "general", "limit", "batch_size", "workers", "ray_address",
-               "gpus_per_worker", "confirm_run_unsafe_code", "verbose"),
+               "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }

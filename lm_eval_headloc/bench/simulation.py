@@ -1,7 +1,7 @@
 """A planted-sparse simulator of knockout measurements: the yardstick for recovery methods.
 
 It stands in for "evaluate the model on ``n_examples`` documents with these heads knocked
-out" (issue 10), so that a design or an estimator can be compared on how many
+out", so that a design or an estimator can be compared on how many
 measurements it needs before it costs any model time. The package's own
 :func:`~lm_eval_headloc.designs.design_matrix` and
 :class:`~lm_eval_headloc.recovery.HeadLasso` do the work; this module supplies the world
@@ -10,8 +10,8 @@ and the bookkeeping, numpy in and out, ``np.random.default_rng`` randomness thro
 
 The world (:func:`planted_world`) is shaped after what the embedded SmolLM2-135M shows on
 ``headloc_induction`` (README: baseline 0.57; one head alone takes it to 0.12, two to
-0.03, the top five to 0.00-0.04; issue 10: at p = 0.1, 27 of 270 heads per mask, the
-accuracy collapses and recovery gets worse, not better):
+0.03, the top five to 0.00-0.04; at p = 0.1, 27 of 270 heads per mask, the accuracy
+collapses and recovery gets worse, not better):
 
 - **Planted heads**: ``k_true`` (5) heads whose single knockouts drop the accuracy by
   amounts drawn log-uniformly in ``planted_drops`` (0.08-0.45: from "well above one
@@ -46,7 +46,7 @@ accuracy collapses and recovery gets worse, not better):
   the best case at moderate sparsity, the worst at high. With the
   default tail the mean accuracy of masks at p = 0.02 / 0.05 / 0.1 is about
   0.47 / 0.32 / 0.16 at every N (logistic): the collapse towards the floor at p = 0.1
-  of issue 10.
+  that the embedded model shows.
 - **Noise** (``noise``): ``"binomial"`` (default): the score is the mean of
   ``n_examples`` (100) Bernoulli documents at that accuracy, Binomial(n, acc)/n, variance
   acc(1−acc)/n, drawn afresh for every measurement. ``"documents"``: a real run reuses
@@ -65,6 +65,7 @@ accuracy collapses and recovery gets worse, not better):
 ``scripts/simulate_recovery.py`` prints the masks needed per ``N`` and sparsity
 (``SIMULATION.md``), and the measurement-equivalents the confirming defaults need
 (:func:`confirmed_masks_needed`), today's and those before (:data:`METHODS`).
+It lives outside the package's core (nothing there imports it) and needs no torch.
 """
 
 from __future__ import annotations
@@ -75,16 +76,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .designs import design_matrix, knockouts_per_mask
-from .recovery import HeadLasso
+from ..confirm import (
+    PRIOR_ALLOWANCE,
+    ROUND,
+    alternated,
+    budget_split,
+    confirmation,
+    confirmed_order,
+    prior_rankings,
+    prior_weights,
+    screen,
+)
+from ..designs import design_matrix, knockouts_per_mask
+from ..recovery import HeadLasso
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "Documents",
-    "MASK_SHARE",
     "METHODS",
+    "METHOD_PRIOR",
     "NOISES",
-    "PRIOR_ALLOWANCE",
     "PRIOR_POINTS",
     "Ranker",
     "SATURATIONS",
@@ -93,7 +104,7 @@ __all__ = [
     "World",
     "confirmed_masks_needed",
     "confirmed_split",
-    "confirmed_top",
+    "confirming_run_top",
     "coverage_prediction",
     "exhaustive_top",
     "hits_by_budget",
@@ -113,7 +124,7 @@ SATURATIONS: tuple[str, ...] = ("multiplicative", "logistic", "clip")
 NOISES: tuple[str, ...] = ("binomial", "documents")
 
 #: Budgets (masks) scanned by :func:`masks_needed`: ~10-20 % steps from 10 to 1,000,
-#: including the issue's 25, 40, 54, 80, 100 and 150.
+#: including the recovery benchmark's 25, 40, 54, 80, 100 and 150.
 DEFAULT_BUDGETS: tuple[int, ...] = (
     10, 15, 20, 25, 30, 35, 40, 47, 54, 62, 70, 80, 90, 100, 110, 120, 135, 150, 175, 200,
     230, 270, 320, 380, 450, 540, 640, 800, 1000,
@@ -263,10 +274,11 @@ def planted_world(
     nothing and with its top heads knocked out. ``planted_drops``: accuracy lost by each
     planted head alone, log-uniform in this range (below ``baseline − floor``).
     ``tail_mass``: net summed ``-log(1 − d_j)`` of the tail. 8 calibrates the world to
-    what issue 10 reports at N = 270 (stratified, alpha 0.01; 50 seeds here): 0.7 of 5 at
-    54 masks of p = 0.02 (reported 0-1), 3.4 at 150 with half the seeds >= 4 (reported
-    >= 4 at ~150 in a run), 1.8 at 54 masks of p = 0.1 with the accuracy down to ~0.17
-    (reported 1-2, "collapses"); 4 is optimistic, 12 pessimistic (SIMULATION.md). Kept
+    what the Lasso found on the embedded model at N = 270 (stratified, alpha 0.01; 50
+    seeds here): 0.7 of 5 at 54 masks of p = 0.02 (the model: 0-1), 3.4 at 150 with half
+    the seeds >= 4 (the model: >= 4 at ~150 in a run), 1.8 at 54 masks of p = 0.1 with
+    the accuracy down to ~0.17 (the model: 1-2, the accuracy collapsing); 4 is
+    optimistic, 12 pessimistic (SIMULATION.md). Kept
     exact by rescaling the harmful heads when the cap binds (at N = 270 a few dozen tail
     heads sit at the cap, at 5,120 none). ``tail_sigma``: log-normal
     shape of the tail magnitudes (1: the largest of 270 is ~10× the mean).
@@ -447,8 +459,8 @@ def masks_needed(
     rank: Ranker | None = None,
 ) -> NeededMasks:
     """Smallest budget on ``budgets`` where ≥ ``target_hits`` planted heads are in the
-    top ``top`` for ≥ ``share`` of ``seeds`` — issue 10's "masks needed for ≥ 4/5 in 80 %
-    of seeds".
+    top ``top`` for ≥ ``share`` of ``seeds``: the "masks needed for ≥ 4/5 in 80 % of
+    seeds" of the recovery goal.
 
     Budgets are scanned upwards and the scan stops at the first that meets the target
     (a later, larger budget is not looked at, so the answer is "first success", not a
@@ -503,7 +515,8 @@ def masks_needed(
 
 
 def coverage_prediction(n_heads: int, sparsity: float) -> float:
-    """Issue 10's coverage rule ``M ≈ (1 + 0.75·ln k)/p`` with ``k`` heads per mask.
+    """The coverage rule ``M ≈ (1 + 0.75·ln k)/p`` with ``k`` heads per mask: enough
+    masks that each head is knocked out about ``1 + 0.75·ln k`` times.
 
     ``p`` is taken as ``k/N`` (the design's real rate after rounding ``k``).
     """
@@ -514,26 +527,20 @@ def coverage_prediction(n_heads: int, sparsity: float) -> float:
 # --- the defaults: an attribution prior, a screen of masks and confirmation ------------
 
 #: The confirming methods the simulator runs. ``"defaults"``: today's (``--prior auto``,
-#: which is atp-path: two rankings, the clean run's and the half-ablated run's; then
-#: ``--masks`` 12 at p = 0.1 and ``--confirm`` 34 picked in rounds of ``confirm.ROUND``,
-#: the screen refitted after each round with the measured heads held fixed).
-#: ``"before"``: the defaults until then (``--prior atp``, one ranking; 25 + 25, every
+#: which is atp-path: two rankings, the clean run's and the half-ablated run's; then the
+#: budget split as ``confirm.budget_split`` splits it, 12 masks at p = 0.1 and 34 heads
+#: confirmed at M = 54, picked in rounds of ``confirm.ROUND``, the screen refitted after
+#: each round with the measured heads held fixed). ``"before"``: the defaults until then
+#: (``--prior atp``, one ranking; the rest of the budget halved, 25 + 25 at M = 54, every
 #: head to confirm picked up front, the prior's and the plain fit's in turn).
 METHODS: tuple[str, ...] = ("defaults", "before")
 
-#: Rankings (path points) each method's prior gives (``prior.PRIOR_POINTS``).
+#: Each method's ``--prior``: its allowance is ``confirm.PRIOR_ALLOWANCE``'s.
+METHOD_PRIOR: dict[str, str] = {"defaults": "atp-path", "before": "atp"}
+
+#: Rankings (path points) each method's prior gives (``prior.PRIOR_POINTS``; a test
+#: checks, as the prior module needs torch and this one does not).
 PRIOR_POINTS: dict[str, int] = {"defaults": 2, "before": 1}
-
-#: Measurement-equivalents a simulated run sets aside for the attribution prior: one
-#: forward and one backward pass cost 3.1-3.6 measurements on the embedded model
-#: (RECOVERY.md), atp-path's two passes and a forward for the answers at its second
-#: point 6.3-7.1, so 8 (scripts/bench_recovery.py's ``PRIOR_ALLOWANCE``; a test checks).
-PRIOR_ALLOWANCE: dict[str, int] = {"defaults": 8, "before": 4}
-
-#: The defaults' share of a budget, after the prior's allowance, spent on masks:
-#: ``--masks`` / (``--masks`` + ``--confirm``) = 12 / 46 (12 + 34 at M = 54; a test
-#: checks it against ``RunSpec``'s defaults).
-MASK_SHARE = 12 / 46
 
 
 def _check_method(method: str) -> None:
@@ -603,39 +610,40 @@ def exhaustive_top(changes: np.ndarray, top: int = 5) -> np.ndarray:
     return np.argsort(changes, kind="stable")[:top]
 
 
-def confirmed_top(world: World, design: np.ndarray, scores: np.ndarray,
-                  prior: np.ndarray | None, confirm: int, changes: np.ndarray, *,
-                  method: str = "defaults", top: int = 5, alpha: float = 0.01) -> np.ndarray:
+def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
+                       prior: np.ndarray | None, confirm: int, changes: np.ndarray, *,
+                       method: str = "defaults", top: int = 5,
+                       alpha: float = 0.01) -> np.ndarray:
     """A confirming run's top ``top`` (``commands.locate``'s ``_confirm`` and
     ``fit_rankings`` on one task): ``confirm`` heads measured alone (``changes``, from
     :func:`measured_alone`), picked by ``confirm.confirmation`` from the prior's rankings
-    (``prior``: ``(points, N)`` estimates as :func:`simulated_prior` gives, or None) and
-    the masks' screen (``confirm.screen``, its Lasso's penalty eased by the first point,
-    ``prior.prior_penalty_weights``), then ranked by measured change ahead of the screen's
-    order (``confirm.confirmed_order``).
+    (``prior``: ``(points, N)`` estimates as :func:`simulated_prior` gives, or None;
+    ``confirm.prior_rankings``) and the masks' screen (``confirm.screen``, its Lasso's
+    penalty eased by the first point, ``confirm.prior_weights``), then ranked by measured
+    change ahead of the screen's order (``confirm.confirmed_order``).
 
     ``method="defaults"``: rounds of ``confirm.ROUND``, the screen refitted before each
     with the heads measured so far held fixed, and the final order's screen too.
-    ``"before"``: the old up-front pick, one round of all ``confirm`` heads from the
-    plain fit (nothing held fixed) and the prior's rankings in turn, and the final
-    order's screen the same plain fit. ``world`` is not used (kept for the callers).
+    ``"before"``: the old up-front pick, the prior's rankings and the plain fit (nothing
+    held fixed) in turn (``confirm.alternated``), and the final order's screen the same
+    plain fit. ``world`` is not used (kept for the callers).
     """
-    from .confirm import ROUND, confirmation, confirmed_order, screen
-    from .prior import prior_penalty_weights
-
     _check_method(method)
-    prior = None if prior is None else np.atleast_2d(prior)
-    weights = None if prior is None else prior_penalty_weights(np.clip(-prior[0], 0, None))
+    weights = prior_weights(prior)
 
     def fitted(known: Mapping[int, tuple[float, float]]) -> list[int]:
         return screen(design, scores, True, alpha=alpha, penalty_weights=weights,
                       fixed={h: change for h, (change, _) in known.items()}).order
 
-    def measure(heads: list[int]) -> dict[str, dict[int, tuple[float, float]]]:
-        return {"task": {h: (float(changes[h]), 0.0) for h in heads}}
+    def measure(heads: list[int]) -> dict[int, tuple[float, float]]:
+        return {h: (float(changes[h]), 0.0) for h in heads}
 
+    sources = prior_rankings(prior)
     if method == "defaults":
-        refit, round_size = fitted, ROUND
+        refit = fitted
+        picked = confirmation({"task": sources}, {"task": refit},
+                              lambda heads: {"task": measure(heads)}, confirm,
+                              round_size=ROUND).heads
     else:
         # With nothing held fixed the screen IS the old plain fit. Its order among the
         # Lasso's zero coefficients now follows the marginal contrast, where the old
@@ -646,11 +654,8 @@ def confirmed_top(world: World, design: np.ndarray, scores: np.ndarray,
         def refit(_known: Mapping[int, tuple[float, float]]) -> list[int]:
             return plain
 
-        round_size = max(confirm, 1)
-    sources = {"task": [] if prior is None
-               else [np.argsort(point, kind="stable").tolist() for point in prior]}
-    done = confirmation(sources, {"task": refit}, measure, confirm, round_size=round_size)
-    alone = measure(done.heads)["task"]
+        picked = alternated([*sources, plain], confirm)
+    alone = measure(picked)
     # The screen's order matters only when fewer than ``top`` heads were measured.
     rest = () if len(alone) >= top else refit(alone)
     return np.asarray(confirmed_order(alone, rest, higher_is_better=True)[:top])
@@ -658,13 +663,16 @@ def confirmed_top(world: World, design: np.ndarray, scores: np.ndarray,
 
 def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True
                     ) -> tuple[int, int]:
-    """(masks, heads confirmed) of a budget in measurement-equivalents, after the prior's
-    allowance (none without a prior): ``"defaults"``, ``MASK_SHARE`` of the rest in masks
-    (rounded; 12 + 34 at 54); ``"before"``, the rest halved (25 + 25 at 54)."""
+    """(masks, heads confirmed) of a budget in measurement-equivalents, after the
+    method's prior's allowance (``confirm.PRIOR_ALLOWANCE``; none without a prior):
+    ``"defaults"``, ``confirm.budget_split`` (12 + 34 at 54); ``"before"``, the rest
+    halved, masks rounded down (25 + 25 at 54)."""
     _check_method(method)
-    rest = budget - (PRIOR_ALLOWANCE[method] if use_prior else 0)
-    masks = round(rest * MASK_SHARE) if method == "defaults" else rest // 2
-    return masks, rest - masks
+    prior = METHOD_PRIOR[method] if use_prior else "none"
+    if method == "defaults":
+        return budget_split(budget, prior)
+    rest = budget - PRIOR_ALLOWANCE[prior]
+    return rest // 2, rest - rest // 2
 
 
 def confirmed_masks_needed(
@@ -676,7 +684,7 @@ def confirmed_masks_needed(
 ) -> tuple[int | None, dict[int, float]]:
     """:func:`masks_needed` for a confirming ``method`` (:data:`METHODS`): the smallest
     budget (in measurement-equivalents, the prior's allowance included when it is used)
-    whose run (:func:`confirmed_split`, :func:`confirmed_top`) holds >= ``target_hits``
+    whose run (:func:`confirmed_split`, :func:`confirming_run_top`) holds >= ``target_hits``
     of the truth's top ``top`` for >= ``share`` of ``seeds``, and each scanned budget's
     share of successful seeds. The prior has the method's ``PRIOR_POINTS``. The truth
     (``against``): ``"exhaustive"``, the one-at-a-time search on the same documents
@@ -709,9 +717,10 @@ def confirmed_masks_needed(
                 truths[seed] = (exhaustive_top(changes[seed], top) if against == "exhaustive"
                                 else world.planted)
             trial = trials[seed]
-            found = confirmed_top(trial.world, trial.design[:masks], trial.scores[:masks],
-                                  priors[seed] if use_prior else None, confirm,
-                                  changes[seed], method=method, top=top)
+            found = confirming_run_top(trial.world, trial.design[:masks],
+                                       trial.scores[:masks],
+                                       priors[seed] if use_prior else None, confirm,
+                                       changes[seed], method=method, top=top)
             hits = np.intersect1d(found, truths[seed]).size
             met, failed = met + (hits >= target_hits), failed + (hits < target_hits)
             if met >= required or failed > len(seeds) - required:

@@ -1,0 +1,67 @@
+"""greedy's ranking: the rule for heads measured alone (``confirm.rank_measured``), worked
+out by hand; the command itself runs on the tiny model in tests/test_commands.py."""
+
+from __future__ import annotations
+
+import math
+
+from lm_eval_headloc.commands.greedy import _rankings
+from lm_eval_headloc.confirm import confirmed_order
+from lm_eval_headloc.heads import Head
+
+BASELINE = {"scores": {"acc": 0.6, "ppl": 10.0}, "metrics": {"acc": "acc", "ppl": "ppl"},
+            "higher_is_better": {"acc": True, "ppl": False}}
+
+
+def test_one_shot_ranks_every_head_measured_as_a_confirmation_would():
+    # 6 heads (3 per layer); head 4 was never measured (skipped).
+    changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
+                       3: (0.02, -1.0), 5: (-0.05, -0.2)},
+               "ppl": {0: (1.0, 0.0), 1: (-0.5, 0.0), 2: (1.0, 0.0), 3: (2.0, 0.0),
+                       5: (0.0, 0.0)}}
+    rankings = _rankings(changes, [], BASELINE, 1, 6, 3, 6)
+    acc, ppl = rankings["acc"], rankings["ppl"]
+    # acc: 1 drops most; 0, 2, 5 drop 0.05 (2's logprob drop is the largest, 0 and 5 are
+    # equal: head order); 3 helps.
+    assert acc.order == [1, 2, 0, 5, 3]
+    # ppl (lower is better): the largest rise first; 0 and 2 equal: head order.
+    assert ppl.order == [3, 0, 2, 5, 1]
+    for ranking, task in ((acc, "acc"), (ppl, "ppl")):
+        assert ranking.order == confirmed_order(changes[task], (), ranking.higher_is_better)
+        assert math.isnan(ranking.effects[4])  # never measured: no effect, not ranked
+        assert [ranking.effects[h] for h in (0, 1, 2, 3, 5)] == [
+            changes[task][h][0] for h in (0, 1, 2, 3, 5)]
+        assert {k: v for k, v in ranking.extra.items() if k != "tied_with_above"} == {
+            "method": "one-shot greedy", "rounds": 1, "winners": [], "measurements": 6}
+    assert acc.baseline == 0.6 and not ppl.higher_is_better
+
+
+def test_iterative_winners_lead_in_the_order_they_won():
+    # Winners L1H0 (flat 2) then L0H1 (flat 1); the others by their last round's change.
+    changes = {"acc": {2: (-0.30, 0.0), 1: (-0.01, 0.0), 0: (-0.20, 0.0), 3: (-0.05, 0.0)}}
+    winners = [Head(1, 0), Head(0, 1)]
+    ranking = _rankings(changes, winners, BASELINE, 2, 4, 2, 9)["acc"]
+    assert ranking.order == [2, 1, 0, 3]
+    assert ranking.extra["method"] == "iterative greedy"
+    assert ranking.extra["winners"] == ["L1H0", "L0H1"]
+
+
+def test_equal_measured_changes_are_marked_and_reported_as_ties():
+    from lm_eval_headloc.commands.report import ranked_heads_json, tie_words
+
+    changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
+                       3: (0.02, -1.0), 5: (-0.05, -0.2)}}
+    ranking = _rankings(changes, [], BASELINE, 1, 6, 3, 6)["acc"]
+    # Order 1, 2, 0, 5, 3: only 0 and 5 share both changes (L1H2 is head 5).
+    assert ranking.extra["tied_with_above"] == ["L1H2"]
+    listed = ranked_heads_json(ranking, 4)["heads"]
+    assert [h["tied_with_above"] for h in listed[:4]] == [False, False, False, True]
+    assert tie_words(ranking, 4, "why") == [
+        "Tied (the same evidence; listed in head order): L0H0 = L1H2.", ""]
+    # Nothing measured tells any head apart: no order is claimed.
+    flat = _rankings({"acc": {h: (0.0, 0.0) for h in range(6)}}, [], BASELINE, 1, 6, 3,
+                     6)["acc"]
+    assert flat.extra["tied_with_above"] == [str(Head.from_flat_index(h, 3))
+                                             for h in range(1, 6)]
+    assert tie_words(flat, 3, "all alike")[0].startswith(
+        "No head stands out: all 3 listed heads have the same evidence (all alike)")
