@@ -1,4 +1,4 @@
-"""Design matrices for compressed-sensing head localization (SPEC §2).
+"""Design matrices for compressed-sensing head localization.
 
 A design matrix has one row per measurement (mask) and one column per head (flat index
 ``layer * H + head``); ``True`` means the head is knocked out in that measurement.
@@ -57,7 +57,7 @@ def knockouts_per_mask(sparsity: float, num_eligible: int) -> int:
     """Heads a stratified mask knocks out: ``max(1, round(sparsity * num_eligible))``.
 
     At least one, so that a tiny model or sparsity still measures something. Python's
-    ``round`` (halves to even) is used, as the SPEC writes ``round(p·N)``.
+    ``round`` (halves to even) is used: the method's ``round(p·N)``.
     """
     return max(1, int(round(sparsity * num_eligible)))
 

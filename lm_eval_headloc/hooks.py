@@ -3,11 +3,11 @@
 A head's output reaches the residual stream only through the attention output
 projection (``o_proj``, ``out_proj``, ``c_proj``, ``dense`` …), whose input is the
 concatenation of the heads' outputs. Zeroing the input slice
-``[h*d_head:(h+1)*d_head]`` of that projection knocks out head ``h`` exactly (SPEC §2).
+``[h*d_head:(h+1)*d_head]`` of that projection knocks out head ``h`` exactly: it is
+what zeroing that head's columns of the projection's weight does.
 
-The hooks are installed once. They read per-layer boolean masks that ``set_heads``
-refills in place, so switching masks costs a few tensor writes: no re-registration,
-no reload, no recompilation. A layer with nothing knocked out returns at once.
+The hooks are installed once and act only inside ``HeadKnockout.applied``, on the
+``Intervention`` (a value) given there; outside it the model is as loaded.
 
 No lm-eval import here: this module works on a bare ``transformers``/PEFT model.
 """
@@ -15,16 +15,20 @@ No lm-eval import here: this module works on a bare ``transformers``/PEFT model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from .heads import Head, HeadSpecError, format_heads, parse_heads
+from .geometry import Geometry
+from .heads import Head, HeadSpecError, parse_heads
 
-__all__ = ["AttentionOutputNotFound", "HeadKnockout", "attention_geometry",
-           "find_attention_outputs"]
+__all__ = ["ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
+           "attention_geometry", "find_attention_outputs"]
 
 # Names the output projection has in the attention blocks of the families we know of
 # (Llama/Mistral/Qwen/Gemma/Phi-3: o_proj; OPT/BART: out_proj; GPT-2: c_proj;
@@ -37,38 +41,17 @@ class AttentionOutputNotFound(HeadSpecError):
     """The attention output projection of this architecture could not be discovered."""
 
 
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def _geometry(model: nn.Module) -> Geometry:
+    try:
+        return Geometry.from_config(model.config)
+    except AttributeError as err:
+        raise AttentionOutputNotFound(str(err)) from None
 
 
 def attention_geometry(model: nn.Module) -> tuple[int, int]:
     """(layers, query heads per layer) from the model's (text) config."""
-    config = _text_config(model)
-    try:
-        return int(config.num_hidden_layers), int(config.num_attention_heads)
-    except AttributeError as err:
-        raise AttentionOutputNotFound(
-            f"cannot read the layer/head counts from {type(config).__name__}: {err}"
-        ) from None
-
-
-def _head_dim(model: nn.Module, heads_per_layer: int) -> int | None:
-    """Width of one head's slice of the output projection's input, per the config.
-
-    ``v_head_dim`` first: in multi-head latent attention (DeepSeek-V2/V3) the projection
-    takes the value heads while ``head_dim`` is the rotary query/key width. None when
-    the config does not tell.
-    """
-    config = _text_config(model)
-    for name in ("v_head_dim", "head_dim"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    hidden = getattr(config, "hidden_size", None)
-    if isinstance(hidden, int) and hidden % heads_per_layer == 0:
-        return hidden // heads_per_layer
-    return None
+    geometry = _geometry(model)
+    return geometry.num_layers, geometry.heads_per_layer
 
 
 def _input_features(module: nn.Module) -> int | None:
@@ -135,8 +118,9 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
     names, e.g. ``model.layers.*.self_attn.o_proj``) names them explicitly instead, and
     a probe forward pass checks that each match is what its attention block returns.
     """
-    num_layers, heads_per_layer = attention_geometry(model)
-    head_dim = _head_dim(model, heads_per_layer)
+    geometry = _geometry(model)
+    num_layers, heads_per_layer, head_dim = (geometry.num_layers, geometry.heads_per_layer,
+                                             geometry.head_dim)
     if attn_out:
         named = [(name, m) for name, m in model.named_modules()
                  if fnmatch.fnmatchcase(name, attn_out)]
@@ -258,73 +242,97 @@ def _check_feeds_attention_output(model: nn.Module, named: list[tuple[str, nn.Mo
             )
 
 
-class HeadKnockout:
-    """Ablation of attention heads through forward pre-hooks on the output projections.
+@dataclass(frozen=True, eq=False)
+class Intervention:
+    """What one forward pass does to the heads: a value, applied only inside
+    ``HeadKnockout.applied`` (nothing stays switched on after it).
 
-    >>> knockout = HeadKnockout(model)          # hooks installed once
-    >>> knockout.set_heads("L0H3+L1H0")          # switch in place, any number of times
-    >>> knockout.set_heads([])                   # nothing knocked out: no extra cost
-
-    A knocked-out head's slice becomes ``replacement + scale · (slice − replacement)``:
-    the replacement is zero unless :meth:`set_replacement` gives per-layer means
-    (``ablation.py``); ``scale`` 0 (default) is the replacement itself, 1 the head as it
+    ``heads`` are knocked out in every batch row; ``row_masks`` ((rows, layers x heads)
+    booleans, flat head index ``layer * H + head``) knock out a different set in each row
+    instead (several masks in one batch). A knocked-out slice becomes
+    ``replacement + scale · (slice − replacement)``: the replacement is zero unless
+    ``replacement`` gives per-layer ``(heads, head_dim)`` means (``ablation.py``), or the
+    pass is given resample donors; ``scale`` 0 is the replacement itself, 1 the head as it
     is (both exact), 2 amplification.
     """
 
-    def __init__(self, model: nn.Module, attn_out: str | None = None, *,
-                 scale: float = 0.0) -> None:
-        self.num_layers, self.heads_per_layer = attention_geometry(model)
+    heads: tuple[Head, ...] = ()
+    row_masks: torch.Tensor | None = None
+    scale: float = 0.0
+    replacement: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def any_knocked_out(self) -> bool:
+        """Whether a pass under it changes any head (scale 1 changes none)."""
+        if self.scale == 1.0:
+            return False
+        if self.row_masks is not None:
+            return bool(self.row_masks.any())
+        return bool(self.heads)
+
+    def replace(self, **changes: Any) -> Intervention:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class ActivePass:
+    """The intervention of the forward pass(es) running now, placed per layer."""
+
+    masks: list[torch.Tensor | None]  # per layer: None (untouched) or broadcastable bools
+    rows: int | None  # per-row masks: the batch rows they are for
+    scale: float
+    replacement: list[torch.Tensor | None]
+    # Resample: per layer (rows, width, H, d) donor outputs, and per row which donor
+    # position stands in for each column (rows, columns).
+    donors: list[torch.Tensor] | None = None
+    donor_index: torch.Tensor | None = None
+    first_column: int = 0  # the columns a forward sees start here (generation's cache)
+
+
+class HeadKnockout:
+    """Ablation of attention heads through forward pre-hooks on the output projections.
+
+    >>> knockout = HeadKnockout(model)                 # hooks installed once
+    >>> with knockout.knocking_out("L0H3+L1H0"):       # for the passes inside only
+    ...     model(input_ids)
+    >>> model(input_ids)                               # the model as loaded
+
+    The hooks are installed once and do nothing outside ``applied`` (or its shorthand
+    ``knocking_out``), which scopes an ``Intervention`` to the passes run inside it, as
+    TransformerLens's ``run_with_hooks`` scopes hooks to one call: switching costs a few
+    small tensor writes, no re-registration. A layer with nothing knocked out returns at
+    once. ``hf-headablate`` (``model.py``) applies its heads around each forward pass.
+    """
+
+    def __init__(self, model: nn.Module, attn_out: str | None = None) -> None:
+        self.geometry = _geometry(model)
+        self.num_layers = self.geometry.num_layers
+        self.heads_per_layer = self.geometry.heads_per_layer
         self.modules = find_attention_outputs(model, attn_out)
         self.head_dim = _input_features(self.modules[0]) // self.heads_per_layer
-        self.scale = float(scale)
-        # Per layer: None (zeros) or a (heads, head_dim) tensor on that layer's device.
-        self._replacement: list[torch.Tensor | None] = [None] * self.num_layers
-        # Resample ablation: per layer a (rows, donor width, H, d) tensor of donor outputs,
-        # and per row which donor position stands in for each column (rows, columns).
-        self._donors: list[torch.Tensor] | None = None
-        self._donor_index: torch.Tensor | None = None
-        self.first_column = 0  # the columns a forward sees start here (generation's cache)
-        self._suspended = [False]  # a list: the hooks hold it (see suspended)
-        # One boolean row per layer, on that layer's device (models may be split
-        # across devices); True = knocked out.
-        self._knocked = [
-            torch.zeros(self.heads_per_layer, 1, dtype=torch.bool, device=_device_of(m))
-            for m in self.modules
-        ]
-        self._active = [False] * self.num_layers
-        # Per-row masks (several masks in one batch): per layer None (not in row mode),
-        # False (row mode, nothing knocked out in this layer) or a (rows, 1, H, 1) tensor.
-        self._row_knocked: list[torch.Tensor | bool | None] = [None] * self.num_layers
-        self._heads: tuple[Head, ...] = ()
+        self._devices = [_device_of(m) for m in self.modules]
+        self._active: ActivePass | None = None
+        self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
         self._handles = [
             module.register_forward_pre_hook(self._make_hook(layer))
             for layer, module in enumerate(self.modules)
         ]
 
     def _make_hook(self, layer: int):
-        active, knocked, heads_per_layer = self._active, self._knocked, self.heads_per_layer
-        row_knocked, ablated, suspended = self._row_knocked, self._ablated, self._suspended
-
         def knock_out_heads(module: nn.Module, args: tuple):
-            rows = row_knocked[layer]
-            if rows is False or suspended[0]:
-                return None
-            if rows is not None:  # one mask per batch row
-                hidden, *rest = args
-                if rows.shape[0] != hidden.shape[0]:
-                    raise RuntimeError(f"per-row head masks for {rows.shape[0]} rows, batch "
-                                       f"has {hidden.shape[0]}")
-                per_head = ablated(layer, hidden.unflatten(-1, (heads_per_layer, -1)),
-                                   rows.to(hidden.device))
-                return (per_head.flatten(-2), *rest)
-            if not active[layer]:
+            active = self._active
+            mask = None if active is None else active.masks[layer]
+            if mask is None:
                 return None
             hidden, *rest = args
-            mask = knocked[layer]
-            if mask.device != hidden.device:
-                mask = knocked[layer] = mask.to(hidden.device)
+            if active.rows is not None and active.rows != hidden.shape[0]:
+                raise RuntimeError(f"per-row head masks for {active.rows} rows, batch has "
+                                   f"{hidden.shape[0]}")
+            if mask.device != hidden.device:  # a model split across devices
+                mask = active.masks[layer] = mask.to(hidden.device)
             # (..., H*d) -> (..., H, d)
-            per_head = ablated(layer, hidden.unflatten(-1, (heads_per_layer, -1)), mask)
+            per_head = self._ablated(layer, hidden.unflatten(-1, (self.heads_per_layer, -1)),
+                                     mask)
             return (per_head.flatten(-2), *rest)
 
         return knock_out_heads
@@ -332,7 +340,7 @@ class HeadKnockout:
     def _ablated(self, layer: int, per_head: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``per_head`` (..., H, d) with the heads in ``mask`` (broadcastable, True = out)
         replaced: the one place the ablation kind and the scale act."""
-        scale = self.scale
+        scale = self._active.scale
         if scale == 1.0:
             return per_head  # the head as it is, exactly
         replacement = self.replacement(layer, per_head)
@@ -344,126 +352,120 @@ class HeadKnockout:
             return torch.where(mask, replacement, per_head)
         return torch.where(mask, replacement + scale * (per_head - replacement), per_head)
 
+    @property
+    def active(self) -> ActivePass | None:
+        """The intervention of the passes running now (None outside ``applied``, or inside
+        ``applied(None)``: the model as loaded)."""
+        return self._active
+
     def replacement(self, layer: int, per_head: torch.Tensor) -> torch.Tensor | None:
         """What layer ``layer``'s knocked-out heads become where its output projection sees
-        ``per_head`` (..., H, d): None for zeros, else a tensor broadcastable to it (the
-        mean's (H, d), or the donors' (rows, columns, H, d) under resample)."""
-        if self._donors is not None:
-            donors, index = self._donors[layer], self._donor_index
+        ``per_head`` (..., H, d) in the active pass: None for zeros, else a tensor
+        broadcastable to it (the mean's (H, d), or the donors' (rows, columns, H, d) under
+        resample)."""
+        active = self._active
+        if active is None:
+            return None
+        if active.donors is not None:
+            donors, index = active.donors[layer], active.donor_index
             if per_head.dim() != 4 or per_head.shape[0] != donors.shape[0]:
                 raise RuntimeError(f"resample ablation: layer {layer} sees "
                                    f"{tuple(per_head.shape[:-2])} positions, donors were set "
                                    f"for {donors.shape[0]} rows")
             columns = per_head.shape[1]
-            picked = index[:, self.first_column:self.first_column + columns]
+            picked = index[:, active.first_column:active.first_column + columns]
             if picked.shape[1] != columns:
-                raise RuntimeError(f"resample ablation: columns {self.first_column}.."
-                                   f"{self.first_column + columns} past the {index.shape[1]} "
-                                   "donors were aligned to")
+                raise RuntimeError(f"resample ablation: columns {active.first_column}.."
+                                   f"{active.first_column + columns} past the "
+                                   f"{index.shape[1]} donors were aligned to")
             rows = torch.arange(donors.shape[0], device=donors.device)[:, None]
             return donors[rows, picked.to(donors.device)].to(per_head)
-        replacement = self._replacement[layer]
+        replacement = active.replacement[layer]
         if replacement is None:
             return None
         if replacement.device != per_head.device or replacement.dtype != per_head.dtype:
-            replacement = self._replacement[layer] = replacement.to(per_head)
+            replacement = active.replacement[layer] = replacement.to(per_head)
         return replacement
 
-    def set_donors(self, per_layer: list[torch.Tensor] | None,
-                   index: torch.Tensor | None = None) -> None:
-        """Resample ablation for the next forward passes: ``per_layer[l]`` (rows, width,
-        H·d) holds each row's donor outputs at layer ``l``, ``index`` (rows, columns) which
-        donor position replaces each column of that row; ``None`` ends it."""
-        if per_layer is None:
-            self._donors, self._donor_index, self.first_column = None, None, 0
-            return
-        if len(per_layer) != self.num_layers or index is None or index.dim() != 2:
-            raise ValueError(f"donors must be {self.num_layers} tensors and a (rows, columns) "
-                             "index")
-        self._donors = [t.unflatten(-1, (self.heads_per_layer, -1)).to(_device_of(m))
-                        for t, m in zip(per_layer, self.modules, strict=True)]
-        self._donor_index = index
-        self.first_column = 0
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Inside, the hooks leave every head as it is (the donors' own clean pass)."""
-        saved, self._suspended[0] = self._suspended[0], True
-        try:
-            yield
-        finally:
-            self._suspended[0] = saved
-
-    @property
-    def is_suspended(self) -> bool:
-        """Whether the hooks leave every head as it is now (inside ``suspended``)."""
-        return self._suspended[0]
-
-    @property
-    def any_knocked_out(self) -> bool:
-        """Whether the next forward pass knocks out any head."""
-        rows = self._row_knocked
-        if any(r is not None for r in rows):
-            return any(r is not None and r is not False for r in rows)
-        return any(self._active)
-
-    def set_replacement(self, per_layer: list[torch.Tensor] | None) -> None:
-        """What knocked-out heads are replaced by: per layer a ``(heads, head_dim)``
-        tensor (mean ablation), or ``None`` for zeros."""
-        if per_layer is None:
-            self._replacement[:] = [None] * self.num_layers
-            return
+    def check_replacement(self, per_layer: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Per-layer ``(heads, head_dim)`` means, checked and placed on each layer's
+        device, for ``Intervention.replacement``."""
         shape = (self.heads_per_layer, self.head_dim)
         if len(per_layer) != self.num_layers or any(tuple(t.shape) != shape
                                                     for t in per_layer):
             raise ValueError(f"replacements must be {self.num_layers} tensors of shape "
                              f"{shape}")
-        self._replacement[:] = [t.to(_device_of(m)) for t, m in zip(per_layer, self.modules,
-                                                                     strict=True)]
+        return tuple(t.to(device) for t, device in zip(per_layer, self._devices, strict=True))
 
-    @property
-    def heads(self) -> tuple[Head, ...]:
-        """The heads knocked out now, sorted."""
-        return self._heads
-
-    def set_heads(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
-        """Knock out exactly ``heads`` (a ``L0H1+L2H3`` string or a list); [] restores all."""
-        if isinstance(heads, str) and not heads.strip():
-            parsed: list[Head] = []
+    def _place(self, intervention: Intervention) -> ActivePass:
+        """Per-layer device masks for ``intervention`` (the last one is kept: a model
+        answering many requests under one intervention places it once)."""
+        if self._placed is not None and self._placed[0] is intervention:
+            placed = self._placed[1]
+            return dataclasses.replace(placed, masks=list(placed.masks),
+                                       replacement=list(placed.replacement))
+        per_layer, layers = self.heads_per_layer, self.num_layers
+        masks: list[torch.Tensor | None] = [None] * layers
+        rows = None
+        if intervention.row_masks is not None:
+            knocked = torch.as_tensor(intervention.row_masks, dtype=torch.bool)
+            if knocked.ndim != 2 or knocked.shape[1] != layers * per_layer:
+                raise ValueError(f"per-row masks must have shape (rows, {layers * per_layer}), "
+                                 f"got {tuple(knocked.shape)}")
+            rows = knocked.shape[0]
+            by_layer = knocked.view(-1, layers, per_layer)
+            for layer in range(layers):
+                if by_layer[:, layer].any():
+                    masks[layer] = by_layer[:, layer][:, None, :, None].to(self._devices[layer])
         else:
-            parsed = parse_heads(heads, self.num_layers, self.heads_per_layer)
-        for layer in {h.layer for h in self._heads}:  # clear only the layers in use
-            self._knocked[layer].fill_(False)
-            self._active[layer] = False
-        by_layer: dict[int, list[int]] = {}
-        for head in parsed:
-            by_layer.setdefault(head.layer, []).append(head.head)
-        for layer, indices in by_layer.items():
-            self._knocked[layer][indices] = True
-            self._active[layer] = True
-        self._heads = tuple(parsed)
-        return self._heads
+            by_layer: dict[int, list[int]] = {}
+            for head in parse_heads(intervention.heads, layers, per_layer):
+                by_layer.setdefault(head.layer, []).append(head.head)
+            for layer, indices in by_layer.items():
+                mask = torch.zeros(per_layer, 1, dtype=torch.bool)
+                mask[indices] = True
+                masks[layer] = mask.to(self._devices[layer])
+        replacement: list[torch.Tensor | None] = (
+            list(self.check_replacement(intervention.replacement))
+            if intervention.replacement is not None else [None] * layers)
+        placed = ActivePass(masks, rows, float(intervention.scale), replacement)
+        self._placed = (intervention, placed)
+        return dataclasses.replace(placed, masks=list(masks), replacement=list(replacement))
 
-    def set_row_masks(self, knocked_out: torch.Tensor | None) -> None:
-        """One mask per batch row: ``knocked_out[r, j]`` True knocks out flat head ``j``
-        (``layer * H + head``) in row ``r`` of the next forward passes; ``None`` ends it.
+    @contextlib.contextmanager
+    def applied(self, intervention: Intervention | None,
+                donors: tuple[list[torch.Tensor], torch.Tensor] | None = None
+                ) -> Iterator[ActivePass | None]:
+        """Inside, every forward pass of the model runs under ``intervention`` (None: the
+        model as loaded, e.g. resample's own clean pass for its donors); the previous
+        state (usually none) is back on exit, whatever happens inside. ``donors``:
+        resample ablation's ``(per_layer, index)``: ``per_layer[l]`` (rows, width, H·d)
+        holds each row's donor outputs at layer ``l``, ``index`` (rows, columns) which
+        donor position replaces each column of that row. Yields the ``ActivePass``."""
+        active = None if intervention is None else self._place(intervention)
+        if active is not None and donors is not None:
+            per_layer, index = donors
+            if len(per_layer) != self.num_layers or index is None or index.dim() != 2:
+                raise ValueError(f"donors must be {self.num_layers} tensors and a (rows, "
+                                 "columns) index")
+            active.donors = [t.unflatten(-1, (self.heads_per_layer, -1)).to(device)
+                             for t, device in zip(per_layer, self._devices, strict=True)]
+            active.donor_index = index
+        saved, self._active = self._active, active
+        try:
+            yield active
+        finally:
+            self._active = saved
 
-        Replaces the ``set_heads`` mask while set. Layers where no row knocks anything
-        out keep the no-cost path.
-        """
-        if knocked_out is None:
-            self._row_knocked[:] = [None] * self.num_layers
-            return
-        knocked_out = torch.as_tensor(knocked_out, dtype=torch.bool)
-        expected = self.num_layers * self.heads_per_layer
-        if knocked_out.ndim != 2 or knocked_out.shape[1] != expected:
-            raise ValueError(f"per-row masks must have shape (rows, {expected}), "
-                             f"got {tuple(knocked_out.shape)}")
-        per_layer = knocked_out.view(-1, self.num_layers, self.heads_per_layer)
-        for layer in range(self.num_layers):
-            rows = per_layer[:, layer]
-            self._row_knocked[layer] = (rows[:, None, :, None].to(self._knocked[layer].device)
-                                        if rows.any() else False)
+    def knocking_out(self, heads: str | Iterable[str | Head | tuple[int, int]], *,
+                     scale: float = 0.0) -> contextlib.AbstractContextManager:
+        """``applied`` for ``heads`` (a ``L0H1+L2H3`` string or a list) zeroed, or scaled
+        by ``scale``: the shorthand for a bare model."""
+        if isinstance(heads, str) and not heads.strip():
+            parsed: tuple[Head, ...] = ()
+        else:
+            parsed = tuple(parse_heads(heads, self.num_layers, self.heads_per_layer))
+        return self.applied(Intervention(heads=parsed, scale=scale))
 
     def remove(self) -> None:
         """Take the hooks off the model (the model is then as loaded)."""
@@ -472,8 +474,7 @@ class HeadKnockout:
         self._handles = []
 
     def __repr__(self) -> str:
-        return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads, "
-                f"knocked out: {format_heads(self._heads) or 'none'})")
+        return f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads)"
 
 
 def _device_of(module: nn.Module) -> torch.device:

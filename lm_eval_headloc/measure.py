@@ -1,8 +1,9 @@
 """One measurement: the task scores of the live model with some heads knocked out.
 
-Tasks are built once; every measurement switches the heads in place on the loaded
-``hf-headablate`` model and runs lm-eval's own ``evaluate`` on the same fixed example
-subset, so the harness does the scoring (its filters, metrics and aggregation).
+Tasks are built once; every measurement knocks its heads out of the loaded
+``hf-headablate`` model for that measurement only (``knocking_out``) and runs lm-eval's
+own ``evaluate`` on the same fixed example subset, so the harness does the scoring (its
+filters, metrics and aggregation).
 """
 
 from __future__ import annotations
@@ -12,21 +13,24 @@ import dataclasses
 import importlib
 import logging
 import math
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .checks import check_number
 from .heads import Head
 from .metrics import TaskScore, task_score
-from .signals import SIGNAL_OUTPUT_TYPES, SIGNALS, gold_answers, gold_logprob, signal_weights
+from .signals import SIGNALS, gold_answers, gold_logprob, no_logprob_reason
 
-__all__ = ["HarnessMeasurement", "choose_subset"]
+__all__ = ["HarnessMeasurement", "Measurement", "choose_subset"]
 
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
+_UNSETTLED = object()
+log = logging.getLogger(__name__)
 
 
 # Modules whose per-call progress bars would print hundreds of times in a run.
@@ -92,6 +96,41 @@ class _TaskGroup:
     apply_chat_template: bool
 
 
+Scores = dict[str, TaskScore]
+
+
+class Measurement(Protocol):
+    """What the commands (``engine.run_plan``, the prior, the report) may ask of a
+    measurement: ``HarnessMeasurement`` here, and ``commands.workers``'
+    ``DistributedMeasurement``, which measures the masks on Ray workers."""
+
+    lm: Any
+    signal: str
+    tasks: list[tuple[str, str | None]]
+
+    def __call__(self, heads: Iterable[Head | str]) -> Scores: ...
+
+    def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
+                       masks_per_pass: int | None = None
+                       ) -> Iterator[tuple[int, list[Scores], float]]:
+        """``(index, scores of each mask, seconds per mask)`` of each chunk of masks as it
+        is measured (in any order); ``masks_per_pass`` None: the measurement's choice."""
+        ...
+
+    def auto_masks_per_pass(self) -> int: ...
+
+    @property
+    def attributable(self) -> bool: ...
+
+    def no_prior_reason(self) -> str | None: ...
+
+    def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]: ...
+
+    def workers_config(self) -> list[dict[str, Any]] | None:
+        """Where the masks were measured (None: here)."""
+        ...
+
+
 class HarnessMeasurement:
     """Callable ``heads -> {task: TaskScore}`` over a fixed example subset.
 
@@ -149,7 +188,8 @@ class HarnessMeasurement:
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed)
         self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
-        self._golds: list[Any] | None = None  # signals.GoldAnswer per document, ditto
+        self._golds: Any = _UNSETTLED  # what _answer_golds settles on
+        self.logprob_missing: str | None = None  # why answers carry no gold logprob
         self._instances: list[Any] | None = None  # lm-eval's requests, recorded once
         self._all_golds: list[Any] | None = None  # every document's gold, made once
         self._batch_size: int | None = None  # rows per pass, resolved on first use
@@ -184,9 +224,8 @@ class HarnessMeasurement:
         """
         from lm_eval.evaluator import evaluate
 
-        self.lm.set_heads(list(heads))
         merged: dict[str, Any] = {}
-        with quiet_harness(self.verbose):
+        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)):
             for group in self._groups:
                 for task in group.loaded["tasks"].values():
                     # Same few-shot examples in every measurement.
@@ -212,8 +251,9 @@ class HarnessMeasurement:
         scores = {}
         for name, metric in self.tasks:
             logprob = None
-            if answers is not None and self._golds is not None:
-                logprob = gold_logprob(self._golds, answers, self.leaves_of[name])
+            golds = self._answer_golds() if answers is not None else None
+            if golds is not None:
+                logprob = gold_logprob(golds, answers, self.leaves_of[name])
             if self.signal == "logprob":
                 scores[name] = TaskScore(name, "logprob", logprob, True)
             else:
@@ -232,9 +272,8 @@ class HarnessMeasurement:
             return self._scores(self.evaluate(heads))
         from lm_eval.api.instance import Instance
 
-        keys = self._recorded().keys
-        self.lm.set_heads(heads)
-        with quiet_harness(self.verbose):
+        keys = self.requests().keys
+        with quiet_harness(self.verbose), self.lm.knocking_out(heads):
             answered = self.lm.loglikelihood(
                 [Instance("loglikelihood", doc={}, arguments=key, idx=0) for key in keys],
                 disable_tqdm=True)
@@ -251,7 +290,7 @@ class HarnessMeasurement:
         return ((self.signal == "logprob" or self.loglikelihood_only)
                 and scored_positions_apply(self.lm))
 
-    def _recorded_instances(self) -> list[Any]:
+    def recorded_instances(self) -> list[Any]:
         """lm-eval's requests (``Instance`` objects) for the subset, recorded once by
         running ``evaluate`` against a recorder: they are the same for every mask."""
         from .multimask import RecordingLM
@@ -262,117 +301,115 @@ class HarnessMeasurement:
             self._instances = recorder.instances
         return self._instances
 
-    def _gold_answers(self) -> list[Any]:
-        """Every document's gold answer (``signals.gold_answers``), made once."""
+    def gold_answers(self) -> list[Any]:
+        """Every document's gold answer (``signals.gold_answers``), made once; raises
+        ``ValueError`` naming the task where a document has none."""
         if self._all_golds is None:
             leaves = {leaf: task for group in self._groups
                       for leaf, task in group.loaded["tasks"].items()}
-            self._all_golds = gold_answers(self._recorded_instances(), leaves,
+            self._all_golds = gold_answers(self.recorded_instances(), leaves,
                                            self.chat_template)
         return self._all_golds
 
-    def _recorded(self) -> Any:
+    def _answer_golds(self) -> list[Any] | None:
+        """The gold answers whose log-likelihood a mask's answers carry, settled once and
+        whatever was called first: with the logprob signal every document's; with the
+        metric, the golds when the tasks' own loglikelihood requests include all of
+        theirs, else None (``logprob_missing`` says why)."""
+        if self._golds is _UNSETTLED:
+            if self.signal == "logprob":
+                self._golds = self.gold_answers()
+            else:
+                try:
+                    golds = self.gold_answers()
+                except ValueError as err:  # a document lm-eval scores but has no gold
+                    golds, self.logprob_missing = None, str(err)
+                if golds is not None:
+                    wanted = {tuple(i.args) for i in self.recorded_instances()
+                              if i.request_type == "loglikelihood"}
+                    if not all(key in wanted for gold in golds for key in gold.requests):
+                        golds = None
+                        self.logprob_missing = ("the tasks' own requests do not include "
+                                                "every gold answer's")
+                self._golds = golds
+                if golds is None:
+                    log.info("no gold log-likelihood alongside the metric: %s",
+                             self.logprob_missing)
+        return self._golds
+
+    def requests(self) -> Any:
         """The loglikelihood requests a mask is measured by (``multimask.
-        LoglikelihoodRequests``), made on first use. With the logprob signal: the gold
-        answers' requests (generation tasks' references included); with the metric: the
-        tasks' own requests."""
+        LoglikelihoodRequests``), made once. With the logprob signal: the gold answers'
+        requests (generation tasks' references included); with the metric: the tasks'
+        own requests."""
         from .multimask import LoglikelihoodRequests
 
         if self._requests is None:
             if self.signal == "logprob":
-                self._golds = self._gold_answers()
-                keys = [key for gold in self._golds for key in gold.requests]
+                keys = [key for gold in self.gold_answers() for key in gold.requests]
             else:
-                keys = [tuple(i.args) for i in self._recorded_instances()
+                keys = [tuple(i.args) for i in self.recorded_instances()
                         if i.request_type == "loglikelihood"]
-                try:  # the logprob comes with the answers when every request is there
-                    wanted = set(keys)
-                    golds = self._gold_answers()
-                    if all(key in wanted for gold in golds for key in gold.requests):
-                        self._golds = golds
-                except ValueError:  # a document lm-eval scores but has no usable gold
-                    self._golds = None
             self._requests = LoglikelihoodRequests(self.lm, keys)
         return self._requests
 
     @property
     def attributable(self) -> bool:
-        """True when ``attribution`` can run: every task has gold answers (its output type
-        is one of ``SIGNAL_OUTPUT_TYPES``) and the model is decoder-only without a
-        prompt-learning adapter (``--prior auto`` uses the prior exactly then)."""
+        """True when ``attribution`` can run (``no_prior_reason`` is None): ``--prior
+        auto`` uses the prior exactly then."""
+        return self.no_prior_reason() is None
+
+    def no_prior_reason(self) -> str | None:
+        """Why ``attribution`` cannot run, in words, or None: a task without gold answers
+        (``signals.no_logprob_reason``: an output type without one, or documents without
+        one), or a model that is not decoder-only or has a prompt-learning adapter."""
         from .multimask import scored_positions_apply
 
-        return scored_positions_apply(self.lm) and all(
-            task.get_config("output_type") in SIGNAL_OUTPUT_TYPES
-            for group in self._groups for task in group.loaded["tasks"].values())
+        if not scored_positions_apply(self.lm):
+            return "the model is not decoder-only, or has a prompt-learning adapter"
+        return no_logprob_reason({leaf: task for group in self._groups
+                                  for leaf, task in group.loaded["tasks"].items()})
 
     def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]:
-        """Attribution patching (``prior``): each task's estimated change of its logprob
-        signal from knocking out each head, a ``(len(points), heads)`` array: per path
-        point (``prior.attribution_effects``' ``at``) a forward pass for the answers there
-        and a forward and backward pass over the gold answers' requests (whatever signal
-        the run measures). Decoder-only models (``scored_positions_apply``) only."""
-        from .multimask import (
-            LoglikelihoodRequests,
-            loglikelihoods_for_masks,
-            scored_positions_apply,
-        )
-        from .prior import attribution_effects, path_point
+        """Each task's attribution-patching estimate of its logprob signal's change from
+        knocking out each head, per path point (``prior.measured_attribution``)."""
+        from .prior import measured_attribution
 
-        if not scored_positions_apply(self.lm):
-            raise ValueError("the attribution prior needs a decoder-only model without a "
-                             "prompt-learning adapter")
-        # The prior is of the unablated model, whatever mask was measured last (a pilot's
-        # floor mask left in place made a resumed run's prior differ from a fresh one's).
-        self.lm.set_heads([])
-        golds = self._gold_answers()
-        requests = self._recorded() if self.signal == "logprob" else LoglikelihoodRequests(
-            self.lm, [key for gold in golds for key in gold.requests])
-        batch_size = self.resolved_batch_size()
-        effects: dict[str, list[np.ndarray]] = {name: [] for name, _ in self.tasks}
-        for at in points:
-            # The signal's weights are its derivatives at this point's own answers.
-            with path_point(self.lm, at):
-                answers = loglikelihoods_for_masks(self.lm, requests, [[]], batch_size)[0]
-            for name, _ in self.tasks:
-                weights = signal_weights(golds, answers, self.leaves_of[name])
-                effects[name].append(attribution_effects(self.lm, requests, weights,
-                                                         batch_size, at=at))
-        return {name: np.stack(rows) for name, rows in effects.items()}
+        return measured_attribution(self, points)
 
     def resolved_batch_size(self) -> int:
-        """Rows per forward pass (per mask) of the scored-positions path: the model's
-        ``batch_size``, or for ``auto``/``auto:N`` what lm-eval's own detection finds for
-        the widest recorded request (``multimask.auto_batch_size``), resolved once."""
+        """Rows per forward pass (per mask) of the scored-positions path, resolved once
+        (``sizing.batch_size``)."""
         if self._batch_size is None:
-            size = self.lm.batch_size
-            if isinstance(size, int):
-                self._batch_size = size
-            else:  # HFLM keeps "auto" for both auto and auto:N
-                from .multimask import auto_batch_size
+            from .sizing import batch_size
 
-                self._batch_size = auto_batch_size(self.lm, self._recorded())
+            self._batch_size = batch_size(self.lm, self.requests)
         return self._batch_size
 
     def auto_masks_per_pass(self) -> int:
-        """Masks per forward pass when none is asked for. 1 on a CPU, where the forward
-        is compute-bound and batching masks gains little (BENCH.md), and whenever masks
-        are measured one at a time anyway (generation tasks, ``scored_positions`` False).
-        On a GPU: as many as half of the free memory holds for the widest batch actually
-        sent (``multimask.masks_per_pass_for_memory``)."""
-        import torch
+        """Masks per forward pass when none is asked for (``sizing.masks_per_pass``)."""
+        from .sizing import masks_per_pass
 
-        device = torch.device(self.lm.device)
-        if device.type != "cuda" or not self.scored_positions:
-            return 1
-        from .multimask import masks_per_pass_for_memory
+        return masks_per_pass(self.lm, self.requests, self.resolved_batch_size,
+                              self.scored_positions)
 
-        # The batch size first: its auto detection uses memory, then frees it.
-        shapes = self._recorded().shapes(self.resolved_batch_size())
-        free, _ = torch.cuda.mem_get_info(device)
-        model = self.lm.model
-        return masks_per_pass_for_memory(free, shapes, model.config,
-                                         torch.finfo(model.dtype).bits // 8)
+    def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
+                       masks_per_pass: int | None = None
+                       ) -> Iterator[tuple[int, list[Scores], float]]:
+        """``Measurement.measure_chunks`` here, in order: a chunk of several masks shares
+        forward passes (``measure_many``) ``masks_per_pass`` at a time (None: the chunk's
+        size)."""
+        for index, chunk in enumerate(chunks):
+            start = time.perf_counter()
+            if len(chunk) > 1:
+                scores = self.measure_many(chunk, masks_per_pass=masks_per_pass or len(chunk))
+            else:
+                scores = [self(heads) for heads in chunk]
+            yield index, scores, (time.perf_counter() - start) / max(1, len(chunk))
+
+    def workers_config(self) -> None:
+        """Measured here, not on workers."""
+        return None
 
     def measure_many(self, masks: Sequence[Sequence[Head]],
                      masks_per_pass: int = 1) -> list[dict[str, TaskScore]]:
@@ -390,7 +427,7 @@ class HarnessMeasurement:
             return [self.measure_with_model(heads) for heads in masks]
         from .multimask import ReplayLM, loglikelihoods_for_masks
 
-        requests = self._recorded()
+        requests = self.requests()
         batch_size = self.resolved_batch_size()
         scores = []
         for start in range(0, len(masks), per_pass):

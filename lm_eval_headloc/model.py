@@ -5,12 +5,15 @@
 Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`` …) plus
 ``ablate=HEADS``, ``ablate_file=PATH`` with optional ``ablate_top=K``, and
 ``attn_out=PATTERN`` for architectures whose attention output cannot be discovered.
-What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean`` (default
-zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies), and for
-``mean`` the reference set ``ablation_data=FILE|TASK`` (``ablation_field=`` for JSONL,
-``ablation_include_path=DIR`` for a task in the CLI's ``--include_path``, which lm-eval
-does not pass to models) whose means are cached under ``ablation_cache=DIR``.
-"""
+What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean|resample``
+(default zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies),
+and for ``mean``/``resample`` the reference set ``ablation_data=FILE|TASK``
+(``ablation_field=`` for JSONL, ``ablation_include_path=DIR`` for a task in the CLI's
+``--include_path``, which lm-eval does not pass to models); mean's statistics are cached
+under ``ablation_cache=DIR``, resample's donors are drawn with ``resample_seed=``.
+
+The heads are a value (``intervention``) applied around each forward pass the harness
+asks for (``forward_pass``); between passes the model is as loaded."""
 
 from __future__ import annotations
 
@@ -35,8 +38,16 @@ from .ablation import (
     head_means,
     reference_texts,
 )
-from .heads import Head, HeadSpecError, check_head_names, check_top, format_heads, read_heads_file
-from .hooks import HeadKnockout
+from .heads import (
+    Head,
+    HeadSpecError,
+    check_head_names,
+    check_top,
+    format_heads,
+    parse_heads,
+    read_heads_file,
+)
+from .hooks import ActivePass, HeadKnockout, Intervention
 from .registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM"]
@@ -116,7 +127,12 @@ class HFHeadAblateLM(HFLM):
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
         super().__init__(pretrained=pretrained, **kwargs)
-        self.knockout = HeadKnockout(self.model, attn_out=attn_out, scale=self.scale)
+        self.knockout = HeadKnockout(self.model, attn_out=attn_out)
+        # What the model's passes knock out: a value, applied around each forward pass
+        # (``forward_pass``); ``knocking_out`` stands in another one for a while.
+        self._means: tuple | None = None  # mean ablation's per-layer replacements
+        self._standing = Intervention(scale=self.scale)
+        self._override: Intervention | None = None
         self.ablation_data = None if ablation_data is None else str(ablation_data)
         self.resample_seed = resample_seed
         self.means_file: str | None = None
@@ -144,9 +160,10 @@ class HFHeadAblateLM(HFLM):
         if (kind == "zero") != (texts is None):
             raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
                                                         else "needs reference texts"))
-        self.knockout.set_replacement(None)
+        self._means = None
         self.ablation, self.resampler, self.means_file = kind, None, None
         self.reference_digest = None
+        self._standing = self._intervention(self._standing.heads)
         if texts is None:
             return
         check_reference_set(kind, texts)
@@ -163,52 +180,95 @@ class HFHeadAblateLM(HFLM):
                   "tokens": self.reference_digest}
 
         def compute() -> list:
-            with knockout.suspended():  # the unablated model's means
+            with knockout.applied(None):  # the unablated model's means
                 return head_means(self.model, knockout.modules, knockout.heads_per_layer,
                                   tokens)
 
         means, path = cached_head_means(fields, compute, cache_dir)
-        knockout.set_replacement(means)
+        self._means = knockout.check_replacement(means)
+        self._standing = self._intervention(self._standing.heads)
         self.means_file = str(Path(path).resolve())
 
+    def _intervention(self, heads: Iterable[Head] = (), row_masks: Any = None
+                      ) -> Intervention:
+        """``heads`` (or per-row masks) knocked out the way this model ablates."""
+        return Intervention(heads=tuple(heads), row_masks=row_masks, scale=self.scale,
+                            replacement=self._means)
+
+    @property
+    def intervention(self) -> Intervention:
+        """What the model's forward passes knock out now."""
+        return self._override if self._override is not None else self._standing
+
     @contextlib.contextmanager
-    def donors_for(self, input_ids: Any, attention_mask: Any = None, columns: int | None = None,
-                   *, always: bool = False) -> Iterator[None]:
-        """Resample ablation's donors for a forward pass over ``input_ids`` (right-padded
-        with zeros, or left-padded as ``attention_mask`` says) while inside; nothing to do
-        for other kinds, or when no head is knocked out (unless ``always``)."""
-        if self.resampler is None or not (always or self.knockout.any_knocked_out):
-            yield
-            return
+    def knocking_out(self, heads: str | Iterable[str | Head | tuple[int, int]] = (), *,
+                     row_masks: Any = None) -> Iterator[Intervention]:
+        """Inside, the model answers with ``heads`` knocked out (or, with ``row_masks``
+        ((rows, layers x heads) booleans), a different mask in each batch row) instead of
+        its own ``set_heads``; on exit, as before, whatever happened inside."""
+        parsed = () if row_masks is not None else self._parsed(heads)
+        saved, self._override = self._override, self._intervention(parsed, row_masks)
+        self._select_cache_table()
+        try:
+            yield self._override
+        finally:
+            self._override = saved
+            self._select_cache_table()
+
+    @contextlib.contextmanager
+    def forward_pass(self, input_ids: Any, attention_mask: Any = None,
+                     columns: int | None = None, *, always_donors: bool = False
+                     ) -> Iterator[ActivePass | None]:
+        """Inside, the model's forward passes over ``input_ids`` run under
+        ``intervention``: the one place a pass is intervened on (lm-eval's requests go
+        through ``_model_call`` and ``_model_generate``, which use it). Resample ablation's
+        donors are computed here for ``input_ids`` (right-padded with zeros, or
+        left-padded as ``attention_mask`` says) when a head is knocked out, or
+        ``always_donors``. Nothing stays applied after it."""
+        intervention = self.intervention
+        donors = None
+        if self.resampler is not None and (always_donors or intervention.any_knocked_out):
+            donors = self._donors(input_ids, attention_mask, columns)
+        with self.knockout.applied(intervention, donors) as active:
+            yield active
+
+    def _donors(self, input_ids: Any, attention_mask: Any, columns: int | None) -> tuple:
         ids = input_ids.tolist()
         if attention_mask is not None:  # generation: left padding; the prompt is the row
             starts = [len(row) - int(sum(mask)) for row, mask in
                       zip(ids, attention_mask.tolist(), strict=True)]
             rows = [row[start:] for row, start in zip(ids, starts, strict=True)]
-        else:  # loglikelihood batches: right padding with zeros
+        else:  # loglikelihood batches: right padding
             starts = [0] * len(ids)
-            rows = []
-            for row in ids:
-                row = row[:max((i + 1 for i, t in enumerate(row) if t != 0), default=1)]
-                # The donor follows the prompt, not the answer scored after it, so every
-                # choice of a multiple-choice question gets the same donor.
-                rows.append(row[:self._prompt_lengths.get(tuple(row), len(row))])
+            rows = [self._unpadded(row) for row in ids]
         knockout = self.knockout
-        with knockout.suspended():
-            donors, index = self.resampler.donors(
+        with knockout.applied(None):  # the donors' own clean pass
+            return self.resampler.donors(
                 self.model, knockout.modules, rows, starts,
                 columns if columns is not None else input_ids.shape[1])
-        knockout.set_donors(donors, index)
-        try:
-            yield
-        finally:
-            knockout.set_donors(None)
 
+    def _unpadded(self, row: list[int]) -> list[int]:
+        """A loglikelihood batch row without its right padding, up to its prompt's end.
+
+        The row is one of the model inputs ``remember_prompts`` saw, possibly followed by
+        padding: the longest remembered prefix is the row (token id 0 is a real token in
+        some vocabularies, e.g. GPT-2's ``!``, so trailing zeros cannot tell). The donor
+        follows the prompt, not the answer scored after it, so every choice of a
+        multiple-choice question gets the same donor.
+        """
+        last = max((i + 1 for i, t in enumerate(row) if t != 0), default=1)
+        for end in range(len(row), last - 1, -1):  # only the trailing zeros are in doubt
+            prompt = self._prompt_lengths.get(tuple(row[:end]))
+            if prompt is not None:
+                return row[:prompt]
+        return row[:last]
     def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]]) -> None:
         """Note where the prompt ends in the model input of each (context, continuation)
         token pair, built as HFLM builds it (resample picks donors by the prompt)."""
+        from .multimask import model_input
+
         for context, continuation in encoded:
-            row = (context + continuation)[-(self.max_length + 1):][:-1]
+            row = model_input(context, continuation, self.max_length)
             self._prompt_lengths[tuple(row)] = max(1, len(row) - len(continuation) + 1)
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
@@ -216,25 +276,27 @@ class HFHeadAblateLM(HFLM):
         return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
     def _model_call(self, inps: Any, attn_mask: Any = None, labels: Any = None) -> Any:
-        with self.donors_for(inps):
+        with self.forward_pass(inps):
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
 
     def _model_generate(self, context: Any, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> Any:
-        if self.resampler is None or not self.knockout.any_knocked_out:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        knockout, seen = self.knockout, [0]
-
-        def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
-            # With the key/value cache each step sees only its new columns: say where
-            # they start, so each gets its aligned donor position.
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            position = kwargs.get("cache_position")
-            knockout.first_column = int(position[0]) if position is not None else seen[0]
-            seen[0] = knockout.first_column + (ids.shape[1] if ids is not None else 1)
-
         width = max(int(max_length), int(context.shape[1]))
-        with self.donors_for(context, generation_kwargs.get("attention_mask"), width):
+        with self.forward_pass(context, generation_kwargs.get("attention_mask"),
+                               width) as active:
+            if active is None or active.donors is None:
+                return super()._model_generate(context, max_length, stop,
+                                               **generation_kwargs)
+            seen = [0]
+
+            def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
+                # With the key/value cache each step sees only its new columns: say where
+                # they start, so each gets its aligned donor position.
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                position = kwargs.get("cache_position")
+                active.first_column = int(position[0]) if position is not None else seen[0]
+                seen[0] = active.first_column + (ids.shape[1] if ids is not None else 1)
+
             handle = self.model.register_forward_pre_hook(track_columns, with_kwargs=True)
             try:
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -251,14 +313,20 @@ class HFHeadAblateLM(HFLM):
 
     @property
     def knocked_out(self) -> tuple[Head, ...]:
-        """The heads knocked out now."""
-        return self.knockout.heads
+        """The heads the model's answers knock out now."""
+        return self.intervention.heads
+
+    def _parsed(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
+        if isinstance(heads, str) and not heads.strip():
+            return ()
+        return tuple(parse_heads(heads, self.num_layers, self.heads_per_layer))
 
     def set_heads(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
-        """Knock out exactly these heads from now on (``[]`` for none); in place, cheap."""
-        knocked = self.knockout.set_heads(heads)
+        """Knock out exactly these heads in every answer from now on (``[]`` for none):
+        a value swapped in place, cheap. ``knocking_out`` does it for a while."""
+        self._standing = self._intervention(self._parsed(heads))
         self._select_cache_table()
-        return knocked
+        return self._standing.heads
 
     # --- lm-eval's response cache (--use_cache) -----------------------------------
     # lm-eval keys cached responses by the request alone. Each mask therefore gets its

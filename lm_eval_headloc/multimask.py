@@ -3,7 +3,7 @@
 The requests of a fixed example subset do not depend on the mask. So they are collected
 once (lm-eval's ``evaluate`` run against a recorder), their loglikelihoods are computed
 for K masks at a time (the batch is replicated K times and each row gets its own head
-mask through ``HeadKnockout.set_row_masks``), and each mask's answers are then handed to
+mask: ``HFHeadAblateLM.knocking_out(row_masks=...)``), and each mask's answers are then handed to
 lm-eval's ``evaluate`` in turn through a replaying model, so the harness still applies
 its filters, metrics and aggregation. Only the logits at the continuation tokens are
 computed (``logits_only_at``). Loglikelihood measurements take this path for K = 1 too,
@@ -23,8 +23,8 @@ from torch import nn
 
 from .heads import Head, parse_heads
 
-__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch", "auto_batch_size",
-           "logits_only_at", "loglikelihoods_for_masks", "masks_per_pass_for_memory",
+__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
+           "logits_only_at", "loglikelihoods_for_masks",
            "scored_positions_apply"]
 
 Answer = tuple[float, bool]
@@ -69,14 +69,90 @@ class ReplayLM(RecordingLM):
         return self._lm.generate_until(requests, disable_tqdm=disable_tqdm)
 
 
-def _encode(lm: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    # As lm-eval's TemplateLM.loglikelihood does, including its empty-context rule.
-    if context == "":
-        continuation_enc = lm.tok_encode(continuation, add_special_tokens=False)
-        if lm.prefix_token_id != continuation_enc[0]:
-            return [lm.prefix_token_id], continuation_enc
-        return continuation_enc[:1], continuation_enc[1:]
-    return lm._encode_pair(context, continuation)
+#: The lm-eval versions whose HFLM builds a loglikelihood request's model input as
+#: ``model_input`` does (checked at run time on the requests themselves: ``check_inputs``).
+CHECKED_LM_EVAL = "0.4.13"
+
+
+def encoded(lm: Any, keys: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """(context, continuation) tokens of each request, by lm-eval's own
+    ``TemplateLM.loglikelihood`` (its empty-context rule, ``_encode_pair`` and all): its
+    hand-over to ``_loglikelihood_tokens`` is caught instead of run."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+
+    caught: list[tuple[list[int], list[int]]] = []
+
+    def catch(requests: list, disable_tqdm: bool = False, **_: Any) -> list[Answer]:
+        caught.extend((list(context), list(continuation)) for _, context, continuation
+                      in requests)
+        return [(0.0, False)] * len(requests)
+
+    proxy = _Proxy(lm, _loglikelihood_tokens=catch)
+    TemplateLM.loglikelihood(proxy, [Instance("loglikelihood", doc={}, arguments=key, idx=0)
+                                     for key in keys], disable_tqdm=True)
+    return caught
+
+
+class _Proxy:
+    """``lm`` with a few attributes replaced, for calling lm-eval's methods on it."""
+
+    def __init__(self, lm: Any, **replaced: Any) -> None:
+        self._lm, self._replaced = lm, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._replaced:
+            return self._replaced[name]
+        value = getattr(type(self._lm), name, None)
+        if callable(value) and not isinstance(value, (staticmethod, classmethod, property)):
+            return value.__get__(self)  # so its own self.<method> calls see the replacements
+        return getattr(self._lm, name)
+
+
+def model_input(context: list[int], continuation: list[int], max_length: int) -> list[int]:
+    """The tokens HFLM's ``_loglikelihood_tokens`` feeds a decoder-only model for one
+    request: context + continuation minus the last token, cut on the left to
+    ``max_length``."""
+    return (context + continuation)[-(max_length + 1):][:-1]
+
+
+def check_inputs(lm: Any, pairs: Sequence[tuple[list[int], list[int]]]) -> None:
+    """Refuse to measure when HFLM would build these requests' model inputs otherwise
+    than ``model_input`` (a newer lm-eval may): HFLM's own ``_loglikelihood_tokens`` runs
+    on them with its model call caught (and no response cache), and the rows it would
+    send are compared, padding aside."""
+    import lm_eval
+    from lm_eval.api.model import CacheHook
+
+    sent: list[list[int]] = []
+    vocab = 1 + max(max(c + x, default=0) for c, x in pairs)
+
+    def catch(inputs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        sent.extend(inputs.tolist())
+        return torch.zeros(*inputs.shape, vocab)
+
+    base = next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
+    proxy = _Proxy(lm, _model_call=catch, cache_hook=CacheHook(None))
+    problem = None
+    try:
+        base._loglikelihood_tokens(proxy, [(("", ""), list(c), list(x)) for c, x in pairs],
+                                   disable_tqdm=True, override_bs=len(pairs))
+    except Exception as err:  # noqa: BLE001 — said below, with the version
+        problem = f"{type(err).__name__}: {err}"
+    unmatched = [list(row) for row in sent]
+    for want in (model_input(c, x, int(lm.max_length)) for c, x in pairs):
+        match = next((row for row in unmatched
+                      if row[:len(want)] == want and not any(row[len(want):])), None)
+        if match is None:
+            problem = problem or f"HFLM sends {sent}, expected a row {want}"
+            break
+        unmatched.remove(match)
+    if problem is not None:
+        raise RuntimeError(
+            f"lm-eval {getattr(lm_eval, '__version__', '?')} builds loglikelihood model "
+            f"inputs otherwise than lm-eval {CHECKED_LM_EVAL}, which this package's "
+            f"scored-positions path was checked against ({problem}); install "
+            f"lm-eval=={CHECKED_LM_EVAL}")
 
 
 @contextlib.contextmanager
@@ -141,7 +217,10 @@ class LoglikelihoodRequests:
 
     def __init__(self, lm: Any, requests: Sequence[tuple[str, str]]) -> None:
         self.keys = list(dict.fromkeys(tuple(r) for r in requests))
-        self._encoded = [_encode(lm, c, x) for c, x in self.keys]
+        self._encoded = encoded(lm, self.keys)
+        if self._encoded:  # the widest and the narrowest, where truncation would show
+            by_width = sorted(self._encoded, key=lambda pair: len(pair[0] + pair[1]))
+            check_inputs(lm, [by_width[0], by_width[-1]])
         if hasattr(lm, "remember_prompts"):  # resample ablation picks donors by the prompt
             lm.remember_prompts(self._encoded)
         self._max_length = int(lm.max_length)
@@ -169,8 +248,7 @@ class LoglikelihoodRequests:
         return [(*batch.input_ids.shape, len(batch.targets)) for batch in self.batches(size)]
 
     def _batch(self, chunk: list[int]) -> ScoredBatch:
-        tokens = [(self._encoded[i][0] + self._encoded[i][1])[-(self._max_length + 1):][:-1]
-                  for i in chunk]
+        tokens = [model_input(*self._encoded[i], self._max_length) for i in chunk]
         input_ids = torch.zeros(len(chunk), max(len(t) for t in tokens), dtype=torch.long)
         rows, positions, targets = [], [], []
         for row, (t, i) in enumerate(zip(tokens, chunk, strict=True)):
@@ -225,79 +303,29 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
             row_masks[k, head.flat_index(per_layer)] = True
     softmax_dtype = getattr(lm, "softmax_dtype", None)
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
-    try:
-        for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
-            size = len(batch.keys)
-            knockout.set_row_masks(row_masks.repeat_interleave(size, dim=0))
-            copies = torch.arange(k_masks, device=batch.rows.device)[:, None] * size
+    for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
+        size = len(batch.keys)
+        copies = torch.arange(k_masks, device=batch.rows.device)[:, None] * size
+        with lm.knocking_out(row_masks=row_masks.repeat_interleave(size, dim=0)):
             logits = _scored_logits(lm, requests, batch.input_ids.repeat(k_masks, 1),
                                     (copies + batch.rows).flatten(),
                                     batch.positions.repeat(k_masks))
-            # As HFLM's _loglikelihood_tokens: log_softmax(logits, dtype=softmax_dtype).
-            logprobs = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)
-            logprobs = logprobs.view(k_masks, len(batch.rows), -1)
-            target = batch.targets.to(logprobs.device)
-            token_logprob = logprobs.gather(2, target.expand(k_masks, -1)[..., None])[..., 0]
-            token_greedy = (logprobs.argmax(dim=-1) == target).float()
-            # Per request: the sum of its tokens' logprobs, and whether all were greedy.
-            # HFLM's logprobs.sum() accumulates half precision in float32 and rounds the
-            # total to the logprobs' dtype; so does this.
-            owner = batch.rows.to(logprobs.device)
-            total = torch.promote_types(logprobs.dtype, torch.float32)
-            empty = torch.zeros(k_masks, size, dtype=total, device=logprobs.device)
-            summed = (empty.index_add(1, owner, token_logprob.to(total))
-                      .to(logprobs.dtype).cpu().tolist())
-            misses = empty.index_add(1, owner, 1.0 - token_greedy.to(total)).cpu().tolist()
-            for k in range(k_masks):
-                for row, key in enumerate(batch.keys):
-                    answers[k][key] = (summed[k][row], misses[k][row] == 0)
-    finally:
-        knockout.set_row_masks(None)
+        # As HFLM's _loglikelihood_tokens: log_softmax(logits, dtype=softmax_dtype).
+        logprobs = F.log_softmax(logits, dim=-1, dtype=softmax_dtype)
+        logprobs = logprobs.view(k_masks, len(batch.rows), -1)
+        target = batch.targets.to(logprobs.device)
+        token_logprob = logprobs.gather(2, target.expand(k_masks, -1)[..., None])[..., 0]
+        token_greedy = (logprobs.argmax(dim=-1) == target).float()
+        # Per request: the sum of its tokens' logprobs, and whether all were greedy.
+        # HFLM's logprobs.sum() accumulates half precision in float32 and rounds the
+        # total to the logprobs' dtype; so does this.
+        owner = batch.rows.to(logprobs.device)
+        total = torch.promote_types(logprobs.dtype, torch.float32)
+        empty = torch.zeros(k_masks, size, dtype=total, device=logprobs.device)
+        summed = (empty.index_add(1, owner, token_logprob.to(total))
+                  .to(logprobs.dtype).cpu().tolist())
+        misses = empty.index_add(1, owner, 1.0 - token_greedy.to(total)).cpu().tolist()
+        for k in range(k_masks):
+            for row, key in enumerate(batch.keys):
+                answers[k][key] = (summed[k][row], misses[k][row] == 0)
     return answers
-
-
-def auto_batch_size(lm: Any, requests: LoglikelihoodRequests) -> int:
-    """Rows per forward pass for ``batch_size=auto``: lm-eval's own detection (HFLM
-    ``_detect_batch_size``: from ``max_batch_size`` down, halving on out-of-memory),
-    probed with the widest recorded request rather than ``max_length`` tokens, so on a
-    CPU the probe costs a few short forwards. No requests: 1 (nothing to batch).
-    """
-    if not requests.keys:
-        return 1
-    context, continuation = requests.widest()
-    return int(lm._detect_batch_size([(None, context, continuation)], 0))
-
-
-def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],
-                              config: Any, bytes_per_value: int = 2, most: int = 64) -> int:
-    """How many masks fit in half of ``free_bytes`` when each forward pass holds K copies
-    of a batch, for the largest of the batches ``shapes`` ((rows, width, scored tokens),
-    ``LoglikelihoodRequests.shapes``: the batches actually sent, not ``max_length`` rows).
-
-    Per copy: one layer's activations (residual, q/k/v/output, MLP), the key/value cache
-    the forward keeps for every layer, eager attention weights for one layer, and the
-    logits at the scored tokens with their log-softmax (counted at up to 8 bytes, for a
-    float64 ``softmax_dtype``). Deliberately generous: a wrong guess costs an
-    out-of-memory error, a low one only some speed.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(text.hidden_size)
-    heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    ffn = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    layers = int(text.num_hidden_layers)
-    vocab = int(text.vocab_size)
-
-    def per_copy(rows: int, width: int, scored: int) -> int:
-        tokens = rows * width
-        activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
-        kv_cache = tokens * layers * 2 * kv_heads * head_dim * bytes_per_value
-        attention = rows * heads * width * width * bytes_per_value
-        logits = scored * vocab * (bytes_per_value + 8)
-        return activations + kv_cache + attention + logits
-
-    need = max((per_copy(*shape) for shape in shapes), default=0)
-    if need == 0:
-        return most  # nothing to compute: any K fits
-    return int(max(1, min(most, free_bytes // 2 // need)))

@@ -1,7 +1,7 @@
 """``--sparsity auto``: how many heads a mask should knock out, from a few pilot masks.
 
 More heads per mask means more information per measurement, until the score sits at its
-floor and stops telling masks apart (issue 10: on the embedded model the accuracy
+floor and stops telling masks apart (on the embedded model the copying task's accuracy
 collapses with 27 of 270 heads out). The pilot measures ``PILOT_MASKS`` masks at each
 sparsity of ``PILOT_SPARSITIES`` and one *floor* mask that knocks out half the heads,
 then picks the largest sparsity whose masks keep, on average, at least ``KEEP`` of the

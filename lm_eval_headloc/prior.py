@@ -1,12 +1,13 @@
 """Attribution patching (AtP): every head's knockout effect estimated from one gradient.
 
-Knocking head ``h`` out sets its slice ``z_h`` of the attention output projection's
-input to zero (``hooks``). To first order that changes a differentiable score ``S`` by
-``(0 - z_h) · dS/dz_h``, summed over positions: one forward and one backward pass give
-the estimate for every head at once (Nanda 2022; Kramár et al. 2024, "AtP*"). ``S``
-here is the logprob signal (``signals``), written as a weighted sum of the requests'
-log-likelihoods with weights ``dS/dll`` (``signals.signal_weights``), so the backward
-pass needs only the scored tokens' log-probabilities.
+Knocking head ``h`` out replaces its slice ``z_h`` of the attention output projection's
+input by ``t_h`` (``hooks``: zero, its mean or a donor's output, per the ablation kind).
+To first order that changes a differentiable score ``S`` by ``(t_h - z_h) · dS/dz_h``,
+summed over positions: one forward and one backward pass give the estimate for every
+head at once (Nanda 2022; Kramár et al. 2024, "AtP*"). ``S`` here is the logprob signal
+(``signals``), written as a weighted sum of the requests' log-likelihoods with weights
+``dS/dll`` (``signals.signal_weights``), so the backward pass needs only the scored
+tokens' log-probabilities.
 
 A first-order estimate misses what saturates: a head whose removal matters only once
 its attention pattern is gone, or whose job another head takes over, can look harmless
@@ -18,17 +19,18 @@ Use the estimates to focus measurements, never to rule a head out.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .confirm import PRIOR_EASE, prior_penalty_weights  # re-exported; numpy-only there
 from .multimask import LoglikelihoodRequests, logits_only_at
 
-__all__ = ["PRIOR_EASE", "PRIOR_POINTS", "attribution_effects", "path_point",
-           "prior_penalty_weights"]
+__all__ = ["PRIOR_EASE", "PRIOR_POINTS", "attribution_effects", "measured_attribution",
+           "path_point", "prior_penalty_weights"]
 
 #: --prior's attribution methods: the points of the path from the clean run to the run
 #: with every head ablated where each takes a gradient (``attribution_effects``' ``at``).
@@ -37,10 +39,6 @@ __all__ = ["PRIOR_EASE", "PRIOR_POINTS", "attribution_effects", "path_point",
 #: head 257th of 270 and the half-ablated run 6th, while arithmetic's second head goes the
 #: other way, 15th and 227th).
 PRIOR_POINTS: dict[str, tuple[float, ...]] = {"atp": (0.0,), "atp-path": (0.0, 0.5)}
-
-#: How much the prior eases the Lasso penalty of the head it finds most harmful: its
-#: penalty is divided by 1 + PRIOR_EASE (others by less; harmless-looking heads keep 1).
-PRIOR_EASE = 1.0
 
 Request = tuple[str, str]
 
@@ -60,8 +58,8 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
 
     ``weights`` are the signal's derivatives by each request's log-likelihood at that
     point (``signals.signal_weights`` of the answers measured inside ``path_point``).
-    ``lm`` is an ``HFHeadAblateLM``; its current knockout (usually none) stays in place,
-    so the estimate is taken around the model as it is measured.
+    ``lm`` is an ``HFHeadAblateLM``; its current ``intervention`` (usually none) stays in
+    place, so the estimate is taken around the model as it is measured.
     """
     knockout = lm.knockout
     model = lm.model
@@ -84,7 +82,7 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
             if not row_weights.any():
                 continue
             with torch.enable_grad(), path_point(lm, at, captured, moves), \
-                    lm.donors_for(batch.input_ids, always=True):
+                    lm.forward_pass(batch.input_ids, always_donors=True):
                 # After the donors' own pass, which these hooks also saw.
                 captured.clear()
                 moves.clear()
@@ -113,11 +111,45 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
     return effects.flatten().numpy()
 
 
+def measured_attribution(measure: Any, points: Sequence[float] = (0.0,)
+                         ) -> dict[str, np.ndarray]:
+    """Attribution patching for a ``measure.HarnessMeasurement``: each task's estimated
+    change of its logprob signal from knocking out each head, a ``(len(points), heads)``
+    array: per path point (``attribution_effects``' ``at``) a forward pass for the
+    answers there and a forward and backward pass over the gold answers' requests
+    (whatever signal the run measures). Decoder-only models (``scored_positions_apply``)
+    only."""
+    from .multimask import loglikelihoods_for_masks, scored_positions_apply
+    from .signals import signal_weights
+
+    lm = measure.lm
+    if not scored_positions_apply(lm):
+        raise ValueError("the attribution prior needs a decoder-only model without a "
+                         "prompt-learning adapter")
+    golds = measure.gold_answers()
+    requests = measure.requests() if measure.signal == "logprob" else LoglikelihoodRequests(
+        lm, [key for gold in golds for key in gold.requests])
+    batch_size = measure.resolved_batch_size()
+    effects: dict[str, list[np.ndarray]] = {name: [] for name, _ in measure.tasks}
+    # The prior is of the unablated model, whatever heads the model was set to.
+    with lm.knocking_out([]):
+        for at in points:
+            # The signal's weights are its derivatives at this point's own answers.
+            with path_point(lm, at):
+                answers = loglikelihoods_for_masks(lm, requests, [[]], batch_size)[0]
+            for name, _ in measure.tasks:
+                weights = signal_weights(golds, answers, measure.leaves_of[name])
+                effects[name].append(attribution_effects(lm, requests, weights,
+                                                         batch_size, at=at))
+    return {name: np.stack(rows) for name, rows in effects.items()}
+
+
 @contextlib.contextmanager
 def path_point(lm: Any, at: float, captured: list[torch.Tensor] | None = None,
                moves: list[torch.Tensor] | None = None) -> Iterator[None]:
-    """Inside, every forward pass sees each head's slice ``z`` moved ``at`` of the way to
-    its ablated value ``t`` (``z + at (t − z)``; 0: the clean run), and appends, per layer
+    """Inside, every forward pass run under ``lm.forward_pass`` sees each head's slice
+    ``z`` moved ``at`` of the way to its ablated value ``t`` (``z + at (t − z)``; 0: the
+    clean run), and appends, per layer
     in forward order, the slices the projection sees to ``captured`` and ``t − z`` to
     ``moves`` when given."""
     at = float(at)
@@ -129,14 +161,15 @@ def path_point(lm: Any, at: float, captured: list[torch.Tensor] | None = None,
 
     def hook_for(layer: int) -> Any:
         def to_path_point(_module: Any, args: tuple) -> tuple | None:
-            if knockout.is_suspended:  # resample's clean pass for the donors
+            active = knockout.active
+            if active is None:  # outside a pass, or resample's clean pass for the donors
                 return None
             z = args[0].unflatten(-1, (per_layer, -1))
             # What a knocked-out slice becomes is r + s·(z − r) (hooks.py): r = 0 for
             # zero ablation, the mean, or the donor's; knocking out moves it (1 − s)(r − z).
             replacement = knockout.replacement(layer, z.detach())
             # Live, so that gradients reaching earlier layers pass through the point.
-            moved = (1.0 - knockout.scale) * (-z if replacement is None else replacement - z)
+            moved = (1.0 - active.scale) * (-z if replacement is None else replacement - z)
             point = (z + at * moved).flatten(-2) if at else args[0]
             if captured is not None:
                 captured.append(point)
@@ -152,14 +185,3 @@ def path_point(lm: Any, at: float, captured: list[torch.Tensor] | None = None,
     finally:
         for handle in handles:
             handle.remove()
-
-
-def prior_penalty_weights(harm_estimates: np.ndarray, ease: float = PRIOR_EASE) -> np.ndarray:
-    """Per-head Lasso penalty factors from a prior's harm estimates (positive = the
-    knockout hurts): ``1 / (1 + ease * share)``, ``share`` the head's harm over the
-    largest. A mild adaptive Lasso: no head's penalty rises, so a head the prior misses
-    (a false negative) is found as without a prior."""
-    harm = np.clip(np.asarray(harm_estimates, dtype=np.float64), 0.0, None)
-    top = harm.max() if harm.size else 0.0
-    share = harm / top if top > 0 else np.zeros_like(harm)
-    return 1.0 / (1.0 + ease * share)

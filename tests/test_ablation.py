@@ -77,7 +77,7 @@ def _logits_with(model, tokenizer, family: str, edit: dict) -> torch.Tensor:
 def _lm_logits(lm) -> torch.Tensor:
     ids = torch.tensor([lm.tok_encode(PROBE)])
     with torch.no_grad():
-        return lm.model(ids).logits
+        return lm._model_call(ids)
 
 
 @pytest.fixture
@@ -154,16 +154,15 @@ def test_one_mask_per_row_equals_one_mask_at_a_time_under_mean_ablation(
     with torch.no_grad():
         for heads in masks:
             lm.set_heads(heads)
-            one_at_a_time.append(lm.model(ids).logits[0])
+            one_at_a_time.append(lm._model_call(ids)[0])
         lm.set_heads([])
         rows = torch.zeros(len(masks), 8, dtype=torch.bool)  # flat index layer * 4 + head
         for row, heads in enumerate(masks):
             for name in heads:
                 layer, head = int(name[1]), int(name[3])
                 rows[row, layer * 4 + head] = True
-        lm.knockout.set_row_masks(rows)
-        together = lm.model(ids.repeat(len(masks), 1)).logits
-        lm.knockout.set_row_masks(None)
+        with lm.knocking_out(row_masks=rows):
+            together = lm._model_call(ids.repeat(len(masks), 1))
     for row, expected in enumerate(one_at_a_time):
         torch.testing.assert_close(together[row], expected, rtol=1e-5, atol=1e-6)
 
@@ -467,3 +466,16 @@ def test_resample_refuses_a_seq2seq_model_in_one_line(tiny_model_dir, monkeypatc
     monkeypatch.setattr(lm, "backend", "seq2seq")  # as HFLM marks encoder-decoder models
     with pytest.raises(AblationError, match="ablation=resample needs a decoder-only model"):
         lm.set_ablation("resample", TEXTS)
+
+
+def test_resample_finds_the_prompt_of_a_row_whose_tokens_end_in_id_0(tiny_model_dir,
+                                                                     reference_file):
+    """Token id 0 is a real token in some vocabularies (GPT-2's "!"): a right-padded row's
+    prompt is the longest model input it starts with, not the row with its zeros cut."""
+    lm = load_lm(tiny_model_dir("llama"), ablation="resample",
+                 ablation_data=str(reference_file))
+    lm.remember_prompts([([5, 0], [7]), ([6, 4], [0, 0])])
+    # Inputs [5, 0] (prompt [5, 0]) and [6, 4, 0] (prompt [6, 4]), right-padded with zeros.
+    assert lm._unpadded([5, 0, 0, 0]) == [5, 0]  # cutting the zeros gave [5]
+    assert lm._unpadded([6, 4, 0, 0, 0]) == [6, 4]
+    assert lm._unpadded([9, 9, 0]) == [9, 9]  # not a remembered input: the zeros are padding

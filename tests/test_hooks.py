@@ -36,7 +36,11 @@ def zeroed_reference(folder, family: str, heads: list[tuple[int, int]]):
 
 
 def logits(model) -> torch.Tensor:
+    """Logits of INPUT_IDS: through lm-eval's ``_model_call`` for an lm-eval model (where
+    its heads are applied), else from the bare model."""
     with torch.no_grad():
+        if hasattr(model, "_model_call"):
+            return model._model_call(INPUT_IDS)
         return model(INPUT_IDS).logits
 
 
@@ -45,11 +49,11 @@ def test_knockout_equals_zeroed_output_projection(tiny_model_dir, family):
     folder = tiny_model_dir(family)
     lm = load_ablate(folder, ablate="L1H2")
     expected = logits(zeroed_reference(folder, family, [(1, 2)]))
-    assert torch.allclose(logits(lm.model), expected, atol=1e-5)
+    assert torch.allclose(logits(lm), expected, atol=1e-5)
     # Two heads in different layers, switched in place on the same object.
     lm.set_heads("L0H0+L1H3")
     expected = logits(zeroed_reference(folder, family, [(0, 0), (1, 3)]))
-    assert torch.allclose(logits(lm.model), expected, atol=1e-5)
+    assert torch.allclose(logits(lm), expected, atol=1e-5)
     # ...and the knockout really changes the output (the test could fail).
     plain = logits(zeroed_reference(folder, family, []))
     assert not torch.allclose(expected, plain, atol=1e-4)
@@ -63,10 +67,10 @@ def test_no_heads_is_identical_to_plain_hf(tiny_model_dir, family):
     plain = HFLM(pretrained=str(folder), device="cpu", dtype="float32")
     lm = load_ablate(folder)
     assert lm.knocked_out == ()
-    assert torch.equal(logits(lm.model), logits(plain.model))
+    assert torch.equal(logits(lm), logits(plain))
     lm.set_heads("L0H1")
     lm.set_heads([])
-    assert torch.equal(logits(lm.model), logits(plain.model))
+    assert torch.equal(logits(lm), logits(plain))
 
 
 def value_head_zeroed(folder, layer: int, kv_head: int):
@@ -98,12 +102,12 @@ def test_gqa_knockout_removes_one_query_head_not_its_kv_group(tiny_model_dir, fa
     for group in range(KV_HEADS):
         # Knocking out both query heads of a group = silencing its value head.
         lm.set_heads(f"L0H{2 * group}+L0H{2 * group + 1}")
-        assert torch.allclose(logits(lm.model), logits(value_head_zeroed(folder, 0, group)),
+        assert torch.allclose(logits(lm), logits(value_head_zeroed(folder, 0, group)),
                               atol=1e-5), group
     # One query head: its own o_proj columns only, not its whole KV group (a hook that
     # sliced by KV heads, or zeroed the shared value head, would give the group result).
     lm.set_heads("L0H1")
-    one = logits(lm.model)
+    one = logits(lm)
     assert torch.allclose(one, logits(zeroed_reference(folder, family, [(0, 1)])), atol=1e-5)
     assert not torch.allclose(one, logits(value_head_zeroed(folder, 0, 0)), atol=1e-4)
     assert not torch.allclose(one, logits(zeroed_reference(folder, family, [])), atol=1e-4)
@@ -120,7 +124,7 @@ def test_switching_in_place_matches_hand_zeroed_weights(tiny_model_dir):
         live.set_heads(spec)
         assert live.knocked_out == tuple(sorted(heads))
         expected = logits(zeroed_reference(folder, "qwen2", heads))
-        assert torch.allclose(logits(live.model), expected, atol=1e-5), spec
+        assert torch.allclose(logits(live), expected, atol=1e-5), spec
     # Switching re-registers nothing.
     assert [len(m._forward_pre_hooks) for m in live.knockout.modules] == hooks_before
 
@@ -133,13 +137,13 @@ def test_layers_without_knockouts_pass_their_input_through(tiny_model_dir):
         lambda m, a: received.__setitem__("before", a[0]), prepend=True)
     last = proj.register_forward_pre_hook(lambda m, a: received.__setitem__("after", a[0]))
     try:
-        logits(lm.model)
+        logits(lm)
         assert received["after"] is received["before"]  # no multiply, no copy
         lm.set_heads("L1H0")  # another layer: layer 0 still untouched
-        logits(lm.model)
+        logits(lm)
         assert received["after"] is received["before"]
         lm.set_heads("L0H0")
-        logits(lm.model)
+        logits(lm)
         assert received["after"] is not received["before"]
     finally:
         first.remove()
@@ -166,7 +170,7 @@ def test_peft_lora_on_the_output_projection(tiny_model_dir, tmp_path):
     with torch.no_grad():
         width = merged.model.layers[1].self_attn.o_proj.weight.shape[1] // HEADS
         merged.model.layers[1].self_attn.o_proj.weight[:, 2 * width:3 * width] = 0
-    assert torch.allclose(logits(lm.model), logits(merged), atol=1e-5)
+    assert torch.allclose(logits(lm), logits(merged), atol=1e-5)
 
 
 def test_bad_heads_and_files_are_one_line_errors(tiny_model_dir, tmp_path):
@@ -224,20 +228,19 @@ def test_per_row_masks_equal_one_mask_at_a_time(tiny_model_dir, family):
     by_hand = [[(1, 2)], [], [(0, 0), (1, 3)], [(0, 0), (0, 1), (0, 2), (0, 3)]]
     expected = [logits(zeroed_reference(folder, family, heads))[0] for heads in by_hand]
     rows = torch.zeros(len(masks), LAYERS * HEADS, dtype=torch.bool)
-    for r, spec in enumerate(masks):
-        for head in (lm.knockout.set_heads(spec) if spec else []):
-            rows[r, head.flat_index(HEADS)] = True
-    lm.knockout.set_heads("L0H3")
-    lm.knockout.set_row_masks(rows)
-    with torch.no_grad():
-        together = lm.model(INPUT_IDS.repeat(len(masks), 1)).logits
+    for r, heads in enumerate(by_hand):
+        for layer, head in heads:
+            rows[r, layer * HEADS + head] = True
+    with torch.no_grad(), lm.knocking_out(row_masks=rows):
+        together = lm._model_call(INPUT_IDS.repeat(len(masks), 1))
     for r in range(len(masks)):
         assert torch.allclose(together[r], expected[r], atol=1e-5), masks[r]
-    lm.knockout.set_row_masks(None)  # back to the set_heads mask
-    assert torch.allclose(logits(lm.model), logits(zeroed_reference(folder, family, [(0, 3)])),
+    # Back to the model's own heads after the block.
+    assert torch.allclose(logits(lm), logits(zeroed_reference(folder, family, [(0, 3)])),
                           atol=1e-5)
-    with pytest.raises(ValueError, match="per-row masks must have shape"):
-        lm.knockout.set_row_masks(torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="per-row masks must have shape"), \
+            lm.knocking_out(row_masks=torch.zeros(2, 3, dtype=torch.bool)):
+        lm._model_call(INPUT_IDS.repeat(2, 1))
 
 
 # Patterns that match one module per layer, but the wrong one: each layer's input width
@@ -258,7 +261,7 @@ def test_attn_out_accepts_only_the_attention_output_projection(tiny_model_dir, f
     pattern = ARCHITECTURES[family][2].replace("{l}", "*")
     lm = load_ablate(folder, attn_out=pattern, ablate="L1H2")
     expected = logits(zeroed_reference(folder, family, [(1, 2)]))
-    assert torch.allclose(logits(lm.model), expected, atol=1e-5)
+    assert torch.allclose(logits(lm), expected, atol=1e-5)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for wrong in WRONG_ATTN_OUT.get(family, []):
         with pytest.raises(AttentionOutputNotFound, match=r"attn_out=|input features") as info:
@@ -301,8 +304,9 @@ def test_bloom_adds_the_residual_inside_attention_and_attn_out_still_works():
         by_hand = logits(model)
         dense.weight[:, 16:24] = saved
     knockout = HeadKnockout(model, attn_out="transformer.h.*.self_attention.dense")
-    knockout.set_heads("L1H2")
-    assert torch.allclose(logits(model), by_hand, atol=1e-5)
+    with knockout.knocking_out("L1H2"):
+        assert torch.allclose(logits(model), by_hand, atol=1e-5)
+    assert torch.equal(logits(model), plain)  # scoped: nothing stays applied
     assert not torch.allclose(by_hand, plain, atol=1e-4)
     knockout.remove()
     with pytest.raises(AttentionOutputNotFound, match="is not what its block"):

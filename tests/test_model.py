@@ -326,17 +326,17 @@ def test_embedded_smollm2_gguf(smollm2):
     assert (lm.num_layers, lm.heads_per_layer) == (30, 9)
     ids = lm.tok_batch_encode(["When Mary and John went to the store, John gave a drink to"])[0]
     with torch.no_grad():
-        plain = lm.model(ids).logits[0, -1]
+        plain = lm._model_call(ids)[0, -1]
         # Independent check: zero the o_proj columns of L5H4 by hand, no hooks.
         o_proj = lm.model.model.layers[5].self_attn.o_proj
         saved = o_proj.weight[:, 4 * 64:5 * 64].clone()
         o_proj.weight[:, 4 * 64:5 * 64] = 0
-        by_hand = lm.model(ids).logits[0, -1]
+        by_hand = lm._model_call(ids)[0, -1]
         o_proj.weight[:, 4 * 64:5 * 64] = saved
         lm.set_heads("L5H4")
-        hooked = lm.model(ids).logits[0, -1]
+        hooked = lm._model_call(ids)[0, -1]
         lm.set_heads([])
-        restored = lm.model(ids).logits[0, -1]
+        restored = lm._model_call(ids)[0, -1]
     assert torch.allclose(hooked, by_hand, atol=1e-4)
     assert not torch.allclose(hooked, plain, atol=1e-3)
     assert torch.equal(restored, plain)

@@ -12,8 +12,8 @@ from lm_eval_headloc.multimask import (
     RecordingLM,
     logits_only_at,
     loglikelihoods_for_masks,
-    masks_per_pass_for_memory,
 )
+from lm_eval_headloc.sizing import masks_per_pass_for_memory
 
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
 
@@ -273,3 +273,32 @@ def test_masks_per_pass_must_be_a_positive_whole_number(measurement):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(UsageError, match="masks_per_pass"):
             measurement.measure_many([[]], masks_per_pass=bad)
+
+
+def test_requests_are_encoded_by_lm_eval_and_inputs_checked_against_hflm(tiny_model_dir,
+                                                                         monkeypatch):
+    from lm_eval.api.instance import Instance
+
+    from lm_eval_headloc import multimask
+
+    lm = load_lm(tiny_model_dir("llama"), max_length=16)  # short: truncation is exercised
+    keys = [("", "the cat"), ("The cat sat on the mat and the dog came in and", " slept")]
+    pairs = multimask.encoded(lm, keys)
+    assert pairs[0][0] == [lm.prefix_token_id]  # lm-eval's empty-context rule
+    assert pairs[1][0] + pairs[1][1] == lm.tok_encode(keys[1][0] + keys[1][1])
+    requests = multimask.LoglikelihoodRequests(lm, keys)  # checks its inputs: passes
+    assert len(pairs[1][0] + pairs[1][1]) > 17  # so the input is cut
+    assert max(width for _, width, _ in requests.shapes(4)) == 16
+    # Answers under truncation equal HFLM's own.
+    ours = loglikelihoods_for_masks(lm, requests, [[]])[0]
+    theirs = lm.loglikelihood([Instance("loglikelihood", doc={}, arguments=k, idx=0)
+                               for k in keys], disable_tqdm=True)
+    for key, (logprob, greedy) in zip(keys, theirs, strict=True):
+        assert ours[key][0] == pytest.approx(logprob, abs=1e-5)
+        assert ours[key][1] == greedy
+    # A rule that differs from HFLM's (no left truncation) is refused in one line.
+    monkeypatch.setattr(multimask, "model_input", lambda c, x, _: (c + x)[:-1])
+    with pytest.raises(RuntimeError, match=r"lm-eval \S+ builds loglikelihood model inputs "
+                                           r"otherwise than lm-eval 0\.4\.13") as info:
+        multimask.LoglikelihoodRequests(lm, keys)
+    assert "\n" not in str(info.value)

@@ -31,9 +31,9 @@ def _measure_and_attribute(lm, task_manager, task: str):
     """The logprob measurement of ``task`` on ``lm`` and the prior's estimates on it."""
     measure = HarnessMeasurement(lm, [(task, None)], {task: task_manager.load([task])},
                                  num_samples=None, signal="logprob")
-    requests = measure._recorded()
+    requests = measure.requests()
     answers = loglikelihoods_for_masks(lm, requests, [[]])[0]
-    weights = signal_weights(measure._golds, answers, measure.leaves_of[task])
+    weights = signal_weights(measure.gold_answers(), answers, measure.leaves_of[task])
     return measure, attribution_effects(lm, requests, weights, batch_size=3)
 
 
@@ -72,13 +72,13 @@ def test_attribution_at_a_path_point_is_the_derivative_there(tiny_model_dir, tas
     task = "tiny_choice"
     measure = HarnessMeasurement(lm, [(task, None)], {task: task_manager.load([task])},
                                  num_samples=None, signal="logprob")
-    requests = measure._recorded()
+    requests = measure.requests()
     clean = attribution_effects(lm, requests, signal_weights(
-        measure._golds, loglikelihoods_for_masks(lm, requests, [[]])[0],
+        measure.gold_answers(), loglikelihoods_for_masks(lm, requests, [[]])[0],
         measure.leaves_of[task]), batch_size=3)
     with path_point(lm, at):
         answers = loglikelihoods_for_masks(lm, requests, [[]])[0]
-    weights = signal_weights(measure._golds, answers, measure.leaves_of[task])
+    weights = signal_weights(measure.gold_answers(), answers, measure.leaves_of[task])
     effects = attribution_effects(lm, requests, weights, batch_size=3, at=at)
     knockout, eps = lm.knockout, 1e-2
     d = knockout.head_dim
@@ -120,9 +120,12 @@ def test_the_prior_is_of_the_unablated_model_whatever_was_measured_last(tiny_mod
     fresh = measure.attribution((0.0, 0.5))["tiny_choice"]
     assert fresh.shape == (2, 8)
     half = [Head(0, 0), Head(0, 3), Head(1, 1), Head(1, 2)]
-    measure.measure_with_model(half)  # the metric path leaves the mask set on the model
-    assert lm.knockout.heads  # so the check below could fail
+    measure.measure_with_model(half)
+    assert lm.knocked_out == ()  # a measurement leaves nothing knocked out
+    lm.set_heads(half)  # even a model set to knock heads out gets the clean run's prior
+    assert lm.knocked_out  # so the check below could fail
     after = measure.attribution((0.0, 0.5))["tiny_choice"]
+    assert lm.knocked_out == tuple(half)  # and keeps its own heads
     np.testing.assert_allclose(after, fresh, rtol=1e-9, atol=1e-12)
     torch.set_grad_enabled(True)
 
@@ -142,7 +145,7 @@ def test_attribution_follows_the_ablation_kind_and_scale(tiny_model_dir, task_ma
     d, eps = lm.knockout.head_dim, 1e-2
     for flat in (0, 5):
         head = Head.from_flat_index(flat, lm.knockout.heads_per_layer)
-        mean = lm.knockout._replacement[head.layer][head.head]
+        mean = lm.intervention.replacement[head.layer][head.head]
         part = slice(head.head * d, (head.head + 1) * d)
         values = []
         for step in (eps, -eps):

@@ -1,0 +1,92 @@
+"""How much one forward pass takes: rows per pass and masks per pass.
+
+``batch_size=auto`` uses lm-eval's own detection on the widest request actually sent;
+the masks per pass on a GPU are sized from the free memory and the batches actually sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .geometry import Geometry, text_config
+
+__all__ = ["auto_batch_size", "batch_size", "masks_per_pass", "masks_per_pass_for_memory"]
+
+
+def batch_size(lm: Any, requests: Callable[[], Any]) -> int:
+    """Rows per forward pass (per mask) of the scored-positions path: the model's
+    ``batch_size``, or for ``auto``/``auto:N`` what lm-eval's own detection finds for the
+    widest of ``requests()`` (``auto_batch_size``)."""
+    size = lm.batch_size
+    if isinstance(size, int):
+        return size
+    return auto_batch_size(lm, requests())  # HFLM keeps "auto" for both auto and auto:N
+
+
+def masks_per_pass(lm: Any, requests: Callable[[], Any], rows: Callable[[], int],
+                   scored_positions: bool) -> int:
+    """Masks per forward pass when none is asked for. 1 on a CPU, where the forward is
+    compute-bound and batching masks gains little (BENCH.md), and whenever masks are
+    measured one at a time anyway (generation tasks, ``scored_positions`` False). On a
+    GPU: as many as half of the free memory holds for the widest batch actually sent
+    (``masks_per_pass_for_memory``); ``rows()`` is the resolved batch size."""
+    import torch
+
+    device = torch.device(lm.device)
+    if device.type != "cuda" or not scored_positions:
+        return 1
+    # The batch size first: its auto detection uses memory, then frees it.
+    shapes = requests().shapes(rows())
+    free, _ = torch.cuda.mem_get_info(device)
+    model = lm.model
+    return masks_per_pass_for_memory(free, shapes, model.config,
+                                     torch.finfo(model.dtype).bits // 8)
+
+
+def auto_batch_size(lm: Any, requests: Any) -> int:
+    """Rows per forward pass for ``batch_size=auto``: lm-eval's own detection (HFLM
+    ``_detect_batch_size``: from ``max_batch_size`` down, halving on out-of-memory),
+    probed with the widest of ``requests`` (``multimask.LoglikelihoodRequests``) rather
+    than ``max_length`` tokens, so on a CPU the probe costs a few short forwards. No
+    requests: 1 (nothing to batch).
+    """
+    if not requests.keys:
+        return 1
+    context, continuation = requests.widest()
+    return int(lm._detect_batch_size([(None, context, continuation)], 0))
+
+
+def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],
+                              config: Any, bytes_per_value: int = 2, most: int = 64) -> int:
+    """How many masks fit in half of ``free_bytes`` when each forward pass holds K copies
+    of a batch, for the largest of the batches ``shapes`` ((rows, width, scored tokens),
+    ``LoglikelihoodRequests.shapes``: the batches actually sent, not ``max_length`` rows).
+
+    Per copy: one layer's activations (residual, q/k/v/output, MLP), the key/value cache
+    the forward keeps for every layer, eager attention weights for one layer, and the
+    logits at the scored tokens with their log-softmax (counted at up to 8 bytes, for a
+    float64 ``softmax_dtype``). Deliberately generous: a wrong guess costs an
+    out-of-memory error, a low one only some speed.
+    """
+    text = text_config(config)
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = Geometry.from_config(text).head_dim or hidden // heads
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    ffn = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    layers = int(text.num_hidden_layers)
+    vocab = int(text.vocab_size)
+
+    def per_copy(rows: int, width: int, scored: int) -> int:
+        tokens = rows * width
+        activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
+        kv_cache = tokens * layers * 2 * kv_heads * head_dim * bytes_per_value
+        attention = rows * heads * width * width * bytes_per_value
+        logits = scored * vocab * (bytes_per_value + 8)
+        return activations + kv_cache + attention + logits
+
+    need = max((per_copy(*shape) for shape in shapes), default=0)
+    if need == 0:
+        return most  # nothing to compute: any K fits
+    return int(max(1, min(most, free_bytes // 2 // need)))
