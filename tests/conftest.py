@@ -129,3 +129,15 @@ def load_lm(folder: Path, **model_args):
 
     return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
                                                      "batch_size": 4, **model_args})
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Loading weights fails the test: arguments must be checked before."""
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
+    monkeypatch.setattr(HFHeadAblateLM, "__init__", refuse)

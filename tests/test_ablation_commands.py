@@ -14,7 +14,6 @@ from conftest import TASKS
 from test_commands import (
     harness,
     last_error,
-    no_model_loading,  # noqa: F401 (a fixture, used by name)
     strict_json,
     tiny_args,
 )

@@ -43,18 +43,6 @@ def read_run(folder: Path) -> tuple[list[dict], dict]:
     return lines, strict_json(folder / "heads.json")
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Loading weights fails the test: arguments must be checked before."""
-    from lm_eval_headloc.model import HFHeadAblateLM
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
-    monkeypatch.setattr(HFHeadAblateLM, "__init__", refuse)
-
-
 def last_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err, "no error message"
@@ -1166,7 +1154,10 @@ def test_prior_auto_is_none_where_there_are_no_gold_answers(tiny_model_dir, tmp_
     assert harness(*args, "--out", str(out)) == 0
     assert strict_json(out / "config.json")["prior_used"] is False
     assert not (out / "prior.json").exists()
-    assert "attribution prior: none (--prior auto)" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    # The report says why auto computed none, naming the task.
+    assert "attribution prior: none (--prior auto: task 'tiny_rolling' " in report
+    assert strict_json(out / "config.json")["prior_skipped"].startswith("task 'tiny_rolling'")
     assert harness(*args, "--prior", "atp", "--out", str(tmp_path / "x")) == 2
     error = last_error(capsys)
     assert "--prior atp: task 'tiny_rolling' is loglikelihood_rolling" in error

@@ -9,26 +9,30 @@ that are not on disk yet, each written before the next starts.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError
 from ..embedded import smollm2_location, smollm2_model_args
+from ..geometry import Geometry
 from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
-from ..metrics import TaskScore, metrics_of_task, parse_task_metric
+from ..metrics import metrics_of_task, parse_task_metric
 from ..prior import PRIOR_POINTS
-from ..signals import SIGNAL_OUTPUT_TYPES
+from ..signals import SIGNAL_OUTPUT_TYPES, check_gold_answers
 from ..tasks import check_task_names, make_task_manager
+from .result import RunRecord, measured_on
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
 from .workers import check_workers
 
+if TYPE_CHECKING:
+    from ..measure import Measurement
+
 __all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
-           "prepare", "record_examples", "run_plan", "set_ablation"]
+           "prepare", "run_plan", "set_ablation"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -110,8 +114,11 @@ def model_geometry(model_args: str) -> tuple[int, int]:
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
                          f"{str(err).splitlines()[0]}") from None
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(config.num_hidden_layers), int(config.num_attention_heads)
+    try:
+        geometry = Geometry.from_config(config)
+    except AttributeError as err:
+        raise UsageError(f"pretrained={pretrained!r}: {err}") from None
+    return geometry.num_layers, geometry.heads_per_layer
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str) -> list[Head]:
@@ -151,7 +158,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     metrics, whether they run model-written code) and every head list — all before any
     weights load. ``extra_tasks`` are measured too (verify's general tasks)."""
     spec.validate()
-    check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker)
+    check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
     model_args = resolve_model_args(spec.model_args)
     num_layers, heads_per_layer = model_geometry(model_args)
     try:
@@ -188,6 +195,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                     raise UsageError(f"{flag}: task {leaf!r} is {kind}; the gold answer's "
                                      "log-likelihood is defined for "
                                      f"{', '.join(SIGNAL_OUTPUT_TYPES)} (use {instead})")
+            check_gold_answers(loaded[name]["tasks"], flag)  # documents with no gold answer
         if spec.signal == "logprob":
             if metric is not None:
                 raise UsageError(f"--tasks {name}:{metric}: a metric is used only with "
@@ -251,9 +259,13 @@ def load_model(setup: Setup) -> Any:
 
 
 def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
-                     num_samples: int | None = None, limit: int | None = None) -> Any:
-    """The measurement of ``setup``'s tasks on ``lm``; the example subset it uses (and,
-    when a task has fewer documents than asked for, that fact) goes into ``folder``."""
+                     num_samples: int | None = None, limit: int | None = None, *,
+                     run: RunRecord | None = None) -> Any:
+    """The measurement of ``setup``'s tasks on ``lm`` (a task with fewer documents than
+    asked for is said in the log). What it is made on (``result.measured_on``: the
+    example subset, the geometry, the ablation) goes into ``run``, the command's record,
+    which writes it with its phase; without one, into ``folder``'s config.json at once
+    (for scripts that keep no record). ``folder`` also holds mean ablation's cache."""
     from ..measure import HarnessMeasurement
 
     spec = setup.spec
@@ -262,8 +274,12 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         apply_chat_template=spec.apply_chat_template,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal)
-    record_examples(folder, setup, measure, num_samples)
+    _say_short_tasks(measure, num_samples)
     measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
+    if run is not None:
+        run.measured_with(setup, measure)
+    elif folder is not None:
+        folder.update_config(**measured_on(setup, measure))
     if spec.workers > 1:
         from .workers import start_workers
 
@@ -276,8 +292,8 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
                  folder: RunFolder | None = None) -> dict[str, Any]:
     """Put ``setup``'s ablation kind on ``lm``: mean and resample take their reference
     examples from --ablation-data, or else from the run's own tasks on ``subset``; mean's
-    statistics are cached in ``folder`` (``means/``). What was used goes into its config,
-    and is returned."""
+    statistics are cached in ``folder`` (``means/``). Returns what was used, for the
+    run's config.json."""
     spec = setup.spec
     if spec.ablation == "zero":
         lm.set_ablation("zero")
@@ -297,30 +313,20 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
             "reference_examples": None if texts is None else len(texts),
             "reference_digest": lm.reference_digest, "means_file": lm.means_file,
             "resample_seed": lm.resample_seed if spec.ablation == "resample" else None}
-    if folder is not None:
-        folder.update_config(ablation=used)
     return used
 
 
-def record_examples(folder: RunFolder | None, setup: Setup, measure: Any,
-                    num_samples: int | None) -> None:
-    """Say when a task has fewer documents than asked for, and put the example subset
-    and the counts used into ``folder``'s config (when given)."""
-    used = dict(measure.examples_used)
-    if num_samples is not None:
-        for task, count in sorted(used.items()):
-            if count < num_samples:
-                log.warning("%s has only %d documents; all %d are used (--num-samples %d)",
-                            task, count, count, num_samples)
-    if folder is not None:
-        folder.update_config(example_subset=measure.subset, examples_used=used,
-                             layers=setup.num_layers, heads_per_layer=setup.heads_per_layer)
+def _say_short_tasks(measure: Any, num_samples: int | None) -> None:
+    """Say when a task has fewer documents than ``num_samples`` asked for."""
+    if num_samples is None:
+        return
+    for task, count in sorted(dict(measure.examples_used).items()):
+        if count < num_samples:
+            log.warning("%s has only %d documents; all %d are used (--num-samples %d)",
+                        task, count, count, num_samples)
 
 
-Measure = Callable[[Iterable[Head]], Mapping[str, TaskScore]]
-
-
-def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list[Head]]],
+def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[tuple[str, list[Head]]],
              desc: str, progress: bool = True, masks_per_pass: int | None = 1
              ) -> dict[str, dict[str, Any]]:
     """Measure every (key, heads) not yet on disk; return all records by key.
@@ -328,7 +334,9 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
     Each record is appended (and fsynced) before the next measurement (or, with
     ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
     loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
-    A record on disk whose mask differs from the plan's refuses the folder.
+    A record on disk whose mask differs from the plan's refuses the folder. config.json
+    is not touched: a distributed measurement's workers go into the command's record
+    with its next phase (``RunRecord.save``).
     """
     from tqdm import tqdm
 
@@ -341,25 +349,12 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
                 f"{format_heads(heads) or 'nothing'}; the folder was made with other arguments "
                 "(use another --out or --force)")
     todo = [(key, heads) for key, heads in plan if key not in done]
-    many = hasattr(measure, "measure_many")
-    distributed = hasattr(measure, "measure_chunks")
     if masks_per_pass is None:
-        masks_per_pass = measure.auto_masks_per_pass() if many and todo else 1
-    step = masks_per_pass if many else 1
-    chunks = [todo[start:start + step] for start in range(0, len(todo), step)]
-
-    def measured_in_turn() -> Iterator[tuple[int, list[Mapping[str, TaskScore]], float]]:
-        for index, chunk in enumerate(chunks):
-            start = time.perf_counter()
-            if step > 1:
-                all_scores = measure.measure_many([h for _, h in chunk], masks_per_pass=step)
-            else:
-                all_scores = [measure(chunk[0][1])]
-            yield index, all_scores, (time.perf_counter() - start) / len(chunk)
-
-    # On workers (--workers) chunks complete in any order; each is written as it arrives.
-    results = (measure.measure_chunks([[h for _, h in c] for c in chunks], masks_per_pass)
-               if distributed else measured_in_turn())
+        masks_per_pass = measure.auto_masks_per_pass() if todo else 1
+    chunks = [todo[start:start + masks_per_pass]
+              for start in range(0, len(todo), masks_per_pass)]
+    # Chunks may complete in any order (--workers); each is written as it arrives.
+    results = measure.measure_chunks([[h for _, h in c] for c in chunks], masks_per_pass)
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
                disable=not progress, dynamic_ncols=True)
     try:
@@ -381,6 +376,4 @@ def run_plan(folder: RunFolder, measure: Measure, plan: Sequence[tuple[str, list
                 bar.update(1)
     finally:
         bar.close()
-        if distributed and todo:
-            folder.update_config(workers=measure.workers_config())
     return {key: done[key] for key, _ in plan}

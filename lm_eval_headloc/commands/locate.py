@@ -1,8 +1,14 @@
-"""``locate`` (compressed sensing, SPEC §2) and ``refit`` (the same fit from disk)."""
+"""``locate``: which heads a task depends on, by compressed sensing — the task measured
+with many random sets of heads knocked out together (masks), a Lasso fitted to the scores
+estimating each head's effect, and the likeliest heads then knocked out one at a time
+(confirmation). ``refit``: the same fit again from the measurements on disk.
+
+A run's state is one value, its ``LocateRun`` (``result.py``), written to config.json
+once per phase and read back by ``load_run`` alone.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -14,59 +20,37 @@ from ..checks import UsageError
 from ..confirm import (
     ROUND,
     Changes,
+    alternated,
     confirmation,
     confirmed_order,
     confirmed_top,
+    measured_changes,
+    prior_rankings,
+    prior_weights,
     screen,
     tied_with_above,
 )
 from ..designs import design_matrix
 from ..heads import Head, parse_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
-from ..prior import PRIOR_POINTS, prior_penalty_weights
+from ..prior import PRIOR_POINTS
 from ..recovery import HeadLasso, bootstrap_stability, harm
-from .engine import (
-    Setup,
-    head_list,
-    load_model,
-    open_measurement,
-    prepare,
-    record_examples,
-    run_plan,
-)
-from .report import HeadRanking, ranking_table, write_ranking
+from .engine import Setup, head_list, load_model, open_measurement, prepare, run_plan
+from .report import HeadRanking, ranking_table, tie_words, write_ranking
+from .result import LocateRun, load_run, mask_keys, start_run, stored_prior
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
 
-__all__ = ["fit_rankings", "locate", "refit"]
+__all__ = ["fit_rankings", "locate", "mask_keys", "refit", "stored_prior"]
 
 
 def _mask_heads(row: np.ndarray, heads_per_layer: int) -> list[Head]:
     return [Head.from_flat_index(i, heads_per_layer) for i in np.flatnonzero(row)]
 
 
-def mask_keys(masks: int) -> list[str]:
-    return [f"mask-{i:04d}" for i in range(masks)]
-
-
 def alone_key(head: Head) -> str:
     """The measurement of ``head`` knocked out alone (confirmation)."""
     return f"alone-{head}"
-
-
-def prior_orders(priors: Mapping[str, np.ndarray] | None, task: str) -> list[list[int]]:
-    """The prior's rankings of ``task``'s heads, one per path point (prior.json), most
-    harmful (most negative estimated change of the logprob) first; [] without a prior."""
-    if priors is None:
-        return []
-    return [[int(i) for i in np.argsort(point, kind="stable")]
-            for point in np.atleast_2d(priors[task])]
-
-
-def _penalty_weights(priors: Mapping[str, np.ndarray] | None, task: str) -> np.ndarray | None:
-    # The clean run's estimate (the first point) eases the Lasso, as plain AtP always has.
-    return None if priors is None else prior_penalty_weights(
-        harm(np.atleast_2d(priors[task])[0], higher_is_better=True))
 
 
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
@@ -96,7 +80,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
-        weights = _penalty_weights(priors, task)
+        estimates = None if priors is None else priors[task]
+        weights = prior_weights(estimates)
         alone = {} if confirmed is None else _measured_alone(confirmed, records, task,
                                                              heads_per_layer)
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights,
@@ -105,7 +90,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         select = None
         if confirmed is not None:
             select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
-                                          weights, prior_orders(priors, task), top_k,
+                                          weights, prior_rankings(estimates), top_k,
                                           excluded, heads_per_layer)
         stability = None if bootstrap is None else bootstrap_stability(
             HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
@@ -135,14 +120,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                        "next": list(confirmed.get("next", {}).get(task, []))}),
                    **({} if priors is None else {"prior_top_k": [
                        str(Head.from_flat_index(h, heads_per_layer))
-                       for h in alternated(prior_orders(priors, task), top_k)]})},
+                       for h in alternated(prior_rankings(estimates), top_k)]})},
             stability=stability)
     return rankings
-
-
-def alternated(orders: Sequence[Sequence[int]], count: int) -> list[int]:
-    """The first ``count`` distinct heads of ``orders`` taken in turn."""
-    return confirmation({"": orders}, {}, lambda _heads: {}, count, round_size=count).heads
 
 
 def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str,
@@ -182,35 +162,36 @@ def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[
                     task: str, heads_per_layer: int) -> dict[int, tuple[float, float]]:
     """head -> (score change, logprob change) of every head the run measured alone."""
     heads = [parse_heads(name)[0].flat_index(heads_per_layer) for name in confirmed["heads"]]
-    return _changes(records, heads, task, heads_per_layer)
+    return _alone_changes(records, heads, task, heads_per_layer)
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
                  "logprob": "the gold answers' mean log-likelihood (logprob)"}
 
 
-def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
-                  config: Mapping[str, Any]) -> str:
-    spec, settings = config["spec"], config["settings"]
+def locate_report(run: LocateRun) -> str:
+    """report.md of a fitted locate run (``run.rankings``), from its record alone."""
+    spec, top_k = run.spec, run.spec.top_k
     lines = [
         "# Head localization by compressed sensing", "",
-        f"- model: `{spec['model_args']}`",
-        f"- signal: {_SIGNAL_WORDS[spec.get('signal', 'metric')]}",
-        f"- design: {spec['design']}, {_masks_words(spec, config)}, sparsity "
-        f"{_sparsity_words(spec, config)}, seed {spec['seed']}"
-        + (f", masks drawn with seed {spec['design_seed']}"
-           if spec.get("design_seed") is not None else ""),
-        f"- examples per task: {spec['num_samples']} asked, used "
-        + ", ".join(f"{t} {n}" for t, n in config.get("examples_used", {}).items())
+        f"- model: `{spec.model_args}`",
+        f"- signal: {_SIGNAL_WORDS[spec.signal]}",
+        f"- design: {spec.design}, {_masks_words(run)}, sparsity "
+        f"{_sparsity_words(run)}, seed {spec.seed}"
+        + (f", masks drawn with seed {spec.design_seed}"
+           if spec.design_seed is not None else ""),
+        f"- examples per task: {spec.num_samples} asked, used "
+        + ", ".join(f"{t} {n}" for t, n in (run.examples_used or {}).items())
         + " (the same subset in every measurement)",
-        f"- attribution prior: {_prior_words(config)}"
-        + (f" (--prior {spec.get('prior')})" if spec.get("prior") == "auto" else ""),
-        f"- confirmation: {_confirm_words(config)}",
-        f"- Lasso alpha: {settings['alpha']}",
-        f"- never knocked out: {spec.get('never_ablate') or 'none'}",
-        f"- excluded from the ranking: {settings.get('exclude') or 'none'}", "",
+        f"- attribution prior: {_prior_words(run)}"
+        + (f" (--prior {spec.prior}" + (f": {run.prior_skipped})" if run.prior_skipped
+                                        else ")") if spec.prior == "auto" else ""),
+        f"- confirmation: {_confirm_words(run)}",
+        f"- Lasso alpha: {spec.alpha}",
+        f"- never knocked out: {spec.never_ablate or 'none'}",
+        f"- excluded from the ranking: {spec.exclude or 'none'}", "",
     ]
-    for task, ranking in rankings.items():
+    for task, ranking in run.rankings.items():
         lines += [
             f"## {task} ({ranking.metric}, {'higher' if ranking.higher_is_better else 'lower'}"
             " is better)", "",
@@ -219,61 +200,36 @@ def locate_report(rankings: Mapping[str, HeadRanking], top_k: int,
             "measurements.", "",
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
-            *_tie_words(ranking, top_k),
+            *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
             *_unconfirmed_words(ranking.extra),
             *([f"The attribution prior's own top-{top_k} (prior.json"
-               + (", its rankings in turn" if config.get("prior_method") == "atp-path" else "")
+               + (", its rankings in turn" if run.prior_kind == "atp-path" else "")
                + "): " + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
               if "prior_top_k" in ranking.extra else [])]
     lines.append("Check the heads with `headloc-harness verify` (knocks them out for real).")
     return "\n".join(lines) + "\n"
 
 
-def _prior_words(config: Mapping[str, Any]) -> str:
-    if not config.get("prior_used"):
+def _prior_words(run: LocateRun) -> str:
+    if run.prior_kind is None:
         return "none"
-    # Runs from before path points computed plain AtP and did not record its name.
-    method = config.get("prior_method") or "atp"
     return {"atp": "atp (prior.json): attribution patching at the clean run",
             "atp-path": "atp-path (prior.json): attribution patching at the clean run and "
-                        "with every head half ablated, each ranking the heads"}[method]
+                        "with every head half ablated, each ranking the heads"}[run.prior_kind]
 
 
-def _confirm_words(config: Mapping[str, Any]) -> str:
-    confirmed = config.get("confirm")
+def _confirm_words(run: LocateRun) -> str:
+    confirmed = run.confirm
     if not confirmed:
         return "none (every head ranked by the Lasso's estimate)"
     rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
               if "rounds" in confirmed else "")
     return (f"{len(confirmed['heads'])} heads knocked out one at a time{rounds}, the "
-            + ("attribution prior's rankings and " if config.get("prior_used") else "")
+            + ("attribution prior's rankings and " if run.uses_prior else "")
             + "the masks' fit's likeliest in turn (the fit redone after each round with "
             "the measured heads' changes held fixed); they rank first, by their measured "
             "change (their stability: how often a replay of the confirmation on a bootstrap "
             "resample of the masks would have confirmed them into the top-k)")
-
-
-def _tie_words(ranking: HeadRanking, top_k: int) -> list[str]:
-    """Ties in the top-k said as such: equal evidence is no order."""
-    tied = set(ranking.extra.get("tied_with_above", []))
-    top = [str(h) for h in ranking.top(top_k)]
-    if len(top) > 1 and all(h in tied for h in top[1:]):
-        return [f"No head stands out: all {len(top)} listed heads have the same evidence "
-                "(the fit found no effect that tells them apart); their order is the head "
-                "index.", ""]
-    groups: list[list[str]] = []
-    for head in top:
-        if head in tied and groups:
-            groups[-1].append(head)
-        else:
-            groups.append([head])
-    ties = [" = ".join(group) for group in groups if len(group) > 1]
-    below = ranking.top(top_k + 1)
-    if len(below) > top_k and str(below[top_k]) in tied:
-        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with heads "
-                    "below it)")
-    return [f"Tied (the same evidence; listed in head order): {'; '.join(ties)}.", ""] \
-        if ties else []
 
 
 def _unconfirmed_words(extra: Mapping[str, Any]) -> list[str]:
@@ -293,10 +249,10 @@ def _unconfirmed_words(extra: Mapping[str, Any]) -> list[str]:
     return [" ".join(lines), ""]
 
 
-def _sparsity_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
-    if spec["sparsity"] != "auto":
-        return f"{spec['sparsity']}"
-    pilot = config["pilot"]
+def _sparsity_words(run: LocateRun) -> str:
+    if run.spec.sparsity != "auto" or run.pilot is None:
+        return f"{run.spec.sparsity}"
+    pilot = run.pilot
     return (f"auto: {pilot['sparsity']:g}, the largest whose pilot masks kept ≥ "
             f"{pilot['keep_at_least']:.0%} of the score's distance to a mask of half the "
             "heads (" + "; ".join(f"p={level}: " + ", ".join(
@@ -304,32 +260,20 @@ def _sparsity_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
                 for level, shares in pilot["kept"].items()) + ")")
 
 
-def _masks_words(spec: Mapping[str, Any], config: Mapping[str, Any]) -> str:
-    if spec["masks"] != "auto":
-        return f"{spec['masks']} masks"
-    return (f"{config.get('masks_used')} masks (--masks auto: measured until every top-k "
-            f"head was stable, at most {spec['max_masks']})")
+def _masks_words(run: LocateRun) -> str:
+    if run.spec.masks != "auto":
+        return f"{run.spec.masks} masks"
+    return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
+            f"head was stable, at most {run.spec.max_masks})")
 
 
-def _write_results(folder: RunFolder, rankings: Mapping[str, HeadRanking],
-                   top_k: int) -> None:
-    config = folder.read_config()
-    spec = config["spec"]
-    write_ranking(folder, rankings, top_k,
-                  title=f"{spec['design']} design, {_masks_words(spec, config)}, "
-                        f"p={config.get('pilot', {}).get('sparsity', spec['sparsity'])}"
+def write_results(folder: RunFolder, run: LocateRun) -> None:
+    """The run's ranking files and report (``write_ranking``), from ``run`` alone."""
+    sparsity = run.spec.sparsity if run.pilot is None else run.pilot["sparsity"]
+    write_ranking(folder, run.rankings, run.spec.top_k,
+                  title=f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
                         .replace(" (", "\n("),
-                  report=locate_report(rankings, top_k, config))
-
-
-def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
-    """prior.json's per-task attribution estimates, ``(points, heads)`` in flat head order
-    (a file from before path points holds the clean run's alone)."""
-    data = json.loads(folder.file("prior.json").read_text())
-    return {task: np.atleast_2d(np.asarray(
-                [p["effects"] for p in entry["points"]] if "points" in entry
-                else entry["effects"], dtype=np.float64))
-            for task, entry in data["tasks"].items()}
+                  report=locate_report(run))
 
 
 def prior_method(spec: RunSpec, measure: Any) -> str | None:
@@ -384,30 +328,32 @@ def auto_rounds(max_masks: int) -> list[int]:
 
 
 def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
-           never: Sequence[int]) -> tuple[float, list[str], np.ndarray, int]:
-    """(sparsity, pilot row keys, pilot rows, measurements spent outside the rows): with
+           never: Sequence[int]) -> tuple[float, list[str], np.ndarray, dict[str, Any] | None]:
+    """(sparsity, pilot row keys, pilot rows, what config.json records of the pilot): with
     ``--sparsity auto`` the pilot is measured and chooses; its masks come first in the
-    design and join the fit, its floor mask does not."""
+    design and join the fit, its floor mask does not (``LocateRun.unfitted``)."""
     if spec.sparsity != "auto":
-        return spec.sparsity, [], np.zeros((0, setup.total_heads), dtype=bool), 0
+        return spec.sparsity, [], np.zeros((0, setup.total_heads), dtype=bool), None
     keys, levels, pilot = pilot_design(setup.total_heads, spec.masks_seed, never)
     plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
                                  for key, row in zip(keys, pilot, strict=True)]
     records = run_plan(folder, measure, plan, desc="pilot", progress=spec.progress,
                        masks_per_pass=spec.masks_per_pass)
     sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
-    folder.update_config(pilot={"sparsity": sparsity, "kept": kept,
-                                "measurements": len(keys), "keep_at_least": KEEP})
-    return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], UNFITTED
+    chosen = {"sparsity": sparsity, "kept": kept, "measurements": len(keys),
+              "keep_at_least": KEEP}
+    return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], chosen
 
 
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Any = None, **options: Any
            ) -> dict[str, HeadRanking]:
-    """Compressed-sensing localization (SPEC §2); returns each task's ranking.
+    """Compressed-sensing localization; returns each task's ranking.
 
     ``spec`` or keyword options (``locate("runs/x", tasks=["gsm8k"], masks=200)``) give
     the run; ``setup``/``measure`` let ``sweep`` reuse a prepared run and loaded model.
+    The run's record (``LocateRun``) writes config.json once per phase: started,
+    measuring, designed, measured (see ``LocateRun``); the ranking files follow from it.
     """
     spec = (spec or RunSpec()).replace(**options)
     if setup is None:
@@ -415,52 +361,69 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = setup.spec
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
-        folder.start("locate", spec.identity("locate"), spec.settings("locate"),
-                     spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
+        run = start_run(folder, "locate", spec, force=force)  # phase: started
+        assert isinstance(run, LocateRun)
         per_layer = setup.heads_per_layer
         never = [h.flat_index(per_layer) for h in setup.never_ablate]
         if measure is None:
-            measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
-        else:  # sweep's measurement, shared by its cells: record it here too
-            record_examples(folder, setup, measure, num_samples=None)
-            folder.update_config(ablation=getattr(measure, "ablation_config", None))
-        sparsity, row_keys, rows, spent = _pilot(folder, measure, spec, setup, never)
+            measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
+                                       run=run)
+        else:  # sweep's measurement, shared by its cells: recorded here too
+            run.measured_with(setup, measure)
+        run.save(folder, measure)  # phase: measuring
+        sparsity, row_keys, rows, run.pilot = _pilot(folder, measure, spec, setup, never)
+        spent = run.unfitted
         main = spec.design_rows - len(row_keys) - spent
         matrix = np.vstack([rows, design_matrix(spec.design, main, setup.total_heads,
                                                 sparsity, spec.masks_seed, never)])
-        row_keys = [*row_keys, *mask_keys(main)]
+        run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
         np.save(folder.file("design_matrix.npy"), matrix)
-        folder.update_config(row_keys=row_keys)
-        plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
-                                     for key, row in zip(row_keys, matrix, strict=True)]
         method = prior_method(spec, measure)
-        priors = attribution_prior(folder, measure, method) if method else None
-        folder.update_config(prior_used=priors is not None, prior_method=method)
+        run.set_prior(attribution_prior(folder, measure, method) if method else None, method,
+                      measure.no_prior_reason() if spec.prior == "auto" and not method
+                      else None)
+        run.save(folder, measure)  # phase: designed
+        plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
+                                     for key, row in zip(run.keys(), matrix, strict=True)]
         checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
                   else [len(matrix)])
+        rankings = None
         for used in checks:
-            # Each round measures what is not on disk yet, then fits the first `used`
-            # rows: the decision to go on depends only on the seed and the measurements,
-            # so a killed run resumes to the same stop.
-            records = run_plan(folder, measure, plan[:used + 1], desc="locate",
-                               progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            rankings = fit_rankings(matrix[:used], records, setup.task_names, per_layer,
-                                    spec.alpha, setup.exclude, top_k=spec.top_k,
-                                    bootstrap=spec.bootstrap, seed=spec.masks_seed,
-                                    priors=priors, keys=row_keys[:used])
+            # Each round measures what is not on disk yet; --masks auto then fits the
+            # first `used` rows and stops once every top-k head is stable in the
+            # bootstrap: the decision depends only on the seed and the measurements, so
+            # a killed run resumes to the same stop.
+            run.records = run_plan(folder, measure, plan[:used + 1], desc="locate",
+                                   progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+            if spec.masks != "auto":
+                break
+            rankings = _fit(run, setup.exclude, used, confirmed=False)
             if not any(r.unstable(spec.top_k) for r in rankings.values()):
                 break
-        folder.update_config(masks_used=used + spent)
+        run.masks_used = used + spent
         if spec.confirm:
-            confirmed = _confirm(folder, measure, spec, setup, matrix[:used], row_keys[:used],
-                                 priors, never)
-            records = {r["key"]: r for r in folder.measurements()}
-            rankings = fit_rankings(matrix[:used], records, setup.task_names, per_layer,
-                                    spec.alpha, setup.exclude, top_k=spec.top_k,
-                                    bootstrap=spec.bootstrap, seed=spec.masks_seed,
-                                    priors=priors, keys=row_keys[:used], confirmed=confirmed)
-        _write_results(folder, rankings, spec.top_k)
-    return rankings
+            run.confirm = _confirm(folder, measure, spec, setup, matrix[:used],
+                                   run.keys(used), run.priors, never)
+            run.records = {r["key"]: r for r in folder.measurements()}
+            rankings = None  # the masks' fit alone was --masks auto's stopping rule
+        run.save(folder, measure)  # phase: measured
+        # Fitted once, with its bootstrap, on everything measured (--masks auto without
+        # --confirm: its last round's fit is that fit).
+        run.rankings = _fit(run, setup.exclude, used) if rankings is None else rankings
+        write_results(folder, run)
+    return run.rankings
+
+
+def _fit(run: LocateRun, exclude: Sequence[Head], rows: int, *,
+         confirmed: bool = True) -> dict[str, HeadRanking]:
+    """``fit_rankings`` of the run's first ``rows`` design rows with its settings, its
+    prior and (``confirmed``) its confirmation."""
+    spec = run.spec
+    assert run.design is not None and isinstance(run.heads_per_layer, int)
+    return fit_rankings(run.design[:rows], run.records, run.tasks, run.heads_per_layer,
+                        spec.alpha, exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
+                        seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
+                        confirmed=run.confirm if confirmed else None)
 
 
 def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
@@ -468,10 +431,10 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
              never: Sequence[int]) -> dict[str, Any]:
     """Measure ``--confirm`` heads alone in rounds (``confirm.confirmation``): the prior's
     rankings and the screen, refitted after each round with what it measured; returns
-    what config.json records of it (``fit_rankings``' ``confirmed``). Heads never knocked
-    out or excluded from the ranking are no candidates. Every pick follows from the
-    measurements on disk, so a resumed run makes the same picks and measures only what
-    is missing."""
+    what the run's record keeps of it (``LocateRun.confirm``, ``fit_rankings``'
+    ``confirmed``). Heads never knocked out or excluded from the ranking are no
+    candidates. Every pick follows from the measurements on disk, so a resumed run makes
+    the same picks and measures only what is missing."""
     per_layer, tasks = setup.heads_per_layer, setup.task_names
     excluded = [h.flat_index(per_layer) for h in setup.exclude]
     records = {r["key"]: r for r in folder.measurements()}
@@ -479,7 +442,7 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
     scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
 
     def screen_of(task: str) -> Callable[[Changes], list[int]]:
-        weights = _penalty_weights(priors, task)
+        weights = prior_weights(None if priors is None else priors[task])
         return lambda changes: screen(
             design, scores[task], higher[task], alpha=spec.alpha, penalty_weights=weights,
             fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
@@ -488,15 +451,15 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
         done = run_plan(folder, measure, [("baseline", [])] + [
             (alone_key(h), [h]) for h in (Head.from_flat_index(i, per_layer) for i in heads)],
             desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-        return {t: _changes(done, heads, t, per_layer) for t in tasks}
+        return {t: _alone_changes(done, heads, t, per_layer) for t in tasks}
 
     def on_disk(heads: list[int]) -> dict[str, Changes]:
         records.update({r["key"]: r for r in folder.measurements()})
         known = [h for h in heads
                  if alone_key(Head.from_flat_index(h, per_layer)) in records]
-        return {t: _changes(records, known, t, per_layer) for t in tasks}
+        return {t: _alone_changes(records, known, t, per_layer) for t in tasks}
 
-    sources = {t: prior_orders(priors, t) for t in tasks}
+    sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
     screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
     skip = sorted({*never, *excluded})
     done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
@@ -513,21 +476,14 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
                  "next": {t: names(ahead.picked_by[t][len(done.picked_by[t]):])
                           for t in tasks},
                  "never": sorted(int(h) for h in never)}
-    folder.update_config(confirm=confirmed)
     return confirmed
 
 
-def _changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
-             heads_per_layer: int) -> dict[int, tuple[float, float]]:
-    """head -> (score change, logprob change; 0 where not recorded) knocked out alone."""
-    base = records["baseline"]
-    changes = {}
-    for head in heads:
-        record = records[alone_key(Head.from_flat_index(head, heads_per_layer))]
-        changes[head] = (
-            record["scores"][task] - base["scores"][task],
-            record.get("logprob", {}).get(task, 0.0) - base.get("logprob", {}).get(task, 0.0))
-    return changes
+def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
+                   heads_per_layer: int) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change) of each head knocked out alone."""
+    return measured_changes(records["baseline"], {
+        h: records[alone_key(Head.from_flat_index(h, heads_per_layer))] for h in heads}, task)
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
@@ -544,17 +500,19 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         raise TypeError(f"refit() got {', '.join(unknown)}; it can change "
                         f"{', '.join(sorted(allowed))}")
     with RunFolder(out) as folder:
-        config = folder.read_config()
-        if config["command"] != "locate":
-            raise RunFolderError(f"{out} holds a '{config['command']}' run; refit needs a "
+        run = load_run(folder)
+        if not isinstance(run, LocateRun):
+            raise RunFolderError(f"{out} holds a '{run.command}' run; refit needs a "
                                  "locate run")
-        stored = RunSpec.from_config(config)
         changes = {name: value for name, value in settings.items() if value is not None}
-        spec = stored.replace(**changes).validate()
-        layers, per_layer = config.get("layers"), config.get("heads_per_layer")
+        spec = run.spec.replace(**changes).validate()
+        layers, per_layer = run.layers, run.heads_per_layer
         if not (isinstance(layers, int) and isinstance(per_layer, int)):
             raise RunFolderError(f"{out} is incomplete (the model was never loaded); rerun "
                                  "the locate command to finish it")
+        if spec.confirm and run.confirm is None:
+            raise RunFolderError(f"{out} is incomplete (its confirmation never finished); "
+                                 "rerun the locate command to finish it")
         if spec.top_k > layers * per_layer:
             raise UsageError(f"--top-k {spec.top_k}: the model has only {layers * per_layer} "
                              "heads")
@@ -563,36 +521,29 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
             raise UsageError(f"--exclude covers every head ({layers * per_layer}); nothing "
                              "is left to rank")
         folder.lock()
-        matrix = np.load(folder.file("design_matrix.npy"))
+        run.read_data(folder)
+        assert run.design is not None
         # --masks auto: the masks the run measured before it stopped. Counts are of
         # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
-        spent = UNFITTED if "pilot" in config else 0
-        used = config.get("masks_used", len(matrix)) if spec.masks == "auto" else spec.masks
-        if used - spent > len(matrix):
-            raise UsageError(f"--masks {used}: {out} has {len(matrix) + spent} masks; rerun "
-                             f"locate with --masks {used} to measure the rest")
+        spent = run.unfitted
+        used = run.masks_measured if spec.masks == "auto" else spec.masks
+        if used - spent > len(run.design):
+            raise UsageError(f"--masks {used}: {out} has {len(run.design) + spent} masks; "
+                             f"rerun locate with --masks {used} to measure the rest")
         if used - spent < 1:
             raise UsageError(f"--masks {used}: the pilot's floor mask is one of them; give at "
                              f"least {spent + 1}")
-        matrix = matrix[:used - spent]  # the run as if it had stopped after `used` masks
-        row_keys = config.get("row_keys", mask_keys(len(matrix)))[:len(matrix)]
-        records = {r["key"]: r for r in folder.measurements()}
+        rows = used - spent  # the run as if it had stopped after `used` masks
         # --confirm: the heads the run measured alone stay what they were (refit measures
         # nothing); the screen's fit, and so each head's stability, follows the settings.
-        confirmed = config.get("confirm")
-        alone = [alone_key(h) for h in parse_heads(confirmed["heads"])] if confirmed else []
-        missing = [k for k in ["baseline", *row_keys, *alone] if k not in records]
+        alone = [alone_key(h) for h in parse_heads(run.confirm["heads"])] if run.confirm \
+            else []
+        missing = [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
         if missing:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
                                  f"e.g. {missing[0]}); rerun the locate command to finish it")
-        tasks = [t.split(":")[0] for t in spec.tasks]
-        priors = stored_prior(folder) if config.get("prior_used", spec.prior in PRIOR_POINTS) \
-            else None
-        rankings = fit_rankings(matrix, records, tasks, per_layer, spec.alpha, excluded,
-                                top_k=spec.top_k, bootstrap=spec.bootstrap,
-                                seed=spec.masks_seed, priors=priors, keys=row_keys,
-                                confirmed=confirmed)
-        folder.update_config(settings=spec.settings("locate"), spec=spec.as_config())
-        _write_results(folder, rankings, spec.top_k)
-    return rankings
-
+        run.spec, run.settings = spec, spec.settings("locate")
+        run.rankings = _fit(run, excluded, rows)
+        run.save(folder)  # the one write: the settings the files were fitted with
+        write_results(folder, run)
+    return run.rankings

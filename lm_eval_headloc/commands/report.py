@@ -20,7 +20,7 @@ from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
 __all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
-           "write_ranking"]
+           "tie_words", "write_ranking"]
 
 
 @dataclass
@@ -208,3 +208,26 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
         lines.append(f"| {rank} | {head} | {ranking.effect(head):+.4f} | {shown} | "
                      f"{confidence['selected']:.0%}{flag} |")
     return lines
+
+
+def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
+    """Ties in the top-k (``ranking.extra["tied_with_above"]``) said as such: equal
+    evidence is no order. ``why_none``: why no head would stand out, in words."""
+    tied = set(ranking.extra.get("tied_with_above", []))
+    top = [str(h) for h in ranking.top(top_k)]
+    if len(top) > 1 and all(h in tied for h in top[1:]):
+        return [f"No head stands out: all {len(top)} listed heads have the same evidence "
+                f"({why_none}); their order is the head index.", ""]
+    groups: list[list[str]] = []
+    for head in top:
+        if head in tied and groups:
+            groups[-1].append(head)
+        else:
+            groups.append([head])
+    ties = [" = ".join(group) for group in groups if len(group) > 1]
+    below = ranking.top(top_k + 1)
+    if len(below) > top_k and str(below[top_k]) in tied:
+        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with heads "
+                    "below it)")
+    return [f"Tied (the same evidence; listed in head order): {'; '.join(ties)}.", ""] \
+        if ties else []

@@ -1,6 +1,8 @@
 """The run folder every ``headloc-harness`` subcommand writes, reads and resumes.
 
-``config.json``        the run's spec, identity, the example subset, package versions
+``config.json``        the run's record: spec, identity, the example subset, package
+                       versions, what the run decided (``result.RunRecord`` writes it,
+                       whole, once per phase; ``schema``: its layout's version)
 ``measurements.jsonl`` one line per measurement, on disk before the next starts
 ``design_matrix.npy``  the masks (locate), generated up front from the seed
 results files          written by the subcommand (heads.json, heads.csv, report.md, …)
@@ -27,12 +29,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunFolder", "RunFolderError", "package_versions", "strict_json"]
+from ..errors import UserError
+
+__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "package_versions", "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
 
+#: The version of config.json's layout. A file without the field was written before it
+#: existed, in this layout or an earlier one with fewer keys (``result.load_run`` reads
+#: either); a file with a larger number is refused rather than misread.
+CONFIG_SCHEMA = 1
 
-class RunFolderError(ValueError):
+
+class RunFolderError(UserError):
     """A run folder that does not fit the command (a user mistake, reported in one line)."""
 
 
@@ -105,6 +114,11 @@ class RunFolder:
         if not (isinstance(config, dict) and isinstance(config.get("command"), str)
                 and isinstance(config.get("identity"), dict)):
             raise RunFolderError(f"{path} is not a headloc-harness run configuration")
+        schema = config.get("schema", CONFIG_SCHEMA)
+        if not (isinstance(schema, int) and schema <= CONFIG_SCHEMA):
+            raise RunFolderError(f"{path} was written by a newer headloc-harness (config "
+                                 f"schema {schema!r}; this version reads up to "
+                                 f"{CONFIG_SCHEMA}); upgrade lm-eval-headloc to use it")
         return config
 
     # --- starting a run -------------------------------------------------------------
@@ -154,7 +168,8 @@ class RunFolder:
             config["settings"] = dict(settings)
             if spec is not None:
                 config["spec"] = dict(spec)
-            self._write_config(config)
+            config["schema"] = CONFIG_SCHEMA  # the same keys: a file without it is layout 1
+            self.write_config(config)
             return True
         if ours:  # --force on a run folder of ours: clear everything but our lock
             for entry in self._entries():
@@ -162,7 +177,8 @@ class RunFolder:
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
-        self._write_config({
+        self.write_config({
+            "schema": CONFIG_SCHEMA,
             "command": command, "identity": identity, "settings": dict(settings),
             "spec": dict(spec or {}), "versions": package_versions(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -225,11 +241,14 @@ class RunFolder:
     # --- files ------------------------------------------------------------------------
 
     def update_config(self, **fields: Any) -> None:
+        """Set ``fields`` in config.json (a read-modify-write: for scripts that keep no
+        record; the commands write theirs whole, ``result.RunRecord.save``)."""
         config = self.read_config()
         config.update(fields)
-        self._write_config(config)
+        self.write_config(config)
 
-    def _write_config(self, config: Mapping[str, Any]) -> None:
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """Write config.json whole (atomically): every write of it goes through here."""
         self.write_json(self.CONFIG, config)
 
     def write_text(self, name: str, text: str) -> None:

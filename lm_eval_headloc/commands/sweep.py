@@ -13,6 +13,7 @@ from ..recovery import harm
 from .engine import check_design_budget, load_model, open_measurement, prepare, run_plan
 from .locate import locate
 from .report import relative_drop
+from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
 
@@ -42,9 +43,13 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         check_design_budget(cell.masks, setup.total_heads)
     task = setup.task_names[0]
     with RunFolder(out) as folder:
-        folder.start("sweep", {**spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
-                     {}, spec.as_config(), force=force, assumed=RunSpec.assumed_for_old_runs())
-        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples)
+        # Phases: started, measuring, and (with --workers) measured: their shares. Each
+        # cell is a locate run of its own, in its own folder.
+        run = start_run(folder, "sweep", spec, force=force, identity={
+            **spec.identity("sweep"), "masks": masks, "sparsity": sparsity})
+        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
+                                   run=run)
+        run.save(folder, measure)
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]
         higher = bool(baseline["higher_is_better"][task])
@@ -67,6 +72,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         best = max(results, key=lambda c: c["drop"])
         result = {"task": task, "baseline": baseline["scores"][task], "top_k": spec.top_k,
                   "cells": results, "best": best}
+        run.save(folder, measure)  # written only if the workers' shares changed
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result

@@ -1,5 +1,6 @@
-"""``universal``: heads in the top-k of several tasks' rankings (SPEC §2): the heads
-that hurt every task, to report apart and to keep out of masks (``--never-ablate``)."""
+"""``universal``: heads in the top-k of several tasks' rankings (of one model): the
+heads that hurt every task, to report apart from each task's own and to keep out of
+masks (``--never-ablate``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from ..checks import UsageError, check_number
 from ..heads import read_heads_file
+from .result import load_run
 from .runfolder import RunFolder, RunFolderError, strict_json
 from .spec import RunSpec
 
@@ -50,11 +52,11 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     models: dict[str, str] = {}
     for run in runs:
         folder = RunFolder(run)
-        config = folder.read_config()
+        model_args = load_run(folder).spec.model_args
         path = str(folder.path.resolve())
         if path in models:
             raise UsageError(f"run folder {run} is given twice")
-        models[path] = config.get("spec", config["identity"]).get("model_args", "")
+        models[path] = model_args or ""
         files = sorted(folder.path.glob("heads-*.json"))
         if not files:
             raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")

@@ -15,6 +15,7 @@ from ..checks import UsageError
 from ..heads import parse_heads, read_heads_file
 from .engine import is_embedded, load_model, open_measurement, prepare, run_plan
 from .report import relative_drop
+from .result import load_run, start_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
@@ -34,7 +35,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     ``ablation_data`` keywords change the run's ablation for the verification.
     """
     source = RunFolder(run)
-    config = source.read_config()
+    stored = load_run(source)
     out = Path(out) if out is not None else Path(run) / "verify"
     RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
     # The ablation is the run's unless given (verify --ablation mean checks heads found
@@ -46,7 +47,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         kind.setdefault("ablation_field", None)
     own = (spec or RunSpec()).replace(**options)
     # Verification reports the tasks' own metrics, whatever signal the run ranked by.
-    spec = RunSpec.from_config(config).replace(
+    spec = stored.spec.replace(
         signal="metric",
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
         **kind)
@@ -69,17 +70,20 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     setup = prepare(spec, extra_tasks=general)
     if spec.ablation != "zero":
         # The run's own tasks on the run's example subset (verify's --limit is another).
-        setup.reference = setup.reference_texts(config.get("example_subset"))
+        setup.reference = setup.reference_texts(stored.example_subset)
     with RunFolder(out) as folder:
-        folder.start("verify", {**spec.identity("verify"), "run": str(Path(run).resolve()),
-                                "heads": {t: "+".join(h) for t, h in heads_by_task.items()}},
-                     {}, spec.as_config(), force=force, protect=[run],
-                     assumed=RunSpec.assumed_for_old_runs())
-        measure = open_measurement(setup, load_model(setup), folder, limit=spec.limit)
+        # Phases: started, measuring, and (with --workers) measured: their shares.
+        record = start_run(folder, "verify", spec, force=force, protect=[run], identity={
+            **spec.identity("verify"), "run": str(Path(run).resolve()),
+            "heads": {t: "+".join(h) for t, h in heads_by_task.items()}})
+        measure = open_measurement(setup, load_model(setup), folder, limit=spec.limit,
+                                   run=record)
+        record.save(folder, measure)
         plan = [("baseline", [])] + [
             (f"{task}-top{k}", parse_heads(names[:k])) for task, names in heads_by_task.items()
             for k in range(1, spec.top_k + 1)]
         records = run_plan(folder, measure, plan, desc="verify", progress=spec.progress)
+        record.save(folder, measure)  # written only if the workers' shares changed
         table = _verification_table(records, heads_by_task, list(general), spec.top_k)
         folder.write_json("verify.json", table)
         folder.write_text("verify.md", verification_markdown(table))

@@ -1,0 +1,304 @@
+"""A run as a value: the record config.json is written from, and the one reader of it.
+
+A measuring command (locate, greedy, sweep, verify) builds its run's record in memory as
+it goes, and writes config.json from it once per phase of the run, whole and atomically
+(``RunRecord.save``): never a read-modify-write of the file, never a value read back from
+disk to decide or report something. A locate run's record (``LocateRun``) also holds
+what has a file of its own — the design, the attribution prior, the measurements, the
+rankings — so its report and ranking files are rendered from the same value.
+
+``load_run`` is the one reader of a run folder's config.json (refit, verify, universal,
+the command line's printing). config.json carries a ``schema`` version (``CONFIG_SCHEMA``);
+a file without one was written before the field existed, and is read as the same layout
+with the defaults older folders need (``LocateRun``'s properties say which).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ..metrics import parse_task_metric
+from ..pilot import UNFITTED
+from ..prior import PRIOR_POINTS
+from .report import HeadRanking
+from .runfolder import CONFIG_SCHEMA, RunFolder, RunFolderError
+from .spec import RunSpec
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from .engine import Setup
+
+__all__ = ["CONFIG_SCHEMA", "LocateRun", "RunRecord", "load_run", "mask_keys",
+           "measured_on", "start_run", "stored_prior"]
+
+
+def mask_keys(masks: int) -> list[str]:
+    """The measurement keys of a design's rows, when the run recorded none (no pilot)."""
+    return [f"mask-{i:04d}" for i in range(masks)]
+
+
+def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
+    """What config.json records of a measurement once the model is loaded: the example
+    subset and the examples used per task, the model's geometry, and the ablation
+    (``None`` for a measurement that sets none)."""
+    return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
+            "layers": setup.num_layers, "heads_per_layer": setup.heads_per_layer,
+            "ablation": getattr(measure, "ablation_config", None)}
+
+
+@dataclass
+class RunRecord:
+    """What every measuring command's config.json records.
+
+    Fields left None were not recorded (or not yet: the phase that sets them has not
+    run) and are left out of the file, unless the run recorded them as null (``_nulls``:
+    a phase that decided "none"); keys this version does not know are kept as read
+    (``other``). So a folder read and written back keeps its keys.
+    """
+
+    command: str
+    identity: dict[str, Any]  # what resume compares; on resume, the stored one
+    settings: dict[str, Any]  # the fields the command may change on resume (refit's)
+    spec: RunSpec
+    versions: dict[str, str] | None = None  # package versions when the folder was made
+    created: str | None = None
+    # The measurement, once the model is loaded (``measured_with``).
+    example_subset: dict[str, list[int]] | None = None
+    examples_used: dict[str, int] | None = None
+    layers: int | None = None
+    heads_per_layer: int | None = None
+    ablation: dict[str, Any] | None = None
+    workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
+    other: dict[str, Any] = field(default_factory=dict)
+    # The config last written or read: a phase that changed nothing writes nothing.
+    _written: dict[str, Any] | None = field(default=None, init=False, repr=False,
+                                            compare=False)
+    # The keys whose None is written as null rather than left out.
+    _nulls: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+
+    #: The keys of config.json this class owns, in the order they are written.
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "command", "identity", "settings", "spec", "versions", "created", "example_subset",
+        "examples_used", "layers", "heads_per_layer", "ablation", "workers")
+
+    # --- reading -------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        """The record of a config.json (any schema up to ``CONFIG_SCHEMA``). The spec of a
+        folder made before config.json held it whole is its identity and settings, with
+        what options added since then did before they existed (``RunSpec.from_config``)."""
+        values = {key: config[key] for key in cls.KEYS
+                  if key in config and key not in ("spec", "settings")}
+        other = {key: value for key, value in config.items()
+                 if key not in cls.KEYS and key != "schema"}
+        record = cls(**values, settings=dict(config.get("settings", {})),
+                     spec=RunSpec.from_config(config), other=other)
+        record._written = dict(config)
+        record._nulls = {key for key, value in values.items() if value is None}
+        return record
+
+    @classmethod
+    def started(cls, config: Mapping[str, Any], spec: RunSpec) -> Self:
+        """The record of a run that starts (or resumes) in a folder whose config.json
+        ``RunFolder.start`` has just written: its command, identity, versions and
+        creation time as written there (a resumed run keeps the stored ones), this run's
+        spec, and nothing the run measures or decides — a resumed run decides again, so
+        a value from an earlier session with other settings is never carried over."""
+        stored = cls.from_config(config)
+        record = cls(command=stored.command, identity=stored.identity,
+                     settings=stored.settings, spec=spec, versions=stored.versions,
+                     created=stored.created, other=stored.other)
+        record._written = stored._written
+        return record
+
+    # --- phases --------------------------------------------------------------------
+
+    def measured_with(self, setup: Setup, measure: Any) -> None:
+        """Take what the measurement was made on (``measured_on``)."""
+        self._set(**measured_on(setup, measure))
+
+    def _set(self, **values: Any) -> None:
+        """Record ``values``; a None among them is recorded as null."""
+        for key, value in values.items():
+            setattr(self, key, value)
+            if value is None:
+                self._nulls.add(key)
+            else:
+                self._nulls.discard(key)
+
+    def to_config(self) -> dict[str, Any]:
+        """config.json's content: the schema version, then every recorded key, then the
+        keys this version does not know."""
+        config: dict[str, Any] = {"schema": CONFIG_SCHEMA}
+        for key in self.KEYS:
+            value = self.spec.as_config() if key == "spec" else getattr(self, key)
+            if value is not None or key in self._nulls:
+                config[key] = value
+        return {**config, **{k: v for k, v in self.other.items() if k not in config}}
+
+    def save(self, folder: RunFolder, measure: Any = None) -> bool:
+        """Write config.json from this record: one phase's one write. With a distributed
+        ``measure`` (``--workers``) its workers' shares so far are recorded too. A record
+        equal to what was last written or read is not written again; returns whether it
+        was written."""
+        workers = None if measure is None else measure.workers_config()
+        if workers is not None:  # measured on workers: where, and their shares
+            self.workers = workers
+        config = self.to_config()
+        as_read = json.loads(json.dumps(config))  # as it reads back (tuples as lists)
+        if as_read == self._written:
+            return False
+        folder.write_config(config)
+        self._written = as_read
+        return True
+
+
+@dataclass
+class LocateRun(RunRecord):
+    """A locate run: its record, and what it measured and fitted.
+
+    Phases and what each adds to config.json: *started* (``RunFolder.start``: command,
+    identity, settings, spec, versions, created); *measuring* (the model loaded: example
+    subset, examples used, geometry, ablation); *designed* (everything fixed before the
+    masks are measured: ``pilot`` with --sparsity auto, ``row_keys``, ``prior_used`` and
+    ``prior_method``); *measured* (``masks_used``, and ``confirm`` with --confirm). The
+    rankings follow from those and the files on disk; they are written as heads and
+    report files, not into config.json. (A resumed run's start keeps the stored config
+    with the new settings; its next phases write what this session decided.)
+    """
+
+    pilot: dict[str, Any] | None = None  # --sparsity auto: the pilot's choice
+    row_keys: list[str] | None = None  # the measurement of each design row
+    prior_used: bool | None = None
+    prior_method: str | None = None  # a PRIOR_POINTS key, or None without a prior
+    prior_skipped: str | None = None  # why --prior auto computed none
+    masks_used: int | None = None  # measurements of masks (the pilot's included)
+    confirm: dict[str, Any] | None = None  # --confirm: the heads measured alone
+    # Held here, written to files of their own: design_matrix.npy, prior.json,
+    # measurements.jsonl, heads*.json / report.md.
+    design: np.ndarray | None = field(default=None, repr=False, compare=False)
+    priors: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False,
+                                               compare=False)
+    rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        *RunRecord.KEYS[:-1], "pilot", "row_keys", "prior_used", "prior_method",
+        "prior_skipped", "masks_used", "confirm", RunRecord.KEYS[-1])
+
+    def set_prior(self, priors: dict[str, np.ndarray] | None, method: str | None,
+                  skipped: str | None = None) -> None:
+        """The designed phase's prior: the estimates (None: no prior) and the method (a
+        ``PRIOR_POINTS`` key); recorded as a pair, a run without one recording null, and
+        ``skipped``: why ``--prior auto`` computed none."""
+        self.priors = priors
+        self._set(prior_used=priors is not None, prior_method=method)
+        self.prior_skipped = skipped  # recorded only when there is a reason
+        if skipped is not None:
+            self._set(prior_skipped=skipped)
+
+    # --- what older folders leave out ------------------------------------------------
+
+    @property
+    def tasks(self) -> list[str]:
+        """The run's task names (its ``--tasks`` without metrics)."""
+        return [parse_task_metric(task)[0] for task in self.spec.tasks]
+
+    @property
+    def uses_prior(self) -> bool:
+        """Whether the fit is eased by prior.json (not recorded by the earliest folders:
+        then whether the spec asks for a prior)."""
+        return self.spec.prior in PRIOR_POINTS if self.prior_used is None \
+            else bool(self.prior_used)
+
+    @property
+    def prior_kind(self) -> str | None:
+        """The attribution prior computed (a ``PRIOR_POINTS`` key), or None. Folders from
+        before path points computed plain AtP and did not record its name."""
+        return (self.prior_method or "atp") if self.uses_prior else None
+
+    @property
+    def unfitted(self) -> int:
+        """Measurements of masks that are not design rows: --sparsity auto's pilot
+        measures a floor mask that only chooses the sparsity."""
+        return UNFITTED if self.pilot is not None else 0
+
+    @property
+    def masks_measured(self) -> int:
+        """The masks the run measured (--masks auto: before it stopped); folders that did
+        not record it measured their whole design."""
+        if self.masks_used is not None:
+            return self.masks_used
+        if self.design is None:
+            raise ValueError("masks_measured needs the design (read_data)")
+        return len(self.design)
+
+    def keys(self, rows: int | None = None) -> list[str]:
+        """The measurement keys of the first ``rows`` design rows (default: all)."""
+        if self.row_keys is not None:
+            keys = list(self.row_keys)
+        elif self.design is not None:
+            keys = mask_keys(len(self.design))
+        else:
+            raise ValueError("keys() needs the design (read_data) or recorded row_keys")
+        return keys if rows is None else keys[:rows]
+
+    # --- the files ---------------------------------------------------------------------
+
+    def read_data(self, folder: RunFolder) -> None:
+        """Read what the run's config.json points to: the design, the measurements and
+        (when the fit uses one) the attribution prior."""
+        path = folder.file("design_matrix.npy")
+        if not path.is_file():
+            raise RunFolderError(f"{folder.path} is incomplete (no {path.name}: its design "
+                                 "was never made); rerun the locate command to finish it")
+        self.design = np.load(path)
+        self.records = {record["key"]: record for record in folder.measurements()}
+        self.priors = stored_prior(folder) if self.uses_prior else None
+
+
+def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
+    """prior.json's per-task attribution estimates, ``(points, heads)`` in flat head order
+    (a file from before path points holds the clean run's alone)."""
+    path = folder.file("prior.json")
+    if not path.is_file():
+        raise RunFolderError(f"{folder.path} is incomplete (no prior.json, which its fit "
+                             "uses); rerun the locate command to finish it")
+    data = json.loads(path.read_text())
+    return {task: np.atleast_2d(np.asarray(
+                [p["effects"] for p in entry["points"]] if "points" in entry
+                else entry["effects"], dtype=np.float64))
+            for task, entry in data["tasks"].items()}
+
+
+_RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun}
+
+
+def load_run(folder: RunFolder | str | Path) -> RunRecord:
+    """The record of the run in ``folder`` (a ``LocateRun`` for a locate run) from its
+    config.json; a config.json from a newer version is refused (``RunFolder.read_config``).
+    The files it points to are read on demand (``LocateRun.read_data``)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    config = folder.read_config()
+    return _RECORDS.get(config["command"], RunRecord).from_config(config)
+
+
+def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = False,
+              identity: Mapping[str, Any] | None = None,
+              protect: Sequence[str | Path] = ()) -> RunRecord:
+    """Start (or resume) ``command``'s run in ``folder`` — its first phase, one write of
+    config.json (``RunFolder.start``: the folder's identity checked, its lock taken) —
+    and return the run's record. ``identity``: the command's, when it is more than the
+    spec's (verify's, sweep's)."""
+    folder.start(command, spec.identity(command) if identity is None else identity,
+                 spec.settings(command), spec.as_config(), force=force, protect=protect,
+                 assumed=RunSpec.assumed_for_old_runs())
+    return _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)

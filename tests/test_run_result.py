@@ -1,0 +1,246 @@
+"""A run as a value: config.json written once per phase from the run's record, read back
+by one loader (old folders included), and locate's fit made once."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TASKS
+
+from lm_eval_headloc.commands import RunFolder, RunFolderError
+from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.commands.locate import auto_rounds, refit
+from lm_eval_headloc.commands.result import LocateRun, load_run
+
+ROOT = Path(__file__).resolve().parent.parent
+RECOVERY = ROOT / "benchmarks" / "recovery-runs"
+
+
+def harness(*args: str) -> int:
+    try:
+        return main([*args])
+    except SystemExit as exit_:  # argparse's own errors
+        return exit_.code
+
+
+def tiny_locate(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["locate", "--model-args", f"pretrained={model},dtype=float32", "--include-path",
+            TASKS, "--tasks", "tiny_choice", "--num-samples", "4", "--bootstrap", "20",
+            "--top-k", "2", *extra, "--out", str(out)]
+
+
+@pytest.fixture
+def config_writes(monkeypatch) -> dict[Path, list[dict]]:
+    """Every write of a config.json, by folder, as written (``RunFolder.write_config`` is
+    the one writer: ``start`` and the run records go through it)."""
+    writes: dict[Path, list[dict]] = {}
+    original = RunFolder.write_config
+
+    def counted(self, config):
+        writes.setdefault(self.path, []).append(json.loads(json.dumps(config)))
+        original(self, config)
+
+    monkeypatch.setattr(RunFolder, "write_config", counted)
+    return writes
+
+
+# What each phase of a locate run adds to config.json, written out here rather than
+# taken from the code under test.
+STARTED = {"schema", "command", "identity", "settings", "spec", "versions", "created"}
+MEASURING = {"example_subset", "examples_used", "layers", "heads_per_layer", "ablation"}
+DESIGNED = {"pilot", "row_keys", "prior_used", "prior_method"}  # pilot: --sparsity auto
+MEASURED = {"masks_used", "confirm"}  # confirm: --confirm
+
+
+def test_locate_writes_config_once_per_phase(tiny_model_dir, tmp_path, config_writes):
+    out = tmp_path / "run"
+    args = tiny_locate(tiny_model_dir("llama"), out, "--sparsity", "auto", "--masks", "16",
+                       "--prior", "atp", "--confirm", "2")
+    assert harness(*args) == 0
+    writes = config_writes[out]
+    # started, measuring (the model loaded), designed (pilot, design, prior: all fixed
+    # before the masks are measured), measured (the masks and the confirmation).
+    assert [set(w) for w in writes] == [STARTED, STARTED | MEASURING,
+                                        STARTED | MEASURING | DESIGNED,
+                                        STARTED | MEASURING | DESIGNED | MEASURED]
+    # Each write extends the one before: nothing is rewritten behind a phase's back.
+    for before, after in zip(writes, writes[1:], strict=False):
+        assert {k: after[k] for k in before} == before
+    on_disk = json.loads((out / "config.json").read_text())
+    assert on_disk == writes[-1]
+    records = [json.loads(line) for line in (out / "measurements.jsonl").read_text()
+               .splitlines()]
+    assert on_disk["masks_used"] == 16 == sum(r["key"].startswith(("mask-", "pilot-"))
+                                              for r in records)
+    assert on_disk["confirm"]["heads"] == [r["key"][len("alone-"):] for r in records
+                                           if r["key"].startswith("alone-")]
+    # A rerun (measuring nothing: it is all on disk) starts from the stored config, with
+    # this run's settings, and decides again, phase by phase, recording the same.
+    assert harness(*args) == 0
+    assert [set(w) for w in config_writes[out][4:]] == [set(on_disk)] + [
+        set(w) for w in writes[1:4]]
+    assert json.loads((out / "config.json").read_text()) == on_disk
+    # refit writes once: the settings its files were fitted with.
+    assert harness("refit", str(out), "--alpha", "0.02") == 0
+    assert len(config_writes[out]) == 4 + 4 + 1
+    refitted = json.loads((out / "config.json").read_text())
+    assert refitted["settings"]["alpha"] == refitted["spec"]["alpha"] == 0.02
+    assert {k: v for k, v in refitted.items() if k not in ("settings", "spec")} == \
+        {k: v for k, v in on_disk.items() if k not in ("settings", "spec")}
+
+
+def test_locate_bootstraps_only_the_fit_it_keeps(tiny_model_dir, tmp_path, monkeypatch):
+    """The bootstrap (its refits) runs once per task on the final fit; with --masks auto
+    also once per round, for its stopping rule."""
+    # The module (the package's `locate` is the function).
+    module = importlib.import_module("lm_eval_headloc.commands.locate")
+    calls: list[int] = []
+    original = module.bootstrap_stability
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["resamples"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "bootstrap_stability", counted)
+    model = tiny_model_dir("llama")
+    assert harness(*tiny_locate(model, tmp_path / "fixed", "--masks", "8", "--sparsity",
+                                "0.25", "--prior", "none", "--confirm", "2")) == 0
+    assert calls == [20]  # one task, fitted once (not once before confirming as well)
+    calls.clear()
+    auto = tmp_path / "auto"
+    assert harness(*tiny_locate(model, auto, "--masks", "auto", "--max-masks", "40",
+                                "--sparsity", "0.25", "--prior", "none", "--confirm",
+                                "2")) == 0
+    used = json.loads((auto / "config.json").read_text())["masks_used"]
+    assert len(calls) == auto_rounds(40).index(used) + 1 + 1  # each round, then the fit
+    calls.clear()
+    lasso = tmp_path / "auto-lasso"
+    assert harness(*tiny_locate(model, lasso, "--masks", "auto", "--max-masks", "40",
+                                "--sparsity", "0.25", "--prior", "none", "--confirm",
+                                "0")) == 0
+    used = json.loads((lasso / "config.json").read_text())["masks_used"]
+    assert len(calls) == auto_rounds(40).index(used) + 1  # the last round's fit is kept
+
+
+def test_a_resumed_run_records_only_what_it_decided(tiny_model_dir, tmp_path):
+    """Rerun with --confirm 0 after --confirm 2: the earlier confirmation is not carried
+    over into config.json, the report or a later refit (the ranking is the masks' fit)."""
+    out, fresh = tmp_path / "run", tmp_path / "fresh"
+    model = tiny_model_dir("llama")
+    common = ["--masks", "8", "--sparsity", "0.25", "--prior", "none"]
+    assert harness(*tiny_locate(model, out, *common, "--confirm", "2")) == 0
+    assert "confirm" in json.loads((out / "config.json").read_text())
+    assert harness(*tiny_locate(model, out, *common, "--confirm", "0")) == 0
+    assert harness(*tiny_locate(model, fresh, *common, "--confirm", "0")) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "confirm" not in config and config["spec"]["confirm"] == 0
+    assert "confirmation: none" in (out / "report.md").read_text()
+    heads = json.loads((out / "heads.json").read_text())
+    assert heads == json.loads((fresh / "heads.json").read_text())
+    assert harness("refit", str(out)) == 0
+    assert json.loads((out / "heads.json").read_text()) == heads
+
+
+# --- folders made by earlier versions ------------------------------------------------
+
+# Committed benchmark runs made by today's main (their heads.json is the current code's):
+# both confirmation layouts (rounds and picks; the earlier heads/consumed/never, with no
+# prior_method), all three tasks.
+COMMITTED = [
+    "headloc_ioi/stratified-p0.1-atp-path/m54-seed0",
+    "headloc_induction/stratified-p0.1-atp-path/m25-seed3",
+    "headloc_arith/stratified-p0.1-atp-path/m100-seed1",
+    "headloc_ioi/stratified-p0.1-confirm/m54-seed2",
+    "headloc_induction/stratified-p0.1-confirm/m54-seed0",
+    "headloc_arith/stratified-p0.1-confirm/m54-seed4",
+]
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def committed_copy(name: str, tmp_path: Path) -> tuple[Path, Path]:
+    source = RECOVERY / name
+    if not (source / "config.json").is_file():
+        pytest.skip(f"{source} is not in this checkout")
+    return source, Path(shutil.copytree(source, tmp_path / "run"))
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
+                                                              no_model_loading):
+    source, run = committed_copy(name, tmp_path)
+    committed = contents(source)
+    assert harness("refit", str(run)) == 0
+    for file in ("heads.json", "heads.csv", "report.md"):
+        assert (run / file).read_text() == (source / file).read_text(), file
+    # config.json keeps every key and value it had; the schema is added, and the spec
+    # gains options added since (with the values that give what the run did).
+    before = json.loads((source / "config.json").read_text())
+    after = json.loads((run / "config.json").read_text())
+    assert after.pop("schema") == 1 and "schema" not in before
+    assert {k: v for k, v in after.pop("spec").items() if k in before["spec"]} == \
+        before.pop("spec")
+    assert after == before
+    assert contents(source) == committed  # refit worked on the copy alone
+
+
+def test_load_run_reads_a_config_without_schema(tmp_path):
+    """The earlier layout (no schema, no prior_method, the confirmation as heads /
+    consumed / never) loads with the defaults it implies, and writes back unchanged."""
+    source, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    assert "schema" not in config and "prior_method" not in config
+    record = load_run(run)
+    assert isinstance(record, LocateRun)
+    assert record.prior_used is True and record.prior_method is None
+    assert record.prior_kind == "atp"  # plain AtP: path points came with their name
+    assert record.spec.confirm == config["settings"]["confirm"]
+    assert record.confirm == config["confirm"] and "consumed" in record.confirm
+    assert record.unfitted == 0 and record.masks_measured == config["masks_used"]
+    assert record.keys() == config["row_keys"]
+    assert {k: v for k, v in record.to_config().items() if k != "spec"} == \
+        {"schema": 1, **{k: v for k, v in config.items() if k != "spec"}}
+
+
+def test_load_run_fills_what_the_earliest_folders_left_out(tmp_path):
+    """A folder from before config.json held the spec, the row keys or the masks used:
+    its spec is its identity and settings, its rows are mask-0000..., all measured."""
+    import numpy as np
+
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": {"tasks": ["t"], "masks": 3, "seed": 4},
+        "settings": {"alpha": 0.5, "top_k": 2}, "layers": 1, "heads_per_layer": 4}))
+    np.save(folder / "design_matrix.npy", np.eye(3, 4, dtype=bool))
+    record = load_run(folder)
+    assert isinstance(record, LocateRun)
+    assert (record.spec.masks, record.spec.seed, record.spec.alpha) == (3, 4, 0.5)
+    # Options added later read as what runs did before them: no prior, no confirmation.
+    assert (record.spec.prior, record.spec.confirm, record.uses_prior) == ("none", 0, False)
+    record.read_data(RunFolder(folder))
+    assert record.keys() == ["mask-0000", "mask-0001", "mask-0002"]
+    assert record.masks_measured == 3 and record.priors is None
+    assert "row_keys" not in record.to_config() and "masks_used" not in record.to_config()
+
+
+def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
+        tmp_path, capsys):
+    _, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    del config["confirm"]  # killed while measuring heads alone
+    (run / "config.json").write_text(json.dumps(config))
+    assert harness("refit", str(run)) == 2
+    assert "is incomplete (its confirmation never finished)" in \
+        capsys.readouterr().err.splitlines()[-1]
+    (run / "config.json").write_text(json.dumps({**config, "schema": 2}))
+    with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
+        load_run(run)
+    with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
+        refit(run)
