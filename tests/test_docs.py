@@ -1,0 +1,220 @@
+"""The documentation stays true to the code: docs/cli.md is the parser's current rendering,
+every relative link in the guide and docs resolves (anchors included), the README's first
+screen holds the whole first-use path, and the package's sources do not cite the project's
+internal planning documents (which a user of the package cannot see)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import unicodedata
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATOR = ROOT / "scripts" / "gen_cli_docs.py"
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            ROOT / "benchmarks" / "README.md"]
+
+
+@pytest.fixture(scope="module")
+def gen_cli_docs() -> ModuleType:
+    # scripts/ is not a package: load the generator from its file, as CI runs it.
+    spec = importlib.util.spec_from_file_location("gen_cli_docs", GENERATOR)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- docs/cli.md is generated ----------------------------------------------------------
+
+def test_cli_reference_is_current(gen_cli_docs: ModuleType) -> None:
+    problem = gen_cli_docs.check(gen_cli_docs.OUT)
+    assert problem is None, problem
+
+
+def test_cli_reference_covers_every_option(gen_cli_docs: ModuleType) -> None:
+    import argparse
+
+    from lm_eval_headloc.commands.cli import build_parser
+
+    text = gen_cli_docs.render()
+    assert text == gen_cli_docs.render()  # deterministic
+    assert "do not edit" in text.splitlines()[0]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        section = text.split(f"## `headloc-harness {name}`", 1)[1].split("\n## ", 1)[0]
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}" in section, f"{name} {flag} missing from docs/cli.md"
+
+
+def test_stale_cli_reference_is_refused(gen_cli_docs: ModuleType, tmp_path: Path) -> None:
+    stale = tmp_path / "cli.md"
+    stale.write_text(gen_cli_docs.render().replace("(default: 12)", "(default: 13)"))
+    problem = gen_cli_docs.check(stale)
+    assert problem is not None and "python scripts/gen_cli_docs.py" in problem
+    assert gen_cli_docs.main(["--check", "--out", str(stale)]) == 1
+    assert gen_cli_docs.main(["--check", "--out", str(tmp_path / "missing.md")]) == 1
+    assert gen_cli_docs.main(["--out", str(stale)]) == 0  # regenerating fixes it
+    assert gen_cli_docs.main(["--check", "--out", str(stale)]) == 0
+
+
+# --- links -------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.S)
+_LINK = re.compile(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^()\s<>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.M)
+_HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$", re.M)
+_HTML_ANCHOR = re.compile(r"<a\s[^>]*(?:name|id)=\"([^\"]+)\"", re.I)
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and code spans, where brackets are not links."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: the rendered text lower-cased, punctuation other
+    than '-' and '_' dropped, spaces made hyphens (github-slugger's rule)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").lower()
+    kept = "".join(c for c in text if c in " -" or unicodedata.category(c)[0] in "LMN"
+                   or unicodedata.category(c) == "Pc")
+    return kept.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every anchor a Markdown file offers: its headings' slugs (a repeated heading gets
+    -1, -2, … as on GitHub) and explicit HTML anchors."""
+    text = _FENCE.sub("", path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in _HEADING.findall(text):
+        slug = github_slug(heading)
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found | set(_HTML_ANCHOR.findall(text))
+
+
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
+    """The relative links of a Markdown file that do not resolve: a missing file or folder,
+    or an anchor no heading of the target has (named relative to ``root``). External
+    links are not checked."""
+    text = _prose(path.read_text(encoding="utf-8"))
+    problems = []
+    for target in [*_LINK.findall(text), *_REFERENCE.findall(text)]:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):  # http:, mailto:, ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        resolved = (path.parent / file_part).resolve() if file_part else path
+        if not resolved.exists():
+            problems.append(f"{path.relative_to(root)}: {target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            problems.append(f"{path.relative_to(root)}: {target} (no such heading)")
+    return problems
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path) -> None:
+    assert path.is_file()
+    assert broken_links(path) == []
+
+
+def test_link_checker_finds_broken_links(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text("# The `heads.json` file\n\n## Sign of effect\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Top\n\n"
+        "[ok](other.md) [ok](other.md#the-headsjson-file) [ok](other.md#sign-of-effect)\n"
+        "[ok](#top) [external](https://example.com/missing) ![img](other.md)\n"
+        "`[not a link](nowhere.md)`\n\n```\n[not a link](nowhere.md)\n```\n"
+        "[gone](missing.md) [bad anchor](other.md#nope) [bad local](#bottom)\n\n"
+        "[ref]: also-missing.md\n")
+    assert broken_links(page, root=tmp_path) == [
+        "page.md: missing.md (no such file)",
+        "page.md: other.md#nope (no such heading)",
+        "page.md: #bottom (no such heading)",
+        "page.md: also-missing.md (no such file)",
+    ]
+
+
+def test_github_slugs() -> None:
+    assert github_slug("`hf-headablate`: an lm-eval model") == "hf-headablate-an-lm-eval-model"
+    assert github_slug("Many GPUs and nodes: `--workers N` (Ray)") == \
+        "many-gpus-and-nodes---workers-n-ray"
+    assert github_slug("The sign of `effect`") == "the-sign-of-effect"
+    assert github_slug("heads_per_layer × 2") == "heads_per_layer--2"
+
+
+# --- commands shown in the docs ------------------------------------------------------------
+
+def shown_commands(path: Path) -> list[str]:
+    """Every ``headloc-harness …`` command line of a Markdown file's bash/sh code blocks,
+    continuation lines joined."""
+    commands = []
+    for block in re.findall(r"^ *```(?:bash|sh|shell)\n(.*?)^ *```", path.read_text(
+            encoding="utf-8"), re.M | re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            if line.strip().startswith("headloc-harness "):
+                commands.append(line.strip())
+    return commands
+
+
+def test_shown_commands_parse() -> None:
+    """An example with an option the command does not have (renamed, removed) fails here,
+    not in a reader's terminal. Parsing loads nothing."""
+    import shlex
+
+    from lm_eval_headloc.commands.cli import build_parser
+
+    parser = build_parser()
+    shown = [(path, line) for path in _markdown_files() for line in shown_commands(path)]
+    assert len(shown) >= 10  # the README's and the docs' examples are found
+    for path, line in shown:
+        try:
+            parser.parse_args(shlex.split(line, comments=True)[1:])
+        except SystemExit:
+            pytest.fail(f"{path.relative_to(ROOT)}: `{line}` does not parse")
+
+
+# --- the README's first screen -----------------------------------------------------------
+
+def test_readme_first_screen_has_the_whole_first_use() -> None:
+    """Install, the default job, the test command and the four steps for one's own model
+    and task, within the first 40 lines."""
+    first = "\n".join((ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:40])
+    for needed in ("bash scripts/run_default.sh", "bash scripts/test.sh", "task:",
+                   "headloc-harness locate", "headloc-harness verify",
+                   "lm_eval --model hf-headablate", "ablate_file=runs/"):
+        assert needed in first, f"README's first 40 lines lack {needed!r}"
+
+
+# --- the sources ---------------------------------------------------------------------------
+
+_PLANNING = re.compile(r"SPEC\s*§|\bissues?\s+#?\d+", re.I)
+
+
+def test_sources_do_not_cite_planning_documents() -> None:
+    """'SPEC §2' or 'issue 10' in a docstring points a user at documents they do not have;
+    the sources say what they mean instead."""
+    hits = []
+    for path in sorted((ROOT / "lm_eval_headloc").rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # binary data files
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            if _PLANNING.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "planning references in the sources:\n" + "\n".join(hits)
