@@ -1,4 +1,4 @@
-"""Verify one run's top heads under several ablation kinds, side by side (issue 11).
+"""Verify one run's top heads under several ablation kinds, side by side.
 
     python scripts/compare_ablations.py runs/locate --kinds zero,mean,resample \
         --general headloc_ioi,headloc_arith --limit 100 --out docs/ablation_kinds.md

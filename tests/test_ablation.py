@@ -1,4 +1,4 @@
-"""Ablation kinds (issue 11): mean ablation and scale, against computations by hand.
+"""Ablation kinds: mean ablation and scale, against computations by hand.
 
 Every expected value here comes from the plain ``transformers`` model with hooks written
 in the test: activations recorded one text at a time (no padding, no batching), means

@@ -1,4 +1,4 @@
-"""Ablation kinds through headloc-harness (issue 11): flags, run identity, verify.
+"""Ablation kinds through headloc-harness: flags, run identity, verify.
 
 Expected scores come from lm-eval itself answering with a separately built
 ``hf-headablate`` model (``simple_evaluate``), never from the harness's own files.

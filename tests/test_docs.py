@@ -207,7 +207,9 @@ def test_sources_do_not_cite_planning_documents() -> None:
     """'SPEC §2' or 'issue 10' in a docstring points a user at documents they do not have;
     the sources say what they mean instead."""
     hits = []
-    for path in sorted((ROOT / "lm_eval_headloc").rglob("*")):
+    sources = [*(ROOT / "lm_eval_headloc").rglob("*"), *(ROOT / "scripts").rglob("*"),
+               *(p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py")]
+    for path in sorted(sources):
         if not path.is_file() or "__pycache__" in path.parts:
             continue
         try:
