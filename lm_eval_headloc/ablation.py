@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
+from .files import write_atomically
 
 __all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "check_ablation",
            "check_reference_set", "check_scale", "default_cache_dir", "head_means",
@@ -353,7 +354,6 @@ def cached_head_means(key_fields: dict[str, Any], compute: Any,
         return list(stored["means"]), path
     means = compute()
     folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    torch.save({"fields": text, "means": [m.detach().cpu() for m in means]}, partial)
-    os.replace(partial, path)
+    stored = {"fields": text, "means": [m.detach().cpu() for m in means]}
+    write_atomically(path, lambda partial: torch.save(stored, partial))
     return means, path

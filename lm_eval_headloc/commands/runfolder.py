@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import write_atomically
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "package_versions", "strict_json"]
 
@@ -253,10 +254,7 @@ class RunFolder:
 
     def write_text(self, name: str, text: str) -> None:
         """Write atomically: a reader never sees half a file."""
-        target = self.file(name)
-        partial = target.with_name(target.name + ".partial")
-        partial.write_text(text)
-        os.replace(partial, target)
+        write_atomically(self.file(name), lambda partial: partial.write_text(text))
 
     def write_json(self, name: str, data: Any) -> None:
         self.write_text(name, strict_json(data))

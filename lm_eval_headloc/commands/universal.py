@@ -5,12 +5,12 @@ masks (``--never-ablate``)."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..checks import UsageError, check_number
+from ..files import write_atomically
 from ..heads import read_heads_file
 from .result import load_run
 from .runfolder import RunFolder, RunFolderError, strict_json
@@ -82,9 +82,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
               "candidates": {h: ranks[h] for h in sorted(ranks)}}
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(out.name + ".partial")
-        partial.write_text(strict_json(result))
-        os.replace(partial, out)
+        text = strict_json(result)
+        write_atomically(out, lambda partial: partial.write_text(text))
     except OSError as err:
         raise UsageError(f"cannot write --out {out}: {err.strerror or err}") from None
     return result
