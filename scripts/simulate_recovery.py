@@ -20,7 +20,7 @@ the package's stratified design and ``HeadLasso``
 
 Usage (from the repository root)::
 
-    python scripts/simulate_recovery.py --out SIMULATION.md      # the full run, minutes
+    python scripts/simulate_recovery.py --out SIMULATION.md      # the full run, 1.5 h or more
     python scripts/simulate_recovery.py --quick                   # a smoke run, seconds
     python scripts/simulate_recovery.py --n-heads 1024 --sparsities 0.01,0.02 --seeds 40
 
