@@ -220,3 +220,14 @@ def test_sources_do_not_cite_planning_documents() -> None:
             if _PLANNING.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not hits, "planning references in the sources:\n" + "\n".join(hits)
+
+
+def test_flags_that_keep_the_runs_value_say_so_not_the_fields_default() -> None:
+    from lm_eval_headloc.commands.cli import build_parser
+
+    parser = build_parser()
+    verify = next(a for a in parser._subparsers._group_actions).choices["verify"]
+    helps = {a.dest: a.help for a in verify._actions}
+    for dest in ("ablation_data", "ablation_field"):
+        assert helps[dest].endswith("(default: the run's)"), helps[dest]
+        assert helps[dest].count("default:") == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -214,7 +215,8 @@ class RunSpec:
     # --- verify ------------------------------------------------------------------------
     general: tuple[str, ...] | None = _option(
         None, "general tasks for the Gen drop (default: hellaswag,boolq,arc_challenge,mmlu; "
-              "headloc_ioi,headloc_arith for the embedded model, which runs offline)",
+              "for the embedded model, which runs offline, the headloc_induction, "
+              "headloc_ioi and headloc_arith tasks that are not the run's own)",
         parse=_comma_list, metavar="TASKS")
     limit: int | None = _option(None, "examples per task (default: full datasets)",
                                 parse=int, metavar="N", whole=True, min_val=1)
@@ -431,10 +433,12 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
         default = None if keep_stored else spec_field.default
         shown = "the run's" if keep_stored else (
             ",".join(default) if isinstance(default, tuple) else default)
-        say_default = shown is not None and shown != "" and "default:" not in meta["help"]
+        text = meta["help"]
+        if keep_stored:  # the field's own default is not what a stored run uses
+            text = re.sub(r" \(default: [^()]*\)", "", text)
+        say_default = shown is not None and shown != "" and "default:" not in text
         # argparse %-formats help texts.
-        help_text = (meta["help"] + (f" (default: {shown})" if say_default else "")
-                     ).replace("%", "%%")
+        help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
         if meta["switch"] is not None:
             parser.add_argument(flag, action=meta["switch"], default=spec_field.default,
                                 help=meta["help"].replace("%", "%%"))
