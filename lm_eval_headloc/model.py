@@ -208,12 +208,17 @@ class HFHeadAblateLM(HFLM):
         its own ``set_heads``; on exit, as before, whatever happened inside."""
         parsed = () if row_masks is not None else self._parsed(heads)
         saved, self._override = self._override, self._intervention(parsed, row_masks)
-        self._select_cache_table()
+        # Per-row masks are forward passes of our own (multimask, once per batch), never
+        # answers lm-eval caches: the response cache's table stays as it is.
+        cached = row_masks is None
+        if cached:
+            self._select_cache_table()
         try:
             yield self._override
         finally:
             self._override = saved
-            self._select_cache_table()
+            if cached:
+                self._select_cache_table()
 
     @contextlib.contextmanager
     def forward_pass(self, input_ids: Any, attention_mask: Any = None,

@@ -114,7 +114,8 @@ def test_ray_timeout_is_a_checked_runtime_option():
     # How long to wait for a cluster changes no measurement: a run resumes with another.
     assert "ray_timeout" not in RunSpec().identity("locate")
     assert "ray_timeout" not in RunSpec().identity("verify")
-    for bad in (0, -1, float("nan")):
+    # Past a day, or infinite: a thread's wait cannot hold it (1e308 was a traceback).
+    for bad in (0, -1, float("nan"), float("inf"), 86401, 1e308):
         with pytest.raises(UserError, match="--ray-timeout"):
             RunSpec(ray_timeout=bad).validate()
 

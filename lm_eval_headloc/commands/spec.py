@@ -238,7 +238,7 @@ class RunSpec:
         RAY_TIMEOUT, "with --ray-address: seconds the address may take to answer; checked "
                      "before the model loads, it ends the run in one line if nothing "
                      "answers", RUNTIME, parse=float, metavar="SECONDS", whole=False,
-        min_val=0, include_boundaries="neither")
+        min_val=0, max_val=86400, include_boundaries="right")  # a thread's wait must fit
     gpus_per_worker: float | None = _option(
         None, "with --workers: GPUs per worker (default 1 where CUDA is available, else 0; "
               "more than 1 spreads the model over them with parallelize=True on one node)",
