@@ -1,7 +1,9 @@
 """Ablation kinds: what a knocked-out head's output becomes (zero, mean or resample).
 
 The knockout acts where it always has, on a head's slice of the attention output
-projection's input (``hooks.HeadKnockout``); the kind says what that slice is replaced by:
+projection's input (``hooks.HeadKnockout``; an MLP neuron's is its one feature of the MLP
+output projection's input, and everything below holds for neurons the same way); the kind
+says what that slice is replaced by:
 
 - ``zero`` (default): exact zeros, the product's behaviour before kinds existed.
 - ``mean``: the head's mean output over a reference set of token positions (per layer, per
@@ -194,11 +196,11 @@ def _recorded(model: nn.Module, modules: Sequence[nn.Module],
         raise AblationError("the reference set needs at least one token in every example")
     inputs: list[torch.Tensor | None] = [None] * len(modules)
 
-    def record(layer: int):
+    def record(index: int):
         def hook(module: nn.Module, args: tuple) -> None:
-            inputs[layer] = args[0].detach()
-            if layer == len(modules) - 1:
-                # Nothing past the last output projection is needed: stop the forward
+            inputs[index] = args[0].detach()
+            if all(hidden is not None for hidden in inputs):
+                # Nothing past the last recorded projection is needed: stop the forward
                 # there (cheaper, and no output-side hook of the caller's sees this pass).
                 raise _Recorded
         return hook
@@ -229,8 +231,10 @@ def _recorded(model: nn.Module, modules: Sequence[nn.Module],
 
 def head_means(model: nn.Module, modules: Sequence[nn.Module], heads_per_layer: int,
                token_lists: Sequence[Sequence[int]], batch_size: int = 8) -> list[torch.Tensor]:
-    """Every layer's ``(heads, head_dim)`` mean of the output projection's input over all
-    token positions of ``token_lists``, from one no-grad pass of ``model`` as it is.
+    """Every layer's ``(units, width)`` mean of the output projection's input over all
+    token positions of ``token_lists``, from one no-grad pass of ``model`` as it is:
+    ``(heads, head_dim)`` on the attention's projections, ``(neurons, 1)`` on the MLP's
+    (``heads_per_layer`` is then the MLP's width).
 
     Rows are right-padded and given an attention mask, and only real positions count, so
     the mean does not depend on how the texts are batched (beyond float rounding).
@@ -297,6 +301,10 @@ class Resampler:
         inputs ``columns`` wide: per layer the donors' outputs (rows, donor width, H·d),
         and the (rows, columns) index of the donor position each column gets."""
         chosen = [pick_donor(tokens, self.references, self.seed) for tokens in rows]
+        recorded = tuple(id(m) for m in modules)
+        if recorded != getattr(self, "_recorded_modules", recorded):
+            self._cache, self._cached_bytes = {}, 0  # outputs of other modules (kinds)
+        self._recorded_modules = recorded
         missing = sorted(set(chosen) - set(self._cache))
         fresh = dict(zip(missing, head_outputs(model, modules,
                                                [self.references[i] for i in missing]),

@@ -1,8 +1,10 @@
-"""A model's attention geometry, read from its config in one place.
+"""A model's component geometry (attention heads, MLP neurons), read from its config in
+one place.
 
-Used before the weights load (``commands.engine``: head names are checked against the
-config), by the knockout hooks (``hooks``: which projection input is heads x head_dim
-wide) and by memory sizing (``multimask``). No torch import: reading a config is cheap.
+Used before the weights load (``commands.engine``, ``hf-headablate``: component names are
+checked against the config), by the knockout hooks (``hooks``: which projection input is
+heads x head_dim wide, which is the MLP's width) and by memory sizing (``multimask``). No
+torch import: reading a config is cheap.
 """
 
 from __future__ import annotations
@@ -20,16 +22,24 @@ def text_config(config: Any) -> Any:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Decoder layers, query heads per layer, and the width of one head's slice of the
-    attention output projection's input (None when the config does not tell)."""
+    """Decoder layers, query heads per layer, the width of one head's slice of the
+    attention output projection's input, and the MLP's width (its neurons: the input of
+    its output projection) — the last two None when the config does not tell."""
 
     num_layers: int
     heads_per_layer: int
     head_dim: int | None
+    neurons_per_layer: int | None = None
 
     @property
     def total_heads(self) -> int:
         return self.num_layers * self.heads_per_layer
+
+    @property
+    def total_neurons(self) -> int | None:
+        if self.neurons_per_layer is None:
+            return None
+        return self.num_layers * self.neurons_per_layer
 
     @classmethod
     def from_config(cls, config: Any) -> Geometry:
@@ -50,8 +60,26 @@ class Geometry:
             if isinstance(value, int) and value > 0:
                 head_dim = value
                 break
+        hidden = getattr(text, "hidden_size", None)
         if head_dim is None:
-            hidden = getattr(text, "hidden_size", None)
             if isinstance(hidden, int) and heads and hidden % heads == 0:
                 head_dim = hidden // heads
-        return cls(layers, heads, head_dim)
+        return cls(layers, heads, head_dim, _mlp_width(text, hidden))
+
+
+# Where configs keep the MLP width: Llama/Qwen/Mistral/Gemma/Phi/GPT-NeoX, OPT, Falcon,
+# T5, GPT-2/GPT-J. Mixture-of-experts configs give one expert's width; their MLPs are not
+# one projection per layer, which the hooks refuse.
+_MLP_WIDTH_NAMES = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "d_ff", "n_inner")
+
+
+def _mlp_width(text: Any, hidden: Any) -> int | None:
+    for name in _MLP_WIDTH_NAMES:
+        if not hasattr(text, name):
+            continue
+        value = getattr(text, name)
+        if isinstance(value, int) and value > 0:
+            return value
+        if value is None and isinstance(hidden, int):
+            return 4 * hidden  # GPT-2/GPT-J/Falcon: None means the customary 4 x hidden
+    return None

@@ -1,8 +1,12 @@
-"""Head notation: ``L{layer}H{head}``, zero-based; several heads joined with ``+``.
+"""Component notation: heads ``L{layer}H{head}`` and MLP neurons ``L{layer}N{neuron}``,
+zero-based; several joined with ``+``.
 
-``L0H29+L1H31`` names two heads, ``L3H*`` every head of layer 3. Commas are taken by
-lm-eval's ``model_args``, hence ``+``. Parsing sorts and de-duplicates, so formatting a
-parsed list round-trips and the order a user wrote heads in does not matter.
+``L0H29+L1H31`` names two heads, ``L3H*`` every head of layer 3; ``L3N1234`` is neuron 1234
+of layer 3's MLP (its slice of the MLP output projection's input) and ``L3N*`` the whole
+MLP. Heads and neurons mix: ``L0H29+L3N1234``. Commas are taken by lm-eval's
+``model_args``, hence ``+``. Parsing sorts (layer, then heads before neurons, then index)
+and de-duplicates, so formatting a parsed list round-trips and the order a user wrote
+components in does not matter. ``parse_heads`` takes heads only; ``parse_components`` both.
 """
 
 from __future__ import annotations
@@ -16,17 +20,23 @@ from typing import NamedTuple
 from .errors import UserError
 
 __all__ = [
+    "Component",
     "Head",
     "HeadSpecError",
+    "Neuron",
+    "check_component_names",
     "check_head_names",
     "check_top",
+    "component_key",
     "format_heads",
+    "names_neurons",
+    "parse_components",
     "parse_heads",
     "read_heads_file",
     "validate_heads",
 ]
 
-_TOKEN = re.compile(r"^L(\d+)H(\d+|\*)$")
+_TOKEN = re.compile(r"^L(\d+)([HN])(\d+|\*)$")
 
 
 class HeadSpecError(UserError):
@@ -49,54 +59,96 @@ class Head(NamedTuple):
         return cls(*divmod(int(index), heads_per_layer))
 
 
-def _parse_token(token: str, heads_per_layer: int | None) -> list[Head]:
+class Neuron(NamedTuple):
+    """Neuron ``neuron`` of layer ``layer``'s MLP: one input feature of its output
+    projection (``down_proj``, ``fc2``, ``c_proj`` …)."""
+
+    layer: int
+    neuron: int
+
+    def __str__(self) -> str:
+        return f"L{self.layer}N{self.neuron}"
+
+
+Component = Head | Neuron
+
+
+def component_key(component: Component) -> tuple[int, int, int]:
+    """Sort key: layer, then heads before neurons, then index (a Head and a Neuron with the
+    same numbers are equal as tuples, so they never sort by themselves)."""
+    return (component.layer, isinstance(component, Neuron), component[1])
+
+
+_NAMES = {
+    False: "L{layer}H{head} with zero-based non-negative integers (e.g. L0H29) or "
+           "L{layer}H* for a whole layer",
+    True: "a head L{layer}H{head} (e.g. L0H29, L3H* for a whole layer) or an MLP neuron "
+          "L{layer}N{neuron} (e.g. L3N1234, L3N* for a whole MLP), zero-based",
+}
+
+
+def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int | None,
+                 neurons: bool) -> list[Component]:
     token = token.strip()
     if not token:
+        what = "component" if neurons else "head"
         raise HeadSpecError(
-            "empty head name in the head list (two '+' in a row, or a '+' at an end); "
+            f"empty {what} name in the {what} list (two '+' in a row, or a '+' at an end); "
             "write heads as L{layer}H{head} joined by '+', e.g. L0H29+L1H31"
         )
     match = _TOKEN.match(token)
     if match is None:
-        raise HeadSpecError(
-            f"bad head name {token!r}: expected L{{layer}}H{{head}} with zero-based "
-            "non-negative integers (e.g. L0H29) or L{layer}H* for a whole layer"
-        )
-    layer = int(match.group(1))
-    if match.group(2) == "*":
-        if heads_per_layer is None:
+        raise HeadSpecError(f"bad {'component' if neurons else 'head'} name {token!r}: "
+                            f"expected {_NAMES[neurons]}")
+    layer, kind, index = int(match.group(1)), match.group(2), match.group(3)
+    if kind == "N" and not neurons:
+        raise HeadSpecError(f"{token!r} is an MLP neuron; only attention heads are accepted "
+                            "here (L{layer}H{head}, e.g. L0H29)")
+    unit, count, what = ((Head, heads_per_layer, "head") if kind == "H"
+                         else (Neuron, neurons_per_layer, "MLP neuron"))
+    if index == "*":
+        if count is None:
             raise HeadSpecError(
-                f"{token!r} names a whole layer, which needs the model's head count"
-            )
-        return [Head(layer, h) for h in range(heads_per_layer)]
-    return [Head(layer, int(match.group(2)))]
+                f"{token!r} names a whole layer, which needs the model's {what} count")
+        return [unit(layer, i) for i in range(count)]
+    return [unit(layer, int(index))]
 
 
-def validate_heads(heads: Iterable[Head], num_layers: int, heads_per_layer: int) -> None:
-    """Raise HeadSpecError naming the first head outside a ``num_layers × heads_per_layer``
-    model (layer or head out of range)."""
-    for head in heads:
-        if not 0 <= head.layer < num_layers:
+def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer: int,
+                   neurons_per_layer: int | None = None) -> None:
+    """Raise HeadSpecError naming the first component outside a model of ``num_layers``
+    layers of ``heads_per_layer`` heads (and MLPs ``neurons_per_layer`` wide, where
+    known): layer or index out of range."""
+    for component in heads:
+        is_neuron = isinstance(component, Neuron)
+        what, count, per = (("neuron", neurons_per_layer, "MLP neurons per layer") if is_neuron
+                            else ("head", heads_per_layer, "heads per layer"))
+        if not 0 <= component.layer < num_layers:
             raise HeadSpecError(
-                f"head {head} is outside the model: layer {head.layer} not in "
+                f"{what} {component} is outside the model: layer {component.layer} not in "
                 f"0..{num_layers - 1} ({num_layers} layers)"
             )
-        if not 0 <= head.head < heads_per_layer:
+        if count is not None and not 0 <= component[1] < count:
             raise HeadSpecError(
-                f"head {head} is outside the model: head {head.head} not in "
-                f"0..{heads_per_layer - 1} ({heads_per_layer} heads per layer)"
+                f"{what} {component} is outside the model: {what} {component[1]} not in "
+                f"0..{count - 1} ({count} {per})"
             )
 
 
-def parse_heads(
-    spec: str | Iterable[str | Head | tuple[int, int]],
+def parse_components(
+    spec: str | Iterable[str | Component | tuple[int, int]],
     num_layers: int | None = None,
     heads_per_layer: int | None = None,
-) -> list[Head]:
-    """Parse ``"L0H29+L1H31"`` (or a list of names or Heads) into sorted, unique Heads.
+    neurons_per_layer: int | None = None,
+    *,
+    neurons: bool = True,
+) -> list[Component]:
+    """Parse ``"L0H29+L3N1234"`` (or a list of names, Heads, Neurons or (layer, head)
+    pairs) into sorted, unique components.
 
-    With ``num_layers``/``heads_per_layer`` given, every head is checked against the model and
-    ``L{l}H*`` expands to the whole layer.
+    With ``num_layers``/``heads_per_layer`` given, every component is checked against the
+    model (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*``
+    expand to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
     """
     if isinstance(spec, str):
         if not spec.strip():
@@ -104,22 +156,45 @@ def parse_heads(
                 "the head list is empty; write heads as L{layer}H{head} joined by '+', "
                 "e.g. L0H29+L1H31"
             )
-        tokens: list[str | Head | tuple[int, int]] = list(spec.split("+"))
+        tokens: list = list(spec.split("+"))
     else:
         tokens = list(spec)
-    heads: set[Head] = set()
-    for token in tokens:
+    found: dict[tuple[int, int, int], Component] = {}  # by component_key: Head(0, 1) and
+    for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):
-            heads.update(_parse_token(token, heads_per_layer))
+            parsed = _parse_token(token, heads_per_layer, neurons_per_layer, neurons)
+        elif isinstance(token, Neuron):
+            if not neurons:
+                raise HeadSpecError(f"{token} is an MLP neuron; only attention heads are "
+                                    "accepted here (L{layer}H{head}, e.g. L0H29)")
+            parsed = [token]
         else:
-            heads.add(_head_from_pair(token))
+            parsed = [_head_from_pair(token)]
+        found.update((component_key(c), c) for c in parsed)
+    components = list(found.values())
     if num_layers is not None and heads_per_layer is not None:
-        validate_heads(heads, num_layers, heads_per_layer)
+        validate_heads(components, num_layers, heads_per_layer, neurons_per_layer)
     else:
-        for head in heads:
-            if head.layer < 0 or head.head < 0:
-                raise HeadSpecError(f"bad head {head}: layer and head are zero-based")
-    return sorted(heads)
+        for component in components:
+            if component.layer < 0 or component[1] < 0:
+                raise HeadSpecError(f"bad component {component}: layer and index are "
+                                    "zero-based")
+    return sorted(components, key=component_key)
+
+
+def parse_heads(
+    spec: str | Iterable[str | Head | tuple[int, int]],
+    num_layers: int | None = None,
+    heads_per_layer: int | None = None,
+) -> list[Head]:
+    """Parse ``"L0H29+L1H31"`` (or a list of names or Heads) into sorted, unique Heads
+    (a neuron is refused, naming it).
+
+    With ``num_layers``/``heads_per_layer`` given, every head is checked against the model and
+    ``L{l}H*`` expands to the whole layer.
+    """
+    return parse_components(spec, num_layers, heads_per_layer,  # type: ignore[return-value]
+                            neurons=False)
 
 
 def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None:
@@ -128,6 +203,18 @@ def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None
     For checks before a model is loaded; the layer/head ranges need the model.
     """
     parse_heads(spec, heads_per_layer=1)  # any head count: L{l}H* only has to parse here
+
+
+def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bool:
+    """Whether ``spec`` names any MLP neuron (so the MLP's width is needed to check it)."""
+    tokens = spec.split("+") if isinstance(spec, str) else spec
+    return any(isinstance(t, Neuron) or (isinstance(t, str) and (m := _TOKEN.match(t.strip()))
+                                         is not None and m.group(2) == "N") for t in tokens)
+
+
+def check_component_names(spec: str | Iterable[str | Component | tuple[int, int]]) -> None:
+    """``check_head_names`` for heads and neurons (``L3N*`` passes)."""
+    parse_components(spec, heads_per_layer=1, neurons_per_layer=1)
 
 
 def _head_from_pair(token: object) -> Head:
@@ -148,9 +235,12 @@ def _head_from_pair(token: object) -> Head:
     return Head(layer, head)
 
 
-def format_heads(heads: Iterable[Head | tuple[int, int]]) -> str:
-    """``[Head(1, 31), Head(0, 29)]`` -> ``"L0H29+L1H31"`` (sorted, unique)."""
-    return "+".join(str(Head(*h)) for h in sorted({Head(*h) for h in heads}))
+def format_heads(heads: Iterable[Component | tuple[int, int]]) -> str:
+    """``[Head(1, 31), Neuron(0, 7), Head(0, 29)]`` -> ``"L0H29+L0N7+L1H31"`` (sorted,
+    unique; a plain pair is a head)."""
+    unique = {component_key(c): c for c in
+              (h if isinstance(h, (Head, Neuron)) else Head(*h) for h in heads)}
+    return "+".join(str(unique[key]) for key in sorted(unique))
 
 
 def _heads_in_json(data: object, path: Path) -> list[str]:

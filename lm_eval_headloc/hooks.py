@@ -1,10 +1,12 @@
-"""Knockout hooks: ablate the output of chosen attention heads in any HF causal LM.
+"""Knockout hooks: ablate chosen attention heads and MLP neurons in any HF causal LM.
 
 A head's output reaches the residual stream only through the attention output
 projection (``o_proj``, ``out_proj``, ``c_proj``, ``dense`` …), whose input is the
 concatenation of the heads' outputs. Zeroing the input slice
 ``[h*d_head:(h+1)*d_head]`` of that projection knocks out head ``h`` exactly: it is
-what zeroing that head's columns of the projection's weight does.
+what zeroing that head's columns of the projection's weight does. A neuron is the same
+thing one feature wide on the MLP's output projection (``down_proj``, ``fc2`` …): input
+feature ``n`` is neuron ``n``'s activation, and zeroing it is zeroing column ``n``.
 
 The hooks are installed once and act only inside ``HeadKnockout.applied``, on the
 ``Intervention`` (a value) given there; outside it the model is as loaded.
@@ -17,18 +19,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .geometry import Geometry
-from .heads import Head, HeadSpecError, parse_heads
+from .geometry import Geometry, text_config
+from .heads import Component, HeadSpecError, Neuron, parse_components
 
-__all__ = ["ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
-           "attention_geometry", "find_attention_outputs"]
+__all__ = ["KINDS", "ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
+           "MLPOutputNotFound", "attention_geometry", "find_attention_outputs",
+           "find_mlp_outputs", "kind_of"]
 
 # Names the output projection has in the attention blocks of the families we know of
 # (Llama/Mistral/Qwen/Gemma/Phi-3: o_proj; OPT/BART: out_proj; GPT-2: c_proj;
@@ -39,6 +42,10 @@ _ATTENTION_HINTS = ("attn", "attention")
 
 class AttentionOutputNotFound(HeadSpecError):
     """The attention output projection of this architecture could not be discovered."""
+
+
+class MLPOutputNotFound(HeadSpecError):
+    """The MLP output projection (the neurons' site) could not be discovered."""
 
 
 def _geometry(model: nn.Module) -> Geometry:
@@ -242,33 +249,159 @@ def _check_feeds_attention_output(model: nn.Module, named: list[tuple[str, nn.Mo
             )
 
 
+# Names the MLP's output projection has (Llama/Qwen/Mistral/Gemma/Phi-3: down_proj;
+# OPT/Phi-1/2: fc2; GPT-2: c_proj; GPT-NeoX/Falcon: dense_4h_to_h; Mixtral-style/InternLM:
+# w2; GPT-J: fc_out; T5: wo). Its input is the MLP's neurons, one feature each.
+_MLP_OUTPUT_NAMES = ("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2", "fc_out", "wo")
+
+
+def _output_features(module: nn.Module) -> int | None:
+    if isinstance(getattr(module, "out_features", None), int):
+        return module.out_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and weight is not None:
+        return int(weight.shape[1])
+    return None
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    text = text_config(model.config)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _mlp_fits(module: nn.Module, width: int | None, hidden: int | None) -> bool:
+    # Neurons in, hidden state out: the up/gate projections are the other way round.
+    features, out = _input_features(module), _output_features(module)
+    if features is None:
+        return False
+    if width is not None and features != width:
+        return False
+    return hidden is None or out is None or out == hidden
+
+
+def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Module]:
+    """The MLP output projection of every decoder layer, in layer order: the module whose
+    input is the MLP's neurons (``intermediate_size`` wide where the config says).
+
+    Discovered from the decoder layer list and the module names and shapes, as
+    ``find_attention_outputs`` finds the attention's; ``mlp_out`` (an fnmatch pattern over
+    ``model.named_modules()`` names, e.g. ``model.layers.*.mlp.down_proj``) names them
+    instead, and a probe forward pass checks that each match runs.
+    """
+    geometry = _geometry(model)
+    width, hidden = geometry.neurons_per_layer, _hidden_size(model)
+    hint = ("name them with mlp_out=<module-name pattern>, e.g. "
+            "mlp_out=model.layers.*.mlp.down_proj")
+    if mlp_out:
+        named = [(name, m) for name, m in model.named_modules()
+                 if fnmatch.fnmatchcase(name, mlp_out)]
+        if len(named) != geometry.num_layers:
+            raise MLPOutputNotFound(
+                f"mlp_out={mlp_out!r} matches {len(named)} module(s); it must match exactly "
+                f"one per decoder layer ({geometry.num_layers})")
+    else:
+        named = []
+        for index, layer in enumerate(_decoder_layers(model, geometry.num_layers)):
+            candidates = [
+                (name, module) for name, module in layer.named_modules()
+                if name.split(".")[-1] in _MLP_OUTPUT_NAMES
+                and not any(hint_ in part.lower() for part in name.split(".")[:-1]
+                            for hint_ in _ATTENTION_HINTS)
+                and _mlp_fits(module, width, hidden)]
+            if len(candidates) != 1:
+                found = ", ".join(n for n, _ in candidates) or "none"
+                raise MLPOutputNotFound(
+                    f"cannot tell which module of decoder layer {index} "
+                    f"({type(layer).__name__}) is the MLP output projection (candidates: "
+                    f"{found}; a mixture of experts has no single one); {hint}")
+            named.append((f"decoder layer {index}", candidates[0][1]))
+    widths = {_input_features(module) for _, module in named}
+    for index, (name, module) in enumerate(named):
+        if not _mlp_fits(module, width, hidden) or len(widths) != 1:
+            raise MLPOutputNotFound(
+                f"MLP output of layer {index} ({name}, {type(module).__name__}) takes "
+                f"{_input_features(module)} input features and gives "
+                f"{_output_features(module)}, not the MLP's {width or 'neurons'} in and the "
+                f"hidden size {hidden} out; {hint}")
+    if mlp_out:
+        _check_runs(model, named, f"mlp_out={mlp_out!r}")
+    return [module for _, module in named]
+
+
+def _check_runs(model: nn.Module, named: list[tuple[str, nn.Module]], option: str) -> None:
+    """Refuse matches that a forward pass never calls (their knockout would do nothing)."""
+    called: set[int] = set()
+    handles = [module.register_forward_pre_hook(
+        lambda _m, _a, index=index: called.add(index)) for index, (_, module) in
+        enumerate(named)]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**_probe_inputs(model))
+    except Exception as err:  # whatever broke, say so in one line
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise MLPOutputNotFound(f"{option}: the probe forward pass that checks the matched "
+                                f"modules failed ({type(err).__name__}: {message})") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
+    for index, (name, _) in enumerate(named):
+        if index not in called:
+            raise MLPOutputNotFound(f"{option} matches {name}, which did not run in a "
+                                    "forward pass")
+
+
+#: The kinds of component, in flat-index order (a design's columns: heads, then neurons).
+KINDS: tuple[str, ...] = ("heads", "neurons")
+
+
+def kind_of(component: Component) -> str:
+    return "neurons" if isinstance(component, Neuron) else "heads"
+
+
 @dataclass(frozen=True, eq=False)
 class Intervention:
-    """What one forward pass does to the heads: a value, applied only inside
+    """What one forward pass does to the model's components: a value, applied only inside
     ``HeadKnockout.applied`` (nothing stays switched on after it).
 
-    ``heads`` are knocked out in every batch row; ``row_masks`` ((rows, layers x heads)
-    booleans, flat head index ``layer * H + head``) knock out a different set in each row
-    instead (several masks in one batch). A knocked-out slice becomes
-    ``replacement + scale · (slice − replacement)``: the replacement is zero unless
-    ``replacement`` gives per-layer ``(heads, head_dim)`` means (``ablation.py``), or the
-    pass is given resample donors; ``scale`` 0 is the replacement itself, 1 the head as it
-    is (both exact), 2 amplification.
+    ``components`` (heads and MLP neurons) are knocked out in every batch row;
+    ``row_masks`` ((rows, columns) booleans over the flat component index: head
+    ``layer * H + head``, then, when wider than the heads, neuron
+    ``L * H + layer * M + neuron``) knock out a different set in each row instead (several
+    masks in one batch). A knocked-out slice becomes ``replacement + scale · (slice −
+    replacement)``: the replacement is zero unless ``replacement`` gives, per kind
+    (``"heads"``, ``"neurons"``), per-layer ``(units, width)`` means (``ablation.py``), or
+    the pass is given resample donors; ``scale`` 0 is the replacement itself, 1 the
+    component as it is (both exact), 2 amplification.
     """
 
-    heads: tuple[Head, ...] = ()
+    components: tuple[Component, ...] = ()
     row_masks: torch.Tensor | None = None
     scale: float = 0.0
-    replacement: tuple[torch.Tensor, ...] | None = None
+    replacement: Mapping[str, tuple[torch.Tensor, ...]] | None = None
 
     @property
     def any_knocked_out(self) -> bool:
-        """Whether a pass under it changes any head (scale 1 changes none)."""
+        """Whether a pass under it changes anything (scale 1 changes nothing)."""
         if self.scale == 1.0:
             return False
         if self.row_masks is not None:
             return bool(self.row_masks.any())
-        return bool(self.heads)
+        return bool(self.components)
+
+    @property
+    def kinds(self) -> set[str]:
+        """The kinds of component it knocks out."""
+        if self.row_masks is not None:
+            return set(KINDS)  # the width says; the knockout checks it
+        return {kind_of(c) for c in self.components}
 
     def replace(self, **changes: Any) -> Intervention:
         return dataclasses.replace(self, **changes)
@@ -276,24 +409,37 @@ class Intervention:
 
 @dataclass
 class ActivePass:
-    """The intervention of the forward pass(es) running now, placed per layer."""
+    """The intervention of the forward pass(es) running now, placed per kind and layer."""
 
-    masks: list[torch.Tensor | None]  # per layer: None (untouched) or broadcastable bools
+    masks: dict[str, list[torch.Tensor | None]]  # per layer: None or broadcastable bools
     rows: int | None  # per-row masks: the batch rows they are for
     scale: float
-    replacement: list[torch.Tensor | None]
-    # Resample: per layer (rows, width, H, d) donor outputs, and per row which donor
-    # position stands in for each column (rows, columns).
-    donors: list[torch.Tensor] | None = None
+    replacement: dict[str, list[torch.Tensor | None]]
+    # Resample: per kind and layer (rows, width, units, d) donor outputs, and per row
+    # which donor position stands in for each column (rows, columns).
+    donors: dict[str, list[torch.Tensor]] | None = None
     donor_index: torch.Tensor | None = None
     first_column: int = 0  # the columns a forward sees start here (generation's cache)
 
 
+@dataclass
+class _Site:
+    """Where one kind of component is knocked out: a projection per layer whose input is
+    ``units`` slices ``width`` wide (heads x head_dim, or neurons x 1)."""
+
+    modules: list[nn.Module]
+    units: int
+    width: int
+    devices: list[torch.device]
+    handles: list = dataclasses.field(default_factory=list)
+
+
 class HeadKnockout:
-    """Ablation of attention heads through forward pre-hooks on the output projections.
+    """Ablation of attention heads, and MLP neurons, through forward pre-hooks on the
+    attention (and MLP) output projections.
 
     >>> knockout = HeadKnockout(model)                 # hooks installed once
-    >>> with knockout.knocking_out("L0H3+L1H0"):       # for the passes inside only
+    >>> with knockout.knocking_out("L0H3+L1N12"):      # for the passes inside only
     ...     model(input_ids)
     >>> model(input_ids)                               # the model as loaded
 
@@ -301,56 +447,108 @@ class HeadKnockout:
     ``knocking_out``), which scopes an ``Intervention`` to the passes run inside it, as
     TransformerLens's ``run_with_hooks`` scopes hooks to one call: switching costs a few
     small tensor writes, no re-registration. A layer with nothing knocked out returns at
-    once. ``hf-headablate`` (``model.py``) applies its heads around each forward pass.
+    once. The MLP side is found the first time a neuron is asked for (or with
+    ``neurons=True``/``mlp_out``), so a model whose MLP is not one projection per layer
+    (a mixture of experts) still has its heads. ``hf-headablate`` (``model.py``) applies
+    its components around each forward pass.
     """
 
-    def __init__(self, model: nn.Module, attn_out: str | None = None) -> None:
+    def __init__(self, model: nn.Module, attn_out: str | None = None,
+                 mlp_out: str | None = None, neurons: bool = False) -> None:
+        self.model = model
         self.geometry = _geometry(model)
         self.num_layers = self.geometry.num_layers
         self.heads_per_layer = self.geometry.heads_per_layer
-        self.modules = find_attention_outputs(model, attn_out)
-        self.head_dim = _input_features(self.modules[0]) // self.heads_per_layer
-        self._devices = [_device_of(m) for m in self.modules]
+        modules = find_attention_outputs(model, attn_out)
+        self.head_dim = _input_features(modules[0]) // self.heads_per_layer
+        self.mlp_out = mlp_out
+        self._sites: dict[str, _Site] = {}
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
-        self._handles = [
-            module.register_forward_pre_hook(self._make_hook(layer))
-            for layer, module in enumerate(self.modules)
-        ]
+        self._add_site("heads", modules, self.heads_per_layer, self.head_dim)
+        if neurons or mlp_out:
+            self.enable_neurons()
 
-    def _make_hook(self, layer: int):
-        def knock_out_heads(module: nn.Module, args: tuple):
+    def _add_site(self, kind: str, modules: list[nn.Module], units: int, width: int) -> None:
+        site = _Site(modules, units, width, [_device_of(m) for m in modules])
+        site.handles = [module.register_forward_pre_hook(self._make_hook(kind, layer))
+                        for layer, module in enumerate(modules)]
+        self._sites[kind] = site
+
+    def enable_neurons(self) -> None:
+        """Find the MLP output projections and hook them (once; raises
+        ``MLPOutputNotFound`` naming ``mlp_out=`` when they cannot be told)."""
+        if "neurons" in self._sites:
+            return
+        modules = find_mlp_outputs(self.model, self.mlp_out)
+        self._add_site("neurons", modules, _input_features(modules[0]), 1)
+        self._placed = None
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The attention output projections, one per layer."""
+        return self._sites["heads"].modules
+
+    @property
+    def has_neurons(self) -> bool:
+        return "neurons" in self._sites
+
+    @property
+    def mlp_modules(self) -> list[nn.Module]:
+        """The MLP output projections, one per layer (found on first use)."""
+        self.enable_neurons()
+        return self._sites["neurons"].modules
+
+    @property
+    def neurons_per_layer(self) -> int:
+        self.enable_neurons()
+        return self._sites["neurons"].units
+
+    def site_modules(self, kinds: Iterable[str]) -> list[nn.Module]:
+        """The hooked modules of ``kinds`` (in ``KINDS`` order, each kind's layers in
+        order): what mean and resample ablation record."""
+        return [m for kind in KINDS if kind in set(kinds) for m in self._site(kind).modules]
+
+    def _site(self, kind: str) -> _Site:
+        if kind == "neurons":
+            self.enable_neurons()
+        return self._sites[kind]
+
+    def _make_hook(self, kind: str, layer: int):
+        def knock_out(module: nn.Module, args: tuple):
             active = self._active
-            mask = None if active is None else active.masks[layer]
+            masks = None if active is None else active.masks.get(kind)
+            mask = None if masks is None else masks[layer]
             if mask is None:
                 return None
             hidden, *rest = args
             if active.rows is not None and active.rows != hidden.shape[0]:
-                raise RuntimeError(f"per-row head masks for {active.rows} rows, batch has "
+                raise RuntimeError(f"per-row masks for {active.rows} rows, batch has "
                                    f"{hidden.shape[0]}")
             if mask.device != hidden.device:  # a model split across devices
-                mask = active.masks[layer] = mask.to(hidden.device)
-            # (..., H*d) -> (..., H, d)
-            per_head = self._ablated(layer, hidden.unflatten(-1, (self.heads_per_layer, -1)),
-                                     mask)
-            return (per_head.flatten(-2), *rest)
+                mask = masks[layer] = mask.to(hidden.device)
+            # (..., units*width) -> (..., units, width)
+            units = self._sites[kind].units
+            per_unit = self._ablated(kind, layer, hidden.unflatten(-1, (units, -1)), mask)
+            return (per_unit.flatten(-2), *rest)
 
-        return knock_out_heads
+        return knock_out
 
-    def _ablated(self, layer: int, per_head: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``per_head`` (..., H, d) with the heads in ``mask`` (broadcastable, True = out)
-        replaced: the one place the ablation kind and the scale act."""
+    def _ablated(self, kind: str, layer: int, per_unit: torch.Tensor, mask: torch.Tensor
+                 ) -> torch.Tensor:
+        """``per_unit`` (..., units, width) with the units in ``mask`` (broadcastable,
+        True = out) replaced: the one place the ablation kind and the scale act."""
         scale = self._active.scale
         if scale == 1.0:
-            return per_head  # the head as it is, exactly
-        replacement = self.replacement(layer, per_head)
+            return per_unit  # the component as it is, exactly
+        replacement = self.replacement(layer, per_unit, kind)
         if replacement is None:
             if scale == 0.0:
-                return per_head.masked_fill(mask, 0)  # exact zeros whatever the dtype
-            return torch.where(mask, per_head * scale, per_head)
+                return per_unit.masked_fill(mask, 0)  # exact zeros whatever the dtype
+            return torch.where(mask, per_unit * scale, per_unit)
         if scale == 0.0:
-            return torch.where(mask, replacement, per_head)
-        return torch.where(mask, replacement + scale * (per_head - replacement), per_head)
+            return torch.where(mask, replacement, per_unit)
+        return torch.where(mask, replacement + scale * (per_unit - replacement), per_unit)
 
     @property
     def active(self) -> ActivePass | None:
@@ -358,79 +556,117 @@ class HeadKnockout:
         ``applied(None)``: the model as loaded)."""
         return self._active
 
-    def replacement(self, layer: int, per_head: torch.Tensor) -> torch.Tensor | None:
-        """What layer ``layer``'s knocked-out heads become where its output projection sees
-        ``per_head`` (..., H, d) in the active pass: None for zeros, else a tensor
-        broadcastable to it (the mean's (H, d), or the donors' (rows, columns, H, d) under
-        resample)."""
+    def replacement(self, layer: int, per_unit: torch.Tensor, kind: str = "heads"
+                    ) -> torch.Tensor | None:
+        """What layer ``layer``'s knocked-out components of ``kind`` become where their
+        projection sees ``per_unit`` (..., units, width) in the active pass: None for
+        zeros, else a tensor broadcastable to it (the mean's (units, width), or the donors'
+        (rows, columns, units, width) under resample)."""
         active = self._active
         if active is None:
             return None
         if active.donors is not None:
-            donors, index = active.donors[layer], active.donor_index
-            if per_head.dim() != 4 or per_head.shape[0] != donors.shape[0]:
+            donors, index = active.donors[kind][layer], active.donor_index
+            if per_unit.dim() != 4 or per_unit.shape[0] != donors.shape[0]:
                 raise RuntimeError(f"resample ablation: layer {layer} sees "
-                                   f"{tuple(per_head.shape[:-2])} positions, donors were set "
+                                   f"{tuple(per_unit.shape[:-2])} positions, donors were set "
                                    f"for {donors.shape[0]} rows")
-            columns = per_head.shape[1]
+            columns = per_unit.shape[1]
             picked = index[:, active.first_column:active.first_column + columns]
             if picked.shape[1] != columns:
                 raise RuntimeError(f"resample ablation: columns {active.first_column}.."
                                    f"{active.first_column + columns} past the "
                                    f"{index.shape[1]} donors were aligned to")
             rows = torch.arange(donors.shape[0], device=donors.device)[:, None]
-            return donors[rows, picked.to(donors.device)].to(per_head)
-        replacement = active.replacement[layer]
+            return donors[rows, picked.to(donors.device)].to(per_unit)
+        replacements = active.replacement.get(kind)
+        replacement = None if replacements is None else replacements[layer]
         if replacement is None:
             return None
-        if replacement.device != per_head.device or replacement.dtype != per_head.dtype:
-            replacement = active.replacement[layer] = replacement.to(per_head)
+        if replacement.device != per_unit.device or replacement.dtype != per_unit.dtype:
+            replacement = replacements[layer] = replacement.to(per_unit)
         return replacement
 
-    def check_replacement(self, per_layer: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Per-layer ``(heads, head_dim)`` means, checked and placed on each layer's
-        device, for ``Intervention.replacement``."""
-        shape = (self.heads_per_layer, self.head_dim)
+    def check_replacement(self, per_layer: Sequence[torch.Tensor], kind: str = "heads"
+                          ) -> tuple[torch.Tensor, ...]:
+        """Per-layer ``(units, width)`` means of ``kind``, checked and placed on each
+        layer's device, for ``Intervention.replacement``."""
+        site = self._site(kind)
+        shape = (site.units, site.width)
         if len(per_layer) != self.num_layers or any(tuple(t.shape) != shape
                                                     for t in per_layer):
-            raise ValueError(f"replacements must be {self.num_layers} tensors of shape "
-                             f"{shape}")
-        return tuple(t.to(device) for t, device in zip(per_layer, self._devices, strict=True))
+            raise ValueError(f"{kind} replacements must be {self.num_layers} tensors of "
+                             f"shape {shape}")
+        return tuple(t.to(device) for t, device in zip(per_layer, site.devices, strict=True))
+
+    def flat_width(self, kinds: Iterable[str]) -> int:
+        """Columns of a row mask over ``kinds``: all heads, then (with neurons) all
+        neurons."""
+        return sum(self.num_layers * self._site(kind).units for kind in KINDS
+                   if kind in set(kinds))
+
+    def kinds_of(self, intervention: Intervention) -> list[str]:
+        """The kinds ``intervention`` knocks out (heads when none): what its resample
+        donors must be recorded for (``applied``'s ``donors``), in ``KINDS`` order."""
+        return list(self._place(intervention).masks) or ["heads"]
 
     def _place(self, intervention: Intervention) -> ActivePass:
-        """Per-layer device masks for ``intervention`` (the last one is kept: a model
-        answering many requests under one intervention places it once)."""
+        """Per-kind, per-layer device masks for ``intervention`` (the last one is kept: a
+        model answering many requests under one intervention places it once)."""
         if self._placed is not None and self._placed[0] is intervention:
             placed = self._placed[1]
-            return dataclasses.replace(placed, masks=list(placed.masks),
-                                       replacement=list(placed.replacement))
-        per_layer, layers = self.heads_per_layer, self.num_layers
-        masks: list[torch.Tensor | None] = [None] * layers
+            return dataclasses.replace(
+                placed, masks={k: list(v) for k, v in placed.masks.items()},
+                replacement={k: list(v) for k, v in placed.replacement.items()})
+        layers = self.num_layers
+        masks: dict[str, list[torch.Tensor | None]] = {}
         rows = None
         if intervention.row_masks is not None:
             knocked = torch.as_tensor(intervention.row_masks, dtype=torch.bool)
-            if knocked.ndim != 2 or knocked.shape[1] != layers * per_layer:
-                raise ValueError(f"per-row masks must have shape (rows, {layers * per_layer}), "
-                                 f"got {tuple(knocked.shape)}")
-            rows = knocked.shape[0]
-            by_layer = knocked.view(-1, layers, per_layer)
-            for layer in range(layers):
-                if by_layer[:, layer].any():
-                    masks[layer] = by_layer[:, layer][:, None, :, None].to(self._devices[layer])
+            heads_only = self.flat_width(["heads"])
+            if knocked.ndim == 2 and knocked.shape[1] > heads_only:
+                self.enable_neurons()
+            kinds = ["heads"] if knocked.ndim == 2 and knocked.shape[1] == heads_only \
+                else list(KINDS)
+            width = self.flat_width(kinds)
+            if knocked.ndim != 2 or knocked.shape[1] != width:
+                raise ValueError(f"per-row masks must have shape (rows, {heads_only}) for "
+                                 f"heads or (rows, {self.flat_width(KINDS)}) for heads and "
+                                 f"neurons, got {tuple(knocked.shape)}")
+            rows, start = knocked.shape[0], 0
+            for kind in kinds:
+                site = self._sites[kind]
+                by_layer = knocked[:, start:start + layers * site.units].view(-1, layers,
+                                                                             site.units)
+                start += layers * site.units
+                masks[kind] = [by_layer[:, layer][:, None, :, None].to(site.devices[layer])
+                               if by_layer[:, layer].any() else None
+                               for layer in range(layers)]
         else:
-            by_layer: dict[int, list[int]] = {}
-            for head in parse_heads(intervention.heads, layers, per_layer):
-                by_layer.setdefault(head.layer, []).append(head.head)
-            for layer, indices in by_layer.items():
-                mask = torch.zeros(per_layer, 1, dtype=torch.bool)
+            by_layer: dict[tuple[str, int], list[int]] = {}
+            kinds = intervention.kinds
+            if "neurons" in kinds:
+                self.enable_neurons()
+            checked = parse_components(
+                intervention.components, layers, self.heads_per_layer,
+                self._sites["neurons"].units if "neurons" in kinds else None)
+            for component in checked:
+                by_layer.setdefault((kind_of(component), component.layer),
+                                    []).append(component[1])
+            for (kind, layer), indices in by_layer.items():
+                site = self._sites[kind]
+                mask = torch.zeros(site.units, 1, dtype=torch.bool)
                 mask[indices] = True
-                masks[layer] = mask.to(self._devices[layer])
-        replacement: list[torch.Tensor | None] = (
-            list(self.check_replacement(intervention.replacement))
-            if intervention.replacement is not None else [None] * layers)
+                masks.setdefault(kind, [None] * layers)[layer] = mask.to(site.devices[layer])
+            masks = {kind: masks[kind] for kind in KINDS if kind in masks}
+        # Every kind given, knocked out or not: attribution (prior.py) reads the
+        # replacement of a pass that knocks out nothing.
+        replacement = {kind: list(self.check_replacement(per_layer, kind))
+                       for kind, per_layer in (intervention.replacement or {}).items()}
         placed = ActivePass(masks, rows, float(intervention.scale), replacement)
         self._placed = (intervention, placed)
-        return dataclasses.replace(placed, masks=list(masks), replacement=list(replacement))
+        return dataclasses.replace(placed, masks={k: list(v) for k, v in masks.items()},
+                                   replacement={k: list(v) for k, v in replacement.items()})
 
     @contextlib.contextmanager
     def applied(self, intervention: Intervention | None,
@@ -439,17 +675,24 @@ class HeadKnockout:
         """Inside, every forward pass of the model runs under ``intervention`` (None: the
         model as loaded, e.g. resample's own clean pass for its donors); the previous
         state (usually none) is back on exit, whatever happens inside. ``donors``:
-        resample ablation's ``(per_layer, index)``: ``per_layer[l]`` (rows, width, H·d)
-        holds each row's donor outputs at layer ``l``, ``index`` (rows, columns) which
+        resample ablation's ``(per_module, index)``: ``per_module`` holds, for the modules
+        of ``site_modules(kinds)`` in that order (the kinds the intervention knocks out),
+        each row's donor inputs (rows, width, features); ``index`` (rows, columns) which
         donor position replaces each column of that row. Yields the ``ActivePass``."""
         active = None if intervention is None else self._place(intervention)
         if active is not None and donors is not None:
-            per_layer, index = donors
-            if len(per_layer) != self.num_layers or index is None or index.dim() != 2:
-                raise ValueError(f"donors must be {self.num_layers} tensors and a (rows, "
-                                 "columns) index")
-            active.donors = [t.unflatten(-1, (self.heads_per_layer, -1)).to(device)
-                             for t, device in zip(per_layer, self._devices, strict=True)]
+            per_module, index = donors
+            kinds = list(active.masks) or ["heads"]
+            if len(per_module) != self.num_layers * len(kinds) or index is None \
+                    or index.dim() != 2:
+                raise ValueError(f"donors must be {self.num_layers} tensors per kind "
+                                 f"({', '.join(kinds) or 'none'}) and a (rows, columns) index")
+            active.donors = {}
+            for position, kind in enumerate(kinds):
+                site = self._sites[kind]
+                chunk = per_module[position * self.num_layers:(position + 1) * self.num_layers]
+                active.donors[kind] = [t.unflatten(-1, (site.units, -1)).to(device)
+                                       for t, device in zip(chunk, site.devices, strict=True)]
             active.donor_index = index
         saved, self._active = self._active, active
         try:
@@ -457,24 +700,27 @@ class HeadKnockout:
         finally:
             self._active = saved
 
-    def knocking_out(self, heads: str | Iterable[str | Head | tuple[int, int]], *,
+    def knocking_out(self, components: str | Iterable[str | Component | tuple[int, int]], *,
                      scale: float = 0.0) -> contextlib.AbstractContextManager:
-        """``applied`` for ``heads`` (a ``L0H1+L2H3`` string or a list) zeroed, or scaled
-        by ``scale``: the shorthand for a bare model."""
-        if isinstance(heads, str) and not heads.strip():
-            parsed: tuple[Head, ...] = ()
+        """``applied`` for ``components`` (a ``L0H1+L2N3`` string or a list) zeroed, or
+        scaled by ``scale``: the shorthand for a bare model."""
+        if isinstance(components, str) and not components.strip():
+            parsed: tuple[Component, ...] = ()
         else:
-            parsed = tuple(parse_heads(heads, self.num_layers, self.heads_per_layer))
-        return self.applied(Intervention(heads=parsed, scale=scale))
+            parsed = tuple(parse_components(components))
+        return self.applied(Intervention(components=parsed, scale=scale))
 
     def remove(self) -> None:
         """Take the hooks off the model (the model is then as loaded)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        for site in self._sites.values():
+            for handle in site.handles:
+                handle.remove()
+            site.handles = []
 
     def __repr__(self) -> str:
-        return f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads)"
+        neurons = (f", {self._sites['neurons'].units} MLP neurons"
+                   if "neurons" in self._sites else "")
+        return f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads{neurons})"
 
 
 def _device_of(module: nn.Module) -> torch.device:

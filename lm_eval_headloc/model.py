@@ -1,10 +1,13 @@
-"""``hf-headablate``: lm-eval's ``hf`` model with chosen attention heads knocked out.
+"""``hf-headablate``: lm-eval's ``hf`` model with chosen attention heads (and MLP neurons)
+knocked out.
 
-    lm_eval --model hf-headablate --model_args pretrained=...,ablate=L0H29+L1H31
+    lm_eval --model hf-headablate --model_args pretrained=...,ablate=L0H29+L1H31+L3N1234
 
 Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`` …) plus
-``ablate=HEADS``, ``ablate_file=PATH`` with optional ``ablate_top=K``, and
-``attn_out=PATTERN`` for architectures whose attention output cannot be discovered.
+``ablate=COMPONENTS`` (heads ``L0H29``, MLP neurons ``L3N1234``, whole layers ``L3H*`` /
+``L3N*``), ``ablate_file=PATH`` with optional ``ablate_top=K``, and ``attn_out=PATTERN`` /
+``mlp_out=PATTERN`` for architectures whose attention / MLP output projection cannot be
+discovered. Names are checked against the model's config before its weights load.
 What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean|resample``
 (default zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies),
 and for ``mean``/``resample`` the reference set ``ablation_data=FILE|TASK``
@@ -38,19 +41,21 @@ from .ablation import (
     head_means,
     reference_texts,
 )
+from .geometry import Geometry
 from .heads import (
-    Head,
+    Component,
     HeadSpecError,
-    check_head_names,
+    check_component_names,
     check_top,
     format_heads,
-    parse_heads,
+    names_neurons,
+    parse_components,
     read_heads_file,
 )
 from .hooks import ActivePass, HeadKnockout, Intervention
 from .registration import MODEL_NAME
 
-__all__ = ["HFHeadAblateLM"]
+__all__ = ["HFHeadAblateLM", "check_against_config"]
 
 # No sys.excepthook here: importing the model must not change how a program reports its
 # errors. The stock `lm_eval` command's one-line head errors come from registration.py.
@@ -67,7 +72,8 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
         if isinstance(ablate, str):
             if not ablate.strip():
                 raise HeadSpecError(
-                    "ablate= is empty; give heads like ablate=L0H29+L1H31, or leave it out"
+                    "ablate= is empty; give heads like ablate=L0H29+L1H31 (or neurons like "
+                    "L3N1234), or leave it out"
                 )
             names.extend(ablate.split("+"))
         elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
@@ -75,7 +81,8 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
         else:
             raise HeadSpecError(
                 f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
-                "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer)"
+                "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer; "
+                "MLP neurons as L3N1234, L3N* for a whole MLP)"
             )
     if ablate_top is not None:
         ablate_top = check_top(ablate_top)
@@ -88,21 +95,23 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
                 "headloc-harness heads.json, a JSON list, or one head per line)"
             )
         names.extend(read_heads_file(ablate_file, top=ablate_top))
-    check_head_names(names)
+    check_component_names(names)
     return names
 
 
 @register_model(MODEL_NAME)
 class HFHeadAblateLM(HFLM):
-    """An ``HFLM`` whose attention heads can be knocked out, switchable on the live object."""
+    """An ``HFLM`` whose attention heads and MLP neurons can be knocked out, switchable on
+    the live object."""
 
     def __init__(
         self,
         pretrained: Any,
-        ablate: str | Iterable[str | Head | tuple[int, int]] | None = None,
+        ablate: str | Iterable[str | Component | tuple[int, int]] | None = None,
         ablate_file: str | os.PathLike | None = None,
         ablate_top: int | None = None,
         attn_out: str | None = None,
+        mlp_out: str | None = None,
         ablation: str = "zero",
         scale: float = 0.0,
         ablation_data: str | os.PathLike | None = None,
@@ -119,6 +128,10 @@ class HFHeadAblateLM(HFLM):
         if attn_out is not None and not isinstance(attn_out, str):
             raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
                                 "e.g. attn_out=model.layers.*.self_attn.o_proj")
+        if mlp_out is not None and not isinstance(mlp_out, str):
+            raise HeadSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
+                                "e.g. mlp_out=model.layers.*.mlp.down_proj")
+        self._requested = requested  # checked against the config before the weights load
         if isinstance(resample_seed, bool) or not isinstance(resample_seed, int) \
                 or resample_seed < 0:
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
@@ -127,15 +140,18 @@ class HFHeadAblateLM(HFLM):
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
         super().__init__(pretrained=pretrained, **kwargs)
-        self.knockout = HeadKnockout(self.model, attn_out=attn_out)
+        self.knockout = HeadKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
         # What the model's passes knock out: a value, applied around each forward pass
         # (``forward_pass``); ``knocking_out`` stands in another one for a while.
-        self._means: tuple | None = None  # mean ablation's per-layer replacements
+        self._means: dict[str, tuple] | None = None  # mean ablation's, per kind and layer
+        self._reference_tokens: list[list[int]] | None = None
+        self._means_dir: str | os.PathLike | None = None
         self._standing = Intervention(scale=self.scale)
         self._override: Intervention | None = None
         self.ablation_data = None if ablation_data is None else str(ablation_data)
         self.resample_seed = resample_seed
         self.means_file: str | None = None
+        self.neuron_means_file: str | None = None
         self.reference_digest: str | None = None
         self.resampler: Resampler | None = None
         self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
@@ -146,10 +162,17 @@ class HFHeadAblateLM(HFLM):
             **{name: kwargs.get(name) for name in ("gguf_file", "revision", "peft", "delta")},
             "dtype": str(self.model.dtype), "attn_out": attn_out,
         }
+        self._mlp_out = mlp_out
         if texts is not None:
             self.set_ablation(self.ablation, texts, ablation_cache)
         self._cache_db = None
         self.set_heads(requested)
+
+    def _create_model(self, *args: Any, **kwargs: Any) -> None:
+        # HFLM reads the config first: the requested components are checked against it
+        # here, before the weights load (a neuron past the MLP's width fails in seconds).
+        check_against_config(self._requested, self._config)
+        super()._create_model(*args, **kwargs)
 
     def set_ablation(self, kind: str, texts: list[str] | None = None,
                      cache_dir: str | os.PathLike | None = None) -> None:
@@ -162,8 +185,9 @@ class HFHeadAblateLM(HFLM):
                                                         else "needs reference texts"))
         self._means = None
         self.ablation, self.resampler, self.means_file = kind, None, None
+        self.neuron_means_file = None
         self.reference_digest = None
-        self._standing = self._intervention(self._standing.heads)
+        self._standing = self._intervention(self._standing.components)
         if texts is None:
             return
         check_reference_set(kind, texts)
@@ -172,28 +196,49 @@ class HFHeadAblateLM(HFLM):
                                 "are aligned by position in one sequence); use mean")
         tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
         self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
-        knockout = self.knockout
         if self.ablation == "resample":
             self.resampler = Resampler(tokens, seed=self.resample_seed)
             return
-        fields = {**self._means_key, "weights": _weights_fingerprint(self.model),
-                  "tokens": self.reference_digest}
+        self._reference_tokens, self._means_dir, self._means = tokens, cache_dir, {}
+        self._ensure_means(self._standing.kinds | {"heads"})
+        self._standing = self._intervention(self._standing.components)
 
-        def compute() -> list:
-            with knockout.applied(None):  # the unablated model's means
-                return head_means(self.model, knockout.modules, knockout.heads_per_layer,
-                                  tokens)
+    def _ensure_means(self, kinds: Iterable[str]) -> None:
+        """Mean ablation's per-layer means for each of ``kinds`` (``"heads"``,
+        ``"neurons"``) not computed yet: from the cache, or one pass over the reference
+        set. Neurons' means are computed the first time a neuron is knocked out."""
+        if self._means is None:
+            return
+        knockout = self.knockout
+        for kind in sorted(set(kinds) - set(self._means)):
+            # The heads' key is the one cached means always had (old caches stay valid).
+            site = {} if kind == "heads" else {"site": kind, "mlp_out": self._mlp_out}
+            fields = {**self._means_key, **site, "weights": _weights_fingerprint(self.model),
+                      "tokens": self.reference_digest}
+            modules = knockout.site_modules([kind])
+            units = knockout.heads_per_layer if kind == "heads" else knockout.neurons_per_layer
 
-        means, path = cached_head_means(fields, compute, cache_dir)
-        self._means = knockout.check_replacement(means)
-        self._standing = self._intervention(self._standing.heads)
-        self.means_file = str(Path(path).resolve())
+            def compute(modules: list = modules, units: int = units) -> list:
+                with knockout.applied(None):  # the unablated model's means
+                    return head_means(self.model, modules, units, self._reference_tokens)
 
-    def _intervention(self, heads: Iterable[Head] = (), row_masks: Any = None
+            means, path = cached_head_means(fields, compute, self._means_dir)
+            self._means[kind] = knockout.check_replacement(means, kind)
+            if kind == "heads":
+                self.means_file = str(Path(path).resolve())
+            else:
+                self.neuron_means_file = str(Path(path).resolve())
+
+    def _intervention(self, components: Iterable[Component] = (), row_masks: Any = None
                       ) -> Intervention:
-        """``heads`` (or per-row masks) knocked out the way this model ablates."""
-        return Intervention(heads=tuple(heads), row_masks=row_masks, scale=self.scale,
-                            replacement=self._means)
+        """``components`` (or per-row masks) knocked out the way this model ablates."""
+        intervention = Intervention(components=tuple(components), row_masks=row_masks,
+                                    scale=self.scale)
+        if self._means is None:
+            return intervention
+        kinds = self.knockout.kinds_of(intervention)
+        self._ensure_means(kinds)
+        return intervention.replace(replacement={k: self._means[k] for k in kinds})
 
     @property
     def intervention(self) -> Intervention:
@@ -201,11 +246,12 @@ class HFHeadAblateLM(HFLM):
         return self._override if self._override is not None else self._standing
 
     @contextlib.contextmanager
-    def knocking_out(self, heads: str | Iterable[str | Head | tuple[int, int]] = (), *,
+    def knocking_out(self, heads: str | Iterable[str | Component | tuple[int, int]] = (), *,
                      row_masks: Any = None) -> Iterator[Intervention]:
-        """Inside, the model answers with ``heads`` knocked out (or, with ``row_masks``
-        ((rows, layers x heads) booleans), a different mask in each batch row) instead of
-        its own ``set_heads``; on exit, as before, whatever happened inside."""
+        """Inside, the model answers with ``heads`` (heads and neurons) knocked out (or,
+        with ``row_masks`` ((rows, components) booleans over the flat index, see
+        ``hooks.Intervention``), a different mask in each batch row) instead of its own
+        ``set_heads``; on exit, as before, whatever happened inside."""
         parsed = () if row_masks is not None else self._parsed(heads)
         saved, self._override = self._override, self._intervention(parsed, row_masks)
         # Per-row masks are forward passes of our own (multimask, once per batch), never
@@ -233,11 +279,13 @@ class HFHeadAblateLM(HFLM):
         intervention = self.intervention
         donors = None
         if self.resampler is not None and (always_donors or intervention.any_knocked_out):
-            donors = self._donors(input_ids, attention_mask, columns)
+            donors = self._donors(input_ids, attention_mask, columns,
+                                  self.knockout.kinds_of(intervention))
         with self.knockout.applied(intervention, donors) as active:
             yield active
 
-    def _donors(self, input_ids: Any, attention_mask: Any, columns: int | None) -> tuple:
+    def _donors(self, input_ids: Any, attention_mask: Any, columns: int | None,
+                kinds: list[str]) -> tuple:
         ids = input_ids.tolist()
         if attention_mask is not None:  # generation: left padding; the prompt is the row
             starts = [len(row) - int(sum(mask)) for row, mask in
@@ -249,7 +297,7 @@ class HFHeadAblateLM(HFLM):
         knockout = self.knockout
         with knockout.applied(None):  # the donors' own clean pass
             return self.resampler.donors(
-                self.model, knockout.modules, rows, starts,
+                self.model, knockout.site_modules(kinds), rows, starts,
                 columns if columns is not None else input_ids.shape[1])
 
     def _unpadded(self, row: list[int]) -> list[int]:
@@ -317,21 +365,30 @@ class HFHeadAblateLM(HFLM):
         return self.knockout.heads_per_layer
 
     @property
-    def knocked_out(self) -> tuple[Head, ...]:
-        """The heads the model's answers knock out now."""
-        return self.intervention.heads
+    def knocked_out(self) -> tuple[Component, ...]:
+        """The heads and neurons the model's answers knock out now."""
+        return self.intervention.components
 
-    def _parsed(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
-        if isinstance(heads, str) and not heads.strip():
+    @property
+    def neurons_per_layer(self) -> int:
+        """The MLP's width (finding the MLP output projections on first use)."""
+        return self.knockout.neurons_per_layer
+
+    def _parsed(self, components: str | Iterable[str | Component | tuple[int, int]]
+                ) -> tuple[Component, ...]:
+        if isinstance(components, str) and not components.strip():
             return ()
-        return tuple(parse_heads(heads, self.num_layers, self.heads_per_layer))
+        width = self.neurons_per_layer if names_neurons(components) else None
+        return tuple(parse_components(components, self.num_layers, self.heads_per_layer,
+                                      width))
 
-    def set_heads(self, heads: str | Iterable[str | Head | tuple[int, int]]) -> tuple[Head, ...]:
-        """Knock out exactly these heads in every answer from now on (``[]`` for none):
-        a value swapped in place, cheap. ``knocking_out`` does it for a while."""
+    def set_heads(self, heads: str | Iterable[str | Component | tuple[int, int]]
+                  ) -> tuple[Component, ...]:
+        """Knock out exactly these heads and neurons in every answer from now on (``[]``
+        for none): a value swapped in place, cheap. ``knocking_out`` does it for a while."""
         self._standing = self._intervention(self._parsed(heads))
         self._select_cache_table()
-        return self._standing.heads
+        return self._standing.components
 
     # --- lm-eval's response cache (--use_cache) -----------------------------------
     # lm-eval keys cached responses by the request alone. Each mask therefore gets its
@@ -374,9 +431,27 @@ class HFHeadAblateLM(HFLM):
         info["ablate"] = format_heads(self.knocked_out)
         info.update(ablation=self.ablation, scale=self.scale, ablation_data=self.ablation_data,
                     means_file=self.means_file, reference_digest=self.reference_digest)
+        if self.neuron_means_file is not None:
+            info["neuron_means_file"] = self.neuron_means_file
         if self.ablation == "resample":
             info["resample_seed"] = self.resample_seed
         return info
+
+
+def check_against_config(names: Iterable[str | Component | tuple[int, int]],
+                         config: Any) -> None:
+    """Raise HeadSpecError naming the first component outside the model ``config``
+    describes (where the config does not give the MLP's width, neurons are checked once
+    the MLP is found)."""
+    names = list(names)
+    if not names:
+        return
+    try:
+        geometry = Geometry.from_config(config)
+    except AttributeError:
+        return  # no layer/head counts in the config: checked on the loaded model
+    parse_components(names, geometry.num_layers, geometry.heads_per_layer,
+                     geometry.neurons_per_layer if names_neurons(names) else None)
 
 
 def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = None

@@ -179,9 +179,9 @@ def test_bad_heads_and_files_are_one_line_errors(tiny_model_dir, tmp_path):
     for spec, message in [
         ("L99H0", r"L99H0 is outside the model: layer 99 not in 0\.\.1"),
         ("L0H9", r"L0H9 is outside the model: head 9 not in 0\.\.3"),
-        ("X1", "bad head name 'X1'"),
-        ("L-1H0", "bad head name 'L-1H0'"),
-        ("L0H1++L0H2", "empty head name"),
+        ("X1", "bad component name 'X1'"),
+        ("L-1H0", "bad component name 'L-1H0'"),
+        ("L0H1++L0H2", "empty component name"),
     ]:
         with pytest.raises(HeadSpecError, match=message) as info:
             lm.set_heads(spec)

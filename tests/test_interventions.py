@@ -69,7 +69,7 @@ def test_several_masks_per_pass_then_plain_and_a_failure_inside(tiny_model_dir):
     assert _hooks_idle(lm)
     torch.testing.assert_close(one(lm, []), expected[""])
     # A pass that fails half-way leaves the hooks idle too.
-    with pytest.raises(RuntimeError, match="per-row head masks for 3 rows"), \
+    with pytest.raises(RuntimeError, match="per-row masks for 3 rows"), \
             lm.knocking_out(row_masks=torch.ones(3, 8, dtype=torch.bool)):
         one(lm, [])
     assert _hooks_idle(lm)

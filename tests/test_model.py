@@ -150,10 +150,10 @@ def no_weight_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(ablate="X1"), r"bad head name 'X1'"),
-    (dict(ablate="l0h0"), r"bad head name 'l0h0'"),
-    (dict(ablate="L*H1"), r"bad head name 'L\*H1'"),
-    (dict(ablate="L0H1++L1H2"), r"empty head name"),
+    (dict(ablate="X1"), r"bad component name 'X1'"),
+    (dict(ablate="l0h0"), r"bad component name 'l0h0'"),
+    (dict(ablate="L*H1"), r"bad component name 'L\*H1'"),
+    (dict(ablate="L0H1++L1H2"), r"empty component name"),
     # What lm-eval's model_args parser makes of ablate=1 and ablate=True.
     (dict(ablate=1), r"^ablate=1: expected heads like ablate=L0H29\+L1H31"),
     (dict(ablate=True), r"^ablate=True: expected heads like ablate=L0H29\+L1H31"),
@@ -164,7 +164,7 @@ def no_weight_loading(monkeypatch):
     (dict(ablate_top=2), r"^ablate_top=2 needs ablate_file=PATH"),
     (dict(ablate_file=1), r"^ablate_file=1: expected the path of a head file"),
     (dict(ablate_file="nope.json"), r"^head file not found: nope\.json"),
-    (dict(ablate="L0H1", ablate_file="bad.txt"), r"bad head name 'L0H\*\*'"),
+    (dict(ablate="L0H1", ablate_file="bad.txt"), r"bad component name 'L0H\*\*'"),
     (dict(attn_out=1), r"^attn_out=1: expected a module-name pattern"),
 ])
 def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path, monkeypatch,
@@ -232,12 +232,15 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
 
 BAD_HEADS = {
     "ablate=L99H0": r"hf-headablate: error: head L99H0 is outside the model: layer 99 not in",
-    "ablate=L0H1+X1": r"hf-headablate: error: bad head name 'X1'",
+    "ablate=L0H1+X1": r"hf-headablate: error: bad component name 'X1'",
     "ablate_file=/no/such/heads.json": r"hf-headablate: error: head file not found",
     "ablate=1": r"hf-headablate: error: ablate=1: expected heads like ablate=L0H29\+L1H31",
     "ablate_file=/no/such/heads.json,ablate_top=True":
         r"hf-headablate: error: ablate_top=True: must be a whole number >= 1",
-    "-m lm_eval: ablate=L0H1+X1": r"hf-headablate: error: bad head name 'X1'",
+    "-m lm_eval: ablate=L0H1+X1": r"hf-headablate: error: bad component name 'X1'",
+    "ablate=L0H1+L1N64": r"hf-headablate: error: neuron L1N64 is outside the model: neuron "
+                         r"64 not in 0\.\.63",
+    "ablate=L0N1+L1Nx": r"hf-headablate: error: bad component name 'L1Nx'",
 }
 
 

@@ -145,7 +145,7 @@ def test_attribution_follows_the_ablation_kind_and_scale(tiny_model_dir, task_ma
     d, eps = lm.knockout.head_dim, 1e-2
     for flat in (0, 5):
         head = Head.from_flat_index(flat, lm.knockout.heads_per_layer)
-        mean = lm.intervention.replacement[head.layer][head.head]
+        mean = lm.intervention.replacement["heads"][head.layer][head.head]
         part = slice(head.head * d, (head.head + 1) * d)
         values = []
         for step in (eps, -eps):
