@@ -1,0 +1,373 @@
+"""``overlap``: CNL's stability check. The same ``locate`` run on two disjoint example
+subsets of a task should find the same components; this compares two runs' top-k task by
+task, so a ranking that only reflects the examples it was measured on shows up as one
+that the other subset does not reproduce.
+
+Definitions. CNL (Huang et al., "Capability Localization: Capabilities Can be Localized
+rather than Individual Knowledge", ICLR 2025, arXiv 2502.20992) locates neurons on two
+disjoint subsamples of a dataset and reports the "overlap rate" and the "IoU" of the two
+located sets (96.42 % and 95.95 % on GSM8K). With A and B the two runs' top-k:
+
+- **overlap rate** = |A ∩ B| / |A|: the share of one run's set found in the other's,
+  given for each run (|A ∩ B| / |B| for the second). When both sets have k members, as
+  two top-k do, every reading of an overlap rate (over |A|, over |B|, over the smaller or
+  the larger set) is the same |A ∩ B| / k, and the IoU is then o / (2 - o) for an overlap
+  rate o. CNL's sets are thresholded and differ in size: its 96.42 % would give an IoU of
+  93.09 % for sets of one size, and its pair fits an overlap rate taken over the larger
+  set (|A ∩ B| / |A| with A the larger; the IoU then lies between o / (2 - o) and o), not
+  over the smaller (the IoU would then be at most o / (2 - o)).
+- **IoU** = |A ∩ B| / |A ∪ B| (intersection over union, the Jaccard index).
+- **stability curve**: for k = 1..K, |A_k ∩ B_k| / k, the share of either run's top-k
+  found in the other's top-k (the same both ways: the two sets have k members each).
+
+Component names are compared as strings (heads ``L0H29``, neurons ``L3N1234``): nothing
+here depends on what kind of component a ranking ranks. Ties are not an order: where the
+k-th and (k+1)-th of a ranking have the same evidence (``tied_with_above``), its top-k is
+not well defined; the output says so and gives the fewest and most components the runs
+can share over every way of breaking the ties.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checks import UsageError, check_number
+from ..files import write_atomically
+from ..heads import read_heads_file
+from .result import RunRecord, load_run
+from .runfolder import RunFolder, RunFolderError, strict_json
+
+__all__ = ["MADE_BY", "markdown_path", "overlap", "overlap_markdown"]
+
+MADE_BY = "headloc-harness overlap"  # marks a file of ours: the only kind we overwrite
+_MARK = f"<!-- written by {MADE_BY}; rerunning it overwrites this file -->"
+
+DEFINITIONS = {
+    "overlap_rate": "|A ∩ B| / |A|: the share of one run's top-k found in the other's "
+                    "top-k (CNL's overlap rate), given for each run",
+    "iou": "|A ∩ B| / |A ∪ B|: intersection over union",
+    "curve": "for k = 1..K, |A_k ∩ B_k| / k: the share of either run's top-k found in the "
+             "other's top-k (the same both ways)",
+}
+
+
+@dataclass(frozen=True)
+class _Ranking:
+    """One task's ranking as its heads-<task>.json holds it: names only, best first."""
+
+    file: Path
+    names: list[str]
+    tied: frozenset[str]  # names whose evidence equals that of the name above them
+    effects: list[float | None] | None  # None: the file records no effects
+
+    @classmethod
+    def read(cls, path: Path) -> _Ranking:
+        names = read_heads_file(path)  # the one reader of ranking files
+        data = json.loads(path.read_text())
+        entries = data.get("heads", []) if isinstance(data, dict) else data
+        records = [e for e in entries if isinstance(e, dict)]
+        if isinstance(data, dict) and "tied_with_above" in data:
+            tied = frozenset(data["tied_with_above"])
+        else:
+            tied = frozenset(e.get("head") for e in records if e.get("tied_with_above"))
+        has_effects = len(records) == len(names) and all("effect" in e for e in records)
+        return cls(path, names, tied, [e["effect"] for e in records] if has_effects else None)
+
+    def tied_at(self, k: int) -> bool:
+        """Whether the k-th and (k+1)-th share their evidence: no top-k set is defined."""
+        return k < len(self.names) and self.names[k] in self.tied
+
+    def cut(self, k: int) -> tuple[list[str], list[str], int]:
+        """The top-k as ``(sure, group, places)``: the names above the tie group that
+        straddles the k-th/(k+1)-th boundary (the whole top-k when none does), that group,
+        and how many of its members the top-k holds."""
+        if not self.tied_at(k):
+            return self.names[:k], [], 0
+        start, end = k - 1, k + 1
+        while start > 0 and self.names[start] in self.tied:
+            start -= 1
+        while end < len(self.names) and self.names[end] in self.tied:
+            end += 1
+        return self.names[:start], self.names[start:end], k - start
+
+    def nothing_found(self, k: int) -> str | None:
+        """Why the ranking shows no component standing out, or None when one does."""
+        top = self.names[:k]
+        if len(top) > 1 and all(name in self.tied for name in top[1:]):
+            return (f"no component stands out (the top {k} all have the same evidence, "
+                    "so their order is the index)")
+        if self.effects is not None and all(not e for e in self.effects):
+            return "no effect found (every effect in the ranking is 0 or unknown)"
+        return None
+
+
+def _shared_range(a: tuple[list[str], list[str], int],
+                  b: tuple[list[str], list[str], int]) -> tuple[int, int]:
+    """The fewest and most components two top-k sets (``_Ranking.cut``) can share over
+    every way of breaking the ties at their boundaries (equal when neither is tied).
+
+    A member of A's tie group is shared when B holds it for sure (``a1`` of them), or
+    when both runs pick it from their groups (``both`` members are in both groups); the
+    rest (``a3``) never are. Given how many each run picks from those in both groups (x,
+    y), the rest of its picks are free, so trying every such pair finds both bounds.
+    """
+    (sure_a, group_a, take_a), (sure_b, group_b, take_b) = a, b
+    sure_a, sure_b, group_a, group_b = map(set, (sure_a, sure_b, group_a, group_b))
+    base, both = len(sure_a & sure_b), len(group_a & group_b)
+    a1, b1 = len(group_a & sure_b), len(group_b & sure_a)
+    a3, b3 = len(group_a) - a1 - both, len(group_b) - b1 - both
+    low, high = None, None
+    for x in range(min(both, take_a) + 1):
+        if take_a - x > a1 + a3:
+            continue
+        for y in range(min(both, take_b) + 1):
+            if take_b - y > b1 + b3:
+                continue
+            most = base + min(a1, take_a - x) + min(b1, take_b - y) + min(x, y)
+            fewest = (base + max(0, take_a - x - a3) + max(0, take_b - y - b3)
+                      + max(0, x + y - both))
+            low = fewest if low is None else min(low, fewest)
+            high = most if high is None else max(high, most)
+    # Some pair always fits (x = min(both, take) leaves at most the rest of the group).
+    assert low is not None and high is not None
+    return low, high
+
+
+def _iou(shared: int, size_a: int, size_b: int) -> float:
+    return shared / (size_a + size_b - shared)
+
+
+def _rankings(run: str | Path, folder: RunFolder) -> dict[str, _Ranking]:
+    files = sorted(folder.path.glob("heads-*.json"))
+    if not files:
+        raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
+    return {file.stem.removeprefix("heads-"): _Ranking.read(file) for file in files}
+
+
+def _examples(a: RunRecord, b: RunRecord) -> dict[str, Any]:
+    """Whether the two runs measured disjoint example subsets (what CNL's check needs)."""
+    subsets = a.example_subset, b.example_subset
+    if subsets[0] is None or subsets[1] is None:
+        which = [label for label, s in zip("AB", subsets, strict=True) if s is None]
+        return {"status": "unknown", "shared": None, "tasks": {},
+                "why": f"{'runs' if len(which) > 1 else 'run'} {' and '.join(which)} "
+                       "recorded no example subset"}
+    tasks = {task: {"a": len(subsets[0][task]), "b": len(subsets[1][task]),
+                    "shared": len(set(subsets[0][task]) & set(subsets[1][task]))}
+             for task in subsets[0] if task in subsets[1]}
+    shared = sum(entry["shared"] for entry in tasks.values())
+    result = {"status": "overlapping" if shared else "disjoint", "shared": shared,
+              "tasks": tasks, "why": None}
+    if not tasks:
+        result.update(status="unknown", shared=None,
+                      why="the runs' example subsets hold no task in common")
+    elif tuple(a.spec.include_path) != tuple(b.spec.include_path):
+        result.update(status="unknown",
+                      why="the runs read their tasks from different --include-path folders, "
+                          "so the same document index may be another example")
+    return result
+
+
+def _side(ranking: _Ranking, k: int, run: str, own: bool) -> dict[str, Any]:
+    if k > len(ranking.names):
+        whose = " (the run's own)" if own else ""
+        raise UsageError(f"--top-k {k}{whose}: {ranking.file.name} of {run} ranks only "
+                         f"{len(ranking.names)} components")
+    _, group, places = ranking.cut(k)
+    return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
+            "tie": {"group": group, "places": places} if group else None,
+            "nothing_found": ranking.nothing_found(k)}
+
+
+def _compare(a: _Ranking, b: _Ranking, k_a: int, k_b: int, runs: Sequence[str],
+             own: bool) -> dict[str, Any]:
+    side_a, side_b = _side(a, k_a, runs[0], own), _side(b, k_b, runs[1], own)
+    in_b = set(b.names[:k_b])
+    shared = [name for name in a.names[:k_a] if name in in_b]
+    low, high = _shared_range(a.cut(k_a), b.cut(k_b))
+    curve = []
+    for k in range(1, min(max(k_a, k_b), len(a.names), len(b.names)) + 1):
+        n = len(set(a.names[:k]) & set(b.names[:k]))
+        lo, hi = _shared_range(a.cut(k), b.cut(k))
+        curve.append({"k": k, "shared": n, "share": n / k, "iou": _iou(n, k, k),
+                      "shared_range": [lo, hi],
+                      "tied": [label for label, r in (("a", a), ("b", b)) if r.tied_at(k)]})
+    return {"a": side_a, "b": side_b, "shared": shared,
+            "overlap_rate_a": len(shared) / k_a, "overlap_rate_b": len(shared) / k_b,
+            "iou": _iou(len(shared), k_a, k_b), "well_defined": low == high,
+            "shared_range": [low, high], "curve": curve}
+
+
+def markdown_path(out: str | Path) -> Path:
+    """Where the table goes: next to the JSON file, as ``.md``."""
+    return Path(out).with_suffix(".md")
+
+
+def _ours(path: Path) -> bool:
+    try:
+        text = path.read_text()
+        if path.suffix == ".md":
+            return text.splitlines()[:1] == [_MARK]
+        return json.loads(text).get("made_by") == MADE_BY
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+def _check_out(out: Path, runs: Sequence[Path]) -> None:
+    if out.suffix.lower() != ".json":
+        raise UsageError(f"--out {out}: name a .json file (the table is written next to it "
+                         "as .md)")
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; overlap writes a JSON file and a "
+                         f"Markdown file (e.g. {out / 'overlap.json'})")
+    here = out.parent.resolve()
+    for run in runs:  # a run folder's files are its command's alone
+        if here == run or run in here.parents:
+            raise UsageError(f"--out {out} would write into {run}, which this command "
+                             "reads from; choose another --out")
+    for path in (out, markdown_path(out)):
+        if path.exists() and not _ours(path):
+            raise UsageError(f"--out: {path} exists and was not written by {MADE_BY}; "
+                             "choose another file")
+
+
+def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
+            out: str | Path | None = None) -> dict[str, Any]:
+    """Compare the top-k of two runs (of one model) on every task both rank.
+
+    ``top_k``: the components compared per ranking (default: each run's own ``--top-k``).
+    ``out``: a ``.json`` file to write the result to, with the table next to it as ``.md``
+    (None: write nothing). Returns the result (``overlap.json``'s content).
+    """
+    if top_k is not None:
+        top_k = check_number(top_k, "--top-k", whole=True, min_val=1)
+    paths = [Path(run_a).resolve(), Path(run_b).resolve()]
+    if paths[0] == paths[1]:
+        raise UsageError(f"RUN_A and RUN_B are the same folder ({paths[0]}); overlap "
+                         "compares two runs")
+    folders = [RunFolder(run_a), RunFolder(run_b)]
+    records = [load_run(folder) for folder in folders]
+    models = [record.spec.model_args or "" for record in records]
+    if models[0] != models[1]:
+        raise UsageError(f"the runs are of different models ({run_a}: {models[0]!r}; "
+                         f"{run_b}: {models[1]!r}); overlap compares one model's runs")
+    rankings = [_rankings(run, folder) for run, folder in zip((run_a, run_b), folders,
+                                                                strict=True)]
+    tasks = [task for task in rankings[0] if task in rankings[1]]
+    if not tasks:
+        raise UsageError(f"the runs rank no task in common ({run_a}: "
+                         f"{', '.join(rankings[0])}; {run_b}: {', '.join(rankings[1])})")
+    if out is not None:
+        out = Path(out)
+        _check_out(out, paths)
+    k_a, k_b = (top_k or record.spec.top_k for record in records)
+    identities = [record.identity for record in records]
+    result = {
+        "made_by": MADE_BY, "model_args": models[0], "definitions": DEFINITIONS,
+        "runs": {label: {"path": str(path), "top_k": k, "seed": record.spec.seed,
+                         "num_samples": record.spec.num_samples}
+                 for label, path, k, record in zip("ab", paths, (k_a, k_b), records,
+                                                   strict=True)},
+        "differs_in": sorted(key for key in {*identities[0], *identities[1]}
+                             if identities[0].get(key) != identities[1].get(key)),
+        "examples": _examples(*records),
+        "only_in_a": [task for task in rankings[0] if task not in rankings[1]],
+        "only_in_b": [task for task in rankings[1] if task not in rankings[0]],
+        "tasks": {task: _compare(rankings[0][task], rankings[1][task], k_a, k_b,
+                                 (str(run_a), str(run_b)), own=top_k is None)
+                  for task in tasks},
+    }
+    if out is not None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            text, table = strict_json(result), f"{_MARK}\n{overlap_markdown(result)}\n"
+            write_atomically(out, lambda partial: partial.write_text(text))
+            write_atomically(markdown_path(out), lambda partial: partial.write_text(table))
+        except OSError as err:
+            raise UsageError(f"cannot write --out {out}: {err.strerror or err}") from None
+    return result
+
+
+# --- the table ---------------------------------------------------------------------------
+
+def _span(low: float, high: float, fmt: str = "{:.1%}") -> str:
+    """One value, or the range a tie-break leaves it in."""
+    return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
+
+
+def _examples_words(examples: Mapping[str, Any]) -> str:
+    tasks = examples["tasks"]
+    counts = ", ".join(f"{task}: {e['shared']} of {e['a']}/{e['b']}" for task, e in
+                       tasks.items())
+    if examples["status"] == "disjoint":
+        return f"disjoint ({counts} shared), as CNL's check needs."
+    if examples["status"] == "overlapping":
+        return (f"**overlapping**: {examples['shared']} example(s) shared ({counts}). CNL's "
+                "check needs disjoint subsets; shared examples make the runs agree more "
+                "(--seed draws each run's subset on its own, so two seeds may share some).")
+    return (f"**unknown**: {examples['why']}" + (f" ({counts} indices shared)" if tasks else "")
+            + ". CNL's check needs disjoint subsets.")
+
+
+def _tie_words(label: str, side: Mapping[str, Any]) -> str:
+    tie, k = side["tie"], side["k"]
+    return (f"{label}'s top-{k} is not well defined: its ranks {k} and {k + 1} have the "
+            f"same evidence (tied: {', '.join(tie['group'])}; the top-{k} holds "
+            f"{tie['places']} of these {len(tie['group'])}, listed in index order).")
+
+
+def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
+    """One task's section: where a tie straddles a boundary, every figure is the range
+    the tie-breaks leave it in (the files' order, which is the index, is said apart)."""
+    a, b = entry["a"], entry["b"]
+    k_a, k_b = a["k"], b["k"]
+    low, high = entry["shared_range"]
+    shared = entry["shared"]
+    lines = [f"## {task}", "", "| run | top-k | overlap rate |", "| --- | --- | --- |",
+             f"| A | {', '.join(a['top_k'])} | {_span(low / k_a, high / k_a)} |",
+             f"| B | {', '.join(b['top_k'])} | {_span(low / k_b, high / k_b)} |", "",
+             (f"Shared ({len(shared)}): " if entry["well_defined"] else
+              f"Shared {low}–{high} depending on how the ties are broken ({len(shared)} in "
+              "the files' order: ") + f"{', '.join(shared) if shared else 'none'}"
+             + ("" if entry["well_defined"] else ")")
+             + f"; IoU {_span(_iou(low, k_a, k_b), _iou(high, k_a, k_b))}.", ""]
+    notes = [f"{label} found nothing: {side['nothing_found']}."
+             for label, side in (("A", a), ("B", b)) if side["nothing_found"]]
+    notes += [_tie_words(label, side) for label, side in (("A", a), ("B", b)) if side["tie"]]
+    lines += [*(f"- {note}" for note in notes), *([""] if notes else [])]
+    lines += ["| k | shared | share | IoU | ties |", "| --- | --- | --- | --- | --- |"]
+    for point in entry["curve"]:
+        k, (low, high) = point["k"], point["shared_range"]
+        tied = (f"{' and '.join(x.upper() for x in point['tied'])} tied at k "
+                f"(files' order: {point['shared']})") if point["tied"] else ""
+        lines.append(f"| {k} | {_span(low, high, '{}')} | {_span(low / k, high / k)} | "
+                     f"{_span(_iou(low, k, k), _iou(high, k, k))} | {tied} |")
+    return [*lines, ""]
+
+
+def overlap_markdown(result: Mapping[str, Any]) -> str:
+    """The result as Markdown: the runs, their example subsets, and per task the two
+    top-k, the shared components, overlap rate, IoU and the stability curve."""
+    runs = result["runs"]
+    lines = ["# Overlap of two runs' located components", ""]
+    for label in "ab":
+        run = runs[label]
+        lines.append(f"- {label.upper()}: `{run['path']}` (seed {run['seed']}, "
+                     f"{run['num_samples']} examples per task, top-{run['top_k']})")
+    lines += [f"- Model: `{result['model_args']}`",
+              f"- Example subsets: {_examples_words(result['examples'])}"]
+    if result["differs_in"]:
+        lines.append(f"- The runs' settings differ in: {', '.join(result['differs_in'])}.")
+    for label in "ab":
+        if result[f"only_in_{label}"]:
+            lines.append(f"- Ranked only by {label.upper()} (not compared): "
+                         f"{', '.join(result[f'only_in_{label}'])}.")
+    lines += ["", "Overlap rate = |A ∩ B| / |A| (per run); IoU = |A ∩ B| / |A ∪ B|; the "
+              "curve's share at k = |A_k ∩ B_k| / k.", ""]
+    for task, entry in result["tasks"].items():
+        lines += _task_lines(task, entry)
+    return "\n".join(lines).rstrip("\n")

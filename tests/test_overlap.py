@@ -1,0 +1,337 @@
+"""``headloc-harness overlap``: CNL's stability check between two runs' top-k. Every
+expected number here is worked out by hand from hand-chosen sets (or, for tie-breaks, by
+enumerating every way of breaking the ties), not by the code under test."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import TASKS
+
+from lm_eval_headloc.commands import RunSpec
+from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
+
+
+def harness(*args: str) -> int:
+    try:
+        return main([*args])
+    except SystemExit as exit_:  # argparse's own errors
+        return exit_.code
+
+
+def error_line(capsys) -> str:
+    """The one line a refused command prints (and checks that it is one line)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("headloc-harness: error: ")
+    return lines[0]
+
+
+def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str = "m",
+              top_k: int = 5, seed: int = 0, subset: dict[str, list[int]] | None = None,
+              tied: dict[str, set[str]] | None = None,
+              effects: dict[str, list[float]] | None = None,
+              include_path: tuple[str, ...] = ()) -> Path:
+    """A finished-looking run folder: config.json and one heads-<task>.json per task, as
+    locate writes them (``tied_with_above`` both as the list and per entry)."""
+    folder.mkdir(parents=True)
+    spec = RunSpec(model_args=model_args, tasks=tuple(rankings), top_k=top_k, seed=seed,
+                   include_path=include_path)
+    config = {"command": "locate", "identity": spec.identity("locate"),
+              "settings": spec.settings("locate"), "spec": spec.as_config()}
+    if subset is not None:
+        config["example_subset"] = subset
+    (folder / "config.json").write_text(json.dumps(config))
+    for task, names in rankings.items():
+        ties = (tied or {}).get(task, set())
+        values = (effects or {}).get(task) or [-1.0 / (i + 1) for i in range(len(names))]
+        (folder / f"heads-{task}.json").write_text(json.dumps({
+            "task": task, "top_k": names[:top_k], "tied_with_above": sorted(ties),
+            "heads": [{"rank": r, "head": n, "effect": e, "tied_with_above": n in ties}
+                      for r, (n, e) in enumerate(zip(names, values, strict=True), start=1)]}))
+    return folder
+
+
+# --- the numbers -------------------------------------------------------------------------
+
+def test_overlap_rate_iou_and_curve_by_hand(tmp_path, capsys):
+    # top-3: A = {L0H1, L2H0, L1H1}, B = {L2H0, L3H3, L0H1}: 2 shared, union 4.
+    a = write_run(tmp_path / "a", {"t": ["L0H1", "L2H0", "L1H1", "L3H3", "L0H0"]},
+                  subset={"t": [0, 1, 2]}, seed=0)
+    b = write_run(tmp_path / "b", {"t": ["L2H0", "L3H3", "L0H1", "L1H2", "L0H0"]},
+                  subset={"t": [3, 4, 5]}, seed=1)
+    out = tmp_path / "cmp" / "overlap.json"
+    assert harness("overlap", str(a), str(b), "--top-k", "3", "--out", str(out)) == 0
+    result = json.loads(out.read_text())
+    entry = result["tasks"]["t"]
+    assert entry["a"]["top_k"] == ["L0H1", "L2H0", "L1H1"]
+    assert entry["b"]["top_k"] == ["L2H0", "L3H3", "L0H1"]
+    assert entry["shared"] == ["L0H1", "L2H0"]
+    assert entry["overlap_rate_a"] == entry["overlap_rate_b"] == pytest.approx(2 / 3)
+    assert entry["iou"] == pytest.approx(2 / 4)
+    assert entry["well_defined"] and entry["shared_range"] == [2, 2]
+    # k = 1: {L0H1} vs {L2H0}: 0; k = 2: {L0H1, L2H0} vs {L2H0, L3H3}: 1 (union 3).
+    assert [p["shared"] for p in entry["curve"]] == [0, 1, 2]
+    assert [p["share"] for p in entry["curve"]] == pytest.approx([0, 1 / 2, 2 / 3])
+    assert [p["iou"] for p in entry["curve"]] == pytest.approx([0, 1 / 3, 2 / 4])
+    assert result["examples"]["status"] == "disjoint" and result["examples"]["shared"] == 0
+    assert result["differs_in"] == ["seed"]
+    assert result["made_by"] == MADE_BY
+    table = out.with_suffix(".md").read_text()
+    printed = capsys.readouterr().out
+    assert overlap_markdown(result) in table and overlap_markdown(result) in printed
+    assert "| A | L0H1, L2H0, L1H1 | 66.7% |" in table
+    assert "Shared (2): L0H1, L2H0; IoU 50.0%." in table and "disjoint" in table
+    assert "| 2 | 1 | 50.0% | 33.3% |  |" in table
+    # Rerunning overwrites the files it wrote.
+    assert harness("overlap", str(a), str(b), "--top-k", "2", "--out", str(out)) == 0
+    assert json.loads(out.read_text())["tasks"]["t"]["a"]["k"] == 2
+
+
+def test_neuron_names_and_each_runs_own_top_k(tmp_path):
+    """Names are opaque strings: neurons (and heads among them) compare as they are. With
+    no --top-k each run keeps its own, so the two overlap rates differ."""
+    a = write_run(tmp_path / "a", {"t": ["L3N12", "L0N5", "L7N1", "L1H2"]}, top_k=2,
+                  subset={"t": [0, 1, 2, 3]})
+    b = write_run(tmp_path / "b", {"t": ["L0N5", "L7N1", "L3N12", "L1N9", "L1H2"]},
+                  top_k=4, subset={"t": [2, 3, 4]})
+    result = overlap(a, b)  # the Python API writes nothing without out=
+    entry = result["tasks"]["t"]
+    # A = {L3N12, L0N5}, B = {L0N5, L7N1, L3N12, L1N9}: 2 shared, union 4.
+    assert (entry["a"]["k"], entry["b"]["k"]) == (2, 4)
+    assert sorted(entry["shared"]) == ["L0N5", "L3N12"]
+    assert entry["overlap_rate_a"] == pytest.approx(1.0)
+    assert entry["overlap_rate_b"] == pytest.approx(0.5)
+    assert entry["iou"] == pytest.approx(0.5)
+    # The curve runs to the larger k: top-1..4 of both (A's ranking goes on past its k).
+    # k=1: L3N12 vs L0N5; k=2: {L3N12,L0N5} vs {L0N5,L7N1}; k=3: all three; k=4: 3 of 4.
+    assert [p["shared"] for p in entry["curve"]] == [0, 1, 3, 3]
+    # Examples 2 and 3 are in both subsets.
+    assert result["examples"]["status"] == "overlapping"
+    assert result["examples"]["tasks"]["t"] == {"a": 4, "b": 3, "shared": 2}
+    assert "**overlapping**: 2 example(s) shared" in overlap_markdown(result)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_tasks_are_compared_where_both_runs_rank_them(tmp_path):
+    a = write_run(tmp_path / "a", {"x": ["L0H0", "L0H1"], "y": ["L1H0", "L1H1"]}, top_k=1)
+    b = write_run(tmp_path / "b", {"y": ["L1H0", "L0H0"], "z": ["L0H0", "L1H1"]}, top_k=1)
+    result = overlap(a, b)
+    assert list(result["tasks"]) == ["y"]
+    assert result["only_in_a"] == ["x"] and result["only_in_b"] == ["z"]
+    assert result["tasks"]["y"]["iou"] == 1.0
+    # Neither recorded its example subset: whether they are disjoint is unknown.
+    assert result["examples"]["status"] == "unknown"
+    assert "recorded no example subset" in result["examples"]["why"]
+
+
+def test_subsets_of_tasks_from_different_folders_are_unknown(tmp_path):
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1"]}, subset={"t": [0, 1]},
+                  include_path=(str(tmp_path / "one"),))
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L0H1"]}, subset={"t": [2, 3]},
+                  include_path=(str(tmp_path / "two"),))
+    examples = overlap(a, b, top_k=1)["examples"]
+    assert examples["status"] == "unknown" and "--include-path" in examples["why"]
+
+
+# --- ties and rankings that found nothing ------------------------------------------------
+
+def test_a_tie_at_the_boundary_is_said_not_ordered(tmp_path):
+    # A: L0H0, then L0H1 = L0H2 = L0H3 (one tie group): its top-2 is L0H0 and any one of
+    # the three. B: L0H0, L0H3 (no ties). Shared: L0H0, plus L0H3 if A's pick is L0H3.
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]},
+                  tied={"t": {"L0H2", "L0H3"}})
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L0H3", "L1H0", "L0H1", "L0H2"]})
+    out = tmp_path / "o.json"
+    result = overlap(a, b, top_k=2, out=out)
+    entry = result["tasks"]["t"]
+    assert entry["a"]["tie"] == {"group": ["L0H1", "L0H2", "L0H3"], "places": 1}
+    assert entry["b"]["tie"] is None
+    assert not entry["well_defined"] and entry["shared_range"] == [1, 2]
+    assert entry["shared"] == ["L0H0"]  # in the files' order, said as such below
+    # The curve: at k=1 nobody is tied; at k=2 A's boundary is inside the group.
+    assert [p["tied"] for p in entry["curve"]] == [[], ["a"]]
+    assert [p["shared_range"] for p in entry["curve"]] == [[1, 1], [1, 2]]
+    # Top-3: A holds two of the three; B's L0H0, L0H3, L1H0 shares L0H0 and maybe L0H3.
+    assert overlap(a, b, top_k=3)["tasks"]["t"]["shared_range"] == [1, 2]
+    # Top-4 takes the whole group: defined again. B's top-4 is L0H0 L0H3 L1H0 L0H1: 3 of
+    # A's 4 shared, union 5.
+    entry4 = overlap(a, b, top_k=4)["tasks"]["t"]
+    assert entry4["well_defined"] and entry4["a"]["tie"] is None
+    assert entry4["iou"] == pytest.approx(3 / 5)
+    table = out.with_suffix(".md").read_text()
+    assert "A's top-2 is not well defined: its ranks 2 and 3 have the same evidence" in table
+    assert "Shared 1–2 depending on how the ties are broken (1 in the files' order: L0H0)" \
+        in table
+    # Every figure of a tied row is the range: 1 or 2 shared of 2, IoU 1/3 or 1.
+    assert "| A | L0H0, L0H1 | 50.0%–100.0% |" in table
+    assert "| 2 | 1–2 | 50.0%–100.0% | 33.3%–100.0% | A tied at k (files' order: 1) |" in table
+
+
+def test_both_boundaries_tied(tmp_path):
+    # A's top-2: L0H0 + one of {L0H1, L0H2, L0H3}; B's top-2: L0H0 + one of {L0H3, L1H0}.
+    # Both pick L0H3: 2 shared; otherwise 1.
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]},
+                  tied={"t": {"L0H2", "L0H3"}})
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L0H3", "L1H0", "L0H1"]},
+                  tied={"t": {"L1H0"}})
+    entry = overlap(a, b, top_k=2)["tasks"]["t"]
+    assert entry["b"]["tie"] == {"group": ["L0H3", "L1H0"], "places": 1}
+    assert entry["shared_range"] == [1, 2]
+    assert entry["curve"][1]["tied"] == ["a", "b"]
+
+
+def _brute_force_range(names, ties, other_names, other_ties, k):
+    """Fewest and most shared over every tie-break of both top-k: each tie group is
+    reordered every way it can be, and the top-k of each order compared."""
+    def orders(ranking, tied):
+        groups: list[list[str]] = []
+        for name in ranking:
+            if name in tied and groups:
+                groups[-1].append(name)
+            else:
+                groups.append([name])
+        for choice in itertools.product(*(itertools.permutations(g) for g in groups)):
+            yield set([n for g in choice for n in g][:k])
+
+    counts = [len(x & y) for x in orders(names, ties) for y in orders(other_names, other_ties)]
+    return [min(counts), max(counts)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_tie_break_range_is_every_way_of_breaking_the_ties(tmp_path, seed):
+    rng = random.Random(seed)
+    pool = [f"L{i}N{j}" for i in range(2) for j in range(4)]
+    rankings, tieds = [], []
+    for _ in range(2):
+        names = rng.sample(pool, 7)
+        rankings.append(names)
+        tieds.append({n for n in names[1:] if rng.random() < 0.5})
+    k = rng.randint(1, 6)
+    a = write_run(tmp_path / "a", {"t": rankings[0]}, tied={"t": tieds[0]})
+    b = write_run(tmp_path / "b", {"t": rankings[1]}, tied={"t": tieds[1]})
+    entry = overlap(a, b, top_k=k)["tasks"]["t"]
+    assert entry["shared_range"] == _brute_force_range(rankings[0], tieds[0], rankings[1],
+                                                       tieds[1], k)
+    for point in entry["curve"]:
+        assert point["shared_range"] == _brute_force_range(
+            rankings[0], tieds[0], rankings[1], tieds[1], point["k"])
+
+
+def test_a_ranking_that_found_nothing_is_said(tmp_path):
+    # A: everything after the first tied with the one above (cli's "no head stands out");
+    # B: every effect 0.
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  tied={"t": {"L0H1", "L0H2", "L0H3"}})
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  effects={"t": [0.0, 0.0, 0.0, 0.0]})
+    result = overlap(a, b, top_k=3)
+    entry = result["tasks"]["t"]
+    assert entry["a"]["nothing_found"].startswith("no component stands out")
+    assert entry["b"]["nothing_found"].startswith("no effect found")
+    table = overlap_markdown(result)
+    assert "A found nothing: no component stands out" in table
+    assert "B found nothing: no effect found" in table
+    # A ranking with effects and no ties found something.
+    c = write_run(tmp_path / "c", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]})
+    assert overlap(a, c, top_k=3)["tasks"]["t"]["b"]["nothing_found"] is None
+
+
+# --- refusals: one line, exit status 2 ----------------------------------------------------
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2"]})
+    b = write_run(tmp_path / "b", {"t": ["L0H1", "L0H0", "L0H2"]})
+    other_model = write_run(tmp_path / "c", {"t": ["L0H0"]}, model_args="another")
+    other_task = write_run(tmp_path / "d", {"u": ["L0H0"]})
+    unfinished = tmp_path / "e"
+    write_run(unfinished, {"t": ["L0H0"]})
+    (unfinished / "heads-t.json").unlink()
+    out = ["--out", str(tmp_path / "o.json")]
+    cases = [
+        ([str(tmp_path / "nowhere"), str(a)], "is not a run folder (no config.json)"),
+        ([str(a), str(a / ".." / "a")], "RUN_A and RUN_B are the same folder"),
+        ([str(a), str(b), "--top-k", "0"], "--top-k 0: must be a whole number >= 1"),
+        ([str(a), str(b), "--top-k", "4"], "--top-k 4: heads-t.json of"),
+        ([str(a), str(other_model)], "the runs are of different models"),
+        ([str(a), str(other_task)], "the runs rank no task in common"),
+        ([str(a), str(unfinished)], "has no heads-<task>.json; finish the run first"),
+    ]
+    for args, message in cases:
+        assert harness("overlap", *args, *out) == 2, args
+        assert message in error_line(capsys)
+    assert not (tmp_path / "o.json").exists()
+    # With no --top-k each run's own is checked the same way (and said to be the run's).
+    big = write_run(tmp_path / "f", {"t": ["L0H0", "L0H1"]}, top_k=5)
+    assert harness("overlap", str(a), str(big), "--out", str(tmp_path / "o.json")) == 2
+    assert "--top-k 5 (the run's own): heads-t.json of" in error_line(capsys)
+    # The values are named: both models, both task lists.
+    harness("overlap", str(a), str(other_model), *out)
+    assert "'m'" in (line := error_line(capsys)) and "'another'" in line
+    harness("overlap", str(a), str(other_task), *out)
+    assert ": t;" in (line := error_line(capsys)) and ": u)" in line
+
+
+def test_out_never_overwrites_a_file_that_is_not_ours(tmp_path, capsys):
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1"]})
+    b = write_run(tmp_path / "b", {"t": ["L0H1", "L0H0"]})
+    foreign_json = tmp_path / "notes.json"
+    foreign_json.write_text('{"mine": true}')
+    foreign_md = tmp_path / "mine.md"
+    foreign_md.write_text("# my notes\n")
+    (tmp_path / "mine.json").write_text(json.dumps({"made_by": MADE_BY}))  # ours; its .md not
+    cases = [
+        (foreign_json, "notes.json exists and was not written by headloc-harness overlap"),
+        (tmp_path / "mine.json", "mine.md exists and was not written by"),
+        (tmp_path / "table.md", "name a .json file"),
+        (tmp_path, "name a .json file"),
+        (a / "overlap.json", "which this command reads from"),
+    ]
+    for target, message in cases:
+        assert harness("overlap", str(a), str(b), "--top-k", "1", "--out", str(target)) == 2
+        assert message in error_line(capsys)
+    assert foreign_json.read_text() == '{"mine": true}'
+    assert foreign_md.read_text() == "# my notes\n"
+    assert not (a / "overlap.json").exists() and not (tmp_path / "table.md").exists()
+    folder = tmp_path / "x.json"
+    folder.mkdir()
+    assert harness("overlap", str(a), str(b), "--out", str(folder)) == 2
+    assert "is a folder" in error_line(capsys)
+
+
+# --- on real runs ---------------------------------------------------------------------------
+
+def test_two_locate_runs_with_other_seeds(tiny_model_dir, tmp_path, capsys):
+    """--seed draws each run's example subset (and, unless --design-seed, its masks): two
+    seeds give other subsets of the task, which overlap by chance. The command reads what
+    locate wrote: its rankings, ties and subsets."""
+    base = ["locate", "--model-args", f"pretrained={tiny_model_dir('llama')},dtype=float32",
+            "--include-path", TASKS, "--tasks", "tiny_copy", "--masks", "6",
+            "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3", "--prior", "none",
+            "--confirm", "0", "--bootstrap", "10", "--design-seed", "0"]
+    for seed in ("1", "2"):
+        assert harness(*base, "--seed", seed, "--out", str(tmp_path / seed)) == 0
+    out = tmp_path / "overlap.json"
+    assert harness("overlap", str(tmp_path / "1"), str(tmp_path / "2"), "--out",
+                   str(out)) == 0
+    result = json.loads(out.read_text())
+    configs = [json.loads((tmp_path / s / "config.json").read_text()) for s in "12"]
+    subsets = [set(c["example_subset"]["tiny_copy"]) for c in configs]
+    assert configs[0]["example_subset"] != configs[1]["example_subset"]
+    examples = result["examples"]
+    assert examples["shared"] == len(subsets[0] & subsets[1])
+    assert examples["status"] == ("overlapping" if subsets[0] & subsets[1] else "disjoint")
+    heads = [json.loads((tmp_path / s / "heads-tiny_copy.json").read_text()) for s in "12"]
+    entry = result["tasks"]["tiny_copy"]
+    assert entry["a"]["top_k"] == [h["head"] for h in heads[0]["heads"][:3]]
+    assert entry["b"]["top_k"] == [h["head"] for h in heads[1]["heads"][:3]]
+    shared = set(entry["a"]["top_k"]) & set(entry["b"]["top_k"])
+    assert entry["overlap_rate_a"] == pytest.approx(len(shared) / 3)
+    assert result["differs_in"] == ["seed"]
+    assert "Written to" in capsys.readouterr().out
