@@ -26,7 +26,7 @@ from .heads import Head
 from .metrics import TaskScore, task_score
 from .signals import SIGNALS, gold_answers, gold_logprob, no_logprob_reason
 
-__all__ = ["HarnessMeasurement", "Measurement", "choose_subset"]
+__all__ = ["HarnessMeasurement", "Measurement", "at_scale", "choose_subset"]
 
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
 _UNSETTLED = object()
@@ -67,6 +67,23 @@ def quiet_harness(verbose: bool = False) -> Iterator[None]:
         for module, original in zip(modules, originals, strict=True):
             module.tqdm = original
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def at_scale(lm: Any, scale: float | None) -> Iterator[None]:
+    """Inside, ``lm`` (an ``HFHeadAblateLM``) knocks heads out at ``scale`` (None: as it
+    does): one loaded model measures a set erased (0) and enhanced (2) side by side. The
+    model reads its ``scale`` whenever a knockout starts (``knocking_out``)."""
+    if scale is None:
+        yield
+        return
+    from .ablation import check_scale
+
+    saved, lm.scale = lm.scale, check_scale(scale)
+    try:
+        yield
+    finally:
+        lm.scale = saved
 
 
 def choose_subset(doc_counts: dict[str, int], num_samples: int | None,
@@ -111,10 +128,11 @@ class Measurement(Protocol):
     def __call__(self, heads: Iterable[Head | str]) -> Scores: ...
 
     def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
-                       masks_per_pass: int | None = None
+                       masks_per_pass: int | None = None, scale: float | None = None
                        ) -> Iterator[tuple[int, list[Scores], float]]:
         """``(index, scores of each mask, seconds per mask)`` of each chunk of masks as it
-        is measured (in any order); ``masks_per_pass`` None: the measurement's choice."""
+        is measured (in any order); ``masks_per_pass`` None: the measurement's choice;
+        ``scale`` None: the model's own (``at_scale``)."""
         ...
 
     def auto_masks_per_pass(self) -> int: ...
@@ -394,17 +412,19 @@ class HarnessMeasurement:
                               self.scored_positions)
 
     def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
-                       masks_per_pass: int | None = None
+                       masks_per_pass: int | None = None, scale: float | None = None
                        ) -> Iterator[tuple[int, list[Scores], float]]:
         """``Measurement.measure_chunks`` here, in order: a chunk of several masks shares
         forward passes (``measure_many``) ``masks_per_pass`` at a time (None: the chunk's
-        size)."""
+        size), its heads knocked out at ``scale`` (None: the model's own)."""
         for index, chunk in enumerate(chunks):
             start = time.perf_counter()
-            if len(chunk) > 1:
-                scores = self.measure_many(chunk, masks_per_pass=masks_per_pass or len(chunk))
-            else:
-                scores = [self(heads) for heads in chunk]
+            with at_scale(self.lm, scale):  # not held across the yield
+                if len(chunk) > 1:
+                    scores = self.measure_many(chunk,
+                                               masks_per_pass=masks_per_pass or len(chunk))
+                else:
+                    scores = [self(heads) for heads in chunk]
             yield index, scores, (time.perf_counter() - start) / max(1, len(chunk))
 
     def workers_config(self) -> None:

@@ -141,3 +141,23 @@ def no_model_loading(monkeypatch):
 
     monkeypatch.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
     monkeypatch.setattr(HFHeadAblateLM, "__init__", refuse)
+
+
+def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...],
+                 model_args: str | None = None, seed: int = 0) -> Path:
+    """A finished-looking locate run written by hand (config.json and heads-<task>.json,
+    no model needed to make it), for verify and cross to read."""
+    import json
+
+    from lm_eval_headloc.commands import RunSpec
+
+    spec = RunSpec(model_args=model_args or f"pretrained={model_dir},dtype=float32,device=cpu",
+                   tasks=(task,), include_path=(TASKS,), seed=seed)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"),
+        "settings": spec.settings("locate"), "spec": spec.as_config(),
+        "layers": LAYERS, "heads_per_layer": HEADS}))
+    (folder / f"heads-{task}.json").write_text(json.dumps(
+        {"heads": [{"rank": r, "head": h} for r, h in enumerate(heads, start=1)]}))
+    return folder

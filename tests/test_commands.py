@@ -280,7 +280,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
         "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
-        "ablation_field": "prompt",
+        "ablation_field": "prompt", "random_draws": 2,
     }
     from dataclasses import fields
 
@@ -296,8 +296,8 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
                                                                 "bootstrap", "confirm"},
                 "greedy": (shared - {"top_k"}) | {"rounds"},
                 "sweep": shared | design,
-                "verify": shared | {"general", "limit"}}
-    for command in ("locate", "greedy", "sweep", "verify"):
+                "verify": shared | {"general", "limit"}, "cross": shared}
+    for command in ("locate", "greedy", "sweep", "verify", "cross"):
         folder = tmp_path / command
         with RunFolder(folder) as run:
             run.start(command, base.identity(command), base.settings(command))

@@ -13,6 +13,7 @@ module per subcommand, and ``cli``.
 """
 
 from ..checks import UsageError
+from .cross import cross
 from .greedy import greedy
 from .locate import locate, refit
 from .report import HeadRanking
@@ -22,5 +23,5 @@ from .sweep import sweep
 from .universal import universal
 from .verify import verify
 
-__all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "greedy",
-           "locate", "refit", "sweep", "universal", "verify"]
+__all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "cross",
+           "greedy", "locate", "refit", "sweep", "universal", "verify"]

@@ -20,8 +20,10 @@ from collections.abc import Mapping, Sequence
 
 from .. import __version__
 from ..errors import UserError, one_line
+from .cross import cross, cross_markdown
 from .greedy import greedy
 from .locate import locate, refit
+from .overlap import markdown_path, overlap, overlap_markdown
 from .report import HeadRanking
 from .result import load_run
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
@@ -88,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="universal.json", metavar="FILE",
                    help="JSON file to write (default universal.json)")
 
+    p = sub.add_parser("overlap", help="overlap rate and IoU of two runs' top-k, found on "
+                                       "other examples (CNL's stability check)")
+    p.add_argument("run_a", metavar="RUN_A")
+    p.add_argument("run_b", metavar="RUN_B")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="components compared per ranking (default: each run's own --top-k)")
+    p.add_argument("--out", default="overlap.json", metavar="FILE",
+                   help="JSON file to write, the table next to it as .md (default "
+                        "overlap.json)")
+
+    p = sub.add_parser("cross", help="knock out each run's top-k heads per task and measure "
+                                     "every task (CNL's task x task matrix)")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    add_options(p, ("tasks",), keep_stored="the runs' own tasks")
+    add_options(p, COMMAND_OPTIONS["cross"])
+    _add_out(p, "runs/cross", "folder for the matrix (default runs/cross)")
+
     p = sub.add_parser("sweep", help="search --masks x --sparsity (paper appendix A.1)")
     add_options(p, COMMAND_OPTIONS["sweep"])
     # dest: the grids are sweep's own, not RunSpec's single masks/sparsity values.
@@ -123,6 +142,13 @@ def run(args: argparse.Namespace) -> None:
         result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)
         print(universal_table(result))
         print(f"\n{len(result['heads'])} universal head(s) written to {args.out}")
+    elif command == "overlap":
+        print(overlap_markdown(overlap(args.run_a, args.run_b, top_k=args.top_k,
+                                       out=args.out)))
+        print(f"\nWritten to {args.out} and {markdown_path(args.out)}")
+    elif command == "cross":
+        print(cross_markdown(cross(args.runs, args.out, RunSpec.from_namespace(args),
+                                   force=args.force)))
     elif command == "sweep":
         result = sweep(args.out, args.masks_grid, args.sparsity_grid,
                        RunSpec.from_namespace(args), force=args.force)

@@ -8,8 +8,9 @@ that are not on disk yet, each written before the next starts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from ..metrics import metrics_of_task, parse_task_metric
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
 from ..tasks import check_task_names, make_task_manager
-from .result import RunRecord, measured_on
+from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, path_list
 from .workers import check_workers
@@ -31,8 +32,8 @@ from .workers import check_workers
 if TYPE_CHECKING:
     from ..measure import Measurement
 
-__all__ = ["Setup", "check_design_budget", "head_list", "load_model", "open_measurement",
-           "prepare", "run_plan", "set_ablation"]
+__all__ = ["PlanEntry", "Setup", "check_design_budget", "head_list", "load_model",
+           "measured_plan", "open_measurement", "prepare", "run_plan", "set_ablation"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -318,7 +319,16 @@ def _say_short_tasks(measure: Any, num_samples: int | None) -> None:
                         task, count, count, num_samples)
 
 
-def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[tuple[str, list[Head]]],
+def _scale_words(scale: float | None) -> str:
+    return "the run's scale" if scale is None else f"scale {scale:g}"
+
+
+#: A plan entry: (key, heads), or (key, heads, scale) for heads knocked out at ``scale``
+#: rather than at the measurement's own (the run's --scale).
+PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
+
+
+def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[PlanEntry],
              desc: str, progress: bool = True, masks_per_pass: int | None = 1
              ) -> dict[str, dict[str, Any]]:
     """Measure every (key, heads) not yet on disk; return all records by key.
@@ -326,46 +336,90 @@ def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[tuple[str, 
     Each record is appended (and fsynced) before the next measurement (or, with
     ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
     loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
-    A record on disk whose mask differs from the plan's refuses the folder. config.json
-    is not touched: a distributed measurement's workers go into the command's record
-    with its next phase (``RunRecord.save``).
+    An entry ``(key, heads, scale)`` is measured at that scale (verify's and cross's
+    erase beside an enhance) and its record holds ``scale``; an entry without one, at the
+    measurement's own scale, which the run's identity fixes. A record on disk whose mask
+    or scale differs from the plan's refuses the folder. config.json is not touched: a
+    distributed measurement's workers go into the command's record with its next phase
+    (``RunRecord.save``).
     """
     from tqdm import tqdm
 
+    entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
     done = {r["key"]: r for r in folder.measurements()}
-    for key, heads in plan:
-        if key in done and done[key]["mask"] != format_heads(heads):
+    for key, heads, scale in entries:
+        if key not in done:
+            continue
+        if done[key]["mask"] != format_heads(heads):
             raise RunFolderError(
                 f"{folder.path}: measurement {key!r} on disk knocked out "
                 f"{done[key]['mask'] or 'nothing'}, this run plans "
                 f"{format_heads(heads) or 'nothing'}; the folder was made with other arguments "
                 "(use another --out or --force)")
-    todo = [(key, heads) for key, heads in plan if key not in done]
+        wanted = None if scale is None else float(scale)
+        if done[key].get("scale") != wanted:
+            raise RunFolderError(
+                f"{folder.path}: measurement {key!r} on disk was made at "
+                f"{_scale_words(done[key].get('scale'))}, this run plans "
+                f"{_scale_words(wanted)}; the folder was made with other arguments (use "
+                "another --out or --force)")
+    todo = [entry for entry in entries if entry[0] not in done]
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if todo else 1
-    chunks = [todo[start:start + masks_per_pass]
-              for start in range(0, len(todo), masks_per_pass)]
-    # Chunks may complete in any order (--workers); each is written as it arrives.
-    results = measure.measure_chunks([[h for _, h in c] for c in chunks], masks_per_pass)
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="meas",
+    bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=desc, unit="meas",
                disable=not progress, dynamic_ncols=True)
     try:
-        for index, all_scores, seconds in results:
-            for (key, heads), scores in zip(chunks[index], all_scores, strict=True):
-                record = {
-                    "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
-                    "scores": {name: s.value for name, s in scores.items()},
-                    "metrics": {name: s.metric for name, s in scores.items()},
-                    "higher_is_better": {name: s.higher_is_better for name, s in scores.items()},
-                    "seconds": round(seconds, 4),
-                }
-                logprob = {name: s.logprob for name, s in scores.items()
-                           if s.logprob is not None}
-                if logprob:  # the gold answers' log-likelihood, measured along the way
-                    record["logprob"] = logprob
-                folder.append_measurement(record)
-                done[key] = record
-                bar.update(1)
+        # One scale per call of measure_chunks: entries grouped by scale, in plan order.
+        for scale in dict.fromkeys(entry[2] for entry in todo):
+            group = [entry for entry in todo if entry[2] == scale]
+            chunks = [group[start:start + masks_per_pass]
+                      for start in range(0, len(group), masks_per_pass)]
+            at = {} if scale is None else {"scale": float(scale)}
+            # Chunks may complete in any order (--workers); each is written as it arrives.
+            results = measure.measure_chunks([[h for _, h, _ in c] for c in chunks],
+                                             masks_per_pass, **at)
+            for index, all_scores, seconds in results:
+                for (key, heads, _), scores in zip(chunks[index], all_scores, strict=True):
+                    record = {
+                        "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
+                        **at,
+                        "scores": {name: s.value for name, s in scores.items()},
+                        "metrics": {name: s.metric for name, s in scores.items()},
+                        "higher_is_better": {name: s.higher_is_better
+                                             for name, s in scores.items()},
+                        "seconds": round(seconds, 4),
+                    }
+                    logprob = {name: s.logprob for name, s in scores.items()
+                               if s.logprob is not None}
+                    if logprob:  # the gold answers' log-likelihood, measured along the way
+                        record["logprob"] = logprob
+                    folder.append_measurement(record)
+                    done[key] = record
+                    bar.update(1)
     finally:
         bar.close()
-    return {key: done[key] for key, _ in plan}
+    return {key: done[key] for key, _, _ in entries}
+
+
+@contextlib.contextmanager
+def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
+                  plan: Sequence[PlanEntry], *, identity: Mapping[str, Any],
+                  protect: Sequence[str | Path] = (), force: bool = False,
+                  num_samples: int | None = None, limit: int | None = None,
+                  desc: str | None = None
+                  ) -> Iterator[tuple[RunFolder, dict[str, dict[str, Any]]]]:
+    """Start (or resume) ``command``'s run folder ``out``, load the model once, measure
+    ``plan`` (``run_plan``) and hold the folder's lock while the caller writes its
+    tables from the records: ``with measured_plan(...) as (folder, records):``. The
+    commands that knock out given sets (verify, cross) share this."""
+    with RunFolder(out) as folder:
+        # Phases: started, measuring, and (with --workers) measured: their shares.
+        record = start_run(folder, command, spec, force=force, protect=protect,
+                           identity=identity)
+        measure = open_measurement(setup, load_model(setup), folder, num_samples=num_samples,
+                                   limit=limit, run=record)
+        record.save(folder, measure)
+        records = run_plan(folder, measure, plan, desc=desc or command,
+                           progress=spec.progress)
+        record.save(folder, measure)  # written only if the workers' shares changed
+        yield folder, records

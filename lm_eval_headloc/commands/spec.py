@@ -54,6 +54,9 @@ _REFITTABLE: dict[str, frozenset[str]] = {
     "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks",
                          "confirm"}),
     "greedy": frozenset({"top_k"}),
+    # verify's random sets are drawn in turn from one seeded generator: more draws keep
+    # the first ones, so a larger --random-draws only measures the new sets.
+    "verify": frozenset({"random_draws"}),
 }
 
 
@@ -200,7 +203,7 @@ class RunSpec:
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
                            parse=float, whole=False, min_val=0, include_boundaries="neither")
-    top_k: int = _option(5, "heads reported (and knocked out by verify)", SETTING,
+    top_k: int = _option(5, "heads reported (and knocked out by verify and cross)", SETTING,
                          parse=int, metavar="K", whole=True, min_val=1)
     exclude: str | None = _option(
         None, "heads kept out of the ranking (L0H1+L2H3 or a head file)", SETTING,
@@ -220,6 +223,12 @@ class RunSpec:
         parse=_comma_list, metavar="TASKS")
     limit: int | None = _option(None, "examples per task (default: full datasets)",
                                 parse=int, metavar="N", whole=True, min_val=1)
+    random_draws: int = _option(
+        5, "random sets as large as each task's top-k, of the same kind, drawn (seeded by "
+           "the run's --seed) from the components outside it and outside --exclude and "
+           "--never-ablate, each knocked out like it: what its drop is compared with (0: "
+           "none; rerun with more to add draws)", parse=int, metavar="R", whole=True,
+        min_val=0)
     # --- how, not what -------------------------------------------------------------------
     batch_size: int | str = _option(32, "batch size: a number, 'auto' or 'auto:N'", RUNTIME,
                                     parse=parse_batch_size, metavar="N")
@@ -413,25 +422,34 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
-    "verify": ("top_k", "general", "limit", "batch_size", "workers", "ray_address",
-               "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code", "verbose"),
+    "verify": ("top_k", "general", "limit", "random_draws", "batch_size", "workers",
+               "ray_address", "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code",
+               "verbose"),
+    # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
+    # adds it with add_options(keep_stored="the runs' own tasks")).
+    "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "ablation",
+              "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
+              "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
+              "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
 
 
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
-                keep_stored: bool = False) -> None:
+                keep_stored: bool | str = False) -> None:
     """Add the flags of these RunSpec fields, defaults taken from the fields.
 
-    ``keep_stored``: every default is None, meaning "as stored in the run" (refit).
+    ``keep_stored``: every default is None, meaning "as stored in the run" (refit); a
+    string says what None stands for instead of "the run's" (cross: "the runs' own tasks").
     """
     by_name = {f.name: f for f in fields(RunSpec)}
     for name in names:
         spec_field = by_name[name]
         meta, flag = spec_field.metadata, "--" + name.replace("_", "-")
         default = None if keep_stored else spec_field.default
-        shown = "the run's" if keep_stored else (
+        stored = keep_stored if isinstance(keep_stored, str) else "the run's"
+        shown = stored if keep_stored else (
             ",".join(default) if isinstance(default, tuple) else default)
         text = meta["help"]
         if keep_stored:  # the field's own default is not what a stored run uses

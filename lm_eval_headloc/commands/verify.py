@@ -1,38 +1,166 @@
 """``verify``: the paper's verification table. Knock out a run's top 1..k heads
 cumulatively and measure the run's task(s) ("Task" drop) and general tasks (mean "Gen"
-drop)."""
+drop); with CNL's checks beside it: the top-k against random sets of as many heads, and,
+when ``--scale`` is not 0 (2: enhance), the same sets erased (scale 0).
+
+The pieces cross shares (``located_heads``, ``ablations``, ``effect``) are here too."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..checks import UsageError
-from ..heads import parse_heads, read_heads_file
-from .engine import is_embedded, load_model, open_measurement, prepare, run_plan
+from ..geometry import Geometry
+from ..heads import Head, parse_heads, read_heads_file
+from .engine import PlanEntry, is_embedded, measured_plan, prepare
 from .report import relative_drop
-from .result import load_run, start_run
+from .result import load_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
-__all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "verification_markdown", "verify"]
+__all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
+           "located_heads", "percent", "random_like", "random_sets", "verification_markdown",
+           "verify"]
 
 DEFAULT_GENERAL = ("hellaswag", "boolq", "arc_challenge", "mmlu")  # the paper's
 # The embedded model runs where nothing can be downloaded: offline general tasks.
 OFFLINE_GENERAL = ("headloc_induction", "headloc_ioi", "headloc_arith")
 
 
+# --- what verify and cross share ----------------------------------------------------------
+
+def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
+    """The first ``top_k`` heads of ``task``'s ranking in the run ``folder``
+    (``heads-<task>.json``); a one-line error when there is none or it ranks fewer."""
+    path = folder.file(f"heads-{task}.json")
+    if not path.is_file():
+        raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
+    ranked = read_heads_file(path)
+    if len(ranked) < top_k:
+        raise UsageError(f"--top-k {top_k}: {path.name} ranks only {len(ranked)} heads")
+    return ranked[:top_k]
+
+
+class Ablation(NamedTuple):
+    """One way a set is knocked out: its measurement keys end in ``suffix``; ``entry``
+    is the plan entry's scale (None: the model's own, the run's --scale)."""
+
+    suffix: str
+    entry: float | None
+    scale: float
+    name: str
+
+
+def scale_name(scale: float) -> str:
+    """erase (0), enhance (above 1) or the number: how CNL names what a scale does."""
+    return "erase" if scale == 0 else "enhance" if scale > 1 else f"scale {scale:g}"
+
+
+def ablations(scale: float) -> list[Ablation]:
+    """The ablations a set is measured under: erase (scale 0) first, and the run's
+    --scale beside it when that is not 0 (CNL's enhance next to erase). The run's scale
+    is the model's own, so only an erase beside it needs a scale of its own."""
+    own = Ablation("", None, float(scale), scale_name(scale))
+    return [own] if scale == 0 else [Ablation("-erase", 0.0, 0.0, "erase"), own]
+
+
+def effect(base: Mapping[str, Any], record: Mapping[str, Any], task: str,
+           general: Sequence[str] = ()) -> dict[str, Any]:
+    """What knocking a set out did: ``task``'s score and its drop relative to the
+    baseline (positive = worse; NaN at a zero baseline), and the ``general`` tasks'
+    scores, drops and mean drop (None when none is defined)."""
+    drops = {g: relative_drop(base["scores"][g], record["scores"][g],
+                              base["higher_is_better"][g]) for g in general}
+    defined = [d for d in drops.values() if math.isfinite(d)]
+    return {"score": record["scores"][task],
+            "task_drop": relative_drop(base["scores"][task], record["scores"][task],
+                                       base["higher_is_better"][task]),
+            "gen_drop": float(np.mean(defined)) if defined else None,
+            "general_scores": {g: record["scores"][g] for g in general},
+            "general_drops": drops}
+
+
+def percent(value: float | None) -> str:
+    """A drop as a percentage ("n/a": undefined); never "-0.0 %"."""
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{round(100 * value, 1) + 0.0:.1f} %"
+
+
+# --- the random baseline --------------------------------------------------------------------
+
+def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Generator,
+                avoid: Iterable[str] = ()) -> list[str]:
+    """As many components as ``located``, of its kind, drawn uniformly without
+    replacement from the model's (``geometry``, read from its config: no weights needed),
+    none of them in ``located`` or ``avoid``; their names, sorted.
+
+    The random baseline asks whether the located set matters more than any other set of
+    its size, so it never shares a component with it. Heads only for now (``parse_heads``
+    refuses a neuron); another kind draws its count from its own pool here. Raises
+    ``ValueError`` when too few components are left to draw from.
+    """
+    heads = parse_heads(list(located))
+    per_layer = geometry.heads_per_layer
+    barred = {h.flat_index(per_layer) for h in (*heads, *parse_heads(list(avoid)))}
+    pool = np.setdiff1d(np.arange(geometry.total_heads), sorted(barred))
+    if len(pool) < len(heads):
+        raise ValueError(f"{len(barred)} heads located or kept out leave {len(pool)} of the "
+                         f"model's {geometry.total_heads}, fewer than a random set of "
+                         f"{len(heads)}")
+    picked = rng.choice(pool, size=len(heads), replace=False)
+    return [str(Head.from_flat_index(i, per_layer)) for i in sorted(picked)]
+
+
+def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: int,
+                task: str, avoid: Iterable[str] = ()) -> list[list[str]]:
+    """``draws`` sets ``random_like(located)``, drawn in turn from one generator seeded
+    by (``seed``, ``task``) — ``np.random.default_rng([seed, zlib.crc32(task)])``, as the
+    example subsets are — so another task's draws do not change these, and more draws
+    keep the first ones."""
+    rng = np.random.default_rng([seed, zlib.crc32(task.encode())])
+    avoid = list(avoid)
+    try:
+        return [random_like(located, geometry, rng, avoid) for _ in range(draws)]
+    except ValueError as err:
+        raise UsageError(f"--random-draws {draws}: {err} (0 turns the baseline off)") \
+            from None
+
+
+def _spread(values: Iterable[float | None]) -> dict[str, float | None]:
+    """Mean, sample standard deviation, min and max of the defined values."""
+    defined = [v for v in values if v is not None and math.isfinite(v)]
+    if not defined:
+        return {"mean": None, "sd": None, "min": None, "max": None}
+    return {"mean": float(np.mean(defined)),
+            "sd": float(np.std(defined, ddof=1)) if len(defined) > 1 else None,
+            "min": float(min(defined)), "max": float(max(defined))}
+
+
+def _beaten(located: float, drawn: Iterable[float]) -> int | None:
+    """Random sets that moved the task's score less (in absolute relative change) than
+    the located set: erased or enhanced, what matters is how much a set moves it."""
+    if not math.isfinite(located):
+        return None
+    return sum(1 for d in drawn if math.isfinite(d) and abs(d) < abs(located))
+
+
+# --- verify ------------------------------------------------------------------------------
+
 def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None = None, *,
            force: bool = False, **options: Any) -> dict[str, Any]:
     """Verify run ``run``; the table goes to ``out`` (default ``RUN/verify``).
 
     The model, tasks and chat-template setting are the run's; ``spec`` or keyword options
-    give verify's own (top_k, general, limit, batch_size, …). ``ablation``, ``scale`` and
-    ``ablation_data`` keywords change the run's ablation for the verification.
+    give verify's own (top_k, general, limit, random_draws, batch_size, …). ``ablation``,
+    ``scale`` and ``ablation_data`` keywords change the run's ablation for the
+    verification.
     """
     source = RunFolder(run)
     stored = load_run(source)
@@ -52,88 +180,132 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
         **kind)
     spec.validate()
-    heads_by_task: dict[str, list[str]] = {}
-    for task_spec in spec.tasks:
-        name = task_spec.split(":")[0]
-        path = source.file(f"heads-{name}.json")
-        if not path.is_file():
-            raise RunFolderError(f"{run} has no {path.name}; finish the run first")
-        ranked = read_heads_file(path)
-        if len(ranked) < spec.top_k:
-            raise UsageError(f"--top-k {spec.top_k}: {path.name} ranks only {len(ranked)} "
-                             "heads")
-        heads_by_task[name] = ranked[:spec.top_k]
+    heads_by_task = {name: located_heads(source, name, spec.top_k)
+                     for name in (t.split(":")[0] for t in spec.tasks)}
     general = spec.general if spec.general is not None else (
         OFFLINE_GENERAL if is_embedded(spec.model_args) else DEFAULT_GENERAL)
     general = tuple(g for g in general if g not in heads_by_task)
     spec = spec.replace(general=general)
     setup = prepare(spec, extra_tasks=general)
+    # The model's heads from its config (prepare's): the draws need no weights.
+    geometry = Geometry(setup.num_layers, setup.heads_per_layer, None)
+    kept_out = [str(h) for h in (*setup.exclude, *setup.never_ablate)]
+    drawn = {task: random_sets(names, geometry, spec.random_draws, spec.seed, task, kept_out)
+             for task, names in heads_by_task.items()}
     if spec.ablation != "zero":
         # The run's own tasks on the run's example subset (verify's --limit is another).
         setup.reference = setup.reference_texts(stored.example_subset)
-    with RunFolder(out) as folder:
-        # Phases: started, measuring, and (with --workers) measured: their shares.
-        record = start_run(folder, "verify", spec, force=force, protect=[run], identity={
-            **spec.identity("verify"), "run": str(Path(run).resolve()),
-            "heads": {t: "+".join(h) for t, h in heads_by_task.items()}})
-        measure = open_measurement(setup, load_model(setup), folder, limit=spec.limit,
-                                   run=record)
-        record.save(folder, measure)
-        plan = [("baseline", [])] + [
-            (f"{task}-top{k}", parse_heads(names[:k])) for task, names in heads_by_task.items()
-            for k in range(1, spec.top_k + 1)]
-        records = run_plan(folder, measure, plan, desc="verify", progress=spec.progress)
-        record.save(folder, measure)  # written only if the workers' shares changed
-        table = _verification_table(records, heads_by_task, list(general), spec.top_k)
+    plan: list[PlanEntry] = [("baseline", [])]
+    for ablation in ablations(spec.scale):
+        for task, names in heads_by_task.items():
+            plan += [(f"{task}-top{k}{ablation.suffix}", parse_heads(names[:k]), ablation.entry)
+                     for k in range(1, spec.top_k + 1)]
+            plan += [(f"{task}-random{i}{ablation.suffix}", parse_heads(other),
+                      ablation.entry) for i, other in enumerate(drawn[task], start=1)]
+    identity = {**spec.identity("verify"), "run": str(Path(run).resolve()),
+                "heads": {t: "+".join(h) for t, h in heads_by_task.items()}}
+    with measured_plan(out, "verify", spec, setup, plan, identity=identity, protect=[run],
+                       force=force, limit=spec.limit) as (folder, records):
+        table = _verification_table(records, heads_by_task, list(general), spec, drawn)
         folder.write_json("verify.json", table)
         folder.write_text("verify.md", verification_markdown(table))
     return table
 
 
 def _verification_table(records: Mapping[str, Mapping[str, Any]],
-                        ranked: Mapping[str, list[str]], general: list[str],
-                        top_k: int) -> dict[str, Any]:
+                        ranked: Mapping[str, list[str]], general: list[str], spec: RunSpec,
+                        drawn: Mapping[str, list[list[str]]]) -> dict[str, Any]:
+    """verify.json: ``rows`` at the run's --scale (with ``erase`` beside each row when
+    that is not 0), and ``random``: the top-k against the random sets."""
     base = records["baseline"]
+    kinds = ablations(spec.scale)
     rows = {}
     for task, names in ranked.items():
-        task_rows = []
-        for k in range(1, top_k + 1):
-            record = records[f"{task}-top{k}"]
-            drops = {g: relative_drop(base["scores"][g], record["scores"][g],
-                                      base["higher_is_better"][g]) for g in general}
-            defined = [d for d in drops.values() if math.isfinite(d)]
-            task_rows.append({
-                "k": k, "heads": names[:k], "score": record["scores"][task],
-                "task_drop": relative_drop(base["scores"][task], record["scores"][task],
-                                           base["higher_is_better"][task]),
-                "gen_drop": float(np.mean(defined)) if defined else None,
-                "general_scores": {g: record["scores"][g] for g in general},
-                "general_drops": drops,
-            })
-        rows[task] = task_rows
-    return {"baseline": base["scores"], "metrics": base["metrics"], "general": general,
-            "rows": rows}
+        rows[task] = [{"k": k, "heads": names[:k],
+                       **effect(base, records[f"{task}-top{k}"], task, general),
+                       **({"erase": effect(base, records[f"{task}-top{k}-erase"], task, general)}
+                          if len(kinds) > 1 else {})}
+                      for k in range(1, spec.top_k + 1)]
+    table: dict[str, Any] = {"baseline": base["scores"], "metrics": base["metrics"],
+                             "general": general, "scale": spec.scale, "rows": rows,
+                             "random_draws": spec.random_draws}
+    if spec.random_draws:
+        table["random"] = {task: {
+            "k": spec.top_k, "seed": spec.seed, "sets": drawn[task],
+            "ablations": [_against_random(records, base, task, general, spec, ablation)
+                          for ablation in kinds]} for task in ranked}
+    return table
 
 
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.1f} %"
+def _against_random(records: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any],
+                    task: str, general: list[str], spec: RunSpec, ablation: Ablation
+                    ) -> dict[str, Any]:
+    located = effect(base, records[f"{task}-top{spec.top_k}{ablation.suffix}"], task, general)
+    draws = [effect(base, records[f"{task}-random{i}{ablation.suffix}"], task, general)
+             for i in range(1, spec.random_draws + 1)]
+    return {"name": ablation.name, "scale": ablation.scale,
+            "located": {key: located[key] for key in ("score", "task_drop", "gen_drop")},
+            "draws": [{key: d[key] for key in ("score", "task_drop", "gen_drop")}
+                      for d in draws],
+            "task_drop": _spread(d["task_drop"] for d in draws),
+            "gen_drop": _spread(d["gen_drop"] for d in draws),
+            "beaten": _beaten(located["task_drop"], [d["task_drop"] for d in draws])}
 
 
 def verification_markdown(table: Mapping[str, Any]) -> str:
+    """verify.md: per task the cumulative table (at --scale, erase beside it when that is
+    not 0), then the located sets against the random ones."""
     general = table["general"]
+    kinds = ablations(table.get("scale", 0.0))
     lines = ["# Verification: cumulative knockout of the top heads", ""]
     for task, rows in table["rows"].items():
         lines += [f"## {task} ({table['metrics'][task]}), baseline "
-                  f"{table['baseline'][task]:.4f}", "",
-                  "| k | heads | score | Task drop | Gen drop |"
-                  + "".join(f" {g} |" for g in general),
-                  "| --- | --- | --- | --- | --- |" + " --- |" * len(general)]
-        for row in rows:
-            lines.append(f"| {row['k']} | {'+'.join(row['heads'])} | {row['score']:.4f} | "
-                         f"{_percent(row['task_drop'])} | {_percent(row['gen_drop'])} |"
-                         + "".join(f" {row['general_scores'][g]:.4f} |" for g in general))
+                  f"{table['baseline'][task]:.4f}", ""]
+        if len(kinds) == 1:
+            lines += ["| k | heads | score | Task drop | Gen drop |"
+                      + "".join(f" {g} |" for g in general),
+                      "| --- | --- | --- | --- | --- |" + " --- |" * len(general)]
+            for row in rows:
+                lines.append(f"| {row['k']} | {'+'.join(row['heads'])} | {row['score']:.4f} | "
+                             f"{percent(row['task_drop'])} | {percent(row['gen_drop'])} |"
+                             + "".join(f" {row['general_scores'][g]:.4f} |" for g in general))
+        else:  # erase and the run's scale side by side
+            named = [f"{a.name} (×{a.scale:g})" for a in kinds]
+            lines += ["| k | heads |" + "".join(f" {n} score | Task drop | Gen drop |"
+                                                for n in named),
+                      "| --- | --- |" + " --- | --- | --- |" * len(kinds)]
+            for row in rows:
+                cells = "".join(f" {e['score']:.4f} | {percent(e['task_drop'])} | "
+                                f"{percent(e['gen_drop'])} |" for e in (row["erase"], row))
+                lines.append(f"| {row['k']} | {'+'.join(row['heads'])} |{cells}")
         lines.append("")
     lines.append("Drops are relative to the baseline (positive = worse; n/a where the "
                  "baseline is 0); Gen is the mean over the general tasks: "
-                 + (", ".join(general) or "none") + ".")
+                 + (", ".join(general) or "none")
+                 + ("" if len(kinds) == 1 else " (each general task's scores: verify.json)")
+                 + ".")
+    random = table.get("random")
+    if random:
+        first = next(iter(random.values()))
+        lines += ["", f"## Against random heads: {table['random_draws']} sets of "
+                      f"{first['k']} per task (seed {first['seed']})", "",
+                  "| task | ablation | top-k Task drop | random mean ± sd | random min – max "
+                  "| top-k moves it more than | top-k Gen drop | random Gen drop (mean) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for task, entry in random.items():
+            for against in entry["ablations"]:
+                spread, gen = against["task_drop"], against["gen_drop"]
+                sd = "" if spread["sd"] is None else f" ± {percent(spread['sd'])}"
+                beaten = "n/a" if against["beaten"] is None else (
+                    f"{against['beaten']} of {len(against['draws'])}")
+                lines.append(
+                    f"| {task} | {against['name']} (×{against['scale']:g}) | "
+                    f"{percent(against['located']['task_drop'])} | "
+                    f"{percent(spread['mean'])}{sd} | {percent(spread['min'])} – "
+                    f"{percent(spread['max'])} | {beaten} | "
+                    f"{percent(against['located']['gen_drop'])} | {percent(gen['mean'])} |")
+        lines += ["", "Each random set has as many heads as the task's top-k, drawn from the "
+                      "heads outside it (and outside --exclude and --never-ablate) and knocked "
+                      "out the same way; \"moves it more than\" counts the random sets whose "
+                      "absolute change of the task's score is smaller than the top-k's."]
     return "\n".join(lines) + "\n"

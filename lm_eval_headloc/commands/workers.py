@@ -215,11 +215,11 @@ class MeasurementWorker:
                 "device": str(self.measure.lm.device), "host": platform.node(),
                 "pid": os.getpid()}
 
-    def measure_masks(self, masks: Sequence[str], masks_per_pass: int | None
-                      ) -> list[dict[str, TaskScore]]:
+    def measure_masks(self, masks: Sequence[str], masks_per_pass: int | None,
+                      scale: float | None = None) -> list[dict[str, TaskScore]]:
         heads = [parse_heads(mask) if mask else [] for mask in masks]
         per_pass = masks_per_pass or self.measure.auto_masks_per_pass()
-        ((_, scores, _),) = self.measure.measure_chunks([heads], per_pass)
+        ((_, scores, _),) = self.measure.measure_chunks([heads], per_pass, scale=scale)
         return scores
 
 
@@ -244,10 +244,11 @@ class DistributedMeasurement:
         return self._local(heads)
 
     def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
-                       masks_per_pass: int | None = None
+                       masks_per_pass: int | None = None, scale: float | None = None
                        ) -> Iterator[tuple[int, list[dict[str, TaskScore]], float]]:
-        """Yield ``(index, scores, seconds per mask)`` of each chunk as it completes, every
-        worker kept busy; a chunk whose worker dies is given to another."""
+        """Yield ``(index, scores, seconds per mask)`` of each chunk as it completes (its
+        heads knocked out at ``scale``; None: the model's own), every worker kept busy; a
+        chunk whose worker dies is given to another."""
         ray = self._ray
         from ray.exceptions import RayActorError
 
@@ -259,7 +260,7 @@ class DistributedMeasurement:
                 actor = idle.pop(0)
                 index, chunk = pending.popleft()
                 ref = actor.measure_masks.remote([format_heads(h) for h in chunk],
-                                                 masks_per_pass)
+                                                 masks_per_pass, scale)
                 running[ref] = (actor, index, time.perf_counter())
             if not running:
                 raise WorkerError(f"every worker has died ({len(pending)} chunk(s) of masks "

@@ -1,0 +1,213 @@
+"""``cross``: CNL's cross-task matrix. Knock out the top-k heads each run ranked for each
+of its tasks, and measure every listed task with them knocked out: is a capability's set
+specific to it, or general machinery other tasks need as much?
+
+Rows are the sets knocked out (``RUN:task``), columns the tasks measured, cells the drop
+relative to the unablated baseline (``report.relative_drop``); erased (scale 0), and with
+``--scale`` not 0 also at that scale (2: enhanced). One model load measures everything,
+through ``engine.run_plan``, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checks import UsageError
+from ..heads import parse_heads
+from .engine import PlanEntry, measured_plan, prepare
+from .result import load_run
+from .runfolder import RunFolder
+from .spec import RunSpec
+from .verify import ablations, effect, located_heads, percent
+
+__all__ = ["cross", "cross_markdown", "plot_cross"]
+
+
+@dataclass(frozen=True)
+class _Set:
+    label: str  # RUN:task, RUN as given
+    run: str  # the run folder's full path
+    task: str
+    heads: list[str]
+
+
+def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
+          spec: RunSpec | None = None, *, force: bool = False, **options: Any
+          ) -> dict[str, Any]:
+    """The cross-task matrix of ``runs`` (all of one model) -> ``out`` (cross.json,
+    cross.md, cross.png). ``spec`` or keyword options give the measurement's: tasks
+    (default, or None: the runs' own), top_k, scale, num_samples, seed, ablation, …;
+    the model is the runs'."""
+    runs = [str(Path(run)) for run in runs]  # labels without a trailing slash
+    if not runs:
+        raise UsageError("cross needs at least one run folder")
+    own = (spec or RunSpec(tasks=None)).replace(**options)
+    stored, seen = {}, set()
+    for run in runs:
+        path = RunFolder(run).path.resolve()
+        if path in seen:
+            raise UsageError(f"run folder {run} is given twice")
+        seen.add(path)
+        stored[run] = load_run(run).spec
+    first = runs[0]
+    for run in runs[1:]:
+        if stored[run].model_args != stored[first].model_args:
+            raise UsageError(f"the runs are of different models ({first}: "
+                             f"{stored[first].model_args!r}; {run}: "
+                             f"{stored[run].model_args!r}); a cross matrix compares one "
+                             "model's sets")
+    run_tasks: dict[str, str] = {}  # task name -> the first run's TASK[:METRIC]
+    for run in runs:
+        for task in stored[run].tasks:
+            run_tasks.setdefault(task.split(":")[0], task)
+    spec = own.replace(
+        model_args=stored[first].model_args, signal="metric",
+        tasks=tuple(run_tasks.values()) if own.tasks is None else own.tasks,
+        include_path=tuple(dict.fromkeys(
+            [*(p for run in runs for p in stored[run].include_path), *own.include_path])))
+    spec.validate()
+    RunFolder(out).refuse_inside(runs)  # before anything slow: a plain mistake
+    sets = [_Set(f"{run}:{task}", str(Path(run).resolve()), task,
+                 located_heads(RunFolder(run), task, spec.top_k))
+            for run in runs for task in (t.split(":")[0] for t in stored[run].tasks)]
+    setup = prepare(spec)
+    plan: list[PlanEntry] = [("baseline", [])]
+    for ablation in ablations(spec.scale):
+        plan += [(f"set{i}{ablation.suffix}",
+                  parse_heads(s.heads, setup.num_layers, setup.heads_per_layer),
+                  ablation.entry) for i, s in enumerate(sets, start=1)]
+    identity = {**setup.spec.identity("cross"),
+                "sets": [[f"{s.run}:{s.task}", "+".join(s.heads)] for s in sets]}
+    with measured_plan(out, "cross", setup.spec, setup, plan, identity=identity,
+                       protect=runs, force=force, num_samples=spec.num_samples
+                       ) as (folder, records):
+        table = _cross_table(records, sets, setup.task_names, setup.spec)
+        folder.write_json("cross.json", table)
+        folder.write_text("cross.md", cross_markdown(table))
+        plot_cross(table, folder.file("cross.png"))
+    return table
+
+
+def _cross_table(records: Mapping[str, Mapping[str, Any]], sets: Sequence[_Set],
+                 tasks: list[str], spec: RunSpec) -> dict[str, Any]:
+    """cross.json: per ablation (erase first), each set's scores and drops on every
+    task, and ``hurts_others``: for each set that hurts its own (measured) task, the
+    other tasks it hurts at least as much."""
+    base = records["baseline"]
+    matrices = []
+    for ablation in ablations(spec.scale):
+        cells = {s.label: {t: effect(base, records[f"set{i}{ablation.suffix}"], t)
+                           for t in tasks} for i, s in enumerate(sets, start=1)}
+        drops = {label: {t: cell["task_drop"] for t, cell in row.items()}
+                 for label, row in cells.items()}
+        hurts = {}
+        for s in sets:
+            own = drops[s.label].get(s.task, math.nan)
+            if math.isfinite(own) and own > 0:
+                hurts[s.label] = [t for t in tasks if t != s.task
+                                  and math.isfinite(drops[s.label][t])
+                                  and drops[s.label][t] >= own]
+        matrices.append({
+            "name": ablation.name, "scale": ablation.scale,
+            "scores": {label: {t: cell["score"] for t, cell in row.items()}
+                       for label, row in cells.items()},
+            "drops": drops, "hurts_others": hurts})
+    return {"model_args": spec.model_args, "top_k": spec.top_k, "tasks": tasks,
+            "metrics": base["metrics"], "baseline": base["scores"],
+            "sets": [{"label": s.label, "run": s.run, "task": s.task, "heads": s.heads}
+                     for s in sets],
+            "ablations": matrices}
+
+
+def _verdict(s: Mapping[str, Any], matrix: Mapping[str, Any], tasks: list[str]) -> str:
+    """Whether a set is specific to its task, in words."""
+    label, task = s["label"], s["task"]
+    if task not in tasks:
+        return f"{label}: its own task is not measured."
+    own = matrix["drops"][label][task]
+    if own is None or not math.isfinite(own):
+        return f"{label}: its own task's drop is undefined (its baseline is 0)."
+    if label not in matrix["hurts_others"]:
+        return f"{label}: does not hurt its own task ({percent(own)})."
+    others = matrix["hurts_others"][label]
+    if not others:
+        return f"{label}: specific: hurts no other task as much as its own ({percent(own)})."
+    said = ", ".join(f"{t} ({percent(matrix['drops'][label][t])})" for t in others)
+    return f"{label}: general: hurts {said} as much as its own task ({percent(own)})."
+
+
+def cross_markdown(table: Mapping[str, Any]) -> str:
+    """cross.md: one task x task table per ablation, and which sets are specific."""
+    tasks = table["tasks"]
+    lines = [f"# Cross-task knockout: each run's top-{table['top_k']} heads per task, "
+             "measured on every task", "",
+             f"Model: `{table['model_args']}`. Rows: the set knocked out (RUN:task, that "
+             "task's top heads in that run); columns: the task measured; cells: its drop "
+             "relative to the unablated baseline (positive = worse; n/a where the baseline "
+             "is 0), the set's own task in bold.", ""]
+    for matrix in table["ablations"]:
+        lines += [f"## {matrix['name']} (×{matrix['scale']:g})", "",
+                  "| set knocked out | heads |" + "".join(f" {t} |" for t in tasks),
+                  "| --- | --- |" + " --- |" * len(tasks)]
+        for s in table["sets"]:
+            cells = [percent(matrix["drops"][s["label"]][t]) for t in tasks]
+            cells = [f"**{c}**" if t == s["task"] else c for t, c in zip(tasks, cells,
+                                                                         strict=True)]
+            lines.append(f"| {s['label']} | {'+'.join(s['heads'])} |"
+                         + "".join(f" {c} |" for c in cells))
+        lines += ["", *(f"- {_verdict(s, matrix, tasks)}" for s in table["sets"]), ""]
+    lines.append("Baseline: " + ", ".join(
+        f"{t} {table['baseline'][t]:.4f} ({table['metrics'][t]})" for t in tasks) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def plot_cross(table: Mapping[str, Any], path: Path) -> Any:
+    """Sets x tasks image of each ablation's drops (report.plot_heatmap's style: red is
+    worse, on a symmetric scale), each cell's drop written in it and the sets' own tasks
+    boxed. A bare ``Figure`` (returned): the caller's pyplot state is not touched."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import PercentFormatter
+
+    tasks, sets = table["tasks"], table["sets"]
+    matrices = table["ablations"]
+    # Room for the row labels (RUN:task, as long as the paths given) left of each panel.
+    label_width = 0.5 + 0.075 * max(len(s["label"]) for s in sets)
+    fig = Figure(figsize=((label_width + 2 + 1.1 * len(tasks)) * len(matrices),
+                          2.5 + 0.5 * len(sets)))
+    axes = fig.subplots(1, len(matrices), squeeze=False)[0]
+    for ax, matrix in zip(axes, matrices, strict=True):
+        drops = np.array([[np.nan if matrix["drops"][s["label"]][t] is None
+                           else matrix["drops"][s["label"]][t] for t in tasks] for s in sets],
+                         dtype=np.float64)
+        finite = np.abs(drops[np.isfinite(drops)])
+        limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+        image = ax.imshow(np.ma.masked_invalid(drops), cmap="RdBu_r", vmin=-limit,
+                          vmax=limit, aspect="auto", interpolation="nearest")
+        for row, s in enumerate(sets):
+            for column, task in enumerate(tasks):
+                value = drops[row, column]
+                ax.text(column, row, percent(value).replace(" ", ""), ha="center",
+                        va="center", fontsize=8,
+                        color="white" if abs(value) > 0.6 * limit else "black")
+                if task == s["task"]:
+                    ax.add_patch(Rectangle((column - 0.5, row - 0.5), 1, 1, fill=False,
+                                           edgecolor="black", linewidth=2))
+        ax.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right")
+        ax.set_yticks(range(len(sets)), [s["label"] for s in sets])
+        ax.set_xlabel("task measured")
+        ax.set_ylabel("set knocked out")
+        ax.set_title(f"{matrix['name']} (×{matrix['scale']:g})", fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8, format=PercentFormatter(1.0),
+                     label="drop relative to baseline (red: worse)")
+    fig.suptitle(f"Cross-task knockout of each run's top-{table['top_k']} heads "
+                 "(boxed: the set's own task)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return fig

@@ -1,0 +1,184 @@
+"""cross: each run's top-k knocked out, every task measured (CNL's cross-task matrix), on a
+tiny random Llama (2 layers x 4 heads) and two continuous tasks (perplexities)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import TASKS, finished_run
+
+from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.commands.report import relative_drop
+
+PPL = ("L1H2", "L0H0", "L0H3", "L1H0")
+ROLLING = ("L0H1", "L1H3", "L1H2", "L0H2")
+METRIC = {"tiny_copy_ppl": "perplexity,none", "tiny_rolling": "word_perplexity,none"}
+
+
+def harness(*args: str) -> int:
+    try:
+        return main([*args])
+    except SystemExit as exit_:  # argparse's own errors
+        return exit_.code
+
+
+def lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
+
+
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_model_dir, tmp_path_factory):
+    """cross of two runs (one task each) with --scale 2: erase and enhance matrices."""
+    root = tmp_path_factory.mktemp("cross")
+    model = tiny_model_dir("llama")
+    runs = [finished_run(root / "ppl", model, "tiny_copy_ppl", PPL),
+            finished_run(root / "rolling", model, "tiny_rolling", ROLLING)]
+    out = root / "cross"
+    # --num-samples 12: every document of the two 12-document tasks.
+    assert harness("cross", *map(str, runs), "--top-k", "2", "--scale", "2",
+                   "--num-samples", "12", "--out", str(out)) == 0
+    return runs, out
+
+
+def _evaluate(model_dir: Path, heads: list[str], scale: float, task: str) -> float:
+    """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
+    import lm_eval
+
+    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.tasks import make_task_manager
+
+    lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
+                        ablate="+".join(heads) or None, scale=scale)
+    results = lm_eval.simple_evaluate(model=lm, tasks=[task],
+                                      task_manager=make_task_manager([TASKS]))
+    return results["results"][task][METRIC[task]]
+
+
+def test_cross_matrix(tiny_model_dir, matrix):
+    runs, out = matrix
+    table = json.loads((out / "cross.json").read_text())
+    labels = [f"{runs[0]}:tiny_copy_ppl", f"{runs[1]}:tiny_rolling"]
+    assert table["tasks"] == ["tiny_copy_ppl", "tiny_rolling"]  # the runs' own, by default
+    assert [s["label"] for s in table["sets"]] == labels
+    assert [s["heads"] for s in table["sets"]] == [list(PPL[:2]), list(ROLLING[:2])]
+    assert [(m["name"], m["scale"]) for m in table["ablations"]] == [("erase", 0.0),
+                                                                      ("enhance", 2.0)]
+    # Every cell from the stored records: the set's record against the baseline's.
+    records = {r["key"]: r for r in lines(out)}
+    assert sorted(records) == ["baseline", "set1", "set1-erase", "set2", "set2-erase"]
+    assert records["set1-erase"]["scale"] == 0.0 and "scale" not in records["set1"]
+    base = records["baseline"]
+    for matrix_ in table["ablations"]:
+        suffix = "-erase" if matrix_["name"] == "erase" else ""
+        for i, label in enumerate(labels, start=1):
+            for task in table["tasks"]:
+                score = records[f"set{i}{suffix}"]["scores"][task]
+                assert matrix_["scores"][label][task] == score
+                assert matrix_["drops"][label][task] == pytest.approx(
+                    relative_drop(base["scores"][task], score, False))
+        # A set is general where it hurts another task at least as much as its own.
+        for s in table["sets"]:
+            drops = matrix_["drops"][s["label"]]
+            if drops[s["task"]] > 0:
+                assert matrix_["hurts_others"][s["label"]] == [
+                    t for t in table["tasks"] if t != s["task"] and drops[t] >= drops[s["task"]]]
+            else:
+                assert s["label"] not in matrix_["hurts_others"]
+    # One cell per ablation against lm-eval's own evaluation of a separate model.
+    model = tiny_model_dir("llama")
+    erase, enhance = table["ablations"]
+    assert erase["scores"][labels[0]]["tiny_rolling"] == pytest.approx(
+        _evaluate(model, list(PPL[:2]), 0.0, "tiny_rolling"))
+    assert enhance["scores"][labels[1]]["tiny_copy_ppl"] == pytest.approx(
+        _evaluate(model, list(ROLLING[:2]), 2.0, "tiny_copy_ppl"))
+    assert table["baseline"]["tiny_copy_ppl"] == pytest.approx(
+        _evaluate(model, [], 0.0, "tiny_copy_ppl"))
+    text = (out / "cross.md").read_text()
+    assert "| set knocked out | heads | tiny_copy_ppl | tiny_rolling |" in text
+    assert "## erase (×0)" in text and "## enhance (×2)" in text
+    assert all(f"- {label}: " in text for label in labels)
+    assert (out / "cross.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cross_resumes_without_measuring_again(matrix):
+    runs, out = matrix
+    before = lines(out)
+    assert harness("cross", *map(str, runs), "--top-k", "2", "--scale", "2",
+                   "--num-samples", "12", "--out", str(out)) == 0
+    assert lines(out) == before
+    # Other sets (another --top-k) are other measurements: the folder is refused.
+    assert harness("cross", *map(str, runs), "--top-k", "3", "--scale", "2",
+                   "--num-samples", "12", "--out", str(out)) == 2
+
+
+def test_cross_of_chosen_tasks_erases_only(tiny_model_dir, tmp_path):
+    run = finished_run(tmp_path / "ppl", tiny_model_dir("llama"), "tiny_copy_ppl", PPL)
+    out = tmp_path / "cross"
+    assert harness("cross", str(run), "--tasks", "tiny_rolling", "--top-k", "1",
+                   "--num-samples", "4", "--out", str(out)) == 0
+    table = json.loads((out / "cross.json").read_text())
+    assert table["tasks"] == ["tiny_rolling"]
+    (erase,) = table["ablations"]
+    assert erase["name"] == "erase" and erase["hurts_others"] == {}  # own task not measured
+    assert all("scale" not in r for r in lines(out))
+    assert "its own task is not measured" in (out / "cross.md").read_text()
+    assert math.isfinite(erase["drops"][f"{run}:tiny_copy_ppl"]["tiny_rolling"])
+
+
+def test_cross_checks_its_arguments_before_loading(tiny_model_dir, tmp_path, capsys,
+                                                   no_model_loading):
+    model = tiny_model_dir("llama")
+    a = finished_run(tmp_path / "a", model, "tiny_copy", PPL)
+    b = finished_run(tmp_path / "b", model, "tiny_choice", ROLLING,
+                     model_args=f"pretrained={model},dtype=bfloat16,device=cpu")
+    c = finished_run(tmp_path / "c", model, "tiny_choice", ROLLING)
+    out = str(tmp_path / "out")
+    for args, message in [
+        ([a, b], f"the runs are of different models ({a}: 'pretrained={model},dtype=float32,"
+                 f"device=cpu'; {b}: 'pretrained={model},dtype=bfloat16,device=cpu')"),
+        ([a, c, "--tasks", "no_such_task", "--top-k", "2"], "unknown task 'no_such_task'"),
+        ([a, c, "--top-k", "5"], "--top-k 5: heads-tiny_copy.json ranks only 4 heads"),
+        ([a, c, "--top-k", "0"], "--top-k 0: must be a whole number >= 1"),
+        ([a, a], f"run folder {a} is given twice"),
+        ([a, tmp_path / "nothing"], f"{tmp_path / 'nothing'} is not a run folder"),
+        ([a, c, "--num-samples", "0"], "--num-samples 0: must be a whole number >= 1"),
+    ]:
+        assert harness("cross", *map(str, args), "--out", out) == 2, args
+        assert message in last_error(capsys), args
+    before = sorted(p.name for p in a.iterdir())
+    for inside in (a, tmp_path):  # the run itself, or a folder holding it
+        assert harness("cross", str(a), str(c), "--out", str(inside), "--force") == 2
+        assert "which this command reads from" in last_error(capsys)
+    assert not Path(out).exists() and sorted(p.name for p in a.iterdir()) == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
+def test_cross_on_workers_equals_one_process(matrix, tmp_path):
+    """The erase entries' own scale reaches the workers' models (run_plan hands it on)."""
+    import ray
+
+    runs, one = matrix
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert harness("cross", *map(str, runs), "--top-k", "2", "--scale", "2",
+                       "--num-samples", "12", "--workers", "2",
+                       "--out", str(tmp_path / "two")) == 0
+    finally:
+        if started:
+            ray.shutdown()
+    two = {r["key"]: r for r in lines(tmp_path / "two")}
+    for record in lines(one):
+        assert two[record["key"]]["mask"] == record["mask"]
+        assert two[record["key"]].get("scale") == record.get("scale")
+        assert two[record["key"]]["scores"] == pytest.approx(record["scores"], rel=1e-5)
