@@ -142,7 +142,8 @@ class Measurement(Protocol):
 
     def no_prior_reason(self) -> str | None: ...
 
-    def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]: ...
+    def attribution(self, points: Sequence[float | Sequence[float]] = (0.0,),
+                    kind: str = "heads") -> dict[str, np.ndarray]: ...
 
     def workers_config(self) -> list[dict[str, Any]] | None:
         """Where the masks were measured (None: here)."""
@@ -388,12 +389,14 @@ class HarnessMeasurement:
         return no_logprob_reason({leaf: task for group in self._groups
                                   for leaf, task in group.loaded["tasks"].items()})
 
-    def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]:
+    def attribution(self, points: Sequence[float | Sequence[float]] = (0.0,),
+                    kind: str = "heads") -> dict[str, np.ndarray]:
         """Each task's attribution-patching estimate of its logprob signal's change from
-        knocking out each head, per path point (``prior.measured_attribution``)."""
+        knocking out each head (``kind="heads"``) or MLP neuron (``"neurons"``), per path
+        point or averaged path (``prior.measured_attribution``)."""
         from .prior import measured_attribution
 
-        return measured_attribution(self, points)
+        return measured_attribution(self, points, kind)
 
     def resolved_batch_size(self) -> int:
         """Rows per forward pass (per mask) of the scored-positions path, resolved once
