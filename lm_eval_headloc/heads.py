@@ -245,7 +245,8 @@ def format_heads(heads: Iterable[Component | tuple[int, int]]) -> str:
 
 def _heads_in_json(data: object, path: Path) -> list[str]:
     # Accepted: ["L0H1", ...], {"heads": [...]}, where items are names or
-    # {"head": "L0H1", ...} records (the ranked list headloc-harness writes).
+    # {"head": "L0H1", ...} or {"neuron": "L3N12", ...} records (the ranked list
+    # headloc-harness writes).
     items = data.get("heads") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise HeadSpecError(
@@ -253,7 +254,8 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
         )
     names = []
     for item in items:
-        name = item.get("head") if isinstance(item, dict) else item
+        name = (item.get("head", item.get("neuron")) if isinstance(item, dict)
+                else item)
         if not isinstance(name, str):
             raise HeadSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
                                 "{\"head\": \"L0H29\", ...}")

@@ -605,6 +605,23 @@ class HeadKnockout:
         return sum(self.num_layers * self._site(kind).units for kind in KINDS
                    if kind in set(kinds))
 
+    def row_masks(self, masks: Sequence[Iterable[Component]]) -> torch.Tensor:
+        """(len(masks), columns) booleans knocking out each mask's components in its row,
+        for ``Intervention.row_masks``: as wide as the heads, or, when a mask has a
+        neuron, as the heads and every neuron."""
+        masks = [list(mask) for mask in masks]
+        kinds = {kind_of(c) for mask in masks for c in mask} | {"heads"}
+        rows = torch.zeros(len(masks), self.flat_width(kinds), dtype=torch.bool)
+        heads = self.flat_width(["heads"])
+        for row, mask in enumerate(masks):
+            for component in mask:
+                if isinstance(component, Neuron):
+                    rows[row, heads + component.layer * self.neurons_per_layer
+                         + component.neuron] = True
+                else:
+                    rows[row, component.layer * self.heads_per_layer + component[1]] = True
+        return rows
+
     def kinds_of(self, intervention: Intervention) -> list[str]:
         """The kinds ``intervention`` knocks out (heads when none): what its resample
         donors must be recorded for (``applied``'s ``donors``), in ``KINDS`` order."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .heads import Head, parse_heads
+from .heads import Head
 
 __all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
            "logits_only_at", "loglikelihoods_for_masks",
@@ -296,11 +296,7 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
         requests = LoglikelihoodRequests(lm, requests)
     knockout = lm.knockout
     k_masks = len(masks)
-    per_layer = knockout.heads_per_layer
-    row_masks = torch.zeros(k_masks, knockout.num_layers * per_layer, dtype=torch.bool)
-    for k, heads in enumerate(masks):
-        for head in parse_heads(heads, knockout.num_layers, per_layer) if heads else []:
-            row_masks[k, head.flat_index(per_layer)] = True
+    row_masks = knockout.row_masks([lm._parsed(heads) if heads else () for heads in masks])
     softmax_dtype = getattr(lm, "softmax_dtype", None)
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
     for batch in requests.batches(max(1, batch_size // max(1, k_masks))):

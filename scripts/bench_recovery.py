@@ -363,7 +363,8 @@ def timed_prior(path: Path, kind: str, measure: Reused, identity: Mapping[str, A
                 times.append(time.perf_counter() - started)
             folder.write_json("timing.json", {"measurement_seconds": float(np.median(times)),
                                               "measurements_timed": len(times)})
-        prior = attribution_prior(folder, measure, kind)
+        prior = {task: by_kind["heads"]
+                 for task, by_kind in attribution_prior(folder, measure, kind).items()}
         return (prior, json.loads(folder.file("prior.json").read_text())["seconds"],
                 json.loads(folder.file("timing.json").read_text())["measurement_seconds"])
 

@@ -179,8 +179,9 @@ def test_refit_and_universal_check_their_numbers(tiny_locate_run, tmp_path, caps
         (["refit", str(tiny_locate_run), "--alpha", "nan"], "--alpha nan: must be a finite"),
         (["refit", str(tiny_locate_run), "--alpha", "inf"], "--alpha inf"),
         (["refit", str(tiny_locate_run), "--top-k", "0"], "--top-k 0"),
-        (["refit", str(tiny_locate_run), "--top-k", "9"], "the model has only 8 heads"),
-        (["refit", str(tiny_locate_run), "--exclude", "L0H*+L1H*"], "covers every head"),
+        (["refit", str(tiny_locate_run), "--top-k", "9"], "the run ranks only 8 components"),
+        (["refit", str(tiny_locate_run), "--exclude", "L0H*+L1H*"],
+         "covers every component the run ranks (8)"),
         (["universal", str(tiny_locate_run), str(tiny_locate_run), "--min-tasks", "0"],
          "--min-tasks 0"),
     ]:
@@ -280,7 +281,8 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "design": "bernoulli", "masks": 7, "sparsity": 0.3, "alpha": 0.5, "top_k": 2,
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
         "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
-        "ablation_field": "prompt", "random_draws": 2,
+        "ablation_field": "prompt", "random_draws": 2, "components": "heads+neurons",
+        "candidates": 9,
     }
     from dataclasses import fields
 
@@ -291,7 +293,8 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     shared = {"model_args", "tasks", "include_path", "num_samples", "seed",
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k",
               "ablation", "scale", "ablation_data", "ablation_field"}
-    design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap"}
+    design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap",
+              "components", "candidates"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
                                                                 "bootstrap", "confirm"},
                 "greedy": (shared - {"top_k"}) | {"rounds"},

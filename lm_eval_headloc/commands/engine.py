@@ -19,7 +19,15 @@ from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError
 from ..embedded import smollm2_location, smollm2_model_args
 from ..geometry import Geometry
-from ..heads import Head, HeadSpecError, format_heads, parse_heads, read_heads_file
+from ..heads import (
+    Component,
+    Head,
+    HeadSpecError,
+    format_heads,
+    parse_components,
+    parse_heads,
+    read_heads_file,
+)
 from ..metrics import metrics_of_task, parse_task_metric
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
@@ -47,8 +55,7 @@ class Setup:
 
     spec: RunSpec  # resolved: model_args complete, tasks re-joined, include paths absolute
     tasks: list[tuple[str, str | None]]  # (task, metric or None)
-    num_layers: int
-    heads_per_layer: int
+    geometry: Geometry  # from the model's config: layers, heads, MLP width (None: unsaid)
     loaded: dict[str, Any]  # task name -> lm-eval's TaskManager.load result, built once
     exclude: list[Head]
     never_ablate: list[Head]
@@ -56,9 +63,26 @@ class Setup:
     # own tasks on its example subset, taken once the measurement has chosen it.
     reference: list[str] | None = None
 
+    # The counts callers read from before the Setup held the whole geometry.
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def heads_per_layer(self) -> int:
+        return self.geometry.heads_per_layer
+
     @property
     def total_heads(self) -> int:
-        return self.num_layers * self.heads_per_layer
+        return self.geometry.total_heads
+
+    def checked(self, names: Iterable[str | Component]) -> list[Component]:
+        """``names`` (heads and MLP neurons) checked against the model's config before the
+        weights load: a set from another model fails in seconds. Neurons are checked
+        against the MLP's width where the config gives it, else once the model loads."""
+        g = self.geometry
+        return parse_components(list(names), g.num_layers, g.heads_per_layer,
+                                g.neurons_per_layer)
 
     @property
     def task_names(self) -> list[str]:
@@ -101,8 +125,9 @@ def is_embedded(model_args: str | None) -> bool:
                               model_args.split(","))
 
 
-def model_geometry(model_args: str) -> tuple[int, int]:
-    """(layers, query heads per layer) from the model's config alone: no weights loaded."""
+def model_geometry(model_args: str) -> Geometry:
+    """The model's layers, query heads per layer and MLP width (``Geometry``) from its
+    config alone: no weights loaded, so component names are checked in seconds."""
     from lm_eval.utils import simple_parse_args_string
     from transformers import AutoConfig
 
@@ -119,7 +144,7 @@ def model_geometry(model_args: str) -> tuple[int, int]:
         geometry = Geometry.from_config(config)
     except AttributeError as err:
         raise UsageError(f"pretrained={pretrained!r}: {err}") from None
-    return geometry.num_layers, geometry.heads_per_layer
+    return geometry
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str) -> list[Head]:
@@ -161,7 +186,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     spec.validate()
     check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
     model_args = resolve_model_args(spec.model_args)
-    num_layers, heads_per_layer = model_geometry(model_args)
+    geometry = model_geometry(model_args)
+    num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
     try:
         manager = make_task_manager(list(spec.include_path))
         joined = _join_metric_filters([*spec.tasks, *extra_tasks], manager.all_tasks)
@@ -200,18 +226,21 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     own = joined[:len(joined) - len(extra_tasks)] if extra_tasks else joined
     resolved = spec.replace(model_args=model_args, tasks=tuple(own),
                             include_path=tuple(path_list(spec.include_path)))
-    total = num_layers * heads_per_layer
-    if spec.top_k > total:
-        raise UsageError(f"--top-k {spec.top_k}: the model has only {total} heads")
+    total = geometry.total_heads
+    columns = _column_count(spec, geometry)
+    if spec.top_k > columns:
+        raise UsageError(f"--top-k {spec.top_k}: the model has only {total} heads"
+                         if spec.components == "heads" else
+                         f"--top-k {spec.top_k}: the run ranks only {columns} components")
     exclude = head_list(spec.exclude, num_layers, heads_per_layer, "--exclude")
     never = head_list(spec.never_ablate, num_layers, heads_per_layer, "--never-ablate")
     if len(set(exclude) | set(never)) >= total:
         which = ("--never-ablate covers" if len(never) >= total else "--exclude covers"
                  if len(exclude) >= total else "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
-    check_design_budget(spec.design_rows, total,
+    check_design_budget(spec.design_rows, columns,
                         "--max-masks" if spec.masks == "auto" else "--masks")
-    if spec.sparsity == "auto":
+    if spec.sparsity == "auto" and spec.components == "heads":
         from ..pilot import pilot_design
 
         never_flat = [h.flat_index(heads_per_layer) for h in never]
@@ -228,8 +257,20 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             check_reference_set(spec.ablation, reference)
         except AblationError as err:
             raise UsageError(f"--ablation-data: {err}") from None
-    return Setup(resolved, specs, num_layers, heads_per_layer, loaded, exclude, never,
-                 reference)
+    return Setup(resolved, specs, geometry, loaded, exclude, never, reference)
+
+
+def _column_count(spec: RunSpec, geometry: Geometry) -> int:
+    """The components a run ranks: every head, and with neurons ``--candidates`` of them
+    (auto: as many as the heads), refused when the model has fewer MLP neurons."""
+    heads = geometry.total_heads
+    if spec.components == "heads":
+        return heads
+    count = heads if spec.candidates == "auto" else int(spec.candidates)
+    neurons = geometry.total_neurons
+    if neurons is not None and count > neurons:
+        raise UsageError(f"--candidates {count}: the model has only {neurons} MLP neurons")
+    return count + (heads if "heads" in spec.components.split("+") else 0)
 
 
 def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> None:

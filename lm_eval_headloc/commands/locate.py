@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
+from ..columns import Columns, neuron_candidates
 from ..confirm import (
     ROUND,
     Changes,
@@ -31,37 +32,52 @@ from ..confirm import (
     tied_with_above,
 )
 from ..designs import design_matrix
-from ..heads import Head, parse_heads
+from ..heads import Component, Head, Neuron, parse_components
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
 from ..recovery import HeadLasso, bootstrap_stability, harm
 from .engine import Setup, head_list, load_model, open_measurement, prepare, run_plan
 from .report import HeadRanking, ranking_table, tie_words, write_ranking
-from .result import LocateRun, load_run, mask_keys, start_run, stored_prior
+from .result import (
+    PRIOR_KEYS,
+    LocateRun,
+    column_prior,
+    load_run,
+    mask_keys,
+    start_run,
+    stored_prior,
+    stored_priors,
+)
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
 
 __all__ = ["fit_rankings", "locate", "mask_keys", "refit", "stored_prior"]
 
 
-def _mask_heads(row: np.ndarray, heads_per_layer: int) -> list[Head]:
-    return [Head.from_flat_index(i, heads_per_layer) for i in np.flatnonzero(row)]
+def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
+    # A heads_per_layer count stands for every head (callers from before neurons).
+    if isinstance(columns, Columns):
+        return columns
+    return Columns.heads(np.shape(design)[1] // columns, columns)
 
 
-def alone_key(head: Head) -> str:
+def alone_key(head: Component) -> str:
     """The measurement of ``head`` knocked out alone (confirmation)."""
     return f"alone-{head}"
 
 
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
-                 tasks: Sequence[str], heads_per_layer: int, alpha: float,
-                 exclude: Sequence[Head] = (), *, top_k: int = 5,
+                 tasks: Sequence[str], columns: Columns | int, alpha: float,
+                 exclude: Sequence[Component] = (), *, top_k: int = 5,
                  bootstrap: int | None = 200, seed: int = 0,
                  priors: Mapping[str, Any] | None = None,
                  keys: Sequence[str] | None = None,
-                 confirmed: Mapping[str, Any] | None = None) -> dict[str, HeadRanking]:
+                 confirmed: Mapping[str, Any] | None = None,
+                 heads_per_layer: int | None = None) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
+    ``columns``: the component of each design column (``Columns``; a heads-per-layer
+    count for every head; then ``heads_per_layer`` is the model's, for the ranking files).
     ``priors``: task -> attribution estimates of the logprob signal's change per head and
     path point (prior.json); the first point eases the penalty of likely heads
     (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
@@ -71,8 +87,14 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     bootstrap asks which of them a replay of the confirmation on a resample of the masks
     would have confirmed into the top-k."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
+    if isinstance(columns, int):
+        heads_per_layer = columns
+    columns = _columns(columns, design)
+    if heads_per_layer is None:
+        grid = columns.heads_grid
+        heads_per_layer = grid[1] if grid is not None else 1
     baseline = records["baseline"]
-    excluded = sorted({h.flat_index(heads_per_layer) for h in exclude})
+    excluded = sorted({columns.index(h) for h in exclude if _has(columns, h)})
     rankings = {}
     for task in tasks:
         y = np.array([records[key]["scores"][task] for key in keys])
@@ -83,7 +105,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         estimates = None if priors is None else priors[task]
         weights = prior_weights(estimates)
         alone = {} if confirmed is None else _measured_alone(confirmed, records, task,
-                                                             heads_per_layer)
+                                                             columns)
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights,
                      fixed={h: change for h, (change, _) in alone.items()}, exclude=excluded)
         order = confirmed_order(alone, fit.order, higher, excluded)
@@ -91,7 +113,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         if confirmed is not None:
             select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
                                           weights, prior_rankings(estimates), top_k,
-                                          excluded, heads_per_layer)
+                                          excluded, columns)
         stability = None if bootstrap is None else bootstrap_stability(
             HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
             higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
@@ -102,25 +124,20 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=fit.effects,
-            order=order, heads_per_layer=heads_per_layer,
+            order=order, heads_per_layer=heads_per_layer, columns=columns,
             extra={"method": "compressed sensing (Lasso)" + (
                        "" if confirmed is None else ", the likeliest heads measured alone"),
                    "r2": fit.r2,
                    "alpha": alpha, "measurements": int(len(design)),
-                   "tied_with_above": [str(Head.from_flat_index(h, heads_per_layer))
-                                       for h in tied_with_above(order, alone, fit)],
-                   "excluded": [str(Head.from_flat_index(i, heads_per_layer))
-                                for i in excluded],
+                   "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
+                   "excluded": columns.names(excluded),
                    **({} if confirmed is None else {
-                       "confirmed": [str(Head.from_flat_index(h, heads_per_layer))
-                                     for h in alone],
-                       "implicated": [str(Head.from_flat_index(h, heads_per_layer))
-                                      for h in fit.order
-                                      if harm(fit.effects[h], higher) > 0],
+                       "confirmed": columns.names(alone),
+                       "implicated": columns.names(h for h in fit.order
+                                                   if harm(fit.effects[h], higher) > 0),
                        "next": list(confirmed.get("next", {}).get(task, []))}),
-                   **({} if priors is None else {"prior_top_k": [
-                       str(Head.from_flat_index(h, heads_per_layer))
-                       for h in alternated(prior_rankings(estimates), top_k)]})},
+                   **({} if priors is None else {"prior_top_k": columns.names(
+                       alternated(prior_rankings(estimates), top_k))})},
             stability=stability)
     return rankings
 
@@ -128,15 +145,14 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
 def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str,
                          design: np.ndarray, y: np.ndarray, higher: bool, alpha: float,
                          weights: np.ndarray | None, sources: list[list[int]], top_k: int,
-                         excluded: Sequence[int], heads_per_layer: int
+                         excluded: Sequence[int], columns: Columns
                          ) -> Callable[[np.ndarray], np.ndarray]:
     """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
     on a resample of the masks (its rows). The task's own picks are replayed with screens
     fitted on those rows (``confirm.confirmation``); a pick the run did not measure cannot
     be ranked, so it is left out (a head only the screen found is as stable as the screen
     is); heads measured for the run's other tasks stay in the pool."""
-    per_layer = heads_per_layer
-    own = [parse_heads(name)[0].flat_index(per_layer)
+    own = [columns.index(parse_components(name)[0])
            for name in confirmed.get("picked_by", {}).get(task, confirmed["heads"])]
     others = set(alone) - set(own)
     skip = sorted({*confirmed["never"], *excluded})
@@ -159,10 +175,20 @@ def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str
 
 
 def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
-                    task: str, heads_per_layer: int) -> dict[int, tuple[float, float]]:
-    """head -> (score change, logprob change) of every head the run measured alone."""
-    heads = [parse_heads(name)[0].flat_index(heads_per_layer) for name in confirmed["heads"]]
-    return _alone_changes(records, heads, task, heads_per_layer)
+                    task: str, columns: Columns) -> dict[int, tuple[float, float]]:
+    """column -> (score change, logprob change) of every component the run measured
+    alone."""
+    heads = [columns.index(parse_components(name)[0]) for name in confirmed["heads"]]
+    return _alone_changes(records, heads, task, columns)
+
+
+def _has(columns: Columns, component: Component) -> bool:
+    try:
+        columns.index(component)
+    except KeyError:
+        return False
+    return True
+
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
@@ -215,7 +241,9 @@ def _prior_words(run: LocateRun) -> str:
         return "none"
     return {"atp": "atp (prior.json): attribution patching at the clean run",
             "atp-path": "atp-path (prior.json): attribution patching at the clean run and "
-                        "with every head half ablated, each ranking the heads"}[run.prior_kind]
+                        "with every head half ablated, each ranking the heads",
+            "ig": "ig (prior.json): integrated gradients, the attribution averaged along "
+                  "the path from the clean run to every component ablated"}[run.prior_kind]
 
 
 def _confirm_words(run: LocateRun) -> str:
@@ -284,15 +312,17 @@ def prior_method(spec: RunSpec, measure: Any) -> str | None:
     return None if spec.prior == "none" else spec.prior
 
 
-def attribution_prior(folder: RunFolder, measure: Any, method: str) -> dict[str, np.ndarray]:
-    """The run's attribution prior: prior.json when a resumed run made it, else computed
-    (``HarnessMeasurement.attribution`` at ``method``'s path points) and written there
-    with its cost."""
+def attribution_prior(folder: RunFolder, measure: Any, method: str,
+                      kinds: Sequence[str] = ("heads",)) -> dict[str, dict[str, np.ndarray]]:
+    """The run's attribution prior, task -> kind -> ``(points, units)``: prior.json when
+    a resumed run made it, else computed for each of ``kinds`` ("heads", "neurons";
+    ``HarnessMeasurement.attribution`` at ``method``'s path points) and written there
+    with its cost. A ranking is written for heads (a neuron's is its index order)."""
     if folder.file("prior.json").is_file():
-        return stored_prior(folder)
+        return stored_priors(folder)
     points = PRIOR_POINTS[method]
     start = time.perf_counter()
-    effects = measure.attribution(points)
+    effects = {kind: measure.attribution(points, kind=kind) for kind in kinds}
     seconds = time.perf_counter() - start
     per_layer = measure.lm.knockout.heads_per_layer
 
@@ -300,17 +330,22 @@ def attribution_prior(folder: RunFolder, measure: Any, method: str) -> dict[str,
         return [str(Head.from_flat_index(int(i), per_layer))
                 for i in np.argsort(values, kind="stable")]
 
+    tasks = next(iter(effects.values()))
     folder.write_json("prior.json", {
         "method": f"{method}: attribution patching (AtP) of the logprob signal, the "
-                  "estimated change of each task's mean gold log-likelihood when a head is "
-                  "knocked out, with the gradient taken at each path point (0: the clean "
-                  "run; a: every head moved a of the way to its ablated value)",
-        "prior": method, "seconds": round(seconds, 3),
-        "tasks": {task: {"points": [{"at": at, "effects": [float(v) for v in row],
-                                     "ranking": ranking(row)}
-                                    for at, row in zip(points, values, strict=True)]}
-                  for task, values in effects.items()}})
-    return effects
+                  "estimated change of each task's mean gold log-likelihood when a "
+                  f"component ({', '.join(kinds)}) is knocked out, with the gradient taken "
+                  "at each path point (0: the clean run; a: every component of the kind "
+                  "moved a of the way to its ablated value; a list: the points' average); "
+                  "neuron_effects in flat neuron order (layer x MLP width + neuron)",
+        "prior": method, "seconds": round(seconds, 3), "kinds": list(kinds),
+        "tasks": {task: {"points": [
+            {"at": at, **{PRIOR_KEYS[kind]: [float(v) for v in effects[kind][task][i]]
+                          for kind in kinds},
+             **({"ranking": ranking(effects["heads"][task][i])} if "heads" in kinds else {})}
+            for i, at in enumerate(points)]} for task in tasks}})
+    return {task: {kind: np.atleast_2d(effects[kind][task]) for kind in kinds}
+            for task in tasks}
 
 
 #: --masks auto: masks in the first round, and each round's growth (a share of the masks
@@ -327,15 +362,15 @@ def auto_rounds(max_masks: int) -> list[int]:
     return counts
 
 
-def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
+def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns: Columns,
            never: Sequence[int]) -> tuple[float, list[str], np.ndarray, dict[str, Any] | None]:
     """(sparsity, pilot row keys, pilot rows, what config.json records of the pilot): with
     ``--sparsity auto`` the pilot is measured and chooses; its masks come first in the
     design and join the fit, its floor mask does not (``LocateRun.unfitted``)."""
     if spec.sparsity != "auto":
-        return spec.sparsity, [], np.zeros((0, setup.total_heads), dtype=bool), None
-    keys, levels, pilot = pilot_design(setup.total_heads, spec.masks_seed, never)
-    plan = [("baseline", [])] + [(key, _mask_heads(row, setup.heads_per_layer))
+        return spec.sparsity, [], np.zeros((0, len(columns)), dtype=bool), None
+    keys, levels, pilot = pilot_design(len(columns), spec.masks_seed, never)
+    plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                  for key, row in zip(keys, pilot, strict=True)]
     records = run_plan(folder, measure, plan, desc="pilot", progress=spec.progress,
                        masks_per_pass=spec.masks_per_pass)
@@ -363,27 +398,40 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         run = start_run(folder, "locate", spec, force=force)  # phase: started
         assert isinstance(run, LocateRun)
-        per_layer = setup.heads_per_layer
-        never = [h.flat_index(per_layer) for h in setup.never_ablate]
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
         else:  # sweep's measurement, shared by its cells: recorded here too
             run.measured_with(setup, measure)
+        kinds = spec.components.split("+")
+        if "neurons" in kinds:
+            run.neurons_per_layer = measure.lm.neurons_per_layer
         run.save(folder, measure)  # phase: measuring
-        sparsity, row_keys, rows, run.pilot = _pilot(folder, measure, spec, setup, never)
+        # The prior comes first: a run with neurons gives columns to the neurons it names.
+        method = prior_method(spec, measure)
+        if "neurons" in kinds and method is None:
+            raise UsageError(f"--components {spec.components}: the attribution prior, which "
+                             "names the neurons the masks search, cannot run here ("
+                             f"{measure.no_prior_reason()})")
+        estimates = attribution_prior(folder, measure, method, kinds) if method else None
+        if "neurons" in kinds:
+            run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
+        columns = run.columns
+        run.set_prior(None if estimates is None else column_prior(
+                          estimates, columns, setup.heads_per_layer, run.neurons_per_layer),
+                      method, measure.no_prior_reason() if spec.prior == "auto" and not method
+                      else None)
+        never = [columns.index(h) for h in setup.never_ablate if _has(columns, h)]
+        sparsity, row_keys, rows, run.pilot = _pilot(folder, measure, spec, setup, columns,
+                                                     never)
         spent = run.unfitted
         main = spec.design_rows - len(row_keys) - spent
-        matrix = np.vstack([rows, design_matrix(spec.design, main, setup.total_heads,
-                                                sparsity, spec.masks_seed, never)])
+        matrix = np.vstack([rows, design_matrix(spec.design, main, len(columns), sparsity,
+                                                spec.masks_seed, never)])
         run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
         np.save(folder.file("design_matrix.npy"), matrix)
-        method = prior_method(spec, measure)
-        run.set_prior(attribution_prior(folder, measure, method) if method else None, method,
-                      measure.no_prior_reason() if spec.prior == "auto" and not method
-                      else None)
         run.save(folder, measure)  # phase: designed
-        plan = [("baseline", [])] + [(key, _mask_heads(row, per_layer))
+        plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                      for key, row in zip(run.keys(), matrix, strict=True)]
         checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
                   else [len(matrix)])
@@ -402,7 +450,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                 break
         run.masks_used = used + spent
         if spec.confirm:
-            run.confirm = _confirm(folder, measure, spec, setup, matrix[:used],
+            run.confirm = _confirm(folder, measure, spec, setup, columns, matrix[:used],
                                    run.keys(used), run.priors, never)
             run.records = {r["key"]: r for r in folder.measurements()}
             rankings = None  # the masks' fit alone was --masks auto's stopping rule
@@ -420,13 +468,14 @@ def _fit(run: LocateRun, exclude: Sequence[Head], rows: int, *,
     prior and (``confirmed``) its confirmation."""
     spec = run.spec
     assert run.design is not None and isinstance(run.heads_per_layer, int)
-    return fit_rankings(run.design[:rows], run.records, run.tasks, run.heads_per_layer,
+    return fit_rankings(run.design[:rows], run.records, run.tasks, run.columns,
                         spec.alpha, exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
                         seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
-                        confirmed=run.confirm if confirmed else None)
+                        confirmed=run.confirm if confirmed else None,
+                        heads_per_layer=run.heads_per_layer)
 
 
-def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
+def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns: Columns,
              design: np.ndarray, keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
              never: Sequence[int]) -> dict[str, Any]:
     """Measure ``--confirm`` heads alone in rounds (``confirm.confirmation``): the prior's
@@ -435,8 +484,8 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
     ``confirmed``). Heads never knocked out or excluded from the ranking are no
     candidates. Every pick follows from the measurements on disk, so a resumed run makes
     the same picks and measures only what is missing."""
-    per_layer, tasks = setup.heads_per_layer, setup.task_names
-    excluded = [h.flat_index(per_layer) for h in setup.exclude]
+    tasks = setup.task_names
+    excluded = [columns.index(h) for h in setup.exclude if _has(columns, h)]
     records = {r["key"]: r for r in folder.measurements()}
     higher = {t: bool(records["baseline"]["higher_is_better"][t]) for t in tasks}
     scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
@@ -449,15 +498,14 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
 
     def measured(heads: list[int]) -> dict[str, Changes]:
         done = run_plan(folder, measure, [("baseline", [])] + [
-            (alone_key(h), [h]) for h in (Head.from_flat_index(i, per_layer) for i in heads)],
+            (alone_key(columns[i]), [columns[i]]) for i in heads],
             desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-        return {t: _alone_changes(done, heads, t, per_layer) for t in tasks}
+        return {t: _alone_changes(done, heads, t, columns) for t in tasks}
 
     def on_disk(heads: list[int]) -> dict[str, Changes]:
         records.update({r["key"]: r for r in folder.measurements()})
-        known = [h for h in heads
-                 if alone_key(Head.from_flat_index(h, per_layer)) in records]
-        return {t: _alone_changes(records, known, t, per_layer) for t in tasks}
+        known = [h for h in heads if alone_key(columns[h]) in records]
+        return {t: _alone_changes(records, known, t, columns) for t in tasks}
 
     sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
     screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
@@ -467,8 +515,7 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
     # on the budget), one round further, measuring nothing.
     ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)
 
-    def names(heads: Sequence[int]) -> list[str]:
-        return [str(Head.from_flat_index(h, per_layer)) for h in heads]
+    names = columns.names
 
     confirmed = {"heads": names(done.heads), "round_size": ROUND,
                  "rounds": [names(r) for r in done.rounds],
@@ -480,10 +527,23 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
 
 
 def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
-                   heads_per_layer: int) -> dict[int, tuple[float, float]]:
-    """head -> (score change, logprob change) of each head knocked out alone."""
+                   columns: Columns) -> dict[int, tuple[float, float]]:
+    """column -> (score change, logprob change) of each component knocked out alone."""
     return measured_changes(records["baseline"], {
-        h: records[alone_key(Head.from_flat_index(h, heads_per_layer))] for h in heads}, task)
+        h: records[alone_key(columns[h])] for h in heads}, task)
+
+
+def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,
+                estimates: Mapping[str, Mapping[str, np.ndarray]] | None) -> list[Neuron]:
+    """The neurons a run gives design columns: the prior's likeliest (``--candidates``;
+    auto: as many as the model has heads)."""
+    assert estimates is not None and run.neurons_per_layer is not None
+    count = setup.total_heads if spec.candidates == "auto" else int(spec.candidates)
+    total = setup.num_layers * run.neurons_per_layer
+    if count > total:
+        raise UsageError(f"--candidates {count}: the model has only {total} MLP neurons")
+    return neuron_candidates({t: by_kind["neurons"] for t, by_kind in estimates.items()},
+                             run.neurons_per_layer, count)
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
@@ -513,13 +573,14 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         if spec.confirm and run.confirm is None:
             raise RunFolderError(f"{out} is incomplete (its confirmation never finished); "
                                  "rerun the locate command to finish it")
-        if spec.top_k > layers * per_layer:
-            raise UsageError(f"--top-k {spec.top_k}: the model has only {layers * per_layer} "
-                             "heads")
+        columns = run.columns
+        if spec.top_k > len(columns):
+            raise UsageError(f"--top-k {spec.top_k}: the run ranks only {len(columns)} "
+                             "components")
         excluded = head_list(spec.exclude, layers, per_layer, "--exclude")
-        if len(excluded) >= layers * per_layer:
-            raise UsageError(f"--exclude covers every head ({layers * per_layer}); nothing "
-                             "is left to rank")
+        if sum(_has(columns, h) for h in excluded) >= len(columns):
+            raise UsageError(f"--exclude covers every component the run ranks "
+                             f"({len(columns)}); nothing is left to rank")
         folder.lock()
         run.read_data(folder)
         assert run.design is not None
@@ -536,8 +597,8 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         rows = used - spent  # the run as if it had stopped after `used` masks
         # --confirm: the heads the run measured alone stay what they were (refit measures
         # nothing); the screen's fit, and so each head's stability, follows the settings.
-        alone = [alone_key(h) for h in parse_heads(run.confirm["heads"])] if run.confirm \
-            else []
+        alone = [alone_key(h) for h in parse_components(run.confirm["heads"])] \
+            if run.confirm else []
         missing = [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
         if missing:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..heads import Head
+from ..columns import Columns
+from ..heads import Component, Neuron
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
@@ -25,47 +26,54 @@ __all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "r
 
 @dataclass
 class HeadRanking:
-    """One task's result: every head's estimated effect, most harmful first."""
+    """One task's result: every column's (head's, or neuron's) estimated effect, most
+    harmful first."""
 
     task: str
     metric: str
     higher_is_better: bool
     baseline: float
-    effects: np.ndarray  # (total_heads,), score change from knocking out a head; NaN unknown
-    order: list[int]  # flat head indices, most harmful first (excluded heads left out)
+    effects: np.ndarray  # (columns,), score change from knocking out each; NaN unknown
+    order: list[int]  # column indices, most harmful first (excluded ones left out)
     heads_per_layer: int
     extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
+    columns: Columns | None = None  # the component of each column; None: every head
 
-    def top(self, k: int) -> list[Head]:
-        return [Head.from_flat_index(i, self.heads_per_layer) for i in self.order[:k]]
+    def __post_init__(self) -> None:
+        if self.columns is None:
+            layers = max(1, len(self.effects) // self.heads_per_layer)
+            self.columns = Columns.heads(layers, self.heads_per_layer)
 
-    def effect(self, head: Head) -> float:
-        return float(self.effects[head.flat_index(self.heads_per_layer)])
+    def top(self, k: int) -> list[Component]:
+        return [self.columns[i] for i in self.order[:k]]
 
-    def confidence(self, head: Head) -> dict[str, Any]:
+    def effect(self, head: Component) -> float:
+        return float(self.effects[self.columns.index(head)])
+
+    def confidence(self, head: Component) -> dict[str, Any]:
         """``selected`` (fraction of bootstrap refits with the head in the top-k) and
         ``effect_interval`` (95 %); empty when the ranking has no bootstrap."""
         if self.stability is None:
             return {}
-        i = head.flat_index(self.heads_per_layer)
+        i = self.columns.index(head)
         low, high = float(self.stability.low[i]), float(self.stability.high[i])
         # None for a head measured alone (--confirm): one measurement has no spread.
         return {"selected": float(self.stability.selected[i]),
                 "effect_interval": [low, high] if np.isfinite(low) else None}
 
-    def measured_alone(self, head: Head) -> bool | None:
+    def measured_alone(self, head: Component) -> bool | None:
         """Whether ``head``'s effect was measured alone (``--confirm``), rather than
         estimated; None when the run confirmed nothing."""
         confirmed = self.extra.get("confirmed")
         return None if confirmed is None else str(head) in confirmed
 
-    def unstable(self, k: int) -> list[Head]:
+    def unstable(self, k: int) -> list[Component]:
         """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
         if self.stability is None:
             return []
         return [h for h in self.top(k)
-                if self.stability.selected[h.flat_index(self.heads_per_layer)] < STABLE]
+                if self.stability.selected[self.columns.index(h)] < STABLE]
 
 
 def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
@@ -79,7 +87,8 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
 
     Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
-    ``effect`` (null where no effect was estimated); with a bootstrap also ``selected``
+    ``effect`` (null where no effect was estimated) — an MLP neuron's has ``neuron``
+    (L{layer}N{neuron}) and ``neuron_in_layer`` instead; with a bootstrap also ``selected``
     (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
     for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
     from locate ``tied_with_above``: the head's evidence equals the head ranked above it
@@ -94,7 +103,7 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
         "heads_per_layer": ranking.heads_per_layer,
         "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
         "heads": [
-            {"rank": rank, "head": str(head), "layer": head.layer, "head_in_layer": head.head,
+            {"rank": rank, **_name_fields(head),
              "effect": ranking.effect(head), **ranking.confidence(head),
              **_alone_field(ranking, head),
              **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
@@ -104,24 +113,36 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     }
 
 
-def _alone_field(ranking: HeadRanking, head: Head) -> dict[str, bool]:
+def _name_fields(component: Component) -> dict[str, Any]:
+    if isinstance(component, Neuron):
+        return {"neuron": str(component), "layer": component.layer,
+                "neuron_in_layer": component.neuron}
+    return {"head": str(component), "layer": component.layer, "head_in_layer": component.head}
+
+
+def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
     alone = ranking.measured_alone(head)
     return {} if alone is None else {"measured_alone": alone}
 
 
 def heads_table(ranking: HeadRanking) -> str:
     """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown); with
-    a bootstrap also selected, effect_low, effect_high."""
+    a bootstrap also selected, effect_low, effect_high. A run with neurons has
+    ``component, kind, layer, index_in_layer`` instead of ``head, layer, head_in_layer``."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     boot = ranking.stability is not None
     confirmed = "confirmed" in ranking.extra
-    writer.writerow(["rank", "head", "layer", "head_in_layer", "effect",
+    neurons = ranking.columns.has_neurons
+    names = ["component", "kind", "layer", "index_in_layer"] if neurons else [
+        "head", "layer", "head_in_layer"]
+    writer.writerow(["rank", *names, "effect",
                      *(["measured_alone"] if confirmed else []),
                      *(["selected", "effect_low", "effect_high"] if boot else [])])
     for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
         effect = ranking.effect(head)
-        row = [rank, str(head), head.layer, head.head,
+        kind = ["neuron" if isinstance(head, Neuron) else "head"] if neurons else []
+        row = [rank, str(head), *kind, head.layer, head[1],
                f"{effect:.6g}" if np.isfinite(effect) else ""]
         if confirmed:
             row.append(int(bool(ranking.measured_alone(head))))
@@ -146,6 +167,9 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
     fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
     axes = fig.subplots(1, len(rankings), squeeze=False)[0]
     for ax, ranking in zip(axes, rankings, strict=True):
+        if ranking.columns.heads_grid is None:  # neurons: no grid would be readable
+            _plot_top_list(ax, ranking, top_k)
+            continue
         # Harmful is red whichever way the metric points: show -harm on a red-blue map.
         shown = -harm(ranking.effects, ranking.higher_is_better).reshape(
             -1, ranking.heads_per_layer)
@@ -173,6 +197,32 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return fig
+
+
+#: Components a top list shows (a run with neurons has no layers x heads picture).
+TOP_LIST = 30
+
+
+def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
+    """The ranking's first ``TOP_LIST`` components as horizontal bars of their harm, the
+    top-k darker, hatched where unstable; heads and neurons in two colours."""
+    shown = ranking.top(TOP_LIST)
+    effects = np.array([ranking.effect(c) for c in shown], dtype=np.float64)
+    harms = np.nan_to_num(harm(effects, ranking.higher_is_better))
+    unstable = {str(c) for c in ranking.unstable(top_k)}
+    positions = np.arange(len(shown))[::-1]
+    for position, component, value, rank in zip(positions, shown, harms, range(len(shown)),
+                                                 strict=True):
+        neuron = isinstance(component, Neuron)
+        ax.barh(position, value, color=("tab:red" if neuron else "tab:blue"),
+                alpha=1.0 if rank < top_k else 0.45,
+                hatch="////" if str(component) in unstable else None, edgecolor="black",
+                linewidth=0.3)
+    ax.set_yticks(positions, [str(c) for c in shown], fontsize=7)
+    ax.axvline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("harm on knockout (how much worse the score gets)")
+    ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}\n"
+                 f"dark: top-{top_k}; red: MLP neurons, blue: heads", fontsize=9)
 
 
 def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from ..columns import Columns
+from ..heads import Neuron
 from ..metrics import parse_task_metric
 from ..pilot import UNFITTED
 from ..prior import PRIOR_POINTS
@@ -35,8 +37,8 @@ if TYPE_CHECKING:
 
     from .engine import Setup
 
-__all__ = ["CONFIG_SCHEMA", "LocateRun", "RunRecord", "load_run", "mask_keys",
-           "measured_on", "start_run", "stored_prior"]
+__all__ = ["CONFIG_SCHEMA", "LocateRun", "RunRecord", "column_prior", "load_run",
+           "mask_keys", "measured_on", "start_run", "stored_prior", "stored_priors"]
 
 
 def mask_keys(masks: int) -> list[str]:
@@ -175,6 +177,8 @@ class LocateRun(RunRecord):
     with the new settings; its next phases write what this session decided.)
     """
 
+    neurons_per_layer: int | None = None  # the MLP's width, when the run locates neurons
+    candidates: list[str] | None = None  # the neurons the design has columns for
     pilot: dict[str, Any] | None = None  # --sparsity auto: the pilot's choice
     row_keys: list[str] | None = None  # the measurement of each design row
     prior_used: bool | None = None
@@ -191,8 +195,9 @@ class LocateRun(RunRecord):
     rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
-        *RunRecord.KEYS[:-1], "pilot", "row_keys", "prior_used", "prior_method",
-        "prior_skipped", "masks_used", "confirm", RunRecord.KEYS[-1])
+        *RunRecord.KEYS[:-1], "neurons_per_layer", "candidates", "pilot", "row_keys",
+        "prior_used", "prior_method", "prior_skipped", "masks_used", "confirm",
+        RunRecord.KEYS[-1])
 
     def set_prior(self, priors: dict[str, np.ndarray] | None, method: str | None,
                   skipped: str | None = None) -> None:
@@ -211,6 +216,15 @@ class LocateRun(RunRecord):
     def tasks(self) -> list[str]:
         """The run's task names (its ``--tasks`` without metrics)."""
         return [parse_task_metric(task)[0] for task in self.spec.tasks]
+
+    @property
+    def columns(self) -> Columns:
+        """The component of each design column: every head (a heads run, and every run
+        from before neurons), then the neuron candidates when the run locates neurons."""
+        if not (isinstance(self.layers, int) and isinstance(self.heads_per_layer, int)):
+            raise ValueError("columns need the model's geometry (the measuring phase)")
+        return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
+                          self.candidates or ())
 
     @property
     def uses_prior(self) -> bool:
@@ -262,21 +276,55 @@ class LocateRun(RunRecord):
                                  "was never made); rerun the locate command to finish it")
         self.design = np.load(path)
         self.records = {record["key"]: record for record in folder.measurements()}
-        self.priors = stored_prior(folder) if self.uses_prior else None
+        self.priors = column_prior(stored_priors(folder), self.columns, self.heads_per_layer,
+                                   self.neurons_per_layer) if self.uses_prior else None
 
 
-def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
-    """prior.json's per-task attribution estimates, ``(points, heads)`` in flat head order
-    (a file from before path points holds the clean run's alone)."""
+#: prior.json's key of each kind's estimates at a path point.
+PRIOR_KEYS = {"heads": "effects", "neurons": "neuron_effects"}
+
+
+def stored_priors(folder: RunFolder) -> dict[str, dict[str, np.ndarray]]:
+    """prior.json's per-task attribution estimates by kind: ``"heads"`` ``(points,
+    heads)`` in flat head order, ``"neurons"`` ``(points, layers x neurons)`` in flat
+    neuron order, each where the run computed it (a file from before path points holds
+    the clean run's heads alone)."""
     path = folder.file("prior.json")
     if not path.is_file():
         raise RunFolderError(f"{folder.path} is incomplete (no prior.json, which its fit "
                              "uses); rerun the locate command to finish it")
     data = json.loads(path.read_text())
-    return {task: np.atleast_2d(np.asarray(
-                [p["effects"] for p in entry["points"]] if "points" in entry
-                else entry["effects"], dtype=np.float64))
-            for task, entry in data["tasks"].items()}
+    priors: dict[str, dict[str, np.ndarray]] = {}
+    for task, entry in data["tasks"].items():
+        points = entry["points"] if "points" in entry else [entry]
+        priors[task] = {kind: np.atleast_2d(np.asarray([p[key] for p in points],
+                                                       dtype=np.float64))
+                        for kind, key in PRIOR_KEYS.items() if key in points[0]}
+    return priors
+
+
+def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
+    """prior.json's per-task estimates of the heads, ``(points, heads)``."""
+    return {task: kinds["heads"] for task, kinds in stored_priors(folder).items()}
+
+
+def column_prior(priors: Mapping[str, Mapping[str, np.ndarray]], columns: Columns,
+                 heads_per_layer: int, neurons_per_layer: int | None
+                 ) -> dict[str, np.ndarray]:
+    """Each task's estimates over a run's design columns, ``(points, columns)``: a head's
+    from the heads' estimates, a neuron's from the neurons'."""
+    neuron = np.array([isinstance(c, Neuron) for c in columns], dtype=bool)
+    flat = np.array([c.layer * ((neurons_per_layer or 0) if isinstance(c, Neuron)
+                                else heads_per_layer) + c[1] for c in columns], dtype=np.int64)
+    out = {}
+    for task, by_kind in priors.items():
+        points = next(iter(by_kind.values())).shape[0]
+        values = np.empty((points, len(columns)), dtype=np.float64)
+        for kind, where in (("heads", ~neuron), ("neurons", neuron)):
+            if where.any():
+                values[:, where] = by_kind[kind][:, flat[where]]
+        out[task] = values
+    return out
 
 
 _RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun}

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..ablation import ABLATIONS
 from ..checks import UsageError, check_number
+from ..columns import COMPONENTS
 from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS
 from ..designs import DESIGNS
 from ..signals import SIGNALS
@@ -38,7 +39,7 @@ __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "Usag
 
 DEFAULT_TASK = "headloc_induction"
 #: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
-PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "none")
+PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "ig", "none")
 _SAME = object()  # _option's legacy: the same as the default
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 #: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
@@ -92,6 +93,12 @@ def parse_batch_size(value: int | str) -> int | str:
 def parse_masks(value: int | str) -> int | str:
     """A whole number >= 1 or ``auto``."""
     return _number_or_word(value, "--masks", lambda t: t == "auto",
+                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
+
+
+def parse_candidates(value: int | str) -> int | str:
+    """A whole number >= 1 or ``auto``."""
+    return _number_or_word(value, "--candidates", lambda t: t == "auto",
                            "a whole number >= 1 or 'auto'", whole=True, min_val=1)
 
 
@@ -169,6 +176,16 @@ class RunSpec:
         None, "with a JSONL --ablation-data: the field that holds each example's text "
               "(default: text)", metavar="FIELD")
     # --- locate's design ---------------------------------------------------------------
+    components: str = _option(
+        "heads", "what is located: attention heads, MLP neurons (L3N1234: the attribution "
+                 "prior picks --candidates of the model's neurons, which the masks and the "
+                 "confirmation then search as they search heads), or both",
+        choices=COMPONENTS)
+    candidates: int | str = _option(
+        "auto", "with neurons: the neurons the prior's rankings name first that get a "
+                "column in the design (auto: as many as the model has heads, so the "
+                "default budget covers them as it covers the heads)",
+        parse=parse_candidates, metavar="C")
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     # --masks and --confirm: the default budget's split (confirm.budget_split).
     masks: int | str = _option(
@@ -189,8 +206,10 @@ class RunSpec:
                 "any, and its ranking takes turns with the masks' in naming --confirm's "
                 "candidates; atp-path: the same, and a second pass with every head half "
                 "ablated, whose ranking takes a turn too (it sees heads whose effect the "
-                "clean run's gradient hides); saved as prior.json and ranked in the "
-                "report; auto: atp-path where the tasks have gold answers and the model is "
+                "clean run's gradient hides); ig: integrated gradients, the attribution "
+                "averaged over 8 points of the path to every head ablated (8 passes); "
+                "saved as prior.json and ranked in the report; "
+                "auto: atp-path where the tasks have gold answers and the model is "
                 "decoder-only, else none",
         choices=PRIORS, legacy="none")
     confirm: int = _option(
@@ -329,6 +348,11 @@ class RunSpec:
         parse_batch_size(self.batch_size)
         parse_masks(self.masks)
         parse_sparsity(self.sparsity)
+        parse_candidates(self.candidates)
+        if "neurons" in self.components and self.prior == "none":
+            raise UsageError(f"--components {self.components} needs the attribution prior "
+                             "(--prior auto, atp or atp-path): the masks, too few for every "
+                             "neuron, search the ones it names first")
         if self.ablation_data is not None and self.ablation == "zero":
             raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
                              "--ablation mean or resample; zero ablation uses none")
@@ -416,11 +440,13 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
               "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "locate": _MEASURING + ("design", "design_seed", "masks", "max_masks", "sparsity",
-                            "prior", "confirm", "alpha", "bootstrap"),
+    "locate": _MEASURING + ("components", "candidates", "design", "design_seed", "masks",
+                            "max_masks", "sparsity", "prior", "confirm", "alpha",
+                            "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
-    "sweep": _MEASURING + ("design", "design_seed", "prior", "confirm", "alpha", "bootstrap"),
+    "sweep": _MEASURING + ("components", "candidates", "design", "design_seed", "prior",
+                           "confirm", "alpha", "bootstrap"),
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
     "verify": ("top_k", "general", "limit", "random_draws", "batch_size", "workers",
                "ray_address", "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code",

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..checks import UsageError
-from ..heads import Head, format_heads, parse_heads
+from ..heads import Head, format_heads, parse_components
 from ..metrics import TaskScore
 
 __all__ = ["RAY_EXTRA", "RAY_TIMEOUT", "DistributedMeasurement", "MeasurementWorker",
@@ -217,7 +217,7 @@ class MeasurementWorker:
 
     def measure_masks(self, masks: Sequence[str], masks_per_pass: int | None,
                       scale: float | None = None) -> list[dict[str, TaskScore]]:
-        heads = [parse_heads(mask) if mask else [] for mask in masks]
+        heads = [parse_components(mask) if mask else [] for mask in masks]
         per_pass = masks_per_pass or self.measure.auto_masks_per_pass()
         ((_, scores, _),) = self.measure.measure_chunks([heads], per_pass, scale=scale)
         return scores

@@ -1,0 +1,173 @@
+"""``locate --components neurons|heads+neurons``: the prior names neuron candidates, the
+masks and the confirmation search them as they search heads, and every file says so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+from test_commands import harness, read_run, stopped_part_way, strict_json, tiny_args
+
+from lm_eval_headloc.columns import Columns, neuron_candidates
+from lm_eval_headloc.commands.result import column_prior
+from lm_eval_headloc.heads import Head, Neuron, parse_components
+
+# --- columns and candidates, by hand ----------------------------------------------------
+
+
+def test_columns_of_each_kind():
+    heads = Columns.of("heads", 2, 3)
+    assert list(heads) == [Head(0, 0), Head(0, 1), Head(0, 2), Head(1, 0), Head(1, 1),
+                           Head(1, 2)]
+    assert heads.heads_grid == (2, 3) and not heads.has_neurons
+    neurons = Columns.of("neurons", 2, 3, ["L1N4", "L0N7"])
+    assert list(neurons) == [Neuron(0, 7), Neuron(1, 4)]  # layer order, whatever the prior's
+    assert neurons.heads_grid is None and neurons.has_neurons
+    both = Columns.of("heads+neurons", 2, 3, ["L1N4"])
+    assert len(both) == 7 and both[6] == Neuron(1, 4) and both.index(Head(1, 2)) == 5
+    assert both.knocked_out(np.array([1, 0, 0, 0, 0, 0, 1], dtype=bool)) == [Head(0, 0),
+                                                                             Neuron(1, 4)]
+    with pytest.raises(KeyError, match="L0N4 is not one of the run's columns"):
+        both.index(Neuron(0, 4))
+
+
+def test_neuron_candidates_take_each_ranking_in_turn():
+    # 2 layers x 3 neurons; flat index = layer * 3 + neuron. Most negative = most harmful.
+    estimates = {
+        "a": np.array([[-5.0, 0, 0, 0, -1, 0],     # point 0: L0N0, then L1N1
+                       [0, 0, -2, 0, 0, -3.0]]),   # point 1: L1N2, then L0N2
+        "b": np.array([[0, -4.0, 0, 0, 0, 0]]),    # L0N1
+    }
+    # Turns: a@0 -> L0N0, a@1 -> L1N2, b@0 -> L0N1, a@0 -> L1N1, a@1 -> L0N2, ...
+    assert neuron_candidates(estimates, 3, 5) == [Neuron(0, 0), Neuron(1, 2), Neuron(0, 1),
+                                                  Neuron(1, 1), Neuron(0, 2)]
+
+
+def test_column_prior_takes_each_columns_own_estimate():
+    columns = Columns.of("heads+neurons", 2, 2, ["L1N2", "L0N0"])
+    priors = {"t": {"heads": np.array([[1.0, 2, 3, 4]]),
+                    "neurons": np.array([[10.0, 11, 12, 13, 14, 15]])}}  # width 3
+    # Columns: L0H0 L0H1 L1H0 L1H1 L0N0 L1N2 -> heads 1..4, neurons flat 0 and 5.
+    assert column_prior(priors, columns, 2, 3)["t"].tolist() == [[1, 2, 3, 4, 10, 15]]
+
+
+# --- end to end on a tiny model ---------------------------------------------------------
+
+def neuron_args(folder, *options: str) -> list[str]:
+    return ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
+            "--seed", "3", "--sparsity", "0.25", "--masks", "10", "--confirm", "4",
+            "--prior", "atp", "--top-k", "3", *options]
+
+
+@pytest.fixture(scope="module")
+def neuron_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("neurons") / "run"
+    args = neuron_args(tiny_model_dir("llama"), "--components", "neurons",
+                       "--candidates", "16")
+    assert harness(*args, "--out", str(out)) == 0
+    return out, args
+
+
+def test_a_neuron_run_searches_the_priors_candidates(neuron_run):
+    out, _ = neuron_run
+    config = strict_json(out / "config.json")
+    assert config["spec"]["components"] == "neurons"
+    assert config["neurons_per_layer"] == 64
+    candidates = parse_components(config["candidates"])
+    assert len(candidates) == 16 and all(isinstance(c, Neuron) for c in candidates)
+    # The candidates are the prior's likeliest, computed again from prior.json.
+    prior = json.loads((out / "prior.json").read_text())
+    estimates = {t: np.array([p["neuron_effects"] for p in e["points"]])
+                 for t, e in prior["tasks"].items()}
+    assert sorted(candidates) == sorted(neuron_candidates(estimates, 64, 16))
+    design = np.load(out / "design_matrix.npy")
+    assert design.shape == (10, 16)
+    records, heads = read_run(out)
+    columns = Columns.of("neurons", 2, 4, config["candidates"])
+    by_key = {r["key"]: r for r in records}
+    for key, row in zip(config["row_keys"], design, strict=True):
+        assert parse_components(by_key[key]["mask"]) == columns.knocked_out(row)
+    alone = [r for r in records if r["key"].startswith("alone-")]
+    assert len(alone) == 4 and all(isinstance(parse_components(r["mask"])[0], Neuron)
+                                   for r in alone)
+    assert {e["neuron"] for e in heads["heads"]} == {str(c) for c in candidates}
+    assert all("head" not in e for e in heads["heads"])
+    assert heads["top_k"] == [e["neuron"] for e in heads["heads"][:3]]
+    csv = (out / "heads.csv").read_text().splitlines()
+    assert csv[0].startswith("rank,component,kind,layer,index_in_layer,effect")
+    assert csv[1].split(",")[2] == "neuron"
+    assert (out / "heatmap.png").stat().st_size > 0
+
+
+def test_a_neuron_runs_top_k_is_an_ablate_file(neuron_run, tiny_model_dir):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    out, _ = neuron_run
+    heads = strict_json(out / "heads.json")
+    lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
+                        dtype="float32", ablate_file=str(out / "heads.json"), ablate_top=3)
+    assert [str(c) for c in lm.knocked_out] == sorted(heads["top_k"], key=lambda n: (
+        int(n[1:n.index("N")]), int(n[n.index("N") + 1:])))
+
+
+def test_a_rerun_measures_nothing_and_refit_reads_it(neuron_run):
+    out, args = neuron_run
+    before = (out / "measurements.jsonl").read_text()
+    heads = (out / "heads.json").read_text()
+    assert harness(*args, "--out", str(out)) == 0
+    assert (out / "measurements.jsonl").read_text() == before
+    assert (out / "heads.json").read_text() == heads
+    assert harness("refit", str(out), "--top-k", "2") == 0
+    assert strict_json(out / "heads.json")["top_k"] == json.loads(heads)["top_k"][:2]
+
+
+def test_heads_and_neurons_share_one_design(tiny_model_dir, tmp_path):
+    out = tmp_path / "both"
+    args = neuron_args(tiny_model_dir("llama"), "--components", "heads+neurons",
+                       "--candidates", "8")
+    assert harness(*args, "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    assert np.load(out / "design_matrix.npy").shape == (10, 8 + 8)
+    prior = json.loads((out / "prior.json").read_text())
+    point = next(iter(prior["tasks"].values()))["points"][0]
+    assert len(point["effects"]) == 8 and len(point["neuron_effects"]) == 2 * 64
+    names = [e.get("head", e.get("neuron")) for e in strict_json(out / "heads.json")["heads"]]
+    assert sorted(names) == sorted([f"L{layer}H{h}" for layer in range(2) for h in range(4)]
+                                   + config["candidates"])
+
+
+def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
+    args = neuron_args(tiny_model_dir("llama"), "--components", "neurons",
+                       "--candidates", "16")
+    killed = tmp_path / "killed"
+    # baseline + 10 masks + 4 alone: killed after the 13th measurement (in confirmation).
+    partial = stopped_part_way(args, killed, after=13, stop=subprocess.Popen.kill)
+    assert 13 <= partial < 15, "the run was not interrupted part-way"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    resumed_records, resumed_heads = read_run(killed)
+    full_records, full_heads = read_run(full)
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
+    assert resumed_heads == full_heads
+    assert strict_json(killed / "config.json")["candidates"] == \
+        strict_json(full / "config.json")["candidates"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--components", "neurons", "--prior", "none"],
+     "--components neurons needs the attribution prior"),
+    (["--components", "neurons", "--candidates", "0"], "--candidates 0: must be a whole"),
+    (["--components", "neurons", "--candidates", "999"],
+     "--candidates 999: the model has only 128 MLP neurons"),
+    (["--components", "cells"], "invalid choice: 'cells'"),
+])
+def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, options, message):
+    out = tmp_path / "bad"
+    code = harness(*neuron_args(tiny_model_dir("llama"), *options), "--out", str(out))
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
