@@ -19,6 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
+MLP_WIDTH = 64  # the llama-style families' intermediate_size: their MLP neurons per layer
 TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the tests
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
@@ -49,7 +50,8 @@ def _config(family: str):
 
     class_name, extra, _, _ = ARCHITECTURES[family]
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP_WIDTH,
+        num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, max_position_embeddings=128, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False,
     )
@@ -146,18 +148,30 @@ def no_model_loading(monkeypatch):
 def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...],
                  model_args: str | None = None, seed: int = 0) -> Path:
     """A finished-looking locate run written by hand (config.json and heads-<task>.json,
-    no model needed to make it), for verify and cross to read."""
+    no model needed to make it), for verify and cross to read. ``heads`` may name MLP
+    neurons (L1N5): the run then located them (``--components``), and its ranking holds
+    ``{"neuron": …}`` records, as locate writes them."""
     import json
 
     from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.heads import Neuron, parse_components
 
+    ranked = [parse_components([name])[0] for name in heads]  # best first
+    kinds = {isinstance(c, Neuron) for c in ranked}
+    components = "+".join(k for k, neuron in (("heads", False), ("neurons", True))
+                          if neuron in kinds)
+    neurons = [str(c) for c in ranked if isinstance(c, Neuron)]
+    # As locate records them: the ranking's neurons are the run's candidates.
     spec = RunSpec(model_args=model_args or f"pretrained={model_dir},dtype=float32,device=cpu",
-                   tasks=(task,), include_path=(TASKS,), seed=seed)
+                   tasks=(task,), include_path=(TASKS,), seed=seed, components=components,
+                   candidates=len(neurons) if neurons else "auto")
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({
         "command": "locate", "identity": spec.identity("locate"),
         "settings": spec.settings("locate"), "spec": spec.as_config(),
-        "layers": LAYERS, "heads_per_layer": HEADS}))
-    (folder / f"heads-{task}.json").write_text(json.dumps(
-        {"heads": [{"rank": r, "head": h} for r, h in enumerate(heads, start=1)]}))
+        "layers": LAYERS, "heads_per_layer": HEADS,
+        **({"neurons_per_layer": MLP_WIDTH, "candidates": neurons} if neurons else {})}))
+    (folder / f"heads-{task}.json").write_text(json.dumps({"heads": [
+        {"rank": r, "neuron" if isinstance(c, Neuron) else "head": name}
+        for r, (name, c) in enumerate(zip(heads, ranked, strict=True), start=1)]}))
     return folder

@@ -1,6 +1,7 @@
-"""``cross``: CNL's cross-task matrix. Knock out the top-k heads each run ranked for each
-of its tasks, and measure every listed task with them knocked out: is a capability's set
-specific to it, or general machinery other tasks need as much?
+"""``cross``: CNL's cross-task matrix. Knock out the top-k components (heads, MLP
+neurons or both) each run ranked for each of its tasks, and measure every listed task with
+them knocked out: is a capability's set specific to it, or general machinery other tasks
+need as much?
 
 Rows are the sets knocked out (``RUN:task``), columns the tasks measured, cells the drop
 relative to the unablated baseline (``report.relative_drop``); erased (scale 0), and with
@@ -19,12 +20,11 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
-from ..heads import parse_heads
 from .engine import PlanEntry, measured_plan, prepare
 from .result import load_run
 from .runfolder import RunFolder
 from .spec import RunSpec
-from .verify import ablations, effect, located_heads, percent
+from .verify import ablations, effect, kind_words, located_heads, percent
 
 __all__ = ["cross", "cross_markdown", "plot_cross"]
 
@@ -79,9 +79,8 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
     setup = prepare(spec)
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
-        plan += [(f"set{i}{ablation.suffix}",
-                  parse_heads(s.heads, setup.num_layers, setup.heads_per_layer),
-                  ablation.entry) for i, s in enumerate(sets, start=1)]
+        plan += [(f"set{i}{ablation.suffix}", setup.checked(s.heads), ablation.entry)
+                 for i, s in enumerate(sets, start=1)]
     identity = {**setup.spec.identity("cross"),
                 "sets": [[f"{s.run}:{s.task}", "+".join(s.heads)] for s in sets]}
     with measured_plan(out, "cross", setup.spec, setup, plan, identity=identity,
@@ -142,18 +141,24 @@ def _verdict(s: Mapping[str, Any], matrix: Mapping[str, Any], tasks: list[str]) 
     return f"{label}: general: hurts {said} as much as its own task ({percent(own)})."
 
 
+def _sets_word(table: Mapping[str, Any]) -> str:
+    """heads, MLP neurons or components: what the table's sets are (``kind_words``)."""
+    return kind_words(name for s in table["sets"] for name in s["heads"])
+
+
 def cross_markdown(table: Mapping[str, Any]) -> str:
     """cross.md: one task x task table per ablation, and which sets are specific."""
     tasks = table["tasks"]
-    lines = [f"# Cross-task knockout: each run's top-{table['top_k']} heads per task, "
+    word = _sets_word(table)
+    lines = [f"# Cross-task knockout: each run's top-{table['top_k']} {word} per task, "
              "measured on every task", "",
              f"Model: `{table['model_args']}`. Rows: the set knocked out (RUN:task, that "
-             "task's top heads in that run); columns: the task measured; cells: its drop "
+             f"task's top {word} in that run); columns: the task measured; cells: its drop "
              "relative to the unablated baseline (positive = worse; n/a where the baseline "
              "is 0), the set's own task in bold.", ""]
     for matrix in table["ablations"]:
         lines += [f"## {matrix['name']} (×{matrix['scale']:g})", "",
-                  "| set knocked out | heads |" + "".join(f" {t} |" for t in tasks),
+                  f"| set knocked out | {word} |" + "".join(f" {t} |" for t in tasks),
                   "| --- | --- |" + " --- |" * len(tasks)]
         for s in table["sets"]:
             cells = [percent(matrix["drops"][s["label"]][t]) for t in tasks]
@@ -206,7 +211,7 @@ def plot_cross(table: Mapping[str, Any], path: Path) -> Any:
         ax.set_title(f"{matrix['name']} (×{matrix['scale']:g})", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8, format=PercentFormatter(1.0),
                      label="drop relative to baseline (red: worse)")
-    fig.suptitle(f"Cross-task knockout of each run's top-{table['top_k']} heads "
+    fig.suptitle(f"Cross-task knockout of each run's top-{table['top_k']} {_sets_word(table)} "
                  "(boxed: the set's own task)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

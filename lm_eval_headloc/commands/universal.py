@@ -1,6 +1,7 @@
 """``universal``: heads in the top-k of several tasks' rankings (of one model): the
 heads that hurt every task, to report apart from each task's own and to keep out of
-masks (``--never-ablate``)."""
+masks (``--never-ablate``). Components are compared by name, so MLP neurons (``L3N12``)
+of neuron runs are counted as heads are (listed under ``head`` too)."""
 
 from __future__ import annotations
 

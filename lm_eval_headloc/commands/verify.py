@@ -1,7 +1,8 @@
-"""``verify``: the paper's verification table. Knock out a run's top 1..k heads
-cumulatively and measure the run's task(s) ("Task" drop) and general tasks (mean "Gen"
-drop); with CNL's checks beside it: the top-k against random sets of as many heads, and,
-when ``--scale`` is not 0 (2: enhance), the same sets erased (scale 0).
+"""``verify``: the paper's verification table. Knock out a run's top 1..k components
+(heads, MLP neurons or both) cumulatively and measure the run's task(s) ("Task" drop) and
+general tasks (mean "Gen" drop); with CNL's checks beside it: the top-k against random
+sets of as many components of each kind, and, when ``--scale`` is not 0 (2: enhance), the
+same sets erased (scale 0).
 
 The pieces cross shares (``located_heads``, ``ablations``, ``effect``) are here too."""
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..checks import UsageError
 from ..geometry import Geometry
-from ..heads import Head, parse_heads, read_heads_file
+from ..heads import Head, Neuron, component_key, names_neurons, parse_components, read_heads_file
 from .engine import PlanEntry, is_embedded, measured_plan, prepare
 from .report import relative_drop
 from .result import load_run
@@ -25,8 +26,8 @@ from .runfolder import RunFolder, RunFolderError
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
-           "located_heads", "percent", "random_like", "random_sets", "verification_markdown",
-           "verify"]
+           "kind_words", "located_heads", "percent", "random_like", "random_sets",
+           "verification_markdown", "verify"]
 
 DEFAULT_GENERAL = ("hellaswag", "boolq", "arc_challenge", "mmlu")  # the paper's
 # The embedded model runs where nothing can be downloaded: offline general tasks.
@@ -36,15 +37,24 @@ OFFLINE_GENERAL = ("headloc_induction", "headloc_ioi", "headloc_arith")
 # --- what verify and cross share ----------------------------------------------------------
 
 def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
-    """The first ``top_k`` heads of ``task``'s ranking in the run ``folder``
-    (``heads-<task>.json``); a one-line error when there is none or it ranks fewer."""
+    """The first ``top_k`` components (heads, MLP neurons) of ``task``'s ranking in the run
+    ``folder`` (``heads-<task>.json``); a one-line error when there is none or it ranks
+    fewer."""
     path = folder.file(f"heads-{task}.json")
     if not path.is_file():
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     ranked = read_heads_file(path)
     if len(ranked) < top_k:
-        raise UsageError(f"--top-k {top_k}: {path.name} ranks only {len(ranked)} heads")
+        raise UsageError(f"--top-k {top_k}: {path.name} ranks only {len(ranked)} "
+                         f"{kind_words(ranked)}")
     return ranked[:top_k]
+
+
+def kind_words(names: Iterable[str]) -> str:
+    """What a set of component names is, in the tables' words: ``heads``, ``MLP neurons``
+    or, mixed, ``components`` (so a table of heads reads as it always has)."""
+    kinds = {isinstance(c, Neuron) for c in parse_components(list(names))}
+    return "components" if len(kinds) > 1 else "MLP neurons" if True in kinds else "heads"
 
 
 class Ablation(NamedTuple):
@@ -95,27 +105,45 @@ def percent(value: float | None) -> str:
 
 # --- the random baseline --------------------------------------------------------------------
 
+# The kinds a random set is drawn of, in the order drawn: heads first, so a set of heads
+# takes the generator's draws it always took. (kind, what it is called, its count per
+# layer in a Geometry)
+_KINDS: tuple[tuple[type[Head] | type[Neuron], str, str], ...] = (
+    (Head, "heads", "heads_per_layer"), (Neuron, "MLP neurons", "neurons_per_layer"))
+
+
 def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Generator,
                 avoid: Iterable[str] = ()) -> list[str]:
-    """As many components as ``located``, of its kind, drawn uniformly without
-    replacement from the model's (``geometry``, read from its config: no weights needed),
-    none of them in ``located`` or ``avoid``; their names, sorted.
+    """As many components of each kind as ``located`` has (heads, MLP neurons), drawn
+    uniformly without replacement from the model's (``geometry``, read from its config:
+    no weights needed), none of them in ``located`` or ``avoid``; their names, sorted.
 
     The random baseline asks whether the located set matters more than any other set of
-    its size, so it never shares a component with it. Heads only for now (``parse_heads``
-    refuses a neuron); another kind draws its count from its own pool here. Raises
-    ``ValueError`` when too few components are left to draw from.
+    its size and make-up, so it never shares a component with it. Each kind is drawn from
+    its own pool, heads first (a set of heads draws what it drew before neurons existed).
+    Raises ``ValueError`` when too few components of a kind are left to draw from, or
+    neurons are wanted and the MLP's width is unknown (None in ``geometry``).
     """
-    heads = parse_heads(list(located))
-    per_layer = geometry.heads_per_layer
-    barred = {h.flat_index(per_layer) for h in (*heads, *parse_heads(list(avoid)))}
-    pool = np.setdiff1d(np.arange(geometry.total_heads), sorted(barred))
-    if len(pool) < len(heads):
-        raise ValueError(f"{len(barred)} heads located or kept out leave {len(pool)} of the "
-                         f"model's {geometry.total_heads}, fewer than a random set of "
-                         f"{len(heads)}")
-    picked = rng.choice(pool, size=len(heads), replace=False)
-    return [str(Head.from_flat_index(i, per_layer)) for i in sorted(picked)]
+    components = parse_components(list(located))
+    barred_all = [*components, *parse_components(list(avoid))]
+    drawn: list[Head | Neuron] = []
+    for kind, what, count_field in _KINDS:
+        wanted = sum(isinstance(c, kind) for c in components)
+        if not wanted:
+            continue
+        per_layer = getattr(geometry, count_field)
+        if per_layer is None:
+            raise ValueError(f"the model's config does not give its MLP width, so no random "
+                             f"{what} can be drawn before the weights load")
+        total = geometry.num_layers * per_layer
+        barred = {c.layer * per_layer + c[1] for c in barred_all if isinstance(c, kind)}
+        pool = np.setdiff1d(np.arange(total), sorted(barred))
+        if len(pool) < wanted:
+            raise ValueError(f"{len(barred)} {what} located or kept out leave {len(pool)} of "
+                             f"the model's {total}, fewer than a random set of {wanted}")
+        picked = rng.choice(pool, size=wanted, replace=False)
+        drawn += [kind(*divmod(int(i), per_layer)) for i in picked]
+    return [str(c) for c in sorted(drawn, key=component_key)]
 
 
 def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: int,
@@ -131,6 +159,13 @@ def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: in
     except ValueError as err:
         raise UsageError(f"--random-draws {draws}: {err} (0 turns the baseline off)") \
             from None
+
+
+def _pretrained(model_args: str) -> str:
+    """The model resolved ``model_args`` load, as the user named it: ``pretrained=…``."""
+    from lm_eval.utils import simple_parse_args_string
+
+    return f"pretrained={simple_parse_args_string(model_args)['pretrained']}"
 
 
 def _spread(values: Iterable[float | None]) -> dict[str, float | None]:
@@ -187,8 +222,16 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     general = tuple(g for g in general if g not in heads_by_task)
     spec = spec.replace(general=general)
     setup = prepare(spec, extra_tasks=general)
-    # The model's heads from its config (prepare's): the draws need no weights.
-    geometry = Geometry(setup.num_layers, setup.heads_per_layer, None)
+    for names in heads_by_task.values():
+        setup.checked(names)  # a ranking of another model fails before the weights load
+    # The model's components from its config (prepare's): the draws need no weights.
+    geometry = setup.geometry
+    if spec.random_draws and geometry.neurons_per_layer is None and any(
+            names_neurons(names) for names in heads_by_task.values()):
+        raise UsageError(f"--random-draws {spec.random_draws}: the config of "
+                         f"{_pretrained(setup.spec.model_args)} does not give its MLP width, so no "
+                         "random MLP neurons can be drawn before the weights load (0 turns "
+                         "the baseline off)")
     kept_out = [str(h) for h in (*setup.exclude, *setup.never_ablate)]
     drawn = {task: random_sets(names, geometry, spec.random_draws, spec.seed, task, kept_out)
              for task, names in heads_by_task.items()}
@@ -198,9 +241,9 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
         for task, names in heads_by_task.items():
-            plan += [(f"{task}-top{k}{ablation.suffix}", parse_heads(names[:k]), ablation.entry)
-                     for k in range(1, spec.top_k + 1)]
-            plan += [(f"{task}-random{i}{ablation.suffix}", parse_heads(other),
+            plan += [(f"{task}-top{k}{ablation.suffix}", parse_components(names[:k]),
+                      ablation.entry) for k in range(1, spec.top_k + 1)]
+            plan += [(f"{task}-random{i}{ablation.suffix}", parse_components(other),
                       ablation.entry) for i, other in enumerate(drawn[task], start=1)]
     identity = {**spec.identity("verify"), "run": str(Path(run).resolve()),
                 "heads": {t: "+".join(h) for t, h in heads_by_task.items()}}
@@ -257,12 +300,14 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
     not 0), then the located sets against the random ones."""
     general = table["general"]
     kinds = ablations(table.get("scale", 0.0))
-    lines = ["# Verification: cumulative knockout of the top heads", ""]
+    word = kind_words(name for rows in table["rows"].values() for name in rows[-1]["heads"])
+    lines = [f"# Verification: cumulative knockout of the top {word}", ""]
     for task, rows in table["rows"].items():
         lines += [f"## {task} ({table['metrics'][task]}), baseline "
                   f"{table['baseline'][task]:.4f}", ""]
+        column = kind_words(rows[-1]["heads"])
         if len(kinds) == 1:
-            lines += ["| k | heads | score | Task drop | Gen drop |"
+            lines += [f"| k | {column} | score | Task drop | Gen drop |"
                       + "".join(f" {g} |" for g in general),
                       "| --- | --- | --- | --- | --- |" + " --- |" * len(general)]
             for row in rows:
@@ -271,7 +316,7 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                              + "".join(f" {row['general_scores'][g]:.4f} |" for g in general))
         else:  # erase and the run's scale side by side
             named = [f"{a.name} (×{a.scale:g})" for a in kinds]
-            lines += ["| k | heads |" + "".join(f" {n} score | Task drop | Gen drop |"
+            lines += [f"| k | {column} |" + "".join(f" {n} score | Task drop | Gen drop |"
                                                 for n in named),
                       "| --- | --- |" + " --- | --- | --- |" * len(kinds)]
             for row in rows:
@@ -287,7 +332,7 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
     random = table.get("random")
     if random:
         first = next(iter(random.values()))
-        lines += ["", f"## Against random heads: {table['random_draws']} sets of "
+        lines += ["", f"## Against random {word}: {table['random_draws']} sets of "
                       f"{first['k']} per task (seed {first['seed']})", "",
                   "| task | ablation | top-k Task drop | random mean ± sd | random min – max "
                   "| top-k moves it more than | top-k Gen drop | random Gen drop (mean) |",
@@ -304,8 +349,11 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                     f"{percent(spread['mean'])}{sd} | {percent(spread['min'])} – "
                     f"{percent(spread['max'])} | {beaten} | "
                     f"{percent(against['located']['gen_drop'])} | {percent(gen['mean'])} |")
-        lines += ["", "Each random set has as many heads as the task's top-k, drawn from the "
-                      "heads outside it (and outside --exclude and --never-ablate) and knocked "
-                      "out the same way; \"moves it more than\" counts the random sets whose "
-                      "absolute change of the task's score is smaller than the top-k's."]
+        same = ("as many heads and as many MLP neurons" if word == "components"
+                else f"as many {word}")
+        lines += ["", f"Each random set has {same} as the task's top-k, "
+                      f"drawn from the {word} outside it (and outside --exclude and "
+                      "--never-ablate) and knocked out the same way; \"moves it more than\" "
+                      "counts the random sets whose absolute change of the task's score is "
+                      "smaller than the top-k's."]
     return "\n".join(lines) + "\n"

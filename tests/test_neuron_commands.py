@@ -1,0 +1,253 @@
+"""The commands that read a run's ranking take MLP neurons (L1N5) and mixed sets as they
+take heads: verify (its random sets of the same make-up), cross and universal, on a tiny
+random Llama (2 layers x 4 heads, MLPs 64 wide) with hand-written runs."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import HEADS, LAYERS, MLP_WIDTH, TASKS, finished_run
+
+from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.commands.verify import random_like, random_sets
+from lm_eval_headloc.geometry import Geometry
+from lm_eval_headloc.heads import Head, Neuron, parse_components
+
+GEOMETRY = Geometry(LAYERS, HEADS, 8, MLP_WIDTH)
+NEURONS = ("L1N5", "L0N3", "L1N40", "L0N63")  # a neuron run's ranking, best first
+MIXED = ("L1N5", "L0H2", "L0N3", "L1H1")  # a run of heads and neurons
+PPL = "perplexity,none"
+
+
+def harness(*args: str) -> int:
+    try:
+        return main([*args])
+    except SystemExit as exit_:  # argparse's own errors
+        return exit_.code
+
+
+def records(folder: Path) -> dict[str, dict]:
+    return {r["key"]: r for r in map(json.loads, (folder / "measurements.jsonl")
+                                     .read_text().splitlines())}
+
+
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL) -> float:
+    """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
+    import lm_eval
+
+    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.tasks import make_task_manager
+
+    lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
+                        ablate=ablate or None)
+    results = lm_eval.simple_evaluate(model=lm, tasks=[task],
+                                      task_manager=make_task_manager([TASKS]))
+    return results["results"][task][metric]
+
+
+def _kinds(names: list[str]) -> tuple[int, int]:
+    """(heads, neurons) in ``names``, which must be sorted, unique and in the tiny model."""
+    parsed = parse_components(names, LAYERS, HEADS, MLP_WIDTH)
+    assert [str(c) for c in parsed] == names
+    return (sum(isinstance(c, Head) for c in parsed),
+            sum(isinstance(c, Neuron) for c in parsed))
+
+
+# --- the draw ---------------------------------------------------------------------------
+
+def test_random_neurons_are_other_neurons_of_the_model():
+    located = ["L1N5", "L0N3"]
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        drawn = random_like(located, GEOMETRY, rng, ["L0H1"])
+        assert _kinds(drawn) == (0, 2) and not set(drawn) & set(located)
+    # The draw itself: two of the 128 neurons (flat: layer x 64 + neuron) less the
+    # located two, without replacement, from a generator seeded alike.
+    pool = sorted(set(range(2 * 64)) - {64 + 5, 3})
+    picked = np.random.default_rng(4).choice(pool, size=2, replace=False)
+    assert random_like(located, GEOMETRY, np.random.default_rng(4)) == [
+        f"L{i // 64}N{i % 64}" for i in sorted(picked)]
+    # Every other neuron can be drawn (here 2 layers of 3 neurons).
+    small, seen = Geometry(2, 4, 8, 3), set()
+    for _ in range(200):
+        seen.update(random_like(["L0N0", "L1N2"], small, rng))
+    assert seen == {"L0N1", "L0N2", "L1N0", "L1N1"}
+    with pytest.raises(ValueError, match="5 MLP neurons located or kept out leave 1 of the "
+                                         "model's 6, fewer than a random set of 2"):
+        random_like(["L0N0", "L0N1"], small, rng, ["L0N2", "L1N0", "L1N1"])
+    with pytest.raises(ValueError, match="config does not give its MLP width"):
+        random_like(located, Geometry(LAYERS, HEADS, 8, None), rng)
+
+
+def test_a_mixed_set_draws_its_heads_as_a_set_of_heads_does_then_its_neurons():
+    located = list(MIXED)  # 2 heads, 2 neurons
+    for seed in range(5):
+        drawn = random_like(located, GEOMETRY, np.random.default_rng(seed), ["L1H3"])
+        assert _kinds(drawn) == (2, 2) and not set(drawn) & {*located, "L1H3"}
+        # Heads first, from the generator as a set of heads alone takes it: the same heads.
+        heads_only = random_like(["L0H2", "L1H1"], GEOMETRY, np.random.default_rng(seed),
+                                 ["L1H3"])
+        assert [n for n in drawn if "H" in n] == heads_only
+    # Seeded per task, as heads' sets are; more draws keep the first.
+    rng = np.random.default_rng([5, zlib.crc32(b"tiny_copy_ppl")])
+    by_hand = [random_like(located, GEOMETRY, rng) for _ in range(3)]
+    assert random_sets(located, GEOMETRY, 3, 5, "tiny_copy_ppl") == by_hand
+    assert random_sets(located, GEOMETRY, 1, 5, "tiny_copy_ppl") == by_hand[:1]
+
+
+# --- verify -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def verified(tiny_model_dir, tmp_path_factory):
+    """verify of a neuron run: top-2 and 2 random sets, on a perplexity task."""
+    root = tmp_path_factory.mktemp("verify-neurons")
+    run = finished_run(root / "run", tiny_model_dir("llama"), "tiny_copy_ppl", NEURONS, seed=3)
+    out = root / "verify"
+    assert harness("verify", str(run), "--top-k", "2", "--general", "tiny_copy",
+                   "--random-draws", "2", "--out", str(out)) == 0
+    return run, out
+
+
+def test_verify_knocks_out_exactly_the_located_neurons(tiny_model_dir, verified):
+    run, out = verified
+    table, measured = json.loads((out / "verify.json").read_text()), records(out)
+    task = "tiny_copy_ppl"
+    assert measured[f"{task}-top1"]["mask"] == "L1N5"
+    assert measured[f"{task}-top2"]["mask"] == "L0N3+L1N5"
+    assert [row["heads"] for row in table["rows"][task]] == [["L1N5"], ["L1N5", "L0N3"]]
+    # The score is lm-eval's own with those two neurons knocked out by hf-headablate.
+    model = tiny_model_dir("llama")
+    top2 = table["rows"][task][1]["score"]
+    assert top2 == pytest.approx(_evaluate(model, "L1N5+L0N3", task))
+    assert top2 != pytest.approx(table["baseline"][task])  # something was knocked out
+    text = (out / "verify.md").read_text()
+    assert "# Verification: cumulative knockout of the top MLP neurons" in text
+    assert "| k | MLP neurons | score |" in text
+    assert "## Against random MLP neurons: 2 sets of 2 per task (seed 3)" in text
+
+
+def test_verify_draws_random_neurons_of_the_located_count(tiny_model_dir, verified):
+    run, out = verified
+    table, measured = json.loads((out / "verify.json").read_text()), records(out)
+    sets = table["random"]["tiny_copy_ppl"]["sets"]
+    assert sets == random_sets(list(NEURONS[:2]), GEOMETRY, 2, 3, "tiny_copy_ppl")
+    for i, drawn in enumerate(sets, start=1):
+        assert _kinds(drawn) == (0, 2) and not set(drawn) & set(NEURONS[:2])
+        assert measured[f"tiny_copy_ppl-random{i}"]["mask"] == "+".join(drawn)
+    assert table["random"]["tiny_copy_ppl"]["ablations"][0]["draws"][0]["score"] == \
+        pytest.approx(_evaluate(tiny_model_dir("llama"), "+".join(sets[0]), "tiny_copy_ppl"))
+
+
+def test_verify_of_a_mixed_run_draws_the_same_mix(tiny_model_dir, tmp_path):
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy", MIXED)
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "3", "--general", "tiny_copy_ppl",
+                   "--random-draws", "2", "--out", str(out)) == 0
+    table, measured = json.loads((out / "verify.json").read_text()), records(out)
+    assert measured["tiny_copy-top3"]["mask"] == "L0H2+L0N3+L1N5"
+    for i, drawn in enumerate(table["random"]["tiny_copy"]["sets"], start=1):
+        assert _kinds(drawn) == (1, 2) and not set(drawn) & set(MIXED[:3])
+        assert measured[f"tiny_copy-random{i}"]["mask"] == "+".join(drawn)
+    text = (out / "verify.md").read_text()
+    assert "## Against random components: 2 sets of 3 per task" in text
+    assert "as many heads and as many MLP neurons as the task's top-k" in text
+
+
+def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsys,
+                                                 no_model_loading, monkeypatch):
+    model = tiny_model_dir("llama")
+    ranking = tuple(f"L{i % 2}N{i}" for i in range(10))
+    # A top-k past the model's 8 heads is fine for 10 neurons: only the model's loading
+    # (refused here) stops it.
+    many = finished_run(tmp_path / "many", model, "tiny_copy", ranking)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        harness("verify", str(many), "--general", "tiny_choice", "--top-k", "9")
+    run = finished_run(tmp_path / "run", model, "tiny_copy", ranking)
+    args = ["verify", str(run), "--general", "tiny_choice", "--random-draws", "1"]
+    # A neuron past the MLP's width fails before loading.
+    wide = finished_run(tmp_path / "wide", model, "tiny_copy", ("L1N64", "L0N1"))
+    assert harness("verify", str(wide), "--general", "tiny_choice", "--top-k", "2") == 2
+    assert "neuron L1N64 is outside the model: neuron 64 not in 0..63" in last_error(capsys)
+    # A config that does not give the MLP's width: no random neurons before loading.
+    from lm_eval_headloc.commands import engine
+
+    unknown = Geometry(LAYERS, HEADS, 8, None)
+    monkeypatch.setattr(engine, "model_geometry", lambda model_args: unknown)
+    assert harness(*args, "--top-k", "2") == 2
+    assert last_error(capsys).endswith(
+        f"--random-draws 1: the config of pretrained={model} does not give its MLP width, "
+        "so no random MLP neurons can be drawn before the weights load (0 turns the "
+        "baseline off)")
+    assert not (run / "verify").exists() and not (wide / "verify").exists()
+
+
+# --- cross ------------------------------------------------------------------------------
+
+def test_cross_of_a_neuron_run_and_a_head_run(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    runs = [finished_run(tmp_path / "neurons", model, "tiny_copy_ppl", NEURONS),
+            finished_run(tmp_path / "heads", model, "tiny_rolling",
+                         ("L0H1", "L1H3", "L1H2"))]
+    out = tmp_path / "cross"
+    # --num-samples 12: every document of the 12-document tasks, as lm-eval's own run.
+    assert harness("cross", *map(str, runs), "--top-k", "2", "--num-samples", "12",
+                   "--out", str(out)) == 0
+    table, measured = json.loads((out / "cross.json").read_text()), records(out)
+    assert [s["heads"] for s in table["sets"]] == [["L1N5", "L0N3"], ["L0H1", "L1H3"]]
+    assert measured["set1"]["mask"] == "L0N3+L1N5"
+    assert measured["set2"]["mask"] == "L0H1+L1H3"
+    erase = table["ablations"][0]
+    assert erase["scores"][f"{runs[0]}:tiny_copy_ppl"]["tiny_rolling"] == pytest.approx(
+        _evaluate(model, "L1N5+L0N3", "tiny_rolling", "word_perplexity,none"))
+    text = (out / "cross.md").read_text()
+    assert "each run's top-2 components per task" in text
+    assert "| set knocked out | components | tiny_copy_ppl | tiny_rolling |" in text
+    assert "| L1N5+L0N3 |" in text
+
+
+def test_cross_refuses_a_neuron_outside_the_model_before_loading(tiny_model_dir, tmp_path,
+                                                                  capsys, no_model_loading):
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",
+                       ("L0N70", "L1N2"))
+    assert harness("cross", str(run), "--top-k", "2", "--out", str(tmp_path / "c")) == 2
+    assert "neuron L0N70 is outside the model: neuron 70 not in 0..63 (64 MLP neurons per " \
+           "layer)" in last_error(capsys)
+
+
+# --- universal --------------------------------------------------------------------------
+
+def test_universal_counts_neurons_as_it_counts_heads(tiny_model_dir, tmp_path, capsys,
+                                                     no_model_loading):
+    model = tiny_model_dir("llama")
+    runs = [finished_run(tmp_path / "a", model, "tiny_copy_ppl",
+                         ("L1N5", "L0N3", "L0N7", "L1N9")),
+            finished_run(tmp_path / "b", model, "tiny_rolling",
+                         ("L0N3", "L1N9", "L1N5", "L0N7"))]
+    out = tmp_path / "universal.json"
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--min-tasks", "2",
+                   "--out", str(out)) == 0
+    result = json.loads(out.read_text())
+    a, b = (f"{Path(run).resolve()}:{task}" for run, task in
+            zip(runs, ("tiny_copy_ppl", "tiny_rolling"), strict=True))
+    # In both top-3s: L0N3 (ranks 2 and 1, sum 3) before L1N5 (1 and 3, sum 4).
+    assert result["heads"] == [
+        {"head": "L0N3", "tasks": 2, "ranks": {a: 2, b: 1}},
+        {"head": "L1N5", "tasks": 2, "ranks": {a: 1, b: 3}}]
+    assert result["candidates"] == {"L0N3": {a: 2, b: 1}, "L0N7": {a: 3},
+                                    "L1N5": {a: 1, b: 3}, "L1N9": {b: 2}}
+    assert "| L0N3 | 2 | 2 | 1 |" in capsys.readouterr().out
+    # --never-ablate takes heads only: a universal neuron is refused, by name, before the
+    # model loads.
+    assert harness("locate", "--model-args", f"pretrained={model},dtype=float32,device=cpu",
+                   "--tasks", "tiny_copy", "--include-path", TASKS, "--never-ablate",
+                   str(out), "--out", str(tmp_path / "loc")) == 2
+    assert "--never-ablate: 'L0N3' is an MLP neuron; only attention heads are accepted" \
+        in last_error(capsys)
