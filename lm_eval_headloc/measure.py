@@ -87,20 +87,29 @@ def at_scale(lm: Any, scale: float | None) -> Iterator[None]:
 
 
 def choose_subset(doc_counts: dict[str, int], num_samples: int | None,
-                  seed: int) -> dict[str, list[int]] | None:
+                  seed: int, part: tuple[int, int] | None = None
+                  ) -> dict[str, list[int]] | None:
     """The same ``num_samples`` document indices per leaf task for every measurement.
 
     Drawn without replacement with ``seed`` (sorted, for readable run folders); a task
-    with fewer documents uses all of them. ``None`` means every document.
+    with fewer documents uses all of them. ``None`` means every document. ``part``
+    ``(k, n)``: drawn from the k-th of n disjoint parts of the task's documents (a seeded
+    shuffle cut in n), so runs on parts 1/2 and 2/2 with the same seed share no example
+    (CNL's check of a located set across disjoint subsamples).
     """
-    if num_samples is None:
+    if num_samples is None and part is None:
         return None
     subset = {}
     for name in sorted(doc_counts):
         count = doc_counts[name]
         # Seeded per task, so a task's subset does not depend on the other tasks run.
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        picked = rng.choice(count, size=min(num_samples, count), replace=False)
+        if part is None:
+            picked = rng.choice(count, size=min(num_samples, count), replace=False)
+        else:
+            index, parts = part
+            share = np.array_split(rng.permutation(count), parts)[index - 1]
+            picked = share if num_samples is None else share[:num_samples]
         subset[name] = sorted(int(i) for i in picked)
     return subset
 
@@ -174,6 +183,7 @@ class HarnessMeasurement:
         limit: int | None = None,
         verbose: bool = False,
         signal: str = "metric",
+        examples_part: tuple[int, int] | None = None,
     ) -> None:
         if signal not in SIGNALS:
             raise ValueError(f"signal {signal!r}: must be one of {', '.join(SIGNALS)}")
@@ -205,7 +215,7 @@ class HarnessMeasurement:
         self._groups = [_TaskGroup(loaded, chat) for chat, loaded in groups.items()]
         self.chat_template = {name: chat for chat, g in groups.items() for name in g["tasks"]}
         self.subset = None if limit is not None else choose_subset(
-            self.doc_counts, num_samples, seed)
+            self.doc_counts, num_samples, seed, examples_part)
         self._requests: Any = None  # multimask.LoglikelihoodRequests, made on first use
         self._golds: Any = _UNSETTLED  # what _answer_golds settles on
         self.logprob_missing: str | None = None  # why answers carry no gold logprob

@@ -302,3 +302,17 @@ def test_requests_are_encoded_by_lm_eval_and_inputs_checked_against_hflm(tiny_mo
                                            r"otherwise than lm-eval 0\.4\.13") as info:
         multimask.LoglikelihoodRequests(lm, keys)
     assert "\n" not in str(info.value)
+
+
+def test_example_parts_are_disjoint_and_cover_the_documents():
+    from lm_eval_headloc.measure import choose_subset
+
+    first = choose_subset({"a": 51}, None, 4, (1, 2))["a"]
+    second = choose_subset({"a": 51}, None, 4, (2, 2))["a"]
+    assert not set(first) & set(second) and sorted(first + second) == list(range(51))
+    assert {len(first), len(second)} == {25, 26}
+    # --num-samples takes that many from the part; another seed cuts differently.
+    assert set(choose_subset({"a": 51}, 10, 4, (1, 2))["a"]) <= set(first)
+    assert choose_subset({"a": 51}, None, 5, (1, 2))["a"] != first
+    # Without a part, the subset is what it always was.
+    assert choose_subset({"a": 51}, 10, 4) == choose_subset({"a": 51}, 10, 4, None)

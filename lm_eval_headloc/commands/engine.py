@@ -34,7 +34,7 @@ from ..signals import check_gold_answers
 from ..tasks import check_task_names, make_task_manager
 from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec, path_list
+from .spec import RunSpec, parse_examples_part, path_list
 from .workers import check_workers
 
 if TYPE_CHECKING:
@@ -307,7 +307,8 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
         apply_chat_template=spec.apply_chat_template,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
-        verbose=spec.verbose, signal=spec.signal)
+        verbose=spec.verbose, signal=spec.signal,
+        examples_part=parse_examples_part(spec.examples_part))
     _say_short_tasks(measure, num_samples)
     measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
     if run is not None:

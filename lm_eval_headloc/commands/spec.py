@@ -96,6 +96,20 @@ def parse_masks(value: int | str) -> int | str:
                            "a whole number >= 1 or 'auto'", whole=True, min_val=1)
 
 
+def parse_examples_part(value: str | None) -> tuple[int, int] | None:
+    """``K/N`` as (K, N) with 1 <= K <= N, or None."""
+    if value is None:
+        return None
+    parts = str(value).split("/")
+    try:
+        index, count = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        index, count = 0, 0
+    if not 1 <= index <= count:
+        raise UsageError(f"--examples-part {value!r}: must be K/N with 1 <= K <= N, e.g. 1/2")
+    return index, count
+
+
 def parse_candidates(value: int | str) -> int | str:
     """A whole number >= 1 or ``auto``."""
     return _number_or_word(value, "--candidates", lambda t: t == "auto",
@@ -146,6 +160,10 @@ class RunSpec:
         parse=int, metavar="N", whole=True, min_val=1)
     seed: int = _option(0, "seed of the example subset and the design", parse=int,
                         whole=True, min_val=0)
+    examples_part: str | None = _option(
+        None, "take the examples from part K of N disjoint parts of each task's documents "
+              "(a shuffle seeded by --seed, cut in N): runs on 1/2 and 2/2 share no "
+              "example, for headloc-harness overlap", metavar="K/N")
     design_seed: int | None = _option(
         None, "seed of the masks alone, so designs can vary on the same examples "
               "(default: --seed)", parse=int, metavar="SEED", whole=True, min_val=0)
@@ -349,6 +367,7 @@ class RunSpec:
         parse_masks(self.masks)
         parse_sparsity(self.sparsity)
         parse_candidates(self.candidates)
+        parse_examples_part(self.examples_part)
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp or atp-path): the masks, too few for every "
@@ -434,7 +453,7 @@ HARNESS_MODEL_ARGS = {
     "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
 }
 # The RunSpec fields each subcommand takes on the command line.
-_MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed",
+_MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
               "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
               "ablation_data", "ablation_field", "exclude", "top_k", "batch_size", "masks_per_pass",
               "workers", "ray_address", "ray_timeout", "gpus_per_worker",
