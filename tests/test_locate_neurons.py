@@ -171,3 +171,25 @@ def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, optio
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.slow
+def test_embedded_neuron_run_keeps_the_default_budget(smollm2, tmp_path):
+    """The embedded model's 46,080 neurons, default settings on a few examples: the prior
+    names 270 candidates (as many as the heads), then 12 masks and 34 alone — the default
+    budget's split, as for heads."""
+    from lm_eval_headloc.confirm import DEFAULT_ALONE, DEFAULT_MASKS
+
+    out = tmp_path / "run"
+    assert harness("locate", "--components", "neurons", "--num-samples", "16",
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    assert config["neurons_per_layer"] == 1536 and len(config["candidates"]) == 30 * 9
+    assert np.load(out / "design_matrix.npy").shape == (DEFAULT_MASKS, 270)
+    records, heads = read_run(out)
+    assert len(records) == 1 + DEFAULT_MASKS + DEFAULT_ALONE
+    assert json.loads((out / "prior.json").read_text())["kinds"] == ["neurons"]
+    top = heads["top_k"]
+    assert len(top) == 5 and all(isinstance(c, Neuron) for c in parse_components(top))
+    report = (out / "report.md").read_text()
+    assert all(name in report for name in top)

@@ -198,9 +198,14 @@ _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
 def locate_report(run: LocateRun) -> str:
     """report.md of a fitted locate run (``run.rankings``), from its record alone."""
     spec, top_k = run.spec, run.spec.top_k
+    units = _UNITS[spec.components]
     lines = [
-        "# Head localization by compressed sensing", "",
+        f"# {units[0].upper()}{units[1:]} localized by compressed sensing", "",
         f"- model: `{spec.model_args}`",
+        *([f"- components: {units}; the design's neuron columns are the attribution "
+           f"prior's {len(run.candidates or ())} likeliest of the model's "
+           f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"]
+          if run.neurons_per_layer else []),
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
         f"- design: {spec.design}, {_masks_words(run)}, sparsity "
         f"{_sparsity_words(run)}, seed {spec.seed}"
@@ -232,7 +237,8 @@ def locate_report(run: LocateRun) -> str:
                + (", its rankings in turn" if run.prior_kind == "atp-path" else "")
                + "): " + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
               if "prior_top_k" in ranking.extra else [])]
-    lines.append("Check the heads with `headloc-harness verify` (knocks them out for real).")
+    lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
+                 "real, next to random sets of the same kind).")
     return "\n".join(lines) + "\n"
 
 
@@ -246,13 +252,18 @@ def _prior_words(run: LocateRun) -> str:
                   "the path from the clean run to every component ablated"}[run.prior_kind]
 
 
+#: What a run locates, in words (``--components``).
+_UNITS = {"heads": "heads", "neurons": "MLP neurons", "heads+neurons": "heads and MLP neurons"}
+
+
 def _confirm_words(run: LocateRun) -> str:
     confirmed = run.confirm
     if not confirmed:
-        return "none (every head ranked by the Lasso's estimate)"
+        return "none (every component ranked by the Lasso's estimate)"
     rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
               if "rounds" in confirmed else "")
-    return (f"{len(confirmed['heads'])} heads knocked out one at a time{rounds}, the "
+    return (f"{len(confirmed['heads'])} {_UNITS[run.spec.components]} knocked out one at a "
+            f"time{rounds}, the "
             + ("attribution prior's rankings and " if run.uses_prior else "")
             + "the masks' fit's likeliest in turn (the fit redone after each round with "
             "the measured heads' changes held fixed); they rank first, by their measured "
@@ -267,10 +278,10 @@ def _unconfirmed_words(extra: Mapping[str, Any]) -> list[str]:
         return []
     implicated = extra.get("implicated", [])
     lines = ["Not measured alone: " + (
-        "the masks' fit (with the measured heads held fixed) implicates "
+        "the masks' fit (with the measured ones held fixed) implicates "
         + ", ".join(implicated[:10]) + (f" and {len(implicated) - 10} more"
                                         if len(implicated) > 10 else "")
-        if implicated else "the masks' fit implicates no other head") + "."]
+        if implicated else "the masks' fit implicates no other component") + "."]
     if extra.get("next"):
         lines.append("A larger `--confirm` would measure next: "
                      + ", ".join(extra["next"]) + ".")

@@ -242,11 +242,12 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
 def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
     """Markdown rows of a ranking's top-k: rank, head, effect (and, with a bootstrap, how
     often refits put the head in the top-k and the effect's 95 % interval)."""
+    unit = "component" if ranking.columns.has_neurons else "head"
     if ranking.stability is None:
-        lines = [f"| rank | head | {effect_label} |", "| --- | --- | --- |"]
+        lines = [f"| rank | {unit} | {effect_label} |", "| --- | --- | --- |"]
         return lines + [f"| {rank} | {head} | {ranking.effect(head):+.4f} |"
                         for rank, head in enumerate(ranking.top(top_k), start=1)]
-    lines = [f"| rank | head | {effect_label} | 95 % interval | in top-{top_k} of "
+    lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k} of "
              f"{ranking.stability.resamples} bootstrap refits |",
              "| --- | --- | --- | --- | --- |"]
     for rank, head in enumerate(ranking.top(top_k), start=1):
