@@ -38,9 +38,12 @@ def strict_json(path: Path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+def measurement_lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
+
+
 def read_run(folder: Path) -> tuple[list[dict], dict]:
-    lines = [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
-    return lines, strict_json(folder / "heads.json")
+    return measurement_lines(folder), strict_json(folder / "heads.json")
 
 
 def last_error(capsys) -> str:

@@ -10,24 +10,14 @@ from pathlib import Path
 
 import pytest
 from conftest import TASKS, finished_run
+from test_commands import harness
+from test_commands import measurement_lines as lines
 
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.report import relative_drop
 
 PPL = ("L1H2", "L0H0", "L0H3", "L1H0")
 ROLLING = ("L0H1", "L1H3", "L1H2", "L0H2")
 METRIC = {"tiny_copy_ppl": "perplexity,none", "tiny_rolling": "word_perplexity,none"}
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
-
-
-def lines(folder: Path) -> list[dict]:
-    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
 
 
 def last_error(capsys) -> str:

@@ -116,16 +116,21 @@ def test_neuron_scale_two_doubles_its_column(tiny_model_dir, family):
     assert not torch.allclose(expected, logits(edited_copy(folder, family)), atol=1e-4)
 
 
-def _feature_set(model, family: str, layer: int, neuron: int, value):
-    """A hook of the test's own: feature ``neuron`` of layer ``layer``'s MLP output
-    projection input becomes ``value`` (a number, or a tensor over positions)."""
+def _logits_with_feature(model, family: str, layer: int, neuron: int, value) -> torch.Tensor:
+    """Logits of INPUT_IDS with feature ``neuron`` of layer ``layer``'s MLP output
+    projection input written to ``value`` (a number, or a tensor over positions) by a hook
+    of the test's own."""
     module = model.get_submodule(MLP_OUT[family].format(l=layer))
 
     def write(_module, args):
         hidden = args[0].clone()
-        hidden[..., neuron] = value if not callable(value) else value(hidden.shape)
+        hidden[..., neuron] = value
         return (hidden, *args[1:])
-    return module.register_forward_pre_hook(write)
+    handle = module.register_forward_pre_hook(write)
+    try:
+        return logits(model)
+    finally:
+        handle.remove()
 
 
 def _recorded_inputs(model, family: str, layer: int, ids: list[int]) -> torch.Tensor:
@@ -153,11 +158,7 @@ def test_neuron_mean_ablation_writes_its_mean(tiny_model_dir, family, tmp_path):
     positions = torch.cat([_recorded_inputs(plain, family, 1, lm.tok_encode(t))
                            for t in texts])
     mean = positions[:, 4].double().mean().float()
-    handle = _feature_set(plain, family, 1, 4, mean)
-    try:
-        expected = logits(plain)
-    finally:
-        handle.remove()
+    expected = _logits_with_feature(plain, family, 1, 4, mean)
     assert torch.allclose(logits(lm), expected, atol=1e-5)
     assert not torch.allclose(expected, logits(plain), atol=1e-5)
     assert lm.neuron_means_file is not None and lm.means_file is not None
@@ -180,11 +181,7 @@ def test_neuron_resample_takes_the_donors_feature(tiny_model_dir, tmp_path):
     donor_feature = _recorded_inputs(plain, family, 0, donor)[:, 7]
     # Row position i gets donor position min(i, last).
     aligned = donor_feature[torch.clamp(torch.arange(len(row)), max=len(donor) - 1)]
-    handle = _feature_set(plain, family, 0, 7, aligned)
-    try:
-        expected = logits(plain)
-    finally:
-        handle.remove()
+    expected = _logits_with_feature(plain, family, 0, 7, aligned)
     assert torch.allclose(logits(lm), expected, atol=1e-5)
     assert not torch.allclose(expected, logits(plain), atol=1e-5)
 

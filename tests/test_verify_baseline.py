@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import HEADS, LAYERS, TASKS, finished_run
+from test_commands import harness
+from test_commands import measurement_lines as lines
 
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.report import relative_drop
 from lm_eval_headloc.commands.verify import random_like, random_sets
 from lm_eval_headloc.geometry import Geometry
@@ -19,17 +20,6 @@ from lm_eval_headloc.heads import parse_heads
 
 GEOMETRY = Geometry(LAYERS, HEADS, None)
 LOCATED = ("L1H2", "L0H0", "L0H3", "L1H0")  # the fake run's ranking, best first
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
-
-
-def lines(folder: Path) -> list[dict]:
-    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
 
 
 # --- the draw itself ---------------------------------------------------------------------

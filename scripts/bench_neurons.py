@@ -1,0 +1,273 @@
+"""NEURONS.md: which unit a capability lives in — attention heads or MLP neurons — on the
+embedded model's offline tasks, by the product's own commands.
+
+    python scripts/bench_neurons.py                 # measure what is missing, render
+    python scripts/bench_neurons.py --render-only   # render from the committed runs
+
+Per task, on two disjoint halves of its documents (``--examples-part 1/2`` and ``2/2``):
+
+- ``heads-p1``, ``heads-p2``: ``locate`` with the defaults (compressed sensing over heads);
+- ``neurons-p1``, ``neurons-p2``: ``locate --components neurons`` with the defaults;
+- ``cnl-p1.json``, ``cnl-p2.json``: CNL-style attribution alone — the integrated-gradients
+  prior over every MLP neuron (``--prior ig``'s 8 points), ranked, no masks;
+- ``eval``: each method's half-1 top-k knocked out together on half 2's examples (held
+  out), next to ``DRAWS`` random sets of the same size and kind: at equal counts (k = 1, 5)
+  and at an equal share of the parameters (one head's share is ``neurons_per_head``
+  neurons: k = 1 and 3 heads).
+
+Runs live under ``benchmarks/neurons/`` and resume when the script is rerun (each is a run
+folder of the product's). Nothing here is tuned: the defaults, as a user gets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import numpy as np  # noqa: E402
+
+from lm_eval_headloc.checks import UsageError  # noqa: E402
+from lm_eval_headloc.commands import RunSpec  # noqa: E402
+from lm_eval_headloc.commands.engine import (  # noqa: E402
+    load_model,
+    measured_plan,
+    open_measurement,
+    prepare,
+)
+from lm_eval_headloc.commands.locate import locate  # noqa: E402
+from lm_eval_headloc.commands.report import relative_drop  # noqa: E402
+from lm_eval_headloc.commands.verify import random_sets  # noqa: E402
+from lm_eval_headloc.files import write_atomically  # noqa: E402
+from lm_eval_headloc.heads import Neuron, parse_components, read_heads_file  # noqa: E402
+from lm_eval_headloc.prior import PRIOR_POINTS  # noqa: E402
+
+TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
+OUT = ROOT / "benchmarks" / "neurons"
+NUM_SAMPLES = 50  # per half: the runs' examples, and the held-out evaluation's
+DRAWS = 5
+EQUAL_COUNTS = (1, 5)
+EQUAL_SHARE_HEADS = (1, 3)
+CNL_KEEP = 400  # neurons of the attribution ranking kept on disk
+COMMAND = "python scripts/bench_neurons.py"
+
+
+def neurons_per_head(config: Any) -> int:
+    """How many MLP neurons hold as many parameters as one attention head: a head's query
+    and output slices and its share of its key/value group, against a neuron's up (and
+    gate) row and down column."""
+    from lm_eval_headloc.geometry import text_config
+
+    text = text_config(config)
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head = 2 * hidden * head_dim + 2 * hidden * head_dim * kv / heads
+    gated = getattr(text, "hidden_act", "") in ("silu", "swiglu", "gelu_pytorch_tanh") or \
+        getattr(text, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+    neuron = (3 if gated else 2) * hidden
+    return max(1, round(head / neuron))
+
+
+def _spec(base: RunSpec, task: str, part: int, **changes: Any) -> RunSpec:
+    return base.replace(tasks=(task,), examples_part=f"{part}/2", num_samples=NUM_SAMPLES,
+                        progress=False, **changes)
+
+
+def cnl_ranking(runs: Path, base: RunSpec, task: str, part: int) -> dict[str, Any]:
+    """The integrated-gradients attribution of every neuron on half ``part``, ranked
+    (most harmful knockout first): CNL's selection without its recurrence threshold."""
+    path = runs / task / f"cnl-p{part}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    spec = _spec(base, task, part, components="neurons", prior="ig")
+    setup = prepare(spec)
+    measure = open_measurement(setup, load_model(setup), None, num_samples=NUM_SAMPLES)
+    start = time.perf_counter()
+    (estimates,) = measure.attribution(PRIOR_POINTS["ig"], kind="neurons")[task]
+    width = measure.lm.neurons_per_layer
+    order = np.argsort(estimates, kind="stable")[:CNL_KEEP]
+    result = {"method": "integrated gradients (8 midpoints) of the gold answers' mean "
+                        "log-likelihood, every MLP neuron moved towards zero together; "
+                        "ranked by the estimated change, most negative first",
+              "task": task, "examples_part": f"{part}/2", "seconds": round(
+                  time.perf_counter() - start, 2),
+              "ranking": [str(Neuron(*divmod(int(i), width))) for i in order],
+              "estimates": [float(estimates[i]) for i in order]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, lambda partial: partial.write_text(json.dumps(result, indent=1)))
+    return result
+
+
+def rankings(runs: Path, base: RunSpec, task: str) -> dict[str, dict[int, list[str]]]:
+    """method -> half -> ranked component names (each run made or resumed)."""
+    ranked: dict[str, dict[int, list[str]]] = {"heads": {}, "neurons": {}, "cnl": {}}
+    for part in (1, 2):
+        for method, components in (("heads", "heads"), ("neurons", "neurons")):
+            out = runs / task / f"{method}-p{part}"
+            locate(out, _spec(base, task, part, components=components))
+            ranked[method][part] = read_heads_file(out / f"heads-{task}.json")
+        ranked["cnl"][part] = cnl_ranking(runs, base, task, part)["ranking"]
+    return ranked
+
+
+def evaluation_sets(ranked: Mapping[str, Mapping[int, list[str]]], per_head: int
+                    ) -> list[dict[str, Any]]:
+    """The half-1 sets knocked out on half 2: each method at equal counts, and the two
+    neuron methods at the parameter share of 1 and 3 heads."""
+    sets = []
+    for method, by_part in ranked.items():
+        sizes = [(k, "equal count") for k in EQUAL_COUNTS]
+        if method != "heads":
+            sizes += [(k * per_head, f"as many parameters as {k} head{'s' * (k > 1)}")
+                      for k in EQUAL_SHARE_HEADS]
+        else:
+            sizes += [(k, f"as many parameters as {k} head{'s' * (k > 1)}")
+                      for k in EQUAL_SHARE_HEADS if k not in EQUAL_COUNTS]
+        for k, basis in sizes:
+            if k <= len(by_part[1]):
+                sets.append({"method": method, "k": k, "basis": basis,
+                             "set": list(by_part[1][:k])})
+    return sets
+
+
+def evaluate(runs: Path, base: RunSpec, task: str, sets: list[dict[str, Any]]
+             ) -> dict[str, Any]:
+    """Each set and its random draws knocked out on half 2 (one model load, resumable)."""
+    spec = _spec(base, task, 2)
+    setup = prepare(spec)
+    plan: list[tuple[str, list]] = [("baseline", [])]
+    for index, entry in enumerate(sets):
+        try:
+            entry["random"] = random_sets(entry["set"], setup.geometry, DRAWS, spec.seed,
+                                          f"{task}-{index}")
+        except UsageError:  # a model too small for random sets of this size
+            entry["random"] = []
+        plan.append((f"set{index}", parse_components(entry["set"])))
+        plan += [(f"set{index}-random{d}", parse_components(drawn))
+                 for d, drawn in enumerate(entry["random"], start=1)]
+    identity = {**spec.identity("verify"), "sets": [e["set"] for e in sets]}
+    with measured_plan(runs / task / "eval", "bench-neurons", spec, setup, plan,
+                       identity=identity, num_samples=NUM_SAMPLES) as (_, records):
+        base_record = records["baseline"]
+        higher = bool(base_record["higher_is_better"][task])
+
+        def drop(key: str) -> float:
+            return relative_drop(base_record["scores"][task], records[key]["scores"][task],
+                                 higher)
+
+        for index, entry in enumerate(sets):
+            entry["drop"] = drop(f"set{index}")
+            entry["random_drops"] = [drop(f"set{index}-random{d}")
+                                     for d in range(1, len(entry["random"]) + 1)]
+        return {"baseline": base_record["scores"][task],
+                "metric": base_record["metrics"][task], "sets": sets}
+
+
+def overlaps(ranked: Mapping[str, Mapping[int, list[str]]], k: int) -> dict[str, float]:
+    """Per method: |A ∩ B| / k of the two halves' top-k (both sets have k members, so this
+    is either half's overlap rate) and the IoU |A ∩ B| / |A ∪ B|."""
+    rates = {}
+    for method, by_part in ranked.items():
+        a, b = set(by_part[1][:k]), set(by_part[2][:k])
+        rates[method] = {"overlap": len(a & b) / k, "iou": len(a & b) / len(a | b)}
+    return rates
+
+
+def _pct(value: float) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:+.1f} %"
+
+
+METHODS = {"heads": "heads, compressed sensing (locate defaults)",
+           "neurons": "MLP neurons, compressed sensing (locate --components neurons)",
+           "cnl": "MLP neurons, attribution alone (CNL-style: integrated gradients)"}
+
+
+def render(results: Mapping[str, Any], per_head: int, model: str) -> str:
+    lines = [f"# Heads or MLP neurons? ({model})", "",
+             f"Generated by `{COMMAND}` from the runs under `benchmarks/neurons/` "
+             "(rerun to measure what is missing; `--render-only` to render). Each task's "
+             f"documents are cut in two disjoint halves; every method runs on {NUM_SAMPLES} "
+             "examples of half 1, and its top-k is knocked out together on "
+             f"{NUM_SAMPLES} examples of half 2 (held out). Drops are relative to the "
+             "unablated score on half 2 (positive = worse); each set is compared with "
+             f"{DRAWS} random sets of the same size and kind (never sharing a component "
+             "with it). One head holds as many parameters as "
+             f"{per_head} MLP neurons (query and output slices and its share of the "
+             "key/value group, against a neuron's gate and up rows and down column).", ""]
+    for task, result in results.items():
+        lines += [f"## {task} ({result['metric']}, half-2 baseline "
+                  f"{result['baseline']:.3f})", "",
+                  "| method | k | basis | drop of the set | random: mean ± sd | random: "
+                  "min – max | beats |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for entry in result["sets"]:
+            drawn = np.array(entry["random_drops"], dtype=np.float64)
+            finite = drawn[np.isfinite(drawn)]
+            beats = int(np.sum(entry["drop"] > finite)) if math.isfinite(entry["drop"]) \
+                else None
+            lines.append(
+                f"| {entry['method']} | {entry['k']} | {entry['basis']} | "
+                f"{_pct(entry['drop'])} | "
+                + (f"{_pct(finite.mean())} ± {100 * finite.std(ddof=1):.1f} | "
+                   f"{_pct(finite.min())} – {_pct(finite.max())} | "
+                   if finite.size > 1 else "n/a | n/a | ")
+                + (f"{beats}/{finite.size} |" if beats is not None else "n/a |"))
+        lines += ["", "Stability across the halves (top-5; overlap rate = |A ∩ B| / 5):", "",
+                  "| method | overlap | IoU |", "| --- | --- | --- |"]
+        for method, rates in result["overlap"].items():
+            lines.append(f"| {method} | {rates['overlap']:.0%} | {rates['iou']:.0%} |")
+        lines.append("")
+    lines += ["Methods: " + "; ".join(f"**{k}**: {v}" for k, v in METHODS.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--model-args", default=None)
+    parser.add_argument("--include-path", action="append", default=[])
+    parser.add_argument("--out", default=str(ROOT / "NEURONS.md"))
+    parser.add_argument("--runs", default=str(OUT), help="where the runs live")
+    parser.add_argument("--render-only", action="store_true")
+    args = parser.parse_args(argv)
+    runs = Path(args.runs)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    base = RunSpec(model_args=args.model_args, include_path=tuple(args.include_path))
+    tasks = [t for t in args.tasks.split(",") if t]
+    setup = prepare(base.replace(tasks=(tasks[0],)))
+    from lm_eval.utils import simple_parse_args_string
+    from transformers import AutoConfig
+
+    model = simple_parse_args_string(setup.spec.model_args)
+    config = AutoConfig.from_pretrained(str(model["pretrained"]), **{
+        k: model[k] for k in ("gguf_file", "revision") if k in model})
+    per_head = neurons_per_head(config)
+    results = {}
+    for task in tasks:
+        saved = runs / task / "result.json"
+        if args.render_only:
+            results[task] = json.loads(saved.read_text())
+            continue
+        ranked = rankings(runs, base, task)
+        result = evaluate(runs, base, task, evaluation_sets(ranked, per_head))
+        result["overlap"] = overlaps(ranked, 5)
+        write_atomically(saved, lambda partial, r=result: partial.write_text(
+            json.dumps(r, indent=1)))
+        results[task] = result
+    name = "embedded SmolLM2-135M-Instruct" if args.model_args is None else args.model_args
+    Path(args.out).write_text(render(results, per_head, name))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
