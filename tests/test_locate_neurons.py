@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 from test_commands import harness, read_run, stopped_part_way, strict_json, tiny_args
+from test_commands import measurement_lines as read_run_lines
 
 from lm_eval_headloc.columns import Columns, neuron_candidates
 from lm_eval_headloc.commands.result import column_prior
@@ -193,3 +194,20 @@ def test_embedded_neuron_run_keeps_the_default_budget(smollm2, tmp_path):
     assert len(top) == 5 and all(isinstance(c, Neuron) for c in parse_components(top))
     report = (out / "report.md").read_text()
     assert all(name in report for name in top)
+
+
+def test_a_sweep_of_neurons_checks_each_cells_top_k(tiny_model_dir, tmp_path):
+    sweep = tmp_path / "sweep"
+    assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--components", "neurons", "--candidates", "8", "--prior", "atp",
+                   "--masks", "4,6", "--sparsity", "0.25", "--num-samples", "6",
+                   "--top-k", "2", "--out", str(sweep)) == 0
+    result = strict_json(sweep / "sweep.json")
+    records = {r["key"]: r for r in read_run_lines(sweep)}
+    for cell in result["cells"]:
+        name = f"m{cell['masks']}-p{cell['sparsity']:g}"
+        config = strict_json(sweep / name / "config.json")
+        assert len(config["candidates"]) == 8
+        top = strict_json(sweep / name / "heads.json")["top_k"]
+        assert all(isinstance(c, Neuron) for c in parse_components(top))
+        assert parse_components(records[f"{name}-top2"]["mask"]) == parse_components(top)

@@ -70,6 +70,19 @@ def test_two_workers_write_what_one_process_writes(local_ray, tiny_model_dir, tm
     assert sum(w["measurements"] for w in workers) > 0
 
 
+def test_a_neuron_run_on_two_workers_writes_what_one_process_writes(local_ray,
+                                                                     tiny_model_dir, tmp_path):
+    """Neuron masks (L0N12+...) travel to the workers as names and come back the same."""
+    neurons = [*LOCATE, "--components", "heads+neurons", "--candidates", "8", "--prior", "atp"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *neurons,
+                   "--out", str(one)) == 0
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), *neurons, "--workers", "2",
+                   "--out", str(two)) == 0
+    _same_run(two, one)
+    assert any("N" in mask for mask, _ in _by_key(two).values())
+
+
 def kill_workers_after(monkeypatch, ray, results: int, count: int) -> list:
     """Once a measuring call has had ``results`` chunks back, ``ray.kill`` ``count``
     workers (once per test); the killed actors are returned, as they die."""
