@@ -223,5 +223,6 @@ def check_gold_answers(leaves: Mapping[str, Any], flag: str) -> None:
     if reason is not None:
         from .checks import UsageError  # sklearn: imported only when refusing
 
-        instead = "--signal metric" if flag.startswith("--signal") else "--prior auto or none"
+        instead = {"--signal": "--signal metric", "--prior": "--prior auto or none",
+                   "--components": "--components heads"}[flag.split()[0]]
         raise UsageError(f"{flag}: {reason} (use {instead})")

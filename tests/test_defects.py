@@ -168,6 +168,7 @@ def test_no_gold_reason_says_why():
     (["--prior", "atp"], "--prior atp", "--prior auto or none"),
     (["--prior", "atp-path"], "--prior atp-path", "--prior auto or none"),
     (["--signal", "logprob", "--prior", "none"], "--signal logprob", "--signal metric"),
+    (["--components", "neurons"], "--components neurons", "--components heads"),
 ])
 def test_a_log_likelihood_of_no_gold_answer_is_refused_before_weights_load(
         tiny_model_dir, tmp_path, capsys, no_model_loading, flags, flag, instead):  # noqa: F811

@@ -212,7 +212,10 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                                  f"{', '.join(produced)}")
         needs_gold = [flag for flag, wanted in (("--signal logprob", spec.signal == "logprob"),
                                                 (f"--prior {spec.prior}",
-                                                 spec.prior in PRIOR_POINTS)) if wanted]
+                                                 spec.prior in PRIOR_POINTS),
+                                                # its prior names the neurons it searches
+                                                (f"--components {spec.components}",
+                                                 "neurons" in spec.components)) if wanted]
         for flag in needs_gold:  # an output type without gold answers, or empty ones
             check_gold_answers(loaded[name]["tasks"], flag)
         if spec.signal == "logprob":
