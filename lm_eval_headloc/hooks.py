@@ -294,8 +294,8 @@ def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Mo
     """
     geometry = _geometry(model)
     width, hidden = geometry.neurons_per_layer, _hidden_size(model)
-    hint = ("name them with mlp_out=<module-name pattern>, e.g. "
-            "mlp_out=model.layers.*.mlp.down_proj")
+    advice = ("name them with mlp_out=<module-name pattern>, e.g. "
+              "mlp_out=model.layers.*.mlp.down_proj")
     if mlp_out:
         named = [(name, m) for name, m in model.named_modules()
                  if fnmatch.fnmatchcase(name, mlp_out)]
@@ -309,15 +309,15 @@ def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Mo
             candidates = [
                 (name, module) for name, module in layer.named_modules()
                 if name.split(".")[-1] in _MLP_OUTPUT_NAMES
-                and not any(hint_ in part.lower() for part in name.split(".")[:-1]
-                            for hint_ in _ATTENTION_HINTS)
+                and not any(word in part.lower() for part in name.split(".")[:-1]
+                            for word in _ATTENTION_HINTS)
                 and _mlp_fits(module, width, hidden)]
             if len(candidates) != 1:
                 found = ", ".join(n for n, _ in candidates) or "none"
                 raise MLPOutputNotFound(
                     f"cannot tell which module of decoder layer {index} "
                     f"({type(layer).__name__}) is the MLP output projection (candidates: "
-                    f"{found}; a mixture of experts has no single one); {hint}")
+                    f"{found}; a mixture of experts has no single one); {advice}")
             named.append((f"decoder layer {index}", candidates[0][1]))
     widths = {_input_features(module) for _, module in named}
     for index, (name, module) in enumerate(named):
@@ -326,7 +326,7 @@ def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Mo
                 f"MLP output of layer {index} ({name}, {type(module).__name__}) takes "
                 f"{_input_features(module)} input features and gives "
                 f"{_output_features(module)}, not the MLP's {width or 'neurons'} in and the "
-                f"hidden size {hidden} out; {hint}")
+                f"hidden size {hidden} out; {advice}")
     if mlp_out:
         _check_runs(model, named, f"mlp_out={mlp_out!r}")
     return [module for _, module in named]
