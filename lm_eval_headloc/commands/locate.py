@@ -200,7 +200,7 @@ def locate_report(run: LocateRun) -> str:
     spec, top_k = run.spec, run.spec.top_k
     units = _UNITS[spec.components]
     lines = [
-        f"# {units[0].upper()}{units[1:]} localized by compressed sensing", "",
+        f"# {_TITLES[spec.components]} by compressed sensing", "",
         f"- model: `{spec.model_args}`",
         *([f"- components: {units}; the design's neuron columns are the attribution "
            f"prior's {len(run.candidates or ())} likeliest of the model's "
@@ -232,13 +232,13 @@ def locate_report(run: LocateRun) -> str:
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
-            *_unconfirmed_words(ranking.extra),
+            *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
             *([f"The attribution prior's own top-{top_k} (prior.json"
                + (", its rankings in turn" if run.prior_kind == "atp-path" else "")
                + "): " + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
               if "prior_top_k" in ranking.extra else [])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
-                 "real, next to random sets of the same kind).")
+                 "real).")
     return "\n".join(lines) + "\n"
 
 
@@ -252,14 +252,17 @@ def _prior_words(run: LocateRun) -> str:
                   "the path from the clean run to every component ablated"}[run.prior_kind]
 
 
-#: What a run locates, in words (``--components``).
+#: What a run locates, in words (``--components``): all of them, one of them, the title.
 _UNITS = {"heads": "heads", "neurons": "MLP neurons", "heads+neurons": "heads and MLP neurons"}
+_UNIT = {"heads": "head", "neurons": "neuron", "heads+neurons": "component"}
+_TITLES = {"heads": "Head localization", "neurons": "MLP neuron localization",
+           "heads+neurons": "Head and MLP neuron localization"}
 
 
 def _confirm_words(run: LocateRun) -> str:
     confirmed = run.confirm
     if not confirmed:
-        return "none (every component ranked by the Lasso's estimate)"
+        return f"none (every {_UNIT[run.spec.components]} ranked by the Lasso's estimate)"
     rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
               if "rounds" in confirmed else "")
     return (f"{len(confirmed['heads'])} {_UNITS[run.spec.components]} knocked out one at a "
@@ -271,17 +274,17 @@ def _confirm_words(run: LocateRun) -> str:
             "resample of the masks would have confirmed them into the top-k)")
 
 
-def _unconfirmed_words(extra: Mapping[str, Any]) -> list[str]:
+def _unconfirmed_words(extra: Mapping[str, Any], unit: str = "head") -> list[str]:
     """Where to look next: heads the masks' fit implicates that no one measured alone, and
     the round a larger --confirm would measure."""
     if "confirmed" not in extra:
         return []
     implicated = extra.get("implicated", [])
     lines = ["Not measured alone: " + (
-        "the masks' fit (with the measured ones held fixed) implicates "
+        f"the masks' fit (with the measured {unit}s held fixed) implicates "
         + ", ".join(implicated[:10]) + (f" and {len(implicated) - 10} more"
                                         if len(implicated) > 10 else "")
-        if implicated else "the masks' fit implicates no other component") + "."]
+        if implicated else f"the masks' fit implicates no other {unit}") + "."]
     if extra.get("next"):
         lines.append("A larger `--confirm` would measure next: "
                      + ", ".join(extra["next"]) + ".")
