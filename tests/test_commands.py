@@ -46,6 +46,15 @@ def read_run(folder: Path) -> tuple[list[dict], dict]:
     return measurement_lines(folder), strict_json(folder / "heads.json")
 
 
+def assert_same_run(resumed: Path, full: Path) -> None:
+    """The same measurements (timings aside) and the same ranking."""
+    resumed_records, resumed_heads = read_run(resumed)
+    full_records, full_heads = read_run(full)
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
+    assert resumed_heads == full_heads
+
+
 def last_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err, "no error message"
@@ -409,12 +418,8 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0
-    resumed_records, resumed_heads = read_run(killed)
-    full_records, full_heads = read_run(full)
-    assert len(resumed_records) == len(full_records) >= 21
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
-    assert resumed_heads == full_heads
+    assert len(read_run(full)[0]) >= 21
+    assert_same_run(killed, full)
 
 
 def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_path):
@@ -430,12 +435,8 @@ def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_p
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0
-    resumed_records, resumed_heads = read_run(killed)
-    full_records, full_heads = read_run(full)
-    assert len(full_records) == 1 + 10 + 7
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
-    assert resumed_heads == full_heads
+    assert len(read_run(full)[0]) == 1 + 10 + 7
+    assert_same_run(killed, full)
     assert strict_json(killed / "config.json")["confirm"] == \
         strict_json(full / "config.json")["confirm"]
 

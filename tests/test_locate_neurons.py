@@ -8,7 +8,14 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_commands import harness, read_run, stopped_part_way, strict_json, tiny_args
+from test_commands import (
+    assert_same_run,
+    harness,
+    read_run,
+    stopped_part_way,
+    strict_json,
+    tiny_args,
+)
 from test_commands import measurement_lines as read_run_lines
 
 from lm_eval_headloc.columns import Columns, neuron_candidates
@@ -149,11 +156,7 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0
-    resumed_records, resumed_heads = read_run(killed)
-    full_records, full_heads = read_run(full)
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
-    assert resumed_heads == full_heads
+    assert_same_run(killed, full)
     assert strict_json(killed / "config.json")["candidates"] == \
         strict_json(full / "config.json")["candidates"]
 
