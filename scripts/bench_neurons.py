@@ -184,7 +184,9 @@ def overlaps(ranked: Mapping[str, Mapping[int, list[str]]], k: int) -> dict[str,
 
 
 def _pct(value: float) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:+.1f} %"
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{100 * value + 0.0:+.1f} %" if round(100 * value, 1) else "0.0 %"  # no "-0.0"
 
 
 METHODS = {"heads": "heads, compressed sensing (locate defaults)",
