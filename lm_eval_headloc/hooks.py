@@ -625,7 +625,14 @@ class HeadKnockout:
     def kinds_of(self, intervention: Intervention) -> list[str]:
         """The kinds ``intervention`` knocks out (heads when none): what its resample
         donors must be recorded for (``applied``'s ``donors``), in ``KINDS`` order."""
-        return list(self._place(intervention).masks) or ["heads"]
+        # What _place would key its masks by, without placing anything (this runs before
+        # every measurement and, under resample, every forward pass).
+        if intervention.row_masks is not None:
+            width = int(torch.as_tensor(intervention.row_masks).shape[-1])
+            kinds = ["heads"] if width == self.flat_width(["heads"]) else list(KINDS)
+        else:
+            kinds = [kind for kind in KINDS if kind in intervention.kinds]
+        return kinds or ["heads"]
 
     def _place(self, intervention: Intervention) -> ActivePass:
         """Per-kind, per-layer device masks for ``intervention`` (the last one is kept: a
