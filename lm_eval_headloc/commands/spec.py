@@ -370,7 +370,7 @@ class RunSpec:
         parse_examples_part(self.examples_part)
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
-                             "(--prior auto, atp or atp-path): the masks, too few for every "
+                             "(--prior auto, atp, atp-path or ig): the masks, too few for every "
                              "neuron, search the ones it names first")
         if self.ablation_data is not None and self.ablation == "zero":
             raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
