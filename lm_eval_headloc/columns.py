@@ -4,37 +4,98 @@ A heads run (the default) has one column per head in flat order, ``layer * H + h
 as every run before neurons existed. A run with MLP neurons (``--components neurons`` or
 ``heads+neurons``) cannot give each of the model's tens of thousands of neurons a column:
 its neuron columns are the attribution prior's likeliest candidates
-(``neuron_candidates``), after the heads when both are located. Everything that turns a
-column index into a name, or a knocked-out row into components, goes through ``Columns``.
+(``neuron_candidates``), after the heads when both are located, and with
+``--neuron-groups G`` the rest of each layer's neurons in G groups (``NeuronGroup``), one
+column each: a mask that knocks out a group knocks out every neuron in it, so a neuron the
+prior missed still moves the fit, through its group. Everything that turns a column index
+into a name, or a knocked-out row into components, goes through ``Columns``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from .heads import Component, Head, Neuron, component_key, parse_components
 
-__all__ = ["COMPONENTS", "Columns", "neuron_candidates"]
+__all__ = ["COMPONENTS", "Column", "Columns", "NeuronGroup", "column_key", "column_label",
+           "neuron_candidates", "neuron_groups"]
 
 #: ``--components``' values: what a run locates.
 COMPONENTS: tuple[str, ...] = ("heads", "neurons", "heads+neurons")
+
+
+class NeuronGroup(NamedTuple):
+    """Group ``group`` of layer ``layer``'s MLP neurons outside a run's candidates
+    (``--neuron-groups``): one design column, knocking out all of ``neurons`` at once.
+    Its name, ``L3G1``, means something only inside its run; files that leave the run
+    list its neurons (``members``)."""
+
+    layer: int
+    group: int
+    neurons: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"L{self.layer}G{self.group}"
+
+    @property
+    def members(self) -> list[Neuron]:
+        return [Neuron(self.layer, n) for n in self.neurons]
+
+
+def column_label(column: Column) -> str:
+    """A column's name for people: a group's with its size (``L3G1 (380 neurons)``)."""
+    if isinstance(column, NeuronGroup):
+        return f"{column} ({len(column.neurons):,} neurons)"
+    return str(column)
+
+
+#: What a design column stands for.
+Column = Head | Neuron | NeuronGroup
+
+
+def column_key(column: Column) -> tuple[int, int, int]:
+    """``component_key`` with neuron groups after a layer's neurons (a group's index is
+    not a neuron's, so the two must not compare equal)."""
+    if isinstance(column, NeuronGroup):
+        return (column.layer, 2, column.group)
+    return component_key(column)
+
+
+def neuron_groups(candidates: Iterable[Neuron], num_layers: int, neurons_per_layer: int,
+                  per_layer: int) -> list[NeuronGroup]:
+    """Each layer's MLP neurons that are not ``candidates``, cut in index order into
+    ``per_layer`` groups of near-equal size (fewer where fewer neurons are left)."""
+    taken: dict[int, set[int]] = {}
+    for neuron in candidates:
+        taken.setdefault(neuron.layer, set()).add(neuron.neuron)
+    groups = []
+    for layer in range(num_layers):
+        rest = [n for n in range(neurons_per_layer) if n not in taken.get(layer, ())]
+        parts = [part for part in np.array_split(np.asarray(rest, dtype=np.int64),
+                                                 min(per_layer, len(rest)) or 1) if part.size]
+        groups += [NeuronGroup(layer, i, tuple(int(n) for n in part))
+                   for i, part in enumerate(parts)]
+    return groups
 
 
 @dataclass(frozen=True)
 class Columns:
     """The component of each design column (a sequence: ``columns[i]``, ``len``)."""
 
-    components: tuple[Component, ...]
+    components: tuple[Column, ...]
     _index: dict[tuple[int, int, int], int] = field(init=False, repr=False, compare=False)
+    _names: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        index = {component_key(c): i for i, c in enumerate(self.components)}
+        index = {column_key(c): i for i, c in enumerate(self.components)}
         if len(index) != len(self.components):
             raise ValueError("a component has two columns")
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_names", {str(c): i for i, c in enumerate(self.components)})
 
     @classmethod
     def heads(cls, num_layers: int, heads_per_layer: int) -> Columns:
@@ -44,17 +105,25 @@ class Columns:
 
     @classmethod
     def of(cls, components: str, num_layers: int, heads_per_layer: int,
-           candidates: Sequence[str] = ()) -> Columns:
+           candidates: Sequence[str] = (), groups_per_layer: int = 0,
+           neurons_per_layer: int | None = None) -> Columns:
         """The columns of a run locating ``components`` (a ``COMPONENTS`` value): the
         heads when it locates heads, then its neuron ``candidates`` when it locates
-        neurons."""
+        neurons, then (``groups_per_layer`` > 0, which needs ``neurons_per_layer``) the
+        groups of the neurons outside the candidates (``neuron_groups``)."""
         if components not in COMPONENTS:
             raise ValueError(f"components={components!r}: one of {', '.join(COMPONENTS)}")
         heads = cls.heads(num_layers, heads_per_layer).components if "heads" in \
             components.split("+") else ()
         neurons = tuple(parse_components(list(candidates))) if "neurons" in components \
             else ()
-        return cls((*heads, *sorted(neurons, key=component_key)))
+        groups: list[NeuronGroup] = []
+        if groups_per_layer and "neurons" in components:
+            if neurons_per_layer is None:
+                raise ValueError("neuron groups need the MLP's width (neurons_per_layer)")
+            groups = neuron_groups(neurons, num_layers, neurons_per_layer,  # type: ignore[arg-type]
+                                   groups_per_layer)
+        return cls((*heads, *sorted(neurons, key=component_key), *groups))
 
     def __len__(self) -> int:
         return len(self.components)
@@ -65,28 +134,41 @@ class Columns:
     def __iter__(self):
         return iter(self.components)
 
-    def index(self, component: Component) -> int:
+    def index(self, component: Column) -> int:
         """The column of ``component`` (KeyError naming it when the run has none)."""
         try:
-            return self._index[component_key(component)]
+            return self._index[column_key(component)]
         except KeyError:
             raise KeyError(f"{component} is not one of the run's columns") from None
 
-    def indices(self, components: Iterable[Component]) -> list[int]:
+    def indices(self, components: Iterable[Column]) -> list[int]:
         return [self.index(c) for c in components]
+
+    def named(self, name: str) -> int:
+        """The column named ``name`` as the run's files write it (``L3N12``, ``L3G1``)."""
+        try:
+            return self._names[name]
+        except KeyError:
+            raise KeyError(f"{name} is not one of the run's columns") from None
 
     def names(self, indices: Iterable[int]) -> list[str]:
         return [str(self[i]) for i in indices]
 
+    def members(self, index: int) -> list[Component]:
+        """What knocking out column ``index`` knocks out: its head or neuron, or every
+        neuron of its group."""
+        column = self[index]
+        return column.members if isinstance(column, NeuronGroup) else [column]
+
     def knocked_out(self, row: np.ndarray) -> list[Component]:
         """The components a design row (booleans over the columns) knocks out."""
-        return [self.components[i] for i in np.flatnonzero(row)]
+        return [c for i in np.flatnonzero(row) for c in self.members(int(i))]
 
     @property
     def heads_grid(self) -> tuple[int, int] | None:
         """(layers, heads per layer) when the columns are every head in flat order (a
         layers x heads picture shows them), else None."""
-        if not self.components or any(isinstance(c, Neuron) for c in self.components):
+        if not self.components or self.has_neurons:
             return None
         layers = self.components[-1].layer + 1
         per_layer = len(self.components) // layers
@@ -97,7 +179,11 @@ class Columns:
 
     @property
     def has_neurons(self) -> bool:
-        return any(isinstance(c, Neuron) for c in self.components)
+        return any(isinstance(c, (Neuron, NeuronGroup)) for c in self.components)
+
+    @property
+    def has_groups(self) -> bool:
+        return any(isinstance(c, NeuronGroup) for c in self.components)
 
 
 def neuron_candidates(estimates: Mapping[str, np.ndarray], neurons_per_layer: int,

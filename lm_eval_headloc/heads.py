@@ -157,8 +157,9 @@ def parse_components(
                 "e.g. L0H29+L1H31"
             )
         tokens: list = list(spec.split("+"))
-    else:
-        tokens = list(spec)
+    else:  # a name in a list may itself be '+'-joined (a neuron group's entry in heads.json)
+        tokens = [part for token in spec
+                  for part in (token.split("+") if isinstance(token, str) else [token])]
     found: dict[tuple[int, int, int], Component] = {}  # by component_key: Head(0, 1) and
     for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):
@@ -207,7 +208,9 @@ def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None
 
 def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bool:
     """Whether ``spec`` names any MLP neuron (so the MLP's width is needed to check it)."""
-    tokens = spec.split("+") if isinstance(spec, str) else spec
+    tokens = spec.split("+") if isinstance(spec, str) else [
+        part for token in spec for part in (token.split("+") if isinstance(token, str)
+                                            else [token])]
     return any(isinstance(t, Neuron) or (isinstance(t, str) and (m := _TOKEN.match(t.strip()))
                                          is not None and m.group(2) == "N") for t in tokens)
 
@@ -245,8 +248,9 @@ def format_heads(heads: Iterable[Component | tuple[int, int]]) -> str:
 
 def _heads_in_json(data: object, path: Path) -> list[str]:
     # Accepted: ["L0H1", ...], {"heads": [...]}, where items are names or
-    # {"head": "L0H1", ...} or {"neuron": "L3N12", ...} records (the ranked list
-    # headloc-harness writes).
+    # {"head": "L0H1", ...}, {"neuron": "L3N12", ...} or {"group": "L3G1", "neurons":
+    # "L3N0+L3N2+..."} records (the ranked list headloc-harness writes; a neuron group is
+    # one entry of the ranking, its neurons '+'-joined).
     items = data.get("heads") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise HeadSpecError(
@@ -254,13 +258,20 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
         )
     names = []
     for item in items:
-        name = (item.get("head", item.get("neuron")) if isinstance(item, dict)
-                else item)
+        name = (item.get("neurons" if "group" in item else "head", item.get("neuron"))
+                if isinstance(item, dict) else item)
         if not isinstance(name, str):
             raise HeadSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
                                 "{\"head\": \"L0H29\", ...}")
         names.append(name)
     return names
+
+
+def shown_name(name: str) -> str:
+    """An entry of a ranking file for a table: a neuron group's (its neurons '+'-joined)
+    as its first and last neuron and its size, so a 400-neuron group takes one cell."""
+    parts = name.split("+")
+    return name if len(parts) <= 3 else f"{parts[0]}…{parts[-1]} ({len(parts)} neurons)"
 
 
 def check_top(top: object) -> int:

@@ -214,3 +214,132 @@ def test_a_sweep_of_neurons_checks_each_cells_top_k(tiny_model_dir, tmp_path):
         top = strict_json(sweep / name / "heads.json")["top_k"]
         assert all(isinstance(c, Neuron) for c in parse_components(top))
         assert parse_components(records[f"{name}-top2"]["mask"]) == parse_components(top)
+
+
+# --- neuron groups (--neuron-groups) ------------------------------------------------------
+
+def test_neuron_groups_cut_the_rest_of_each_layer_in_index_order():
+    from lm_eval_headloc.columns import NeuronGroup, neuron_groups
+
+    # 2 layers x 6 neurons, candidates L0N1 and L1N5, 2 groups a layer: by hand,
+    # layer 0 leaves 0 2 3 4 5 -> (0 2 3) (4 5); layer 1 leaves 0..4 -> (0 1 2) (3 4).
+    groups = neuron_groups([Neuron(0, 1), Neuron(1, 5)], 2, 6, 2)
+    assert groups == [NeuronGroup(0, 0, (0, 2, 3)), NeuronGroup(0, 1, (4, 5)),
+                      NeuronGroup(1, 0, (0, 1, 2)), NeuronGroup(1, 1, (3, 4))]
+    # More groups than neurons left: one neuron each, no empty group.
+    assert [g.neurons for g in neuron_groups([Neuron(0, 0)], 1, 3, 5)] == [(1,), (2,)]
+    columns = Columns.of("neurons", 2, 4, ["L1N5", "L0N1"], 2, 6)
+    assert [str(c) for c in columns] == ["L0N1", "L1N5", "L0G0", "L0G1", "L1G0", "L1G1"]
+    # A group's key is not a head's with the same numbers.
+    both = Columns.of("heads+neurons", 2, 2, ["L0N1"], 1, 6)
+    assert both.index(Head(0, 0)) == 0 and both.named("L0G0") == 5
+    row = np.array([0, 0, 0, 0, 1, 1, 0], dtype=bool)  # L0N1 and L0G0
+    assert both.knocked_out(row) == [Neuron(0, 1), Neuron(0, 0), Neuron(0, 2), Neuron(0, 3),
+                                     Neuron(0, 4), Neuron(0, 5)]
+    assert both.members(6) == [Neuron(1, n) for n in range(6)]
+
+
+def test_a_group_has_no_prior_of_its_own():
+    columns = Columns.of("neurons", 2, 2, ["L1N2"], 1, 3)  # L1N2, L0G0, L1G0
+    priors = {"t": {"neurons": np.array([[10.0, 11, 12, 13, 14, -15]])}}
+    values = column_prior(priors, columns, 2, 3)["t"]
+    assert values[0, 0] == -15 and np.isinf(values[0, 1:]).all() and (values[0, 1:] > 0).all()
+    from lm_eval_headloc.confirm import PRIOR_EASE, prior_rankings, prior_weights
+
+    assert prior_rankings(values)[0][0] == 0  # the candidate first, the groups after it
+    # The candidate's penalty eased as the largest harm's; the groups' left as it is.
+    assert prior_weights(values).tolist() == [1 / (1 + PRIOR_EASE), 1.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def group_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("groups") / "run"
+    args = neuron_args(tiny_model_dir("llama"), "--components", "neurons",
+                       "--candidates", "6", "--neuron-groups", "2")
+    assert harness(*args, "--out", str(out)) == 0
+    return out, args
+
+
+def test_a_group_run_knocks_out_whole_groups(group_run):
+    out, _ = group_run
+    config = strict_json(out / "config.json")
+    assert config["spec"]["neuron_groups"] == 2
+    design = np.load(out / "design_matrix.npy")
+    assert design.shape == (10, 6 + 2 * 2)
+    # The expected knockouts, from the candidates alone: each layer's other 64 - c
+    # neurons cut in two halves in index order.
+    taken = {}
+    for c in parse_components(config["candidates"]):
+        taken.setdefault(c.layer, set()).add(c.neuron)
+    groups = []
+    for layer in range(2):
+        rest = [n for n in range(64) if n not in taken.get(layer, set())]
+        half = (len(rest) + 1) // 2
+        groups += [[Neuron(layer, n) for n in rest[:half]],
+                   [Neuron(layer, n) for n in rest[half:]]]
+    candidates = sorted(parse_components(config["candidates"]))
+    records, heads = read_run(out)
+    by_key = {r["key"]: r for r in records}
+    for key, row in zip(config["row_keys"], design, strict=True):
+        expected = [c for i, on in enumerate(row) if on
+                    for c in ([candidates[i]] if i < 6 else groups[i - 6])]
+        assert parse_components(by_key[key]["mask"]) == sorted(expected)
+    entries = {e.get("group", e.get("neuron")): e for e in heads["heads"]}
+    assert len(entries) == 10
+    for i, name in enumerate(["L0G0", "L0G1", "L1G0", "L1G1"]):
+        assert entries[name]["size"] == len(groups[i])
+        assert parse_components(entries[name]["neurons"]) == groups[i]
+    csv = (out / "heads.csv").read_text()
+    assert ",L0G1,neuron group,0,1," in csv
+    assert "groups (--neuron-groups 2 per layer" in (out / "report.md").read_text()
+
+
+def test_a_groups_entry_is_one_entry_of_an_ablate_file(group_run, tiny_model_dir, tmp_path):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    out, _ = group_run
+    heads = strict_json(out / "heads.json")
+    group = next(e for e in heads["heads"] if "group" in e)
+    first = [e for e in heads["heads"] if e is not group][0]
+    ranked = tmp_path / "ranked.json"
+    ranked.write_text(json.dumps({"heads": [group, first]}))
+    lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
+                        dtype="float32", ablate_file=str(ranked), ablate_top=1)
+    assert [str(c) for c in lm.knocked_out] == group["neurons"].split("+")
+
+
+def test_verify_knocks_out_a_groups_neurons(group_run, tmp_path):
+    out, _ = group_run
+    heads = strict_json(out / "heads.json")
+    # Put a group first, as a run where the masks implicate one would.
+    group = next(e for e in heads["heads"] if "group" in e)
+    heads["heads"] = [group] + [e for e in heads["heads"] if e is not group]
+    (out / "heads-tiny_copy.json").write_text(json.dumps(heads))
+    try:
+        assert harness("verify", str(out), "--top-k", "2", "--random-draws", "1",
+                       "--general", "tiny_choice", "--limit", "6") == 0
+    finally:
+        (out / "heads-tiny_copy.json").unlink()
+    records = {r["key"]: r for r in read_run_lines(out / "verify")}
+    top1 = parse_components(records["tiny_copy-top1"]["mask"])
+    assert top1 == parse_components(group["neurons"])
+    top2 = parse_components(records["tiny_copy-top2"]["mask"])
+    assert len(top2) == len(top1) + 1
+    # The random baseline draws as many neurons as the top-2 knocks out, none of them.
+    drawn = parse_components(records["tiny_copy-random1"]["mask"])
+    assert len(drawn) == len(top2) and not set(drawn) & set(top2)
+    table = (out / "verify" / "verify.md").read_text()
+    first, last = group["neurons"].split("+")[0], group["neurons"].split("+")[-1]
+    assert f"| 1 | {first}…{last} ({group['size']} neurons) |" in table
+
+
+def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
+    code = harness(*neuron_args(tiny_model_dir("llama"), "--neuron-groups", "2"),
+                   "--out", str(tmp_path / "bad"))
+    assert code == 2
+    assert "--neuron-groups 2: groups are of MLP neurons" in capsys.readouterr().err
+    code = harness(*neuron_args(tiny_model_dir("llama"), "--components", "neurons",
+                                "--neuron-groups", "65"), "--out", str(tmp_path / "bad2"))
+    assert code == 2
+    assert "--neuron-groups 65: a layer's MLP has only 64 neurons" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from .. import __version__
+from ..columns import column_label
 from ..errors import UserError, one_line
 from .cross import cross, cross_markdown
 from .greedy import greedy
@@ -167,7 +168,7 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
             print("  no head stands out: the fit found no effect that tells the heads apart")
             continue
         for rank, head in enumerate(top, start=1):
-            print(f"  {rank}. {head}  {ranking.effect(head):+.4f}"
+            print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"
                   + ("  (tied with the head above)" if str(head) in tied else ""))
     print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
 

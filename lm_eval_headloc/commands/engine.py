@@ -273,7 +273,13 @@ def _column_count(spec: RunSpec, geometry: Geometry) -> int:
     neurons = geometry.total_neurons
     if neurons is not None and count > neurons:
         raise UsageError(f"--candidates {count}: the model has only {neurons} MLP neurons")
-    return count + (heads if "heads" in spec.components.split("+") else 0)
+    width = geometry.neurons_per_layer
+    if width is not None and spec.neuron_groups > width:
+        raise UsageError(f"--neuron-groups {spec.neuron_groups}: a layer's MLP has only "
+                         f"{width} neurons to group")
+    # Groups: at most G per layer (fewer only where the candidates fill a layer).
+    groups = spec.neuron_groups * geometry.num_layers
+    return count + groups + (heads if "heads" in spec.components.split("+") else 0)
 
 
 def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> None:

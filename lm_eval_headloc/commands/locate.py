@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
-from ..columns import Columns, neuron_candidates
+from ..columns import Column, Columns, NeuronGroup, neuron_candidates
 from ..confirm import (
     ROUND,
     Changes,
@@ -32,7 +32,7 @@ from ..confirm import (
     tied_with_above,
 )
 from ..designs import design_matrix
-from ..heads import Component, Head, Neuron, parse_components
+from ..heads import Component, Head, Neuron
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
 from ..recovery import HeadLasso, bootstrap_stability, harm
@@ -61,7 +61,7 @@ def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
     return Columns.heads(np.shape(design)[1] // columns, columns)
 
 
-def alone_key(head: Component) -> str:
+def alone_key(head: Column | str) -> str:
     """The measurement of ``head`` knocked out alone (confirmation)."""
     return f"alone-{head}"
 
@@ -152,7 +152,7 @@ def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str
     fitted on those rows (``confirm.confirmation``); a pick the run did not measure cannot
     be ranked, so it is left out (a head only the screen found is as stable as the screen
     is); heads measured for the run's other tasks stay in the pool."""
-    own = [columns.index(parse_components(name)[0])
+    own = [columns.named(name)
            for name in confirmed.get("picked_by", {}).get(task, confirmed["heads"])]
     others = set(alone) - set(own)
     skip = sorted({*confirmed["never"], *excluded})
@@ -178,11 +178,11 @@ def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[
                     task: str, columns: Columns) -> dict[int, tuple[float, float]]:
     """column -> (score change, logprob change) of every component the run measured
     alone."""
-    heads = [columns.index(parse_components(name)[0]) for name in confirmed["heads"]]
+    heads = [columns.named(name) for name in confirmed["heads"]]
     return _alone_changes(records, heads, task, columns)
 
 
-def _has(columns: Columns, component: Component) -> bool:
+def _has(columns: Columns, component: Column) -> bool:
     try:
         columns.index(component)
     except KeyError:
@@ -204,7 +204,8 @@ def locate_report(run: LocateRun) -> str:
         f"- model: `{spec.model_args}`",
         *([f"- components: {units}; the design's neuron columns are the attribution "
            f"prior's {len(run.candidates or ())} likeliest of the model's "
-           f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"]
+           f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"
+           + _group_words(run)]
           if run.neurons_per_layer else []),
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
         f"- design: {spec.design}, {_masks_words(run)}, sparsity "
@@ -240,6 +241,17 @@ def locate_report(run: LocateRun) -> str:
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
     return "\n".join(lines) + "\n"
+
+
+def _group_words(run: LocateRun) -> str:
+    groups = [c for c in run.columns if isinstance(c, NeuronGroup)]
+    if not groups:
+        return ""
+    sizes = [len(g.neurons) for g in groups]
+    return (f", and the other neurons in {len(groups)} groups (--neuron-groups "
+            f"{run.spec.neuron_groups} per layer, {min(sizes):,}–{max(sizes):,} neurons "
+            "each), one column per group: the attribution prior does not rank a group, "
+            "so the masks alone implicate one")
 
 
 def _prior_words(run: LocateRun) -> str:
@@ -512,7 +524,7 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, colum
 
     def measured(heads: list[int]) -> dict[str, Changes]:
         done = run_plan(folder, measure, [("baseline", [])] + [
-            (alone_key(columns[i]), [columns[i]]) for i in heads],
+            (alone_key(columns[i]), columns.members(i)) for i in heads],
             desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
         return {t: _alone_changes(done, heads, t, columns) for t in tasks}
 
@@ -611,8 +623,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         rows = used - spent  # the run as if it had stopped after `used` masks
         # --confirm: the heads the run measured alone stay what they were (refit measures
         # nothing); the screen's fit, and so each head's stability, follows the settings.
-        alone = [alone_key(h) for h in parse_components(run.confirm["heads"])] \
-            if run.confirm else []
+        alone = [alone_key(name) for name in run.confirm["heads"]] if run.confirm else []
         missing = [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
         if missing:
             raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "

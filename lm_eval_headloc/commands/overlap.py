@@ -37,7 +37,7 @@ from typing import Any
 
 from ..checks import UsageError, check_number
 from ..files import write_atomically
-from ..heads import read_heads_file
+from ..heads import read_heads_file, shown_name
 from .result import RunRecord, load_run
 from .runfolder import RunFolder, RunFolderError, strict_json
 
@@ -328,11 +328,13 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
     low, high = entry["shared_range"]
     shared = entry["shared"]
     lines = [f"## {task}", "", "| run | top-k | overlap rate |", "| --- | --- | --- |",
-             f"| A | {', '.join(a['top_k'])} | {_span(low / k_a, high / k_a)} |",
-             f"| B | {', '.join(b['top_k'])} | {_span(low / k_b, high / k_b)} |", "",
+             f"| A | {', '.join(map(shown_name, a['top_k']))} | "
+             f"{_span(low / k_a, high / k_a)} |",
+             f"| B | {', '.join(map(shown_name, b['top_k']))} | "
+             f"{_span(low / k_b, high / k_b)} |", "",
              (f"Shared ({len(shared)}): " if entry["well_defined"] else
               f"Shared {low}–{high} depending on how the ties are broken ({len(shared)} in "
-              "the files' order: ") + f"{', '.join(shared) if shared else 'none'}"
+              "the files' order: ") + f"{', '.join(map(shown_name, shared)) if shared else 'none'}"
              + ("" if entry["well_defined"] else ")")
              + f"; IoU {_span(_iou(low, k_a, k_b), _iou(high, k_a, k_b))}.", ""]
     notes = [f"{label} found nothing: {side['nothing_found']}."
@@ -365,7 +367,7 @@ def overlap_markdown(result: Mapping[str, Any]) -> str:
     for label in "ab":
         if result[f"only_in_{label}"]:
             lines.append(f"- Ranked only by {label.upper()} (not compared): "
-                         f"{', '.join(result[f'only_in_{label}'])}.")
+                         f"{', '.join(map(shown_name, result[f'only_in_{label}']))}.")
     lines += ["", "Overlap rate = |A ∩ B| / |A| (per run); IoU = |A ∩ B| / |A ∪ B|; the "
               "curve's share at k = |A_k ∩ B_k| / k.", ""]
     for task, entry in result["tasks"].items():

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..columns import Columns
-from ..heads import Component, Neuron
+from ..columns import Column, Columns, NeuronGroup, column_label
+from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
@@ -45,8 +45,12 @@ class HeadRanking:
             layers = max(1, len(self.effects) // self.heads_per_layer)
             self.columns = Columns.heads(layers, self.heads_per_layer)
 
-    def top(self, k: int) -> list[Component]:
+    def top(self, k: int) -> list[Column]:
         return [self.columns[i] for i in self.order[:k]]
+
+    def top_knocked_out(self, k: int) -> list[Component]:
+        """What knocking out the top ``k`` columns knocks out (a group: its neurons)."""
+        return [c for i in self.order[:k] for c in self.columns.members(i)]
 
     def effect(self, head: Component) -> float:
         return float(self.effects[self.columns.index(head)])
@@ -113,7 +117,13 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     }
 
 
-def _name_fields(component: Component) -> dict[str, Any]:
+def _name_fields(component: Column) -> dict[str, Any]:
+    if isinstance(component, NeuronGroup):
+        # Its name means something only in its run: the neurons travel with it, as one
+        # '+'-joined name that ablate_file= and verify read as one entry of the ranking.
+        return {"group": str(component), "layer": component.layer,
+                "group_in_layer": component.group, "size": len(component.neurons),
+                "neurons": format_heads(component.members)}
     if isinstance(component, Neuron):
         return {"neuron": str(component), "layer": component.layer,
                 "neuron_in_layer": component.neuron}
@@ -141,7 +151,7 @@ def heads_table(ranking: HeadRanking) -> str:
                      *(["selected", "effect_low", "effect_high"] if boot else [])])
     for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
         effect = ranking.effect(head)
-        kind = ["neuron" if isinstance(head, Neuron) else "head"] if neurons else []
+        kind = [_KIND[type(head)]] if neurons else []
         row = [rank, str(head), *kind, head.layer, head[1],
                f"{effect:.6g}" if np.isfinite(effect) else ""]
         if confirmed:
@@ -153,6 +163,10 @@ def heads_table(ranking: HeadRanking) -> str:
                     *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
         writer.writerow(row)
     return out.getvalue()
+
+
+#: heads.csv's kind column.
+_KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
 
 
 def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = ""
@@ -199,6 +213,8 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
     return fig
 
 
+_COLOUR = {Head: "tab:blue", Neuron: "tab:red", NeuronGroup: "tab:orange"}
+
 #: Components a top list shows (a run with neurons has no layers x heads picture).
 TOP_LIST = 30
 
@@ -213,16 +229,17 @@ def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
     positions = np.arange(len(shown))[::-1]
     for position, component, value, rank in zip(positions, shown, harms, range(len(shown)),
                                                  strict=True):
-        neuron = isinstance(component, Neuron)
-        ax.barh(position, value, color=("tab:red" if neuron else "tab:blue"),
+        ax.barh(position, value, color=_COLOUR[type(component)],
                 alpha=1.0 if rank < top_k else 0.45,
                 hatch="////" if str(component) in unstable else None, edgecolor="black",
                 linewidth=0.3)
-    ax.set_yticks(positions, [str(c) for c in shown], fontsize=7)
+    ax.set_yticks(positions, [column_label(c) for c in shown], fontsize=7)
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("harm on knockout (how much worse the score gets)")
     ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}\n"
-                 f"dark: top-{top_k}; red: MLP neurons, blue: heads", fontsize=9)
+                 f"dark: top-{top_k}; red: MLP neurons, blue: heads"
+                 + ("; orange: neuron groups" if ranking.columns.has_groups else ""),
+                 fontsize=9)
 
 
 def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
@@ -256,7 +273,8 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
         shown = "measured alone" if interval is None else (
             f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
         flag = "" if confidence["selected"] >= STABLE else " (unstable)"
-        lines.append(f"| {rank} | {head} | {ranking.effect(head):+.4f} | {shown} | "
+        lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
+                     f"{shown} | "
                      f"{confidence['selected']:.0%}{flag} |")
     return lines
 

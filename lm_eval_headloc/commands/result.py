@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..columns import Columns
-from ..heads import Neuron
+from ..heads import Head, Neuron
 from ..metrics import parse_task_metric
 from ..pilot import UNFITTED
 from ..prior import PRIOR_POINTS
@@ -220,11 +220,13 @@ class LocateRun(RunRecord):
     @property
     def columns(self) -> Columns:
         """The component of each design column: every head (a heads run, and every run
-        from before neurons), then the neuron candidates when the run locates neurons."""
+        from before neurons), then the neuron candidates when the run locates neurons,
+        then the groups of the other neurons (``--neuron-groups``)."""
         if not (isinstance(self.layers, int) and isinstance(self.heads_per_layer, int)):
             raise ValueError("columns need the model's geometry (the measuring phase)")
         return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
-                          self.candidates or ())
+                          self.candidates or (), self.spec.neuron_groups,
+                          self.neurons_per_layer)
 
     @property
     def uses_prior(self) -> bool:
@@ -312,15 +314,18 @@ def column_prior(priors: Mapping[str, Mapping[str, np.ndarray]], columns: Column
                  heads_per_layer: int, neurons_per_layer: int | None
                  ) -> dict[str, np.ndarray]:
     """Each task's estimates over a run's design columns, ``(points, columns)``: a head's
-    from the heads' estimates, a neuron's from the neurons'."""
+    from the heads' estimates, a neuron's from the neurons'. A neuron group has none of its
+    own (+inf: the prior ranks it after everything and leaves its penalty as it is): its
+    neurons are the ones the prior passed over, so the masks alone speak for it."""
     neuron = np.array([isinstance(c, Neuron) for c in columns], dtype=bool)
+    head = np.array([isinstance(c, Head) for c in columns], dtype=bool)
     flat = np.array([c.layer * ((neurons_per_layer or 0) if isinstance(c, Neuron)
                                 else heads_per_layer) + c[1] for c in columns], dtype=np.int64)
     out = {}
     for task, by_kind in priors.items():
         points = next(iter(by_kind.values())).shape[0]
-        values = np.empty((points, len(columns)), dtype=np.float64)
-        for kind, where in (("heads", ~neuron), ("neurons", neuron)):
+        values = np.full((points, len(columns)), np.inf, dtype=np.float64)
+        for kind, where in (("heads", head), ("neurons", neuron)):
             if where.any():
                 values[:, where] = by_kind[kind][:, flat[where]]
         out[task] = values

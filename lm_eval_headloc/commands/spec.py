@@ -204,6 +204,11 @@ class RunSpec:
                 "column in the design (auto: as many as the model has heads, so the "
                 "default budget covers them as it covers the heads)",
         parse=parse_candidates, metavar="C")
+    neuron_groups: int = _option(
+        0, "with neurons: also cut each layer's neurons outside the candidates into G "
+           "groups, one design column each (a mask knocks out the whole group), so a "
+           "neuron the prior passed over still shows, through its group (0: none)",
+        parse=int, metavar="G", whole=True, min_val=0)
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     # --masks and --confirm: the default budget's split (confirm.budget_split).
     masks: int | str = _option(
@@ -368,6 +373,9 @@ class RunSpec:
         parse_sparsity(self.sparsity)
         parse_candidates(self.candidates)
         parse_examples_part(self.examples_part)
+        if self.neuron_groups and "neurons" not in self.components:
+            raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
+                             "neurons; add --components neurons or heads+neurons")
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
@@ -459,13 +467,13 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "exa
               "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "locate": _MEASURING + ("components", "candidates", "design", "design_seed", "masks",
-                            "max_masks", "sparsity", "prior", "confirm", "alpha",
-                            "bootstrap"),
+    "locate": _MEASURING + ("components", "candidates", "neuron_groups", "design",
+                            "design_seed", "masks", "max_masks", "sparsity", "prior",
+                            "confirm", "alpha", "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
-    "sweep": _MEASURING + ("components", "candidates", "design", "design_seed", "prior",
-                           "confirm", "alpha", "bootstrap"),
+    "sweep": _MEASURING + ("components", "candidates", "neuron_groups", "design",
+                           "design_seed", "prior", "confirm", "alpha", "bootstrap"),
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
     "verify": ("top_k", "general", "limit", "random_draws", "batch_size", "workers",
                "ray_address", "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code",

@@ -59,7 +59,9 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                               measure=measure)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
-            check = run_plan(folder, measure, [(key, top)], desc=f"check {name}",
+            check = run_plan(folder, measure,
+                             [(key, rankings[task].top_knocked_out(spec.top_k))],
+                             desc=f"check {name}",
                              progress=False)[key]
             score = check["scores"][task]
             results.append({

@@ -18,7 +18,15 @@ import numpy as np
 
 from ..checks import UsageError
 from ..geometry import Geometry
-from ..heads import Head, Neuron, component_key, names_neurons, parse_components, read_heads_file
+from ..heads import (
+    Head,
+    Neuron,
+    component_key,
+    names_neurons,
+    parse_components,
+    read_heads_file,
+    shown_name,
+)
 from .engine import PlanEntry, is_embedded, measured_plan, prepare
 from .report import relative_drop
 from .result import load_run
@@ -311,7 +319,8 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                       + "".join(f" {g} |" for g in general),
                       "| --- | --- | --- | --- | --- |" + " --- |" * len(general)]
             for row in rows:
-                lines.append(f"| {row['k']} | {'+'.join(row['heads'])} | {row['score']:.4f} | "
+                lines.append(f"| {row['k']} | {'+'.join(map(shown_name, row['heads']))} | "
+                             f"{row['score']:.4f} | "
                              f"{percent(row['task_drop'])} | {percent(row['gen_drop'])} |"
                              + "".join(f" {row['general_scores'][g]:.4f} |" for g in general))
         else:  # erase and the run's scale side by side
@@ -322,7 +331,7 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
             for row in rows:
                 cells = "".join(f" {e['score']:.4f} | {percent(e['task_drop'])} | "
                                 f"{percent(e['gen_drop'])} |" for e in (row["erase"], row))
-                lines.append(f"| {row['k']} | {'+'.join(row['heads'])} |{cells}")
+                lines.append(f"| {row['k']} | {'+'.join(map(shown_name, row['heads']))} |{cells}")
         lines.append("")
     lines.append("Drops are relative to the baseline (positive = worse; n/a where the "
                  "baseline is 0); Gen is the mean over the general tasks: "
