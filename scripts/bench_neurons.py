@@ -13,7 +13,10 @@ Per task, on two disjoint halves of its documents (``--examples-part 1/2`` and `
 - ``eval``: each method's half-1 top-k knocked out together on half 2's examples (held
   out), next to ``DRAWS`` random sets of the same size and kind: at equal counts (k = 1, 5)
   and at an equal share of the parameters (one head's share is ``neurons_per_head``
-  neurons: k = 1 and 3 heads).
+  neurons: k = 1 and 3 heads);
+- ``groups-p1``: ``neurons-p1`` with ``--neuron-groups GROUPS`` (the same prior, so the same
+  candidates, and every other neuron in a group column): does a group the prior passed over
+  matter, and does the top-k change?
 
 Runs live under ``benchmarks/neurons/`` and resume when the script is rerun (each is a run
 folder of the product's). Nothing here is tuned: the defaults, as a user gets them.
@@ -58,6 +61,7 @@ DRAWS = 5
 EQUAL_COUNTS = (1, 5)
 EQUAL_SHARE_HEADS = (1, 3)
 CNL_KEEP = 400  # neurons of the attribution ranking kept on disk
+GROUPS = 4  # --neuron-groups of the groups run: 120 groups of ~380 neurons on the embedded model
 COMMAND = "python scripts/bench_neurons.py"
 
 
@@ -173,6 +177,29 @@ def evaluate(runs: Path, base: RunSpec, task: str, sets: list[dict[str, Any]]
                 "metric": base_record["metrics"][task], "sets": sets}
 
 
+def group_findings(runs: Path, base: RunSpec, task: str, k: int = 5) -> dict[str, Any]:
+    """``neurons-p1`` again with ``--neuron-groups GROUPS``: every group the run measured
+    alone (its measured change), the groups in its top-k, and its top-k next to the plain
+    run's (the candidates are the same: the same prior on the same examples)."""
+    out = runs / task / "groups-p1"
+    locate(out, _spec(base, task, 1, components="neurons", neuron_groups=GROUPS))
+    ranking = json.loads((out / f"heads-{task}.json").read_text())
+    plain = json.loads((runs / task / "neurons-p1" / f"heads-{task}.json").read_text())
+    entries = ranking["heads"]
+    groups = [e for e in entries if "group" in e]
+    top = [e.get("group", e.get("neuron")) for e in entries[:k]]
+    plain_top = [e["neuron"] for e in plain["heads"][:k]]
+    return {"neuron_groups": GROUPS, "groups": len(groups),
+            "group_sizes": [min(e["size"] for e in groups), max(e["size"] for e in groups)],
+            "baseline": ranking["baseline"],
+            "measured_alone": [{"group": e["group"], "size": e["size"], "rank": e["rank"],
+                                "change": e["effect"]}
+                               for e in groups if e.get("measured_alone")],
+            "implicated": [g for g in ranking.get("implicated", []) if "G" in g],
+            "top_k": top, "plain_top_k": plain_top,
+            "shared_top_k": len(set(top) & set(plain_top))}
+
+
 def overlaps(ranked: Mapping[str, Mapping[int, list[str]]], k: int) -> dict[str, float]:
     """Per method: |A ∩ B| / k of the two halves' top-k (both sets have k members, so this
     is either half's overlap rate) and the IoU |A ∩ B| / |A ∪ B|."""
@@ -228,8 +255,33 @@ def render(results: Mapping[str, Any], per_head: int, model: str) -> str:
         for method, rates in result["overlap"].items():
             lines.append(f"| {method} | {rates['overlap']:.0%} | {rates['iou']:.0%} |")
         lines.append("")
+    lines += group_section(results)
     lines += ["Methods: " + "; ".join(f"**{k}**: {v}" for k, v in METHODS.items()) + ".", ""]
     return "\n".join(lines)
+
+
+def group_section(results: Mapping[str, Any]) -> list[str]:
+    """What ``--neuron-groups`` found: the groups measured alone and the top-5, per task."""
+    found = {task: r["neuron_groups"] for task, r in results.items() if "neuron_groups" in r}
+    if not found:
+        return []
+    first = next(iter(found.values()))
+    lines = ["## Neuron groups: what the candidates miss", "",
+             f"`neurons-p1` again with `--neuron-groups {first['neuron_groups']}` (half 1, the "
+             "same prior and so the same candidates; every other neuron in one of "
+             f"{first['groups']} groups of {first['group_sizes'][0]}–"
+             f"{first['group_sizes'][1]} neurons, one design column each). A group measured "
+             "alone was implicated by the masks' fit (a group has no prior); its change is "
+             "measured on half 1's examples.", "",
+             "| task | groups measured alone (change) | groups the fit implicates, not "
+             "measured | top-5 | shared with the plain run's top-5 |",
+             "| --- | --- | --- | --- | --- |"]
+    for task, entry in found.items():
+        alone = ", ".join(f"{g['group']} ({g['size']}: {g['change']:+.3f})"
+                          for g in entry["measured_alone"]) or "none"
+        lines.append(f"| {task} | {alone} | {', '.join(entry['implicated']) or 'none'} | "
+                     f"{', '.join(entry['top_k'])} | {entry['shared_top_k']}/5 |")
+    return lines + [""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ranked = rankings(runs, base, task)
         result = evaluate(runs, base, task, evaluation_sets(ranked, per_head))
         result["overlap"] = overlaps(ranked, 5)
+        result["neuron_groups"] = group_findings(runs, base, task)
         write_atomically(saved, lambda partial, r=result: partial.write_text(
             json.dumps(r, indent=1)))
         results[task] = result
