@@ -39,7 +39,8 @@ def last_error(capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL) -> float:
+def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL,
+              scale: float = 0.0) -> float:
     """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
     import lm_eval
 
@@ -47,7 +48,7 @@ def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL) -> flo
     from lm_eval_headloc.tasks import make_task_manager
 
     lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
-                        ablate=ablate or None)
+                        ablate=ablate or None, scale=scale)
     results = lm_eval.simple_evaluate(model=lm, tasks=[task],
                                       task_manager=make_task_manager([TASKS]))
     return results["results"][task][metric]
@@ -146,6 +147,33 @@ def test_verify_draws_random_neurons_of_the_located_count(tiny_model_dir, verifi
         pytest.approx(_evaluate(tiny_model_dir("llama"), "+".join(sets[0]), "tiny_copy_ppl"))
 
 
+def test_verify_enhances_and_erases_neurons(tiny_model_dir, tmp_path):
+    """verify --scale 2 of a neuron run: CNL's enhance (the neurons doubled) next to erase,
+    each against lm-eval's own evaluation of a separate hf-headablate model."""
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy_ppl", NEURONS,
+                       seed=3)
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "2", "--general", "tiny_copy",
+                   "--random-draws", "1", "--scale", "2", "--out", str(out)) == 0
+    table, measured = json.loads((out / "verify.json").read_text()), records(out)
+    task, model = "tiny_copy_ppl", tiny_model_dir("llama")
+    assert measured[f"{task}-top2"]["mask"] == "L0N3+L1N5"
+    assert measured[f"{task}-top2"].get("scale") is None  # the run's --scale: 2
+    assert measured[f"{task}-top2-erase"]["scale"] == 0.0
+    row = table["rows"][task][1]
+    assert row["score"] == pytest.approx(_evaluate(model, "L1N5+L0N3", task, scale=2.0))
+    assert row["erase"]["score"] == pytest.approx(_evaluate(model, "L1N5+L0N3", task))
+    assert row["score"] != pytest.approx(row["erase"]["score"])
+    random = table["random"][task]
+    assert [a["name"] for a in random["ablations"]] == ["erase", "enhance"]
+    drawn = random["sets"][0]
+    assert _kinds(drawn) == (0, 2) and not set(drawn) & {"L1N5", "L0N3"}
+    enhance = random["ablations"][1]["draws"][0]["score"]
+    assert enhance == pytest.approx(_evaluate(model, "+".join(drawn), task, scale=2.0))
+    assert "## Against random MLP neurons: 1 sets of 2 per task (seed 3)" in \
+        (out / "verify.md").read_text()
+
+
 def test_verify_of_a_mixed_run_draws_the_same_mix(tiny_model_dir, tmp_path):
     run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy", MIXED)
     out = tmp_path / "verify"
@@ -211,6 +239,23 @@ def test_cross_of_a_neuron_run_and_a_head_run(tiny_model_dir, tmp_path):
     assert "each run's top-2 components per task" in text
     assert "| set knocked out | components | tiny_copy_ppl | tiny_rolling |" in text
     assert "| L1N5+L0N3 |" in text
+
+
+def test_cross_enhances_a_neuron_set(tiny_model_dir, tmp_path):
+    model = tiny_model_dir("llama")
+    run = finished_run(tmp_path / "neurons", model, "tiny_copy_ppl", NEURONS)
+    out = tmp_path / "cross"
+    assert harness("cross", str(run), "--top-k", "2", "--scale", "2", "--tasks",
+                   "tiny_copy_ppl,tiny_rolling", "--num-samples", "12",
+                   "--out", str(out)) == 0
+    table = json.loads((out / "cross.json").read_text())
+    erase, enhance = table["ablations"]
+    assert (erase["name"], enhance["name"], enhance["scale"]) == ("erase", "enhance", 2.0)
+    label = f"{run}:tiny_copy_ppl"
+    assert enhance["scores"][label]["tiny_rolling"] == pytest.approx(
+        _evaluate(model, "L1N5+L0N3", "tiny_rolling", "word_perplexity,none", scale=2.0))
+    assert erase["scores"][label]["tiny_copy_ppl"] == pytest.approx(
+        _evaluate(model, "L1N5+L0N3", "tiny_copy_ppl"))
 
 
 def test_cross_refuses_a_neuron_outside_the_model_before_loading(tiny_model_dir, tmp_path,
