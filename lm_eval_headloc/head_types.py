@@ -1,0 +1,314 @@
+"""Which known kind of attention head each head is, read off its attention pattern.
+
+Four scores name most of the heads interpretability work talks about, each the mean
+attention weight a head puts on one target key per query, as TransformerLens's head
+detector computes them (``transformer_lens.head_detector``):
+
+- ``previous_token``: from each query position ``i >= 1`` to ``i - 1``;
+- ``duplicate_token``: from each position whose token appeared earlier to the most recent
+  earlier position ``j`` holding the same token;
+- ``induction``: from the same positions to ``j + 1``, the token that followed the earlier
+  copy (Olsson et al. 2022, "In-context learning and induction heads"), counted only where
+  ``j + 1 < i`` (with ``j + 1 == i`` the target is the query itself);
+- ``attention_sink``: from each query position ``i >= 1`` to the sequence's first position,
+  where many heads park attention they do not need (Xiao et al. 2023, "Efficient streaming
+  language models with attention sinks").
+
+The usual probe (``repeated_probe``) is ``L`` distinct random tokens repeated twice,
+optionally after one first token (a BOS): there the duplicate target of position ``i`` of
+the second copy is ``i - L`` and its induction target ``i - L + 1``. Any other batch is
+scored the same way from its own repeated tokens, so the run's own examples can be scored
+too. Positions an ``attention_mask`` marks as padding are dropped before anything is
+counted (position 0 means the first real token, with left padding too), and the means pool
+every counted (sequence, query) pair of the batch. A batch with no repeated token has no
+duplicate or induction measurement: those scores are NaN, never 0.
+
+``dominant_type`` turns the scores into a label per head, or None where no kind stands out
+from the model's typical head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "HEAD_TYPES",
+           "MAD_TO_SD", "PROBE_FIRST_ID", "attention_patterns", "dominant_type",
+           "encode_texts", "head_type_scores", "repeated_probe", "type_scores_from_patterns",
+           "type_thresholds"]
+
+#: The scores, in the order every result lists them.
+HEAD_TYPES: tuple[str, ...] = ("previous_token", "duplicate_token", "induction",
+                               "attention_sink")
+
+#: ``repeated_probe`` draws ids from ``PROBE_FIRST_ID`` up to the vocabulary's last id,
+#: excluded: most tokenizers put their special tokens at the lowest ids (SmolLM2's are
+#: 0-16) or at the very end (GPT-2's ``<|endoftext|>``).
+PROBE_FIRST_ID = 20
+
+#: ``dominant_type``'s rule: a head is of a type when its score exceeds
+#: ``max(median + max(DOMINANT_MADS * MAD_TO_SD * MAD, DOMINANT_MIN_MARGIN), DOMINANT_FLOOR)``
+#: over all of the model's heads (see ``type_thresholds``).
+DOMINANT_MADS = 3.0
+#: Scales a median absolute deviation to a standard deviation for normal data.
+MAD_TO_SD = 1.4826
+#: The least a score must exceed the median by, so that a MAD of ~0 (most heads alike)
+#: does not make a hair above the median count.
+DOMINANT_MIN_MARGIN = 0.1
+#: The least score that can name a head, so that nothing is labelled on a model whose
+#: heads are all near 0 for a type.
+DOMINANT_FLOOR = 0.3
+
+
+def repeated_probe(vocab_size: int, length: int = 32, batch: int = 4, seed: int = 0,
+                   first_token: int | None = None) -> torch.Tensor:
+    """``batch`` rows of ``length`` distinct random token ids repeated twice, shape
+    ``(batch, 2 * length)``, or ``(batch, 2 * length + 1)`` with ``first_token``
+    (e.g. the tokenizer's BOS) in front.
+
+    Ids come from ``[PROBE_FIRST_ID, vocab_size - 1)`` minus ``first_token``, drawn
+    without replacement within a row: with no repeat inside a copy, every position of the
+    second copy has exactly one earlier duplicate, ``length`` positions back (TransformerLens
+    draws with replacement, which lets a chance repeat move the duplicate target). The same
+    ``seed`` gives the same probe.
+    """
+    ids = np.arange(PROBE_FIRST_ID, vocab_size - 1)
+    if first_token is not None:
+        ids = ids[ids != first_token]
+    if length < 1 or batch < 1:
+        raise ValueError(f"length and batch must be positive, got {length} and {batch}")
+    if length > ids.size:
+        raise ValueError(f"a probe of {length} distinct tokens needs a vocabulary of at least "
+                         f"{length + PROBE_FIRST_ID + 2} ids, got {vocab_size}")
+    rng = np.random.default_rng(seed)
+    half = np.stack([rng.choice(ids, size=length, replace=False) for _ in range(batch)])
+    rows = np.concatenate([half, half], axis=1)
+    if first_token is not None:
+        rows = np.concatenate([np.full((batch, 1), first_token), rows], axis=1)
+    return torch.as_tensor(rows, dtype=torch.long)
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``texts`` tokenized (special tokens as the tokenizer adds them) and right-padded
+    into ``(input_ids, attention_mask)``. Right padding keeps each text's positions what
+    they are unpadded; the pad id is the tokenizer's (its EOS, or 0, where it has none),
+    and the mask, not the id, is what marks padding."""
+    rows = [list(tokenizer(text)["input_ids"]) for text in texts]
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None),
+               0)
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        mask[b, :len(row)] = 1
+    return ids, mask
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _targets(input_ids: Any, attention_mask: Any | None
+             ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """For each type, the (sequence, query, key) positions whose attention it averages,
+    as three index arrays into the padded batch."""
+    ids = np.asarray(input_ids.cpu() if isinstance(input_ids, torch.Tensor) else input_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, positions), got shape {ids.shape}")
+    mask = (np.ones(ids.shape, dtype=bool) if attention_mask is None else
+            np.asarray(attention_mask.cpu() if isinstance(attention_mask, torch.Tensor)
+                       else attention_mask).astype(bool))
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask's shape {mask.shape} is not input_ids' {ids.shape}")
+    found: dict[str, list[tuple[int, int, int]]] = {name: [] for name in HEAD_TYPES}
+    for b in range(ids.shape[0]):
+        real = np.flatnonzero(mask[b])  # padding dropped: real[0] is the first token
+        last_seen: dict[int, int] = {}
+        for r, i in enumerate(real):
+            i = int(i)
+            if r >= 1:
+                found["previous_token"].append((b, i, int(real[r - 1])))
+                found["attention_sink"].append((b, i, int(real[0])))
+            token = int(ids[b, i])
+            if token in last_seen:
+                j = last_seen[token]  # position index into real
+                found["duplicate_token"].append((b, i, int(real[j])))
+                if j + 1 < r:
+                    found["induction"].append((b, i, int(real[j + 1])))
+            last_seen[token] = r
+    columns = {name: np.asarray(triples, dtype=np.int64).reshape(-1, 3)
+               for name, triples in found.items()}
+    return {name: (c[:, 0], c[:, 1], c[:, 2]) for name, c in columns.items()}
+
+
+def _sums(patterns: Sequence[Any], input_ids: Any, attention_mask: Any | None
+          ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Each type's attention summed over its targets, ``(layers, heads)``, and how many
+    targets there were: what pools across batches."""
+    targets = _targets(input_ids, attention_mask)
+    sums: dict[str, list[np.ndarray]] = {name: [] for name in HEAD_TYPES}
+    for layer in patterns:
+        weights = _as_numpy(layer)  # one layer at a time: the whole model may not fit
+        if weights.ndim != 4 or weights.shape[0] != len(input_ids) or \
+                weights.shape[2:] != (np.shape(input_ids)[1],) * 2:
+            raise ValueError(f"a layer's pattern must be (batch, heads, query, key) = "
+                             f"({len(input_ids)}, H, {np.shape(input_ids)[1]}, "
+                             f"{np.shape(input_ids)[1]}), got {weights.shape}")
+        for name, (b, q, k) in targets.items():
+            # Advanced indices around a slice: the picked weights come out (targets, heads).
+            sums[name].append(weights[b, :, q, k].sum(axis=0))
+    return ({name: np.stack(rows) for name, rows in sums.items()},
+            {name: int(targets[name][0].size) for name in HEAD_TYPES})
+
+
+def _means(sums: Mapping[str, np.ndarray], counts: Mapping[str, int]) -> dict[str, np.ndarray]:
+    # No target at all (no repeats; one-token sequences) is no measurement: NaN, not 0.
+    return {name: (sums[name] / counts[name] if counts[name] else
+                   np.full(sums[name].shape, np.nan)) for name in HEAD_TYPES}
+
+
+def type_scores_from_patterns(patterns: Sequence[Any], input_ids: Any,
+                              attention_mask: Any | None = None) -> dict[str, np.ndarray]:
+    """Every head's four scores from its attention weights.
+
+    ``patterns`` holds one ``(batch, heads, query, key)`` tensor or array per layer, over
+    the whole of ``input_ids`` (``(batch, positions)``); ``attention_mask`` (1 for real
+    tokens) drops padding wherever it is. Returns ``HEAD_TYPES`` -> ``(layers, heads)``
+    float array: the mean weight on each type's target over every counted (sequence,
+    query) pair of the batch, NaN for a type with none (see the module docstring).
+    """
+    return _means(*_sums(patterns, input_ids, attention_mask))
+
+
+def _pretrained(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost Hugging Face model inside ``model`` (``model`` itself unless it is a
+    wrapper such as a PEFT model), which owns the attention implementation setting."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _set_attention(inner: torch.nn.Module, implementation: str) -> None:
+    if hasattr(inner, "set_attn_implementation"):  # transformers >= 4.48 or so
+        inner.set_attn_implementation(implementation)
+    else:
+        inner.config._attn_implementation = implementation
+
+
+def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Every layer's attention weights, ``(batch, heads, query, key)``, from one forward
+    pass with ``output_attentions=True``, in eval mode (attention dropout would blur them)
+    and without gradients.
+
+    sdpa and flash attention never materialise the weights (transformers 5 then returns no
+    attentions at all, with only a logged warning), so the pass runs on eager attention and
+    the model's own implementation is put back afterwards. ``model`` may wrap a Hugging Face
+    model (a PEFT model, say); any module whose forward takes ``input_ids``,
+    ``attention_mask`` and ``output_attentions`` and returns ``.attentions`` will do.
+    Raises RuntimeError, naming the model, when the weights still do not come back.
+    """
+    inner = _pretrained(model)
+    before = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    device = next(model.parameters(), input_ids).device
+    training = model.training
+    try:
+        if inner is not None and before != "eager":
+            _set_attention(inner, "eager")
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=input_ids.to(device),
+                        attention_mask=None if attention_mask is None else
+                        attention_mask.to(device),
+                        output_attentions=True)
+    finally:
+        model.train(training)
+        if inner is not None and before is not None and before != "eager":
+            _set_attention(inner, before)
+    attentions = getattr(out, "attentions", None)
+    if not attentions or any(a is None for a in attentions):
+        config = getattr(inner or model, "config", None)
+        name = getattr(config, "name_or_path", None) or type(inner or model).__name__
+        raise RuntimeError(f"{name} returned no attention weights with output_attentions=True "
+                           f"(attention implementation {before!r}, eager tried): its "
+                           f"heads' types cannot be read")
+    return [a.detach() for a in attentions]
+
+
+def head_type_scores(model: torch.nn.Module, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None,
+                     batch_size: int | None = None) -> dict[str, np.ndarray]:
+    """``type_scores_from_patterns`` on ``model``'s own patterns for ``input_ids``, in
+    forward passes of ``batch_size`` rows (all at once by default); the means pool every
+    counted query of every row, as one pass would."""
+    step = batch_size or len(input_ids)
+    total: dict[str, np.ndarray] = {}
+    counts = dict.fromkeys(HEAD_TYPES, 0)
+    for start in range(0, len(input_ids), step):
+        ids = input_ids[start:start + step]
+        mask = None if attention_mask is None else attention_mask[start:start + step]
+        sums, n = _sums(attention_patterns(model, ids, mask), ids, mask)
+        for name in HEAD_TYPES:
+            total[name] = total[name] + sums[name] if name in total else sums[name]
+            counts[name] += n[name]
+    return _means(total, counts)
+
+
+def type_thresholds(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,
+                    min_margin: float = DOMINANT_MIN_MARGIN,
+                    floor: float = DOMINANT_FLOOR) -> dict[str, float]:
+    """Each type's threshold over all of the model's heads:
+    ``max(median + max(mads * MAD_TO_SD * MAD, min_margin), floor)``, with the median and
+    the median absolute deviation (MAD) taken over the heads' finite scores; NaN for a type
+    with none."""
+    thresholds = {}
+    for name, values in scores.items():
+        finite = np.asarray(values, dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        if not finite.size:
+            thresholds[name] = float("nan")
+            continue
+        median = float(np.median(finite))
+        mad = float(np.median(np.abs(finite - median)))
+        thresholds[name] = max(median + max(mads * MAD_TO_SD * mad, min_margin), floor)
+    return thresholds
+
+
+def dominant_type(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,
+                  min_margin: float = DOMINANT_MIN_MARGIN,
+                  floor: float = DOMINANT_FLOOR) -> list[list[str | None]]:
+    """Each head's type, ``[layer][head]``: the type whose score is clearly above the
+    model's typical head, or None.
+
+    A head qualifies for a type when its score is strictly above the type's threshold,
+    ``max(median + max(mads * 1.4826 * MAD, min_margin), floor)`` over all heads
+    (``type_thresholds``): a robust number of standard deviations above the typical head,
+    at least ``min_margin`` above it, and never below ``floor``. A head that qualifies for
+    several types takes the one with the largest ``score / threshold``; an exact tie
+    (to 1e-9) between the best two is None, as is a head that qualifies for none. NaN
+    scores never qualify.
+    """
+    thresholds = type_thresholds(scores, mads, min_margin, floor)
+    grids = {name: np.asarray(values, dtype=np.float64) for name, values in scores.items()}
+    shape = next(iter(grids.values())).shape
+    labels: list[list[str | None]] = []
+    for layer in range(shape[0]):
+        row: list[str | None] = []
+        for head in range(shape[1]):
+            ratios = sorted(((grids[name][layer, head] / thresholds[name], name)
+                             for name in grids
+                             if grids[name][layer, head] > thresholds[name]),  # NaN: False
+                            reverse=True)
+            if not ratios or (len(ratios) > 1 and np.isclose(ratios[0][0], ratios[1][0],
+                                                             rtol=1e-9, atol=0.0)):
+                row.append(None)
+            else:
+                row.append(ratios[0][1])
+        labels.append(row)
+    return labels
