@@ -281,6 +281,14 @@ def group_section(results: Mapping[str, Any]) -> list[str]:
                           for g in entry["measured_alone"]) or "none"
         lines.append(f"| {task} | {alone} | {', '.join(entry['implicated']) or 'none'} | "
                      f"{', '.join(entry['top_k'])} | {entry['shared_top_k']}/5 |")
+    measured = [g for entry in found.values() for g in entry["measured_alone"]]
+    moved = [g for g in measured if g["change"]]
+    in_top = sum(any("G" in c for c in e["top_k"]) for e in found.values())
+    lines += ["", f"Groups measured alone: {len(measured)}, of which {len(moved)} changed "
+              "their task's score"
+              + (": " + ", ".join(f"{g['group']} {g['change']:+.3f}" for g in moved)
+                 if moved else "")
+              + f". Tasks with a group in their top-5: {in_top} of {len(found)}."]
     return lines + [""]
 
 
