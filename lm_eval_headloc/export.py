@@ -1,0 +1,492 @@
+"""Export a run's head ranking for the Mechanistic Interpretability Benchmark (MIB).
+
+``write_mib`` turns one task's ``heads-<task>.json`` of a ``locate`` or ``greedy`` run into
+a node-level importance file of MIB's circuit-localization track (``MIB_FORMAT_VERSION``),
+so the run's heads can be scored by MIB's own evaluator (``run_evaluation.py --level
+node``) or submitted to its leaderboard. ``read_mib`` and ``check_mib`` read and check any
+file of that format (ours or MIB's).
+
+The format, as read in MIB's own code (hannamw/MIB-circuit-track at commit
+b759df34433c, whose EAP-IG submodule is hannamw/EAP-IG at commit 7af394a5662d;
+``src/eap/graph.py``: ``Graph.from_model``, ``Graph.to_json``, ``Graph.from_json``,
+``Graph.apply_topn``; ``MIB_circuit_track/evaluation.py``; the README's "Submitting to the
+MIB Leaderboard"):
+
+- a JSON object with ``cfg`` (``n_layers``, ``n_heads``, ``d_model``,
+  ``parallel_attn_mlp``: ``Graph.from_json`` builds the model's whole graph from these and
+  needs all four), ``nodes`` and ``edges``;
+- ``nodes``: node name -> ``{"in_graph": bool, "score": float}``. Names: ``input``,
+  ``a{layer}.h{head}`` (attention head, zero-based), ``m{layer}`` (the layer's MLP),
+  ``logits``. A node without ``score`` is unscored: node-level evaluation keeps it in every
+  circuit. ``logits`` is skipped by the loader. (A node may also carry ``neurons`` /
+  ``neurons_scores``, ``d_model`` long: MIB's neuron level scores the output dimensions of
+  a head or an MLP, not an MLP's hidden neurons.);
+- ``edges``: edge name (``parent->child``, ``parent->a{l}.h{h}<q|k|v>`` into a head) ->
+  ``{"score": float, "in_graph": bool}``; each must be an edge of the graph. Node-level
+  evaluation (``apply_topn(level="node")``) ranks the node scores and derives the edges
+  from the chosen nodes, so a node-level file may leave ``edges`` empty;
+- ranking: ``apply_topn`` keeps the top n nodes by score, highest first — signed for MIB's
+  CPR (``--absolute`` off), by absolute value for its CMD — so a larger score means a more
+  important node. MIB's own node scores (EAP's, exact patching's) are the task loss with the
+  node patched minus the clean loss: positive when the node helps the task;
+- a leaderboard submission is one folder per task and model, ``<task>_<model>`` with the
+  task hyphenated (``ioi_gpt2``, ``arc-easy_llama3``: ``MIB_CELLS``), holding one
+  importance file (``importances.json``, as ``run_attribution.py`` names it).
+
+What the export writes: every node of the model's graph, in ``Graph.from_model``'s order.
+A head's ``score`` is the task score's fall when the head is knocked out, in the metric's
+units (``-effect`` where higher is better, ``effect`` where lower is better): positive =
+the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
+estimate, as the run's ranking says. A head with no effect (``null``), excluded, or missing
+from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads run never
+knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
+is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
+is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
+task, the sign and what was left unscored; MIB's loader ignores it, and it marks the file
+as ours: an existing file without it is never overwritten.
+
+MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
+neurons is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .files import write_atomically
+from .heads import Head, HeadSpecError, parse_heads
+
+__all__ = ["MARKER", "MIB_CELLS", "MIB_FORMAT_VERSION", "MIB_MODELS", "ExportError",
+           "MibFormatError", "check_mib", "is_mib_edge", "mib_graph", "mib_node_names",
+           "read_mib", "write_mib"]
+
+#: The format followed: MIB's circuit-localization track, node-level importance JSON as
+#: EAP-IG's ``Graph.to_json`` writes it and ``Graph.from_json`` reads it, at these commits.
+MIB_FORMAT_VERSION = ("mib-circuit-track node importances JSON "
+                      "(hannamw/MIB-circuit-track@b759df34433c, hannamw/EAP-IG@7af394a5662d)")
+
+#: The key of our record in an exported file (ignored by MIB's loader).
+MARKER = "headloc_export"
+_MADE_BY = "lm-eval-headloc"
+
+#: MIB's models: ``(n_layers, n_heads, d_model)`` of the graph its evaluator builds
+#: (query heads: it ungroups grouped-query attention). Layers and heads agree with the
+#: edge counts MIB's evaluation backend lists (gpt2 32491, qwen2.5 179749, gemma2 74218,
+#: llama3 1592881); d_model is gpt2's in MIB's example circuit and the others' configs'.
+MIB_MODELS: dict[str, tuple[int, int, int]] = {
+    "gpt2": (12, 12, 768), "qwen2.5": (24, 14, 896), "gemma2": (26, 8, 2304),
+    "llama3": (32, 32, 4096)}
+
+#: The leaderboard's task/model folders (MIB_circuit_track/utils.py's COL_MAPPING).
+MIB_CELLS: frozenset[str] = frozenset({
+    "ioi_gpt2", "ioi_qwen2.5", "ioi_gemma2", "ioi_llama3", "mcqa_qwen2.5", "mcqa_gemma2",
+    "mcqa_llama3", "arithmetic-addition_llama3", "arithmetic-subtraction_llama3",
+    "arc-easy_gemma2", "arc-easy_llama3", "arc-challenge_llama3"})
+
+_SCORE = ("the task score's fall when the head is knocked out, in the metric's units "
+          "(-effect where higher is better, +effect where lower is better): positive = the "
+          "head helps the task, as MIB's own node scores")
+_COMMANDS = ("locate", "greedy")
+_CFG_INTS = ("n_layers", "n_heads", "d_model")
+_NUMBER = re.compile(r"0|[1-9][0-9]*")  # MIB's node names have no leading zeros
+_HEAD_NODE = re.compile(rf"a({_NUMBER.pattern})\.h({_NUMBER.pattern})")
+_MLP_NODE = re.compile(rf"m({_NUMBER.pattern})")
+_EDGE = re.compile(r"(?P<parent>[^<>]+?)->(?P<child>[^<>]+?)(?:<(?P<qkv>[qkv])>)?")
+
+
+class ExportError(UserError):
+    """A run or an output path that cannot be exported (reported in one line)."""
+
+
+class MibFormatError(ExportError):
+    """A file or object that MIB's loader would not read as this format."""
+
+
+# --- the graph ---------------------------------------------------------------------------
+
+def mib_node_names(n_layers: int, n_heads: int) -> list[str]:
+    """Every node of MIB's graph of a model, in ``Graph.from_model``'s order: ``input``,
+    then per layer its heads ``a{l}.h{h}`` and its MLP ``m{l}``, then ``logits``."""
+    names = ["input"]
+    for layer in range(n_layers):
+        names += [f"a{layer}.h{head}" for head in range(n_heads)]
+        names.append(f"m{layer}")
+    return [*names, "logits"]
+
+
+def _stage(node: str, n_layers: int, n_heads: int, parallel: bool) -> tuple[str, int] | None:
+    """A node's kind and its place in the forward pass (a parent writes into every later
+    place), or None if the graph has no such node. In sequence, layer l's heads read the
+    residual stream before its MLP, which also reads them; in parallel both read the same
+    stream."""
+    if node == "input":
+        return "input", -1
+    if node == "logits":
+        return "logits", 2 * n_layers
+    if (match := _HEAD_NODE.fullmatch(node)) is not None:
+        layer, head = int(match.group(1)), int(match.group(2))
+        if layer < n_layers and head < n_heads:
+            return "head", layer if parallel else 2 * layer
+    elif (match := _MLP_NODE.fullmatch(node)) is not None:
+        layer = int(match.group(1))
+        if layer < n_layers:
+            return "mlp", layer if parallel else 2 * layer + 1
+    return None
+
+
+def is_mib_edge(name: str, n_layers: int, n_heads: int, parallel_attn_mlp: bool = False
+                ) -> bool:
+    """Whether ``name`` is an edge of MIB's graph of the model (``Graph.from_model``): every
+    node writes into every later head (once per input, ``<q>``, ``<k>``, ``<v>``), MLP and
+    the logits."""
+    match = _EDGE.fullmatch(name)
+    if match is None:
+        return False
+    parent = _stage(match.group("parent"), n_layers, n_heads, parallel_attn_mlp)
+    child = _stage(match.group("child"), n_layers, n_heads, parallel_attn_mlp)
+    if parent is None or child is None or parent[0] == "logits" or child[0] == "input":
+        return False
+    if (child[0] == "head") != (match.group("qkv") is not None):
+        return False  # an edge into a head names the head's input; no other edge does
+    return parent[1] < child[1]
+
+
+# --- checking a file -----------------------------------------------------------------------
+
+def _is_number(value: object) -> bool:
+    # NaN is a number here: Graph.to_json writes an unscored node's NaN score as it is.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_cfg(cfg: object) -> dict[str, Any]:
+    if not isinstance(cfg, Mapping):
+        raise MibFormatError("'cfg' must be an object with n_layers, n_heads, d_model and "
+                             f"parallel_attn_mlp, not {type(cfg).__name__}")
+    for key in _CFG_INTS:
+        value = cfg.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise MibFormatError(f"cfg {key} must be a whole number >= 1 (MIB's loader "
+                                 f"builds the model's graph from it), not {value!r}")
+    if not isinstance(cfg.get("parallel_attn_mlp"), bool):
+        raise MibFormatError("cfg parallel_attn_mlp must be true or false, not "
+                             f"{cfg.get('parallel_attn_mlp')!r}")
+    return dict(cfg)
+
+
+def _check_node(name: str, entry: object, d_model: int) -> bool:
+    """Check one node's entry as ``Graph.from_json`` reads it; returns whether it has a
+    score."""
+    if not isinstance(entry, Mapping):
+        raise MibFormatError(f"node {name!r} must be an object with 'in_graph', not "
+                             f"{type(entry).__name__}")
+    if not isinstance(entry.get("in_graph"), bool):
+        raise MibFormatError(f"node {name!r} needs 'in_graph' true or false (MIB's loader "
+                             f"reads it for every node but logits), not "
+                             f"{entry.get('in_graph')!r}")
+    if "score" in entry and not _is_number(entry["score"]):
+        raise MibFormatError(f"node {name!r} has score {entry['score']!r}; a score is a "
+                             "number (leave the key out for an unscored node)")
+    for key in ("neurons", "neurons_scores"):
+        values = entry.get(key)
+        if key in entry and not (isinstance(values, list) and len(values) == d_model
+                                 and all(_is_number(v) or isinstance(v, bool)
+                                         for v in values)):
+            raise MibFormatError(f"node {name!r}: {key} must be a list of {d_model} numbers "
+                                 "(one per d_model dimension)")
+    return "score" in entry
+
+
+def check_mib(obj: object, *, complete: bool = True, node_scores: bool = True) -> None:
+    """Raise ``MibFormatError`` (one line) unless MIB's loader reads ``obj`` as a graph.
+
+    The loader's checks (``Graph.from_json``, with ``Graph.from_model`` building the graph
+    from ``cfg``): the keys ``cfg``, ``nodes`` and ``edges``; ``cfg``'s four values; every
+    node and edge named one of the graph's (``is_mib_edge``), each node but ``logits``
+    with a boolean ``in_graph`` and, where given, a numeric ``score`` (and ``neurons`` /
+    ``neurons_scores`` of ``d_model`` numbers), each edge with a numeric ``score`` and a
+    boolean ``in_graph``. Besides, ``complete`` asks for every node but ``logits`` (the
+    loader would leave a missing one unscored, which is how ``Graph.to_json`` never writes
+    a file) and ``node_scores`` for at least one scored node (node-level evaluation
+    asserts that the graph has node scores).
+    """
+    if not isinstance(obj, Mapping):
+        raise MibFormatError(f"a MIB graph is a JSON object, not {type(obj).__name__}")
+    missing = [key for key in ("cfg", "nodes", "edges") if key not in obj]
+    if missing:
+        raise MibFormatError(f"missing key(s) {', '.join(missing)}: a MIB graph has cfg, "
+                             "nodes and edges")
+    cfg = _check_cfg(obj["cfg"])
+    layers, heads, d_model = (cfg[key] for key in _CFG_INTS)
+    parallel = cfg["parallel_attn_mlp"]
+    nodes, edges = obj["nodes"], obj["edges"]
+    if not isinstance(nodes, Mapping) or not isinstance(edges, Mapping):
+        raise MibFormatError("'nodes' and 'edges' must be JSON objects keyed by name")
+    scored = False
+    for name, entry in nodes.items():
+        if not isinstance(name, str) or _stage(name, layers, heads, parallel) is None:
+            raise MibFormatError(
+                f"unknown node {name!r} for cfg n_layers={layers}, n_heads={heads}: nodes "
+                f"are input, a{{0..{layers - 1}}}.h{{0..{heads - 1}}}, m{{0..{layers - 1}}} "
+                "and logits")
+        if name != "logits":  # the loader skips logits' entry
+            scored = _check_node(name, entry, d_model) or scored
+    if complete:
+        absent = [name for name in mib_node_names(layers, heads)[:-1] if name not in nodes]
+        if absent:
+            raise MibFormatError(f"{len(absent)} node(s) missing, first {absent[0]!r}: "
+                                 "Graph.to_json writes every node of the graph")
+    if node_scores and not scored:
+        raise MibFormatError("no node has a score; MIB's node-level evaluation needs node "
+                             "scores")
+    for name, entry in edges.items():
+        if not (isinstance(name, str) and is_mib_edge(name, layers, heads, parallel)):
+            raise MibFormatError(f"{name!r} is not an edge of the graph of cfg "
+                                 f"n_layers={layers}, n_heads={heads}, "
+                                 f"parallel_attn_mlp={str(parallel).lower()}")
+        if not (isinstance(entry, Mapping) and _is_number(entry.get("score"))
+                and isinstance(entry.get("in_graph"), bool)):
+            raise MibFormatError(f"edge {name!r} needs a numeric 'score' and 'in_graph' true "
+                                 "or false")
+
+
+def read_mib(path: str | Path, *, complete: bool = True, node_scores: bool = True
+             ) -> dict[str, Any]:
+    """A MIB importance file (``.json``), checked by ``check_mib``; errors name the
+    file."""
+    path = Path(path)
+    if path.suffix != ".json":
+        raise MibFormatError(f"{path}: MIB reads a graph from a .json (or .pt) file by its "
+                             "extension; this reads .json")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MibFormatError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MibFormatError(f"{path} is not readable JSON: {str(err).splitlines()[0]}") \
+            from None
+    try:
+        check_mib(data, complete=complete, node_scores=node_scores)
+    except MibFormatError as err:
+        raise MibFormatError(f"{path}: {err}") from None
+    return data
+
+
+# --- building one ----------------------------------------------------------------------------
+
+def _score(entry: Mapping[str, Any], higher_is_better: bool) -> float | None:
+    effect = entry.get("effect")
+    if effect is None:
+        return None
+    if not _is_number(effect):
+        raise ExportError(f"head {entry.get('head')}: effect {effect!r} is not a number")
+    if not math.isfinite(effect):
+        return None  # undefined: as the run's own files write it (null)
+    return (-effect if higher_is_better else effect) + 0.0  # + 0.0: no "-0.0" in the file
+
+
+def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
+              parallel_attn_mlp: bool = False) -> dict[str, Any]:
+    """MIB's node-level importance graph of a ranking (a ``heads-<task>.json``'s content)
+    for a model of ``n_layers`` layers of ``n_heads`` heads, ``d_model`` wide.
+
+    Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
+    (``-effect`` where higher is better, ``effect`` where lower is better); a head with no
+    effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
+    nodes in every circuit. ``in_graph`` is false but for ``logits``; ``edges`` is empty
+    (see the module's docstring). Neuron entries are refused: the format has no place
+    for an MLP's hidden neurons.
+    """
+    entries = heads_json.get("heads") if isinstance(heads_json, Mapping) else None
+    if not isinstance(entries, list):
+        raise ExportError("a ranking (heads-<task>.json) has a 'heads' list")
+    higher = heads_json.get("higher_is_better")
+    if not isinstance(higher, bool):
+        raise ExportError(f"the ranking's higher_is_better is {higher!r}; the sign of its "
+                          "effects cannot be read without it")
+    per_layer = heads_json.get("heads_per_layer", n_heads)
+    if per_layer != n_heads:
+        raise ExportError(f"the ranking has {per_layer} heads per layer, the model "
+                          f"{n_heads}")
+    scores: dict[Head, float | None] = {}
+    for entry in entries:
+        if not isinstance(entry, Mapping) or "head" not in entry:
+            what = (entry.get("neuron") or entry.get("group")
+                    if isinstance(entry, Mapping) else None)
+            raise ExportError(
+                f"the ranking holds {what or repr(entry)}, not a head: MIB's node format "
+                "scores heads, MLPs and their d_model output dimensions, not an MLP's hidden "
+                "neurons; export a run that locates heads only")
+        try:
+            parsed = parse_heads([entry["head"]], n_layers, n_heads)
+        except HeadSpecError as err:
+            raise ExportError(f"the ranking's head {entry['head']!r}: {err}") from None
+        if len(parsed) != 1:
+            raise ExportError(f"the ranking's entry {entry['head']!r} names {len(parsed)} "
+                              "heads, not one")
+        head = parsed[0]
+        if head in scores:
+            raise ExportError(f"the ranking lists head {head} twice")
+        scores[head] = _score(entry, higher)
+    nodes: dict[str, dict[str, Any]] = {}
+    for name in mib_node_names(n_layers, n_heads):
+        nodes[name] = {"in_graph": name == "logits"}
+        match = _HEAD_NODE.fullmatch(name)
+        score = None if match is None else scores.get(Head(int(match[1]), int(match[2])))
+        if score is not None:
+            nodes[name]["score"] = score
+    unscored = [str(Head(layer, head)) for layer in range(n_layers) for head in range(n_heads)
+                if scores.get(Head(layer, head)) is None]
+    return {
+        "cfg": {"n_layers": n_layers, "n_heads": n_heads,
+                "parallel_attn_mlp": bool(parallel_attn_mlp), "d_model": d_model},
+        "nodes": nodes,
+        "edges": {},
+        MARKER: {"made_by": _MADE_BY, "format": MIB_FORMAT_VERSION, "level": "node",
+                 "task": heads_json.get("task"), "metric": heads_json.get("metric"),
+                 "higher_is_better": higher, "baseline": heads_json.get("baseline"),
+                 "score": _SCORE, "unscored_heads": unscored,
+                 "unscored_nodes": "input, every MLP and the heads in unscored_heads "
+                                   "(never knocked out, or no effect): MIB keeps them in "
+                                   "every circuit; no edge is scored"},
+    }
+
+
+# --- writing one from a run folder -------------------------------------------------------------
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is a file an export of ours wrote (it carries our marker)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    marker = data.get(MARKER) if isinstance(data, dict) else None
+    return isinstance(marker, dict) and marker.get("made_by") == _MADE_BY
+
+
+def _model_shape(model_args: str | None) -> tuple[int, bool]:
+    """The run's model's width and whether its attention and MLP read the same residual
+    stream (GPT-J, GPT-NeoX, Phi-1/2, CodeGen, Falcon's parallel attention), from its
+    config alone."""
+    from lm_eval.utils import simple_parse_args_string
+    from transformers import AutoConfig
+
+    from .embedded import smollm2_model_args
+    from .geometry import text_config
+
+    args = simple_parse_args_string(model_args or smollm2_model_args())
+    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
+              if k in args}
+    pretrained = str(args.get("pretrained"))
+    try:
+        config = text_config(AutoConfig.from_pretrained(pretrained, **kwargs))
+    except Exception as err:  # noqa: BLE001 — any failure: the model is not readable here
+        raise ExportError(f"cannot read the config of the run's model pretrained="
+                          f"{pretrained!r} ({str(err).splitlines()[0]}); give d_model and "
+                          "parallel_attn_mlp") from None
+    width = getattr(config, "hidden_size", None)
+    if not isinstance(width, int):
+        raise ExportError(f"the config of pretrained={pretrained!r} gives no hidden size; "
+                          "give d_model")
+    parallel = bool(getattr(config, "use_parallel_residual", False)
+                    or getattr(config, "parallel_attn", False)
+                    or getattr(config, "model_type", None) in ("gptj", "phi", "codegen"))
+    return width, parallel
+
+
+def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, *,
+              d_model: int | None = None, parallel_attn_mlp: bool | None = None,
+              mib_model: str | None = None) -> Path:
+    """Write ``task``'s ranking of the locate or greedy run in ``run_folder`` to ``out``
+    as MIB's node-level importance file (``mib_graph``); returns ``out``.
+
+    ``task`` may be left out when the run has one. ``d_model`` and ``parallel_attn_mlp``
+    default to what the run's model's config says; ``mib_model`` (a ``MIB_MODELS`` name)
+    takes them from MIB's model instead, after checking that the run's model has its
+    layers and heads. ``out`` is a ``.json`` file outside the run folder (its folder is
+    made); an existing ``out`` is replaced only if an export of ours wrote it. Anything
+    else is a one-line ``ExportError`` (a ``UserError``).
+    """
+    from .commands.result import load_run  # torch and sklearn: only imported when needed
+    from .metrics import parse_task_metric
+
+    run_folder, out = Path(run_folder), Path(out)
+    record = load_run(run_folder)
+    if record.command not in _COMMANDS:
+        hint = (" (a sweep: export one of its cell folders, m<M>-p<P>/)"
+                if record.command == "sweep" else "")
+        raise ExportError(f"{run_folder} is a {record.command} run{hint}; MIB export reads "
+                          "the head ranking of a locate or greedy run")
+    if record.spec.components != "heads":
+        raise ExportError(f"{run_folder} locates {record.spec.components}: MIB's node format "
+                          "scores heads, MLPs and their d_model output dimensions, not an "
+                          "MLP's hidden neurons; export a run of --components heads")
+    tasks = [parse_task_metric(name)[0] for name in record.spec.tasks]
+    if task is None:
+        if len(tasks) != 1:
+            raise ExportError(f"{run_folder} ranks {len(tasks)} tasks ({', '.join(tasks)}); "
+                              "name the one to export")
+        task = tasks[0]
+    elif task not in tasks:
+        raise ExportError(f"task {task!r} is not one of {run_folder}'s: "
+                          f"{', '.join(tasks)}")
+    ranking = run_folder / f"heads-{task}.json"
+    if not ranking.is_file():
+        raise ExportError(f"{run_folder} has no {ranking.name}: the run has not ranked its "
+                          "heads yet; finish it first")
+    layers, heads = record.layers, record.heads_per_layer
+    if not (isinstance(layers, int) and isinstance(heads, int)):
+        raise ExportError(f"{run_folder}/config.json records no model geometry (layers, "
+                          "heads_per_layer); finish the run first")
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder; give the file to write, e.g. "
+                          f"{out / 'importances.json'}")
+    if out.suffix != ".json":
+        raise ExportError(f"{out}: MIB reads a graph by its extension; write a .json file "
+                          "(e.g. <task>_<model>/importances.json)")
+    if out.exists() and not _is_ours(out):
+        raise ExportError(f"{out} exists and is not an export of lm-eval-headloc; not "
+                          "overwritten: choose another path or remove it")
+    if run_folder.resolve() in out.resolve().parents:
+        raise ExportError(f"{out} is inside the run folder {run_folder}, which the export "
+                          "reads; write it elsewhere")
+    if mib_model is not None:
+        if mib_model not in MIB_MODELS:
+            raise ExportError(f"unknown MIB model {mib_model!r}; MIB's models: "
+                              f"{', '.join(MIB_MODELS)}")
+        mib_layers, mib_heads, mib_width = MIB_MODELS[mib_model]
+        if (layers, heads) != (mib_layers, mib_heads):
+            raise ExportError(f"the run's model has {layers} layers of {heads} heads, MIB's "
+                              f"{mib_model} {mib_layers} of {mib_heads}: not a run of it")
+        if d_model not in (None, mib_width):
+            raise ExportError(f"d_model={d_model}, but MIB's {mib_model} is {mib_width} wide")
+        if parallel_attn_mlp:
+            raise ExportError(f"parallel_attn_mlp=True, but MIB's {mib_model} runs attention "
+                              "and MLP in sequence")
+        d_model, parallel_attn_mlp = mib_width, False
+    if d_model is None or parallel_attn_mlp is None:
+        width, parallel = _model_shape(record.spec.model_args)
+        d_model = width if d_model is None else d_model
+        parallel_attn_mlp = parallel if parallel_attn_mlp is None else parallel_attn_mlp
+    try:
+        data = json.loads(ranking.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{ranking} is unreadable: {str(err).splitlines()[0]}") from None
+    try:
+        graph = mib_graph(data, n_layers=layers, n_heads=heads, d_model=d_model,
+                          parallel_attn_mlp=parallel_attn_mlp)
+    except ExportError as err:
+        raise ExportError(f"{ranking}: {err}") from None
+    graph[MARKER]["run"] = {"folder": str(run_folder), "command": record.command,
+                            "model_args": record.spec.model_args,
+                            "ablation": record.spec.ablation}
+    check_mib(graph)  # what we write, MIB's loader reads
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(graph, allow_nan=False) + "\n"
+    write_atomically(out, lambda partial: partial.write_text(text))
+    return out

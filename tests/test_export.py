@@ -1,0 +1,354 @@
+"""``lm_eval_headloc.export``: a run's head ranking as MIB's node-level importance file.
+
+The expected files are written out by hand here from MIB's format (EAP-IG's
+``Graph.to_json`` / ``Graph.from_json`` at hannamw/EAP-IG@7af394a5662d, the submodule of
+hannamw/MIB-circuit-track@b759df34433c), and ``check_mib`` is tried on a fixture laid out
+as that code writes one (``tests/fixtures/mib/README.md``) and on broken copies of it.
+No model is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lm_eval_headloc.errors import UserError
+from lm_eval_headloc.export import (
+    MARKER,
+    MIB_MODELS,
+    ExportError,
+    MibFormatError,
+    check_mib,
+    is_mib_edge,
+    mib_graph,
+    mib_node_names,
+    read_mib,
+    write_mib,
+)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "mib" / "node_importances_2x3.json"
+LAYERS, HEADS, WIDTH = 2, 3, 8
+
+# A 2-layer x 3-head ranking, most harmful first (higher is better: a negative effect
+# hurts). L0H2 has no effect; L1H2 is left out of the ranking (as --exclude leaves it).
+RANKED = [("L0H0", -0.5), ("L1H0", -0.125), ("L1H1", 0.0), ("L0H1", 0.25), ("L0H2", None)]
+
+
+def ranking(task: str = "toy", higher_is_better: bool = True,
+            entries: list | None = None) -> dict:
+    """A heads-<task>.json as locate writes it (the fields export reads, and some it
+    does not)."""
+    heads = entries if entries is not None else [
+        {"rank": rank, "head": name, "layer": int(name[1]), "head_in_layer": int(name[3]),
+         "effect": effect, "selected": 1.0, "measured_alone": effect is not None}
+        for rank, (name, effect) in enumerate(RANKED, start=1)]
+    return {"task": task, "metric": "acc,none", "higher_is_better": higher_is_better,
+            "baseline": 0.75, "heads_per_layer": HEADS, "top_k": ["L0H0", "L1H0"],
+            "heads": heads}
+
+
+def make_run(folder: Path, *, command: str = "locate", tasks: tuple[str, ...] = ("toy",),
+             components: str = "heads", ranked: bool = True,
+             model_args: str = "pretrained=/nowhere,dtype=float32,device=cpu") -> Path:
+    """A finished-looking run folder written by hand: config.json and heads-<task>.json."""
+    from lm_eval_headloc.commands import RunSpec
+
+    spec = RunSpec(model_args=model_args, tasks=tasks, components=components)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "schema": 1, "command": command, "identity": spec.identity("locate"),
+        "settings": spec.settings("locate"), "spec": spec.as_config(),
+        "layers": LAYERS, "heads_per_layer": HEADS}))
+    if ranked:
+        for task in tasks:
+            name = task.split(":")[0]
+            (folder / f"heads-{name}.json").write_text(json.dumps(ranking(name)))
+    return folder
+
+
+def export(run: Path, out: Path, task: str | None = None, **options) -> dict:
+    options = {"d_model": WIDTH, "parallel_attn_mlp": False, **options}
+    assert write_mib(run, out, task, **options) == out
+    return json.loads(out.read_text())
+
+
+def one_line_error(error: pytest.ExceptionInfo) -> str:
+    assert isinstance(error.value, UserError)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+# --- the export, checked against hand-written expectations --------------------------------
+
+def test_export_scores_every_head_with_mibs_sign(tmp_path):
+    data = export(make_run(tmp_path / "run"), tmp_path / "mib" / "toy_m" / "importances.json")
+    # Higher is better: score = -effect (the fall of the score on knockout). Written out:
+    assert data["nodes"] == {
+        "input": {"in_graph": False},
+        "a0.h0": {"in_graph": False, "score": 0.5},
+        "a0.h1": {"in_graph": False, "score": -0.25},
+        "a0.h2": {"in_graph": False},  # effect null: unscored
+        "m0": {"in_graph": False},  # never knocked out: unscored
+        "a1.h0": {"in_graph": False, "score": 0.125},
+        "a1.h1": {"in_graph": False, "score": 0.0},
+        "a1.h2": {"in_graph": False},  # not in the ranking: unscored
+        "m1": {"in_graph": False},
+        "logits": {"in_graph": True},
+    }
+    # Graph.from_model's node order, as Graph.to_json writes it.
+    assert list(data["nodes"]) == ["input", "a0.h0", "a0.h1", "a0.h2", "m0", "a1.h0",
+                                   "a1.h1", "a1.h2", "m1", "logits"]
+    assert data["cfg"] == {"n_layers": 2, "n_heads": 3, "parallel_attn_mlp": False,
+                           "d_model": 8}
+    assert data["edges"] == {}
+    marker = data[MARKER]
+    assert marker["made_by"] == "lm-eval-headloc" and marker["task"] == "toy"
+    assert marker["unscored_heads"] == ["L0H2", "L1H2"]
+    assert marker["higher_is_better"] is True and marker["run"]["command"] == "locate"
+    check_mib(data)
+
+
+def test_mibs_ranking_of_the_export_is_the_runs_ranking(tmp_path):
+    """MIB's CPR keeps the top n scored nodes by signed score, highest first
+    (apply_topn(level="node", absolute=False)): that order must be the run's own, most
+    harmful first, for a score that points either way."""
+    for higher in (True, False):
+        entries = [{"head": name, "effect": None if effect is None else
+                    (effect if higher else -effect)} for name, effect in RANKED]
+        graph = mib_graph(ranking(higher_is_better=higher, entries=entries),
+                          n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+        scored = [(name, node["score"]) for name, node in graph["nodes"].items()
+                  if "score" in node]
+        by_mib = [name for name, _ in sorted(scored, key=lambda item: -item[1])]
+        assert by_mib == ["a0.h0", "a1.h0", "a1.h1", "a0.h1"]
+
+
+def test_lower_is_better_keeps_the_sign_and_writes_no_negative_zero(tmp_path):
+    graph = mib_graph(ranking(higher_is_better=False), n_layers=LAYERS, n_heads=HEADS,
+                      d_model=WIDTH)
+    # Lower is better: a positive effect hurts, so score = +effect.
+    assert {name: node.get("score") for name, node in graph["nodes"].items()
+            if name.startswith("a")} == {"a0.h0": -0.5, "a0.h1": 0.25, "a0.h2": None,
+                                         "a1.h0": -0.125, "a1.h1": 0.0, "a1.h2": None}
+    higher = mib_graph(ranking(), n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+    assert "-0.0" not in json.dumps(higher)  # -(0.0) is written as 0.0
+
+
+def test_a_second_export_replaces_our_own_file(tmp_path):
+    run, out = make_run(tmp_path / "run"), tmp_path / "importances.json"
+    export(run, out)
+    (run / "heads-toy.json").write_text(json.dumps(ranking(higher_is_better=False)))
+    assert export(run, out)["nodes"]["a0.h0"]["score"] == -0.5
+
+
+def test_a_greedy_run_and_a_task_of_several(tmp_path):
+    run = make_run(tmp_path / "run", command="greedy", tasks=("toy", "other:acc"))
+    data = export(run, tmp_path / "other.json", task="other")
+    assert data[MARKER]["task"] == "other" and data[MARKER]["run"]["command"] == "greedy"
+
+
+def test_width_and_parallel_blocks_from_the_models_config(tmp_path):
+    """Without d_model, the run's model's config gives it (no weights loaded); GPT-NeoX's
+    attention and MLP read the same residual stream."""
+    for name, config, width, parallel in (
+            ("gpt2", {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 3}, 16,
+             False),
+            ("neox", {"model_type": "gpt_neox", "hidden_size": 24, "num_hidden_layers": 2,
+                      "num_attention_heads": 3, "intermediate_size": 48}, 24, True)):
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        run = make_run(tmp_path / f"run-{name}", model_args=f"pretrained={model}")
+        assert write_mib(run, tmp_path / f"{name}.json") == tmp_path / f"{name}.json"
+        data = read_mib(tmp_path / f"{name}.json")
+        assert (data["cfg"]["d_model"], data["cfg"]["parallel_attn_mlp"]) == (width, parallel)
+
+
+@pytest.mark.parametrize("model", sorted(MIB_MODELS))
+def test_mib_model_fills_the_width_and_checks_the_shape(tmp_path, model):
+    with pytest.raises(ExportError) as err:
+        write_mib(make_run(tmp_path / "run"), tmp_path / "out.json", mib_model=model)
+    layers, heads, _ = MIB_MODELS[model]
+    assert f"{layers} of {heads}" in one_line_error(err)
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+def test_refuses_a_task_the_run_does_not_have(tmp_path):
+    run = make_run(tmp_path / "run", tasks=("toy", "other"))
+    with pytest.raises(ExportError) as err:
+        export(run, tmp_path / "out.json", task="nope")
+    assert "'nope'" in one_line_error(err) and "toy, other" in str(err.value)
+    with pytest.raises(ExportError) as err:  # two tasks: which one must be said
+        export(run, tmp_path / "out.json")
+    assert "name the one" in one_line_error(err)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_never_overwrites_a_file_that_is_not_ours(tmp_path):
+    run, out = make_run(tmp_path / "run"), tmp_path / "importances.json"
+    for text in ('{"cfg": {}, "nodes": {}, "edges": {}}', "not json",
+                 '{"headloc_export": {"made_by": "someone else"}}'):
+        out.write_text(text)
+        with pytest.raises(ExportError) as err:
+            export(run, out)
+        assert "not an export of lm-eval-headloc" in one_line_error(err)
+        assert out.read_text() == text
+
+
+def test_refuses_a_run_that_ranks_neurons(tmp_path):
+    run = make_run(tmp_path / "run", components="heads+neurons")
+    with pytest.raises(ExportError) as err:
+        export(run, tmp_path / "out.json")
+    assert "heads+neurons" in one_line_error(err)
+    for entry in ({"neuron": "L1N5", "effect": -0.1},
+                  {"group": "L1G0", "neurons": "L1N0+L1N1", "effect": -0.1}):
+        with pytest.raises(ExportError) as err:
+            mib_graph(ranking(entries=[{"head": "L0H0", "effect": -0.2}, entry]),
+                      n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+        assert "not a head" in one_line_error(err)
+
+
+@pytest.mark.parametrize("command", ["verify", "cross", "sweep"])
+def test_refuses_a_run_that_is_no_ranking(tmp_path, command):
+    with pytest.raises(ExportError) as err:
+        export(make_run(tmp_path / "run", command=command), tmp_path / "out.json")
+    assert f"is a {command} run" in one_line_error(err)
+
+
+def test_refuses_bad_outputs_and_unfinished_runs(tmp_path):
+    run = make_run(tmp_path / "run")
+    for out, words in ((tmp_path / "out.pt", ".json file"), (tmp_path, "is a folder"),
+                       (run / "mib.json", "inside the run folder")):
+        with pytest.raises(ExportError) as err:
+            export(run, out)
+        assert words in one_line_error(err)
+    with pytest.raises(ExportError) as err:
+        export(make_run(tmp_path / "unranked", ranked=False), tmp_path / "out.json")
+    assert "no heads-toy.json" in one_line_error(err)
+    with pytest.raises(UserError):  # not a run folder at all
+        export(tmp_path / "nowhere", tmp_path / "out.json")
+
+
+def test_refuses_rankings_that_do_not_fit_the_model():
+    cases = [
+        (ranking(entries=[{"head": "L2H0", "effect": -0.1}]), "outside the model"),
+        (ranking(entries=[{"head": "L0H0", "effect": -0.1}] * 2), "twice"),
+        (ranking(entries=[{"head": "L0H0", "effect": "big"}]), "not a number"),
+        ({**ranking(), "higher_is_better": None}, "higher_is_better"),
+        ({**ranking(), "heads_per_layer": 4}, "4 heads per layer"),
+    ]
+    for data, words in cases:
+        with pytest.raises(ExportError) as err:
+            mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+        assert words in one_line_error(err)
+
+
+# --- MIB's format: the fixture, broken copies, the graph's edges ---------------------------
+
+def test_the_fixture_in_mibs_own_layout_is_accepted():
+    data = read_mib(FIXTURE)
+    assert list(data["nodes"]) == mib_node_names(LAYERS, HEADS)
+    # Edges of a 2-layer x 3-head sequential graph, by hand: layer 0's heads read input
+    # (1 x 3 heads x q/k/v = 9), its MLP input and its 3 heads (4); layer 1's heads read
+    # those 5 (45), its MLP 8; the logits all 9.
+    assert len(data["edges"]) == 9 + 4 + 45 + 8 + 9
+    unscored = copy.deepcopy(data)  # as Graph.to_json writes an unscored node: NaN
+    unscored["nodes"]["m0"]["score"] = math.nan
+    check_mib(unscored)
+    edge_level = copy.deepcopy(data)  # an edge-level file: node entries hold in_graph only
+    for node in edge_level["nodes"].values():
+        node.pop("score", None)
+    check_mib(edge_level, node_scores=False)
+    with pytest.raises(MibFormatError, match="no node has a score"):
+        check_mib(edge_level)
+
+
+def _broken(change):
+    data = json.loads(FIXTURE.read_text())
+    change(data)
+    return data
+
+
+BROKEN = {
+    "no d_model": (lambda d: d["cfg"].pop("d_model"), "cfg d_model"),
+    "n_heads as text": (lambda d: d["cfg"].update(n_heads="3"), "cfg n_heads"),
+    "parallel as 0": (lambda d: d["cfg"].update(parallel_attn_mlp=0), "parallel_attn_mlp"),
+    "one layer too few": (lambda d: d["cfg"].update(n_layers=1), "unknown node 'a1.h0'"),
+    "missing node": (lambda d: d["nodes"].pop("a1.h2"), "missing, first 'a1.h2'"),
+    "zero-padded name": (lambda d: d["nodes"].update({"a01.h0": {"in_graph": True}}),
+                         "unknown node"),
+    "no in_graph": (lambda d: d["nodes"]["m0"].pop("in_graph"), "'in_graph'"),
+    "score as text": (lambda d: d["nodes"]["a0.h1"].update(score="1.0"), "score '1.0'"),
+    "short neurons": (lambda d: d["nodes"]["m0"].update(neurons=[True] * 7), "8 numbers"),
+    "no edges key": (lambda d: d.pop("edges"), "missing key(s) edges"),
+    "backward edge": (lambda d: d["edges"].update({"m1->a0.h0<q>": d["edges"]["input->m0"]}),
+                      "not an edge"),
+    "head input unnamed": (lambda d: d["edges"].update({"input->a0.h0": {
+        "score": 0.1, "in_graph": False}}), "not an edge"),
+    "edge without score": (lambda d: d["edges"]["input->m0"].pop("score"), "numeric 'score'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_copies_of_the_fixture_are_refused(case):
+    change, words = BROKEN[case]
+    with pytest.raises(MibFormatError) as err:
+        check_mib(_broken(change))
+    assert words in one_line_error(err)
+
+
+def test_a_missing_node_is_what_mibs_loader_itself_lets_pass():
+    # Graph.from_json leaves a node missing from the file unscored; only complete=True,
+    # which asks for the file Graph.to_json writes, refuses it.
+    check_mib(_broken(lambda d: d["nodes"].pop("a1.h2")), complete=False)
+
+
+def test_read_mib_names_the_file(tmp_path):
+    bad = tmp_path / "importances.json"
+    bad.write_text(json.dumps(_broken(lambda d: d["cfg"].pop("d_model"))))
+    for path, words in ((bad, "cfg d_model"), (tmp_path / "none.json", "no such file"),
+                        (FIXTURE.with_suffix(".md"), ".json")):
+        with pytest.raises(MibFormatError) as err:
+            read_mib(path)
+        assert str(path) in one_line_error(err) and words in str(err.value)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gemma2"])
+def test_the_graphs_edges_are_as_many_as_mib_counts(model):
+    """MIB's evaluation backend lists each model's edge count (gpt2 32491, gemma2 74218):
+    counting the (parent, child) pairs ``is_mib_edge`` accepts must give the same."""
+    layers, heads, _ = MIB_MODELS[model]
+    names = mib_node_names(layers, heads)
+    count = 0
+    for parent in names:
+        for child in names:
+            ends = [f"<{q}>" for q in "qkv"] if child.startswith("a") else [""]
+            count += sum(is_mib_edge(f"{parent}->{child}{end}", layers, heads)
+                         for end in ends)
+    assert count == {"gpt2": 32491, "gemma2": 74218}[model]
+
+
+def test_parallel_blocks_add_no_edge_within_a_layer():
+    assert is_mib_edge("a0.h1->m0", 2, 3, parallel_attn_mlp=False)
+    assert not is_mib_edge("a0.h1->m0", 2, 3, parallel_attn_mlp=True)
+    assert is_mib_edge("m0->a1.h2<v>", 2, 3, parallel_attn_mlp=True)
+    assert not is_mib_edge("a0.h0->a0.h1<q>", 2, 3)
+    assert not is_mib_edge("logits->m1", 2, 3) and not is_mib_edge("m1->input", 2, 3)
+
+
+def test_mibs_own_loader_reads_the_export(tmp_path):
+    """Where EAP-IG (MIB's graph code) is installed, its Graph.from_json reads the file
+    (not on PyPI: it is a submodule of MIB's repository, so usually skipped)."""
+    graph_module = pytest.importorskip("eap.graph")
+    out = tmp_path / "importances.json"
+    export(make_run(tmp_path / "run"), out)
+    graph = graph_module.Graph.from_json(str(out))
+    assert float(graph.nodes["a0.h0"].score) == 0.5
+    assert math.isnan(float(graph.nodes["a0.h2"].score))
+    assert graph.cfg["d_model"] == WIDTH
