@@ -294,7 +294,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "exclude": "L0H1", "rounds": 2, "general": ("boolq",), "limit": 3, "confirm": 3,
         "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
         "ablation_field": "prompt", "random_draws": 2, "components": "heads+neurons",
-        "candidates": 9, "examples_part": "1/2",
+        "candidates": 9, "examples_part": "1/2", "neuron_groups": 2,
     }
     from dataclasses import fields
 
@@ -306,13 +306,13 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
               "apply_chat_template", "signal", "never_ablate", "exclude", "top_k",
               "ablation", "scale", "ablation_data", "ablation_field"}
     design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap",
-              "components", "candidates"}
+              "components", "candidates", "neuron_groups"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",
                                                                 "bootstrap", "confirm"},
                 "greedy": (shared - {"top_k"}) | {"rounds"},
                 "sweep": shared | design,
-                "verify": shared | {"general", "limit"}, "cross": shared}
-    for command in ("locate", "greedy", "sweep", "verify", "cross"):
+                "verify": shared | {"general", "limit"}, "cross": shared, "types": shared}
+    for command in ("locate", "greedy", "sweep", "verify", "cross", "types"):
         folder = tmp_path / command
         with RunFolder(folder) as run:
             run.start(command, base.identity(command), base.settings(command))

@@ -29,6 +29,7 @@ from .report import HeadRanking
 from .result import load_run
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
 from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
+from .types import types, types_summary
 from .universal import universal, universal_table
 from .verify import verification_markdown, verify
 
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, COMMAND_OPTIONS["cross"])
     _add_out(p, "runs/cross", "folder for the matrix (default runs/cross)")
 
+    p = sub.add_parser("types", help="what kind of head each head is (previous-token, "
+                                     "duplicate-token, induction, attention sink), from "
+                                     "attention patterns on a probe and the tasks' examples")
+    add_options(p, COMMAND_OPTIONS["types"])
+    _add_out(p, "runs/types", "folder for types.json and types.csv (default runs/types)")
+
     p = sub.add_parser("sweep", help="search --masks x --sparsity (paper appendix A.1)")
     add_options(p, COMMAND_OPTIONS["sweep"])
     # dest: the grids are sweep's own, not RunSpec's single masks/sparsity values.
@@ -150,6 +157,9 @@ def run(args: argparse.Namespace) -> None:
     elif command == "cross":
         print(cross_markdown(cross(args.runs, args.out, RunSpec.from_namespace(args),
                                    force=args.force)))
+    elif command == "types":
+        print(types_summary(types(args.out, RunSpec.from_namespace(args), force=args.force)))
+        print(f"Results in {args.out}/ (types.json, types.csv)")
     elif command == "sweep":
         result = sweep(args.out, args.masks_grid, args.sparsity_grid,
                        RunSpec.from_namespace(args), force=args.force)

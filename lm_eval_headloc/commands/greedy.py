@@ -84,7 +84,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.extra['method']} (each head's score change in its "
                             "last measured round)",
-                      report=_report(rankings, spec.top_k))
+                      report=lambda: _report(rankings, spec.top_k))
     return rankings
 
 

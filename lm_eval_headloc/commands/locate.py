@@ -50,6 +50,7 @@ from .result import (
 )
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
+from .types import ensure_types
 
 __all__ = ["fit_rankings", "locate", "mask_keys", "refit", "stored_prior"]
 
@@ -327,7 +328,7 @@ def write_results(folder: RunFolder, run: LocateRun) -> None:
     write_ranking(folder, run.rankings, run.spec.top_k,
                   title=f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
                         .replace(" (", "\n("),
-                  report=locate_report(run))
+                  report=lambda: locate_report(run))
 
 
 def prior_method(spec: RunSpec, measure: Any) -> str | None:
@@ -440,6 +441,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                              "names the neurons the masks search, cannot run here ("
                              f"{measure.no_prior_reason()})")
         estimates = attribution_prior(folder, measure, method, kinds) if method else None
+        if "heads" in kinds:  # what kind of head each is: the ranking files carry it
+            ensure_types(folder, measure)
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..columns import Column, Columns, NeuronGroup, column_label
+from ..head_types import HEAD_TYPES
 from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
@@ -39,6 +40,7 @@ class HeadRanking:
     extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
     columns: Columns | None = None  # the component of each column; None: every head
+    head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
 
     def __post_init__(self) -> None:
         if self.columns is None:
@@ -109,6 +111,7 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
         "heads": [
             {"rank": rank, **_name_fields(head),
              "effect": ranking.effect(head), **ranking.confidence(head),
+             **_type_fields(ranking, head),
              **_alone_field(ranking, head),
              **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
                 if "tied_with_above" in ranking.extra else {})}
@@ -130,6 +133,24 @@ def _name_fields(component: Column) -> dict[str, Any]:
     return {"head": str(component), "layer": component.layer, "head_in_layer": component.head}
 
 
+def _type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+    # A head's attention-pattern scores (types.json), where the run has them.
+    if ranking.head_types is None or not isinstance(head, Head):
+        return {}
+    return {"types": ranking.head_types.of(head.layer, head.head),
+            "type": ranking.head_types.label(head.layer, head.head)}
+
+
+def type_words(ranking: HeadRanking, head: Column) -> str:
+    """A head's dominant type and its score for a table ("induction (0.81)"), "-" for a
+    head no type stands out in, "" where the run has no types."""
+    fields = _type_fields(ranking, head)
+    if not fields:
+        return ""
+    label = fields["type"]
+    return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
+
+
 def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
     alone = ranking.measured_alone(head)
     return {} if alone is None else {"measured_alone": alone}
@@ -146,9 +167,11 @@ def heads_table(ranking: HeadRanking) -> str:
     neurons = ranking.columns.has_neurons
     names = ["component", "kind", "layer", "index_in_layer"] if neurons else [
         "head", "layer", "head_in_layer"]
+    typed = ranking.head_types is not None
     writer.writerow(["rank", *names, "effect",
                      *(["measured_alone"] if confirmed else []),
-                     *(["selected", "effect_low", "effect_high"] if boot else [])])
+                     *(["selected", "effect_low", "effect_high"] if boot else []),
+                     *([*HEAD_TYPES, "type"] if typed else [])])
     for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
         effect = ranking.effect(head)
         kind = [_KIND[type(head)]] if neurons else []
@@ -161,9 +184,17 @@ def heads_table(ranking: HeadRanking) -> str:
             interval = confidence["effect_interval"]  # None: measured alone
             row += [f"{confidence['selected']:.6g}",
                     *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
+        if typed:
+            fields = _type_fields(ranking, head)
+            row += ([f"{fields['types'][t]:.6g}" for t in HEAD_TYPES] + [fields["type"] or ""]
+                    if fields else [""] * (len(HEAD_TYPES) + 1))
         writer.writerow(row)
     return out.getvalue()
 
+
+#: The heatmap's letter for each head type.
+_TYPE_LETTER = {"previous_token": "P", "duplicate_token": "D", "induction": "I",
+                "attention_sink": "S"}
 
 #: heads.csv's kind column.
 _KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
@@ -194,6 +225,13 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
         for head in ranking.top(top_k):
             ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
                        linewidths=1.5)
+        typed = ranking.head_types is not None
+        if typed:  # each head a type stands out in, by its letter
+            for layer, row in enumerate(ranking.head_types.labels):
+                for head_index, label in enumerate(row):
+                    if label is not None:
+                        ax.text(head_index, layer, _TYPE_LETTER[label], ha="center",
+                                va="center", fontsize=6, color="dimgray")
         unstable = ranking.unstable(top_k)
         for head in unstable:
             ax.add_patch(Rectangle((head.head - 0.5, head.layer - 0.5), 1, 1, fill=False,
@@ -202,6 +240,9 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
         ax.set_ylabel("layer")
         note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
                 f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
+        if typed:
+            note += "\nletters: head types (" + ", ".join(
+                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()) + ")"
         ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8,
                      label="score change on knockout" + ("" if ranking.higher_is_better
@@ -243,9 +284,16 @@ def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
 
 
 def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
-                  title: str, report: str) -> None:
+                  title: str, report: Callable[[], str]) -> None:
     """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
-    ``ablate_file=runs/x/heads.json``), heatmap.png and report.md."""
+    ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
+    with the folder's head types (types.json) each head's scores and type, in every one
+    of them."""
+    from .types import read_types
+
+    head_types = read_types(folder)
+    for ranking in rankings.values():
+        ranking.head_types = head_types
     for task, ranking in rankings.items():
         folder.write_json(f"heads-{task}.json", ranked_heads_json(ranking, top_k))
         folder.write_text(f"heads-{task}.csv", heads_table(ranking))
@@ -253,20 +301,28 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
     folder.write_json("heads.json", ranked_heads_json(first, top_k))
     folder.write_text("heads.csv", heads_table(first))
     plot_heatmap(list(rankings.values()), top_k, folder.file("heatmap.png"), title=title)
-    folder.write_text("report.md", report)
+    folder.write_text("report.md", report())
 
 
 def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
     """Markdown rows of a ranking's top-k: rank, head, effect (and, with a bootstrap, how
     often refits put the head in the top-k and the effect's 95 % interval)."""
     unit = "component" if ranking.columns.has_neurons else "head"
+    typed = ranking.head_types is not None
+    type_head, type_rule = (" type (score) |", " --- |") if typed else ("", "")
+
+    def type_cell(head: Column) -> str:
+        return f" {type_words(ranking, head)} |" if typed else ""
+
     if ranking.stability is None:
-        lines = [f"| rank | {unit} | {effect_label} |", "| --- | --- | --- |"]
-        return lines + [f"| {rank} | {head} | {ranking.effect(head):+.4f} |"
+        lines = [f"| rank | {unit} | {effect_label} |{type_head}",
+                 f"| --- | --- | --- |{type_rule}"]
+        return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
+                        f"{type_cell(head)}"
                         for rank, head in enumerate(ranking.top(top_k), start=1)]
     lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k} of "
-             f"{ranking.stability.resamples} bootstrap refits |",
-             "| --- | --- | --- | --- | --- |"]
+             f"{ranking.stability.resamples} bootstrap refits |{type_head}",
+             f"| --- | --- | --- | --- | --- |{type_rule}"]
     for rank, head in enumerate(ranking.top(top_k), start=1):
         confidence = ranking.confidence(head)
         interval = confidence["effect_interval"]
@@ -275,7 +331,7 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
         flag = "" if confidence["selected"] >= STABLE else " (unstable)"
         lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
                      f"{shown} | "
-                     f"{confidence['selected']:.0%}{flag} |")
+                     f"{confidence['selected']:.0%}{flag} |{type_cell(head)}")
     return lines
 
 

@@ -484,6 +484,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose"),
+    "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
+              "apply_chat_template", "batch_size", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }

@@ -1,0 +1,191 @@
+"""``types``: what kind of head each head is — previous-token, duplicate-token, induction or
+attention sink (``head_types``) — for a model alone, and inside every ``locate`` run
+(``types.json``), where the ranking files carry each head's scores and the report labels the
+heads it finds.
+
+The scores come from one forward pass with attention weights over the standard probe (random
+tokens repeated twice, after the tokenizer's first token, as TransformerLens's head
+detector) and one over the run's own examples (the contexts lm-eval builds for its tasks).
+A head's type is the probe's: ``dominant_type`` names it only where the head stands clearly
+above the model's typical head, and says nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..head_types import (
+    HEAD_TYPES,
+    dominant_type,
+    encode_texts,
+    head_type_scores,
+    repeated_probe,
+    type_thresholds,
+)
+from .runfolder import RunFolder
+from .spec import RunSpec
+
+__all__ = ["PROBE", "TYPES_FILE", "HeadTypes", "ensure_types", "read_types", "types",
+           "types_summary", "types_table"]
+
+log = logging.getLogger(__name__)
+
+#: The file a run keeps its head types in.
+TYPES_FILE = "types.json"
+#: The probe: ``length`` random tokens repeated twice, ``batch`` rows, drawn with ``seed``.
+PROBE = {"length": 32, "batch": 4, "seed": 0}
+#: The run's examples scored (its first distinct contexts), and how many per pass.
+EXAMPLES, PER_PASS = 64, 8
+
+
+class HeadTypes:
+    """A model's head types as ``types.json`` holds them: ``scores`` on the probe and
+    ``on_examples`` (None without examples), each type -> (layers, heads); ``labels``: each
+    head's dominant type or None."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = dict(data)
+        self.scores = {t: np.asarray(v, dtype=np.float64) for t, v in data["scores"].items()}
+        self.labels: list[list[str | None]] = [list(row) for row in data["dominant"]]
+
+    def of(self, layer: int, head: int) -> dict[str, float]:
+        """One head's four probe scores."""
+        return {t: float(self.scores[t][layer, head]) for t in HEAD_TYPES}
+
+    def label(self, layer: int, head: int) -> str | None:
+        return self.labels[layer][head]
+
+
+def _texts(measure: Any) -> list[str]:
+    """The run's own examples as the model reads them: each request's context (with its
+    continuation for a log-likelihood request), distinct, the first ``EXAMPLES``."""
+    seen: dict[str, None] = {}
+    for instance in measure.recorded_instances():
+        context, rest = instance.args[0], instance.args[1] if len(instance.args) > 1 else ""
+        text = context + rest if instance.request_type == "loglikelihood" and \
+            isinstance(rest, str) else context
+        if isinstance(text, str) and text.strip():
+            seen.setdefault(text, None)
+        if len(seen) >= EXAMPLES:
+            break
+    return list(seen)
+
+
+def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
+    """``types.json``'s content for the model of ``lm`` (an ``HFHeadAblateLM``): the probe's
+    scores, the scores on ``texts``, the thresholds and each head's dominant type."""
+    model, tokenizer = lm.model, lm.tokenizer
+    vocab = int(getattr(model.get_output_embeddings() or model.get_input_embeddings(),
+                        "num_embeddings", 0) or len(tokenizer))
+    first = tokenizer.bos_token_id
+    probe = repeated_probe(vocab, first_token=first, **PROBE).to(lm.device)
+    scores = head_type_scores(model, probe)
+    on_examples = None
+    if texts:
+        ids, mask = encode_texts(tokenizer, list(texts))
+        on_examples = head_type_scores(model, ids.to(lm.device), mask.to(lm.device),
+                                       batch_size=PER_PASS)
+
+    def listed(values: Mapping[str, np.ndarray]) -> dict[str, list[list[float | None]]]:
+        return {t: [[None if not np.isfinite(x) else round(float(x), 6) for x in row]
+                    for row in values[t]] for t in HEAD_TYPES}
+
+    return {"made_by": "lm-eval-headloc types",
+            "probe": {**PROBE, "first_token": first,
+                      "what": "random tokens repeated twice after the first token"},
+            "examples": len(texts),
+            "scores": listed(scores),
+            "on_examples": None if on_examples is None else listed(on_examples),
+            "thresholds": {t: round(float(v), 6)
+                           for t, v in type_thresholds(scores).items()},
+            "dominant": dominant_type(scores)}
+
+
+def ensure_types(folder: RunFolder, measure: Any) -> HeadTypes | None:
+    """The run's head types: ``types.json`` when a resumed run made it, else computed on
+    the measurement's model and written. A model whose attention weights cannot be read
+    costs the run nothing: the reason is logged and the run goes on without types."""
+    stored = read_types(folder)
+    if stored is not None:
+        return stored
+    try:
+        data = head_types_of(measure.lm, _texts(measure))
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as err:
+        log.warning("head types skipped: %s", err)
+        return None
+    folder.write_json(TYPES_FILE, data)
+    return HeadTypes(data)
+
+
+def read_types(folder: RunFolder | str | Path) -> HeadTypes | None:
+    """``types.json`` of a run folder, or None where it has none."""
+    path = (folder if isinstance(folder, RunFolder) else RunFolder(folder)).file(TYPES_FILE)
+    if not path.is_file():
+        return None
+    import json
+
+    return HeadTypes(json.loads(path.read_text()))
+
+
+def types_table(head_types: HeadTypes) -> str:
+    """types.csv: one row per head — its probe scores, its scores on the examples (empty
+    where undefined) and its dominant type."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    examples = head_types.data.get("on_examples")
+    writer.writerow(["head", "layer", "head_in_layer", *HEAD_TYPES,
+                     *([f"{t}_on_examples" for t in HEAD_TYPES] if examples else []), "type"])
+    for layer, row in enumerate(head_types.labels):
+        for head, label in enumerate(row):
+            cells = [f"{v:.6g}" for v in head_types.of(layer, head).values()]
+            if examples:
+                cells += ["" if examples[t][layer][head] is None
+                          else f"{examples[t][layer][head]:.6g}" for t in HEAD_TYPES]
+            writer.writerow([f"L{layer}H{head}", layer, head, *cells, label or ""])
+    return out.getvalue()
+
+
+def types_summary(head_types: HeadTypes | None, shown: int = 3) -> str:
+    """Per type: how many heads it stands out in and the highest-scoring heads."""
+    if head_types is None:
+        return "No head types: the model's attention weights could not be read (see the log)."
+    lines = []
+    for name in HEAD_TYPES:
+        values = head_types.scores[name]
+        labelled = sum(label == name for row in head_types.labels for label in row)
+        order = np.argsort(-np.nan_to_num(values, nan=-np.inf), axis=None, kind="stable")
+        best = [np.unravel_index(i, values.shape) for i in order[:shown]]
+        lines.append(f"  {name.replace('_', '-')}: {labelled} head(s) stand out (threshold "
+                     f"{head_types.data['thresholds'][name]:.2f}); highest "
+                     + ", ".join(f"L{layer}H{head} {values[layer, head]:.2f}"
+                                 for layer, head in best))
+    return "\n".join(["Head types (scores on the repeated-token probe):", *lines])
+
+
+def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
+          **options: Any) -> HeadTypes | None:
+    """The head types of ``spec``'s model, on the probe and its tasks' examples, written to
+    ``out`` (a run folder: types.json, types.csv)."""
+    from .engine import load_model, open_measurement, prepare
+    from .result import start_run
+
+    spec = (spec or RunSpec()).replace(**options)
+    setup = prepare(spec)
+    spec = setup.spec
+    with RunFolder(out) as folder:
+        run = start_run(folder, "types", spec, force=force)
+        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
+                                   run=run)
+        run.save(folder, measure)
+        found = ensure_types(folder, measure)
+        if found is not None:
+            folder.write_text("types.csv", types_table(found))
+    return found
