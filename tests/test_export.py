@@ -352,3 +352,36 @@ def test_mibs_own_loader_reads_the_export(tmp_path):
     assert float(graph.nodes["a0.h0"].score) == 0.5
     assert math.isnan(float(graph.nodes["a0.h2"].score))
     assert graph.cfg["d_model"] == WIDTH
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def test_the_export_command_writes_what_write_mib_writes(tmp_path, capsys):
+    from lm_eval_headloc.commands.cli import main
+
+    def harness(*args: str) -> int:
+        try:
+            return main([*args])
+        except SystemExit as exit_:
+            return exit_.code
+
+    # The width comes from the run's model's config (no weights are read): a GPT-2 config
+    # of the toy run's 2 layers x 3 heads, 12 wide.
+    from transformers import GPT2Config
+
+    model = tmp_path / "model"
+    GPT2Config(n_layer=LAYERS, n_head=HEADS, n_embd=12).save_pretrained(model)
+    run = make_run(tmp_path / "run", model_args=f"pretrained={model}")
+    out = tmp_path / "toy_m" / "importances.json"
+    assert harness("export", str(run), "--out", str(out)) == 0
+    assert f"Written to {out}" in capsys.readouterr().out
+    written = read_mib(out)
+    assert written["cfg"] == {"n_layers": LAYERS, "n_heads": HEADS, "d_model": 12,
+                              "parallel_attn_mlp": False}
+    by_hand = export(run, tmp_path / "api.json", d_model=12)
+    assert written["nodes"] == by_hand["nodes"]
+    # A user's mistake is one line and exit 2, and nothing is written.
+    bad = tmp_path / "bad.json"
+    assert harness("export", str(run), "--task", "nope", "--out", str(bad)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task 'nope'" in err[0] and not bad.exists()

@@ -109,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, COMMAND_OPTIONS["cross"])
     _add_out(p, "runs/cross", "folder for the matrix (default runs/cross)")
 
+    p = sub.add_parser("export", help="write a run's head ranking in another tool's format "
+                                      "(mib: the MIB circuit track's node importances)")
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("--format", choices=("mib",), default="mib",
+                   help="the format (default mib)")
+    p.add_argument("--task", default=None, metavar="TASK",
+                   help="the run's task to export (default: its only one)")
+    p.add_argument("--mib-model", default=None, metavar="MODEL",
+                   help="MIB's model the run's model is (its width and block layout; "
+                        "default: the run's model's config)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="the .json file to write (for a MIB submission: "
+                        "<task>_<model>/importances.json)")
+
     p = sub.add_parser("types", help="what kind of head each head is (previous-token, "
                                      "duplicate-token, induction, attention sink), from "
                                      "attention patterns on a probe and the tasks' examples")
@@ -157,6 +171,11 @@ def run(args: argparse.Namespace) -> None:
     elif command == "cross":
         print(cross_markdown(cross(args.runs, args.out, RunSpec.from_namespace(args),
                                    force=args.force)))
+    elif command == "export":
+        from ..export import write_mib
+
+        path = write_mib(args.run, args.out, args.task, mib_model=args.mib_model)
+        print(f"Written to {path}")
     elif command == "types":
         print(types_summary(types(args.out, RunSpec.from_namespace(args), force=args.force)))
         print(f"Results in {args.out}/ (types.json, types.csv)")
