@@ -80,8 +80,7 @@ def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
     """``types.json``'s content for the model of ``lm`` (an ``HFHeadAblateLM``): the probe's
     scores, the scores on ``texts``, the thresholds and each head's dominant type."""
     model, tokenizer = lm.model, lm.tokenizer
-    vocab = int(getattr(model.get_output_embeddings() or model.get_input_embeddings(),
-                        "num_embeddings", 0) or len(tokenizer))
+    vocab = int(model.get_input_embeddings().num_embeddings)  # ids the model can embed
     first = tokenizer.bos_token_id
     probe = repeated_probe(vocab, first_token=first, **PROBE).to(lm.device)
     scores = head_type_scores(model, probe)
