@@ -1,0 +1,328 @@
+"""A knockout's results written as lm-eval writes its own (``lm_eval_output``), read
+back with lm-eval's own readers: ``lm_eval.utils``' file-name functions, which its Hub
+logger lists a results folder with, and ``datasets.load_dataset("json", …)``, which it
+loads a results file (and a Hub details dataset) with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from conftest import load_lm
+
+from lm_eval_headloc.lm_eval_output import (
+    HASH_DIGITS,
+    MAX_LISTED,
+    evaluate_knockout,
+    knockout_model_args,
+    knockout_model_name,
+    save_lm_eval_results,
+)
+
+TASK = "tiny_copy_ppl"  # 12 documents; perplexity moves with every knockout
+KNOCKOUT = "L1H2+L0H1"  # written out of order: names and arguments sort it
+SORTED = "L0H1+L1H2"
+METRIC = "perplexity,none"
+# What the issue lists, and lm-eval's result_schema.EvalResults says a saved run holds.
+RESULT_KEYS = {"results", "configs", "versions", "n-shot", "higher_is_better", "n-samples",
+               "config"}
+# lm-eval's date_id: datetime.now().isoformat() with ':' made '-'.
+DATE = r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(\.\d{6})?"
+
+
+def _model_args(model_dir: Path) -> dict:
+    return {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file under ``folder``, as the paths lm-eval's readers are given."""
+    return sorted(str(p) for p in folder.rglob("*") if p.is_file())
+
+
+def _load_json(path: str | Path, cache: Path):
+    """A results or samples file as lm-eval's Hub logger loads one."""
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=str(path), split="train", cache_dir=str(cache))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def lm(model_dir):
+    return load_lm(model_dir, batch_size=12)
+
+
+@pytest.fixture(scope="module")
+def knockout(lm, model_dir, task_manager):
+    """The knockout evaluated once, with its samples."""
+    return evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out=KNOCKOUT,
+                             log_samples=True, model_args=_model_args(model_dir),
+                             bootstrap_iters=0)
+
+
+@pytest.fixture(scope="module")
+def plain_hf(model_dir, task_manager, tmp_path_factory):
+    """The plain model as lm-eval's CLI evaluates and saves it (``_cli/run.py``'s calls,
+    in order, with ``--model hf --output_path OUT --log_samples``): the layout to match."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    out = tmp_path_factory.mktemp("plain-hf")
+    tracker = EvaluationTracker(output_path=str(out))
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args={**_model_args(model_dir), "batch_size": 12}, tasks=[TASK],
+        task_manager=task_manager, log_samples=True, evaluation_tracker=tracker,
+        bootstrap_iters=0)
+    samples = results.pop("samples")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task_name in results["configs"]:
+        tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    return out, results
+
+
+# --- the files, read back ------------------------------------------------------------------
+
+def test_saved_knockout_reads_back_with_lm_eval_readers(knockout, model_dir, tmp_path):
+    from lm_eval.utils import (
+        get_file_datetime,
+        get_file_task_name,
+        get_latest_filename,
+        get_results_filenames,
+        get_sample_results_filenames,
+        handle_non_serializable,
+        sanitize_model_name,
+    )
+
+    before = json.dumps(knockout, default=handle_non_serializable, sort_keys=True)
+    out = tmp_path / "out"
+    saving = time.time()
+    path = save_lm_eval_results(knockout, out, log_samples=True)
+    # The results dict is the caller's still (the tracker adds its fields to what it gets).
+    assert json.dumps(knockout, default=handle_non_serializable, sort_keys=True) == before
+
+    files = _files(out)
+    assert get_results_filenames(files) == [str(path)]
+    assert get_latest_filename(get_results_filenames(files)) == str(path)
+    [samples_file] = get_sample_results_filenames(files)
+    assert len(files) == 2
+    assert get_file_task_name(Path(samples_file).name) == TASK
+    date = get_file_datetime(Path(samples_file).name)
+    assert re.fullmatch(DATE, date)
+    # One folder per model, named by lm-eval's sanitization of the knockout's name.
+    name = f"{model_dir},ablate={SORTED}"
+    assert path.parent == Path(samples_file).parent == out / sanitize_model_name(name)
+    assert path.name == f"results_{date}.json"
+
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    assert RESULT_KEYS <= set(saved)
+    expected = json.loads(json.dumps(knockout["results"], default=handle_non_serializable))
+    assert saved["results"][TASK] == expected[TASK]
+    assert saved["model_name"] == name and saved["model_source"] == "hf-headablate"
+    assert saved["model_name_sanitized"] == path.parent.name
+    assert saved["config"]["model"] == "hf-headablate"
+    assert saved["config"]["model_args"] == {**_model_args(model_dir), "ablate": SORTED}
+    assert saved["config"]["ablate"] == SORTED  # the model's own account of its knockout
+    assert saved["n-samples"][TASK] == {"original": 12, "effective": 12}
+    assert "samples" not in saved and set(saved["task_hashes"]) == {TASK}
+    # The evaluation's time, from simple_evaluate's start ("date"), not the save's.
+    assert float(saved["total_evaluation_time_seconds"]) >= saving - knockout["date"] > 0
+
+    # As lm-eval's Hub logger reads the newest results: a one-row dataset.
+    loaded = _load_json(path, tmp_path / "cache")
+    assert loaded.num_rows == 1
+    assert loaded["results"][0][TASK][METRIC] == pytest.approx(
+        knockout["results"][TASK][METRIC], rel=1e-12)
+    assert loaded["model_name"][0] == name
+
+    lines = [json.loads(line) for line in Path(samples_file).read_text().splitlines()]
+    assert sorted(line["doc_id"] for line in lines) == list(range(12))  # one per document
+    by_id = {s["doc_id"]: s for s in knockout["samples"][TASK]}
+    for line in lines:
+        assert line["doc"] == by_id[line["doc_id"]]["doc"]
+        assert line["doc_hash"] == by_id[line["doc_id"]]["doc_hash"]
+        assert set(line["arguments"]) == {"gen_args_0"}  # lm-eval's sanitized form
+    assert _load_json(samples_file, tmp_path / "cache").num_rows == 12
+
+
+def test_layout_and_keys_match_a_plain_hf_evaluation(knockout, plain_hf, model_dir, tmp_path):
+    from lm_eval.utils import get_results_filenames, get_sample_results_filenames
+
+    plain_out, plain_results = plain_hf
+    out = tmp_path / "out"
+    path = save_lm_eval_results(knockout, out, log_samples=True)
+    [plain_path] = get_results_filenames(_files(plain_out))
+    [plain_samples] = get_sample_results_filenames(_files(plain_out))
+    [samples] = get_sample_results_filenames(_files(out))
+    rel = [Path(p).relative_to(base).parts for p, base in
+           ((plain_path, plain_out), (plain_samples, plain_out), (path, out),
+            (samples, out))]
+    # <model folder>/results_<date>.json and <model folder>/samples_<task>_<date>.jsonl
+    for parts, pattern in zip(rel, [f"results_{DATE}.json", f"samples_{TASK}_{DATE}.jsonl"] * 2,
+                              strict=True):
+        assert len(parts) == 2 and re.fullmatch(pattern, parts[1]), parts
+    plain_folder, folder = rel[0][0], rel[2][0]
+    assert folder == f"{plain_folder},ablate={SORTED}"  # the plain model's, plus the knockout
+
+    plain, ours = (json.loads(Path(p).read_text()) for p in (plain_path, path))
+    assert set(ours) == set(plain)
+    assert set(plain["config"]) <= set(ours["config"])
+    assert plain["model_name"] == str(model_dir) and plain["model_source"] == "hf"
+    for key in ("configs", "versions", "n-shot", "higher_is_better", "n-samples"):
+        assert ours[key] == plain[key], key
+    assert set(ours["results"][TASK]) == set(plain["results"][TASK])
+    plain_line, line = (json.loads(Path(p).read_text().splitlines()[0])
+                        for p in (plain_samples, samples))
+    assert set(line) == set(plain_line)
+    # The knockout changed the model's answers: the score is not the plain model's.
+    assert ours["results"][TASK][METRIC] != pytest.approx(
+        plain_results["results"][TASK][METRIC])
+
+
+def test_saves_never_replace_files(knockout, lm, model_dir, task_manager, tmp_path):
+    from lm_eval.utils import get_latest_filename, get_results_filenames
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    other = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L1H3",
+                              model_args=_model_args(model_dir), bootstrap_iters=0)
+    first = save_lm_eval_results(knockout, out, log_samples=True)
+    first_text = first.read_text()
+    second = save_lm_eval_results(other, out)
+    again = save_lm_eval_results(knockout, out, log_samples=True)
+
+    assert first.parent != second.parent  # two knockouts, two folders
+    assert second.parent.name.endswith(",ablate=L1H3")
+    assert again.parent == first.parent and again != first  # a newer file beside it
+    assert first.read_text() == first_text and (out / "notes.txt").read_text() == "mine"
+    assert get_latest_filename(get_results_filenames(_files(first.parent))) == str(again)
+    assert sorted(p.name.split("_")[0] for p in first.parent.iterdir()) == \
+        ["results", "results", "samples", "samples"]
+    assert [p.name.split("_")[0] for p in second.parent.iterdir()] == ["results"]
+    assert json.loads(second.read_text())["config"]["ablate"] == "L1H3"
+    # The model is as it was: nothing stays knocked out after an evaluation.
+    assert lm.knocked_out == () and lm.scale == 0.0
+
+
+def test_saved_score_equals_an_independent_evaluation(knockout, model_dir, task_manager,
+                                                      tmp_path):
+    import lm_eval
+
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    path = save_lm_eval_results(knockout, tmp_path / "out")
+    separate = HFHeadAblateLM(pretrained=str(model_dir), ablate=SORTED, dtype="float32",
+                              device="cpu", batch_size=12)
+    alone = lm_eval.simple_evaluate(model=separate, tasks=[TASK], task_manager=task_manager,
+                                    bootstrap_iters=0, log_samples=False)
+    saved = json.loads(path.read_text())
+    assert saved["results"][TASK][METRIC] == pytest.approx(alone["results"][TASK][METRIC],
+                                                           rel=1e-9)
+
+
+def test_scale_is_named_and_applied(lm, model_dir, task_manager, tmp_path):
+    import lm_eval
+
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
+                                scale=2, model_args=_model_args(model_dir), limit=4,
+                                bootstrap_iters=0)
+    assert lm.scale == 0.0  # the model's own scale again
+    path = save_lm_eval_results(results, tmp_path / "out.json")  # lm-eval's file form
+    assert re.fullmatch(f"out_{DATE}.json", path.name) and path.parent == tmp_path
+    saved = json.loads(path.read_text())
+    assert saved["model_name"] == f"{model_dir},ablate=L0H1,scale=2"
+    assert saved["config"]["model_args"]["scale"] == 2 and saved["config"]["scale"] == 2.0
+    separate = HFHeadAblateLM(pretrained=str(model_dir), ablate="L0H1", scale=2,
+                              dtype="float32", device="cpu", batch_size=12)
+    alone = lm_eval.simple_evaluate(model=separate, tasks=[TASK], task_manager=task_manager,
+                                    bootstrap_iters=0, log_samples=False, limit=4)
+    assert saved["results"][TASK][METRIC] == pytest.approx(alone["results"][TASK][METRIC],
+                                                           rel=1e-9)
+
+
+def test_refusals_write_nothing(knockout, tmp_path):
+    no_samples = {k: v for k, v in knockout.items() if k != "samples"}
+    with pytest.raises(ValueError, match="no samples"):
+        save_lm_eval_results(no_samples, tmp_path / "out", log_samples=True)
+    assert not (tmp_path / "out").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # lm-eval's tracker only logs a failed write; the caller hears of it.
+    with pytest.raises(OSError, match="could not write"):
+        save_lm_eval_results(knockout, blocker / "out")
+
+
+# --- names -----------------------------------------------------------------------------
+
+def test_names_say_what_was_knocked_out():
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+    from lm_eval.utils import sanitize_model_name
+
+    args = "pretrained=EleutherAI/pythia-14m,dtype=float32"
+    assert knockout_model_name(args, "L3H2+L0H1+L0H1") == "EleutherAI/pythia-14m,ablate=L0H1+L3H2"
+    assert knockout_model_name(args, ["L3H2", "L0H1"]) == "EleutherAI/pythia-14m,ablate=L0H1+L3H2"
+    assert knockout_model_name(args, "L3N5+L0H1") == "EleutherAI/pythia-14m,ablate=L0H1+L3N5"
+    assert knockout_model_name(args, "L3N5", scale=2) == "EleutherAI/pythia-14m,ablate=L3N5,scale=2"
+    assert knockout_model_name(args, "L3N5", 0.5).endswith(",scale=0.5")
+    assert knockout_model_name(args + ",scale=2", "L1H0").endswith("ablate=L1H0,scale=2")
+    assert knockout_model_name(args + ",scale=2", "L1H0", scale=0).endswith("ablate=L1H0")
+    assert knockout_model_name(args + ",ablation=mean", "L1H0") == \
+        "EleutherAI/pythia-14m,ablate=L1H0,ablation=mean"
+    assert knockout_model_name(args, "L2H*") == "EleutherAI/pythia-14m,ablate=L2H*"
+    # An ablate= in the arguments is replaced by the knockout's.
+    assert knockout_model_name(args + ",ablate=L9H9", "L0H0") == \
+        "EleutherAI/pythia-14m,ablate=L0H0"
+    # The model part is lm-eval's own name for the arguments (peft before pretrained) …
+    peft = "pretrained=base/model,peft=me/adapter"
+    assert knockout_model_name(peft, "L0H0") == "me/adapter,ablate=L0H0"
+    # … and with nothing knocked out the name is the plain model's, as lm-eval gives it.
+    tracker = GeneralConfigTracker()
+    tracker.log_experiment_args(model_source="hf", model_args=args, system_instruction=None,
+                                chat_template=None, fewshot_as_multiturn=False)
+    assert knockout_model_name(args, []) == knockout_model_name(args, "") == tracker.model_name
+    assert sanitize_model_name(knockout_model_name(args, "L0H1")) == \
+        "EleutherAI__pythia-14m,ablate=L0H1"
+
+
+def test_long_lists_are_shortened_with_a_stable_hash():
+    from lm_eval.utils import sanitize_model_name
+
+    args = {"pretrained": "org/model"}
+    neurons = [f"L{layer}N{n}" for layer in (0, 3) for n in range(0, 400, 3)]
+    whole = "+".join(neurons)  # already in parse order: layer, then index
+    name = knockout_model_name(args, list(reversed(neurons)))
+    digest = hashlib.sha256(whole.encode()).hexdigest()[:HASH_DIGITS]
+    listed = name.removeprefix("org/model,ablate=")
+    assert len(listed) <= MAX_LISTED and listed.endswith(f"more-{digest}")
+    shown, tail = listed.rsplit("+", 1)
+    count = int(tail.split("more-")[0])
+    assert shown.split("+") == neurons[:len(neurons) - count] and len(shown) > 20
+    assert knockout_model_name(args, neurons) == name  # any order, any run: one name
+    # Same first components and count, another list: another name.
+    changed = neurons[:-1] + ["L3N400"]
+    assert knockout_model_name(args, changed) != name
+    # A folder name any file system takes: lm-eval's sanitization leaves no separator.
+    folder = sanitize_model_name(name)
+    assert re.fullmatch(r"[A-Za-z0-9_.,=+\-]+", folder) and len(folder) < 100
+    # A list that fits is spelled out.
+    assert knockout_model_name(args, neurons[:5]) == f"org/model,ablate={'+'.join(neurons[:5])}"
+
+
+def test_model_args_as_the_cli_records_them():
+    args = "pretrained=org/model,dtype=float32,batch_size=4,ablate=L9H9,ablate_top=3,scale=2"
+    assert knockout_model_args(args, "L1H0+L0H3") == {
+        "pretrained": "org/model", "dtype": "float32", "batch_size": 4,
+        "ablate": "L0H3+L1H0", "scale": 2}
+    assert knockout_model_args(args, "L1H0", scale=0.5)["scale"] == 0.5
+    assert knockout_model_args({"pretrained": "m", "scale": 2}, [], scale=0) == \
+        {"pretrained": "m"}
