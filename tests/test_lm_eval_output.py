@@ -326,3 +326,70 @@ def test_model_args_as_the_cli_records_them():
     assert knockout_model_args(args, "L1H0", scale=0.5)["scale"] == 0.5
     assert knockout_model_args({"pretrained": "m", "scale": 2}, [], scale=0) == \
         {"pretrained": "m"}
+
+
+# --- verify --output_path / --log_samples ----------------------------------------------
+
+def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp_path,
+                                                             capsys):
+    from conftest import finished_run
+    from lm_eval.utils import get_results_filenames, get_sample_results_filenames
+
+    from lm_eval_headloc.commands.cli import main
+
+    def harness(*args: str) -> int:
+        try:
+            return main([*args])
+        except SystemExit as exit_:
+            return exit_.code
+
+    model = tiny_model_dir("llama")
+    run = finished_run(tmp_path / "run", model, "tiny_copy_ppl", ("L1H2", "L0H0"), seed=3)
+    out, results_dir = tmp_path / "verify", tmp_path / "lm-eval"
+    args = ["verify", str(run), "--top-k", "2", "--general", "tiny_copy", "--random-draws",
+            "0", "--out", str(out), "--output_path", str(results_dir), "--log_samples"]
+    assert harness(*args) == 0
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    assert sorted(index) == ["baseline", "tiny_copy_ppl-top1", "tiny_copy_ppl-top2"]
+    measured = {json.loads(line)["key"]: json.loads(line) for line in
+                (out / "measurements.jsonl").read_text().splitlines()}
+    for key, path in index.items():
+        saved = json.loads(Path(path).read_text())
+        # The file lm-eval writes, its score the one verify measured for this knockout.
+        assert {"results", "configs", "versions", "n-shot", "higher_is_better",
+                "n-samples", "config"} <= set(saved)
+        assert saved["results"]["tiny_copy_ppl"]["perplexity,none"] == pytest.approx(
+            measured[key]["scores"]["tiny_copy_ppl"])
+        knocked = measured[key]["mask"]
+        assert (f"ablate={knocked}" in saved["model_name"]) == bool(knocked)
+        folder = Path(path).parent
+        files = [str(p) for p in folder.iterdir()]
+        assert get_results_filenames(files) and len(get_sample_results_filenames(files)) == 2
+    # A rerun measures nothing and writes no file again.
+    before = sorted(p for p in results_dir.rglob("*") if p.is_file())
+    assert harness(*args) == 0
+    assert sorted(p for p in results_dir.rglob("*") if p.is_file()) == before
+    # --log_samples without --output_path is refused, as lm-eval refuses it.
+    capsys.readouterr()
+    assert harness("verify", str(run), "--log-samples", "--out", str(tmp_path / "v2")) == 2
+    assert "--log-samples: give --output-path too" in capsys.readouterr().err
+
+
+def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path):
+    from conftest import finished_run
+
+    from lm_eval_headloc.commands.cli import main
+
+    model = tiny_model_dir("llama")
+    run = finished_run(tmp_path / "run", model, "tiny_copy_ppl", ("L1H2", "L0H0"), seed=3)
+    out, results_dir = tmp_path / "cross", tmp_path / "lm-eval"
+    assert main(["cross", str(run), "--top-k", "1", "--num-samples", "12", "--out", str(out),
+                 "--output-path", str(results_dir)]) in (0, None)
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    measured = {json.loads(line)["key"]: json.loads(line) for line in
+                (out / "measurements.jsonl").read_text().splitlines()}
+    assert sorted(index) == sorted(measured) == ["baseline", "set1"]
+    saved = json.loads(Path(index["set1"]).read_text())
+    assert saved["results"]["tiny_copy_ppl"]["perplexity,none"] == pytest.approx(
+        measured["set1"]["scores"]["tiny_copy_ppl"])
+    assert saved["model_name"].endswith(",ablate=L1H2")

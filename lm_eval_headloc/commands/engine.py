@@ -9,6 +9,7 @@ that are not on disk yet, each written before the next starts.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -472,5 +473,41 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
         record.save(folder, measure)
         records = run_plan(folder, measure, plan, desc=desc or command,
                            progress=spec.progress)
+        if spec.output_path is not None:
+            write_lm_eval_results(folder, measure, setup, plan)
         record.save(folder, measure)  # written only if the workers' shares changed
         yield folder, records
+
+
+#: The run folder's index of the lm-eval results files ``--output-path`` wrote.
+LM_EVAL_FILES = "lm_eval_files.json"
+
+
+def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
+                          plan: Sequence[PlanEntry]) -> None:
+    """``--output-path``: each knockout of ``plan`` evaluated again by lm-eval itself, on the
+    same examples, and saved as lm-eval's CLI saves its results (``lm_eval_output``). The
+    folder's ``lm_eval_files.json`` says which file each knockout went to, so a resumed run
+    writes only the ones not written yet."""
+    from ..lm_eval_output import evaluate_knockout, save_lm_eval_results
+
+    spec = setup.spec
+    index_path = folder.file(LM_EVAL_FILES)
+    written = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    manager = make_task_manager(list(spec.include_path))
+    window = ({"samples": measure.subset} if measure.subset is not None
+              else {"limit": measure.limit})
+    for key, components, *scale in plan:
+        done = written.get(key)
+        if done is not None and Path(done).is_file():
+            continue
+        results = evaluate_knockout(
+            measure.lm, [name for name, _ in setup.tasks], task_manager=manager,
+            knocked_out=list(components), scale=scale[0] if scale else None,
+            model_args=spec.model_args, log_samples=spec.log_samples,
+            apply_chat_template=spec.apply_chat_template,
+            fewshot_as_multiturn=spec.apply_chat_template,
+            confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
+        path = save_lm_eval_results(results, spec.output_path, log_samples=spec.log_samples)
+        written[key] = str(path.resolve())
+        folder.write_json(LM_EVAL_FILES, written)

@@ -299,6 +299,13 @@ class RunSpec:
         switch="store_true")
     verbose: bool = _option(False, "show lm-eval's per-measurement logging", RUNTIME,
                             switch="store_true")
+    output_path: str | None = _option(
+        None, "as lm-eval's --output_path: also evaluate each knockout with lm-eval itself "
+              "and write its results file there (results_<date>.json in a folder named "
+              "for the model and what was knocked out)", RUNTIME, metavar="DIR")
+    log_samples: bool = _option(
+        False, "as lm-eval's --log_samples: with --output-path, also each document's "
+               "sample (samples_<task>_<date>.jsonl)", RUNTIME, switch="store_true")
     progress: bool = _option(True, "show progress bars", RUNTIME)  # Python API only
 
     def __post_init__(self) -> None:
@@ -380,6 +387,9 @@ class RunSpec:
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
                              "neuron, search the ones it names first")
+        if self.log_samples and self.output_path is None:
+            raise UsageError("--log-samples: give --output-path too (the samples are written "
+                             "there, as lm-eval does)")
         if self.ablation_data is not None and self.ablation == "zero":
             raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
                              "--ablation mean or resample; zero ablation uses none")
@@ -477,18 +487,22 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     # verify's ablation flags default to the run's (add_options(keep_stored=True)).
     "verify": ("top_k", "general", "limit", "random_draws", "batch_size", "workers",
                "ray_address", "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code",
-               "verbose"),
+               "verbose", "output_path", "log_samples"),
     # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
     # adds it with add_options(keep_stored="the runs' own tasks")).
     "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "ablation",
               "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
-              "confirm_run_unsafe_code", "verbose"),
+              "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
     "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
               "apply_chat_template", "batch_size", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
+
+
+#: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
+LM_EVAL_SPELLING = frozenset({"output_path", "log_samples"})
 
 
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
@@ -502,6 +516,8 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
     for name in names:
         spec_field = by_name[name]
         meta, flag = spec_field.metadata, "--" + name.replace("_", "-")
+        # lm-eval's own spelling is accepted too where the option is lm-eval's.
+        spellings = (flag, f"--{name}") if name in LM_EVAL_SPELLING else (flag,)
         default = None if keep_stored else spec_field.default
         stored = keep_stored if isinstance(keep_stored, str) else "the run's"
         shown = stored if keep_stored else (
@@ -513,7 +529,7 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
         # argparse %-formats help texts.
         help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
         if meta["switch"] is not None:
-            parser.add_argument(flag, action=meta["switch"], default=spec_field.default,
+            parser.add_argument(*spellings, action=meta["switch"], default=spec_field.default,
                                 help=meta["help"].replace("%", "%%"))
             continue
         kwargs: dict[str, Any] = dict(default=default, help=help_text)
@@ -525,7 +541,7 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
             kwargs.update(action="append", default=[])
         elif meta["parse"] is not None:
             kwargs["type"] = _argparse_type(meta["parse"], flag)
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(*spellings, **kwargs)
 
 
 def _argparse_type(parse: Any, flag: str) -> Any:
