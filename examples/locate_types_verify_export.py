@@ -21,9 +21,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lm_eval_headloc.commands import RunSpec, locate, verify
+from lm_eval_headloc.commands.export import read_mib, write_mib
 from lm_eval_headloc.commands.types import read_types, types_summary
 from lm_eval_headloc.commands.verify import verification_markdown
-from lm_eval_headloc.export import read_mib, write_mib
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example")
 RUN = OUT / "locate"  # a run folder of its own: verify and the export write beside it

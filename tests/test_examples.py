@@ -67,6 +67,13 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
     assert top == heads["top_k"] and top[:3] == heads["top_k"][:3]
     by_head = {entry["head"]: entry for entry in heads["heads"]}
     assert len(by_head) == config["layers"] * config["heads_per_layer"] == 30 * 9
+    # Every one of the 270 heads carries its four type scores, as types.json has them, and
+    # the report's top-k table has a type column.
+    for entry in heads["heads"]:
+        layer, index = entry["layer"], entry["head_in_layer"]
+        assert entry["types"] == {name: types["scores"][name][layer][index]
+                                  for name in types["scores"]}
+    assert "| type (score) |" in (run / "report.md").read_text()
     for _, head, effect, how, kind in printed:
         entry = by_head[head]
         assert float(effect) == pytest.approx(entry["effect"], abs=5e-5)

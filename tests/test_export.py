@@ -1,4 +1,4 @@
-"""``lm_eval_headloc.export``: a run's head ranking as MIB's node-level importance file.
+"""``lm_eval_headloc.commands.export``: a run's head ranking as MIB's node-level importance file.
 
 The expected files are written out by hand here from MIB's format (EAP-IG's
 ``Graph.to_json`` / ``Graph.from_json`` at hannamw/EAP-IG@7af394a5662d, the submodule of
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.errors import UserError
-from lm_eval_headloc.export import (
+from lm_eval_headloc.commands.export import (
     MARKER,
     MIB_MODELS,
     ExportError,
@@ -29,6 +28,7 @@ from lm_eval_headloc.export import (
     read_mib,
     write_mib,
 )
+from lm_eval_headloc.errors import UserError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mib" / "node_importances_2x3.json"
 LAYERS, HEADS, WIDTH = 2, 3, 8

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> None:
         print(cross_markdown(cross(args.runs, args.out, RunSpec.from_namespace(args),
                                    force=args.force)))
     elif command == "export":
-        from ..export import write_mib
+        from .export import write_mib
 
         path = write_mib(args.run, args.out, args.task, mib_model=args.mib_model)
         print(f"Written to {path}")

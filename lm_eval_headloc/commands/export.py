@@ -58,9 +58,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
-from .files import write_atomically
-from .heads import Head, HeadSpecError, parse_heads
+from ..errors import UserError
+from ..files import write_atomically
+from ..heads import Head, HeadSpecError, parse_heads
 
 __all__ = ["MARKER", "MIB_CELLS", "MIB_FORMAT_VERSION", "MIB_MODELS", "ExportError",
            "MibFormatError", "check_mib", "is_mib_edge", "mib_graph", "mib_node_names",
@@ -376,8 +376,8 @@ def _model_shape(model_args: str | None) -> tuple[int, bool]:
     from lm_eval.utils import simple_parse_args_string
     from transformers import AutoConfig
 
-    from .embedded import smollm2_model_args
-    from .geometry import text_config
+    from ..embedded import smollm2_model_args
+    from ..geometry import text_config
 
     args = simple_parse_args_string(model_args or smollm2_model_args())
     kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
@@ -412,8 +412,8 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     made); an existing ``out`` is replaced only if an export of ours wrote it. Anything
     else is a one-line ``ExportError`` (a ``UserError``).
     """
-    from .commands.result import load_run  # torch and sklearn: only imported when needed
-    from .metrics import parse_task_metric
+    from ..metrics import parse_task_metric
+    from .result import load_run  # torch and sklearn: only imported when needed
 
     run_folder, out = Path(run_folder), Path(out)
     record = load_run(run_folder)
