@@ -84,7 +84,8 @@ def _flag(action: argparse.Action) -> str:
         value = "{" + ",".join(map(str, action.choices)) + "}"
     else:
         value = action.dest.upper()
-    return f"`{' '.join(action.option_strings)} {value}`"
+    # Another spelling of the same option (lm-eval's --output_path) is its own code span.
+    return " / ".join(f"`{flag} {value}`" for flag in action.option_strings)
 
 
 def _positional(action: argparse.Action) -> str:
