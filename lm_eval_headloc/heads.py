@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .errors import UserError
 
@@ -135,6 +135,14 @@ def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer:
             )
 
 
+def component_tokens(spec: str | Iterable[Any]) -> list[Any]:
+    """The names (or components) ``spec`` lists: a '+'-joined string, or a list whose
+    names may themselves be '+'-joined (a neuron group's entry in heads.json)."""
+    items = [spec] if isinstance(spec, str) else spec
+    return [part for item in items
+            for part in (item.split("+") if isinstance(item, str) else [item])]
+
+
 def parse_components(
     spec: str | Iterable[str | Component | tuple[int, int]],
     num_layers: int | None = None,
@@ -150,16 +158,12 @@ def parse_components(
     model (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*``
     expand to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
     """
-    if isinstance(spec, str):
-        if not spec.strip():
-            raise HeadSpecError(
-                "the head list is empty; write heads as L{layer}H{head} joined by '+', "
-                "e.g. L0H29+L1H31"
-            )
-        tokens: list = list(spec.split("+"))
-    else:  # a name in a list may itself be '+'-joined (a neuron group's entry in heads.json)
-        tokens = [part for token in spec
-                  for part in (token.split("+") if isinstance(token, str) else [token])]
+    if isinstance(spec, str) and not spec.strip():
+        raise HeadSpecError(
+            "the head list is empty; write heads as L{layer}H{head} joined by '+', "
+            "e.g. L0H29+L1H31"
+        )
+    tokens = component_tokens(spec)
     found: dict[tuple[int, int, int], Component] = {}  # by component_key: Head(0, 1) and
     for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):
@@ -208,9 +212,7 @@ def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None
 
 def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bool:
     """Whether ``spec`` names any MLP neuron (so the MLP's width is needed to check it)."""
-    tokens = spec.split("+") if isinstance(spec, str) else [
-        part for token in spec for part in (token.split("+") if isinstance(token, str)
-                                            else [token])]
+    tokens = component_tokens(spec)
     return any(isinstance(t, Neuron) or (isinstance(t, str) and (m := _TOKEN.match(t.strip()))
                                          is not None and m.group(2) == "N") for t in tokens)
 

@@ -628,7 +628,7 @@ class HeadKnockout:
         # What _place would key its masks by, without placing anything (this runs before
         # every measurement and, under resample, every forward pass).
         if intervention.row_masks is not None:
-            width = int(torch.as_tensor(intervention.row_masks).shape[-1])
+            width = int(intervention.row_masks.shape[-1])
             kinds = ["heads"] if width == self.flat_width(["heads"]) else list(KINDS)
         else:
             kinds = [kind for kind in KINDS if kind in intervention.kinds]

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .heads import Component, format_heads, parse_components
+from .heads import Component, component_tokens, format_heads, parse_components
 from .registration import MODEL_NAME
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
@@ -50,9 +50,7 @@ def _component_list(knocked_out: Sequence[str | Component] | str) -> str:
     """``knocked_out`` as ``format_heads`` writes it: sorted and unique, so the same set
     in another order names the same model. Whole layers (``L3H*``) stay as written: no
     model is at hand to expand them."""
-    tokens = ([t for t in knocked_out.split("+") if t.strip()] if isinstance(knocked_out, str)
-              else [p for t in knocked_out
-                    for p in (t.split("+") if isinstance(t, str) else [t])])
+    tokens = [t for t in component_tokens(knocked_out) if not isinstance(t, str) or t.strip()]
     wild = sorted({t.strip() for t in tokens if isinstance(t, str) and _WILDCARD.match(t.strip())})
     named = [t for t in tokens if not (isinstance(t, str) and t.strip() in wild)]
     listed = format_heads(parse_components(named)) if named else ""

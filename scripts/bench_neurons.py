@@ -44,6 +44,7 @@ from lm_eval_headloc.commands import RunSpec  # noqa: E402
 from lm_eval_headloc.commands.engine import (  # noqa: E402
     load_model,
     measured_plan,
+    model_config,
     open_measurement,
     prepare,
 )
@@ -306,13 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = RunSpec(model_args=args.model_args, include_path=tuple(args.include_path))
     tasks = [t for t in args.tasks.split(",") if t]
     setup = prepare(base.replace(tasks=(tasks[0],)))
-    from lm_eval.utils import simple_parse_args_string
-    from transformers import AutoConfig
-
-    model = simple_parse_args_string(setup.spec.model_args)
-    config = AutoConfig.from_pretrained(str(model["pretrained"]), **{
-        k: model[k] for k in ("gguf_file", "revision") if k in model})
-    per_head = neurons_per_head(config)
+    per_head = neurons_per_head(model_config(setup.spec.model_args))
     results = {}
     for task in tasks:
         saved = runs / task / "result.json"

@@ -126,21 +126,29 @@ def is_embedded(model_args: str | None) -> bool:
                               model_args.split(","))
 
 
-def model_geometry(model_args: str) -> Geometry:
-    """The model's layers, query heads per layer and MLP width (``Geometry``) from its
-    config alone: no weights loaded, so component names are checked in seconds."""
+def model_config(model_args: str) -> Any:
+    """The Hugging Face config ``model_args`` name (its ``pretrained=``, ``revision=``,
+    ``gguf_file=`` …), no weights loaded; a one-line ``UsageError`` when it cannot be
+    read."""
     from lm_eval.utils import simple_parse_args_string
     from transformers import AutoConfig
 
     args = simple_parse_args_string(model_args)
     kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
               if k in args}
-    pretrained = str(args["pretrained"])
+    pretrained = str(args.get("pretrained"))
     try:
-        config = AutoConfig.from_pretrained(pretrained, **kwargs)
+        return AutoConfig.from_pretrained(pretrained, **kwargs)
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
                          f"{str(err).splitlines()[0]}") from None
+
+
+def model_geometry(model_args: str) -> Geometry:
+    """The model's layers, query heads per layer and MLP width (``Geometry``) from its
+    config alone: no weights loaded, so component names are checked in seconds."""
+    config = model_config(model_args)
+    pretrained = config.name_or_path
     try:
         geometry = Geometry.from_config(config)
     except AttributeError as err:

@@ -373,22 +373,17 @@ def _model_shape(model_args: str | None) -> tuple[int, bool]:
     """The run's model's width and whether its attention and MLP read the same residual
     stream (GPT-J, GPT-NeoX, Phi-1/2, CodeGen, Falcon's parallel attention), from its
     config alone."""
-    from lm_eval.utils import simple_parse_args_string
-    from transformers import AutoConfig
-
+    from ..checks import UsageError
     from ..embedded import smollm2_model_args
     from ..geometry import text_config
+    from .engine import model_config
 
-    args = simple_parse_args_string(model_args or smollm2_model_args())
-    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
-              if k in args}
-    pretrained = str(args.get("pretrained"))
     try:
-        config = text_config(AutoConfig.from_pretrained(pretrained, **kwargs))
-    except Exception as err:  # noqa: BLE001 — any failure: the model is not readable here
-        raise ExportError(f"cannot read the config of the run's model pretrained="
-                          f"{pretrained!r} ({str(err).splitlines()[0]}); give d_model and "
-                          "parallel_attn_mlp") from None
+        whole = model_config(model_args or smollm2_model_args())
+    except UsageError as err:
+        raise ExportError(f"the run's model: {err}; give d_model and parallel_attn_mlp"
+                          ) from None
+    config, pretrained = text_config(whole), whole.name_or_path
     width = getattr(config, "hidden_size", None)
     if not isinstance(width, int):
         raise ExportError(f"the config of pretrained={pretrained!r} gives no hidden size; "

@@ -12,6 +12,9 @@ above the model's typical head, and says nothing otherwise.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -126,17 +129,12 @@ def read_types(folder: RunFolder | str | Path) -> HeadTypes | None:
     path = (folder if isinstance(folder, RunFolder) else RunFolder(folder)).file(TYPES_FILE)
     if not path.is_file():
         return None
-    import json
-
     return HeadTypes(json.loads(path.read_text()))
 
 
 def types_table(head_types: HeadTypes) -> str:
     """types.csv: one row per head — its probe scores, its scores on the examples (empty
     where undefined) and its dominant type."""
-    import csv
-    import io
-
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     examples = head_types.data.get("on_examples")
