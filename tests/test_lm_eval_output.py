@@ -393,3 +393,29 @@ def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path)
     assert saved["results"]["tiny_copy_ppl"]["perplexity,none"] == pytest.approx(
         measured["set1"]["scores"]["tiny_copy_ppl"])
     assert saved["model_name"].endswith(",ablate=L1H2")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--output-path", ""], "--output-path '': give a folder"),
+    (["--output-path", "NOT_OURS"], "exists and is not a folder"),
+    (["--log_samples"], "--log-samples: give --output-path too"),
+])
+def test_bad_output_paths_are_refused_before_loading(tmp_path, capsys, options, message):
+    from conftest import finished_run
+
+    from lm_eval_headloc.commands.cli import main
+
+    not_ours = tmp_path / "notes.txt"
+    not_ours.write_text("someone's notes\n")
+    run = finished_run(tmp_path / "run", tmp_path / "no-model-needed", "tiny_copy_ppl",
+                       ("L1H2",), seed=3)
+    out = tmp_path / "verify"
+    args = [str(not_ours) if o == "NOT_OURS" else o for o in options]
+    try:
+        code = main(["verify", str(run), "--out", str(out), *args])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not out.exists() and not_ours.read_text() == "someone's notes\n"

@@ -387,6 +387,14 @@ class RunSpec:
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
                              "neuron, search the ones it names first")
+        if self.output_path is not None:
+            where = Path(self.output_path)
+            if not str(self.output_path).strip():
+                raise UsageError("--output-path '': give a folder for lm-eval's results files")
+            # lm-eval writes into a folder, or beside a .json file name (never into it).
+            if where.exists() and not where.is_dir() and where.suffix != ".json":
+                raise UsageError(f"--output-path {self.output_path}: exists and is not a "
+                                 "folder; lm-eval writes its results files into a folder")
         if self.log_samples and self.output_path is None:
             raise UsageError("--log-samples: give --output-path too (the samples are written "
                              "there, as lm-eval does)")
