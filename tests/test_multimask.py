@@ -316,3 +316,23 @@ def test_example_parts_are_disjoint_and_cover_the_documents():
     assert choose_subset({"a": 51}, None, 5, (1, 2))["a"] != first
     # Without a part, the subset is what it always was.
     assert choose_subset({"a": 51}, 10, 4) == choose_subset({"a": 51}, 10, 4, None)
+
+
+@pytest.mark.parametrize("continuation", [" slept", " slept on the mat"])
+def test_a_single_request_passes_the_input_check_and_is_answered_as_hflm_does(
+        tiny_model_dir, continuation):
+    """One request (a subset of one document), or only identical ones: the narrowest and
+    widest request are the same, which HFLM answers with one row; the check used to
+    expect two and refuse every such measurement."""
+    from lm_eval.api.instance import Instance
+
+    from lm_eval_headloc import multimask
+
+    lm = load_lm(tiny_model_dir("llama"))
+    key = ("The cat sat on the mat and the dog", continuation)
+    requests = multimask.LoglikelihoodRequests(lm, [key, key])  # raised before the fix
+    ours = loglikelihoods_for_masks(lm, requests, [[]])[0]
+    theirs = lm.loglikelihood([Instance("loglikelihood", doc={}, arguments=key, idx=0)],
+                              disable_tqdm=True)[0]
+    assert ours[key][0] == pytest.approx(theirs[0], abs=1e-5)
+    assert ours[key][1] == theirs[1]
