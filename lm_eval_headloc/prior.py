@@ -22,6 +22,8 @@ Use the estimates to focus measurements, never to rule a head out.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +34,8 @@ import torch.nn.functional as F
 from .confirm import PRIOR_EASE, prior_penalty_weights  # re-exported; numpy-only there
 from .hooks import KINDS
 from .multimask import LoglikelihoodRequests, ScoredBatch, logits_only_at
+
+log = logging.getLogger(__name__)
 
 __all__ = ["IG_STEPS", "PRIOR_EASE", "PRIOR_POINTS", "attribution_effects", "ig_points",
            "measured_attribution", "path_point", "prior_penalty_weights"]
@@ -189,6 +193,31 @@ def _answers_at(lm: Any, requests: LoglikelihoodRequests, at: float, kind: str,
     return answers
 
 
+class BackwardBatch:
+    """Rows per forward and backward pass of the attribution, halved on running out of
+    GPU memory (as lm-eval's own batch-size detection does) and kept halved for the
+    passes after: a backward pass keeps every layer's activations, so at 8B a batch the
+    measurements run at can exceed the memory left beside the weights."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = max(1, int(rows))
+
+    def run(self, attribute: Any) -> np.ndarray:
+        """``attribute(rows)``, retried at half the rows after each out-of-memory error
+        (raised again at one row)."""
+        while True:
+            try:
+                return attribute(self.rows)
+            except torch.OutOfMemoryError:
+                if self.rows == 1:
+                    raise
+                self.rows //= 2
+                log.warning("the attribution prior ran out of GPU memory; retrying with "
+                            "%d rows per backward pass", self.rows)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+
 def measured_attribution(measure: Any, points: Sequence[float | Sequence[float]] = (0.0,),
                          kind: str = "heads") -> dict[str, np.ndarray]:
     """Attribution patching for a ``measure.HarnessMeasurement``: each task's estimated
@@ -213,6 +242,7 @@ def measured_attribution(measure: Any, points: Sequence[float | Sequence[float]]
     requests = measure.requests() if measure.signal == "logprob" else LoglikelihoodRequests(
         lm, [key for gold in golds for key in gold.requests])
     batch_size = measure.resolved_batch_size()
+    backward = BackwardBatch(batch_size)
     effects: dict[str, list[np.ndarray]] = {name: [] for name, _ in measure.tasks}
     # The prior is of the unablated model, whatever components the model was set to.
     with lm.knocking_out([]):
@@ -225,8 +255,8 @@ def measured_attribution(measure: Any, points: Sequence[float | Sequence[float]]
                            if at == 0.0 else _answers_at(lm, requests, at, kind, batch_size))
                 for name, _ in measure.tasks:
                     weights = signal_weights(golds, answers, measure.leaves_of[name])
-                    along[name].append(attribution_effects(lm, requests, weights,
-                                                           batch_size, at=at, kind=kind))
+                    along[name].append(backward.run(functools.partial(
+                        attribution_effects, lm, requests, weights, at=at, kind=kind)))
             for name, rows in along.items():
                 effects[name].append(np.mean(rows, axis=0))
     return {name: np.stack(rows) for name, rows in effects.items()}

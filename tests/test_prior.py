@@ -162,3 +162,42 @@ def test_attribution_follows_the_ablation_kind_and_scale(tiny_model_dir, task_ma
         assert abs(derivative) > 1e-4  # the direction matters, so the test could fail
         assert effects[flat] == pytest.approx(0.5 * derivative, rel=1e-3, abs=1e-6)
     torch.set_grad_enabled(True)
+
+
+def test_the_prior_halves_its_backward_batch_on_running_out_of_gpu_memory(
+        tiny_model_dir, task_manager, monkeypatch, caplog):
+    """A backward pass keeps every layer's activations: at 8B the measurements' batch can
+    exceed the GPU's memory. The prior retries at half the rows (kept for later passes)
+    and gives the estimates it would have given at any batch size."""
+    from lm_eval_headloc import prior
+
+    lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64",
+                 batch_size=8)
+    task = "tiny_choice"
+    measure = HarnessMeasurement(lm, [(task, None)], {task: task_manager.load([task])},
+                                 num_samples=None, signal="logprob")
+    expected = prior.measured_attribution(measure, points=(0.0, 0.5))[task]
+    real = prior._scored_logprobs
+    tried: list[int] = []
+
+    def short_of_memory(lm_, requests, batch, *args, **kwargs):
+        if torch.is_grad_enabled():
+            tried.append(len(batch.keys))
+            if len(batch.keys) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+        return real(lm_, requests, batch, *args, **kwargs)
+
+    monkeypatch.setattr(prior, "_scored_logprobs", short_of_memory)
+    with caplog.at_level("WARNING", logger="lm_eval_headloc.prior"):
+        got = prior.measured_attribution(measure, points=(0.0, 0.5))[task]
+    assert max(tried) == 8 and sorted(set(tried))[-2] <= 4  # 8 failed, then fewer rows
+    assert tried.count(8) == 1  # halved once, kept for the second point
+    assert "retrying with 4 rows per backward pass" in caplog.text
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    # Out of memory at one row is not hidden.
+    monkeypatch.setattr(prior, "_scored_logprobs", lambda *a, **k: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory")) if torch.is_grad_enabled()
+        else real(*a, **k))
+    with pytest.raises(torch.OutOfMemoryError):
+        prior.measured_attribution(measure)
+    torch.set_grad_enabled(True)
