@@ -25,6 +25,12 @@ ratios reference/ours and ours/limit are printed and written to ``BENCH.md``, wh
 script regenerates entirely. With ``--profile`` it also profiles ``ours`` on the
 loglikelihood task with cProfile and adds a "where the time goes" section.
 
+With ``--config NAME`` (``llama-3.2-1b``, ``llama-3.1-8b``) it benchmarks a random-weight
+model of that published shape instead, on tasks of realistic lengths, and writes its own
+section of ``BENCH.md`` (``bench_scale.py`` says what it measures)::
+
+    python scripts/bench_measure.py --config llama-3.1-8b --dtype bfloat16 --device cuda
+
 Usage (from the repository root, inside the virtualenv)::
 
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python scripts/bench_measure.py --profile
@@ -196,30 +202,38 @@ def record_batches(lm: Any, call: Callable[[], Any]) -> tuple[Recording, Any]:
     return recording, result
 
 
+def masked_generate(lm: Any, call: GenBatch) -> torch.Tensor:
+    """``model.generate`` on a recorded call's prompts under the model's standing mask
+    (``lm.forward_pass``: the knockout hooks, nothing of the harness)."""
+    width = int(call.input_ids.shape[1]) + call.new_tokens
+    with torch.no_grad(), lm.forward_pass(call.input_ids, call.attention_mask, width):
+        return lm.model.generate(input_ids=call.input_ids, attention_mask=call.attention_mask,
+                                 max_new_tokens=call.new_tokens, do_sample=False,
+                                 pad_token_id=lm.tokenizer.pad_token_id, use_cache=True)
+
+
 def limit_fn(lm: Any, recording: Recording) -> Callable[[], None]:
-    """The bare-model floor: the recorded batches through ``model`` / ``model.generate``."""
-    model, pad = lm.model, lm.tokenizer.pad_token_id
+    """The bare-model floor: the recorded batches through ``model`` / ``model.generate``
+    under the standing mask (``lm.set_heads``; the knockout hooks are applied only inside
+    ``lm.forward_pass``, so the floor enters it as the harness's calls do)."""
+    model = lm.model
 
     def run() -> None:
         with torch.no_grad():
             for inps in recording.forward_inputs:
-                model(inps).logits  # noqa: B018 — the forward is what is timed
+                with lm.forward_pass(inps):
+                    model(inps).logits  # noqa: B018 — the forward is what is timed
             for call in recording.generate_calls:
-                model.generate(input_ids=call.input_ids, attention_mask=call.attention_mask,
-                               max_new_tokens=call.new_tokens, do_sample=False,
-                               pad_token_id=pad, use_cache=True)
+                masked_generate(lm, call)
 
     return run
 
 
 def check_limit_generation(lm: Any, recording: Recording) -> bool:
     """The floor's generate gives the same tokens as the harness's (up to its stop)."""
-    pad = lm.tokenizer.pad_token_id
     with torch.no_grad():
         for call in recording.generate_calls:
-            out = lm.model.generate(input_ids=call.input_ids, attention_mask=call.attention_mask,
-                                    max_new_tokens=call.new_tokens, do_sample=False,
-                                    pad_token_id=pad, use_cache=True)
+            out = masked_generate(lm, call)
             width = min(out.shape[1], call.output.shape[1])
             if not torch.equal(out[:, :width], call.output[:, :width]):
                 return False
@@ -249,12 +263,20 @@ class TaskResult:
 
 
 def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dict[str, list[int]],
-                  chat: bool, task_manager: Any, repeats: int
+                  chat: bool, task_manager: Any, repeats: int, docs: int | None = None
                   ) -> tuple[Timing, Timing, float | None]:
     """Per repeat: a fresh model from disk with the mask, then simple_evaluate(batch_size=1).
 
-    Returns the whole time, the model-load part of it, and the score.
+    Returns the whole time, the model-load part of it, and the score. With ``docs``, the
+    evaluation runs on the first ``docs`` documents of each task and its time is scaled to
+    the whole subset (at batch size 1 it is linear in the documents); the score is then
+    that of the fewer documents.
     """
+    total = sum(len(v) for v in subset.values())
+    factor = 1.0
+    if docs is not None and docs < total:
+        factor = total / sum(min(docs, len(v)) for v in subset.values())
+        subset = {name: v[:docs] for name, v in subset.items()}
     import lm_eval
 
     from lm_eval_headloc.model import HFHeadAblateLM
@@ -272,7 +294,7 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
                 model=lm, tasks=[task], samples=subset, task_manager=task_manager,
                 apply_chat_template=chat, bootstrap_iters=0, log_samples=False)
             end = time.perf_counter()
-        timing.seconds.append(end - start)
+        timing.seconds.append(loaded - start + factor * (end - loaded))
         loading.seconds.append(loaded - start)
         score = task_score(results, task).value
         del results, lm
@@ -282,7 +304,8 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
 
 def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head],
                num_samples: int, seed: int, repeats: int, reference_repeats: int,
-               device: str, task_manager: Any) -> tuple[TaskResult, Any, Recording]:
+               device: str, task_manager: Any, before: bool = True,
+               reference_docs: int | None = None) -> tuple[TaskResult, Any, Recording]:
     measure = open_measurement(setup, lm, num_samples=num_samples)  # seed: setup.spec's
     chat = measure.chat_template[next(iter(measure.chat_template))]
     subset = measure.subset
@@ -296,7 +319,7 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
         notes.append("limit's generate differs from the harness's tokens")
     fns = [lambda: measure(heads), limit_fn(lm, recording)]
     score_before = None
-    if kind == "loglikelihood":
+    if kind == "loglikelihood" and before:
         score_before = measure.measure_with_model(heads)[task].value  # also a warm-up
         fns.append(lambda: measure.measure_with_model(heads))
     ours, limit, *before = time_interleaved(fns, repeats, device)
@@ -311,7 +334,8 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
                    f"{' + '.join(f'{b}×{t}' for b, t in shapes)}, "
                    f"{'/'.join(map(str, steps))} new tokens")
     reference, loading, score_ref = run_reference(setup.spec.model_args, task, heads, subset, chat,
-                                                  task_manager, reference_repeats)
+                                                  task_manager, reference_repeats,
+                                                  reference_docs)
     return TaskResult(task, kind, docs, batches, reference, loading, ours, limit, score_ref,
                       score_ours, before[0] if before else Timing(), score_before,
                       notes), measure, recording
@@ -407,18 +431,20 @@ def forward_anatomy(lm: Any, recording: Recording, repeats: int,
     def body_only() -> None:
         with torch.no_grad():
             for inps in recording.forward_inputs:
-                body(inps).last_hidden_state  # noqa: B018
+                with lm.forward_pass(inps):
+                    body(inps).last_hidden_state  # noqa: B018
 
     def with_log_softmax() -> None:
         with torch.no_grad():
             for inps in recording.forward_inputs:
-                torch.log_softmax(model(inps).logits, dim=-1, dtype=torch.float32)
+                with lm.forward_pass(inps):
+                    torch.log_softmax(model(inps).logits, dim=-1, dtype=torch.float32)
 
     def scored_only() -> None:
         with torch.no_grad():
             for inps, (rows, positions) in zip(recording.forward_inputs, recording.scored,
                                                strict=True):
-                with multimask.logits_only_at(model, rows, positions):
+                with lm.forward_pass(inps), multimask.logits_only_at(model, rows, positions):
                     model(inps).logits  # noqa: B018
 
     labels = ["transformer body only (no `lm_head`)",
@@ -604,8 +630,8 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
         for label, seconds in profile.derived:
             lines.append(f"| {label} | {seconds:.3f} | {100 * seconds / whole:.1f} % |")
         if profile.anatomy:
-            lines += ["", "The limit's forward taken apart on the same batches (timed "
-                      "alternately, no profiler), seconds per measurement:", "",
+            lines += ["", "The limit's forward taken apart on the same batches (under the mask, "
+                      "timed alternately, no profiler), seconds per measurement:", "",
                       "| forward variant | s | share of the limit |", "| --- | --- | --- |"]
             full = dict(profile.anatomy)[LIMIT_LABEL].median
             for label, timing in profile.anatomy:
@@ -642,6 +668,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--multi-repeats", type=int, default=2,
                         help="repetitions of each K (default 2)")
     parser.add_argument("--out", type=Path, default=REPO / "BENCH.md")
+    from bench_scale import add_arguments  # scripts/ is on sys.path
+
+    add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         values = [int(v) for v in args.masks_per_pass.split(",") if v.strip()]
@@ -653,11 +682,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if 0 in args.per_pass_values:
         parser.error(f"--masks-per-pass {args.masks_per_pass!r}: 0 alone skips the table")
     for name in ("repeats", "num_samples", "gen_samples", "batch_size", "profile_calls",
-                 "multi_masks", "multi_repeats"):
+                 "multi_masks", "multi_repeats", "max_gen_toks", "reference_gen_docs",
+                 "max_masks_per_pass", "locate_gen_masks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    if args.reference_repeats < 0 or args.seed < 0:
-        parser.error("--reference-repeats and --seed must be >= 0")
+    if args.reference_repeats < 0 or args.seed < 0 or args.locate_gen_confirm < 0:
+        parser.error("--reference-repeats, --seed and --locate-gen-confirm must be >= 0")
+    if not 0 < args.sparsity < 1:
+        parser.error(f"--sparsity {args.sparsity}: must be between 0 and 1")
+    for entry in args.locate:
+        task, _, signal = entry.partition(":")
+        if task not in ("choice", "gen") or signal not in ("", "metric", "logprob"):
+            parser.error(f"--locate {entry!r}: expected choice or gen, optionally with "
+                         ":metric or :logprob (gen:logprob)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     return args
@@ -673,6 +710,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    if args.config:
+        from bench_scale import run_scale
+        from bench_sections import demote, section_name, write_section
+
+        text = run_scale(args, command)
+        write_section(args.out, section_name(f"bench_measure {args.config}", args.device),
+                      demote(text))
+        print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s in all)", flush=True)
+        return 0
     model_args = smollm2_model_args(device=args.device)
 
     setups = {task: prepare(RunSpec(model_args=model_args, tasks=(task,), seed=args.seed,

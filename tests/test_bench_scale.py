@@ -1,0 +1,172 @@
+"""The at-scale benchmark (``scripts/bench_measure.py --config``): published shapes,
+random models, realistic tasks, and the default run's extrapolation, checked on a CPU so
+that a lent GPU's minutes go to measuring, not debugging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_scale  # noqa: E402
+import bench_shapes  # noqa: E402
+
+
+@pytest.mark.parametrize(("name", "published"), [
+    # The parameter counts on the models' Hugging Face cards (safetensors metadata).
+    ("llama-3.2-1b", 1_235_814_400),
+    ("llama-3.1-8b", 8_030_261_248),
+])
+def test_published_shapes_have_the_published_parameter_counts(name, published):
+    assert bench_shapes.parameter_count(name) == published
+
+
+def test_an_unknown_shape_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"--config 'llama-70b': expected one of "
+                                         r"llama-3\.2-1b, llama-3\.1-8b"):
+        bench_shapes.model_config("llama-70b")
+
+
+def test_the_byte_tokenizer_has_one_token_per_byte():
+    tokenizer = bench_shapes.byte_tokenizer()
+    text = "Question: 3 × 4?\n"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text.encode("utf-8"))
+    assert max(ids) < bench_shapes.BYTE_TOKENS
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id == 256 and tokenizer.pad_token_id == 257
+
+
+def test_a_random_model_generates_bytes_only_and_its_folder_is_reused_not_overwritten(
+        tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, _, built = bench_shapes.build_random_model("tiny-llama", tmp_path / "m",
+                                                       "float32")
+    assert built
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert model.config.vocab_size == 512  # the output projection keeps its full width
+    prompt = tokenizer(["Question: what is two and two?"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=40, do_sample=False)
+    new = out[0, prompt["input_ids"].shape[1]:]
+    assert len(new) == 40  # never stopped by an end-of-text token
+    assert int(new.max()) < bench_shapes.BYTE_TOKENS
+    # The same settings again: reused; other settings: rebuilt in our own folder.
+    assert bench_shapes.build_random_model("tiny-llama", folder, "float32")[2] is False
+    assert bench_shapes.build_random_model("tiny-llama", folder, "float32", seed=1)[2]
+    # A folder that is not ours is refused before anything is written.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not made by this benchmark"):
+        bench_shapes.build_random_model("tiny-llama", theirs, "float32")
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+
+
+def test_tasks_have_the_asked_lengths_and_load_in_lm_eval(tmp_path):
+    from lm_eval_headloc.tasks import make_task_manager
+
+    means = bench_shapes.write_tasks(tmp_path, docs=20, choice_tokens=250,
+                                     gen_prompt_tokens=200, gen_answer_tokens=150,
+                                     max_gen_toks=64)
+    rows = [json.loads(line) for line in
+            (tmp_path / "scale_gen" / "scale_gen.jsonl").read_text().splitlines()]
+    assert len(rows) == 20
+    assert all(160 <= len(r["question"]) <= 240 for r in rows)  # ±20 % of 200 bytes
+    assert all(120 <= len(r["answer"]) <= 180 for r in rows)
+    assert 200 <= means["scale_gen"] <= 240  # the question plus "Question: …\nAnswer:"
+    manager = make_task_manager(str(tmp_path))
+    loaded = manager.load(["scale_choice", "scale_gen"])["tasks"]
+    choice, gen = loaded["scale_choice"], loaded["scale_gen"]
+    doc = choice.test_docs()[0]
+    assert choice.doc_to_choice(doc) == ["A", "B", "C", "D"]
+    assert choice.doc_to_text(doc).endswith("\nAnswer:")
+    gen_doc = gen.test_docs()[0]
+    assert gen.doc_to_text(gen_doc) == f"Question: {gen_doc['question']}\nAnswer:"
+    assert gen.doc_to_target(gen_doc) == f" {gen_doc['answer']}"
+    assert gen.config.generation_kwargs["max_gen_toks"] == 64
+    assert gen.config.generation_kwargs["until"] == ["Question:"]
+
+
+def test_the_default_run_is_extrapolated_from_its_measured_parts(tmp_path):
+    lines = [{"key": "baseline", "seconds": 2.0}]
+    lines += [{"key": f"mask-{i:04d}", "seconds": s} for i, s in enumerate([1.0, 3.0])]
+    lines += [{"key": f"alone-L0H{i}", "seconds": 0.5} for i in range(4)]
+    (tmp_path / "measurements.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "prior.json").write_text(json.dumps({"seconds": 7.5}))
+    row = bench_scale.read_locate_row(bench_scale.LocateRow("t", "metric", 2, 4, wall=30.0),
+                                      tmp_path)
+    assert row.measured == pytest.approx(2.0 + 4.0 + 2.0)
+    assert row.fixed == pytest.approx(22.0)
+    assert (row.baseline, row.per_mask, row.per_confirm, row.prior) == (2.0, 2.0, 0.5, 7.5)
+    # fixed + baseline + 12 masks × 2 s + 34 confirmations × 0.5 s
+    assert row.default_seconds(12, 34) == pytest.approx(22 + 2 + 24 + 17)
+
+
+def test_the_sweep_stops_doubling_at_the_first_out_of_memory_error():
+    calls = []
+
+    class Measure:
+        def measure_many(self, masks, masks_per_pass):
+            calls.append((len(masks), masks_per_pass))
+            if masks_per_pass >= 8:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return [{} for _ in masks]
+
+    rows = bench_scale.sweep_masks_per_pass(Measure(), [[]] * 32, "cpu", most=64, auto=3)
+    assert [r.per_pass for r in rows] == [1, 2, 3, 4, 8, 16, 32, 64]
+    assert [r.seconds_per_mask is None for r in rows] == [False] * 4 + [True] * 4
+    assert max(k for _, k in calls) == 8  # nothing tried beyond the first failure
+    assert bench_scale.best_row(rows).seconds_per_mask is not None
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        class Broken(Measure):
+            def measure_many(self, masks, masks_per_pass):
+                raise RuntimeError("shape mismatch")
+        bench_scale.sweep_masks_per_pass(Broken(), [[]] * 4, "cpu", most=4, auto=1)
+
+
+def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
+    out = tmp_path / "BENCH.md"
+    out.write_text("# Head\n\n<!-- bench_workers: start -->\n\nkept\n\n"
+                   "<!-- bench_workers: end -->\n")
+    # A process of its own: the benchmark quiets lm-eval's logging and warnings globally.
+    done = subprocess.run([
+        sys.executable, str(SCRIPTS / "bench_measure.py"), "--config", "tiny-llama",
+        "--dtype", "float32", "--num-samples", "4", "--repeats", "1",
+        "--reference-repeats", "1", "--reference-gen-docs", "2", "--max-gen-toks", "4",
+        "--max-masks-per-pass", "2", "--locate", "choice", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    assert "<!-- bench_workers: start -->\n\nkept" in text  # others' sections kept
+    section = text.split("<!-- bench_measure tiny-llama: start -->")[1]
+    assert "| `scale_choice` (loglikelihood) |" in section
+    assert "| `scale_gen` (generation) |" in section
+    assert "ran on 2 documents and is scaled to 4" in section
+    assert "| 1 | 32 |" in section and "| 2 | 64 |" in section
+    assert "Automatic K = 1:" in section
+    assert "`--signal logprob`, one mask per pass" in section
+    assert "| `scale_choice`, metric | 12 masks + 5 confirmations |" in section
+    assert "note:" not in section  # the limit replays the harness's tokens exactly
+
+
+def test_bad_options_are_one_line_errors(capsys):
+    import bench_measure
+
+    for argv, message in ((["--config", "llama-70b"], "invalid choice: 'llama-70b'"),
+                          (["--locate", "mmlu"], "--locate 'mmlu': expected choice or gen"),
+                          (["--sparsity", "1.5"], "--sparsity 1.5: must be between 0 and 1")):
+        with pytest.raises(SystemExit) as info:
+            bench_measure.parse_args(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
