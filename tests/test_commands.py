@@ -366,6 +366,36 @@ def test_measurement_log_keeps_every_good_line(tmp_path, caplog):
     assert (tmp_path / "measurements.jsonl").read_text() == "\n".join(lines) + "\n"
 
 
+def test_run_folder_json_puts_a_list_of_numbers_on_one_line_and_reads_back_exactly(
+        tmp_path):
+    from lm_eval_headloc.commands import RunFolder
+
+    awkward = [1e-300, -0.0, 0.1 + 0.2, 5e-324, 2**70, -(10**30), 1.7976931348623157e308,
+               True, 0, float("nan"), float("inf")]
+    data = {"effects": [1.5, -0.25, *awkward], "at": {"points": [[0.5, 1], [2]],
+            "names": ["L0H1", "L2H3"], "empty": [], "none": {}}, 7: 0.1}
+    RunFolder(tmp_path).write_json("prior.json", data)
+    text = (tmp_path / "prior.json").read_text()
+    lines = text.splitlines()
+    assert lines[1] == ('  "effects": [1.5, -0.25, 1e-300, -0.0, 0.30000000000000004, '
+                        '5e-324, 1180591620717411303424, -1000000000000000000000000000000, '
+                        '1.7976931348623157e+308, true, 0, null, null],')
+    # Objects, and lists of anything but numbers, stay one item a line.
+    assert lines[2:12] == ['  "at": {', '    "points": [', '      [0.5, 1],', '      [2]',
+                           '    ],', '    "names": [', '      "L0H1",', '      "L2H3"',
+                           '    ],', '    "empty": [],']
+    back = strict_json(tmp_path / "prior.json")
+    expected = json.loads(json.dumps(data).replace("NaN", "null").replace("Infinity", "null"))
+    assert back == expected and list(back) == ["effects", "at", "7"]
+    # float for float: -0.0 == 0.0 and 5e-324 == 5e-324 hide nothing from repr.
+    assert [repr(x) for x in back["effects"]] == [repr(x) for x in expected["effects"]]
+    assert [type(x) for x in back["effects"]] == [type(x) for x in expected["effects"]]
+    # Without a list of numbers the layout is json's indent=2, byte for byte.
+    rest = {k: v for k, v in data["at"].items() if k != "points"}
+    RunFolder(tmp_path).write_json("rest.json", rest)
+    assert (tmp_path / "rest.json").read_text() == json.dumps(rest, indent=2) + "\n"
+
+
 def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path, capsys):
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
             "--masks", "8", "--sparsity", "0.25", "--num-samples", "6", "--out",
