@@ -212,10 +212,12 @@ def masked_generate(lm: Any, call: GenBatch) -> torch.Tensor:
                                  pad_token_id=lm.tokenizer.pad_token_id, use_cache=True)
 
 
-def limit_fn(lm: Any, recording: Recording) -> Callable[[], None]:
+def limit_fn(lm: Any, recording: Recording,
+             outputs: list[torch.Tensor] | None = None) -> Callable[[], None]:
     """The bare-model floor: the recorded batches through ``model`` / ``model.generate``
     under the standing mask (``lm.set_heads``; the knockout hooks are applied only inside
-    ``lm.forward_pass``, so the floor enters it as the harness's calls do)."""
+    ``lm.forward_pass``, so the floor enters it as the harness's calls do). The first
+    run's generated tokens go to ``outputs`` when given (``same_generation`` checks them)."""
     model = lm.model
 
     def run() -> None:
@@ -223,20 +225,19 @@ def limit_fn(lm: Any, recording: Recording) -> Callable[[], None]:
             for inps in recording.forward_inputs:
                 with lm.forward_pass(inps):
                     model(inps).logits  # noqa: B018 — the forward is what is timed
-            for call in recording.generate_calls:
-                masked_generate(lm, call)
+            generated = [masked_generate(lm, call) for call in recording.generate_calls]
+            if outputs is not None and not outputs:
+                outputs.extend(generated)
 
     return run
 
 
-def check_limit_generation(lm: Any, recording: Recording) -> bool:
-    """The floor's generate gives the same tokens as the harness's (up to its stop)."""
-    with torch.no_grad():
-        for call in recording.generate_calls:
-            out = masked_generate(lm, call)
-            width = min(out.shape[1], call.output.shape[1])
-            if not torch.equal(out[:, :width], call.output[:, :width]):
-                return False
+def same_generation(recording: Recording, outputs: Sequence[torch.Tensor]) -> bool:
+    """The floor generated the same tokens as the harness (up to the harness's stop)."""
+    for call, out in zip(recording.generate_calls, outputs, strict=True):
+        width = min(out.shape[1], call.output.shape[1])
+        if not torch.equal(out[:, :width].cpu(), call.output[:, :width].cpu()):
+            return False
     return True
 
 
@@ -315,14 +316,15 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
     score_ours = scores[task].value
     lm.set_heads(heads)  # the limit runs under the same mask (ours sets it on every call)
     notes = []
-    if recording.generate_calls and not check_limit_generation(lm, recording):
-        notes.append("limit's generate differs from the harness's tokens")
-    fns = [lambda: measure(heads), limit_fn(lm, recording)]
+    generated: list[torch.Tensor] = []
+    fns = [lambda: measure(heads), limit_fn(lm, recording, generated)]
     score_before = None
     if kind == "loglikelihood" and before:
         score_before = measure.measure_with_model(heads)[task].value  # also a warm-up
         fns.append(lambda: measure.measure_with_model(heads))
     ours, limit, *before = time_interleaved(fns, repeats, device)
+    if recording.generate_calls and not same_generation(recording, generated):
+        notes.append("limit's generate differs from the harness's tokens")
     if recording.forward_inputs:
         shapes = [tuple(x.shape) for x in recording.forward_inputs]
         batches = (f"{len(shapes)} forward(s) of {' + '.join(f'{b}×{t}' for b, t in shapes)} "
@@ -683,11 +685,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--masks-per-pass {args.masks_per_pass!r}: 0 alone skips the table")
     for name in ("repeats", "num_samples", "gen_samples", "batch_size", "profile_calls",
                  "multi_masks", "multi_repeats", "max_gen_toks", "reference_gen_docs",
-                 "max_masks_per_pass", "locate_gen_masks"):
+                 "max_masks_per_pass", "locate_gen_masks", "sweep_masks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.reference_repeats < 0 or args.seed < 0 or args.locate_gen_confirm < 0:
         parser.error("--reference-repeats, --seed and --locate-gen-confirm must be >= 0")
+    if args.gen_repeats is not None and args.gen_repeats < 1:
+        parser.error(f"--gen-repeats {args.gen_repeats}: must be >= 1")
     if not 0 < args.sparsity < 1:
         parser.error(f"--sparsity {args.sparsity}: must be between 0 and 1")
     for entry in args.locate:

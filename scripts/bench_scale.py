@@ -75,11 +75,11 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: str,
-                         most: int, auto: int) -> list[PassRow]:
+                         most: int, auto: int, least: int = 16) -> list[PassRow]:
     """Seconds per mask for K = 1, 2, 4, … up to ``most`` or the first out-of-memory
-    error, and for ``auto`` if the doubling skipped it. Each K measures ``max(K,
-    len(masks) // 4)`` of ``masks`` (at least one whole pass) after an untimed warm-up
-    pass of the same shape."""
+    error, and for ``auto`` if the doubling skipped it. Each K measures ``max(K, least)``
+    of ``masks`` (at least one whole pass) after an untimed warm-up pass of the same
+    shape."""
     values, k = [], 1
     while k <= most:
         values.append(k)
@@ -92,7 +92,7 @@ def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: 
         if oom_at is not None and k >= oom_at:
             rows.append(PassRow(k))
             continue
-        count = min(len(masks), max(k, len(masks) // 4))
+        count = min(len(masks), max(k, least))
         row = PassRow(k, masks=count)
         try:
             gc.collect()
@@ -284,7 +284,8 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
     setups = {task: prepare(spec(task)) for task in (choice, gen)}
     first = setups[choice]
     task_manager = make_task_manager(str(include))
-    matrix = design_matrix("stratified", max(args.max_masks_per_pass, 8), first.total_heads,
+    matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks),
+                           first.total_heads,
                            args.sparsity, args.seed)
     masks = [[Head.from_flat_index(int(i), first.heads_per_layer) for i in row.nonzero()[0]]
              for row in matrix]
@@ -295,11 +296,12 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
     print(f"model loaded in {load_seconds:.1f} s; mask: {format_heads(heads)}", flush=True)
 
     results, measures = [], {}
-    for task, kind, reference_docs in ((choice, "loglikelihood", None),
-                                       (gen, "generation", args.reference_gen_docs)):
+    for task, kind, reference_docs, repeats in (
+            (choice, "loglikelihood", None, args.repeats),
+            (gen, "generation", args.reference_gen_docs, args.gen_repeats or args.repeats)):
         print(f"benchmarking {task} ...", flush=True)
         result, measures[task], _ = bench_task(
-            setups[task], lm, task, kind, heads, args.num_samples, args.seed, args.repeats,
+            setups[task], lm, task, kind, heads, args.num_samples, args.seed, repeats,
             args.reference_repeats, device, task_manager, before=False,
             reference_docs=reference_docs)
         results.append(result)
@@ -310,7 +312,7 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
     auto = measures[choice].auto_masks_per_pass()
     print(f"masks per pass on {choice} (automatic K = {auto}) ...", flush=True)
     passes = sweep_masks_per_pass(measures[choice], masks, device, args.max_masks_per_pass,
-                                  auto)
+                                  auto, args.sweep_masks)
     print(f"--signal logprob on {gen} ...", flush=True)
     signal_rows, _ = bench_logprob_signal(prepare(spec(gen, "logprob")), lm, heads, masks,
                                           args.num_samples, args.repeats, device)
@@ -411,9 +413,9 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
                      "model load is measured whole")
     lines += ["", f"## Several masks per forward pass (`{bench_shapes.CHOICE_TASK}`)", "",
               "K doubles from 1 until the GPU runs out of memory or K = "
-              f"{args.max_masks_per_pass}; each K measures max(K, a quarter of "
-              f"{max(args.max_masks_per_pass, 8)}) stratified masks (sparsity "
-              f"{args.sparsity}) after an untimed warm-up pass of the same shape.", "",
+              f"{args.max_masks_per_pass}; each K measures max(K, {args.sweep_masks}) "
+              f"stratified masks (sparsity {args.sparsity}) after an untimed warm-up pass "
+              "of the same shape.", "",
               "| K | rows per forward | s per mask | speed-up vs K = 1 | peak GPU memory | |",
               "| --- | --- | --- | --- | --- | --- |"]
     best = best_row(report.passes)
@@ -500,7 +502,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sparsity", type=float, default=0.02)
     group.add_argument("--reference-gen-docs", type=int, default=10,
                        help="documents the generation reference evaluates (scaled to all)")
-    group.add_argument("--max-masks-per-pass", type=int, default=256)
+    group.add_argument("--max-masks-per-pass", type=int, default=64,
+                       help="the largest K tried (default 64)")
+    group.add_argument("--sweep-masks", type=int, default=16,
+                       help="masks timed per K, at least K (default 16)")
+    group.add_argument("--gen-repeats", type=int, default=None,
+                       help="repetitions of ours and the limit on the generation task "
+                       "(default: --repeats)")
     group.add_argument("--locate", nargs="*", default=["choice", "gen:logprob", "gen"],
                        help="locate runs: TASK[:SIGNAL], choice or gen (default: choice "
                        "gen:logprob gen)")

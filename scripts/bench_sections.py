@@ -56,3 +56,44 @@ def write_head(path: Path, head: str) -> None:
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     kept = list(sections(text).values())
     path.write_text("\n\n".join([head.rstrip("\n"), *kept]) + "\n", encoding="utf-8")
+
+
+def copy_sections(source: Path, target: Path, names: list[str] | None = None) -> list[str]:
+    """Copy sections ``names`` (default: all) of ``source`` into ``target``, each
+    replacing its namesake or appended; returns the names copied. A name ``source`` lacks
+    is an error (nothing is written)."""
+    found = sections(source.read_text(encoding="utf-8"))
+    names = list(found) if names is None else names
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise KeyError(f"{source} has no section {', '.join(map(repr, missing))} (it has: "
+                       f"{', '.join(map(repr, found)) or 'none'})")
+    for name in names:
+        body = found[name].split("-->", 1)[1].rsplit("<!--", 1)[0]
+        write_section(target, name, body)
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/bench_sections.py copy FROM TO [NAME ...]``: bring the sections a
+    benchmark wrote elsewhere (a lent GPU machine's copy of BENCH.md) into ``TO``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("action", choices=["copy"])
+    parser.add_argument("source", type=Path)
+    parser.add_argument("target", type=Path)
+    parser.add_argument("names", nargs="*", help="section names (default: all of FROM's)")
+    args = parser.parse_args(argv)
+    if not args.source.is_file():
+        parser.error(f"{str(args.source)!r} is not a file")
+    try:
+        copied = copy_sections(args.source, args.target, args.names or None)
+    except KeyError as error:
+        parser.error(str(error.args[0]))
+    print(f"copied into {args.target}: {', '.join(copied)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -144,7 +144,7 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
         sys.executable, str(SCRIPTS / "bench_measure.py"), "--config", "tiny-llama",
         "--dtype", "float32", "--num-samples", "4", "--repeats", "1",
         "--reference-repeats", "1", "--reference-gen-docs", "2", "--max-gen-toks", "4",
-        "--max-masks-per-pass", "2", "--locate", "choice", "--out", str(out)],
+        "--max-masks-per-pass", "2", "--sweep-masks", "2", "--locate", "choice", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sections.py"
 _spec = importlib.util.spec_from_file_location("bench_sections", SCRIPT)
 bench_sections = importlib.util.module_from_spec(_spec)
@@ -59,3 +61,20 @@ def test_demote_moves_headings_down_but_not_inside_code_blocks():
     text = "# Title\n\n## Part\n\n```bash\n# a shell comment\n```\n#hashtag"
     assert bench_sections.demote(text) == (
         "## Title\n\n### Part\n\n```bash\n# a shell comment\n```\n#hashtag")
+
+
+def test_sections_written_elsewhere_are_copied_in_leaving_the_rest(tmp_path):
+    here, there = tmp_path / "BENCH.md", tmp_path / "gpu.md"
+    here.write_text(FILE, encoding="utf-8")
+    bench_sections.write_section(there, "bench_measure llama-3.1-8b cuda", "## 8B\n\nrows")
+    bench_sections.write_section(there, "bench_workers", "## other workers")
+    copied = bench_sections.copy_sections(there, here, ["bench_measure llama-3.1-8b cuda"])
+    assert copied == ["bench_measure llama-3.1-8b cuda"]
+    text = here.read_text(encoding="utf-8")
+    assert text.startswith(FILE.rstrip("\n"))  # everything before kept byte for byte
+    assert "cpu workers" in text and "other workers" not in text
+    assert bench_sections.sections(text)["bench_measure llama-3.1-8b cuda"] == (
+        "<!-- bench_measure llama-3.1-8b cuda: start -->\n\n## 8B\n\nrows\n\n"
+        "<!-- bench_measure llama-3.1-8b cuda: end -->")
+    with pytest.raises(KeyError, match="has no section 'nope'"):
+        bench_sections.copy_sections(there, here, ["nope"])

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU benchmarks at the sizes users run: a random-weight Llama-3.2-1B and Llama-3.1-8B
+# in bfloat16 (scripts/bench_measure.py --config; bench_scale.py says what is measured).
+#
+#   bash scripts/bench_gpu.sh 1b|8b|all [OUT_DIR]
+#
+# Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
+# this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. On a lent GPU machine
+# (docs/development.md, "Benchmarks on a lent GPU"), where one command may run 10 minutes,
+# run one stage per call with OUT_DIR=$OUT, then here:
+#   python scripts/bench_sections.py copy <files_at>/BENCH.md BENCH.md
+# With .whl/ present (scripts/gpu_wheels.sh), the wheels are installed first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+stage="${1:-}"
+out="${2:-}"
+case "$stage" in
+    1b|8b|all) ;;
+    *) echo "bench_gpu.sh: stage '$stage': expected 1b, 8b or all" >&2; exit 2 ;;
+esac
+if [ -n "$out" ]; then
+    [ -d "$out" ] || { echo "bench_gpu.sh: OUT_DIR '$out' is not a folder" >&2; exit 2; }
+    cp BENCH.md "$out/BENCH.md"
+    bench="$out/BENCH.md" logs="$out"
+else
+    bench=BENCH.md logs=.
+fi
+
+python="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    bash scripts/gpu_wheels.sh install >/dev/null
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    python=python3
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+"$python" -c 'import torch, sys; torch.cuda.is_available() or sys.exit("bench_gpu.sh: no CUDA device")'
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+
+run() {  # stage, then bench_measure's options
+    local name="$1"
+    shift
+    set -o pipefail
+    "$python" scripts/bench_measure.py --device cuda --dtype bfloat16 "$@" --out "$bench" \
+        2>&1 | tee "$logs/bench-$name.log"
+}
+
+# Sized so that each stage ends inside a lent machine's 10 minutes per command: the
+# generation task's measurements are ~10-30 s each at 8B, so they are repeated less.
+if [ "$stage" = 1b ] || [ "$stage" = all ]; then
+    run 1b --config llama-3.2-1b --repeats 5 --gen-repeats 2 --reference-repeats 2
+fi
+if [ "$stage" = 8b ] || [ "$stage" = all ]; then
+    run 8b --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
+        --locate-gen-masks 1 --locate-gen-confirm 1
+fi
