@@ -621,6 +621,35 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
     assert all(h["effect"] == 0 for h in heads["heads"])  # a huge penalty zeroes everything
 
 
+def test_a_finished_run_resumes_without_loading_the_model(tiny_model_dir, tiny_locate_run,
+                                                         tmp_path, capsys, no_model_loading):
+    """Rerunning the command of a finished run measures nothing, so the user does not
+    wait for the weights: the files are fitted again from disk (with the ranking settings
+    given, as refit would); asking for more measurements does load the model."""
+    import shutil
+
+    args = [*tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice", "--masks", "12",
+            "--sparsity", "0.25", "--num-samples", "12", "--top-k", "3", *LASSO_ONLY]
+    again = shutil.copytree(tiny_locate_run, tmp_path / "again")
+    assert harness("locate", *args, "--out", str(again)) == 0
+    for name in ("heads.json", "heads.csv", "measurements.jsonl", "config.json"):
+        assert (again / name).read_bytes() == (tiny_locate_run / name).read_bytes(), name
+    # Other ranking settings: the same files as refit writes with them.
+    resumed = shutil.copytree(tiny_locate_run, tmp_path / "resumed")
+    refitted = shutil.copytree(tiny_locate_run, tmp_path / "refitted")
+    assert harness("locate", *args, "--alpha", "0.05", "--out", str(resumed)) == 0
+    assert harness("refit", str(refitted), "--alpha", "0.05") == 0
+    capsys.readouterr()
+    for name in ("heads.json", "report.md", "config.json"):
+        assert (resumed / name).read_text() == (refitted / name).read_text().replace(
+            str(refitted), str(resumed)), name
+    assert strict_json(resumed / "heads.json")["alpha"] == 0.05
+    # More masks than measured: the model is needed (and here refused by the fixture).
+    more = shutil.copytree(tiny_locate_run, tmp_path / "more")
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        harness("locate", *args, "--masks", "14", "--out", str(more))
+
+
 def test_a_folder_of_another_run_is_refused_unless_forced(tiny_model_dir, tmp_path, capsys):
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
             "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out",

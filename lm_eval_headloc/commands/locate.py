@@ -9,6 +9,7 @@ once per phase and read back by ``load_run`` alone.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,8 @@ from .result import (
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
 from .types import ensure_types
+
+log = logging.getLogger(__name__)
 
 __all__ = ["fit_rankings", "locate", "mask_keys", "refit", "stored_prior"]
 
@@ -423,8 +426,15 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = setup.spec
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
+        done = None if force or measure is not None else _finished(folder, spec)
         run = start_run(folder, "locate", spec, force=force)  # phase: started
         assert isinstance(run, LocateRun)
+        if done is not None:
+            log.info("%s: every measurement is on disk; fitting again without the model",
+                     out)
+            assert isinstance(done.layers, int) and isinstance(done.heads_per_layer, int)
+            return _refit_stored(folder, done, spec, head_list(
+                spec.exclude, done.layers, done.heads_per_layer, "--exclude"))
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
@@ -611,28 +621,75 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
             raise UsageError(f"--exclude covers every component the run ranks "
                              f"({len(columns)}); nothing is left to rank")
         folder.lock()
-        run.read_data(folder)
-        assert run.design is not None
-        # --masks auto: the masks the run measured before it stopped. Counts are of
-        # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
-        spent = run.unfitted
-        used = run.masks_measured if spec.masks == "auto" else spec.masks
-        if used - spent > len(run.design):
-            raise UsageError(f"--masks {used}: {out} has {len(run.design) + spent} masks; "
-                             f"rerun locate with --masks {used} to measure the rest")
-        if used - spent < 1:
-            raise UsageError(f"--masks {used}: the pilot's floor mask is one of them; give at "
-                             f"least {spent + 1}")
-        rows = used - spent  # the run as if it had stopped after `used` masks
-        # --confirm: the heads the run measured alone stay what they were (refit measures
-        # nothing); the screen's fit, and so each head's stability, follows the settings.
-        alone = [alone_key(name) for name in run.confirm["heads"]] if run.confirm else []
-        missing = [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
-        if missing:
-            raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
-                                 f"e.g. {missing[0]}); rerun the locate command to finish it")
-        run.spec, run.settings = spec, spec.settings("locate")
-        run.rankings = _fit(run, excluded, rows)
-        run.save(folder)  # the one write: the settings the files were fitted with
-        write_results(folder, run)
+        return _refit_stored(folder, run, spec, excluded)
+
+
+def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
+                  excluded: Sequence[Head]) -> dict[str, HeadRanking]:
+    """The fit of a stored run's measurements with ``spec``'s ranking settings, its
+    files rewritten (``refit``'s work, the folder locked)."""
+    out = folder.path
+    run.read_data(folder)
+    assert run.design is not None
+    # --masks auto: the masks the run measured before it stopped. Counts are of
+    # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
+    spent = run.unfitted
+    used = run.masks_measured if spec.masks == "auto" else spec.masks
+    if used - spent > len(run.design):
+        raise UsageError(f"--masks {used}: {out} has {len(run.design) + spent} masks; "
+                         f"rerun locate with --masks {used} to measure the rest")
+    if used - spent < 1:
+        raise UsageError(f"--masks {used}: the pilot's floor mask is one of them; give at "
+                         f"least {spent + 1}")
+    rows = used - spent  # the run as if it had stopped after `used` masks
+    missing = _missing(run, rows)
+    if missing:
+        raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
+                             f"e.g. {missing[0]}); rerun the locate command to finish it")
+    run.spec, run.settings = spec, spec.settings("locate")
+    run.rankings = _fit(run, excluded, rows)
+    run.save(folder)  # the one write: the settings the files were fitted with
+    write_results(folder, run)
     return run.rankings
+
+
+def _missing(run: LocateRun, rows: int) -> list[str]:
+    """The measurements a fit of the run's first ``rows`` design rows needs that are not
+    on disk (``run.read_data`` first)."""
+    # --confirm: the heads the run measured alone stay what they were (refit measures
+    # nothing); the screen's fit, and so each head's stability, follows the settings.
+    alone = [alone_key(name) for name in run.confirm["heads"]] if run.confirm else []
+    return [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
+
+
+def _finished(folder: RunFolder, spec: RunSpec) -> LocateRun | None:
+    """The stored run when ``folder`` holds a locate run that measured everything
+    ``spec`` asks for (the same measuring settings, its masks and confirmations done, its
+    head types written): resuming it then only fits again (``refit``'s settings may
+    differ), so the model need not load. None otherwise, or when unsure."""
+    if not folder.file("config.json").is_file():
+        return None
+    try:
+        stored = load_run(folder)
+    except (RunFolderError, KeyError, TypeError, ValueError):
+        return None  # start_run says what is wrong with it
+    if not isinstance(stored, LocateRun) or stored.masks_used is None:
+        return None
+    ranking = RunSpec.refittable("locate") - {"masks", "max_masks", "confirm"}
+    measuring = {f: v for f, v in spec.as_config().items()
+                 if f not in ranking and f not in RunSpec.runtime_fields()}
+    if {f: stored.spec.as_config().get(f) for f in measuring} != measuring:
+        return None
+    if spec.confirm and stored.confirm is None:
+        return None
+    if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
+        return None  # a run made before head types: the model writes them
+    if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):
+        return None
+    try:
+        stored.read_data(folder)
+    except (OSError, ValueError, RunFolderError):
+        return None
+    if stored.design is None or _missing(stored, stored.masks_used - stored.unfitted):
+        return None  # a measurement lost or cut short: measured again with the model
+    return stored

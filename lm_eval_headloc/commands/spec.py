@@ -324,6 +324,12 @@ class RunSpec:
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def runtime_fields(cls) -> frozenset[str]:
+        """The fields that change how a run goes, never what it measures (batch size,
+        masks per pass, workers, progress bars…)."""
+        return frozenset(f.name for f in fields(cls) if f.metadata["role"] == RUNTIME)
+
     @staticmethod
     def refittable(command: str) -> frozenset[str]:
         """The fields ``command`` may change on a run folder it resumes (refit's)."""
