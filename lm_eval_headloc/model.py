@@ -42,6 +42,7 @@ from .ablation import (
     reference_texts,
 )
 from .geometry import Geometry
+from .gguf_reads import cached_gguf_reads
 from .heads import (
     Component,
     HeadSpecError,
@@ -139,7 +140,8 @@ class HFHeadAblateLM(HFLM):
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
-        super().__init__(pretrained=pretrained, **kwargs)
+        with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
+            super().__init__(pretrained=pretrained, **kwargs)
         self.knockout = HeadKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
         # What the model's passes knock out: a value, applied around each forward pass
         # (``forward_pass``); ``knocking_out`` stands in another one for a while.

@@ -12,8 +12,16 @@ from lm_eval_headloc.embedded import smollm2_model_args
 
 
 @pytest.mark.slow
-def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
+def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path, monkeypatch):
+    import gguf
+
     from lm_eval_headloc.commands.cli import main  # the headloc-harness entry point
+
+    # Each parse of the 94 MB GGUF costs seconds: the argument check, HFLM's config,
+    # tokenizer and weights, and the second model below share one (gguf_reads).
+    parsed, parse = [], gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__",
+                        lambda self, *a, **k: parsed.append(a) or parse(self, *a, **k))
 
     out = tmp_path / "induction"
     # The defaults: the two-point prior, 12 masks, 34 heads confirmed alone in rounds.
@@ -38,6 +46,7 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path):
 
     manager = make_task_manager()  # the one the run used, kept per process
     lm = HFHeadAblateLM.create_from_arg_string(smollm2_model_args(), {"batch_size": 64})
+    assert len(parsed) <= 1  # 9 before: 5 for the command, 4 for this load
     scores = {}
     for spec in ["", *top3, control]:
         lm.set_heads(spec)

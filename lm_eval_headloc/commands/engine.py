@@ -133,12 +133,15 @@ def model_config(model_args: str) -> Any:
     from lm_eval.utils import simple_parse_args_string
     from transformers import AutoConfig
 
+    from ..gguf_reads import cached_gguf_reads
+
     args = simple_parse_args_string(model_args)
     kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
               if k in args}
     pretrained = str(args.get("pretrained"))
     try:
-        return AutoConfig.from_pretrained(pretrained, **kwargs)
+        with cached_gguf_reads():  # the load after this check reuses the parse
+            return AutoConfig.from_pretrained(pretrained, **kwargs)
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
                          f"{str(err).splitlines()[0]}") from None
