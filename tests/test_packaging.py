@@ -46,3 +46,19 @@ def test_wheel_ships_tasks_and_startup_hook(tmp_path):
     assert probe.returncode == 0, probe.stderr[-2000:]
     folder, found = probe.stdout.split()
     assert folder.startswith(str(site)) and found == "True"
+
+
+def test_every_subcommand_is_a_function_of_the_python_api():
+    """The CLI is a thin layer over functions a notebook imports from one place."""
+    import argparse
+
+    import lm_eval_headloc.commands as api
+    from lm_eval_headloc.commands.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    # `export` writes one format per function (write_mib); every other is its own name.
+    names = {"export": "write_mib"}
+    for command in sub.choices:
+        name = names.get(command, command)
+        assert name in api.__all__ and callable(getattr(api, name)), command
