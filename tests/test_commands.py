@@ -680,6 +680,14 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
     assert ranked == sorted(drops, key=lambda h: (-drops[h], -logprob_drops[h], flat[h]))
     assert len(set(drops.values())) < len(drops), "no tie: the tie-break was not tested"
+    # What kind of head each is, as in a locate run's files (types.json written once).
+    types = strict_json(one / "types.json")
+    assert set(heads["heads"][0]["types"]) == set(types["scores"])
+    head = heads["heads"][0]["head"]
+    layer, index = int(head[1:head.index("H")]), int(head[head.index("H") + 1:])
+    assert heads["heads"][0]["types"]["induction"] == pytest.approx(
+        types["scores"]["induction"][layer][index], abs=1e-6)
+    assert "type" in (one / "heads.csv").read_text().splitlines()[0].split(",")
 
     it = tmp_path / "iterative"
     assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",

@@ -18,6 +18,7 @@ from .report import HeadRanking, ranking_table, tie_words, write_ranking
 from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
+from .types import ensure_types
 
 __all__ = ["greedy"]
 
@@ -52,6 +53,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                    run=run)
         run.save(folder, measure)
+        ensure_types(folder, measure)  # what kind of head each is: the ranking files say
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]
         higher = {name: bool(baseline["higher_is_better"][name]) for name in names}
