@@ -718,9 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench_scale import run_scale
         from bench_sections import demote, section_name, write_section
 
-        text = run_scale(args, command)
-        write_section(args.out, section_name(f"bench_measure {args.config}", args.device),
-                      demote(text))
+        name = section_name(f"bench_measure {args.config}", args.device)
+        run_scale(args, command, lambda text: write_section(args.out, name, demote(text)))
         print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s in all)", flush=True)
         return 0
     model_args = smollm2_model_args(device=args.device)

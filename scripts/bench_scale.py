@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,9 +215,11 @@ def read_locate_row(row: LocateRow, folder: Path) -> LocateRow:
 
 
 def run_locates(model_args: str, include: str, runs: Sequence[tuple[str, str, int, int]],
-                batch_size: int, num_samples: int, seed: int, out: Path) -> list[LocateRow]:
+                batch_size: int, num_samples: int, seed: int, out: Path,
+                done: Callable[[LocateRow], None] = lambda _row: None) -> list[LocateRow]:
     """Each ``(task, signal, masks, confirm)`` as a whole ``locate`` with the default
-    settings otherwise, timed from the call to its return (the model load included)."""
+    settings otherwise, timed from the call to its return (the model load included);
+    ``done`` is called with each row as it is measured."""
     from lm_eval_headloc.commands import locate
 
     rows = []
@@ -239,31 +241,40 @@ def run_locates(model_args: str, include: str, runs: Sequence[tuple[str, str, in
               f"{row.per_mask:.3f} s per mask, {row.per_confirm:.3f} s per confirmation; "
               f"default run ≈ {row.default_seconds():.0f} s", flush=True)
         rows.append(row)
+        done(row)
     return rows
 
 
 # --- the whole benchmark --------------------------------------------------------------------
 
+STAGES = ("one measurement", "masks per pass", "generating vs logprob", "locate runs")
+
+
 @dataclass
 class ScaleReport:
+    """What the benchmark has measured so far (rendered after each stage, so a run cut
+    short keeps what it measured)."""
+
     config: str
     params: int
     build_seconds: float
-    load_seconds: float
     prompt_tokens: dict[str, int]
     heads: list[Head]
-    tasks: list[TaskResult]
     reference_gen_docs: int
-    passes: list[PassRow]
-    auto_per_pass: int
-    signal_rows: list[SignalRow]
-    locates: list[LocateRow]
+    load_seconds: float = 0.0
+    tasks: list[TaskResult] = field(default_factory=list)
+    passes: list[PassRow] = field(default_factory=list)
+    auto_per_pass: int = 0
+    signal_rows: list[SignalRow] = field(default_factory=list)
+    locates: list[LocateRow] = field(default_factory=list)
     total: float = 0.0
+    left: list[str] = field(default_factory=lambda: list(STAGES))  # stages not finished
     notes: list[str] = field(default_factory=list)
 
 
-def run_scale(args: argparse.Namespace, command: str) -> str:
-    """The benchmark of ``args.config``; returns the markdown section."""
+def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None]) -> None:
+    """The benchmark of ``args.config``: ``emit`` gets the markdown section after each
+    stage (a run cut short keeps the stages it finished)."""
     started = time.perf_counter()
     name, device = args.config, args.device
     work = Path(tempfile.mkdtemp(prefix="headloc-scale-"))
@@ -285,17 +296,27 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
     first = setups[choice]
     task_manager = make_task_manager(str(include))
     matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks),
-                           first.total_heads,
-                           args.sparsity, args.seed)
+                           first.total_heads, args.sparsity, args.seed)
     masks = [[Head.from_flat_index(int(i), first.heads_per_layer) for i in row.nonzero()[0]]
              for row in matrix]
-    heads = masks[0]
+    report = ScaleReport(name, bench_shapes.parameter_count(name), build_seconds,
+                         prompt_tokens, masks[0], args.reference_gen_docs)
+
+    def stage_done(stage: str | None = None) -> None:
+        if stage is not None:
+            report.left.remove(stage)
+        report.total = time.perf_counter() - started
+        print(f"[{report.total:.0f} s] {stage or 'progress'} written", flush=True)
+        emit(render_scale(report, args, command))
+
+    heads = report.heads
     loading = time.perf_counter()
     lm = load_model(first)
-    load_seconds = time.perf_counter() - loading
-    print(f"model loaded in {load_seconds:.1f} s; mask: {format_heads(heads)}", flush=True)
+    report.load_seconds = time.perf_counter() - loading
+    print(f"model loaded in {report.load_seconds:.1f} s; mask: {format_heads(heads)}",
+          flush=True)
 
-    results, measures = [], {}
+    measures = {}
     for task, kind, reference_docs, repeats in (
             (choice, "loglikelihood", None, args.repeats),
             (gen, "generation", args.reference_gen_docs, args.gen_repeats or args.repeats)):
@@ -304,18 +325,21 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
             setups[task], lm, task, kind, heads, args.num_samples, args.seed, repeats,
             args.reference_repeats, device, task_manager, before=False,
             reference_docs=reference_docs)
-        results.append(result)
+        report.tasks.append(result)
         print(f"  ours {result.ours.cell()} s, limit {result.limit.cell()} s, reference "
               f"{result.reference.cell()} s; ours/limit "
               f"{fmt_ratio(ratio(result.ours, result.limit))}", flush=True)
+        stage_done("one measurement" if task == gen else None)
 
-    auto = measures[choice].auto_masks_per_pass()
+    report.auto_per_pass = auto = measures[choice].auto_masks_per_pass()
     print(f"masks per pass on {choice} (automatic K = {auto}) ...", flush=True)
-    passes = sweep_masks_per_pass(measures[choice], masks, device, args.max_masks_per_pass,
-                                  auto, args.sweep_masks)
+    report.passes = sweep_masks_per_pass(measures[choice], masks, device,
+                                         args.max_masks_per_pass, auto, args.sweep_masks)
+    stage_done("masks per pass")
     print(f"--signal logprob on {gen} ...", flush=True)
-    signal_rows, _ = bench_logprob_signal(prepare(spec(gen, "logprob")), lm, heads, masks,
-                                          args.num_samples, args.repeats, device)
+    report.signal_rows, _ = bench_logprob_signal(prepare(spec(gen, "logprob")), lm, heads,
+                                                 masks, args.num_samples, args.repeats, device)
+    stage_done("generating vs logprob")
     del lm, measures
     gc.collect()
     if device.startswith("cuda"):
@@ -328,15 +352,11 @@ def run_scale(args: argparse.Namespace, command: str) -> str:
         generating = task == gen and signal == "metric"
         runs.append((task, signal, *((args.locate_gen_masks, args.locate_gen_confirm)
                                      if generating else (DEFAULTS.masks, 5))))
-    locates = run_locates(model_args, str(include), runs, args.batch_size, args.num_samples,
-                          args.seed, work / "runs")
-    report = ScaleReport(name, bench_shapes.parameter_count(name), build_seconds, load_seconds,
-                         prompt_tokens, heads, results, args.reference_gen_docs, passes, auto,
-                         signal_rows, locates)
-    report.total = time.perf_counter() - started
+    run_locates(model_args, str(include), runs, args.batch_size, args.num_samples, args.seed,
+                work / "runs", done=lambda row: (report.locates.append(row), stage_done()))
+    stage_done("locate runs")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)  # our own temporary folder
-    return render_scale(report, args, command)
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -365,7 +385,9 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
         f"# A measurement at {bench_shapes.PUBLISHED_AS[report.config]}'s size on {on}",
         "", "Generated by `scripts/bench_measure.py --config`; do not edit by hand.", "",
         "```bash", command, "```", "",
-        f"- date: {now}; whole benchmark run {report.total:.0f} s",
+        f"- date: {now}; whole benchmark run {report.total:.0f} s"
+        + (f"; **incomplete**: it stopped before finishing {', '.join(report.left)} "
+           "(what is below was measured)" if report.left else ""),
         *machine_lines(args.device),
         f"- model: random weights of {bench_shapes.PUBLISHED_AS[report.config]}'s published "
         f"shape (`{report.config}`: {_count(report.params)} parameters, "
@@ -406,12 +428,24 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
         lines.append(f"- `{r.task}`: ours/limit {fmt_ratio(value)}, {verdict}; batches: "
                      f"{r.batches}")
         lines += [f"  - note: {note}" for note in r.notes]
-    if report.reference_gen_docs:
+    gen = next((r for r in report.tasks if r.task == bench_shapes.GEN_TASK), None)
+    if report.reference_gen_docs and gen is not None:
         lines.append(f"- the reference's evaluation on `{bench_shapes.GEN_TASK}` ran on "
                      f"{report.reference_gen_docs} documents and is scaled to "
                      f"{args.num_samples} (batch size 1: one document after another); its "
                      "model load is measured whole")
-    lines += ["", f"## Several masks per forward pass (`{bench_shapes.CHOICE_TASK}`)", "",
+    if report.passes:
+        lines += _passes_lines(report, args)
+    if gen is not None and report.signal_rows:
+        lines += _signal_lines(report, gen)
+    if report.locates:
+        lines += _locate_lines(report)
+    lines += [f"- note: {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _passes_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:
+    lines = ["", f"## Several masks per forward pass (`{bench_shapes.CHOICE_TASK}`)", "",
               "K doubles from 1 until the GPU runs out of memory or K = "
               f"{args.max_masks_per_pass}; each K measures max(K, {args.sweep_masks}) "
               f"stratified masks (sparsity {args.sparsity}) after an untimed warm-up pass "
@@ -444,8 +478,11 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
                   f"{'within' if value <= BAR else 'over'} the bar of {BAR:.2f}."]
     elif auto_row is not None:
         lines += ["", f"Automatic K = {report.auto_per_pass} ran out of memory."]
-    gen = next(r for r in report.tasks if r.task == bench_shapes.GEN_TASK)
-    lines += ["", f"## The generation task: generating vs `--signal logprob` "
+    return lines
+
+
+def _signal_lines(report: ScaleReport, gen: TaskResult) -> list[str]:
+    lines = ["", f"## The generation task: generating vs `--signal logprob` "
               f"(`{bench_shapes.GEN_TASK}`)", "",
               "`--signal logprob` scores each mask by the gold answers' mean "
               "log-likelihood, teacher-forced: one forward pass over prompt + answer, no "
@@ -456,37 +493,39 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
     for row in report.signal_rows:
         lines.append(f"| {row.label} | {row.seconds.cell()} | "
                      f"{fmt_ratio(ratio(gen.ours, row.seconds))} |")
-    if report.locates:
-        default_total = DEFAULTS.masks + DEFAULTS.confirm + 1
-        lines += ["", "## A whole default `locate`, measured short and extrapolated", "",
-                  f"Each row is a real `locate` (default settings: prior "
-                  f"{DEFAULTS.prior}, sparsity {DEFAULTS.sparsity}, bootstrap "
-                  f"{DEFAULTS.bootstrap}, head types) with fewer masks and confirmations "
-                  "than the default's; its wall clock is split into the fixed part "
-                  "(model load, attribution prior, head types, fits, files) and the "
-                  "measurements (measurements.jsonl's seconds), and the default run "
-                  f"(baseline + {DEFAULTS.masks} masks + {DEFAULTS.confirm} confirmations "
-                  f"= {default_total} measurements) is extrapolated from those parts.", "",
-                  "| task, signal | measured run | wall clock | fixed part (of which prior) | "
-                  "s per mask | s per confirmation | default run (extrapolated) |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        for row in report.locates:
-            lines.append(
-                f"| `{row.task}`, {row.signal} | {row.masks} masks + {row.confirm} "
-                f"confirmations | {row.wall:.0f} s | {row.fixed:.0f} s ({row.prior:.0f} s) | "
-                f"{row.per_mask:.2f} | {row.per_confirm:.2f} | "
-                f"**{_minutes(row.default_seconds())}** |")
-        reference = next(r for r in report.tasks if r.task == bench_shapes.CHOICE_TASK)
-        ref_gen = gen.reference
-        lines += ["", "The paper's own budget (its Appendix A.1): at least 100 masks, up to "
-                  "400, of 100 examples, each evaluated by reloading the model (its released "
-                  "code; the reference column above). At the reference's measured seconds "
-                  f"that is {_minutes(100 * reference.reference.median)}–"
-                  f"{_minutes(400 * reference.reference.median)} on "
-                  f"`{bench_shapes.CHOICE_TASK}` and {_minutes(100 * ref_gen.median)}–"
-                  f"{_minutes(400 * ref_gen.median)} on `{bench_shapes.GEN_TASK}`."]
-    lines += [f"- note: {note}" for note in report.notes]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _locate_lines(report: ScaleReport) -> list[str]:
+    default_total = DEFAULTS.masks + DEFAULTS.confirm + 1
+    lines = ["", "## A whole default `locate`, measured short and extrapolated", "",
+             f"Each row is a real `locate` (default settings: prior "
+             f"{DEFAULTS.prior}, sparsity {DEFAULTS.sparsity}, bootstrap "
+             f"{DEFAULTS.bootstrap}, head types) with fewer masks and confirmations "
+             "than the default's; its wall clock is split into the fixed part "
+             "(model load, attribution prior, head types, fits, files) and the "
+             "measurements (measurements.jsonl's seconds), and the default run "
+             f"(baseline + {DEFAULTS.masks} masks + {DEFAULTS.confirm} confirmations "
+             f"= {default_total} measurements) is extrapolated from those parts.", "",
+             "| task, signal | measured run | wall clock | fixed part (of which prior) | "
+             "s per mask | s per confirmation | default run (extrapolated) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in report.locates:
+        lines.append(
+            f"| `{row.task}`, {row.signal} | {row.masks} masks + {row.confirm} "
+            f"confirmations | {row.wall:.0f} s | {row.fixed:.0f} s ({row.prior:.0f} s) | "
+            f"{row.per_mask:.2f} | {row.per_confirm:.2f} | "
+            f"**{_minutes(row.default_seconds())}** |")
+    reference = next(r for r in report.tasks if r.task == bench_shapes.CHOICE_TASK)
+    ref_gen = next(r for r in report.tasks if r.task == bench_shapes.GEN_TASK).reference
+    lines += ["", "The paper's own budget (its Appendix A.1): at least 100 masks, up to "
+              "400, of 100 examples, each evaluated by reloading the model (its released "
+              "code; the reference column above). At the reference's measured seconds "
+              f"that is {_minutes(100 * reference.reference.median)}–"
+              f"{_minutes(400 * reference.reference.median)} on "
+              f"`{bench_shapes.CHOICE_TASK}` and {_minutes(100 * ref_gen.median)}–"
+              f"{_minutes(400 * ref_gen.median)} on `{bench_shapes.GEN_TASK}`."]
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

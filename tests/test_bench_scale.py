@@ -170,3 +170,32 @@ def test_bad_options_are_one_line_errors(capsys):
             bench_measure.parse_args(argv)
         assert info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_run_cut_short_keeps_what_it_measured():
+    """Each stage rewrites the section: a run stopped (a lent machine's time limit) keeps
+    its finished stages and says which did not finish."""
+    import bench_measure
+
+    from lm_eval_headloc.heads import Head
+
+    def timing(*seconds):
+        return bench_measure.Timing(list(seconds))
+
+    choice = bench_measure.TaskResult(
+        "scale_choice", "loglikelihood", 4, "1 forward(s) of 16×260 tokens", timing(3.0),
+        timing(1.0), timing(0.50), timing(0.48), 0.25, 0.25)
+    report = bench_scale.ScaleReport("tiny-llama", 139_584, 1.0,
+                                     {"scale_choice": 258, "scale_gen": 218}, [Head(0, 1)],
+                                     2, tasks=[choice])
+    args = bench_measure.parse_args(["--config", "tiny-llama"])
+    text = bench_scale.render_scale(report, args, "python scripts/bench_measure.py")
+    assert ("**incomplete**: it stopped before finishing one measurement, masks per pass, "
+            "generating vs logprob, locate runs") in text
+    assert "| `scale_choice` (loglikelihood) |" in text and "| 1.04× |" in text
+    assert "0.14 M parameters" in text
+    for absent in ("Several masks", "generating vs `--signal logprob`", "default `locate`",
+                   "ran on 2 documents"):
+        assert absent not in text
+    report.left.clear()
+    assert "incomplete" not in bench_scale.render_scale(report, args, "…")
