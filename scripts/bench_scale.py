@@ -407,6 +407,7 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
         f"- mask: one stratified mask, sparsity {args.sparsity}: {len(report.heads)} "
         f"head{'s' if len(report.heads) != 1 else ''} knocked out; ours and limit: batch "
         f"size {args.batch_size}; reference: batch size 1",
+        *summary_lines(report, args),
         "", "## One measurement: reference vs ours vs the forward-pass limit", "",
         "Seconds per measurement: median (min–max, n). Ours and the limit are timed "
         "alternately after a warm-up; what each column is: see the embedded model's "
@@ -442,6 +443,27 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
         lines += _locate_lines(report)
     lines += [f"- note: {note}" for note in report.notes]
     return "\n".join(lines) + "\n"
+
+
+def summary_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:
+    """The section's findings in one sentence (what README quotes), once the locate runs
+    are measured."""
+    if not report.locates:
+        return []
+    device = "the CPU"
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        device = f"one {torch.cuda.get_device_name()}"
+    words = {(bench_shapes.CHOICE_TASK, "metric"): "an MMLU-shaped task",
+             (bench_shapes.GEN_TASK, "logprob"): "a gsm8k-shaped task with `--signal "
+                                                 "logprob`",
+             (bench_shapes.GEN_TASK, "metric"): "a gsm8k-shaped task generating "
+                                                f"{args.max_gen_toks} tokens"}
+    parts = [f"≈ {_minutes(row.default_seconds())} on {words[(row.task, row.signal)]}"
+             for row in report.locates]
+    return ["", f"**In short**: a default `locate` (100 examples, {DEFAULTS.masks} masks + "
+            f"{DEFAULTS.confirm} confirmations) on {bench_shapes.PUBLISHED_AS[report.config]}"
+            f" ({args.dtype}) on {device} takes {'; '.join(parts)} (extrapolated from the "
+            "measured parts below)."]
 
 
 def _passes_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:

@@ -158,6 +158,9 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     assert "`--signal logprob`, one mask per pass" in section
     assert "| `scale_choice`, metric | 12 masks + 5 confirmations |" in section
     assert "note:" not in section  # the limit replays the harness's tokens exactly
+    assert ("**In short**: a default `locate` (100 examples, 12 masks + 34 confirmations) "
+            "on a toy Llama (tests) (float32) on the CPU takes ≈ ") in section
+    assert "s on an MMLU-shaped task (extrapolated from the measured parts below)" in section
 
 
 def test_bad_options_are_one_line_errors(capsys):
