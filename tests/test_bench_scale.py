@@ -144,7 +144,8 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
         sys.executable, str(SCRIPTS / "bench_measure.py"), "--config", "tiny-llama",
         "--dtype", "float32", "--num-samples", "4", "--repeats", "1",
         "--reference-repeats", "1", "--reference-gen-docs", "2", "--max-gen-toks", "4",
-        "--max-masks-per-pass", "2", "--sweep-masks", "2", "--locate", "choice", "--out", str(out)],
+        "--max-masks-per-pass", "2", "--sweep-masks", "2", "--batch-size", "2",
+        "--locate", "choice", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
@@ -153,7 +154,8 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     assert "| `scale_choice` (loglikelihood) |" in section
     assert "| `scale_gen` (generation) |" in section
     assert "ran on 2 documents and is scaled to 4" in section
-    assert "| 1 | 32 |" in section and "| 2 | 64 |" in section
+    assert "| 1 | 2 |" in section and "| 2 | 4 |" in section  # K × batch size 2
+    assert "| generating, all 4 documents in one batch (batch size 4) |" in section
     assert "Automatic K = 1:" in section
     assert "`--signal logprob`, one mask per pass" in section
     assert "| `scale_choice`, metric | 12 masks + 5 confirmations |" in section
