@@ -738,6 +738,41 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert rows[1]["score"] == pytest.approx(results["results"]["tiny_choice"]["acc,none"])
 
 
+def test_a_finished_verify_or_cross_reruns_without_loading_the_model(
+        tiny_model_dir, tiny_locate_run, tmp_path, monkeypatch):
+    """Every measurement on disk: the tables are rewritten from it, no weights loaded; one
+    measurement lost: the model is loaded to measure it again."""
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    out, cross_out = tmp_path / "verify", tmp_path / "cross"
+    verify_args = ["verify", str(tiny_locate_run), "--top-k", "2", "--general", "tiny_copy",
+                   "--out", str(out)]
+    cross_args = ["cross", str(tiny_locate_run), "--top-k", "2", "--out", str(cross_out)]
+    assert harness(*verify_args) == 0 and harness(*cross_args) == 0
+    tables = {path: path.read_text() for path in (out / "verify.json", out / "verify.md",
+                                                  cross_out / "cross.json")}
+    for path in tables:
+        path.unlink()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(HFHeadAblateLM, "__init__", refuse)
+        assert harness(*verify_args) == 0 and harness(*cross_args) == 0
+    assert {path: path.read_text() for path in tables} == tables
+    # A measurement lost: measured again, so the model loads (and the table is the same).
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    loads = []
+    original = HFHeadAblateLM.__init__
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    assert harness(*verify_args) == 0
+    assert loads == [1]
+    assert (out / "verify.json").read_text() == tables[out / "verify.json"]
+
+
 def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_model_dir,
                                                                         tmp_path, capsys,
                                                                         no_model_loading):

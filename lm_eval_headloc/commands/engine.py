@@ -391,10 +391,11 @@ def _scale_words(scale: float | None) -> str:
 PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
 
 
-def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[PlanEntry],
+def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[PlanEntry],
              desc: str, progress: bool = True, masks_per_pass: int | None = 1
              ) -> dict[str, dict[str, Any]]:
-    """Measure every (key, heads) not yet on disk; return all records by key.
+    """Measure every (key, heads) not yet on disk; return all records by key (``measure``
+    None: nothing may be left to measure).
 
     Each record is appended (and fsynced) before the next measurement (or, with
     ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
@@ -427,6 +428,8 @@ def run_plan(folder: RunFolder, measure: Measurement, plan: Sequence[PlanEntry],
                 f"{_scale_words(wanted)}; the folder was made with other arguments (use "
                 "another --out or --force)")
     todo = [entry for entry in entries if entry[0] not in done]
+    if todo and measure is None:
+        raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if todo else 1
     bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=desc, unit="meas",
@@ -479,6 +482,11 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,
                            identity=identity)
+        if _nothing_left(folder, plan, spec.output_path is not None):
+            # A finished run rerun: its tables come from disk, no weights loaded (run_plan
+            # still checks that what is on disk is what the plan asks for).
+            yield folder, run_plan(folder, None, plan, desc=desc or command, progress=False)
+            return
         measure = open_measurement(setup, load_model(setup), folder, num_samples=num_samples,
                                    limit=limit, run=record)
         record.save(folder, measure)
@@ -492,6 +500,20 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
 
 #: The run folder's index of the lm-eval results files ``--output-path`` wrote.
 LM_EVAL_FILES = "lm_eval_files.json"
+
+
+def _nothing_left(folder: RunFolder, plan: Sequence[PlanEntry], lm_eval_files: bool) -> bool:
+    """Every measurement of ``plan`` is on disk (and, with ``lm_eval_files``, every
+    lm-eval results file ``--output-path`` wrote for it), so the model is not needed."""
+    done = {record["key"] for record in folder.measurements()}
+    if any(entry[0] not in done for entry in plan):
+        return False
+    if not lm_eval_files:
+        return True
+    index = folder.file(LM_EVAL_FILES)
+    written = json.loads(index.read_text()) if index.is_file() else {}
+    return all(isinstance(written.get(entry[0]), str) and Path(written[entry[0]]).is_file()
+               for entry in plan)
 
 
 def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
