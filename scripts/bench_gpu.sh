@@ -52,5 +52,6 @@ if [ "$stage" = 1b ] || [ "$stage" = all ]; then
 fi
 if [ "$stage" = 8b ] || [ "$stage" = all ]; then
     run 8b --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
+        --reference-gen-docs 5 \
         --locate-gen-masks 1 --locate-gen-confirm 1
 fi
