@@ -86,6 +86,19 @@ def at_scale(lm: Any, scale: float | None) -> Iterator[None]:
         lm.scale = saved
 
 
+@contextlib.contextmanager
+def _batch_size(lm: Any, rows: int | None) -> Iterator[None]:
+    """Inside, HFLM batches by ``rows`` (None: as it does)."""
+    if rows is None:
+        yield
+        return
+    saved, lm.batch_size_per_gpu = lm.batch_size_per_gpu, rows
+    try:
+        yield
+    finally:
+        lm.batch_size_per_gpu = saved
+
+
 def choose_subset(doc_counts: dict[str, int], num_samples: int | None,
                   seed: int, part: tuple[int, int] | None = None
                   ) -> dict[str, list[int]] | None:
@@ -222,6 +235,7 @@ class HarnessMeasurement:
         self._instances: list[Any] | None = None  # lm-eval's requests, recorded once
         self._all_golds: list[Any] | None = None  # every document's gold, made once
         self._batch_size: int | None = None  # rows per pass, resolved on first use
+        self._generation_rows: int | None = None  # batch_size=auto: rows per generate call
 
     @property
     def leaf_tasks(self) -> list[str]:
@@ -254,7 +268,9 @@ class HarnessMeasurement:
         from lm_eval.evaluator import evaluate
 
         merged: dict[str, Any] = {}
-        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)):
+        rows = self.generation_rows() if model is None else None
+        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)), \
+                _batch_size(self.lm, rows):
             for group in self._groups:
                 for task in group.loaded["tasks"].values():
                     # Same few-shot examples in every measurement.
@@ -318,6 +334,19 @@ class HarnessMeasurement:
 
         return ((self.signal == "logprob" or self.loglikelihood_only)
                 and scored_positions_apply(self.lm))
+
+    def generation_rows(self) -> int | None:
+        """Rows per ``generate`` call when the model's batch size is ``auto`` (resolved
+        once, from the subset's own requests: ``sizing.generation_batch_size``); None
+        otherwise (HFLM batches by the model's batch size)."""
+        if self.lm.batch_size != "auto":
+            return None
+        if self._generation_rows is None:
+            from .sizing import generation_batch_size
+
+            self._generation_rows = generation_batch_size(self.lm,
+                                                          self.recorded_instances()) or 0
+        return self._generation_rows or None
 
     def recorded_instances(self) -> list[Any]:
         """lm-eval's requests (``Instance`` objects) for the subset, recorded once by

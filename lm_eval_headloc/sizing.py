@@ -11,7 +11,8 @@ from typing import Any
 
 from .geometry import Geometry, text_config
 
-__all__ = ["auto_batch_size", "batch_size", "masks_per_pass", "masks_per_pass_for_memory"]
+__all__ = ["auto_batch_size", "batch_size", "generation_batch_size", "masks_per_pass",
+           "masks_per_pass_for_memory"]
 
 
 def batch_size(lm: Any, requests: Callable[[], Any]) -> int:
@@ -55,6 +56,32 @@ def auto_batch_size(lm: Any, requests: Any) -> int:
         return 1
     context, continuation = requests.widest()
     return int(lm._detect_batch_size([(None, context, continuation)], 0))
+
+
+def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
+    """Rows per ``generate`` call for ``batch_size=auto``, from the generation requests
+    ``instances`` actually sent: lm-eval's own detection (from ``max_batch_size`` down,
+    halving on out-of-memory) probed with the widest prompt plus the most tokens any
+    request may generate. HFLM's ``generate_until`` would instead probe rows of the
+    model's whole ``max_length`` (8,192 tokens for SmolLM2, 131,072 for Llama-3.1) on
+    every call: minutes on a CPU, out of memory at one row on a GPU. None without
+    generation requests."""
+    generating = [i for i in instances if i.request_type == "generate_until"]
+    if not generating:
+        return None
+    default = int(getattr(lm, "max_gen_toks", 256))
+    longest = max(int((i.args[1] if len(i.args) > 1 and isinstance(i.args[1], dict) else {})
+                      .get("max_gen_toks", default)) for i in generating)
+    widest = max((lm.tok_encode(i.args[0]) for i in generating), key=len)
+    # HFLM cuts a prompt on the left to leave room for the generated tokens.
+    prompt = widest[-max(1, int(lm.max_length) - longest):]
+    # No batch holds more rows than there are requests: the probe starts there.
+    saved = lm.max_batch_size
+    lm.max_batch_size = max(1, min(int(saved or 64), len(generating)))
+    try:
+        return int(lm._detect_batch_size([(None, prompt, [0] * (longest + 1))], 0))
+    finally:
+        lm.max_batch_size = saved
 
 
 def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],

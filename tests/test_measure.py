@@ -89,6 +89,45 @@ def test_auto_batch_size_is_lm_evals_detection_on_the_widest_request(
             assert scores[task].value == pytest.approx(expected[task].value, rel=1e-5)
 
 
+def test_auto_batch_size_of_generation_is_probed_with_the_widest_prompt_once(
+        tiny_model_dir, task_manager, llama_lm, monkeypatch):
+    """HFLM's generate_until would probe rows of max_length tokens on every call (minutes
+    on a CPU for SmolLM2, out of memory at 8B); the measurement probes once, with the
+    widest prompt plus the tokens a request may generate, from at most as many rows as
+    there are requests."""
+    lm = load_lm(tiny_model_dir("llama"), batch_size="auto")
+    measurement = open_measurement(task_manager, lm, tasks=["tiny_generate"], num_samples=10)
+    detected, starts, generated = [], [], []
+    detect, generate = lm._detect_batch_size, lm._model_generate
+
+    def spy_detect(requests=None, pos=0):
+        assert requests is not None, "probed with max_length-wide rows"
+        starts.append(lm.max_batch_size)
+        detected.append((requests[pos], detect(requests, pos)))
+        return detected[-1][1]
+
+    def spy_generate(context, *args, **kwargs):
+        generated.append(context.shape[0])
+        return generate(context, *args, **kwargs)
+
+    monkeypatch.setattr(lm, "_detect_batch_size", spy_detect)
+    monkeypatch.setattr(lm, "_model_generate", spy_generate)
+    masks = [[], parse_heads("L0H1+L1H2", 2, 4), parse_heads("L1H*", 2, 4)]
+    scores = [measurement.measure_with_model(heads) for heads in masks]
+    assert len(detected) == 1 and starts == [10]  # once; 10 requests, not 64 rows
+    (_, prompt, continuation), rows = detected[0]
+    contexts = [i.args[0] for i in measurement.recorded_instances()]
+    assert prompt == max((lm.tok_encode(c) for c in contexts), key=len)
+    assert len(continuation) == 3 + 1  # tiny_generate's max_gen_toks, and the first token
+    assert rows == 10 and generated == [10, 10, 10]  # one generate call per measurement
+    assert lm.batch_size == "auto"  # restored after each measurement
+    # Scores equal the same measurement at a fixed batch size.
+    fixed = open_measurement(task_manager, llama_lm, tasks=["tiny_generate"], num_samples=10)
+    for heads, got in zip(masks, scores, strict=True):
+        assert got["tiny_generate"].value == fixed.measure_with_model(heads)[
+            "tiny_generate"].value
+
+
 def test_auto_masks_per_pass_is_sized_from_the_batches_sent(task_manager, llama_lm,
                                                             monkeypatch):
     measurement = open_measurement(task_manager, llama_lm, num_samples=10)
