@@ -268,9 +268,8 @@ class HarnessMeasurement:
         from lm_eval.evaluator import evaluate
 
         merged: dict[str, Any] = {}
-        rows = self.generation_rows() if model is None else None
-        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)), \
-                _batch_size(self.lm, rows):
+        batch = self.generation_batch() if model is None else contextlib.nullcontext()
+        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)), batch:
             for group in self._groups:
                 for task in group.loaded["tasks"].values():
                     # Same few-shot examples in every measurement.
@@ -347,6 +346,11 @@ class HarnessMeasurement:
             self._generation_rows = generation_batch_size(self.lm,
                                                           self.recorded_instances()) or 0
         return self._generation_rows or None
+
+    def generation_batch(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the live model's ``generate_until`` batches by ``generation_rows()``
+        (lm-eval evaluating on this model: the measurement, ``--output-path``)."""
+        return _batch_size(self.lm, self.generation_rows())
 
     def recorded_instances(self) -> list[Any]:
         """lm-eval's requests (``Instance`` objects) for the subset, recorded once by

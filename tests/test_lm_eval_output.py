@@ -375,6 +375,41 @@ def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp
     assert "--log-samples: give --output-path too" in capsys.readouterr().err
 
 
+def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """lm-eval's own evaluations for --output-path generate in the measurement's batch
+    (resolved once from the requests), never probing max_length-wide rows per call."""
+    from conftest import finished_run
+
+    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    probes = []
+    detect = HFHeadAblateLM._detect_batch_size
+
+    def spy(self, requests=None, pos=0):
+        assert requests is not None, "probed with max_length-wide rows"
+        probes.append(len(requests[pos][1]) + len(requests[pos][2]))
+        return detect(self, requests, pos)
+
+    monkeypatch.setattr(HFHeadAblateLM, "_detect_batch_size", spy)
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_generate",
+                       ("L1H2", "L0H0"))
+    out, results_dir = tmp_path / "verify", tmp_path / "lm-eval"
+    assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                 "--random-draws", "0", "--batch-size", "auto", "--out", str(out),
+                 "--output-path", str(results_dir)]) == 0
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    assert sorted(index) == ["baseline", "tiny_generate-top1"]
+    measured = {json.loads(line)["key"]: json.loads(line) for line in
+                (out / "measurements.jsonl").read_text().splitlines()}
+    for key, path in index.items():
+        saved = json.loads(Path(path).read_text())
+        assert saved["results"]["tiny_generate"]["exact_match,none"] == pytest.approx(
+            measured[key]["scores"]["tiny_generate"])
+    assert len(probes) == 1 and probes[0] < 128  # once, narrower than max_length (128)
+
+
 def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path):
     from conftest import finished_run
 

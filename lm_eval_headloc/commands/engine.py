@@ -534,13 +534,15 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
         done = written.get(key)
         if done is not None and Path(done).is_file():
             continue
-        results = evaluate_knockout(
-            measure.lm, [name for name, _ in setup.tasks], task_manager=manager,
-            knocked_out=list(components), scale=scale[0] if scale else None,
-            model_args=spec.model_args, log_samples=spec.log_samples,
-            apply_chat_template=spec.apply_chat_template,
-            fewshot_as_multiturn=spec.apply_chat_template,
-            confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
+        batch = getattr(measure, "generation_batch", contextlib.nullcontext)
+        with batch():  # --batch-size auto: the measurement's generation batch
+            results = evaluate_knockout(
+                measure.lm, [name for name, _ in setup.tasks], task_manager=manager,
+                knocked_out=list(components), scale=scale[0] if scale else None,
+                model_args=spec.model_args, log_samples=spec.log_samples,
+                apply_chat_template=spec.apply_chat_template,
+                fewshot_as_multiturn=spec.apply_chat_template,
+                confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
         path = save_lm_eval_results(results, spec.output_path, log_samples=spec.log_samples)
         written[key] = str(path.resolve())
         folder.write_json(LM_EVAL_FILES, written)
