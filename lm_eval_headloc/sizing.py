@@ -30,8 +30,9 @@ def masks_per_pass(lm: Any, requests: Callable[[], Any], rows: Callable[[], int]
     """Masks per forward pass when none is asked for. 1 on a CPU, where the forward is
     compute-bound and batching masks gains little (BENCH.md), and whenever masks are
     measured one at a time anyway (generation tasks, ``scored_positions`` False). On a
-    GPU: as many as half of the free memory holds for the widest batch actually sent
-    (``masks_per_pass_for_memory``); ``rows()`` is the resolved batch size."""
+    GPU: as many as half of the free memory (the driver's, plus what PyTorch's allocator
+    holds unused) holds for the widest batch actually sent (``masks_per_pass_for_memory``);
+    ``rows()`` is the resolved batch size."""
     import torch
 
     device = torch.device(lm.device)
@@ -40,6 +41,9 @@ def masks_per_pass(lm: Any, requests: Callable[[], Any], rows: Callable[[], int]
     # The batch size first: its auto detection uses memory, then frees it.
     shapes = requests().shapes(rows())
     free, _ = torch.cuda.mem_get_info(device)
+    # Blocks PyTorch's allocator holds but nothing uses (after the prior's backward pass,
+    # a freed model) count as taken for the driver, yet are this process's to reuse.
+    free += max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     model = lm.model
     return masks_per_pass_for_memory(free, shapes, model.config,
                                      torch.finfo(model.dtype).bits // 8)

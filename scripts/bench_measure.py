@@ -300,6 +300,8 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
         score = task_score(results, task).value
         del results, lm
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the reference's model: not left to the timings after
     return timing, loading, score
 
 

@@ -151,6 +151,13 @@ def test_auto_masks_per_pass_is_sized_from_the_batches_sent(task_manager, llama_
                for (r, w), s in zip(passes, scored, strict=True))
     monkeypatch.setattr(llama_lm, "_device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need * 5, 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    assert measurement.auto_masks_per_pass() == 5
+    # Blocks the allocator caches unused are this process's to reuse: they count as free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * need * 3, 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * need * 2 + 7)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
     assert measurement.auto_masks_per_pass() == 5
     monkeypatch.setattr(HarnessMeasurement, "loglikelihood_only", property(lambda s: False))
     assert measurement.auto_masks_per_pass() == 1  # masks are measured one at a time
