@@ -708,6 +708,30 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     assert "nan" not in (it / "heads.csv").read_text().lower()
 
 
+def test_a_finished_greedy_run_reruns_without_loading_the_model(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    out = tmp_path / "iterative"
+    args = ["greedy", *tiny_args(tiny_model_dir("gpt2")), "--tasks", "tiny_copy",
+            "--num-samples", "12", "--rounds", "2", "--top-k", "3", "--out", str(out)]
+    assert harness(*args) == 0
+    files = {name: (out / name).read_bytes() for name in
+             ("heads.json", "heads.csv", "types.json", "config.json", "measurements.jsonl")}
+    original = HFHeadAblateLM.__init__
+    loads = []
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    assert harness(*args) == 0
+    assert loads == [] and {n: (out / n).read_bytes() for n in files} == files
+    # The last round's last measurement lost: the model loads to measure it again.
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    assert harness(*args) == 0
+    assert loads == [1]
+    assert (out / "heads.json").read_bytes() == files["heads.json"]
+
+
 # --- verify, universal, sweep ------------------------------------------------------------
 
 def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):

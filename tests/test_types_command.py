@@ -100,7 +100,14 @@ def test_the_types_command_writes_every_head(tiny_model_dir, tmp_path, capsys):
             assert float(row[name]) == pytest.approx(expected[name][layer, head], abs=1e-5)
     assert strict_json(out / "config.json")["command"] == "types"
     stored = (out / "types.json").read_text()
-    assert harness(*args) == 0  # resumed: nothing computed again
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    with pytest.MonkeyPatch.context() as patched:  # resumed: nothing computed, no model
+        patched.setattr(HFHeadAblateLM, "__init__", refuse)
+        assert harness(*args) == 0
     assert (out / "types.json").read_text() == stored
     assert json.loads(stored)["probe"]["length"] == 32
 

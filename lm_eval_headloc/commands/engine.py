@@ -482,7 +482,7 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,
                            identity=identity)
-        if _nothing_left(folder, plan, spec.output_path is not None):
+        if nothing_left(folder, plan, spec.output_path is not None):
             # A finished run rerun: its tables come from disk, no weights loaded (run_plan
             # still checks that what is on disk is what the plan asks for).
             yield folder, run_plan(folder, None, plan, desc=desc or command, progress=False)
@@ -502,7 +502,8 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
 LM_EVAL_FILES = "lm_eval_files.json"
 
 
-def _nothing_left(folder: RunFolder, plan: Sequence[PlanEntry], lm_eval_files: bool) -> bool:
+def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
+                 lm_eval_files: bool = False) -> bool:
     """Every measurement of ``plan`` is on disk (and, with ``lm_eval_files``, every
     lm-eval results file ``--output-path`` wrote for it), so the model is not needed."""
     done = {record["key"] for record in folder.measurements()}

@@ -4,7 +4,7 @@ the earlier winners knocked out, k·N)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,12 @@ import numpy as np
 from ..checks import UsageError
 from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
 from ..heads import Head
-from .engine import load_model, open_measurement, prepare, run_plan
+from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
 from .report import HeadRanking, ranking_table, tie_words, write_ranking
 from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
-from .types import ensure_types
+from .types import ensure_types, read_types
 
 __all__ = ["greedy"]
 
@@ -50,12 +50,21 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         # config.json's phases: started, measuring, and (--workers) measured: their shares.
         run = start_run(folder, "greedy", spec, force=force)
-        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
-                                   run=run)
-        run.save(folder, measure)
-        ensure_types(folder, measure)  # what kind of head each is: the ranking files say
-        baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
-                            progress=spec.progress)["baseline"]
+        loaded: list[Any] = []  # the measurement, once something needs the model
+
+        def measuring(plan: Sequence[PlanEntry] = ()) -> Any:
+            """The measurement for ``plan``: None while all of it is on disk (a rerun of a
+            finished run never loads the model), else the model loaded once."""
+            if not loaded and (not plan or not nothing_left(folder, plan)):
+                loaded.append(open_measurement(setup, load_model(setup), folder,
+                                               spec.num_samples, run=run))
+                run.save(folder, loaded[0])
+            return loaded[0] if loaded else None
+
+        if read_types(folder) is None:  # what kind of head each is: the ranking files say
+            ensure_types(folder, measuring())
+        baseline = run_plan(folder, measuring([("baseline", [])]), [("baseline", [])],
+                            desc="baseline", progress=spec.progress)["baseline"]
         higher = {name: bool(baseline["higher_is_better"][name]) for name in names}
         # Per task, each head's changes in the last round it was measured in.
         changes: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
@@ -64,7 +73,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         for round_number in range(1, spec.rounds + 1):
             plan = [(f"round{round_number}-{head}", [*winners, head])
                     for head in candidates if head not in winners]
-            records = run_plan(folder, measure, plan,
+            records = run_plan(folder, measuring(plan), plan,
                                desc=f"greedy round {round_number}/{spec.rounds}",
                                progress=spec.progress, masks_per_pass=spec.masks_per_pass)
             measured = {heads[-1].flat_index(setup.heads_per_layer): records[key]
@@ -79,7 +88,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                 setup.heads_per_layer)
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        run.save(folder, measure)  # written only if the workers' shares changed
+        if loaded:
+            run.save(folder, loaded[0])  # written only if the workers' shares changed
         rankings = _rankings(changes, winners, baseline, spec.rounds, setup.total_heads,
                              setup.heads_per_layer, len(folder.measurements()))
         first = next(iter(rankings.values()))

@@ -179,10 +179,12 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     spec = setup.spec
     with RunFolder(out) as folder:
         run = start_run(folder, "types", spec, force=force)
-        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
-                                   run=run)
-        run.save(folder, measure)
-        found = ensure_types(folder, measure)
+        found = read_types(folder)  # a finished run rerun: no model needed
+        if found is None:
+            measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
+                                       run=run)
+            run.save(folder, measure)
+            found = ensure_types(folder, measure)
         if found is not None:
             folder.write_text("types.csv", types_table(found))
     return found
