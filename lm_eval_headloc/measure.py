@@ -26,7 +26,7 @@ from .heads import Head
 from .metrics import TaskScore, task_score
 from .signals import SIGNALS, gold_answers, gold_logprob, no_logprob_reason
 
-__all__ = ["HarnessMeasurement", "Measurement", "at_scale", "choose_subset"]
+__all__ = ["HarnessMeasurement", "Measurement", "at_scale", "batching", "choose_subset"]
 
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
 _UNSETTLED = object()
@@ -87,8 +87,8 @@ def at_scale(lm: Any, scale: float | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _batch_size(lm: Any, rows: int | None) -> Iterator[None]:
-    """Inside, HFLM batches by ``rows`` (None: as it does)."""
+def batching(lm: Any, rows: int | None) -> Iterator[None]:
+    """Inside, HFLM (``lm``) batches its requests by ``rows`` (None: as it does)."""
     if rows is None:
         yield
         return
@@ -169,6 +169,10 @@ class Measurement(Protocol):
 
     def workers_config(self) -> list[dict[str, Any]] | None:
         """Where the masks were measured (None: here)."""
+        ...
+
+    def generation_batch(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, ``lm`` generates in the measurement's batches (``--output-path``)."""
         ...
 
 
@@ -350,7 +354,7 @@ class HarnessMeasurement:
     def generation_batch(self) -> contextlib.AbstractContextManager[None]:
         """Inside, the live model's ``generate_until`` batches by ``generation_rows()``
         (lm-eval evaluating on this model: the measurement, ``--output-path``)."""
-        return _batch_size(self.lm, self.generation_rows())
+        return batching(self.lm, self.generation_rows())
 
     def recorded_instances(self) -> list[Any]:
         """lm-eval's requests (``Instance`` objects) for the subset, recorded once by

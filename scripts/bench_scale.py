@@ -52,6 +52,7 @@ from lm_eval_headloc.commands.engine import load_model, open_measurement, prepar
 from lm_eval_headloc.commands.spec import RunSpec
 from lm_eval_headloc.designs import design_matrix
 from lm_eval_headloc.heads import Head, format_heads
+from lm_eval_headloc.measure import batching
 from lm_eval_headloc.tasks import make_task_manager
 
 #: Bars the issue sets: ours within 10 % of the bare forward at K = 1, and the automatic
@@ -137,7 +138,7 @@ class SignalRow:
 
 def bench_logprob_signal(setup: Any, lm: Any, heads: Sequence[Head],
                          masks: Sequence[Sequence[Head]], num_samples: int, repeats: int,
-                         device: str) -> tuple[list[SignalRow], int]:
+                         device: str) -> list[SignalRow]:
     """``--signal logprob`` on the generation task: one mask (K = 1) and the automatic
     K, seconds per mask."""
     measure = open_measurement(setup, lm, num_samples=num_samples)
@@ -157,7 +158,7 @@ def bench_logprob_signal(setup: Any, lm: Any, heads: Sequence[Head],
             _sync(device)
             many.seconds.seconds.append((time.perf_counter() - start) / len(chosen))
         rows.append(many)
-    return rows, auto
+    return rows
 
 
 def bench_one_batch(measure: Any, heads: Sequence[Head], docs: int, repeats: int,
@@ -166,17 +167,13 @@ def bench_one_batch(measure: Any, heads: Sequence[Head], docs: int, repeats: int
     batch rather than ``--batch-size`` rows: on a GPU a decoding step costs about the same
     for 32 rows or 100, so this says what a larger generation batch would buy. None when
     the batch already holds every document."""
-    lm = measure.lm
-    saved = lm.batch_size_per_gpu
-    if not isinstance(saved, int) or saved >= docs:
+    batch = measure.lm.batch_size
+    if not isinstance(batch, int) or batch >= docs:
         return None
     row = SignalRow(f"generating, all {docs} documents in one batch (batch size {docs})", 1)
-    lm.batch_size_per_gpu = docs  # what HFLM's generate_until batches by
-    try:
+    with batching(measure.lm, docs):
         measure(heads)  # warm-up at this batch's shapes
         row.seconds = time_interleaved([lambda: measure(heads)], repeats, device)[0]
-    finally:
-        lm.batch_size_per_gpu = saved
     return row
 
 
@@ -359,7 +356,7 @@ def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None
     print(f"{gen} in one batch, and with --signal logprob ...", flush=True)
     one_batch = bench_one_batch(measures[gen], heads, args.num_samples,
                                 args.gen_repeats or args.repeats, device)
-    report.signal_rows, _ = bench_logprob_signal(prepare(spec(gen, "logprob")), lm, heads,
+    report.signal_rows = bench_logprob_signal(prepare(spec(gen, "logprob")), lm, heads,
                                                  masks, args.num_samples, args.repeats, device)
     report.signal_rows[:0] = [one_batch] if one_batch is not None else []
     stage_done("generating vs logprob")

@@ -535,8 +535,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
         done = written.get(key)
         if done is not None and Path(done).is_file():
             continue
-        batch = getattr(measure, "generation_batch", contextlib.nullcontext)
-        with batch():  # --batch-size auto: the measurement's generation batch
+        with measure.generation_batch():  # --batch-size auto: the measurement's batch
             results = evaluate_knockout(
                 measure.lm, [name for name, _ in setup.tasks], task_manager=manager,
                 knocked_out=list(components), scale=scale[0] if scale else None,

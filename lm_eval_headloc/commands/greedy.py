@@ -50,16 +50,17 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         # config.json's phases: started, measuring, and (--workers) measured: their shares.
         run = start_run(folder, "greedy", spec, force=force)
-        loaded: list[Any] = []  # the measurement, once something needs the model
+        measure = None  # loaded once something needs the model
 
         def measuring(plan: Sequence[PlanEntry] = ()) -> Any:
             """The measurement for ``plan``: None while all of it is on disk (a rerun of a
             finished run never loads the model), else the model loaded once."""
-            if not loaded and (not plan or not nothing_left(folder, plan)):
-                loaded.append(open_measurement(setup, load_model(setup), folder,
-                                               spec.num_samples, run=run))
-                run.save(folder, loaded[0])
-            return loaded[0] if loaded else None
+            nonlocal measure
+            if measure is None and (not plan or not nothing_left(folder, plan)):
+                measure = open_measurement(setup, load_model(setup), folder,
+                                           spec.num_samples, run=run)
+                run.save(folder, measure)
+            return measure
 
         if read_types(folder) is None:  # what kind of head each is: the ranking files say
             ensure_types(folder, measuring())
@@ -88,8 +89,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                 setup.heads_per_layer)
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        if loaded:
-            run.save(folder, loaded[0])  # written only if the workers' shares changed
+        if measure is not None:
+            run.save(folder, measure)  # written only if the workers' shares changed
         rankings = _rankings(changes, winners, baseline, spec.rounds, setup.total_heads,
                              setup.heads_per_layer, len(folder.measurements()))
         first = next(iter(rankings.values()))

@@ -629,7 +629,8 @@ def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
     """The fit of a stored run's measurements with ``spec``'s ranking settings, its
     files rewritten (``refit``'s work, the folder locked)."""
     out = folder.path
-    run.read_data(folder)
+    if run.design is None:  # _finished has read a finished run's data already
+        run.read_data(folder)
     assert run.design is not None
     # --masks auto: the masks the run measured before it stopped. Counts are of
     # measurements: the pilot's floor mask (--sparsity auto) is one but not a row.
