@@ -21,6 +21,10 @@ case "$stage" in
 esac
 if [ -n "$out" ]; then
     [ -d "$out" ] || { echo "bench_gpu.sh: OUT_DIR '$out' is not a folder" >&2; exit 2; }
+    # Never over what is not ours: an OUT_DIR already holding these files is refused.
+    for name in BENCH.md bench-1b.log bench-8b.log; do
+        [ ! -e "$out/$name" ] || { echo "bench_gpu.sh: '$out/$name' exists; name an empty OUT_DIR" >&2; exit 2; }
+    done
     cp BENCH.md "$out/BENCH.md"
     bench="$out/BENCH.md" logs="$out"
 else

@@ -692,6 +692,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.reference_repeats < 0 or args.seed < 0 or args.locate_gen_confirm < 0:
         parser.error("--reference-repeats, --seed and --locate-gen-confirm must be >= 0")
+    for name, most in (("max_masks_per_pass", 1024), ("sweep_masks", 1024),
+                       ("max_gen_toks", 32768)):
+        if getattr(args, name) > most:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at most {most}")
+    if args.model_dir is not None:
+        from bench_shapes import model_dir_problem
+
+        if (problem := model_dir_problem(args.model_dir)) is not None:
+            parser.error(problem)
     if args.gen_repeats is not None and args.gen_repeats < 1:
         parser.error(f"--gen-repeats {args.gen_repeats}: must be >= 1")
     if not 0 < args.sparsity < 1:

@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(f"{str(args.source)!r} is not a file")
+    if args.target.exists() and not args.target.is_file():
+        parser.error(f"{str(args.target)!r} is not a file")
     try:
         copied = copy_sections(args.source, args.target, args.names or None)
     except KeyError as error:

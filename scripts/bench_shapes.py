@@ -103,6 +103,18 @@ def byte_tokenizer() -> Any:
                                    pad_token=PAD)
 
 
+def model_dir_problem(folder: Path) -> str | None:
+    """Why ``folder`` may not hold a random model of ours (None: it may): it is not a
+    folder, or holds files this module did not write (never written into)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"--model-dir {str(folder)!r} is not a folder"
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MARKER).is_file():
+        return (f"--model-dir {str(folder)!r} is not empty and was not made by this "
+                f"benchmark (no {MARKER}); name a new folder")
+    return None
+
+
 def build_random_model(name: str, folder: Path, dtype: str = "bfloat16",
                        device: str = "cpu", seed: int = 0) -> tuple[Path, float, bool]:
     """A random-weight model of shape ``name`` saved in ``folder`` with the byte
@@ -118,12 +130,11 @@ def build_random_model(name: str, folder: Path, dtype: str = "bfloat16",
     settings = {"config": name, "dtype": dtype, "seed": seed, "shape": SHAPES.get(name)}
     folder = Path(folder)
     marker = folder / MARKER
-    if folder.exists() and any(folder.iterdir()):
-        if not marker.is_file():
-            raise FileExistsError(f"--model-dir {str(folder)!r} is not empty and was not made "
-                                  f"by this benchmark (no {MARKER}); name a new folder")
-        if json.loads(marker.read_text(encoding="utf-8")) == settings:
-            return folder, 0.0, False
+    problem = model_dir_problem(folder)
+    if problem is not None:
+        raise FileExistsError(problem)
+    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == settings:
+        return folder, 0.0, False
     start = time.perf_counter()
     config = model_config(name)
     tokenizer = byte_tokenizer()

@@ -46,6 +46,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
         if args.config not in SHAPES:
             parser.error(f"--config {args.config!r}: expected one of {', '.join(SHAPES)}")
+    if args.model_dir is not None:
+        from bench_shapes import model_dir_problem
+
+        if (problem := model_dir_problem(args.model_dir)) is not None:
+            parser.error(problem)
     try:
         args.workers = [int(w) for w in args.workers.split(",") if w.strip()]
     except ValueError:

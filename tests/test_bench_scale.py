@@ -165,16 +165,35 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     assert "s on an MMLU-shaped task (extrapolated from the measured parts below)" in section
 
 
-def test_bad_options_are_one_line_errors(capsys):
+def test_bad_options_are_one_line_errors(capsys, tmp_path):
     import bench_measure
+    import bench_workers
 
-    for argv, message in ((["--config", "llama-70b"], "invalid choice: 'llama-70b'"),
-                          (["--locate", "mmlu"], "--locate 'mmlu': expected choice or gen"),
-                          (["--sparsity", "1.5"], "--sparsity 1.5: must be between 0 and 1")):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "weights.bin").write_text("not ours")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for parse, argv, message in (
+            (bench_measure, ["--config", "llama-70b"], "invalid choice: 'llama-70b'"),
+            (bench_measure, ["--locate", "mmlu"], "--locate 'mmlu': expected choice or gen"),
+            (bench_measure, ["--sparsity", "1.5"], "--sparsity 1.5: must be between 0 and 1"),
+            (bench_measure, ["--sparsity", "nan"], "--sparsity nan: must be between 0 and 1"),
+            (bench_measure, ["--max-masks-per-pass", "100000"],
+             "--max-masks-per-pass 100000: at most 1024"),
+            (bench_measure, ["--sweep-masks", "0"], "--sweep-masks 0: must be >= 1"),
+            (bench_measure, ["--max-gen-toks", "-3"], "--max-gen-toks -3: must be >= 1"),
+            (bench_measure, ["--max-gen-toks", "10000000"], "--max-gen-toks 10000000: at most"),
+            (bench_measure, ["--model-dir", str(theirs)], "was not made by this benchmark"),
+            (bench_measure, ["--model-dir", str(a_file)], "is not a folder"),
+            (bench_workers, ["--config", "tiny-llama", "--model-dir", str(theirs)],
+             "was not made by this benchmark")):
         with pytest.raises(SystemExit) as info:
-            bench_measure.parse_args(argv)
+            parse.parse_args(argv)
         assert info.value.code == 2
-        assert message in capsys.readouterr().err
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0]  # argparse's usage, one error line
+    assert [p.name for p in theirs.iterdir()] == ["weights.bin"]  # nothing written there
 
 
 def test_a_run_cut_short_keeps_what_it_measured():

@@ -78,3 +78,11 @@ def test_sections_written_elsewhere_are_copied_in_leaving_the_rest(tmp_path):
         "<!-- bench_measure llama-3.1-8b cuda: end -->")
     with pytest.raises(KeyError, match="has no section 'nope'"):
         bench_sections.copy_sections(there, here, ["nope"])
+
+
+def test_copy_refuses_a_folder_as_its_target(tmp_path, capsys):
+    source = tmp_path / "gpu.md"
+    bench_sections.write_section(source, "bench_workers", "rows")
+    with pytest.raises(SystemExit) as info:
+        bench_sections.main(["copy", str(source), str(tmp_path)])
+    assert info.value.code == 2 and "is not a file" in capsys.readouterr().err
