@@ -37,9 +37,9 @@ spec = RunSpec(tasks=(TASK,), num_samples=16, masks=6, confirm=4, bootstrap=20,
 # %% Locate: the attribution prior, 6 masks, then 4 heads knocked out alone.
 # Look at: the effect is the score change on knockout (accuracy here, so negative =
 # harmful), measured for a head knocked out alone, else the fit's estimate; the heads
-# measured alone rank first, by what they measured. The type is the head's attention
-# pattern where it stands out ("-": nothing clear): the ranking carries the run's
-# types.json as `ranking.head_types`.
+# measured alone to hurt rank first, by what they measured. The type is the head's
+# attention pattern where it stands out ("-": nothing clear): the ranking carries the
+# run's types.json as `ranking.head_types`.
 ranking = locate(RUN, spec)[TASK]
 print(f"{TASK} ({ranking.metric}): baseline {ranking.baseline:.4f}")
 for rank, head in enumerate(ranking.top(5), start=1):

@@ -284,13 +284,24 @@ def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
 
 
 def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
-                    exclude: Iterable[int] = ()) -> list[int]:
-    """The ranking: heads measured alone first, by ``rank_measured``, then every other
-    head in ``screen_order``; heads in ``exclude`` left out."""
+                    exclude: Iterable[int] = (), screen_effects: np.ndarray | None = None
+                    ) -> list[int]:
+    """The ranking: heads measured alone that hurt, by ``rank_measured``; then the heads
+    not measured whose ``screen_effects`` estimate hurts, in ``screen_order``; then the
+    heads measured to do no harm; then the rest of ``screen_order``. A measurement that
+    shows no harm is stronger evidence than an estimate that shows some, so it does not
+    outrank one (without ``screen_effects`` no estimate counts as harm). Heads in
+    ``exclude`` are left out."""
     excluded = set(exclude)
-    confirmed = rank_measured({h: c for h, c in alone.items() if h not in excluded},
-                              higher_is_better)
-    return confirmed + [int(h) for h in screen_order if h not in alone and h not in excluded]
+    measured = rank_measured({h: c for h, c in alone.items() if h not in excluded},
+                             higher_is_better)
+    hurts = [h for h in measured if harm(alone[h][0], higher_is_better) > 0]
+    harmless = measured[len(hurts):]  # rank_measured puts every harmful change first
+    rest = [int(h) for h in screen_order if h not in alone and h not in excluded]
+    implicated = [] if screen_effects is None else [
+        h for h in rest if harm(screen_effects[h], higher_is_better) > 0]
+    shown = set(implicated)
+    return hurts + implicated + harmless + [h for h in rest if h not in shown]
 
 
 def confirmed_top(alone: Changes, pool: Iterable[int], top_k: int,

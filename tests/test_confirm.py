@@ -179,6 +179,23 @@ def test_confirmed_order_ranks_measured_heads_first():
     assert confirmed_top(alone, [4, 5, 2], 5, True) == [2, 4]  # 5 helps: left out
 
 
+def test_a_head_measured_harmless_ranks_below_heads_the_screen_implicates():
+    # Measured alone: 2 hurts, 5 helps, 6 changes nothing. Not measured: the screen
+    # estimates 9 and 1 to hurt (in its order 9, 0, 1, 3), 0 and 3 not.
+    alone = {2: (-0.3, -0.1), 5: (0.02, 0.1), 6: (0.0, 0.0)}
+    effects = np.zeros(10)
+    effects[[9, 1, 0, 3]] = [-0.05, -0.01, 0.0, 0.04]
+    order = confirmed_order(alone, [9, 0, 1, 3], True, screen_effects=effects)
+    # hurts (2), implicated (9, 1), measured harmless (6 then 5: 5 helps), the rest (0, 3).
+    assert order == [2, 9, 1, 6, 5, 0, 3]
+    # Lower is better: a positive effect hurts, so 3 is implicated, 9 and 1 are not.
+    lower = {2: (0.3, 0.0), 5: (-0.02, 0.0)}
+    assert confirmed_order(lower, [3, 0, 9, 1], False, screen_effects=effects) == \
+        [2, 3, 5, 0, 9, 1]
+    # An excluded head stays out of every group.
+    assert 9 not in confirmed_order(alone, [9, 0, 1, 3], True, [9], effects)
+
+
 def test_ties_are_equal_evidence_not_equal_rank():
     # Heads 0 and 1 are in exactly the same masks: no measurement tells them apart.
     design = np.array([[1, 1, 0, 0], [0, 0, 1, 0], [1, 1, 0, 1], [0, 0, 0, 1]], dtype=bool)
@@ -277,3 +294,20 @@ def test_prior_penalty_weights_are_the_prior_modules():
     np.testing.assert_array_equal(prior.prior_penalty_weights(harms),
                                   prior_penalty_weights(harms))
     assert prior.PRIOR_EASE == 1.0
+
+
+def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
+    """fit_rankings hands the screen's estimates to the ranking: a head the masks show
+    to hurt outranks a head measured alone to change nothing."""
+    from lm_eval_headloc.commands.locate import fit_rankings
+
+    rng = np.random.default_rng(0)
+    design = rng.random((30, 6)) < 0.3
+    scores = 0.9 - 0.4 * design[:, 4]  # L1H1 (flat 4) hurts; nothing else does
+    base = {"scores": {"t": 0.9}, "higher_is_better": {"t": True}, "metrics": {"t": "acc"}}
+    records = {"baseline": base, "alone-L0H0": {"scores": {"t": 0.9}},
+               **{f"mask-{i:04d}": {"scores": {"t": float(y)}} for i, y in enumerate(scores)}}
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+                           confirmed={"heads": ["L0H0"], "never": []})["t"]
+    assert [str(h) for h in ranking.top(2)] == ["L1H1", "L0H0"]
+    assert ranking.extra["confirmed"] == ["L0H0"] and ranking.extra["implicated"] == ["L1H1"]

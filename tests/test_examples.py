@@ -82,7 +82,9 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
         label = types["dominant"][entry["layer"]][entry["head_in_layer"]]
         assert kind == (label or "-") and entry["type"] == label
     confirmed = [head for _, head, _, how, _ in printed if how == "measured"]
-    assert confirmed == top[:len(confirmed)]  # heads measured alone rank first
+    hurt = [head for _, head, effect, how, _ in printed
+            if how == "measured" and float(effect) < 0]
+    assert hurt == top[:len(hurt)]  # heads measured alone to hurt rank first
     assert set(confirmed) <= set(heads["confirmed"]) and len(heads["confirmed"]) == 4
     assert heads["higher_is_better"] is True and by_head[top[0]]["effect"] < 0  # harmful
     assert "Head types (scores on the repeated-token probe):" in first.stdout

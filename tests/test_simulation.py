@@ -342,12 +342,19 @@ def test_before_is_the_old_up_front_alternation(use_prior):
             else None
         weights = None if prior is None else prior_penalty_weights(np.clip(-prior[0], 0,
                                                                            None))
-        plain = screen(trial.design, trial.scores, True, penalty_weights=weights).order
+        fit = screen(trial.design, trial.scores, True, penalty_weights=weights)
+        plain = fit.order
         orders = [plain] if prior is None else [np.argsort(prior[0], kind="stable"), plain]
         for confirm in (3, 8, 15):
             picked = _up_front(orders, confirm)
-            by_hand = sorted(picked, key=lambda h: (changes[h], h))
-            by_hand += [h for h in plain if h not in picked]
+            # Measured to hurt, by change; then the fit's harmful estimates; then
+            # measured harmless; then the rest of the fit's order.
+            measured = sorted(picked, key=lambda h: (changes[h], h))
+            rest = [h for h in plain if h not in picked]
+            by_hand = ([h for h in measured if changes[h] < 0]
+                       + [h for h in rest if fit.effects[h] < 0]
+                       + [h for h in measured if changes[h] >= 0]
+                       + [h for h in rest if fit.effects[h] >= 0])
             found = confirming_run_top(trial.world, trial.design, trial.scores, prior,
                                        confirm, changes, method="before")
             assert list(found) == by_hand[:5]

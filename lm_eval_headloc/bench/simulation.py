@@ -79,6 +79,7 @@ import numpy as np
 from ..confirm import (
     PRIOR_ALLOWANCE,
     ROUND,
+    Screen,
     alternated,
     budget_split,
     confirmation,
@@ -631,9 +632,9 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     _check_method(method)
     weights = prior_weights(prior)
 
-    def fitted(known: Mapping[int, tuple[float, float]]) -> list[int]:
+    def fitted(known: Mapping[int, tuple[float, float]]) -> Screen:
         return screen(design, scores, True, alpha=alpha, penalty_weights=weights,
-                      fixed={h: change for h, (change, _) in known.items()}).order
+                      fixed={h: change for h, (change, _) in known.items()})
 
     def measure(heads: list[int]) -> dict[int, tuple[float, float]]:
         return {h: (float(changes[h]), 0.0) for h in heads}
@@ -641,7 +642,7 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     sources = prior_rankings(prior)
     if method == "defaults":
         refit = fitted
-        picked = confirmation({"task": sources}, {"task": refit},
+        picked = confirmation({"task": sources}, {"task": lambda known: refit(known).order},
                               lambda heads: {"task": measure(heads)}, confirm,
                               round_size=ROUND).heads
     else:
@@ -651,14 +652,16 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
         # the screen's late turns can differ, an accepted departure from the old code.
         plain = fitted({})
 
-        def refit(_known: Mapping[int, tuple[float, float]]) -> list[int]:
+        def refit(_known: Mapping[int, tuple[float, float]]) -> Screen:
             return plain
 
-        picked = alternated([*sources, plain], confirm)
+        picked = alternated([*sources, plain.order], confirm)
     alone = measure(picked)
-    # The screen's order matters only when fewer than ``top`` heads were measured.
-    rest = () if len(alone) >= top else refit(alone)
-    return np.asarray(confirmed_order(alone, rest, higher_is_better=True)[:top])
+    # The screen matters only when fewer than ``top`` measured heads hurt.
+    if sum(change < 0 for change, _ in alone.values()) >= top:
+        return np.asarray(confirmed_order(alone, (), higher_is_better=True)[:top])
+    final = refit(alone)
+    return np.asarray(confirmed_order(alone, final.order, True, (), final.effects)[:top])
 
 
 def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True

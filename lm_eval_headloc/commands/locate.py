@@ -86,8 +86,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     path point (prior.json); the first point eases the penalty of likely heads
     (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
     ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
-    measured alone rank first, by their measured change (``confirm.confirmed_order``), the
-    rest by the screen refitted with those changes held fixed (``confirm.screen``); the
+    measured alone to hurt rank first, by their measured change, then the heads the screen
+    implicates, then those measured to do no harm (``confirm.confirmed_order``); the
+    screen is refitted with those changes held fixed (``confirm.screen``); the
     bootstrap asks which of them a replay of the confirmation on a resample of the masks
     would have confirmed into the top-k."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
@@ -112,7 +113,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                                                              columns)
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights,
                      fixed={h: change for h, (change, _) in alone.items()}, exclude=excluded)
-        order = confirmed_order(alone, fit.order, higher, excluded)
+        order = confirmed_order(alone, fit.order, higher, excluded, fit.effects)
         select = None
         if confirmed is not None:
             select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
@@ -285,8 +286,9 @@ def _confirm_words(run: LocateRun) -> str:
             f"time{rounds}, the "
             + ("attribution prior's rankings and " if run.uses_prior else "")
             + "the masks' fit's likeliest in turn (the fit redone after each round with "
-            "the measured heads' changes held fixed); they rank first, by their measured "
-            "change (their stability: how often a replay of the confirmation on a bootstrap "
+            "the measured heads' changes held fixed); those that hurt rank first, by their "
+            "measured change, then the heads the fit implicates, then those that did no harm "
+            "(their stability: how often a replay of the confirmation on a bootstrap "
             "resample of the masks would have confirmed them into the top-k)")
 
 

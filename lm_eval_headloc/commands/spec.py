@@ -239,8 +239,9 @@ class RunSpec:
         DEFAULT_ALONE,
         "after the masks, knock out this many heads one at a time, in rounds of 5: "
             "the prior's rankings and the masks' fit (redone after each round with the "
-            "measured heads held fixed) name one each in turn; they rank first, by what "
-            "they measured (0: rank by the fit alone; rerun with more to measure more)",
+            "measured heads held fixed) name one each in turn; those that hurt rank first, "
+            "by what they measured (0: rank by the fit alone; rerun with more to measure "
+            "more)",
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
