@@ -66,11 +66,12 @@ def column_key(column: Column) -> tuple[int, int, int]:
 
 
 def neuron_groups(candidates: Iterable[Neuron], num_layers: int, neurons_per_layer: int,
-                  per_layer: int) -> list[NeuronGroup]:
-    """Each layer's MLP neurons that are not ``candidates``, cut in index order into
-    ``per_layer`` groups of near-equal size (fewer where fewer neurons are left)."""
+                  per_layer: int, never: Iterable[Neuron] = ()) -> list[NeuronGroup]:
+    """Each layer's MLP neurons that are neither ``candidates`` nor ``never`` knocked out
+    (``--never-ablate``), cut in index order into ``per_layer`` groups of near-equal size
+    (fewer where fewer neurons are left; none in a layer with none left)."""
     taken: dict[int, set[int]] = {}
-    for neuron in candidates:
+    for neuron in (*candidates, *never):
         taken.setdefault(neuron.layer, set()).add(neuron.neuron)
     groups = []
     for layer in range(num_layers):
@@ -106,11 +107,12 @@ class Columns:
     @classmethod
     def of(cls, components: str, num_layers: int, heads_per_layer: int,
            candidates: Sequence[str] = (), groups_per_layer: int = 0,
-           neurons_per_layer: int | None = None) -> Columns:
+           neurons_per_layer: int | None = None, never: Sequence[str] = ()) -> Columns:
         """The columns of a run locating ``components`` (a ``COMPONENTS`` value): the
         heads when it locates heads, then its neuron ``candidates`` when it locates
         neurons, then (``groups_per_layer`` > 0, which needs ``neurons_per_layer``) the
-        groups of the neurons outside the candidates (``neuron_groups``)."""
+        groups of the neurons outside the candidates and outside ``never`` (the neurons
+        never knocked out; ``neuron_groups``)."""
         if components not in COMPONENTS:
             raise ValueError(f"components={components!r}: one of {', '.join(COMPONENTS)}")
         heads = cls.heads(num_layers, heads_per_layer).components if "heads" in \
@@ -122,7 +124,8 @@ class Columns:
             if neurons_per_layer is None:
                 raise ValueError("neuron groups need the MLP's width (neurons_per_layer)")
             groups = neuron_groups(neurons, num_layers, neurons_per_layer,  # type: ignore[arg-type]
-                                   groups_per_layer)
+                                   groups_per_layer,
+                                   parse_components(list(never)))  # type: ignore[arg-type]
         return cls((*heads, *sorted(neurons, key=component_key), *groups))
 
     def __len__(self) -> int:

@@ -129,6 +129,13 @@ def test_a_rerun_measures_nothing_and_refit_reads_it(neuron_run):
     assert (out / "heads.json").read_text() == heads
     assert harness("refit", str(out), "--top-k", "2") == 0
     assert strict_json(out / "heads.json")["top_k"] == json.loads(heads)["top_k"][:2]
+    # --exclude takes the run's neurons: the first leaves the ranking, nothing is measured.
+    first = json.loads(heads)["top_k"][0]
+    assert harness(*args, "--exclude", first, "--out", str(out)) == 0
+    assert (out / "measurements.jsonl").read_text() == before
+    refitted = strict_json(out / "heads.json")
+    assert first not in [e["neuron"] for e in refitted["heads"]]
+    assert refitted["excluded"] == [first] and len(refitted["top_k"]) == 3
 
 
 def test_heads_and_neurons_share_one_design(tiny_model_dir, tmp_path):
@@ -168,6 +175,14 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     (["--components", "neurons", "--candidates", "999"],
      "--candidates 999: the model has only 128 MLP neurons"),
     (["--components", "cells"], "invalid choice: 'cells'"),
+    (["--components", "neurons", "--never-ablate", "L1N64"],
+     "--never-ablate: neuron L1N64 is outside the model: neuron 64 not in 0..63"),
+    (["--components", "neurons", "--exclude", "L2N0"],
+     "--exclude: neuron L2N0 is outside the model: layer 2 not in 0..1"),
+    (["--components", "neurons", "--candidates", "100", "--never-ablate", "L0N*"],
+     "--candidates 100: --never-ablate keeps 64 of the model's 128 MLP neurons out, "
+     "leaving 64"),
+    (["--exclude", "L0N1"], "--exclude: 'L0N1' is an MLP neuron; only attention heads"),
 ])
 def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, options, message):
     out = tmp_path / "bad"
@@ -237,6 +252,14 @@ def test_neuron_groups_cut_the_rest_of_each_layer_in_index_order():
     assert both.knocked_out(row) == [Neuron(0, 1), Neuron(0, 0), Neuron(0, 2), Neuron(0, 3),
                                      Neuron(0, 4), Neuron(0, 5)]
     assert both.members(6) == [Neuron(1, n) for n in range(6)]
+    # Neurons never knocked out are in no group: layer 0 leaves 0 3 4 5 -> (0 3) (4 5);
+    # a layer with every neuron taken has no group.
+    groups = neuron_groups([Neuron(0, 1)], 2, 6, 2, never=[Neuron(0, 2)] + [
+        Neuron(1, n) for n in range(6)])
+    assert groups == [NeuronGroup(0, 0, (0, 3)), NeuronGroup(0, 1, (4, 5))]
+    columns = Columns.of("neurons", 2, 4, ["L0N1"], 2, 6, never=["L0N2", "L1N0"])
+    assert [c.neurons for c in columns.components[1:]] == [(0, 3), (4, 5), (1, 2, 3),
+                                                          (4, 5)]
 
 
 def test_a_group_has_no_prior_of_its_own():
@@ -255,21 +278,29 @@ def test_a_group_has_no_prior_of_its_own():
 def group_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("groups") / "run"
     args = neuron_args(tiny_model_dir("llama"), "--components", "neurons",
-                       "--candidates", "6", "--neuron-groups", "2")
+                       "--candidates", "6", "--neuron-groups", "2",
+                       "--never-ablate", NEVER)
     assert harness(*args, "--out", str(out)) == 0
     return out, args
+
+
+#: The group run's --never-ablate: neurons no mask may knock out.
+NEVER = "L0N35+L0N44+L1N3"  # L0N35, L0N44: among the prior's first 6
 
 
 def test_a_group_run_knocks_out_whole_groups(group_run):
     out, _ = group_run
     config = strict_json(out / "config.json")
     assert config["spec"]["neuron_groups"] == 2
+    assert config["never_neurons"] == NEVER.split("+")
     design = np.load(out / "design_matrix.npy")
     assert design.shape == (10, 6 + 2 * 2)
-    # The expected knockouts, from the candidates alone: each layer's other 64 - c
-    # neurons cut in two halves in index order.
+    # The expected knockouts, from the candidates and --never-ablate alone: each layer's
+    # other neurons cut in two halves in index order.
+    never = parse_components(NEVER)
+    assert not set(never) & set(parse_components(config["candidates"]))
     taken = {}
-    for c in parse_components(config["candidates"]):
+    for c in [*parse_components(config["candidates"]), *never]:
         taken.setdefault(c.layer, set()).add(c.neuron)
     groups = []
     for layer in range(2):
@@ -292,6 +323,22 @@ def test_a_group_run_knocks_out_whole_groups(group_run):
     csv = (out / "heads.csv").read_text()
     assert ",L0G1,neuron group,0,1," in csv
     assert "groups (--neuron-groups 2 per layer" in (out / "report.md").read_text()
+    # No measurement knocked out a never-ablated neuron (the confirmation's included).
+    assert all(not set(parse_components(r["mask"])) & set(never)
+               for r in records if r["mask"])
+
+
+def test_never_ablated_neurons_are_no_candidates(group_run):
+    out, _ = group_run
+    config = strict_json(out / "config.json")
+    prior = json.loads((out / "prior.json").read_text())
+    estimates = {t: np.array([p["neuron_effects"] for p in e["points"]])
+                 for t, e in prior["tasks"].items()}
+    never = parse_components(NEVER)
+    # NEVER holds neurons the prior would have given columns: the run skipped them.
+    assert set(never) & set(neuron_candidates(estimates, 64, 6))
+    assert sorted(parse_components(config["candidates"])) == sorted(
+        neuron_candidates(estimates, 64, 6, skip=never))
 
 
 def test_a_groups_entry_is_one_entry_of_an_ablate_file(group_run, tiny_model_dir, tmp_path):

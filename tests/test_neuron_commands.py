@@ -289,10 +289,11 @@ def test_universal_counts_neurons_as_it_counts_heads(tiny_model_dir, tmp_path, c
     assert result["candidates"] == {"L0N3": {a: 2, b: 1}, "L0N7": {a: 3},
                                     "L1N5": {a: 1, b: 3}, "L1N9": {b: 2}}
     assert "| L0N3 | 2 | 2 | 1 |" in capsys.readouterr().out
-    # --never-ablate takes heads only: a universal neuron is refused, by name, before the
-    # model loads.
+    # A heads run's --never-ablate takes heads only: a universal neuron is refused, by
+    # name, before the model loads, saying which runs take neurons.
     assert harness("locate", "--model-args", f"pretrained={model},dtype=float32,device=cpu",
                    "--tasks", "tiny_copy", "--include-path", TASKS, "--never-ablate",
                    str(out), "--out", str(tmp_path / "loc")) == 2
+    error = last_error(capsys)
     assert "--never-ablate: 'L0N3' is an MLP neuron; only attention heads are accepted" \
-        in last_error(capsys)
+        in error and "--components neurons or heads+neurons" in error

@@ -24,6 +24,7 @@ from ..heads import (
     Component,
     Head,
     HeadSpecError,
+    Neuron,
     format_heads,
     parse_components,
     parse_heads,
@@ -58,8 +59,8 @@ class Setup:
     tasks: list[tuple[str, str | None]]  # (task, metric or None)
     geometry: Geometry  # from the model's config: layers, heads, MLP width (None: unsaid)
     loaded: dict[str, Any]  # task name -> lm-eval's TaskManager.load result, built once
-    exclude: list[Head]
-    never_ablate: list[Head]
+    exclude: list[Component]  # MLP neurons only in a run that locates them
+    never_ablate: list[Component]
     # Mean/resample's reference examples when --ablation-data names them; None: the run's
     # own tasks on its example subset, taken once the measurement has chosen it.
     reference: list[str] | None = None
@@ -159,16 +160,32 @@ def model_geometry(model_args: str) -> Geometry:
     return geometry
 
 
-def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str) -> list[Head]:
+def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str, *,
+              neurons: bool = False, neurons_per_layer: int | None = None
+              ) -> list[Component]:
     """Heads from ``L0H1+L2H3`` or a head file (JSON / one per line), checked against the
-    model."""
+    model; with ``neurons`` (a run that locates MLP neurons) neurons too, ``L3N12``,
+    checked against ``neurons_per_layer`` where known."""
     if not spec:
         return []
+    names: Any = spec
     try:
         names = read_heads_file(spec) if Path(spec).is_file() else spec
-        return parse_heads(names, num_layers, heads_per_layer)
+        if not neurons:
+            return list(parse_heads(names, num_layers, heads_per_layer))
+        return parse_components(names, num_layers, heads_per_layer, neurons_per_layer)
     except HeadSpecError as err:
-        raise UsageError(f"{what}: {err}") from None
+        hint = "" if neurons or not _names_a_neuron(names) else (
+            " (neurons are kept out by a locate or sweep that locates them: --components "
+            "neurons or heads+neurons)")
+        raise UsageError(f"{what}: {err}{hint}") from None
+
+
+def _names_a_neuron(names: Any) -> bool:
+    try:
+        return any(isinstance(c, Neuron) for c in parse_components(names))
+    except HeadSpecError:
+        return False
 
 
 def _join_metric_filters(parts: Sequence[str], known_tasks: Iterable[str]) -> list[str]:
@@ -247,12 +264,25 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         raise UsageError(f"--top-k {spec.top_k}: the model has only {total} heads"
                          if spec.components == "heads" else
                          f"--top-k {spec.top_k}: the run ranks only {columns} components")
-    exclude = head_list(spec.exclude, num_layers, heads_per_layer, "--exclude")
-    never = head_list(spec.never_ablate, num_layers, heads_per_layer, "--never-ablate")
-    if len(set(exclude) | set(never)) >= total:
-        which = ("--never-ablate covers" if len(never) >= total else "--exclude covers"
-                 if len(exclude) >= total else "--exclude and --never-ablate together cover")
+    exclude, never = (head_list(value, num_layers, heads_per_layer, flag,
+                                neurons="neurons" in spec.components,
+                                neurons_per_layer=geometry.neurons_per_layer)
+                      for value, flag in ((spec.exclude, "--exclude"),
+                                          (spec.never_ablate, "--never-ablate")))
+    excluded_heads = {h for h in exclude if isinstance(h, Head)}
+    never_heads = {h for h in never if isinstance(h, Head)}
+    if "heads" in spec.components.split("+") and len(excluded_heads | never_heads) >= total:
+        which = ("--never-ablate covers" if len(never_heads) >= total else "--exclude covers"
+                 if len(excluded_heads) >= total else
+                 "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
+    never_neurons = sum(isinstance(c, Neuron) for c in never)
+    if never_neurons and geometry.total_neurons is not None:
+        left = geometry.total_neurons - never_neurons
+        if _candidate_count(spec, geometry) > left:
+            raise UsageError(f"--candidates {_candidate_count(spec, geometry)}: "
+                             f"--never-ablate keeps {never_neurons} of the model's "
+                             f"{geometry.total_neurons} MLP neurons out, leaving {left}")
     check_design_budget(spec.design_rows, columns,
                         "--max-masks" if spec.masks == "auto" else "--masks")
     if spec.sparsity == "auto" and spec.components == "heads":
@@ -281,7 +311,7 @@ def _column_count(spec: RunSpec, geometry: Geometry) -> int:
     heads = geometry.total_heads
     if spec.components == "heads":
         return heads
-    count = heads if spec.candidates == "auto" else int(spec.candidates)
+    count = _candidate_count(spec, geometry)
     neurons = geometry.total_neurons
     if neurons is not None and count > neurons:
         raise UsageError(f"--candidates {count}: the model has only {neurons} MLP neurons")
@@ -292,6 +322,11 @@ def _column_count(spec: RunSpec, geometry: Geometry) -> int:
     # Groups: at most G per layer (fewer only where the candidates fill a layer).
     groups = spec.neuron_groups * geometry.num_layers
     return count + groups + (heads if "heads" in spec.components.split("+") else 0)
+
+
+def _candidate_count(spec: RunSpec, geometry: Geometry) -> int:
+    """--candidates as a number (auto: as many as the model has heads)."""
+    return geometry.total_heads if spec.candidates == "auto" else int(spec.candidates)
 
 
 def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> None:

@@ -33,7 +33,7 @@ from ..confirm import (
     tied_with_above,
 )
 from ..designs import design_matrix
-from ..heads import Component, Head, Neuron
+from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
 from ..recovery import HeadLasso, bootstrap_stability, harm
@@ -435,8 +435,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             log.info("%s: every measurement is on disk; fitting again without the model",
                      out)
             assert isinstance(done.layers, int) and isinstance(done.heads_per_layer, int)
-            return _refit_stored(folder, done, spec, head_list(
-                spec.exclude, done.layers, done.heads_per_layer, "--exclude"))
+            return _refit_stored(folder, done, spec, _excluded(spec, done))
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
@@ -445,6 +444,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         kinds = spec.components.split("+")
         if "neurons" in kinds:
             run.neurons_per_layer = measure.lm.neurons_per_layer
+            run.never_neurons = _never_neurons(setup, run.neurons_per_layer) or None
         run.save(folder, measure)  # phase: measuring
         # The prior comes first: a run with neurons gives columns to the neurons it names.
         method = prior_method(spec, measure)
@@ -503,7 +503,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     return run.rankings
 
 
-def _fit(run: LocateRun, exclude: Sequence[Head], rows: int, *,
+def _fit(run: LocateRun, exclude: Sequence[Component], rows: int, *,
          confirmed: bool = True) -> dict[str, HeadRanking]:
     """``fit_rankings`` of the run's first ``rows`` design rows with its settings, its
     prior and (``confirmed``) its confirmation."""
@@ -583,8 +583,33 @@ def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,
     total = setup.num_layers * run.neurons_per_layer
     if count > total:
         raise UsageError(f"--candidates {count}: the model has only {total} MLP neurons")
+    never = parse_components(run.never_neurons or [])
+    if count > total - len(never):
+        raise UsageError(f"--candidates {count}: --never-ablate keeps {len(never)} of the "
+                         f"model's {total} MLP neurons out, leaving {total - len(never)}")
     return neuron_candidates({t: by_kind["neurons"] for t, by_kind in estimates.items()},
-                             run.neurons_per_layer, count)
+                             run.neurons_per_layer, count, skip=never)
+
+
+def _never_neurons(setup: Setup, neurons_per_layer: int) -> list[str]:
+    """--never-ablate's MLP neurons, no candidate and in no group. Checked, with
+    --exclude's, against the loaded MLP's width: ``prepare`` could not where the config
+    does not say it."""
+    for flag, listed in (("--exclude", setup.exclude), ("--never-ablate", setup.never_ablate)):
+        try:
+            validate_heads([c for c in listed if isinstance(c, Neuron)], setup.num_layers,
+                           setup.heads_per_layer, neurons_per_layer)
+        except HeadSpecError as err:
+            raise UsageError(f"{flag}: {err}") from None
+    return [str(c) for c in setup.never_ablate if isinstance(c, Neuron)]
+
+
+def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
+    """--exclude's components in a stored run (MLP neurons where it locates them)."""
+    assert isinstance(run.layers, int) and isinstance(run.heads_per_layer, int)
+    return head_list(spec.exclude, run.layers, run.heads_per_layer, "--exclude",
+                     neurons="neurons" in spec.components,
+                     neurons_per_layer=run.neurons_per_layer)
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
@@ -618,7 +643,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
         if spec.top_k > len(columns):
             raise UsageError(f"--top-k {spec.top_k}: the run ranks only {len(columns)} "
                              "components")
-        excluded = head_list(spec.exclude, layers, per_layer, "--exclude")
+        excluded = _excluded(spec, run)
         if sum(_has(columns, h) for h in excluded) >= len(columns):
             raise UsageError(f"--exclude covers every component the run ranks "
                              f"({len(columns)}); nothing is left to rank")
@@ -627,7 +652,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
 
 
 def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
-                  excluded: Sequence[Head]) -> dict[str, HeadRanking]:
+                  excluded: Sequence[Component]) -> dict[str, HeadRanking]:
     """The fit of a stored run's measurements with ``spec``'s ranking settings, its
     files rewritten (``refit``'s work, the folder locked)."""
     out = folder.path

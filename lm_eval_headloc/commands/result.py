@@ -179,6 +179,7 @@ class LocateRun(RunRecord):
 
     neurons_per_layer: int | None = None  # the MLP's width, when the run locates neurons
     candidates: list[str] | None = None  # the neurons the design has columns for
+    never_neurons: list[str] | None = None  # --never-ablate's neurons: in no group either
     pilot: dict[str, Any] | None = None  # --sparsity auto: the pilot's choice
     row_keys: list[str] | None = None  # the measurement of each design row
     prior_used: bool | None = None
@@ -195,7 +196,8 @@ class LocateRun(RunRecord):
     rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
-        *RunRecord.KEYS[:-1], "neurons_per_layer", "candidates", "pilot", "row_keys",
+        *RunRecord.KEYS[:-1], "neurons_per_layer", "candidates", "never_neurons", "pilot",
+        "row_keys",
         "prior_used", "prior_method", "prior_skipped", "masks_used", "confirm",
         RunRecord.KEYS[-1])
 
@@ -226,7 +228,7 @@ class LocateRun(RunRecord):
             raise ValueError("columns need the model's geometry (the measuring phase)")
         return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
                           self.candidates or (), self.spec.neuron_groups,
-                          self.neurons_per_layer)
+                          self.neurons_per_layer, self.never_neurons or ())
 
     @property
     def uses_prior(self) -> bool:
