@@ -98,8 +98,8 @@ for arg in "$@"; do
     esac
 done
 
-VENV_PY=.venv/bin/python
-[ -x "$VENV_PY" ] || die "no .venv here: run 'bash scripts/setup.sh' first (the versions are read from it)"
+VENV_PY="${HEADLOC_VENV:-.venv}/bin/python"
+[ -x "$VENV_PY" ] || die "no $VENV_PY here: run 'bash scripts/setup.sh' first (the versions are read from it)"
 names=("${BASE[@]}")
 [ "$with_ray" = 1 ] && names+=("${RAY[@]}")
 
@@ -108,7 +108,7 @@ for name in "${names[@]}"; do
     v=$("$VENV_PY" -c 'import sys; from importlib import metadata
 try: print(metadata.version(sys.argv[1]))
 except metadata.PackageNotFoundError: pass' "$name")
-    [ -n "$v" ] || die "$name is not installed in .venv, so there is no version to pin (pip install -e '.[test]')"
+    [ -n "$v" ] || die "$name is not installed in ${VENV_PY%/bin/python}, so there is no version to pin (pip install -e '.[test]')"
     pins+=("$name==$v")
 done
 

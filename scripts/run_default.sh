@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv (scripts/setup.sh) and run the main job: `headloc-harness` with no
+# Set up .venv (scripts/setup.sh; HEADLOC_VENV names another) and run the main job: `headloc-harness` with no
 # arguments = compressed-sensing localization on the embedded SmolLM2-135M-Instruct and
 # the offline headloc_induction task. Results land in runs/locate/ (report.md,
 # heads.json, heatmap.png). Rerunning continues an interrupted run; extra arguments go
@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/headloc-harness locate "$@"
+exec "${HEADLOC_VENV:-.venv}/bin/headloc-harness" locate "$@"
