@@ -24,6 +24,7 @@ from lm_eval_headloc.confirm import (
     tied_with_above,
 )
 from lm_eval_headloc.designs import design_matrix
+from lm_eval_headloc.heads import Head
 
 
 def test_marginal_contrast_by_hand():
@@ -307,7 +308,12 @@ def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     base = {"scores": {"t": 0.9}, "higher_is_better": {"t": True}, "metrics": {"t": "acc"}}
     records = {"baseline": base, "alone-L0H0": {"scores": {"t": 0.9}},
                **{f"mask-{i:04d}": {"scores": {"t": float(y)}} for i, y in enumerate(scores)}}
-    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=50, top_k=2,
                            confirmed={"heads": ["L0H0"], "never": []})["t"]
     assert [str(h) for h in ranking.top(2)] == ["L1H1", "L0H0"]
     assert ranking.extra["confirmed"] == ["L0H0"] and ranking.extra["implicated"] == ["L1H1"]
+    # Its stability is the screen's: every resample's screen implicates it (the only head
+    # whose masks score lower), so every replay's top-2 holds it; none holds L0H0, which
+    # measured no harm.
+    assert ranking.stability.selected[4] == 1.0 and ranking.stability.selected[0] == 0.0
+    assert ranking.unstable(2) == [Head(0, 0)]

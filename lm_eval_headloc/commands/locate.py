@@ -155,8 +155,10 @@ def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str
     """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
     on a resample of the masks (its rows). The task's own picks are replayed with screens
     fitted on those rows (``confirm.confirmation``); a pick the run did not measure cannot
-    be ranked, so it is left out (a head only the screen found is as stable as the screen
-    is); heads measured for the run's other tasks stay in the pool."""
+    be ranked, so it is left out; heads measured for the run's other tasks stay in the
+    pool. Where fewer than k of the pool hurt, the ranking's rule fills the top-k with
+    the heads the resample's screen (the pool's changes held fixed) implicates, so such a
+    head is as stable as that screen says."""
     own = [columns.named(name)
            for name in confirmed.get("picked_by", {}).get(task, confirmed["heads"])]
     others = set(alone) - set(own)
@@ -174,7 +176,13 @@ def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str
         replay = confirmation({task: sources}, {task: screen_on_rows}, lookup, len(own),
                               round_size=round_size, skip=skip)
         pool = {h for h in replay.heads if h in alone} | others
-        return np.array(confirmed_top(alone, pool, top_k, higher), dtype=np.int64)
+        top = confirmed_top(alone, pool, top_k, higher)
+        if len(top) < top_k:
+            fit = screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
+                         fixed={h: alone[h][0] for h in pool}, exclude=excluded)
+            top += [h for h in fit.order if h not in pool and h not in skip
+                    and harm(fit.effects[h], higher) > 0][:top_k - len(top)]
+        return np.array(top, dtype=np.int64)
 
     return select
 
