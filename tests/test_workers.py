@@ -150,7 +150,10 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
 
 def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, tmp_path,
                                                     one_process_run):
-    args = ["locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2"]
+    # One mask per chunk: records arrive one at a time, so the interrupt lands part-way
+    # (a chunk of all ten masks arrives at once and the rest can finish before SIGINT).
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
+            "--masks-per-pass", "1"]
     out = tmp_path / "interrupted"
     partial = stopped_part_way(args, out, after=4, seconds=300,
                                stop=lambda process: process.send_signal(signal.SIGINT))
