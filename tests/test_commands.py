@@ -419,7 +419,12 @@ def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: floa
                      ) -> int:
     """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
     SIGINT) once ``after`` measurements are on disk; the measurements it left."""
-    code = ("import sys; from lm_eval_headloc.commands.cli import main; "
+    # SIGINT as a terminal user's process has it: a child inherits an ignored or blocked
+    # SIGINT from this process (a library earlier in the suite may leave it so), and then
+    # a SIGINT stop would do nothing.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+            "from lm_eval_headloc.commands.cli import main; "
             f"sys.exit(main({args!r} + sys.argv[1:]))")
     process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
