@@ -78,6 +78,8 @@ LOCATE_BAD = [
     (["--tasks", "no_such_task"], "unknown task 'no_such_task'"),
     (["--model-args="], "--model-args '': give pretrained=<model>"),
     (["--include-path="], "--include-path '': give a folder of task YAMLs"),
+    (["--exclude="], "--exclude '': give components (L0H1+L2H3) or a head file"),
+    (["--never-ablate", " "], "--never-ablate '': give components (L0H1+L2H3) or a head file"),
     (["--sparsity", "1.5"], "--sparsity 1.5: must be a finite number strictly between 0 and 1"),
     (["--sparsity", "0"], "--sparsity 0.0: must be a finite number strictly between"),
     (["--sparsity", "nan"], "--sparsity nan: must be"),

@@ -42,8 +42,9 @@ from .workers import check_workers
 if TYPE_CHECKING:
     from ..measure import Measurement
 
-__all__ = ["PlanEntry", "Setup", "check_design_budget", "head_list", "load_model",
-           "measured_plan", "open_measurement", "prepare", "run_plan", "set_ablation"]
+__all__ = ["PlanEntry", "Setup", "check_candidates", "check_design_budget", "head_list",
+           "load_model", "measured_plan", "open_measurement", "prepare", "run_plan",
+           "set_ablation"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -276,13 +277,9 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                  if len(excluded_heads) >= total else
                  "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
-    never_neurons = sum(isinstance(c, Neuron) for c in never)
-    if never_neurons and geometry.total_neurons is not None:
-        left = geometry.total_neurons - never_neurons
-        if _candidate_count(spec, geometry) > left:
-            raise UsageError(f"--candidates {_candidate_count(spec, geometry)}: "
-                             f"--never-ablate keeps {never_neurons} of the model's "
-                             f"{geometry.total_neurons} MLP neurons out, leaving {left}")
+    if "neurons" in spec.components:
+        check_candidates(_candidate_count(spec, geometry), geometry.total_neurons,
+                         sum(isinstance(c, Neuron) for c in never))
     check_design_budget(spec.design_rows, columns,
                         "--max-masks" if spec.masks == "auto" else "--masks")
     if spec.sparsity == "auto" and spec.components == "heads":
@@ -312,9 +309,7 @@ def _column_count(spec: RunSpec, geometry: Geometry) -> int:
     if spec.components == "heads":
         return heads
     count = _candidate_count(spec, geometry)
-    neurons = geometry.total_neurons
-    if neurons is not None and count > neurons:
-        raise UsageError(f"--candidates {count}: the model has only {neurons} MLP neurons")
+    check_candidates(count, geometry.total_neurons)
     width = geometry.neurons_per_layer
     if width is not None and spec.neuron_groups > width:
         raise UsageError(f"--neuron-groups {spec.neuron_groups}: a layer's MLP has only "
@@ -322,6 +317,19 @@ def _column_count(spec: RunSpec, geometry: Geometry) -> int:
     # Groups: at most G per layer (fewer only where the candidates fill a layer).
     groups = spec.neuron_groups * geometry.num_layers
     return count + groups + (heads if "heads" in spec.components.split("+") else 0)
+
+
+def check_candidates(count: int, total_neurons: int | None, never: int = 0) -> None:
+    """Refuse ``--candidates count`` beyond the model's ``total_neurons`` MLP neurons (None:
+    unknown, nothing to check) less the ``never`` that --never-ablate keeps out."""
+    if total_neurons is None:
+        return
+    if count > total_neurons:
+        raise UsageError(f"--candidates {count}: the model has only {total_neurons} MLP "
+                         "neurons")
+    if count > total_neurons - never:
+        raise UsageError(f"--candidates {count}: --never-ablate keeps {never} of the model's "
+                         f"{total_neurons} MLP neurons out, leaving {total_neurons - never}")
 
 
 def _candidate_count(spec: RunSpec, geometry: Geometry) -> int:

@@ -37,7 +37,15 @@ from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, va
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
 from ..recovery import HeadLasso, bootstrap_stability, harm
-from .engine import Setup, head_list, load_model, open_measurement, prepare, run_plan
+from .engine import (
+    Setup,
+    check_candidates,
+    head_list,
+    load_model,
+    open_measurement,
+    prepare,
+    run_plan,
+)
 from .report import HeadRanking, ranking_table, tie_words, write_ranking
 from .result import (
     PRIOR_KEYS,
@@ -588,13 +596,9 @@ def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,
     auto: as many as the model has heads)."""
     assert estimates is not None and run.neurons_per_layer is not None
     count = setup.total_heads if spec.candidates == "auto" else int(spec.candidates)
-    total = setup.num_layers * run.neurons_per_layer
-    if count > total:
-        raise UsageError(f"--candidates {count}: the model has only {total} MLP neurons")
     never = parse_components(run.never_neurons or [])
-    if count > total - len(never):
-        raise UsageError(f"--candidates {count}: --never-ablate keeps {len(never)} of the "
-                         f"model's {total} MLP neurons out, leaving {total - len(never)}")
+    # Checked again: prepare could not where the config does not give the MLP's width.
+    check_candidates(count, setup.num_layers * run.neurons_per_layer, len(never))
     return neuron_candidates({t: by_kind["neurons"] for t, by_kind in estimates.items()},
                              run.neurons_per_layer, count, skip=never)
 

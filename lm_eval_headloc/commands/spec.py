@@ -422,6 +422,11 @@ class RunSpec:
         if self.model_args is not None and not self.model_args.strip():
             raise UsageError("--model-args '': give pretrained=<model> (or leave it out for "
                              "the embedded SmolLM2)")
+        for name in ("never_ablate", "exclude"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise UsageError(f"--{name.replace('_', '-')} '': give components (L0H1+L2H3) "
+                                 "or a head file, or leave it out for none")
         if self.model_args is not None:
             given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
             refused = {**{name: f"give it as {flag}, which the run records"
