@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .recovery import HeadLasso, harm
+from .recovery import HeadLasso, harm, less_fixed
 
 __all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
            "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split",
@@ -158,17 +158,15 @@ def screen(design_matrix: np.ndarray, scores: np.ndarray, higher_is_better: bool
     total = knocked_out.shape[1]
     fixed = dict(fixed or {})
     held = np.array(sorted(fixed), dtype=np.int64)
-    residual = y - (knocked_out[:, held] @ np.array([fixed[h] for h in held])
-                    if held.size else 0.0)
+    residual = less_fixed(knocked_out, y, fixed)
     free = np.setdiff1d(np.arange(total), held)
     effects = np.zeros(total)
     effects[held] = [fixed[h] for h in held]
     r2 = 0.0
     if free.size and len(y) >= 2:
-        weights = None if penalty_weights is None else np.asarray(penalty_weights)[free]
-        fit = HeadLasso(alpha=alpha, penalty_weights=weights).fit(knocked_out[:, free],
-                                                                  residual)
-        effects[free], r2 = fit.coef_, fit.r2_
+        fit = HeadLasso(alpha=alpha, penalty_weights=penalty_weights,
+                        fixed_effects=fixed).fit(knocked_out, y)
+        effects, r2 = fit.coef_, fit.r2_
     contrast = marginal_contrast(knocked_out, residual) if len(y) >= 2 else np.zeros(total)
     excluded = {*map(int, exclude), *map(int, held)}
     fitted_harm = harm(effects, higher_is_better)

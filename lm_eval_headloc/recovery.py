@@ -16,7 +16,7 @@ is reported back in the score's own units.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from .checks import check_number
 from .designs import head_column_mask
 from .heads import Head
 
-__all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm"]
+__all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm", "less_fixed"]
 
 #: A head is *stable* in a top-k when at least this fraction of bootstrap refits put it there.
 STABLE = 0.9
@@ -59,6 +59,31 @@ def _one_line_errors(design_matrix: object, scores: object = None) -> Iterator[N
         raise ValueError(f"{reason} ({', '.join(shapes)})") from None
 
 
+def less_fixed(design_matrix: np.ndarray, scores: np.ndarray,
+               fixed: Mapping[int, float]) -> np.ndarray:
+    """The scores less each mask's (row's) sum of the ``fixed`` heads' changes: what the
+    other heads are left to explain."""
+    held = sorted(fixed)
+    if not held:
+        return np.asarray(scores, dtype=np.float64)
+    knocked_out = np.asarray(design_matrix, dtype=np.float64)
+    return scores - knocked_out[:, held] @ np.array([fixed[h] for h in held], dtype=np.float64)
+
+
+def _checked_fixed(fixed: Mapping[int, float] | None, total: int) -> dict[int, float]:
+    if fixed is None:
+        return {}
+    if not isinstance(fixed, Mapping):
+        raise ValueError(f"fixed_effects={fixed!r}: must be a mapping of head column to "
+                         "its known change")
+    checked = {}
+    for head, change in fixed.items():
+        column = check_number(head, "fixed_effects column", whole=True, min_val=0,
+                              max_val=total - 1)
+        checked[int(column)] = float(check_number(change, f"fixed_effects[{head}]"))
+    return checked
+
+
 class HeadLasso(RegressorMixin, BaseEstimator):
     """Lasso recovery of head effects; the most harmful heads come first in ``ranking``.
 
@@ -75,6 +100,12 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     penalty_weights:
         Optional ``(N,)`` positive factors on each head's L1 penalty (an adaptive Lasso:
         a head a prior says is likely gets a smaller one). None: the same for all.
+    fixed_effects:
+        Optional ``{column: change}`` of heads whose effect is known (measured alone):
+        their ``coef_`` is that change, and the other heads are fitted on the scores less
+        each mask's sum of the fixed changes (standardised, and ``r2_`` computed, on
+        that remainder). A constructor parameter, so ``clone`` (the bootstrap) refits the
+        same model. None: every head fitted.
 
     Fit with ``baseline=None`` (default, the reference): an intercept is fitted along
     with the head effects. Fit with ``baseline=y0`` (a measured unablated score): no
@@ -103,11 +134,12 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     """
 
     def __init__(self, alpha: float = 0.01, standardize: bool = True, max_iter: int = 10000,
-                 penalty_weights: object = None):
+                 penalty_weights: object = None, fixed_effects: Mapping[int, float] | None = None):
         self.alpha = alpha
         self.standardize = standardize
         self.max_iter = max_iter
         self.penalty_weights = penalty_weights
+        self.fixed_effects = fixed_effects
 
     def fit(
         self, design_matrix: object, scores: object, baseline: float | None = None
@@ -129,6 +161,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
                 dtype=np.float64, ensure_min_samples=2,
             )
 
+        total = knocked_out.shape[1]
+        fixed = _checked_fixed(self.fixed_effects, total)
+        held = np.array(sorted(fixed), dtype=np.int64)
+        free = np.setdiff1d(np.arange(total), held)
+        y = less_fixed(knocked_out, y, fixed)
         spread = float(np.std(y))
         # A zero (or round-off: the mean of 0.1s is not 0.1) spread means no mask changed
         # the score: nothing to standardise, and dividing would blow round-off up into
@@ -136,27 +173,32 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         constant = spread <= 1e-12 * max(1.0, float(np.max(np.abs(y))))
         scale = spread if self.standardize and not constant else 1.0
 
-        weights = np.ones(knocked_out.shape[1])
+        weights = np.ones(total)
         if self.penalty_weights is not None:
             weights = np.asarray(self.penalty_weights, dtype=np.float64)
-            if weights.shape != (knocked_out.shape[1],) or not np.all(np.isfinite(weights)) \
+            if weights.shape != (total,) or not np.all(np.isfinite(weights)) \
                     or np.any(weights <= 0):
-                raise ValueError(f"penalty_weights: need {knocked_out.shape[1]} finite "
+                raise ValueError(f"penalty_weights: need {total} finite "
                                  f"positive numbers, one per head (got shape {weights.shape})")
         offset = 0.0 if baseline is None else baseline
-        lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
-        # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
-        lasso.fit(knocked_out / weights, (y - offset) / scale)
+        coef = np.zeros(total)
+        coef[held] = [fixed[h] for h in held]
+        intercept, n_iter = float(np.mean(y - offset)) if baseline is None else 0.0, 0
+        if free.size:
+            lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
+            # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
+            lasso.fit(knocked_out[:, free] / weights[free], (y - offset) / scale)
+            coef[free] = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
+            intercept, n_iter = float(lasso.intercept_) * scale, int(lasso.n_iter_)
 
-        self.coef_ = np.asarray(lasso.coef_, dtype=np.float64) / weights * scale
-        self.intercept_ = (
-            float(lasso.intercept_) * scale if baseline is None else baseline
-        )
+        self.coef_ = coef
+        self.intercept_ = intercept if baseline is None else baseline
         self.baseline_ = baseline
         self.scale_ = scale
         self.n_measurements_ = int(y.shape[0])
-        self.n_iter_ = int(lasso.n_iter_)
-        fitted = self._predict(knocked_out)
+        self.n_iter_ = n_iter
+        # Fitted against the remainder the free heads explain (the fixed part is given).
+        fitted = self.intercept_ + knocked_out[:, free] @ coef[free]
         # Constant scores: 1 if fitted exactly, else 0 (r2_score's convention), both up to
         # round-off; r2_score itself would give 0 for a round-off spread fitted to 1e-17.
         self.r2_ = (

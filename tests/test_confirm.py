@@ -317,3 +317,34 @@ def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     # measured no harm.
     assert ranking.stability.selected[4] == 1.0 and ranking.stability.selected[0] == 0.0
     assert ranking.unstable(2) == [Head(0, 0)]
+
+
+def _confirming_records(design, scores, alone):
+    base = {"scores": {"t": 0.9}, "higher_is_better": {"t": True}, "metrics": {"t": "acc"}}
+    return {"baseline": base,
+            **{f"alone-{name}": {"scores": {"t": 0.9 + change}} for name, change in alone.items()},
+            **{f"mask-{i:04d}": {"scores": {"t": float(y)}} for i, y in enumerate(scores)}}
+
+
+def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
+    """Heads 1 and 4 are knocked out in exactly the same masks (the first one only); the
+    prior eases head 1's penalty, so a fit with nothing held fixed credits mask 0's drop
+    to head 1. Head 1 was measured alone to do nothing: the run's screen (head 1 held at
+    0) credits head 4, and so must the bootstrap refits whose interval is printed beside
+    head 4's estimate (they credited head 1, giving head 4 the interval [0, 0])."""
+    from lm_eval_headloc.commands.locate import fit_rankings
+
+    design = np.zeros((8, 6), dtype=bool)
+    design[0, [1, 4]] = True
+    design[1:, :] = np.random.default_rng(3).random((7, 6)) < 0.3
+    design[1:, [1, 4]] = False
+    scores = 0.9 - 0.5 * design[:, 4] + 0.001 * np.arange(8)
+    records = _confirming_records(design, scores, {"L0H1": 0.0})
+    prior = {"t": [[0.0, 1.0, 0.0, 0.0, 0.2, 0.0]]}  # head 1 likeliest, then head 4
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=60, top_k=2,
+                           priors=prior, confirmed={"heads": ["L0H1"], "never": []})["t"]
+    effect = ranking.effect(Head(1, 1))
+    assert effect < -0.1 and ranking.top(1) == [Head(1, 1)]
+    low, high = ranking.confidence(Head(1, 1))["effect_interval"]
+    assert low <= effect <= high and low < -0.1
+

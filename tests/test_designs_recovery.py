@@ -536,3 +536,34 @@ def test_penalty_weights_solve_the_weighted_lasso():
         knocked_out, scores).coef_, atol=1e-8)
     with pytest.raises(ValueError, match="penalty_weights: need 270 finite positive"):
         HeadLasso(penalty_weights=np.zeros(NUM_HEADS)).fit(knocked_out, scores)
+
+
+# ------------------------------------------------------------------ fixed effects
+
+def test_fixed_effects_fit_the_rest_on_what_the_fixed_heads_leave():
+    """A head's known change (measured alone) is held: its coefficient is that change and
+    the other heads are the plain Lasso (sklearn's, by hand) on the scores less each
+    mask's fixed changes, standardised by that remainder's spread."""
+    from sklearn.base import clone
+    from sklearn.linear_model import Lasso
+
+    world = simulated_world(8)
+    knocked_out = design_matrix("stratified", 50, NUM_HEADS, 0.05, 8)
+    scores = world.measure(knocked_out)
+    fixed = {3: -0.2, 17: 0.0, 101: 0.05}
+    fit = HeadLasso(fixed_effects=fixed).fit(knocked_out, scores)
+    held = sorted(fixed)
+    free = [h for h in range(NUM_HEADS) if h not in fixed]
+    rest = scores - knocked_out[:, held].astype(float) @ np.array([fixed[h] for h in held])
+    by_hand = Lasso(alpha=0.01, max_iter=10000).fit(knocked_out[:, free].astype(float),
+                                                     rest / rest.std())
+    np.testing.assert_allclose(fit.coef_[free], by_hand.coef_ * rest.std(), atol=1e-10)
+    assert [fit.coef_[h] for h in held] == [fixed[h] for h in held]
+    assert fit.intercept_ == pytest.approx(by_hand.intercept_ * rest.std())
+    # A parameter, so a clone (each bootstrap refit) is the same model.
+    assert clone(fit).get_params()["fixed_effects"] == fixed
+    with pytest.raises(ValueError, match="fixed_effects column=270: .*<= 269"):
+        HeadLasso(fixed_effects={270: 0.0}).fit(knocked_out, scores)
+    with pytest.raises(ValueError, match=r"fixed_effects\[3\]=nan"):
+        HeadLasso(fixed_effects={3: float("nan")}).fit(knocked_out, scores)
+

@@ -119,16 +119,20 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         weights = prior_weights(estimates)
         alone = {} if confirmed is None else _measured_alone(confirmed, records, task,
                                                              columns)
-        fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights,
-                     fixed={h: change for h, (change, _) in alone.items()}, exclude=excluded)
+        fixed = {h: change for h, (change, _) in alone.items()}
+        fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
+                     exclude=excluded)
         order = confirmed_order(alone, fit.order, higher, excluded, fit.effects)
         select = None
         if confirmed is not None:
             select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
                                           weights, prior_rankings(estimates), top_k,
                                           excluded, columns)
+        # The refits are the screen's model (the measured changes held fixed), so each
+        # interval is the spread of the estimate reported beside it.
         stability = None if bootstrap is None else bootstrap_stability(
-            HeadLasso(alpha=alpha, penalty_weights=weights), design, y, top_k,
+            HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed), design, y,
+            top_k,
             higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
             select=select)
         if stability is not None and alone:
