@@ -16,7 +16,7 @@ import numpy as np
 from .checks import check_number
 
 __all__ = ["DESIGNS", "column_counts", "design_matrix", "head_column_mask",
-           "knockouts_per_mask"]
+           "knockouts_per_mask", "same_masks"]
 
 #: The design kinds :func:`design_matrix` accepts.
 DESIGNS: tuple[str, ...] = ("bernoulli", "stratified")
@@ -120,3 +120,27 @@ def column_counts(matrix: np.ndarray) -> np.ndarray:
             f"design matrix must be 2-D (masks × heads), got shape {matrix.shape}"
         )
     return np.count_nonzero(matrix, axis=0)
+
+
+def same_masks(matrix: np.ndarray, heads: Iterable[int], among: Iterable[int]
+               ) -> dict[int, list[int]]:
+    """For each of ``heads``, the other columns of ``among`` that the masks knocked out in
+    exactly the same measurements (identical columns; none for a head never knocked
+    out, about which the masks say nothing anyway). The masks cannot tell such heads
+    apart: a fit that credits one of them a mask's drop credits it for a reason other
+    than the masks. Heads with none are left out."""
+    knocked_out = np.asarray(matrix, dtype=bool)
+    if knocked_out.ndim != 2:
+        raise ValueError(
+            f"design matrix must be 2-D (masks × heads), got shape {knocked_out.shape}"
+        )
+    pool = [int(h) for h in among]
+    found = {}
+    for head in map(int, heads):
+        column = knocked_out[:, head]
+        if not column.any():
+            continue
+        alike = [h for h in pool if h != head and np.array_equal(knocked_out[:, h], column)]
+        if alike:
+            found[head] = alike
+    return found

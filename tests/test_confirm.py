@@ -347,4 +347,62 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
     assert effect < -0.1 and ranking.top(1) == [Head(1, 1)]
     low, high = ranking.confidence(Head(1, 1))["effect_interval"]
     assert low <= effect <= high and low < -0.1
+    # The masks cannot tell head 4 from head 1, which was measured: nothing to report.
+    assert ranking.extra["same_masks"] == {}
 
+
+def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
+    from lm_eval_headloc.commands.locate import fit_rankings, same_masks_words
+
+    design = np.zeros((8, 6), dtype=bool)
+    design[0, [1, 2, 4]] = True
+    design[1:, :] = np.random.default_rng(3).random((7, 6)) < 0.3
+    design[1:, [1, 2, 4]] = False
+    scores = 0.9 - 0.5 * design[:, 4]
+    records = _confirming_records(design, scores, {"L1H0": 0.0})  # head 3: elsewhere
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+                           confirmed={"heads": ["L1H0"], "never": []})["t"]
+    top = str(ranking.top(1)[0])
+    alike = {"L0H1", "L0H2", "L1H1"}  # flat 1, 2, 4: the same single mask
+    assert top in alike
+    named = ranking.extra["same_masks"]
+    assert top in named and set(named) <= alike  # the top-2's implicated ones, no other
+    for head, others in named.items():
+        assert others == sorted(alike - {head}, key=lambda n: (n[1], n[3]))
+    words = " ".join(same_masks_words(ranking.extra, "head", uses_prior=False))
+    assert f"{top} was knocked out in exactly the same masks as" in words
+    assert "by the lowest index" in words
+    # Measured alone, a head is told apart: with every one of them measured, none is named.
+    measured = _confirming_records(design, scores, {"L0H1": 0.0, "L0H2": 0.0, "L1H1": -0.5})
+    ranking = fit_rankings(design, measured, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+                           confirmed={"heads": ["L0H1", "L0H2", "L1H1"], "never": []})["t"]
+    assert ranking.top(1) == [Head(1, 1)] and ranking.extra["same_masks"] == {}
+
+
+def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not_hurt(
+        monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.commands import cli
+    from lm_eval_headloc.commands.locate import fit_rankings
+
+    design = np.zeros((8, 6), dtype=bool)
+    design[0, [1, 2, 4]] = True
+    design[1:, :] = np.random.default_rng(3).random((7, 6)) < 0.3
+    design[1:, [1, 2, 4]] = False
+    scores = 0.9 - 0.5 * design[:, 4]
+    records = _confirming_records(design, scores, {"L0H0": 0.0, "L1H0": 0.0})
+    rankings = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=4,
+                            confirmed={"heads": ["L0H0", "L1H0"], "never": []})
+    monkeypatch.setattr(cli, "load_run", lambda out: SimpleNamespace(
+        spec=SimpleNamespace(top_k=4)))
+    cli._print_rankings(rankings, "out")
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    ranking = rankings["t"]
+    alike = ranking.extra["same_masks"]
+    harmless = {str(h) for h in ranking.harmless(4)}
+    assert harmless >= {"L0H0", "L1H0"} and alike
+    for line, head in zip(lines, ranking.top(4), strict=True):
+        assert (f"knocked out in the same masks as {len(alike.get(str(head), []))} others"
+                in line) == (str(head) in alike)
+        assert line.endswith("(does not hurt)") == (str(head) in harmless)

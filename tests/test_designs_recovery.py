@@ -567,3 +567,14 @@ def test_fixed_effects_fit_the_rest_on_what_the_fixed_heads_leave():
     with pytest.raises(ValueError, match=r"fixed_effects\[3\]=nan"):
         HeadLasso(fixed_effects={3: float("nan")}).fit(knocked_out, scores)
 
+
+def test_same_masks_names_heads_with_identical_columns():
+    from lm_eval_headloc.designs import same_masks
+
+    matrix = np.array([[1, 1, 0, 1, 0, 0],
+                       [0, 0, 1, 0, 0, 0],
+                       [1, 1, 0, 1, 1, 0]], dtype=bool)
+    # 0, 1 and 3 share both masks; 4 is in one of them only; 5 never knocked out.
+    assert same_masks(matrix, [0, 2, 4, 5], among=range(6)) == {0: [1, 3]}
+    assert same_masks(matrix, [0], among=[0, 3, 4]) == {0: [3]}
+    assert same_masks(matrix, [1], among=[2, 4]) == {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from lm_eval_headloc.commands.greedy import _rankings
 from lm_eval_headloc.confirm import confirmed_order
 from lm_eval_headloc.heads import Head
@@ -65,3 +67,31 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
                                              for h in range(1, 6)]
     assert tie_words(flat, 3, "all alike")[0].startswith(
         "No head stands out: all 3 listed heads have the same evidence (all alike)")
+
+
+def test_top_k_places_that_do_not_hurt_are_said_to():
+    from lm_eval_headloc.commands.report import HeadRanking, harmless_words
+
+    changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
+                       3: (0.02, -1.0), 5: (-0.05, -0.2)}}
+    ranking = _rankings(changes, [], BASELINE, 1, 6, 3, 6)["acc"]  # order 1, 2, 0, 5, 3
+    assert harmless_words(ranking, 4, all_measured=True) == []  # all four hurt
+    assert ranking.harmless(5) == [Head(1, 0)]  # head 3 helps: +0.02
+    assert harmless_words(ranking, 5, all_measured=True) == [
+        "Only 4 of the top-5 heads hurt the task; the other places are filled by heads "
+        "that do not (L1H0: measured to do no harm). `ablate_top=4` knocks out only what "
+        "hurts.", ""]
+    # A locate ranking: one head measured alone to do nothing, one the fit gives -0.01
+    # (helps), one it implicates; lower is better here, so a positive change hurts.
+    located = HeadRanking("t", "ppl", False, 10.0, np.array([0.0, -0.01, 0.3, 0.0]),
+                          [2, 0, 1, 3], 2, extra={"confirmed": ["L0H0"]})
+    assert located.harmless(3) == [Head(0, 0), Head(0, 1)]
+    assert harmless_words(located, 3, "head") == [
+        "Only 1 of the top-3 heads hurts the task; the other places are filled by heads "
+        "that do not (L0H0: measured alone to do no harm; L0H1: no harm in the fit's "
+        "estimate). `ablate_top=1` knocks out only what hurts.", ""]
+    none = HeadRanking("t", "acc", True, 0.5, np.array([0.0, 0.01, 0.0, 0.0]),
+                       [0, 1, 2, 3], 2, extra={"confirmed": ["L0H0"]})
+    assert harmless_words(none, 2)[0].startswith(
+        "Nothing found: none of the top-2 heads hurts the task (L0H0: measured alone to do "
+        "no harm; L0H1: no harm in the fit's estimate)")

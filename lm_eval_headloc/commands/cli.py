@@ -196,9 +196,14 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):
             print("  no head stands out: the fit found no effect that tells the heads apart")
             continue
+        alike = ranking.extra.get("same_masks") or {}
+        harmless = set(ranking.harmless(top_k))
         for rank, head in enumerate(top, start=1):
             print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"
-                  + ("  (tied with the head above)" if str(head) in tied else ""))
+                  + ("  (tied with the head above)" if str(head) in tied else "")
+                  + ("  (does not hurt)" if head in harmless else "")
+                  + (f"  (knocked out in the same masks as {len(alike[str(head)])} "
+                     "others: see report.md)" if str(head) in alike else ""))
     print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
 
 

@@ -14,7 +14,7 @@ from ..checks import UsageError
 from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
 from ..heads import Head
 from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
-from .report import HeadRanking, ranking_table, tie_words, write_ranking
+from .report import HeadRanking, harmless_words, ranking_table, tie_words, write_ranking
 from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
@@ -137,5 +137,6 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
                   "measurements.", "",
                   *tie_words(ranking, top_k, "every head measured alone changed the score "
                              "and log-likelihood alike"),
+                  *harmless_words(ranking, top_k, all_measured=True),
                   *ranking_table(ranking, top_k, "score change"), ""]
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from ..confirm import (
     screen,
     tied_with_above,
 )
-from ..designs import design_matrix
+from ..designs import design_matrix, same_masks
 from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
@@ -46,7 +46,7 @@ from .engine import (
     prepare,
     run_plan,
 )
-from .report import HeadRanking, ranking_table, tie_words, write_ranking
+from .report import HeadRanking, harmless_words, ranking_table, tie_words, write_ranking
 from .result import (
     PRIOR_KEYS,
     LocateRun,
@@ -147,6 +147,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                    "r2": fit.r2,
                    "alpha": alpha, "measurements": int(len(design)),
                    "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
+                   "same_masks": _same_masks(
+                       design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
+                       alone, columns),
                    "excluded": columns.names(excluded),
                    **({} if confirmed is None else {
                        "confirmed": columns.names(alone),
@@ -197,6 +200,16 @@ def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str
         return np.array(top, dtype=np.int64)
 
     return select
+
+
+def _same_masks(design: np.ndarray, top: Sequence[int], alone: Changes, columns: Columns
+                ) -> dict[str, list[str]]:
+    """Of the ``top`` heads (those the fit implicates), the ones not measured alone that
+    the masks knocked out only together with other heads not measured alone, with those
+    heads (``designs.same_masks``): the masks cannot tell them apart."""
+    unmeasured = [h for h in range(len(columns)) if h not in alone]
+    found = same_masks(design, [h for h in top if h not in alone], unmeasured)
+    return {str(columns[head]): columns.names(alike) for head, alike in found.items()}
 
 
 def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
@@ -258,6 +271,8 @@ def locate_report(run: LocateRun) -> str:
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
+            *harmless_words(ranking, top_k, _UNIT[spec.components]),
+            *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
             *([f"The attribution prior's own top-{top_k} (prior.json"
                + (", its rankings in turn" if run.prior_kind == "atp-path" else "")
@@ -310,6 +325,28 @@ def _confirm_words(run: LocateRun) -> str:
             "measured change, then the heads the fit implicates, then those that did no harm "
             "(their stability: how often a replay of the confirmation on a bootstrap "
             "resample of the masks would have confirmed them into the top-k)")
+
+
+def same_masks_words(extra: Mapping[str, Any], unit: str = "head",
+                     uses_prior: bool = False) -> list[str]:
+    """The top heads the masks cannot tell from others (``extra["same_masks"]``), said as
+    such: the fit's credit among identical columns is not the masks' evidence."""
+    found = extra.get("same_masks") or {}
+    if not found:
+        return []
+    chooser = ("the attribution prior's penalty (or the lowest index where the prior rates "
+               "them alike)" if uses_prior else "the lowest index")
+
+    def clause(head: str, alike: list[str]) -> str:
+        shown = ", ".join(alike[:5]) + (f" and {len(alike) - 5} more" if len(alike) > 5
+                                        else "")
+        return f"{head} was knocked out in exactly the same masks as {shown}"
+
+    return ["Not told apart by the masks: "
+            + "; ".join(clause(head, alike) for head, alike in found.items())
+            + f", none of them measured alone. The masks cannot say which {unit} of such a "
+            f"set moved the score: the fit credits the one it names by {chooser}, not by "
+            "the masks. Measuring it alone (a larger `--confirm`) settles it.", ""]
 
 
 def _unconfirmed_words(extra: Mapping[str, Any], unit: str = "head") -> list[str]:

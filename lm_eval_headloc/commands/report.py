@@ -22,7 +22,7 @@ from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
 __all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
-           "tie_words", "write_ranking"]
+           "harmless_words", "tie_words", "write_ranking"]
 
 
 @dataclass
@@ -73,6 +73,12 @@ class HeadRanking:
         estimated; None when the run confirmed nothing."""
         confirmed = self.extra.get("confirmed")
         return None if confirmed is None else str(head) in confirmed
+
+    def harmless(self, k: int) -> list[Column]:
+        """The top-k columns whose effect (measured or estimated) does not hurt the task:
+        listed because a top-k has k places, not because the task needs them."""
+        return [c for c in self.top(k)
+                if not harm(self.effects[self.columns.index(c)], self.higher_is_better) > 0]
 
     def unstable(self, k: int) -> list[Component]:
         """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
@@ -335,12 +341,43 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
     return lines
 
 
+def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
+                   all_measured: bool = False) -> list[str]:
+    """The top-k places filled by components that do not hurt the task, said as such (a
+    top-k is not a claim that k were found). ``all_measured``: every effect is a
+    measurement (greedy); otherwise those measured alone (``--confirm``) are told from
+    the fit's estimates."""
+    harmless = ranking.harmless(top_k)
+    top = ranking.top(top_k)
+    if not harmless or _all_tied(ranking, top_k):  # tie_words says it then
+        return []
+    measured = [str(c) for c in harmless if all_measured or ranking.measured_alone(c)]
+    estimated = [str(c) for c in harmless if str(c) not in measured]
+    how = "; ".join(
+        [f"{', '.join(measured)}: measured {'' if all_measured else 'alone '}to do no harm"]
+        * bool(measured) + [f"{', '.join(estimated)}: no harm in the fit's estimate"]
+        * bool(estimated))
+    hurt = len(top) - len(harmless)
+    if not hurt:
+        return [f"Nothing found: none of the top-{len(top)} {unit}s hurts the task ({how}); "
+                "their order is no evidence of a role in it.", ""]
+    return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
+            f"the task; the other places are filled by {unit}s that do not ({how}). "
+            f"`ablate_top={hurt}` knocks out only what hurts.", ""]
+
+
+def _all_tied(ranking: HeadRanking, top_k: int) -> bool:
+    tied = set(ranking.extra.get("tied_with_above", []))
+    top = [str(h) for h in ranking.top(top_k)]
+    return len(top) > 1 and all(h in tied for h in top[1:])
+
+
 def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
     """Ties in the top-k (``ranking.extra["tied_with_above"]``) said as such: equal
     evidence is no order. ``why_none``: why no head would stand out, in words."""
     tied = set(ranking.extra.get("tied_with_above", []))
     top = [str(h) for h in ranking.top(top_k)]
-    if len(top) > 1 and all(h in tied for h in top[1:]):
+    if _all_tied(ranking, top_k):
         return [f"No head stands out: all {len(top)} listed heads have the same evidence "
                 f"({why_none}); their order is the head index.", ""]
     groups: list[list[str]] = []
