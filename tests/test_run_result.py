@@ -189,6 +189,28 @@ def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
     assert contents(source) == committed  # refit worked on the copy alone
 
 
+
+def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_model_loading):
+    """scripts/refit_committed.py: the run folders git tracks (never an ignored runs/),
+    and a ranking file whose text today's refit writes differently."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import refit_committed
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    found = refit_committed.committed_runs()
+    if not found:
+        pytest.skip("not a git checkout with the committed runs")
+    assert all(f.relative_to(ROOT).parts[0] == "benchmarks" for f in found)
+    assert RECOVERY / COMMITTED[0] in found
+    source, run = committed_copy(COMMITTED[0], tmp_path)
+    assert refit_committed.stale_files(run) == {}  # today's code wrote it
+    (run / "report.md").write_text("an older report\n")
+    assert refit_committed.stale_files(run) == {"report.md": (source / "report.md").read_text()}
+    assert (run / "report.md").read_text() == "an older report\n"  # worked on a copy
+
 def test_load_run_reads_a_config_without_schema(tmp_path):
     """The earlier layout (no schema, no prior_method, the confirmation as heads /
     consumed / never) loads with the defaults it implies, and writes back unchanged."""
