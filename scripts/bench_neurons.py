@@ -201,6 +201,49 @@ def group_findings(runs: Path, base: RunSpec, task: str, k: int = 5) -> dict[str
             "shared_top_k": len(set(top) & set(plain_top))}
 
 
+def top_evidence(runs: Path, task: str, k: int = 5) -> dict[str, dict[int, dict[str, Any]]]:
+    """What stands behind each compressed-sensing run's top-k (read from its ranking file):
+    method -> half -> the members measured alone to hurt, those the fit implicates without
+    a measurement (and, of those, the ones the masks knocked out only together with
+    others: ``same_masks``), and those that do not hurt."""
+    found: dict[str, dict[int, dict[str, Any]]] = {}
+    for method in ("heads", "neurons"):
+        for part in (1, 2):
+            ranking = json.loads((runs / task / f"{method}-p{part}" / f"heads-{task}.json")
+                                 .read_text())
+            higher = ranking["higher_is_better"]
+            entries = ranking["heads"][:k]
+            hurts = [e for e in entries
+                     if e["effect"] is not None and (-e["effect"] if higher else e["effect"]) > 0]
+            name = [e.get("head") or e.get("neuron") or e.get("group") for e in entries]
+            found.setdefault(method, {})[part] = {
+                "measured": [n for n, e in zip(name, entries, strict=True)
+                             if e in hurts and e.get("measured_alone")],
+                "estimated": [n for n, e in zip(name, entries, strict=True)
+                              if e in hurts and not e.get("measured_alone")],
+                "same_masks": {n: len(o) for n, o in ranking.get("same_masks", {}).items()},
+                "no_harm": [n for n, e in zip(name, entries, strict=True) if e not in hurts]}
+    return found
+
+
+def evidence_lines(evidence: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> list[str]:
+    """A table of :func:`top_evidence`."""
+    lines = ["What stands behind each top-5 (its run's ranking file): measured alone to hurt, "
+             "or implicated by the masks' fit without a measurement (× n: the masks knocked "
+             "it out only together with n other components not measured alone, so they cannot "
+             "tell it from them).", "",
+             "| method | half | measured alone to hurt | implicated, not measured | do not hurt |",
+             "| --- | --- | --- | --- | --- |"]
+    for method, halves in evidence.items():
+        for part, entry in halves.items():
+            estimated = [n + (f" (× {entry['same_masks'][n]})" if n in entry["same_masks"]
+                              else "") for n in entry["estimated"]]
+            lines.append(f"| {method} | {part} | {len(entry['measured'])} | "
+                         f"{', '.join(estimated) or 'none'} | "
+                         f"{', '.join(entry['no_harm']) or 'none'} |")
+    return lines + [""]
+
+
 def overlaps(ranked: Mapping[str, Mapping[int, list[str]]], k: int) -> dict[str, float]:
     """Per method: |A ∩ B| / k of the two halves' top-k (both sets have k members, so this
     is either half's overlap rate) and the IoU |A ∩ B| / |A ∪ B|."""
@@ -256,6 +299,8 @@ def render(results: Mapping[str, Any], per_head: int, model: str) -> str:
         for method, rates in result["overlap"].items():
             lines.append(f"| {method} | {rates['overlap']:.0%} | {rates['iou']:.0%} |")
         lines.append("")
+        if "evidence" in result:
+            lines += evidence_lines(result["evidence"])
     lines += group_section(results)
     lines += ["Methods: " + "; ".join(f"**{k}**: {v}" for k, v in METHODS.items()) + ".", ""]
     return "\n".join(lines)
@@ -321,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_atomically(saved, lambda partial, r=result: partial.write_text(
             json.dumps(r, indent=1)))
         results[task] = result
+    for task in tasks:  # read from the runs' ranking files at every render
+        results[task]["evidence"] = top_evidence(runs, task)
     name = "embedded SmolLM2-135M-Instruct" if args.model_args is None else args.model_args
     Path(args.out).write_text(render(results, per_head, name))
     print(f"wrote {args.out}")
