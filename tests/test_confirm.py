@@ -403,6 +403,6 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
     harmless = {str(h) for h in ranking.harmless(4)}
     assert harmless >= {"L0H0", "L1H0"} and alike
     for line, head in zip(lines, ranking.top(4), strict=True):
-        assert (f"knocked out in the same masks as {len(alike.get(str(head), []))} others"
+        assert (f"knocked out in the same masks as {len(alike.get(str(head), []))} other"
                 in line) == (str(head) in alike)
         assert line.endswith("(does not hurt)") == (str(head) in harmless)

@@ -203,7 +203,8 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
                   + ("  (tied with the head above)" if str(head) in tied else "")
                   + ("  (does not hurt)" if head in harmless else "")
                   + (f"  (knocked out in the same masks as {len(alike[str(head)])} "
-                     "others: see report.md)" if str(head) in alike else ""))
+                     f"other{'s' if len(alike[str(head)]) > 1 else ''}: see report.md)"
+                     if str(head) in alike else ""))
     print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
 
 
