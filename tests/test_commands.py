@@ -819,14 +819,17 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
     assert "cannot load task" in message and "headloc_ioi" in message
 
 
-def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m") -> Path:
+def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
+                effects: list[float] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     spec = RunSpec(model_args=model_args, tasks=(task,))
     (folder / "config.json").write_text(json.dumps({
         "command": "locate", "identity": spec.identity("locate"), "spec": spec.as_config(),
         "settings": {}}))
+    effects = [-0.1] * len(heads) if effects is None else effects
     (folder / f"heads-{task}.json").write_text(json.dumps(
-        {"heads": [{"head": h} for h in heads]}))
+        {"higher_is_better": True,
+         "heads": [{"head": h, "effect": e} for h, e in zip(heads, effects, strict=True)]}))
     return folder
 
 
@@ -858,6 +861,21 @@ def test_universal_heads_by_hand(tmp_path, capsys):
     other = write_heads(tmp_path / "r4", "d", ["L0H1"], model_args="another")
     assert harness("universal", str(runs[0]), str(other), "--out", str(tmp_path / "v.json")) == 2
     assert "the runs are of different models" in last_error(capsys)
+
+
+def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
+    """A top-k place filled by a head that does no harm (fewer hurt than k) is no evidence
+    that the task needs it: L0H1 is third in both top-3s, but one ranking measured it to
+    change nothing, so it is in one task's set, not two."""
+    from lm_eval_headloc.commands import universal
+
+    runs = [write_heads(tmp_path / "r1", "a", ["L2H0", "L1H1", "L0H1"],
+                        effects=[-0.3, -0.2, 0.0]),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L3H3", "L0H1"],
+                        effects=[-0.2, -0.1, -0.05])]
+    result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
+    assert [h["head"] for h in result["heads"]] == ["L2H0"]
+    assert list(result["candidates"]["L0H1"].values()) == [3]  # task b's only
 
 
 def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):

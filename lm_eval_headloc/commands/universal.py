@@ -36,9 +36,25 @@ def _check_out(out: Path) -> None:
                              "choose another file")
 
 
+def harmless(path: Path) -> set[str]:
+    """The components a ranking file (heads-<task>.json) records as not hurting the task:
+    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
+    top-k lists such components when fewer hurt; their places say nothing of the task.
+    (An entry with no effect recorded is not among them.)"""
+    data = json.loads(path.read_text())
+    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
+    entries = data.get("heads", []) if isinstance(data, dict) else []
+    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
+            and not (-entry["effect"] if higher else entry["effect"]) > 0}
+
+
 def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
               min_tasks: int = 2) -> dict[str, Any]:
-    """Heads in the top-k of at least ``min_tasks`` task rankings -> ``out`` (JSON).
+    """Heads in the top-k of at least ``min_tasks`` task rankings -> ``out`` (JSON); a
+    head counts for a task only where its ranking does not record it as harmless
+    (``harmless``).
 
     Rankings are labelled by their run folder's full path and task; every run must be
     of the same model (the same ``model_args``).
@@ -50,6 +66,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     out = Path(out)
     _check_out(out)
     rankings: dict[str, list[str]] = {}
+    no_harm: dict[str, set[str]] = {}
     models: dict[str, str] = {}
     for run in runs:
         folder = RunFolder(run)
@@ -62,7 +79,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         if not files:
             raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
         for file in files:
-            rankings[f"{path}:{file.stem.removeprefix('heads-')}"] = read_heads_file(file)
+            label = f"{path}:{file.stem.removeprefix('heads-')}"
+            rankings[label], no_harm[label] = read_heads_file(file), harmless(file)
     if len(set(models.values())) > 1:
         first, *_ = models
         other = next(p for p in models if models[p] != models[first])
@@ -74,7 +92,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     ranks: dict[str, dict[str, int]] = {}
     for label, names in rankings.items():
         for rank, name in enumerate(names[:top_k], start=1):
-            ranks.setdefault(name, {})[label] = rank
+            if name not in no_harm[label]:  # a top-k place that does not hurt says nothing
+                ranks.setdefault(name, {})[label] = rank
     chosen = sorted((h for h in ranks if len(ranks[h]) >= min_tasks),
                     key=lambda h: (-len(ranks[h]), sum(ranks[h].values()), h))
     result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
