@@ -243,6 +243,18 @@ def test_a_ranking_that_found_nothing_is_said(tmp_path):
     assert overlap(a, c, top_k=3)["tasks"]["t"]["b"]["nothing_found"] is None
 
 
+
+def test_top_k_places_filled_by_harmless_components_are_said(tmp_path):
+    # A found two that hurt; its top-3's third (L0H2) changed nothing (a place filled).
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  effects={"t": [-0.3, -0.1, 0.0, 0.0]})
+    b = write_run(tmp_path / "b", {"t": ["L0H1", "L0H0", "L0H2", "L0H3"]})
+    entry = overlap(a, b, top_k=3)["tasks"]["t"]
+    assert entry["a"]["harmless"] == ["L0H2"] and entry["b"]["harmless"] == []
+    table = overlap_markdown(overlap(a, b, top_k=3))
+    assert "A's top-3 holds 1 its ranking records as doing no harm (L0H2)" in table
+    assert "B's top-3 holds" not in table
+
 # --- refusals: one line, exit status 2 ----------------------------------------------------
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

@@ -38,6 +38,7 @@ from typing import Any
 from ..checks import UsageError, check_number
 from ..files import write_atomically
 from ..heads import read_heads_file, shown_name
+from .report import recorded_harmless
 from .result import RunRecord, load_run
 from .runfolder import RunFolder, RunFolderError, strict_json
 
@@ -63,6 +64,7 @@ class _Ranking:
     names: list[str]
     tied: frozenset[str]  # names whose evidence equals that of the name above them
     effects: list[float | None] | None  # None: the file records no effects
+    harmless: frozenset[str] = frozenset()  # recorded to do no harm (report.recorded_harmless)
 
     @classmethod
     def read(cls, path: Path) -> _Ranking:
@@ -75,7 +77,8 @@ class _Ranking:
         else:
             tied = frozenset(e.get("head") for e in records if e.get("tied_with_above"))
         has_effects = len(records) == len(names) and all("effect" in e for e in records)
-        return cls(path, names, tied, [e["effect"] for e in records] if has_effects else None)
+        return cls(path, names, tied, [e["effect"] for e in records] if has_effects else None,
+                   frozenset(recorded_harmless(path)))
 
     def tied_at(self, k: int) -> bool:
         """Whether the k-th and (k+1)-th share their evidence: no top-k set is defined."""
@@ -180,7 +183,8 @@ def _side(ranking: _Ranking, k: int, run: str, own: bool) -> dict[str, Any]:
     _, group, places = ranking.cut(k)
     return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
             "tie": {"group": group, "places": places} if group else None,
-            "nothing_found": ranking.nothing_found(k)}
+            "nothing_found": ranking.nothing_found(k),
+            "harmless": [n for n in ranking.names[:k] if n in ranking.harmless]}
 
 
 def _compare(a: _Ranking, b: _Ranking, k_a: int, k_b: int, runs: Sequence[str],
@@ -340,6 +344,11 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
     notes = [f"{label} found nothing: {side['nothing_found']}."
              for label, side in (("A", a), ("B", b)) if side["nothing_found"]]
     notes += [_tie_words(label, side) for label, side in (("A", a), ("B", b)) if side["tie"]]
+    notes += [f"{label}'s top-{side['k']} holds {len(side['harmless'])} its ranking records "
+              f"as doing no harm ({', '.join(map(shown_name, side['harmless']))}): places "
+              "filled because fewer hurt, not finds; they count above as listed."
+              for label, side in (("A", a), ("B", b))
+              if side.get("harmless") and not side["nothing_found"]]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else [])]
     lines += ["| k | shared | share | IoU | ties |", "| --- | --- | --- | --- | --- |"]
     for point in entry["curve"]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
 __all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
-           "harmless_words", "tie_words", "write_ranking"]
+           "harmless_words", "recorded_harmless", "tie_words", "write_ranking"]
 
 
 @dataclass
@@ -364,6 +365,20 @@ def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
     return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
             f"the task; the other places are filled by {unit}s that do not ({how}). "
             f"`ablate_top={hurt}` knocks out only what hurts.", ""]
+
+
+def recorded_harmless(path: Path) -> set[str]:
+    """The components a ranking file (heads-<task>.json) records as not hurting the task:
+    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
+    top-k lists such components when fewer hurt; their places say nothing of the task.
+    (An entry with no effect recorded is not among them.)"""
+    data = json.loads(path.read_text())
+    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
+    entries = data.get("heads", []) if isinstance(data, dict) else []
+    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
+            and not (-entry["effect"] if higher else entry["effect"]) > 0}
 
 
 def _all_tied(ranking: HeadRanking, top_k: int) -> bool:

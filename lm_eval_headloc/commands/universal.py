@@ -13,6 +13,7 @@ from typing import Any
 from ..checks import UsageError, check_number
 from ..files import write_atomically
 from ..heads import read_heads_file
+from .report import recorded_harmless
 from .result import load_run
 from .runfolder import RunFolder, RunFolderError, strict_json
 from .spec import RunSpec
@@ -36,25 +37,11 @@ def _check_out(out: Path) -> None:
                              "choose another file")
 
 
-def harmless(path: Path) -> set[str]:
-    """The components a ranking file (heads-<task>.json) records as not hurting the task:
-    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
-    top-k lists such components when fewer hurt; their places say nothing of the task.
-    (An entry with no effect recorded is not among them.)"""
-    data = json.loads(path.read_text())
-    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
-    entries = data.get("heads", []) if isinstance(data, dict) else []
-    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
-            for entry in entries
-            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
-            and not (-entry["effect"] if higher else entry["effect"]) > 0}
-
-
 def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
               min_tasks: int = 2) -> dict[str, Any]:
     """Heads in the top-k of at least ``min_tasks`` task rankings -> ``out`` (JSON); a
     head counts for a task only where its ranking does not record it as harmless
-    (``harmless``).
+    (``report.recorded_harmless``).
 
     Rankings are labelled by their run folder's full path and task; every run must be
     of the same model (the same ``model_args``).
@@ -80,7 +67,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
             raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
         for file in files:
             label = f"{path}:{file.stem.removeprefix('heads-')}"
-            rankings[label], no_harm[label] = read_heads_file(file), harmless(file)
+            rankings[label] = read_heads_file(file)
+            no_harm[label] = recorded_harmless(file)
     if len(set(models.values())) > 1:
         first, *_ = models
         other = next(p for p in models if models[p] != models[first])
