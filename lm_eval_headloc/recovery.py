@@ -30,7 +30,8 @@ from .checks import check_number
 from .designs import head_column_mask
 from .heads import Head
 
-__all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm", "less_fixed"]
+__all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm", "held_out_r2",
+           "less_fixed"]
 
 #: A head is *stable* in a top-k when at least this fraction of bootstrap refits put it there.
 STABLE = 0.9
@@ -329,3 +330,32 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
         counts[top[harm(refit.coef_[top], higher_is_better) > 0]] += 1
     low, high = np.percentile(effects, [2.5, 97.5], axis=0)
     return Stability(counts / resamples, low, high, resamples)
+
+
+def held_out_r2(estimator: HeadLasso, design_matrix: object, scores: object) -> float:
+    """R² of each measurement predicted by a refit of ``estimator`` (a clone) on the other
+    measurements (leave one out): how well the fit predicts a mask it did not see, where
+    ``r2_`` says how closely it fits the masks it saw (with far more heads than
+    measurements, closely whatever the truth). Like ``r2_``, on what the heads not in
+    ``fixed_effects`` are left to explain. NaN with fewer than 3 measurements or when that
+    does not vary. A head knocked out only in the left-out mask is unknown to its refit,
+    so designs that knock most heads out once or twice score low here."""
+    knocked_out = np.asarray(design_matrix, dtype=np.float64)
+    y = np.asarray(scores, dtype=np.float64)
+    if knocked_out.ndim != 2 or y.shape != (knocked_out.shape[0],):
+        raise ValueError(f"design matrix of shape {knocked_out.shape} and scores of shape "
+                         f"{y.shape} do not pair up row by row")
+    rows, total = knocked_out.shape
+    fixed = _checked_fixed(estimator.fixed_effects, total)
+    rest = less_fixed(knocked_out, y, fixed)
+    spread = float(np.sum((rest - rest.mean()) ** 2))
+    if rows < 3 or spread <= 1e-24 * max(1.0, float(np.max(np.abs(rest)))) ** 2:
+        return float("nan")
+    free = np.setdiff1d(np.arange(total), sorted(fixed))
+    baseline = getattr(estimator, "baseline_", None)
+    predicted = np.empty(rows)
+    for row in range(rows):
+        others = np.arange(rows) != row
+        refit = clone(estimator).fit(knocked_out[others], y[others], baseline=baseline)
+        predicted[row] = refit.intercept_ + knocked_out[row, free] @ refit.coef_[free]
+    return 1.0 - float(np.sum((rest - predicted) ** 2)) / spread

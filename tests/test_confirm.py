@@ -406,3 +406,28 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
         assert (f"knocked out in the same masks as {len(alike.get(str(head), []))} other"
                 in line) == (str(head) in alike)
         assert line.endswith("(does not hurt)") == (str(head) in harmless)
+
+
+def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
+    from lm_eval_headloc.commands.locate import fit_rankings, held_out_words
+    from lm_eval_headloc.commands.report import HeadRanking
+    from lm_eval_headloc.recovery import HeadLasso, held_out_r2
+
+    design = np.random.default_rng(5).random((12, 6)) < 0.4
+    scores = 0.9 - 0.3 * design[:, 2] + 0.01 * np.random.default_rng(6).normal(size=12)
+    records = _confirming_records(design, scores, {"L0H0": 0.0})
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+                           confirmed={"heads": ["L0H0"], "never": []})["t"]
+    assert ranking.extra["r2_held_out"] == pytest.approx(held_out_r2(
+        HeadLasso(fixed_effects={0: 0.0}), design, scores))
+    words = held_out_words(ranking)
+    # 6 heads, 12 measurements: no crowding to warn of; heads measured alone are said apart.
+    assert words.startswith(", in-sample; each measurement predicted by a fit on the others: "
+                            f"R² = {ranking.extra['r2_held_out']:.2f}; the heads measured")
+    crowded = HeadRanking("t", "acc", True, 0.5, np.zeros(30), list(range(30)), 3,
+                          extra={"measurements": 4, "r2_held_out": None})
+    assert held_out_words(crowded) == (
+        ", in-sample (30 heads, 4 measurements: a fit comes close whatever the truth); each "
+        "measurement predicted by a fit on the others: R² = n/a (too few measurements, or "
+        "none that vary)")
+    assert held_out_words(HeadRanking("t", "acc", True, 0.5, np.zeros(3), [0, 1, 2], 3)) == ""

@@ -578,3 +578,34 @@ def test_same_masks_names_heads_with_identical_columns():
     assert same_masks(matrix, [0, 2, 4, 5], among=range(6)) == {0: [1, 3]}
     assert same_masks(matrix, [0], among=[0, 3, 4]) == {0: [3]}
     assert same_masks(matrix, [1], among=[2, 4]) == {}
+
+
+def test_held_out_r2_is_leave_one_out_by_hand():
+    """Each measurement predicted by sklearn's Lasso fitted on the others (standardised as
+    HeadLasso does), on what the fixed heads leave; R² of those predictions."""
+    from sklearn.linear_model import Lasso
+
+    from lm_eval_headloc.recovery import held_out_r2
+
+    world = simulated_world(9)
+    knocked_out = design_matrix("stratified", 40, NUM_HEADS, 0.05, 9)
+    scores = world.measure(knocked_out)
+    fixed = {5: -0.1, 60: 0.0}
+    rest = scores - knocked_out[:, [5, 60]].astype(float) @ np.array([-0.1, 0.0])
+    free = [h for h in range(NUM_HEADS) if h not in fixed]
+    predicted = []
+    for row in range(len(scores)):
+        keep = np.arange(len(scores)) != row
+        spread = rest[keep].std()
+        fit = Lasso(alpha=0.01, max_iter=10000).fit(knocked_out[keep][:, free].astype(float),
+                                                     rest[keep] / spread)
+        predicted.append(spread * (fit.intercept_ + knocked_out[row, free] @ fit.coef_))
+    by_hand = 1 - np.sum((rest - predicted) ** 2) / np.sum((rest - rest.mean()) ** 2)
+    value = held_out_r2(HeadLasso(fixed_effects=fixed), knocked_out, scores)
+    assert value == pytest.approx(by_hand, abs=1e-9)
+    # In-sample it fits far closer than it predicts.
+    assert HeadLasso(fixed_effects=fixed).fit(knocked_out, scores).r2_ > value + 0.1
+    # Nothing to predict: too few measurements, or a remainder that does not vary.
+    assert np.isnan(held_out_r2(HeadLasso(), knocked_out[:2], scores[:2]))
+    flat = 0.5 - 0.1 * knocked_out[:, 5]
+    assert np.isnan(held_out_r2(HeadLasso(fixed_effects={5: -0.1}), knocked_out, flat))

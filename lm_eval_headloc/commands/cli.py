@@ -188,8 +188,9 @@ def run(args: argparse.Namespace) -> None:
 def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
     top_k = load_run(out).spec.top_k
     for task, ranking in rankings.items():
-        r2 = ranking.extra.get("r2")
+        r2, held_out = ranking.extra.get("r2"), ranking.extra.get("r2_held_out")
         fit = f", R² {r2:.3f}" if r2 is not None else ""
+        fit += f" (held out {held_out:.2f})" if held_out is not None else ""
         print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}{fit}")
         tied = set(ranking.extra.get("tied_with_above", []))
         top = ranking.top(top_k)

@@ -36,7 +36,7 @@ from ..designs import design_matrix, same_masks
 from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
-from ..recovery import HeadLasso, bootstrap_stability, harm
+from ..recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
 from .engine import (
     Setup,
     check_candidates,
@@ -130,9 +130,10 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                                           excluded, columns)
         # The refits are the screen's model (the measured changes held fixed), so each
         # interval is the spread of the estimate reported beside it.
+        model = HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed)
+        held_out = held_out_r2(model, design, y)
         stability = None if bootstrap is None else bootstrap_stability(
-            HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed), design, y,
-            top_k,
+            model, design, y, top_k,
             higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
             select=select)
         if stability is not None and alone:
@@ -145,6 +146,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             extra={"method": "compressed sensing (Lasso)" + (
                        "" if confirmed is None else ", the likeliest heads measured alone"),
                    "r2": fit.r2,
+                   "r2_held_out": held_out if np.isfinite(held_out) else None,
                    "alpha": alpha, "measurements": int(len(design)),
                    "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
                    "same_masks": _same_masks(
@@ -267,7 +269,7 @@ def locate_report(run: LocateRun) -> str:
             " is better)", "",
             f"Baseline (nothing knocked out): {ranking.baseline:.4f}. "
             f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
-            "measurements.", "",
+            f"measurements{held_out_words(ranking, _UNIT[spec.components])}.", "",
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
@@ -281,6 +283,21 @@ def locate_report(run: LocateRun) -> str:
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
     return "\n".join(lines) + "\n"
+
+
+def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
+    """The fit's R² on measurements it did not see, beside the in-sample one (``r2``)."""
+    extra = ranking.extra
+    if "r2_held_out" not in extra:  # a ranking file from before it was computed
+        return ""
+    value, rows, columns = extra["r2_held_out"], extra["measurements"], len(ranking.effects)
+    shown = "n/a (too few measurements, or none that vary)" if value is None else f"{value:.2f}"
+    crowded = (f" ({columns} {unit}s, {rows} measurements: a fit comes close whatever the "
+               "truth)" if columns > rows else "")
+    alone = (f"; the {unit}s measured alone rank by their measurement, not by this fit"
+             if extra.get("confirmed") else "")
+    return (f", in-sample{crowded}; each measurement predicted by a fit on the others: "
+            f"R² = {shown}{alone}")
 
 
 def _group_words(run: LocateRun) -> str:
