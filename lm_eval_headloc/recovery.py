@@ -286,6 +286,17 @@ class Stability:
     resamples: int
 
 
+def _paired(design_matrix: object, scores: object) -> tuple[np.ndarray, np.ndarray]:
+    """The design and its scores as float arrays, one score per row (for the refitting
+    helpers; ``fit`` checks its own inputs with sklearn's messages)."""
+    knocked_out = np.asarray(design_matrix, dtype=np.float64)
+    y = np.asarray(scores, dtype=np.float64)
+    if knocked_out.ndim != 2 or y.shape != (knocked_out.shape[0],):
+        raise ValueError(f"design matrix of shape {knocked_out.shape} and scores of shape "
+                         f"{y.shape} do not pair up row by row")
+    return knocked_out, y
+
+
 def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: object,
                         top_k: int, *, higher_is_better: bool = True,
                         exclude: Iterable[int] = (), resamples: int = 200,
@@ -306,11 +317,7 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     when that is not the refit's own harmful top-k (``locate``'s confirmation replay)."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
     top_k = check_number(top_k, "top_k", whole=True, min_val=1)
-    knocked_out = np.asarray(design_matrix, dtype=np.float64)
-    y = np.asarray(scores, dtype=np.float64)
-    if knocked_out.ndim != 2 or y.shape != (knocked_out.shape[0],):
-        raise ValueError(f"design matrix of shape {knocked_out.shape} and scores of shape "
-                         f"{y.shape} do not pair up row by row")
+    knocked_out, y = _paired(design_matrix, scores)
     rows, total = knocked_out.shape
     excluded = list(exclude)
     # clone() keeps the parameters, not what fit() was given: the baseline is carried over.
@@ -340,11 +347,7 @@ def held_out_r2(estimator: HeadLasso, design_matrix: object, scores: object) -> 
     ``fixed_effects`` are left to explain. NaN with fewer than 3 measurements or when that
     does not vary. A head knocked out only in the left-out mask is unknown to its refit,
     so designs that knock most heads out once or twice score low here."""
-    knocked_out = np.asarray(design_matrix, dtype=np.float64)
-    y = np.asarray(scores, dtype=np.float64)
-    if knocked_out.ndim != 2 or y.shape != (knocked_out.shape[0],):
-        raise ValueError(f"design matrix of shape {knocked_out.shape} and scores of shape "
-                         f"{y.shape} do not pair up row by row")
+    knocked_out, y = _paired(design_matrix, scores)
     rows, total = knocked_out.shape
     fixed = _checked_fixed(estimator.fixed_effects, total)
     rest = less_fixed(knocked_out, y, fixed)
