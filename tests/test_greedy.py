@@ -77,6 +77,8 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
     ranking = _rankings(changes, [], BASELINE, 1, 6, 3, 6)["acc"]  # order 1, 2, 0, 5, 3
     assert harmless_words(ranking, 4, all_measured=True) == []  # all four hurt
     assert ranking.harmless(5) == [Head(1, 0)]  # head 3 helps: +0.02
+    unknown = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, np.nan, 0.0]), [0, 1, 2], 3)
+    assert unknown.harmless(3) == [Head(0, 2)]  # a NaN effect is unknown, not harmless
     assert harmless_words(ranking, 5, all_measured=True) == [
         "Only 4 of the top-5 heads hurt the task; the other places are filled by heads "
         "that do not (L1H0: measured to do no harm). `ablate_top=4` knocks out only what "

@@ -77,9 +77,11 @@ class HeadRanking:
 
     def harmless(self, k: int) -> list[Column]:
         """The top-k columns whose effect (measured or estimated) does not hurt the task:
-        listed because a top-k has k places, not because the task needs them."""
-        return [c for c in self.top(k)
-                if not harm(self.effects[self.columns.index(c)], self.higher_is_better) > 0]
+        listed because a top-k has k places, not because the task needs them. An unknown
+        (NaN) effect is not among them."""
+        effects = {c: float(self.effects[self.columns.index(c)]) for c in self.top(k)}
+        return [c for c, e in effects.items()
+                if np.isfinite(e) and not harm(e, self.higher_is_better) > 0]
 
     def unstable(self, k: int) -> list[Component]:
         """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
