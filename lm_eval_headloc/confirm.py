@@ -17,7 +17,8 @@ the screen's order is informative all the way down (its Lasso's zeros ordered by
 marginal contrast of the same residual, never by head index).
 
 A budget in measurement-equivalents is spent as the prior's allowance, masks and heads
-measured alone (``budget_split``; the defaults' 54 as 8 + 12 + 34). Heads measured alone
+measured alone (``budget_split``; the defaults' 54 as 8 + 12 + 34 with a prior, 27 + 27
+without one: ``default_split``). Heads measured alone
 rank by one rule (``rank_measured``), whether a confirmation picked them or one-shot
 greedy measured every head.
 
@@ -38,7 +39,7 @@ import numpy as np
 from .recovery import HeadLasso, harm, less_fixed
 
 __all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
-           "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split",
+           "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split", "default_split",
            "confirmation", "confirmed_order", "confirmed_top", "marginal_contrast",
            "measured_changes", "prior_penalty_weights", "prior_rankings", "prior_weights",
            "rank_measured", "screen", "tied_with_above"]
@@ -64,24 +65,38 @@ PRIOR_ALLOWANCE: dict[str, int] = {"none": 0, "atp": 4, "atp-path": 8, "ig": 4 *
 #: heads measured alone.
 DEFAULT_BUDGET = 54
 
-#: The share of a budget, after the prior's allowance, spent on masks (12 of the default
-#: budget's 46); the rest is heads measured alone.
-MASK_SHARE = 12 / 46
+#: The share of a budget, after the prior's allowance, spent on masks; the rest is heads
+#: measured alone. With a prior, 12 of the default budget's 46: the prior's rankings name
+#: most candidates, the masks' screen is one source in turn. Without one the screen names
+#: every candidate, and a screen of 12 masks is too weak to name them: half the budget on
+#: masks finds about twice as many of the exhaustive top-5 at the default budget, on the
+#: embedded model's stored measurements and in the simulator at 1,024 heads
+#: (docs/budget_split.md, ``python scripts/budget_split.py``).
+MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
 
 
 def budget_split(total: int, prior: str = "atp-path") -> tuple[int, int]:
     """(masks, heads measured alone) of a budget of ``total`` measurement-equivalents:
     ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``MASK_SHARE`` of the rest in
-    masks (rounded to the nearest, halves to even), the remainder measured alone."""
+    masks (the share with a prior, or without one for ``"none"``; rounded to the
+    nearest, halves to even), the remainder measured alone."""
     if prior not in PRIOR_ALLOWANCE:
         raise ValueError(f"prior={prior!r}: must be one of {', '.join(PRIOR_ALLOWANCE)}")
     rest = int(total) - PRIOR_ALLOWANCE[prior]
-    masks = round(rest * MASK_SHARE)
+    masks = round(rest * MASK_SHARE[prior != "none"])
     return masks, rest - masks
 
 
-#: ``--masks`` and ``--confirm``'s defaults: the default budget's split (12 + 34).
-DEFAULT_MASKS, DEFAULT_ALONE = budget_split(DEFAULT_BUDGET)
+def default_split(prior: str | None) -> tuple[int, int]:
+    """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
+    computes (``prior.PRIOR_POINTS``' key, or None): without a prior the whole default
+    budget split for none (27 + 27); with one, the split measured for atp-path (12 + 34),
+    whichever it is (atp's and ig's allowances are estimates, not timings)."""
+    return budget_split(DEFAULT_BUDGET, "atp-path" if prior else "none")
+
+
+#: The defaults' split with a prior: 12 masks, 34 heads measured alone.
+DEFAULT_MASKS, DEFAULT_ALONE = default_split("atp-path")
 
 # --- the prior's part: its rankings and the screen's penalty weights ---------------------
 

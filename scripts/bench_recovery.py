@@ -123,7 +123,7 @@ class Method:
         return confirmed_split(budget, self.split_as)
 
 
-DEFAULTS = RunSpec()
+DEFAULTS = RunSpec().budgeted("atp-path")  # the defaults of a run with its prior
 
 METHODS = (
     Method("default", f"the defaults: `--prior {DEFAULTS.prior}` (atp-path here), p = "

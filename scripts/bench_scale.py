@@ -58,7 +58,7 @@ from lm_eval_headloc.tasks import make_task_manager
 #: Bars the issue sets: ours within 10 % of the bare forward at K = 1, and the automatic
 #: K within 10 % of the best measured K.
 BAR = 1.10
-DEFAULTS = RunSpec()
+DEFAULTS = RunSpec().budgeted("atp-path")  # the defaults of a run with its prior
 
 
 # --- several masks per pass, up to the memory limit ----------------------------------------

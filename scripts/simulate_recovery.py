@@ -57,7 +57,12 @@ from lm_eval_headloc.bench.simulation import (  # noqa: E402
     planted_world,
     seed_trial,
 )
-from lm_eval_headloc.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, ROUND  # noqa: E402
+from lm_eval_headloc.confirm import (  # noqa: E402
+    DEFAULT_BUDGET,
+    MASK_SHARE,
+    PRIOR_ALLOWANCE,
+    ROUND,
+)
 from lm_eval_headloc.designs import DESIGNS, knockouts_per_mask  # noqa: E402
 
 #: World variants for the sensitivity table: what the answer depends on.
@@ -348,8 +353,10 @@ def defaults_section(args: argparse.Namespace) -> str:
              "picked up front, the prior's ranking and the plain Lasso's in turn. One "
              "departure from the old code: the Lasso's zero coefficients are ordered by "
              "their marginal contrast (the new `confirm.screen`), not by head index.", "",
-             "Without a prior there is no allowance: the whole budget is split the same "
-             "way and the Lasso alone names the heads. Cell: the smallest M on the grid "
+             "Without a prior there is no allowance and the Lasso alone names the heads; "
+             "the defaults then put "
+             f"{round(100 * MASK_SHARE[False])} % of the budget on masks (`confirm."
+             "MASK_SHARE`, docs/budget_split.md). Cell: the smallest M on the grid "
              "meeting the target (≥ 4 of the 5 in ≥ 80 % of seeds; '> max' when none, "
              "with the best share of seeds reached), for two truths: the planted heads, "
              "and the exhaustive search's top-5 (every head alone, measured as the masks "

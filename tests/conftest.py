@@ -21,6 +21,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
 MLP_WIDTH = 64  # the llama-style families' intermediate_size: their MLP neurons per layer
 TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the tests
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))

@@ -4,19 +4,15 @@ runs' ranking files (worked out by hand on a written ranking)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench_neurons():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import bench_neurons
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return bench_neurons
+    return script_module("bench_neurons")
 
 
 def test_top_evidence_sorts_each_top_5_by_what_stands_behind_it(tmp_path):

@@ -657,6 +657,52 @@ def test_a_finished_run_resumes_without_loading_the_model(tiny_model_dir, tiny_l
         harness("locate", *args, "--masks", "14", "--out", str(more))
 
 
+def test_a_rerun_without_masks_or_confirm_keeps_the_runs_own(tiny_model_dir, tiny_locate_run,
+                                                           tmp_path, no_model_loading):
+    """--masks and --confirm left out of a rerun mean the run's own, not the defaults: a
+    finished --confirm 0 run is not confirmed (nor the model loaded) by a bare rerun, and
+    one last fitted on 10 of its masks stays fitted on 10."""
+    import shutil
+
+    args = [*tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice", "--sparsity",
+            "0.25", "--num-samples", "12", "--top-k", "3", "--prior", "none"]
+    again = shutil.copytree(tiny_locate_run, tmp_path / "again")
+    assert harness("locate", *args, "--out", str(again)) == 0
+    for name in ("heads.json", "measurements.jsonl", "config.json"):
+        assert (again / name).read_bytes() == (tiny_locate_run / name).read_bytes(), name
+    assert harness("refit", str(again), "--masks", "10") == 0
+    assert strict_json(again / "heads.json")["measurements"] == 10
+    assert harness("locate", *args, "--out", str(again)) == 0
+    assert strict_json(again / "heads.json")["measurements"] == 10
+    spec = strict_json(again / "config.json")["spec"]
+    assert (spec["masks"], spec["confirm"]) == (10, 0)
+
+
+def test_the_default_budget_is_split_by_whether_the_run_has_a_prior(tiny_model_dir, tmp_path):
+    """--masks and --confirm left out: 54 measurement-equivalents, 8 for atp-path's prior
+    then 12 masks + 34 alone; without a prior (--prior none, or auto on a task without gold
+    answers) 27 masks + 27 alone. The tiny model has 8 heads, so every head is measured
+    alone either way."""
+    common = [*tiny_args(tiny_model_dir("llama")), "--sparsity", "0.25", "--num-samples", "4"]
+    runs = {"prior": ["--tasks", "tiny_choice"],
+            "none": ["--tasks", "tiny_choice", "--prior", "none"],
+            "auto-none": ["--tasks", "tiny_rolling"]}
+    for name, args in runs.items():
+        assert harness("locate", *common, *args, "--out", str(tmp_path / name)) == 0
+    expected = {"prior": (12, 34, True), "none": (27, 27, False), "auto-none": (27, 27, False)}
+    for name, (masks, confirm, prior) in expected.items():
+        out = tmp_path / name
+        config = strict_json(out / "config.json")
+        assert (config["spec"]["masks"], config["spec"]["confirm"]) == (masks, confirm), name
+        assert (config["settings"]["masks"], config["settings"]["confirm"]) == (masks, confirm)
+        assert config["prior_used"] is prior
+        assert np.load(out / "design_matrix.npy").shape == (masks, 8)
+        assert len(config["confirm"]["heads"]) == 8  # all 8 heads: fewer than either
+        keys = [r["key"] for r in read_run(out)[0]]
+        assert sum(k.startswith("mask-") for k in keys) == masks
+        assert f"stratified, {masks} masks" in (out / "report.md").read_text()
+
+
 def test_a_folder_of_another_run_is_refused_unless_forced(tiny_model_dir, tmp_path, capsys):
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
             "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out",

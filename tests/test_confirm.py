@@ -14,6 +14,7 @@ from lm_eval_headloc.confirm import (
     confirmation,
     confirmed_order,
     confirmed_top,
+    default_split,
     marginal_contrast,
     measured_changes,
     prior_penalty_weights,
@@ -264,15 +265,36 @@ def test_budget_split_by_hand():
     assert budget_split(100) == (24, 68)  # 92 * 12/46 = 24
     assert budget_split(30) == (6, 16)  # 22 * 12/46 = 5.74
     assert budget_split(54, "atp") == (13, 37)  # 50 * 12/46 = 13.04
-    assert budget_split(46, "none") == (12, 34)
+    # Without a prior nothing is set aside and half the budget goes on masks.
+    assert budget_split(54, "none") == (27, 27)
+    assert budget_split(46, "none") == (23, 23)
+    assert budget_split(55, "none") == (28, 27)  # 27.5 rounds to even: 28
     with pytest.raises(ValueError, match="prior='auto'"):
         budget_split(54, "auto")
 
 
-def test_the_cli_defaults_are_the_default_budgets_split():
+def test_the_defaults_split_the_default_budget_by_whether_the_run_has_a_prior():
     from lm_eval_headloc.commands import RunSpec
 
-    assert (RunSpec().masks, RunSpec().confirm) == (12, 34) == budget_split(DEFAULT_BUDGET)
+    # Left out, --masks and --confirm are decided by the run's prior.
+    assert (RunSpec().masks, RunSpec().confirm) == (None, None)
+    assert not RunSpec().budget_given and RunSpec(masks=5, confirm=0).budget_given
+    # With any prior: atp-path's split of 54 (8 + 12 + 34); without one: 27 + 27.
+    for prior in ("atp-path", "atp", "ig"):
+        assert default_split(prior) == (12, 34)
+        assert (RunSpec().budgeted(prior).masks, RunSpec().budgeted(prior).confirm) == (12, 34)
+    assert default_split(None) == (27, 27) == (DEFAULT_BUDGET // 2, DEFAULT_BUDGET // 2)
+    assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27)
+    # What is given stays; only what is left out is filled.
+    assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27)
+    assert RunSpec(confirm=0).budgeted("atp-path") == RunSpec(masks=12, confirm=0)
+    assert RunSpec(masks="auto").budgeted("atp-path").masks == "auto"
+    # A resumed run keeps its own where they are left out, whatever the prior.
+    stored = RunSpec(masks=100, confirm=60)
+    assert RunSpec().budgeted(None, stored) == stored
+    assert RunSpec(masks=40).budgeted("atp-path", stored) == RunSpec(masks=40, confirm=60)
+    # ...unless it never decided them (stopped before its prior): then the defaults.
+    assert RunSpec().budgeted(None, RunSpec()) == RunSpec(masks=27, confirm=27)
 
 
 def test_prior_rankings_and_weights_by_hand():

@@ -59,7 +59,7 @@ def test_cli_reference_covers_every_option(gen_cli_docs: ModuleType) -> None:
 
 def test_stale_cli_reference_is_refused(gen_cli_docs: ModuleType, tmp_path: Path) -> None:
     stale = tmp_path / "cli.md"
-    stale.write_text(gen_cli_docs.render().replace("(default: 12)", "(default: 13)"))
+    stale.write_text(gen_cli_docs.render().replace("(default: 300)", "(default: 301)"))
     problem = gen_cli_docs.check(stale)
     assert problem is not None and "python scripts/gen_cli_docs.py" in problem
     assert gen_cli_docs.main(["--check", "--out", str(stale)]) == 1

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TASKS
+from conftest import TASKS, script_module
 
 from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.cli import main
@@ -193,13 +193,7 @@ def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
 def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_model_loading):
     """scripts/refit_committed.py: the run folders git tracks (never an ignored runs/),
     and a ranking file whose text today's refit writes differently."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import refit_committed
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    refit_committed = script_module("refit_committed")
     found = refit_committed.committed_runs()
     if not found:
         pytest.skip("not a git checkout with the committed runs")

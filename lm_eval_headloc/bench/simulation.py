@@ -613,8 +613,8 @@ def exhaustive_top(changes: np.ndarray, top: int = 5) -> np.ndarray:
 
 def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                        prior: np.ndarray | None, confirm: int, changes: np.ndarray, *,
-                       method: str = "defaults", top: int = 5,
-                       alpha: float = 0.01) -> np.ndarray:
+                       method: str = "defaults", top: int = 5, alpha: float = 0.01,
+                       logprob_changes: np.ndarray | None = None) -> np.ndarray:
     """A confirming run's top ``top`` (``commands.locate``'s ``_confirm`` and
     ``fit_rankings`` on one task): ``confirm`` heads measured alone (``changes``, from
     :func:`measured_alone`), picked by ``confirm.confirmation`` from the prior's rankings
@@ -627,7 +627,9 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     with the heads measured so far held fixed, and the final order's screen too.
     ``"before"``: the old up-front pick, the prior's rankings and the plain fit (nothing
     held fixed) in turn (``confirm.alternated``), and the final order's screen the same
-    plain fit. ``world`` is not used (kept for the callers).
+    plain fit. ``world`` is not used (kept for the callers). ``logprob_changes``: each
+    head's measured change of the gold log-likelihood, which breaks ties of ``changes``
+    as a run's ranking does (``confirm.rank_measured``; None: no tie-break but the index).
     """
     _check_method(method)
     weights = prior_weights(prior)
@@ -637,7 +639,9 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                       fixed={h: change for h, (change, _) in known.items()})
 
     def measure(heads: list[int]) -> dict[int, tuple[float, float]]:
-        return {h: (float(changes[h]), 0.0) for h in heads}
+        return {h: (float(changes[h]),
+                    0.0 if logprob_changes is None else float(logprob_changes[h]))
+                for h in heads}
 
     sources = prior_rankings(prior)
     if method == "defaults":

@@ -280,9 +280,11 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     if "neurons" in spec.components:
         check_candidates(_candidate_count(spec, geometry), geometry.total_neurons,
                          sum(isinstance(c, Neuron) for c in never))
-    check_design_budget(spec.design_rows, columns,
-                        "--max-masks" if spec.masks == "auto" else "--masks")
-    if spec.sparsity == "auto" and spec.components == "heads":
+    # --masks left out is the default budget's split, which both checks below pass.
+    if spec.masks is not None:
+        check_design_budget(spec.design_rows, columns,
+                            "--max-masks" if spec.masks == "auto" else "--masks")
+    if spec.sparsity == "auto" and spec.components == "heads" and spec.masks is not None:
         from ..pilot import pilot_design
 
         never_flat = [h.flat_index(heads_per_layer) for h in never]

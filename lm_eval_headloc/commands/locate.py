@@ -502,7 +502,11 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = setup.spec
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
-        done = None if force or measure is not None else _finished(folder, spec)
+        stored = None if force else _stored_run(folder)
+        if stored is not None and stored.spec.budget_given:
+            # --masks and --confirm left out: a resumed run keeps what it was made with.
+            spec = spec.budgeted(None, stored.spec)
+        done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force)  # phase: started
         assert isinstance(run, LocateRun)
         if done is not None:
@@ -527,6 +531,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                              "names the neurons the masks search, cannot run here ("
                              f"{measure.no_prior_reason()})")
         estimates = attribution_prior(folder, measure, method, kinds) if method else None
+        # --masks and --confirm left out of a new run: the default budget's split for the
+        # prior it has (confirm.default_split).
+        spec = run.spec = spec.budgeted(method)
+        run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
             ensure_types(folder, measure)
         if "neurons" in kinds:
@@ -760,18 +768,24 @@ def _missing(run: LocateRun, rows: int) -> list[str]:
     return [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
 
 
-def _finished(folder: RunFolder, spec: RunSpec) -> LocateRun | None:
-    """The stored run when ``folder`` holds a locate run that measured everything
-    ``spec`` asks for (the same measuring settings, its masks and confirmations done, its
-    head types written): resuming it then only fits again (``refit``'s settings may
-    differ), so the model need not load. None otherwise, or when unsure."""
+def _stored_run(folder: RunFolder) -> LocateRun | None:
+    """The locate run ``folder`` holds, or None (no run, another command's, or one that
+    cannot be read: ``start_run`` says what is wrong with it)."""
     if not folder.file("config.json").is_file():
         return None
     try:
         stored = load_run(folder)
     except (RunFolderError, KeyError, TypeError, ValueError):
-        return None  # start_run says what is wrong with it
-    if not isinstance(stored, LocateRun) or stored.masks_used is None:
+        return None
+    return stored if isinstance(stored, LocateRun) else None
+
+
+def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> LocateRun | None:
+    """``stored``, the run ``folder`` holds, when it measured everything ``spec`` asks for
+    (the same measuring settings, its masks and confirmations done, its head types
+    written): resuming it then only fits again (``refit``'s settings may differ), so the
+    model need not load. None otherwise, or when unsure."""
+    if stored is None or stored.masks_used is None or not spec.budget_given:
         return None
     ranking = RunSpec.refittable("locate") - {"masks", "max_masks", "confirm"}
     measuring = {f: v for f, v in spec.as_config().items()

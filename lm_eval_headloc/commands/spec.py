@@ -29,7 +29,7 @@ from typing import Any
 from ..ablation import ABLATIONS
 from ..checks import UsageError, check_number
 from ..columns import COMPONENTS
-from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS
+from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
 from ..designs import DESIGNS
 from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
@@ -38,6 +38,8 @@ __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "Usag
            "add_options", "parse_batch_size"]
 
 DEFAULT_TASK = "headloc_induction"
+#: --masks and --confirm where neither is given and the run has no prior.
+NO_PRIOR_MASKS, NO_PRIOR_ALONE = default_split(None)
 #: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
 PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "ig", "none")
 _SAME = object()  # _option's legacy: the same as the default
@@ -211,12 +213,15 @@ class RunSpec:
            "neuron the prior passed over still shows, through its group (0: none)",
         parse=int, metavar="G", whole=True, min_val=0)
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
-    # --masks and --confirm: the default budget's split (confirm.budget_split).
-    masks: int | str = _option(
-        DEFAULT_MASKS,
+    # --masks and --confirm: None is the default budget's split for the run's prior
+    # (confirm.default_split), or on a resumed run the run's own (RunSpec.budgeted).
+    masks: int | str | None = _option(
+        None,
         "measurements (masks) in the design; rerun with more to extend a run, refit "
             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
-            "is stable in the bootstrap (or --max-masks)", parse=parse_masks, metavar="M")
+            "is stable in the bootstrap (or --max-masks) (default: "
+            f"{DEFAULT_MASKS} with an attribution prior, {NO_PRIOR_MASKS} without one; a "
+            "resumed run keeps its own)", parse=parse_masks, metavar="M")
     max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
                              metavar="M", whole=True, min_val=1)
     sparsity: float | str = _option(
@@ -236,13 +241,14 @@ class RunSpec:
                 "auto: atp-path where the tasks have gold answers and the model is "
                 "decoder-only, else none",
         choices=PRIORS, legacy="none")
-    confirm: int = _option(
-        DEFAULT_ALONE,
+    confirm: int | None = _option(
+        None,
         "after the masks, knock out this many heads one at a time, in rounds of 5: "
             "the prior's rankings and the masks' fit (redone after each round with the "
             "measured heads held fixed) name one each in turn; those that hurt rank first, "
             "by what they measured (0: rank by the fit alone; rerun with more to measure "
-            "more)",
+            f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
+            "without one; a resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
@@ -354,8 +360,28 @@ class RunSpec:
 
     @property
     def design_rows(self) -> int:
-        """Masks in the design: ``masks``, or ``max_masks`` for ``masks="auto"``."""
+        """Masks in the design: ``masks``, or ``max_masks`` for ``masks="auto"`` (after
+        ``budgeted``: a spec with no ``masks`` has no design yet)."""
+        if self.masks is None:
+            raise ValueError("masks=None: the run's prior decides it (RunSpec.budgeted)")
         return self.max_masks if self.masks == "auto" else self.masks
+
+    @property
+    def budget_given(self) -> bool:
+        """Whether ``masks`` and ``confirm`` are both set (given, or ``budgeted``)."""
+        return self.masks is not None and self.confirm is not None
+
+    def budgeted(self, prior: str | None, stored: RunSpec | None = None) -> RunSpec:
+        """This spec with ``masks`` and ``confirm`` set where they are None: ``stored``'s
+        (the run being resumed: a rerun without them keeps what it measured), else the
+        default budget's split for ``prior``, the prior the run computes (``None``: none;
+        ``confirm.default_split``)."""
+        kept = {name: getattr(stored, name) for name in ("masks", "confirm")
+                if stored is not None and getattr(self, name) is None}
+        spec = self.replace(**{k: v for k, v in kept.items() if v is not None})
+        masks, alone = default_split(prior)
+        return spec.replace(masks=masks if spec.masks is None else spec.masks,
+                            confirm=alone if spec.confirm is None else spec.confirm)
 
     @property
     def masks_seed(self) -> int:
@@ -384,7 +410,8 @@ class RunSpec:
         if self.general is not None and not self.general:
             raise UsageError("--general is empty; name at least one task or leave it out")
         parse_batch_size(self.batch_size)
-        parse_masks(self.masks)
+        if self.masks is not None:
+            parse_masks(self.masks)
         parse_sparsity(self.sparsity)
         parse_candidates(self.candidates)
         parse_examples_part(self.examples_part)

@@ -1,0 +1,80 @@
+"""scripts/budget_split.py, the evidence for how the default budget is split: its replay
+must be what locate does, and docs/budget_split.md must be what it renders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import script_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    return script_module("budget_split")
+
+
+@pytest.fixture(scope="module")
+def tasks(script):
+    return [script.EmbeddedTask(task) for task in script.TASKS]
+
+
+def test_the_replay_picks_and_ranks_as_the_committed_default_runs_did(script, tasks):
+    # Every committed default run (three tasks, four design seeds) replayed on its own
+    # masks: the same heads measured alone, in the same order, and the same top-5.
+    assert len(script.check_replay(tasks)) == len(script.TASKS) * len(script.DESIGN_SEEDS)
+
+
+def test_a_replay_that_differs_from_the_run_is_refused(script, tasks):
+    task = tasks[0]
+    folder = task.runs / "stratified-p0.1-atp-path" / "m54-seed0"
+    design, scores = task.masks(folder)
+    confirm = json.loads((folder / "config.json").read_text())["spec"]["confirm"]
+    picks = script.confirming_run_picks(task, design, scores, task.prior, confirm)
+    # Without the prior the same masks name other heads: the check would see it.
+    assert script.confirming_run_picks(task, design, scores, None, confirm) != picks
+
+
+def test_the_exhaustive_truth_and_single_head_changes_are_read_as_written(script, tasks):
+    for task in tasks:
+        ranking = json.loads((ROOT / "benchmarks" / "exhaustive" /
+                              f"heads-{task.task}.json").read_text())
+        effects = {h["head"]: h["effect"] for h in ranking["heads"]}
+        for name, effect in effects.items():
+            layer, head = (int(x) for x in name[1:].split("H"))
+            assert task.changes[layer * task.heads_per_layer + head] == pytest.approx(effect)
+        assert len(task.truth) == 5
+        # The truth is the five most harmful single knockouts.
+        worst = sorted(effects.values())[:5]
+        assert sorted(task.changes[h] for h in task.truth) == pytest.approx(worst)
+
+
+def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks):
+    rows = script.embedded_rows(tasks)
+    # The no-prior row of the defaults before this change, and the splits of today's.
+    before = [r for r in rows if r["share"] is None]
+    assert [(r["budget"], r["masks"], r["confirm"]) for r in before] == [(46, 12, 34)]
+    from lm_eval_headloc.confirm import default_split
+
+    splits = {(r["prior"], r["budget"], r["masks"], r["confirm"]) for r in rows}
+    assert ("none", 54, *default_split(None)) in splits
+    assert ("atp-path", 54, *default_split("atp-path")) in splits
+    section = script.embedded_section(rows, script.check_replay(tasks))
+    page = (ROOT / "docs" / "budget_split.md").read_text(encoding="utf-8")
+    assert "\n".join(section).strip() in page, (
+        "docs/budget_split.md is stale: python scripts/budget_split.py --out docs/budget_split.md")
+
+
+def test_found_counts_are_the_overlap_with_the_exhaustive_top_5(script, tasks):
+    task = tasks[0]
+    design, scores = task.masks(task.runs / "stratified-p0.1" / "seed0")
+    top = task.top(design[:27], scores[:27], None, 27)
+    rows = script.embedded_rows(tasks)
+    row = next(r for r in rows if (r["prior"], r["budget"], r["masks"]) == ("none", 54, 27))
+    assert row["found"][task.task][0] == len(set(top) & task.truth)
+    assert len(top) == 5 and len(set(top)) == 5
+    assert np.all(np.isin(list(task.truth), np.arange(len(task.changes))))
