@@ -4,11 +4,8 @@ runs' ranking files (worked out by hand on a written ranking)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from conftest import script_module
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench_neurons():
