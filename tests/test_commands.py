@@ -700,7 +700,12 @@ def test_the_default_budget_is_split_by_whether_the_run_has_a_prior(tiny_model_d
         assert len(config["confirm"]["heads"]) == 8  # all 8 heads: fewer than either
         keys = [r["key"] for r in read_run(out)[0]]
         assert sum(k.startswith("mask-") for k in keys) == masks
-        assert f"stratified, {masks} masks" in (out / "report.md").read_text()
+        report = (out / "report.md").read_text()
+        assert f"stratified, {masks} masks" in report
+        # Who named the heads measured alone: the prior's rankings only where there is one.
+        named = ("the attribution prior's rankings and the masks' fit's likeliest in turn ("
+                 if prior else "in 2 rounds of 5, the masks' fit's likeliest (the fit")
+        assert named in report and "the the" not in report
 
 
 def test_a_folder_of_another_run_is_refused_unless_forced(tiny_model_dir, tmp_path, capsys):

@@ -335,9 +335,10 @@ def _confirm_words(run: LocateRun) -> str:
     rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
               if "rounds" in confirmed else "")
     return (f"{len(confirmed['heads'])} {_UNITS[run.spec.components]} knocked out one at a "
-            f"time{rounds}, the "
-            + ("attribution prior's rankings and " if run.uses_prior else "")
-            + "the masks' fit's likeliest in turn (the fit redone after each round with "
+            f"time{rounds}, "
+            + ("the attribution prior's rankings and the masks' fit's likeliest in turn"
+               if run.uses_prior else "the masks' fit's likeliest")
+            + " (the fit redone after each round with "
             "the measured heads' changes held fixed); those that hurt rank first, by their "
             "measured change, then the heads the fit implicates, then those that did no harm "
             "(their stability: how often a replay of the confirmation on a bootstrap "
