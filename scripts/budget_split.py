@@ -43,6 +43,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+import simulate_recovery  # noqa: E402  (beside this script: SIMULATION.md's world)
+
 from lm_eval_headloc.bench.simulation import (  # noqa: E402
     confirming_run_top,
     exhaustive_top,
@@ -194,7 +196,10 @@ def embedded_rows(tasks: Sequence[EmbeddedTask]) -> list[dict]:
 
 
 def simulated_rows(n_heads: Sequence[int], seeds: int) -> list[dict]:
-    """Found of the exhaustive top-5 in the simulator, per N, prior, budget and share."""
+    """Found of the exhaustive top-5 in the simulator, per N, prior, budget and share, in
+    SIMULATION.md's world (``simulate_recovery``'s defaults: fixed documents that every
+    measurement shares, as a real run's)."""
+    world = simulate_recovery._world_options(simulate_recovery.parse_args([]))
     rows = []
     for n in n_heads:
         for prior in PRIORS:
@@ -203,7 +208,7 @@ def simulated_rows(n_heads: Sequence[int], seeds: int) -> list[dict]:
                     masks, confirm = split(budget, prior, share)
                     hits = []
                     for seed in range(seeds):
-                        trial = seed_trial(n, 0.1, seed, masks)
+                        trial = seed_trial(n, 0.1, seed, masks, world_options=world)
                         prior_seq, alone_seq = np.random.SeedSequence(seed).spawn(5)[3:]
                         changes = measured_alone(trial.world,
                                                  int(alone_seq.generate_state(1)[0]))[1]
@@ -277,9 +282,8 @@ def simulated_section(simulated: list[dict]) -> list[str]:
         "the planted heads missed, each point on its own). Cell: mean found (share of "
         "seeds with ≥ 4). Read it for the direction at sizes the embedded model cannot "
         "show (1,024 heads is Llama-3.1-8B's count), not for the level: its world is a "
-        "model of a task. Where the two sources disagree on the share without a prior "
-        "(more masks in the simulator at 1,024 heads, half on the embedded model), the "
-        "default follows the real model's measurements.", "",
+        "model of a task. Where it and the embedded model disagree on the best share "
+        "without a prior, the default follows the real model's measurements.", "",
         "| N | prior | budget | " + " | ".join(f"share {s:.2f}" for s in SHARES)
         + " | most found |",
         "| ---: | --- | ---: |" + " ---: |" * len(SHARES) + " --- |",
