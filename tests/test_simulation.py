@@ -304,8 +304,9 @@ def test_the_simulated_splits_and_prior_points():
     assert confirmed_split(54, "before") == (25, 25)
     assert confirmed_split(100) == (24, 68)  # round(92 * 12 / 46) = round(24.0)
     assert confirmed_split(30) == (6, 16)  # round(22 * 12 / 46) = round(5.74)
-    # Without a prior there is no allowance: the whole budget is split.
-    assert confirmed_split(46, use_prior=False) == (12, 34)
+    # Without a prior there is no allowance, and the defaults put half on masks.
+    assert confirmed_split(54, use_prior=False) == (27, 27)
+    assert confirmed_split(47, use_prior=False) == (24, 23)  # round(23.5): to even, 24
     assert confirmed_split(54, "before", use_prior=False) == (27, 27)
     with pytest.raises(ValueError, match="method="):
         confirmed_split(54, "atp")
@@ -524,12 +525,16 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
 
-    defaults = RunSpec()
-    assert defaults.prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
-                                                         "before": "atp"}
-    # The default budget is the prior's allowance, the masks and the heads alone.
+    assert RunSpec().prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
+                                                          "before": "atp"}
+    # The default budget is the prior's allowance, the masks and the heads alone: a run
+    # with atp-path's prior, and one without a prior, as the simulator splits them.
+    defaults = RunSpec().budgeted("atp-path")
     assert DEFAULT_BUDGET == PRIOR_ALLOWANCE["atp-path"] + defaults.masks + defaults.confirm
     assert confirmed_split(DEFAULT_BUDGET) == (defaults.masks, defaults.confirm)
+    without = RunSpec().budgeted(None)
+    assert DEFAULT_BUDGET == without.masks + without.confirm
+    assert confirmed_split(DEFAULT_BUDGET, use_prior=False) == (without.masks, without.confirm)
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("bench_recovery",
                                                   root / "scripts" / "bench_recovery.py")
