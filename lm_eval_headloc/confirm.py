@@ -69,8 +69,8 @@ DEFAULT_BUDGET = 54
 #: measured alone. With a prior, 12 of the default budget's 46: the prior's rankings name
 #: most candidates, the masks' screen is one source in turn. Without one the screen names
 #: every candidate, and a screen of 12 masks is too weak to name them: half the budget on
-#: masks finds about twice as many of the exhaustive top-5 at the default budget, on the
-#: embedded model's stored measurements and in the simulator at 1,024 heads
+#: masks finds more of the exhaustive top-5 at the default budget than the prior's share,
+#: on the embedded model's stored measurements and in the simulator at 1,024 heads
 #: (docs/budget_split.md, ``python scripts/budget_split.py``).
 MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
 
@@ -89,10 +89,10 @@ def budget_split(total: int, prior: str = "atp-path") -> tuple[int, int]:
 
 def default_split(prior: str | None) -> tuple[int, int]:
     """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
-    computes (``prior.PRIOR_POINTS``' key, or None): without a prior the whole default
+    computes (``prior.PRIOR_POINTS``' key, or None or ``"none"``): without a prior the whole default
     budget split for none (27 + 27); with one, the split measured for atp-path (12 + 34),
     whichever it is (atp's and ig's allowances are estimates, not timings)."""
-    return budget_split(DEFAULT_BUDGET, "atp-path" if prior else "none")
+    return budget_split(DEFAULT_BUDGET, "none" if prior in (None, "none") else "atp-path")
 
 
 #: The defaults' split with a prior: 12 masks, 34 heads measured alone.

@@ -284,6 +284,7 @@ def test_the_defaults_split_the_default_budget_by_whether_the_run_has_a_prior():
         assert default_split(prior) == (12, 34)
         assert (RunSpec().budgeted(prior).masks, RunSpec().budgeted(prior).confirm) == (12, 34)
     assert default_split(None) == (27, 27) == (DEFAULT_BUDGET // 2, DEFAULT_BUDGET // 2)
+    assert default_split("none") == (27, 27)
     assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27)
     # What is given stays; only what is left out is filled.
     assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27)
