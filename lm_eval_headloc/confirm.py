@@ -89,9 +89,10 @@ def budget_split(total: int, prior: str = "atp-path") -> tuple[int, int]:
 
 def default_split(prior: str | None) -> tuple[int, int]:
     """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
-    computes (``prior.PRIOR_POINTS``' key, or None or ``"none"``): without a prior the whole default
-    budget split for none (27 + 27); with one, the split measured for atp-path (12 + 34),
-    whichever it is (atp's and ig's allowances are estimates, not timings)."""
+    computes (``prior.PRIOR_POINTS``' key; None or ``"none"`` for none): without a prior
+    the whole default budget split for none (27 + 27); with one, the split measured for
+    atp-path (12 + 34), whichever it is (atp's and ig's allowances are estimates, not
+    timings)."""
     return budget_split(DEFAULT_BUDGET, "none" if prior in (None, "none") else "atp-path")
 
 
