@@ -11,7 +11,7 @@ holds:
   would measure them), the prior the committed atp-path prior (``prior-atp-path``), and a
   head measured alone reads what the exhaustive run measured for it (``benchmarks/
   exhaustive``: the same examples, the same knockout). The confirmation itself is the
-  package's (``bench.simulation.confirming_run_top``: ``confirm.confirmation``'s rounds,
+  package's (``bench.simulation.confirming_run``: ``confirm.confirmation``'s rounds,
   the screen refitted with what was measured, the run's ranking rule), so a replay is what
   ``locate`` would have done with those measurements. A check runs first: replaying each
   committed default run (``stratified-p0.1-atp-path/m54-seed<s>``, its own masks) must
@@ -35,7 +35,7 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 import simulate_recovery  # noqa: E402  (beside this script: SIMULATION.md's world)
 
 from lm_eval_headloc.bench.simulation import (  # noqa: E402
+    confirming_run,
     confirming_run_top,
     exhaustive_top,
     measured_alone,
@@ -115,12 +116,19 @@ class EmbeddedTask:
             f"mask-{i:04d}" for i in range(len(design))]
         return design, np.array([records[k]["scores"][self.task] for k in keys])
 
+    def run(self, design: np.ndarray, scores: np.ndarray, prior: np.ndarray | None,
+            confirm: int) -> tuple[list[int], list[int]]:
+        """(the heads measured alone, the top-5) of a confirming run on these masks
+        (``bench.simulation.confirming_run``), each head alone reading the exhaustive
+        run's measurement of it."""
+        picked, top = confirming_run(design, scores, prior, confirm, self.changes,
+                                     logprob_changes=self.logprob)
+        return [int(h) for h in picked], [int(h) for h in top]
+
     def top(self, design: np.ndarray, scores: np.ndarray, prior: np.ndarray | None,
             confirm: int) -> list[int]:
-        """The top-5 of a confirming run on these masks (``confirming_run_top``)."""
-        return [int(h) for h in confirming_run_top(
-            None, design, scores, prior, confirm, self.changes,
-            logprob_changes=self.logprob)]
+        """The top-5 of a confirming run on these masks."""
+        return self.run(design, scores, prior, confirm)[1]
 
 
 def check_replay(tasks: Sequence[EmbeddedTask]) -> list[str]:
@@ -132,33 +140,13 @@ def check_replay(tasks: Sequence[EmbeddedTask]) -> list[str]:
             folder = task.runs / "stratified-p0.1-atp-path" / f"m{DEFAULT_BUDGET}-seed{seed}"
             config = json.loads((folder / "config.json").read_text())
             design, scores = task.masks(folder)
-            picks = confirming_run_picks(task, design, scores, task.prior,
-                                         config["spec"]["confirm"])
+            picks, top = task.run(design, scores, task.prior, config["spec"]["confirm"])
             written = [_flat(n, task.heads_per_layer) for n in config["confirm"]["heads"]]
-            top = task.top(design, scores, task.prior, config["spec"]["confirm"])
             ranked = json.loads((folder / f"heads-{task.task}.json").read_text())["top_k"][:5]
             if picks != written or top != [_flat(n, task.heads_per_layer) for n in ranked]:
                 raise SystemExit(f"{folder}: the replay does not pick or rank as the run did")
             checked.append(str(folder.relative_to(ROOT)))
     return checked
-
-
-def confirming_run_picks(task: EmbeddedTask, design: np.ndarray, scores: np.ndarray,
-                         prior: np.ndarray | None, confirm: int) -> list[int]:
-    """The heads a confirming run on these masks measures alone, in order."""
-    from lm_eval_headloc.confirm import confirmation, prior_rankings, prior_weights, screen
-
-    weights = prior_weights(prior)
-
-    def screened(known: Mapping[int, tuple[float, float]]) -> list[int]:
-        return screen(design, scores, True, penalty_weights=weights,
-                      fixed={h: c for h, (c, _) in known.items()}).order
-
-    def measure(heads: list[int]) -> dict[str, dict[int, tuple[float, float]]]:
-        return {"task": {h: (float(task.changes[h]), float(task.logprob[h])) for h in heads}}
-
-    return confirmation({"task": prior_rankings(prior)}, {"task": screened}, measure,
-                        confirm).heads
 
 
 def split(budget: int, prior: str, share: float) -> tuple[int, int]:

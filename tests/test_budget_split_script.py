@@ -34,9 +34,11 @@ def test_a_replay_that_differs_from_the_run_is_refused(script, tasks):
     folder = task.runs / "stratified-p0.1-atp-path" / "m54-seed0"
     design, scores = task.masks(folder)
     confirm = json.loads((folder / "config.json").read_text())["spec"]["confirm"]
-    picks = script.confirming_run_picks(task, design, scores, task.prior, confirm)
+    picks, top = task.run(design, scores, task.prior, confirm)
+    written = json.loads((folder / "config.json").read_text())["confirm"]["heads"]
+    assert [f"L{h // 9}H{h % 9}" for h in picks] == written
     # Without the prior the same masks name other heads: the check would see it.
-    assert script.confirming_run_picks(task, design, scores, None, confirm) != picks
+    assert task.run(design, scores, None, confirm)[0] != picks
 
 
 def test_the_exhaustive_truth_and_single_head_changes_are_read_as_written(script, tasks):

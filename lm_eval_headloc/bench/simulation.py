@@ -105,6 +105,7 @@ __all__ = [
     "World",
     "confirmed_masks_needed",
     "confirmed_split",
+    "confirming_run",
     "confirming_run_top",
     "coverage_prediction",
     "exhaustive_top",
@@ -631,6 +632,16 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     head's measured change of the gold log-likelihood, which breaks ties of ``changes``
     as a run's ranking does (``confirm.rank_measured``; None: no tie-break but the index).
     """
+    return confirming_run(design, scores, prior, confirm, changes, method=method, top=top,
+                          alpha=alpha, logprob_changes=logprob_changes)[1]
+
+
+def confirming_run(design: np.ndarray, scores: np.ndarray, prior: np.ndarray | None,
+                   confirm: int, changes: np.ndarray, *, method: str = "defaults",
+                   top: int = 5, alpha: float = 0.01,
+                   logprob_changes: np.ndarray | None = None) -> tuple[list[int], np.ndarray]:
+    """:func:`confirming_run_top`'s run: the heads it measures alone, in the order picked,
+    and its top ``top``."""
     _check_method(method)
     weights = prior_weights(prior)
 
@@ -663,9 +674,9 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     alone = measure(picked)
     # The screen matters only when fewer than ``top`` measured heads hurt.
     if sum(change < 0 for change, _ in alone.values()) >= top:
-        return np.asarray(confirmed_order(alone, (), higher_is_better=True)[:top])
+        return picked, np.asarray(confirmed_order(alone, (), higher_is_better=True)[:top])
     final = refit(alone)
-    return np.asarray(confirmed_order(alone, final.order, True, (), final.effects)[:top])
+    return picked, np.asarray(confirmed_order(alone, final.order, True, (), final.effects)[:top])
 
 
 def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True
