@@ -23,6 +23,11 @@ def tasks(script):
     return [script.EmbeddedTask(task) for task in script.TASKS]
 
 
+@pytest.fixture(scope="module")
+def rows(script, tasks):
+    return script.embedded_rows(tasks)
+
+
 def test_the_replay_picks_and_ranks_as_the_committed_default_runs_did(script, tasks):
     # Every committed default run (three tasks, four design seeds) replayed on its own
     # masks: the same heads measured alone, in the same order, and the same top-5.
@@ -55,8 +60,7 @@ def test_the_exhaustive_truth_and_single_head_changes_are_read_as_written(script
         assert sorted(task.changes[h] for h in task.truth) == pytest.approx(worst)
 
 
-def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks):
-    rows = script.embedded_rows(tasks)
+def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks, rows):
     # The no-prior row of the defaults before this change, and the splits of today's.
     before = [r for r in rows if r["share"] is None]
     assert [(r["budget"], r["masks"], r["confirm"]) for r in before] == [(46, 12, 34)]
@@ -71,11 +75,10 @@ def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks):
         "docs/budget_split.md is stale: python scripts/budget_split.py --out docs/budget_split.md")
 
 
-def test_found_counts_are_the_overlap_with_the_exhaustive_top_5(script, tasks):
+def test_found_counts_are_the_overlap_with_the_exhaustive_top_5(tasks, rows):
     task = tasks[0]
     design, scores = task.masks(task.runs / "stratified-p0.1" / "seed0")
     top = task.top(design[:27], scores[:27], None, 27)
-    rows = script.embedded_rows(tasks)
     row = next(r for r in rows if (r["prior"], r["budget"], r["masks"]) == ("none", 54, 27))
     assert row["found"][task.task][0] == len(set(top) & task.truth)
     assert len(top) == 5 and len(set(top)) == 5
