@@ -344,6 +344,22 @@ def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
     assert "was made with apply_chat_template=None, not True" in last_error(capsys)
 
 
+def test_a_sweep_rerun_without_confirm_keeps_the_sweeps_own(tiny_model_dir, tmp_path):
+    """--confirm left out of a rerun resumes the sweep as it was made (a sweep made with
+    --confirm 2, or before its default depended on the prior, recorded 34), not refused."""
+    out = tmp_path / "sweep"
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--out", str(out)]
+    assert harness(*args, "--confirm", "2") == 0
+    made = (out / "sweep.json").read_text()
+    assert strict_json(out / "m3-p0.25" / "config.json")["spec"]["confirm"] == 2
+    assert harness(*args) == 0
+    assert (out / "sweep.json").read_text() == made
+    assert strict_json(out / "config.json")["identity"]["confirm"] == 2
+    assert strict_json(out / "m3-p0.25" / "config.json")["spec"]["confirm"] == 2
+
+
 # --- measurements on disk --------------------------------------------------------------
 
 def test_measurement_log_keeps_every_good_line(tmp_path, caplog):

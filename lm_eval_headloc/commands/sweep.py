@@ -14,7 +14,7 @@ from .engine import check_design_budget, load_model, open_measurement, prepare, 
 from .locate import locate
 from .report import relative_drop
 from .result import start_run
-from .runfolder import RunFolder
+from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec
 
 __all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table"]
@@ -43,6 +43,10 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         check_design_budget(cell.masks, setup.total_heads)
     task = setup.task_names[0]
     with RunFolder(out) as folder:
+        if spec.confirm is None and not force:
+            # --confirm left out of a rerun: the sweep's own, as a resumed locate keeps it.
+            spec = spec.replace(confirm=_stored_confirm(folder))
+            cells = {name: cell.replace(confirm=spec.confirm) for name, cell in cells.items()}
         # Phases: started, measuring, and (with --workers) measured: their shares. Each
         # cell is a locate run of its own, in its own folder.
         run = start_run(folder, "sweep", spec, force=force, identity={
@@ -78,6 +82,19 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result
+
+
+def _stored_confirm(folder: RunFolder) -> int | None:
+    """The --confirm a sweep in ``folder`` was made with (None: none there, or left to
+    each cell's prior)."""
+    if not folder.exists():
+        return None
+    try:
+        config = folder.read_config()
+    except RunFolderError:
+        return None  # start_run says what is wrong with it
+    confirm = config["identity"].get("confirm") if config["command"] == "sweep" else None
+    return confirm if isinstance(confirm, int) else None
 
 
 def sweep_table(result: Mapping[str, Any]) -> str:
