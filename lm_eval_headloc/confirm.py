@@ -75,15 +75,16 @@ DEFAULT_BUDGET = 54
 MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
 
 
-def budget_split(total: int, prior: str = "atp-path") -> tuple[int, int]:
+def budget_split(total: int, prior: str = "atp-path", share: float | None = None
+                 ) -> tuple[int, int]:
     """(masks, heads measured alone) of a budget of ``total`` measurement-equivalents:
-    ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``MASK_SHARE`` of the rest in
-    masks (the share with a prior, or without one for ``"none"``; rounded to the
+    ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``share`` of the rest in masks
+    (default ``MASK_SHARE``'s, with a prior or without one for ``"none"``; rounded to the
     nearest, halves to even), the remainder measured alone."""
     if prior not in PRIOR_ALLOWANCE:
         raise ValueError(f"prior={prior!r}: must be one of {', '.join(PRIOR_ALLOWANCE)}")
     rest = int(total) - PRIOR_ALLOWANCE[prior]
-    masks = round(rest * MASK_SHARE[prior != "none"])
+    masks = round(rest * (MASK_SHARE[prior != "none"] if share is None else share))
     return masks, rest - masks
 
 

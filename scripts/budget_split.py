@@ -69,6 +69,8 @@ SHARES = (MASK_SHARE[True], MASK_SHARE[False], 3 / 4)
 BUDGETS = (DEFAULT_BUDGET, 100)
 #: The prior each row has: atp-path's, or none.
 PRIORS = ("atp-path", "none")
+#: The page's first line: --out overwrites only a file that starts with it.
+TITLE = "# How the default budget is split"
 
 
 def _records(path: Path) -> dict[str, dict]:
@@ -149,28 +151,23 @@ def check_replay(tasks: Sequence[EmbeddedTask]) -> list[str]:
     return checked
 
 
-def split(budget: int, prior: str, share: float) -> tuple[int, int]:
-    """(masks, heads alone) of ``budget`` after ``prior``'s allowance, ``share`` on masks."""
-    rest = budget - PRIOR_ALLOWANCE[prior]
-    masks = round(rest * share)
-    return masks, rest - masks
-
-
 def embedded_rows(tasks: Sequence[EmbeddedTask]) -> list[dict]:
     """Found of the exhaustive top-5 per (prior, budget, share), over tasks and seeds."""
-    cells = [(prior, budget, share, *split(budget, prior, share))
+    cells = [(prior, budget, share, *budget_split(budget, prior, share))
              for prior in PRIORS for budget in BUDGETS for share in SHARES]
     # The no-prior defaults until this change: atp-path's 12 + 34, the prior's 8 unspent.
     cells.insert(len(cells) - len(BUDGETS) * len(SHARES),
                  ("none", DEFAULT_BUDGET - PRIOR_ALLOWANCE["atp-path"], None,
                   *budget_split(DEFAULT_BUDGET)))
+    runs = {(task.task, seed): task.masks(task.runs / "stratified-p0.1" / f"seed{seed}")
+            for task in tasks for seed in DESIGN_SEEDS}
     rows = []
     for prior, budget, share, masks, confirm in cells:
         found: dict[str, list[int] | None] = {}
         for task in tasks:
             hits = []
             for seed in DESIGN_SEEDS:
-                design, scores = task.masks(task.runs / "stratified-p0.1" / f"seed{seed}")
+                design, scores = runs[task.task, seed]
                 if masks > len(design):
                     hits = None
                     break
@@ -188,26 +185,30 @@ def simulated_rows(n_heads: Sequence[int], seeds: int) -> list[dict]:
     SIMULATION.md's world (``simulate_recovery``'s defaults: fixed documents that every
     measurement shares, as a real run's)."""
     world = simulate_recovery._world_options(simulate_recovery.parse_args([]))
+    cells = [(prior, budget, share, *budget_split(budget, prior, share))
+             for prior in PRIORS for budget in BUDGETS for share in SHARES]
     rows = []
     for n in n_heads:
-        for prior in PRIORS:
-            for budget in BUDGETS:
-                for share in SHARES:
-                    masks, confirm = split(budget, prior, share)
-                    hits = []
-                    for seed in range(seeds):
-                        trial = seed_trial(n, 0.1, seed, masks, world_options=world)
-                        prior_seq, alone_seq = np.random.SeedSequence(seed).spawn(5)[3:]
-                        changes = measured_alone(trial.world,
-                                                 int(alone_seq.generate_state(1)[0]))[1]
-                        estimates = (None if prior == "none" else simulated_prior(
-                            trial.world, np.random.default_rng(prior_seq), points=2))
-                        top = confirming_run_top(trial.world, trial.design, trial.scores,
-                                                 estimates, confirm, changes)
-                        hits.append(len(set(map(int, top)) & set(map(int, exhaustive_top(
-                            changes)))))
-                    rows.append(dict(n_heads=n, prior=prior, budget=budget, share=share,
-                                     masks=masks, confirm=confirm, hits=hits))
+        hits: dict[tuple, list[int]] = {cell: [] for cell in cells}
+        for seed in range(seeds):
+            # One world, design and prior per seed: a cell of M masks is the first M rows.
+            trial = seed_trial(n, 0.1, seed, max(cell[3] for cell in cells),
+                               world_options=world)
+            prior_seq, alone_seq = np.random.SeedSequence(seed).spawn(5)[3:]
+            changes = measured_alone(trial.world, int(alone_seq.generate_state(1)[0]))[1]
+            truth = set(map(int, exhaustive_top(changes)))
+            estimates = simulated_prior(trial.world, np.random.default_rng(prior_seq),
+                                        points=2)
+            for cell in cells:
+                prior, _budget, _share, masks, confirm = cell
+                top = confirming_run_top(trial.world, trial.design[:masks],
+                                         trial.scores[:masks],
+                                         None if prior == "none" else estimates, confirm,
+                                         changes)
+                hits[cell].append(len(set(map(int, top)) & truth))
+        rows += [dict(n_heads=n, prior=prior, budget=budget, share=share, masks=masks,
+                      confirm=confirm, hits=hits[prior, budget, share, masks, confirm])
+                 for prior, budget, share, masks, confirm in cells]
     return rows
 
 
@@ -295,7 +296,7 @@ def simulated_section(simulated: list[dict]) -> list[str]:
 def render(embedded: list[dict], simulated: list[dict], checked: list[str],
            command: str, seconds: float) -> str:
     lines = [
-        "# How the default budget is split", "",
+        TITLE, "",
         f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} in {seconds:.0f} s by",
         "", f"```bash\n{command}\n```", "",
         "A budget of M measurement-equivalents is the prior's allowance (8 for atp-path, "
@@ -323,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--n-heads {args.n_heads!r}: whole numbers, comma-separated")
     if args.seeds < 1 or any(n < 20 for n in sizes):
         parser.error("--seeds must be >= 1 and each --n-heads >= 20")
+    ours = (args.out is None or not args.out.exists()
+            or (args.out.is_file() and args.out.read_bytes().startswith(TITLE.encode())))
+    if not ours:
+        parser.error(f"--out {args.out}: not a page this script wrote; give a new file or "
+                     "docs/budget_split.md")
     started = time.perf_counter()
     tasks = [EmbeddedTask(task) for task in TASKS]
     checked = check_replay(tasks)

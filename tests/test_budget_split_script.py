@@ -83,3 +83,13 @@ def test_found_counts_are_the_overlap_with_the_exhaustive_top_5(tasks, rows):
     assert row["found"][task.task][0] == len(set(top) & task.truth)
     assert len(top) == 5 and len(set(top)) == 5
     assert np.all(np.isin(list(task.truth), np.arange(len(task.changes))))
+
+
+def test_out_overwrites_only_a_page_it_wrote(script, tmp_path):
+    theirs = tmp_path / "notes.md"
+    theirs.write_text("a user's notes\n")
+    for target in (theirs, tmp_path):
+        with pytest.raises(SystemExit) as stopped:
+            script.main(["--out", str(target)])
+        assert stopped.value.code == 2
+    assert theirs.read_text() == "a user's notes\n"

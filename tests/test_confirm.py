@@ -269,6 +269,9 @@ def test_budget_split_by_hand():
     assert budget_split(54, "none") == (27, 27)
     assert budget_split(46, "none") == (23, 23)
     assert budget_split(55, "none") == (28, 27)  # 27.5 rounds to even: 28
+    # Another share, for comparing splits (scripts/budget_split.py): 40.5 rounds to 40.
+    assert budget_split(54, "none", 3 / 4) == (40, 14)
+    assert budget_split(54, "atp-path", 1 / 2) == (23, 23)
     with pytest.raises(ValueError, match="prior='auto'"):
         budget_split(54, "auto")
 
