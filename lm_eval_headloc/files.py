@@ -1,4 +1,5 @@
-"""Writing a file so that no reader, and no run killed half-way, sees half of it."""
+"""Writing files: atomically (no reader, and no run killed half-way, sees half of one), and
+only over a page of our own (a report script never replaces a file it did not write)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_atomically"]
+__all__ = ["page_refusal", "write_atomically", "write_page"]
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -19,3 +20,37 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def page_refusal(path: str | os.PathLike, begins: str | tuple[str, ...]) -> str | None:
+    """Why a page that begins with ``begins`` (or one of them) may not be written to
+    ``path``; None when it may: ``path`` does not exist, or it is a regular file that is
+    empty (nothing in it to lose) or begins that way (a page of the same writer)."""
+    path = Path(path)
+    begins = (begins,) if isinstance(begins, str) else begins
+    if not path.exists():
+        return None
+    if not path.is_file():
+        return f"{path} is not a regular file; name a file (e.g. {path / 'page.md'})"
+    try:
+        with path.open("rb") as file:
+            start = file.read(max(len(b.encode()) for b in begins))
+    except OSError as error:
+        return f"{path} cannot be read ({error.strerror}); name another file"
+    if not start or any(start.startswith(b.encode()) for b in begins):
+        return None
+    return (f"{path} exists and does not begin with {begins[0]!r}: not a page this writes, "
+            "so it is left alone; name a new file or one this wrote")
+
+
+def write_page(path: str | os.PathLike, text: str, begins: str | tuple[str, ...]) -> None:
+    """Write ``text`` to ``path`` atomically, unless ``page_refusal`` refuses (checked
+    again here: a long run checks before its work and the file may have changed since);
+    ``FileExistsError`` then, with the refusal as its message."""
+    begins = (begins,) if isinstance(begins, str) else begins
+    if not text.startswith(begins):  # else the next run would refuse its own page
+        raise ValueError(f"the page for {path} does not begin with {begins[0]!r}")
+    why = page_refusal(path, begins)
+    if why is not None:
+        raise FileExistsError(why)
+    write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))

@@ -712,6 +712,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          ":metric or :logprob (gen:logprob)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    from bench_sections import bench_refusal
+
+    if (why := bench_refusal(args.out)) is not None:
+        parser.error(f"--out: {why}")  # before the benchmark, not after it
     return args
 
 

@@ -4,15 +4,43 @@
 sections); every other writer (``bench_measure.py --device cuda``, ``bench_workers.py`` per
 device) owns one section between ``<!-- NAME: start -->`` and ``<!-- NAME: end -->``. A
 writer replaces only what it owns, so a GPU run on a borrowed machine and a CPU run here
-never erase each other's numbers.
+never erase each other's numbers. Nor a file that is not a BENCH.md: one that begins neither
+with its title nor with a section is refused (``bench_refusal``).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from lm_eval_headloc.files import page_refusal, write_atomically  # noqa: E402
+
 _SECTION = re.compile(r"<!-- (?P<name>[^:>]+): start -->.*?<!-- (?P=name): end -->", re.S)
+#: The head's title (bench_measure.py on the CPU writes it; "on the GPU" may follow).
+TITLE = "# Measurement throughput"
+_SECTION_START = re.compile(r"<!-- [^:>]+: start -->\n")
+
+
+def bench_refusal(path: Path) -> str | None:
+    """Why the writers here may not write into ``path``; None when they may: it does not
+    exist, or it is a BENCH.md (it begins with ``TITLE``, or, a file a section was first
+    written into, with a section's start marker)."""
+    why = page_refusal(path, TITLE)
+    if why is None or not path.is_file():
+        return why
+    with path.open("rb") as file:
+        first_line = file.readline(200).decode("utf-8", "replace")
+    return None if _SECTION_START.fullmatch(first_line) else why
+
+
+def _write(path: Path, text: str) -> None:
+    why = bench_refusal(path)  # again at the write: the benchmark ran for minutes
+    if why is not None:
+        raise FileExistsError(why)
+    write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))
 
 
 def section_name(benchmark: str, device: str) -> str:
@@ -48,14 +76,16 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = text.replace(old, block, 1)
     else:
         text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + block + "\n"
-    path.write_text(text, encoding="utf-8")
+    _write(path, text)
 
 
 def write_head(path: Path, head: str) -> None:
     """Replace everything outside the marked sections with ``head``; keep the sections."""
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     kept = list(sections(text).values())
-    path.write_text("\n\n".join([head.rstrip("\n"), *kept]) + "\n", encoding="utf-8")
+    if not head.startswith(TITLE):  # else the next writer would refuse the file
+        raise ValueError(f"BENCH.md's head must begin with {TITLE!r}")
+    _write(path, "\n\n".join([head.rstrip("\n"), *kept]) + "\n")
 
 
 def copy_sections(source: Path, target: Path, names: list[str] | None = None) -> list[str]:
@@ -87,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(f"{str(args.source)!r} is not a file")
-    if args.target.exists() and not args.target.is_file():
-        parser.error(f"{str(args.target)!r} is not a file")
+    if (why := bench_refusal(args.target)) is not None:
+        parser.error(why)
     try:
         copied = copy_sections(args.source, args.target, args.names or None)
     except KeyError as error:

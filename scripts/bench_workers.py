@@ -57,6 +57,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--workers {args.workers!r}: whole numbers joined by commas")
     if not args.workers or min(args.workers) < 1 or args.masks < 1:
         parser.error("--workers and --masks must be whole numbers >= 1")
+    from bench_sections import bench_refusal  # scripts/ is on sys.path
+
+    if (why := bench_refusal(args.out)) is not None:
+        parser.error(f"--out: {why}")
     return args
 
 

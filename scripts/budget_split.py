@@ -59,6 +59,7 @@ from lm_eval_headloc.confirm import (  # noqa: E402
     PRIOR_ALLOWANCE,
     budget_split,
 )
+from lm_eval_headloc.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.heads import parse_heads  # noqa: E402
 
 BENCHMARKS = ROOT / "benchmarks"
@@ -324,11 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--n-heads {args.n_heads!r}: whole numbers, comma-separated")
     if args.seeds < 1 or any(n < 20 for n in sizes):
         parser.error("--seeds must be >= 1 and each --n-heads >= 20")
-    ours = (args.out is None or not args.out.exists()
-            or (args.out.is_file() and args.out.read_bytes().startswith(TITLE.encode())))
-    if not ours:
-        parser.error(f"--out {args.out}: not a page this script wrote; give a new file or "
-                     "docs/budget_split.md")
+    if args.out is not None and (why := page_refusal(args.out, TITLE)) is not None:
+        parser.error(f"--out: {why}")
     started = time.perf_counter()
     tasks = [EmbeddedTask(task) for task in TASKS]
     checked = check_replay(tasks)
@@ -337,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                   time.perf_counter() - started)
     print(text, end="")
     if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
+        write_page(args.out, text, TITLE)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -19,6 +19,10 @@ from pathlib import Path
 
 from lm_eval_headloc.ablation import ABLATIONS
 from lm_eval_headloc.commands.verify import verify
+from lm_eval_headloc.files import page_refusal, write_page
+
+#: The page's first line: --out writes only over a page that begins with it.
+TITLE = "# One run's top heads verified under each ablation kind"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -37,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--kinds {kind!r}: each must be one of {', '.join(ABLATIONS)}")
     if not args.kinds:
         parser.error("--kinds is empty")
+    if args.out is not None and (why := page_refusal(args.out, TITLE)) is not None:
+        parser.error(f"--out: {why}")
     return args
 
 
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     first = tables[args.kinds[0]]
     general = first["general"]
     command = "python scripts/compare_ablations.py " + " ".join(shlex.quote(a) for a in argv)
-    lines = ["# One run's top heads verified under each ablation kind", "",
+    lines = [TITLE, "",
              f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} by", "",
              f"```bash\n{command}\n```", "",
              "Each cell: the task's score with the top 1..k heads knocked out together "
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
+        write_page(args.out, text, TITLE)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

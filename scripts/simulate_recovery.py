@@ -64,6 +64,10 @@ from lm_eval_headloc.confirm import (  # noqa: E402
     ROUND,
 )
 from lm_eval_headloc.designs import DESIGNS, knockouts_per_mask  # noqa: E402
+from lm_eval_headloc.files import page_refusal, write_page  # noqa: E402
+
+#: The page's first line: --out writes only over a page that begins with it.
+TITLE = "# Recovery in the planted-sparse simulator"
 
 #: World variants for the sensitivity table: what the answer depends on.
 VARIANTS: dict[str, dict[str, object]] = {
@@ -147,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--heterogeneity {args.heterogeneity}: must be a number >= 0")
     if args.seeds < 1 or not args.n_heads or not args.sparsities or not args.budgets:
         parser.error("need >= 1 seed, N, sparsity and budget")
+    if args.out is not None and (why := page_refusal(args.out, TITLE)) is not None:
+        parser.error(f"--out: {why}")  # before the hour of work, not after it
     return args
 
 
@@ -407,7 +413,7 @@ def header(args: argparse.Namespace, argv: list[str], seconds: float) -> str:
     params = {k: v for k, v in world.params.items() if k != "n_heads"}
     command = "python scripts/simulate_recovery.py " + " ".join(shlex.quote(a) for a in argv)
     return "\n".join([
-        "# Recovery in the planted-sparse simulator",
+        TITLE,
         "",
         f"Generated {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} in {seconds:.0f} s by",
         "",
@@ -449,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     print(f"({seconds:.0f} s)")
     if args.out is not None:
-        args.out.write_text(header(args, argv, seconds) + "\n" + table, encoding="utf-8")
+        write_page(args.out, header(args, argv, seconds) + "\n" + table, TITLE)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

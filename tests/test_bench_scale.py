@@ -137,7 +137,7 @@ def test_the_sweep_stops_doubling_at_the_first_out_of_memory_error():
 
 def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     out = tmp_path / "BENCH.md"
-    out.write_text("# Head\n\n<!-- bench_workers: start -->\n\nkept\n\n"
+    out.write_text("# Measurement throughput: head\n\n<!-- bench_workers: start -->\n\nkept\n\n"
                    "<!-- bench_workers: end -->\n")
     # A process of its own: the benchmark quiets lm-eval's logging and warnings globally.
     done = subprocess.run([
