@@ -110,13 +110,23 @@ def _lines(path: Path, field: str | None) -> list[str]:
     if field is not None:
         raise AblationError(f"ablation_field={field!r} needs a JSONL file (*.jsonl), not "
                             f"{str(path)!r}")
-    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line for line in _text(path).splitlines() if line.strip()]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AblationError(f"ablation_data={str(path)!r} is not UTF-8 text") from None
+    except OSError as err:
+        raise AblationError(f"ablation_data={str(path)!r} cannot be read: "
+                            f"{err.strerror or err}") from None
 
 
 def _jsonl_texts(path: Path, field: str | None) -> list[str]:
     name = field or "text"
     texts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -347,6 +357,11 @@ def cached_head_means(key_fields: dict[str, Any], compute: Any,
     Written to a temporary name and renamed, so an interrupted run leaves no torn file.
     """
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:  # before the pass over the reference set, not after it
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AblationError(f"ablation_cache={str(folder)!r}: cannot be a folder of cached "
+                            f"means ({err.strerror or err})") from None
     text = json.dumps(key_fields, sort_keys=True, default=str)
     path = folder / f"means-{hashlib.sha256(text.encode()).hexdigest()[:20]}.pt"
     if path.exists():
@@ -361,7 +376,6 @@ def cached_head_means(key_fields: dict[str, Any], compute: Any,
                                 "another ablation_cache=")
         return list(stored["means"]), path
     means = compute()
-    folder.mkdir(parents=True, exist_ok=True)
     stored = {"fields": text, "means": [m.detach().cpu() for m in means]}
     write_atomically(path, lambda partial: torch.save(stored, partial))
     return means, path

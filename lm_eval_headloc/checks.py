@@ -16,7 +16,7 @@ from sklearn.utils import check_scalar
 
 from .errors import UserError
 
-__all__ = ["UsageError", "check_number"]
+__all__ = ["UsageError", "check_load_args", "check_number"]
 
 
 class UsageError(UserError):
@@ -65,3 +65,28 @@ def check_number(value: object, name: str, whole: bool = False, *,
     if not math.isfinite(value):
         raise UsageError(f"{_shown(name, value)}: must be {allowed}")
     return int(value) if whole else float(value)
+
+
+def check_load_args(pretrained: object, dtype: object = None) -> None:
+    """What Hugging Face would report in other words, checked before anything loads: a
+    ``pretrained=`` written as a local path (absolute, ``./``, ``../``) that does not
+    exist, which HF reads as a malformed Hub id, or beginning with ``~``, which nothing
+    expands; a ``dtype=`` torch does not have,
+    which lm-eval turns into an ``AttributeError``."""
+    import os
+
+    if isinstance(pretrained, str) and pretrained.startswith("~"):
+        # Neither the shell (not at a word's start) nor Hugging Face expands it.
+        raise UsageError(f"pretrained={pretrained}: '~' is not expanded here; write the "
+                         f"whole path ({os.path.expanduser(pretrained)})")
+    if isinstance(pretrained, str) and (os.path.isabs(pretrained)
+                                        or pretrained.startswith(("./", "../"))):
+        if not os.path.exists(pretrained):
+            raise UsageError(f"pretrained={pretrained}: no such folder (a Hub model is named "
+                             "like meta-llama/Llama-3.2-1B)")
+    if isinstance(dtype, str) and dtype != "auto":
+        import torch
+
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise UsageError(f"dtype={dtype}: not a torch dtype; use auto, float32, float16 "
+                             "or bfloat16")

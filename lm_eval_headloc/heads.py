@@ -296,9 +296,17 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     if top is not None:
         top = check_top(top)
     path = Path(path)
+    if path.is_dir():
+        raise HeadSpecError(f"{path} is a folder, not a head file")
     if not path.is_file():
         raise HeadSpecError(f"head file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise HeadSpecError(f"{path} is not a head file: not UTF-8 text (expected JSON or "
+                            "one head per line)") from None
+    except OSError as err:
+        raise HeadSpecError(f"{path} cannot be read: {err.strerror or err}") from None
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)

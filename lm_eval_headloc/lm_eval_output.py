@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,7 +35,7 @@ from .heads import Component, component_tokens, format_heads, parse_components
 from .registration import MODEL_NAME
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
-           "save_lm_eval_results"]
+           "make_output_folder", "save_lm_eval_results"]
 
 #: Longest component list a model name spells out; a longer one (a neuron group's
 #: hundreds of neurons) is cut to its first components, how many more, and a hash.
@@ -149,6 +150,25 @@ def _name_from_results(results: Mapping[str, Any], model_args: Any) -> str:
     if GeneralConfigTracker._get_model_name(model_args) is None and config.get("model"):
         model_args = {**_as_dict(model_args), "pretrained": str(config["model"])}
     return knockout_model_name(model_args, config.get("ablate") or "", config.get("scale"))
+
+
+def make_output_folder(output_path: str | Path) -> Path:
+    """Create the folder lm-eval writes its results files in (``output_path``, or its
+    folder for a ``.json`` name) and return it: before the model loads, so a path that
+    cannot be written is a one-line error now, not a traceback after the evaluation."""
+    from .checks import UsageError
+
+    path = Path(output_path)
+    folder = path.parent if path.suffix == ".json" else path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".headloc-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UsageError(f"--output-path {output_path}: cannot write there "
+                         f"({err.strerror or err})") from None
+    return folder
 
 
 def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from .ablation import (
     head_means,
     reference_texts,
 )
+from .checks import UsageError, check_load_args
 from .geometry import Geometry
 from .gguf_reads import cached_gguf_reads
 from .heads import (
@@ -100,6 +102,24 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
     return names
 
 
+def _check_device(device: object) -> None:
+    """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
+    without one and quietly takes another device for ``cuda:7`` (said only in its log).
+    Refused, except lm-eval's own default, ``cuda:0``, which falls back to the CPU."""
+    if not isinstance(device, str) or not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count == 0 and device != "cuda:0":
+        raise UsageError(f"device={device}: this machine has no CUDA device; use device=cpu")
+    if count and index.isdigit() and int(index) >= count:
+        have = "cuda:0" + (f" to cuda:{count - 1}" if count > 1 else "")
+        raise UsageError(f"device={device}: this machine has {count} CUDA "
+                         f"device{'s' if count > 1 else ''} ({have})")
+
+
 @register_model(MODEL_NAME)
 class HFHeadAblateLM(HFLM):
     """An ``HFLM`` whose attention heads and MLP neurons can be knocked out, switchable on
@@ -140,8 +160,19 @@ class HFHeadAblateLM(HFLM):
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
-        with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
-            super().__init__(pretrained=pretrained, **kwargs)
+        check_load_args(pretrained, kwargs.get("dtype"))
+        if not kwargs.get("parallelize"):
+            _check_device(kwargs.get("device"))
+        try:
+            with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
+                super().__init__(pretrained=pretrained, **kwargs)
+        except TypeError as err:  # HFLM passes what it does not know on to the model
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            if unknown is None or unknown[1] not in kwargs:
+                raise
+            raise UsageError(f"model_args {unknown[1]}={kwargs[unknown[1]]!r}: neither "
+                             "lm-eval's HFLM nor the model takes it; leave it out or check "
+                             "its spelling") from None
         self.knockout = HeadKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
         # What the model's passes knock out: a value, applied around each forward pass
         # (``forward_pass``); ``knocking_out`` stands in another one for a while.

@@ -318,6 +318,9 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         folder = tmp_path / command
         with RunFolder(folder) as run:
             run.start(command, base.identity(command), base.settings(command))
+        # A measurement on disk: a folder that recorded nothing past its start would be
+        # started over (test_user_mistakes), not refused.
+        (folder / "measurements.jsonl").write_text('{"key": "baseline"}\n')
         for name, value in changed_values.items():
             other = base.replace(**{name: value})
             resumable = name not in refusing[command]
@@ -1243,6 +1246,8 @@ def test_a_folder_made_before_an_option_existed_resumes_as_it_was_made(tmp_path)
     folder = tmp_path / "old"
     with RunFolder(folder) as run:
         run.start("locate", old, {})
+    # It measured: a folder that recorded nothing would be started over, not refused.
+    (folder / "measurements.jsonl").write_text('{"key": "baseline"}\n')
     with RunFolder(folder) as run:
         assert run.start("locate", legacy.identity("locate"), {},
                          assumed=RunSpec.assumed_for_old_runs())

@@ -385,3 +385,21 @@ def test_the_export_command_writes_what_write_mib_writes(tmp_path, capsys):
     assert harness("export", str(run), "--task", "nope", "--out", str(bad)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "task 'nope'" in err[0] and not bad.exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    from lm_eval_headloc.commands.cli import main
+
+    model = tmp_path / "model"
+    GPT2Config(n_layer=LAYERS, n_head=HEADS, n_embd=12).save_pretrained(model)
+    run = make_run(tmp_path / "run", model_args=f"pretrained={model}")
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("mine\n")
+    # A folder where a file stands: its mkdir fails (a traceback before).
+    assert main(["export", str(run), "--out", str(a_file / "importances.json")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(
+        f"headloc-harness: error: cannot write {a_file / 'importances.json'}: ")
+    assert a_file.read_text() == "mine\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..ablation import AblationError, check_reference_set, reference_texts
-from ..checks import UsageError
+from ..checks import UsageError, check_load_args
 from ..embedded import smollm2_location, smollm2_model_args
 from ..geometry import Geometry
 from ..heads import (
@@ -140,6 +140,7 @@ def model_config(model_args: str) -> Any:
     args = simple_parse_args_string(model_args)
     kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
               if k in args}
+    check_load_args(args.get("pretrained"), args.get("dtype"))
     pretrained = str(args.get("pretrained"))
     try:
         with cached_gguf_reads():  # the load after this check reuses the parse
@@ -171,7 +172,9 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
         return []
     names: Any = spec
     try:
-        names = read_heads_file(spec) if Path(spec).is_file() else spec
+        path = Path(spec)
+        if path.exists() or path.suffix.lower() in (".json", ".txt") or "/" in spec:
+            names = read_heads_file(path)  # a path, not names: "not found", not "bad name"
         if not neurons:
             return list(parse_heads(names, num_layers, heads_per_layer))
         return parse_components(names, num_layers, heads_per_layer, neurons_per_layer)
@@ -523,6 +526,10 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
     ``plan`` (``run_plan``) and hold the folder's lock while the caller writes its
     tables from the records: ``with measured_plan(...) as (folder, records):``. The
     commands that knock out given sets (verify, cross) share this."""
+    if spec.output_path is not None:
+        from ..lm_eval_output import make_output_folder
+
+        make_output_folder(spec.output_path)
     with RunFolder(out) as folder:
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,

@@ -481,7 +481,10 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
                             "model_args": record.spec.model_args,
                             "ablation": record.spec.ablation}
     check_mib(graph)  # what we write, MIB's loader reads
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(graph, allow_nan=False) + "\n"
-    write_atomically(out, lambda partial: partial.write_text(text))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(out, lambda partial: partial.write_text(text))
+    except OSError as err:
+        raise ExportError(f"cannot write {out}: {err.strerror or err}") from None
     return out

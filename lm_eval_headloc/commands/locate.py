@@ -749,6 +749,10 @@ def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
         raise UsageError(f"--masks {used}: the pilot's floor mask is one of them; give at "
                          f"least {spent + 1}")
     rows = used - spent  # the run as if it had stopped after `used` masks
+    if spec.masks == "auto" and run.spec.masks != "auto":
+        # A fixed-budget run refitted on all it measured is that many masks, not a run
+        # that measured until its top-k was stable (which the report would then say).
+        spec = spec.replace(masks=used)
     missing = _missing(run, rows)
     if missing:
         raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "

@@ -39,8 +39,8 @@ from ..checks import UsageError, check_number
 from ..files import write_atomically
 from ..heads import read_heads_file, shown_name
 from .report import recorded_harmless
-from .result import RunRecord, load_run
-from .runfolder import RunFolder, RunFolderError, strict_json
+from .result import RunRecord, load_run, ranking_files
+from .runfolder import RunFolder, strict_json
 
 __all__ = ["MADE_BY", "markdown_path", "overlap", "overlap_markdown"]
 
@@ -144,11 +144,9 @@ def _iou(shared: int, size_a: int, size_b: int) -> float:
     return shared / (size_a + size_b - shared)
 
 
-def _rankings(run: str | Path, folder: RunFolder) -> dict[str, _Ranking]:
-    files = sorted(folder.path.glob("heads-*.json"))
-    if not files:
-        raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
-    return {file.stem.removeprefix("heads-"): _Ranking.read(file) for file in files}
+def _rankings(folder: RunFolder, record: RunRecord) -> dict[str, _Ranking]:
+    return {file.stem.removeprefix("heads-"): _Ranking.read(file)
+            for file in ranking_files(folder, record)}
 
 
 def _examples(a: RunRecord, b: RunRecord) -> dict[str, Any]:
@@ -255,12 +253,12 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
                          "compares two runs")
     folders = [RunFolder(run_a), RunFolder(run_b)]
     records = [load_run(folder) for folder in folders]
+    rankings = [_rankings(folder, record) for folder, record in zip(folders, records,
+                                                                    strict=True)]
     models = [record.spec.model_args or "" for record in records]
     if models[0] != models[1]:
         raise UsageError(f"the runs are of different models ({run_a}: {models[0]!r}; "
                          f"{run_b}: {models[1]!r}); overlap compares one model's runs")
-    rankings = [_rankings(run, folder) for run, folder in zip((run_a, run_b), folders,
-                                                                strict=True)]
     tasks = [task for task in rankings[0] if task in rankings[1]]
     if not tasks:
         raise UsageError(f"the runs rank no task in common ({run_a}: "

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
     from .engine import Setup
 
-__all__ = ["CONFIG_SCHEMA", "LocateRun", "RunRecord", "column_prior", "load_run",
-           "mask_keys", "measured_on", "start_run", "stored_prior", "stored_priors"]
+__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
+           "load_run", "mask_keys", "measured_on", "ranking_files", "start_run",
+           "stored_prior", "stored_priors"]
 
 
 def mask_keys(masks: int) -> list[str]:
@@ -344,6 +345,26 @@ def load_run(folder: RunFolder | str | Path) -> RunRecord:
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     config = folder.read_config()
     return _RECORDS.get(config["command"], RunRecord).from_config(config)
+
+
+#: The commands whose runs rank components (``heads-<task>.json``).
+RANKING_COMMANDS = ("locate", "greedy")
+
+
+def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Path]:
+    """The per-task ranking files (``heads-<task>.json``) of the locate or greedy run in
+    ``folder``; a one-line ``RunFolderError`` for another command's run or one that has
+    ranked nothing yet."""
+    record = load_run(folder) if record is None else record
+    if record.command not in RANKING_COMMANDS:
+        hint = (" (a sweep: give one of its cell folders, m<M>-p<P>/)"
+                if record.command == "sweep" else "")
+        raise RunFolderError(f"{folder.path} is a {record.command} run{hint}; give a "
+                             "locate or greedy run, which ranks heads")
+    files = sorted(folder.path.glob("heads-*.json"))
+    if not files:
+        raise RunFolderError(f"{folder.path} has no heads-<task>.json; finish the run first")
+    return files
 
 
 def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = False,

@@ -9,7 +9,8 @@ results files          written by the subcommand (heads.json, heads.csv, report.
 ``.lock``              held while a command works in the folder (the holder's PID)
 
 A rerun of the same command continues where the last one stopped; a folder made with
-different defining arguments is refused. Nothing that is not provably ours is ever
+different defining arguments is refused, unless it recorded nothing past its start (a model
+that failed to load: the corrected command starts over). Nothing that is not provably ours is ever
 deleted or overwritten: ``--force`` clears only a folder whose ``config.json`` says it is
 a headloc-harness run, and any other non-empty folder is refused, forced or not.
 """
@@ -35,6 +36,26 @@ from ..files import write_atomically
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "package_versions", "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
+#: config.json's keys as ``RunFolder.start`` writes them, before a run records anything.
+_STARTED_KEYS = frozenset({"schema", "command", "identity", "settings", "spec", "versions",
+                           "created"})
+
+
+def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, Any],
+               assumed: Mapping[str, Any]) -> str | None:
+    """How the run ``config`` records differs from ``command``'s with ``identity`` (the
+    first key that differs), or None when it is the same run."""
+    if config["command"] != command:
+        return f"holds a '{config['command']}' run, not '{command}'"
+    assumed = json.loads(json.dumps(dict(assumed)))
+    stored = {**{k: v for k, v in assumed.items() if k in identity}, **config["identity"]}
+    # Only what defines this run's measurements now: a key the folder recorded that this
+    # command no longer compares (an older, wider identity) is moot.
+    differing = sorted(k for k in identity if identity[k] != stored.get(k))
+    if not differing:
+        return None
+    key = differing[0]
+    return f"was made with {key}={stored.get(key)!r}, not {identity.get(key)!r}"
 
 #: The version of config.json's layout. A file without the field was written before it
 #: existed, in this layout or an earlier one with fewer keys (``result.load_run`` reads
@@ -178,30 +199,25 @@ class RunFolder:
             raise RunFolderError(f"cannot create run folder {self.path}: "
                                  f"{err.strerror or err}") from None
         self._acquire()
-        if ours and not force:
-            config = self.read_config()
-            if config["command"] != command:
-                raise RunFolderError(
-                    f"{self.path} holds a '{config['command']}' run, not '{command}'; use "
-                    "another --out or --force to start over")
-            stored = config["identity"]
-            assumed = json.loads(json.dumps(dict(assumed)))
-            stored = {**{k: v for k, v in assumed.items() if k in identity}, **stored}
-            # Only what defines this run's measurements now: a key the folder recorded
-            # that this command no longer compares (an older, wider identity) is moot.
-            differing = sorted(k for k in identity if identity[k] != stored.get(k))
-            if differing:
-                key = differing[0]
-                raise RunFolderError(
-                    f"{self.path} was made with {key}={stored.get(key)!r}, not "
-                    f"{identity.get(key)!r}; use another --out or --force to start over")
+        config = self.read_config() if ours and not force else None
+        problem = None if config is None else _other_run(config, command, identity, assumed)
+        if problem is not None and self._only_started(config):
+            # A run stopped before it recorded anything (its model failed to load, say):
+            # nothing in it to lose, so the corrected command starts over without --force.
+            log.info("%s %s but recorded nothing past its start: starting over", self.path,
+                     problem)
+            ours, config = True, None
+        elif problem is not None:
+            raise RunFolderError(f"{self.path} {problem}; use another --out or --force to "
+                                 "start over")
+        if config is not None:
             config["settings"] = dict(settings)
             if spec is not None:
                 config["spec"] = dict(spec)
             config["schema"] = CONFIG_SCHEMA  # the same keys: a file without it is layout 1
             self.write_config(config)
             return True
-        if ours:  # --force on a run folder of ours: clear everything but our lock
+        if ours:  # --force (or nothing recorded) on a run folder of ours: all but our lock
             for entry in self._entries():
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
@@ -217,6 +233,11 @@ class RunFolder:
 
     def _entries(self) -> list[Path]:
         return [p for p in self.path.iterdir() if p.name != self.LOCK]
+
+    def _only_started(self, config: Mapping[str, Any]) -> bool:
+        """Whether the folder holds a config.json as ``start`` wrote it, and nothing else."""
+        return (set(config) <= _STARTED_KEYS
+                and [p.name for p in self._entries()] == [self.CONFIG])
 
     def _check_ownership(self) -> bool:
         """True if the folder is a run folder of ours; errors for what cannot be one."""

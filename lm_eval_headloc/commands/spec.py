@@ -88,8 +88,9 @@ def parse_batch_size(value: int | str) -> int | str:
     """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
     return _number_or_word(
         value, "--batch-size",
-        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit()),
-        "a whole number >= 1, 'auto' or 'auto:N'", whole=True, min_val=1)
+        # auto:N recomputes the batch size N times; lm-eval divides by N.
+        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit() and int(t[5:]) > 0),
+        "a whole number >= 1, 'auto' or 'auto:N' (N >= 1)", whole=True, min_val=1)
 
 
 def parse_masks(value: int | str) -> int | str:
@@ -415,6 +416,9 @@ class RunSpec:
         parse_sparsity(self.sparsity)
         parse_candidates(self.candidates)
         parse_examples_part(self.examples_part)
+        if parse_candidates(self.candidates) != "auto" and "neurons" not in self.components:
+            raise UsageError(f"--candidates {self.candidates}: the candidates are MLP "
+                             "neurons; add --components neurons or heads+neurons")
         if self.neuron_groups and "neurons" not in self.components:
             raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
                              "neurons; add --components neurons or heads+neurons")

@@ -14,8 +14,8 @@ from ..checks import UsageError, check_number
 from ..files import write_atomically
 from ..heads import read_heads_file
 from .report import recorded_harmless
-from .result import load_run
-from .runfolder import RunFolder, RunFolderError, strict_json
+from .result import load_run, ranking_files
+from .runfolder import RunFolder, strict_json
 from .spec import RunSpec
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
@@ -57,14 +57,13 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     models: dict[str, str] = {}
     for run in runs:
         folder = RunFolder(run)
-        model_args = load_run(folder).spec.model_args
+        record = load_run(folder)
+        files = ranking_files(folder, record)
+        model_args = record.spec.model_args
         path = str(folder.path.resolve())
         if path in models:
             raise UsageError(f"run folder {run} is given twice")
         models[path] = model_args or ""
-        files = sorted(folder.path.glob("heads-*.json"))
-        if not files:
-            raise RunFolderError(f"{run} has no heads-<task>.json; finish the run first")
         for file in files:
             label = f"{path}:{file.stem.removeprefix('heads-')}"
             rankings[label] = read_heads_file(file)

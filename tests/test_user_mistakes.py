@@ -1,0 +1,170 @@
+"""User mistakes that used to end in a traceback, a folder that blocked the corrected
+command, a late failure or a false report: each is one line now, before the work it
+would spoil."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TASKS
+
+# tiny_locate_run: test_commands' finished run, a fixture (the tests' parameters name it).
+from test_commands import LASSO_ONLY, harness, last_error, tiny_locate_run  # noqa: F401
+
+from lm_eval_headloc.ablation import AblationError, cached_head_means, reference_texts
+from lm_eval_headloc.checks import UsageError, check_load_args
+from lm_eval_headloc.commands.spec import parse_batch_size
+from lm_eval_headloc.heads import HeadSpecError, read_heads_file
+
+NOT_UTF8 = b"\xff\xfe\x00L0H1"
+
+
+def _tiny_locate(folder, out, *extra: str) -> int:
+    model_args = f"pretrained={folder},dtype=float32"
+    for option in extra:
+        if option.startswith("model_args+"):
+            model_args += "," + option.removeprefix("model_args+")
+    rest = [o for o in extra if not o.startswith("model_args+")]
+    return harness("locate", "--model-args", model_args, "--include-path", TASKS, "--tasks",
+                   "tiny_choice", "--masks", "3", "--sparsity", "0.25", "--num-samples", "4",
+                   *LASSO_ONLY, "--out", str(out), *rest)
+
+
+def test_a_model_argument_nothing_takes_is_one_line_and_the_fixed_command_runs(
+        tiny_model_dir, tmp_path, capsys):
+    """HFLM hands what it does not know to the model's constructor: a TypeError from
+    deep inside. And the run folder, started before the load, used to refuse the
+    corrected command (made with other model_args; --force)."""
+    folder, out = tiny_model_dir("llama"), tmp_path / "run"
+    assert _tiny_locate(folder, out, "model_args+nosuchkey=3") == 2
+    assert last_error(capsys) == ("headloc-harness: error: model_args nosuchkey=3: neither "
+                                  "lm-eval's HFLM nor the model takes it; leave it out or "
+                                  "check its spelling")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "config.json"]  # no record
+    assert _tiny_locate(folder, out) == 0  # starts over: nothing in the folder to lose
+    assert (out / "heads.json").is_file()
+    # A folder that recorded measurements is still refused under other settings.
+    assert _tiny_locate(folder, out, "--seed", "1") == 2
+    assert "was made with seed=0, not 1; use another --out or --force" in last_error(capsys)
+
+
+def test_bad_pretrained_and_dtype_are_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(UsageError, match=r"^pretrained=/no/such/model: no such folder"):
+        check_load_args("/no/such/model")
+    with pytest.raises(UsageError, match=r"'~' is not expanded here; write the whole path"):
+        check_load_args("~/models/x")
+    with pytest.raises(UsageError, match=r"^dtype=float99: not a torch dtype"):
+        check_load_args("org/name", "float99")
+    for dtype in ("auto", "float32", "bfloat16", None):
+        check_load_args("org/name", dtype)  # a Hub id is not a path: not checked here
+    check_load_args(str(tmp_path), "float16")
+    out = tmp_path / "run"
+    assert harness("locate", "--model-args", f"pretrained={tmp_path / 'none'}",
+                   "--out", str(out)) == 2
+    assert f"pretrained={tmp_path / 'none'}: no such folder" in last_error(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_the_machine_lacks_is_refused_not_swapped_for_the_cpu(tiny_model_dir,
+                                                                            tmp_path, capsys):
+    # HFLM runs on the CPU when asked for cuda:7 (said only in its log).
+    assert _tiny_locate(tiny_model_dir("llama"), tmp_path / "run",
+                        "model_args+device=cuda:7") == 2
+    assert last_error(capsys) == ("headloc-harness: error: device=cuda:7: this machine has no "
+                                  "CUDA device; use device=cpu")
+
+
+def test_head_files_that_are_no_text_or_no_file_are_one_line(tmp_path):
+    binary = tmp_path / "heads.json"
+    binary.write_bytes(NOT_UTF8)
+    with pytest.raises(HeadSpecError, match="is not a head file: not UTF-8 text"):
+        read_heads_file(binary)
+    with pytest.raises(HeadSpecError, match="is a folder, not a head file"):
+        read_heads_file(tmp_path)
+
+
+def test_a_missing_head_file_is_named_as_a_file_not_as_a_head(tiny_model_dir, tmp_path,
+                                                               capsys):
+    missing = tmp_path / "universal.json"
+    assert _tiny_locate(tiny_model_dir("llama"), tmp_path / "run", "--never-ablate",
+                        str(missing)) == 2
+    assert last_error(capsys).endswith(f"head file not found: {missing}")
+
+
+def test_reference_data_that_is_no_text_is_one_line(tmp_path):
+    for name in ("reference.txt", "reference.jsonl"):
+        (tmp_path / name).write_bytes(NOT_UTF8)
+        with pytest.raises(AblationError, match=r"is not UTF-8 text$"):
+            reference_texts(tmp_path / name)
+
+
+def test_a_mean_cache_that_cannot_be_a_folder_is_refused_before_the_means_are_computed(
+        tmp_path):
+    a_file = tmp_path / "cache"
+    a_file.write_text("mine\n")
+    computed = []
+    with pytest.raises(AblationError, match="ablation_cache=.*cannot be a folder"):
+        cached_head_means({"model": "x"}, lambda: computed.append(1) or [], a_file)
+    assert computed == [] and a_file.read_text() == "mine\n"
+
+
+def test_verify_output_path_that_cannot_be_written_fails_before_the_model(
+        tiny_locate_run, tmp_path, capsys):  # noqa: F811
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine\n")
+    out = tmp_path / "verify"
+    assert harness("verify", str(tiny_locate_run), "--top-k", "1", "--random-draws", "0",
+                   "--general", "tiny_copy", "--output-path", str(a_file / "results"),
+                   "--out", str(out)) == 2
+    assert last_error(capsys).startswith(
+        f"headloc-harness: error: --output-path {a_file / 'results'}: cannot write there")
+    assert not out.exists() and a_file.read_text() == "mine\n"
+
+
+def test_batch_size_auto_needs_a_positive_count():
+    assert parse_batch_size("auto:2") == "auto:2" and parse_batch_size("auto") == "auto"
+    with pytest.raises(UsageError, match=r"'auto:N' \(N >= 1\)"):
+        parse_batch_size("auto:0")  # lm-eval divides by N
+
+
+def test_candidates_without_neurons_is_refused(tmp_path, capsys):
+    assert harness("locate", "--candidates", "100", "--out", str(tmp_path / "run")) == 2
+    assert last_error(capsys) == ("headloc-harness: error: --candidates 100: the candidates "
+                                  "are MLP neurons; add --components neurons or heads+neurons")
+
+
+def test_refit_masks_auto_of_a_fixed_run_says_how_many_masks_not_auto(
+        tiny_locate_run, tmp_path):  # noqa: F811
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_locate_run, run)
+    assert harness("refit", str(run), "--masks", "auto") == 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["spec"]["masks"] == 12  # all the fixed run measured
+    report = (run / "report.md").read_text()
+    assert "measured until every top-k head was stable" not in report
+    assert "12 masks" in report
+
+
+def test_a_run_that_ranks_nothing_is_named_by_its_kind(tiny_locate_run, tmp_path):  # noqa: F811
+    """A types (or sweep) run given to overlap or universal used to be told to finish."""
+    from lm_eval_headloc.commands import RunFolder, RunSpec
+    from lm_eval_headloc.commands.overlap import overlap
+    from lm_eval_headloc.commands.runfolder import RunFolderError
+    from lm_eval_headloc.commands.universal import universal
+
+    spec = RunSpec()
+    for command, hint in (("types", ""), ("sweep", " (a sweep: give one of its cell folders")):
+        other = tmp_path / command
+        with RunFolder(other) as folder:
+            folder.start(command, spec.identity(command), spec.settings(command))
+        message = f"{other} is a {command} run{hint}"
+        with pytest.raises(RunFolderError, match=message.replace("(", r"\(")):
+            overlap(other, tiny_locate_run)
+        with pytest.raises(RunFolderError, match=message.replace("(", r"\(")):
+            universal([tiny_locate_run, other], tmp_path / "universal.json")
+    assert not (tmp_path / "universal.json").exists()
