@@ -168,3 +168,23 @@ def test_a_run_that_ranks_nothing_is_named_by_its_kind(tiny_locate_run, tmp_path
         with pytest.raises(RunFolderError, match=message.replace("(", r"\(")):
             universal([tiny_locate_run, other], tmp_path / "universal.json")
     assert not (tmp_path / "universal.json").exists()
+
+
+def test_a_task_yaml_lm_eval_skipped_is_named_with_why(tmp_path):
+    """lm-eval skips a YAML it cannot parse, and never reads *.yml, saying so only in its
+    debug log: the task was "unknown", the user's file never mentioned."""
+    from lm_eval_headloc.tasks import UnknownTaskError, check_task_names, make_task_manager
+
+    (tmp_path / "capitals.yaml").write_text(
+        "task: capitals\ndataset_path: json\n  bad_indent: [1,\noutput_type: multiple_choice\n")
+    (tmp_path / "rhymes.yml").write_text("task: rhymes\ndataset_path: json\n")
+    manager = make_task_manager(str(tmp_path))
+    with pytest.raises(UnknownTaskError, match=(
+            rf"^unknown task 'capitals': {tmp_path / 'capitals.yaml'} names it, but lm-eval "
+            r"cannot read that file \(mapping values are not allowed .* line 3, column 13\)$")):
+        check_task_names(manager, ["capitals"])
+    with pytest.raises(UnknownTaskError, match=r"rhymes.yml names it, but lm-eval reads only "
+                                               r"\*\.yaml files; rename it$"):
+        check_task_names(manager, ["rhymes"])
+    with pytest.raises(UnknownTaskError, match=r"^unknown task 'capital'[;(]"):
+        check_task_names(manager, ["capital"])  # no file names it: the plain message

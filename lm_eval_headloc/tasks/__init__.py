@@ -67,8 +67,39 @@ def check_task_names(task_manager: Any, names: Iterable[str]) -> None:
     known = set(task_manager.all_tasks)
     for name in names:
         if name not in known:
+            unread = _unread_yaml(getattr(task_manager, "include_path", None) or [], name)
+            if unread:
+                raise UnknownTaskError(f"unknown task {name!r}: {unread}")
             close = difflib.get_close_matches(name, known, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UnknownTaskError(
                 f"unknown task {name!r}{hint} (`lm_eval ls tasks` lists them; add your own "
                 "folder with --include-path)")
+
+
+def _unread_yaml(folders: Iterable[str | Path], name: str) -> str | None:
+    """Why lm-eval does not know task ``name`` though a YAML in ``folders`` names it: it
+    reads only ``*.yaml`` files, and skips one it cannot parse (said only in its debug
+    log). None when no file names it."""
+    import re
+
+    names_it = re.compile(rf"^task\s*:\s*['\"]?{re.escape(name)}['\"]?\s*(#.*)?$", re.M)
+    for folder in map(Path, folders):
+        for path in sorted([*folder.glob("**/*.yaml"), *folder.glob("**/*.yml")]):
+            try:
+                if not names_it.search(path.read_text(encoding="utf-8", errors="replace")):
+                    continue
+            except OSError:
+                continue
+            if path.suffix == ".yml":
+                return f"{path} names it, but lm-eval reads only *.yaml files; rename it"
+            try:  # lm-eval's own loader (private: said plainly if it moves)
+                from lm_eval.tasks._yaml_loader import load_yaml
+            except ImportError:
+                return f"{path} names it, but lm-eval did not take it in"
+            try:
+                load_yaml(path, resolve_func=False)
+            except Exception as err:  # noqa: BLE001 (whatever lm-eval's loader says)
+                why = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+                return f"{path} names it, but lm-eval cannot read that file ({why})"
+    return None
