@@ -188,3 +188,11 @@ def test_a_task_yaml_lm_eval_skipped_is_named_with_why(tmp_path):
         check_task_names(manager, ["rhymes"])
     with pytest.raises(UnknownTaskError, match=r"^unknown task 'capital'[;(]"):
         check_task_names(manager, ["capital"])  # no file names it: the plain message
+
+
+@pytest.mark.parametrize("argv", [["locate", "--masks", "abc"], ["refit"], ["nosuch"],
+                                  ["locate", "--bogus"]])
+def test_an_argparse_mistake_is_one_line_not_the_usage(capsys, argv):
+    assert harness(*argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and " error: " in err[0] and err[0].endswith("-h lists the options)")

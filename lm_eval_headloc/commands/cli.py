@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from .. import __version__
 from ..columns import column_label
@@ -59,8 +60,16 @@ def _add_out(parser: argparse.ArgumentParser, default: str | None, help_text: st
                              "clears anything else)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a mistake is the one line every other error is: argparse
+    prints the whole usage first (23 lines for locate), which buries the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="headloc-harness",
         description="Find the attention heads a capability lives in, through lm-eval.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
