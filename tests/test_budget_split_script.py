@@ -93,3 +93,27 @@ def test_out_overwrites_only_a_page_it_wrote(script, tmp_path):
             script.main(["--out", str(target)])
         assert stopped.value.code == 2
     assert theirs.read_text() == "a user's notes\n"
+
+
+@pytest.fixture(scope="module")
+def methods(script, tasks):
+    return script.method_rows(tasks)
+
+
+def test_without_a_prior_rounds_and_up_front_are_replayed_as_each_method_picks(
+        script, tasks, rows, methods):
+    # Today's rounds at 27 + 27 are the budget table's no-prior default row.
+    rounds = next(r for r in methods if (r["budget"], r["method"]) == (54, "defaults"))
+    assert rounds["found"] == next(
+        r for r in rows if (r["prior"], r["budget"], r["masks"]) == ("none", 54, 27))["found"]
+    # Up front, with no prior ranking to take turns with, is the plain fit's order.
+    from lm_eval_headloc.confirm import screen
+
+    task = tasks[1]
+    design, scores = task.masks(task.runs / "stratified-p0.1" / "seed2")
+    picks, _ = task.run(design[:27], scores[:27], None, 27, "before")
+    assert picks == [int(h) for h in screen(design[:27], scores[:27], True).order[:27]]
+    assert picks != task.run(design[:27], scores[:27], None, 27)[0]  # the rounds differ
+    section = "\n".join(script.method_section(methods)).strip()
+    assert section in (ROOT / "docs" / "budget_split.md").read_text(encoding="utf-8"), (
+        "docs/budget_split.md is stale: python scripts/budget_split.py --out docs/budget_split.md")
