@@ -71,8 +71,8 @@ def check_load_args(pretrained: object, dtype: object = None) -> None:
     """What Hugging Face would report in other words, checked before anything loads: a
     ``pretrained=`` written as a local path (absolute, ``./``, ``../``) that does not
     exist, which HF reads as a malformed Hub id, or beginning with ``~``, which nothing
-    expands; a ``dtype=`` torch does not have,
-    which lm-eval turns into an ``AttributeError``."""
+    expands; a ``dtype=`` torch does not have, which lm-eval turns into an
+    ``AttributeError``."""
     import os
 
     if isinstance(pretrained, str) and pretrained.startswith("~"):

@@ -9,10 +9,10 @@ results files          written by the subcommand (heads.json, heads.csv, report.
 ``.lock``              held while a command works in the folder (the holder's PID)
 
 A rerun of the same command continues where the last one stopped; a folder made with
-different defining arguments is refused, unless it recorded nothing past its start (a model
-that failed to load: the corrected command starts over). Nothing that is not provably ours is ever
-deleted or overwritten: ``--force`` clears only a folder whose ``config.json`` says it is
-a headloc-harness run, and any other non-empty folder is refused, forced or not.
+different defining arguments is refused, unless it recorded nothing past its start (a
+model that failed to load: the corrected command starts over). Nothing that is not provably
+ours is ever deleted or overwritten: ``--force`` clears only a folder whose ``config.json``
+says it is a headloc-harness run, and any other non-empty folder is refused, forced or not.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ from ..files import write_atomically
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "package_versions", "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
+
+#: The version of config.json's layout. A file without the field was written before it
+#: existed, in this layout or an earlier one with fewer keys (``result.load_run`` reads
+#: either); a file with a larger number is refused rather than misread.
+CONFIG_SCHEMA = 1
+
 #: config.json's keys as ``RunFolder.start`` writes them, before a run records anything.
 _STARTED_KEYS = frozenset({"schema", "command", "identity", "settings", "spec", "versions",
                            "created"})
@@ -56,11 +62,6 @@ def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, A
         return None
     key = differing[0]
     return f"was made with {key}={stored.get(key)!r}, not {identity.get(key)!r}"
-
-#: The version of config.json's layout. A file without the field was written before it
-#: existed, in this layout or an earlier one with fewer keys (``result.load_run`` reads
-#: either); a file with a larger number is refused rather than misread.
-CONFIG_SCHEMA = 1
 
 
 class RunFolderError(UserError):
