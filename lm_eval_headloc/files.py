@@ -4,10 +4,14 @@ only over a page of our own (a report script never replaces a file it did not wr
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["page_refusal", "write_atomically", "write_page"]
+__all__ = ["Beginning", "page_refusal", "write_atomically", "write_page"]
+
+#: How much of a file is read to see how it begins.
+_PEEK = 4096
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -22,35 +26,50 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
         partial.unlink(missing_ok=True)
 
 
-def page_refusal(path: str | os.PathLike, begins: str | tuple[str, ...]) -> str | None:
+#: How a page begins: its first characters, or a pattern its start matches (``re.match``).
+Beginning = str | re.Pattern[str]
+
+
+def _begins(text: str, begins: tuple[Beginning, ...]) -> bool:
+    return any(text.startswith(b) if isinstance(b, str) else b.match(text) for b in begins)
+
+
+def _shown(begins: tuple[Beginning, ...]) -> str:
+    first = begins[0]
+    return repr(first if isinstance(first, str) else first.pattern)
+
+
+def page_refusal(path: str | os.PathLike,
+                 begins: Beginning | tuple[Beginning, ...]) -> str | None:
     """Why a page that begins with ``begins`` (or one of them) may not be written to
     ``path``; None when it may: ``path`` does not exist, or it is a regular file that is
     empty (nothing in it to lose) or begins that way (a page of the same writer)."""
     path = Path(path)
-    begins = (begins,) if isinstance(begins, str) else begins
+    begins = begins if isinstance(begins, tuple) else (begins,)
     if not path.exists():
         return None
     if not path.is_file():
         return f"{path} is not a regular file; name a file (e.g. {path / 'page.md'})"
     try:
         with path.open("rb") as file:
-            start = file.read(max(len(b.encode()) for b in begins))
+            start = file.read(_PEEK).decode("utf-8", "replace")
     except OSError as error:
         return f"{path} cannot be read ({error.strerror}); name another file"
-    if not start or any(start.startswith(b.encode()) for b in begins):
+    if not start or _begins(start, begins):
         return None
-    return (f"{path} exists and does not begin with {begins[0]!r}: not a page this writes, "
-            "so it is left alone; name a new file or one this wrote")
+    return (f"{path} exists and does not begin with {_shown(begins)}: not a page this "
+            "writes, so it is left alone; name a new file or one this wrote")
 
 
-def write_page(path: str | os.PathLike, text: str, begins: str | tuple[str, ...]) -> None:
+def write_page(path: str | os.PathLike, text: str,
+               begins: Beginning | tuple[Beginning, ...]) -> None:
     """Write ``text`` to ``path`` atomically, unless ``page_refusal`` refuses (checked
     again here: a long run checks before its work and the file may have changed since);
     ``FileExistsError`` then, with the refusal as its message."""
-    begins = (begins,) if isinstance(begins, str) else begins
-    if not text.startswith(begins):  # else the next run would refuse its own page
-        raise ValueError(f"the page for {path} does not begin with {begins[0]!r}")
+    begins = begins if isinstance(begins, tuple) else (begins,)
     why = page_refusal(path, begins)
     if why is not None:
         raise FileExistsError(why)
+    if not _begins(text, begins):  # else the next run would refuse its own page
+        raise ValueError(f"the page for {path} does not begin with {_shown(begins)}")
     write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))

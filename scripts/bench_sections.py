@@ -16,31 +16,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from lm_eval_headloc.files import page_refusal, write_atomically  # noqa: E402
+from lm_eval_headloc.files import page_refusal, write_page  # noqa: E402
 
 _SECTION = re.compile(r"<!-- (?P<name>[^:>]+): start -->.*?<!-- (?P=name): end -->", re.S)
 #: The head's title (bench_measure.py on the CPU writes it; "on the GPU" may follow).
 TITLE = "# Measurement throughput"
-_SECTION_START = re.compile(r"<!-- [^:>]+: start -->\n")
+#: How a BENCH.md begins: its title, or (a file a section was first written into) a
+#: section's start marker.
+BEGINS = (TITLE, re.compile(r"<!-- [^:>]+: start -->\n"))
 
 
 def bench_refusal(path: Path) -> str | None:
     """Why the writers here may not write into ``path``; None when they may: it does not
-    exist, or it is a BENCH.md (it begins with ``TITLE``, or, a file a section was first
-    written into, with a section's start marker)."""
-    why = page_refusal(path, TITLE)
-    if why is None or not path.is_file():
-        return why
-    with path.open("rb") as file:
-        first_line = file.readline(200).decode("utf-8", "replace")
-    return None if _SECTION_START.fullmatch(first_line) else why
-
-
-def _write(path: Path, text: str) -> None:
-    why = bench_refusal(path)  # again at the write: the benchmark ran for minutes
-    if why is not None:
-        raise FileExistsError(why)
-    write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))
+    exist, is empty, or is a BENCH.md (it begins as ``BEGINS`` says)."""
+    return page_refusal(path, BEGINS)
 
 
 def section_name(benchmark: str, device: str) -> str:
@@ -76,16 +65,16 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = text.replace(old, block, 1)
     else:
         text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + block + "\n"
-    _write(path, text)
+    write_page(path, text, BEGINS)
 
 
 def write_head(path: Path, head: str) -> None:
     """Replace everything outside the marked sections with ``head``; keep the sections."""
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     kept = list(sections(text).values())
-    if not head.startswith(TITLE):  # else the next writer would refuse the file
+    if not head.startswith(TITLE):  # else a head with no section would refuse itself
         raise ValueError(f"BENCH.md's head must begin with {TITLE!r}")
-    _write(path, "\n\n".join([head.rstrip("\n"), *kept]) + "\n")
+    write_page(path, "\n\n".join([head.rstrip("\n"), *kept]) + "\n", BEGINS)
 
 
 def copy_sections(source: Path, target: Path, names: list[str] | None = None) -> list[str]:
