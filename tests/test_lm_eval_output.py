@@ -410,6 +410,72 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
     assert len(probes) == 1 and probes[0] < 128  # once, narrower than max_length (128)
 
 
+def _with_chat_template(model_dir: Path, folder: Path) -> Path:
+    """A copy of a tiny model whose tokenizer has a chat template."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+                               "</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:"
+                               "{% endif %}")
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
+def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_path):
+    """On a model with a chat template the measurement asks a generation task through it
+    and a loglikelihood task not (the default): lm-eval's own files must ask the same, so
+    each knockout gets one file per setting, each file saying its setting, each sample's
+    prompt the one the measurement used."""
+    from conftest import finished_run
+    from transformers import AutoTokenizer
+
+    from lm_eval_headloc.commands.cli import main
+
+    model = _with_chat_template(tiny_model_dir("llama"), tmp_path / "chat-model")
+    run = finished_run(tmp_path / "run", model, "tiny_generate", ("L1H2", "L0H0"))
+    out, results_dir = tmp_path / "verify", tmp_path / "lm-eval"
+    assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                 "--random-draws", "0", "--out", str(out), "--output-path",
+                 str(results_dir), "--log-samples"]) == 0
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    assert sorted(index) == ["baseline", "tiny_generate-top1"]
+    measured = {json.loads(line)["key"]: json.loads(line) for line in
+                (out / "measurements.jsonl").read_text().splitlines()}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for key, paths in index.items():
+        assert isinstance(paths, list) and len(paths) == 2
+        by_task = {}
+        for path in map(Path, paths):
+            saved = json.loads(path.read_text())
+            (task,) = saved["results"]
+            by_task[task] = saved
+            metric = measured[key]["metrics"][task]
+            assert saved["results"][task][metric] == pytest.approx(
+                measured[key]["scores"][task])
+            (samples,) = path.parent.glob(f"samples_{task}_{path.stem[len('results_'):]}"
+                                          ".jsonl")
+            for line in samples.read_text().splitlines():
+                sample = json.loads(line)
+                prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+                context = sample["doc"]["context"]
+                expected = (tokenizer.apply_chat_template(
+                    [{"role": "user", "content": context}], tokenize=False,
+                    add_generation_prompt=True) if task == "tiny_generate" else context)
+                assert prompt == expected
+        assert sorted(by_task) == ["tiny_copy", "tiny_generate"]
+        assert by_task["tiny_generate"]["chat_template"] is not None
+        assert by_task["tiny_copy"]["chat_template"] is None
+    # Resumed: every file is there, so nothing is evaluated or written again.
+    before = sorted(p for p in results_dir.rglob("*") if p.is_file())
+    assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                 "--random-draws", "0", "--out", str(out), "--output-path",
+                 str(results_dir), "--log-samples"]) == 0
+    assert sorted(p for p in results_dir.rglob("*") if p.is_file()) == before
+
+
 def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path):
     from conftest import finished_run
 

@@ -565,16 +565,26 @@ def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
         return True
     index = folder.file(LM_EVAL_FILES)
     written = json.loads(index.read_text()) if index.is_file() else {}
-    return all(isinstance(written.get(entry[0]), str) and Path(written[entry[0]]).is_file()
-               for entry in plan)
+    return all(_files_written(written.get(entry[0])) for entry in plan)
+
+
+def _files_written(entry: Any) -> bool:
+    """An index entry (one path, or a list of them: one per chat-template setting) whose
+    every file is on disk."""
+    paths = [entry] if isinstance(entry, str) else entry
+    return (isinstance(paths, list) and bool(paths)
+            and all(isinstance(path, str) and Path(path).is_file() for path in paths))
 
 
 def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                           plan: Sequence[PlanEntry]) -> None:
     """``--output-path``: each knockout of ``plan`` evaluated again by lm-eval itself, on the
-    same examples, and saved as lm-eval's CLI saves its results (``lm_eval_output``). The
-    folder's ``lm_eval_files.json`` says which file each knockout went to, so a resumed run
-    writes only the ones not written yet."""
+    same examples and prompts, and saved as lm-eval's CLI saves its results
+    (``lm_eval_output``). A results file holds one chat-template setting, so where the
+    measurement asks some tasks through the chat template (generation tasks, by default)
+    and others not, each knockout gets one file per setting, as two ``lm_eval`` runs would
+    write. The folder's ``lm_eval_files.json`` says which file (or files) each knockout
+    went to, so a resumed run writes only the ones not written yet."""
     from ..lm_eval_output import evaluate_knockout, save_lm_eval_results
 
     spec = setup.spec
@@ -583,18 +593,30 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
     manager = make_task_manager(list(spec.include_path))
     window = ({"samples": measure.subset} if measure.subset is not None
               else {"limit": measure.limit})
+    settings = chat_settings(measure, [name for name, _ in setup.tasks])
     for key, components, *scale in plan:
-        done = written.get(key)
-        if done is not None and Path(done).is_file():
+        if _files_written(written.get(key)):
             continue
-        with measure.generation_batch():  # --batch-size auto: the measurement's batch
-            results = evaluate_knockout(
-                measure.lm, [name for name, _ in setup.tasks], task_manager=manager,
-                knocked_out=list(components), scale=scale[0] if scale else None,
-                model_args=spec.model_args, log_samples=spec.log_samples,
-                apply_chat_template=spec.apply_chat_template,
-                fewshot_as_multiturn=spec.apply_chat_template,
-                confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
-        path = save_lm_eval_results(results, spec.output_path, log_samples=spec.log_samples)
-        written[key] = str(path.resolve())
+        paths = []
+        for chat, names in settings.items():
+            with measure.generation_batch():  # --batch-size auto: the measurement's batch
+                results = evaluate_knockout(
+                    measure.lm, names, task_manager=manager,
+                    knocked_out=list(components), scale=scale[0] if scale else None,
+                    model_args=spec.model_args, log_samples=spec.log_samples,
+                    apply_chat_template=chat, fewshot_as_multiturn=chat,
+                    confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
+            path = save_lm_eval_results(results, spec.output_path,
+                                        log_samples=spec.log_samples)
+            paths.append(str(path.resolve()))
+        written[key] = paths[0] if len(paths) == 1 else paths
         folder.write_json(LM_EVAL_FILES, written)
+
+
+def chat_settings(measure: Any, names: Sequence[str]) -> dict[bool, list[str]]:
+    """``names`` (the measurement's tasks) by whether it asks them through the chat
+    template, the setting lm-eval is given for each (no template first)."""
+    chat_of = {name: any(measure.chat_template[leaf] for leaf in measure.leaves_of[name])
+               for name in names}
+    return {chat: [name for name in names if chat_of[name] == chat]
+            for chat in (False, True) if chat in chat_of.values()}
