@@ -138,6 +138,21 @@ class _TaskGroup:
 Scores = dict[str, TaskScore]
 
 
+def configure_tasks(tasks: Mapping[str, Any], num_fewshot: int | None = None,
+                    gen_kwargs: Mapping[str, Any] | None = None) -> None:
+    """Put lm-eval's command-line overrides on loaded ``tasks`` (leaf name -> task) as
+    ``simple_evaluate`` puts them: ``gen_kwargs`` update each generation task's
+    ``generation_kwargs``; ``num_fewshot`` replaces each task's few-shot count except where
+    its YAML fixes it at 0; a task that sets none gets 0."""
+    for task in tasks.values():
+        if gen_kwargs and task.get_config("output_type") == "generate_until":
+            task.set_config(key="generation_kwargs", value=dict(gen_kwargs), update=True)
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+
+
 class Measurement(Protocol):
     """What the commands (``engine.run_plan``, the prior, the report) may ask of a
     measurement: ``HarnessMeasurement`` here, and ``commands.workers``'
@@ -185,6 +200,8 @@ class HarnessMeasurement:
     ``apply_chat_template`` says otherwise. ``signal``: ``"metric"`` scores each task by
     the harness (the task's metric); ``"logprob"`` by the mean log-likelihood of the gold
     answers (``signals``), reported as metric ``logprob``, higher is better.
+    ``num_fewshot`` and ``gen_kwargs``: lm-eval's overrides of the same names
+    (``configure_tasks``).
     """
 
     def __init__(
@@ -197,6 +214,7 @@ class HarnessMeasurement:
         apply_chat_template: bool | None = None,
         confirm_run_unsafe_code: bool = False,
         num_fewshot: int | None = None,
+        gen_kwargs: Mapping[str, Any] | None = None,
         limit: int | None = None,
         verbose: bool = False,
         signal: str = "metric",
@@ -223,11 +241,8 @@ class HarnessMeasurement:
             group = groups.setdefault(chat, {"tasks": {}, "groups": {}, "group_map": {}})
             for key in group:
                 group[key].update(loaded.get(key, {}))
+            configure_tasks(loaded["tasks"], num_fewshot, gen_kwargs)
             for leaf, task in loaded["tasks"].items():
-                if num_fewshot is not None and task.get_config("num_fewshot") != 0:
-                    task.set_config(key="num_fewshot", value=num_fewshot)
-                elif task.get_config("num_fewshot") is None:
-                    task.set_config(key="num_fewshot", value=0)
                 self.doc_counts[leaf] = len(task.eval_docs)
         self._groups = [_TaskGroup(loaded, chat) for chat, loaded in groups.items()]
         self.chat_template = {name: chat for chat, g in groups.items() for name in g["tasks"]}

@@ -9,6 +9,7 @@ that are not on disk yet, each written before the next starts.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ from ..signals import check_gold_answers
 from ..tasks import check_task_names, make_task_manager
 from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec, parse_examples_part, path_list
+from .spec import RunSpec, parse_examples_part, parse_gen_kwargs, path_list
 from .workers import check_workers
 
 if TYPE_CHECKING:
@@ -259,6 +260,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                                                     for t in leaves):
             raise UsageError(f"task {name!r} executes model-written code; rerun with "
                              "--confirm-run-unsafe-code if you accept that")
+    check_task_overrides(spec, loaded)
     own = joined[:len(joined) - len(extra_tasks)] if extra_tasks else joined
     resolved = spec.replace(model_args=model_args, tasks=tuple(own),
                             include_path=tuple(path_list(spec.include_path)))
@@ -305,6 +307,56 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         except AblationError as err:
             raise UsageError(f"--ablation-data: {err}") from None
     return Setup(resolved, specs, geometry, loaded, exclude, never, reference)
+
+
+#: Generation arguments lm-eval's HF model passes to ``generate`` itself: given again
+#: they clash (``max_length``) or break how it reads the one sequence it asked for.
+_HARNESS_GENERATION = frozenset({
+    "max_length", "max_new_tokens", "pad_token_id", "use_cache", "num_return_sequences",
+    "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+    "output_hidden_states", "_from_model_config", "transformers_version"})
+
+
+def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
+    """Refuse --num-fewshot and --gen-kwargs where they would change nothing, and generation
+    arguments no model's ``generate`` takes, before any weights load (``loaded``: each
+    task name -> what ``TaskManager.load`` built)."""
+    leaves = {leaf: task for entry in loaded.values() for leaf, task in entry["tasks"].items()}
+    if spec.num_fewshot is not None:
+        fixed = sorted(leaf for leaf, task in leaves.items()
+                       if task.get_config("num_fewshot") == 0)
+        if len(fixed) == len(leaves):
+            raise UsageError(f"--num-fewshot {spec.num_fewshot}: every task's YAML fixes its "
+                             f"few-shot count at 0 ({', '.join(fixed)}), which lm-eval keeps; "
+                             "it would change nothing")
+        if fixed:
+            log.warning("--num-fewshot %d: %s keep 0 few-shot examples (their YAML fixes it; "
+                        "lm-eval keeps it)", spec.num_fewshot, ", ".join(fixed))
+    gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
+    if gen_kwargs is None:
+        return
+    kinds = sorted({str(task.get_config("output_type")) for task in leaves.values()})
+    if "generate_until" not in kinds:
+        raise UsageError(f"--gen-kwargs: none of the tasks generates text (their output "
+                         f"types: {', '.join(kinds)}); it would change nothing")
+    if spec.signal == "logprob":
+        raise UsageError("--gen-kwargs: --signal logprob scores the generation tasks on their "
+                         "reference answers, teacher-forced, without generating; it would "
+                         "change nothing")
+    from transformers import GenerationConfig
+
+    known = (set(GenerationConfig().to_dict()) | {"until", "max_gen_toks"}) \
+        - _HARNESS_GENERATION
+    for key in sorted(gen_kwargs):
+        if key in _HARNESS_GENERATION:
+            raise UsageError(f"--gen-kwargs {key}=...: lm-eval's generate_until sets it "
+                             "itself (the length: max_gen_toks)")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise UsageError(f"--gen-kwargs {key}=...: not a generation argument (lm-eval's "
+                             "until and max_gen_toks, or a field of transformers' "
+                             f"GenerationConfig such as temperature, top_p, do_sample){hint}")
 
 
 def _column_count(spec: RunSpec, geometry: Geometry) -> int:
@@ -374,7 +426,8 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
     spec = setup.spec
     measure = HarnessMeasurement(
         lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
-        apply_chat_template=spec.apply_chat_template,
+        apply_chat_template=spec.apply_chat_template, num_fewshot=spec.num_fewshot,
+        gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal,
         examples_part=parse_examples_part(spec.examples_part))
@@ -605,6 +658,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                     knocked_out=list(components), scale=scale[0] if scale else None,
                     model_args=spec.model_args, log_samples=spec.log_samples,
                     apply_chat_template=chat, fewshot_as_multiturn=chat,
+                    num_fewshot=spec.num_fewshot, gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
                     confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
             path = save_lm_eval_results(results, spec.output_path,
                                         log_samples=spec.log_samples)

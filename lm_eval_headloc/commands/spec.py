@@ -126,6 +126,67 @@ def parse_sparsity(value: float | str) -> float | str:
                            min_val=0, max_val=1, include_boundaries="neither")
 
 
+def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``--gen-kwargs`` as a dict, read as the ``lm_eval`` command reads its
+    ``--gen_kwargs``: a JSON object, or ``key=value,...`` whose values are Python literals
+    where they parse as one (``until=["\\n\\n"]``, ``max_gen_toks=256``, ``do_sample=true``).
+    Which keys a model's ``generate`` takes is checked once the tasks are known
+    (``engine.check_task_overrides``)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        parsed: Any = dict(value)
+    else:
+        text = str(value).strip()
+        if text.startswith("{"):
+            import json
+
+            try:
+                parsed = json.loads(text)
+            except ValueError as err:
+                raise UsageError(f"--gen-kwargs {value!r}: not a JSON object ({err})") \
+                    from None
+        else:
+            try:  # the lm_eval command's own reading (lists and quotes kept whole)
+                from lm_eval._cli.utils import key_val_to_dict
+            except ImportError:  # an lm-eval without it: simple_evaluate's
+                from lm_eval.utils import simple_parse_args_string as key_val_to_dict
+            try:
+                parsed = key_val_to_dict(text) if "=" in text else None
+            except (ValueError, SyntaxError):
+                parsed = None
+            if parsed is None or any(not str(key).strip() for key in parsed):
+                raise UsageError(f"--gen-kwargs {value!r}: must be key=value pairs joined by "
+                                 "commas (e.g. max_gen_toks=256,temperature=0) or a JSON "
+                                 "object")
+            parsed = {str(key).strip(): item for key, item in parsed.items()}
+    if not isinstance(parsed, dict) or not parsed:
+        raise UsageError(f"--gen-kwargs {value!r}: must name at least one generation argument "
+                         "(e.g. max_gen_toks=256)")
+    tokens = parsed.get("max_gen_toks", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UsageError(f"--gen-kwargs max_gen_toks={tokens!r}: must be a whole number >= 1")
+    until = parsed.get("until")
+    if until is not None and not (isinstance(until, str) or (
+            isinstance(until, list) and all(isinstance(u, str) for u in until))):
+        raise UsageError(f"--gen-kwargs until={until!r}: must be a string or a list of "
+                         "strings")
+    return parsed
+
+
+def _canonical_gen_kwargs(value: Any) -> Any:
+    """``gen_kwargs`` as one JSON text with sorted keys, so that a run resumed with the
+    same arguments written in another order or form is the same run; a value that does
+    not parse is left for ``validate`` to refuse in one line."""
+    import json
+
+    try:
+        parsed = parse_gen_kwargs(value)
+    except UsageError:
+        return value
+    return None if parsed is None else json.dumps(parsed, sort_keys=True)
+
+
 def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
             metavar: str | None = None, whole: bool | None = None,
             min_val: float | None = None, max_val: float | None = None,
@@ -197,6 +258,14 @@ class RunSpec:
     ablation_field: str | None = _option(
         None, "with a JSONL --ablation-data: the field that holds each example's text "
               "(default: text)", metavar="FIELD")
+    num_fewshot: int | None = _option(
+        None, "as lm-eval's --num_fewshot: examples in each prompt's few-shot context, for "
+              "every task whose YAML does not fix it at 0 (default: each task's own)",
+        parse=int, metavar="N", whole=True, min_val=0)
+    gen_kwargs: str | None = _option(
+        None, "as lm-eval's --gen_kwargs: generation arguments of the generation tasks, "
+              "key=value pairs joined by commas or a JSON object, e.g. "
+              "max_gen_toks=256,temperature=0 (default: each task's own)", metavar="ARGS")
     # --- locate's design ---------------------------------------------------------------
     components: str = _option(
         "heads", "what is located: attention heads, MLP neurons (L3N1234: the attribution "
@@ -326,6 +395,7 @@ class RunSpec:
                 value = (value,) if name == "include_path" else _comma_list(value)
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "gen_kwargs", _canonical_gen_kwargs(self.gen_kwargs))
 
     # --- construction ------------------------------------------------------------------
 
@@ -416,6 +486,7 @@ class RunSpec:
         parse_sparsity(self.sparsity)
         parse_candidates(self.candidates)
         parse_examples_part(self.examples_part)
+        parse_gen_kwargs(self.gen_kwargs)
         if parse_candidates(self.candidates) != "auto" and "neurons" not in self.components:
             raise UsageError(f"--candidates {self.candidates}: the candidates are MLP "
                              "neurons; add --components neurons or heads+neurons")
@@ -524,8 +595,9 @@ HARNESS_MODEL_ARGS = {
 }
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "signal", "never_ablate", "ablation", "scale",
-              "ablation_data", "ablation_field", "exclude", "top_k", "batch_size", "masks_per_pass",
+              "apply_chat_template", "num_fewshot", "gen_kwargs", "signal", "never_ablate",
+              "ablation", "scale", "ablation_data", "ablation_field", "exclude", "top_k",
+              "batch_size", "masks_per_pass",
               "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -542,19 +614,21 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
                "verbose", "output_path", "log_samples"),
     # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
     # adds it with add_options(keep_stored="the runs' own tasks")).
-    "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "ablation",
+    "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "num_fewshot",
+              "gen_kwargs", "ablation",
               "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
     "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "batch_size", "confirm_run_unsafe_code", "verbose"),
+              "apply_chat_template", "num_fewshot", "batch_size", "confirm_run_unsafe_code",
+              "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
 
 
 #: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
-LM_EVAL_SPELLING = frozenset({"output_path", "log_samples"})
+LM_EVAL_SPELLING = frozenset({"output_path", "log_samples", "num_fewshot", "gen_kwargs"})
 
 
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str],

@@ -1,0 +1,157 @@
+"""lm-eval's --num_fewshot and --gen_kwargs: every measurement's prompts and generation
+arguments are the ones lm-eval itself makes with them (the reference: ``simple_evaluate``
+on the same documents), the run records them, its lm-eval results files carry them, and
+where they would change nothing or crash after the load they are refused before it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TASKS
+from test_commands import harness, last_error, tiny_args
+
+from lm_eval_headloc.commands import RunSpec
+from lm_eval_headloc.commands.spec import parse_gen_kwargs
+
+TASK_LIST = "tiny_copy,tiny_generate"  # a loglikelihood task and a generation task
+
+
+def _requests(pairs) -> dict[str, list[str]]:
+    """Each task's requests (prompt and continuation or generation arguments), sorted:
+    lm-eval numbers a sampled document by its place in the sample, not in the task."""
+    by_task: dict[str, list[str]] = {}
+    for task, args in pairs:
+        by_task.setdefault(task, []).append(json.dumps(list(args), sort_keys=True))
+    return {task: sorted(requests) for task, requests in by_task.items()}
+
+
+def _instance_args(measure) -> dict[str, list[str]]:
+    return _requests((i.task_name, i.args) for i in measure.recorded_instances())
+
+
+def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
+    import lm_eval
+
+    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
+    from lm_eval_headloc.tasks import make_task_manager
+
+    model = tiny_model_dir("llama")
+    spec = RunSpec(model_args=f"pretrained={model},dtype=float32,device=cpu",
+                   tasks=tuple(TASK_LIST.split(",")), include_path=(TASKS,), num_fewshot=2,
+                   gen_kwargs="max_gen_toks=5,until=[';']")
+    setup = prepare(spec)
+    lm = load_model(setup)
+    measure = open_measurement(setup, lm, None, 6)
+    ours = _instance_args(measure)
+    reference = lm_eval.simple_evaluate(
+        model=lm, tasks=TASK_LIST.split(","), task_manager=make_task_manager([TASKS]),
+        samples=measure.subset, num_fewshot=2, gen_kwargs={"max_gen_toks": 5, "until": [";"]},
+        log_samples=True, bootstrap_iters=0)
+    theirs = _requests((task, s["arguments"][0])
+                       for task, samples in reference["samples"].items() for s in samples)
+    assert ours == theirs and sorted(ours) == ["tiny_copy", "tiny_generate"]
+    assert reference["n-shot"] == {"tiny_copy": 2, "tiny_generate": 2}
+    generated = [json.loads(r)[1] for r in ours["tiny_generate"]]
+    assert all(g["max_gen_toks"] == 5 and g["until"] == [";"] for g in generated)
+    # Without the overrides the prompts are the tasks' own: zero-shot (one paragraph),
+    # 3 new tokens.
+    plain = _instance_args(open_measurement(
+        prepare(spec.replace(num_fewshot=None, gen_kwargs=None)), lm, None, 6))
+    for task, requests in plain.items():
+        assert all("\n\n" not in json.loads(r)[0] for r in requests)
+        assert all(json.loads(r)[0].count("\n\n") == 2 for r in ours[task])
+    assert all(json.loads(r)[1]["max_gen_toks"] == 3 for r in plain["tiny_generate"])
+
+
+def test_a_run_records_them_resumes_on_the_same_and_refuses_others(tiny_model_dir, tmp_path,
+                                                                      capsys):
+    out = tmp_path / "greedy"
+    common = [*tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
+              "--num-samples", "6", "--out", str(out)]
+    assert harness("greedy", *common, "--num-fewshot", "2",
+                   "--gen-kwargs", "max_gen_toks=4,temperature=0") == 0
+    spec = json.loads((out / "config.json").read_text())["spec"]
+    assert spec["num_fewshot"] == 2
+    assert json.loads(spec["gen_kwargs"]) == {"max_gen_toks": 4, "temperature": 0}
+    measured = (out / "measurements.jsonl").read_text()
+    # lm-eval's spelling, the JSON form and another order are the same run: nothing new.
+    assert harness("greedy", *common, "--num_fewshot", "2",
+                   "--gen_kwargs", '{"temperature": 0, "max_gen_toks": 4}') == 0
+    assert (out / "measurements.jsonl").read_text() == measured
+    capsys.readouterr()
+    assert harness("greedy", *common, "--num-fewshot", "3",
+                   "--gen-kwargs", "max_gen_toks=4,temperature=0") == 2
+    assert "num_fewshot" in last_error(capsys)
+
+
+def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp_path):
+    run, out, results_dir = tmp_path / "run", tmp_path / "verify", tmp_path / "lm-eval"
+    assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
+                   "--num-samples", "6", "--num-fewshot", "2", "--gen-kwargs",
+                   "max_gen_toks=4", "--out", str(run)) == 0
+    assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                   "--random-draws", "0", "--out", str(out), "--output-path",
+                   str(results_dir)) == 0
+    measured = {json.loads(line)["key"]: json.loads(line) for line in
+                (out / "measurements.jsonl").read_text().splitlines()}
+    for key, path in json.loads((out / "lm_eval_files.json").read_text()).items():
+        saved = json.loads(Path(path).read_text())
+        assert saved["n-shot"] == {"tiny_copy": 2, "tiny_generate": 2}
+        assert saved["configs"]["tiny_generate"]["generation_kwargs"]["max_gen_toks"] == 4
+        for task in ("tiny_copy", "tiny_generate"):
+            metric = measured[key]["metrics"][task]
+            assert saved["results"][task][metric] == pytest.approx(
+                measured[key]["scores"][task])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gen-kwargs", "tempreature=0"], "not a generation argument"),
+    (["--gen-kwargs", "tempreature=0"], "did you mean temperature?"),
+    (["--gen-kwargs", "max_length=40"], "lm-eval's generate_until sets it itself"),
+    (["--gen-kwargs", "max_gen_toks=0"], "--gen-kwargs max_gen_toks=0: must be a whole"),
+    (["--gen-kwargs", "max_gen_toks"], "must be key=value pairs"),
+    (["--gen-kwargs", "{max_gen_toks: 3}"], "not a JSON object"),
+    (["--gen-kwargs", "until=3"], "until=3: must be a string or a list of strings"),
+    (["--gen-kwargs", "max_gen_toks=3", "--tasks", "tiny_copy"],
+     "none of the tasks generates text (their output types: loglikelihood)"),
+    (["--gen-kwargs", "max_gen_toks=3", "--signal", "logprob"], "teacher-forced"),
+    (["--num-fewshot", "2", "--tasks", "tiny_zero_shot"], "fixes its few-shot count at 0"),
+])
+def test_overrides_that_change_nothing_or_would_crash_are_refused_before_the_load(
+        tiny_model_dir, tmp_path, capsys, no_model_loading, extra, message):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    # A task whose YAML fixes zero-shot, as some of lm-eval's do.
+    (folder / "zero.yaml").write_text("include: " + str(Path(TASKS) / "tiny_copy" /
+                                                        "tiny_copy.yaml")
+                                      + "\ntask: tiny_zero_shot\nnum_fewshot: 0\n")
+    tasks = [] if "--tasks" in extra else ["--tasks", "tiny_generate"]
+    assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--include-path",
+                   str(folder), *tasks, *extra, "--out", str(tmp_path / "run")) == 2
+    assert message in last_error(capsys)
+
+
+def test_gen_kwargs_read_as_lm_eval_reads_them():
+    # The forms lm-eval's simple_evaluate and CLI take: key=value (numbers and booleans
+    # become numbers and booleans) and a JSON object.
+    assert parse_gen_kwargs("max_gen_toks=8,do_sample=true,temperature=0.5") == {
+        "max_gen_toks": 8, "do_sample": True, "temperature": 0.5}
+    assert parse_gen_kwargs('{"until": ["\\n\\n", "Q:"]}') == {"until": ["\n\n", "Q:"]}
+    assert parse_gen_kwargs("until=['\\n\\n', 'Q:'],max_gen_toks=256") == {
+        "until": ["\n\n", "Q:"], "max_gen_toks": 256}
+    # One run, however it is written.
+    assert RunSpec(gen_kwargs="temperature=0,max_gen_toks=8") == RunSpec(
+        gen_kwargs={"max_gen_toks": 8, "temperature": 0})
+
+
+def test_a_locate_report_says_them(tiny_model_dir, tmp_path):
+    out = tmp_path / "locate"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
+                   "--num-samples", "6", "--masks", "4", "--confirm", "0", "--prior", "none",
+                   "--num-fewshot", "1", "--gen-kwargs", "max_gen_toks=4",
+                   "--out", str(out)) == 0
+    report = (out / "report.md").read_text()
+    assert "- few-shot examples per prompt: 1 (--num-fewshot" in report
+    assert '- generation arguments: `{"max_gen_toks": 4}`' in report
