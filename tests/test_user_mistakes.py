@@ -196,3 +196,37 @@ def test_an_argparse_mistake_is_one_line_not_the_usage(capsys, argv):
     assert harness(*argv) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and " error: " in err[0] and err[0].endswith("-h lists the options)")
+
+
+def test_options_that_a_run_would_silently_not_use_are_refused(tiny_model_dir, tmp_path,
+                                                               capsys, no_model_loading):
+    """--max-masks stops --masks auto only; --ray-timeout waits on --ray-address only.
+    Given without them they did nothing, and the run said nothing."""
+    folder, out = tiny_model_dir("llama"), tmp_path / "run"
+    assert _tiny_locate(folder, out, "--max-masks", "50") == 2  # --masks 3
+    assert last_error(capsys) == ("headloc-harness: error: --max-masks 50: is for --masks "
+                                  "auto; this run measures 3 masks")
+    assert harness("locate", "--model-args", f"pretrained={folder},dtype=float32",
+                   "--include-path", TASKS, "--tasks", "tiny_choice", "--max-masks", "50",
+                   "--out", str(out)) == 2
+    assert "--max-masks 50: is for --masks auto; this run measures the default budget of " \
+           "masks" in last_error(capsys)
+    assert _tiny_locate(folder, out, "--workers", "2", "--ray-timeout", "5") == 2
+    assert last_error(capsys) == ("headloc-harness: error: --ray-timeout 5: is how long "
+                                  "--ray-address may take to answer; give the address too (a "
+                                  "local Ray waits on none)")
+    assert not (out / "measurements.jsonl").exists()
+
+
+def test_max_masks_extends_a_resumed_masks_auto_run(tiny_model_dir, tmp_path):
+    folder, out = tiny_model_dir("llama"), tmp_path / "run"
+    assert _tiny_locate(folder, out, "--masks", "auto", "--max-masks", "4",
+                        "--bootstrap", "20") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["spec"]["masks"] == "auto" and config["masks_used"] <= 4
+    # Left out, --masks is the run's own (auto): a larger --max-masks is its to use.
+    assert harness("locate", "--model-args", f"pretrained={folder},dtype=float32",
+                   "--include-path", TASKS, "--tasks", "tiny_choice", "--sparsity", "0.25",
+                   "--num-samples", "4", *LASSO_ONLY, "--bootstrap", "20",
+                   "--max-masks", "8", "--out", str(out)) == 0
+    assert json.loads((out / "config.json").read_text())["spec"]["max_masks"] == 8

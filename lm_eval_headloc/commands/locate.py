@@ -58,7 +58,7 @@ from .result import (
     stored_priors,
 )
 from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec
+from .spec import DEFAULT_MAX_MASKS, RunSpec
 from .types import ensure_types
 
 log = logging.getLogger(__name__)
@@ -511,6 +511,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if stored is not None and stored.spec.budget_given:
             # --masks and --confirm left out: a resumed run keeps what it was made with.
             spec = spec.budgeted(None, stored.spec)
+        if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
+            # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
+            raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
+                             f"measures {spec.masks or 'the default budget of'} masks")
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force)  # phase: started
         assert isinstance(run, LocateRun)

@@ -34,12 +34,14 @@ from ..designs import DESIGNS
 from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
 
-__all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_TASK", "RunSpec", "UsageError",
-           "add_options", "parse_batch_size"]
+__all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
+           "UsageError", "add_options", "parse_batch_size"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --masks and --confirm where neither is given and the run has no prior.
 NO_PRIOR_MASKS, NO_PRIOR_ALONE = default_split(None)
+#: --max-masks: where --masks auto stops when no top-k head settles.
+DEFAULT_MAX_MASKS = 300
 #: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
 PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "ig", "none")
 _SAME = object()  # _option's legacy: the same as the default
@@ -292,8 +294,8 @@ class RunSpec:
             "is stable in the bootstrap (or --max-masks) (default: "
             f"{DEFAULT_MASKS} with an attribution prior, {NO_PRIOR_MASKS} without one; a "
             "resumed run keeps its own)", parse=parse_masks, metavar="M")
-    max_masks: int = _option(300, "with --masks auto: the most masks measured", parse=int,
-                             metavar="M", whole=True, min_val=1)
+    max_masks: int = _option(DEFAULT_MAX_MASKS, "with --masks auto: the most masks measured",
+                             parse=int, metavar="M", whole=True, min_val=1)
     sparsity: float | str = _option(
         0.1, "fraction of heads knocked out per mask; auto: the largest of 0.02, 0.05, "
               "0.1, 0.2 whose pilot masks stay clear of the score's floor (the pilot's "

@@ -66,7 +66,11 @@ def check_workers(workers: int, ray_address: str | None, gpus_per_worker: float 
                   ray_timeout: float = RAY_TIMEOUT) -> None:
     """Refuse what cannot work, before any model loads: Ray options without workers,
     workers without Ray installed, or a ``--ray-address`` nothing answers at within
-    ``ray_timeout`` seconds (:func:`check_ray_address`)."""
+    ``ray_timeout`` seconds (:func:`check_ray_address`). A timeout other than the default
+    without an address would wait on nothing: refused rather than silently unused."""
+    if ray_address is None and ray_timeout != RAY_TIMEOUT:
+        raise UsageError(f"--ray-timeout {ray_timeout:g}: is how long --ray-address may take "
+                         "to answer; give the address too (a local Ray waits on none)")
     if workers == 1:
         for flag, value in (("--ray-address", ray_address),
                             ("--gpus-per-worker", gpus_per_worker)):
