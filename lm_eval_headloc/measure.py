@@ -201,7 +201,7 @@ class HarnessMeasurement:
     the harness (the task's metric); ``"logprob"`` by the mean log-likelihood of the gold
     answers (``signals``), reported as metric ``logprob``, higher is better.
     ``num_fewshot`` and ``gen_kwargs``: lm-eval's overrides of the same names
-    (``configure_tasks``).
+    (``configure_tasks``); ``system_instruction``: lm-eval's, before every prompt.
     """
 
     def __init__(
@@ -215,6 +215,7 @@ class HarnessMeasurement:
         confirm_run_unsafe_code: bool = False,
         num_fewshot: int | None = None,
         gen_kwargs: Mapping[str, Any] | None = None,
+        system_instruction: str | None = None,
         limit: int | None = None,
         verbose: bool = False,
         signal: str = "metric",
@@ -229,6 +230,7 @@ class HarnessMeasurement:
         self.confirm_run_unsafe_code = confirm_run_unsafe_code
         self.verbose = verbose
         self.limit = limit
+        self.system_instruction = system_instruction
         has_template = bool(getattr(getattr(lm, "tokenizer", None), "chat_template", None))
         groups: dict[bool, dict[str, Any]] = {}
         self.doc_counts: dict[str, int] = {}
@@ -296,7 +298,8 @@ class HarnessMeasurement:
                 results = evaluate(
                     lm=model if model is not None else self.lm, task_dict=group.loaded,
                     samples=self.subset, limit=self.limit, bootstrap_iters=0,
-                    log_samples=False, apply_chat_template=group.apply_chat_template,
+                    log_samples=False, system_instruction=self.system_instruction,
+                    apply_chat_template=group.apply_chat_template,
                     fewshot_as_multiturn=group.apply_chat_template,
                     confirm_run_unsafe_code=self.confirm_run_unsafe_code,
                 )

@@ -297,7 +297,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "ablation": "mean", "scale": 2.0, "ablation_data": "reference.txt",
         "ablation_field": "prompt", "random_draws": 2, "components": "heads+neurons",
         "candidates": 9, "examples_part": "1/2", "neuron_groups": 2, "num_fewshot": 5,
-        "gen_kwargs": '{"max_gen_toks": 8}',
+        "gen_kwargs": '{"max_gen_toks": 8}', "system_instruction": "Be brief.",
     }
     from dataclasses import fields
 
@@ -306,8 +306,9 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     # What each command's measurements depend on, written out: the options every
     # measuring command shares, and its own (a refittable setting resumes).
     shared = {"model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "num_fewshot", "gen_kwargs", "signal", "never_ablate",
-              "exclude", "top_k", "ablation", "scale", "ablation_data", "ablation_field"}
+              "apply_chat_template", "num_fewshot", "gen_kwargs", "system_instruction",
+              "signal", "never_ablate", "exclude", "top_k", "ablation", "scale",
+              "ablation_data", "ablation_field"}
     design = {"design", "design_seed", "prior", "confirm", "alpha", "bootstrap",
               "components", "candidates", "neuron_groups"}
     refusing = {"locate": (shared | design | {"sparsity"}) - {"alpha", "top_k", "exclude",

@@ -1,7 +1,8 @@
-"""lm-eval's --num_fewshot and --gen_kwargs: every measurement's prompts and generation
-arguments are the ones lm-eval itself makes with them (the reference: ``simple_evaluate``
-on the same documents), the run records them, its lm-eval results files carry them, and
-where they would change nothing or crash after the load they are refused before it."""
+"""lm-eval's --num_fewshot, --gen_kwargs and --system_instruction: every measurement's
+prompts and generation arguments are the ones lm-eval itself makes with them (the
+reference: ``simple_evaluate`` on the same documents), the run records them, its lm-eval
+results files carry them, and where they would change nothing or crash after the load they
+are refused before it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.spec import parse_gen_kwargs
 
 TASK_LIST = "tiny_copy,tiny_generate"  # a loglikelihood task and a generation task
+INSTRUCTION = "Copy the words."
 
 
 def _requests(pairs) -> dict[str, list[str]]:
@@ -40,7 +42,7 @@ def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
     model = tiny_model_dir("llama")
     spec = RunSpec(model_args=f"pretrained={model},dtype=float32,device=cpu",
                    tasks=tuple(TASK_LIST.split(",")), include_path=(TASKS,), num_fewshot=2,
-                   gen_kwargs="max_gen_toks=5,until=[';']")
+                   gen_kwargs="max_gen_toks=5,until=[';']", system_instruction=INSTRUCTION)
     setup = prepare(spec)
     lm = load_model(setup)
     measure = open_measurement(setup, lm, None, 6)
@@ -48,6 +50,7 @@ def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
     reference = lm_eval.simple_evaluate(
         model=lm, tasks=TASK_LIST.split(","), task_manager=make_task_manager([TASKS]),
         samples=measure.subset, num_fewshot=2, gen_kwargs={"max_gen_toks": 5, "until": [";"]},
+        system_instruction=INSTRUCTION,
         log_samples=True, bootstrap_iters=0)
     theirs = _requests((task, s["arguments"][0])
                        for task, samples in reference["samples"].items() for s in samples)
@@ -58,10 +61,14 @@ def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
     # Without the overrides the prompts are the tasks' own: zero-shot (one paragraph),
     # 3 new tokens.
     plain = _instance_args(open_measurement(
-        prepare(spec.replace(num_fewshot=None, gen_kwargs=None)), lm, None, 6))
+        prepare(spec.replace(num_fewshot=None, gen_kwargs=None, system_instruction=None)), lm,
+        None, 6))
     for task, requests in plain.items():
         assert all("\n\n" not in json.loads(r)[0] for r in requests)
-        assert all(json.loads(r)[0].count("\n\n") == 2 for r in ours[task])
+        prompts = [json.loads(r)[0] for r in ours[task]]
+        assert all(prompt.startswith(INSTRUCTION) for prompt in prompts)
+        assert all(prompt.removeprefix(INSTRUCTION).strip().count("\n\n") == 2
+                   for prompt in prompts)
     assert all(json.loads(r)[1]["max_gen_toks"] == 3 for r in plain["tiny_generate"])
 
 
@@ -90,7 +97,7 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
     run, out, results_dir = tmp_path / "run", tmp_path / "verify", tmp_path / "lm-eval"
     assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
                    "--num-samples", "6", "--num-fewshot", "2", "--gen-kwargs",
-                   "max_gen_toks=4", "--out", str(run)) == 0
+                   "max_gen_toks=4", "--system_instruction", INSTRUCTION, "--out", str(run)) == 0
     assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_copy",
                    "--random-draws", "0", "--out", str(out), "--output-path",
                    str(results_dir)) == 0
@@ -99,6 +106,7 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
     for key, path in json.loads((out / "lm_eval_files.json").read_text()).items():
         saved = json.loads(Path(path).read_text())
         assert saved["n-shot"] == {"tiny_copy": 2, "tiny_generate": 2}
+        assert saved["system_instruction"] == INSTRUCTION
         assert saved["configs"]["tiny_generate"]["generation_kwargs"]["max_gen_toks"] == 4
         for task in ("tiny_copy", "tiny_generate"):
             metric = measured[key]["metrics"][task]
@@ -151,7 +159,8 @@ def test_a_locate_report_says_them(tiny_model_dir, tmp_path):
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
                    "--num-samples", "6", "--masks", "4", "--confirm", "0", "--prior", "none",
                    "--num-fewshot", "1", "--gen-kwargs", "max_gen_toks=4",
-                   "--out", str(out)) == 0
+                   "--system-instruction", INSTRUCTION, "--out", str(out)) == 0
     report = (out / "report.md").read_text()
     assert "- few-shot examples per prompt: 1 (--num-fewshot" in report
     assert '- generation arguments: `{"max_gen_toks": 4}`' in report
+    assert "- system instruction: 'Copy the words.' (--system-instruction)" in report

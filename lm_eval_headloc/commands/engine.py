@@ -427,7 +427,7 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
     measure = HarnessMeasurement(
         lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
         apply_chat_template=spec.apply_chat_template, num_fewshot=spec.num_fewshot,
-        gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
+        gen_kwargs=parse_gen_kwargs(spec.gen_kwargs), system_instruction=spec.system_instruction,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal,
         examples_part=parse_examples_part(spec.examples_part))
@@ -659,6 +659,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                     model_args=spec.model_args, log_samples=spec.log_samples,
                     apply_chat_template=chat, fewshot_as_multiturn=chat,
                     num_fewshot=spec.num_fewshot, gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
+                    system_instruction=spec.system_instruction,
                     confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
             path = save_lm_eval_results(results, spec.output_path,
                                         log_samples=spec.log_samples)

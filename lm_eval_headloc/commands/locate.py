@@ -250,6 +250,8 @@ def locate_report(run: LocateRun) -> str:
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
         *([f"- few-shot examples per prompt: {spec.num_fewshot} (--num-fewshot; a task "
            "whose YAML fixes 0 keeps 0)"] if spec.num_fewshot is not None else []),
+        *([f"- system instruction: {spec.system_instruction!r} (--system-instruction)"]
+          if spec.system_instruction is not None else []),
         *([f"- generation arguments: `{spec.gen_kwargs}` (--gen-kwargs, over each "
            "generation task's own)"] if spec.gen_kwargs is not None else []),
         f"- design: {spec.design}, {_masks_words(run)}, sparsity "

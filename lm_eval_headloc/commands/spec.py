@@ -264,6 +264,10 @@ class RunSpec:
         None, "as lm-eval's --num_fewshot: examples in each prompt's few-shot context, for "
               "every task whose YAML does not fix it at 0 (default: each task's own)",
         parse=int, metavar="N", whole=True, min_val=0)
+    system_instruction: str | None = _option(
+        None, "as lm-eval's --system_instruction: a system prompt before every prompt (the "
+              "chat template's system message where a task is asked through it, else text "
+              "before the prompt)", metavar="TEXT")
     gen_kwargs: str | None = _option(
         None, "as lm-eval's --gen_kwargs: generation arguments of the generation tasks, "
               "key=value pairs joined by commas or a JSON object, e.g. "
@@ -517,7 +521,7 @@ class RunSpec:
             raise UsageError(f"--ablation-field {self.ablation_field!r}: names a field of a "
                              "JSONL --ablation-data; give that file too")
         for name in ("model_args", "never_ablate", "exclude", "ablation_data",
-                     "ablation_field", "ray_address"):
+                     "ablation_field", "ray_address", "system_instruction"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
@@ -538,6 +542,9 @@ class RunSpec:
             clash = sorted(given & set(refused))
             if clash:
                 raise UsageError(f"--model-args {clash[0]}=...: {refused[clash[0]]}")
+        if self.system_instruction is not None and not self.system_instruction.strip():
+            raise UsageError("--system-instruction '': give the instruction's text, or leave "
+                             "it out for none")
         if self.ablation_data is not None and not self.ablation_data.strip():
             raise UsageError("--ablation-data '': give a file or a task, or leave it out for "
                              "the run's tasks")
@@ -597,7 +604,8 @@ HARNESS_MODEL_ARGS = {
 }
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "num_fewshot", "gen_kwargs", "signal", "never_ablate",
+              "apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs",
+              "signal", "never_ablate",
               "ablation", "scale", "ablation_data", "ablation_field", "exclude", "top_k",
               "batch_size", "masks_per_pass",
               "workers", "ray_address", "ray_timeout", "gpus_per_worker",
@@ -617,20 +625,21 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
     # adds it with add_options(keep_stored="the runs' own tasks")).
     "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "num_fewshot",
-              "gen_kwargs", "ablation",
+              "system_instruction", "gen_kwargs", "ablation",
               "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
     "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "num_fewshot", "batch_size", "confirm_run_unsafe_code",
-              "verbose"),
+              "apply_chat_template", "num_fewshot", "system_instruction", "batch_size",
+              "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
 
 
 #: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
-LM_EVAL_SPELLING = frozenset({"output_path", "log_samples", "num_fewshot", "gen_kwargs"})
+LM_EVAL_SPELLING = frozenset({"output_path", "log_samples", "num_fewshot", "gen_kwargs",
+                              "system_instruction"})
 
 
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
