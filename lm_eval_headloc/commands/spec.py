@@ -236,6 +236,18 @@ class RunSpec:
     apply_chat_template: bool | None = _option(
         None, "ask through the chat template (default: for generation tasks when the "
               "model has one)", switch=argparse.BooleanOptionalAction)
+    num_fewshot: int | None = _option(
+        None, "as lm-eval's --num_fewshot: examples in each prompt's few-shot context, for "
+              "every task whose YAML does not fix it at 0 (default: each task's own)",
+        parse=int, metavar="N", whole=True, min_val=0)
+    system_instruction: str | None = _option(
+        None, "as lm-eval's --system_instruction: a system prompt before every prompt (the "
+              "chat template's system message where a task is asked through it, else text "
+              "before the prompt)", metavar="TEXT")
+    gen_kwargs: str | None = _option(
+        None, "as lm-eval's --gen_kwargs: generation arguments of the generation tasks, "
+              "key=value pairs joined by commas or a JSON object, e.g. "
+              "max_gen_toks=256,temperature=0 (default: each task's own)", metavar="ARGS")
     signal: str = _option(
         "metric", "what each measurement scores: the task's metric (as lm-eval reports it) "
                   "or logprob, the mean log-likelihood of the gold answers (continuous; "
@@ -260,18 +272,6 @@ class RunSpec:
     ablation_field: str | None = _option(
         None, "with a JSONL --ablation-data: the field that holds each example's text "
               "(default: text)", metavar="FIELD")
-    num_fewshot: int | None = _option(
-        None, "as lm-eval's --num_fewshot: examples in each prompt's few-shot context, for "
-              "every task whose YAML does not fix it at 0 (default: each task's own)",
-        parse=int, metavar="N", whole=True, min_val=0)
-    system_instruction: str | None = _option(
-        None, "as lm-eval's --system_instruction: a system prompt before every prompt (the "
-              "chat template's system message where a task is asked through it, else text "
-              "before the prompt)", metavar="TEXT")
-    gen_kwargs: str | None = _option(
-        None, "as lm-eval's --gen_kwargs: generation arguments of the generation tasks, "
-              "key=value pairs joined by commas or a JSON object, e.g. "
-              "max_gen_toks=256,temperature=0 (default: each task's own)", metavar="ARGS")
     # --- locate's design ---------------------------------------------------------------
     components: str = _option(
         "heads", "what is located: attention heads, MLP neurons (L3N1234: the attribution "
