@@ -841,6 +841,26 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert rows[1]["score"] == pytest.approx(results["results"]["tiny_choice"]["acc,none"])
 
 
+def test_verify_of_a_run_on_part_of_the_examples_measures_whole_tasks(tiny_model_dir,
+                                                                      tmp_path):
+    """A run located on --examples-part 1/2 is verified on whole tasks (or --limit's first
+    documents), as verify's options say: the part used to cut the general tasks too, and
+    --limit silently dropped it."""
+    run = tmp_path / "part"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--examples-part", "1/2", "--masks", "4", "--sparsity", "0.25",
+                   *LASSO_ONLY, "--out", str(run)) == 0
+    assert strict_json(run / "config.json")["examples_used"] == {"tiny_choice": 2}
+    for limit, used in (([], {"tiny_choice": 4, "tiny_copy": 12}),
+                        (["--limit", "3"], {"tiny_choice": 3, "tiny_copy": 3})):
+        out = tmp_path / f"verify{len(limit)}"
+        assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                       "--random-draws", "0", *limit, "--out", str(out)) == 0
+        config = strict_json(out / "config.json")
+        assert config["examples_used"] == used
+        assert config["spec"]["examples_part"] is None
+
+
 def test_a_finished_verify_or_cross_reruns_without_loading_the_model(
         tiny_model_dir, tiny_locate_run, tmp_path, monkeypatch):
     """Every measurement on disk: the tables are rewritten from it, no weights loaded; one

@@ -217,9 +217,11 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     if "ablation_data" in kind:  # the run's JSONL field belongs to the run's file
         kind.setdefault("ablation_field", None)
     own = (spec or RunSpec()).replace(**options)
-    # Verification reports the tasks' own metrics, whatever signal the run ranked by.
+    # Verification reports the tasks' own metrics, whatever signal the run ranked by, on
+    # whole tasks or --limit's first documents: never the run's --examples-part (which
+    # would cut the general tasks too, and --limit would silently drop).
     spec = stored.spec.replace(
-        signal="metric",
+        signal="metric", examples_part=None,
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
         **kind)
     spec.validate()
