@@ -239,6 +239,21 @@ def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,
     return written
 
 
+def _live_ablation(lm: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+    """What the knocked-out components became on ``lm`` where ``args`` do not say it
+    (``ablation=``, its ``ablation_data=``, resample's seed): the recorded model arguments
+    and name must tell a mean knockout from a zero one. A reference set handed over as
+    texts (a run's own examples) has no argument; ``config.ablation`` holds its digest."""
+    if lm.ablation == "zero" or "ablation" in args:
+        return {}
+    live: dict[str, Any] = {"ablation": lm.ablation}
+    if lm.ablation_data is not None:
+        live["ablation_data"] = lm.ablation_data
+    if lm.ablation == "resample" and lm.resample_seed:
+        live["resample_seed"] = lm.resample_seed
+    return live
+
+
 def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
                       knocked_out: Sequence[str | Component] | str,
                       limit: int | float | None = None, log_samples: bool = False,
@@ -278,6 +293,8 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
                                           **kwargs)
         done, used_scale = format_heads(lm.knocked_out), lm.scale  # whole layers expanded
     args = knockout_model_args(model_args, done, used_scale)
+    if done:
+        args.update(_live_ablation(lm, args))
     results["config"].update(model=MODEL_NAME, model_args=args)
     # simple_evaluate told the tracker of a "CUSTOM" model without arguments (it was
     # given a loaded one): tell it what the CLI would have, and the knockout's name.

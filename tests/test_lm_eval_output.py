@@ -410,6 +410,51 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
     assert len(probes) == 1 and probes[0] < 128  # once, narrower than max_length (128)
 
 
+def test_output_path_names_a_mean_knockout_as_one(tiny_model_dir, tmp_path):
+    """A knockout under --ablation mean is recorded and filed as one: its model_args say
+    ablation=mean (with the reference it was given), so rerunning them with lm_eval gives
+    this evaluation, not a zero knockout's; its name and folder differ from a zero
+    knockout's of the same heads."""
+    from conftest import finished_run
+
+    from lm_eval_headloc.commands.cli import main
+
+    model = tiny_model_dir("llama")
+    run = finished_run(tmp_path / "run", model, "tiny_copy_ppl", ("L1H2", "L0H0"))
+    reference = tmp_path / "reference.txt"
+    reference.write_text("the cat sat on the mat\nMary and John went to the store\n")
+    names = {}
+    for kind in ("zero", "mean"):
+        out, results_dir = tmp_path / f"verify-{kind}", tmp_path / "lm-eval"
+        extra = ["--ablation-data", str(reference)] if kind == "mean" else []
+        assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                     "--random-draws", "0", "--ablation", kind, *extra, "--out", str(out),
+                     "--output-path", str(results_dir)]) == 0
+        index = json.loads((out / "lm_eval_files.json").read_text())
+        saved = json.loads(Path(index["tiny_copy_ppl-top1"]).read_text())
+        args = saved["config"]["model_args"]
+        if kind == "mean":
+            assert args["ablation"] == "mean" and args["ablation_data"] == str(reference)
+            assert saved["model_name"].endswith(",ablate=L1H2,ablation=mean")
+        else:
+            assert "ablation" not in args
+        names[kind] = (saved["model_name"], Path(index["tiny_copy_ppl-top1"]).parent)
+        baseline = json.loads(Path(index["baseline"]).read_text())
+        assert "ablate" not in baseline["config"]["model_args"]
+    assert names["zero"][0] != names["mean"][0] and names["zero"][1] != names["mean"][1]
+
+
+def test_evaluate_knockout_records_the_live_ablation(tiny_model_dir, task_manager):
+    """From Python: a model whose ablation kind was switched on the live model (as a run
+    does, with its own examples) records that kind."""
+    lm = load_lm(tiny_model_dir("llama"))
+    lm.set_ablation("mean", ["the cat sat on the mat", "Mary and John went to the store"])
+    results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
+                                limit=2)
+    assert results["config"]["model_args"]["ablation"] == "mean"
+    assert results["model_name"].endswith(",ablate=L0H1,ablation=mean")
+
+
 def _with_chat_template(model_dir: Path, folder: Path) -> Path:
     """A copy of a tiny model whose tokenizer has a chat template."""
     import shutil

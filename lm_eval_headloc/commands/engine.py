@@ -647,6 +647,11 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
     window = ({"samples": measure.subset} if measure.subset is not None
               else {"limit": measure.limit})
     settings = chat_settings(measure, [name for name, _ in setup.tasks])
+    # The ablation is a flag of the run, not in its --model-args: said to lm-eval too.
+    model_args = ",".join([spec.model_args, *(
+        f"{name}={getattr(spec, name)}" for name in ("ablation", "ablation_data",
+                                                     "ablation_field")
+        if getattr(spec, name) not in (None, "zero"))])
     for key, components, *scale in plan:
         if _files_written(written.get(key)):
             continue
@@ -656,7 +661,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                 results = evaluate_knockout(
                     measure.lm, names, task_manager=manager,
                     knocked_out=list(components), scale=scale[0] if scale else None,
-                    model_args=spec.model_args, log_samples=spec.log_samples,
+                    model_args=model_args, log_samples=spec.log_samples,
                     apply_chat_template=chat, fewshot_as_multiturn=chat,
                     num_fewshot=spec.num_fewshot, gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
                     system_instruction=spec.system_instruction,
