@@ -138,6 +138,22 @@ class _TaskGroup:
 Scores = dict[str, TaskScore]
 
 
+def seed_as_lm_eval() -> None:
+    """Seed Python's, numpy's and torch's generators as ``simple_evaluate`` does by
+    default (lm-eval's ``defaults``), before each evaluation and before tasks load (a
+    task's ``process_docs`` may shuffle with ``random``): sampled generation
+    (``--gen-kwargs do_sample=true``) then draws alike in every measurement of a mask and
+    in lm-eval's own results files, and the tasks hold the documents lm-eval builds."""
+    import random
+
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+
+
 def configure_tasks(tasks: Mapping[str, Any], num_fewshot: int | None = None,
                     gen_kwargs: Mapping[str, Any] | None = None) -> None:
     """Put lm-eval's command-line overrides on loaded ``tasks`` (leaf name -> task) as
@@ -295,6 +311,7 @@ class HarnessMeasurement:
                 for task in group.loaded["tasks"].values():
                     # Same few-shot examples in every measurement.
                     task.set_fewshot_seed(seed=FEWSHOT_SEED)
+                seed_as_lm_eval()
                 results = evaluate(
                     lm=model if model is not None else self.lm, task_dict=group.loaded,
                     samples=self.subset, limit=self.limit, bootstrap_iters=0,

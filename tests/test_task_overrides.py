@@ -164,3 +164,40 @@ def test_a_locate_report_says_them(tiny_model_dir, tmp_path):
     assert "- few-shot examples per prompt: 1 (--num-fewshot" in report
     assert '- generation arguments: `{"max_gen_toks": 4}`' in report
     assert "- system instruction: 'Copy the words.' (--system-instruction)" in report
+
+
+def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny_model_dir,
+                                                                            monkeypatch):
+    """With do_sample=true each measurement of a mask used to sample anew (nothing seeded
+    the generators; simple_evaluate seeds them): now every measurement draws as lm-eval's
+    own evaluation of the same documents does."""
+    import lm_eval
+
+    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
+    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.tasks import make_task_manager
+
+    generated: list[list[str]] = []
+    generate = HFHeadAblateLM.generate_until
+
+    def spy(self, requests, *args, **kwargs):
+        out = generate(self, requests, *args, **kwargs)
+        generated.append(list(out))
+        return out
+
+    monkeypatch.setattr(HFHeadAblateLM, "generate_until", spy)
+    spec = RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32,device=cpu",
+                   tasks=("tiny_generate",), include_path=(TASKS,),
+                   gen_kwargs="do_sample=true,temperature=1.0,max_gen_toks=6")
+    setup = prepare(spec)
+    measure = open_measurement(setup, load_model(setup), None, 6)
+    measure([])
+    measure(["L0H1"])  # another mask between: the generators move on
+    measure([])
+    lm_eval.simple_evaluate(model=measure.lm, tasks=["tiny_generate"],
+                            task_manager=make_task_manager([TASKS]), samples=measure.subset,
+                            gen_kwargs={"do_sample": True, "temperature": 1.0,
+                                        "max_gen_toks": 6})
+    first, knocked, again, theirs = generated[-4:]
+    assert first == again == theirs
+    assert len(set(first)) > 1  # sampled text, not one repeated string

@@ -231,7 +231,10 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         raise UsageError(str(err)) from None
     if len({name for name, _ in specs}) != len(specs):
         raise UsageError(f"--tasks {','.join(joined)}: a task is named twice")
+    from ..measure import seed_as_lm_eval
+
     loaded = {}
+    seed_as_lm_eval()
     for name, metric in specs:
         try:
             loaded[name] = manager.load([name])
