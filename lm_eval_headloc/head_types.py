@@ -29,7 +29,7 @@ from the model's typical head.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,12 +91,17 @@ def repeated_probe(vocab_size: int, length: int = 32, batch: int = 4, seed: int 
     return torch.as_tensor(rows, dtype=torch.long)
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``texts`` tokenized (special tokens as the tokenizer adds them) and right-padded
-    into ``(input_ids, attention_mask)``. Right padding keeps each text's positions what
-    they are unpadded; the pad id is the tokenizer's (its EOS, or 0, where it has none),
-    and the mask, not the id, is what marks padding."""
-    rows = [list(tokenizer(text)["input_ids"]) for text in texts]
+def encode_texts(tokenizer: Any, texts: Sequence[str],
+                 encode: Callable[[str], Sequence[int]] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``texts`` tokenized and right-padded into ``(input_ids, attention_mask)``: by
+    ``encode`` (an ``HFLM``'s ``tok_encode``, which adds no second BOS to a chat-templated
+    text that begins with one) or else with the tokenizer's own special tokens. Right
+    padding keeps each text's positions what they are unpadded; the pad id is the
+    tokenizer's (its EOS, or 0, where it has none), and the mask, not the id, is what marks
+    padding."""
+    rows = [list(encode(text) if encode is not None else tokenizer(text)["input_ids"])
+            for text in texts]
     pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None),
                0)
     width = max(len(row) for row in rows)

@@ -183,6 +183,48 @@ def test_encode_texts_pads_on_the_right():
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
+def test_types_read_a_chat_prompt_as_the_measurement_does(tiny_model_dir, tmp_path,
+                                                          monkeypatch):
+    """A tokenizer that adds a BOS (Llama 3's) and a chat template that writes one: lm-eval
+    adds no second BOS to a text that begins with it, and the types' scores on the run's
+    examples must read the same tokens, not [BOS, BOS, ...]."""
+    import importlib
+    import json
+    import shutil
+
+    from conftest import load_lm
+
+    # The module (the package's ``types`` is the command's function).
+    types_command = importlib.import_module("lm_eval_headloc.commands.types")
+    folder = tmp_path / "bos-model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    tokenizer_file = folder / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    bos = next(t["id"] for t in spec["added_tokens"] if t["content"] == "<s>")
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [bos],
+                                                         "tokens": ["<s>"]}}}
+    tokenizer_file.write_text(json.dumps(spec))
+    lm = load_lm(folder)
+    assert lm.tokenizer("the cat")["input_ids"][0] == bos  # the tokenizer adds a BOS
+    texts = ["<s>user: the cat sat</s><s>assistant:", "the dog sat on the mat"]
+    seen = []
+    monkeypatch.setattr(types_command, "head_type_scores",
+                        lambda model, ids, mask=None, **kw: seen.append((ids, mask)) or {
+                            t: np.zeros((2, 4)) for t in HEAD_TYPES})
+    monkeypatch.setattr(types_command, "type_thresholds", lambda scores: {})
+    monkeypatch.setattr(types_command, "dominant_type", lambda scores: [])
+    types_command.head_types_of(lm, texts)
+    ids, mask = seen[-1]
+    rows = [row[:int(m.sum())].tolist() for row, m in zip(ids, mask, strict=True)]
+    assert rows == [lm.tok_encode(text) for text in texts]
+    assert rows[0][:2] != [bos, bos] and rows[0][0] == bos and rows[1][0] == bos
+
+
 # --- tiny real models ------------------------------------------------------------------
 
 

@@ -89,7 +89,9 @@ def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
     scores = head_type_scores(model, probe)
     on_examples = None
     if texts:
-        ids, mask = encode_texts(tokenizer, list(texts))
+        # As the model reads them in a measurement: lm-eval's encoding, its window.
+        ids, mask = encode_texts(tokenizer, list(texts),
+                                 lambda text: lm.tok_encode(text)[-lm.max_length:])
         on_examples = head_type_scores(model, ids.to(lm.device), mask.to(lm.device),
                                        batch_size=PER_PASS)
 
