@@ -99,7 +99,8 @@ def gold_answers(instances: Iterable[Any], tasks: Mapping[str, Any],
 
     ``tasks`` maps leaf task names to lm-eval task objects; ``chat_template`` says which
     leaves were asked through the chat template (their generation prompts end where the
-    assistant's answer starts, so no target delimiter is put in front of the answer).
+    assistant's answer starts, so the target delimiter goes before the answer only after
+    a ``gen_prefix`` that does not end in whitespace, as lm-eval delimits its own answers).
     """
     by_doc: dict[tuple[str, int], list[Any]] = {}
     for instance in instances:
@@ -126,13 +127,26 @@ def gold_answers(instances: Iterable[Any], tasks: Mapping[str, Any],
             answers.append(GoldAnswer(leaf, doc_id, requests, indices, True))
         elif kind == "generate_until":
             context = group[0].args[0]
-            delimiter = "" if (chat_template or {}).get(leaf) else task.config.target_delimiter
+            delimiter = task.config.target_delimiter
+            if (chat_template or {}).get(leaf):
+                # lm-eval's rule for a chat prompt's answer (multiple choice's, and its
+                # few-shot answers'): the delimiter only after a gen_prefix that does not
+                # end in whitespace ("Answer:" -> "Answer: 4"), else none.
+                prefix = _gen_prefix(task, group[0].doc)
+                delimiter = delimiter if prefix and not prefix[-1].isspace() else ""
             reference = delimiter + _reference_answer(task, group[0].doc)
             answers.append(GoldAnswer(leaf, doc_id, ((context, reference),), (0,), False))
         else:
             raise ValueError(f"task {leaf!r} ({kind}): the logprob signal needs one of "
                              f"{', '.join(SIGNAL_OUTPUT_TYPES)}")
     return answers
+
+
+def _gen_prefix(task: Any, doc: Any) -> str | None:
+    """The text a task's chat prompt starts the assistant's answer with, if any."""
+    prefix = task.doc_to_prefix(doc) if hasattr(task, "doc_to_prefix") else \
+        task.get_config("gen_prefix")
+    return prefix if isinstance(prefix, str) and prefix else None
 
 
 def signal_weights(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],

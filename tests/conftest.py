@@ -188,3 +188,18 @@ def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...
         {"rank": r, "neuron" if isinstance(c, Neuron) else "head": name}
         for r, (name, c) in enumerate(zip(heads, ranked, strict=True), start=1)]}))
     return folder
+
+
+def with_chat_template(model_dir: Path, folder: Path) -> Path:
+    """A copy of a tiny model whose tokenizer has a chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+                               "</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:"
+                               "{% endif %}")
+    config_file.write_text(json.dumps(config))
+    return folder

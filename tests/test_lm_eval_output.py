@@ -455,31 +455,17 @@ def test_evaluate_knockout_records_the_live_ablation(tiny_model_dir, task_manage
     assert results["model_name"].endswith(",ablate=L0H1,ablation=mean")
 
 
-def _with_chat_template(model_dir: Path, folder: Path) -> Path:
-    """A copy of a tiny model whose tokenizer has a chat template."""
-    import shutil
-
-    shutil.copytree(model_dir, folder)
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-                               "</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:"
-                               "{% endif %}")
-    config_file.write_text(json.dumps(config))
-    return folder
-
-
 def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_path):
     """On a model with a chat template the measurement asks a generation task through it
     and a loglikelihood task not (the default): lm-eval's own files must ask the same, so
     each knockout gets one file per setting, each file saying its setting, each sample's
     prompt the one the measurement used."""
-    from conftest import finished_run
+    from conftest import finished_run, with_chat_template
     from transformers import AutoTokenizer
 
     from lm_eval_headloc.commands.cli import main
 
-    model = _with_chat_template(tiny_model_dir("llama"), tmp_path / "chat-model")
+    model = with_chat_template(tiny_model_dir("llama"), tmp_path / "chat-model")
     run = finished_run(tmp_path / "run", model, "tiny_generate", ("L1H2", "L0H0"))
     out, results_dir = tmp_path / "verify", tmp_path / "lm-eval"
     assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_copy",

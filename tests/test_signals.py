@@ -123,3 +123,43 @@ def test_signal_weights_are_the_signals_derivative():
         down = {**answers, key: (answers[key][0] - eps, False)}
         numeric = (gold_logprob(golds, up, ["a"]) - gold_logprob(golds, down, ["a"])) / (2 * eps)
         assert weights[key] == pytest.approx(numeric, abs=1e-8)
+
+
+@pytest.mark.parametrize("prefix, delimited", [("Answer:", True), ("Answer: ", False),
+                                               (None, False)])
+def test_a_chat_prompts_gold_answer_is_delimited_as_lm_evals_own_answers(
+        tiny_model_dir, tmp_path, prefix, delimited):
+    """Under the chat template lm-eval puts the target delimiter before an answer only
+    after a gen_prefix that does not end in whitespace ("Answer: 4"): its multiple-choice
+    requests, built from the same YAML lines, are the reference for the generation task's
+    teacher-forced gold answer."""
+    from conftest import with_chat_template
+
+    from lm_eval_headloc.tasks import make_task_manager
+
+    model = with_chat_template(tiny_model_dir("llama"), tmp_path / "chat")
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    lines = ['target_delimiter: " "'] + ([f'gen_prefix: "{prefix}"'] if prefix else [])
+    # Answers without their own leading space, so the delimiter is all that may add one.
+    for name, base, answers in (
+            ("prefixed_generate", "tiny_generate", 'doc_to_target: "{{target | trim}}"'),
+            ("prefixed_choice", "tiny_choice",
+             "doc_to_choice: \"{{choices | map('trim') | list}}\"")):
+        (folder / f"{name}.yaml").write_text("\n".join(
+            [f"include: {Path(TASKS) / base / (base + '.yaml')}", f"task: {name}", answers,
+             *lines]) + "\n")
+    manager = make_task_manager([TASKS, str(folder)])
+    lm = load_lm(model)
+    requests = {}
+    for name in ("prefixed_generate", "prefixed_choice"):
+        measure = HarnessMeasurement(lm, [(name, None)], {name: manager.load([name])},
+                                     num_samples=2, apply_chat_template=True,
+                                     signal="logprob")
+        requests[name] = [r for gold in measure.gold_answers() for r in gold.requests]
+    # lm-eval's own choices, then our gold answers: delimited alike.
+    assert {cont.startswith(" ") for _, cont in requests["prefixed_choice"]} == {delimited}
+    assert {cont.startswith(" ") for _, cont in requests["prefixed_generate"]} == {delimited}
+    assert all(not cont.startswith("  ") for _, cont in requests["prefixed_generate"])
+    if prefix:
+        assert all(context.endswith(prefix) for context, _ in requests["prefixed_generate"])
