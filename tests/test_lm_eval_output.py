@@ -473,6 +473,8 @@ def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_p
                  str(results_dir), "--log-samples"]) == 0
     index = json.loads((out / "lm_eval_files.json").read_text())
     assert sorted(index) == ["baseline", "tiny_generate-top1"]
+    assert json.loads((out / "config.json").read_text())["chat_template"] == {
+        "tiny_copy": False, "tiny_generate": True}
     measured = {json.loads(line)["key"]: json.loads(line) for line in
                 (out / "measurements.jsonl").read_text().splitlines()}
     tokenizer = AutoTokenizer.from_pretrained(model)

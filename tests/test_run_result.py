@@ -51,7 +51,8 @@ def config_writes(monkeypatch) -> dict[Path, list[dict]]:
 # What each phase of a locate run adds to config.json, written out here rather than
 # taken from the code under test.
 STARTED = {"schema", "command", "identity", "settings", "spec", "versions", "created"}
-MEASURING = {"example_subset", "examples_used", "layers", "heads_per_layer", "ablation"}
+MEASURING = {"example_subset", "examples_used", "chat_template", "layers", "heads_per_layer",
+             "ablation"}
 DESIGNED = {"pilot", "row_keys", "prior_used", "prior_method"}  # pilot: --sparsity auto
 MEASURED = {"masks_used", "confirm"}  # confirm: --confirm
 

@@ -164,6 +164,10 @@ def test_a_locate_report_says_them(tiny_model_dir, tmp_path):
     assert "- few-shot examples per prompt: 1 (--num-fewshot" in report
     assert '- generation arguments: `{"max_gen_toks": 4}`' in report
     assert "- system instruction: 'Copy the words.' (--system-instruction)" in report
+    # The tiny model's tokenizer has no chat template: said, and recorded per task.
+    assert "- chat template: not used" in report
+    assert json.loads((out / "config.json").read_text())["chat_template"] == {
+        "tiny_generate": False}
 
 
 def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny_model_dir,

@@ -248,6 +248,8 @@ def locate_report(run: LocateRun) -> str:
            + _group_words(run)]
           if run.neurons_per_layer else []),
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
+        *([f"- chat template: {_chat_words(run.chat_template)}"]
+          if run.chat_template is not None else []),
         *([f"- few-shot examples per prompt: {spec.num_fewshot} (--num-fewshot; a task "
            "whose YAML fixes 0 keeps 0)"] if spec.num_fewshot is not None else []),
         *([f"- system instruction: {spec.system_instruction!r} (--system-instruction)"]
@@ -332,6 +334,16 @@ _UNITS = {"heads": "heads", "neurons": "MLP neurons", "heads+neurons": "heads an
 _UNIT = {"heads": "head", "neurons": "neuron", "heads+neurons": "component"}
 _TITLES = {"heads": "Head localization", "neurons": "MLP neuron localization",
            "heads+neurons": "Head and MLP neuron localization"}
+
+
+def _chat_words(chat_template: Mapping[str, bool]) -> str:
+    """Which tasks were asked through the chat template, as the run recorded it."""
+    through = [task for task, chat in chat_template.items() if chat]
+    if not through:
+        return "not used"
+    if len(through) == len(chat_template):
+        return "every task asked through it"
+    return "asked through it: " + ", ".join(through) + "; the others plain"
 
 
 def _confirm_words(run: LocateRun) -> str:

@@ -49,9 +49,11 @@ def mask_keys(masks: int) -> list[str]:
 
 def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
     """What config.json records of a measurement once the model is loaded: the example
-    subset and the examples used per task, the model's geometry, and the ablation
-    (``None`` for a measurement that sets none)."""
+    subset and the examples used per task, which tasks it asks through the chat template
+    (decided from the tokenizer when --apply-chat-template is left out), the model's
+    geometry, and the ablation (``None`` for a measurement that sets none)."""
     return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
+            "chat_template": dict(sorted(measure.chat_template.items())),
             "layers": setup.num_layers, "heads_per_layer": setup.heads_per_layer,
             "ablation": getattr(measure, "ablation_config", None)}
 
@@ -75,6 +77,7 @@ class RunRecord:
     # The measurement, once the model is loaded (``measured_with``).
     example_subset: dict[str, list[int]] | None = None
     examples_used: dict[str, int] | None = None
+    chat_template: dict[str, bool] | None = None  # leaf task -> asked through it
     layers: int | None = None
     heads_per_layer: int | None = None
     ablation: dict[str, Any] | None = None
@@ -89,7 +92,7 @@ class RunRecord:
     #: The keys of config.json this class owns, in the order they are written.
     KEYS: ClassVar[tuple[str, ...]] = (
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
-        "examples_used", "layers", "heads_per_layer", "ablation", "workers")
+        "examples_used", "chat_template", "layers", "heads_per_layer", "ablation", "workers")
 
     # --- reading -------------------------------------------------------------------
 
