@@ -410,6 +410,39 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
     assert len(probes) == 1 and probes[0] < 128  # once, narrower than max_length (128)
 
 
+def test_a_rerun_with_another_output_path_or_log_samples_writes_them(tiny_model_dir,
+                                                                     tmp_path):
+    """A finished verify rerun with a new --output-path, or adding --log-samples, used to
+    write nothing (the files of the first --output-path counted as done) while its
+    config.json named the new folder."""
+    from conftest import finished_run
+
+    from lm_eval_headloc.commands.cli import main
+
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy_ppl",
+                       ("L1H2", "L0H0"))
+    out = tmp_path / "verify"
+    common = ["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+              "--random-draws", "0", "--out", str(out)]
+
+    def files(folder: Path) -> list[Path]:
+        return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*common, "--output-path", str(first)]) == 0
+    assert len(files(first)) == 2 and not [p for p in files(first) if "samples_" in p.name]
+    assert main([*common, "--output-path", str(second)]) == 0
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    assert all(second in Path(path).parents for path in index.values())
+    assert len(files(second)) == 2 and len(files(first)) == 2  # the first ones kept
+    assert main([*common, "--output-path", str(second), "--log-samples"]) == 0
+    samples = [p for p in files(second) if p.name.startswith("samples_")]
+    assert len(samples) == 4  # two tasks, two knockouts
+    before = files(second)
+    assert main([*common, "--output-path", str(second), "--log-samples"]) == 0
+    assert files(second) == before  # all there: nothing written again
+
+
 def test_output_path_names_a_mean_knockout_as_one(tiny_model_dir, tmp_path):
     """A knockout under --ablation mean is recorded and filed as one: its model_args say
     ablation=mean (with the reference it was given), so rerunning them with lm_eval gives

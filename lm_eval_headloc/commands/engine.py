@@ -590,7 +590,7 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,
                            identity=identity)
-        if nothing_left(folder, plan, spec.output_path is not None):
+        if nothing_left(folder, plan, spec.output_path, spec.log_samples):
             # A finished run rerun: its tables come from disk, no weights loaded (run_plan
             # still checks that what is on disk is what the plan asks for).
             yield folder, run_plan(folder, None, plan, desc=desc or command, progress=False)
@@ -611,25 +611,39 @@ LM_EVAL_FILES = "lm_eval_files.json"
 
 
 def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
-                 lm_eval_files: bool = False) -> bool:
-    """Every measurement of ``plan`` is on disk (and, with ``lm_eval_files``, every
-    lm-eval results file ``--output-path`` wrote for it), so the model is not needed."""
+                 output_path: str | None = None, log_samples: bool = False) -> bool:
+    """Every measurement of ``plan`` is on disk (and, with ``output_path``, every lm-eval
+    results file --output-path wants for it), so the model is not needed."""
     done = {record["key"] for record in folder.measurements()}
     if any(entry[0] not in done for entry in plan):
         return False
-    if not lm_eval_files:
+    if output_path is None:
         return True
     index = folder.file(LM_EVAL_FILES)
     written = json.loads(index.read_text()) if index.is_file() else {}
-    return all(_files_written(written.get(entry[0])) for entry in plan)
+    return all(_files_written(written.get(entry[0]), output_path, log_samples)
+               for entry in plan)
 
 
-def _files_written(entry: Any) -> bool:
+def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
     """An index entry (one path, or a list of them: one per chat-template setting) whose
-    every file is on disk."""
+    every file is on disk under ``output_path`` (a rerun with another --output-path writes
+    there), with its samples beside it where ``log_samples`` wants them (a rerun that adds
+    --log-samples writes them)."""
     paths = [entry] if isinstance(entry, str) else entry
-    return (isinstance(paths, list) and bool(paths)
-            and all(isinstance(path, str) and Path(path).is_file() for path in paths))
+    if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
+        return False
+    root = Path(output_path).resolve()
+    root = root.parent if root.suffix == ".json" else root  # lm-eval writes beside it
+    for path in map(Path, paths):
+        if not path.is_file() or root not in path.resolve().parents:
+            return False
+        # lm-eval names a save's files with one date id (results_<id>.json, and
+        # samples_<task>_<id>.jsonl beside it).
+        date_id = path.stem.rsplit("_", 1)[-1]
+        if log_samples and not any(path.parent.glob(f"samples_*_{date_id}.jsonl")):
+            return False
+    return True
 
 
 def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
@@ -656,7 +670,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                                                      "ablation_field")
         if getattr(spec, name) not in (None, "zero"))])
     for key, components, *scale in plan:
-        if _files_written(written.get(key)):
+        if _files_written(written.get(key), str(spec.output_path), spec.log_samples):
             continue
         paths = []
         for chat, names in settings.items():
