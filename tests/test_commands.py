@@ -179,6 +179,8 @@ def fake_run(folder: Path, model_dir: Path, task: str = "tiny_copy",
     (["--top-k", "7"], "--top-k 7: heads-tiny_copy.json ranks only 6 heads"),
     (["--limit", "0"], "--limit 0: must be a whole number >= 1"),
     (["--general", "no_such_task"], "unknown task 'no_such_task'"),
+    (["--general", "tiny_copy"], "--general tiny_copy: the run's own task, measured in the "
+                                 "Task column"),
     (["--batch-size", "0"], "--batch-size 0"),
 ])
 def test_verify_checks_arguments_before_loading(tiny_model_dir, tmp_path, capsys,

@@ -230,6 +230,11 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     general = spec.general if spec.general is not None else (
         OFFLINE_GENERAL if is_embedded(spec.model_args) else DEFAULT_GENERAL)
     general = tuple(g for g in general if g not in heads_by_task)
+    if spec.general is not None and not general:
+        which = "task" if len(spec.general) == 1 else "tasks"
+        raise UsageError(f"--general {','.join(spec.general)}: the run's own {which}, "
+                         "measured in the Task column; name another task (or leave --general "
+                         "out)")
     spec = spec.replace(general=general)
     setup = prepare(spec, extra_tasks=general)
     for names in heads_by_task.values():
