@@ -1416,3 +1416,24 @@ def test_prior_auto_is_none_where_there_are_no_gold_answers(tiny_model_dir, tmp_
     error = last_error(capsys)
     assert "--prior atp: task 'tiny_rolling' is loglikelihood_rolling" in error
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_path, capsys):
+    """With more confirmation than heads (a small model, the default budget) every head is
+    measured alone: the fit has nothing left and its R² (0) and held-out R² said nothing
+    true; the report says why there is none."""
+    out = tmp_path / "all"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--masks", "4",
+                   "--prior", "none", "--confirm", "8", "--out", str(out)) == 0
+    assert len(strict_json(out / "heads.json")["confirmed"]) == 8
+    printed = capsys.readouterr().out
+    assert "R²" not in printed
+    report = (out / "report.md").read_text()
+    assert "Every head was measured alone, so each ranks by its measurement" in report
+    assert "Fit R²" not in report
+    some = tmp_path / "some"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--masks", "4",
+                   "--prior", "none", "--confirm", "2", "--out", str(some)) == 0
+    assert "Fit R² = " in (some / "report.md").read_text()

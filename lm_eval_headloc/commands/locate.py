@@ -276,8 +276,11 @@ def locate_report(run: LocateRun) -> str:
             f"## {task} ({ranking.metric}, {'higher' if ranking.higher_is_better else 'lower'}"
             " is better)", "",
             f"Baseline (nothing knocked out): {ranking.baseline:.4f}. "
-            f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
-            f"measurements{held_out_words(ranking, _UNIT[spec.components])}.", "",
+            + (f"Every {_UNIT[spec.components]} was measured alone, so each ranks by its "
+               "measurement; the masks' fit, with those changes held fixed, has nothing "
+               "left to estimate (no R²)." if all_measured_alone(ranking) else
+               f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
+               f"measurements{held_out_words(ranking, _UNIT[spec.components])}."), "",
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
@@ -291,6 +294,16 @@ def locate_report(run: LocateRun) -> str:
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
     return "\n".join(lines) + "\n"
+
+
+def all_measured_alone(ranking: HeadRanking) -> bool:
+    """Whether the confirmation measured every component the run ranks (a small model
+    under the default budget): the fit then estimates nothing and its R² says nothing."""
+    confirmed = ranking.extra.get("confirmed")
+    if not confirmed:
+        return False
+    ranked = len(ranking.effects) - len(ranking.extra.get("excluded") or ())
+    return len(set(confirmed)) >= ranked
 
 
 def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
