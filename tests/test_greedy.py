@@ -69,6 +69,23 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
         "No head stands out: all 3 listed heads have the same evidence (all alike)")
 
 
+def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
+    """Round 1 measured L0H0 (0) and L0H1 (1) alike, so its winner L0H0 was picked over
+    L0H1 by index: L0H1, round 2's winner, is tied with it. Round 2 measured L1H0 (2)
+    worse than its winner: not tied. Without ``alike`` (the earlier code) the winners
+    were never marked."""
+    changes = {"acc": {0: (-0.2, -1.0), 1: (-0.1, -0.5), 2: (-0.1, -0.5), 3: (0.0, 0.0)}}
+    winners = [Head(0, 0), Head(0, 1)]
+    alike = [{"acc": {0, 1}}, {"acc": {1}}]
+    ranking = _rankings(changes, winners, BASELINE, 2, 4, 2, 9, alike)["acc"]
+    assert ranking.order == [0, 1, 2, 3]
+    # L1H0 measured in round 2 as L0H1 did when it won: tied with it too.
+    assert ranking.extra["tied_with_above"] == ["L0H1", "L1H0"]
+    strict = _rankings(changes, winners, BASELINE, 2, 4, 2, 9,
+                       [{"acc": {0}}, {"acc": {1}}])["acc"]
+    assert strict.extra["tied_with_above"] == ["L1H0"]
+
+
 def test_top_k_places_that_do_not_hurt_are_said_to():
     from lm_eval_headloc.commands.report import HeadRanking, harmless_words
 

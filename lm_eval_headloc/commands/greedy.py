@@ -69,6 +69,9 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         higher = {name: bool(baseline["higher_is_better"][name]) for name in names}
         # Per task, each head's changes in the last round it was measured in.
         changes: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
+        # Per task, the heads each round measured as its winner did: its winner was then
+        # picked among them by head index (a tie, not evidence).
+        alike: list[dict[str, set[int]]] = []
         winners: list[Head] = []
         previous = baseline
         for round_number in range(1, spec.rounds + 1):
@@ -87,12 +90,15 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             winner = Head.from_flat_index(rank_measured(
                 {h: changes[task][h] for h in measured}, higher[task])[0],
                 setup.heads_per_layer)
+            won = winner.flat_index(setup.heads_per_layer)
+            alike.append({name: {h for h in measured if changes[name][h] == changes[name][won]}
+                          for name in names})
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
         if measure is not None:
             run.save(folder, measure)  # written only if the workers' shares changed
         rankings = _rankings(changes, winners, baseline, spec.rounds, setup.total_heads,
-                             setup.heads_per_layer, len(folder.measurements()))
+                             setup.heads_per_layer, len(folder.measurements()), alike)
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.extra['method']} (each head's score change in its "
@@ -103,11 +109,13 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
 def _rankings(changes: Mapping[str, Changes], winners: list[Head],
               baseline: Mapping[str, Any], rounds: int, total_heads: int,
-              heads_per_layer: int, measurements: int) -> dict[str, HeadRanking]:
+              heads_per_layer: int, measurements: int,
+              alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, HeadRanking]:
     """Each task's ranking: iterative greedy's winners first, in the order they won, then
     every head measured by ``confirm.rank_measured`` (one-shot greedy: every head, ranked
     as a confirmation that measured every head alone ranks them); heads never measured
-    (skipped) are left out and their effect is NaN."""
+    (skipped) are left out and their effect is NaN. A winner is tied with the one above
+    where, in the round that one won, it measured the same (``alike``, per round)."""
     rankings = {}
     lead = [w.flat_index(heads_per_layer) for w in winners] if rounds > 1 else []
     for name, task_changes in changes.items():
@@ -115,8 +123,13 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         effects = np.full(total_heads, np.nan)
         effects[list(task_changes)] = [change for change, _ in task_changes.values()]
         rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
-        # Equal measured changes are ties (an iterative winner is ranked by its round).
-        tied = [h for h in tied_with_above(lead + rest, task_changes) if h not in lead]
+        # Equal measured changes are ties. An iterative winner is ranked by its round,
+        # below the one before it unless that one's round measured the two alike.
+        tied_leads = {lead[i] for i in range(1, len(lead))
+                      if i - 1 < len(alike) and lead[i] in alike[i - 1].get(name, set())}
+        tied_set = {h for h in tied_with_above(lead + rest, task_changes)
+                    if h not in lead} | tied_leads
+        tied = [h for h in lead + rest if h in tied_set]
         rankings[name] = HeadRanking(
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,
             baseline=float(baseline["scores"][name]), effects=effects,
