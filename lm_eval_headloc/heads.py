@@ -32,6 +32,7 @@ __all__ = [
     "names_neurons",
     "parse_components",
     "parse_heads",
+    "ranked_task",
     "read_heads_file",
     "validate_heads",
 ]
@@ -246,6 +247,20 @@ def format_heads(heads: Iterable[Component | tuple[int, int]]) -> str:
     unique = {component_key(c): c for c in
               (h if isinstance(h, (Head, Neuron)) else Head(*h) for h in heads)}
     return "+".join(str(unique[key]) for key in sorted(unique))
+
+
+def ranked_task(path: str | Path) -> str | None:
+    """The task a ranking file was ranked for (``headloc-harness``'s heads.json says it),
+    or None for a plain list of heads or a file that does not say."""
+    path = Path(path)
+    if path.suffix.lower() != ".json":
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    task = data.get("task") if isinstance(data, dict) else None
+    return task if isinstance(task, str) else None
 
 
 def _heads_in_json(data: object, path: Path) -> list[str]:

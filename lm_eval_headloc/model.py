@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -53,12 +54,16 @@ from .heads import (
     format_heads,
     names_neurons,
     parse_components,
+    ranked_task,
     read_heads_file,
 )
 from .hooks import ActivePass, HeadKnockout, Intervention
 from .registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM", "check_against_config"]
+
+# A child of lm-eval's logger, so the `lm_eval` command shows it as it shows its own models'.
+log = logging.getLogger("lm_eval.models.hf_headablate")
 
 # No sys.excepthook here: importing the model must not change how a program reports its
 # errors. The stock `lm_eval` command's one-line head errors come from registration.py.
@@ -97,7 +102,14 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
                 f"ablate_file={ablate_file!r}: expected the path of a head file (a "
                 "headloc-harness heads.json, a JSON list, or one head per line)"
             )
-        names.extend(read_heads_file(ablate_file, top=ablate_top))
+        from_file = read_heads_file(ablate_file, top=ablate_top)
+        names.extend(from_file)
+        # Which heads a ranking file came to is said: a run's heads.json is its first
+        # task's, which may not be the task evaluated.
+        task = ranked_task(ablate_file)
+        log.info("knocking out %s: %s of %s%s", "+".join(map(str, from_file)),
+                 f"the top {ablate_top}" if ablate_top is not None else "every entry",
+                 ablate_file, f" (ranked for task {task})" if task else "")
     check_component_names(names)
     return names
 

@@ -556,13 +556,18 @@ def test_a_larger_confirm_measures_only_the_new_heads(tiny_model_dir, tmp_path):
 
 # --- locate, refit ----------------------------------------------------------------------
 
-def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_path):
+def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_path, capsys,
+                                                           caplog):
     folder = tiny_model_dir("qwen2")
     out = tmp_path / "run"
     code = harness("locate", *tiny_args(folder), "--tasks", "tiny_copy,tiny_choice",
                    "--masks", "10", "--sparsity", "0.25", "--num-samples", "8", "--top-k", "3",
                    "--out", str(out))
     assert code == 0
+    # Two tasks: heads.json, what ablate_file= reads, is said to be the first one's.
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"Results in {out}/ (report.md, heatmap.png, heads-<task>.json for each task; "
+        "heads.json is tiny_copy's)")
     for name in ["config.json", "design_matrix.npy", "measurements.jsonl", "heads.json",
                  "heads.csv", "heads-tiny_choice.json", "heatmap.png", "report.md"]:
         assert (out / name).is_file(), name
@@ -595,10 +600,13 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
                                    tasks=("tiny_copy",), include_path=(TASKS,)))
     measure = engine.open_measurement(setup, lm, num_samples=8)
     assert measure([*lm.knocked_out])["tiny_copy"].value == records[3]["scores"]["tiny_copy"]
-    # hf-headablate reads heads.json directly.
+    # hf-headablate reads heads.json directly, and says what it took from it.
+    caplog.set_level("INFO", logger="lm_eval.models.hf_headablate")
     lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
                         ablate_file=str(out / "heads.json"), ablate_top=3)
     assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
+    assert (f"knocking out {'+'.join(heads['top_k'])}: the top 3 of {out / 'heads.json'} "
+            "(ranked for task tiny_copy)") in caplog.messages
 
 
 def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):

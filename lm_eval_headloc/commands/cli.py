@@ -217,7 +217,12 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
                   + (f"  (knocked out in the same masks as {len(alike[str(head)])} "
                      f"other{'s' if len(alike[str(head)]) > 1 else ''}: see report.md)"
                      if str(head) in alike else ""))
-    print(f"Results in {out}/ (report.md, heads.json, heatmap.png)")
+    files = "report.md, heads.json, heatmap.png"
+    if len(rankings) > 1:  # heads.json (what ablate_file= reads) is one task's
+        first = next(iter(rankings))
+        files = (f"report.md, heatmap.png, heads-<task>.json for each task; heads.json is "
+                 f"{first}'s")
+    print(f"Results in {out}/ ({files})")
 
 
 class _OneLineWarnings(logging.Handler):
