@@ -921,6 +921,23 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
     assert "cannot load task" in message and "headloc_ioi" in message
 
 
+def test_a_task_of_the_users_that_cannot_load_gets_no_hint_about_the_hub(tiny_model_dir,
+                                                                         tmp_path, capsys,
+                                                                         no_model_loading):
+    """The Hub hint is for lm-eval's built-in tasks: a YAML of the user's whose data file
+    is missing is about that file."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text(
+        "task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        f"{tmp_path / 'missing.jsonl'}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--include-path",
+                   str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
+    message = last_error(capsys)
+    assert "cannot load task 'mine'" in message and "Hugging Face Hub" not in message
+
+
 def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
                 effects: list[float] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)

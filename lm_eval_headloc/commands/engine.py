@@ -213,6 +213,18 @@ _OFFLINE_HINT = ("lm-eval's built-in tasks download their data from the Hugging 
                  "headloc_arith) or your own with --include-path")
 
 
+def _built_in(manager: Any, name: str) -> bool:
+    """Whether task ``name`` is one of lm-eval's own (whose data comes from the Hub), not a
+    YAML of ours or of the user's, whose failure the Hub does not explain."""
+    import lm_eval.tasks
+
+    entry = getattr(manager, "task_index", {}).get(name)
+    path = getattr(entry, "yaml_path", None)
+    if path is None:  # a tag, or an lm-eval without the index: say it
+        return True
+    return Path(lm_eval.tasks.__file__).resolve().parent in Path(path).resolve().parents
+
+
 def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     """Check the spec, the model (config only, no weights), the tasks (built once: names,
     metrics, whether they run model-written code) and every head list — all before any
@@ -239,8 +251,9 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         try:
             loaded[name] = manager.load([name])
         except Exception as err:  # noqa: BLE001 — a task whose data cannot be had
-            raise UsageError(f"cannot load task {name!r}: {str(err).splitlines()[0]} "
-                             f"({_OFFLINE_HINT})") from None
+            hint = f" ({_OFFLINE_HINT})" if _built_in(manager, name) else ""
+            raise UsageError(f"cannot load task {name!r}: {str(err).splitlines()[0]}"
+                             f"{hint}") from None
         leaves = loaded[name]["tasks"].values()
         if metric is not None:
             produced = sorted({key for task in leaves for key in metrics_of_task(task)})
