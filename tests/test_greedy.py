@@ -114,3 +114,16 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
     assert harmless_words(none, 2)[0].startswith(
         "Nothing found: none of the top-2 heads hurts the task (L0H0: measured alone to do "
         "no harm; L0H1: no harm in the fit's estimate)")
+
+
+def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
+    from lm_eval_headloc.commands.greedy import _report
+    from lm_eval_headloc.commands.report import at_floor
+
+    zero = {**BASELINE, "scores": {"acc": 0.0, "ppl": 10.0}}
+    flat = {"acc": {h: (0.0, 0.0) for h in range(4)}, "ppl": {h: (0.0, 0.0) for h in range(4)}}
+    rankings = _rankings(flat, [], zero, 1, 4, 2, 5)
+    assert at_floor(rankings["acc"]) and not at_floor(rankings["ppl"])  # lower is better
+    report = _report(rankings, 2)
+    assert report.count("so no knockout can lower it; --signal logprob") == 1
+    assert not at_floor(_rankings(flat, [], BASELINE, 1, 4, 2, 5)["acc"])  # 0.6: room

@@ -26,7 +26,7 @@ from .cross import cross, cross_markdown
 from .greedy import greedy
 from .locate import all_measured_alone, locate, refit
 from .overlap import markdown_path, overlap, overlap_markdown
-from .report import HeadRanking
+from .report import FLOOR_HINT, HeadRanking, at_floor
 from .result import load_run
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
 from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
@@ -203,6 +203,8 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
         fit = f", R² {r2:.3f}" if r2 is not None else ""
         fit += f" (held out {held_out:.2f})" if held_out is not None else ""
         print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}{fit}")
+        if at_floor(ranking):
+            print(f"  no knockout can lower a score of 0; {FLOOR_HINT}")
         tied = set(ranking.extra.get("tied_with_above", []))
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):

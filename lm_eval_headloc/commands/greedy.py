@@ -14,7 +14,14 @@ from ..checks import UsageError
 from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
 from ..heads import Head
 from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
-from .report import HeadRanking, harmless_words, ranking_table, tie_words, write_ranking
+from .report import (
+    HeadRanking,
+    floor_words,
+    harmless_words,
+    ranking_table,
+    tie_words,
+    write_ranking,
+)
 from .result import start_run
 from .runfolder import RunFolder
 from .spec import RunSpec
@@ -148,6 +155,7 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
         lines += [f"# {ranking.extra['method']}: {name} ({ranking.metric})", "",
                   f"Baseline: {ranking.baseline:.4f}; {ranking.extra['measurements']} "
                   "measurements.", "",
+                  *floor_words(ranking),
                   *tie_words(ranking, top_k, "every head measured alone changed the score "
                              "and log-likelihood alike"),
                   *harmless_words(ranking, top_k, all_measured=True),

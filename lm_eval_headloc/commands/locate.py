@@ -46,7 +46,14 @@ from .engine import (
     prepare,
     run_plan,
 )
-from .report import HeadRanking, harmless_words, ranking_table, tie_words, write_ranking
+from .report import (
+    HeadRanking,
+    floor_words,
+    harmless_words,
+    ranking_table,
+    tie_words,
+    write_ranking,
+)
 from .result import (
     PRIOR_KEYS,
     LocateRun,
@@ -283,6 +290,7 @@ def locate_report(run: LocateRun) -> str:
                f"measurements{held_out_words(ranking, _UNIT[spec.components])}."), "",
             *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
                            else "estimated change on knockout"), "",
+            *floor_words(ranking),
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
             *harmless_words(ranking, top_k, _UNIT[spec.components]),
             *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),

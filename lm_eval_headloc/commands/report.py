@@ -389,6 +389,24 @@ def _all_tied(ranking: HeadRanking, top_k: int) -> bool:
     return len(top) > 1 and all(h in tied for h in top[1:])
 
 
+def at_floor(ranking: HeadRanking) -> bool:
+    """Whether the task scores 0 by a higher-is-better metric with nothing knocked out
+    (accuracy 0): no knockout can lower it, so a ranking by the metric finds nothing."""
+    return ranking.higher_is_better and ranking.baseline == 0.0 and ranking.metric != "logprob"
+
+
+FLOOR_HINT = ("--signal logprob (the gold answers' log-likelihood, where the task has "
+              "them) can move")
+
+
+def floor_words(ranking: HeadRanking) -> list[str]:
+    """The report's line for a task at its floor (``at_floor``)."""
+    if not at_floor(ranking):
+        return []
+    return [f"The task scores 0 with nothing knocked out, so no knockout can lower it; "
+            f"{FLOOR_HINT}.", ""]
+
+
 def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
     """Ties in the top-k (``ranking.extra["tied_with_above"]``) said as such: equal
     evidence is no order. ``why_none``: why no head would stand out, in words."""
