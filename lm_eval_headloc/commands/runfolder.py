@@ -61,7 +61,11 @@ def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, A
     if not differing:
         return None
     key = differing[0]
-    return f"was made with {key}={stored.get(key)!r}, not {identity.get(key)!r}"
+
+    def shown(value: Any) -> str:  # None is an option left out: said so, not as "None"
+        return f"{key} left out (its default)" if value is None else f"{key}={value!r}"
+
+    return f"was made with {shown(stored.get(key))}, not {shown(identity.get(key))}"
 
 
 class RunFolderError(UserError):
