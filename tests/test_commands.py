@@ -839,6 +839,8 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert rows[0]["task_drop"] == (pytest.approx(drop) if drop is not None else None)
     assert "| k | heads | score | Task drop | Gen drop | tiny_copy |" in (
         out / "verify.md").read_text()
+    assert table["located_by"] == "metric"
+    assert "log-likelihood" not in (out / "verify.md").read_text()
     # verify's scores are fresh evaluations: heads knocked out by hf-headablate itself.
     from lm_eval_headloc.model import HFHeadAblateLM
 
@@ -851,6 +853,20 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
                                       task_manager=make_task_manager([TASKS]))
     assert rows[1]["score"] == pytest.approx(results["results"]["tiny_choice"]["acc,none"])
+
+
+def test_verify_of_a_logprob_run_says_it_scores_by_the_metric(tiny_model_dir, tmp_path):
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    config = strict_json(run / "config.json")
+    for part in ("spec", "identity"):
+        config[part]["signal"] = "logprob"
+    (run / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+                   "--random-draws", "0", "--limit", "4", "--out", str(out)) == 0
+    assert strict_json(out / "verify.json")["located_by"] == "logprob"
+    assert "The run located these by the gold answers' log-likelihood" in (
+        out / "verify.md").read_text()
 
 
 def test_verify_of_a_run_on_part_of_the_examples_measures_whole_tasks(tiny_model_dir,

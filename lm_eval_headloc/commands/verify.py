@@ -265,6 +265,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     with measured_plan(out, "verify", spec, setup, plan, identity=identity, protect=[run],
                        force=force, limit=spec.limit) as (folder, records):
         table = _verification_table(records, heads_by_task, list(general), spec, drawn)
+        table["located_by"] = stored.spec.signal  # verify scores by the tasks' metrics
         folder.write_json("verify.json", table)
         folder.write_text("verify.md", verification_markdown(table))
     return table
@@ -340,6 +341,10 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                                 f"{percent(e['gen_drop'])} |" for e in (row["erase"], row))
                 lines.append(f"| {row['k']} | {'+'.join(map(shown_name, row['heads']))} |{cells}")
         lines.append("")
+    if table.get("located_by") == "logprob":
+        lines += ["The run located these by the gold answers' log-likelihood (--signal "
+                  "logprob); verification scores each task by its metric, which can stay "
+                  "where the log-likelihood moved.", ""]
     lines.append("Drops are relative to the baseline (positive = worse; n/a where the "
                  "baseline is 0); Gen is the mean over the general tasks: "
                  + (", ".join(general) or "none")
