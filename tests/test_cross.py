@@ -172,3 +172,49 @@ def test_cross_on_workers_equals_one_process(matrix, tmp_path):
         assert two[record["key"]]["mask"] == record["mask"]
         assert two[record["key"]].get("scale") == record.get("scale")
         assert two[record["key"]]["scores"] == pytest.approx(record["scores"], rel=1e-5)
+
+
+def _located_with(run: Path, **options) -> Path:
+    """``run``'s config.json as if located with these prompt options."""
+    config = json.loads((run / "config.json").read_text())
+    for part in ("spec", "identity"):
+        config[part].update(options)
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_cross_asks_the_tasks_as_the_runs_located_them(tiny_model_dir, tmp_path, capsys):
+    """The runs' few-shot count, system instruction, chat-template setting and generation
+    arguments are the matrix's unless given: the matrix used to ask every task zero-shot,
+    without the system prompt, whatever the runs were located with."""
+    model = tiny_model_dir("llama")
+    prompts = {"num_fewshot": 1, "system_instruction": "Copy."}
+    a = _located_with(finished_run(tmp_path / "a", model, "tiny_copy_ppl", PPL), **prompts)
+    b = _located_with(finished_run(tmp_path / "b", model, "tiny_rolling", ROLLING), **prompts)
+    out = tmp_path / "cross"
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--num-samples", "4",
+                   "--out", str(out)) == 0
+    spec = json.loads((out / "config.json").read_text())["spec"]
+    assert (spec["num_fewshot"], spec["system_instruction"]) == (1, "Copy.")
+    given = tmp_path / "given"
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--num-samples", "4",
+                   "--num-fewshot", "0", "--out", str(given)) == 0
+    spec = json.loads((given / "config.json").read_text())["spec"]
+    assert (spec["num_fewshot"], spec["system_instruction"]) == (0, "Copy.")
+    # Runs located otherwise: which one the matrix asks is the user's to say.
+    _located_with(b, num_fewshot=3)
+    capsys.readouterr()
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--out",
+                   str(tmp_path / "mixed")) == 2
+    assert last_error(capsys) == (
+        f"headloc-harness: error: the runs were located with different --num-fewshot ({a}: "
+        f"1; {b}: 3); give --num-fewshot for the matrix")
+
+    # The runs' generation arguments, with --tasks that do not generate, change nothing:
+    # the matrix goes without them rather than refusing an option nobody gave.
+    _located_with(b, num_fewshot=1, gen_kwargs='{"max_gen_toks": 4}')
+    _located_with(a, gen_kwargs='{"max_gen_toks": 4}')
+    plain = tmp_path / "plain"
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--num-samples", "4",
+                   "--out", str(plain)) == 0
+    assert json.loads((plain / "config.json").read_text())["spec"]["gen_kwargs"] is None

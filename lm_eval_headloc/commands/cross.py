@@ -43,7 +43,8 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
     """The cross-task matrix of ``runs`` (all of one model) -> ``out`` (cross.json,
     cross.md, cross.png). ``spec`` or keyword options give the measurement's: tasks
     (default, or None: the runs' own), top_k, scale, num_samples, seed, ablation, …;
-    the model is the runs'."""
+    the model is the runs', and so are the prompt options (``PROMPT_OPTIONS``: chat
+    template, few-shot count, system instruction, generation arguments) unless given."""
     runs = [str(Path(run)) for run in runs]  # labels without a trailing slash
     if not runs:
         raise UsageError("cross needs at least one run folder")
@@ -66,17 +67,30 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
     for run in runs:
         for task in stored[run].tasks:
             run_tasks.setdefault(task.split(":")[0], task)
+    inherited = _runs_prompts(own, stored)
     spec = own.replace(
         model_args=stored[first].model_args, signal="metric",
         tasks=tuple(run_tasks.values()) if own.tasks is None else own.tasks,
         include_path=tuple(dict.fromkeys(
-            [*(p for run in runs for p in stored[run].include_path), *own.include_path])))
+            [*(p for run in runs for p in stored[run].include_path), *own.include_path])),
+        **inherited)
     spec.validate()
     RunFolder(out).refuse_inside(runs)  # before anything slow: a plain mistake
     sets = [_Set(f"{run}:{task}", str(Path(run).resolve()), task,
                  located_heads(RunFolder(run), task, spec.top_k))
             for run in runs for task in (t.split(":")[0] for t in stored[run].tasks)]
-    setup = prepare(spec)
+    while True:
+        try:
+            setup = prepare(spec)
+            break
+        except UsageError as err:
+            # A runs' option that would change nothing for these tasks (--gen-kwargs where
+            # none generates): the matrix goes without it.
+            name = next((n for n in inherited if getattr(spec, n) is not None
+                         and str(err).startswith(_flag(n))), None)
+            if name is None:
+                raise
+            spec = spec.replace(**{name: None})
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
         plan += [(f"set{i}{ablation.suffix}", setup.checked(s.heads), ablation.entry)
@@ -91,6 +105,30 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         folder.write_text("cross.md", cross_markdown(table))
         plot_cross(table, folder.file("cross.png"))
     return table
+
+
+#: How each task is asked: a matrix measures the tasks as the runs located them.
+PROMPT_OPTIONS = ("apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _runs_prompts(own: RunSpec, stored: Mapping[str, RunSpec]) -> dict[str, Any]:
+    """The prompt options cross was not given, taken from its runs, which must agree on
+    each (otherwise one line asks for it)."""
+    taken = {}
+    for name in PROMPT_OPTIONS:
+        if getattr(own, name) is not None:
+            continue
+        values = {run: getattr(spec, name) for run, spec in stored.items()}
+        if len(set(values.values())) > 1:
+            listed = "; ".join(f"{run}: {value!r}" for run, value in values.items())
+            raise UsageError(f"the runs were located with different {_flag(name)} "
+                             f"({listed}); give {_flag(name)} for the matrix")
+        taken[name] = next(iter(values.values()))
+    return taken
 
 
 def _cross_table(records: Mapping[str, Mapping[str, Any]], sets: Sequence[_Set],
