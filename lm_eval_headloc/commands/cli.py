@@ -22,7 +22,7 @@ from typing import NoReturn
 from .. import __version__
 from ..columns import column_label
 from ..errors import UserError, one_line
-from .cross import cross, cross_markdown
+from .cross import PROMPT_OPTIONS, cross, cross_markdown
 from .greedy import greedy
 from .locate import all_measured_alone, locate, refit
 from .overlap import markdown_path, overlap, overlap_markdown
@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "every task (CNL's task x task matrix)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     add_options(p, ("tasks",), keep_stored="the runs' own tasks")
+    add_options(p, PROMPT_OPTIONS, keep_stored="the runs', where they agree")
     add_options(p, COMMAND_OPTIONS["cross"])
     _add_out(p, "runs/cross", "folder for the matrix (default runs/cross)")
 

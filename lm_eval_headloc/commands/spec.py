@@ -624,8 +624,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
                "verbose", "output_path", "log_samples"),
     # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
     # adds it with add_options(keep_stored="the runs' own tasks")).
-    "cross": ("include_path", "num_samples", "seed", "apply_chat_template", "num_fewshot",
-              "system_instruction", "gen_kwargs", "ablation",
+    # cross's prompt options default to its runs' (add_options(keep_stored=...)).
+    "cross": ("include_path", "num_samples", "seed", "ablation",
               "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
@@ -666,8 +666,10 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
         # argparse %-formats help texts.
         help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
         if meta["switch"] is not None:
-            parser.add_argument(*spellings, action=meta["switch"], default=spec_field.default,
-                                help=meta["help"].replace("%", "%%"))
+            parser.add_argument(*spellings, action=meta["switch"],
+                                default=None if keep_stored else spec_field.default,
+                                help=(text + (f" (default: {stored})" if keep_stored else ""))
+                                .replace("%", "%%"))
             continue
         kwargs: dict[str, Any] = dict(default=default, help=help_text)
         if meta["choices"] is not None:
