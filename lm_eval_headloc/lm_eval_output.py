@@ -80,11 +80,16 @@ def _as_dict(model_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if isinstance(model_args, Mapping):
         return dict(model_args)
-    try:
-        from lm_eval._cli.utils import key_val_to_dict
-    except ImportError:  # an lm-eval before the 0.4.10 CLI
-        from lm_eval.utils import simple_parse_args_string as key_val_to_dict
-    return key_val_to_dict(model_args)
+    return cli_args_dict(model_args)
+
+
+def cli_args_dict(text: str) -> dict[str, Any]:
+    """``key=value,...`` read as the ``lm_eval`` command reads ``--model_args`` and
+    ``--gen_kwargs`` (its ``key_val_to_dict``: values are Python literals where they parse
+    as one, lists and quotes kept whole). ``ValueError`` where a part has no ``=``."""
+    from lm_eval._cli.utils import key_val_to_dict
+
+    return key_val_to_dict(text)
 
 
 def _scale_text(scale: float) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
 from .checks import check_number
 from .heads import Head
@@ -28,7 +29,7 @@ from .signals import SIGNALS, gold_answers, gold_logprob, no_logprob_reason
 
 __all__ = ["HarnessMeasurement", "Measurement", "at_scale", "batching", "choose_subset"]
 
-FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
+FEWSHOT_SEED = DEFAULT_OTHER_SEED  # lm-eval's default fewshot_random_seed
 _UNSETTLED = object()
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,6 @@ def seed_as_lm_eval() -> None:
     import random
 
     import torch
-    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
     random.seed(DEFAULT_RANDOM_SEED)
     np.random.seed(DEFAULT_OTHER_SEED)

@@ -208,13 +208,21 @@ def test_cross_asks_the_tasks_as_the_runs_located_them(tiny_model_dir, tmp_path,
                    str(tmp_path / "mixed")) == 2
     assert last_error(capsys) == (
         f"headloc-harness: error: the runs were located with different --num-fewshot ({a}: "
-        f"1; {b}: 3); give --num-fewshot for the matrix")
+        f"--num-fewshot=1; {b}: --num-fewshot=3); give --num-fewshot for the matrix")
+    _located_with(b, num_fewshot=None)
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--out",
+                   str(tmp_path / "mixed")) == 2
+    assert f"{b}: --num-fewshot left out (its default))" in last_error(capsys)
+    _located_with(b, num_fewshot=1)
 
     # The runs' generation arguments, with --tasks that do not generate, change nothing:
     # the matrix goes without them rather than refusing an option nobody gave.
     _located_with(b, num_fewshot=1, gen_kwargs='{"max_gen_toks": 4}')
     _located_with(a, gen_kwargs='{"max_gen_toks": 4}')
     plain = tmp_path / "plain"
+    capsys.readouterr()
     assert harness("cross", str(a), str(b), "--top-k", "1", "--num-samples", "4",
                    "--out", str(plain)) == 0
     assert json.loads((plain / "config.json").read_text())["spec"]["gen_kwargs"] is None
+    assert ("warning: cross: leaving out the runs' --gen-kwargs (--gen-kwargs: none of the "
+            "tasks generates") in capsys.readouterr().err

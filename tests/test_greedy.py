@@ -71,9 +71,10 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
 
 def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
     """Round 1 measured L0H0 (0) and L0H1 (1) alike, so its winner L0H0 was picked over
-    L0H1 by index: L0H1, round 2's winner, is tied with it. Round 2 measured L1H0 (2)
-    worse than its winner: not tied. Without ``alike`` (the earlier code) the winners
-    were never marked."""
+    L0H1 by index: L0H1, round 2's winner, is tied with it; told that round 1 measured
+    L0H0 alone at its value, L0H1 is not. L1H0 (2), the first head after the winners,
+    measured in round 2 what the winner did: tied either way. Without ``alike`` (the
+    earlier code) a winner was never marked."""
     changes = {"acc": {0: (-0.2, -1.0), 1: (-0.1, -0.5), 2: (-0.1, -0.5), 3: (0.0, 0.0)}}
     winners = [Head(0, 0), Head(0, 1)]
     alike = [{"acc": {0, 1}}, {"acc": {1}}]

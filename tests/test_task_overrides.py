@@ -204,4 +204,8 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
                                         "max_gen_toks": 6})
     first, knocked, again, theirs = generated[-4:]
     assert first == again == theirs
-    assert len(set(first)) > 1  # sampled text, not one repeated string
+    # Sampled, not the greedy continuation.
+    greedy = open_measurement(prepare(spec.replace(gen_kwargs="max_gen_toks=6")),
+                              measure.lm, None, 6)
+    greedy([])
+    assert generated[-1] != first

@@ -230,3 +230,19 @@ def test_max_masks_extends_a_resumed_masks_auto_run(tiny_model_dir, tmp_path):
                    "--num-samples", "4", *LASSO_ONLY, "--bootstrap", "20",
                    "--max-masks", "8", "--out", str(out)) == 0
     assert json.loads((out / "config.json").read_text())["spec"]["max_masks"] == 8
+
+
+def test_a_worker_measures_as_one_process_whatever_the_drivers_ray_options():
+    """A worker rebuilds the driver's spec; the driver's --ray-address and --ray-timeout
+    (checked there) must not reach the worker's own checks, which would refuse a
+    timeout without an address in every worker."""
+    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.commands.workers import check_workers, worker_spec
+
+    driver = RunSpec(workers=4, ray_address="head:6379", ray_timeout=30.0,
+                     gpus_per_worker=1.0)
+    worker = worker_spec(RunSpec(**driver.as_config()))
+    check_workers(worker.workers, worker.ray_address, worker.gpus_per_worker,
+                  worker.ray_timeout)  # raises on what the driver's options would leave
+    assert (worker.workers, worker.ray_address, worker.gpus_per_worker) == (1, None, None)
+    assert worker.replace(progress=True).identity("locate") == driver.identity("locate")

@@ -11,6 +11,7 @@ through ``engine.run_plan``, so a killed run resumes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,13 +21,15 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
-from .engine import PlanEntry, measured_plan, prepare
+from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
-from .runfolder import RunFolder
-from .spec import RunSpec
+from .runfolder import RunFolder, option_words
+from .spec import RunSpec, flag_of
 from .verify import ablations, effect, kind_words, located_heads, percent
 
-__all__ = ["cross", "cross_markdown", "plot_cross"]
+__all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,14 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         try:
             setup = prepare(spec)
             break
-        except UsageError as err:
+        except NoEffectError as err:
             # A runs' option that would change nothing for these tasks (--gen-kwargs where
-            # none generates): the matrix goes without it.
+            # none generates): the matrix goes without it, and says so.
             name = next((n for n in inherited if getattr(spec, n) is not None
-                         and str(err).startswith(_flag(n))), None)
+                         and str(err).startswith(flag_of(n))), None)
             if name is None:
                 raise
+            log.warning("cross: leaving out the runs' %s (%s)", flag_of(name), err)
             spec = spec.replace(**{name: None})
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
@@ -111,10 +115,6 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
 PROMPT_OPTIONS = ("apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _runs_prompts(own: RunSpec, stored: Mapping[str, RunSpec]) -> dict[str, Any]:
     """The prompt options cross was not given, taken from its runs, which must agree on
     each (otherwise one line asks for it)."""
@@ -124,9 +124,10 @@ def _runs_prompts(own: RunSpec, stored: Mapping[str, RunSpec]) -> dict[str, Any]
             continue
         values = {run: getattr(spec, name) for run, spec in stored.items()}
         if len(set(values.values())) > 1:
-            listed = "; ".join(f"{run}: {value!r}" for run, value in values.items())
-            raise UsageError(f"the runs were located with different {_flag(name)} "
-                             f"({listed}); give {_flag(name)} for the matrix")
+            listed = "; ".join(f"{run}: {option_words(flag_of(name), value)}"
+                               for run, value in values.items())
+            raise UsageError(f"the runs were located with different {flag_of(name)} "
+                             f"({listed}); give {flag_of(name)} for the matrix")
         taken[name] = next(iter(values.values()))
     return taken
 

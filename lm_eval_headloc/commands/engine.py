@@ -43,9 +43,9 @@ from .workers import check_workers
 if TYPE_CHECKING:
     from ..measure import Measurement
 
-__all__ = ["PlanEntry", "Setup", "check_candidates", "check_design_budget", "head_list",
-           "load_model", "measured_plan", "open_measurement", "prepare", "run_plan",
-           "set_ablation"]
+__all__ = ["NoEffectError", "PlanEntry", "Setup", "check_candidates", "check_design_budget",
+           "check_task_overrides", "head_list", "load_model", "measured_plan",
+           "open_measurement", "prepare", "run_plan", "set_ablation"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -325,12 +325,23 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     return Setup(resolved, specs, geometry, loaded, exclude, never, reference)
 
 
-#: Generation arguments lm-eval's HF model passes to ``generate`` itself: given again
-#: they clash (``max_length``) or break how it reads the one sequence it asked for.
-_HARNESS_GENERATION = frozenset({
-    "max_length", "max_new_tokens", "pad_token_id", "use_cache", "num_return_sequences",
-    "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-    "output_hidden_states", "_from_model_config", "transformers_version"})
+#: GenerationConfig fields --gen-kwargs refuses, and why: lm-eval's HF model passes some
+#: to ``generate`` itself (given again they clash), reads one plain sequence back (the
+#: rest would break that), and two are the config file's bookkeeping.
+_HARNESS_GENERATION = {
+    **dict.fromkeys(("max_length", "max_new_tokens", "pad_token_id", "use_cache"),
+                    "lm-eval's generate_until sets it itself (the length: max_gen_toks)"),
+    **dict.fromkeys(("num_return_sequences", "return_dict_in_generate", "output_scores",
+                     "output_logits", "output_attentions", "output_hidden_states"),
+                    "lm-eval reads back one generated sequence, as plain tokens"),
+    **dict.fromkeys(("_from_model_config", "transformers_version"),
+                    "a generation config file's record, not a generation argument"),
+}
+
+
+class NoEffectError(UsageError):
+    """An option that would change nothing for the measured tasks (``cross`` leaves out
+    such an option it took from its runs rather than refuse it)."""
 
 
 def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
@@ -342,7 +353,7 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
         fixed = sorted(leaf for leaf, task in leaves.items()
                        if task.get_config("num_fewshot") == 0)
         if len(fixed) == len(leaves):
-            raise UsageError(f"--num-fewshot {spec.num_fewshot}: every task's YAML fixes its "
+            raise NoEffectError(f"--num-fewshot {spec.num_fewshot}: every task's YAML fixes its "
                              f"few-shot count at 0 ({', '.join(fixed)}), which lm-eval keeps; "
                              "it would change nothing")
         if fixed:
@@ -353,20 +364,19 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
         return
     kinds = sorted({str(task.get_config("output_type")) for task in leaves.values()})
     if "generate_until" not in kinds:
-        raise UsageError(f"--gen-kwargs: none of the tasks generates text (their output "
-                         f"types: {', '.join(kinds)}); it would change nothing")
+        raise NoEffectError(f"--gen-kwargs: none of the tasks generates text (their output "
+                            f"types: {', '.join(kinds)}); it would change nothing")
     if spec.signal == "logprob":
-        raise UsageError("--gen-kwargs: --signal logprob scores the generation tasks on their "
-                         "reference answers, teacher-forced, without generating; it would "
-                         "change nothing")
+        raise NoEffectError("--gen-kwargs: --signal logprob scores the generation tasks on "
+                            "their reference answers, teacher-forced, without generating; it "
+                            "would change nothing")
     from transformers import GenerationConfig
 
     known = (set(GenerationConfig().to_dict()) | {"until", "max_gen_toks"}) \
-        - _HARNESS_GENERATION
+        - set(_HARNESS_GENERATION)
     for key in sorted(gen_kwargs):
         if key in _HARNESS_GENERATION:
-            raise UsageError(f"--gen-kwargs {key}=...: lm-eval's generate_until sets it "
-                             "itself (the length: max_gen_toks)")
+            raise UsageError(f"--gen-kwargs {key}=...: {_HARNESS_GENERATION[key]}")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""

@@ -33,7 +33,8 @@ from typing import Any
 from ..errors import UserError
 from ..files import write_atomically
 
-__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "package_versions", "strict_json"]
+__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "option_words", "package_versions",
+           "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -61,11 +62,13 @@ def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, A
     if not differing:
         return None
     key = differing[0]
+    return (f"was made with {option_words(key, stored.get(key))}, not "
+            f"{option_words(key, identity.get(key))}")
 
-    def shown(value: Any) -> str:  # None is an option left out: said so, not as "None"
-        return f"{key} left out (its default)" if value is None else f"{key}={value!r}"
 
-    return f"was made with {shown(stored.get(key))}, not {shown(identity.get(key))}"
+def option_words(name: str, value: Any) -> str:
+    """An option's value in a message: None is an option left out, said so, not "None"."""
+    return f"{name} left out (its default)" if value is None else f"{name}={value!r}"
 
 
 class RunFolderError(UserError):

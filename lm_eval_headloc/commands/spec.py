@@ -35,7 +35,7 @@ from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
 
 __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
-           "UsageError", "add_options", "parse_batch_size"]
+           "UsageError", "add_options", "flag_of", "parse_batch_size", "parse_gen_kwargs"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --masks and --confirm where neither is given and the run has no prior.
@@ -63,6 +63,11 @@ _REFITTABLE: dict[str, frozenset[str]] = {
     # the first ones, so a larger --random-draws only measures the new sets.
     "verify": frozenset({"random_draws"}),
 }
+
+
+def flag_of(name: str) -> str:
+    """A RunSpec field's command-line flag: ``num_fewshot`` -> ``--num-fewshot``."""
+    return "--" + name.replace("_", "-")
 
 
 def _comma_list(text: str) -> tuple[str, ...]:
@@ -149,12 +154,10 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
                 raise UsageError(f"--gen-kwargs {value!r}: not a JSON object ({err})") \
                     from None
         else:
-            try:  # the lm_eval command's own reading (lists and quotes kept whole)
-                from lm_eval._cli.utils import key_val_to_dict
-            except ImportError:  # an lm-eval without it: simple_evaluate's
-                from lm_eval.utils import simple_parse_args_string as key_val_to_dict
+            from ..lm_eval_output import cli_args_dict
+
             try:
-                parsed = key_val_to_dict(text) if "=" in text else None
+                parsed = cli_args_dict(text) if "=" in text else None
             except (ValueError, SyntaxError):
                 parsed = None
             if parsed is None or any(not str(key).strip() for key in parsed):
@@ -178,8 +181,9 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
 
 def _canonical_gen_kwargs(value: Any) -> Any:
     """``gen_kwargs`` as one JSON text with sorted keys, so that a run resumed with the
-    same arguments written in another order or form is the same run; a value that does
-    not parse is left for ``validate`` to refuse in one line."""
+    same arguments in another order, or as JSON instead of key=value, is the same run (a
+    value written otherwise, 0 for 0.0, is another); a value that does not parse is left
+    for ``validate`` to refuse in one line."""
     import json
 
     try:
@@ -474,7 +478,7 @@ class RunSpec:
         """Check every value that can be checked without the model; returns self."""
         for spec_field in fields(self):
             value = getattr(self, spec_field.name)
-            flag = "--" + spec_field.name.replace("_", "-")
+            flag = flag_of(spec_field.name)
             meta = spec_field.metadata
             if meta["number"] is not None and value is not None:
                 check_number(value, flag, **meta["number"])
@@ -524,7 +528,7 @@ class RunSpec:
                      "ablation_field", "ray_address", "system_instruction"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
-                raise UsageError(f"--{name.replace('_', '-')} {value!r}: must be a string")
+                raise UsageError(f"{flag_of(name)} {value!r}: must be a string")
         # Empty means "the default" only when left out: '' is a mistake, not the embedded
         # model or the current folder.
         if self.model_args is not None and not self.model_args.strip():
@@ -533,7 +537,7 @@ class RunSpec:
         for name in ("never_ablate", "exclude"):
             value = getattr(self, name)
             if value is not None and not value.strip():
-                raise UsageError(f"--{name.replace('_', '-')} '': give components (L0H1+L2H3) "
+                raise UsageError(f"{flag_of(name)} '': give components (L0H1+L2H3) "
                                  "or a head file, or leave it out for none")
         if self.model_args is not None:
             given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
@@ -652,7 +656,7 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
     by_name = {f.name: f for f in fields(RunSpec)}
     for name in names:
         spec_field = by_name[name]
-        meta, flag = spec_field.metadata, "--" + name.replace("_", "-")
+        meta, flag = spec_field.metadata, flag_of(name)
         # lm-eval's own spelling is accepted too where the option is lm-eval's.
         spellings = (flag, f"--{name}") if name in LM_EVAL_SPELLING else (flag,)
         default = None if keep_stored else spec_field.default

@@ -167,6 +167,13 @@ def _connect_within(host: str, port: int, timeout: float) -> str | None:
     return outcome[0] if outcome else waited
 
 
+def worker_spec(spec: Any) -> Any:
+    """The spec a worker measures with: the driver's, as one process (the driver's Ray
+    options, checked there, are none of the worker's)."""
+    return spec.replace(workers=1, ray_address=None, ray_timeout=RAY_TIMEOUT,
+                        gpus_per_worker=None)
+
+
 def measurement_fingerprint(measure: Any) -> str:
     """A digest of what a measurement asks the model: the example subset and every
     request lm-eval built for it (few-shot contexts, chat templates and all)."""
@@ -203,9 +210,7 @@ class MeasurementWorker:
 
         if threads:  # several workers on one machine share its cores
             torch.set_num_threads(threads)
-        self.setup = prepare(RunSpec(**spec).replace(workers=1, ray_address=None,
-                                                     gpus_per_worker=None),
-                             extra_tasks=extra_tasks)
+        self.setup = prepare(worker_spec(RunSpec(**spec)), extra_tasks=extra_tasks)
         self.setup.reference = reference
         self.measure = open_measurement(self.setup, load_model(self.setup), None,
                                         num_samples=num_samples, limit=limit)
