@@ -349,8 +349,8 @@ def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
             "--out", str(tmp_path / "sweep")]
     assert harness(*args) == 0
     assert harness(*args, "--apply-chat-template") == 2
-    assert ("was made with apply_chat_template left out (its default), not "
-            "apply_chat_template=True") in last_error(capsys)
+    assert ("was made with apply_chat_template left out (its default), not True"
+            in last_error(capsys))
 
 
 def test_a_sweep_rerun_without_confirm_keeps_the_sweeps_own(tiny_model_dir, tmp_path):

@@ -62,8 +62,9 @@ def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, A
     if not differing:
         return None
     key = differing[0]
+    given = identity.get(key)
     return (f"was made with {option_words(key, stored.get(key))}, not "
-            f"{option_words(key, identity.get(key))}")
+            f"{'left out' if given is None else repr(given)}")
 
 
 def option_words(name: str, value: Any) -> str:
