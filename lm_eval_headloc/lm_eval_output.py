@@ -246,14 +246,17 @@ def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,
 
 def _live_ablation(lm: Any, args: Mapping[str, Any]) -> dict[str, Any]:
     """What the knocked-out components became on ``lm`` where ``args`` do not say it
-    (``ablation=``, its ``ablation_data=``, resample's seed): the recorded model arguments
-    and name must tell a mean knockout from a zero one. A reference set handed over as
-    texts (a run's own examples) has no argument; ``config.ablation`` holds its digest."""
+    (``ablation=``, its ``ablation_data=`` and ``ablation_field=``, resample's seed): the
+    recorded model arguments and name must tell a mean knockout from a zero one. A
+    reference set handed over as texts (a run's own examples) has no argument;
+    ``config.reference_digest`` identifies it."""
     if lm.ablation == "zero" or "ablation" in args:
         return {}
     live: dict[str, Any] = {"ablation": lm.ablation}
     if lm.ablation_data is not None:
         live["ablation_data"] = lm.ablation_data
+    if lm.ablation_field is not None:
+        live["ablation_field"] = lm.ablation_field
     if lm.ablation == "resample" and lm.resample_seed:
         live["resample_seed"] = lm.resample_seed
     return live

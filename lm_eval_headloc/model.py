@@ -193,7 +193,8 @@ class HFHeadAblateLM(HFLM):
         self._means_dir: str | os.PathLike | None = None
         self._standing = Intervention(scale=self.scale)
         self._override: Intervention | None = None
-        self.ablation_data = None if ablation_data is None else str(ablation_data)
+        self.ablation_data: str | None = None  # set_ablation's source and field
+        self.ablation_field: str | None = None
         self.resample_seed = resample_seed
         self.means_file: str | None = None
         self.neuron_means_file: str | None = None
@@ -209,7 +210,8 @@ class HFHeadAblateLM(HFLM):
         }
         self._mlp_out = mlp_out
         if texts is not None:
-            self.set_ablation(self.ablation, texts, ablation_cache)
+            self.set_ablation(self.ablation, texts, ablation_cache, ablation_data,
+                              ablation_field)
         self._cache_db = None
         self.set_heads(requested)
 
@@ -220,14 +222,21 @@ class HFHeadAblateLM(HFLM):
         super()._create_model(*args, **kwargs)
 
     def set_ablation(self, kind: str, texts: list[str] | None = None,
-                     cache_dir: str | os.PathLike | None = None) -> None:
+                     cache_dir: str | os.PathLike | None = None,
+                     source: str | os.PathLike | None = None,
+                     field: str | None = None) -> None:
         """Switch the ablation kind on the live model (``ablation.py``). Mean and resample
         need the reference examples ``texts``: for mean their per-head means (from the
-        cache under ``cache_dir``, or one pass over them), for resample the donors."""
+        cache under ``cache_dir``, or one pass over them), for resample the donors.
+        ``source``/``field``: the ``ablation_data=``/``ablation_field=`` the texts were read
+        from, as the model's arguments say it (None: texts handed over, e.g. a run's own
+        examples)."""
         kind = check_ablation(kind)
         if (kind == "zero") != (texts is None):
             raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
                                                         else "needs reference texts"))
+        self.ablation_data = None if source is None else str(source)
+        self.ablation_field = field
         self._means = None
         self.ablation, self.resampler, self.means_file = kind, None, None
         self.neuron_means_file = None

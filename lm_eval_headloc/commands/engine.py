@@ -353,9 +353,9 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
         fixed = sorted(leaf for leaf, task in leaves.items()
                        if task.get_config("num_fewshot") == 0)
         if len(fixed) == len(leaves):
-            raise NoEffectError(f"--num-fewshot {spec.num_fewshot}: every task's YAML fixes its "
-                             f"few-shot count at 0 ({', '.join(fixed)}), which lm-eval keeps; "
-                             "it would change nothing")
+            raise NoEffectError(f"--num-fewshot {spec.num_fewshot}: every task's YAML fixes "
+                                f"its few-shot count at 0 ({', '.join(fixed)}), which lm-eval "
+                                "keeps; it would change nothing")
         if fixed:
             log.warning("--num-fewshot %d: %s keep 0 few-shot examples (their YAML fixes it; "
                         "lm-eval keeps it)", spec.num_fewshot, ", ".join(fixed))
@@ -489,7 +489,8 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
             source += f" (field {spec.ablation_field!r})"
         try:
             lm.set_ablation(spec.ablation, texts,
-                            None if folder is None else folder.file("means"))
+                            None if folder is None else folder.file("means"),
+                            spec.ablation_data, spec.ablation_field)
         except AblationError as err:
             raise UsageError(f"--ablation {spec.ablation}: {err}") from None
     used = {"kind": spec.ablation, "scale": spec.scale, "reference": source,
@@ -687,11 +688,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
     window = ({"samples": measure.subset} if measure.subset is not None
               else {"limit": measure.limit})
     settings = chat_settings(measure, [name for name, _ in setup.tasks])
-    # The ablation is a flag of the run, not in its --model-args: said to lm-eval too.
-    model_args = ",".join([spec.model_args, *(
-        f"{name}={getattr(spec, name)}" for name in ("ablation", "ablation_data",
-                                                     "ablation_field")
-        if getattr(spec, name) not in (None, "zero"))])
+    gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
     for key, components, *scale in plan:
         if _files_written(written.get(key), str(spec.output_path), spec.log_samples):
             continue
@@ -701,9 +698,9 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                 results = evaluate_knockout(
                     measure.lm, names, task_manager=manager,
                     knocked_out=list(components), scale=scale[0] if scale else None,
-                    model_args=model_args, log_samples=spec.log_samples,
+                    model_args=spec.model_args, log_samples=spec.log_samples,
                     apply_chat_template=chat, fewshot_as_multiturn=chat,
-                    num_fewshot=spec.num_fewshot, gen_kwargs=parse_gen_kwargs(spec.gen_kwargs),
+                    num_fewshot=spec.num_fewshot, gen_kwargs=gen_kwargs,
                     system_instruction=spec.system_instruction,
                     confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
             path = save_lm_eval_results(results, spec.output_path,
