@@ -208,7 +208,7 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
     from lm_eval_headloc.commands import engine
 
     unknown = Geometry(LAYERS, HEADS, 8, None)
-    monkeypatch.setattr(engine, "model_geometry", lambda model_args: unknown)
+    monkeypatch.setattr(engine, "config_geometry", lambda config: unknown)
     assert harness(*args, "--top-k", "2") == 2
     assert last_error(capsys).endswith(
         f"--random-draws 1: the config of pretrained={model} does not give its MLP width, "

@@ -126,6 +126,11 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
      "none of the tasks generates text (their output types: loglikelihood)"),
     (["--gen-kwargs", "max_gen_toks=3", "--signal", "logprob"], "teacher-forced"),
     (["--num-fewshot", "2", "--tasks", "tiny_zero_shot"], "fixes its few-shot count at 0"),
+    # lm-eval would fail at the first measurement, after the load: said before it.
+    (["--num-fewshot", "12"], "--num-fewshot 12: task 'tiny_generate' has 12 documents to "
+                              "draw few-shot examples from, and lm-eval draws one more"),
+    (["--num-fewshot", "1000000000"], "at most 11"),
+    (["--gen-kwargs", "max_gen_toks=128"], "max_gen_toks=128: the model takes 128 tokens"),
 ])
 def test_overrides_that_change_nothing_or_would_crash_are_refused_before_the_load(
         tiny_model_dir, tmp_path, capsys, no_model_loading, extra, message):
@@ -209,3 +214,30 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
                               measure.lm, None, 6)
     greedy([])
     assert generated[-1] != first
+
+
+@pytest.mark.parametrize("value, message", [
+    ("temperature=nan", "--gen-kwargs temperature=nan: must be a finite number"),
+    ("top_k=inf", "--gen-kwargs top_k=inf: must be a finite number"),
+    ("do_sample=true,top_p=1.5", "--gen-kwargs top_p=1.5: must be a number between 0 and 1"),
+    ("temperature=-1", "--gen-kwargs temperature=-1.0: must be a number >= 0"),
+    ("temperature=warm", "--gen-kwargs temperature='warm': must be a number >= 0"),
+    ("", "--gen-kwargs '': must be key=value pairs joined by commas (e.g. "
+         "max_gen_toks=256,temperature=0) or a JSON object"),
+])
+def test_generation_values_generate_would_refuse_after_the_load_are_refused_now(value,
+                                                                                message):
+    from lm_eval_headloc.checks import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        RunSpec(gen_kwargs=value).validate()
+    assert str(refused.value) == message
+    assert parse_gen_kwargs("temperature=0,top_p=1,top_k=0") == {
+        "temperature": 0, "top_p": 1, "top_k": 0}  # the ends of each range are allowed
+
+
+def test_an_empty_system_instruction_is_refused():
+    from lm_eval_headloc.checks import UsageError
+
+    with pytest.raises(UsageError, match=r"^--system-instruction '': give the instruction"):
+        RunSpec(system_instruction=" ").validate()

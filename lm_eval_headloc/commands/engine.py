@@ -151,16 +151,26 @@ def model_config(model_args: str) -> Any:
                          f"{str(err).splitlines()[0]}") from None
 
 
-def model_geometry(model_args: str) -> Geometry:
+def config_geometry(config: Any) -> Geometry:
     """The model's layers, query heads per layer and MLP width (``Geometry``) from its
     config alone: no weights loaded, so component names are checked in seconds."""
-    config = model_config(model_args)
-    pretrained = config.name_or_path
     try:
-        geometry = Geometry.from_config(config)
+        return Geometry.from_config(config)
     except AttributeError as err:
-        raise UsageError(f"pretrained={pretrained!r}: {err}") from None
-    return geometry
+        raise UsageError(f"pretrained={config.name_or_path!r}: {err}") from None
+
+
+def context_length(model_args: str, config: Any) -> int | None:
+    """The most tokens the model takes, prompt and generation together, as lm-eval's HF
+    model resolves it: ``max_length=`` in the model args, else the config's (None where
+    the config does not say: then the tokenizer's, known once it loads)."""
+    from lm_eval.models.utils import resolve_max_length
+    from lm_eval.utils import simple_parse_args_string
+
+    given = simple_parse_args_string(model_args).get("max_length")
+    if given:
+        return int(given)
+    return resolve_max_length(config, None, default=0) or None
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str, *,
@@ -232,7 +242,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     spec.validate()
     check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
     model_args = resolve_model_args(spec.model_args)
-    geometry = model_geometry(model_args)
+    config = model_config(model_args)
+    geometry = config_geometry(config)
     num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
     try:
         manager = make_task_manager(list(spec.include_path))
@@ -276,7 +287,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                                                     for t in leaves):
             raise UsageError(f"task {name!r} executes model-written code; rerun with "
                              "--confirm-run-unsafe-code if you accept that")
-    check_task_overrides(spec, loaded)
+    check_task_overrides(spec, loaded, context_length(model_args, config))
     own = joined[:len(joined) - len(extra_tasks)] if extra_tasks else joined
     resolved = spec.replace(model_args=model_args, tasks=tuple(own),
                             include_path=tuple(path_list(spec.include_path)))
@@ -344,10 +355,13 @@ class NoEffectError(UsageError):
     such an option it took from its runs rather than refuse it)."""
 
 
-def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
-    """Refuse --num-fewshot and --gen-kwargs where they would change nothing, and generation
-    arguments no model's ``generate`` takes, before any weights load (``loaded``: each
-    task name -> what ``TaskManager.load`` built)."""
+def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
+                         context: int | None = None) -> None:
+    """Refuse --num-fewshot and --gen-kwargs where they would change nothing or fail once
+    the model is loaded (more few-shot examples than a task can draw, more new tokens than
+    the model's ``context``), and generation arguments no model's ``generate`` takes —
+    before any weights load (``loaded``: each task name -> what ``TaskManager.load``
+    built)."""
     leaves = {leaf: task for entry in loaded.values() for leaf, task in entry["tasks"].items()}
     if spec.num_fewshot is not None:
         fixed = sorted(leaf for leaf, task in leaves.items()
@@ -359,9 +373,22 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any]) -> None:
         if fixed:
             log.warning("--num-fewshot %d: %s keep 0 few-shot examples (their YAML fixes it; "
                         "lm-eval keeps it)", spec.num_fewshot, ", ".join(fixed))
+        for leaf, task in sorted(leaves.items()):
+            try:  # lm-eval draws n + 1 (the question itself may be among them)
+                pool = len(task.fewshot_docs()) if leaf not in fixed else None
+            except TypeError:  # a pool without a length: lm-eval's to judge
+                pool = None
+            if pool is not None and spec.num_fewshot + 1 > pool:
+                raise UsageError(f"--num-fewshot {spec.num_fewshot}: task {leaf!r} has "
+                                 f"{pool} documents to draw few-shot examples from, and "
+                                 f"lm-eval draws one more than it uses; at most {pool - 1}")
     gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
     if gen_kwargs is None:
         return
+    tokens = gen_kwargs.get("max_gen_toks")
+    if tokens is not None and context is not None and tokens >= context:
+        raise UsageError(f"--gen-kwargs max_gen_toks={tokens}: the model takes {context} "
+                         "tokens, prompt and generation together; give fewer")
     kinds = sorted({str(task.get_config("output_type")) for task in leaves.values()})
     if "generate_until" not in kinds:
         raise NoEffectError(f"--gen-kwargs: none of the tasks generates text (their output "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -133,6 +134,11 @@ def parse_sparsity(value: float | str) -> float | str:
                            min_val=0, max_val=1, include_boundaries="neither")
 
 
+#: Sampling arguments whose values generate would refuse only once the model is loaded.
+_SAMPLING_RANGES = {"temperature": (0, None), "top_p": (0, 1), "top_k": (0, None),
+                    "min_p": (0, 1), "repetition_penalty": (0, None)}
+
+
 def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
     """``--gen-kwargs`` as a dict, read as the ``lm_eval`` command reads its
     ``--gen_kwargs``: a JSON object, or ``key=value,...`` whose values are Python literals
@@ -171,6 +177,14 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
     tokens = parsed.get("max_gen_toks", 1)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise UsageError(f"--gen-kwargs max_gen_toks={tokens!r}: must be a whole number >= 1")
+    for key, item in parsed.items():
+        number = isinstance(item, (int, float)) and not isinstance(item, bool)
+        if number and not math.isfinite(item):
+            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a finite number")
+        low, high = _SAMPLING_RANGES.get(key, (None, None))
+        if low is not None and (not number or item < low or (high is not None and item > high)):
+            allowed = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a number {allowed}")
     until = parsed.get("until")
     if until is not None and not (isinstance(until, str) or (
             isinstance(until, list) and all(isinstance(u, str) for u in until))):
