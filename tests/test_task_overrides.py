@@ -131,6 +131,10 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
                               "draw few-shot examples from, and lm-eval draws one more"),
     (["--num-fewshot", "1000000000"], "at most 11"),
     (["--gen-kwargs", "max_gen_toks=128"], "max_gen_toks=128: the model takes 128 tokens"),
+    # tiny_generate sets no temperature: lm-eval's 0.0, at which generate will not sample.
+    (["--gen-kwargs", "do_sample=true"], "task 'tiny_generate' would sample (do_sample=true) "
+                                         "at temperature 0 (lm-eval's default)"),
+    (["--gen-kwargs", "do_sample=true,temperature=0"], "at temperature 0 (--gen-kwargs)"),
 ])
 def test_overrides_that_change_nothing_or_would_crash_are_refused_before_the_load(
         tiny_model_dir, tmp_path, capsys, no_model_loading, extra, message):
@@ -157,6 +161,28 @@ def test_gen_kwargs_read_as_lm_eval_reads_them():
     # One run, however it is written.
     assert RunSpec(gen_kwargs="temperature=0,max_gen_toks=8") == RunSpec(
         gen_kwargs={"max_gen_toks": 8, "temperature": 0})
+    assert RunSpec(gen_kwargs="temperature=0,until='Q:'") == RunSpec(
+        gen_kwargs='{"temperature": 0.0, "until": ["Q:"]}')
+    assert RunSpec(gen_kwargs="top_k=5.0") == RunSpec(gen_kwargs="top_k=5")
+
+
+def test_gen_kwargs_are_given_to_generate_in_the_types_it_takes(tiny_model_dir):
+    """generate's warpers refuse an int temperature or repetition penalty and a float top_k
+    (a ValueError at the first measurement, after the load): each is given as it takes it,
+    checked on a real generate call."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
+    given = parse_gen_kwargs("do_sample=true,temperature=2,top_k=5.0,repetition_penalty=2,"
+                             "top_p=1,min_p=0")
+    assert given == {"do_sample": True, "temperature": 2.0, "top_k": 5,
+                     "repetition_penalty": 2.0, "top_p": 1.0, "min_p": 0.0}
+    prompt = torch.tensor([[1, 5, 6]])
+    with pytest.raises(ValueError):  # as written, generate refuses it
+        model.generate(prompt, max_new_tokens=2, pad_token_id=0, do_sample=True,
+                       temperature=2)
+    assert model.generate(prompt, max_new_tokens=2, pad_token_id=0, **given).shape == (1, 5)
 
 
 def test_a_locate_report_says_them(tiny_model_dir, tmp_path):
@@ -222,6 +248,9 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
     ("do_sample=true,top_p=1.5", "--gen-kwargs top_p=1.5: must be a number between 0 and 1"),
     ("temperature=-1", "--gen-kwargs temperature=-1.0: must be a number >= 0"),
     ("temperature=warm", "--gen-kwargs temperature='warm': must be a number >= 0"),
+    ("top_k=2.5", "--gen-kwargs top_k=2.5: must be a whole number >= 0"),
+    ("repetition_penalty=0", "--gen-kwargs repetition_penalty=0: must be a number above 0"),
+    ("do_sample=yes", "--gen-kwargs do_sample='yes': must be true or false"),
     ("", "--gen-kwargs '': must be key=value pairs joined by commas (e.g. "
          "max_gen_toks=256,temperature=0) or a JSON object"),
 ])
@@ -233,7 +262,7 @@ def test_generation_values_generate_would_refuse_after_the_load_are_refused_now(
         RunSpec(gen_kwargs=value).validate()
     assert str(refused.value) == message
     assert parse_gen_kwargs("temperature=0,top_p=1,top_k=0") == {
-        "temperature": 0, "top_p": 1, "top_k": 0}  # the ends of each range are allowed
+        "temperature": 0.0, "top_p": 1.0, "top_k": 0}  # the ends of each range are allowed
 
 
 def test_an_empty_system_instruction_is_refused():

@@ -410,6 +410,30 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
             raise UsageError(f"--gen-kwargs {key}=...: not a generation argument (lm-eval's "
                              "until and max_gen_toks, or a field of transformers' "
                              f"GenerationConfig such as temperature, top_p, do_sample){hint}")
+    if {"do_sample", "temperature"} & set(gen_kwargs):
+        _check_sampling_temperature(gen_kwargs, leaves)
+
+
+def _check_sampling_temperature(gen_kwargs: Mapping[str, Any],
+                                leaves: Mapping[str, Any]) -> None:
+    # lm-eval samples at temperature 0.0 where a task sets none, and generate refuses to
+    # sample at 0 (a ValueError at the first measurement): say it before the load.
+    for leaf, task in sorted(leaves.items()):
+        if task.get_config("output_type") != "generate_until":
+            continue
+        own = task.get_config("generation_kwargs") or {}
+        effective = {**own, **gen_kwargs}
+        try:
+            cold = float(effective.get("temperature", 0.0)) == 0.0
+        except (TypeError, ValueError):  # the task's own value: lm-eval's to judge
+            continue
+        if effective.get("do_sample") is True and cold:
+            source = ("--gen-kwargs" if "temperature" in gen_kwargs else
+                      "its YAML's" if "temperature" in own else "lm-eval's default")
+            raise UsageError(f"--gen-kwargs: task {leaf!r} would sample (do_sample=true) at "
+                             f"temperature 0 ({source}), which generate refuses; give a "
+                             "temperature above 0 (e.g. temperature=1.0), or leave do_sample "
+                             "false for greedy decoding")
 
 
 def _column_count(spec: RunSpec, geometry: Geometry) -> int:

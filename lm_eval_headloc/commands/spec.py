@@ -134,9 +134,31 @@ def parse_sparsity(value: float | str) -> float | str:
                            min_val=0, max_val=1, include_boundaries="neither")
 
 
-#: Sampling arguments whose values generate would refuse only once the model is loaded.
-_SAMPLING_RANGES = {"temperature": (0, None), "top_p": (0, 1), "top_k": (0, None),
-                    "min_p": (0, 1), "repetition_penalty": (0, None)}
+#: generate's numeric arguments that it refuses only once the model is loaded: each key ->
+#: (whole number?, lowest, lowest allowed?, highest). Its warpers take only a float for the
+#: real-valued ones (``temperature=2`` is a ValueError there) and an int for ``top_k``, so
+#: the values are made so here: ``temperature=0`` and ``0.0`` are also one run.
+_GENERATE_NUMBERS = {"temperature": (False, 0, True, None), "top_p": (False, 0, True, 1),
+                     "top_k": (True, 0, True, None), "min_p": (False, 0, True, 1),
+                     "repetition_penalty": (False, 0, False, None)}
+
+
+def _generate_number(key: str, item: Any) -> Any:
+    """``item`` as generate takes ``key`` (float, or int where whole), refused in one line
+    where it is not a number in ``key``'s range; a key without a range is kept as given."""
+    if key not in _GENERATE_NUMBERS:
+        return item
+    whole, low, low_allowed, high = _GENERATE_NUMBERS[key]
+    number = isinstance(item, (int, float)) and not isinstance(item, bool)
+    if number and whole and not float(item).is_integer():
+        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a whole number >= {low}")
+    if not number or item < low or (item == low and not low_allowed) or (
+            high is not None and item > high):
+        allowed = (f"between {low} and {high}" if high is not None
+                   else f"{'>=' if low_allowed else 'above'} {low}")
+        kind = "whole number" if whole else "number"
+        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a {kind} {allowed}")
+    return int(item) if whole else float(item)
 
 
 def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -181,22 +203,25 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
         number = isinstance(item, (int, float)) and not isinstance(item, bool)
         if number and not math.isfinite(item):
             raise UsageError(f"--gen-kwargs {key}={item!r}: must be a finite number")
-        low, high = _SAMPLING_RANGES.get(key, (None, None))
-        if low is not None and (not number or item < low or (high is not None and item > high)):
-            allowed = f"between {low} and {high}" if high is not None else f">= {low}"
-            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a number {allowed}")
+        parsed[key] = _generate_number(key, item)
+    if "do_sample" in parsed and not isinstance(parsed["do_sample"], bool):
+        raise UsageError(f"--gen-kwargs do_sample={parsed['do_sample']!r}: must be true or "
+                         "false")
     until = parsed.get("until")
     if until is not None and not (isinstance(until, str) or (
             isinstance(until, list) and all(isinstance(u, str) for u in until))):
         raise UsageError(f"--gen-kwargs until={until!r}: must be a string or a list of "
                          "strings")
+    if isinstance(until, str):  # lm-eval's generate_until reads one string as [it]
+        parsed["until"] = [until]
     return parsed
 
 
 def _canonical_gen_kwargs(value: Any) -> Any:
     """``gen_kwargs`` as one JSON text with sorted keys, so that a run resumed with the
-    same arguments in another order, or as JSON instead of key=value, is the same run (a
-    value written otherwise, 0 for 0.0, is another); a value that does not parse is left
+    same arguments in another order, as JSON instead of key=value, or with a value written
+    otherwise (``temperature=0`` for ``0.0``, ``until="Q:"`` for ``["Q:"]``) is the same
+    run; a value that does not parse is left
     for ``validate`` to refuse in one line."""
     import json
 
