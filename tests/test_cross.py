@@ -226,3 +226,27 @@ def test_cross_asks_the_tasks_as_the_runs_located_them(tiny_model_dir, tmp_path,
     assert json.loads((plain / "config.json").read_text())["spec"]["gen_kwargs"] is None
     assert ("warning: cross: leaving out the runs' --gen-kwargs (--gen-kwargs: none of the "
             "tasks generates") in capsys.readouterr().err
+
+
+def test_a_knockout_two_sets_share_is_measured_and_written_once(tiny_model_dir, tmp_path):
+    """Two runs that found the same top heads: their sets are one knockout, measured once
+    (the second record a copy, said by same_as) and written to one lm-eval file."""
+    model = tiny_model_dir("llama")
+    runs = [finished_run(tmp_path / "ppl", model, "tiny_copy_ppl", PPL),
+            finished_run(tmp_path / "rolling", model, "tiny_rolling", PPL)]
+    out, results = tmp_path / "cross", tmp_path / "lm-eval"
+    assert harness("cross", *map(str, runs), "--top-k", "2", "--num-samples", "4",
+                   "--out", str(out), "--output-path", str(results)) == 0
+    records = {r["key"]: r for r in lines(out)}
+    assert sorted(records) == ["baseline", "set1", "set2"]
+    assert records["set2"]["same_as"] == "set1" and "same_as" not in records["set1"]
+    assert records["set2"]["mask"] == records["set1"]["mask"] == "L0H0+L1H2"
+    assert records["set2"]["scores"] == records["set1"]["scores"]
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    assert index["set2"] == index["set1"] != index["baseline"]
+    assert len(list(results.rglob("results_*.json"))) == 2  # baseline and the one knockout
+    # The copy is what measuring it again gives: a cross of the second run alone.
+    alone = tmp_path / "alone"
+    assert harness("cross", str(runs[1]), "--tasks", "tiny_copy_ppl,tiny_rolling",
+                   "--top-k", "2", "--num-samples", "4", "--out", str(alone)) == 0
+    assert {r["key"]: r for r in lines(alone)}["set1"]["scores"] == records["set2"]["scores"]

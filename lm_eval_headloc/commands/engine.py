@@ -606,14 +606,42 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
                 f"{_scale_words(done[key].get('scale'))}, this run plans "
                 f"{_scale_words(wanted)}; the folder was made with other arguments (use "
                 "another --out or --force)")
-    todo = [entry for entry in entries if entry[0] not in done]
+    # A knockout planned twice (two tasks' top-k that are the same heads, a set two runs
+    # found) is measured once: a measurement is deterministic, so the second key's record
+    # is the first's, said by "same_as".
+    first_of: dict[tuple[str, float | None], str] = {}
+    for key, heads, scale in entries:
+        if key in done:
+            first_of.setdefault(_knockout_of(heads, scale), key)
+    todo, waiting = [], []  # waiting: (twin's key, its first's key), in plan order
+    for key, heads, scale in entries:
+        if key in done:
+            continue
+        first = first_of.setdefault(_knockout_of(heads, scale), key)
+        if first == key:
+            todo.append((key, heads, scale))
+        else:
+            waiting.append((key, first))
+    position = {key: index for index, (key, _, _) in enumerate(entries)}
+
+    def copy_twins(final: bool = False) -> None:
+        # In plan order: each twin once every entry planned before it is on disk.
+        horizon = min((position[key] for key, _, _ in todo if key not in done),
+                      default=len(entries))
+        while waiting and (final or position[waiting[0][0]] < horizon):
+            key, first = waiting.pop(0)
+            done[key] = _twin_record(folder, key, done[first])
+            bar.update(1)
+
     if todo and measure is None:
         raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if todo else 1
-    bar = tqdm(total=len(entries), initial=len(entries) - len(todo), desc=desc, unit="meas",
+    bar = tqdm(total=len(entries), initial=sum(key in done for key, _, _ in entries),
+               desc=desc, unit="meas",
                disable=not progress, dynamic_ncols=True)
     try:
+        copy_twins()  # those planned before anything left to measure
         # One scale per call of measure_chunks: entries grouped by scale, in plan order.
         for scale in dict.fromkeys(entry[2] for entry in todo):
             group = [entry for entry in todo if entry[2] == scale]
@@ -641,9 +669,23 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
                     folder.append_measurement(record)
                     done[key] = record
                     bar.update(1)
+                    copy_twins()
+        copy_twins(final=True)
     finally:
         bar.close()
     return {key: done[key] for key, _, _ in entries}
+
+
+def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
+    """What a plan entry measures: its mask and scale (None: the measurement's own)."""
+    return format_heads(heads), None if scale is None else float(scale)
+
+
+def _twin_record(folder: RunFolder, key: str, measured: Mapping[str, Any]) -> dict[str, Any]:
+    """``key``'s record, copied from ``measured``, the same knockout's, and appended."""
+    record = {**measured, "key": key, "same_as": measured.get("same_as", measured["key"])}
+    folder.append_measurement(record)
+    return record
 
 
 @contextlib.contextmanager
@@ -740,8 +782,15 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
               else {"limit": measure.limit})
     settings = chat_settings(measure, [name for name, _ in setup.tasks])
     gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
+    files_of: dict[tuple[str, float | None], Any] = {}  # one evaluation a knockout
     for key, components, *scale in plan:
+        knockout = _knockout_of(components, scale[0] if scale else None)
         if _files_written(written.get(key), str(spec.output_path), spec.log_samples):
+            files_of.setdefault(knockout, written[key])
+            continue
+        if knockout in files_of:
+            written[key] = files_of[knockout]
+            folder.write_json(LM_EVAL_FILES, written)
             continue
         paths = []
         for chat, names in settings.items():
@@ -757,7 +806,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
             path = save_lm_eval_results(results, spec.output_path,
                                         log_samples=spec.log_samples)
             paths.append(str(path.resolve()))
-        written[key] = paths[0] if len(paths) == 1 else paths
+        written[key] = files_of[knockout] = paths[0] if len(paths) == 1 else paths
         folder.write_json(LM_EVAL_FILES, written)
 
 
