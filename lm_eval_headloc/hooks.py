@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .geometry import Geometry, text_config
+from .geometry import Geometry, UnsupportedGeometry, text_config
 from .heads import Component, HeadSpecError, Neuron, parse_components
 
 __all__ = ["KINDS", "ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
@@ -38,6 +38,10 @@ __all__ = ["KINDS", "ActivePass", "AttentionOutputNotFound", "HeadKnockout", "In
 # GPT-NeoX/Falcon/Phi-1: dense; T5-style: o; MPT: out_proj; BLOOM: dense).
 _OUTPUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "o", "wo", "out")
 _ATTENTION_HINTS = ("attn", "attention")
+# Attention blocks that are not the layer's own self-attention over the text: a
+# seq2seq decoder's attention to the encoder (BART's encoder_attn), which a causal LM made
+# of that decoder skips, and linear attention (not heads of softmax attention).
+_NOT_SELF_ATTENTION = ("encoder_attn", "linear")
 
 
 class AttentionOutputNotFound(HeadSpecError):
@@ -51,7 +55,7 @@ class MLPOutputNotFound(HeadSpecError):
 def _geometry(model: nn.Module) -> Geometry:
     try:
         return Geometry.from_config(model.config)
-    except AttributeError as err:
+    except (AttributeError, UnsupportedGeometry) as err:
         raise AttentionOutputNotFound(str(err)) from None
 
 
@@ -79,12 +83,17 @@ def _fits(features: int | None, heads_per_layer: int, head_dim: int | None) -> b
     return features == heads_per_layer * head_dim
 
 
+_VISION = ("vision", "visual", "image")
+
+
 def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
-    # The decoder stack is the ModuleList with one entry per layer; with several
-    # (e.g. a vision tower), take the one holding the most parameters.
-    lists = [
-        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers
-    ]
+    # The decoder stack is the ModuleList with one entry per layer; with several, not a
+    # vision tower's (GIT's may be as deep and larger), then the one holding the most
+    # parameters.
+    named = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) == num_layers]
+    text = [m for name, m in named if not any(word in name.lower() for word in _VISION)]
+    lists = text or [m for _, m in named]
     if not lists:
         raise AttentionOutputNotFound(
             f"no list of {num_layers} decoder layers found in {type(model).__name__}; "
@@ -101,7 +110,9 @@ def _output_projection(layer: nn.Module, index: int, heads_per_layer: int,
         parts = name.split(".")
         if len(parts) < 2 or parts[-1] not in _OUTPUT_NAMES:
             continue
-        if not any(hint in parts[-2].lower() for hint in _ATTENTION_HINTS):
+        block = parts[-2].lower()
+        if not any(hint in block for hint in _ATTENTION_HINTS) or any(
+                word in block for word in _NOT_SELF_ATTENTION):
             continue
         if _fits(_input_features(module), heads_per_layer, head_dim):
             candidates.append((name, module))
@@ -126,8 +137,7 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
     a probe forward pass checks that each match is what its attention block returns.
     """
     geometry = _geometry(model)
-    num_layers, heads_per_layer, head_dim = (geometry.num_layers, geometry.heads_per_layer,
-                                             geometry.head_dim)
+    num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
     if attn_out:
         named = [(name, m) for name, m in model.named_modules()
                  if fnmatch.fnmatchcase(name, attn_out)]
@@ -138,10 +148,12 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
             )
     else:
         layers = _decoder_layers(model, num_layers)
-        named = [(f"decoder layer {i}", _output_projection(layer, i, heads_per_layer, head_dim))
+        named = [(f"decoder layer {i}", _output_projection(layer, i, heads_per_layer,
+                                                           geometry.head_dim_of(i)))
                  for i, layer in enumerate(layers)]
     for index, (name, module) in enumerate(named):
         features = _input_features(module)
+        head_dim = geometry.head_dim_of(index)
         if not _fits(features, heads_per_layer, head_dim):
             expected = (f"{heads_per_layer} heads x {head_dim} = {heads_per_layer * head_dim}"
                         if head_dim else f"a multiple of {heads_per_layer} heads")
@@ -306,18 +318,23 @@ def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Mo
     else:
         named = []
         for index, layer in enumerate(_decoder_layers(model, geometry.num_layers)):
+            # An expert's projection (a shared expert's too, whose width may equal the
+            # config's intermediate_size) is not the layer's MLP: the routed experts
+            # beside it would stay on.
             candidates = [
                 (name, module) for name, module in layer.named_modules()
                 if name.split(".")[-1] in _MLP_OUTPUT_NAMES
                 and not any(word in part.lower() for part in name.split(".")[:-1]
-                            for word in _ATTENTION_HINTS)
+                            for word in (*_ATTENTION_HINTS, "expert"))
                 and _mlp_fits(module, width, hidden)]
             if len(candidates) != 1:
                 found = ", ".join(n for n, _ in candidates) or "none"
+                experts = any("expert" in name.lower() for name, _ in layer.named_modules())
+                why = ("; a mixture of experts has no single one" if experts else "")
                 raise MLPOutputNotFound(
                     f"cannot tell which module of decoder layer {index} "
                     f"({type(layer).__name__}) is the MLP output projection (candidates: "
-                    f"{found}; a mixture of experts has no single one); {advice}")
+                    f"{found}{why}); {advice}")
             named.append((f"decoder layer {index}", candidates[0][1]))
     widths = {_input_features(module) for _, module in named}
     for index, (name, module) in enumerate(named):
@@ -425,11 +442,12 @@ class ActivePass:
 @dataclass
 class _Site:
     """Where one kind of component is knocked out: a projection per layer whose input is
-    ``units`` slices ``width`` wide (heads x head_dim, or neurons x 1)."""
+    ``units`` slices, each layer's ``widths[layer]`` wide (heads x head_dim, or neurons x
+    1; Gemma 4's head width differs between its sliding and full attention layers)."""
 
     modules: list[nn.Module]
     units: int
-    width: int
+    widths: list[int]
     devices: list[torch.device]
     handles: list = dataclasses.field(default_factory=list)
 
@@ -460,17 +478,19 @@ class HeadKnockout:
         self.num_layers = self.geometry.num_layers
         self.heads_per_layer = self.geometry.heads_per_layer
         modules = find_attention_outputs(model, attn_out)
+        #: The first layer's head width (``geometry.head_dim_of`` gives each layer's).
         self.head_dim = _input_features(modules[0]) // self.heads_per_layer
         self.mlp_out = mlp_out
         self._sites: dict[str, _Site] = {}
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
-        self._add_site("heads", modules, self.heads_per_layer, self.head_dim)
+        self._add_site("heads", modules, self.heads_per_layer)
         if neurons or mlp_out:
             self.enable_neurons()
 
-    def _add_site(self, kind: str, modules: list[nn.Module], units: int, width: int) -> None:
-        site = _Site(modules, units, width, [_device_of(m) for m in modules])
+    def _add_site(self, kind: str, modules: list[nn.Module], units: int) -> None:
+        widths = [_input_features(m) // units for m in modules]
+        site = _Site(modules, units, widths, [_device_of(m) for m in modules])
         site.handles = [module.register_forward_pre_hook(self._make_hook(kind, layer))
                         for layer, module in enumerate(modules)]
         self._sites[kind] = site
@@ -481,7 +501,7 @@ class HeadKnockout:
         if "neurons" in self._sites:
             return
         modules = find_mlp_outputs(self.model, self.mlp_out)
-        self._add_site("neurons", modules, _input_features(modules[0]), 1)
+        self._add_site("neurons", modules, _input_features(modules[0]))
         self._placed = None
 
     @property
@@ -592,11 +612,13 @@ class HeadKnockout:
         """Per-layer ``(units, width)`` means of ``kind``, checked and placed on each
         layer's device, for ``Intervention.replacement``."""
         site = self._site(kind)
-        shape = (site.units, site.width)
-        if len(per_layer) != self.num_layers or any(tuple(t.shape) != shape
-                                                    for t in per_layer):
+        shapes = [(site.units, width) for width in site.widths]
+        if len(per_layer) != self.num_layers or any(
+                tuple(t.shape) != shape for t, shape in zip(per_layer, shapes, strict=False)):
+            described = (f"shape {shapes[0]}" if len(set(shapes)) == 1
+                         else f"shapes {shapes}")
             raise ValueError(f"{kind} replacements must be {self.num_layers} tensors of "
-                             f"shape {shape}")
+                             f"{described}")
         return tuple(t.to(device) for t, device in zip(per_layer, site.devices, strict=True))
 
     def flat_width(self, kinds: Iterable[str]) -> int:

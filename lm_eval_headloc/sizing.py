@@ -103,10 +103,13 @@ def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, 
     text = text_config(config)
     hidden = int(text.hidden_size)
     heads = int(text.num_attention_heads)
-    head_dim = Geometry.from_config(text).head_dim or hidden // heads
+    geometry = Geometry.from_config(text)
+    # The widest layer's heads (Gemma 4's full-attention layers are wider than the rest).
+    head_dim = (max(geometry.layer_head_dims) if geometry.layer_head_dims
+                else geometry.head_dim or hidden // heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    ffn = int(getattr(text, "intermediate_size", None) or 4 * hidden)
-    layers = int(text.num_hidden_layers)
+    ffn = int(geometry.neurons_per_layer or 4 * hidden)
+    layers = geometry.num_layers
     vocab = int(text.vocab_size)
 
     def per_copy(rows: int, width: int, scored: int) -> int:

@@ -242,8 +242,8 @@ def test_mlp_out_override_and_refusals(tiny_model_dir):
             HeadKnockout(model, mlp_out=wrong)
     # Discovery is lazy: a model whose MLP cannot be found keeps its heads.
     for layer in model.model.layers:  # a second down_proj in each layer: two candidates
-        layer.shared_expert = torch.nn.Module()
-        layer.shared_expert.down_proj = torch.nn.Linear(64, 32)
+        layer.second_mlp = torch.nn.Module()
+        layer.second_mlp.down_proj = torch.nn.Linear(64, 32)
     knockout = HeadKnockout(model)
     with knockout.knocking_out("L0H1"):
         model(INPUT_IDS)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError, check_load_args
 from ..embedded import smollm2_location, smollm2_model_args
-from ..geometry import Geometry
+from ..geometry import Geometry, UnsupportedGeometry
 from ..heads import (
     Component,
     Head,
@@ -156,7 +156,7 @@ def config_geometry(config: Any) -> Geometry:
     config alone: no weights loaded, so component names are checked in seconds."""
     try:
         return Geometry.from_config(config)
-    except AttributeError as err:
+    except (AttributeError, UnsupportedGeometry) as err:
         raise UsageError(f"pretrained={config.name_or_path!r}: {err}") from None
 
 
