@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .geometry import Geometry, UnsupportedGeometry, text_config
-from .heads import Component, HeadSpecError, Neuron, parse_components
+from .heads import Component, HeadSpecError, Neuron, names_neurons, parse_components
 
 __all__ = ["KINDS", "ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
            "MLPOutputNotFound", "attention_geometry", "find_attention_outputs",
@@ -752,8 +752,11 @@ class HeadKnockout:
         scaled by ``scale``: the shorthand for a bare model."""
         if isinstance(components, str) and not components.strip():
             parsed: tuple[Component, ...] = ()
-        else:
-            parsed = tuple(parse_components(components))
+        else:  # checked against the model, which also expands L0H* and L0N*
+            neurons = (self.neurons_per_layer if self.has_neurons
+                       or names_neurons(components) else None)
+            parsed = tuple(parse_components(components, self.num_layers,
+                                            self.heads_per_layer, neurons))
         return self.applied(Intervention(components=parsed, scale=scale))
 
     def remove(self) -> None:

@@ -311,3 +311,17 @@ def test_bloom_adds_the_residual_inside_attention_and_attn_out_still_works():
     knockout.remove()
     with pytest.raises(AttentionOutputNotFound, match="is not what its block"):
         HeadKnockout(model, attn_out="transformer.h.*.self_attention.query_key_value")
+
+
+def test_knocking_out_names_are_checked_against_the_model_and_expanded(tiny_model_dir):
+    """The bare-model shorthand took L0H* only with a head count it had but did not pass,
+    and a head outside the model was not refused there."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    knockout = HeadKnockout(model)
+    with torch.no_grad():
+        with knockout.knocking_out("L0H*"):
+            whole_layer = model(INPUT_IDS).logits
+        with knockout.knocking_out("+".join(f"L0H{h}" for h in range(HEADS))):
+            assert torch.equal(model(INPUT_IDS).logits, whole_layer)
+    with pytest.raises(HeadSpecError, match=f"layer {LAYERS} not in 0..{LAYERS - 1}"):
+        knockout.knocking_out(f"L{LAYERS}H0")
