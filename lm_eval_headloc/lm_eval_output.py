@@ -35,7 +35,7 @@ from .heads import Component, component_tokens, format_heads, parse_components
 from .registration import MODEL_NAME
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
-           "make_output_folder", "save_lm_eval_results"]
+           "check_output_folder", "make_output_folder", "save_lm_eval_results"]
 
 #: Longest component list a model name spells out; a longer one (a neuron group's
 #: hundreds of neurons) is cut to its first components, how many more, and a hash.
@@ -155,6 +155,20 @@ def _name_from_results(results: Mapping[str, Any], model_args: Any) -> str:
     if GeneralConfigTracker._get_model_name(model_args) is None and config.get("model"):
         model_args = {**_as_dict(model_args), "pretrained": str(config["model"])}
     return knockout_model_name(model_args, config.get("ablate") or "", config.get("scale"))
+
+
+def check_output_folder(output_path: str | Path) -> None:
+    """Refuse in one line an ``output_path`` whose folder could not be made or written,
+    creating nothing (``make_output_folder`` makes it once the run folder is taken)."""
+    from .checks import UsageError
+
+    path = Path(output_path)
+    folder = (path.parent if path.suffix == ".json" else path).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    problem = ("Not a directory" if not existing.is_dir() else
+               "Permission denied" if not os.access(existing, os.W_OK | os.X_OK) else None)
+    if problem:
+        raise UsageError(f"--output-path {output_path}: cannot write there ({problem})")
 
 
 def make_output_folder(output_path: str | Path) -> Path:

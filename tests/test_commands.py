@@ -419,8 +419,8 @@ def test_run_folder_json_puts_a_list_of_numbers_on_one_line_and_reads_back_exact
     assert [type(x) for x in back["effects"]] == [type(x) for x in expected["effects"]]
     # Without a list of numbers the layout is json's indent=2, byte for byte.
     rest = {k: v for k, v in data["at"].items() if k != "points"}
-    RunFolder(tmp_path).write_json("rest.json", rest)
-    assert (tmp_path / "rest.json").read_text() == json.dumps(rest, indent=2) + "\n"
+    RunFolder(tmp_path).write_json("sweep.json", rest)
+    assert (tmp_path / "sweep.json").read_text() == json.dumps(rest, indent=2) + "\n"
 
 
 def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path, capsys):
@@ -750,6 +750,77 @@ def test_a_folder_of_another_run_is_refused_unless_forced(tiny_model_dir, tmp_pa
     assert "was made with seed=0, not 1" in last_error(capsys)
     assert harness(*args, "--seed", "1", "--force") == 0
     assert strict_json(tmp_path / "run" / "config.json")["identity"]["seed"] == 1
+
+
+def test_force_deletes_only_what_the_commands_wrote(tiny_model_dir, tmp_path, capsys):
+    """--force deleted everything in a run folder but its lock: a user's notes, their
+    analysis folder, a nested run another process was working in. Now it refuses while
+    anything there is not the commands' own, and deletes nothing then."""
+    from lm_eval_headloc.commands.runfolder import RunFolder
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out", str(run)]
+    assert harness(*args) == 0
+    assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+                   "--random-draws", "0", "--limit", "4") == 0  # into run/verify
+    written = sorted(p.relative_to(run) for p in run.rglob("*"))
+    (run / "notes.md").write_text("mine")
+    (run / "verify" / "plot.py").write_text("mine too")
+    assert harness(*args, "--seed", "1", "--force") == 2
+    assert last_error(capsys).endswith(
+        f"--force: {run} holds what headloc-harness did not write (notes.md, "
+        "verify/plot.py); it deletes only its own files, so move those out or choose "
+        "another --out")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == sorted(
+        [*written, Path("notes.md"), Path("verify/plot.py")])
+    (run / "notes.md").unlink()
+    (run / "verify" / "plot.py").unlink()
+    # A nested run another process holds is not deleted under it.
+    with RunFolder(run / "verify").lock():
+        assert harness(*args, "--seed", "1", "--force") == 2
+        assert f"{run / 'verify'} is in use by another headloc-harness process" in \
+            last_error(capsys)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == written
+    # Only its own files: cleared, the nested verify with them, and the run starts over.
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert not (run / "verify").exists()
+    assert strict_json(run / "config.json")["identity"]["seed"] == 1
+
+
+def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_dir, tmp_path):
+    """A kill between writing config.json's partial file and its rename left a folder of
+    .lock and .config.json.<pid>.partial, refused for ever ("not a run folder")."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text("123\n")
+    (run / ".config.json.123.partial").write_text('{"command": "loc')
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out",
+                   str(run)) == 0
+    assert not list(run.glob("*.partial"))
+    assert strict_json(run / "config.json")["command"] == "locate"
+
+
+def test_a_run_folder_made_unwritable_is_one_line(tiny_locate_run, tmp_path, capsys,
+                                                   monkeypatch):
+    import lm_eval_headloc.commands.runfolder as runfolder
+
+    def refused(path, write):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(runfolder, "write_atomically", refused)
+    assert harness("refit", str(tiny_locate_run), "--alpha", "0.05") == 2
+    assert last_error(capsys).endswith(
+        f"cannot write {tiny_locate_run / 'config.json'}: Permission denied")
+
+
+def test_an_empty_out_is_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--out", "") == 2
+    assert "argument --out: '' is not a folder name" in last_error(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- greedy ------------------------------------------------------------------------------
@@ -1480,3 +1551,16 @@ def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_
                    "--num-samples", "6", "--signal", "logprob", "--masks", "4",
                    "--prior", "none", "--confirm", "2", "--out", str(some)) == 0
     assert "Fit R² = " in (some / "report.md").read_text()
+
+
+def test_a_refused_run_folder_leaves_no_output_path_behind(tiny_model_dir, tmp_path, capsys,
+                                                           no_model_loading):
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("mine")
+    assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+                   "--random-draws", "0", "--out", str(mine),
+                   "--output-path", str(tmp_path / "brand" / "new")) == 2
+    assert "is not empty and is not a headloc-harness run folder" in last_error(capsys)
+    assert not (tmp_path / "brand").exists()

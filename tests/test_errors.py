@@ -180,3 +180,22 @@ def test_the_stock_lm_eval_hook_prints_user_errors_only():
     assert result.stdout.strip() == "['InternalError', 'FileNotFoundError']"
     assert result.stderr.strip() == ("hf-headablate: error: ablation='x': must be one of "
                                      "zero, mean, resample")
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the seconds the console script spends importing torch and lm-eval
+    printed an import traceback; it ends as one after the imports does."""
+    import sys
+
+    from lm_eval_headloc.console import main
+
+    class Interrupted:
+        def find_spec(self, name, path=None, target=None):
+            if name == "lm_eval_headloc.commands.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "lm_eval_headloc.commands.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert main(["--version"]) == 130
+    assert capsys.readouterr().err.strip() == "headloc-harness: interrupted"

@@ -53,8 +53,14 @@ def _list_of(convert: type) -> object:
     return parse
 
 
+def _folder(value: str) -> str:
+    if not value.strip():  # Path("") is the current folder: never what was meant
+        raise argparse.ArgumentTypeError(f"{value!r} is not a folder name")
+    return value
+
+
 def _add_out(parser: argparse.ArgumentParser, default: str | None, help_text: str) -> None:
-    parser.add_argument("--out", default=default, metavar="DIR", help=help_text)
+    parser.add_argument("--out", default=default, metavar="DIR", type=_folder, help=help_text)
     parser.add_argument("--force", action="store_true",
                         help="start over in an existing run folder of this tool (never "
                              "clears anything else)")

@@ -700,13 +700,15 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
     tables from the records: ``with measured_plan(...) as (folder, records):``. The
     commands that knock out given sets (verify, cross) share this."""
     if spec.output_path is not None:
-        from ..lm_eval_output import make_output_folder
+        from ..lm_eval_output import check_output_folder, make_output_folder
 
-        make_output_folder(spec.output_path)
+        check_output_folder(spec.output_path)
     with RunFolder(out) as folder:
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,
                            identity=identity)
+        if spec.output_path is not None:  # made once the run folder is known to be fine
+            make_output_folder(spec.output_path)
         if nothing_left(folder, plan, spec.output_path, spec.log_samples):
             # A finished run rerun: its tables come from disk, no weights loaded (run_plan
             # still checks that what is on disk is what the plan asks for).

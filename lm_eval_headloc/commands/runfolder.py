@@ -12,12 +12,15 @@ A rerun of the same command continues where the last one stopped; a folder made 
 different defining arguments is refused, unless it recorded nothing past its start (a
 model that failed to load: the corrected command starts over). Nothing that is not provably
 ours is ever deleted or overwritten: ``--force`` clears only a folder whose ``config.json``
-says it is a headloc-harness run, and any other non-empty folder is refused, forced or not.
+says it is a headloc-harness run, and in it only the files the commands write (``WRITTEN``)
+and nested run folders of ours that no other process holds; a folder holding anything else
+is refused, deleting nothing, as is any other non-empty folder, forced or not.
 """
 
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import logging
 import math
@@ -137,6 +140,22 @@ def _is_measurement(record: Any) -> bool:
             and isinstance(record.get("mask"), str) and isinstance(record.get("scores"), dict))
 
 
+#: What the commands write in a run folder, by name or fnmatch pattern: ``--force`` clears
+#: these (and run folders of ours nested in it) and refuses a folder holding anything else.
+#: ``RunFolder.file`` hands out only these names, so a new results file is listed here.
+WRITTEN = ("config.json", "measurements.jsonl", "design_matrix.npy", "prior.json",
+           "report.md", "heads.json", "heads.csv", "heads-*.json", "heads-*.csv",
+           "heatmap.png", "verify.json", "verify.md", "cross.json", "cross.md", "cross.png",
+           "sweep.json", "sweep.md", "types.json", "types.csv", "lm_eval_files.json",
+           "means", "timing.json", ".lock")
+#: ``files.write_atomically``'s partial files: left behind only by a kill mid-write.
+_PARTIAL = ".*.partial"
+
+
+def _written(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*WRITTEN, _PARTIAL))
+
+
 class RunFolder:
     """A folder of one run. Use as a context manager: the lock is released on exit."""
 
@@ -155,6 +174,11 @@ class RunFolder:
         self.release()
 
     def file(self, name: str) -> Path:
+        if not _written(name):
+            from ..errors import InternalError
+
+            raise InternalError(f"run folder file {name!r} is not in runfolder.WRITTEN, "
+                                "so --force would refuse to clear it")
         return self.path / name
 
     def exists(self) -> bool:
@@ -198,7 +222,9 @@ class RunFolder:
         identity = json.loads(json.dumps(identity))  # as it will read back from disk
         self.refuse_inside(protect)
         ours = self._check_ownership()
-        if not ours and self.path.exists() and any(self._entries()):
+        # A kill mid-write of the first config.json leaves only our partial file: empty.
+        if not ours and self.path.exists() and any(
+                not fnmatch.fnmatchcase(p.name, _PARTIAL) for p in self._entries()):
             raise RunFolderError(
                 f"{self.path} is not empty and is not a headloc-harness run folder; choose "
                 "another --out (--force only clears run folders)")
@@ -226,12 +252,9 @@ class RunFolder:
             config["schema"] = CONFIG_SCHEMA  # the same keys: a file without it is layout 1
             self.write_config(config)
             return True
-        if ours:  # --force (or nothing recorded) on a run folder of ours: all but our lock
-            for entry in self._entries():
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+        if ours:  # --force (or nothing recorded) on a run folder of ours: what we wrote
+            self._clear()
+        self._remove_partials()
         self.write_config({
             "schema": CONFIG_SCHEMA,
             "command": command, "identity": identity, "settings": dict(settings),
@@ -242,6 +265,80 @@ class RunFolder:
 
     def _entries(self) -> list[Path]:
         return [p for p in self.path.iterdir() if p.name != self.LOCK]
+
+    def _remove_partials(self) -> None:
+        # Held under our lock: a partial file here is a killed writer's, never a live one.
+        for entry in self._entries():
+            if fnmatch.fnmatchcase(entry.name, _PARTIAL) and entry.is_file():
+                entry.unlink()
+
+    def _clear(self) -> None:
+        """Delete what the commands wrote here, and run folders of ours nested in it (a
+        verify's, a sweep's cells), after checking that nothing else is here and that no
+        other process is working in a nested run: otherwise refuse, deleting nothing."""
+        nested = self._nested_runs()
+        for entry in self._entries():
+            if entry in nested:
+                nested[entry]._remove_all()
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        for run in nested.values():
+            run.release()
+
+    def _nested_runs(self) -> dict[Path, RunFolder]:
+        """The nested run folders, each locked; a RunFolderError naming what is not ours
+        (or a nested run another process holds) where there is any."""
+        nested: dict[Path, RunFolder] = {}
+        foreign: list[str] = []
+        try:
+            for entry in self._entries():
+                if entry.is_dir() and not entry.is_symlink() and (entry / self.CONFIG).is_file():
+                    run = RunFolder(entry)
+                    try:
+                        run.read_config()
+                    except RunFolderError:
+                        foreign.append(entry.name)
+                        continue
+                    run._acquire()  # refuses a run another process is working in
+                    nested[entry] = run
+                    foreign += [f"{entry.name}/{name}" for name in run._foreign()]
+                elif not _written(entry.name) or entry.is_symlink():
+                    foreign.append(entry.name)
+        except RunFolderError:
+            for run in nested.values():
+                run.release()
+            raise
+        if foreign:
+            for run in nested.values():
+                run.release()
+            shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise RunFolderError(f"--force: {self.path} holds what headloc-harness did not "
+                                 f"write ({shown}); it deletes only its own files, so move "
+                                 "those out or choose another --out")
+        return nested
+
+    def _foreign(self) -> list[str]:
+        """What is here that no command writes, nested runs included (names)."""
+        found = []
+        for entry in self._entries():
+            if entry.is_dir() and not entry.is_symlink() and (entry / self.CONFIG).is_file():
+                found += [f"{entry.name}/{name}" for name in RunFolder(entry)._foreign()]
+            elif not _written(entry.name) or entry.is_symlink():
+                found.append(entry.name)
+        return found
+
+    def _remove_all(self) -> None:
+        """Delete this (checked, locked) nested run folder, its lock last."""
+        for entry in self._entries():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        self.release()
+        self.file(self.LOCK).unlink(missing_ok=True)
+        self.path.rmdir()
 
     def _only_started(self, config: Mapping[str, Any]) -> bool:
         """Whether the folder holds a config.json as ``start`` wrote it, and nothing else."""
@@ -313,7 +410,11 @@ class RunFolder:
 
     def write_text(self, name: str, text: str) -> None:
         """Write atomically: a reader never sees half a file."""
-        write_atomically(self.file(name), lambda partial: partial.write_text(text))
+        try:
+            write_atomically(self.file(name), lambda partial: partial.write_text(text))
+        except OSError as err:  # a folder made read-only since the run began
+            raise RunFolderError(f"cannot write {self.file(name)}: "
+                                 f"{err.strerror or err}") from None
 
     def write_json(self, name: str, data: Any) -> None:
         self.write_text(name, strict_json(data))
