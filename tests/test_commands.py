@@ -1061,10 +1061,12 @@ def test_universal_heads_by_hand(tmp_path, capsys):
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": true}')
     for target, message in [(foreign, "was not written by headloc-harness universal"),
-                            (tmp_path, "is a folder")]:
+                            (tmp_path, "is a folder"),
+                            # a run folder it reads (overlap refused it, universal did not)
+                            (runs[0] / "u.json", "which this command reads from")]:
         assert harness("universal", *map(str, runs), "--out", str(target)) == 2
         assert message in last_error(capsys)
-    assert foreign.read_text() == '{"mine": true}'
+    assert foreign.read_text() == '{"mine": true}' and not (runs[0] / "u.json").exists()
     # Runs of different models (even of the same shape) are not compared.
     other = write_heads(tmp_path / "r4", "d", ["L0H1"], model_args="another")
     assert harness("universal", str(runs[0]), str(other), "--out", str(tmp_path / "v.json")) == 2

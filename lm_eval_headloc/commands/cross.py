@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
+from ..files import write_atomically
 from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
 from .runfolder import RunFolder, option_words
@@ -253,5 +254,6 @@ def plot_cross(table: Mapping[str, Any], path: Path) -> Any:
     fig.suptitle(f"Cross-task knockout of each run's top-{table['top_k']} {_sets_word(table)} "
                  "(boxed: the set's own task)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # Atomically: a kill mid-write never leaves a truncated figure.
+    write_atomically(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     return fig

@@ -33,6 +33,7 @@ from ..confirm import (
     tied_with_above,
 )
 from ..designs import design_matrix, same_masks
+from ..files import write_atomically
 from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
@@ -596,7 +597,9 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         matrix = np.vstack([rows, design_matrix(spec.design, main, len(columns), sparsity,
                                                 spec.masks_seed, never)])
         run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
-        np.save(folder.file("design_matrix.npy"), matrix)
+        # Through a file object: np.save would add ".npy" to the partial file's name.
+        write_atomically(folder.file("design_matrix.npy"),
+                         lambda partial: _save_array(partial, matrix))
         run.save(folder, measure)  # phase: designed
         plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                      for key, row in zip(run.keys(), matrix, strict=True)]
@@ -853,3 +856,8 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
     if stored.design is None or _missing(stored, stored.masks_used - stored.unfitted):
         return None  # a measurement lost or cut short: measured again with the model
     return stored
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with path.open("wb") as file:
+        np.save(file, array)

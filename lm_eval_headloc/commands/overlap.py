@@ -40,7 +40,7 @@ from ..files import write_atomically
 from ..heads import read_heads_file, shown_name
 from .report import recorded_harmless
 from .result import RunRecord, load_run, ranking_files
-from .runfolder import RunFolder, strict_json
+from .runfolder import RunFolder, refuse_writing_into, strict_json
 
 __all__ = ["MADE_BY", "markdown_path", "overlap", "overlap_markdown"]
 
@@ -226,11 +226,7 @@ def _check_out(out: Path, runs: Sequence[Path]) -> None:
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; overlap writes a JSON file and a "
                          f"Markdown file (e.g. {out / 'overlap.json'})")
-    here = out.parent.resolve()
-    for run in runs:  # a run folder's files are its command's alone
-        if here == run or run in here.parents:
-            raise UsageError(f"--out {out} would write into {run}, which this command "
-                             "reads from; choose another --out")
+    refuse_writing_into(out, runs)
     for path in (out, markdown_path(out)):
         if path.exists() and not _ours(path):
             raise UsageError(f"--out: {path} exists and was not written by {MADE_BY}; "

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..columns import Column, Columns, NeuronGroup, column_label
+from ..files import write_atomically
 from ..head_types import HEAD_TYPES
 from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
@@ -259,7 +260,8 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # Atomically: a kill mid-write never leaves a truncated figure.
+    write_atomically(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     return fig
 
 

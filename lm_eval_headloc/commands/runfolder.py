@@ -37,7 +37,7 @@ from ..errors import UserError
 from ..files import write_atomically
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "option_words", "package_versions",
-           "strict_json"]
+           "refuse_writing_into", "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -154,6 +154,17 @@ _PARTIAL = ".*.partial"
 
 def _written(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*WRITTEN, _PARTIAL))
+
+
+def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
+    """Refuse an output file ``out`` inside any of the run folders ``runs`` a command reads
+    from: a run folder's files are its command's alone."""
+    here = Path(out).parent.resolve()
+    for run in runs:
+        run = Path(run).resolve()
+        if here == run or run in here.parents:
+            raise RunFolderError(f"--out {out} would write into {run}, which this command "
+                                 "reads from; choose another --out")
 
 
 class RunFolder:

@@ -15,7 +15,7 @@ from ..files import write_atomically
 from ..heads import read_heads_file
 from .report import recorded_harmless
 from .result import load_run, ranking_files
-from .runfolder import RunFolder, strict_json
+from .runfolder import RunFolder, refuse_writing_into, strict_json
 from .spec import RunSpec
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
@@ -23,7 +23,8 @@ __all__ = ["MADE_BY", "universal", "universal_table"]
 MADE_BY = "headloc-harness universal"  # marks a file of ours: the only kind we overwrite
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, runs: Sequence[str | Path]) -> None:
+    refuse_writing_into(out, runs)
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; universal writes one JSON file "
                          f"(e.g. {out / 'universal.json'})")
@@ -51,7 +52,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     if len(runs) < 2:
         raise UsageError(f"universal needs at least 2 run folders, got {len(runs)}")
     out = Path(out)
-    _check_out(out)
+    _check_out(out, runs)
     rankings: dict[str, list[str]] = {}
     no_harm: dict[str, set[str]] = {}
     models: dict[str, str] = {}
