@@ -152,6 +152,11 @@ WRITTEN = ("config.json", "measurements.jsonl", "design_matrix.npy", "prior.json
 _PARTIAL = ".*.partial"
 
 
+#: The bad measurement lines already warned of in this process: a command reads the file
+#: several times, and one bad line is one warning.
+_SAID_SKIPPED: set[tuple[str, int, str]] = set()
+
+
 def _written(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*WRITTEN, _PARTIAL))
 
@@ -458,8 +463,10 @@ class RunFolder:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 record = None
             if not _is_measurement(record):
-                log.warning("%s line %d is not a measurement record; skipped (left in the "
-                            "file)", path, number)
+                if (str(path.resolve()), number, raw) not in _SAID_SKIPPED:  # once a run
+                    _SAID_SKIPPED.add((str(path.resolve()), number, raw))
+                    log.warning("%s line %d is not a measurement record; skipped (left in "
+                                "the file)", path, number)
                 continue
             records.append(record)
         return records
