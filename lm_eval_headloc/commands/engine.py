@@ -626,6 +626,8 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
 
     def copy_twins(final: bool = False) -> None:
         # In plan order: each twin once every entry planned before it is on disk.
+        if not waiting:  # the usual case, once a measurement: nothing to scan
+            return
         horizon = min((position[key] for key, _, _ in todo if key not in done),
                       default=len(entries))
         while waiting and (final or position[waiting[0][0]] < horizon):

@@ -161,6 +161,18 @@ def _written(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*WRITTEN, _PARTIAL))
 
 
+def _nested_run(entry: Path) -> RunFolder | None:
+    """``entry`` as a run folder of ours (a verify's, a sweep's cell), or None."""
+    if not entry.is_dir() or entry.is_symlink() or not (entry / RunFolder.CONFIG).is_file():
+        return None
+    run = RunFolder(entry)
+    try:
+        run.read_config()
+    except RunFolderError:
+        return None
+    return run
+
+
 def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
     """Refuse an output file ``out`` inside any of the run folders ``runs`` a command reads
     from: a run folder's files are its command's alone."""
@@ -292,69 +304,35 @@ class RunFolder:
         """Delete what the commands wrote here, and run folders of ours nested in it (a
         verify's, a sweep's cells), after checking that nothing else is here and that no
         other process is working in a nested run: otherwise refuse, deleting nothing."""
-        nested = self._nested_runs()
-        for entry in self._entries():
-            if entry in nested:
-                nested[entry]._remove_all()
-            elif entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        for run in nested.values():
-            run.release()
-
-    def _nested_runs(self) -> dict[Path, RunFolder]:
-        """The nested run folders, each locked; a RunFolderError naming what is not ours
-        (or a nested run another process holds) where there is any."""
-        nested: dict[Path, RunFolder] = {}
-        foreign: list[str] = []
-        try:
-            for entry in self._entries():
-                if entry.is_dir() and not entry.is_symlink() and (entry / self.CONFIG).is_file():
-                    run = RunFolder(entry)
-                    try:
-                        run.read_config()
-                    except RunFolderError:
-                        foreign.append(entry.name)
-                        continue
-                    run._acquire()  # refuses a run another process is working in
-                    nested[entry] = run
-                    foreign += [f"{entry.name}/{name}" for name in run._foreign()]
-                elif not _written(entry.name) or entry.is_symlink():
-                    foreign.append(entry.name)
-        except RunFolderError:
-            for run in nested.values():
-                run.release()
-            raise
+        foreign = self._foreign()
         if foreign:
-            for run in nested.values():
-                run.release()
             shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
             raise RunFolderError(f"--force: {self.path} holds what headloc-harness did not "
                                  f"write ({shown}); it deletes only its own files, so move "
                                  "those out or choose another --out")
-        return nested
+        nested = [run for entry in self._entries() if (run := _nested_run(entry))]
+        try:
+            for run in nested:
+                run._acquire()  # refuses a run another process is working in
+            for entry in self._entries():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        finally:
+            for run in nested:
+                run.release()
 
     def _foreign(self) -> list[str]:
-        """What is here that no command writes, nested runs included (names)."""
+        """What is here that no command writes, nested runs' included (names)."""
         found = []
         for entry in self._entries():
-            if entry.is_dir() and not entry.is_symlink() and (entry / self.CONFIG).is_file():
-                found += [f"{entry.name}/{name}" for name in RunFolder(entry)._foreign()]
+            run = _nested_run(entry)
+            if run is not None:
+                found += [f"{entry.name}/{name}" for name in run._foreign()]
             elif not _written(entry.name) or entry.is_symlink():
                 found.append(entry.name)
         return found
-
-    def _remove_all(self) -> None:
-        """Delete this (checked, locked) nested run folder, its lock last."""
-        for entry in self._entries():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        self.release()
-        self.file(self.LOCK).unlink(missing_ok=True)
-        self.path.rmdir()
 
     def _only_started(self, config: Mapping[str, Any]) -> bool:
         """Whether the folder holds a config.json as ``start`` wrote it, and nothing else."""
