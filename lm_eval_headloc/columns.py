@@ -1,7 +1,8 @@
 """The components a run's design matrix has columns for, in column order.
 
 A heads run (the default) has one column per head in flat order, ``layer * H + head``,
-as every run before neurons existed. A run with MLP neurons (``--components neurons`` or
+as every run before neurons existed (a hybrid model's layers without heads have none). A
+run with MLP neurons (``--components neurons`` or
 ``heads+neurons``) cannot give each of the model's tens of thousands of neurons a column:
 its neuron columns are the attribution prior's likeliest candidates
 (``neuron_candidates``), after the heads when both are located, and with
@@ -99,24 +100,28 @@ class Columns:
         object.__setattr__(self, "_names", {str(c): i for i, c in enumerate(self.components)})
 
     @classmethod
-    def heads(cls, num_layers: int, heads_per_layer: int) -> Columns:
-        """Every head, in flat order: a heads run's columns."""
-        return cls(tuple(Head(layer, head) for layer in range(num_layers)
+    def heads(cls, num_layers: int, heads_per_layer: int,
+              head_layers: Sequence[int] | None = None) -> Columns:
+        """Every head, in flat order: a heads run's columns. ``head_layers``: the layers
+        with heads where not every layer has them (a hybrid model's)."""
+        layers = range(num_layers) if head_layers is None else head_layers
+        return cls(tuple(Head(layer, head) for layer in layers
                          for head in range(heads_per_layer)))
 
     @classmethod
     def of(cls, components: str, num_layers: int, heads_per_layer: int,
            candidates: Sequence[str] = (), groups_per_layer: int = 0,
-           neurons_per_layer: int | None = None, never: Sequence[str] = ()) -> Columns:
+           neurons_per_layer: int | None = None, never: Sequence[str] = (),
+           head_layers: Sequence[int] | None = None) -> Columns:
         """The columns of a run locating ``components`` (a ``COMPONENTS`` value): the
-        heads when it locates heads, then its neuron ``candidates`` when it locates
-        neurons, then (``groups_per_layer`` > 0, which needs ``neurons_per_layer``) the
-        groups of the neurons outside the candidates and outside ``never`` (the neurons
-        never knocked out; ``neuron_groups``)."""
+        heads when it locates heads (in ``head_layers`` when given), then its neuron
+        ``candidates`` when it locates neurons, then (``groups_per_layer`` > 0, which
+        needs ``neurons_per_layer``) the groups of the neurons outside the candidates and
+        outside ``never`` (the neurons never knocked out; ``neuron_groups``)."""
         if components not in COMPONENTS:
             raise ValueError(f"components={components!r}: one of {', '.join(COMPONENTS)}")
-        heads = cls.heads(num_layers, heads_per_layer).components if "heads" in \
-            components.split("+") else ()
+        heads = cls.heads(num_layers, heads_per_layer, head_layers).components if "heads" \
+            in components.split("+") else ()
         neurons = tuple(parse_components(list(candidates))) if "neurons" in components \
             else ()
         groups: list[NeuronGroup] = []
@@ -169,16 +174,29 @@ class Columns:
 
     @property
     def heads_grid(self) -> tuple[int, int] | None:
-        """(layers, heads per layer) when the columns are every head in flat order (a
-        layers x heads picture shows them), else None."""
+        """(layers, heads per layer) when the columns are every head of each layer they
+        cover, in flat order (a layers x heads picture shows them; a hybrid model's
+        layers without heads are rows without columns), else None."""
         if not self.components or self.has_neurons:
             return None
-        layers = self.components[-1].layer + 1
-        per_layer = len(self.components) // layers
-        if len(self.components) != layers * per_layer or \
-                self.components != Columns.heads(layers, per_layer).components:
+        layers = sorted({c.layer for c in self.components})
+        per_layer = len(self.components) // len(layers)
+        if len(self.components) != len(layers) * per_layer or \
+                self.components != Columns.heads(0, per_layer, layers).components:
             return None
-        return layers, per_layer
+        return layers[-1] + 1, per_layer
+
+    def grid_of(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (one per column) on the ``heads_grid`` (layers x heads), NaN where
+        a layer has no columns."""
+        grid = self.heads_grid
+        if grid is None:
+            raise ValueError("the columns are not a grid of heads")
+        shown = np.full(grid, np.nan, dtype=np.float64)
+        for column, value in zip(self.components, np.asarray(values, dtype=np.float64),
+                                 strict=True):
+            shown[column.layer, column[1]] = value
+        return shown
 
     @property
     def has_neurons(self) -> bool:

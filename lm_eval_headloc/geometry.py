@@ -18,9 +18,8 @@ __all__ = ["Geometry", "UnsupportedGeometry", "text_config"]
 
 
 class UnsupportedGeometry(UserError):
-    """The config describes a model whose decoder layers are not one grid of attention
-    heads: a head count that varies across layers, or layers of linear attention,
-    convolution or state-space blocks among the attention layers."""
+    """The config describes a model whose attention layers are not one grid of heads (a
+    head count that varies across layers), or that has no attention layer at all."""
 
 
 def text_config(config: Any) -> Any:
@@ -32,7 +31,13 @@ def text_config(config: Any) -> Any:
 class Geometry:
     """Decoder layers, query heads per layer, the width of one head's slice of the
     attention output projection's input, and the MLP's width (its neurons: the input of
-    its output projection) — the last two None when the config does not tell."""
+    its output projection) — the last two None when the config does not tell.
+
+    A hybrid model (Qwen3.5, Qwen3-Next, Jamba, OLMo-Hybrid, LFM2, Nemotron-H …) has
+    attention heads only in some layers, the rest being linear attention, convolution or
+    state-space blocks: ``head_layers`` lists the layers with heads (None: every layer).
+    Heads keep the model's own layer numbers (Qwen3.5's first heads are L3H0..), so a
+    name means the same here as in any other tool."""
 
     num_layers: int
     heads_per_layer: int
@@ -42,10 +47,18 @@ class Geometry:
     #: layers have wider heads than its sliding ones); None where ``head_dim`` is every
     #: layer's.
     layer_head_dims: tuple[int, ...] | None = None
+    #: The layers that have attention heads, in order, where not every layer has them;
+    #: None where every layer does.
+    head_layers: tuple[int, ...] | None = None
 
     @property
     def total_heads(self) -> int:
-        return self.num_layers * self.heads_per_layer
+        return len(self.layers_with_heads) * self.heads_per_layer
+
+    @property
+    def layers_with_heads(self) -> tuple[int, ...]:
+        """The layers that have attention heads (every layer but a hybrid's others)."""
+        return tuple(range(self.num_layers)) if self.head_layers is None else self.head_layers
 
     @property
     def total_neurons(self) -> int | None:
@@ -76,16 +89,27 @@ class Geometry:
         except (AttributeError, TypeError) as err:
             raise AttributeError(f"cannot read the layer/head counts from {name}: "
                                  f"{err}") from None
-        if len(set(heads_each)) > 1:
+        head_layers = _attention_layers(text, name, layers)
+        sliding = _sliding_layers(text, layers)
+        swa_heads, swa_dim = (_global(text, key) for key in ("swa_num_attention_heads",
+                                                             "swa_head_dim"))
+        if isinstance(swa_heads, int):  # Inkling: sliding layers have heads of their own
+            heads_each = [swa_heads if layer in sliding else count
+                          for layer, count in enumerate(heads_each)]
+        if len({heads_each[layer] for layer in head_layers}) > 1:
+            counts = [heads_each[layer] for layer in head_layers]
             raise UnsupportedGeometry(
                 f"{name}: the number of attention heads varies across layers "
-                f"({_listed(heads_each)}); heads are named on one grid of layers x heads "
+                f"({_listed(counts)}); heads are named on one grid of layers x heads "
                 "(L3H5), which this model does not have")
-        heads = int(heads_each[0])
-        _check_layer_types(text, name)
+        heads = int(heads_each[head_layers[0]])
         hidden = _global(text, "hidden_size")
         dims = []
-        for value in _per_layer(text, layers, ("v_head_dim", "head_dim"), missing=None):
+        per_layer_dims = _per_layer(text, layers, ("v_head_dim", "head_dim"), missing=None)
+        if isinstance(swa_dim, int):
+            per_layer_dims = [swa_dim if layer in sliding else value
+                              for layer, value in enumerate(per_layer_dims)]
+        for value in per_layer_dims:
             if not (isinstance(value, int) and value > 0):
                 value = (hidden // heads if isinstance(hidden, int) and heads
                          and hidden % heads == 0 else None)
@@ -94,9 +118,10 @@ class Geometry:
             # A differential head is a pair of heads subtracted and normed together: its
             # output is two head widths wide, and half as many reach o_proj.
             heads, dims = heads // 2, [None if d is None else 2 * d for d in dims]
-        uniform = len(set(dims)) == 1
-        return cls(layers, heads, dims[0] if uniform else None, _mlp_width(text, hidden),
-                   None if uniform else tuple(dims))
+        uniform = len({dims[layer] for layer in head_layers}) == 1
+        return cls(layers, heads, dims[head_layers[0]] if uniform else None,
+                   _mlp_width(text, hidden), None if uniform else tuple(dims),
+                   None if len(head_layers) == layers else tuple(head_layers))
 
 
 _MISSING = object()
@@ -138,27 +163,36 @@ def _per_layer(text: Any, layers: int, names: tuple[str, ...], missing: Any = _M
     return [missing] * layers
 
 
-# Layer types (a config's ``layer_types``) that are not softmax attention: their output
-# projection's input is not heads x head_dim of attention (Qwen3.5's Gated DeltaNet layers
-# have more, narrower heads behind a shared-width projection that fits by chance).
+# Layer types (a config's ``layer_types``) that are not softmax attention: linear
+# attention (Qwen3.5's Gated DeltaNet, whose output projection takes more, narrower heads
+# than the attention's, at a width that may fit them by chance), convolution, state-space
+# and MLP-only blocks. Their layers have no heads.
 _NOT_ATTENTION_WORDS = ("linear", "conv", "mamba", "recurrent", "ssm", "rwkv", "deltanet")
 _NOT_ATTENTION_TYPES = ("mlp", "moe")
 
 
-def _check_layer_types(text: Any, name: str) -> None:
+def _attention_layers(text: Any, name: str, layers: int) -> list[int]:
+    """The layers with attention heads: every layer unless the config's ``layer_types``
+    names other blocks (a hybrid model's)."""
     types = _global(text, "layer_types")
-    if not isinstance(types, (list, tuple)):
-        return
-    other = [(index, str(kind)) for index, kind in enumerate(types)
-             if str(kind).lower() in _NOT_ATTENTION_TYPES
-             or any(word in str(kind).lower() for word in _NOT_ATTENTION_WORDS)]
-    if other:
-        kinds = sorted({kind for _, kind in other})
-        raise UnsupportedGeometry(
-            f"{name}: layers {_listed([index for index, _ in other])} are "
-            f"{' / '.join(kinds)} layers, not attention; heads are named on one grid of "
-            "layers x heads (L3H5), and knocking out a slice of those layers' output "
-            "would not be an attention head")
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        return list(range(layers))
+    attention = [index for index, kind in enumerate(types)
+                 if not (str(kind).lower() in _NOT_ATTENTION_TYPES
+                         or any(word in str(kind).lower() for word in _NOT_ATTENTION_WORDS))]
+    if not attention:
+        kinds = sorted({str(kind) for kind in types})
+        raise UnsupportedGeometry(f"{name}: no layer is an attention layer (its layers are "
+                                  f"{' / '.join(kinds)}), so it has no heads to knock out")
+    return attention
+
+
+def _sliding_layers(text: Any, layers: int) -> set[int]:
+    """The layers whose ``layer_types`` entry is a sliding-window one."""
+    types = _global(text, "layer_types")
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        return set()
+    return {index for index, kind in enumerate(types) if "sliding" in str(kind).lower()}
 
 
 def _listed(values: list[Any], most: int = 8) -> str:

@@ -255,14 +255,42 @@ def head_type_scores(model: torch.nn.Module, input_ids: torch.Tensor,
     step = batch_size or len(input_ids)
     total: dict[str, np.ndarray] = {}
     counts = dict.fromkeys(HEAD_TYPES, 0)
+    head_layers = _head_layers(model)
     for start in range(0, len(input_ids), step):
         ids = input_ids[start:start + step]
         mask = None if attention_mask is None else attention_mask[start:start + step]
         sums, n = _sums(attention_patterns(model, ids, mask), ids, mask)
+        if head_layers is not None:
+            sums = {name: _spread(rows, *head_layers) for name, rows in sums.items()}
         for name in HEAD_TYPES:
             total[name] = total[name] + sums[name] if name in total else sums[name]
             counts[name] += n[name]
     return _means(total, counts)
+
+
+def _head_layers(model: torch.nn.Module) -> tuple[int, tuple[int, ...]] | None:
+    """A hybrid model's (layers, layers with heads), whose attention weights come back for
+    the attention layers only; None for a model with heads in every layer."""
+    from .geometry import Geometry
+
+    config = getattr(_pretrained(model) or model, "config", None)
+    try:
+        geometry = Geometry.from_config(config)
+    except Exception:  # noqa: BLE001 — no readable geometry: the patterns are taken as they come
+        return None
+    return None if geometry.head_layers is None else (geometry.num_layers,
+                                                      geometry.head_layers)
+
+
+def _spread(rows: np.ndarray, layers: int, head_layers: tuple[int, ...]) -> np.ndarray:
+    """A hybrid's per-attention-layer rows as (layers, heads), NaN where a layer has no
+    heads (a NaN score is never a type)."""
+    if len(rows) != len(head_layers):
+        raise ValueError(f"the model returned attention weights for {len(rows)} layers; it "
+                         f"has heads in {len(head_layers)}")
+    spread = np.full((layers, *rows.shape[1:]), np.nan, dtype=np.float64)
+    spread[list(head_layers)] = rows
+    return spread
 
 
 def type_thresholds(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,

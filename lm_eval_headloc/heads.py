@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ __all__ = [
     "check_head_names",
     "check_top",
     "component_key",
+    "describe_layers",
     "format_heads",
     "names_neurons",
     "parse_components",
@@ -89,7 +90,8 @@ _NAMES = {
 
 
 def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int | None,
-                 neurons: bool) -> list[Component]:
+                 neurons: bool, head_layers: Collection[int] | None = None
+                 ) -> list[Component]:
     token = token.strip()
     if not token:
         what = "component" if neurons else "head"
@@ -111,15 +113,19 @@ def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int
         if count is None:
             raise HeadSpecError(
                 f"{token!r} names a whole layer, which needs the model's {what} count")
+        if unit is Head and head_layers is not None and layer not in head_layers:
+            raise HeadSpecError(_no_heads_in(token, layer, head_layers))
         return [unit(layer, i) for i in range(count)]
     return [unit(layer, int(index))]
 
 
 def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer: int,
-                   neurons_per_layer: int | None = None) -> None:
+                   neurons_per_layer: int | None = None, *,
+                   head_layers: Collection[int] | None = None) -> None:
     """Raise HeadSpecError naming the first component outside a model of ``num_layers``
     layers of ``heads_per_layer`` heads (and MLPs ``neurons_per_layer`` wide, where
-    known): layer or index out of range."""
+    known): layer or index out of range, or a head in a layer without heads (a hybrid
+    model's: ``head_layers`` lists those with heads, None for every layer)."""
     for component in heads:
         is_neuron = isinstance(component, Neuron)
         what, count, per = (("neuron", neurons_per_layer, "MLP neurons per layer") if is_neuron
@@ -134,6 +140,23 @@ def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer:
                 f"{what} {component} is outside the model: {what} {component[1]} not in "
                 f"0..{count - 1} ({count} {per})"
             )
+        if not is_neuron and head_layers is not None and component.layer not in head_layers:
+            raise HeadSpecError(_no_heads_in(f"head {component}", component.layer,
+                                             head_layers))
+
+
+def _no_heads_in(what: str, layer: int, head_layers: Collection[int]) -> str:
+    return (f"{what} is outside the model: layer {layer} has no attention heads (it is not "
+            f"an attention layer); the layers with heads are {describe_layers(head_layers)}")
+
+
+def describe_layers(layers: Collection[int]) -> str:
+    """``3, 7, 11, ... 31 (8 layers)``: a list of layer numbers, in one short phrase."""
+    ordered = sorted(layers)
+    shown = ", ".join(map(str, ordered if len(ordered) <= 8 else ordered[:6]))
+    if len(ordered) > 8:
+        shown += f", ... {ordered[-1]}"
+    return f"{shown} ({len(ordered)} layer{'s' if len(ordered) != 1 else ''})"
 
 
 def component_tokens(spec: str | Iterable[Any]) -> list[Any]:
@@ -151,6 +174,7 @@ def parse_components(
     neurons_per_layer: int | None = None,
     *,
     neurons: bool = True,
+    head_layers: Collection[int] | None = None,
 ) -> list[Component]:
     """Parse ``"L0H29+L3N1234"`` (or a list of names, Heads, Neurons or (layer, head)
     pairs) into sorted, unique components.
@@ -158,6 +182,8 @@ def parse_components(
     With ``num_layers``/``heads_per_layer`` given, every component is checked against the
     model (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*``
     expand to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
+    ``head_layers``: a hybrid model's layers with heads (``Geometry.head_layers``); a
+    head elsewhere is refused.
     """
     if isinstance(spec, str) and not spec.strip():
         raise HeadSpecError(
@@ -168,7 +194,8 @@ def parse_components(
     found: dict[tuple[int, int, int], Component] = {}  # by component_key: Head(0, 1) and
     for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):
-            parsed = _parse_token(token, heads_per_layer, neurons_per_layer, neurons)
+            parsed = _parse_token(token, heads_per_layer, neurons_per_layer, neurons,
+                                  head_layers)
         elif isinstance(token, Neuron):
             if not neurons:
                 raise HeadSpecError(f"{token} is an MLP neuron; only attention heads are "
@@ -179,7 +206,8 @@ def parse_components(
         found.update((component_key(c), c) for c in parsed)
     components = list(found.values())
     if num_layers is not None and heads_per_layer is not None:
-        validate_heads(components, num_layers, heads_per_layer, neurons_per_layer)
+        validate_heads(components, num_layers, heads_per_layer, neurons_per_layer,
+                       head_layers=head_layers)
     else:
         for component in components:
             if component.layer < 0 or component[1] < 0:
@@ -192,6 +220,8 @@ def parse_heads(
     spec: str | Iterable[str | Head | tuple[int, int]],
     num_layers: int | None = None,
     heads_per_layer: int | None = None,
+    *,
+    head_layers: Collection[int] | None = None,
 ) -> list[Head]:
     """Parse ``"L0H29+L1H31"`` (or a list of names or Heads) into sorted, unique Heads
     (a neuron is refused, naming it).
@@ -200,7 +230,7 @@ def parse_heads(
     ``L{l}H*`` expands to the whole layer.
     """
     return parse_components(spec, num_layers, heads_per_layer,  # type: ignore[return-value]
-                            neurons=False)
+                            neurons=False, head_layers=head_layers)
 
 
 def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None:

@@ -27,7 +27,14 @@ import torch
 from torch import nn
 
 from .geometry import Geometry, UnsupportedGeometry, text_config
-from .heads import Component, HeadSpecError, Neuron, names_neurons, parse_components
+from .heads import (
+    Component,
+    HeadSpecError,
+    Neuron,
+    describe_layers,
+    names_neurons,
+    parse_components,
+)
 
 __all__ = ["KINDS", "ActivePass", "AttentionOutputNotFound", "HeadKnockout", "Intervention",
            "MLPOutputNotFound", "attention_geometry", "find_attention_outputs",
@@ -103,22 +110,35 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
+def _is_attention(name: str, module: nn.Module, by_class: bool) -> bool:
+    """Whether block ``name`` (its last part) is self-attention by its name, or with
+    ``by_class`` by its class's (Nemotron-H's ``mixer``, RecurrentGemma's
+    ``temporal_block``: ``…Attention``)."""
+    words = [name.split(".")[-1].lower()] + ([type(module).__name__.lower()] if by_class else [])
+    return any(any(hint in word for hint in _ATTENTION_HINTS) for word in words) and not any(
+        bad in word for word in words for bad in _NOT_SELF_ATTENTION)
+
+
 def _output_projection(layer: nn.Module, index: int, heads_per_layer: int,
                        head_dim: int | None) -> nn.Module:
-    candidates = []
-    for name, module in layer.named_modules():
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-1] not in _OUTPUT_NAMES:
-            continue
-        block = parts[-2].lower()
-        if not any(hint in block for hint in _ATTENTION_HINTS) or any(
-                word in block for word in _NOT_SELF_ATTENTION):
-            continue
-        if _fits(_input_features(module), heads_per_layer, head_dim):
-            candidates.append((name, module))
+    blocks = dict(layer.named_modules())
+    # Blocks named as attention first; blocks of an attention class where none is.
+    for by_class in (False, True):
+        candidates = []
+        for name, module in layer.named_modules():
+            parts = name.split(".")
+            if len(parts) < 2 or parts[-1] not in _OUTPUT_NAMES:
+                continue
+            block = ".".join(parts[:-1])
+            if not _is_attention(block, blocks[block], by_class):
+                continue
+            if _fits(_input_features(module), heads_per_layer, head_dim):
+                candidates.append((name, module))
+        if candidates:
+            break
     if len(candidates) == 1:
         return candidates[0][1]
-    seen = [n for n, _ in layer.named_modules() if any(h in n.lower() for h in _ATTENTION_HINTS)]
+    seen = [n for n, m in layer.named_modules() if n and _is_attention(n, m, True)]
     found = ", ".join(n for n, _ in candidates) if candidates else "none"
     raise AttentionOutputNotFound(
         f"cannot tell which module of decoder layer {index} ({type(layer).__name__}) is the "
@@ -129,7 +149,8 @@ def _output_projection(layer: nn.Module, index: int, heads_per_layer: int,
 
 
 def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> list[nn.Module]:
-    """The attention output projection of every decoder layer, in layer order.
+    """The attention output projection of every decoder layer with heads, in layer order
+    (every layer, but in a hybrid model only its attention layers: ``Geometry.head_layers``).
 
     Discovered from the config's layer count, the decoder layer list and the module
     names and shapes; ``attn_out`` (an fnmatch pattern over ``model.named_modules()``
@@ -138,20 +159,23 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
     """
     geometry = _geometry(model)
     num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
+    with_heads = geometry.layers_with_heads
     if attn_out:
         named = [(name, m) for name, m in model.named_modules()
                  if fnmatch.fnmatchcase(name, attn_out)]
-        if len(named) != num_layers:
+        if len(named) != len(with_heads):
+            which = (f"decoder layer ({num_layers})" if geometry.head_layers is None else
+                     f"attention layer (layers {describe_layers(with_heads)})")
             raise AttentionOutputNotFound(
                 f"attn_out={attn_out!r} matches {len(named)} module(s); it must match "
-                f"exactly one per decoder layer ({num_layers})"
+                f"exactly one per {which}"
             )
     else:
         layers = _decoder_layers(model, num_layers)
-        named = [(f"decoder layer {i}", _output_projection(layer, i, heads_per_layer,
+        named = [(f"decoder layer {i}", _output_projection(layers[i], i, heads_per_layer,
                                                            geometry.head_dim_of(i)))
-                 for i, layer in enumerate(layers)]
-    for index, (name, module) in enumerate(named):
+                 for i in with_heads]
+    for index, (name, module) in zip(with_heads, named, strict=True):
         features = _input_features(module)
         head_dim = geometry.head_dim_of(index)
         if not _fits(features, heads_per_layer, head_dim):
@@ -161,9 +185,41 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
                 f"attention output of layer {index} ({name}, {type(module).__name__}) takes "
                 f"{features} input features, not {expected}"
             )
+    shared = _shared([module for _, module in named])
+    if shared is not None:
+        first, second = (with_heads[i] for i in shared)
+        raise AttentionOutputNotFound(
+            f"decoder layers {first} and {second} share one attention block ({named[shared[0]][0]}"
+            "); its heads are not one layer's, so they cannot be named L{layer}H{head}")
     if attn_out:
+        if geometry.head_layers is not None:
+            _check_in_layers(_decoder_layers(model, num_layers), named, with_heads, attn_out)
         _check_feeds_attention_output(model, named, attn_out)
     return [module for _, module in named]
+
+
+def _check_in_layers(layers: list[nn.Module], named: list[tuple[str, nn.Module]],
+                     with_heads: Sequence[int], attn_out: str) -> None:
+    """In a hybrid model, ``attn_out``'s matches must sit in the attention layers, one
+    each: as many linear-attention output projections would pass every other check."""
+    for (name, module), expected in zip(named, with_heads, strict=True):
+        found = next((index for index, layer in enumerate(layers)
+                      if any(m is module for m in layer.modules())), None)
+        if found != expected:
+            where = "no decoder layer" if found is None else f"decoder layer {found}"
+            raise AttentionOutputNotFound(
+                f"attn_out={attn_out!r} matches {name}, in {where}; the layers with heads "
+                f"are {describe_layers(with_heads)}, and each must have one match")
+
+
+def _shared(modules: list[nn.Module]) -> tuple[int, int] | None:
+    """The first two positions holding one module (Zamba's shared transformer block)."""
+    seen: dict[int, int] = {}
+    for position, module in enumerate(modules):
+        if id(module) in seen:
+            return seen[id(module)], position
+        seen[id(module)] = position
+    return None
 
 
 def _first_tensor(value: object) -> torch.Tensor | None:
@@ -443,13 +499,28 @@ class ActivePass:
 class _Site:
     """Where one kind of component is knocked out: a projection per layer whose input is
     ``units`` slices, each layer's ``widths[layer]`` wide (heads x head_dim, or neurons x
-    1; Gemma 4's head width differs between its sliding and full attention layers)."""
+    1; Gemma 4's head width differs between its sliding and full attention layers). The
+    lists have an entry per decoder layer, None in a layer without the kind (a hybrid
+    model's layers without attention heads)."""
 
-    modules: list[nn.Module]
+    modules: list[nn.Module | None]
     units: int
-    widths: list[int]
-    devices: list[torch.device]
+    widths: list[int | None]
+    devices: list[torch.device | None]
     handles: list = dataclasses.field(default_factory=list)
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers that have the kind (every layer but a hybrid's others)."""
+        return [layer for layer, module in enumerate(self.modules) if module is not None]
+
+    def per_layer(self, present: Sequence[Any]) -> list[Any]:
+        """``present`` (one entry per layer that has the kind, in order) spread over every
+        layer, None in the others."""
+        spread: list[Any] = [None] * len(self.modules)
+        for layer, value in zip(self.layers, present, strict=True):
+            spread[layer] = value
+        return spread
 
 
 class HeadKnockout:
@@ -477,6 +548,8 @@ class HeadKnockout:
         self.geometry = _geometry(model)
         self.num_layers = self.geometry.num_layers
         self.heads_per_layer = self.geometry.heads_per_layer
+        #: The layers with heads (every layer but a hybrid model's others).
+        self.head_layers = self.geometry.layers_with_heads
         modules = find_attention_outputs(model, attn_out)
         #: The first layer's head width (``geometry.head_dim_of`` gives each layer's).
         self.head_dim = _input_features(modules[0]) // self.heads_per_layer
@@ -484,15 +557,18 @@ class HeadKnockout:
         self._sites: dict[str, _Site] = {}
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
-        self._add_site("heads", modules, self.heads_per_layer)
+        self._add_site("heads", dict(zip(self.head_layers, modules, strict=True)),
+                       self.heads_per_layer)
         if neurons or mlp_out:
             self.enable_neurons()
 
-    def _add_site(self, kind: str, modules: list[nn.Module], units: int) -> None:
-        widths = [_input_features(m) // units for m in modules]
-        site = _Site(modules, units, widths, [_device_of(m) for m in modules])
+    def _add_site(self, kind: str, modules: Mapping[int, nn.Module], units: int) -> None:
+        every = [modules.get(layer) for layer in range(self.num_layers)]
+        site = _Site(every, units,
+                     [None if m is None else _input_features(m) // units for m in every],
+                     [None if m is None else _device_of(m) for m in every])
         site.handles = [module.register_forward_pre_hook(self._make_hook(kind, layer))
-                        for layer, module in enumerate(modules)]
+                        for layer, module in modules.items()]
         self._sites[kind] = site
 
     def enable_neurons(self) -> None:
@@ -501,13 +577,13 @@ class HeadKnockout:
         if "neurons" in self._sites:
             return
         modules = find_mlp_outputs(self.model, self.mlp_out)
-        self._add_site("neurons", modules, _input_features(modules[0]))
+        self._add_site("neurons", dict(enumerate(modules)), _input_features(modules[0]))
         self._placed = None
 
     @property
     def modules(self) -> list[nn.Module]:
-        """The attention output projections, one per layer."""
-        return self._sites["heads"].modules
+        """The attention output projections, one per layer with heads."""
+        return self.site_modules(["heads"])
 
     @property
     def has_neurons(self) -> bool:
@@ -516,8 +592,7 @@ class HeadKnockout:
     @property
     def mlp_modules(self) -> list[nn.Module]:
         """The MLP output projections, one per layer (found on first use)."""
-        self.enable_neurons()
-        return self._sites["neurons"].modules
+        return self.site_modules(["neurons"])
 
     @property
     def neurons_per_layer(self) -> int:
@@ -526,8 +601,14 @@ class HeadKnockout:
 
     def site_modules(self, kinds: Iterable[str]) -> list[nn.Module]:
         """The hooked modules of ``kinds`` (in ``KINDS`` order, each kind's layers in
-        order): what mean and resample ablation record."""
-        return [m for kind in KINDS if kind in set(kinds) for m in self._site(kind).modules]
+        order; only the layers that have the kind): what mean and resample ablation
+        record."""
+        return [m for kind in KINDS if kind in set(kinds) for m in self._site(kind).modules
+                if m is not None]
+
+    def site_layers(self, kind: str) -> list[int]:
+        """The layer of each of ``site_modules([kind])``."""
+        return self._site(kind).layers
 
     def _site(self, kind: str) -> _Site:
         if kind == "neurons":
@@ -607,23 +688,31 @@ class HeadKnockout:
             replacement = replacements[layer] = replacement.to(per_unit)
         return replacement
 
-    def check_replacement(self, per_layer: Sequence[torch.Tensor], kind: str = "heads"
-                          ) -> tuple[torch.Tensor, ...]:
-        """Per-layer ``(units, width)`` means of ``kind``, checked and placed on each
-        layer's device, for ``Intervention.replacement``."""
+    def check_replacement(self, per_layer: Sequence[torch.Tensor | None], kind: str = "heads"
+                          ) -> tuple[torch.Tensor | None, ...]:
+        """Per-layer ``(units, width)`` means of ``kind`` (one per layer that has the kind,
+        as ``site_modules`` lists them, or one per layer with None where it has none),
+        checked and placed on each layer's device, for ``Intervention.replacement``;
+        returned one per layer."""
         site = self._site(kind)
-        shapes = [(site.units, width) for width in site.widths]
+        layers = site.layers
+        if len(per_layer) == len(layers) and len(layers) != self.num_layers:
+            per_layer = site.per_layer(per_layer)
+        shapes = [(site.units, site.widths[layer]) for layer in layers]
         if len(per_layer) != self.num_layers or any(
-                tuple(t.shape) != shape for t, shape in zip(per_layer, shapes, strict=False)):
+                per_layer[layer] is None or tuple(per_layer[layer].shape) != shape
+                for layer, shape in zip(layers, shapes, strict=True)):
             described = (f"shape {shapes[0]}" if len(set(shapes)) == 1
                          else f"shapes {shapes}")
-            raise ValueError(f"{kind} replacements must be {self.num_layers} tensors of "
+            raise ValueError(f"{kind} replacements must be {len(layers)} tensors of "
                              f"{described}")
-        return tuple(t.to(device) for t, device in zip(per_layer, site.devices, strict=True))
+        return tuple(None if device is None else t.to(device)
+                     for t, device in zip(per_layer, site.devices, strict=True))
 
     def flat_width(self, kinds: Iterable[str]) -> int:
         """Columns of a row mask over ``kinds``: all heads, then (with neurons) all
-        neurons."""
+        neurons (a hybrid model's layers without heads keep their columns, which must
+        stay False)."""
         return sum(self.num_layers * self._site(kind).units for kind in KINDS
                    if kind in set(kinds))
 
@@ -685,6 +774,12 @@ class HeadKnockout:
                 by_layer = knocked[:, start:start + layers * site.units].view(-1, layers,
                                                                              site.units)
                 start += layers * site.units
+                stray = [layer for layer, module in enumerate(site.modules)
+                         if module is None and by_layer[:, layer].any()]
+                if stray:
+                    raise ValueError(f"per-row masks knock out {kind} in layer {stray[0]}, "
+                                     f"which has none (the layers with {kind}: "
+                                     f"{describe_layers(site.layers)})")
                 masks[kind] = [by_layer[:, layer][:, None, :, None].to(site.devices[layer])
                                if by_layer[:, layer].any() else None
                                for layer in range(layers)]
@@ -695,7 +790,8 @@ class HeadKnockout:
                 self.enable_neurons()
             checked = parse_components(
                 intervention.components, layers, self.heads_per_layer,
-                self._sites["neurons"].units if "neurons" in kinds else None)
+                self._sites["neurons"].units if "neurons" in kinds else None,
+                head_layers=self.geometry.head_layers)
             for component in checked:
                 by_layer.setdefault((kind_of(component), component.layer),
                                     []).append(component[1])
@@ -729,15 +825,19 @@ class HeadKnockout:
         if active is not None and donors is not None:
             per_module, index = donors
             kinds = list(active.masks) or ["heads"]
-            if len(per_module) != self.num_layers * len(kinds) or index is None \
-                    or index.dim() != 2:
-                raise ValueError(f"donors must be {self.num_layers} tensors per kind "
-                                 f"({', '.join(kinds) or 'none'}) and a (rows, columns) index")
+            counts = [len(self._sites[kind].layers) for kind in kinds]
+            if len(per_module) != sum(counts) or index is None or index.dim() != 2:
+                wanted = ", ".join(f"{n} of {k}" for k, n in zip(kinds, counts, strict=True))
+                raise ValueError(f"donors must be a tensor per hooked module ({wanted}) and "
+                                 "a (rows, columns) index")
             active.donors = {}
-            for position, kind in enumerate(kinds):
+            start = 0
+            for kind, count in zip(kinds, counts, strict=True):
                 site = self._sites[kind]
-                chunk = per_module[position * self.num_layers:(position + 1) * self.num_layers]
-                active.donors[kind] = [t.unflatten(-1, (site.units, -1)).to(device)
+                chunk = site.per_layer(per_module[start:start + count])
+                start += count
+                active.donors[kind] = [None if t is None else
+                                       t.unflatten(-1, (site.units, -1)).to(device)
                                        for t, device in zip(chunk, site.devices, strict=True)]
             active.donor_index = index
         saved, self._active = self._active, active
@@ -756,7 +856,8 @@ class HeadKnockout:
             neurons = (self.neurons_per_layer if self.has_neurons
                        or names_neurons(components) else None)
             parsed = tuple(parse_components(components, self.num_layers,
-                                            self.heads_per_layer, neurons))
+                                            self.heads_per_layer, neurons,
+                                            head_layers=self.geometry.head_layers))
         return self.applied(Intervention(components=parsed, scale=scale))
 
     def remove(self) -> None:
@@ -769,7 +870,10 @@ class HeadKnockout:
     def __repr__(self) -> str:
         neurons = (f", {self._sites['neurons'].units} MLP neurons"
                    if "neurons" in self._sites else "")
-        return f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads{neurons})"
+        some = ("" if self.geometry.head_layers is None else
+                f", heads in layers {describe_layers(self.head_layers)}")
+        return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads"
+                f"{some}{neurons})")
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -434,7 +434,7 @@ class HFHeadAblateLM(HFLM):
             return ()
         width = self.neurons_per_layer if names_neurons(components) else None
         return tuple(parse_components(components, self.num_layers, self.heads_per_layer,
-                                      width))
+                                      width, head_layers=self.knockout.geometry.head_layers))
 
     def set_heads(self, heads: str | Iterable[str | Component | tuple[int, int]]
                   ) -> tuple[Component, ...]:
@@ -505,7 +505,8 @@ def check_against_config(names: Iterable[str | Component | tuple[int, int]],
     except AttributeError:
         return  # no layer/head counts in the config: checked on the loaded model
     parse_components(names, geometry.num_layers, geometry.heads_per_layer,
-                     geometry.neurons_per_layer if names_neurons(names) else None)
+                     geometry.neurons_per_layer if names_neurons(names) else None,
+                     head_layers=geometry.head_layers)
 
 
 def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = None

@@ -68,12 +68,14 @@ PRIOR_POINTS: dict[str, tuple[float | tuple[float, ...], ...]] = {
 Request = tuple[str, str]
 
 
-def _site(knockout: Any, kind: str) -> tuple[list[torch.nn.Module], int]:
-    """The hooked projections of ``kind`` (one per layer) and its units per layer."""
+def _site(knockout: Any, kind: str) -> tuple[dict[int, torch.nn.Module], int]:
+    """The hooked projections of ``kind`` by layer (every layer that has the kind) and
+    its units per layer."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
     units = knockout.heads_per_layer if kind == "heads" else knockout.neurons_per_layer
-    return knockout.site_modules([kind]), units
+    return dict(zip(knockout.site_layers(kind), knockout.site_modules([kind]),
+                    strict=True)), units
 
 
 def _carrying(lm: Any, kind: str) -> contextlib.AbstractContextManager:
@@ -121,7 +123,8 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
                         at: float = 0.0, kind: str = "heads") -> np.ndarray:
     """AtP estimate of how ``sum_r weights[r] * ll(r)`` changes when each head (``kind``
     ``"heads"``) or MLP neuron (``"neurons"``) is knocked out alone: a ``(layers *
-    units_per_layer,)`` array in flat order (``layer * units_per_layer + unit``).
+    units_per_layer,)`` array in flat order (``layer * units_per_layer + unit``; 0 in a
+    hybrid model's layers without heads).
 
     ``at``: where on the path from the clean run (0) to the run with every unit of
     ``kind`` ablated (1) the gradient is taken. At 0 this is AtP; at ``a`` > 0 every
@@ -136,7 +139,7 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
     place, so the estimate is taken around the model as it is measured.
     """
     knockout = lm.knockout
-    _, per_layer = _site(knockout, kind)
+    modules, per_layer = _site(knockout, kind)
     effects = torch.zeros(knockout.num_layers, per_layer, dtype=torch.float64)
     # Per layer, in forward order: the slices the projection sees (the gradient's target)
     # and how far knocking each unit out would move them.
@@ -162,7 +165,7 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
                         batch.rows.to(token_logprob.device)]
                     objective = (token_logprob * per_token).sum()
                     grads = torch.autograd.grad(objective, captured, allow_unused=True)
-                for layer, (moved, grad) in enumerate(zip(moves, grads, strict=True)):
+                for layer, moved, grad in zip(modules, moves, grads, strict=True):
                     if grad is None:
                         continue
                     change = moved.double() * grad.double().unflatten(-1, (per_layer, -1))
@@ -299,7 +302,7 @@ def path_point(lm: Any, at: float, captured: list[torch.Tensor] | None = None,
         return to_path_point
 
     handles = [module.register_forward_pre_hook(hook_for(layer))
-               for layer, module in enumerate(modules)]
+               for layer, module in modules.items()]
     try:
         yield
     finally:

@@ -98,6 +98,42 @@ def _tokenizer(folder: Path):
     fast.save_pretrained(folder)
 
 
+#: A hybrid model (Qwen3.5: Gated DeltaNet layers between attention layers): heads only in
+#: layers 1 and 3. Not in ARCHITECTURES, whose tests hook every layer.
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention",
+                      "full_attention"]
+HYBRID_HEAD_LAYERS = (1, 3)
+
+
+def hybrid_config():
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP_WIDTH,
+        num_hidden_layers=len(HYBRID_LAYER_TYPES), layer_types=HYBRID_LAYER_TYPES,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
+        linear_num_value_heads=4, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_key_head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory) -> Path:
+    """A saved tiny random hybrid model (``hybrid_config``) with the tiny tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-hybrid")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hybrid_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    _tokenizer(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: family name -> folder holding a saved tiny random model + tokenizer."""

@@ -1,6 +1,7 @@
 """Architectures whose layers are not all alike: each head is what the model computes as
-one (checked against weights zeroed by hand), and a model whose layers are not one grid of
-heads, or whose MLP is not one projection, is refused from its config, in one line."""
+one (checked against weights zeroed by hand), and a model whose attention layers are not
+one grid of heads, or whose MLP is not one projection, is refused from its config, in one
+line. Hybrid models (heads in some layers only): test_hybrid.py."""
 
 from __future__ import annotations
 
@@ -93,13 +94,12 @@ def test_a_causal_lm_made_of_a_seq2seq_decoder_has_the_decoders_heads():
 
 
 @pytest.mark.parametrize("config, message", [
-    # Qwen3.5: three Gated DeltaNet layers in four, whose 8 x 12 output fits 4 heads x 24
-    # by chance: its L0H0 was two linear-attention heads.
+    # No attention layer at all: nothing to name a head in.
     (lambda: transformers.Qwen3_5TextConfig(
-        **SMALL, num_hidden_layers=4, head_dim=24, linear_num_value_heads=8,
+        **SMALL, num_hidden_layers=2, head_dim=24, linear_num_value_heads=8,
         linear_value_head_dim=12, linear_num_key_heads=4, linear_key_head_dim=12,
-        layer_types=["linear_attention"] * 3 + ["full_attention"]),
-     "Qwen3_5TextConfig: layers 0, 1, 2 are linear_attention layers, not attention"),
+        layer_types=["linear_attention"] * 2),
+     "Qwen3_5TextConfig: no layer is an attention layer (its layers are linear_attention)"),
     (lambda: transformers.Dots3NoteTextConfig(),
      "Dots3NoteTextConfig: the number of attention heads varies across layers (128, 128, 64"),
 ])
@@ -108,30 +108,6 @@ def test_layers_that_are_not_one_grid_of_heads_are_refused_from_the_config(confi
         Geometry.from_config(config())
     assert str(refused.value).startswith(message)
     assert "\n" not in str(refused.value)
-
-
-def test_a_hybrid_model_is_refused_before_its_weights_load(tmp_path, capsys):
-    from lm_eval_headloc.commands.cli import main
-
-    config = transformers.Qwen3_5TextConfig(
-        **SMALL, num_hidden_layers=4, head_dim=24, linear_num_value_heads=8,
-        linear_value_head_dim=12, linear_num_key_heads=4, linear_key_head_dim=12,
-        layer_types=["linear_attention"] * 3 + ["full_attention"])
-    config.save_pretrained(tmp_path)  # a config and no weights: nothing may load them
-    try:
-        code = main(["locate", "--model-args", f"pretrained={tmp_path}", "--tasks",
-                     "tiny_copy", "--out", str(tmp_path / "run")])
-    except SystemExit as exit_:
-        code = exit_.code
-    assert code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.endswith(f"pretrained={str(tmp_path)!r}: Qwen3_5TextConfig: layers 0, 1, 2 "
-                          "are linear_attention layers, not attention; heads are named on "
-                          "one grid of layers x heads (L3H5), and knocking out a slice of "
-                          "those layers' output would not be an attention head")
-    model = _model(config)
-    with pytest.raises(AttentionOutputNotFound, match="linear_attention"):
-        HeadKnockout(model)
 
 
 def test_a_shared_expert_is_not_taken_for_the_layers_mlp():
@@ -164,3 +140,37 @@ def test_a_vision_tower_as_deep_as_the_text_decoder_is_not_taken_for_it():
                                                   patch_size=8))
     with pytest.raises(AttentionOutputNotFound, match="decoder layer 0 \\(GitLayer\\)"):
         HeadKnockout(_model(config))
+
+
+def test_an_attention_block_shared_by_two_layers_is_refused():
+    # Zamba's shared transformer block: one module called from several layers, whose
+    # "L1H0" would be every calling layer's head at once.
+    model = _model(transformers.LlamaConfig(**SMALL, num_hidden_layers=3))
+    model.model.layers[2] = model.model.layers[0]
+    with pytest.raises(AttentionOutputNotFound) as refused:
+        HeadKnockout(model)
+    assert str(refused.value).startswith("decoder layers 0 and 2 share one attention block")
+
+
+def _inkling(**sliding):
+    return transformers.InklingTextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_key_value_heads=2,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], sliding_window_size=4,
+        n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+        moe_intermediate_size=32, num_mtp_layers=0, pad_token_id=0, **sliding)
+
+
+def test_sliding_layers_with_heads_of_their_own_are_sliced_at_their_width():
+    # Inkling's sliding-window layers take swa_num_attention_heads x swa_head_dim: here
+    # 4 x 8 beside the full layer's 4 x 16; its L0H1 was two of layer 0's real heads.
+    config = _inkling(swa_num_attention_heads=4, swa_head_dim=8)
+    geometry = Geometry.from_config(config)
+    assert (geometry.heads_per_layer, geometry.layer_head_dims) == (4, (8, 16, 8))
+    model = _model(config)
+    expected = _zeroed(model, "model.layers.0.self_attn.o_proj", 8, 16)
+    assert torch.allclose(_knocked(model, "L0H1"), expected, atol=1e-5)
+    expected = _zeroed(model, "model.layers.1.self_attn.o_proj", 16, 32)
+    assert torch.allclose(_knocked(model, "L1H1"), expected, atol=1e-5)
+    with pytest.raises(UnsupportedGeometry, match=r"varies across layers \(8, 4, 8\)"):
+        Geometry.from_config(_inkling(swa_num_attention_heads=8, swa_head_dim=8))

@@ -7,9 +7,13 @@ import math
 
 import numpy as np
 
+from lm_eval_headloc.columns import Columns
 from lm_eval_headloc.commands.greedy import _rankings
 from lm_eval_headloc.confirm import confirmed_order
 from lm_eval_headloc.heads import Head
+
+#: The columns of 6 and of 4 heads (2 layers of 3, of 2).
+SIX, FOUR = Columns.heads(2, 3), Columns.heads(2, 2)
 
 BASELINE = {"scores": {"acc": 0.6, "ppl": 10.0}, "metrics": {"acc": "acc", "ppl": "ppl"},
             "higher_is_better": {"acc": True, "ppl": False}}
@@ -21,7 +25,7 @@ def test_one_shot_ranks_every_head_measured_as_a_confirmation_would():
                        3: (0.02, -1.0), 5: (-0.05, -0.2)},
                "ppl": {0: (1.0, 0.0), 1: (-0.5, 0.0), 2: (1.0, 0.0), 3: (2.0, 0.0),
                        5: (0.0, 0.0)}}
-    rankings = _rankings(changes, [], BASELINE, 1, 6, 3, 6)
+    rankings = _rankings(changes, [], BASELINE, 1, SIX, 3, 6)
     acc, ppl = rankings["acc"], rankings["ppl"]
     # acc: 1 drops most; 0, 2, 5 drop 0.05 (2's logprob drop is the largest, 0 and 5 are
     # equal: head order); 3 helps.
@@ -42,7 +46,7 @@ def test_iterative_winners_lead_in_the_order_they_won():
     # Winners L1H0 (flat 2) then L0H1 (flat 1); the others by their last round's change.
     changes = {"acc": {2: (-0.30, 0.0), 1: (-0.01, 0.0), 0: (-0.20, 0.0), 3: (-0.05, 0.0)}}
     winners = [Head(1, 0), Head(0, 1)]
-    ranking = _rankings(changes, winners, BASELINE, 2, 4, 2, 9)["acc"]
+    ranking = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9)["acc"]
     assert ranking.order == [2, 1, 0, 3]
     assert ranking.extra["method"] == "iterative greedy"
     assert ranking.extra["winners"] == ["L1H0", "L0H1"]
@@ -53,7 +57,7 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
-    ranking = _rankings(changes, [], BASELINE, 1, 6, 3, 6)["acc"]
+    ranking = _rankings(changes, [], BASELINE, 1, SIX, 3, 6)["acc"]
     # Order 1, 2, 0, 5, 3: only 0 and 5 share both changes (L1H2 is head 5).
     assert ranking.extra["tied_with_above"] == ["L1H2"]
     listed = ranked_heads_json(ranking, 4)["heads"]
@@ -61,7 +65,7 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
     assert tie_words(ranking, 4, "why") == [
         "Tied (the same evidence; listed in head order): L0H0 = L1H2.", ""]
     # Nothing measured tells any head apart: no order is claimed.
-    flat = _rankings({"acc": {h: (0.0, 0.0) for h in range(6)}}, [], BASELINE, 1, 6, 3,
+    flat = _rankings({"acc": {h: (0.0, 0.0) for h in range(6)}}, [], BASELINE, 1, SIX, 3,
                      6)["acc"]
     assert flat.extra["tied_with_above"] == [str(Head.from_flat_index(h, 3))
                                              for h in range(1, 6)]
@@ -78,11 +82,11 @@ def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
     changes = {"acc": {0: (-0.2, -1.0), 1: (-0.1, -0.5), 2: (-0.1, -0.5), 3: (0.0, 0.0)}}
     winners = [Head(0, 0), Head(0, 1)]
     alike = [{"acc": {0, 1}}, {"acc": {1}}]
-    ranking = _rankings(changes, winners, BASELINE, 2, 4, 2, 9, alike)["acc"]
+    ranking = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9, alike)["acc"]
     assert ranking.order == [0, 1, 2, 3]
     # L1H0 measured in round 2 as L0H1 did when it won: tied with it too.
     assert ranking.extra["tied_with_above"] == ["L0H1", "L1H0"]
-    strict = _rankings(changes, winners, BASELINE, 2, 4, 2, 9,
+    strict = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9,
                        [{"acc": {0}}, {"acc": {1}}])["acc"]
     assert strict.extra["tied_with_above"] == ["L1H0"]
 
@@ -92,7 +96,7 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
-    ranking = _rankings(changes, [], BASELINE, 1, 6, 3, 6)["acc"]  # order 1, 2, 0, 5, 3
+    ranking = _rankings(changes, [], BASELINE, 1, SIX, 3, 6)["acc"]  # order 1, 2, 0, 5, 3
     assert harmless_words(ranking, 4, all_measured=True) == []  # all four hurt
     assert ranking.harmless(5) == [Head(1, 0)]  # head 3 helps: +0.02
     unknown = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, np.nan, 0.0]), [0, 1, 2], 3)
@@ -123,8 +127,8 @@ def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
 
     zero = {**BASELINE, "scores": {"acc": 0.0, "ppl": 10.0}}
     flat = {"acc": {h: (0.0, 0.0) for h in range(4)}, "ppl": {h: (0.0, 0.0) for h in range(4)}}
-    rankings = _rankings(flat, [], zero, 1, 4, 2, 5)
+    rankings = _rankings(flat, [], zero, 1, FOUR, 2, 5)
     assert at_floor(rankings["acc"]) and not at_floor(rankings["ppl"])  # lower is better
     report = _report(rankings, 2)
     assert report.count("so no knockout can lower it; --signal logprob") == 1
-    assert not at_floor(_rankings(flat, [], BASELINE, 1, 4, 2, 5)["acc"])  # 0.6: room
+    assert not at_floor(_rankings(flat, [], BASELINE, 1, FOUR, 2, 5)["acc"])  # 0.6: room

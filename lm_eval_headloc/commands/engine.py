@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError, check_load_args
+from ..columns import Columns
 from ..embedded import smollm2_location, smollm2_model_args
 from ..geometry import Geometry, UnsupportedGeometry
 from ..heads import (
@@ -86,7 +87,7 @@ class Setup:
         against the MLP's width where the config gives it, else once the model loads."""
         g = self.geometry
         return parse_components(list(names), g.num_layers, g.heads_per_layer,
-                                g.neurons_per_layer)
+                                g.neurons_per_layer, head_layers=g.head_layers)
 
     @property
     def task_names(self) -> list[str]:
@@ -174,11 +175,12 @@ def context_length(model_args: str, config: Any) -> int | None:
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str, *,
-              neurons: bool = False, neurons_per_layer: int | None = None
-              ) -> list[Component]:
+              neurons: bool = False, neurons_per_layer: int | None = None,
+              head_layers: Sequence[int] | None = None) -> list[Component]:
     """Heads from ``L0H1+L2H3`` or a head file (JSON / one per line), checked against the
-    model; with ``neurons`` (a run that locates MLP neurons) neurons too, ``L3N12``,
-    checked against ``neurons_per_layer`` where known."""
+    model (a hybrid's heads against its ``head_layers``); with ``neurons`` (a run that
+    locates MLP neurons) neurons too, ``L3N12``, checked against ``neurons_per_layer``
+    where known."""
     if not spec:
         return []
     names: Any = spec
@@ -187,8 +189,10 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
         if path.exists() or path.suffix.lower() in (".json", ".txt") or "/" in spec:
             names = read_heads_file(path)  # a path, not names: "not found", not "bad name"
         if not neurons:
-            return list(parse_heads(names, num_layers, heads_per_layer))
-        return parse_components(names, num_layers, heads_per_layer, neurons_per_layer)
+            return list(parse_heads(names, num_layers, heads_per_layer,
+                                    head_layers=head_layers))
+        return parse_components(names, num_layers, heads_per_layer, neurons_per_layer,
+                                head_layers=head_layers)
     except HeadSpecError as err:
         hint = "" if neurons or not _names_a_neuron(names) else (
             " (neurons are kept out by a locate or sweep that locates them: --components "
@@ -299,7 +303,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                          f"--top-k {spec.top_k}: the run ranks only {columns} components")
     exclude, never = (head_list(value, num_layers, heads_per_layer, flag,
                                 neurons="neurons" in spec.components,
-                                neurons_per_layer=geometry.neurons_per_layer)
+                                neurons_per_layer=geometry.neurons_per_layer,
+                                head_layers=geometry.head_layers)
                       for value, flag in ((spec.exclude, "--exclude"),
                                           (spec.never_ablate, "--never-ablate")))
     excluded_heads = {h for h in exclude if isinstance(h, Head)}
@@ -319,7 +324,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     if spec.sparsity == "auto" and spec.components == "heads" and spec.masks is not None:
         from ..pilot import pilot_design
 
-        never_flat = [h.flat_index(heads_per_layer) for h in never]
+        heads = Columns.heads(num_layers, heads_per_layer, geometry.head_layers)
+        never_flat = [heads.index(h) for h in never]
         pilot = len(pilot_design(total, spec.masks_seed, never_flat)[0])
         if spec.design_rows <= pilot:
             flag = "--max-masks" if spec.masks == "auto" else "--masks"

@@ -60,7 +60,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..files import write_atomically
-from ..heads import Head, HeadSpecError, parse_heads
+from ..heads import Head, HeadSpecError, describe_layers, parse_heads
 
 __all__ = ["MARKER", "MIB_CELLS", "MIB_FORMAT_VERSION", "MIB_MODELS", "ExportError",
            "MibFormatError", "check_mib", "is_mib_edge", "mib_graph", "mib_node_names",
@@ -438,6 +438,10 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     if not (isinstance(layers, int) and isinstance(heads, int)):
         raise ExportError(f"{run_folder}/config.json records no model geometry (layers, "
                           "heads_per_layer); finish the run first")
+    if record.head_layers is not None:
+        raise ExportError(f"{run_folder} is a run of a hybrid model, with heads in layers "
+                          f"{describe_layers(record.head_layers)} only; MIB's graph has "
+                          "heads in every layer")
     if out.is_dir():
         raise ExportError(f"{out} is a folder; give the file to write, e.g. "
                           f"{out / 'importances.json'}")

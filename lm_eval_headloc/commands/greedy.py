@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import UsageError
+from ..columns import Columns
 from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
 from ..heads import Head
 from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
@@ -48,8 +49,9 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     if spec.rounds > 1 and len(setup.tasks) > 1:
         raise UsageError("--rounds > 1 follows one task's winners; give a single task")
     skipped = set(setup.exclude) | set(setup.never_ablate)
-    candidates = [head for head in (Head.from_flat_index(i, setup.heads_per_layer)
-                                    for i in range(setup.total_heads)) if head not in skipped]
+    columns = Columns.heads(setup.num_layers, setup.heads_per_layer,
+                            setup.geometry.head_layers)
+    candidates = [head for head in columns if head not in skipped]
     if spec.rounds > len(candidates) or spec.top_k > len(candidates):
         raise UsageError(f"--rounds {spec.rounds} / --top-k {spec.top_k}: only "
                          f"{len(candidates)} heads can be knocked out")
@@ -87,24 +89,21 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             records = run_plan(folder, measuring(plan), plan,
                                desc=f"greedy round {round_number}/{spec.rounds}",
                                progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            measured = {heads[-1].flat_index(setup.heads_per_layer): records[key]
-                        for key, heads in plan}
+            measured = {columns.index(heads[-1]): records[key] for key, heads in plan}
             for name in names:
                 changes[name].update(measured_changes(previous, measured, name))
             # The round's winner: the first task's most harmful head of this round, by the
             # rule that ranks heads measured alone.
             task = names[0]
-            winner = Head.from_flat_index(rank_measured(
-                {h: changes[task][h] for h in measured}, higher[task])[0],
-                setup.heads_per_layer)
-            won = winner.flat_index(setup.heads_per_layer)
+            won = rank_measured({h: changes[task][h] for h in measured}, higher[task])[0]
+            winner = columns[won]
             alike.append({name: {h for h in measured if changes[name][h] == changes[name][won]}
                           for name in names})
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
         if measure is not None:
             run.save(folder, measure)  # written only if the workers' shares changed
-        rankings = _rankings(changes, winners, baseline, spec.rounds, setup.total_heads,
+        rankings = _rankings(changes, winners, baseline, spec.rounds, columns,
                              setup.heads_per_layer, len(folder.measurements()), alike)
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
@@ -115,7 +114,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
 
 def _rankings(changes: Mapping[str, Changes], winners: list[Head],
-              baseline: Mapping[str, Any], rounds: int, total_heads: int,
+              baseline: Mapping[str, Any], rounds: int, columns: Columns,
               heads_per_layer: int, measurements: int,
               alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, HeadRanking]:
     """Each task's ranking: iterative greedy's winners first, in the order they won, then
@@ -124,10 +123,10 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
     (skipped) are left out and their effect is NaN. A winner is tied with the one above
     where, in the round that one won, it measured the same (``alike``, per round)."""
     rankings = {}
-    lead = [w.flat_index(heads_per_layer) for w in winners] if rounds > 1 else []
+    lead = columns.indices(winners) if rounds > 1 else []
     for name, task_changes in changes.items():
         higher = bool(baseline["higher_is_better"][name])
-        effects = np.full(total_heads, np.nan)
+        effects = np.full(len(columns), np.nan)
         effects[list(task_changes)] = [change for change, _ in task_changes.values()]
         rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
         # Equal measured changes are ties. An iterative winner is ranked by its round,
@@ -140,12 +139,11 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         rankings[name] = HeadRanking(
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,
             baseline=float(baseline["scores"][name]), effects=effects,
-            order=lead + rest, heads_per_layer=heads_per_layer,
+            order=lead + rest, heads_per_layer=heads_per_layer, columns=columns,
             extra={"method": "iterative greedy" if rounds > 1 else "one-shot greedy",
                    "rounds": rounds, "winners": [str(w) for w in winners],
                    "measurements": measurements,
-                   "tied_with_above": [str(Head.from_flat_index(h, heads_per_layer))
-                                       for h in tied]})
+                   "tied_with_above": columns.names(tied)})
     return rankings
 
 

@@ -471,11 +471,14 @@ def attribution_prior(folder: RunFolder, measure: Any, method: str,
     start = time.perf_counter()
     effects = {kind: measure.attribution(points, kind=kind) for kind in kinds}
     seconds = time.perf_counter() - start
-    per_layer = measure.lm.knockout.heads_per_layer
+    knockout = measure.lm.knockout
+    per_layer, with_heads = knockout.heads_per_layer, set(knockout.head_layers)
 
     def ranking(values: np.ndarray) -> list[str]:
-        return [str(Head.from_flat_index(int(i), per_layer))
-                for i in np.argsort(values, kind="stable")]
+        # Flat order over every layer: a hybrid model's layers without heads hold zeros.
+        heads = (Head.from_flat_index(int(i), per_layer)
+                 for i in np.argsort(values, kind="stable"))
+        return [str(head) for head in heads if head.layer in with_heads]
 
     tasks = next(iter(effects.values()))
     folder.write_json("prior.json", {
@@ -734,7 +737,7 @@ def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
     assert isinstance(run.layers, int) and isinstance(run.heads_per_layer, int)
     return head_list(spec.exclude, run.layers, run.heads_per_layer, "--exclude",
                      neurons="neurons" in spec.components,
-                     neurons_per_layer=run.neurons_per_layer)
+                     neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:

@@ -214,8 +214,9 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
                  ) -> Any:
     """Layers × heads image of each task's harm, its top-k heads circled (hatched when
     fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are left
-    blank. Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are
-    not touched."""
+    blank (grey in a hybrid model's picture, whose layers without heads are grey rows).
+    Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are not
+    touched."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
@@ -226,8 +227,7 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
             _plot_top_list(ax, ranking, top_k)
             continue
         # Harmful is red whichever way the metric points: show -harm on a red-blue map.
-        shown = -harm(ranking.effects, ranking.higher_is_better).reshape(
-            -1, ranking.heads_per_layer)
+        shown = ranking.columns.grid_of(-harm(ranking.effects, ranking.higher_is_better))
         finite = np.abs(shown[np.isfinite(shown)])
         limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
         image = ax.imshow(np.ma.masked_invalid(shown), cmap="RdBu", vmin=-limit, vmax=limit,
@@ -250,6 +250,9 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
         ax.set_ylabel("layer")
         note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
                 f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
+        if len({c.layer for c in ranking.columns}) < shown.shape[0]:
+            ax.set_facecolor("0.8")  # not white: white is "no change" on this map
+            note += "\ngrey rows: layers without attention heads"
         if typed:
             note += "\nletters: head types (" + ", ".join(
                 f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()) + ")"

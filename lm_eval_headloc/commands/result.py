@@ -55,6 +55,9 @@ def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
     return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
             "chat_template": dict(sorted(measure.chat_template.items())),
             "layers": setup.num_layers, "heads_per_layer": setup.heads_per_layer,
+            # A hybrid model's layers with heads (left out where every layer has them).
+            **({} if setup.geometry.head_layers is None else
+               {"head_layers": list(setup.geometry.head_layers)}),
             "ablation": getattr(measure, "ablation_config", None)}
 
 
@@ -80,6 +83,7 @@ class RunRecord:
     chat_template: dict[str, bool] | None = None  # leaf task -> asked through it
     layers: int | None = None
     heads_per_layer: int | None = None
+    head_layers: list[int] | None = None  # a hybrid model's layers with heads (else all)
     ablation: dict[str, Any] | None = None
     workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
     other: dict[str, Any] = field(default_factory=dict)
@@ -92,7 +96,8 @@ class RunRecord:
     #: The keys of config.json this class owns, in the order they are written.
     KEYS: ClassVar[tuple[str, ...]] = (
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
-        "examples_used", "chat_template", "layers", "heads_per_layer", "ablation", "workers")
+        "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
+        "ablation", "workers")
 
     # --- reading -------------------------------------------------------------------
 
@@ -232,7 +237,7 @@ class LocateRun(RunRecord):
             raise ValueError("columns need the model's geometry (the measuring phase)")
         return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
                           self.candidates or (), self.spec.neuron_groups,
-                          self.neurons_per_layer, self.never_neurons or ())
+                          self.neurons_per_layer, self.never_neurons or (), self.head_layers)
 
     @property
     def uses_prior(self) -> bool:

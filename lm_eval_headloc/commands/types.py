@@ -55,6 +55,9 @@ class HeadTypes:
         self.data = dict(data)
         self.scores = {t: np.asarray(v, dtype=np.float64) for t, v in data["scores"].items()}
         self.labels: list[list[str | None]] = [list(row) for row in data["dominant"]]
+        #: The layers with heads (a hybrid model's attention layers; else every layer).
+        self.head_layers: tuple[int, ...] = tuple(data.get("head_layers")
+                                                  or range(len(self.labels)))
 
     def of(self, layer: int, head: int) -> dict[str, float]:
         """One head's four probe scores."""
@@ -99,7 +102,9 @@ def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
         return {t: [[None if not np.isfinite(x) else round(float(x), 6) for x in row]
                     for row in values[t]] for t in HEAD_TYPES}
 
+    head_layers = lm.knockout.geometry.head_layers
     return {"made_by": "lm-eval-headloc types",
+            **({} if head_layers is None else {"head_layers": list(head_layers)}),
             "probe": {**PROBE, "first_token": first,
                       "what": "random tokens repeated twice after the first token"},
             "examples": len(texts),
@@ -143,6 +148,8 @@ def types_table(head_types: HeadTypes) -> str:
     writer.writerow(["head", "layer", "head_in_layer", *HEAD_TYPES,
                      *([f"{t}_on_examples" for t in HEAD_TYPES] if examples else []), "type"])
     for layer, row in enumerate(head_types.labels):
+        if layer not in head_types.head_layers:
+            continue  # a hybrid model's layer without heads
         for head, label in enumerate(row):
             cells = [f"{v:.6g}" for v in head_types.of(layer, head).values()]
             if examples:

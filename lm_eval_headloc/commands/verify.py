@@ -143,12 +143,15 @@ def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Gener
         if per_layer is None:
             raise ValueError(f"the model's config does not give its MLP width, so no random "
                              f"{what} can be drawn before the weights load")
-        total = geometry.num_layers * per_layer
+        # A hybrid model's layers without heads have none to draw.
+        layers = geometry.layers_with_heads if kind is Head else range(geometry.num_layers)
+        every = np.asarray([layer * per_layer + i for layer in layers
+                            for i in range(per_layer)], dtype=np.int64)
         barred = {c.layer * per_layer + c[1] for c in barred_all if isinstance(c, kind)}
-        pool = np.setdiff1d(np.arange(total), sorted(barred))
+        pool = np.setdiff1d(every, sorted(barred))
         if len(pool) < wanted:
             raise ValueError(f"{len(barred)} {what} located or kept out leave {len(pool)} of "
-                             f"the model's {total}, fewer than a random set of {wanted}")
+                             f"the model's {len(every)}, fewer than a random set of {wanted}")
         picked = rng.choice(pool, size=wanted, replace=False)
         drawn += [kind(*divmod(int(i), per_layer)) for i in picked]
     return [str(c) for c in sorted(drawn, key=component_key)]
