@@ -259,6 +259,24 @@ def test_verify_never_writes_into_the_run_it_reads(tiny_model_dir, tmp_path, cap
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+def test_lm_eval_files_never_go_into_a_run_the_command_reads(tiny_model_dir, tmp_path,
+                                                               capsys, no_model_loading):
+    # lm-eval's results folders in RUN would make RUN a folder --force refuses to clear.
+    run = fake_run(tmp_path / "runs" / "a", tiny_model_dir("llama"))
+    before = sorted(p.name for p in run.iterdir())
+    for where in (run, run / "lm_eval", run / "results.json"):
+        assert harness("verify", str(run), "--output-path", str(where),
+                       "--out", str(tmp_path / "v")) == 2
+        assert last_error(capsys).endswith(
+            f"--output-path {where} would write into {run}, which this command reads from; "
+            f"choose another --output-path (one inside --out {tmp_path / 'v'} is fine)")
+    assert harness("cross", str(run), "--output-path", str(run / "lm_eval"),
+                   "--out", str(tmp_path / "c")) == 2
+    assert "would write into" in last_error(capsys)
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert not (tmp_path / "v").exists() and not (tmp_path / "c").exists()
+
+
 def test_a_second_process_on_the_same_folder_is_refused(tiny_model_dir, tmp_path, capsys,
                                                         no_model_loading):
     from lm_eval_headloc.commands import RunFolder

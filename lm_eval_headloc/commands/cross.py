@@ -24,7 +24,7 @@ from ..checks import UsageError
 from ..files import write_atomically
 from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
-from .runfolder import RunFolder, option_words
+from .runfolder import RunFolder, option_words, refuse_output_path_into
 from .spec import RunSpec, flag_of
 from .verify import ablations, effect, kind_words, located_heads, percent
 
@@ -80,6 +80,7 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         **inherited)
     spec.validate()
     RunFolder(out).refuse_inside(runs)  # before anything slow: a plain mistake
+    refuse_output_path_into(spec.output_path, runs, out)
     sets = [_Set(f"{run}:{task}", str(Path(run).resolve()), task,
                  located_heads(RunFolder(run), task, spec.top_k))
             for run in runs for task in (t.split(":")[0] for t in stored[run].tasks)]

@@ -184,6 +184,25 @@ def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
                                  "reads from; choose another --out")
 
 
+def refuse_output_path_into(output_path: str | Path | None, runs: Iterable[str | Path],
+                            out: str | Path) -> None:
+    """Refuse lm-eval's results files (``--output-path``) in a run folder ``runs`` the
+    command reads (a later ``--force`` there would refuse them as foreign), unless inside
+    the command's own ``out`` (verify's default ``RUN/verify`` is a run of its own)."""
+    if output_path is None:
+        return
+    path = Path(output_path)
+    folder = (path.parent if path.suffix == ".json" else path).resolve()
+    own = Path(out).resolve()
+    if folder == own or own in folder.parents:
+        return
+    for run in map(Path, runs):
+        if folder == run.resolve() or run.resolve() in folder.parents:
+            raise RunFolderError(f"--output-path {output_path} would write into {run}, which "
+                                 f"this command reads from; choose another --output-path (one "
+                                 f"inside --out {out} is fine)")
+
+
 class RunFolder:
     """A folder of one run. Use as a context manager: the lock is released on exit."""
 

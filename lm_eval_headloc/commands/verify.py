@@ -30,7 +30,7 @@ from ..heads import (
 from .engine import PlanEntry, is_embedded, measured_plan, prepare
 from .report import relative_drop
 from .result import load_run
-from .runfolder import RunFolder, RunFolderError
+from .runfolder import RunFolder, RunFolderError, refuse_output_path_into
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
@@ -228,6 +228,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
         **kind)
     spec.validate()
+    refuse_output_path_into(spec.output_path, [run], out)
     heads_by_task = {name: located_heads(source, name, spec.top_k)
                      for name in (t.split(":")[0] for t in spec.tasks)}
     general = spec.general if spec.general is not None else (
