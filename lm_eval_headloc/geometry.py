@@ -213,7 +213,20 @@ def _mlp_width(text: Any, hidden: Any) -> int | None:
         if value is _MISSING:
             continue
         if isinstance(value, int) and value > 0:
-            return value
+            return _adjusted_width(text, value)
         if value is None and isinstance(hidden, int):
             return 4 * hidden  # GPT-2/GPT-J/Falcon: None means the customary 4 x hidden
     return None
+
+
+def _adjusted_width(text: Any, width: int) -> int:
+    """LFM2 builds its MLP narrower than ``intermediate_size`` says (``Lfm2MLP``): two
+    thirds of it, times ``block_ffn_dim_multiplier`` rounded up to ``block_multiple_of``."""
+    if not _global(text, "block_auto_adjust_ff_dim", False):
+        return width
+    width = int(2 * width / 3)
+    multiplier = _global(text, "block_ffn_dim_multiplier")
+    if multiplier is not None:
+        step = int(_global(text, "block_multiple_of", 1) or 1)
+        width = step * ((int(multiplier * width) + step - 1) // step)
+    return width

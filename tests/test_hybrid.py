@@ -403,3 +403,31 @@ def test_an_attention_block_is_found_by_its_class_where_its_name_does_not_say(
         expected = reference(ids).logits
         assert (expected - hybrid(ids).logits).abs().max() > 1e-3
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [
+    dict(block_auto_adjust_ff_dim=True, block_multiple_of=16, block_ffn_dim_multiplier=1.0),
+    dict(block_auto_adjust_ff_dim=True, block_multiple_of=40, block_ffn_dim_multiplier=1.5),
+    dict(block_auto_adjust_ff_dim=False),
+])
+def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
+    # LFM2's MLP is two thirds of intermediate_size (rounded up to block_multiple_of): the
+    # config's 96 was refused against a 64-wide w2, even when named with mlp_out=.
+    config = transformers.Lfm2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+        layer_types=["conv", "full_attention", "conv"], **options)
+    torch.manual_seed(0)
+    lfm = AutoModelForCausalLM.from_config(config).eval()
+    w2 = lfm.model.layers[2].feed_forward.w2
+    assert Geometry.from_config(config).neurons_per_layer == w2.in_features
+    knockout = HeadKnockout(lfm, neurons=True)
+    last = w2.in_features - 1
+    with torch.no_grad(), knockout.knocking_out(f"L2N{last}+L1H2"):
+        got = lfm(INPUT_IDS).logits
+    knockout.remove()
+    reference = copy.deepcopy(lfm)
+    with torch.no_grad():
+        reference.model.layers[2].feed_forward.w2.weight[:, last] = 0
+        reference.model.layers[1].self_attn.out_proj.weight[:, 2 * 8:3 * 8] = 0
+        torch.testing.assert_close(got, reference(INPUT_IDS).logits, rtol=1e-5, atol=1e-5)
