@@ -16,7 +16,7 @@ is reported back in the score's own units.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -237,16 +237,24 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         heads_per_layer: int,
         higher_is_better: bool = True,
         exclude: Iterable[int] = (),
+        head_layers: Sequence[int] | None = None,
     ) -> list[Head]:
         """The ``k`` most harmful heads as ``Head(layer, head)``, most harmful first.
 
         Always ``k`` heads: if fewer than ``k`` have a harmful effect the rest are the
-        harmless ones in index order; check ``coef_`` when that matters.
+        harmless ones in index order; check ``coef_`` when that matters. ``head_layers``:
+        a hybrid model's layers with heads (config.json's ``head_layers``), whose heads
+        alone the design has columns for, layer by layer.
         """
         check_is_fitted(self, "coef_")
         total_heads = self.coef_.shape[0]
         heads_per_layer = check_number(heads_per_layer, "heads_per_layer", whole=True,
                                        min_val=1)
+        layers = None if head_layers is None else [int(layer) for layer in head_layers]
+        if layers is not None and len(layers) * heads_per_layer != total_heads:
+            raise ValueError(f"head_layers={head_layers!r} of {heads_per_layer} heads each "
+                             f"are {len(layers) * heads_per_layer} heads, not the "
+                             f"{total_heads} fitted")
         if total_heads % heads_per_layer:
             raise ValueError(
                 f"heads_per_layer={heads_per_layer!r} does not divide the {total_heads} "
@@ -255,7 +263,8 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         order = self.ranking(higher_is_better=higher_is_better, exclude=exclude)
         # At most the heads left after ``exclude``.
         k = check_number(k, "k", whole=True, min_val=1, max_val=order.size)
-        return [Head.from_flat_index(int(j), heads_per_layer) for j in order[:k]]
+        heads = [Head.from_flat_index(int(j), heads_per_layer) for j in order[:k]]
+        return heads if layers is None else [Head(layers[h.layer], h.head) for h in heads]
 
 
 def harm(effects: object, higher_is_better: bool) -> np.ndarray:

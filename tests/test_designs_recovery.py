@@ -366,6 +366,12 @@ def test_ranking_orders_by_harm_stably_and_excludes():
     assert model.ranking(higher_is_better=False).tolist() == [4, 0, 2, 1, 3]
     assert model.ranking(exclude=[3, 0]).tolist() == [1, 2, 4]
     assert model.top_heads(2, 1) == [Head(1, 0), Head(3, 0)]
+    # A hybrid's design: columns for layers 3 and 7's heads only (2 each), layer by layer.
+    model.coef_ = np.array([0.0, -1.0, -2.0, 0.0])
+    assert model.top_heads(2, 2, head_layers=(3, 7)) == [Head(7, 0), Head(3, 1)]
+    with pytest.raises(ValueError, match=r"head_layers=\(3,\) of 2 heads each are 2 heads, "
+                                         "not the 4 fitted"):
+        model.top_heads(2, 2, head_layers=(3,))
 
 
 def _fitted() -> HeadLasso:
