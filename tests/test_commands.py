@@ -1116,6 +1116,13 @@ def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
                    "--out", str(tmp_path / "protected")) == 0
     design = np.load(tmp_path / "protected" / "design_matrix.npy")
     assert not design[:, [1, 6]].any() and design.any(axis=0).sum() == 6
+    # Never knocked out, so nothing was measured of them: not ranked (as "no harm" they were).
+    ranking = strict_json(tmp_path / "protected" / "heads.json")
+    assert ranking["never_knocked_out"] == ["L0H1", "L1H2"]
+    assert {h["head"] for h in ranking["heads"]} == {
+        f"L{layer}H{head}" for layer in (0, 1) for head in range(4)} - {"L0H1", "L1H2"}
+    assert "(not ranked: no measurement knocked them out)" in \
+        (tmp_path / "protected" / "report.md").read_text()
 
     sweep = tmp_path / "sweep"
     assert harness("sweep", *args, "--tasks", "tiny_choice", "--masks", "4,6", "--sparsity",

@@ -93,7 +93,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  priors: Mapping[str, Any] | None = None,
                  keys: Sequence[str] | None = None,
                  confirmed: Mapping[str, Any] | None = None,
-                 heads_per_layer: int | None = None) -> dict[str, HeadRanking]:
+                 heads_per_layer: int | None = None,
+                 never: Sequence[Component] = ()) -> dict[str, HeadRanking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
     ``columns``: the component of each design column (``Columns``; a heads-per-layer
@@ -106,7 +107,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     implicates, then those measured to do no harm (``confirm.confirmed_order``); the
     screen is refitted with those changes held fixed (``confirm.screen``); the
     bootstrap asks which of them a replay of the confirmation on a resample of the masks
-    would have confirmed into the top-k."""
+    would have confirmed into the top-k. ``never``: the components no mask knocked out
+    (--never-ablate): no measurement says anything of them, so they are left out of the
+    ranking, their effect unknown (NaN), as ``exclude``'s are left out."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
     if isinstance(columns, int):
         heads_per_layer = columns
@@ -116,6 +119,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         heads_per_layer = grid[1] if grid is not None else 1
     baseline = records["baseline"]
     excluded = sorted({columns.index(h) for h in exclude if _has(columns, h)})
+    unmeasured = sorted({columns.index(h) for h in never if _has(columns, h)} - {*excluded})
+    left_out = sorted({*excluded, *unmeasured})
     rankings = {}
     for task in tasks:
         y = np.array([records[key]["scores"][task] for key in keys])
@@ -129,27 +134,29 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                                                              columns)
         fixed = {h: change for h, (change, _) in alone.items()}
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
-                     exclude=excluded)
-        order = confirmed_order(alone, fit.order, higher, excluded, fit.effects)
+                     exclude=left_out)
+        order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
         select = None
         if confirmed is not None:
             select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
                                           weights, prior_rankings(estimates), top_k,
-                                          excluded, columns)
+                                          left_out, columns)
         # The refits are the screen's model (the measured changes held fixed), so each
         # interval is the spread of the estimate reported beside it.
         model = HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed)
         held_out = held_out_r2(model, design, y)
         stability = None if bootstrap is None else bootstrap_stability(
             model, design, y, top_k,
-            higher_is_better=higher, exclude=excluded, resamples=bootstrap, seed=seed,
+            higher_is_better=higher, exclude=left_out, resamples=bootstrap, seed=seed,
             select=select)
         if stability is not None and alone:
             # A head measured alone has one measurement, not a spread of Lasso refits.
             stability.low[list(alone)] = stability.high[list(alone)] = np.nan
+        effects = fit.effects.copy()
+        effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
-            baseline=float(baseline["scores"][task]), effects=fit.effects,
+            baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer, columns=columns,
             extra={"method": "compressed sensing (Lasso)" + (
                        "" if confirmed is None else ", the likeliest heads measured alone"),
@@ -161,6 +168,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                        design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
                        alone, columns),
                    "excluded": columns.names(excluded),
+                   **({"never_knocked_out": columns.names(unmeasured)} if unmeasured
+                      else {}),
                    **({} if confirmed is None else {
                        "confirmed": columns.names(alone),
                        "implicated": columns.names(h for h in fit.order
@@ -276,7 +285,8 @@ def locate_report(run: LocateRun) -> str:
                                         else ")") if spec.prior == "auto" else ""),
         f"- confirmation: {_confirm_words(run)}",
         f"- Lasso alpha: {spec.alpha}",
-        f"- never knocked out: {spec.never_ablate or 'none'}",
+        f"- never knocked out: {spec.never_ablate or 'none'}"
+        + (" (not ranked: no measurement knocked them out)" if spec.never_ablate else ""),
         f"- excluded from the ranking: {spec.exclude or 'none'}", "",
     ]
     for task, ranking in run.rankings.items():
@@ -641,11 +651,15 @@ def _fit(run: LocateRun, exclude: Sequence[Component], rows: int, *,
     prior and (``confirmed``) its confirmation."""
     spec = run.spec
     assert run.design is not None and isinstance(run.heads_per_layer, int)
+    assert isinstance(run.layers, int)
+    never = head_list(spec.never_ablate, run.layers, run.heads_per_layer, "--never-ablate",
+                      neurons="neurons" in spec.components,
+                      neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
     return fit_rankings(run.design[:rows], run.records, run.tasks, run.columns,
                         spec.alpha, exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
                         seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
                         confirmed=run.confirm if confirmed else None,
-                        heads_per_layer=run.heads_per_layer)
+                        heads_per_layer=run.heads_per_layer, never=never)
 
 
 def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns: Columns,

@@ -297,9 +297,10 @@ class RunSpec:
                   "generation tasks teacher-forced on their reference answer)",
         choices=SIGNALS)
     never_ablate: str | None = _option(
-        None, "heads kept out of every mask (L0H1+L2H3 or a head file, e.g. universal.json); "
-              "a run that locates MLP neurons takes neurons too (L3N12, L3N*), which are "
-              "then no candidate and in no group", metavar="HEADS|FILE")
+        None, "heads kept out of every mask, and so out of the ranking (L0H1+L2H3 or a head "
+              "file, e.g. universal.json); a run that locates MLP neurons takes neurons too "
+              "(L3N12, L3N*), which are then no candidate and in no group",
+        metavar="HEADS|FILE")
     ablation: str = _option(
         "zero", "what a knocked-out head's output becomes: zero; mean, its mean over the "
                 "reference set's tokens; resample, its output on another example of the "
