@@ -1236,6 +1236,25 @@ def test_heatmap_hatches_unstable_top_heads(tmp_path):
     hatched = [p for p in figure.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
     assert [(p.get_x() + 0.5, p.get_y() + 0.5) for p in hatched] == [(3, 1)]
     assert (tmp_path / "heatmap.png").stat().st_size > 0
+    # Layers and heads are whole numbers: no tick between two (2 layers drew 0.25, 0.5, ...).
+    axes = figure.axes[0]
+    for ticks in (axes.get_xticks(), axes.get_yticks()):
+        assert len(ticks) and all(float(t).is_integer() for t in ticks)
+
+
+def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
+    from lm_eval_headloc.columns import Columns
+    from lm_eval_headloc.commands.report import HeadRanking, plot_heatmap
+
+    columns = Columns.heads(4, 2, head_layers=(1, 3))
+    effects = np.array([-0.4, 0.1, -0.2, 0.3])
+    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 2, 1, 3], 2, columns=columns)
+    figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
+    shown = figure.axes[0].images[0].get_array()
+    assert shown.shape == (4, 2)
+    assert shown.mask[[0, 2]].all() and not shown.mask[[1, 3]].any()
+    np.testing.assert_allclose(shown[[1, 3]].data, effects.reshape(2, 2))  # higher is better
+    assert "grey rows: layers without attention heads" in figure.axes[0].get_title()
 
 
 def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_path):

@@ -297,3 +297,19 @@ def test_universal_counts_neurons_as_it_counts_heads(tiny_model_dir, tmp_path, c
     error = last_error(capsys)
     assert "--never-ablate: 'L0N3' is an MLP neuron; only attention heads are accepted" \
         in error and "--components neurons or heads+neurons" in error
+
+
+def test_verifys_header_counts_what_a_random_set_knocks_out():
+    # A top-3 with a neuron group knocks out 12 neurons: the random sets are that large,
+    # and the header said "sets of 3" (a helper's audit).
+    from lm_eval_headloc.commands.verify import verification_markdown
+
+    top = ["L0N1+L0N2+L0N3+L0N4+L0N5+L0N6+L0N7+L0N8+L0N9+L0N10", "L1N1", "L1N2"]
+    drawn = [[f"L1N{i}" for i in range(10, 22)], [f"L0N{i}" for i in range(20, 32)]]
+    table = {"general": [], "scale": 0.0, "baseline": {"t": 1.0}, "metrics": {"t": "acc"},
+             "random_draws": 2,
+             "rows": {"t": [{"k": 3, "heads": top, "score": 0.5, "task_drop": 0.5,
+                             "gen_drop": None, "general_scores": {}}]},
+             "random": {"t": {"k": 3, "seed": 7, "sets": drawn, "ablations": []}}}
+    assert "## Against random MLP neurons: 2 sets of 12 per task (seed 7)" in \
+        verification_markdown(table)

@@ -219,6 +219,7 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
     touched."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
     axes = fig.subplots(1, len(rankings), squeeze=False)[0]
@@ -248,6 +249,8 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
                                    hatch="////", edgecolor="black", linewidth=0))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
+        for axis in (ax.xaxis, ax.yaxis):  # a layer and a head are whole numbers
+            axis.set_major_locator(MaxNLocator(integer=True))
         note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
                 f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
         if len({c.layer for c in ranking.columns}) < shown.shape[0]:

@@ -357,8 +357,12 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
     random = table.get("random")
     if random:
         first = next(iter(random.values()))
+        # A set is as large as what the top-k knocks out (a neuron group: its neurons).
+        sizes = sorted({len(drawn) for entry in random.values() for drawn in entry["sets"]})
+        size = (f"{sizes[0]:,}" if len(sizes) == 1 else
+                "as many as each task's top-k knocks out")
         lines += ["", f"## Against random {word}: {table['random_draws']} sets of "
-                      f"{first['k']} per task (seed {first['seed']})", "",
+                      f"{size} per task (seed {first['seed']})", "",
                   "| task | ablation | top-k Task drop | random mean ± sd | random min – max "
                   "| top-k moves it more than | top-k Gen drop | random Gen drop (mean) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
