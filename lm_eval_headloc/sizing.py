@@ -95,7 +95,9 @@ def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, 
     ``LoglikelihoodRequests.shapes``: the batches actually sent, not ``max_length`` rows).
 
     Per copy: one layer's activations (residual, q/k/v/output, MLP), the key/value cache
-    the forward keeps for every layer, eager attention weights for one layer, and the
+    the forward keeps for every attention layer (a hybrid model's other layers keep a
+    recurrent state per row instead, counted at 2 x hidden x 128 values: Gated DeltaNet's
+    and Mamba-2's, generously), eager attention weights for one layer, and the
     logits at the scored tokens with their log-softmax (counted at up to 8 bytes, for a
     float64 ``softmax_dtype``). Deliberately generous: a wrong guess costs an
     out-of-memory error, a low one only some speed.
@@ -109,16 +111,18 @@ def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, 
                 else geometry.head_dim or hidden // heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     ffn = int(geometry.neurons_per_layer or 4 * hidden)
-    layers = geometry.num_layers
+    attention_layers = len(geometry.layers_with_heads)
+    other_layers = geometry.num_layers - attention_layers
     vocab = int(text.vocab_size)
 
     def per_copy(rows: int, width: int, scored: int) -> int:
         tokens = rows * width
         activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
-        kv_cache = tokens * layers * 2 * kv_heads * head_dim * bytes_per_value
+        kv_cache = tokens * attention_layers * 2 * kv_heads * head_dim * bytes_per_value
+        states = rows * other_layers * 2 * hidden * 128 * bytes_per_value
         attention = rows * heads * width * width * bytes_per_value
         logits = scored * vocab * (bytes_per_value + 8)
-        return activations + kv_cache + attention + logits
+        return activations + kv_cache + states + attention + logits
 
     need = max((per_copy(*shape) for shape in shapes), default=0)
     if need == 0:

@@ -221,6 +221,26 @@ def test_masks_per_pass_for_memory_by_hand():
     assert masks_per_pass_for_memory(70 * GIB, shapes, smollm2, 2) == 64
 
 
+def test_a_hybrid_keeps_a_key_value_cache_in_its_attention_layers_only():
+    # A Qwen3.5-like model: 4 layers, attention in 1 and 3, the rest Gated DeltaNet.
+    # 32 rows x 26 tokens, 32 scored, bfloat16. Per mask copy, in bytes:
+    #   activations  832 x (6 x 256 + 3 x 512) x 2           =  5_111_808
+    #   K/V cache    832 x 2 attention layers x 2 x 2 x 64 x 2 =    851_968
+    #   states       32 rows x 2 other layers x 2 x 256 x 128 x 2 = 8_388_608
+    #   attention    32 x 4 heads x 26 x 26 x 2                =    173_056
+    #   logits       32 x 1000 x (2 + 8)                       =    320_000
+    #   total                                                  = 14_845_440
+    from transformers import Qwen3_5TextConfig
+
+    hybrid = Qwen3_5TextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=1000,
+        layer_types=["linear_attention", "full_attention"] * 2)
+    shapes = [(32, 26, 32)]
+    assert masks_per_pass_for_memory(2 * 14_845_440 * 5, shapes, hybrid, 2) == 5
+    assert masks_per_pass_for_memory(2 * 14_845_440 * 5 - 1, shapes, hybrid, 2) == 4
+
+
 def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_batch_and_model():
     small, large = _llama_config(**SMOLLM2), _llama_config(**LLAMA3_8B)
     shapes = [(32, 512, 64)]  # about 0.8 GB per mask for the small model
