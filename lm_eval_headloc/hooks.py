@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .ablation import check_scale
 from .geometry import Geometry, UnsupportedGeometry, text_config
 from .heads import (
     Component,
@@ -460,6 +461,10 @@ class Intervention:
     scale: float = 0.0
     replacement: Mapping[str, tuple[torch.Tensor, ...]] | None = None
 
+    def __post_init__(self) -> None:
+        # A NaN scale would make every knocked-out slice NaN, silently.
+        object.__setattr__(self, "scale", check_scale(self.scale))
+
     @property
     def any_knocked_out(self) -> bool:
         """Whether a pass under it changes anything (scale 1 changes nothing)."""
@@ -557,6 +562,7 @@ class HeadKnockout:
         self._sites: dict[str, _Site] = {}
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
+        self._removed = False
         self._add_site("heads", dict(zip(self.head_layers, modules, strict=True)),
                        self.heads_per_layer)
         if neurons or mlp_out:
@@ -821,6 +827,9 @@ class HeadKnockout:
         of ``site_modules(kinds)`` in that order (the kinds the intervention knocks out),
         each row's donor inputs (rows, width, features); ``index`` (rows, columns) which
         donor position replaces each column of that row. Yields the ``ActivePass``."""
+        if self._removed:  # its hooks are off the model: a knockout would change nothing
+            raise RuntimeError("this HeadKnockout's hooks were taken off the model (remove()); "
+                               "make a new HeadKnockout(model)")
         active = None if intervention is None else self._place(intervention)
         if active is not None and donors is not None:
             per_module, index = donors
@@ -866,6 +875,7 @@ class HeadKnockout:
             for handle in site.handles:
                 handle.remove()
             site.handles = []
+        self._removed = True
 
     def __repr__(self) -> str:
         neurons = (f", {self._sites['neurons'].units} MLP neurons"

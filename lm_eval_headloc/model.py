@@ -235,6 +235,32 @@ class HFHeadAblateLM(HFLM):
         if (kind == "zero") != (texts is None):
             raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
                                                         else "needs reference texts"))
+        if isinstance(texts, (str, bytes)):  # its characters would be the examples
+            raise AblationError(f"ablation={kind}: texts is one string; give a list of "
+                                "reference examples")
+        if texts is not None:  # checked before anything changes: a refusal leaves it as it was
+            texts = list(texts)
+            check_reference_set(kind, texts)
+            if kind == "resample" and getattr(self, "backend", "causal") != "causal":
+                raise AblationError("ablation=resample needs a decoder-only model (its donors "
+                                    "are aligned by position in one sequence); use mean")
+        saved = {name: getattr(self, name) for name in self._ABLATION_STATE
+                 if hasattr(self, name)}
+        try:
+            self._switch_ablation(kind, texts, cache_dir, source, field)
+        except BaseException:  # a failed means pass (or Ctrl-C) leaves the old ablation
+            for name, value in saved.items():
+                setattr(self, name, value)
+            raise
+
+    #: What ``set_ablation`` changes (and puts back when the switch fails).
+    _ABLATION_STATE = ("ablation_data", "ablation_field", "_means", "ablation", "resampler",
+                       "means_file", "neuron_means_file", "reference_digest", "_standing",
+                       "_reference_tokens", "_means_dir")
+
+    def _switch_ablation(self, kind: str, texts: list[str] | None,
+                         cache_dir: str | os.PathLike | None,
+                         source: str | os.PathLike | None, field: str | None) -> None:
         self.ablation_data = None if source is None else str(source)
         self.ablation_field = field
         self._means = None
@@ -244,10 +270,6 @@ class HFHeadAblateLM(HFLM):
         self._standing = self._intervention(self._standing.components)
         if texts is None:
             return
-        check_reference_set(kind, texts)
-        if kind == "resample" and getattr(self, "backend", "causal") != "causal":
-            raise AblationError("ablation=resample needs a decoder-only model (its donors "
-                                "are aligned by position in one sequence); use mean")
         tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
         self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
         if self.ablation == "resample":

@@ -678,6 +678,13 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
     assert config["settings"]["alpha"] == 0.5 and heads["alpha"] == 0.5
     assert len(heads["top_k"]) == 2
     assert all(h["effect"] == 0 for h in heads["heads"])  # a huge penalty zeroes everything
+    # --exclude '' takes the exclusion back (left out, the run's own is kept).
+    assert harness("refit", str(out)) == 0
+    assert strict_json(out / "heads.json")["excluded"] == ["L0H0", "L1H3"]
+    assert harness("refit", str(out), "--exclude", "") == 0
+    heads = strict_json(out / "heads.json")
+    assert heads["excluded"] == [] and len(heads["heads"]) == 8
+    assert strict_json(out / "config.json")["settings"]["exclude"] is None
 
 
 def test_a_finished_run_resumes_without_loading_the_model(tiny_model_dir, tiny_locate_run,

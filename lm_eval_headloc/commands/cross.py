@@ -24,8 +24,8 @@ from ..checks import UsageError
 from ..files import write_atomically
 from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
-from .runfolder import RunFolder, option_words, refuse_output_path_into
-from .spec import RunSpec, flag_of
+from .runfolder import RunFolder, option_words, refuse_output_path_into, run_list
+from .spec import RunSpec, command_spec, flag_of
 from .verify import ablations, effect, kind_words, located_heads, percent
 
 __all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
@@ -49,10 +49,11 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
     (default, or None: the runs' own), top_k, scale, num_samples, seed, ablation, …;
     the model is the runs', and so are the prompt options (``PROMPT_OPTIONS``: chat
     template, few-shot count, system instruction, generation arguments) unless given."""
-    runs = [str(Path(run)) for run in runs]  # labels without a trailing slash
+    runs = [str(Path(run)) for run in run_list(runs)]  # labels without a trailing slash
     if not runs:
         raise UsageError("cross needs at least one run folder")
-    own = (spec or RunSpec(tasks=None)).replace(**options)
+    own = command_spec("cross", spec, options, ("tasks", *PROMPT_OPTIONS),
+                       RunSpec(tasks=None))
     stored, seen = {}, set()
     for run in runs:
         path = RunFolder(run).path.resolve()

@@ -25,7 +25,7 @@ from .report import (
 )
 from .result import start_run
 from .runfolder import RunFolder
-from .spec import RunSpec
+from .spec import RunSpec, command_spec
 from .types import ensure_types, read_types
 
 __all__ = ["greedy"]
@@ -43,7 +43,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     (with 100 examples, accuracy moves in steps of 0.01) by the drop of the gold answers'
     log-likelihood where it was measured along (loglikelihood tasks), then by head index.
     """
-    spec = (spec or RunSpec()).replace(**options)
+    spec = command_spec("greedy", spec, options)
     setup = prepare(spec)
     spec = setup.spec
     if spec.rounds > 1 and len(setup.tasks) > 1:

@@ -66,7 +66,7 @@ from .result import (
     stored_priors,
 )
 from .runfolder import RunFolder, RunFolderError
-from .spec import DEFAULT_MAX_MASKS, RunSpec
+from .spec import DEFAULT_MAX_MASKS, RunSpec, command_spec
 from .types import ensure_types
 
 log = logging.getLogger(__name__)
@@ -550,7 +550,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     The run's record (``LocateRun``) writes config.json once per phase: started,
     measuring, designed, measured (see ``LocateRun``); the ranking files follow from it.
     """
-    spec = (spec or RunSpec()).replace(**options)
+    spec = command_spec("locate", spec, options)
     if setup is None:
         setup = prepare(spec)
         spec = setup.spec
@@ -759,7 +759,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
 
     ``settings``: the ranking settings to change (``RunSpec.refittable("locate")``:
     alpha, top_k, exclude, bootstrap, and masks — fewer than measured fits the first
-    ones); one left out or None keeps the run's value.
+    ones); one left out or None keeps the run's value; ``exclude=""`` excludes nothing.
     """
     # --confirm can change when locate resumes (it measures); refit measures nothing.
     allowed = RunSpec.refittable("locate") - {"confirm"}
@@ -773,6 +773,8 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
             raise RunFolderError(f"{out} holds a '{run.command}' run; refit needs a "
                                  "locate run")
         changes = {name: value for name, value in settings.items() if value is not None}
+        if isinstance(changes.get("exclude"), str) and not changes["exclude"].strip():
+            changes["exclude"] = None  # '' takes the run's --exclude back: none excluded
         spec = run.spec.replace(**changes).validate()
         layers, per_layer = run.layers, run.heads_per_layer
         if not (isinstance(layers, int) and isinstance(per_layer, int)):

@@ -184,6 +184,12 @@ def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
                                  "reads from; choose another --out")
 
 
+def run_list(runs: str | Path | Iterable[str | Path]) -> list[str | Path]:
+    """The run folders a command reads: a list of them; one folder given alone (a string
+    is not a list of folders, one a character)."""
+    return [runs] if isinstance(runs, (str, Path)) else list(runs)
+
+
 def refuse_output_path_into(output_path: str | Path | None, runs: Iterable[str | Path],
                             out: str | Path) -> None:
     """Refuse lm-eval's results files (``--output-path``) in a run folder ``runs`` the

@@ -36,7 +36,8 @@ from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
 
 __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
-           "UsageError", "add_options", "flag_of", "parse_batch_size", "parse_gen_kwargs"]
+           "UsageError", "add_options", "command_spec", "flag_of", "parse_batch_size",
+           "parse_gen_kwargs"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --masks and --confirm where neither is given and the run has no prior.
@@ -526,6 +527,8 @@ class RunSpec:
                 raise UsageError(f"{flag} {value!r}: must be one of {', '.join(meta['choices'])}")
             if meta["switch"] is not None and value not in (None, True, False):
                 raise UsageError(f"{flag} {value!r}: must be True or False")
+        if not isinstance(self.progress, bool):  # "no" would draw the bars regardless
+            raise UsageError(f"progress={self.progress!r}: must be True or False")
         if not self.tasks:
             raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
         if self.general is not None and not self.general:
@@ -679,6 +682,20 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }
+
+
+def command_spec(command: str, spec: RunSpec | None, options: Mapping[str, Any],
+                 also: Iterable[str] = (), base: RunSpec | None = None) -> RunSpec:
+    """``spec`` (default ``base``, else a new RunSpec) with ``options``, the keywords of
+    ``command``'s Python function: its flags' fields (``COMMAND_OPTIONS``), ``also`` and
+    ``progress``. Another name is a TypeError naming the ones it takes: dropped silently,
+    a notebook's ``verify(run, num_samples=8)`` would seem to have applied."""
+    takes = {*COMMAND_OPTIONS[command], *also, "progress"}
+    unknown = sorted(set(options) - takes)
+    if unknown:
+        raise TypeError(f"{command}() got {', '.join(unknown)}, which it does not take; it "
+                        f"takes {', '.join(sorted(takes))}")
+    return (spec or base or RunSpec()).replace(**options)
 
 
 #: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.

@@ -15,7 +15,7 @@ from .locate import locate
 from .report import relative_drop
 from .result import start_run
 from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec
+from .spec import RunSpec, command_spec
 
 __all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table"]
 
@@ -31,8 +31,10 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     Each cell is ``spec`` with that cell's ``masks`` and ``sparsity`` (checked before the
     model loads); its locate run goes to ``out/m{M}-p{P}``.
     """
-    spec = (spec or RunSpec()).replace(**options)
-    masks, sparsity = list(masks), list(sparsity)
+    spec = command_spec("sweep", spec, options)
+    # One value is a grid of one (a notebook's sweep(out, masks=100)).
+    masks, sparsity = ([value] if isinstance(value, (int, float)) else list(value)
+                       for value in (masks, sparsity))
     if not masks or not sparsity:
         raise UsageError("--masks and --sparsity each need at least one value")
     setup = prepare(spec)

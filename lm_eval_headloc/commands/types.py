@@ -31,7 +31,7 @@ from ..head_types import (
     type_thresholds,
 )
 from .runfolder import RunFolder
-from .spec import RunSpec
+from .spec import RunSpec, command_spec
 
 __all__ = ["PROBE", "TYPES_FILE", "HeadTypes", "ensure_types", "read_types", "types",
            "types_summary", "types_table"]
@@ -183,7 +183,7 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     from .engine import load_model, open_measurement, prepare
     from .result import start_run
 
-    spec = (spec or RunSpec()).replace(**options)
+    spec = command_spec("types", spec, options)
     setup = prepare(spec)
     spec = setup.spec
     with RunFolder(out) as folder:

@@ -15,7 +15,7 @@ from ..files import write_atomically
 from ..heads import read_heads_file
 from .report import recorded_harmless
 from .result import load_run, ranking_files
-from .runfolder import RunFolder, refuse_writing_into, strict_json
+from .runfolder import RunFolder, refuse_writing_into, run_list, strict_json
 from .spec import RunSpec
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
@@ -47,6 +47,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     Rankings are labelled by their run folder's full path and task; every run must be
     of the same model (the same ``model_args``).
     """
+    runs = run_list(runs)
     top_k = RunSpec(top_k=top_k).validate().top_k  # --top-k's one check
     min_tasks = check_number(min_tasks, "--min-tasks", whole=True, min_val=1)
     if len(runs) < 2:

@@ -31,7 +31,7 @@ from .engine import PlanEntry, is_embedded, measured_plan, prepare
 from .report import relative_drop
 from .result import load_run
 from .runfolder import RunFolder, RunFolderError, refuse_output_path_into
-from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
+from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
            "kind_words", "located_heads", "percent", "random_like", "random_sets",
@@ -208,10 +208,6 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     ``scale`` and ``ablation_data`` keywords change the run's ablation for the
     verification.
     """
-    source = RunFolder(run)
-    stored = load_run(source)
-    out = Path(out) if out is not None else Path(run) / "verify"
-    RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
     # The ablation is the run's unless given (verify --ablation mean checks heads found
     # under one kind under another); zero ablation takes no reference set.
     kind = {name: options.pop(name) for name in ABLATION_FLAGS if options.get(name) is not None}
@@ -219,7 +215,11 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         kind.setdefault("ablation_data", None)
     if "ablation_data" in kind:  # the run's JSONL field belongs to the run's file
         kind.setdefault("ablation_field", None)
-    own = (spec or RunSpec()).replace(**options)
+    own = command_spec("verify", spec, options, ABLATION_FLAGS)
+    source = RunFolder(run)
+    stored = load_run(source)
+    out = Path(out) if out is not None else Path(run) / "verify"
+    RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
     # Verification reports the tasks' own metrics, whatever signal the run ranked by, on
     # whole tasks or --limit's first documents: never the run's --examples-part (which
     # would cut the general tasks too, and --limit would silently drop).

@@ -1,0 +1,123 @@
+"""The Python API as a notebook calls it: what a command does not take is refused, not
+dropped; a failed switch leaves the model as it was; a removed knockout says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TASKS, load_lm
+
+from lm_eval_headloc.ablation import AblationError
+from lm_eval_headloc.checks import UsageError
+from lm_eval_headloc.commands import RunSpec, cross, greedy, locate, sweep, types, universal
+from lm_eval_headloc.commands.runfolder import RunFolderError
+from lm_eval_headloc.commands.verify import verify
+from lm_eval_headloc.hooks import HeadKnockout, Intervention
+
+
+@pytest.mark.parametrize("command, call, ignored", [
+    ("verify", lambda out: verify(out / "run", out / "v", num_samples=2), "num_samples"),
+    ("greedy", lambda out: greedy(out / "g", masks=100), "masks"),
+    ("locate", lambda out: locate(out / "l", rounds=3, limit=2), "limit, rounds"),
+    ("types", lambda out: types(out / "t", alpha=5.0), "alpha"),
+    ("sweep", lambda out: sweep(out / "s", top_k=2, general=("x",)), "general"),
+    ("cross", lambda out: cross([out / "run"], out / "c", masks=4), "masks"),
+])
+def test_a_keyword_the_command_does_not_take_is_refused_not_dropped(tmp_path, command, call,
+                                                                    ignored,
+                                                                    no_model_loading):
+    with pytest.raises(TypeError) as refused:
+        call(tmp_path)
+    assert str(refused.value).startswith(f"{command}() got {ignored}, which it does not take; "
+                                         "it takes ")
+    assert "progress" in str(refused.value)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_progress_must_be_a_bool():
+    with pytest.raises(UsageError, match=r"^progress='no': must be True or False$"):
+        RunSpec(progress="no").validate()
+
+
+def test_one_run_folder_given_alone_is_one_run_not_its_characters(tmp_path):
+    run = tmp_path / "a"
+    # universal needs two; the count (not "would write into /") says what is wrong.
+    with pytest.raises(UsageError, match="universal needs at least 2 run folders, got 1"):
+        universal(str(run), tmp_path / "u.json")
+    with pytest.raises(RunFolderError, match=f"^{run} is not a run folder"):
+        cross(str(run), tmp_path / "c")
+
+
+def test_sweep_takes_one_value_as_a_grid_of_one(tmp_path, monkeypatch):
+    import importlib
+
+    sweep_module = importlib.import_module("lm_eval_headloc.commands.sweep")
+
+    seen = {}
+
+    def stop(spec):  # the grid is built before prepare: stop there
+        seen["spec"] = spec
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(sweep_module, "prepare", stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        sweep(tmp_path / "s", masks=100, sparsity=0.02, tasks=("tiny_copy",),
+              include_path=(TASKS,))
+    assert seen["spec"].tasks == ("tiny_copy",)
+
+
+# --- the model from Python -------------------------------------------------------------------
+
+TEXTS = ["the cat sat on the mat", "Mary and John went to the store"]
+
+
+def _logits(lm) -> torch.Tensor:
+    with torch.no_grad():
+        return lm._model_call(torch.tensor([lm.tok_encode("the dog gave a drink")]))
+
+
+def test_a_refused_ablation_switch_leaves_the_model_as_it_was(tiny_model_dir, tmp_path):
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1")
+    lm.set_ablation("mean", TEXTS, cache_dir=tmp_path)
+    before = (lm.ablation, lm.means_file, lm.reference_digest, _logits(lm))
+    with pytest.raises(AblationError, match="at least two different reference examples"):
+        lm.set_ablation("resample", ["one example"])
+    with pytest.raises(AblationError, match="texts is one string; give a list"):
+        lm.set_ablation("mean", "ab")
+    after = (lm.ablation, lm.means_file, lm.reference_digest, _logits(lm))
+    assert after[:3] == before[:3] and lm.get_model_info()["ablation"] == "mean"
+    torch.testing.assert_close(after[3], before[3], rtol=0, atol=0)
+
+
+def test_a_failed_means_pass_puts_the_old_ablation_back(tiny_model_dir, tmp_path,
+                                                        monkeypatch):
+    from lm_eval_headloc import model as model_module
+
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1")
+    zero = _logits(lm)
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C during the pass over the reference set
+
+    monkeypatch.setattr(model_module, "cached_head_means", broken)
+    with pytest.raises(KeyboardInterrupt):
+        lm.set_ablation("mean", TEXTS, cache_dir=tmp_path)
+    assert (lm.ablation, lm.means_file) == ("zero", None)
+    torch.testing.assert_close(_logits(lm), zero, rtol=0, atol=0)
+
+
+def test_a_removed_knockout_refuses_rather_than_knocking_out_nothing(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    knockout = HeadKnockout(model)
+    knockout.remove()
+    with pytest.raises(RuntimeError, match=r"taken off the model \(remove\(\)\); make a new"):
+        with knockout.knocking_out("L0H1"):
+            pass
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "x", True])
+def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
+    with pytest.raises(AblationError, match="must be a finite number"):
+        Intervention(scale=scale)
