@@ -142,8 +142,11 @@ class Columns:
     def __iter__(self):
         return iter(self.components)
 
-    def index(self, component: Column) -> int:
-        """The column of ``component`` (KeyError naming it when the run has none)."""
+    def index(self, component: Column | str) -> int:
+        """The column of ``component``, or of the column named so (``"L3H1"``); KeyError
+        naming it when the run has none."""
+        if isinstance(component, str):
+            return self.named(component)
         try:
             return self._index[column_key(component)]
         except KeyError:
@@ -170,6 +173,9 @@ class Columns:
 
     def knocked_out(self, row: np.ndarray) -> list[Component]:
         """The components a design row (booleans over the columns) knocks out."""
+        if np.shape(row) != (len(self),):
+            raise ValueError(f"a design row has one entry per column ({len(self)}), not "
+                             f"shape {np.shape(row)}")
         return [c for i in np.flatnonzero(row) for c in self.members(int(i))]
 
     @property
@@ -192,9 +198,11 @@ class Columns:
         grid = self.heads_grid
         if grid is None:
             raise ValueError("the columns are not a grid of heads")
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != (len(self),):
+            raise ValueError(f"one value per column ({len(self)}), not shape {values.shape}")
         shown = np.full(grid, np.nan, dtype=np.float64)
-        for column, value in zip(self.components, np.asarray(values, dtype=np.float64),
-                                 strict=True):
+        for column, value in zip(self.components, values, strict=True):
             shown[column.layer, column[1]] = value
         return shown
 

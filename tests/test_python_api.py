@@ -121,3 +121,26 @@ def test_a_removed_knockout_refuses_rather_than_knocking_out_nothing(tiny_model_
 def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
     with pytest.raises(AblationError, match="must be a finite number"):
         Intervention(scale=scale)
+
+
+def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
+    import numpy as np
+
+    from lm_eval_headloc.columns import Columns
+    from lm_eval_headloc.commands.report import HeadRanking
+    from lm_eval_headloc.commands.types import read_types
+
+    ranking = HeadRanking("t", "acc", True, 0.5, np.array([-0.3, 0.0, -0.1, 0.2]),
+                          [0, 2, 1, 3], 2)
+    assert ranking.effect("L1H0") == ranking.effect(ranking.columns[2]) == -0.1
+    assert [str(h) for h in ranking.top(2)] == ["L0H0", "L1H0"]
+    with pytest.raises(ValueError, match="k=-1"):
+        ranking.top(-1)  # was every head but the last
+    columns = Columns.heads(2, 2)
+    with pytest.raises(ValueError, match=r"one entry per column \(4\), not shape \(3,\)"):
+        columns.knocked_out(np.array([True, False, True]))
+    with pytest.raises(ValueError, match=r"one value per column \(4\), not shape \(5,\)"):
+        columns.grid_of(np.arange(5.0))
+    with pytest.raises(RunFolderError, match="no such folder"):
+        read_types(tmp_path / "typo")  # was None: "this run has no types"
+    assert read_types(tmp_path) is None  # a folder without types.json has none

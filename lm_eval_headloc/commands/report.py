@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_number
 from ..columns import Column, Columns, NeuronGroup, column_label
 from ..files import write_atomically
 from ..head_types import HEAD_TYPES
@@ -50,6 +51,8 @@ class HeadRanking:
             self.columns = Columns.heads(layers, self.heads_per_layer)
 
     def top(self, k: int) -> list[Column]:
+        """The first ``k`` columns (all of them where fewer are ranked)."""
+        k = check_number(k, "k", whole=True, min_val=0)  # top(-1) was all but the last
         return [self.columns[i] for i in self.order[:k]]
 
     def top_knocked_out(self, k: int) -> list[Component]:

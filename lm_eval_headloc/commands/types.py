@@ -30,7 +30,7 @@ from ..head_types import (
     repeated_probe,
     type_thresholds,
 )
-from .runfolder import RunFolder
+from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, command_spec
 
 __all__ = ["PROBE", "TYPES_FILE", "HeadTypes", "ensure_types", "read_types", "types",
@@ -132,8 +132,12 @@ def ensure_types(folder: RunFolder, measure: Any) -> HeadTypes | None:
 
 
 def read_types(folder: RunFolder | str | Path) -> HeadTypes | None:
-    """``types.json`` of a run folder, or None where it has none."""
-    path = (folder if isinstance(folder, RunFolder) else RunFolder(folder)).file(TYPES_FILE)
+    """``types.json`` of a run folder, or None where it has none (a folder that does not
+    exist is a RunFolderError: a mistyped path is not a run without types)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    if not folder.path.is_dir():
+        raise RunFolderError(f"{folder.path} is not a run folder (no such folder)")
+    path = folder.file(TYPES_FILE)
     if not path.is_file():
         return None
     return HeadTypes(json.loads(path.read_text()))
