@@ -144,3 +144,12 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     with pytest.raises(RunFolderError, match="no such folder"):
         read_types(tmp_path / "typo")  # was None: "this run has no types"
     assert read_types(tmp_path) is None  # a folder without types.json has none
+
+
+def test_components_to_keep_out_may_be_a_list():
+    from lm_eval_headloc.heads import Head
+
+    spec = RunSpec(exclude=["L0H1", Head(1, 2)], never_ablate=("L3N5",))
+    assert (spec.exclude, spec.never_ablate) == ("L0H1+L1H2", "L3N5")
+    assert RunSpec(exclude=[]).exclude is None
+    assert spec == RunSpec(exclude="L0H1+L1H2", never_ablate="L3N5")  # the same run

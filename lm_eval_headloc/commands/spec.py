@@ -447,6 +447,12 @@ class RunSpec:
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "gen_kwargs", _canonical_gen_kwargs(self.gen_kwargs))
+        # Components given as a list (a notebook's ["L0H1", Head(2, 3)]) are the names the
+        # command line would give: one '+'-joined string, as config.json records it.
+        for name in ("exclude", "never_ablate"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, "+".join(map(str, value)) or None)
 
     # --- construction ------------------------------------------------------------------
 
