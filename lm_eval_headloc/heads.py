@@ -54,11 +54,19 @@ class Head(NamedTuple):
 
     def flat_index(self, heads_per_layer: int) -> int:
         """Flat index ``layer * heads_per_layer + head`` (the column of a design matrix)."""
-        return self.layer * heads_per_layer + self.head
+        per_layer = _whole(heads_per_layer, "heads_per_layer", 1)
+        # Out of range, the sum lands on another head's column (Head(1, 5) of 4 is L2H1).
+        if self.layer < 0 or not 0 <= self.head < per_layer:
+            raise HeadSpecError(
+                f"head {self} has no flat index with heads_per_layer={per_layer}: the layer "
+                f"must be >= 0 and the head in 0..{per_layer - 1}")
+        return self.layer * per_layer + self.head
 
     @classmethod
     def from_flat_index(cls, index: int, heads_per_layer: int) -> Head:
-        return cls(*divmod(int(index), heads_per_layer))
+        """The head at column ``index`` of a design with ``heads_per_layer`` heads a layer."""
+        per_layer = _whole(heads_per_layer, "heads_per_layer", 1)
+        return cls(*divmod(_whole(index, "index", 0), per_layer))
 
 
 class Neuron(NamedTuple):
@@ -73,6 +81,18 @@ class Neuron(NamedTuple):
 
 
 Component = Head | Neuron
+
+
+def _whole(value: object, name: str, min_val: int) -> int:
+    """``value`` as an int >= ``min_val``, else HeadSpecError naming it."""
+    if type(value) is int and value >= min_val:  # the usual case, without sklearn
+        return value
+    from .checks import UsageError, check_number  # sklearn: only imported when needed
+
+    try:
+        return int(check_number(value, name, whole=True, min_val=min_val))
+    except UsageError as err:
+        raise HeadSpecError(str(err)) from None
 
 
 def component_key(component: Component) -> tuple[int, int, int]:
@@ -119,18 +139,19 @@ def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int
     return [unit(layer, int(index))]
 
 
-def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer: int,
-                   neurons_per_layer: int | None = None, *,
+def validate_heads(heads: Iterable[Component], num_layers: int | None,
+                   heads_per_layer: int | None, neurons_per_layer: int | None = None, *,
                    head_layers: Collection[int] | None = None) -> None:
     """Raise HeadSpecError naming the first component outside a model of ``num_layers``
-    layers of ``heads_per_layer`` heads (and MLPs ``neurons_per_layer`` wide, where
-    known): layer or index out of range, or a head in a layer without heads (a hybrid
-    model's: ``head_layers`` lists those with heads, None for every layer)."""
+    layers of ``heads_per_layer`` heads (and MLPs ``neurons_per_layer`` wide): layer or
+    index out of range, or a head in a layer without heads (a hybrid model's:
+    ``head_layers`` lists those with heads, None for every layer). Each bound is checked
+    where given (None: unknown); layers and indices are always zero-based."""
     for component in heads:
         is_neuron = isinstance(component, Neuron)
         what, count, per = (("neuron", neurons_per_layer, "MLP neurons per layer") if is_neuron
                             else ("head", heads_per_layer, "heads per layer"))
-        if not 0 <= component.layer < num_layers:
+        if num_layers is not None and not 0 <= component.layer < num_layers:
             raise HeadSpecError(
                 f"{what} {component} is outside the model: layer {component.layer} not in "
                 f"0..{num_layers - 1} ({num_layers} layers)"
@@ -140,6 +161,9 @@ def validate_heads(heads: Iterable[Component], num_layers: int, heads_per_layer:
                 f"{what} {component} is outside the model: {what} {component[1]} not in "
                 f"0..{count - 1} ({count} {per})"
             )
+        if component.layer < 0 or component[1] < 0:
+            raise HeadSpecError(f"bad {what} {component}: layer {component.layer} and {what} "
+                                f"{component[1]} must be >= 0 (zero-based)")
         if not is_neuron and head_layers is not None and component.layer not in head_layers:
             raise HeadSpecError(_no_heads_in(f"head {component}", component.layer,
                                              head_layers))
@@ -179,12 +203,22 @@ def parse_components(
     """Parse ``"L0H29+L3N1234"`` (or a list of names, Heads, Neurons or (layer, head)
     pairs) into sorted, unique components.
 
-    With ``num_layers``/``heads_per_layer`` given, every component is checked against the
-    model (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*``
-    expand to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
+    Every component is checked against each of ``num_layers``/``heads_per_layer`` given
+    (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*`` expand
+    to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
     ``head_layers``: a hybrid model's layers with heads (``Geometry.head_layers``); a
     head elsewhere is refused.
     """
+    return _parse(spec, num_layers, heads_per_layer, neurons_per_layer, neurons=neurons,
+                  head_layers=head_layers)
+
+
+def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
+           num_layers: int | None, heads_per_layer: int | None,
+           neurons_per_layer: int | None, *, neurons: bool,
+           head_layers: Collection[int] | None = None, ranges: bool = True
+           ) -> list[Component]:
+    # ranges=False: the counts only expand L{l}H*/L{l}N* (names checked without a model).
     if isinstance(spec, str) and not spec.strip():
         raise HeadSpecError(
             "the head list is empty; write heads as L{layer}H{head} joined by '+', "
@@ -205,14 +239,11 @@ def parse_components(
             parsed = [_head_from_pair(token)]
         found.update((component_key(c), c) for c in parsed)
     components = list(found.values())
-    if num_layers is not None and heads_per_layer is not None:
+    if ranges:
         validate_heads(components, num_layers, heads_per_layer, neurons_per_layer,
                        head_layers=head_layers)
     else:
-        for component in components:
-            if component.layer < 0 or component[1] < 0:
-                raise HeadSpecError(f"bad component {component}: layer and index are "
-                                    "zero-based")
+        validate_heads(components, None, None)  # zero-based, whatever the model
     return sorted(components, key=component_key)
 
 
@@ -226,8 +257,8 @@ def parse_heads(
     """Parse ``"L0H29+L1H31"`` (or a list of names or Heads) into sorted, unique Heads
     (a neuron is refused, naming it).
 
-    With ``num_layers``/``heads_per_layer`` given, every head is checked against the model and
-    ``L{l}H*`` expands to the whole layer.
+    With ``num_layers``/``heads_per_layer`` given, every head is checked against them (each
+    one given) and ``L{l}H*`` expands to the whole layer.
     """
     return parse_components(spec, num_layers, heads_per_layer,  # type: ignore[return-value]
                             neurons=False, head_layers=head_layers)
@@ -238,7 +269,8 @@ def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None
 
     For checks before a model is loaded; the layer/head ranges need the model.
     """
-    parse_heads(spec, heads_per_layer=1)  # any head count: L{l}H* only has to parse here
+    # Any head count: L{l}H* only has to parse here; nothing is checked against it.
+    _parse(spec, None, 1, None, neurons=False, ranges=False)
 
 
 def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bool:
@@ -250,7 +282,7 @@ def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bo
 
 def check_component_names(spec: str | Iterable[str | Component | tuple[int, int]]) -> None:
     """``check_head_names`` for heads and neurons (``L3N*`` passes)."""
-    parse_components(spec, heads_per_layer=1, neurons_per_layer=1)
+    _parse(spec, None, 1, 1, neurons=True, ranges=False)
 
 
 def _head_from_pair(token: object) -> Head:
@@ -271,12 +303,14 @@ def _head_from_pair(token: object) -> Head:
     return Head(layer, head)
 
 
-def format_heads(heads: Iterable[Component | tuple[int, int]]) -> str:
+def format_heads(heads: str | Iterable[str | Component | tuple[int, int]]) -> str:
     """``[Head(1, 31), Neuron(0, 7), Head(0, 29)]`` -> ``"L0H29+L0N7+L1H31"`` (sorted,
-    unique; a plain pair is a head)."""
-    unique = {component_key(c): c for c in
-              (h if isinstance(h, (Head, Neuron)) else Head(*h) for h in heads)}
-    return "+".join(str(unique[key]) for key in sorted(unique))
+    unique; a plain pair is a head). Names (``"L0H1"``, ``["L1H2+L0H1"]``, as
+    ``read_heads_file`` gives them) are accepted too; nothing formats to ``""``. A
+    component ``parse_components`` refuses (``(-1, 2)``) raises HeadSpecError."""
+    if isinstance(heads, str) and not heads.strip():
+        return ""
+    return "+".join(map(str, parse_components(heads)))
 
 
 def ranked_task(path: str | Path) -> str | None:
@@ -304,14 +338,31 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
             f"{path}: expected a JSON list of heads or an object with a 'heads' list"
         )
     names = []
-    for item in items:
+    for number, item in enumerate(items, start=1):
         name = (item.get("neurons" if "group" in item else "head", item.get("neuron"))
                 if isinstance(item, dict) else item)
         if not isinstance(name, str):
             raise HeadSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
                                 "{\"head\": \"L0H29\", ...}")
-        names.append(name)
+        names.append(_checked_entry(name, path, f"entry {number}"))
     return names
+
+
+def _checked_entry(entry: str, path: Path, where: str) -> str:
+    """``entry`` (one line or item of a head file, maybe '+'-joined) if its names parse,
+    else HeadSpecError naming the file, where in it, and the entry."""
+    # Checked here, not only when the heads are used: a file of junk must not read as a
+    # list of heads (format_heads, overlap and verify take the names as they are).
+    if not entry.strip() or any(len(part.split()) > 1 for part in entry.split("+")):
+        problem = "is empty" if not entry.strip() else "holds names separated by spaces"
+        unit = where.split()[0]  # "line" or "entry"
+        raise HeadSpecError(f"{path}, {where}: {entry!r} {problem}; write one head per "
+                            f"{unit}, or several joined by '+' (e.g. L0H29+L1H31)")
+    try:
+        check_component_names(entry)
+    except HeadSpecError as err:
+        raise HeadSpecError(f"{path}, {where}: {err}") from None
+    return entry
 
 
 def shown_name(name: str) -> str:
@@ -337,6 +388,8 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     A ``.json`` file holds a list of heads or an object with a ``heads`` list (as
     ``headloc-harness`` writes); any other file holds one head per line (``#`` comments
     and blank lines ignored; ``+``-joined lines allowed). ``top=K`` keeps the first K.
+    Every entry must be a head or neuron name (``L3H*`` passes: the model is not known
+    here), else HeadSpecError naming the file, the line or entry, and the name.
     """
     if top is not None:
         top = check_top(top)
@@ -360,9 +413,10 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
         names = _heads_in_json(data, path)
     else:
         names = []
-        for line in text.splitlines():
+        for number, line in enumerate(text.splitlines(), start=1):
             line = line.split("#", 1)[0].strip()
             if line:
+                _checked_entry(line, path, f"line {number}")
                 names.extend(part.strip() for part in line.split("+"))
     if top is not None:
         if top > len(names):

@@ -16,6 +16,7 @@ is reported back in the score's own units.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from sklearn.linear_model import Lasso
 from sklearn.metrics import r2_score
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from .checks import check_number
+from .checks import UsageError, check_number
 from .designs import head_column_mask
 from .heads import Head
 
@@ -48,6 +49,9 @@ def _one_line_errors(design_matrix: object, scores: object = None) -> Iterator[N
         yield
     except ValueError as error:
         reason = str(error).splitlines()[0].rstrip(" :.")
+        if "Reshape your data" in str(error):
+            # Kept in these words: sklearn's own checks (check_fit2d_predict1d) look for them.
+            reason += ". Reshape your data: one row per mask, one column per head"
         passed = [("X", "design matrix", design_matrix)]
         if scores is not None:
             passed.append(("y", "scores", scores))
@@ -69,6 +73,31 @@ def less_fixed(design_matrix: np.ndarray, scores: np.ndarray,
         return np.asarray(scores, dtype=np.float64)
     knocked_out = np.asarray(design_matrix, dtype=np.float64)
     return scores - knocked_out[:, held] @ np.array([fixed[h] for h in held], dtype=np.float64)
+
+
+def _checked_bool(value: object, name: str) -> bool:
+    # check_number is for numbers; a truthy string such as "False" must not pass.
+    if not isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"{name}={value!r}: must be True or False")
+    return bool(value)
+
+
+def _short(value: object) -> str:
+    # A repr that fits in a one-line message (an array's spans lines).
+    return " ".join(reprlib.repr(value).split())
+
+
+def _checked_weights(weights: object, total: int) -> np.ndarray:
+    if weights is None:
+        return np.ones(total)
+    need = f"penalty_weights: need {total} finite positive numbers, one per head"
+    try:
+        checked = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise UsageError(f"{need} (got {_short(weights)})") from None
+    if checked.shape != (total,) or not np.all(np.isfinite(checked)) or np.any(checked <= 0):
+        raise UsageError(f"{need} (got shape {checked.shape})")
+    return checked
 
 
 def _checked_fixed(fixed: Mapping[int, float] | None, total: int) -> dict[int, float]:
@@ -148,22 +177,24 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         """Fit head effects; ``baseline`` is the unablated score (None: fit an intercept)."""
         alpha = check_number(self.alpha, "alpha", min_val=0, include_boundaries="neither")
         max_iter = check_number(self.max_iter, "max_iter", whole=True, min_val=1)
-        if not isinstance(self.standardize, (bool, np.bool_)):
-            # check_number is for numbers; a truthy string such as "False" must not pass.
-            raise ValueError(f"standardize={self.standardize!r}: must be True or False")
+        standardize = _checked_bool(self.standardize, "standardize")
         if baseline is not None:
             baseline = check_number(baseline, "baseline")
+        # validate_data records n_features_in_ (and feature names) on the estimator it is
+        # given: a scratch copy's, so that a fit failing later leaves this one as it was.
+        shapes = clone(self)
         with _one_line_errors(design_matrix, scores):
             # Scores as floats first: sklearn only converts object arrays of targets, and
-            # its finiteness check must see "nan" given as text too. validate_data sets
-            # n_features_in_; one measurement cannot show an effect, so at least two.
+            # its finiteness check must see "nan" given as text too. One measurement
+            # cannot show an effect, so at least two.
             knocked_out, y = validate_data(
-                self, design_matrix, np.asarray(scores, dtype=np.float64),
+                shapes, design_matrix, np.asarray(scores, dtype=np.float64),
                 dtype=np.float64, ensure_min_samples=2,
             )
 
         total = knocked_out.shape[1]
         fixed = _checked_fixed(self.fixed_effects, total)
+        weights = _checked_weights(self.penalty_weights, total)
         held = np.array(sorted(fixed), dtype=np.int64)
         free = np.setdiff1d(np.arange(total), held)
         y = less_fixed(knocked_out, y, fixed)
@@ -172,15 +203,8 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         # the score: nothing to standardise, and dividing would blow round-off up into
         # "effects".
         constant = spread <= 1e-12 * max(1.0, float(np.max(np.abs(y))))
-        scale = spread if self.standardize and not constant else 1.0
+        scale = spread if standardize and not constant else 1.0
 
-        weights = np.ones(total)
-        if self.penalty_weights is not None:
-            weights = np.asarray(self.penalty_weights, dtype=np.float64)
-            if weights.shape != (total,) or not np.all(np.isfinite(weights)) \
-                    or np.any(weights <= 0):
-                raise ValueError(f"penalty_weights: need {total} finite "
-                                 f"positive numbers, one per head (got shape {weights.shape})")
         offset = 0.0 if baseline is None else baseline
         coef = np.zeros(total)
         coef[held] = [fixed[h] for h in held]
@@ -191,20 +215,26 @@ class HeadLasso(RegressorMixin, BaseEstimator):
             lasso.fit(knocked_out[:, free] / weights[free], (y - offset) / scale)
             coef[free] = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
             intercept, n_iter = float(lasso.intercept_) * scale, int(lasso.n_iter_)
+        intercept = intercept if baseline is None else baseline
+        # Fitted against the remainder the free heads explain (the fixed part is given).
+        fitted = intercept + knocked_out[:, free] @ coef[free]
+        # Constant scores: 1 if fitted exactly, else 0 (r2_score's convention), both up to
+        # round-off; r2_score itself would give 0 for a round-off spread fitted to 1e-17.
+        r2 = float(np.allclose(y - fitted, 0.0)) if constant else float(r2_score(y, fitted))
 
+        # Everything is known: the fitted state is replaced all at once.
         self.coef_ = coef
-        self.intercept_ = intercept if baseline is None else baseline
+        self.intercept_ = intercept
         self.baseline_ = baseline
         self.scale_ = scale
         self.n_measurements_ = int(y.shape[0])
         self.n_iter_ = n_iter
-        # Fitted against the remainder the free heads explain (the fixed part is given).
-        fitted = self.intercept_ + knocked_out[:, free] @ coef[free]
-        # Constant scores: 1 if fitted exactly, else 0 (r2_score's convention), both up to
-        # round-off; r2_score itself would give 0 for a round-off spread fitted to 1e-17.
-        self.r2_ = (
-            float(np.allclose(y - fitted, 0.0)) if constant else float(r2_score(y, fitted))
-        )
+        self.r2_ = r2
+        self.n_features_in_ = shapes.n_features_in_
+        if hasattr(shapes, "feature_names_in_"):
+            self.feature_names_in_ = shapes.feature_names_in_
+        elif hasattr(self, "feature_names_in_"):  # as validate_data's reset: names are X's
+            del self.feature_names_in_
         return self
 
     def _predict(self, knocked_out: np.ndarray) -> np.ndarray:
@@ -227,6 +257,7 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         Every non-excluded head is listed, harmless ones (``coef_`` 0) after harmful ones.
         """
         check_is_fitted(self, "coef_")
+        higher_is_better = _checked_bool(higher_is_better, "higher_is_better")
         excluded = head_column_mask(exclude, self.coef_.shape[0], "exclude")
         order = np.argsort(-harm(self.coef_, higher_is_better), kind="stable")
         return order[~excluded[order]]
@@ -247,10 +278,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         alone the design has columns for, layer by layer.
         """
         check_is_fitted(self, "coef_")
+        higher_is_better = _checked_bool(higher_is_better, "higher_is_better")
         total_heads = self.coef_.shape[0]
         heads_per_layer = check_number(heads_per_layer, "heads_per_layer", whole=True,
                                        min_val=1)
-        layers = None if head_layers is None else [int(layer) for layer in head_layers]
+        layers = None if head_layers is None else _checked_layers(head_layers)
         if layers is not None and len(layers) * heads_per_layer != total_heads:
             raise ValueError(f"head_layers={head_layers!r} of {heads_per_layer} heads each "
                              f"are {len(layers) * heads_per_layer} heads, not the "
@@ -265,6 +297,14 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         k = check_number(k, "k", whole=True, min_val=1, max_val=order.size)
         heads = [Head.from_flat_index(int(j), heads_per_layer) for j in order[:k]]
         return heads if layers is None else [Head(layers[h.layer], h.head) for h in heads]
+
+
+def _checked_layers(head_layers: object) -> list[int]:
+    if isinstance(head_layers, (str, bytes)) or not isinstance(head_layers, Iterable):
+        raise UsageError(f"head_layers={_short(head_layers)}: must be a list of layer "
+                         "numbers (whole numbers >= 0), or None")
+    return [int(check_number(layer, f"head_layers[{i}]", whole=True, min_val=0))
+            for i, layer in enumerate(head_layers)]
 
 
 def harm(effects: object, higher_is_better: bool) -> np.ndarray:
@@ -326,6 +366,7 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     when that is not the refit's own harmful top-k (``locate``'s confirmation replay)."""
     resamples = check_number(resamples, "resamples", whole=True, min_val=1)
     top_k = check_number(top_k, "top_k", whole=True, min_val=1)
+    higher_is_better = _checked_bool(higher_is_better, "higher_is_better")
     knocked_out, y = _paired(design_matrix, scores)
     rows, total = knocked_out.shape
     excluded = list(exclude)

@@ -407,12 +407,96 @@ def _fitted() -> HeadLasso:
         (lambda: _fitted().top_heads(1, 6, exclude=range(6)), "k=1.*<= 0"),
         (lambda: _fitted().top_heads(2, True), "heads_per_layer=True"),
         (lambda: _fitted().top_heads(2, 4), "heads_per_layer=4 does not divide the 6"),
+        # named, not numpy's "could not convert string to float" / "invalid literal for int"
+        (lambda: HeadLasso(penalty_weights="abc").fit(np.zeros((2, 2)), [0, 1]),
+         r"penalty_weights: need 2 finite positive numbers, one per head \(got 'abc'\)"),
+        (lambda: _fitted().top_heads(2, 2, head_layers=["a", "b", "c"]),
+         r"head_layers\[0\]='a': must be a whole number >= 0"),
+        (lambda: _fitted().top_heads(2, 2, head_layers=[0, -1, 2]),
+         r"head_layers\[1\]=-1: must be a whole number >= 0"),
+        (lambda: _fitted().top_heads(2, 2, head_layers=3), r"head_layers=3: must be a list"),
+        # sklearn's own check_fit2d_predict1d looks for "Reshape your data".
+        (lambda: _fitted().predict(np.zeros(6)),
+         r"Expected 2D array, got 1D.*Reshape your data.*design matrix of shape \(6,\)"),
     ],
 )
 def test_recovery_errors_are_one_line_and_name_the_value(call, fragment):
     with pytest.raises(ValueError, match=fragment) as error:
         call()
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", ["False", None, 0, 1, "yes"])
+def test_higher_is_better_must_be_a_bool(value):
+    # "False" (truthy) used to rank as higher-is-better; None as lower-is-better.
+    from lm_eval_headloc.recovery import bootstrap_stability
+
+    model = _fitted()
+    message = rf"higher_is_better={value!r}: must be True or False"
+    for call in (lambda: model.ranking(higher_is_better=value),
+                 lambda: model.top_heads(2, 3, higher_is_better=value),
+                 lambda: bootstrap_stability(HeadLasso(), np.eye(3), np.arange(3.0), 1,
+                                             higher_is_better=value, resamples=1)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_higher_is_better_takes_numpy_bools():
+    model = _fitted()
+    for flag in (True, False):
+        assert model.ranking(np.bool_(flag)).tolist() == model.ranking(flag).tolist()
+        assert model.top_heads(2, 3, np.bool_(flag)) == model.top_heads(2, 3, flag)
+
+
+def _fitted_state(model: HeadLasso) -> dict[str, object]:
+    return {k: v for k, v in vars(model).items() if k.endswith("_") and not k.startswith("_")}
+
+
+@pytest.mark.parametrize("parameters", [dict(penalty_weights=np.ones(12)),
+                                        dict(fixed_effects={11: -0.1})])
+def test_a_failed_refit_leaves_the_fit_as_it_was(parameters):
+    # The refit on 8 heads fails on a 12-head parameter; it used to leave n_features_in_ = 8
+    # beside a 12-entry coef_, so predict failed in a matrix product.
+    rng = np.random.default_rng(1)
+    twelve, eight = rng.random((10, 12)) < 0.3, rng.random((10, 8)) < 0.3
+    scores = rng.random(10)
+    model = HeadLasso(**parameters).fit(twelve, scores)
+    before = _fitted_state(model)
+    predicted = model.predict(twelve)
+    with pytest.raises(ValueError, match="penalty_weights: need 8|fixed_effects column=11"):
+        model.fit(eight, scores)
+    after = _fitted_state(model)
+    assert after.keys() == before.keys() and model.n_features_in_ == 12
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value)
+    np.testing.assert_array_equal(model.predict(twelve), predicted)
+    # A first fit that fails leaves the estimator unfitted.
+    from sklearn.exceptions import NotFittedError
+
+    fresh = HeadLasso(**parameters)
+    with pytest.raises(ValueError):
+        fresh.fit(eight, scores)
+    assert _fitted_state(fresh) == {}
+    with pytest.raises(NotFittedError):
+        fresh.predict(eight)
+
+
+def test_a_refit_failing_sklearn_validation_keeps_the_feature_names():
+    pandas = pytest.importorskip("pandas")
+    knocked_out = pandas.DataFrame(np.eye(4, dtype=bool), columns=["a", "b", "c", "d"])
+    model = HeadLasso().fit(knocked_out, np.arange(4.0))
+    with pytest.raises(ValueError, match="y contains NaN"):
+        model.fit(np.eye(4), [0.0, float("nan"), 1.0, 2.0])
+    assert model.feature_names_in_.tolist() == ["a", "b", "c", "d"]
+    # A successful refit on a plain array drops them, as sklearn's own estimators do.
+    model.fit(np.eye(3), np.arange(3.0))
+    assert not hasattr(model, "feature_names_in_") and model.n_features_in_ == 3
+
+
+def test_sklearn_check_fit2d_predict1d_passes():
+    from sklearn.utils.estimator_checks import check_fit2d_predict1d
+
+    check_fit2d_predict1d("HeadLasso", HeadLasso())
 
 
 # --------------------------------------------------------------------------- bootstrap

@@ -1,15 +1,20 @@
 """Head notation: parsing, formatting, validation and head files."""
 
+import itertools
 import json
 
+import numpy as np
 import pytest
 
 from lm_eval_headloc.heads import (
     Head,
     HeadSpecError,
+    Neuron,
+    check_component_names,
     check_head_names,
     check_top,
     format_heads,
+    parse_components,
     parse_heads,
     read_heads_file,
 )
@@ -119,3 +124,114 @@ def test_ablate_top_is_a_whole_number_from_one(top, tmp_path):
     with pytest.raises(HeadSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
         check_top(top)
     assert check_top(3) == 3
+
+
+@pytest.mark.parametrize("per_layer", [1, 3, 4])
+def test_flat_index_is_layer_major_for_every_head(per_layer):
+    # The design's columns, written out: layer 0's heads, then layer 1's, ...
+    columns = list(itertools.product(range(3), range(per_layer)))
+    for index, (layer, head) in enumerate(columns):
+        assert Head(layer, head).flat_index(per_layer) == index
+        assert Head.from_flat_index(index, per_layer) == Head(layer, head)
+    assert Head.from_flat_index(np.int64(5), np.int32(3)) == Head(1, 2)
+
+
+@pytest.mark.parametrize("call, message", [
+    # Head 5 does not exist in a layer of 4: its sum (9) is L2H1's column.
+    (lambda: Head(1, 5).flat_index(4), r"head L1H5 .*heads_per_layer=4.*head in 0\.\.3"),
+    (lambda: Head(1, -1).flat_index(4), r"head L1H-1 .*heads_per_layer=4"),
+    (lambda: Head(-1, 2).flat_index(4), r"head L-1H2 .*layer must be >= 0"),
+    (lambda: Head(0, 0).flat_index(0), r"heads_per_layer=0: must be a whole number >= 1"),
+    (lambda: Head.from_flat_index(-1, 4), r"index=-1: must be a whole number >= 0"),
+    (lambda: Head.from_flat_index(3, 0), r"heads_per_layer=0: must be a whole number >= 1"),
+    (lambda: Head.from_flat_index(2.5, 4), r"index=2\.5: must be a whole number"),
+    (lambda: Head.from_flat_index(3, True), r"heads_per_layer=True"),
+])
+def test_flat_index_refuses_heads_and_counts_that_do_not_fit(call, message):
+    with pytest.raises(HeadSpecError, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: parse_heads("L5H1", num_layers=2), r"L5H1.*layer 5 not in 0\.\.1 \(2 layers\)"),
+    (lambda: parse_heads("L5H9", heads_per_layer=4),
+     r"L5H9.*head 9 not in 0\.\.3 \(4 heads per layer\)"),
+    (lambda: parse_components("L5N1", num_layers=2), r"L5N1.*layer 5 not in 0\.\.1"),
+    (lambda: parse_components("L0N9", neurons_per_layer=4), r"L0N9.*neuron 9 not in 0\.\.3"),
+    (lambda: parse_components("L0N9", 2, None, 4), r"L0N9.*neuron 9 not in 0\.\.3"),
+    (lambda: parse_heads("L2H0", head_layers=[1, 3]), r"layer 2 has no attention heads"),
+    (lambda: parse_heads([(0, -1)], num_layers=2), r"L0H-1.*must be >= 0"),
+])
+def test_each_bound_given_is_checked(call, message):
+    # Only one of num_layers / heads_per_layer used to check nothing (L5H1 of 2 layers).
+    with pytest.raises(HeadSpecError, match=message) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_a_single_bound_leaves_the_other_unchecked():
+    assert parse_heads("L1H9", num_layers=2) == [Head(1, 9)]
+    assert parse_heads("L7H3+L5H*", heads_per_layer=4) == [
+        Head(5, 0), Head(5, 1), Head(5, 2), Head(5, 3), Head(7, 3)]
+    assert parse_components("L9N3+L1H7", neurons_per_layer=4) == [Head(1, 7), Neuron(9, 3)]
+    # Checking names without a model expands L3H*, yet bounds nothing.
+    check_head_names("L0H29+L3H*")
+    check_component_names("L0N1234+L3N*+L0H29")
+
+
+def test_format_heads_takes_names_components_and_pairs(tmp_path):
+    assert format_heads(["L1H2", "L0H1"]) == "L0H1+L1H2"
+    assert format_heads("L1H2+L0H1+L1H2") == "L0H1+L1H2"
+    assert format_heads([Head(1, 0), "L0N7", (0, 29), "L0H29+L1H0"]) == "L0H29+L0N7+L1H0"
+    assert format_heads([(np.int64(2), np.int64(3))]) == "L2H3"
+    assert format_heads([]) == "" and format_heads("") == ""
+    path = tmp_path / "heads.txt"
+    path.write_text("L3H1\nL0H2+L0N5\n")
+    assert format_heads(read_heads_file(path)) == "L0H2+L0N5+L3H1"
+
+
+@pytest.mark.parametrize("heads, message", [
+    ([(-1, 2)], r"bad head L-1H2: layer -1 and head 2 must be >= 0"),
+    ([Head(0, -3)], r"bad head L0H-3"),
+    ([Neuron(-2, 1)], r"bad neuron L-2N1"),
+    (["L0H1", "X1"], r"bad component name 'X1'"),
+    ([(0, 1.5)], r"bad head \(0, 1\.5\)"),
+    ("L3H*", r"'L3H\*' names a whole layer"),
+])
+def test_format_heads_refuses_what_parse_heads_refuses(heads, message):
+    # (-1, 2) used to format as 'L-1H2', a name parse_heads refuses.
+    with pytest.raises(HeadSpecError, match=message) as info:
+        format_heads(heads)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("junk.txt", "L0H1\ngarbage\n", r"junk\.txt, line 2: bad component name 'garbage'"),
+    ("spaces.txt", "# two\nL0H1 L1H2\n",
+     r"spaces\.txt, line 2: 'L0H1 L1H2' holds names separated by spaces; .*joined by '\+'"),
+    ("plus.txt", "L0H1+\n", r"plus\.txt, line 1: empty component name"),
+    ("list.json", '["L0H1", "nope"]', r"list\.json, entry 2: bad component name 'nope'"),
+    ("empty.json", '{"heads": [{"head": ""}]}',
+     r"empty\.json, entry 1: '' is empty; write one head per entry"),
+    ("spaces.json", '["L0H1  L1H2"]', r"spaces\.json, entry 1: 'L0H1  L1H2' holds names"),
+    ("group.json", '{"heads": [{"group": "L3G0", "neurons": "L3N1+L3X2"}]}',
+     r"group\.json, entry 1: bad component name 'L3X2'"),
+])
+def test_read_heads_file_refuses_malformed_names(tmp_path, name, text, message):
+    # Used to come back as names: ['garbage'], ['L0H1 L1H2'].
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(HeadSpecError, match=message) as info:
+        read_heads_file(path)
+    assert "\n" not in str(info.value)
+
+
+def test_read_heads_file_keeps_groups_whole_layers_and_neurons(tmp_path):
+    ranked = tmp_path / "heads.json"
+    ranked.write_text(json.dumps({"heads": [
+        {"neuron": "L2N7"}, {"group": "L3G0", "neurons": "L3N1+L3N4"}, {"head": "L0H1"}]}))
+    assert read_heads_file(ranked) == ["L2N7", "L3N1+L3N4", "L0H1"]
+    text = tmp_path / "heads.txt"
+    text.write_text("L3H*\n L0H1 + L2N5 \n")
+    assert read_heads_file(text) == ["L3H*", "L0H1", "L2N5"]
