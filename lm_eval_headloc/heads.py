@@ -12,6 +12,7 @@ components in does not matter. ``parse_heads`` takes heads only; ``parse_compone
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Collection, Iterable
 from pathlib import Path
@@ -219,6 +220,9 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
            head_layers: Collection[int] | None = None, ranges: bool = True
            ) -> list[Component]:
     # ranges=False: the counts only expand L{l}H*/L{l}N* (names checked without a model).
+    if not isinstance(spec, (str, Iterable)):  # None, 5: not a list of names at all
+        raise HeadSpecError(f"components {spec!r}: give names such as 'L0H29+L1H31' (or a "
+                            "list of names, Heads or (layer, head) pairs)")
     if isinstance(spec, str) and not spec.strip():
         raise HeadSpecError(
             "the head list is empty; write heads as L{layer}H{head} joined by '+', "
@@ -393,6 +397,8 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     """
     if top is not None:
         top = check_top(top)
+    if not isinstance(path, (str, os.PathLike)):
+        raise HeadSpecError(f"head file {path!r}: give a path")
     path = Path(path)
     if path.is_dir():
         raise HeadSpecError(f"{path} is a folder, not a head file")

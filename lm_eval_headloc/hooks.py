@@ -61,6 +61,9 @@ class MLPOutputNotFound(HeadSpecError):
 
 
 def _geometry(model: nn.Module) -> Geometry:
+    if not hasattr(model, "config"):
+        raise AttentionOutputNotFound(f"{type(model).__name__} has no .config: give a Hugging "
+                                      "Face model (AutoModelForCausalLM.from_pretrained(...))")
     try:
         return Geometry.from_config(model.config)
     except (AttributeError, UnsupportedGeometry) as err:

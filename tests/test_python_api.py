@@ -153,3 +153,22 @@ def test_components_to_keep_out_may_be_a_list():
     assert (spec.exclude, spec.never_ablate) == ("L0H1+L1H2", "L3N5")
     assert RunSpec(exclude=[]).exclude is None
     assert spec == RunSpec(exclude="L0H1+L1H2", never_ablate="L3N5")  # the same run
+
+
+def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
+    from torch import nn
+
+    from lm_eval_headloc.heads import HeadSpecError, parse_heads, read_heads_file
+    from lm_eval_headloc.hooks import AttentionOutputNotFound
+
+    for spec in (None, 5):
+        with pytest.raises(HeadSpecError, match=f"components {spec!r}: give names"):
+            parse_heads(spec)
+    with pytest.raises(HeadSpecError, match="head file None: give a path"):
+        read_heads_file(None)
+    with pytest.raises(AttentionOutputNotFound, match="Linear has no .config: give a Hugging"):
+        HeadKnockout(nn.Linear(3, 3))
+    with pytest.raises(UsageError, match="--tasks 5: give names"):
+        RunSpec(tasks=5)
+    with pytest.raises(TypeError, match=r"locate\(\): spec=\{'tasks'"):
+        locate(tmp_path / "l", {"tasks": ["tiny_copy"]})

@@ -444,6 +444,9 @@ class RunSpec:
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,) if name == "include_path" else _comma_list(value)
+            elif value is not None and not isinstance(value, Iterable):  # tasks=5
+                raise UsageError(f"{flag_of(name)} {value!r}: give names, comma-separated "
+                                 "or as a list")
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "gen_kwargs", _canonical_gen_kwargs(self.gen_kwargs))
@@ -696,6 +699,9 @@ def command_spec(command: str, spec: RunSpec | None, options: Mapping[str, Any],
     ``command``'s Python function: its flags' fields (``COMMAND_OPTIONS``), ``also`` and
     ``progress``. Another name is a TypeError naming the ones it takes: dropped silently,
     a notebook's ``verify(run, num_samples=8)`` would seem to have applied."""
+    if spec is not None and not isinstance(spec, RunSpec):
+        raise TypeError(f"{command}(): spec={spec!r} is not a RunSpec; give the options as "
+                        "keywords, or RunSpec(**options)")
     takes = {*COMMAND_OPTIONS[command], *also, "progress"}
     unknown = sorted(set(options) - takes)
     if unknown:
