@@ -171,28 +171,35 @@ _NOT_ATTENTION_WORDS = ("linear", "conv", "mamba", "recurrent", "ssm", "rwkv", "
 _NOT_ATTENTION_TYPES = ("mlp", "moe")
 
 
+def _layer_types(text: Any, layers: int) -> list[str] | None:
+    """The config's ``layer_types`` of the decoder layers, lower-case (entries past them:
+    multi-token-prediction layers), or None where it does not say."""
+    types = _global(text, "layer_types")
+    if not isinstance(types, (list, tuple)) or len(types) < layers:
+        return None
+    return [str(kind).lower() for kind in types[:layers]]
+
+
 def _attention_layers(text: Any, name: str, layers: int) -> list[int]:
     """The layers with attention heads: every layer unless the config's ``layer_types``
     names other blocks (a hybrid model's)."""
-    types = _global(text, "layer_types")
-    if not isinstance(types, (list, tuple)) or len(types) != layers:
+    types = _layer_types(text, layers)
+    if types is None:
         return list(range(layers))
     attention = [index for index, kind in enumerate(types)
-                 if not (str(kind).lower() in _NOT_ATTENTION_TYPES
-                         or any(word in str(kind).lower() for word in _NOT_ATTENTION_WORDS))]
+                 if not (kind in _NOT_ATTENTION_TYPES
+                         or any(word in kind for word in _NOT_ATTENTION_WORDS))]
     if not attention:
-        kinds = sorted({str(kind) for kind in types})
         raise UnsupportedGeometry(f"{name}: no layer is an attention layer (its layers are "
-                                  f"{' / '.join(kinds)}), so it has no heads to knock out")
+                                  f"{' / '.join(sorted(set(types)))}), so it has no heads to "
+                                  "knock out")
     return attention
 
 
 def _sliding_layers(text: Any, layers: int) -> set[int]:
     """The layers whose ``layer_types`` entry is a sliding-window one."""
-    types = _global(text, "layer_types")
-    if not isinstance(types, (list, tuple)) or len(types) != layers:
-        return set()
-    return {index for index, kind in enumerate(types) if "sliding" in str(kind).lower()}
+    types = _layer_types(text, layers) or []
+    return {index for index, kind in enumerate(types) if "sliding" in kind}
 
 
 def _listed(values: list[Any], most: int = 8) -> str:
