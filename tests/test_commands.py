@@ -687,6 +687,22 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
     assert strict_json(out / "config.json")["settings"]["exclude"] is None
 
 
+def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
+                                                             tmp_path, no_model_loading):
+    from lm_eval_headloc.commands import RunFolderError, read_rankings
+    from lm_eval_headloc.commands.report import ranked_heads_json
+
+    before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
+    ranking = read_rankings(tiny_locate_run)["tiny_choice"]
+    written = strict_json(tiny_locate_run / "heads-tiny_choice.json")
+    assert json.loads(json.dumps(ranked_heads_json(ranking, 3))) == written
+    assert [str(h) for h in ranking.top(3)] == written["top_k"]
+    # Read only: nothing in the folder changed.
+    assert {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()} == before
+    with pytest.raises(RunFolderError, match="is not a run folder"):
+        read_rankings(tmp_path)
+
+
 def test_a_finished_run_resumes_without_loading_the_model(tiny_model_dir, tiny_locate_run,
                                                          tmp_path, capsys, no_model_loading):
     """Rerunning the command of a finished run measures nothing, so the user does not

@@ -431,3 +431,14 @@ def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
         reference.model.layers[2].feed_forward.w2.weight[:, last] = 0
         reference.model.layers[1].self_attn.out_proj.weight[:, 2 * 8:3 * 8] = 0
         torch.testing.assert_close(got, reference(INPUT_IDS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrid_runs_rankings_read_back_to_the_files_they_were_written_as(hybrid_run):
+    from lm_eval_headloc.commands import read_rankings
+    from lm_eval_headloc.commands.report import ranked_heads_json
+
+    ranking = read_rankings(hybrid_run)["tiny_copy"]
+    written = json.loads((hybrid_run / "heads-tiny_copy.json").read_text())
+    assert json.loads(json.dumps(ranked_heads_json(ranking, 5))) == written
+    assert {str(c) for c in ranking.columns} == HYBRID_HEADS
+    assert ranking.stability is not None and ranking.head_types is not None

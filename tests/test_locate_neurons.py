@@ -390,3 +390,16 @@ def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
     assert code == 2
     assert "--neuron-groups 65: a layer's MLP has only 64 neurons" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
+
+
+@pytest.mark.parametrize("which", ["neuron_run", "group_run"])
+def test_a_neuron_runs_rankings_read_back_to_the_files_they_were_written_as(which, request):
+    from lm_eval_headloc.commands import read_rankings
+    from lm_eval_headloc.commands.report import ranked_heads_json
+
+    out, _ = request.getfixturevalue(which)
+    rankings = read_rankings(out)
+    top_k = json.loads((out / "config.json").read_text())["spec"]["top_k"]
+    for task, ranking in rankings.items():
+        written = json.loads((out / f"heads-{task}.json").read_text())
+        assert json.loads(json.dumps(ranked_heads_json(ranking, top_k))) == written

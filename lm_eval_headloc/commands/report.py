@@ -24,8 +24,9 @@ from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
-__all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json", "relative_drop",
-           "harmless_words", "recorded_harmless", "tie_words", "write_ranking"]
+__all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json",
+           "ranking_from_json", "relative_drop", "harmless_words", "recorded_harmless",
+           "tie_words", "write_ranking"]
 
 
 @dataclass
@@ -131,6 +132,39 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
+
+
+#: heads.json's keys that are not a ranking's ``extra`` (``ranked_heads_json``).
+_RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
+                 "bootstrap", "heads")
+
+
+def ranking_from_json(data: Mapping[str, Any], columns: Columns,
+                      head_types: Any = None) -> HeadRanking:
+    """The ranking a heads-<task>.json holds (``ranked_heads_json``'s inverse), over the
+    run's ``columns``: its order, effects (NaN for what it does not rank: excluded, never
+    knocked out, never measured), bootstrap and the rest (``extra``); ``head_types`` the
+    run's types.json. What ``ranked_heads_json`` writes of it is the file again."""
+    entries = data["heads"]
+    order = [columns.named(entry.get("head") or entry.get("neuron") or entry["group"])
+             for entry in entries]
+    effects = np.full(len(columns), np.nan)
+    for index, entry in zip(order, entries, strict=True):
+        effects[index] = np.nan if entry.get("effect") is None else entry["effect"]
+    stability = None
+    if "bootstrap" in data:
+        selected, low, high = np.zeros(len(columns)), *np.full((2, len(columns)), np.nan)
+        for index, entry in zip(order, entries, strict=True):
+            selected[index] = entry["selected"]
+            if entry.get("effect_interval") is not None:
+                low[index], high[index] = entry["effect_interval"]
+        stability = Stability(selected, low, high, int(data["bootstrap"]["resamples"]))
+    return HeadRanking(
+        task=data["task"], metric=data["metric"], higher_is_better=data["higher_is_better"],
+        baseline=data["baseline"], effects=effects, order=order,
+        heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
+        extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
+        head_types=head_types)
 
 
 def _name_fields(component: Column) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from ..heads import Head, Neuron
 from ..metrics import parse_task_metric
 from ..pilot import UNFITTED
 from ..prior import PRIOR_POINTS
-from .report import HeadRanking
+from .report import HeadRanking, ranking_from_json
 from .runfolder import CONFIG_SCHEMA, RunFolder, RunFolderError
 from .spec import RunSpec
 
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .engine import Setup
 
 __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
-           "load_run", "mask_keys", "measured_on", "ranking_files", "start_run",
+           "load_run", "mask_keys", "measured_on", "ranking_files", "read_rankings",
+           "start_run",
            "stored_prior", "stored_priors"]
 
 
@@ -373,6 +374,26 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
     if not files:
         raise RunFolderError(f"{folder.path} has no heads-<task>.json; finish the run first")
     return files
+
+
+def read_rankings(folder: RunFolder | str | Path) -> dict[str, HeadRanking]:
+    """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
+    as ``HeadRanking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
+    from .types import read_types
+
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    record = load_run(folder)
+    files = ranking_files(folder, record)
+    if not (isinstance(record.layers, int) and isinstance(record.heads_per_layer, int)):
+        raise RunFolderError(f"{folder.path} records no model geometry; finish the run first")
+    columns = record.columns if isinstance(record, LocateRun) else Columns.heads(
+        record.layers, record.heads_per_layer, record.head_layers)
+    head_types = read_types(folder)
+    rankings = {}
+    for path in files:
+        data = json.loads(path.read_text())
+        rankings[data["task"]] = ranking_from_json(data, columns, head_types)
+    return rankings
 
 
 def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = False,
