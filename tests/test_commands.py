@@ -1278,6 +1278,14 @@ def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
     assert shown.mask[[0, 2]].all() and not shown.mask[[1, 3]].any()
     np.testing.assert_allclose(shown[[1, 3]].data, effects.reshape(2, 2))  # higher is better
     assert "grey rows: layers without attention heads" in figure.axes[0].get_title()
+    assert "grey: no estimate" not in figure.axes[0].get_title()
+    # A head never knocked out has no estimate: grey too, and said so (white is "no change").
+    effects[1] = np.nan
+    unknown = plot_heatmap([HeadRanking("t", "acc", True, 0.5, effects, [0, 2, 3], 2,
+                                        columns=columns)], 2, tmp_path / "heatmap.png")
+    assert "grey: no estimate" in unknown.axes[0].get_title()
+    assert unknown.axes[0].images[0].get_array().mask[1, 1]
+    assert unknown.axes[0].get_facecolor()[:3] == pytest.approx((0.8, 0.8, 0.8))
 
 
 def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_path):

@@ -250,8 +250,8 @@ _KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
 def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = ""
                  ) -> Any:
     """Layers × heads image of each task's harm, its top-k heads circled (hatched when
-    fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are left
-    blank (grey in a hybrid model's picture, whose layers without heads are grey rows).
+    fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are grey,
+    as are a hybrid model's layers without heads (white is "no change").
     Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are not
     touched."""
     from matplotlib.figure import Figure
@@ -290,9 +290,14 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
             axis.set_major_locator(MaxNLocator(integer=True))
         note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
                 f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
-        if len({c.layer for c in ranking.columns}) < shown.shape[0]:
+        hybrid = len({c.layer for c in ranking.columns}) < shown.shape[0]
+        unknown = not np.isfinite(ranking.effects).all()
+        if hybrid or unknown:
             ax.set_facecolor("0.8")  # not white: white is "no change" on this map
+        if hybrid:
             note += "\ngrey rows: layers without attention heads"
+        if unknown:
+            note += "\ngrey: no estimate (never knocked out or not measured)"
         if typed:
             note += "\nletters: head types (" + ", ".join(
                 f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()) + ")"
