@@ -340,8 +340,8 @@ class HarnessMeasurement:
             if self.signal == "logprob":
                 scores[name] = TaskScore(name, "logprob", logprob, True)
             else:
-                scores[name] = dataclasses.replace(task_score(results, name, metric),
-                                                   logprob=logprob)
+                scores[name] = dataclasses.replace(
+                    task_score(results, name, metric, self.leaves_of[name]), logprob=logprob)
         return scores
 
     def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:

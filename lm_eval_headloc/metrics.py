@@ -12,14 +12,14 @@ the scoring (filters, metrics, group aggregation); this module only picks the nu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import UserError
 
-__all__ = ["TASK_METRICS", "MetricError", "TaskScore", "metrics_of_task", "parse_task_metric",
-           "task_score"]
+__all__ = ["TASK_METRICS", "MetricError", "TaskScore", "default_metric", "metrics_of_task",
+           "parse_task_metric", "task_score"]
 
 # task -> (metric key as lm-eval reports it, higher is better).
 # Groups and tags not aggregated by the harness are the mean over their subtasks.
@@ -82,9 +82,11 @@ def _metric_keys(row: Mapping[str, Any]) -> list[str]:
             not in _NOT_METRICS]
 
 
-def _members(results: Mapping[str, Any], task: str) -> list[str]:
+def _members(results: Mapping[str, Any], task: str,
+             leaves: Sequence[str] | None = None) -> list[str]:
     """Subtasks of a group (from the harness's ``group_subtasks``) or a tag (from the
-    ``tag`` entries of the task configs)."""
+    ``tag`` entries of the task configs, which lm-eval 0.4.13 no longer dumps there; else
+    ``leaves``, the tasks lm-eval's TaskManager loaded for the name)."""
     members = results.get("group_subtasks", {}).get(task)
     if members:
         return list(members)
@@ -93,6 +95,8 @@ def _members(results: Mapping[str, Any], task: str) -> list[str]:
         tags = config.get("tag") or []
         if task in ([tags] if isinstance(tags, str) else tags):
             tagged.append(name)
+    if not tagged and leaves and any(leaf != task for leaf in leaves):
+        tagged = [leaf for leaf in leaves if leaf in results.get("results", {})]
     return sorted(tagged)
 
 
@@ -102,16 +106,29 @@ def _higher_is_better(results: Mapping[str, Any], task: str, metric: str) -> boo
     return None if flag is None else bool(flag)
 
 
-def task_score(results: Mapping[str, Any], task: str, metric: str | None = None) -> TaskScore:
-    """The one number ``task`` is measured by in ``simple_evaluate``'s ``results``."""
+def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
+               leaves: Sequence[str] | None = None) -> TaskScore:
+    """The one number ``task`` is measured by in ``simple_evaluate``'s ``results``;
+    ``leaves``: the tasks lm-eval loaded for it (a tag's members: the mean over them)."""
     rows = results.get("results", {})
     row = rows.get(task, {})
     members = [] if _metric_keys(row) and (metric is None or metric in row) else _members(
-        results, task)
+        results, task, leaves)
     if not row and not members:
         raise MetricError(f"task {task!r} is not in the results; they hold: "
                           f"{', '.join(sorted(rows)) or 'nothing'}")
     known_metric, known_flag = TASK_METRICS.get(task, (None, None))
+    if metric is None and known_metric is None and members and not _metric_keys(row):
+        # A tag or group with no score of its own: each member by its own metric, which
+        # must be one metric for the mean to mean anything.
+        parts = [task_score(results, m) for m in members]
+        used = sorted({p.metric for p in parts})
+        if len(used) > 1:
+            raise MetricError(f"task {task!r}: its tasks are scored by different metrics "
+                              f"({', '.join(f'{p.task}: {p.metric}' for p in parts)}); give "
+                              f"one ({task}:METRIC) or name the tasks")
+        return TaskScore(task, used[0], sum(p.value for p in parts) / len(parts),
+                         parts[0].higher_is_better, tuple(members))
     if metric is None:
         metric = known_metric
     if metric is None:  # fallback: the task's first metric
@@ -137,6 +154,13 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None)
     if flag is None:
         flag = True
     return TaskScore(task, metric, value, flag, subtasks)
+
+
+def default_metric(name: str, task: Any) -> str:
+    """The metric a leaf task is scored by when none is given: ``TASK_METRICS``', else
+    its first (``metrics_of_task``)."""
+    known = TASK_METRICS.get(name)
+    return known[0] if known else (metrics_of_task(task) or [""])[0]
 
 
 def metrics_of_task(task: Any) -> list[str]:

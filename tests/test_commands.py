@@ -1642,3 +1642,35 @@ def test_a_refused_run_folder_leaves_no_output_path_behind(tiny_model_dir, tmp_p
                    "--output-path", str(tmp_path / "brand" / "new")) == 2
     assert "is not empty and is not a headloc-harness run folder" in last_error(capsys)
     assert not (tmp_path / "brand").exists()
+
+
+def test_a_tag_is_the_mean_of_its_tasks(tiny_model_dir, tmp_path):
+    # --tasks headloc (a tag of the three headloc_* tasks) failed after the model loaded:
+    # lm-eval 0.4.13 no longer dumps a task's tags into the results.
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--num-samples", "3", "--masks",
+            "2", "--sparsity", "0.25", *LASSO_ONLY]
+    assert harness(*args, "--tasks", "headloc", "--out", str(tmp_path / "tag")) == 0
+    assert harness(*args, "--tasks", "headloc_induction,headloc_ioi,headloc_arith",
+                   "--out", str(tmp_path / "each")) == 0
+    tag, each = (measurement_lines(tmp_path / name)[0] for name in ("tag", "each"))
+    assert tag["metrics"] == {"headloc": "acc,none"}
+    assert tag["scores"]["headloc"] == pytest.approx(sum(each["scores"].values()) / 3)
+
+
+def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
+        tiny_model_dir, tmp_path, capsys, no_model_loading):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, metric, aggregation, higher in (("mixed_acc", "acc", "mean", "true"),
+                                              ("mixed_ppl", "perplexity", "perplexity",
+                                               "false")):
+        (tasks / f"{name}.yaml").write_text(
+            f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: {name}\ntag: mixed\n"
+            f"metric_list:\n  - metric: {metric}\n    aggregation: {aggregation}\n"
+            f"    higher_is_better: {higher}\n")
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
+                   "--out", str(tmp_path / "run")) == 2
+    assert last_error(capsys).endswith(
+        "task 'mixed': its tasks are scored by different metrics (mixed_acc: acc,none, "
+        "mixed_ppl: perplexity,none); give one (mixed:METRIC) or name the tasks")

@@ -32,7 +32,7 @@ from ..heads import (
     parse_heads,
     read_heads_file,
 )
-from ..metrics import metrics_of_task, parse_task_metric
+from ..metrics import TASK_METRICS, default_metric, metrics_of_task, parse_task_metric
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
 from ..tasks import check_task_names, make_task_manager
@@ -275,6 +275,14 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
+        elif name not in TASK_METRICS and not loaded[name]["groups"]:
+            # A tag (no score of its own): its tasks are averaged, by one metric.
+            defaults = {task: default_metric(task, loaded[name]["tasks"][task])
+                        for task in loaded[name]["tasks"]}
+            if len(set(defaults.values())) > 1:
+                raise UsageError(f"task {name!r}: its tasks are scored by different metrics ("
+                                 + ", ".join(f"{t}: {m}" for t, m in defaults.items())
+                                 + f"); give one ({name}:METRIC) or name the tasks")
         needs_gold = [flag for flag, wanted in (("--signal logprob", spec.signal == "logprob"),
                                                 (f"--prior {spec.prior}",
                                                  spec.prior in PRIOR_POINTS),
