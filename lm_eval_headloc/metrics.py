@@ -19,7 +19,7 @@ from typing import Any
 from .errors import UserError
 
 __all__ = ["TASK_METRICS", "MetricError", "TaskScore", "default_metric", "metrics_of_task",
-           "parse_task_metric", "task_score"]
+           "parse_task_metric", "tag_metric", "task_score"]
 
 # task -> (metric key as lm-eval reports it, higher is better).
 # Groups and tags not aggregated by the harness are the mean over their subtasks.
@@ -122,12 +122,8 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
         # A tag or group with no score of its own: each member by its own metric, which
         # must be one metric for the mean to mean anything.
         parts = [task_score(results, m) for m in members]
-        used = sorted({p.metric for p in parts})
-        if len(used) > 1:
-            raise MetricError(f"task {task!r}: its tasks are scored by different metrics "
-                              f"({', '.join(f'{p.task}: {p.metric}' for p in parts)}); give "
-                              f"one ({task}:METRIC) or name the tasks")
-        return TaskScore(task, used[0], sum(p.value for p in parts) / len(parts),
+        metric = tag_metric(task, {p.task: p.metric for p in parts})
+        return TaskScore(task, metric, sum(p.value for p in parts) / len(parts),
                          parts[0].higher_is_better, tuple(members))
     if metric is None:
         metric = known_metric
@@ -154,6 +150,17 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
     if flag is None:
         flag = True
     return TaskScore(task, metric, value, flag, subtasks)
+
+
+def tag_metric(task: str, metrics: Mapping[str, str]) -> str:
+    """The one metric a tag's tasks (``metrics``: each one's) are scored by, whose mean is
+    the tag's score; a MetricError naming them where they differ."""
+    used = sorted(set(metrics.values()))
+    if len(used) > 1:
+        raise MetricError(f"task {task!r}: its tasks are scored by different metrics ("
+                          + ", ".join(f"{t}: {m}" for t, m in metrics.items())
+                          + f"); give one ({task}:METRIC) or name the tasks")
+    return used[0]
 
 
 def default_metric(name: str, task: Any) -> str:

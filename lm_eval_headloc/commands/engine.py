@@ -32,7 +32,14 @@ from ..heads import (
     parse_heads,
     read_heads_file,
 )
-from ..metrics import TASK_METRICS, default_metric, metrics_of_task, parse_task_metric
+from ..metrics import (
+    TASK_METRICS,
+    MetricError,
+    default_metric,
+    metrics_of_task,
+    parse_task_metric,
+    tag_metric,
+)
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
 from ..tasks import check_task_names, make_task_manager
@@ -275,14 +282,16 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
-        elif name not in TASK_METRICS and not loaded[name]["groups"]:
-            # A tag (no score of its own): its tasks are averaged, by one metric.
-            defaults = {task: default_metric(task, loaded[name]["tasks"][task])
-                        for task in loaded[name]["tasks"]}
-            if len(set(defaults.values())) > 1:
-                raise UsageError(f"task {name!r}: its tasks are scored by different metrics ("
-                                 + ", ".join(f"{t}: {m}" for t, m in defaults.items())
-                                 + f"); give one ({name}:METRIC) or name the tasks")
+        elif (spec.signal == "metric" and name not in TASK_METRICS
+              and not loaded[name]["groups"] and len(leaves) > 1):
+            # A tag (no score of its own): the mean of its tasks, by the one metric they
+            # are scored by, decided here (refused here where they differ).
+            try:
+                chosen = tag_metric(name, {task: default_metric(task, built) for task, built
+                                           in loaded[name]["tasks"].items()})
+            except MetricError as err:
+                raise UsageError(str(err)) from None
+            specs[specs.index((name, None))] = (name, chosen)
         needs_gold = [flag for flag, wanted in (("--signal logprob", spec.signal == "logprob"),
                                                 (f"--prior {spec.prior}",
                                                  spec.prior in PRIOR_POINTS),
