@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -268,12 +269,20 @@ def test_locate_ranks_the_heads_of_the_attention_layers_only(hybrid_run):
     assert len(ranking["heads"]) == len(HYBRID_HEADS)
     prior = json.loads((hybrid_run / "prior.json").read_text())
     assert set(prior["tasks"]["tiny_copy"]["points"][0]["ranking"]) == HYBRID_HEADS
-    design = __import__("numpy").load(hybrid_run / "design_matrix.npy")
-    assert design.shape[1] == len(HYBRID_HEADS)
-    rows = (hybrid_run / "types.csv").read_text().splitlines()[1:] if \
-        (hybrid_run / "types.csv").exists() else []
-    assert all(row.split(",")[0] in HYBRID_HEADS for row in rows)
+    assert np.load(hybrid_run / "design_matrix.npy").shape[1] == len(HYBRID_HEADS)
     assert (hybrid_run / "heatmap.png").stat().st_size > 0
+    # Head types: the linear-attention layers have no scores and no heads in the table.
+    from lm_eval_headloc.commands.types import HeadTypes, types_table
+
+    data = json.loads((hybrid_run / "types.json").read_text())
+    assert data["head_layers"] == list(HYBRID_HEAD_LAYERS)
+    for layer in (0, 2):
+        assert data["dominant"][layer] == [None] * HEADS
+        assert all(data["scores"][kind][layer] == [None] * HEADS for kind in data["scores"])
+    assert all(v is not None for kind in data["scores"] for layer in HYBRID_HEAD_LAYERS
+               for v in data["scores"][kind][layer])
+    rows = types_table(HeadTypes(data)).splitlines()[1:]
+    assert sorted(row.split(",")[0] for row in rows) == sorted(HYBRID_HEADS)
 
 
 def test_refit_reads_the_hybrids_columns_back(hybrid_run, tmp_path):
@@ -330,8 +339,6 @@ def test_a_head_in_a_linear_layer_is_refused_before_the_weights_load(
 
 def test_the_attribution_prior_of_a_hybrid_is_each_heads_derivative_in_its_layer(
         tiny_hybrid_dir, task_manager):
-    import numpy as np
-
     from lm_eval_headloc.measure import HarnessMeasurement
     from lm_eval_headloc.multimask import loglikelihoods_for_masks
     from lm_eval_headloc.prior import attribution_effects

@@ -48,22 +48,23 @@ def test_one_run_folder_given_alone_is_one_run_not_its_characters(tmp_path):
         cross(str(run), tmp_path / "c")
 
 
-def test_sweep_takes_one_value_as_a_grid_of_one(tmp_path, monkeypatch):
+def test_sweep_takes_one_value_as_a_grid_of_one(tiny_model_dir, tmp_path, monkeypatch,
+                                                no_model_loading):
     import importlib
 
     sweep_module = importlib.import_module("lm_eval_headloc.commands.sweep")
+    cells = []
 
-    seen = {}
+    def record(masks, total):  # called once per cell, after the grid is built
+        cells.append(masks)
+        if len(cells) == 1:
+            raise RuntimeError("stop")
 
-    def stop(spec):  # the grid is built before prepare: stop there
-        seen["spec"] = spec
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(sweep_module, "prepare", stop)
+    monkeypatch.setattr(sweep_module, "check_design_budget", record)
     with pytest.raises(RuntimeError, match="stop"):
         sweep(tmp_path / "s", masks=100, sparsity=0.02, tasks=("tiny_copy",),
-              include_path=(TASKS,))
-    assert seen["spec"].tasks == ("tiny_copy",)
+              include_path=(TASKS,), model_args=f"pretrained={tiny_model_dir('llama')}")
+    assert cells == [100]
 
 
 # --- the model from Python -------------------------------------------------------------------
