@@ -157,13 +157,19 @@ def _name_from_results(results: Mapping[str, Any], model_args: Any) -> str:
     return knockout_model_name(model_args, config.get("ablate") or "", config.get("scale"))
 
 
+def results_folder(output_path: str | Path) -> Path:
+    """The folder lm-eval writes its results files in for ``--output_path``: the path, or
+    the folder of a ``.json`` name (lm-eval writes beside it)."""
+    path = Path(output_path)
+    return path.parent if path.suffix == ".json" else path
+
+
 def check_output_folder(output_path: str | Path) -> None:
     """Refuse in one line an ``output_path`` whose folder could not be made or written,
     creating nothing (``make_output_folder`` makes it once the run folder is taken)."""
     from .checks import UsageError
 
-    path = Path(output_path)
-    folder = (path.parent if path.suffix == ".json" else path).absolute()
+    folder = results_folder(output_path).absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     problem = ("Not a directory" if not existing.is_dir() else
                "Permission denied" if not os.access(existing, os.W_OK | os.X_OK) else None)
@@ -177,8 +183,7 @@ def make_output_folder(output_path: str | Path) -> Path:
     cannot be written is a one-line error now, not a traceback after the evaluation."""
     from .checks import UsageError
 
-    path = Path(output_path)
-    folder = path.parent if path.suffix == ".json" else path
+    folder = results_folder(output_path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".headloc-write-check-{os.getpid()}"

@@ -777,8 +777,9 @@ def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
     paths = [entry] if isinstance(entry, str) else entry
     if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
         return False
-    root = Path(output_path).resolve()
-    root = root.parent if root.suffix == ".json" else root  # lm-eval writes beside it
+    from ..lm_eval_output import results_folder
+
+    root = results_folder(output_path).resolve()
     for path in map(Path, paths):
         if not path.is_file() or root not in path.resolve().parents:
             return False

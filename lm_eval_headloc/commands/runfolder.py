@@ -173,13 +173,18 @@ def _nested_run(entry: Path) -> RunFolder | None:
     return run
 
 
+def _within(path: str | Path, folder: str | Path) -> bool:
+    """Whether ``path`` is ``folder`` or inside it (links resolved)."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
+
+
 def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
     """Refuse an output file ``out`` inside any of the run folders ``runs`` a command reads
     from: a run folder's files are its command's alone."""
-    here = Path(out).parent.resolve()
     for run in runs:
-        run = Path(run).resolve()
-        if here == run or run in here.parents:
+        if _within(Path(out).parent, run):
+            run = Path(run).resolve()
             raise RunFolderError(f"--out {out} would write into {run}, which this command "
                                  "reads from; choose another --out")
 
@@ -195,15 +200,12 @@ def refuse_output_path_into(output_path: str | Path | None, runs: Iterable[str |
     """Refuse lm-eval's results files (``--output-path``) in a run folder ``runs`` the
     command reads (a later ``--force`` there would refuse them as foreign), unless inside
     the command's own ``out`` (verify's default ``RUN/verify`` is a run of its own)."""
-    if output_path is None:
+    from ..lm_eval_output import results_folder
+
+    if output_path is None or _within(results_folder(output_path), out):
         return
-    path = Path(output_path)
-    folder = (path.parent if path.suffix == ".json" else path).resolve()
-    own = Path(out).resolve()
-    if folder == own or own in folder.parents:
-        return
-    for run in map(Path, runs):
-        if folder == run.resolve() or run.resolve() in folder.parents:
+    for run in runs:
+        if _within(results_folder(output_path), run):
             raise RunFolderError(f"--output-path {output_path} would write into {run}, which "
                                  f"this command reads from; choose another --output-path (one "
                                  f"inside --out {out} is fine)")
@@ -375,10 +377,9 @@ class RunFolder:
 
     def refuse_inside(self, protect: Iterable[str | Path]) -> None:
         """Refuse to be (or to contain) any of these folders, which a command reads."""
-        here = self.path.resolve()
         for source in protect:
-            source = Path(source).resolve()
-            if here == source or here in source.parents:
+            if _within(source, self.path):
+                source = Path(source).resolve()
                 raise RunFolderError(f"--out {self.path} would write into {source}, which "
                                      "this command reads from; choose another --out")
 
