@@ -557,7 +557,7 @@ class HeadKnockout:
         self.num_layers = self.geometry.num_layers
         self.heads_per_layer = self.geometry.heads_per_layer
         #: The layers with heads (every layer but a hybrid model's others).
-        self.head_layers = self.geometry.layers_with_heads
+        self.layers_with_heads = self.geometry.layers_with_heads
         modules = find_attention_outputs(model, attn_out)
         #: The first layer's head width (``geometry.head_dim_of`` gives each layer's).
         self.head_dim = _input_features(modules[0]) // self.heads_per_layer
@@ -566,7 +566,7 @@ class HeadKnockout:
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
         self._removed = False
-        self._add_site("heads", dict(zip(self.head_layers, modules, strict=True)),
+        self._add_site("heads", dict(zip(self.layers_with_heads, modules, strict=True)),
                        self.heads_per_layer)
         if neurons or mlp_out:
             self.enable_neurons()
@@ -884,7 +884,7 @@ class HeadKnockout:
         neurons = (f", {self._sites['neurons'].units} MLP neurons"
                    if "neurons" in self._sites else "")
         some = ("" if self.geometry.head_layers is None else
-                f", heads in layers {describe_layers(self.head_layers)}")
+                f", heads in layers {describe_layers(self.layers_with_heads)}")
         return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads"
                 f"{some}{neurons})")
 

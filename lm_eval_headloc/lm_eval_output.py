@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .heads import Component, component_tokens, format_heads, parse_components
+from .heads import Component, component_tokens, format_heads
 from .registration import MODEL_NAME
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
@@ -54,7 +54,7 @@ def _component_list(knocked_out: Sequence[str | Component] | str) -> str:
     tokens = [t for t in component_tokens(knocked_out) if not isinstance(t, str) or t.strip()]
     wild = sorted({t.strip() for t in tokens if isinstance(t, str) and _WILDCARD.match(t.strip())})
     named = [t for t in tokens if not (isinstance(t, str) and t.strip() in wild)]
-    listed = format_heads(parse_components(named)) if named else ""
+    listed = format_heads(named) if named else ""  # parsed, sorted, unique
     return "+".join(part for part in (listed, *wild) if part)
 
 

@@ -396,7 +396,7 @@ def test_an_attention_block_is_found_by_its_class_where_its_name_does_not_say(
     torch.manual_seed(0)
     hybrid = AutoModelForCausalLM.from_config(config).eval()
     knockout = HeadKnockout(hybrid)
-    layers = knockout.head_layers
+    layers = knockout.layers_with_heads
     assert knockout.modules == [hybrid.get_submodule(path.format(layer)) for layer in layers]
     ids = torch.tensor([[5, 17, 42, 99, 7, 100, 64, 8]])
     with torch.no_grad(), knockout.knocking_out(f"L{layers[-1]}H1"):

@@ -482,7 +482,7 @@ def attribution_prior(folder: RunFolder, measure: Any, method: str,
     effects = {kind: measure.attribution(points, kind=kind) for kind in kinds}
     seconds = time.perf_counter() - start
     knockout = measure.lm.knockout
-    per_layer, with_heads = knockout.heads_per_layer, set(knockout.head_layers)
+    per_layer, with_heads = knockout.heads_per_layer, set(knockout.layers_with_heads)
 
     def ranking(values: np.ndarray) -> list[str]:
         # Flat order over every layer: a hybrid model's layers without heads hold zeros.
