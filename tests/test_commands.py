@@ -14,6 +14,7 @@ from conftest import TASKS
 
 from lm_eval_headloc.commands import RunSpec, engine
 from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.heads import read_heads_file
 
 
 def harness(*args: str) -> int:
@@ -1070,7 +1071,7 @@ def test_a_task_of_the_users_that_cannot_load_gets_no_hint_about_the_hub(tiny_mo
 
 
 def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
-                effects: list[float] | None = None) -> Path:
+                effects: list[float] | None = None, tied: tuple[str, ...] = ()) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     spec = RunSpec(model_args=model_args, tasks=(task,))
     (folder / "config.json").write_text(json.dumps({
@@ -1079,7 +1080,8 @@ def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m"
     effects = [-0.1] * len(heads) if effects is None else effects
     (folder / f"heads-{task}.json").write_text(json.dumps(
         {"higher_is_better": True,
-         "heads": [{"head": h, "effect": e} for h, e in zip(heads, effects, strict=True)]}))
+         "heads": [{"head": h, "effect": e} | ({"tied_with_above": True} if h in tied else {})
+                   for h, e in zip(heads, effects, strict=True)]}))
     return folder
 
 
@@ -1113,6 +1115,37 @@ def test_universal_heads_by_hand(tmp_path, capsys):
     other = write_heads(tmp_path / "r4", "d", ["L0H1"], model_args="another")
     assert harness("universal", str(runs[0]), str(other), "--out", str(tmp_path / "v.json")) == 2
     assert "the runs are of different models" in last_error(capsys)
+
+
+def test_universal_does_not_count_a_tie_broken_by_name(tmp_path, capsys):
+    """Task a's 3rd and 4th (L3H3, L1H1) have the same evidence, so its top-3 holds one of
+    them by file order only: L3H3 (2nd in b) is undecided, not universal; L1H1, in a's tie
+    only, is neither."""
+    runs = [write_heads(tmp_path / "r1", "a", ["L0H1", "L2H0", "L3H3", "L1H1"],
+                        tied=("L1H1",)),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L3H3", "L0H1", "L1H1"]),
+            write_heads(tmp_path / "r3", "c", ["L0H1", "L1H2", "L3H0", "L2H0"])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--min-tasks", "2",
+                   "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    result = strict_json(out)
+    assert [h["head"] for h in result["heads"]] == ["L0H1", "L2H0"]
+    [undecided] = result["undecided"]
+    label_a = f"{(tmp_path / 'r1').resolve()}:a"
+    assert undecided == {"head": "L3H3", "tasks": 1, "tasks_at_most": 2,
+                         "ranks": {f"{(tmp_path / 'r2').resolve()}:b": 2},
+                         "tied_in": [label_a]}
+    assert result["ties"] == {label_a: {"group": ["L3H3", "L1H1"], "places": 1,
+                                        "from_rank": 3}}
+    assert "L1H1" not in result["candidates"]
+    assert "| L3H3 (undecided) | 1-2 | tie | 2 |  |" in printed
+    assert "1 more undecided" in printed
+    # --never-ablate / ablate_file read the universal heads only.
+    assert read_heads_file(out) == ["L0H1", "L2H0"]
+    # A ranking shorter than the top-k is its whole self (a greedy run ranks a few heads).
+    assert harness("universal", *map(str, runs), "--top-k", "5", "--out", str(out)) == 0
+    assert [h["head"] for h in strict_json(out)["heads"]] == ["L0H1", "L2H0", "L3H3", "L1H1"]
 
 
 def test_universal_counts_a_head_only_where_it_hurts(tmp_path):

@@ -179,7 +179,10 @@ def run(args: argparse.Namespace) -> None:
     elif command == "universal":
         result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)
         print(universal_table(result))
-        print(f"\n{len(result['heads'])} universal head(s) written to {args.out}")
+        undecided = len(result["undecided"])
+        print(f"\n{len(result['heads'])} universal head(s) written to {args.out}"
+              + (f"; {undecided} more undecided: ties at a ranking's top-{args.top_k} "
+                 "boundary decide whether they reach --min-tasks" if undecided else ""))
     elif command == "overlap":
         print(overlap_markdown(overlap(args.run_a, args.run_b, top_k=args.top_k,
                                        out=args.out)))

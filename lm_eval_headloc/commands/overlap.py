@@ -42,7 +42,7 @@ from .report import recorded_harmless
 from .result import RunRecord, load_run, ranking_files
 from .runfolder import RunFolder, refuse_writing_into, strict_json
 
-__all__ = ["MADE_BY", "markdown_path", "overlap", "overlap_markdown"]
+__all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
 
 MADE_BY = "headloc-harness overlap"  # marks a file of ours: the only kind we overwrite
 _MARK = f"<!-- written by {MADE_BY}; rerunning it overwrites this file -->"
@@ -57,7 +57,7 @@ DEFINITIONS = {
 
 
 @dataclass(frozen=True)
-class _Ranking:
+class RankingFile:
     """One task's ranking as its heads-<task>.json holds it: names only, best first."""
 
     file: Path
@@ -67,7 +67,7 @@ class _Ranking:
     harmless: frozenset[str] = frozenset()  # recorded to do no harm (report.recorded_harmless)
 
     @classmethod
-    def read(cls, path: Path) -> _Ranking:
+    def read(cls, path: Path) -> RankingFile:
         names = read_heads_file(path)  # the one reader of ranking files
         data = json.loads(path.read_text())
         entries = data.get("heads", []) if isinstance(data, dict) else data
@@ -110,7 +110,7 @@ class _Ranking:
 
 def _shared_range(a: tuple[list[str], list[str], int],
                   b: tuple[list[str], list[str], int]) -> tuple[int, int]:
-    """The fewest and most components two top-k sets (``_Ranking.cut``) can share over
+    """The fewest and most components two top-k sets (``RankingFile.cut``) can share over
     every way of breaking the ties at their boundaries (equal when neither is tied).
 
     A member of A's tie group is shared when B holds it for sure (``a1`` of them), or
@@ -144,8 +144,8 @@ def _iou(shared: int, size_a: int, size_b: int) -> float:
     return shared / (size_a + size_b - shared)
 
 
-def _rankings(folder: RunFolder, record: RunRecord) -> dict[str, _Ranking]:
-    return {file.stem.removeprefix("heads-"): _Ranking.read(file)
+def _rankings(folder: RunFolder, record: RunRecord) -> dict[str, RankingFile]:
+    return {file.stem.removeprefix("heads-"): RankingFile.read(file)
             for file in ranking_files(folder, record)}
 
 
@@ -173,7 +173,7 @@ def _examples(a: RunRecord, b: RunRecord) -> dict[str, Any]:
     return result
 
 
-def _side(ranking: _Ranking, k: int, run: str, own: bool) -> dict[str, Any]:
+def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
     if k > len(ranking.names):
         whose = " (the run's own)" if own else ""
         raise UsageError(f"--top-k {k}{whose}: {ranking.file.name} of {run} ranks only "
@@ -185,7 +185,7 @@ def _side(ranking: _Ranking, k: int, run: str, own: bool) -> dict[str, Any]:
             "harmless": [n for n in ranking.names[:k] if n in ranking.harmless]}
 
 
-def _compare(a: _Ranking, b: _Ranking, k_a: int, k_b: int, runs: Sequence[str],
+def _compare(a: RankingFile, b: RankingFile, k_a: int, k_b: int, runs: Sequence[str],
              own: bool) -> dict[str, Any]:
     side_a, side_b = _side(a, k_a, runs[0], own), _side(b, k_b, runs[1], own)
     in_b = set(b.names[:k_b])

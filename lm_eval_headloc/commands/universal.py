@@ -1,7 +1,10 @@
 """``universal``: heads in the top-k of several tasks' rankings (of one model): the
 heads that hurt every task, to report apart from each task's own and to keep out of
 masks (``--never-ablate``). Components are compared by name, so MLP neurons (``L3N12``)
-of neuron runs are counted as heads are (listed under ``head`` too)."""
+of neuron runs are counted as heads are (listed under ``head`` too). Ties are not an
+order: where a ranking's k-th and (k+1)-th have the same evidence, the members of that tie
+group are in its top-k by name order only, so they count for no task; a head that would
+reach ``min_tasks`` with them is listed as undecided, not as universal."""
 
 from __future__ import annotations
 
@@ -12,8 +15,7 @@ from typing import Any
 
 from ..checks import UsageError, check_number
 from ..files import write_atomically
-from ..heads import read_heads_file
-from .report import recorded_harmless
+from .overlap import RankingFile
 from .result import load_run, ranking_files
 from .runfolder import RunFolder, refuse_writing_into, run_list, strict_json
 from .spec import RunSpec
@@ -54,8 +56,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         raise UsageError(f"universal needs at least 2 run folders, got {len(runs)}")
     out = Path(out)
     _check_out(out, runs)
-    rankings: dict[str, list[str]] = {}
-    no_harm: dict[str, set[str]] = {}
+    rankings: dict[str, RankingFile] = {}
     models: dict[str, str] = {}
     for run in runs:
         folder = RunFolder(run)
@@ -68,8 +69,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         models[path] = model_args or ""
         for file in files:
             label = f"{path}:{file.stem.removeprefix('heads-')}"
-            rankings[label] = read_heads_file(file)
-            no_harm[label] = recorded_harmless(file)
+            rankings[label] = RankingFile.read(file)
     if len(set(models.values())) > 1:
         first, *_ = models
         other = next(p for p in models if models[p] != models[first])
@@ -78,17 +78,33 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
                          "runs")
     if min_tasks > len(rankings):
         raise UsageError(f"--min-tasks {min_tasks}: only {len(rankings)} task rankings given")
-    ranks: dict[str, dict[str, int]] = {}
-    for label, names in rankings.items():
-        for rank, name in enumerate(names[:top_k], start=1):
-            if name not in no_harm[label]:  # a top-k place that does not hurt says nothing
+    ranks: dict[str, dict[str, int]] = {}  # head -> {ranking: rank}, surely in its top-k
+    ties: dict[str, dict[str, Any]] = {}  # ranking -> the tie group across its k-th place
+    for label, ranking in rankings.items():
+        sure, group, places = ranking.cut(top_k)
+        for rank, name in enumerate(sure, start=1):
+            if name not in ranking.harmless:  # a top-k place that does not hurt says nothing
                 ranks.setdefault(name, {})[label] = rank
-    chosen = sorted((h for h in ranks if len(ranks[h]) >= min_tasks),
-                    key=lambda h: (-len(ranks[h]), sum(ranks[h].values()), h))
+        group = [name for name in group if name not in ranking.harmless]
+        if group:
+            ties[label] = {"group": group, "places": places, "from_rank": len(sure) + 1}
+    maybe = {h: [label for label, tie in ties.items() if h in tie["group"]]
+             for h in {h for tie in ties.values() for h in tie["group"]}}
+
+    def order(h: str) -> tuple[int, int, str]:
+        return -len(ranks.get(h, {})), sum(ranks.get(h, {}).values()), h
+
+    chosen = sorted((h for h in ranks if len(ranks[h]) >= min_tasks), key=order)
+    undecided = sorted((h for h in maybe if len(ranks.get(h, {})) < min_tasks
+                        <= len(ranks.get(h, {})) + len(maybe[h])), key=order)
     result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
               "min_tasks": min_tasks, "rankings": list(rankings),
               "heads": [{"head": h, "tasks": len(ranks[h]), "ranks": ranks[h]} for h in chosen],
-              "candidates": {h: ranks[h] for h in sorted(ranks)}}
+              "undecided": [{"head": h, "tasks": len(ranks.get(h, {})),
+                             "tasks_at_most": len(ranks.get(h, {})) + len(maybe[h]),
+                             "ranks": ranks.get(h, {}), "tied_in": maybe[h]}
+                            for h in undecided],
+              "ties": ties, "candidates": {h: ranks[h] for h in sorted(ranks)}}
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         text = strict_json(result)
@@ -99,10 +115,22 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
 
 
 def universal_table(result: Mapping[str, Any]) -> str:
+    """The universal (and undecided) heads by ranking: a rank, or ``tie`` where the head
+    is in the tie group across that ranking's k-th place."""
     labels = result["rankings"]
     lines = ["| head | tasks | " + " | ".join(labels) + " |",
              "| --- | --- |" + " --- |" * len(labels)]
     for entry in result["heads"]:
         lines.append(f"| {entry['head']} | {entry['tasks']} | "
                      + " | ".join(str(entry["ranks"].get(lbl, "")) for lbl in labels) + " |")
+    for entry in result.get("undecided", []):
+        cells = [str(entry["ranks"].get(lbl, "tie" if lbl in entry["tied_in"] else ""))
+                 for lbl in labels]
+        lines.append(f"| {entry['head']} (undecided) | {entry['tasks']}-"
+                     f"{entry['tasks_at_most']} | " + " | ".join(cells) + " |")
+    for label, tie in result.get("ties", {}).items():
+        lines.append(f"\n{label}: ranks {tie['from_rank']}-"
+                     f"{tie['from_rank'] + len(tie['group']) - 1} ({', '.join(tie['group'])}) "
+                     f"have the same evidence; its top-{result['top_k']} holds "
+                     f"{tie['places']} of them, so none counts there")
     return "\n".join(lines)
