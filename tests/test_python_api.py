@@ -34,6 +34,18 @@ def test_a_keyword_the_command_does_not_take_is_refused_not_dropped(tmp_path, co
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
+def test_refit_refuses_what_its_command_line_does_not_change(tmp_path):
+    """refit's keywords are its flags: max_masks (a locate resume setting) and confirm
+    measure, which refit never does, so they were accepted and did nothing."""
+    from lm_eval_headloc.commands import refit
+
+    with pytest.raises(TypeError) as refused:
+        refit(tmp_path / "run", max_masks=3, confirm=True)
+    assert str(refused.value) == ("refit() got confirm, max_masks, which it does not take; "
+                                  "it takes alpha, bootstrap, exclude, masks, top_k")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_progress_must_be_a_bool():
     with pytest.raises(UsageError, match=r"^progress='no': must be True or False$"):
         RunSpec(progress="no").validate()

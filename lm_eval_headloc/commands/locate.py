@@ -66,7 +66,7 @@ from .result import (
     stored_priors,
 )
 from .runfolder import RunFolder, RunFolderError
-from .spec import DEFAULT_MAX_MASKS, RunSpec, command_spec
+from .spec import COMMAND_OPTIONS, DEFAULT_MAX_MASKS, RunSpec, command_spec, refuse_keywords
 from .types import ensure_types
 
 log = logging.getLogger(__name__)
@@ -757,16 +757,11 @@ def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
 def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
     """Fit again from the stored measurements, without touching the model.
 
-    ``settings``: the ranking settings to change (``RunSpec.refittable("locate")``:
-    alpha, top_k, exclude, bootstrap, and masks — fewer than measured fits the first
-    ones); one left out or None keeps the run's value; ``exclude=""`` excludes nothing.
+    ``settings``: the ranking settings to change (``COMMAND_OPTIONS["refit"]``: alpha,
+    top_k, exclude, bootstrap, and masks — fewer than measured fits the first ones); one
+    left out or None keeps the run's value; ``exclude=""`` excludes nothing.
     """
-    # --confirm can change when locate resumes (it measures); refit measures nothing.
-    allowed = RunSpec.refittable("locate") - {"confirm"}
-    unknown = sorted(set(settings) - allowed)
-    if unknown:
-        raise TypeError(f"refit() got {', '.join(unknown)}; it can change "
-                        f"{', '.join(sorted(allowed))}")
+    refuse_keywords("refit", settings, COMMAND_OPTIONS["refit"])
     with RunFolder(out) as folder:
         run = load_run(folder)
         if not isinstance(run, LocateRun):

@@ -702,12 +702,18 @@ def command_spec(command: str, spec: RunSpec | None, options: Mapping[str, Any],
     if spec is not None and not isinstance(spec, RunSpec):
         raise TypeError(f"{command}(): spec={spec!r} is not a RunSpec; give the options as "
                         "keywords, or RunSpec(**options)")
-    takes = {*COMMAND_OPTIONS[command], *also, "progress"}
+    refuse_keywords(command, options, {*COMMAND_OPTIONS[command], *also, "progress"})
+    return (spec or base or RunSpec()).replace(**options)
+
+
+def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) -> None:
+    """A TypeError naming the ``options`` that ``command``'s Python function does not take,
+    and those it does."""
+    takes = set(takes)
     unknown = sorted(set(options) - takes)
     if unknown:
         raise TypeError(f"{command}() got {', '.join(unknown)}, which it does not take; it "
                         f"takes {', '.join(sorted(takes))}")
-    return (spec or base or RunSpec()).replace(**options)
 
 
 #: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
