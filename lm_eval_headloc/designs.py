@@ -28,6 +28,9 @@ def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.
     Each index must be a whole number in ``0..total_heads-1``; ``name`` (the argument the
     indices came from) goes into the error.
     """
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
+        raise ValueError(f"{name}={indices!r}: must be a list of head column indices "
+                         f"(whole numbers in 0..{total_heads - 1})")
     mask = np.zeros(total_heads, dtype=bool)
     for index in indices:
         if (

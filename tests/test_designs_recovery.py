@@ -166,6 +166,8 @@ def test_bernoulli_rate_matches_sparsity():
         (dict(sparsity=np.float64(np.inf)), "sparsity=.*inf"),
         (dict(never_ablate=[10]), "never_ablate index 10.*0..9"),
         (dict(never_ablate=range(10)), "all 10 heads"),
+        (dict(never_ablate=3), "never_ablate=3: must be a list of head column indices"),
+        (dict(never_ablate="L0H1"), "never_ablate=.L0H1.: must be a list"),
     ],
 )
 def test_design_validation_errors_are_one_line_and_name_the_value(kwargs, fragment):
