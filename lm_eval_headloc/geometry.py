@@ -181,8 +181,17 @@ def _layer_types(text: Any, layers: int) -> list[str] | None:
 
 
 def _attention_layers(text: Any, name: str, layers: int) -> list[int]:
-    """The layers with attention heads: every layer unless the config's ``layer_types``
-    names other blocks (a hybrid model's)."""
+    """The layers with self-attention heads: every layer unless the config's
+    ``layer_types`` names other blocks (a hybrid model's) or its ``cross_attention_layers``
+    are cross-attention layers (Mllama's, which a text-only forward skips whole: their heads
+    could change nothing)."""
+    cross = _global(text, "cross_attention_layers")
+    if isinstance(cross, (list, tuple)) and all(isinstance(i, int) for i in cross):
+        attention = [index for index in range(layers) if index not in set(cross)]
+        if not attention:
+            raise UnsupportedGeometry(f"{name}: every layer is a cross-attention layer, so "
+                                      "it has no self-attention heads to knock out")
+        return attention
     types = _layer_types(text, layers)
     if types is None:
         return list(range(layers))

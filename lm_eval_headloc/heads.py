@@ -172,7 +172,8 @@ def validate_heads(heads: Iterable[Component], num_layers: int | None,
 
 def _no_heads_in(what: str, layer: int, head_layers: Collection[int]) -> str:
     return (f"{what} is outside the model: layer {layer} has no attention heads (it is not "
-            f"an attention layer); the layers with heads are {describe_layers(head_layers)}")
+            f"a self-attention layer); the layers with heads are "
+            f"{describe_layers(head_layers)}")
 
 
 def describe_layers(layers: Collection[int]) -> str:

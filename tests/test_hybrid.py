@@ -63,6 +63,13 @@ def _jamba():
                                     num_key_value_heads=2)
 
 
+def _mllama():
+    return transformers.MllamaTextConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1, 3],
+        pad_token_id=0, eos_token_id=2, bos_token_id=1)
+
+
 @pytest.mark.parametrize("config, layers, heads", [
     (hybrid_config, 4, (1, 3)),
     (_jamba, 8, (2, 6)),
@@ -74,6 +81,8 @@ def _jamba():
     (lambda: transformers.NemotronHConfig(hybrid_override_pattern="M*-E*",
                                           num_attention_heads=4, num_key_value_heads=2),
      5, (1, 4)),
+    # Mllama's cross-attention layers: skipped whole on text, so no heads.
+    (lambda: _mllama(), 4, (0, 2)),
     # Gemma 3's sliding and full attention layers both have heads.
     (lambda: transformers.Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4,
                                            num_key_value_heads=2),
@@ -100,6 +109,33 @@ def test_a_hybrids_head_is_its_attention_layers_o_proj_slice(model, heads):
     expected = _zeroed(model, heads)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (expected - model(INPUT_IDS).logits).abs().max() > 1e-4  # it changed something
+
+
+def test_mllamas_heads_are_its_self_attention_layers_and_cross_attention_is_refused():
+    """On text, Mllama skips its cross-attention layers whole: their heads (hooked before)
+    could change nothing. Its heads are those of the self-attention layers, o_proj slices."""
+    torch.manual_seed(0)
+    mllama = transformers.MllamaForCausalLM(_mllama()).eval()
+    knockout = HeadKnockout(mllama)
+    try:
+        assert knockout.layers_with_heads == (0, 2)
+        with torch.no_grad(), knockout.knocking_out(["L2H1", "L0H3"]):
+            got = mllama(INPUT_IDS).logits
+        with pytest.raises(HeadSpecError, match="layer 1 has no attention heads .it is not "
+                                                "a self-attention layer.; the layers with "
+                                                "heads are 0, 2"):
+            with knockout.knocking_out(["L1H0"]):
+                pass
+    finally:
+        knockout.remove()
+    reference = copy.deepcopy(mllama)
+    with torch.no_grad():
+        for layer, head in [(2, 1), (0, 3)]:
+            weight = reference.get_submodule(O_PROJ.format(layer)).weight
+            weight[:, head * HEAD_DIM:(head + 1) * HEAD_DIM] = 0
+        expected = reference(INPUT_IDS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (expected - mllama(INPUT_IDS).logits).abs().max() > 1e-4
 
 
 def test_one_mask_per_row_knocks_out_each_rows_heads(model):
