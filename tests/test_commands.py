@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -275,6 +276,14 @@ def test_lm_eval_files_never_go_into_a_run_the_command_reads(tiny_model_dir, tmp
                    "--out", str(tmp_path / "c")) == 2
     assert "would write into" in last_error(capsys)
     assert sorted(p.name for p in run.iterdir()) == before
+    # Nor into another run folder of ours, which they do not read.
+    other = fake_run(tmp_path / "runs" / "b", tiny_model_dir("llama"))
+    assert harness("verify", str(run), "--output-path", str(other / "lm"),
+                   "--out", str(tmp_path / "v")) == 2
+    assert last_error(capsys).endswith(
+        f"--output-path {other / 'lm'} would write into {other.resolve()}, a headloc-harness "
+        f"run folder, whose files are its command's alone; choose another --output-path "
+        f"(one inside --out {tmp_path / 'v'} is fine)")
     assert not (tmp_path / "v").exists() and not (tmp_path / "c").exists()
 
 
@@ -401,7 +410,9 @@ def test_measurement_log_keeps_every_good_line(tmp_path, caplog):
     lines.insert(4, "{}")  # valid JSON, not a measurement
     (tmp_path / "measurements.jsonl").write_text("\n".join(lines) + "\n" + '{"key": "ma')
     with caplog.at_level("WARNING", logger="lm_eval_headloc"):
+        folder._acquire()  # the lock's holder cuts a torn last line
         kept = folder.measurements()
+        folder.release()
     assert [r["key"] for r in kept] == ["mask-0000", "mask-0001", "mask-0003", "mask-0004",
                                         "mask-0005"]
     warnings = [r.getMessage() for r in caplog.records]
@@ -843,6 +854,119 @@ def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_
                    str(run)) == 0
     assert not list(run.glob("*.partial"))
     assert strict_json(run / "config.json")["command"] == "locate"
+
+
+def _started_run(folder: Path) -> Path:
+    from lm_eval_headloc.commands.runfolder import RunFolder
+
+    with RunFolder(folder) as run:
+        run.start("locate", {"seed": 0}, {})
+    return folder
+
+
+def test_force_refuses_a_users_entry_under_one_of_our_names(tmp_path):
+    """--force cleared any entry whose name the commands write: a user's notes in means/
+    (a folder of cached means, ours only by name) and a folder named heads-archive.json
+    were deleted whole. Only our kind of entry, holding only our files, is ours."""
+    from lm_eval_headloc.commands.runfolder import RunFolder, RunFolderError
+
+    run = _started_run(tmp_path / "run")
+    (run / "means").mkdir()
+    (run / "means" / "my-notes.txt").write_text("mine")
+    (run / "heads-archive.json").mkdir()
+    (run / "heads-archive.json" / "run1.txt").write_text("old")
+    with RunFolder(run) as folder, pytest.raises(RunFolderError) as refused:
+        folder.start("locate", {"seed": 1}, {}, force=True)
+    assert "holds what headloc-harness did not write (heads-archive.json, means)" in \
+        str(refused.value)
+    assert (run / "means" / "my-notes.txt").read_text() == "mine"
+    assert (run / "heads-archive.json" / "run1.txt").read_text() == "old"
+    # Our cached means (and a killed write's partial of one) are ours: cleared.
+    (run / "means" / "my-notes.txt").unlink()
+    shutil.rmtree(run / "heads-archive.json")
+    (run / "means" / f"means-{'0' * 20}.pt").write_bytes(b"x")
+    (run / "means" / f".means-{'0' * 20}.pt.77.partial").write_bytes(b"x")
+    with RunFolder(run) as folder:
+        folder.start("locate", {"seed": 1}, {}, force=True)
+    assert not (run / "means").exists()
+
+
+def test_only_our_own_partial_files_are_cleared(tmp_path, capsys, tiny_model_dir):
+    """Any .*.partial counted as ours: a user's .thesis.partial made a folder 'empty' and
+    was deleted when the run started. Ours are .<a file we write>.<pid>.partial."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / ".thesis.partial").write_text("my draft")
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--masks", "3", "--num-samples", "4", "--out", str(folder)) == 2
+    assert "is not empty and is not a headloc-harness run folder" in last_error(capsys)
+    assert (folder / ".thesis.partial").read_text() == "my draft"
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
+    """The lock was opened through a link and truncated: a .lock linked to a user's file
+    replaced its content with a process id."""
+    from lm_eval_headloc.commands.runfolder import RunFolder, RunFolderError
+
+    run = _started_run(tmp_path / "run")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("important data\n")
+    (run / ".lock").unlink()
+    (run / ".lock").symlink_to(precious)
+    with pytest.raises(RunFolderError, match=r"\.lock is not a regular file, so not the lock"):
+        RunFolder(run).lock()
+    assert precious.read_text() == "important data\n"
+    (run / ".lock").unlink()
+    (run / ".lock").mkdir()
+    with pytest.raises(RunFolderError, match=r"\.lock is not a regular file"):
+        RunFolder(run).lock()
+
+
+def test_a_torn_last_line_is_cut_only_by_the_locks_holder(tmp_path):
+    """A refused second process (reading before it asked for the lock) cut the live run's
+    half-written last line, so the rest of that line landed as garbage."""
+    from lm_eval_headloc.commands.runfolder import RunFolder
+
+    run = _started_run(tmp_path / "run")
+    whole = json.dumps({"key": "mask-0000", "mask": "L0H1", "scores": {"t": 0.5}}) + "\n"
+    (run / "measurements.jsonl").write_text(whole + '{"key": "mask-00')
+    assert [r["key"] for r in RunFolder(run).measurements()] == ["mask-0000"]
+    assert (run / "measurements.jsonl").read_text() == whole + '{"key": "mask-00'
+    with RunFolder(run).lock() as holder:
+        assert [r["key"] for r in holder.measurements()] == ["mask-0000"]
+    assert (run / "measurements.jsonl").read_text() == whole
+
+
+def test_no_file_command_writes_into_another_run_folder(tmp_path, capsys, tiny_locate_run):
+    """universal, overlap and export wrote their files into any run folder they did not
+    read: a heads-mine.json there then read as that run's ranking of a task 'mine', and a
+    --force on it deleted the file unasked."""
+    runs = [write_heads(tmp_path / "a", "t", ["L0H1", "L1H0"]),
+            write_heads(tmp_path / "b", "t", ["L1H0", "L0H1"])]
+    other = write_heads(tmp_path / "c", "t", ["L0H0"])
+    for args in (["universal", *map(str, runs), "--min-tasks", "1", "--out",
+                  str(other / "heads-mine.json")],
+                 ["overlap", *map(str, runs), "--out", str(other / "sub" / "o.json")],
+                 ["export", str(tiny_locate_run), "--out", str(other / "heads-mib.json")]):
+        assert harness(*args) == 2
+        message = last_error(capsys)
+        assert f"into {other.resolve()}, a headloc-harness run folder" in message \
+            or f"inside the run folder {other.resolve()}" in message
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "heads-t.json"]
+    # A link as --out is refused, not replaced by a file (its target left stale).
+    (tmp_path / "real.json").write_text("{}")
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    for args in (["universal", *map(str, runs), "--out", str(tmp_path / "link.json")],
+                 ["overlap", *map(str, runs), "--out", str(tmp_path / "link.json")],
+                 ["export", str(tiny_locate_run), "--out", str(tmp_path / "link.json")]):
+        assert harness(*args) == 2
+        assert "link.json is a link; name the file itself" in last_error(capsys)
+        assert (tmp_path / "link.json").is_symlink()
+    # A heads-x.json that is not one of the run's tasks is not read as a ranking.
+    (other / "heads-planted.json").write_text(json.dumps(["L9H9"]))
+    assert harness("universal", str(other), str(runs[0]), "--min-tasks", "1", "--out",
+                   str(tmp_path / "u.json")) == 0
+    assert not any("planted" in label for label in strict_json(tmp_path / "u.json")["rankings"])
 
 
 def test_a_run_folder_made_unwritable_is_one_line(tiny_locate_run, tmp_path, capsys,

@@ -179,8 +179,8 @@ def test_a_row_mask_over_a_layer_without_heads_is_refused(model):
 
 
 @pytest.mark.parametrize("names, message", [
-    ("L0H1", "head L0H1 is outside the model: layer 0 has no attention heads (it is not an "
-             "attention layer); the layers with heads are 1, 3 (2 layers)"),
+    ("L0H1", "head L0H1 is outside the model: layer 0 has no attention heads (it is not a "
+             "self-attention layer); the layers with heads are 1, 3 (2 layers)"),
     ("L2H*", "L2H* is outside the model: layer 2 has no attention heads"),
     ("L4H0", "head L4H0 is outside the model: layer 4 not in 0..3 (4 layers)"),
 ])

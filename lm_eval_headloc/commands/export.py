@@ -409,6 +409,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     """
     from ..metrics import parse_task_metric
     from .result import load_run  # torch and sklearn: only imported when needed
+    from .runfolder import enclosing_run
 
     run_folder, out = Path(run_folder), Path(out)
     record = load_run(run_folder)
@@ -448,12 +449,16 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     if out.suffix != ".json":
         raise ExportError(f"{out}: MIB reads a graph by its extension; write a .json file "
                           "(e.g. <task>_<model>/importances.json)")
+    if out.is_symlink():
+        raise ExportError(f"{out} is a link; name the file itself (the link would be "
+                          "replaced by a file)")
     if out.exists() and not _is_ours(out):
         raise ExportError(f"{out} exists and is not an export of lm-eval-headloc; not "
                           "overwritten: choose another path or remove it")
-    if run_folder.resolve() in out.resolve().parents:
-        raise ExportError(f"{out} is inside the run folder {run_folder}, which the export "
-                          "reads; write it elsewhere")
+    inside = enclosing_run(out.parent)  # the run exported, or any other run of ours
+    if inside is not None:
+        raise ExportError(f"{out} is inside the run folder {inside}, whose files are its "
+                          "command's alone; write it elsewhere")
     if mib_model is not None:
         if mib_model not in MIB_MODELS:
             raise ExportError(f"unknown MIB model {mib_model!r}; MIB's models: "

@@ -370,7 +370,9 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
                 if record.command == "sweep" else "")
         raise RunFolderError(f"{folder.path} is a {record.command} run{hint}; give a "
                              "locate or greedy run, which ranks heads")
-    files = sorted(folder.path.glob("heads-*.json"))
+    # The run's own tasks' files only: another heads-x.json put here is no ranking of it.
+    files = [path for task in record.tasks
+             if (path := folder.path / f"heads-{task}.json").is_file()]
     if not files:
         raise RunFolderError(f"{folder.path} has no heads-<task>.json; finish the run first")
     return files

@@ -26,7 +26,9 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from importlib import metadata
@@ -36,8 +38,8 @@ from typing import Any
 from ..errors import UserError
 from ..files import write_atomically
 
-__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "option_words", "package_versions",
-           "refuse_writing_into", "strict_json"]
+__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "enclosing_run", "option_words",
+           "package_versions", "refuse_writing_into", "strict_json"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -148,8 +150,12 @@ WRITTEN = ("config.json", "measurements.jsonl", "design_matrix.npy", "prior.json
            "heatmap.png", "verify.json", "verify.md", "cross.json", "cross.md", "cross.png",
            "sweep.json", "sweep.md", "types.json", "types.csv", "lm_eval_files.json",
            "means", "timing.json", ".lock")
-#: ``files.write_atomically``'s partial files: left behind only by a kill mid-write.
-_PARTIAL = ".*.partial"
+#: The entries of WRITTEN that are folders, each with the pattern of the files in it
+#: (``ablation.cached_head_means``' files); every other entry is a file.
+WRITTEN_FOLDERS = {"means": re.compile(r"means-[0-9a-f]{20}\.pt")}
+#: ``files.write_atomically``'s partial files (``.<name>.<pid>.partial``): left behind only
+#: by a kill mid-write.
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
 
 
 #: The bad measurement lines already warned of in this process: a command reads the file
@@ -158,7 +164,28 @@ _SAID_SKIPPED: set[tuple[str, int, str]] = set()
 
 
 def _written(name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in (*WRITTEN, _PARTIAL))
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in WRITTEN)
+
+
+def _is_partial(entry: Path, written: Any = _written) -> bool:
+    """Whether ``entry`` is a partial file of one of our files (``written(name)``)."""
+    match = _PARTIAL.fullmatch(entry.name)
+    return bool(match and written(match["name"]) and entry.is_file()
+                and not entry.is_symlink())
+
+
+def _ours(entry: Path) -> bool:
+    """Whether ``entry`` is one of the files or folders the commands write, of its kind: a
+    regular file by a file's name, a folder of our files (or their partials) by a folder's
+    name; never a link."""
+    if entry.is_symlink() or not _written(entry.name):
+        return _is_partial(entry)
+    pattern = WRITTEN_FOLDERS.get(entry.name)
+    if pattern is None:
+        return entry.is_file()
+    return entry.is_dir() and all(
+        (inner.is_file() and not inner.is_symlink() and pattern.fullmatch(inner.name))
+        or _is_partial(inner, pattern.fullmatch) for inner in entry.iterdir())
 
 
 def _nested_run(entry: Path) -> RunFolder | None:
@@ -181,12 +208,35 @@ def _within(path: str | Path, folder: str | Path) -> bool:
 
 def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
     """Refuse an output file ``out`` inside any of the run folders ``runs`` a command reads
-    from: a run folder's files are its command's alone."""
+    from, or inside any other run folder of ours: a run folder's files are its command's
+    alone (another's ``heads-x.json`` there would read as a ranking, and ``--force`` on the
+    run would delete it); and an ``out`` that is a link (writing replaces the link, not
+    what it points to)."""
+    if Path(out).is_symlink():
+        raise RunFolderError(f"--out {out} is a link; name the file itself (the link would "
+                             "be replaced by a file)")
     for run in runs:
         if _within(Path(out).parent, run):
             run = Path(run).resolve()
             raise RunFolderError(f"--out {out} would write into {run}, which this command "
                                  "reads from; choose another --out")
+    run = enclosing_run(Path(out).parent)
+    if run is not None:
+        raise RunFolderError(f"--out {out} would write into {run}, a headloc-harness run "
+                             "folder, whose files are its command's alone; choose a file "
+                             "outside it")
+
+
+def enclosing_run(path: str | Path) -> Path | None:
+    """The run folder of ours that ``path`` is or lies in (the nearest), or None."""
+    for folder in (Path(path).resolve(), *Path(path).resolve().parents):
+        try:
+            if (folder / RunFolder.CONFIG).is_file():
+                RunFolder(folder).read_config()
+                return folder
+        except (RunFolderError, OSError):
+            continue
+    return None
 
 
 def run_list(runs: str | Path | Iterable[str | Path]) -> list[str | Path]:
@@ -209,6 +259,12 @@ def refuse_output_path_into(output_path: str | Path | None, runs: Iterable[str |
             raise RunFolderError(f"--output-path {output_path} would write into {run}, which "
                                  f"this command reads from; choose another --output-path (one "
                                  f"inside --out {out} is fine)")
+    run = enclosing_run(results_folder(output_path))
+    if run is not None:
+        raise RunFolderError(f"--output-path {output_path} would write into {run}, a "
+                             "headloc-harness run folder, whose files are its command's "
+                             f"alone; choose another --output-path (one inside --out {out} "
+                             "is fine)")
 
 
 class RunFolder:
@@ -279,7 +335,7 @@ class RunFolder:
         ours = self._check_ownership()
         # A kill mid-write of the first config.json leaves only our partial file: empty.
         if not ours and self.path.exists() and any(
-                not fnmatch.fnmatchcase(p.name, _PARTIAL) for p in self._entries()):
+                not _is_partial(p) for p in self._entries()):
             raise RunFolderError(
                 f"{self.path} is not empty and is not a headloc-harness run folder; choose "
                 "another --out (--force only clears run folders)")
@@ -324,7 +380,7 @@ class RunFolder:
     def _remove_partials(self) -> None:
         # Held under our lock: a partial file here is a killed writer's, never a live one.
         for entry in self._entries():
-            if fnmatch.fnmatchcase(entry.name, _PARTIAL) and entry.is_file():
+            if _is_partial(entry):
                 entry.unlink()
 
     def _clear(self) -> None:
@@ -357,7 +413,7 @@ class RunFolder:
             run = _nested_run(entry)
             if run is not None:
                 found += [f"{entry.name}/{name}" for name in run._foreign()]
-            elif not _written(entry.name) or entry.is_symlink():
+            elif not _ours(entry):
                 found.append(entry.name)
         return found
 
@@ -388,10 +444,18 @@ class RunFolder:
         if self._lock_fd is not None:
             return
         lock = self.file(self.LOCK)
+        not_ours = (f"{lock} is not a regular file, so not the lock headloc-harness writes; "
+                    "it is left alone: remove it or choose another --out")
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            # Never through a link: its target is not ours to truncate.
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
+            if lock.is_symlink() or (lock.exists() and not lock.is_file()):
+                raise RunFolderError(not_ours) from None
             raise RunFolderError(f"cannot write in {self.path}: {err.strerror or err}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device
+            os.close(fd)
+            raise RunFolderError(not_ours)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -444,8 +508,9 @@ class RunFolder:
     def measurements(self) -> list[dict[str, Any]]:
         """Every measurement on disk, in order.
 
-        A last line without its newline was cut short by a kill: it is dropped (and
-        truncated, so appends stay valid). Any other line that is not a measurement is
+        A last line without its newline was cut short by a kill: it is dropped (and, by
+        the lock's holder only, truncated, so appends stay valid: without the lock the
+        line may be a live run's, half written). Any other line that is not a measurement is
         skipped with a warning naming it and left in the file: good lines after it are
         never lost.
         """
@@ -455,7 +520,7 @@ class RunFolder:
         data = path.read_bytes()
         lines = data.split(b"\n")
         torn = lines.pop()  # b"" when the file ends with a newline
-        if torn:
+        if torn and self._lock_fd is not None:
             with path.open("r+b") as handle:
                 handle.truncate(len(data) - len(torn))
             log.warning("%s: dropped an unfinished last line (%d bytes) left by an "
