@@ -67,23 +67,52 @@ def check_number(value: object, name: str, whole: bool = False, *,
     return int(value) if whole else float(value)
 
 
-def check_load_args(pretrained: object, dtype: object = None) -> None:
-    """What Hugging Face would report in other words, checked before anything loads: a
-    ``pretrained=`` written as a local path (absolute, ``./``, ``../``) that does not
-    exist, which HF reads as a malformed Hub id, or beginning with ``~``, which nothing
-    expands; a ``dtype=`` torch does not have, which lm-eval turns into an
+def _local_path(value: object) -> bool:
+    """Whether a model argument is written as a local path (absolute, ``./``, ``../``,
+    ``~``), not a Hub id."""
+    import os
+
+    return isinstance(value, str) and (os.path.isabs(value)
+                                       or value.startswith(("./", "../", "~")))
+
+
+def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
+                    gguf_file: object = None) -> None:
+    """What Hugging Face would report in other words (or after the weights load),
+    checked before anything loads: a ``pretrained=`` or ``peft=`` written as a local path
+    that does not exist, which HF reads as a malformed Hub id, or beginning with ``~``,
+    which nothing expands; a ``pretrained=`` that is a GGUF file (HF takes its folder and
+    ``gguf_file=``); a ``gguf_file=`` missing from a local ``pretrained=`` folder; a
+    ``peft=`` folder without ``adapter_config.json`` (PEFT says so only after the base
+    model loads); a ``dtype=`` torch does not have, which lm-eval turns into an
     ``AttributeError``."""
     import os
 
-    if isinstance(pretrained, str) and pretrained.startswith("~"):
-        # Neither the shell (not at a word's start) nor Hugging Face expands it.
-        raise UsageError(f"pretrained={pretrained}: '~' is not expanded here; write the "
-                         f"whole path ({os.path.expanduser(pretrained)})")
-    if isinstance(pretrained, str) and (os.path.isabs(pretrained)
-                                        or pretrained.startswith(("./", "../"))):
-        if not os.path.exists(pretrained):
-            raise UsageError(f"pretrained={pretrained}: no such folder (a Hub model is named "
-                             "like meta-llama/Llama-3.2-1B)")
+    for name, value in (("pretrained", pretrained), ("peft", peft)):
+        if isinstance(value, str) and value.startswith("~"):
+            # Neither the shell (not at a word's start) nor Hugging Face expands it.
+            raise UsageError(f"{name}={value}: '~' is not expanded here; write the whole "
+                             f"path ({os.path.expanduser(value)})")
+        if _local_path(value) and not os.path.exists(value):  # type: ignore[arg-type]
+            hub = ("model", "meta-llama/Llama-3.2-1B") if name == "pretrained" else (
+                "adapter", "user/adapter")
+            raise UsageError(f"{name}={value}: no such folder (a Hub {hub[0]} is named like "
+                             f"{hub[1]})")
+    if isinstance(pretrained, str) and pretrained.lower().endswith(".gguf") \
+            and os.path.isfile(pretrained):
+        folder, name = os.path.split(pretrained)
+        raise UsageError(f"pretrained={pretrained}: a GGUF file is loaded by its folder and "
+                         f"name: pretrained={folder or '.'},gguf_file={name}")
+    if isinstance(gguf_file, str) and isinstance(pretrained, str) \
+            and os.path.isdir(pretrained) and not os.path.isfile(
+                os.path.join(pretrained, gguf_file)):
+        present = sorted(f for f in os.listdir(pretrained) if f.lower().endswith(".gguf"))
+        raise UsageError(f"gguf_file={gguf_file}: no such file in {pretrained} (GGUF files "
+                         f"there: {', '.join(present) or 'none'})")
+    if isinstance(peft, str) and os.path.isdir(peft) \
+            and not os.path.isfile(os.path.join(peft, "adapter_config.json")):
+        raise UsageError(f"peft={peft}: no adapter_config.json in it (a PEFT adapter folder "
+                         "is what save_pretrained of a PEFT model writes)")
     if isinstance(dtype, str) and dtype != "auto":
         import torch
 

@@ -172,7 +172,8 @@ class HFHeadAblateLM(HFLM):
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
-        check_load_args(pretrained, kwargs.get("dtype"))
+        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
+                        kwargs.get("gguf_file"))
         if not kwargs.get("parallelize"):
             _check_device(kwargs.get("device"))
         try:
@@ -214,6 +215,26 @@ class HFHeadAblateLM(HFLM):
                               ablation_field)
         self._cache_db = None
         self.set_heads(requested)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None
+                               ) -> HFHeadAblateLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None
+                            ) -> HFHeadAblateLM:
+        """As lm-eval's, but a model argument written in ``--model_args`` wins over the
+        one lm_eval's command line passes beside it (``device``, whose default there is
+        cuda:0, ``batch_size``, ``max_batch_size``), where lm-eval's ``hf`` stops with
+        "got multiple values for keyword argument"."""
+        extra = {key: value for key, value in (additional_config or {}).items()
+                 if value is not None and key not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     def _create_model(self, *args: Any, **kwargs: Any) -> None:
         # HFLM reads the config first: the requested components are checked against it

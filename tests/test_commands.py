@@ -1272,6 +1272,48 @@ def test_universal_does_not_count_a_tie_broken_by_name(tmp_path, capsys):
     assert [h["head"] for h in strict_json(out)["heads"]] == ["L0H1", "L2H0", "L3H3", "L1H1"]
 
 
+def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path, capsys):
+    """universal, overlap and cross compared model args as text: the same model with its
+    arguments in another order, or run on another device (which a run appends itself),
+    was 'different models'."""
+    from lm_eval_headloc.commands.spec import same_model
+
+    assert same_model("pretrained=m,dtype=float32,device=cpu", "dtype=float32,pretrained=m,"
+                                                               "device=cuda")
+    assert not same_model("pretrained=m,dtype=float32", "pretrained=m,dtype=bfloat16")
+    assert not same_model("pretrained=m", "pretrained=m,peft=a")
+    runs = [write_heads(tmp_path / "a", "t", ["L0H1", "L1H0"],
+                        model_args="pretrained=m,dtype=float32,device=cpu"),
+            write_heads(tmp_path / "b", "t", ["L1H0", "L0H1"],
+                        model_args="dtype=float32,pretrained=m,device=cuda,batch_size=4")]
+    assert harness("universal", *map(str, runs), "--min-tasks", "1", "--out",
+                   str(tmp_path / "u.json")) == 0
+    assert harness("overlap", *map(str, runs), "--top-k", "2", "--out",
+                   str(tmp_path / "o.json")) == 0
+    other = write_heads(tmp_path / "c", "t", ["L0H1"], model_args="pretrained=m,dtype=bfloat16")
+    assert harness("overlap", str(runs[0]), str(other), "--top-k", "1", "--out",
+                   str(tmp_path / "p.json")) == 2
+    assert "the runs are of different models" in last_error(capsys)
+
+
+def test_a_run_resumes_with_its_model_args_in_another_order(tmp_path):
+    from lm_eval_headloc.commands import RunFolder, RunFolderError
+    from lm_eval_headloc.commands.result import start_run
+
+    first = RunSpec(model_args="pretrained=m,dtype=float32,device=cuda", tasks=("t",))
+    with RunFolder(tmp_path / "run") as folder:
+        start_run(folder, "locate", first)
+        folder.append_measurement({"key": "mask-0000", "mask": "", "scores": {"t": 1.0}})
+    again = first.replace(model_args="dtype=float32,pretrained=m,device=cpu")
+    with RunFolder(tmp_path / "run") as folder:
+        start_run(folder, "locate", again)  # resumed, not refused
+        assert [r["key"] for r in folder.measurements()] == ["mask-0000"]
+    changed = first.replace(model_args="pretrained=m,dtype=bfloat16")
+    with RunFolder(tmp_path / "run") as folder, pytest.raises(RunFolderError,
+                                                              match="was made with model_args"):
+        start_run(folder, "locate", changed)
+
+
 def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
     """A top-k place filled by a head that does no harm (fewer hurt than k) is no evidence
     that the task needs it: L0H1 is third in both top-3s, but one ranking measured it to

@@ -67,6 +67,90 @@ def test_bad_pretrained_and_dtype_are_refused_before_anything_loads(tmp_path, ca
     assert not out.exists()
 
 
+def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny_model_dir,
+                                                                  capsys):
+    """A missing peft= folder was PEFT's traceback after the base weights loaded; a
+    gguf_file= missing from its folder, or a .gguf given as pretrained=, a traceback."""
+    model = tiny_model_dir("llama")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    for kwargs, message in [
+        (dict(peft=str(tmp_path / "nope")), f"peft={tmp_path / 'nope'}: no such folder"),
+        (dict(peft=str(tmp_path / "adapter")), f"peft={tmp_path / 'adapter'}: no "
+                                               "adapter_config.json in it"),
+        (dict(gguf_file="x.gguf"), f"gguf_file=x.gguf: no such file in {model} (GGUF files "
+                                   "there: none)"),
+    ]:
+        with pytest.raises(UsageError) as refused:
+            check_load_args(str(model), **kwargs)
+        assert str(refused.value).startswith(message)
+    with pytest.raises(UsageError, match=f"^pretrained={tmp_path / 'm.gguf'}: a GGUF file is "
+                                         f"loaded by its folder and name: "
+                                         f"pretrained={tmp_path},gguf_file=m.gguf$"):
+        check_load_args(str(tmp_path / "m.gguf"))
+    check_load_args(str(tmp_path), gguf_file="m.gguf")
+    check_load_args("org/name", peft="user/adapter")  # Hub ids: not paths, not checked
+    # Through the harness and through lm_eval's model: one line, nothing loaded.
+    assert _tiny_locate(model, tmp_path / "run", f"model_args+peft={tmp_path / 'nope'}") == 2
+    assert f"peft={tmp_path / 'nope'}: no such folder" in last_error(capsys)
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    with pytest.raises(UsageError, match="no adapter_config.json"):
+        HFHeadAblateLM(pretrained=str(model), peft=str(tmp_path / "adapter"))
+
+
+def test_model_args_the_harness_sets_or_cannot_read_are_one_line(tiny_model_dir, tmp_path,
+                                                                 capsys, no_model_loading):
+    """batch_size= in --model-args was 'got multiple values for keyword argument' after the
+    folder was started; max_length=abc a ValueError from int()."""
+    model = tiny_model_dir("llama")
+    for extra, message in [("batch_size=8", "--model-args batch_size=...: give it as "
+                                            "--batch-size, which the harness passes to the "
+                                            "model"),
+                           ("max_length=abc", "max_length='abc': must be a whole number"),
+                           ("max_length=0", "max_length=0: must be a whole number >= 1")]:
+        assert _tiny_locate(model, tmp_path / "run", f"model_args+{extra}") == 2
+        assert message in last_error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_refused_before_the_load(tiny_model_dir,
+                                                                        tmp_path, capsys,
+                                                                        no_model_loading):
+    """transformers said so only when the first prompt was built, after the weights."""
+    from transformers import AutoTokenizer
+
+    model = tiny_model_dir("llama")
+    assert AutoTokenizer.from_pretrained(str(model)).chat_template is None  # the premise
+    assert _tiny_locate(model, tmp_path / "run", "--apply-chat-template") == 2
+    assert last_error(capsys).endswith(
+        f"--apply-chat-template: the tokenizer of {model} has no chat template (a base "
+        "model's has none); leave the flag out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_args_win_over_what_lm_evals_command_line_passes_beside_them(tiny_model_dir):
+    """lm_eval passes device (default cuda:0), batch_size and max_batch_size beside
+    --model_args: device=cpu there was 'got multiple values for keyword argument'."""
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    lm = HFHeadAblateLM.create_from_arg_string(
+        f"pretrained={tiny_model_dir('llama')},device=cpu,batch_size=2",
+        {"device": "cuda:0", "batch_size": 1, "max_batch_size": None})
+    assert (str(lm.device), lm.batch_size) == ("cpu", 2)
+    lm = HFHeadAblateLM.create_from_arg_obj({"pretrained": str(tiny_model_dir("llama"))},
+                                            {"device": "cpu", "batch_size": 3})
+    assert (str(lm.device), lm.batch_size) == ("cpu", 3)
+
+
+def test_lm_evals_underscore_spellings_are_the_harness_flags_too(tmp_path, capsys,
+                                                               no_model_loading):
+    assert harness("locate", "--model_args", f"pretrained={tmp_path / 'none'}",
+                   "--include_path", TASKS, "--batch_size", "2", "--out",
+                   str(tmp_path / "run")) == 2
+    assert f"pretrained={tmp_path / 'none'}: no such folder" in last_error(capsys)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_cuda_device_the_machine_lacks_is_refused_not_swapped_for_the_cpu(tiny_model_dir,
                                                                             tmp_path, capsys):

@@ -25,7 +25,7 @@ from ..files import write_atomically
 from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
 from .runfolder import RunFolder, option_words, refuse_output_path_into, run_list
-from .spec import RunSpec, command_spec, flag_of
+from .spec import RunSpec, command_spec, flag_of, same_model
 from .verify import ablations, effect, kind_words, located_heads, percent
 
 __all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
@@ -63,7 +63,7 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         stored[run] = load_run(run).spec
     first = runs[0]
     for run in runs[1:]:
-        if stored[run].model_args != stored[first].model_args:
+        if not same_model(stored[run].model_args, stored[first].model_args):
             raise UsageError(f"the runs are of different models ({first}: "
                              f"{stored[first].model_args!r}; {run}: "
                              f"{stored[run].model_args!r}); a cross matrix compares one "

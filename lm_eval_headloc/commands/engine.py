@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..ablation import AblationError, check_reference_set, reference_texts
-from ..checks import UsageError, check_load_args
+from ..checks import UsageError, check_load_args, check_number
 from ..columns import Columns
 from ..embedded import smollm2_location, smollm2_model_args
 from ..geometry import Geometry, UnsupportedGeometry
@@ -149,7 +149,8 @@ def model_config(model_args: str) -> Any:
     args = simple_parse_args_string(model_args)
     kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
               if k in args}
-    check_load_args(args.get("pretrained"), args.get("dtype"))
+    check_load_args(args.get("pretrained"), args.get("dtype"), args.get("peft"),
+                    args.get("gguf_file"))
     pretrained = str(args.get("pretrained"))
     try:
         with cached_gguf_reads():  # the load after this check reuses the parse
@@ -176,9 +177,32 @@ def context_length(model_args: str, config: Any) -> int | None:
     from lm_eval.utils import simple_parse_args_string
 
     given = simple_parse_args_string(model_args).get("max_length")
-    if given:
-        return int(given)
+    if given is not None:
+        return check_number(given, "max_length", whole=True, min_val=1)
     return resolve_max_length(config, None, default=0) or None
+
+
+def check_chat_template(model_args: str) -> None:
+    """``--apply-chat-template`` needs a tokenizer with a chat template (a base model's
+    has none): read from the tokenizer alone, before any weights load (transformers would
+    say so only when the first prompt is built)."""
+    from lm_eval.utils import simple_parse_args_string
+    from transformers import AutoTokenizer
+
+    from ..gguf_reads import cached_gguf_reads
+
+    args = simple_parse_args_string(model_args)
+    source = args.get("tokenizer") or args.get("pretrained")
+    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
+              if k in args and not args.get("tokenizer")}
+    try:
+        with cached_gguf_reads():
+            tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)
+    except Exception:  # noqa: BLE001 — the load reports an unreadable tokenizer itself
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"--apply-chat-template: the tokenizer of {source} has no chat "
+                         "template (a base model's has none); leave the flag out")
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str, *,
@@ -254,6 +278,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
     model_args = resolve_model_args(spec.model_args)
     config = model_config(model_args)
+    if spec.apply_chat_template:
+        check_chat_template(model_args)
     geometry = config_geometry(config)
     num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
     try:

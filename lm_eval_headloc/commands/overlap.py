@@ -41,6 +41,7 @@ from ..heads import read_heads_file, shown_name
 from .report import recorded_harmless
 from .result import RunRecord, load_run, ranking_files
 from .runfolder import RunFolder, refuse_writing_into, strict_json
+from .spec import same_model
 
 __all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
 
@@ -252,7 +253,7 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
     rankings = [_rankings(folder, record) for folder, record in zip(folders, records,
                                                                     strict=True)]
     models = [record.spec.model_args or "" for record in records]
-    if models[0] != models[1]:
+    if not same_model(*models):
         raise UsageError(f"the runs are of different models ({run_a}: {models[0]!r}; "
                          f"{run_b}: {models[1]!r}); overlap compares one model's runs")
     tasks = [task for task in rankings[0] if task in rankings[1]]

@@ -30,7 +30,7 @@ from ..pilot import UNFITTED
 from ..prior import PRIOR_POINTS
 from .report import HeadRanking, ranking_from_json
 from .runfolder import CONFIG_SCHEMA, RunFolder, RunFolderError
-from .spec import RunSpec
+from .spec import RunSpec, same_model
 
 if TYPE_CHECKING:
     from typing import Self
@@ -407,5 +407,5 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     spec's (verify's, sweep's)."""
     folder.start(command, spec.identity(command) if identity is None else identity,
                  spec.settings(command), spec.as_config(), force=force, protect=protect,
-                 assumed=RunSpec.assumed_for_old_runs())
+                 assumed=RunSpec.assumed_for_old_runs(), same={"model_args": same_model})
     return _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)

@@ -30,7 +30,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -54,16 +54,19 @@ _STARTED_KEYS = frozenset({"schema", "command", "identity", "settings", "spec", 
 
 
 def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, Any],
-               assumed: Mapping[str, Any]) -> str | None:
+               assumed: Mapping[str, Any],
+               same: Mapping[str, Callable[[Any, Any], bool]] = {}) -> str | None:
     """How the run ``config`` records differs from ``command``'s with ``identity`` (the
-    first key that differs), or None when it is the same run."""
+    first key that differs), or None when it is the same run. ``same``: for a key whose
+    values may differ in form only, whether two are the same."""
     if config["command"] != command:
         return f"holds a '{config['command']}' run, not '{command}'"
     assumed = json.loads(json.dumps(dict(assumed)))
     stored = {**{k: v for k, v in assumed.items() if k in identity}, **config["identity"]}
     # Only what defines this run's measurements now: a key the folder recorded that this
     # command no longer compares (an older, wider identity) is moot.
-    differing = sorted(k for k in identity if identity[k] != stored.get(k))
+    differing = sorted(k for k in identity if identity[k] != stored.get(k)
+                       and not (k in same and same[k](identity[k], stored.get(k))))
     if not differing:
         return None
     key = differing[0]
@@ -320,7 +323,8 @@ class RunFolder:
 
     def start(self, command: str, identity: Mapping[str, Any], settings: Mapping[str, Any],
               spec: Mapping[str, Any] | None = None, force: bool = False,
-              protect: Iterable[str | Path] = (), assumed: Mapping[str, Any] = {}) -> bool:
+              protect: Iterable[str | Path] = (), assumed: Mapping[str, Any] = {},
+              same: Mapping[str, Callable[[Any, Any], bool]] = {}) -> bool:
         """Create the folder, or check that it holds this run; take its lock. True if
         resuming.
 
@@ -329,6 +333,9 @@ class RunFolder:
 
         ``protect``: folders this command reads from; the run folder may neither be one
         of them nor contain one (so ``--force`` can never clear them).
+
+        ``same``: for an identity key whose values may differ in form only (model args in
+        another order), whether two are the same.
         """
         identity = json.loads(json.dumps(identity))  # as it will read back from disk
         self.refuse_inside(protect)
@@ -346,7 +353,8 @@ class RunFolder:
                                  f"{err.strerror or err}") from None
         self._acquire()
         config = self.read_config() if ours and not force else None
-        problem = None if config is None else _other_run(config, command, identity, assumed)
+        problem = None if config is None else _other_run(config, command, identity, assumed,
+                                                         same)
         if problem is not None and self._only_started(config):
             # A run stopped before it recorded anything (its model failed to load, say):
             # nothing in it to lose, so the corrected command starts over without --force.

@@ -657,7 +657,32 @@ HARNESS_MODEL_ARGS = {
     "ablation_include_path": "give the folder as --include-path, where --ablation-data "
                              "finds its task",
     "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
+    "batch_size": "give it as --batch-size, which the harness passes to the model",
 }
+#: Model args that say where and how fast a model runs, not which model it is.
+PLACEMENT_MODEL_ARGS = frozenset({"device", "device_map", "parallelize", "max_memory_per_gpu",
+                                  "max_cpu_memory", "offload_folder", "batch_size",
+                                  "max_batch_size"})
+
+
+def model_identity(model_args: str | None) -> dict[str, str]:
+    """What ``model_args`` say the model is: each argument but placement ones (the device
+    a run chose for itself, say), in any order, values as text; runs of one model compare
+    equal by it."""
+    from lm_eval.utils import simple_parse_args_string
+
+    return {key: str(value) for key, value in sorted(
+        simple_parse_args_string(model_args or "").items())
+        if key not in PLACEMENT_MODEL_ARGS}
+
+
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two runs' model args name one model (``model_identity``)."""
+    if not all(value is None or isinstance(value, str) for value in (a, b)):
+        return a == b
+    return model_identity(a) == model_identity(b)
+
+
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
               "apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs",
@@ -717,7 +742,8 @@ def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) 
 
 
 #: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
-LM_EVAL_SPELLING = frozenset({"output_path", "log_samples", "num_fewshot", "gen_kwargs",
+LM_EVAL_SPELLING = frozenset({"model_args", "include_path", "batch_size", "output_path",
+                              "log_samples", "num_fewshot", "gen_kwargs",
                               "system_instruction"})
 
 

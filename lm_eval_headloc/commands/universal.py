@@ -18,7 +18,7 @@ from ..files import write_atomically
 from .overlap import RankingFile
 from .result import load_run, ranking_files
 from .runfolder import RunFolder, refuse_writing_into, run_list, strict_json
-from .spec import RunSpec
+from .spec import RunSpec, same_model
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
 
@@ -47,7 +47,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     (``report.recorded_harmless``).
 
     Rankings are labelled by their run folder's full path and task; every run must be
-    of the same model (the same ``model_args``).
+    of the same model (``spec.same_model``: the same ``model_args`` but for where it ran).
     """
     runs = run_list(runs)
     top_k = RunSpec(top_k=top_k).validate().top_k  # --top-k's one check
@@ -70,9 +70,9 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         for file in files:
             label = f"{path}:{file.stem.removeprefix('heads-')}"
             rankings[label] = RankingFile.read(file)
-    if len(set(models.values())) > 1:
-        first, *_ = models
-        other = next(p for p in models if models[p] != models[first])
+    first, *_ = models
+    other = next((p for p in models if not same_model(models[p], models[first])), None)
+    if other is not None:
         raise UsageError(f"the runs are of different models ({first}: {models[first]!r}; "
                          f"{other}: {models[other]!r}); universal heads compare one model's "
                          "runs")
