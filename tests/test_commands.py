@@ -1314,6 +1314,31 @@ def test_a_run_resumes_with_its_model_args_in_another_order(tmp_path):
         start_run(folder, "locate", changed)
 
 
+def test_a_bare_rerun_keeps_the_masks_given_to_a_run_stopped_before_its_design(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A run stopped between its start and its design recorded --masks 5 and no --confirm;
+    the bare rerun kept neither (only both were kept) and measured the default budget."""
+    import importlib
+
+    locate_module = importlib.import_module("lm_eval_headloc.commands.locate")
+    real = locate_module.ensure_types
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the head types are measured
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--prior", "none", "--out", str(run)]
+    monkeypatch.setattr(locate_module, "ensure_types", stopped)
+    assert harness(*args, "--masks", "5") == 130  # interrupted
+    assert strict_json(run / "config.json")["spec"]["masks"] == 5
+    assert not (run / "design_matrix.npy").exists()
+    monkeypatch.setattr(locate_module, "ensure_types", real)
+    assert harness(*args) == 0  # the same command, --masks left out
+    assert np.load(run / "design_matrix.npy").shape[0] == 5
+    assert strict_json(run / "config.json")["spec"]["masks"] == 5
+
+
 def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
     """A top-k place filled by a head that does no harm (fewer hurt than k) is no evidence
     that the task needs it: L0H1 is third in both top-3s, but one ranking measured it to

@@ -557,9 +557,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         stored = None if force else _stored_run(folder)
-        if stored is not None and stored.spec.budget_given:
-            # --masks and --confirm left out: a resumed run keeps what it was made with.
-            spec = spec.budgeted(None, stored.spec)
+        if stored is not None:
+            # --masks and --confirm left out: a resumed run keeps what it was made with
+            # (one of them only, where it stopped before the budget was split).
+            spec = spec.keeping_budget(stored.spec)
         if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "

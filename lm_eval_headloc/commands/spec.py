@@ -502,14 +502,20 @@ class RunSpec:
         """Whether ``masks`` and ``confirm`` are both set (given, or ``budgeted``)."""
         return self.masks is not None and self.confirm is not None
 
+    def keeping_budget(self, stored: RunSpec) -> RunSpec:
+        """This spec with ``masks`` and ``confirm`` that are None (left out) taken from
+        ``stored``, each where it has one: a run stopped before its budget was split
+        stored only what was given, and a bare rerun keeps that."""
+        return self.replace(**{name: getattr(stored, name) for name in ("masks", "confirm")
+                               if getattr(self, name) is None
+                               and getattr(stored, name) is not None})
+
     def budgeted(self, prior: str | None, stored: RunSpec | None = None) -> RunSpec:
         """This spec with ``masks`` and ``confirm`` set where they are None: ``stored``'s
         (the run being resumed: a rerun without them keeps what it measured), else the
         default budget's split for ``prior``, the prior the run computes (``None``: none;
         ``confirm.default_split``)."""
-        kept = {name: getattr(stored, name) for name in ("masks", "confirm")
-                if stored is not None and getattr(self, name) is None}
-        spec = self.replace(**{k: v for k, v in kept.items() if v is not None})
+        spec = self if stored is None else self.keeping_budget(stored)
         masks, alone = default_split(prior)
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
                             confirm=alone if spec.confirm is None else spec.confirm)
