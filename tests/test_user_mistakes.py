@@ -5,6 +5,7 @@ would spoil."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,29 @@ def test_model_args_win_over_what_lm_evals_command_line_passes_beside_them(tiny_
     lm = HFHeadAblateLM.create_from_arg_obj({"pretrained": str(tiny_model_dir("llama"))},
                                             {"device": "cpu", "batch_size": 3})
     assert (str(lm.device), lm.batch_size) == ("cpu", 3)
+
+
+def test_a_task_yaml_path_is_its_task_as_lm_eval_takes_it(tiny_model_dir, tmp_path, capsys):
+    """lm_eval --tasks my_tasks/capitals.yaml runs the file's task; the harness said
+    "unknown task". The run records the task's name and the file's folder."""
+    import json as json_module
+
+    yaml = f"{TASKS}/tiny_copy/tiny_copy.yaml"
+    out = tmp_path / "run"
+    args = ["locate", "--model-args", f"pretrained={tiny_model_dir('llama')},dtype=float32",
+            "--masks", "3", "--num-samples", "4", *LASSO_ONLY, "--out", str(out)]
+    assert harness(*args, "--tasks", yaml) == 0
+    spec = json_module.loads((out / "config.json").read_text())["spec"]
+    assert spec["tasks"] == ["tiny_copy"]
+    assert f"{TASKS}/tiny_copy" in [str(Path(p)) for p in spec["include_path"]]
+    assert (out / "heads-tiny_copy.json").is_file()
+    assert harness(*args, "--tasks", yaml) == 0  # the same command resumes the same run
+    for task, message in [(f"{tmp_path}/none.yaml", "no such task file"),
+                          (str(tmp_path / "empty.yaml"), "the file names no task")]:
+        (tmp_path / "empty.yaml").write_text("dataset_path: json\n")
+        assert harness(*args[:-2], "--out", str(tmp_path / "x"), "--tasks", task) == 2
+        assert last_error(capsys).startswith(f"headloc-harness: error: --tasks {task}: "
+                                             f"{message}")
 
 
 def test_lm_evals_underscore_spellings_are_the_harness_flags_too(tmp_path, capsys,

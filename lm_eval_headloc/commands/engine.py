@@ -270,11 +270,45 @@ def _built_in(manager: Any, name: str) -> bool:
     return Path(lm_eval.tasks.__file__).resolve().parent in Path(path).resolve().parents
 
 
+def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``--tasks`` as lm_eval takes them, a task YAML's path among names
+    (``my_tasks/capitals.yaml``, ``…yaml:acc``): each path as the task it defines, and the
+    folders holding them, which the run then includes (``--include-path``), so that it
+    records task names and resumes the same from any working directory."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    names, folders = [], []
+    for task in tasks:
+        path_part, sep, metric = task.partition(":")
+        if not path_part.strip().lower().endswith((".yaml", ".yml")):
+            names.append(task)
+            continue
+        path = Path(path_part.strip())
+        if not path.is_file():
+            raise UsageError(f"--tasks {task}: no such task file")
+        try:
+            config = load_yaml(str(path), resolve_func=False)
+        except Exception as err:  # noqa: BLE001 — any unreadable YAML is the user's file
+            raise UsageError(f"--tasks {task}: cannot read it ({str(err).splitlines()[0]})") \
+                from None
+        name = config.get("task") or config.get("group") if isinstance(config, dict) else None
+        if not isinstance(name, str):
+            raise UsageError(f"--tasks {task}: the file names no task (no 'task:' or "
+                             "'group:' key holding one name)")
+        names.append(name + sep + metric)
+        folders.append(str(path.resolve().parent))
+    return names, folders
+
+
 def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     """Check the spec, the model (config only, no weights), the tasks (built once: names,
     metrics, whether they run model-written code) and every head list — all before any
     weights load. ``extra_tasks`` are measured too (verify's general tasks)."""
     spec.validate()
+    own, own_folders = tasks_from_files(spec.tasks)
+    extra_tasks, extra_folders = tasks_from_files(extra_tasks)
+    spec = spec.replace(tasks=tuple(own), include_path=tuple(dict.fromkeys(
+        [*spec.include_path, *own_folders, *extra_folders])))
     check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
     model_args = resolve_model_args(spec.model_args)
     config = model_config(model_args)

@@ -260,7 +260,8 @@ class RunSpec:
         None, "hf model_args, e.g. pretrained=meta-llama/Llama-3.1-8B,dtype=bfloat16 "
               "(default: the embedded SmolLM2-135M-Instruct)", metavar="ARGS")
     tasks: tuple[str, ...] = _option(
-        (DEFAULT_TASK,), "comma-separated lm-eval tasks, each optionally TASK:METRIC",
+        (DEFAULT_TASK,), "comma-separated lm-eval tasks, each optionally TASK:METRIC; a "
+                         "task YAML's path is its task (its folder is included)",
         parse=_comma_list, metavar="TASKS")
     include_path: tuple[str, ...] = _option(
         (), "a folder of your own lm-eval task YAMLs (repeatable); our task_configs are "
