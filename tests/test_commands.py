@@ -372,7 +372,12 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
 
 def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
         tiny_model_dir, tmp_path, capsys):
-    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+    model = tmp_path / "model"  # the tiny model, its tokenizer given a chat template
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["sweep", *tiny_args(model), "--tasks", "tiny_choice",
             "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
             "--out", str(tmp_path / "sweep")]
     assert harness(*args) == 0
