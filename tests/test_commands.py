@@ -967,6 +967,10 @@ def test_no_file_command_writes_into_another_run_folder(tmp_path, capsys, tiny_l
         assert harness(*args) == 2
         assert "link.json is a link; name the file itself" in last_error(capsys)
         assert (tmp_path / "link.json").is_symlink()
+    (tmp_path / "table.md").symlink_to(tmp_path / "real.json")  # overlap's second file
+    assert harness("overlap", *map(str, runs), "--top-k", "2", "--out",
+                   str(tmp_path / "table.json")) == 2
+    assert "table.md is a link" in last_error(capsys)
     # A heads-x.json that is not one of the run's tasks is not read as a ranking.
     (other / "heads-planted.json").write_text(json.dumps(["L9H9"]))
     assert harness("universal", str(other), str(runs[0]), "--min-tasks", "1", "--out",

@@ -228,6 +228,9 @@ def _check_out(out: Path, runs: Sequence[Path]) -> None:
         raise UsageError(f"--out {out} is a folder; overlap writes a JSON file and a "
                          f"Markdown file (e.g. {out / 'overlap.json'})")
     refuse_writing_into(out, runs)
+    if markdown_path(out).is_symlink():
+        raise UsageError(f"--out: {markdown_path(out)} is a link; name files that are not "
+                         "(the link would be replaced by a file)")
     for path in (out, markdown_path(out)):
         if path.exists() and not _ours(path):
             raise UsageError(f"--out: {path} exists and was not written by {MADE_BY}; "
