@@ -121,6 +121,39 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
         "no harm; L0H1: no harm in the fit's estimate)")
 
 
+def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_spread():
+    """A task at chance: heads measured alone to lose one example of 100 were ranked as
+    hurting, while other single knockouts gained three; the report now says so."""
+    from lm_eval_headloc.commands.report import HeadRanking, spread_words
+
+    # L0H0..L0H3 measured alone: -0.01, -0.01, +0.03, 0; L1H0 only estimated (-0.2).
+    effects = np.array([-0.01, -0.01, 0.03, 0.0, -0.2, 0.0, 0.0, 0.0])
+    chance = HeadRanking("t", "acc", True, 0.5, effects, [4, 0, 1, 3, 5, 6, 7, 2], 4,
+                         extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
+    # L1H0's estimate (not a measurement) is beyond; the measured ones are not.
+    assert spread_words(chance, 3) == [
+        "Only L1H0 hurts the task by more than knocking out one head alone helps it (L0H2: "
+        "+0.0300); the other top-3 heads that hurt do so by no more, within the spread of "
+        "single knockouts.", ""]
+    measured_only = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 3, 2], 4,
+                                extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
+    assert spread_words(measured_only, 2) == [
+        "Nothing beyond the spread of single knockouts: no top-2 head hurts the task by more "
+        "than knocking out one head alone helps it (L0H2: +0.0300); their order may reflect "
+        "which examples happened to flip, not heads the task needs.", ""]
+    # Lower is better (perplexity): a rise hurts, a fall helps; a harm beyond every help
+    # needs no such line, nor does a run in which no knockout helps.
+    ppl = HeadRanking("t", "ppl", False, 10.0, np.array([0.5, -0.1, 0.05, 0.0]),
+                      [0, 2, 3, 1], 2)
+    assert spread_words(ppl, 1, all_measured=True) == []
+    assert spread_words(ppl, 2, all_measured=True)[0].startswith(
+        "Only L0H0 hurts the task by more than knocking out one head alone helps it (L0H1: "
+        "-0.1000)")
+    never_helps = HeadRanking("t", "acc", True, 0.5, np.array([-0.01, 0.0, 0.0, 0.0]),
+                              [0, 1, 2, 3], 2)
+    assert spread_words(never_helps, 2, all_measured=True) == []
+
+
 def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
     from lm_eval_headloc.commands.greedy import _report
     from lm_eval_headloc.commands.report import at_floor

@@ -20,6 +20,7 @@ from .report import (
     floor_words,
     harmless_words,
     ranking_table,
+    spread_words,
     tie_words,
     write_ranking,
 )
@@ -157,5 +158,6 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
                   *tie_words(ranking, top_k, "every head measured alone changed the score "
                              "and log-likelihood alike"),
                   *harmless_words(ranking, top_k, all_measured=True),
+                  *spread_words(ranking, top_k, all_measured=True),
                   *ranking_table(ranking, top_k, "score change"), ""]
     return "\n".join(lines)

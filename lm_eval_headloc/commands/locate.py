@@ -52,6 +52,7 @@ from .report import (
     floor_words,
     harmless_words,
     ranking_table,
+    spread_words,
     tie_words,
     write_ranking,
 )
@@ -304,6 +305,7 @@ def locate_report(run: LocateRun) -> str:
             *floor_words(ranking),
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
             *harmless_words(ranking, top_k, _UNIT[spec.components]),
+            *spread_words(ranking, top_k, _UNIT[spec.components]),
             *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
             *([f"The attribution prior's own top-{top_k} (prior.json"

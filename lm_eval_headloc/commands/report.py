@@ -419,6 +419,38 @@ def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
             f"`ablate_top={hurt}` knocks out only what hurts.", ""]
 
 
+def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
+                 all_measured: bool = False) -> list[str]:
+    """Harms no larger than the run's own spread, said as such. Knocking out one
+    component flips a few examples either way, and a knockout that helps the task shows
+    how large such flips come: a harm no larger than the largest help measured alone
+    (a task at chance, say) is not evidence that the task needs the component.
+    ``all_measured``: every effect is a measurement (greedy); otherwise only those
+    measured alone (``--confirm``) are compared."""
+    higher = ranking.higher_is_better
+    columns = [c for c in ranking.columns if np.isfinite(ranking.effect(c))
+               and (all_measured or ranking.measured_alone(c))]
+    if len(columns) < 2:
+        return []
+    helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
+    helps = ranking.effect(helper)  # the change of the knockout that helps the most
+    if not -harm(helps, higher) > 0:
+        return []  # nothing measured helps: no spread to compare with
+    hurting = [c for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
+               and harm(ranking.effect(c), higher) > 0]
+    beyond = [str(c) for c in hurting if harm(ranking.effect(c), higher) > -harm(helps, higher)]
+    if not hurting or len(beyond) == len(hurting) or _all_tied(ranking, top_k):
+        return []
+    against = f"knocking out one {unit} alone helps it ({column_label(helper)}: {helps:+.4f})"
+    if not beyond:
+        return [f"Nothing beyond the spread of single knockouts: no top-{top_k} {unit} hurts "
+                f"the task by more than {against}; their order may reflect which examples "
+                f"happened to flip, not {unit}s the task needs.", ""]
+    return [f"Only {', '.join(beyond)} hurt{'s' if len(beyond) == 1 else ''} the task by "
+            f"more than {against}; the other top-{top_k} {unit}s that hurt do so by no "
+            "more, within the spread of single knockouts.", ""]
+
+
 def recorded_harmless(path: Path) -> set[str]:
     """The components a ranking file (heads-<task>.json) records as not hurting the task:
     a measured or estimated ``effect`` that leaves the score as it was or improves it. A
