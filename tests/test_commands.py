@@ -1348,6 +1348,24 @@ def test_a_bare_rerun_keeps_the_masks_given_to_a_run_stopped_before_its_design(
     assert strict_json(run / "config.json")["spec"]["masks"] == 5
 
 
+def test_universal_counts_a_task_once_however_many_runs_rank_it(tmp_path, capsys):
+    """Two runs of one task (100 and 10 examples) made its heads 'universal', in 2 tasks."""
+    from lm_eval_headloc.commands import universal
+
+    runs = [write_heads(tmp_path / "r1", "induction", ["L0H1", "L1H1", "L2H2"]),
+            write_heads(tmp_path / "r2", "induction", ["L0H1", "L2H2", "L3H3"]),
+            write_heads(tmp_path / "r3", "ioi", ["L3H3", "L0H0", "L1H0"])]
+    result = universal(runs, tmp_path / "u.json", top_k=2, min_tasks=2)
+    assert result["heads"] == []  # L0H1 is in two rankings of one task
+    assert result["candidates"]["L0H1"] == {f"{(tmp_path / r).resolve()}:induction": 1
+                                            for r in ("r1", "r2")}
+    result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
+    assert [(h["head"], h["tasks"]) for h in result["heads"]] == [("L3H3", 2)]
+    assert harness("universal", *map(str, runs[:2]), "--out", str(tmp_path / "v.json")) == 2
+    assert last_error(capsys).endswith("--min-tasks 2: the runs rank only 1 distinct tasks "
+                                       "(a task ranked by several runs counts once)")
+
+
 def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
     """A top-k place filled by a head that does no harm (fewer hurt than k) is no evidence
     that the task needs it: L0H1 is third in both top-3s, but one ranking measured it to

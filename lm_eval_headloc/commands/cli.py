@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     add_options(p, ("top_k",))
     p.add_argument("--min-tasks", type=int, default=2, metavar="N",
-                   help="rankings a head must be in the top-k of (default 2)")
+                   help="distinct tasks a head must be in the top-k of (default 2)")
     p.add_argument("--out", default="universal.json", metavar="FILE",
                    help="JSON file to write (default universal.json)")
 

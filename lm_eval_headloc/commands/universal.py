@@ -42,7 +42,8 @@ def _check_out(out: Path, runs: Sequence[str | Path]) -> None:
 
 def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
               min_tasks: int = 2) -> dict[str, Any]:
-    """Heads in the top-k of at least ``min_tasks`` task rankings -> ``out`` (JSON); a
+    """Heads in the top-k of rankings of at least ``min_tasks`` distinct tasks (two runs
+    of one task, on other examples say, are one task) -> ``out`` (JSON); a
     head counts for a task only where its ranking does not record it as harmless
     (``report.recorded_harmless``).
 
@@ -57,6 +58,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     out = Path(out)
     _check_out(out, runs)
     rankings: dict[str, RankingFile] = {}
+    task_of: dict[str, str] = {}  # ranking label -> its task
     models: dict[str, str] = {}
     for run in runs:
         folder = RunFolder(run)
@@ -68,16 +70,19 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
             raise UsageError(f"run folder {run} is given twice")
         models[path] = model_args or ""
         for file in files:
-            label = f"{path}:{file.stem.removeprefix('heads-')}"
-            rankings[label] = RankingFile.read(file)
+            task = file.stem.removeprefix("heads-")
+            label = f"{path}:{task}"
+            task_of[label], rankings[label] = task, RankingFile.read(file)
     first, *_ = models
     other = next((p for p in models if not same_model(models[p], models[first])), None)
     if other is not None:
         raise UsageError(f"the runs are of different models ({first}: {models[first]!r}; "
                          f"{other}: {models[other]!r}); universal heads compare one model's "
                          "runs")
-    if min_tasks > len(rankings):
-        raise UsageError(f"--min-tasks {min_tasks}: only {len(rankings)} task rankings given")
+    if min_tasks > len(set(task_of.values())):
+        raise UsageError(f"--min-tasks {min_tasks}: the runs rank only "
+                         f"{len(set(task_of.values()))} distinct tasks (a task ranked by "
+                         "several runs counts once)")
     ranks: dict[str, dict[str, int]] = {}  # head -> {ranking: rank}, surely in its top-k
     ties: dict[str, dict[str, Any]] = {}  # ranking -> the tie group across its k-th place
     for label, ranking in rankings.items():
@@ -91,17 +96,21 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     maybe = {h: [label for label, tie in ties.items() if h in tie["group"]]
              for h in {h for tie in ties.values() for h in tie["group"]}}
 
-    def order(h: str) -> tuple[int, int, str]:
-        return -len(ranks.get(h, {})), sum(ranks.get(h, {}).values()), h
+    def tasks(labels: Any) -> int:  # one task ranked by several runs counts once
+        return len({task_of[label] for label in labels})
 
-    chosen = sorted((h for h in ranks if len(ranks[h]) >= min_tasks), key=order)
-    undecided = sorted((h for h in maybe if len(ranks.get(h, {})) < min_tasks
-                        <= len(ranks.get(h, {})) + len(maybe[h])), key=order)
+    def order(h: str) -> tuple[int, int, str]:
+        return -tasks(ranks.get(h, {})), sum(ranks.get(h, {}).values()), h
+
+    chosen = sorted((h for h in ranks if tasks(ranks[h]) >= min_tasks), key=order)
+    undecided = sorted((h for h in maybe if tasks(ranks.get(h, {})) < min_tasks
+                        <= tasks([*ranks.get(h, {}), *maybe[h]])), key=order)
     result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
               "min_tasks": min_tasks, "rankings": list(rankings),
-              "heads": [{"head": h, "tasks": len(ranks[h]), "ranks": ranks[h]} for h in chosen],
-              "undecided": [{"head": h, "tasks": len(ranks.get(h, {})),
-                             "tasks_at_most": len(ranks.get(h, {})) + len(maybe[h]),
+              "heads": [{"head": h, "tasks": tasks(ranks[h]), "ranks": ranks[h]}
+                        for h in chosen],
+              "undecided": [{"head": h, "tasks": tasks(ranks.get(h, {})),
+                             "tasks_at_most": tasks([*ranks.get(h, {}), *maybe[h]]),
                              "ranks": ranks.get(h, {}), "tied_in": maybe[h]}
                             for h in undecided],
               "ties": ties, "candidates": {h: ranks[h] for h in sorted(ranks)}}
