@@ -241,6 +241,12 @@ def test_a_ranking_that_found_nothing_is_said(tmp_path):
     # A ranking with effects and no ties found something.
     c = write_run(tmp_path / "c", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]})
     assert overlap(a, c, top_k=3)["tasks"]["t"]["b"]["nothing_found"] is None
+    # One whose top-k all do no harm (a task at chance: the rest of it helps) found
+    # nothing either, though some effect in it is not 0 (this was not said).
+    d = write_run(tmp_path / "d", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  effects={"t": [0.0, 0.0, 0.0, 0.02]})
+    assert overlap(c, d, top_k=3)["tasks"]["t"]["b"]["nothing_found"] == (
+        "nothing found (none of its top 3 hurts the task: each is recorded to do no harm)")
 
 
 

@@ -106,6 +106,9 @@ class RankingFile:
                     "so their order is the index)")
         if self.effects is not None and all(not e for e in self.effects):
             return "no effect found (every effect in the ranking is 0 or unknown)"
+        if top and all(name in self.harmless for name in top):
+            return (f"nothing found (none of its top {k} hurts the task: each is recorded to "
+                    "do no harm)")
         return None
 
 
