@@ -154,6 +154,31 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     assert spread_words(never_helps, 2, all_measured=True) == []
 
 
+def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
+    """Ranks 1-3 measured -0.01 each (not tied: their gold log-likelihood changes
+    differed) read as an order the table did not explain."""
+    from lm_eval_headloc.commands.report import HeadRanking, equal_change_words
+
+    effects = np.array([-0.01, -0.01, -0.01, -0.3, -0.2, 0.0])
+    ranking = HeadRanking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
+                          extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L1H0"],
+                                 "tied_with_above": []})
+    assert equal_change_words(ranking, 2) == []
+    # L0H2 is measured alone; L1H1 (-0.2, estimated) differs from L0H0: one group.
+    assert equal_change_words(ranking, 5) == [
+        "The same measured change, ordered by the gold answers' log-likelihood change (the "
+        "larger drop first): L0H0, L0H1, L0H2 (-0.0100).", ""]
+    # A tie (the same log-likelihood change too) is tie_words' to say, not this line's.
+    ranking.extra["tied_with_above"] = ["L0H1", "L0H2"]
+    assert equal_change_words(ranking, 5) == []
+    # An estimate equal to a measurement is no such pair.
+    estimated = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, -0.1]), [0, 1], 2,
+                            extra={"confirmed": ["L0H0"]})
+    assert equal_change_words(estimated, 2) == []
+    assert equal_change_words(estimated, 2, all_measured=True)[0].endswith(
+        "L0H0, L0H1 (-0.1000).")
+
+
 def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
     from lm_eval_headloc.commands.greedy import _report
     from lm_eval_headloc.commands.report import at_floor

@@ -17,6 +17,7 @@ from ..heads import Head
 from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
 from .report import (
     HeadRanking,
+    equal_change_words,
     floor_words,
     harmless_words,
     ranking_table,
@@ -159,5 +160,6 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
                              "and log-likelihood alike"),
                   *harmless_words(ranking, top_k, all_measured=True),
                   *spread_words(ranking, top_k, all_measured=True),
+                  *equal_change_words(ranking, top_k, all_measured=True),
                   *ranking_table(ranking, top_k, "score change"), ""]
     return "\n".join(lines)

@@ -49,6 +49,7 @@ from .engine import (
 )
 from .report import (
     HeadRanking,
+    equal_change_words,
     floor_words,
     harmless_words,
     ranking_table,
@@ -306,6 +307,7 @@ def locate_report(run: LocateRun) -> str:
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
             *harmless_words(ranking, top_k, _UNIT[spec.components]),
             *spread_words(ranking, top_k, _UNIT[spec.components]),
+            *equal_change_words(ranking, top_k),
             *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
             *([f"The attribution prior's own top-{top_k} (prior.json"
@@ -392,7 +394,8 @@ def _confirm_words(run: LocateRun) -> str:
                if run.uses_prior else "the masks' fit's likeliest")
             + " (the fit redone after each round with "
             "the measured heads' changes held fixed); those that hurt rank first, by their "
-            "measured change, then the heads the fit implicates, then those that did no harm "
+            "measured change (equal ones by the gold answers' log-likelihood change), then "
+            "the heads the fit implicates, then those that did no harm "
             "(their stability: how often a replay of the confirmation on a bootstrap "
             "resample of the masks would have confirmed them into the top-k)")
 

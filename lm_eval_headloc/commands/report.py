@@ -451,6 +451,29 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
             "more, within the spread of single knockouts.", ""]
 
 
+def equal_change_words(ranking: HeadRanking, top_k: int, all_measured: bool = False
+                       ) -> list[str]:
+    """Top-k neighbours measured alike by the task's score but not tied, said as such:
+    ``confirm.rank_measured`` orders them by the gold answers' log-likelihood, which the
+    table does not show. ``all_measured``: every effect is a measurement (greedy)."""
+    tied = set(ranking.extra.get("tied_with_above", []))
+    groups: list[list[Column]] = []
+    top = ranking.top(top_k)
+    for above, below in zip(top, top[1:], strict=False):
+        if (str(below) not in tied and ranking.effect(above) == ranking.effect(below)
+                and all(all_measured or ranking.measured_alone(c) for c in (above, below))):
+            if groups and groups[-1][-1] == above:
+                groups[-1].append(below)
+            else:
+                groups.append([above, below])
+    if not groups:
+        return []
+    shown = "; ".join(f"{', '.join(map(column_label, group))} "
+                      f"({ranking.effect(group[0]):+.4f})" for group in groups)
+    return [f"The same measured change, ordered by the gold answers' log-likelihood change "
+            f"(the larger drop first): {shown}.", ""]
+
+
 def recorded_harmless(path: Path) -> set[str]:
     """The components a ranking file (heads-<task>.json) records as not hurting the task:
     a measured or estimated ``effect`` that leaves the score as it was or improves it. A
