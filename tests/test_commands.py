@@ -1362,7 +1362,7 @@ def test_universal_counts_a_task_once_however_many_runs_rank_it(tmp_path, capsys
     result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
     assert [(h["head"], h["tasks"]) for h in result["heads"]] == [("L3H3", 2)]
     assert harness("universal", *map(str, runs[:2]), "--out", str(tmp_path / "v.json")) == 2
-    assert last_error(capsys).endswith("--min-tasks 2: the runs rank only 1 distinct tasks "
+    assert last_error(capsys).endswith("--min-tasks 2: the runs rank only 1 distinct task "
                                        "(a task ranked by several runs counts once)")
 
 

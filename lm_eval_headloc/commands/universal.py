@@ -79,10 +79,11 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         raise UsageError(f"the runs are of different models ({first}: {models[first]!r}; "
                          f"{other}: {models[other]!r}); universal heads compare one model's "
                          "runs")
-    if min_tasks > len(set(task_of.values())):
-        raise UsageError(f"--min-tasks {min_tasks}: the runs rank only "
-                         f"{len(set(task_of.values()))} distinct tasks (a task ranked by "
-                         "several runs counts once)")
+    distinct = len(set(task_of.values()))
+    if min_tasks > distinct:
+        raise UsageError(f"--min-tasks {min_tasks}: the runs rank only {distinct} distinct "
+                         f"task{'s' if distinct != 1 else ''} (a task ranked by several runs "
+                         "counts once)")
     ranks: dict[str, dict[str, int]] = {}  # head -> {ranking: rank}, surely in its top-k
     ties: dict[str, dict[str, Any]] = {}  # ranking -> the tie group across its k-th place
     for label, ranking in rankings.items():
