@@ -35,6 +35,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,13 @@ class Resampler:
         return stacked, index
 
 
+#: Hex digits of the cache key's digest in a cached means file's name.
+_DIGEST_CHARS = 20
+#: The name of every file ``cached_head_means`` writes (a run folder's ``means/`` holds
+#: only these, which ``--force`` may clear).
+MEANS_FILE = re.compile(rf"means-[0-9a-f]{{{_DIGEST_CHARS}}}\.pt")
+
+
 def default_cache_dir() -> Path:
     """Where mean-ablation statistics are cached without ``ablation_cache=``."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -363,7 +371,7 @@ def cached_head_means(key_fields: dict[str, Any], compute: Any,
         raise AblationError(f"ablation_cache={str(folder)!r}: cannot be a folder of cached "
                             f"means ({err.strerror or err})") from None
     text = json.dumps(key_fields, sort_keys=True, default=str)
-    path = folder / f"means-{hashlib.sha256(text.encode()).hexdigest()[:20]}.pt"
+    path = folder / f"means-{hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]}.pt"
     if path.exists():
         try:
             stored = torch.load(path, weights_only=True)

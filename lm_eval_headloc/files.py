@@ -8,10 +8,15 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Beginning", "page_refusal", "write_atomically", "write_page"]
+__all__ = ["PARTIAL", "Beginning", "page_refusal", "write_atomically", "write_page"]
 
 #: How much of a file is read to see how it begins.
 _PEEK = 4096
+
+
+#: The name of ``write_atomically``'s partial file of ``<name>``, left behind only by a kill
+#: mid-write.
+PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:

@@ -137,6 +137,10 @@ def is_embedded(model_args: str | None) -> bool:
                               model_args.split(","))
 
 
+#: The model args that say which files a config or tokenizer is read from.
+_FILE_ARGS = ("revision", "trust_remote_code", "gguf_file", "subfolder")
+
+
 def model_config(model_args: str) -> Any:
     """The Hugging Face config ``model_args`` name (its ``pretrained=``, ``revision=``,
     ``gguf_file=`` …), no weights loaded; a one-line ``UsageError`` when it cannot be
@@ -147,8 +151,7 @@ def model_config(model_args: str) -> Any:
     from ..gguf_reads import cached_gguf_reads
 
     args = simple_parse_args_string(model_args)
-    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
-              if k in args}
+    kwargs = {k: args[k] for k in _FILE_ARGS if k in args}
     check_load_args(args.get("pretrained"), args.get("dtype"), args.get("peft"),
                     args.get("gguf_file"))
     pretrained = str(args.get("pretrained"))
@@ -193,8 +196,7 @@ def check_chat_template(model_args: str) -> None:
 
     args = simple_parse_args_string(model_args)
     source = args.get("tokenizer") or args.get("pretrained")
-    kwargs = {k: args[k] for k in ("revision", "trust_remote_code", "gguf_file", "subfolder")
-              if k in args and not args.get("tokenizer")}
+    kwargs = {k: args[k] for k in _FILE_ARGS if k in args and not args.get("tokenizer")}
     try:
         with cached_gguf_reads():
             tokenizer = AutoTokenizer.from_pretrained(str(source), **kwargs)

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import platform
-import re
 import shutil
 import stat
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..files import write_atomically
+from ..files import PARTIAL, write_atomically
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "enclosing_run", "option_words",
            "package_versions", "refuse_writing_into", "strict_json"]
@@ -153,12 +152,9 @@ WRITTEN = ("config.json", "measurements.jsonl", "design_matrix.npy", "prior.json
            "heatmap.png", "verify.json", "verify.md", "cross.json", "cross.md", "cross.png",
            "sweep.json", "sweep.md", "types.json", "types.csv", "lm_eval_files.json",
            "means", "timing.json", ".lock")
-#: The entries of WRITTEN that are folders, each with the pattern of the files in it
-#: (``ablation.cached_head_means``' files); every other entry is a file.
-WRITTEN_FOLDERS = {"means": re.compile(r"means-[0-9a-f]{20}\.pt")}
-#: ``files.write_atomically``'s partial files (``.<name>.<pid>.partial``): left behind only
-#: by a kill mid-write.
-_PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
+#: The one entry of WRITTEN that is a folder, holding ``ablation.MEANS_FILE`` files only;
+#: every other entry is a file.
+WRITTEN_FOLDER = "means"
 
 
 #: The bad measurement lines already warned of in this process: a command reads the file
@@ -172,7 +168,7 @@ def _written(name: str) -> bool:
 
 def _is_partial(entry: Path, written: Any = _written) -> bool:
     """Whether ``entry`` is a partial file of one of our files (``written(name)``)."""
-    match = _PARTIAL.fullmatch(entry.name)
+    match = PARTIAL.fullmatch(entry.name)
     return bool(match and written(match["name"]) and entry.is_file()
                 and not entry.is_symlink())
 
@@ -183,9 +179,10 @@ def _ours(entry: Path) -> bool:
     name; never a link."""
     if entry.is_symlink() or not _written(entry.name):
         return _is_partial(entry)
-    pattern = WRITTEN_FOLDERS.get(entry.name)
-    if pattern is None:
+    if entry.name != WRITTEN_FOLDER:
         return entry.is_file()
+    from ..ablation import MEANS_FILE as pattern  # torch: only where a means/ is looked at
+
     return entry.is_dir() and all(
         (inner.is_file() and not inner.is_symlink() and pattern.fullmatch(inner.name))
         or _is_partial(inner, pattern.fullmatch) for inner in entry.iterdir())
