@@ -88,6 +88,10 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
     ``AttributeError``."""
     import os
 
+    for name, value, what in (("peft", peft, "PEFT adapter"), ("gguf_file", gguf_file,
+                                                                  "GGUF file")):
+        if isinstance(value, str) and not value.strip():  # HF reads '' as "none": a typo
+            raise UsageError(f"{name}='': give a {what} or leave it out")
     for name, value in (("pretrained", pretrained), ("peft", peft)):
         if isinstance(value, str) and value.startswith("~"):
             # Neither the shell (not at a word's start) nor Hugging Face expands it.

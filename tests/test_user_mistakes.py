@@ -90,6 +90,9 @@ def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny
                                          f"pretrained={tmp_path},gguf_file=m.gguf$"):
         check_load_args(str(tmp_path / "m.gguf"))
     check_load_args(str(tmp_path), gguf_file="m.gguf")
+    for name in ("peft", "gguf_file"):  # '' was read as "none": the run went on without it
+        with pytest.raises(UsageError, match=f"^{name}='': give a .* or leave it out$"):
+            check_load_args(str(model), **{name: ""})
     check_load_args("org/name", peft="user/adapter")  # Hub ids: not paths, not checked
     # Through the harness and through lm_eval's model: one line, nothing loaded.
     assert _tiny_locate(model, tmp_path / "run", f"model_args+peft={tmp_path / 'nope'}") == 2
