@@ -133,7 +133,7 @@ def check_inputs(lm: Any, pairs: Sequence[tuple[list[int], list[int]]]) -> None:
 
     def catch(inputs: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         sent.extend(inputs.tolist())
-        return torch.zeros(*inputs.shape, vocab)
+        return torch.zeros(*inputs.shape, vocab, device=inputs.device)
 
     base = next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
     proxy = _Proxy(lm, _model_call=catch, cache_hook=CacheHook(None))
