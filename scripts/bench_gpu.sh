@@ -49,13 +49,18 @@ run() {  # stage, then bench_measure's options
         2>&1 | tee "$logs/bench-$name.log"
 }
 
-# Sized so that each stage ends inside a lent machine's 10 minutes per command: the
-# generation task's measurements are ~10-30 s each at 8B, so they are repeated less.
+# Sized so that both stages fit a lent machine's 15 minutes in all (one call each, the
+# machine's start included): the generation task's measurements are ~10-30 s each at 8B,
+# so they are repeated less; the 8B's masks-per-pass sweep stops at K = 32 (its automatic
+# K, from the H200's free memory, is below that) and times 4 masks per K beyond the
+# warm-up pass, since one mask there is a whole 100-document forward.
 if [ "$stage" = 1b ] || [ "$stage" = all ]; then
-    run 1b --config llama-3.2-1b --repeats 5 --gen-repeats 2 --reference-repeats 2
+    run 1b --config llama-3.2-1b --repeats 5 --gen-repeats 1 --reference-repeats 1 \
+        --reference-gen-docs 3 --sweep-masks 8 \
+        --locate-gen-masks 2 --locate-gen-confirm 1
 fi
 if [ "$stage" = 8b ] || [ "$stage" = all ]; then
     run 8b --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
-        --reference-gen-docs 5 \
-        --locate-gen-masks 1 --locate-gen-confirm 1
+        --reference-gen-docs 2 --sweep-masks 4 --max-masks-per-pass 32 \
+        --locate-gen-masks 2 --locate-gen-confirm 1
 fi

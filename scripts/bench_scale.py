@@ -78,14 +78,14 @@ def is_out_of_memory(error: BaseException) -> bool:
 def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: str,
                          most: int, auto: int, least: int = 16) -> list[PassRow]:
     """Seconds per mask for K = 1, 2, 4, … up to ``most`` or the first out-of-memory
-    error, and for ``auto`` if the doubling skipped it. Each K measures ``max(K, least)``
-    of ``masks`` (at least one whole pass) after an untimed warm-up pass of the same
-    shape."""
+    error, and for ``auto`` if the doubling skipped it (also beyond ``most``). Each K
+    measures ``max(K, least)`` of ``masks`` (at least one whole pass) after an untimed
+    warm-up pass of the same shape."""
     values, k = [], 1
     while k <= most:
         values.append(k)
         k *= 2
-    if auto not in values and auto <= most:
+    if auto not in values:
         values.append(auto)
     rows = []
     oom_at = None
@@ -312,7 +312,8 @@ def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None
     setups = {task: prepare(spec(task)) for task in (choice, gen)}
     first = setups[choice]
     task_manager = make_task_manager(str(include))
-    matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks),
+    # Enough masks for the automatic K too (at most 64, sizing's cap), whatever the sweep's.
+    matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks, 64),
                            first.total_heads, args.sparsity, args.seed)
     masks = [[Head.from_flat_index(int(i), first.heads_per_layer) for i in row.nonzero()[0]]
              for row in matrix]
@@ -489,7 +490,8 @@ def summary_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:
 def _passes_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:
     lines = ["", f"## Several masks per forward pass (`{bench_shapes.CHOICE_TASK}`)", "",
               "K doubles from 1 until the GPU runs out of memory or K = "
-              f"{args.max_masks_per_pass}; each K measures max(K, {args.sweep_masks}) "
+              f"{args.max_masks_per_pass}, and the automatic K; each K measures "
+              f"max(K, {args.sweep_masks}) "
               f"stratified masks (sparsity {args.sparsity}) after an untimed warm-up pass "
               "of the same shape.", "",
               "| K | rows per forward | s per mask | speed-up vs K = 1 | peak GPU memory | |",

@@ -135,6 +135,16 @@ def test_the_sweep_stops_doubling_at_the_first_out_of_memory_error():
         bench_scale.sweep_masks_per_pass(Broken(), [[]] * 4, "cpu", most=4, auto=1)
 
 
+def test_the_sweep_measures_the_automatic_k_beyond_its_largest_doubling():
+    class Measure:
+        def measure_many(self, masks, masks_per_pass):
+            return [{} for _ in masks]
+
+    rows = bench_scale.sweep_masks_per_pass(Measure(), [[]] * 32, "cpu", most=4, auto=26)
+    assert [r.per_pass for r in rows] == [1, 2, 4, 26]
+    assert rows[-1].masks == 26 and rows[-1].seconds_per_mask is not None
+
+
 def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     out = tmp_path / "BENCH.md"
     out.write_text("# Measurement throughput: head\n\n<!-- bench_workers: start -->\n\nkept\n\n"
