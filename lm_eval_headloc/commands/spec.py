@@ -103,9 +103,10 @@ def parse_batch_size(value: int | str) -> int | str:
 
 
 def parse_masks(value: int | str) -> int | str:
-    """A whole number >= 1 or ``auto``."""
+    """A whole number >= 2 (the fit needs two masks: one is an error after measuring it)
+    or ``auto``."""
     return _number_or_word(value, "--masks", lambda t: t == "auto",
-                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
+                           "a whole number >= 2 or 'auto'", whole=True, min_val=2)
 
 
 def parse_examples_part(value: str | None) -> tuple[int, int] | None:
