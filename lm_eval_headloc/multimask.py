@@ -206,18 +206,22 @@ def scored_positions_apply(lm: Any) -> bool:
 class ScoredBatch:
     """One forward pass's worth of requests, built as HFLM's ``_loglikelihood_tokens``
     builds it (context + continuation minus the last token, truncated on the left to
-    ``max_length``, right padding), with where each continuation token is scored."""
+    ``max_length``, right padding), with where each continuation token is scored.
+    Requests with the same model input share its row (an MMLU-style question's one-token
+    choices all read the question alone), as HFLM's one-token grouping has them."""
 
-    keys: list[tuple[str, str]]  # the request of each batch row
-    input_ids: torch.Tensor  # (rows, width)
+    keys: list[tuple[str, str]]  # the requests of the batch
+    input_ids: torch.Tensor  # (rows, width): one row per distinct model input
     rows: torch.Tensor  # per scored token: its batch row ...
     positions: torch.Tensor  # ... the position whose logits predict it ...
-    targets: torch.Tensor  # ... and the token
+    targets: torch.Tensor  # ... the token ...
+    owners: torch.Tensor  # ... and the request it belongs to (an index into keys)
 
 
 class LoglikelihoodRequests:
     """The loglikelihood requests of a fixed example subset, tokenized once and batched
-    once per batch size: a measurement loop reuses them for every mask."""
+    once per batch size: a measurement loop reuses them for every mask. A batch size
+    counts distinct model inputs (``ScoredBatch``)."""
 
     def __init__(self, lm: Any, requests: Sequence[tuple[str, str]]) -> None:
         self.keys = list(dict.fromkeys(tuple(r) for r in requests))
@@ -229,6 +233,11 @@ class LoglikelihoodRequests:
             lm.remember_prompts(self._encoded)
         self._max_length = int(lm.max_length)
         self._device = lm.device
+        # The requests of each distinct model input, in the order first seen.
+        self._sharing: dict[tuple[int, ...], list[int]] = {}
+        for index, pair in enumerate(self._encoded):
+            self._sharing.setdefault(tuple(model_input(*pair, self._max_length)),
+                                     []).append(index)
         self._batches: dict[int, list[ScoredBatch]] = {}
         # Narrow lm_head to the scored positions unless the model has no output embedding.
         get_head = getattr(lm.model, "get_output_embeddings", None)
@@ -236,11 +245,10 @@ class LoglikelihoodRequests:
 
     def batches(self, size: int) -> list[ScoredBatch]:
         if size not in self._batches:
-            encoded = self._encoded
-            order = sorted(range(len(self.keys)), key=lambda i: -len(encoded[i][0] +
-                                                                      encoded[i][1]))
-            self._batches[size] = [self._batch(order[start:start + size])
-                                   for start in range(0, len(order), size)]
+            # Widest first (as HFLM orders them), the first-seen order among equals.
+            inputs = sorted(self._sharing.items(), key=lambda item: -len(item[0]))
+            self._batches[size] = [self._batch(inputs[start:start + size])
+                                   for start in range(0, len(inputs), size)]
         return self._batches[size]
 
     def widest(self) -> tuple[list[int], list[int]]:
@@ -251,21 +259,25 @@ class LoglikelihoodRequests:
         """(rows, width, scored tokens) of each forward pass at batch size ``size``."""
         return [(*batch.input_ids.shape, len(batch.targets)) for batch in self.batches(size)]
 
-    def _batch(self, chunk: list[int]) -> ScoredBatch:
-        tokens = [model_input(*self._encoded[i], self._max_length) for i in chunk]
-        input_ids = torch.zeros(len(chunk), max(len(t) for t in tokens), dtype=torch.long)
-        rows, positions, targets = [], [], []
-        for row, (t, i) in enumerate(zip(tokens, chunk, strict=True)):
-            input_ids[row, :len(t)] = torch.tensor(t)
-            continuation = self._encoded[i][1]
-            positions.extend(range(len(t) - len(continuation), len(t)))
-            rows.extend([row] * len(continuation))
-            targets.extend(continuation)
+    def _batch(self, chunk: list[tuple[tuple[int, ...], list[int]]]) -> ScoredBatch:
+        input_ids = torch.zeros(len(chunk), max(len(t) for t, _ in chunk), dtype=torch.long)
+        keys: list[tuple[str, str]] = []
+        rows, positions, targets, owners = [], [], [], []
+        for row, (tokens, sharing) in enumerate(chunk):
+            input_ids[row, :len(tokens)] = torch.tensor(tokens)
+            for i in sharing:
+                continuation = self._encoded[i][1]
+                positions.extend(range(len(tokens) - len(continuation), len(tokens)))
+                rows.extend([row] * len(continuation))
+                targets.extend(continuation)
+                owners.extend([len(keys)] * len(continuation))
+                keys.append(self.keys[i])
         device = self._device
-        return ScoredBatch([self.keys[i] for i in chunk], input_ids.to(device),
+        return ScoredBatch(keys, input_ids.to(device),
                            torch.tensor(rows, device=device),
                            torch.tensor(positions, device=device),
-                           torch.tensor(targets, device=device))
+                           torch.tensor(targets, device=device),
+                           torch.tensor(owners, device=device))
 
 
 def _scored_logits(lm: Any, requests: LoglikelihoodRequests, input_ids: torch.Tensor,
@@ -304,7 +316,7 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
     softmax_dtype = getattr(lm, "softmax_dtype", None)
     answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
     for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
-        size = len(batch.keys)
+        size = len(batch.input_ids)
         copies = torch.arange(k_masks, device=batch.rows.device)[:, None] * size
         with lm.knocking_out(row_masks=row_masks.repeat_interleave(size, dim=0)):
             logits = _scored_logits(lm, requests, batch.input_ids.repeat(k_masks, 1),
@@ -319,13 +331,13 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
         # Per request: the sum of its tokens' logprobs, and whether all were greedy.
         # HFLM's logprobs.sum() accumulates half precision in float32 and rounds the
         # total to the logprobs' dtype; so does this.
-        owner = batch.rows.to(logprobs.device)
+        owner = batch.owners.to(logprobs.device)
         total = torch.promote_types(logprobs.dtype, torch.float32)
-        empty = torch.zeros(k_masks, size, dtype=total, device=logprobs.device)
+        empty = torch.zeros(k_masks, len(batch.keys), dtype=total, device=logprobs.device)
         summed = (empty.index_add(1, owner, token_logprob.to(total))
                   .to(logprobs.dtype).cpu().tolist())
         misses = empty.index_add(1, owner, 1.0 - token_greedy.to(total)).cpu().tolist()
         for k in range(k_masks):
-            for row, key in enumerate(batch.keys):
-                answers[k][key] = (summed[k][row], misses[k][row] == 0)
+            for index, key in enumerate(batch.keys):
+                answers[k][key] = (summed[k][index], misses[k][index] == 0)
     return answers

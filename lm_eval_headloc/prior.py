@@ -154,15 +154,15 @@ def attribution_effects(lm: Any, requests: LoglikelihoodRequests,
     try:
         with _carrying(lm, kind):
             for batch in requests.batches(batch_size):
-                row_weights = torch.tensor(
+                key_weights = torch.tensor(
                     [float(weights.get(key, 0.0)) for key in batch.keys], dtype=torch.float64)
-                if not row_weights.any():
+                if not key_weights.any():
                     continue
                 with torch.enable_grad():
                     token_logprob = _scored_logprobs(lm, requests, batch, at, kind,
                                                      captured, moves)
-                    per_token = row_weights.to(token_logprob)[
-                        batch.rows.to(token_logprob.device)]
+                    per_token = key_weights.to(token_logprob)[
+                        batch.owners.to(token_logprob.device)]
                     objective = (token_logprob * per_token).sum()
                     grads = torch.autograd.grad(objective, captured, allow_unused=True)
                 for layer, moved, grad in zip(modules, moves, grads, strict=True):
@@ -190,7 +190,7 @@ def _answers_at(lm: Any, requests: LoglikelihoodRequests, at: float, kind: str,
         for batch in requests.batches(batch_size):
             token_logprob = _scored_logprobs(lm, requests, batch, at, kind).double().cpu()
             summed = torch.zeros(len(batch.keys), dtype=torch.float64).index_add(
-                0, batch.rows.cpu(), token_logprob)
+                0, batch.owners.cpu(), token_logprob)
             answers.update((key, (value, False))
                            for key, value in zip(batch.keys, summed.tolist(), strict=True))
     return answers

@@ -356,3 +356,33 @@ def test_a_single_request_passes_the_input_check_and_is_answered_as_hflm_does(
                               disable_tqdm=True)[0]
     assert ours[key][0] == pytest.approx(theirs[0], abs=1e-5)
     assert ours[key][1] == theirs[1]
+
+
+def test_requests_with_the_same_model_input_share_one_row(measurement):
+    """An MMLU-style question's one-token choices all feed the model the question alone:
+    one row answers them all (HFLM groups them too), and the answers stay HFLM's."""
+    from lm_eval_headloc.multimask import LoglikelihoodRequests
+
+    lm = measurement.lm
+    questions = ["The capital of France is", "Two plus two makes"]
+    letters = ["A", "B", "C", "D"]  # single bytes: one token each in the tiny tokenizer
+    assert all(len(lm.tok_encode(letter)) == 1 for letter in letters)
+    longer = " a much longer answer"
+    assert len(lm.tok_encode(longer)) > 1
+    requests = [(q, letter) for q in questions for letter in letters] + [(questions[0], longer)]
+    shared = LoglikelihoodRequests(lm, requests)
+    (batch,) = shared.batches(32)
+    # Two questions, four one-token letters each: two rows; the longer answer reads more.
+    assert len(batch.input_ids) == 3 and len(batch.keys) == len(requests)
+    assert sorted(batch.keys) == sorted(requests)
+    masks = [[], parse_heads("L0H1+L1H2", 2, 4)]
+    for heads, answers in zip(masks, loglikelihoods_for_masks(lm, shared, masks), strict=True):
+        lm.set_heads(heads)
+        alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
+        for request, (logprob, greedy) in zip(requests, alone, strict=True):
+            assert answers[request][0] == pytest.approx(logprob, abs=1e-4)
+            assert answers[request][1] == greedy
+    lm.set_heads([])
+    # One row per distinct input counts against the batch size: two passes of one row
+    # here, then one with the longer answer's row.
+    assert [len(b.input_ids) for b in shared.batches(1)] == [1, 1, 1]

@@ -182,8 +182,8 @@ def test_the_prior_halves_its_backward_batch_on_running_out_of_gpu_memory(
 
     def short_of_memory(lm_, requests, batch, *args, **kwargs):
         if torch.is_grad_enabled():
-            tried.append(len(batch.keys))
-            if len(batch.keys) > 2:
+            tried.append(len(batch.input_ids))
+            if len(batch.input_ids) > 2:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
         return real(lm_, requests, batch, *args, **kwargs)
 
