@@ -357,3 +357,20 @@ def test_a_worker_measures_as_one_process_whatever_the_drivers_ray_options():
                   worker.ray_timeout)  # raises on what the driver's options would leave
     assert (worker.workers, worker.ray_address, worker.gpus_per_worker) == (1, None, None)
     assert worker.replace(progress=True).identity("locate") == driver.identity("locate")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
+    """The driver's device (its own machine's choice, or a GPU index the driver sees)
+    means nothing to a worker, which sees only the GPUs Ray gave it, from cuda:0, or none:
+    a CPU driver's device=cpu kept GPU workers on their CPUs, and cuda:1 was refused in a
+    one-GPU worker. A worker drops it and chooses as a run without one does."""
+    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.commands.engine import resolve_model_args
+    from lm_eval_headloc.commands.workers import worker_spec
+
+    driver = RunSpec(model_args=f"pretrained=/m,device={device},dtype=bfloat16", workers=2)
+    worker = worker_spec(RunSpec(**driver.as_config()))
+    assert worker.model_args == "pretrained=/m,dtype=bfloat16"
+    # Here, where a worker would see no GPU, it chooses the CPU.
+    assert resolve_model_args(worker.model_args) == "pretrained=/m,dtype=bfloat16,device=cpu"

@@ -169,9 +169,16 @@ def _connect_within(host: str, port: int, timeout: float) -> str | None:
 
 def worker_spec(spec: Any) -> Any:
     """The spec a worker measures with: the driver's, as one process (the driver's Ray
-    options, checked there, are none of the worker's)."""
+    options, checked there, are none of the worker's), on its own device: the driver's
+    ``device=`` (named, or chosen by the driver's machine) is dropped, so the worker
+    chooses as a run does (``engine.resolve_model_args``) from what Ray lets it see —
+    ``cuda`` (its first GPU) where it was given GPUs, else ``cpu``."""
+    model_args = spec.model_args
+    if model_args:
+        model_args = ",".join(part for part in model_args.split(",") if part.strip()
+                              and part.split("=", 1)[0].strip() != "device")
     return spec.replace(workers=1, ray_address=None, ray_timeout=RAY_TIMEOUT,
-                        gpus_per_worker=None)
+                        gpus_per_worker=None, model_args=model_args)
 
 
 def measurement_fingerprint(measure: Any) -> str:
