@@ -583,12 +583,15 @@ def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = Non
 
 def _weights_fingerprint(model: Any) -> str:
     """A digest of every parameter's name, shape and sum: cached means follow the weights
-    (a folder overwritten with other weights gets new means), at one pass over them."""
+    (a folder overwritten with other weights gets new means), at one pass over them. Summed
+    in float64 without a float64 copy: an 8B model's embedding would take 4 GiB more on a
+    GPU it may already fill."""
     import torch
 
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in model.named_parameters():
-            total = float(tensor.double().sum()) if tensor.device.type != "meta" else 0.0
+            total = (float(tensor.sum(dtype=torch.float64)) if tensor.device.type != "meta"
+                     else 0.0)
             digest.update(f"{name}{tuple(tensor.shape)}{total!r}".encode())
     return digest.hexdigest()

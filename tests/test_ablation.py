@@ -196,6 +196,28 @@ def test_means_are_cached_by_model_data_and_dtype_and_foreign_files_are_refused(
     assert Path(first.means_file).read_bytes() == b"somebody else's file"
 
 
+def test_the_weights_fingerprint_makes_no_float64_copy_and_keeps_old_cache_keys(
+        tiny_model_dir, monkeypatch):
+    """Mean ablation's cache key sums every parameter in float64: a float64 copy of an 8B
+    model's embedding is 4 GiB more on its GPU. The key is the one caches were written
+    under (name, shape and the float64 sum of each parameter, as computed before)."""
+    import hashlib
+
+    from lm_eval_headloc.model import _weights_fingerprint
+
+    model = load_lm(tiny_model_dir("llama"), dtype="bfloat16").model
+    expected = hashlib.sha256()
+    for name, tensor in model.named_parameters():
+        total = float(tensor.detach().to(torch.float64).sum())
+        expected.update(f"{name}{tuple(tensor.shape)}{total!r}".encode())
+
+    def no_copy(self, *args, **kwargs):
+        raise AssertionError("a float64 copy of a parameter")
+
+    monkeypatch.setattr(torch.Tensor, "double", no_copy)
+    assert _weights_fingerprint(model) == expected.hexdigest()
+
+
 def test_cache_keeps_what_compute_gave_and_writes_no_partial_file(tmp_path):
     means = [torch.arange(6.0).view(2, 3)]
     got, path = cached_head_means({"model": "m"}, lambda: means, tmp_path)
