@@ -273,6 +273,8 @@ class HarnessMeasurement:
         self._all_golds: list[Any] | None = None  # every document's gold, made once
         self._batch_size: int | None = None  # rows per pass, resolved on first use
         self._generation_rows: int | None = None  # batch_size=auto: rows per generate call
+        # Masks per pass since one more ran out of GPU memory (measure_many); None: no cap.
+        self.most_masks_per_pass: int | None = None
 
     @property
     def leaf_tasks(self) -> list[str]:
@@ -522,7 +524,8 @@ class HarnessMeasurement:
 
         Loglikelihood tasks: the subset's requests are recorded once and their answers
         computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass of
-        K x ``resolved_batch_size()`` rows, logits only at the continuation tokens), then
+        K x ``resolved_batch_size()`` rows, logits only at the continuation tokens; K halved
+        for good when a pass runs out of GPU memory, ``most_masks_per_pass``), then
         lm-eval's ``evaluate`` scores each mask from those answers. Other tasks, a seq2seq
         model or a prompt-learning adapter (``scored_positions`` False):
         ``measure_with_model``, one mask at a time (``masks_per_pass`` is then unused).
@@ -530,15 +533,32 @@ class HarnessMeasurement:
         per_pass = check_number(masks_per_pass, "masks_per_pass", whole=True, min_val=1)
         if not self.scored_positions:
             return [self.measure_with_model(heads) for heads in masks]
+        import torch
+
         from .multimask import ReplayLM, loglikelihoods_for_masks
 
         requests = self.requests()
         batch_size = self.resolved_batch_size()
-        scores = []
-        for start in range(0, len(masks), per_pass):
+        scores: list[dict[str, TaskScore]] = []
+        start = 0
+        while start < len(masks):
+            per_pass = min(per_pass, self.most_masks_per_pass or per_pass)
             group = [list(heads) for heads in masks[start:start + per_pass]]
-            answers = loglikelihoods_for_masks(self.lm, requests, group,
-                                               batch_size * len(group))
+            try:
+                answers = loglikelihoods_for_masks(self.lm, requests, group,
+                                                   batch_size * len(group))
+            except torch.OutOfMemoryError:
+                # The automatic K is an estimate (sizing.masks_per_pass): a pass that does
+                # not fit is retried at half the masks, and stays halved for the rest.
+                if len(group) == 1:
+                    raise
+                self.most_masks_per_pass = len(group) // 2
+                log.warning("%d masks per forward pass ran out of GPU memory; measuring %d "
+                            "per pass from now on", len(group), self.most_masks_per_pass)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            start += len(group)
             for heads, answered in zip(group, answers, strict=True):
                 results = None if self.signal == "logprob" else self.evaluate(
                     heads, ReplayLM(self.lm, answered))

@@ -386,3 +386,38 @@ def test_requests_with_the_same_model_input_share_one_row(measurement):
     # One row per distinct input counts against the batch size: two passes of one row
     # here, then one with the longer answer's row.
     assert [len(b.input_ids) for b in shared.batches(1)] == [1, 1, 1]
+
+
+def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
+        measurement, monkeypatch, caplog):
+    """The automatic masks per pass is an estimate from free memory; a pass that does not
+    fit halves K for the rest of the run instead of ending it, with the same scores."""
+    from lm_eval_headloc import multimask
+
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    expected = measurement.measure_many(masks, masks_per_pass=1)
+    real = multimask.loglikelihoods_for_masks
+    tried = []
+
+    def three_fit(lm, requests, group, batch_size=32):
+        tried.append(len(group))
+        if len(group) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(lm, requests, group, batch_size)
+
+    monkeypatch.setattr(multimask, "loglikelihoods_for_masks", three_fit)
+    with caplog.at_level("WARNING", logger="lm_eval_headloc.measure"):
+        got = measurement.measure_many(masks, masks_per_pass=6)
+    assert tried == [6, 3, 3]  # 6 failed; the six masks in passes of three
+    assert measurement.most_masks_per_pass == 3
+    assert "6 masks per forward pass ran out of GPU memory; measuring 3" in caplog.text
+    assert got == expected
+    tried.clear()
+    measurement.measure_many(masks[:4], masks_per_pass=4)  # stays halved: nothing fails
+    assert tried == [3, 1]
+    # One mask that does not fit is not hidden.
+    monkeypatch.setattr(multimask, "loglikelihoods_for_masks", lambda *a, **k: (_ for _ in (
+        )).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(torch.OutOfMemoryError):
+        measurement.measure_many(masks[:1], masks_per_pass=1)
+    measurement.most_masks_per_pass = None
