@@ -687,9 +687,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--masks-per-pass {args.masks_per_pass!r}: 0 alone skips the table")
     for name in ("repeats", "num_samples", "gen_samples", "batch_size", "profile_calls",
                  "multi_masks", "multi_repeats", "max_gen_toks", "reference_gen_docs",
-                 "max_masks_per_pass", "locate_gen_masks", "sweep_masks"):
+                 "max_masks_per_pass", "sweep_masks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.locate_gen_masks < 2:  # locate's own --masks: a fit needs two
+        parser.error(f"--locate-gen-masks {args.locate_gen_masks}: must be >= 2")
     if args.reference_repeats < 0 or args.seed < 0 or args.locate_gen_confirm < 0:
         parser.error("--reference-repeats, --seed and --locate-gen-confirm must be >= 0")
     for name, most in (("max_masks_per_pass", 1024), ("sweep_masks", 1024),

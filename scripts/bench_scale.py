@@ -100,11 +100,17 @@ def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: 
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+            # measure_many halves K for good after an out-of-memory error: a K that
+            # needed halving is this sweep's memory limit, not a timing of K.
+            measure.most_masks_per_pass = None
             measure.measure_many(masks[:k], masks_per_pass=k)  # warm-up, same shape
             _sync(device)
             start = time.perf_counter()
             measure.measure_many(masks[:count], masks_per_pass=k)
             _sync(device)
+            if measure.most_masks_per_pass is not None:
+                raise torch.OutOfMemoryError(f"K = {k} was halved to "
+                                             f"{measure.most_masks_per_pass}")
             row.seconds_per_mask = (time.perf_counter() - start) / count
             if device.startswith("cuda"):
                 row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -119,6 +125,7 @@ def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: 
         print(f"  K={k}: " + (f"{row.seconds_per_mask:.4f} s per mask over {count} masks"
                               if row.seconds_per_mask is not None else "out of memory"),
               flush=True)
+    measure.most_masks_per_pass = None
     return rows
 
 
@@ -191,6 +198,8 @@ class LocateRow:
     per_mask: float = 0.0
     per_confirm: float = 0.0
     prior: float = 0.0  # prior.json's own seconds (part of the fixed part)
+    derived: bool = False  # not run: ``derived_generating_row``
+
 
     @property
     def fixed(self) -> float:
@@ -201,6 +210,16 @@ class LocateRow:
                         confirm: int = DEFAULTS.confirm) -> float:
         return extrapolate_default(self.fixed, self.baseline, self.per_mask,
                                    self.per_confirm, masks, confirm)
+
+
+def derived_generating_row(logprob: LocateRow, generating: float) -> LocateRow:
+    """The generating locate where it is too long to run (8B: ~40 s a measurement): the
+    ``--signal logprob`` run's fixed part (load, prior, head types, fits: the same passes
+    on the same task) and every measurement at ``generating`` seconds, what one
+    measurement by generating took at the "one measurement" stage."""
+    return LocateRow(logprob.task, "metric", 0, 0, wall=logprob.fixed, prior=logprob.prior,
+                     baseline=generating, per_mask=generating, per_confirm=generating,
+                     derived=True)
 
 
 def extrapolate_default(fixed: float, baseline: float, per_mask: float, per_confirm: float,
@@ -375,6 +394,11 @@ def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None
                                      if generating else (DEFAULTS.masks, 5))))
     run_locates(model_args, str(include), runs, args.batch_size, args.num_samples, args.seed,
                 work / "runs", done=lambda row: (report.locates.append(row), stage_done()))
+    logprob = next((r for r in report.locates if (r.task, r.signal) == (gen, "logprob")), None)
+    generating = next((r for r in report.tasks if r.task == gen), None)
+    if logprob is not None and generating is not None:
+        # Beside a measured generating run it shows how far the derivation is off.
+        report.locates.append(derived_generating_row(logprob, generating.ours.median))
     stage_done("locate runs")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)  # our own temporary folder
@@ -479,8 +503,11 @@ def summary_lines(report: ScaleReport, args: argparse.Namespace) -> list[str]:
                                                  "logprob`",
              (bench_shapes.GEN_TASK, "metric"): "a gsm8k-shaped task generating "
                                                 f"{args.max_gen_toks} tokens"}
+    measured = {(row.task, row.signal) for row in report.locates if not row.derived}
     parts = [f"≈ {_minutes(row.default_seconds())} on {words[(row.task, row.signal)]}"
-             for row in report.locates]
+             + (" (derived from one measurement)" if row.derived else "")
+             for row in report.locates
+             if not (row.derived and (row.task, row.signal) in measured)]
     return ["", f"**In short**: a default `locate` (100 examples, {DEFAULTS.masks} masks + "
             f"{DEFAULTS.confirm} confirmations) on {bench_shapes.PUBLISHED_AS[report.config]}"
             f" ({args.dtype}) on {device} takes {'; '.join(parts)} (extrapolated from the "
@@ -556,6 +583,13 @@ def _locate_lines(report: ScaleReport) -> list[str]:
              "s per mask | s per confirmation | default run (extrapolated) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in report.locates:
+        if row.derived:
+            lines.append(
+                f"| `{row.task}`, {row.signal} | not run: the logprob run's fixed part, "
+                f"every measurement at the seconds one took above | | {row.fixed:.0f} s "
+                f"({row.prior:.0f} s) | {row.per_mask:.2f} | {row.per_confirm:.2f} | "
+                f"**{_minutes(row.default_seconds())}** |")
+            continue
         lines.append(
             f"| `{row.task}`, {row.signal} | {row.masks} masks + {row.confirm} "
             f"confirmations | {row.wall:.0f} s | {row.fixed:.0f} s ({row.prior:.0f} s) | "

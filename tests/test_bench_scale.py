@@ -155,7 +155,7 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
         "--dtype", "float32", "--num-samples", "4", "--repeats", "1",
         "--reference-repeats", "1", "--reference-gen-docs", "2", "--max-gen-toks", "4",
         "--max-masks-per-pass", "2", "--sweep-masks", "2", "--batch-size", "2",
-        "--locate", "choice", "--out", str(out)],
+        "--locate", "choice", "gen:logprob", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
@@ -172,7 +172,10 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     assert "note:" not in section  # the limit replays the harness's tokens exactly
     assert ("**In short**: a default `locate` (100 examples, 12 masks + 34 confirmations) "
             "on a toy Llama (tests) (float32) on the CPU takes ≈ ") in section
-    assert "s on an MMLU-shaped task (extrapolated from the measured parts below)" in section
+    assert "s on an MMLU-shaped task; ≈ " in section
+    # No generating run: derived from the logprob run's fixed part and one measurement.
+    assert "| `scale_gen`, metric | not run: the logprob run's fixed part" in section
+    assert "on a gsm8k-shaped task generating 4 tokens (derived from one measurement)" in section
 
 
 def test_bad_options_are_one_line_errors(capsys, tmp_path):
@@ -192,6 +195,7 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
             (bench_measure, ["--max-masks-per-pass", "100000"],
              "--max-masks-per-pass 100000: at most 1024"),
             (bench_measure, ["--sweep-masks", "0"], "--sweep-masks 0: must be >= 1"),
+            (bench_measure, ["--locate-gen-masks", "1"], "--locate-gen-masks 1: must be >= 2"),
             (bench_measure, ["--max-gen-toks", "-3"], "--max-gen-toks -3: must be >= 1"),
             (bench_measure, ["--max-gen-toks", "10000000"], "--max-gen-toks 10000000: at most"),
             (bench_measure, ["--model-dir", str(theirs)], "was not made by this benchmark"),
@@ -233,3 +237,29 @@ def test_a_run_cut_short_keeps_what_it_measured():
         assert absent not in text
     report.left.clear()
     assert "incomplete" not in bench_scale.render_scale(report, args, "…")
+
+
+def test_a_k_that_measure_many_had_to_halve_is_the_sweeps_memory_limit():
+    class Measure:  # as HarnessMeasurement: halves K for good instead of raising
+        most_masks_per_pass = None
+
+        def measure_many(self, masks, masks_per_pass):
+            if masks_per_pass >= 8:
+                self.most_masks_per_pass = masks_per_pass // 2
+            return [{} for _ in masks]
+
+    measure = Measure()
+    rows = bench_scale.sweep_masks_per_pass(measure, [[]] * 32, "cpu", most=16, auto=4)
+    assert [(r.per_pass, r.seconds_per_mask is None) for r in rows] == [
+        (1, False), (2, False), (4, False), (8, True), (16, True)]
+    assert measure.most_masks_per_pass is None  # the measurement is left uncapped
+
+
+def test_the_derived_generating_run_is_the_logprob_runs_fixed_part_plus_its_measurements():
+    logprob = bench_scale.LocateRow("scale_gen", "logprob", 12, 5, wall=30.0, measured=10.0,
+                                    prior=4.0)
+    derived = bench_scale.derived_generating_row(logprob, generating=2.0)
+    assert (derived.task, derived.signal, derived.derived) == ("scale_gen", "metric", True)
+    assert derived.fixed == pytest.approx(20.0) and derived.prior == 4.0
+    # 20 s fixed + the baseline, 12 masks and 34 heads alone at 2 s each
+    assert derived.default_seconds(12, 34) == pytest.approx(20 + 2 + 24 + 68)
