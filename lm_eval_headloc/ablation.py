@@ -309,8 +309,11 @@ class Resampler:
                rows: Sequence[Sequence[int]], starts: Sequence[int], columns: int
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """For rows whose real tokens are ``rows[b]``, starting at column ``starts[b]`` of
-        inputs ``columns`` wide: per layer the donors' outputs (rows, donor width, H·d),
-        and the (rows, columns) index of the donor position each column gets."""
+        inputs ``columns`` wide: per layer the outputs of the distinct donors chosen
+        (donors, donor width, H·d), and the (rows, columns) index of the donor position
+        each column gets, into those outputs' first two dimensions flattened (donor ×
+        width + position). Several masks per pass repeat a batch's rows K times; their
+        donors are held once."""
         chosen = [pick_donor(tokens, self.references, self.seed) for tokens in rows]
         recorded = tuple(id(m) for m in modules)
         if recorded != getattr(self, "_recorded_modules", recorded):
@@ -325,21 +328,22 @@ class Resampler:
             if self._cached_bytes + size <= self.cache_bytes:
                 self._cache[index] = outputs
                 self._cached_bytes += size
-        per_donor = {i: self._cache.get(i) or fresh[i] for i in set(chosen)}
-        width = max(len(self.references[i]) for i in chosen)
-        layers = len(modules)
+        distinct = sorted(set(chosen))
+        per_donor = {i: self._cache.get(i) or fresh[i] for i in distinct}
+        width = max(len(self.references[i]) for i in distinct)
         stacked = []
-        for layer in range(layers):
-            sample = per_donor[chosen[0]][layer]
-            block = sample.new_zeros(len(chosen), width, sample.shape[-1])
-            for row, donor in enumerate(chosen):
+        for layer in range(len(modules)):
+            sample = per_donor[distinct[0]][layer]
+            block = sample.new_zeros(len(distinct), width, sample.shape[-1])
+            for slot, donor in enumerate(distinct):
                 values = per_donor[donor][layer]
-                block[row, :len(values)] = values.to(block.device)
+                block[slot, :len(values)] = values.to(block.device)
             stacked.append(block)
+        slots = torch.tensor([distinct.index(i) for i in chosen])
         lengths = torch.tensor([len(self.references[i]) for i in chosen])
         offsets = torch.arange(columns)[None, :] - torch.as_tensor(list(starts))[:, None]
         index = torch.minimum(offsets.clamp(min=0), (lengths - 1)[:, None])
-        return stacked, index
+        return stacked, slots[:, None] * width + index
 
 
 #: Hex digits of the cache key's digest in a cached means file's name.

@@ -496,8 +496,8 @@ class ActivePass:
     rows: int | None  # per-row masks: the batch rows they are for
     scale: float
     replacement: dict[str, list[torch.Tensor | None]]
-    # Resample: per kind and layer (rows, width, units, d) donor outputs, and per row
-    # which donor position stands in for each column (rows, columns).
+    # Resample: per kind and layer (donors, width, units, d) donor outputs, and per row
+    # which donor position (donor × width + position) stands in for each column.
     donors: dict[str, list[torch.Tensor]] | None = None
     donor_index: torch.Tensor | None = None
     first_column: int = 0  # the columns a forward sees start here (generation's cache)
@@ -677,18 +677,18 @@ class HeadKnockout:
             return None
         if active.donors is not None:
             donors, index = active.donors[kind][layer], active.donor_index
-            if per_unit.dim() != 4 or per_unit.shape[0] != donors.shape[0]:
+            if per_unit.dim() != 4 or per_unit.shape[0] != index.shape[0]:
                 raise RuntimeError(f"resample ablation: layer {layer} sees "
                                    f"{tuple(per_unit.shape[:-2])} positions, donors were set "
-                                   f"for {donors.shape[0]} rows")
+                                   f"for {index.shape[0]} rows")
             columns = per_unit.shape[1]
             picked = index[:, active.first_column:active.first_column + columns]
             if picked.shape[1] != columns:
                 raise RuntimeError(f"resample ablation: columns {active.first_column}.."
                                    f"{active.first_column + columns} past the "
                                    f"{index.shape[1]} donors were aligned to")
-            rows = torch.arange(donors.shape[0], device=donors.device)[:, None]
-            return donors[rows, picked.to(donors.device)].to(per_unit)
+            # (donors × width, units, d) indexed by (rows, columns): each row's donor.
+            return donors.flatten(0, 1)[picked.to(donors.device)].to(per_unit)
         replacements = active.replacement.get(kind)
         replacement = None if replacements is None else replacements[layer]
         if replacement is None:
@@ -828,8 +828,10 @@ class HeadKnockout:
         state (usually none) is back on exit, whatever happens inside. ``donors``:
         resample ablation's ``(per_module, index)``: ``per_module`` holds, for the modules
         of ``site_modules(kinds)`` in that order (the kinds the intervention knocks out),
-        each row's donor inputs (rows, width, features); ``index`` (rows, columns) which
-        donor position replaces each column of that row. Yields the ``ActivePass``."""
+        the donors' inputs (donors, width, features); ``index`` (rows, columns) which
+        donor position replaces each column of that row, as donor × width + position
+        (``ablation.Resampler.donors``: rows that share a donor share its outputs). Yields
+        the ``ActivePass``."""
         if self._removed:  # its hooks are off the model: a knockout would change nothing
             raise RuntimeError("this HeadKnockout's hooks were taken off the model (remove()); "
                                "make a new HeadKnockout(model)")
@@ -851,7 +853,10 @@ class HeadKnockout:
                 active.donors[kind] = [None if t is None else
                                        t.unflatten(-1, (site.units, -1)).to(device)
                                        for t, device in zip(chunk, site.devices, strict=True)]
-            active.donor_index = index
+            # On the donors' device once, not in every layer of every pass.
+            first = next((t.device for ts in active.donors.values() for t in ts
+                          if t is not None), None)
+            active.donor_index = index if first is None else index.to(first)
         saved, self._active = self._active, active
         try:
             yield active

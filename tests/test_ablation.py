@@ -417,6 +417,35 @@ def test_resample_donor_follows_the_row_not_its_batch_or_padding(tiny_model_dir,
         assert not torch.allclose(other._model_call(batch), together)
 
 
+def test_resample_holds_each_donor_once_however_many_copies_of_its_rows(tiny_model_dir,
+                                                                         tmp_path):
+    """K masks per pass repeat a batch's rows K times; the donors' outputs (rows x width x
+    every layer's H·d, the largest tensors of a pass) are held once per distinct donor."""
+    from lm_eval_headloc.ablation import pick_donor
+
+    reference = tmp_path / "reference.txt"
+    reference.write_text("\n".join(TEXTS + list(DONORS.values())), encoding="utf-8")
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1", ablation="resample",
+                 ablation_data=str(reference))
+    rows = [lm.tok_encode(t) for t in (PROBE, DONORS["long"], "the cat")] * 4  # K = 4
+    resampler = lm.resampler
+    distinct = {pick_donor(r, resampler.references, resampler.seed) for r in rows}
+    assert 1 < len(distinct) < len(rows)
+    width = max(map(len, rows))
+    with torch.no_grad(), lm.knockout.applied(None):
+        stacked, index = resampler.donors(lm.model, lm.knockout.site_modules(["heads"]), rows,
+                                          [0] * len(rows), width)
+    assert [block.shape[0] for block in stacked] == [len(distinct)] * len(stacked)
+    assert index.shape == (len(rows), width)
+    # Each row's columns point into its own donor's positions.
+    widest = stacked[0].shape[1]
+    for row, tokens in zip(index.tolist(), rows, strict=True):
+        donor = pick_donor(tokens, resampler.references, resampler.seed)
+        slot = sorted(distinct).index(donor)
+        length = len(resampler.references[donor])
+        assert row == [slot * widest + min(c, length - 1) for c in range(width)]
+
+
 def test_resample_and_mean_masks_per_pass_equal_hflm_one_mask_at_a_time(
         tiny_model_dir, task_manager, tmp_path):
     from test_multimask import MASKS, Request, open_measurement
