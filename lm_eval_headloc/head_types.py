@@ -159,15 +159,17 @@ def _sums(patterns: Sequence[Any], input_ids: Any, attention_mask: Any | None
     targets = _targets(input_ids, attention_mask)
     sums: dict[str, list[np.ndarray]] = {name: [] for name in HEAD_TYPES}
     for layer in patterns:
-        weights = _as_numpy(layer)  # one layer at a time: the whole model may not fit
+        # A tensor stays where it is (a GPU): only the picked weights are copied, not the
+        # (batch, heads, T, T) pattern, gigabytes at a few thousand tokens.
+        weights = layer.detach() if isinstance(layer, torch.Tensor) else _as_numpy(layer)
         if weights.ndim != 4 or weights.shape[0] != len(input_ids) or \
-                weights.shape[2:] != (np.shape(input_ids)[1],) * 2:
+                tuple(weights.shape[2:]) != (np.shape(input_ids)[1],) * 2:
             raise ValueError(f"a layer's pattern must be (batch, heads, query, key) = "
                              f"({len(input_ids)}, H, {np.shape(input_ids)[1]}, "
-                             f"{np.shape(input_ids)[1]}), got {weights.shape}")
+                             f"{np.shape(input_ids)[1]}), got {tuple(weights.shape)}")
         for name, (b, q, k) in targets.items():
             # Advanced indices around a slice: the picked weights come out (targets, heads).
-            sums[name].append(weights[b, :, q, k].sum(axis=0))
+            sums[name].append(_as_numpy(weights[b, :, q, k]).sum(axis=0))
     return ({name: np.stack(rows) for name, rows in sums.items()},
             {name: int(targets[name][0].size) for name in HEAD_TYPES})
 

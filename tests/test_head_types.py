@@ -73,6 +73,29 @@ def test_hand_built_heads_score_as_computed_by_hand():
         np.testing.assert_allclose(got1, EXPECTED[head], atol=1e-12, err_msg=head)
 
 
+def test_a_tensor_pattern_is_read_where_it_is_and_only_the_picked_weights_copied(
+        monkeypatch):
+    """A GPU's (batch, heads, T, T) pattern is gigabytes at a few thousand tokens: the
+    scores pick their weights on its device and copy those alone."""
+    from lm_eval_headloc import head_types
+
+    heads = [PREVIOUS, INDUCTION, DUPLICATE, SINK, UNIFORM]
+    layer = torch.tensor(np.stack(heads)[None], dtype=torch.float32)  # (1, 5, 6, 6)
+    real = head_types._as_numpy
+    copied = []
+
+    def as_numpy(x):
+        copied.append(tuple(np.shape(x)))
+        return real(x)
+
+    monkeypatch.setattr(head_types, "_as_numpy", as_numpy)
+    scores = type_scores_from_patterns([layer], torch.tensor([REPEATED]))
+    assert copied and all(len(shape) == 2 for shape in copied)  # (targets, heads) each
+    for h, head in enumerate(["previous", "induction", "duplicate", "sink", "uniform"]):
+        np.testing.assert_allclose([scores[name][0, h] for name in HEAD_TYPES],
+                                   EXPECTED[head], atol=1e-6, err_msg=head)
+
+
 def test_a_sequence_without_repeats_adds_no_zeros_and_alone_gives_nan():
     fresh = [8, 9, 10, 11, 12, 13]
     both = np.stack([UNIFORM, UNIFORM])[:, None]  # (2 sequences, 1 head, 6, 6)
