@@ -83,6 +83,20 @@ def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
     assert load_run(typed_run).command == "locate"
 
 
+def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
+    from lm_eval_headloc.commands.types import read_types
+    from lm_eval_headloc.heads import HeadSpecError
+
+    head_types = read_types(typed_run)  # a 2-layer model of 4 heads each
+    assert head_types.of(1, 3) == {t: float(head_types.scores[t][1, 3])
+                                   for t in head_types.scores}
+    for layer, head, message in ((-1, 0, "layer -1 not in 0..1"), (2, 0, "layer 2 not in 0..1"),
+                                 (0, -1, "head -1 not in 0..3"), (0, 4, "head 4 not in 0..3")):
+        for read in (head_types.of, head_types.label):
+            with pytest.raises(HeadSpecError, match=message):
+                read(layer, head)
+
+
 def test_the_types_command_writes_every_head(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "types"
     args = ["types", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",

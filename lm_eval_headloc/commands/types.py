@@ -30,6 +30,7 @@ from ..head_types import (
     repeated_probe,
     type_thresholds,
 )
+from ..heads import Head, validate_heads
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, command_spec
 
@@ -61,10 +62,19 @@ class HeadTypes:
 
     def of(self, layer: int, head: int) -> dict[str, float]:
         """One head's four probe scores."""
+        self._check(layer, head)
         return {t: float(self.scores[t][layer, head]) for t in HEAD_TYPES}
 
     def label(self, layer: int, head: int) -> str | None:
+        """One head's dominant type, or None."""
+        self._check(layer, head)
         return self.labels[layer][head]
+
+    def _check(self, layer: int, head: int) -> None:
+        # numpy would wrap a negative index round to another head, or raise IndexError.
+        validate_heads([Head(int(layer), int(head))], len(self.labels),
+                       len(self.labels[0]) if self.labels else 0,
+                       head_layers=self.head_layers)
 
 
 def _texts(measure: Any) -> list[str]:
