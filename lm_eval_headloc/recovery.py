@@ -171,10 +171,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         self.penalty_weights = penalty_weights
         self.fixed_effects = fixed_effects
 
-    def fit(
-        self, design_matrix: object, scores: object, baseline: float | None = None
-    ) -> HeadLasso:
-        """Fit head effects; ``baseline`` is the unablated score (None: fit an intercept)."""
+    def fit(self, X: object, y: object, baseline: float | None = None) -> HeadLasso:  # noqa: N803
+        """Fit head effects: ``X`` the design matrix (masks x heads, 1 = knocked out;
+        sklearn's name, as its estimator checks and tools expect), ``y`` each mask's
+        measured score, ``baseline`` the unablated score (None: fit an intercept)."""
+        design_matrix, scores = X, y
         alpha = check_number(self.alpha, "alpha", min_val=0, include_boundaries="neither")
         max_iter = check_number(self.max_iter, "max_iter", whole=True, min_val=1)
         standardize = _checked_bool(self.standardize, "standardize")
@@ -187,8 +188,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
             # Scores as floats first: sklearn only converts object arrays of targets, and
             # its finiteness check must see "nan" given as text too. One measurement
             # cannot show an effect, so at least two.
+            values = np.asarray(scores)
+            if np.iscomplexobj(values):  # as float64 it would lose its imaginary part
+                raise ValueError("Complex data not supported")
             knocked_out, y = validate_data(
-                shapes, design_matrix, np.asarray(scores, dtype=np.float64),
+                shapes, design_matrix, np.asarray(values, dtype=np.float64),
                 dtype=np.float64, ensure_min_samples=2,
             )
 
@@ -240,8 +244,10 @@ class HeadLasso(RegressorMixin, BaseEstimator):
     def _predict(self, knocked_out: np.ndarray) -> np.ndarray:
         return self.intercept_ + knocked_out @ self.coef_
 
-    def predict(self, design_matrix: object) -> np.ndarray:
-        """Predicted scores ``intercept_ + A·coef_`` for each mask (row)."""
+    def predict(self, X: object) -> np.ndarray:  # noqa: N803
+        """Predicted scores ``intercept_ + A·coef_`` for each mask (row) of the design
+        matrix ``X``."""
+        design_matrix = X
         check_is_fitted(self, "coef_")
         with _one_line_errors(design_matrix):
             knocked_out = validate_data(self, design_matrix, dtype=np.float64, reset=False)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from lm_eval_headloc.designs import DESIGNS, column_counts, design_matrix, knockouts_per_mask
 from lm_eval_headloc.heads import Head
@@ -701,3 +702,10 @@ def test_held_out_r2_is_leave_one_out_by_hand():
     assert np.isnan(held_out_r2(HeadLasso(), knocked_out[:2], scores[:2]))
     flat = 0.5 - 0.1 * knocked_out[:, 5]
     assert np.isnan(held_out_r2(HeadLasso(fixed_effects={5: -0.1}), knocked_out, flat))
+
+
+@parametrize_with_checks([HeadLasso()])
+def test_head_lasso_passes_scikit_learns_estimator_checks(estimator, check):
+    """fit(X, y) as sklearn names them (its tools and checks call them so), complex data
+    refused rather than cast to its real part, clone/get_params, n_features_in_, ..."""
+    check(estimator)
