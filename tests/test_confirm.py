@@ -457,3 +457,31 @@ def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
         "measurement predicted by a fit on the others: R² = n/a (too few measurements, or "
         "none that vary)")
     assert held_out_words(HeadRanking("t", "acc", True, 0.5, np.zeros(3), [0, 1, 2], 3)) == ""
+
+
+def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():
+    """Two tasks share the confirmation: 'a' picked L0H0, which its masks show clearly;
+    'b', whose scores are noise, picked L1H0, which measured alone also hurts 'a'. On a
+    resample of the masks 'b''s screen picks other heads, so 'a''s top-2 holds L1H0 only
+    as often as the whole confirmation's replay picks it again: it was 100 % stable,
+    always in 'a''s pool as a head 'a' did not pick, while 'a''s own picks were replayed."""
+    from lm_eval_headloc.commands.locate import fit_rankings
+
+    rng = np.random.default_rng(0)
+    design = rng.random((24, 6)) < 0.3
+    scores = {"a": 0.9 - 0.4 * design[:, 0], "b": 0.5 + 0.05 * rng.standard_normal(24)}
+    base = {"scores": {"a": 0.9, "b": 0.5}, "higher_is_better": {"a": True, "b": True},
+            "metrics": {"a": "acc", "b": "acc"}}
+    alone = {"L0H0": {"a": 0.5, "b": 0.5}, "L1H0": {"a": 0.7, "b": 0.5}}
+    records = {"baseline": base,
+               **{f"alone-{name}": {"scores": s} for name, s in alone.items()},
+               **{f"mask-{i:04d}": {"scores": {t: float(scores[t][i]) for t in scores}}
+                  for i in range(24)}}
+    confirmed = {"heads": ["L0H0", "L1H0"], "picked_by": {"a": ["L0H0"], "b": ["L1H0"]},
+                 "round_size": 5, "never": []}
+    ranking = fit_rankings(design, records, ["a", "b"], 3, 0.01, bootstrap=60, top_k=2,
+                           confirmed=confirmed)["a"]
+    assert ranking.top(2) == [Head(0, 0), Head(1, 0)]  # measured alone: -0.4, -0.2
+    stable = ranking.stability.selected
+    assert stable[0] > 0.95  # the masks show it in (nearly) every resample
+    assert 0.0 < stable[3] < 0.9, stable  # only where 'b''s replay picks it again

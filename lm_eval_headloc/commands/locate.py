@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -124,25 +124,33 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     unmeasured = sorted({columns.index(h) for h in never if _has(columns, h)} - {*excluded})
     left_out = sorted({*excluded, *unmeasured})
     rankings = {}
+    known: dict[str, _TaskFit] = {}
+
+    def task_fit(task: str) -> _TaskFit:
+        if task not in known:
+            estimates = None if priors is None else priors[task]
+            known[task] = _TaskFit(
+                np.array([records[key]["scores"][task] for key in keys]),
+                bool(baseline["higher_is_better"][task]), estimates,
+                prior_weights(estimates), prior_rankings(estimates),
+                {} if confirmed is None else _measured_alone(confirmed, records, task,
+                                                             columns))
+        return known[task]
+
+    replays: dict[bytes, list[int]] = {}  # one replay per resample, shared by the tasks
     for task in tasks:
-        y = np.array([records[key]["scores"][task] for key in keys])
-        higher = bool(baseline["higher_is_better"][task])
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
         # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
-        estimates = None if priors is None else priors[task]
-        weights = prior_weights(estimates)
-        alone = {} if confirmed is None else _measured_alone(confirmed, records, task,
-                                                             columns)
+        y, higher, estimates, weights, _, alone = task_fit(task)
         fixed = {h: change for h, (change, _) in alone.items()}
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
                      exclude=left_out)
         order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
         select = None
         if confirmed is not None:
-            select = _confirmation_replay(confirmed, alone, task, design, y, higher, alpha,
-                                          weights, prior_rankings(estimates), top_k,
-                                          left_out, columns)
+            select = _confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
+                                          left_out, columns, replays)
         # The refits are the screen's model (the measured changes held fixed), so each
         # interval is the spread of the estimate reported beside it.
         model = HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed)
@@ -183,35 +191,61 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     return rankings
 
 
-def _confirmation_replay(confirmed: Mapping[str, Any], alone: Changes, task: str,
-                         design: np.ndarray, y: np.ndarray, higher: bool, alpha: float,
-                         weights: np.ndarray | None, sources: list[list[int]], top_k: int,
-                         excluded: Sequence[int], columns: Columns
+class _TaskFit(NamedTuple):
+    """What one task's fit reads: its scores on the design's rows, its direction, its
+    prior (estimates, penalty weights, rankings) and the changes measured alone."""
+
+    y: np.ndarray
+    higher: bool
+    estimates: np.ndarray | None
+    weights: np.ndarray | None
+    sources: list[list[int]]
+    alone: Changes
+
+
+def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
+                         task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
+                         excluded: Sequence[int], columns: Columns,
+                         replays: dict[bytes, list[int]]
                          ) -> Callable[[np.ndarray], np.ndarray]:
     """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
-    on a resample of the masks (its rows). The task's own picks are replayed with screens
-    fitted on those rows (``confirm.confirmation``); a pick the run did not measure cannot
-    be ranked, so it is left out; heads measured for the run's other tasks stay in the
-    pool. Where fewer than k of the pool hurt, the ranking's rule fills the top-k with
-    the heads the resample's screen (the pool's changes held fixed) implicates, so such a
-    head is as stable as that screen says."""
-    own = [columns.named(name)
-           for name in confirmed.get("picked_by", {}).get(task, confirmed["heads"])]
-    others = set(alone) - set(own)
+    on a resample of the masks (its rows). The whole confirmation is replayed, every
+    task's picks with screens fitted on those rows (``confirm.confirmation``), as the run
+    made it: a head another task's picks brought is in the pool only where its replay
+    picks it too, as this task's own are. A pick the run did not measure cannot be
+    ranked, so it is left out. Where fewer than k of the pool hurt, the ranking's rule
+    fills the top-k with the heads the resample's screen (the pool's changes held fixed)
+    implicates, so such a head is as stable as that screen says. ``replays`` keeps each
+    resample's picks for the other tasks' rankings (the bootstrap draws the same rows for
+    every task)."""
+    picked_by = confirmed.get("picked_by") or {task: confirmed["heads"]}
+    replayed = list(picked_by)
+    budget = sum(len(heads) for heads in picked_by.values())
     skip = sorted({*confirmed["never"], *excluded})
-    round_size = int(confirmed.get("round_size", len(own) or 1))
+    round_size = int(confirmed.get("round_size", budget or 1))
+    y, higher, _, weights, _, alone = task_fit(task)
 
-    def select(rows: np.ndarray) -> np.ndarray:
-        def screen_on_rows(changes: Changes) -> list[int]:
-            return screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
-                          fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
+    def replay(rows: np.ndarray) -> list[int]:
+        def screen_of(name: str) -> Callable[[Changes], list[int]]:
+            fit = task_fit(name)
+            return lambda changes: screen(
+                design[rows], fit.y[rows], fit.higher, alpha=alpha,
+                penalty_weights=fit.weights, fixed={h: c[0] for h, c in changes.items()},
+                exclude=excluded).order
 
         def lookup(heads: list[int]) -> dict[str, Changes]:
-            return {task: {h: alone[h] for h in heads if h in alone}}
+            return {name: {h: task_fit(name).alone[h] for h in heads
+                           if h in task_fit(name).alone} for name in replayed}
 
-        replay = confirmation({task: sources}, {task: screen_on_rows}, lookup, len(own),
-                              round_size=round_size, skip=skip)
-        pool = {h for h in replay.heads if h in alone} | others
+        return confirmation({name: task_fit(name).sources for name in replayed},
+                            {name: screen_of(name) for name in replayed}, lookup, budget,
+                            round_size=round_size, skip=skip).heads
+
+    def select(rows: np.ndarray) -> np.ndarray:
+        key = np.asarray(rows, dtype=np.int64).tobytes()
+        if key not in replays:
+            replays[key] = replay(rows)
+        pool = {h for h in replays[key] if h in alone}
         top = confirmed_top(alone, pool, top_k, higher)
         if len(top) < top_k:
             fit = screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
