@@ -33,6 +33,9 @@ FEWSHOT_SEED = DEFAULT_OTHER_SEED  # lm-eval's default fewshot_random_seed
 _UNSETTLED = object()
 log = logging.getLogger(__name__)
 
+#: How CUDA errors that are not ``torch.OutOfMemoryError`` say they ran out of memory.
+OUT_OF_MEMORY_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
 
 # Modules whose per-call progress bars would print hundreds of times in a run.
 _HARNESS_TQDM_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
@@ -547,10 +550,12 @@ class HarnessMeasurement:
             try:
                 answers = loglikelihoods_for_masks(self.lm, requests, group,
                                                    batch_size * len(group))
-            except torch.OutOfMemoryError:
+            except RuntimeError as error:
                 # The automatic K is an estimate (sizing.masks_per_pass): a pass that does
                 # not fit is retried at half the masks, and stays halved for the rest.
-                if len(group) == 1:
+                # (cuBLAS and some kernels say so in a plain RuntimeError.)
+                if len(group) == 1 or not (isinstance(error, torch.OutOfMemoryError) or any(
+                        words in str(error) for words in OUT_OF_MEMORY_WORDS)):
                     raise
                 self.most_masks_per_pass = len(group) // 2
                 log.warning("%d masks per forward pass ran out of GPU memory; measuring %d "

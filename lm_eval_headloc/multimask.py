@@ -144,7 +144,10 @@ def check_inputs(lm: Any, pairs: Sequence[tuple[list[int], list[int]]]) -> None:
     except Exception as err:  # noqa: BLE001 — said below, with the version
         problem = f"{type(err).__name__}: {err}"
     unmatched = [list(row) for row in sent]
-    for want in (model_input(c, x, int(lm.max_length)) for c, x in pairs):
+    # Requests with one model input are one row (HFLM groups a question's one-token
+    # choices by context + continuation[:-1]): one row is expected for them.
+    for want in map(list, dict.fromkeys(tuple(model_input(c, x, int(lm.max_length)))
+                                        for c, x in pairs)):
         match = next((row for row in unmatched
                       if row[:len(want)] == want and not any(row[len(want):])), None)
         if match is None:
@@ -226,6 +229,13 @@ class LoglikelihoodRequests:
     def __init__(self, lm: Any, requests: Sequence[tuple[str, str]]) -> None:
         self.keys = list(dict.fromkeys(tuple(r) for r in requests))
         self._encoded = encoded(lm, self.keys)
+        for key, (_, continuation) in zip(self.keys, self._encoded, strict=True):
+            # HFLM asserts both; scored here they would be (0, greedy) or wrapped positions.
+            if not continuation or len(continuation) > int(lm.max_length):
+                raise ValueError(
+                    f"loglikelihood request {key!r}: its continuation is "
+                    f"{len(continuation)} tokens; lm-eval scores 1 to max_length "
+                    f"({int(lm.max_length)})")
         if self._encoded:  # the widest and the narrowest, where truncation would show
             by_width = sorted(self._encoded, key=lambda pair: len(pair[0] + pair[1]))
             check_inputs(lm, [by_width[0], by_width[-1]])

@@ -52,7 +52,7 @@ from lm_eval_headloc.commands.engine import load_model, open_measurement, prepar
 from lm_eval_headloc.commands.spec import RunSpec
 from lm_eval_headloc.designs import design_matrix
 from lm_eval_headloc.heads import Head, format_heads
-from lm_eval_headloc.measure import batching
+from lm_eval_headloc.measure import OUT_OF_MEMORY_WORDS, batching
 from lm_eval_headloc.tasks import make_task_manager
 
 #: Bars the issue sets: ours within 10 % of the bare forward at K = 1, and the automatic
@@ -72,7 +72,8 @@ class PassRow:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error)
+    return isinstance(error, torch.cuda.OutOfMemoryError) or any(
+        words in str(error) for words in OUT_OF_MEMORY_WORDS)
 
 
 def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: str,

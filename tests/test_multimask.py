@@ -49,6 +49,11 @@ def test_answers_equal_hflm_one_mask_at_a_time(measurement, requests):
     assert len(requests) == 4 * 2 + 10  # tiny_choice: 4 docs x 2 choices; tiny_copy: 10
     masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
     together = loglikelihoods_for_masks(lm, requests, masks, batch_size=8)
+    assert_answers_are_hflms(lm, requests, masks, together)
+
+
+def assert_answers_are_hflms(lm, requests, masks, together):
+    """Each mask's answers equal HFLM's own loglikelihood with that mask set."""
     for heads, answers in zip(masks, together, strict=True):
         lm.set_heads(heads)
         alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
@@ -376,13 +381,7 @@ def test_requests_with_the_same_model_input_share_one_row(measurement):
     assert len(batch.input_ids) == 3 and len(batch.keys) == len(requests)
     assert sorted(batch.keys) == sorted(requests)
     masks = [[], parse_heads("L0H1+L1H2", 2, 4)]
-    for heads, answers in zip(masks, loglikelihoods_for_masks(lm, shared, masks), strict=True):
-        lm.set_heads(heads)
-        alone = lm.loglikelihood([Request(r) for r in requests], disable_tqdm=True)
-        for request, (logprob, greedy) in zip(requests, alone, strict=True):
-            assert answers[request][0] == pytest.approx(logprob, abs=1e-4)
-            assert answers[request][1] == greedy
-    lm.set_heads([])
+    assert_answers_are_hflms(lm, requests, masks, loglikelihoods_for_masks(lm, shared, masks))
     # One row per distinct input counts against the batch size: two passes of one row
     # here, then one with the longer answer's row.
     assert [len(b.input_ids) for b in shared.batches(1)] == [1, 1, 1]
@@ -402,7 +401,9 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
     def three_fit(lm, requests, group, batch_size=32):
         tried.append(len(group))
         if len(group) > 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            # cuBLAS says it in a plain RuntimeError (torch.OutOfMemoryError: below).
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+                               "cublasCreate(handle)")
         return real(lm, requests, group, batch_size)
 
     monkeypatch.setattr(multimask, "loglikelihoods_for_masks", three_fit)
@@ -415,9 +416,36 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
     tried.clear()
     measurement.measure_many(masks[:4], masks_per_pass=4)  # stays halved: nothing fails
     assert tried == [3, 1]
-    # One mask that does not fit is not hidden.
-    monkeypatch.setattr(multimask, "loglikelihoods_for_masks", lambda *a, **k: (_ for _ in (
-        )).throw(torch.OutOfMemoryError("CUDA out of memory")))
-    with pytest.raises(torch.OutOfMemoryError):
-        measurement.measure_many(masks[:1], masks_per_pass=1)
     measurement.most_masks_per_pass = None
+    # One mask that does not fit is not hidden, nor an error that is not about memory.
+    for error, per_pass in ((torch.OutOfMemoryError("CUDA out of memory"), 1),
+                            (RuntimeError("shape mismatch"), 4)):
+        monkeypatch.setattr(multimask, "loglikelihoods_for_masks", lambda *a, e=error, **k: (
+            _ for _ in ()).throw(e))
+        with pytest.raises(RuntimeError, match=str(error)):
+            measurement.measure_many(masks[:4], masks_per_pass=per_pass)
+        assert measurement.most_masks_per_pass is None
+
+
+def test_a_subset_of_one_question_with_letter_choices_passes_the_input_check(measurement):
+    """Its narrowest and widest requests are two letters of one question: HFLM sends
+    one row for them, which the check must expect (it refused the subset)."""
+    from lm_eval_headloc.multimask import LoglikelihoodRequests
+
+    lm = measurement.lm
+    requests = [("Two plus two makes", letter) for letter in "ABCD"]
+    shared = LoglikelihoodRequests(lm, requests)
+    assert [len(b.input_ids) for b in shared.batches(8)] == [1]
+    assert_answers_are_hflms(lm, requests, [[]], loglikelihoods_for_masks(lm, shared, [[]]))
+
+
+def test_a_continuation_hflm_would_not_score_is_refused(measurement):
+    from lm_eval_headloc.multimask import LoglikelihoodRequests
+
+    lm = measurement.lm
+    too_long = " word" * (int(lm.max_length) + 1)
+    for bad in (("a question", ""), ("a question", too_long)):
+        requests = [("one question here", " an answer"), bad, ("short", " x")]
+        with pytest.raises(ValueError, match="its continuation is .* tokens; lm-eval "
+                                             "scores 1 to max_length"):
+            LoglikelihoodRequests(lm, requests)
