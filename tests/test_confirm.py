@@ -485,3 +485,12 @@ def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():
     stable = ranking.stability.selected
     assert stable[0] > 0.95  # the masks show it in (nearly) every resample
     assert 0.0 < stable[3] < 0.9, stable  # only where 'b''s replay picks it again
+    # A run from before picked_by replays each task alone, as a run of that task alone.
+    del confirmed["picked_by"]
+    together = fit_rankings(design, records, ["a", "b"], 3, 0.01, bootstrap=60, top_k=2,
+                            confirmed=confirmed)
+    for task in ("a", "b"):
+        alone = fit_rankings(design, records, [task], 3, 0.01, bootstrap=60, top_k=2,
+                             confirmed=confirmed)[task]
+        np.testing.assert_array_equal(together[task].stability.selected,
+                                      alone.stability.selected, err_msg=task)

@@ -137,7 +137,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                                                              columns))
         return known[task]
 
-    replays: dict[bytes, list[int]] = {}  # one replay per resample, shared by the tasks
+    # One replay per resample, shared by the tasks (keyed by the tasks it replays).
+    replays: dict[tuple[tuple[str, ...], bytes], list[int]] = {}
     for task in tasks:
         # Fitted with an intercept, as the reference code does: the intercept absorbs the
         # small average cost of a mask's unimportant heads (pinning it to the baseline
@@ -206,7 +207,7 @@ class _TaskFit(NamedTuple):
 def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
                          task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
                          excluded: Sequence[int], columns: Columns,
-                         replays: dict[bytes, list[int]]
+                         replays: dict[tuple[tuple[str, ...], bytes], list[int]]
                          ) -> Callable[[np.ndarray], np.ndarray]:
     """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
     on a resample of the masks (its rows). The whole confirmation is replayed, every
@@ -242,7 +243,8 @@ def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.nda
                             round_size=round_size, skip=skip).heads
 
     def select(rows: np.ndarray) -> np.ndarray:
-        key = np.asarray(rows, dtype=np.int64).tobytes()
+        # Runs from before picked_by replay each task alone: not one replay for all.
+        key = (tuple(replayed), np.asarray(rows, dtype=np.int64).tobytes())
         if key not in replays:
             replays[key] = replay(rows)
         pool = {h for h in replays[key] if h in alone}
