@@ -407,7 +407,8 @@ class RunSpec:
                                     parse=parse_batch_size, metavar="N")
     masks_per_pass: int | None = _option(
         None, "masks evaluated together in one forward pass (loglikelihood tasks; default: "
-              "1 on CPU, from free memory on a GPU)", RUNTIME, parse=int, metavar="K",
+              "1 on CPU, from free memory on a GPU; halved for the rest of the run if a "
+              "pass runs out of GPU memory)", RUNTIME, parse=int, metavar="K",
         whole=True, min_val=1)
     workers: int = _option(
         1, "measure on N Ray workers, each loading the model once (a local Ray unless "
