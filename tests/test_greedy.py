@@ -190,3 +190,29 @@ def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
     report = _report(rankings, 2)
     assert report.count("so no knockout can lower it; --signal logprob") == 1
     assert not at_floor(_rankings(flat, [], BASELINE, 1, FOUR, 2, 5)["acc"])  # 0.6: room
+
+
+def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
+    """With --neuron-groups a group of many neurons is measured alone where the fit
+    implicates it; its help is no measure of what knocking out one neuron flips, and it
+    called every top neuron's measured harm noise."""
+    from lm_eval_headloc.columns import Columns
+    from lm_eval_headloc.commands.report import HeadRanking, spread_words
+
+    columns = Columns.of("neurons", 2, 4, ["L0N1", "L0N2", "L1N0"], groups_per_layer=1,
+                         neurons_per_layer=6)
+    assert [str(c) for c in columns] == ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]
+    # Measured alone: two neurons hurt, the group of layer 0's other neurons helps.
+    effects = np.array([-0.01, -0.008, 0.0, 0.02, 0.0])
+    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 2, 4, 3], 4,
+                          columns=columns,
+                          extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
+    assert spread_words(ranking, 2, "neuron") == []  # no single neuron's knockout helps
+    # A single neuron that helps more than they hurt is the spread, as for heads.
+    effects[2] = 0.012
+    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 4, 2, 3], 4,
+                          columns=columns,
+                          extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
+    assert spread_words(ranking, 2, "neuron")[0].startswith(
+        "Nothing beyond the spread of single knockouts: no top-2 neuron hurts the task by "
+        "more than knocking out one neuron alone helps it (L1N0: +0.0120)")

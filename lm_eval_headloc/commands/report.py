@@ -428,8 +428,11 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
     ``all_measured``: every effect is a measurement (greedy); otherwise only those
     measured alone (``--confirm``) are compared."""
     higher = ranking.higher_is_better
+    # One component's knockout: a neuron group's (--neuron-groups) knocks out many, so
+    # its help is no measure of what one flips.
     columns = [c for c in ranking.columns if np.isfinite(ranking.effect(c))
-               and (all_measured or ranking.measured_alone(c))]
+               and (all_measured or ranking.measured_alone(c))
+               and not isinstance(c, NeuronGroup)]
     if len(columns) < 2:
         return []
     helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
