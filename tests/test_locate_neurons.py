@@ -405,3 +405,22 @@ def test_a_neuron_runs_rankings_read_back_to_the_files_they_were_written_as(whic
     for task, ranking in rankings.items():
         written = json.loads((out / f"heads-{task}.json").read_text())
         assert json.loads(json.dumps(ranked_heads_json(ranking, top_k))) == written
+
+
+def test_a_neuron_runs_report_speaks_of_neurons(neuron_run):
+    """The prior's and the confirmation's sentences, and heads.json's method, said
+    'heads' for a neuron run."""
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.commands.locate import _prior_words
+
+    out, _ = neuron_run
+    report = (out / "report.md").read_text()
+    assert "the measured MLP neurons' changes held fixed" in report
+    assert "then the MLP neurons the fit implicates" in report
+    assert "heads' changes" not in report and "the heads the fit" not in report
+    method = strict_json(out / "heads.json")["method"]
+    assert method.endswith(", the likeliest MLP neurons measured alone"), method
+    path = _prior_words(SimpleNamespace(prior_kind="atp-path",
+                                        spec=SimpleNamespace(components="neurons")))
+    assert path.endswith("with every neuron half ablated, each ranking the MLP neurons")

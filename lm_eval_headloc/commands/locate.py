@@ -170,7 +170,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer, columns=columns,
             extra={"method": "compressed sensing (Lasso)" + (
-                       "" if confirmed is None else ", the likeliest heads measured alone"),
+                       "" if confirmed is None else
+                       f", the likeliest {_UNITS[_components_of(columns)]} measured alone"),
                    "r2": fit.r2,
                    "r2_held_out": held_out if np.isfinite(held_out) else None,
                    "alpha": alpha, "measurements": int(len(design)),
@@ -391,12 +392,19 @@ def _group_words(run: LocateRun) -> str:
             "so the masks alone implicate one")
 
 
+def _components_of(columns: Columns) -> str:
+    """The ``--components`` value whose columns these are."""
+    heads = sum(isinstance(c, Head) for c in columns)
+    return "heads" if heads == len(columns) else "neurons" if not heads else "heads+neurons"
+
+
 def _prior_words(run: LocateRun) -> str:
     if run.prior_kind is None:
         return "none"
+    one, all_ = _UNIT[run.spec.components], _UNITS[run.spec.components]
     return {"atp": "atp (prior.json): attribution patching at the clean run",
             "atp-path": "atp-path (prior.json): attribution patching at the clean run and "
-                        "with every head half ablated, each ranking the heads",
+                        f"with every {one} half ablated, each ranking the {all_}",
             "ig": "ig (prior.json): integrated gradients, the attribution averaged along "
                   "the path from the clean run to every component ablated"}[run.prior_kind]
 
@@ -424,14 +432,15 @@ def _confirm_words(run: LocateRun) -> str:
         return f"none (every {_UNIT[run.spec.components]} ranked by the Lasso's estimate)"
     rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
               if "rounds" in confirmed else "")
-    return (f"{len(confirmed['heads'])} {_UNITS[run.spec.components]} knocked out one at a "
+    units = _UNITS[run.spec.components]
+    return (f"{len(confirmed['heads'])} {units} knocked out one at a "
             f"time{rounds}, "
             + ("the attribution prior's rankings and the masks' fit's likeliest in turn"
                if run.uses_prior else "the masks' fit's likeliest")
             + " (the fit redone after each round with "
-            "the measured heads' changes held fixed); those that hurt rank first, by their "
-            "measured change (equal ones by the gold answers' log-likelihood change), then "
-            "the heads the fit implicates, then those that did no harm "
+            f"the measured {units}' changes held fixed); those that hurt rank first, by "
+            "their measured change (equal ones by the gold answers' log-likelihood change), "
+            f"then the {units} the fit implicates, then those that did no harm "
             "(their stability: how often a replay of the confirmation on a bootstrap "
             "resample of the masks would have confirmed them into the top-k)")
 
