@@ -204,11 +204,16 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
     wide = finished_run(tmp_path / "wide", model, "tiny_copy", ("L1N64", "L0N1"))
     assert harness("verify", str(wide), "--general", "tiny_choice", "--top-k", "2") == 2
     assert "neuron L1N64 is outside the model: neuron 64 not in 0..63" in last_error(capsys)
-    # A config that does not give the MLP's width: no random neurons before loading.
+    # A config that does not give the MLP's width, and a run that did not record it
+    # (test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width: one that
+    # did): no random neurons before loading.
     from lm_eval_headloc.commands import engine
 
     unknown = Geometry(LAYERS, HEADS, 8, None)
     monkeypatch.setattr(engine, "config_geometry", lambda config: unknown)
+    config = json.loads((run / "config.json").read_text())
+    del config["neurons_per_layer"]
+    (run / "config.json").write_text(json.dumps(config))
     assert harness(*args, "--top-k", "2") == 2
     assert last_error(capsys).endswith(
         f"--random-draws 1: the config of pretrained={model} does not give its MLP width, "
@@ -313,3 +318,60 @@ def test_verifys_header_counts_what_a_random_set_knocks_out():
              "random": {"t": {"k": 3, "seed": 7, "sets": drawn, "ablations": []}}}
     assert "## Against random MLP neurons: 2 sets of 12 per task (seed 7)" in \
         verification_markdown(table)
+
+
+def test_erase_and_enhance_say_what_they_are_under_mean_or_resample_ablation():
+    """CNL's erase and enhance zero and double the output; under mean (or resample)
+    ablation ×0 and ×2 are r and z + (z − r): verify.md and cross.md say so."""
+    from lm_eval_headloc.commands.cross import cross_markdown
+    from lm_eval_headloc.commands.verify import verification_markdown
+
+    rows = {"t": [{"k": 1, "heads": ["L1N1"], "score": 0.5, "task_drop": 0.5,
+                   "gen_drop": None, "general_scores": {},
+                   "erase": {"score": 0.4, "task_drop": 0.6, "gen_drop": None}}]}
+    verify = {"general": [], "scale": 2.0, "baseline": {"t": 1.0}, "metrics": {"t": "acc"},
+              "random_draws": 0, "rows": rows}
+    matrix = {"name": "erase", "scale": 0.0, "scores": {"r:t": {"t": 0.4}},
+              "drops": {"r:t": {"t": 0.6}}, "hurts_others": {"r:t": []}}
+    cross = {"model_args": "pretrained=x", "top_k": 1, "tasks": ["t"], "metrics": {"t": "acc"},
+             "baseline": {"t": 1.0}, "ablations": [matrix],
+             "sets": [{"label": "r:t", "run": "r", "task": "t", "heads": ["L1N1"]}]}
+    for kind, reference in (("mean", "its mean over the reference examples"),
+                            ("resample", "its output on a donor example")):
+        for text in (verification_markdown({**verify, "ablation": kind}),
+                     cross_markdown({**cross, "ablation": kind})):
+            assert (f"Knocked out by {kind} ablation: at scale S a component's output z "
+                    f"becomes r + S·(z − r), r {reference}; ×0 puts r in its place and ×2 "
+                    "doubles its difference from r") in text
+    for table in ({**verify, "ablation": "zero"}, verify):  # zero, or a run from before
+        assert "Knocked out by" not in verification_markdown(table)
+    assert "Knocked out by" not in cross_markdown({**cross, "ablation": "zero"})
+
+
+def test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width(tmp_path):
+    """BLOOM's config gives no MLP width; a neuron run takes it from the weights and
+    records it, and verify's random neuron sets (on by default) were refused."""
+    import torch
+    import transformers
+    from conftest import _tokenizer
+
+    folder = tmp_path / "bloom"
+    config = transformers.BloomConfig(vocab_size=300, hidden_size=32, n_layer=2, n_head=4,
+                                      bos_token_id=1, eos_token_id=2)
+    assert Geometry.from_config(config).neurons_per_layer is None
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    _tokenizer(folder)
+    model = ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
+    run = tmp_path / "run"
+    assert main(["locate", *model, "--tasks", "tiny_copy", "--num-samples", "8",
+                 "--signal", "logprob", "--prior", "atp", "--components", "neurons",
+                 "--candidates", "8", "--masks", "6", "--confirm", "2", "--top-k", "2",
+                 "--out", str(run)]) == 0
+    assert json.loads((run / "config.json").read_text())["neurons_per_layer"] == 128
+    out = tmp_path / "verify"
+    assert main(["verify", str(run), "--top-k", "2", "--random-draws", "2",
+                 "--general", "tiny_choice", "--out", str(out)]) == 0
+    drawn = json.loads((out / "verify.json").read_text())["random"]["tiny_copy"]["sets"]
+    neurons = [parse_components([n])[0] for s in drawn for n in s]
+    assert len(drawn) == 2 and all(isinstance(n, Neuron) and n[1] < 128 for n in neurons)

@@ -26,7 +26,7 @@ from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
 from .runfolder import RunFolder, option_words, refuse_output_path_into, run_list
 from .spec import RunSpec, command_spec, flag_of, same_model
-from .verify import ablations, effect, kind_words, located_heads, percent
+from .verify import ablation_words, ablations, effect, kind_words, located_heads, percent
 
 __all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
 
@@ -160,7 +160,7 @@ def _cross_table(records: Mapping[str, Mapping[str, Any]], sets: Sequence[_Set],
                        for label, row in cells.items()},
             "drops": drops, "hurts_others": hurts})
     return {"model_args": spec.model_args, "top_k": spec.top_k, "tasks": tasks,
-            "metrics": base["metrics"], "baseline": base["scores"],
+            "ablation": spec.ablation, "metrics": base["metrics"], "baseline": base["scores"],
             "sets": [{"label": s.label, "run": s.run, "task": s.task, "heads": s.heads}
                      for s in sets],
             "ablations": matrices}
@@ -197,7 +197,7 @@ def cross_markdown(table: Mapping[str, Any]) -> str:
              f"Model: `{table['model_args']}`. Rows: the set knocked out (RUN:task, that "
              f"task's top {word} in that run); columns: the task measured; cells: its drop "
              "relative to the unablated baseline (positive = worse; n/a where the baseline "
-             "is 0), the set's own task in bold.", ""]
+             "is 0), the set's own task in bold.", "", *ablation_words(table.get("ablation"))]
     for matrix in table["ablations"]:
         lines += [f"## {matrix['name']} (×{matrix['scale']:g})", "",
                   f"| set knocked out | {word} |" + "".join(f" {t} |" for t in tasks),

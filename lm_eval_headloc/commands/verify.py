@@ -8,6 +8,7 @@ The pieces cross shares (``located_heads``, ``ablations``, ``effect``) are here 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -78,6 +79,18 @@ class Ablation(NamedTuple):
 def scale_name(scale: float) -> str:
     """erase (0), enhance (above 1) or the number: how CNL names what a scale does."""
     return "erase" if scale == 0 else "enhance" if scale > 1 else f"scale {scale:g}"
+
+
+def ablation_words(kind: str | None) -> list[str]:
+    """What ×0 and ×S mean under ``kind`` (the run's --ablation) when it is not zero:
+    CNL's erase and enhance (zeroed, doubled) are zero ablation's."""
+    if kind in (None, "zero"):
+        return []
+    reference = {"mean": "its mean over the reference examples",
+                 "resample": "its output on a donor example"}.get(kind, f"its {kind} value")
+    return [f"Knocked out by {kind} ablation: at scale S a component's output z becomes "
+            f"r + S·(z − r), r {reference}; ×0 puts r in its place and ×2 doubles its "
+            "difference from r (not the output itself, as under zero ablation).", ""]
 
 
 def ablations(scale: float) -> list[Ablation]:
@@ -243,8 +256,11 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     setup = prepare(spec, extra_tasks=general)
     for names in heads_by_task.values():
         setup.checked(names)  # a ranking of another model fails before the weights load
-    # The model's components from its config (prepare's): the draws need no weights.
+    # The model's components from its config (prepare's): the draws need no weights. A
+    # config without the MLP's width (BLOOM's) has it in the run's record, from its weights.
     geometry = setup.geometry
+    if geometry.neurons_per_layer is None and getattr(stored, "neurons_per_layer", None):
+        geometry = dataclasses.replace(geometry, neurons_per_layer=stored.neurons_per_layer)
     if spec.random_draws and geometry.neurons_per_layer is None and any(
             names_neurons(names) for names in heads_by_task.values()):
         raise UsageError(f"--random-draws {spec.random_draws}: the config of "
@@ -290,7 +306,8 @@ def _verification_table(records: Mapping[str, Mapping[str, Any]],
                           if len(kinds) > 1 else {})}
                       for k in range(1, spec.top_k + 1)]
     table: dict[str, Any] = {"baseline": base["scores"], "metrics": base["metrics"],
-                             "general": general, "scale": spec.scale, "rows": rows,
+                             "general": general, "scale": spec.scale,
+                             "ablation": spec.ablation, "rows": rows,
                              "random_draws": spec.random_draws}
     if spec.random_draws:
         table["random"] = {task: {
@@ -321,7 +338,8 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
     general = table["general"]
     kinds = ablations(table.get("scale", 0.0))
     word = kind_words(name for rows in table["rows"].values() for name in rows[-1]["heads"])
-    lines = [f"# Verification: cumulative knockout of the top {word}", ""]
+    lines = [f"# Verification: cumulative knockout of the top {word}", "",
+             *ablation_words(table.get("ablation"))]
     for task, rows in table["rows"].items():
         lines += [f"## {task} ({table['metrics'][task]}), baseline "
                   f"{table['baseline'][task]:.4f}", ""]
