@@ -339,7 +339,8 @@ class Resampler:
                 values = per_donor[donor][layer]
                 block[slot, :len(values)] = values.to(block.device)
             stacked.append(block)
-        slots = torch.tensor([distinct.index(i) for i in chosen])
+        slot_of = {donor: slot for slot, donor in enumerate(distinct)}
+        slots = torch.tensor([slot_of[i] for i in chosen])
         lengths = torch.tensor([len(self.references[i]) for i in chosen])
         offsets = torch.arange(columns)[None, :] - torch.as_tensor(list(starts))[:, None]
         index = torch.minimum(offsets.clamp(min=0), (lengths - 1)[:, None])

@@ -33,9 +33,6 @@ FEWSHOT_SEED = DEFAULT_OTHER_SEED  # lm-eval's default fewshot_random_seed
 _UNSETTLED = object()
 log = logging.getLogger(__name__)
 
-#: How CUDA errors that are not ``torch.OutOfMemoryError`` say they ran out of memory.
-OUT_OF_MEMORY_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
-
 
 # Modules whose per-call progress bars would print hundreds of times in a run.
 _HARNESS_TQDM_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
@@ -539,6 +536,7 @@ class HarnessMeasurement:
         import torch
 
         from .multimask import ReplayLM, loglikelihoods_for_masks
+        from .sizing import is_out_of_memory
 
         requests = self.requests()
         batch_size = self.resolved_batch_size()
@@ -553,9 +551,7 @@ class HarnessMeasurement:
             except RuntimeError as error:
                 # The automatic K is an estimate (sizing.masks_per_pass): a pass that does
                 # not fit is retried at half the masks, and stays halved for the rest.
-                # (cuBLAS and some kernels say so in a plain RuntimeError.)
-                if len(group) == 1 or not (isinstance(error, torch.OutOfMemoryError) or any(
-                        words in str(error) for words in OUT_OF_MEMORY_WORDS)):
+                if len(group) == 1 or not is_out_of_memory(error):
                     raise
                 self.most_masks_per_pass = len(group) // 2
                 log.warning("%d masks per forward pass ran out of GPU memory; measuring %d "

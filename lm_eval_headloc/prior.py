@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from .confirm import PRIOR_EASE, prior_penalty_weights  # re-exported; numpy-only there
 from .hooks import KINDS
 from .multimask import LoglikelihoodRequests, ScoredBatch, logits_only_at
+from .sizing import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +212,8 @@ class BackwardBatch:
         while True:
             try:
                 return attribute(self.rows)
-            except torch.OutOfMemoryError:
-                if self.rows == 1:
+            except RuntimeError as error:
+                if self.rows == 1 or not is_out_of_memory(error):
                     raise
                 self.rows //= 2
                 log.warning("the attribution prior ran out of GPU memory; retrying with "

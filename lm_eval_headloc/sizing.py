@@ -11,8 +11,22 @@ from typing import Any
 
 from .geometry import Geometry, text_config
 
-__all__ = ["auto_batch_size", "batch_size", "generation_batch_size", "masks_per_pass",
-           "masks_per_pass_for_memory"]
+__all__ = ["MOST_MASKS_PER_PASS", "auto_batch_size", "batch_size", "generation_batch_size",
+           "is_out_of_memory", "masks_per_pass", "masks_per_pass_for_memory"]
+
+#: The most masks per pass the automatic K gives.
+MOST_MASKS_PER_PASS = 64
+#: How CUDA errors that are not ``torch.OutOfMemoryError`` say they ran out of memory.
+OUT_OF_MEMORY_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says the GPU ran out of memory (``torch.OutOfMemoryError``, or the
+    plain ``RuntimeError`` cuBLAS and some kernels raise): what a smaller pass may fix."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(w in str(error) for w in OUT_OF_MEMORY_WORDS))
 
 
 def batch_size(lm: Any, requests: Callable[[], Any]) -> int:
@@ -89,7 +103,8 @@ def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
 
 
 def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],
-                              config: Any, bytes_per_value: int = 2, most: int = 64) -> int:
+                              config: Any, bytes_per_value: int = 2,
+                              most: int = MOST_MASKS_PER_PASS) -> int:
     """How many masks fit in half of ``free_bytes`` when each forward pass holds K copies
     of a batch, for the largest of the batches ``shapes`` ((rows, width, scored tokens),
     ``LoglikelihoodRequests.shapes``: the batches actually sent, not ``max_length`` rows).

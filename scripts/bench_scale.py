@@ -52,7 +52,8 @@ from lm_eval_headloc.commands.engine import load_model, open_measurement, prepar
 from lm_eval_headloc.commands.spec import RunSpec
 from lm_eval_headloc.designs import design_matrix
 from lm_eval_headloc.heads import Head, format_heads
-from lm_eval_headloc.measure import OUT_OF_MEMORY_WORDS, batching
+from lm_eval_headloc.measure import batching
+from lm_eval_headloc.sizing import MOST_MASKS_PER_PASS, is_out_of_memory
 from lm_eval_headloc.tasks import make_task_manager
 
 #: Bars the issue sets: ours within 10 % of the bare forward at K = 1, and the automatic
@@ -69,11 +70,6 @@ class PassRow:
     seconds_per_mask: float | None = None  # None: out of memory
     peak_gib: float | None = None
     masks: int = 0
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.cuda.OutOfMemoryError) or any(
-        words in str(error) for words in OUT_OF_MEMORY_WORDS)
 
 
 def sweep_masks_per_pass(measure: Any, masks: Sequence[Sequence[Head]], device: str,
@@ -332,8 +328,9 @@ def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None
     setups = {task: prepare(spec(task)) for task in (choice, gen)}
     first = setups[choice]
     task_manager = make_task_manager(str(include))
-    # Enough masks for the automatic K too (at most 64, sizing's cap), whatever the sweep's.
-    matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks, 64),
+    # Enough masks for the automatic K too (at most sizing's cap), whatever the sweep's.
+    matrix = design_matrix("stratified", max(args.max_masks_per_pass, args.sweep_masks,
+                                             MOST_MASKS_PER_PASS),
                            first.total_heads, args.sparsity, args.seed)
     masks = [[Head.from_flat_index(int(i), first.heads_per_layer) for i in row.nonzero()[0]]
              for row in matrix]
