@@ -77,12 +77,48 @@ def write_head(path: Path, head: str) -> None:
     write_page(path, "\n\n".join([head.rstrip("\n"), *kept]) + "\n", BEGINS)
 
 
-def copy_sections(source: Path, target: Path, names: list[str] | None = None) -> list[str]:
-    """Copy sections ``names`` (default: all) of ``source`` into ``target``, each
-    replacing its namesake or appended; returns the names copied. A name ``source`` lacks
-    is an error (nothing is written)."""
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC")
+
+
+def measured_at(section: str) -> str | None:
+    """The first ``YYYY-MM-DD HH:MM UTC`` in a section (when it was measured), or None."""
+    found = _STAMP.search(section)
+    return found[1] if found else None
+
+
+def copy_sections(source: Path, target: Path, names: list[str] | None = None
+                  ) -> tuple[list[str], list[str]]:
+    """Copy sections ``names`` of ``source`` into ``target``, each replacing its namesake
+    or appended; returns the names copied and the names left as they are.
+
+    With ``names`` None, every section of ``source`` that ``target`` lacks or holds
+    measured earlier: a lent machine's copy of BENCH.md also carries the sections it was
+    given, so copying two runs' files one after the other must not put the first run's
+    new numbers back to the old ones. A section that differs with no measurement time to
+    compare is an error (name it to copy it). A name ``source`` lacks is an error too;
+    on any error nothing is written."""
     found = sections(source.read_text(encoding="utf-8"))
-    names = list(found) if names is None else names
+    have = sections(target.read_text(encoding="utf-8")) if target.is_file() else {}
+    if names is None:
+        names, kept, unsure = [], [], []
+        for name, section in found.items():
+            old = have.get(name)
+            if old == section:
+                kept.append(name)
+                continue
+            when, before = measured_at(section), None if old is None else measured_at(old)
+            if old is None or (when and before and when > before):
+                names.append(name)
+            elif when and before:
+                kept.append(name)  # the target's was measured as late or later
+            else:
+                unsure.append(name)
+        if unsure:
+            raise KeyError(f"{source} and {target} differ in section(s) "
+                           f"{', '.join(map(repr, unsure))} with no measurement time to "
+                           "compare; name the ones to copy")
+    else:
+        kept = [name for name in found if name not in names]
     missing = [name for name in names if name not in found]
     if missing:
         raise KeyError(f"{source} has no section {', '.join(map(repr, missing))} (it has: "
@@ -90,7 +126,7 @@ def copy_sections(source: Path, target: Path, names: list[str] | None = None) ->
     for name in names:
         body = found[name].split("-->", 1)[1].rsplit("<!--", 1)[0]
         write_section(target, name, body)
-    return names
+    return names, kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,17 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["copy"])
     parser.add_argument("source", type=Path)
     parser.add_argument("target", type=Path)
-    parser.add_argument("names", nargs="*", help="section names (default: all of FROM's)")
+    parser.add_argument("names", nargs="*",
+                        help="section names (default: those of FROM that TO lacks or holds "
+                             "measured earlier)")
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(f"{str(args.source)!r} is not a file")
     if (why := bench_refusal(args.target)) is not None:
         parser.error(why)
     try:
-        copied = copy_sections(args.source, args.target, args.names or None)
+        copied, kept = copy_sections(args.source, args.target, args.names or None)
     except KeyError as error:
         parser.error(str(error.args[0]))
-    print(f"copied into {args.target}: {', '.join(copied)}")
+    print(f"copied into {args.target}: {', '.join(copied) or 'nothing'}"
+          + (f"; left as they are: {', '.join(kept)}" if kept else ""))
     return 0
 
 

@@ -68,8 +68,9 @@ def test_sections_written_elsewhere_are_copied_in_leaving_the_rest(tmp_path):
     here.write_text(FILE, encoding="utf-8")
     bench_sections.write_section(there, "bench_measure llama-3.1-8b cuda", "## 8B\n\nrows")
     bench_sections.write_section(there, "bench_workers", "## other workers")
-    copied = bench_sections.copy_sections(there, here, ["bench_measure llama-3.1-8b cuda"])
-    assert copied == ["bench_measure llama-3.1-8b cuda"]
+    copied, kept = bench_sections.copy_sections(there, here,
+                                                ["bench_measure llama-3.1-8b cuda"])
+    assert copied == ["bench_measure llama-3.1-8b cuda"] and kept == ["bench_workers"]
     text = here.read_text(encoding="utf-8")
     assert text.startswith(FILE.rstrip("\n"))  # everything before kept byte for byte
     assert "cpu workers" in text and "other workers" not in text
@@ -78,6 +79,48 @@ def test_sections_written_elsewhere_are_copied_in_leaving_the_rest(tmp_path):
         "<!-- bench_measure llama-3.1-8b cuda: end -->")
     with pytest.raises(KeyError, match="has no section 'nope'"):
         bench_sections.copy_sections(there, here, ["nope"])
+
+
+def _dated(when: str, rows: str) -> str:
+    return f"## 8B\n\n- date: {when} UTC; whole benchmark run 9 s\n\n{rows}"
+
+
+def test_copying_two_runs_files_in_turn_keeps_each_runs_new_section(tmp_path, capsys):
+    """Each lent-machine run's BENCH.md also holds the sections it was given: copying the
+    second run's file after the first's must not put the first run's new section back to
+    the old one it carried (the 2026-11-26 lease's 8B rows were lost that way)."""
+    here, first, second = (tmp_path / name for name in ("BENCH.md", "8b.md", "1b.md"))
+    here.write_text(FILE, encoding="utf-8")
+    bench_sections.write_section(here, "bench 8b", _dated("2026-11-26 12:44", "old 8b"))
+    for run in (first, second):
+        run.write_text(here.read_text(encoding="utf-8"), encoding="utf-8")
+    bench_sections.write_section(first, "bench 8b", _dated("2026-11-26 15:24", "new 8b"))
+    bench_sections.write_section(second, "bench 1b", _dated("2026-11-26 15:30", "new 1b"))
+    assert bench_sections.main(["copy", str(first), str(here)]) == 0
+    assert capsys.readouterr().out == (f"copied into {here}: bench 8b; left as they are: "
+                                       "bench_workers\n")
+    assert bench_sections.main(["copy", str(second), str(here)]) == 0
+    assert capsys.readouterr().out == (f"copied into {here}: bench 1b; left as they are: "
+                                       "bench_workers, bench 8b\n")
+    text = here.read_text(encoding="utf-8")
+    assert "new 8b" in text and "new 1b" in text and "old 8b" not in text
+    # Named, a section is copied as asked, older or not.
+    copied, _ = bench_sections.copy_sections(second, here, ["bench 8b"])
+    assert copied == ["bench 8b"] and "old 8b" in here.read_text(encoding="utf-8")
+
+
+def test_a_section_that_differs_undated_is_copied_only_by_name(tmp_path, capsys):
+    here, there = tmp_path / "BENCH.md", tmp_path / "gpu.md"
+    here.write_text(FILE, encoding="utf-8")
+    there.write_text(FILE.replace("cpu workers", "other workers"), encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        bench_sections.main(["copy", str(there), str(here)])
+    assert info.value.code == 2
+    assert "differ in section(s) 'bench_workers' with no measurement time" in \
+        capsys.readouterr().err
+    assert here.read_text(encoding="utf-8") == FILE
+    assert bench_sections.main(["copy", str(there), str(here), "bench_workers"]) == 0
+    assert "other workers" in here.read_text(encoding="utf-8")
 
 
 def test_copy_refuses_a_folder_as_its_target(tmp_path, capsys):
