@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import math
@@ -36,6 +37,39 @@ log = logging.getLogger(__name__)
 
 # Modules whose per-call progress bars would print hundreds of times in a run.
 _HARNESS_TQDM_MODULES = ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(env: Any, template: str) -> Any:
+    return env.from_string(template)
+
+
+def _apply_template(template: str, doc: dict) -> str:
+    """``lm_eval.utils.apply_template``, compiling each template string once."""
+    from lm_eval import utils
+
+    return _compiled(utils.env, template).render(**doc)
+
+
+@contextlib.contextmanager
+def templates_compiled_once() -> Iterator[None]:
+    """Inside, lm-eval renders its Jinja prompt templates from one compiled copy each.
+
+    ``lm_eval.utils.apply_template`` compiles the template string on every call: every
+    document's prompt, target and choices, in every measurement (each ``evaluate`` builds
+    its requests and scores them anew). On a 100-document MMLU-shaped task that was most
+    of lm-eval's part of a measurement: 30 ms, 7 ms compiled once (on the CPU here; a 1B
+    model's forward passes take 165 ms on an H100). The rendered text is the same: one
+    environment, one template string, and ``render`` keeps no state.
+    """
+    from lm_eval import utils
+
+    original = utils.apply_template
+    utils.apply_template = _apply_template
+    try:
+        yield
+    finally:
+        utils.apply_template = original
 
 
 @contextlib.contextmanager
@@ -308,7 +342,8 @@ class HarnessMeasurement:
 
         merged: dict[str, Any] = {}
         batch = self.generation_batch() if model is None else contextlib.nullcontext()
-        with quiet_harness(self.verbose), self.lm.knocking_out(list(heads)), batch:
+        with quiet_harness(self.verbose), templates_compiled_once(), \
+                self.lm.knocking_out(list(heads)), batch:
             for group in self._groups:
                 for task in group.loaded["tasks"].values():
                     # Same few-shot examples in every measurement.
@@ -410,8 +445,9 @@ class HarnessMeasurement:
         if self._all_golds is None:
             leaves = {leaf: task for group in self._groups
                       for leaf, task in group.loaded["tasks"].items()}
-            self._all_golds = gold_answers(self.recorded_instances(), leaves,
-                                           self.chat_template)
+            with templates_compiled_once():
+                self._all_golds = gold_answers(self.recorded_instances(), leaves,
+                                               self.chat_template)
         return self._all_golds
 
     def _answer_golds(self) -> list[Any] | None:

@@ -324,7 +324,8 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
     k_masks = len(masks)
     row_masks = knockout.row_masks([lm._parsed(heads) if heads else () for heads in masks])
     softmax_dtype = getattr(lm, "softmax_dtype", None)
-    answers: list[dict[tuple[str, str], Answer]] = [{} for _ in masks]
+    keys: list[tuple[str, str]] = []
+    summed_parts, misses_parts = [], []
     for batch in requests.batches(max(1, batch_size // max(1, k_masks))):
         size = len(batch.input_ids)
         copies = torch.arange(k_masks, device=batch.rows.device)[:, None] * size
@@ -344,10 +345,13 @@ def loglikelihoods_for_masks(lm: Any, requests: Sequence[tuple[str, str]] | Logl
         owner = batch.owners.to(logprobs.device)
         total = torch.promote_types(logprobs.dtype, torch.float32)
         empty = torch.zeros(k_masks, len(batch.keys), dtype=total, device=logprobs.device)
-        summed = (empty.index_add(1, owner, token_logprob.to(total))
-                  .to(logprobs.dtype).cpu().tolist())
-        misses = empty.index_add(1, owner, 1.0 - token_greedy.to(total)).cpu().tolist()
-        for k in range(k_masks):
-            for index, key in enumerate(batch.keys):
-                answers[k][key] = (summed[k][index], misses[k][index] == 0)
-    return answers
+        summed_parts.append(empty.index_add(1, owner, token_logprob.to(total))
+                            .to(logprobs.dtype))
+        misses_parts.append(empty.index_add(1, owner, 1.0 - token_greedy.to(total)))
+        keys += batch.keys
+    # To the host once, after every pass: a copy per pass would make the host wait for
+    # each pass to finish before it queues the next (on a GPU, idle between passes).
+    summed = torch.cat(summed_parts, dim=1).cpu().tolist() if keys else [[]] * k_masks
+    misses = torch.cat(misses_parts, dim=1).cpu().tolist() if keys else [[]] * k_masks
+    return [{key: (summed[k][index], misses[k][index] == 0) for index, key in enumerate(keys)}
+            for k in range(k_masks)]

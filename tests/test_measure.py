@@ -3,6 +3,7 @@ models whose loglikelihoods only HFLM computes right."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -199,3 +200,37 @@ def test_prompt_tuning_adapter_answers_through_hflm(tiny_model_dir, task_manager
     bare = open_measurement(task_manager, load_lm(folder), num_samples=6)
     assert bare.measure_many(masks[:1])[0]["tiny_copy_ppl"].value != pytest.approx(
         values[0], rel=1e-3)
+
+
+def test_each_prompt_template_is_compiled_once_across_measurements(task_manager, llama_lm,
+                                                                   monkeypatch):
+    """lm-eval compiles a task's Jinja template for every document in every measurement;
+    inside ours each template string is compiled once, and the scores are the same."""
+    from jinja2 import Environment
+    from lm_eval import utils
+
+    from lm_eval_headloc import measure as measure_module
+
+    measure_module._compiled.cache_clear()
+    compiled: list[str] = []
+    from_string = Environment.from_string
+
+    def counting(env, source, *args, **kwargs):
+        compiled.append(source)
+        return from_string(env, source, *args, **kwargs)
+
+    monkeypatch.setattr(Environment, "from_string", counting)
+    measurement = open_measurement(task_manager, llama_lm, tasks=["tiny_choice"])
+    compiled.clear()  # loading the task renders its first document (lm-eval's checks)
+    masks = [parse_heads("L0H1"), parse_heads("L1H0+L1H2")]
+    ours = measurement.measure_many(masks)
+    templates = set(compiled)
+    assert templates == {"{{question}}", "{{choices}}", "{{answer}}"}
+    assert len(compiled) == len(templates)  # lm-eval alone: once per document and use
+    assert utils.apply_template is not measure_module._apply_template  # put back
+
+    # lm-eval's own apply_template, compiling every time, scores alike.
+    monkeypatch.setattr(measure_module, "templates_compiled_once", contextlib.nullcontext)
+    compiled.clear()
+    assert measurement.measure_many(masks) == ours
+    assert len(compiled) > 4 * len(masks) * len(templates)
