@@ -789,8 +789,14 @@ class HeadKnockout:
                     raise ValueError(f"per-row masks knock out {kind} in layer {stray[0]}, "
                                      f"which has none (the layers with {kind}: "
                                      f"{describe_layers(site.layers)})")
-                masks[kind] = [by_layer[:, layer][:, None, :, None].to(site.devices[layer])
-                               if by_layer[:, layer].any() else None
+                # non_blocking: per-row masks are placed for every forward pass, and a
+                # blocking copy would make the host wait for the previous pass to finish
+                # before it queues this one (the GPU idle in between). From pageable
+                # memory the copy is staged at once, so the CPU tensor may go.
+                touched = by_layer.any(dim=(0, 2)).tolist()
+                masks[kind] = [by_layer[:, layer][:, None, :, None].to(site.devices[layer],
+                                                                       non_blocking=True)
+                               if touched[layer] else None
                                for layer in range(layers)]
         else:
             by_layer: dict[tuple[str, int], list[int]] = {}
