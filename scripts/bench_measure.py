@@ -261,6 +261,11 @@ class TaskResult:
     before: Timing = field(default_factory=Timing)
     score_before: float | None = None
     notes: list[str] = field(default_factory=list)
+    # Loglikelihood tasks, with ``answers=True``: ours' answers alone (the forward passes
+    # and the scored tokens' sums, ``loglikelihoods_for_masks``), without lm-eval's
+    # ``evaluate`` scoring them: ours minus this is lm-eval's share, this minus the limit
+    # the forward path's.
+    answers: Timing = field(default_factory=Timing)
 
 
 def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dict[str, list[int]],
@@ -308,7 +313,8 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
 def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head],
                num_samples: int, seed: int, repeats: int, reference_repeats: int,
                device: str, task_manager: Any, before: bool = True,
-               reference_docs: int | None = None) -> tuple[TaskResult, Any, Recording]:
+               reference_docs: int | None = None, answers: bool = False
+               ) -> tuple[TaskResult, Any, Recording]:
     measure = open_measurement(setup, lm, num_samples=num_samples)  # seed: setup.spec's
     chat = measure.chat_template[next(iter(measure.chat_template))]
     subset = measure.subset
@@ -324,7 +330,13 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
     if kind == "loglikelihood" and before:
         score_before = measure.measure_with_model(heads)[task].value  # also a warm-up
         fns.append(lambda: measure.measure_with_model(heads))
-    ours, limit, *before = time_interleaved(fns, repeats, device)
+    timed_answers = answers and kind == "loglikelihood" and measure.scored_positions
+    if timed_answers:
+        requests, rows = measure.requests(), measure.resolved_batch_size()
+        fns.append(lambda: multimask.loglikelihoods_for_masks(lm, requests, [heads], rows))
+    ours, limit, *extra = time_interleaved(fns, repeats, device)
+    answered = extra.pop() if timed_answers else Timing()
+    before = extra
     if recording.generate_calls and not same_generation(recording, generated):
         notes.append("limit's generate differs from the harness's tokens")
     if recording.forward_inputs:
@@ -342,7 +354,7 @@ def bench_task(setup: Setup, lm: Any, task: str, kind: str, heads: Sequence[Head
                                                   reference_docs)
     return TaskResult(task, kind, docs, batches, reference, loading, ours, limit, score_ref,
                       score_ours, before[0] if before else Timing(), score_before,
-                      notes), measure, recording
+                      notes, answered), measure, recording
 
 
 # --- several masks per forward pass ------------------------------------------------------

@@ -359,7 +359,7 @@ def run_scale(args: argparse.Namespace, command: str, emit: Callable[[str], None
         result, measures[task], _ = bench_task(
             setups[task], lm, task, kind, heads, args.num_samples, args.seed, repeats,
             args.reference_repeats, device, task_manager, before=False,
-            reference_docs=reference_docs)
+            reference_docs=reference_docs, answers=True)
         report.tasks.append(result)
         print(f"  ours {result.ours.cell()} s, limit {result.limit.cell()} s, reference "
               f"{result.reference.cell()} s; ours/limit "
@@ -471,6 +471,11 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
                    f"{'within' if value <= BAR else 'over'} the bar of {BAR:.2f}")
         lines.append(f"- `{r.task}`: ours/limit {fmt_ratio(value)}, {verdict}; batches: "
                      f"{r.batches}")
+        if r.answers.seconds:
+            lines.append(f"  - of ours, the answers alone (forward passes and sums, no "
+                         f"lm-eval `evaluate`): {r.answers.cell()} s, "
+                         f"{fmt_ratio(ratio(r.answers, r.limit))} the limit; lm-eval's "
+                         f"share {r.ours.median - r.answers.median:.3f} s")
         lines += [f"  - note: {note}" for note in r.notes]
     gen = next((r for r in report.tasks if r.task == bench_shapes.GEN_TASK), None)
     if report.reference_gen_docs and gen is not None:

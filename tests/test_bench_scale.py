@@ -163,6 +163,10 @@ def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     section = text.split("<!-- bench_measure tiny-llama: start -->")[1]
     assert "| `scale_choice` (loglikelihood) |" in section
     assert "| `scale_gen` (generation) |" in section
+    # The loglikelihood task's answers timed alone, the generation task's not.
+    answers = [line for line in section.splitlines() if "the answers alone" in line]
+    assert len(answers) == 1 and "the limit; lm-eval's share " in answers[0]
+    assert section.index(answers[0]) < section.index("- `scale_gen`: ours/limit")
     assert "ran on 2 documents and is scaled to 4" in section
     assert "| 1 | 2 |" in section and "| 2 | 4 |" in section  # K × batch size 2
     assert "| generating, all 4 documents in one batch (batch size 4) |" in section
