@@ -778,10 +778,11 @@ class HeadKnockout:
                                  f"heads or (rows, {self.flat_width(KINDS)}) for heads and "
                                  f"neurons, got {tuple(knocked.shape)}")
             rows, start = knocked.shape[0], 0
+            on_device: dict[Any, torch.Tensor] = {}  # the whole mask, once per device
             for kind in kinds:
                 site = self._sites[kind]
-                by_layer = knocked[:, start:start + layers * site.units].view(-1, layers,
-                                                                             site.units)
+                span = slice(start, start + layers * site.units)
+                by_layer = knocked[:, span].view(-1, layers, site.units)
                 start += layers * site.units
                 stray = [layer for layer, module in enumerate(site.modules)
                          if module is None and by_layer[:, layer].any()]
@@ -789,15 +790,17 @@ class HeadKnockout:
                     raise ValueError(f"per-row masks knock out {kind} in layer {stray[0]}, "
                                      f"which has none (the layers with {kind}: "
                                      f"{describe_layers(site.layers)})")
-                # non_blocking: per-row masks are placed for every forward pass, and a
-                # blocking copy would make the host wait for the previous pass to finish
-                # before it queues this one (the GPU idle in between). From pageable
-                # memory the copy is staged at once, so the CPU tensor may go.
                 touched = by_layer.any(dim=(0, 2)).tolist()
-                masks[kind] = [by_layer[:, layer][:, None, :, None].to(site.devices[layer],
-                                                                       non_blocking=True)
-                               if touched[layer] else None
-                               for layer in range(layers)]
+                masks[kind] = []
+                for layer in range(layers):
+                    device = site.devices[layer]
+                    if not touched[layer]:
+                        masks[kind].append(None)
+                        continue
+                    if device not in on_device:
+                        on_device[device] = _to_device_without_waiting(knocked, device)
+                    masks[kind].append(on_device[device][:, span].view(
+                        -1, layers, site.units)[:, layer][:, None, :, None])
         else:
             by_layer: dict[tuple[str, int], list[int]] = {}
             kinds = intervention.kinds
@@ -898,6 +901,19 @@ class HeadKnockout:
                 f", heads in layers {describe_layers(self.layers_with_heads)}")
         return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads"
                 f"{some}{neurons})")
+
+
+def _to_device_without_waiting(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """``tensor.to(device)`` that does not make the host wait for the GPU's queued work.
+
+    Per-row masks are placed for every forward pass: a plain copy from pageable host
+    memory waits for the previous pass to finish before the host may queue the next one
+    (the GPU idle in between). From pinned memory the copy is queued like a kernel, and
+    PyTorch keeps the pinned source alive until it is done."""
+    device = torch.device(device)
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _device_of(module: nn.Module) -> torch.device:

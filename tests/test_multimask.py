@@ -449,3 +449,17 @@ def test_a_continuation_hflm_would_not_score_is_refused(measurement):
         with pytest.raises(ValueError, match="its continuation is .* tokens; lm-eval "
                                              "scores 1 to max_length"):
             LoglikelihoodRequests(lm, requests)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_per_row_masks_placed_without_waiting_answer_as_hflm(tiny_model_dir,
+                                                                     task_manager):
+    """On CUDA the per-row masks reach the GPU by a copy that does not make the host wait
+    (hooks._to_device_without_waiting): the answers are still HFLM's, mask by mask."""
+    lm = load_lm(tiny_model_dir("qwen2"), device="cuda")
+    gpu = open_measurement(task_manager, lm, ["tiny_copy_ppl", "tiny_choice"])
+    recorder = RecordingLM(lm)
+    gpu.evaluate([], model=recorder)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    together = loglikelihoods_for_masks(lm, recorder.requests, masks, batch_size=8)
+    assert_answers_are_hflms(lm, recorder.requests, masks, together)
