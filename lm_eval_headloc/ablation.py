@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
-from .files import write_atomically
+from .files import cache_root, write_atomically
 
 __all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "check_ablation",
            "check_reference_set", "check_scale", "default_cache_dir", "head_means",
@@ -356,8 +356,7 @@ MEANS_FILE = re.compile(rf"means-[0-9a-f]{{{_DIGEST_CHARS}}}\.pt")
 
 def default_cache_dir() -> Path:
     """Where mean-ablation statistics are cached without ``ablation_cache=``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lm_eval_headloc" / "means"
+    return cache_root() / "means"
 
 
 def cached_head_means(key_fields: dict[str, Any], compute: Any,

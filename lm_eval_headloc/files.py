@@ -8,7 +8,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["PARTIAL", "Beginning", "page_refusal", "write_atomically", "write_page"]
+__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "write_atomically",
+           "write_page"]
 
 #: How much of a file is read to see how it begins.
 _PEEK = 4096
@@ -17,6 +18,12 @@ _PEEK = 4096
 #: The name of ``write_atomically``'s partial file of ``<name>``, left behind only by a kill
 #: mid-write.
 PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
+
+
+def cache_root() -> Path:
+    """This package's cache folder: ``$XDG_CACHE_HOME/lm_eval_headloc`` (default
+    ``~/.cache``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm_eval_headloc"
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:

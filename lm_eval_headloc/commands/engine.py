@@ -312,12 +312,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     spec = spec.replace(tasks=tuple(own), include_path=tuple(dict.fromkeys(
         [*spec.include_path, *own_folders, *extra_folders])))
     check_workers(spec.workers, spec.ray_address, spec.gpus_per_worker, spec.ray_timeout)
-    model_args = resolve_model_args(spec.model_args)
-    config = model_config(model_args)
-    if spec.apply_chat_template:
-        check_chat_template(model_args)
-    geometry = config_geometry(config)
-    num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
+    # Task names first: a mistyped one is said in a second, before the model's config is
+    # read (a GGUF file's takes seconds).
     try:
         manager = make_task_manager(list(spec.include_path))
         joined = _join_metric_filters([*spec.tasks, *extra_tasks], manager.all_tasks)
@@ -325,6 +321,12 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         check_task_names(manager, [name for name, _ in specs])
     except ValueError as err:
         raise UsageError(str(err)) from None
+    model_args = resolve_model_args(spec.model_args)
+    config = model_config(model_args)
+    if spec.apply_chat_template:
+        check_chat_template(model_args)
+    geometry = config_geometry(config)
+    num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
     if len({name for name, _ in specs}) != len(specs):
         raise UsageError(f"--tasks {','.join(joined)}: a task is named twice")
     from ..measure import seed_as_lm_eval

@@ -59,7 +59,10 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
 def _task_manager(folders: tuple[str, ...]) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(folders))
+    from .index_cache import builtin_index_cached
+
+    with builtin_index_cached():  # lm-eval's own ~14,000 YAMLs: parsed once, kept on disk
+        return TaskManager(include_path=list(folders))
 
 
 def check_task_names(task_manager: Any, names: Iterable[str]) -> None:

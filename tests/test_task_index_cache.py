@@ -1,0 +1,127 @@
+"""lm-eval's index of its own task YAMLs, parsed once and kept on disk
+(``lm_eval_headloc.tasks.index_cache``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._index import TaskIndex
+
+from lm_eval_headloc.tasks import index_cache
+
+TASK = "task: {name}\ndataset_path: json\noutput_type: loglikelihood\ndoc_to_text: q\n" \
+       "doc_to_target: a\ntag: {tag}\n"
+
+
+def entries(index: dict) -> dict:
+    """An index as plain values (Entry has no equality of its own)."""
+    return {name: (e.name, e.kind, str(e.yaml_path), e.cfg, sorted(e.tags))
+            for name, e in index.items()}
+
+
+@pytest.fixture
+def root(tmp_path):
+    folder = tmp_path / "tasks"
+    (folder / "family").mkdir(parents=True)
+    (folder / "family" / "one.yaml").write_text(TASK.format(name="one", tag="both"))
+    (folder / "family" / "two.yaml").write_text(TASK.format(name="two", tag="both"))
+    (folder / "group.yaml").write_text("group: pair\ntask: [one, two]\n")
+    return folder
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The folders TaskIndex.build parses, call by call."""
+    calls: list[list[str]] = []
+    build = TaskIndex.build
+
+    def counting(paths, **kwargs):
+        paths = list(paths)
+        calls.append([p.name for p in paths])
+        return build(paths, **kwargs)
+
+    monkeypatch.setattr(TaskIndex, "build", staticmethod(counting))
+    return calls
+
+
+def test_a_folder_is_parsed_once_then_read_back_until_a_file_changes(root, tmp_path, builds):
+    cache = tmp_path / "cache"
+    first = index_cache.cached_index(root, cache)
+    assert entries(first) == entries(TaskIndex.build([root]))
+    assert set(first) == {"one", "two", "pair", "both"}
+    assert len(builds) == 2  # ours, and the comparison's
+    stored = list(cache.iterdir())
+    assert len(stored) == 1 and stored[0].name.startswith("task-index-")
+    os.utime(stored[0], (time.time() - 3600, time.time() - 3600))
+    assert entries(index_cache.cached_index(root, cache)) == entries(first)
+    assert len(builds) == 2  # read back, not parsed
+    assert stored[0].stat().st_mtime > time.time() - 60  # used now: the last to go
+
+    (root / "family" / "two.yaml").write_text(TASK.format(name="three", tag="both"))
+    changed = index_cache.cached_index(root, cache)
+    assert len(builds) == 3 and "three" in changed and "two" not in changed
+    assert len(list(cache.iterdir())) == 2  # the old one stays (another install's, maybe)
+
+
+def test_a_torn_or_unwritable_cache_only_costs_a_rebuild(root, tmp_path, builds):
+    cache = tmp_path / "cache"
+    index_cache.cached_index(root, cache)
+    (stored,) = cache.iterdir()
+    stored.write_bytes(b"\x80\x05not a pickle")
+    assert set(index_cache.cached_index(root, cache)) == {"one", "two", "pair", "both"}
+    assert len(builds) == 2
+    assert set(index_cache.cached_index(root, cache)) == {"one", "two", "pair", "both"}
+    assert len(builds) == 2  # rewritten whole
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    assert set(index_cache.cached_index(root, blocked)) == {"one", "two", "pair", "both"}
+    assert blocked.read_text() == "not a folder"
+
+
+def test_only_the_most_recently_used_indexes_are_kept_and_nothing_else_removed(
+        root, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    theirs = cache / "notes.txt"
+    theirs.write_text("someone else's")
+    old = []
+    for i in range(index_cache.KEEP + 2):
+        path = cache / f"task-index-old{i}.pickle"
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - 1000 + i, time.time() - 1000 + i))
+        old.append(path)
+    index_cache.cached_index(root, cache)
+    kept = sorted(p.name for p in cache.glob("task-index-*.pickle"))
+    assert len(kept) == index_cache.KEEP and theirs.read_text() == "someone else's"
+    # The newest old ones stay; the oldest go.
+    assert [p.exists() for p in old] == [False, False, False] + [True] * (len(old) - 3)
+
+
+def test_a_task_manager_with_the_cached_builtins_equals_lm_evals_own(
+        tmp_path, monkeypatch, caplog):
+    """The whole built-in index, then the user's folder overriding a built-in name as
+    lm-eval's own merge does (its warning included)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "gsm8k.yaml").write_text(TASK.format(name="gsm8k", tag="mine"))
+    own = TaskManager(include_path=[str(mine)])
+    for attempt in ("parsed", "read back"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"), \
+                index_cache.builtin_index_cached():
+            cached = TaskManager(include_path=[str(mine)])
+        assert entries(cached.task_index) == entries(own.task_index), attempt
+        assert (cached.all_tasks, cached.all_groups, cached.all_tags, cached.all_subtasks) \
+            == (own.all_tasks, own.all_groups, own.all_tags, own.all_subtasks)
+        assert cached.task_index["gsm8k"].yaml_path == mine / "gsm8k.yaml"
+        assert any("Task 'gsm8k' from" in r.getMessage() and "overrides" in r.getMessage()
+                   for r in caplog.records), attempt
+    assert len(list((tmp_path / "xdg" / "lm_eval_headloc").glob("task-index-*"))) == 1
+    from lm_eval.tasks import manager
+    assert manager.TaskIndex is TaskIndex  # put back
