@@ -21,9 +21,10 @@ PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
 
 
 def cache_root() -> Path:
-    """This package's cache folder: ``$XDG_CACHE_HOME/lm_eval_headloc`` (default
-    ``~/.cache``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lm_eval_headloc"
+    """This package's cache folder: ``$XDG_CACHE_HOME/lm_eval_headloc`` (``~/.cache`` where
+    it is unset or, as the XDG spec says, not an absolute path)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "lm_eval_headloc"
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> None:

@@ -30,7 +30,14 @@ def root(tmp_path):
     (folder / "family" / "one.yaml").write_text(TASK.format(name="one", tag="both"))
     (folder / "family" / "two.yaml").write_text(TASK.format(name="two", tag="both"))
     (folder / "group.yaml").write_text("group: pair\ntask: [one, two]\n")
+    # lm-eval's YAMLs include templates not named *.yaml, which may decide a tag.
+    (folder / "family" / "_template_yaml").write_text("tag: old_tag\n")
+    (folder / "family" / "four.yaml").write_text("include: _template_yaml\ntask: four\n"
+                                                 "dataset_path: json\n")
     return folder
+
+
+NAMES = {"one", "two", "pair", "both", "four", "old_tag"}
 
 
 @pytest.fixture
@@ -52,7 +59,7 @@ def test_a_folder_is_parsed_once_then_read_back_until_a_file_changes(root, tmp_p
     cache = tmp_path / "cache"
     first = index_cache.cached_index(root, cache)
     assert entries(first) == entries(TaskIndex.build([root]))
-    assert set(first) == {"one", "two", "pair", "both"}
+    assert set(first) == NAMES
     assert len(builds) == 2  # ours, and the comparison's
     stored = list(cache.iterdir())
     assert len(stored) == 1 and stored[0].name.startswith("task-index-")
@@ -66,21 +73,72 @@ def test_a_folder_is_parsed_once_then_read_back_until_a_file_changes(root, tmp_p
     assert len(builds) == 3 and "three" in changed and "two" not in changed
     assert len(list(cache.iterdir())) == 2  # the old one stays (another install's, maybe)
 
+    (root / "family" / "_template_yaml").write_text("tag: new_tag\n")
+    retagged = index_cache.cached_index(root, cache)
+    assert len(builds) == 4 and "new_tag" in retagged and "old_tag" not in retagged
+
 
 def test_a_torn_or_unwritable_cache_only_costs_a_rebuild(root, tmp_path, builds):
     cache = tmp_path / "cache"
     index_cache.cached_index(root, cache)
     (stored,) = cache.iterdir()
     stored.write_bytes(b"\x80\x05not a pickle")
-    assert set(index_cache.cached_index(root, cache)) == {"one", "two", "pair", "both"}
+    assert set(index_cache.cached_index(root, cache)) == NAMES
     assert len(builds) == 2
-    assert set(index_cache.cached_index(root, cache)) == {"one", "two", "pair", "both"}
+    assert set(index_cache.cached_index(root, cache)) == NAMES
     assert len(builds) == 2  # rewritten whole
 
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    assert set(index_cache.cached_index(root, blocked)) == {"one", "two", "pair", "both"}
+    assert set(index_cache.cached_index(root, blocked)) == NAMES
     assert blocked.read_text() == "not a folder"
+
+
+def test_a_cache_read_back_is_used_though_its_time_cannot_be_set(root, tmp_path, builds,
+                                                                 monkeypatch):
+    """Another user's cache file, or a read-only one: reading it is enough."""
+    cache = tmp_path / "cache"
+    index_cache.cached_index(root, cache)
+
+    def refused(*args, **kwargs):
+        raise PermissionError("Operation not permitted")
+
+    monkeypatch.setattr(index_cache.os, "utime", refused)
+    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no file owners")
+def test_a_cache_file_others_may_write_is_not_unpickled(root, tmp_path, builds):
+    """A pickle runs code as it loads: one that another user could have written is
+    rebuilt instead (and replaced by one of ours)."""
+    cache = tmp_path / "cache"
+    index_cache.cached_index(root, cache)
+    (stored,) = cache.iterdir()
+    stored.chmod(0o666)
+    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 2
+    (stored,) = cache.iterdir()
+    assert not stored.stat().st_mode & 0o022
+    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 2
+
+
+def test_without_a_home_folder_the_index_is_built_uncached(root, builds, monkeypatch):
+    """A uid without a passwd entry and no HOME (docker --user N): Path.home() fails."""
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(index_cache.Path, "home", staticmethod(no_home))
+    assert set(index_cache.cached_index(root)) == NAMES and len(builds) == 1
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_spec_says(monkeypatch, tmp_path):
+    from lm_eval_headloc.files import cache_root
+
+    monkeypatch.setattr(index_cache.Path, "home", staticmethod(lambda: tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_root() == tmp_path / ".cache" / "lm_eval_headloc"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "abs"))
+    assert cache_root() == tmp_path / "abs" / "lm_eval_headloc"
 
 
 def test_only_the_most_recently_used_indexes_are_kept_and_nothing_else_removed(

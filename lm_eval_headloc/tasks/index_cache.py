@@ -2,11 +2,11 @@
 
 Every ``TaskManager`` parses every built-in task YAML to find what each name is: about 4 s on
 a CPU core, paid by every command before anything else (a mistyped task name waits for it,
-and so does each Ray worker). The index of a folder depends only on its YAML files, so it is
-stored under ``$XDG_CACHE_HOME/lm_eval_headloc/`` (default ``~/.cache``) by a digest of
-lm-eval's version, the folder, and every YAML file's path, size and modification time, and
-read back (well under a second) while nothing changed. The user's folders and ours are
-small and parsed as before.
+and so does each Ray worker). The index of a folder depends only on the files below it, so
+it is stored under ``$XDG_CACHE_HOME/lm_eval_headloc/`` (default ``~/.cache``) by a digest
+of lm-eval's version and index code, the folder, and every file's path, size and
+modification time, and read back (under a second) while nothing changed. The user's
+folders and ours are small and parsed as before.
 """
 
 from __future__ import annotations
@@ -41,19 +41,40 @@ def builtin_tasks_dir() -> Path:
 
 
 def index_digest(root: Path) -> str:
-    """What the index of ``root`` depends on: lm-eval's version, the folder, each YAML
-    file's path, size and modification time (the files lm-eval's walk would read, and a
-    few it skips: a superset can only cost a needless rebuild)."""
+    """What the index of ``root`` depends on: lm-eval's version and the code that builds
+    the index, the folder as named, and the path, size and modification time of every file
+    below it (the YAMLs, and what their ``include:`` names, most of which are not
+    ``*.yaml``: ``_template_yaml``; compiled Python aside)."""
     import lm_eval
+    from lm_eval.tasks import _index, _yaml_loader
 
     digest = hashlib.sha256()
     digest.update(f"{getattr(lm_eval, '__version__', '?')}\0{root}\0"
                   f"{sys.version_info[:2]}\0{pickle.HIGHEST_PROTOCOL}\0".encode())
-    for path in sorted(root.glob("**/*.yaml")):
+    code = [Path(module.__file__) for module in (_index, _yaml_loader)]
+    for path in [*code, *_files_below(root)]:
         stat = path.stat()
-        digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n"
-                      .encode())
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:24]
+
+
+def _files_below(root: Path) -> Iterator[Path]:
+    """Every file below ``root`` in a fixed order, compiled Python left out (written when a
+    task's code is first imported, it would make the index look changed)."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(names):
+            if not name.endswith(".pyc"):
+                yield Path(folder, name)
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` may be unpickled: a file of this user's that no one else may
+    write (a pickle runs code as it loads). Where there are no owners (Windows), yes."""
+    stat = path.stat()
+    if not hasattr(os, "getuid"):
+        return True
+    return stat.st_uid == os.getuid() and not stat.st_mode & 0o022
 
 
 def cached_index(root: Path, cache_dir: Path | None = None) -> dict[str, Any]:
@@ -62,24 +83,37 @@ def cached_index(root: Path, cache_dir: Path | None = None) -> dict[str, Any]:
     A cache that cannot be read, written or made is only slower: the index is built."""
     from lm_eval.tasks._index import TaskIndex
 
-    folder = cache_dir if cache_dir is not None else cache_root()
-    path = folder / f"{_PREFIX}{index_digest(root)}{_SUFFIX}"
+    try:
+        folder = cache_dir if cache_dir is not None else cache_root()
+        path = folder / f"{_PREFIX}{index_digest(root)}{_SUFFIX}"
+    except (OSError, RuntimeError, KeyError) as err:  # no home folder (a uid without one)
+        log.debug("task index not cached: %s", err)
+        return TaskIndex.build([root])
+    index = None
     with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError, AttributeError,
                              ImportError, TypeError, ValueError):
-        with path.open("rb") as file:
-            index = pickle.load(file)
-        if isinstance(index, dict):
-            os.utime(path)  # most recently used: kept longest
-            return index
+        if _ours(path):
+            with path.open("rb") as file:
+                index = pickle.load(file)
+    if isinstance(index, dict):
+        with contextlib.suppress(OSError):  # most recently used: kept longest
+            os.utime(path)
+        return index
     index = TaskIndex.build([root])
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: partial.write_bytes(
-            pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)))
+        write_atomically(path, lambda partial: _write_private(partial, index))
         _remove_old(folder)
     except OSError as err:
         log.debug("task index not cached in %s: %s", folder, err)
     return index
+
+
+def _write_private(path: Path, index: dict[str, Any]) -> None:
+    """The pickle, writable by its owner only whatever the umask (``_ours`` reads no
+    other)."""
+    path.write_bytes(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+    path.chmod(0o644)
 
 
 def _remove_old(folder: Path) -> None:
@@ -108,7 +142,8 @@ def builtin_index_cached(cache_dir: Path | None = None) -> Iterator[None]:
             paths = [Path(p) for p in paths]
             if not paths or not resolve_includes or paths[0].resolve() != builtin:
                 return TaskIndex.build(paths, resolve_includes=resolve_includes)
-            index = dict(cached_index(builtin, cache_dir))
+            # The folder as lm-eval names it (its entries' paths are spelled so).
+            index = dict(cached_index(paths[0], cache_dir))
             for name, entry in TaskIndex.build(paths[1:]).items():
                 if name in index:  # as TaskIndex.build says it, through its logger
                     _INDEX_LOG.warning("Task '%s' from %s overrides existing task from %s",
