@@ -479,6 +479,10 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
         lost["key"], lost["mask"], lost["scores"])
 
 
+#: Seconds a stopped run pauses after each measurement it writes (``stopped_part_way``).
+PAUSE = 0.25
+
+
 def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
                      ) -> int:
     """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
@@ -486,8 +490,15 @@ def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: floa
     # SIGINT as a terminal user's process has it: a child inherits an ignored or blocked
     # SIGINT from this process (a library earlier in the suite may leave it so), and then
     # a SIGINT stop would do nothing.
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    # Each measurement's line is followed by a pause, so that the stop lands before the next
+    # one: a tiny model measures in milliseconds, faster than this loop looks (it once
+    # finished the run before the kill).
+    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
             "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+            "from lm_eval_headloc.commands.runfolder import RunFolder; "
+            "append = RunFolder.append_measurement; "
+            "RunFolder.append_measurement = lambda self, record: "
+            f"(append(self, record), time.sleep({PAUSE})); "
             "from lm_eval_headloc.commands.cli import main; "
             f"sys.exit(main({args!r} + sys.argv[1:]))")
     process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
@@ -530,7 +541,7 @@ def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_p
     killed = tmp_path / "killed"
     # baseline + 10 masks + round 1's 5 heads + 1 of round 2
     partial = stopped_part_way(args, killed, after=17, stop=subprocess.Popen.kill)
-    assert 17 <= partial < 18 + 1, "the run was not stopped inside round 2"
+    assert 17 <= partial < 18, "the run was not stopped inside round 2"
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0

@@ -155,14 +155,17 @@ def test_heads_and_neurons_share_one_design(tiny_model_dir, tmp_path):
 
 def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     args = neuron_args(tiny_model_dir("llama"), "--components", "neurons",
-                       "--candidates", "16")
-    killed = tmp_path / "killed"
-    # baseline + 10 masks + 4 alone: killed after the 13th measurement (in confirmation).
-    partial = stopped_part_way(args, killed, after=13, stop=subprocess.Popen.kill)
-    assert 13 <= partial < 15, "the run was not interrupted part-way"
-    assert harness(*args, "--out", str(killed)) == 0
+                       "--candidates", "16", "--confirm", "10")
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0
+    measured = len((full / "measurements.jsonl").read_text().splitlines())
+    assert measured == 1 + 10 + 10
+    killed = tmp_path / "killed"
+    # Killed after the 13th measurement (in confirmation), with 8 left for the kill to
+    # land in before the run ends (a tiny model's measurements take milliseconds).
+    partial = stopped_part_way(args, killed, after=13, stop=subprocess.Popen.kill)
+    assert 13 <= partial < measured, "the run was not interrupted part-way"
+    assert harness(*args, "--out", str(killed)) == 0
     assert_same_run(killed, full)
     assert strict_json(killed / "config.json")["candidates"] == \
         strict_json(full / "config.json")["candidates"]

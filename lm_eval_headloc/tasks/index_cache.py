@@ -102,14 +102,14 @@ def cached_index(root: Path, cache_dir: Path | None = None) -> dict[str, Any]:
     index = TaskIndex.build([root])
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: _write_private(partial, index))
+        write_atomically(path, lambda partial: _write_index(partial, index))
         _remove_old(folder)
     except OSError as err:
         log.debug("task index not cached in %s: %s", folder, err)
     return index
 
 
-def _write_private(path: Path, index: dict[str, Any]) -> None:
+def _write_index(path: Path, index: dict[str, Any]) -> None:
     """The pickle, writable by its owner only whatever the umask (``_ours`` reads no
     other)."""
     path.write_bytes(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
