@@ -56,7 +56,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
-import datetime as dt  # noqa: E402
 import gc  # noqa: E402
 import io  # noqa: E402
 import logging  # noqa: E402
@@ -540,7 +539,9 @@ def fmt_score(value: float | None) -> str:
 def render(results: list[TaskResult], profile: Profile | None, args: argparse.Namespace,
            heads: Sequence[Head], command: str, model_args: str, total_s: float,
            load: tuple[float, float], per_pass: list[PerPassResult]) -> str:
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from bench_sections import measured_now
+
+    now = measured_now()
     lines = [
         f"# Measurement throughput{' on the GPU' if args.device != 'cpu' else ''}: "
         "reference vs ours vs the forward-pass limit", "",

@@ -418,9 +418,9 @@ def _minutes(seconds: float) -> str:
 
 
 def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) -> str:
-    import datetime as dt
+    from bench_sections import measured_now
 
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = measured_now()
     shape = bench_shapes.SHAPES[report.config]
     heads_total = shape["num_hidden_layers"] * shape["num_attention_heads"]
     on = "the GPU" if args.device != "cpu" else "the CPU"

@@ -77,7 +77,16 @@ def write_head(path: Path, head: str) -> None:
     write_page(path, "\n\n".join([head.rstrip("\n"), *kept]) + "\n", BEGINS)
 
 
+#: How a section says when it was measured (``measured_now``), which ``measured_at`` reads.
+STAMP_FORMAT = "%Y-%m-%d %H:%M UTC"
 _STAMP = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC")
+
+
+def measured_now() -> str:
+    """Now, as every section writer states when it measured (``STAMP_FORMAT``)."""
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).strftime(STAMP_FORMAT)
 
 
 def measured_at(section: str) -> str | None:
