@@ -61,7 +61,10 @@ def _help(action: argparse.Action, prog: str) -> str:
 
 
 def _default_note(action: argparse.Action, help_text: str) -> str:
-    """``(default: …)`` where the help text does not say the default itself."""
+    """``(required)`` for an option that must be given, else ``(default: …)`` where the
+    help text does not say the default itself."""
+    if action.required:
+        return " (required)"
     if "default" in help_text.lower() or isinstance(action, (argparse._HelpAction,
                                                              argparse._VersionAction)):
         return ""
@@ -103,7 +106,11 @@ def _command_section(name: str, summary: str, parser: argparse.ArgumentParser) -
     positionals = [a for a in parser._actions if not a.option_strings]
     options = [a for a in parser._actions
                if a.option_strings and not isinstance(a, argparse._HelpAction)]
-    usage = " ".join([parser.prog, *(_positional(a) for a in positionals), "[options]"])
+    # As argparse's own usage line: the options that must be given, before the rest.
+    required = [f"{a.option_strings[0]} {a.metavar or a.dest.upper()}" for a in options
+                if a.required]
+    usage = " ".join([parser.prog, *(_positional(a) for a in positionals), *required,
+                      "[options]"])
     summary = _text(summary)
     lines = [f"## `headloc-harness {name}`", "", summary[:1].upper() + summary[1:] + ".", "",
              "```", usage, "```", ""]

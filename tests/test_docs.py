@@ -55,6 +55,15 @@ def test_cli_reference_covers_every_option(gen_cli_docs: ModuleType) -> None:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}" in section, f"{name} {flag} missing from docs/cli.md"
+            # An option argparse requires is said to be, in the usage line and its entry
+            # (export's --out read "(default: not set)": an audit found it).
+            if action.required and action.option_strings:
+                flag = action.option_strings[0]
+                usage = section.split("```")[1]
+                entry = next(line for line in section.splitlines()
+                             if line.startswith(f"- `{flag}"))
+                assert flag in usage and entry.endswith("(required)"), (name, flag)
+    assert any(a.required and a.option_strings for a in sub.choices["export"]._actions)
 
 
 def test_stale_cli_reference_is_refused(gen_cli_docs: ModuleType, tmp_path: Path) -> None:
