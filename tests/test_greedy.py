@@ -152,6 +152,17 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     never_helps = HeadRanking("t", "acc", True, 0.5, np.array([-0.01, 0.0, 0.0, 0.0]),
                               [0, 1, 2, 3], 2)
     assert spread_words(never_helps, 2, all_measured=True) == []
+    # One example of 24 lost and one gained, as scores minus a baseline: the harm came out
+    # larger in its last bits (an audit's run) and was called beyond the spread.
+    baseline = 14 / 24
+    lost, gained = 13 / 24 - baseline, 15 / 24 - baseline
+    assert -lost > gained  # the round-off this guards against
+    one_each = HeadRanking("t", "acc", True, baseline, np.array([-0.2, lost, gained, 0.0]),
+                           [0, 1, 3, 2], 2)
+    assert spread_words(one_each, 2, all_measured=True) == [
+        "Only L0H0 hurts the task by more than knocking out one head alone helps it (L1H0: "
+        "+0.0417); the other top-2 heads that hurt do so by no more, within the spread of "
+        "single knockouts.", ""]
 
 
 def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
@@ -168,6 +179,28 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     assert equal_change_words(ranking, 5) == [
         "The same measured change, ordered by the gold answers' log-likelihood change (the "
         "larger drop first): L0H0, L0H1, L0H2 (-0.0100).", ""]
+    # The top-k's last place among equal measurements: which of them made the top-k was
+    # the log-likelihood's call (an audit found a 5th and 6th both at -0.24, unsaid).
+    assert equal_change_words(ranking, 3) == [
+        "The same measured change, ordered by the gold answers' log-likelihood change (the "
+        "larger drop first): L0H0 (-0.0100), and after the top-3 L0H1, L0H2, measured the "
+        "same: the log-likelihood decided which of them are in the top-3.", ""]
+    assert equal_change_words(ranking, 4)[0].endswith(
+        ": L0H0, L0H1 (-0.0100), and after the top-4 L0H2, measured the same: the "
+        "log-likelihood decided which of them are in the top-4.")
+    # Many measured alike after it are counted, not listed; a harmless k-th (its place is
+    # harmless_words' to explain) gets no such clause, or every head doing nothing would.
+    many = HeadRanking("t", "acc", True, 0.5, np.array([-0.2] + [-0.1] * 8 + [0.0] * 4),
+                       list(range(13)), 13, extra={"tied_with_above": []})
+    assert equal_change_words(many, 2, all_measured=True)[0].endswith(
+        "L0H1 (-0.1000), and after the top-2 L0H2, L0H3, L0H4, L0H5, L0H6 and 2 more, "
+        "measured the same: the log-likelihood decided which of them are in the top-2.")
+    assert "after the top" not in equal_change_words(many, 10, all_measured=True)[0]
+    # An estimate after the k-th, equal to its measurement, decided nothing of the kind.
+    estimated_after = HeadRanking("t", "acc", True, 0.5, np.array([-0.2, -0.1, -0.1]),
+                                  [0, 1, 2], 3, extra={"confirmed": ["L0H0", "L0H1"],
+                                                       "tied_with_above": []})
+    assert equal_change_words(estimated_after, 2) == []
     # A tie (the same log-likelihood change too) is tie_words' to say, not this line's.
     ranking.extra["tied_with_above"] = ["L0H1", "L0H2"]
     assert equal_change_words(ranking, 5) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,7 +442,12 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
         return []  # nothing measured helps: no spread to compare with
     hurting = [c for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
                and harm(ranking.effect(c), higher) > 0]
-    beyond = [str(c) for c in hurting if harm(ranking.effect(c), higher) > -harm(helps, higher)]
+    largest_help = -harm(helps, higher)
+    # Beyond it by more than round-off: one example of 24 lost (score minus baseline) and
+    # one gained differ in their last bits, not in what was measured.
+    beyond = [str(c) for c in hurting if harm(ranking.effect(c), higher) > largest_help
+              and not math.isclose(harm(ranking.effect(c), higher), largest_help,
+                                   rel_tol=1e-9, abs_tol=1e-12)]
     if not hurting or len(beyond) == len(hurting) or _all_tied(ranking, top_k):
         return []
     against = f"knocking out one {unit} alone helps it ({column_label(helper)}: {helps:+.4f})"
@@ -458,23 +464,43 @@ def equal_change_words(ranking: HeadRanking, top_k: int, all_measured: bool = Fa
                        ) -> list[str]:
     """Top-k neighbours measured alike by the task's score but not tied, said as such:
     ``confirm.rank_measured`` orders them by the gold answers' log-likelihood, which the
-    table does not show. ``all_measured``: every effect is a measurement (greedy)."""
+    table does not show. Where the k-th is measured alike with those ranked after it, the
+    log-likelihood decided which of them is in the top-k: said too. ``all_measured``:
+    every effect is a measurement (greedy)."""
     tied = set(ranking.extra.get("tied_with_above", []))
+
+    def alike(above: Column, below: Column) -> bool:
+        return (str(below) not in tied and ranking.effect(above) == ranking.effect(below)
+                and all(all_measured or ranking.measured_alone(c) for c in (above, below)))
+
     groups: list[list[Column]] = []
     top = ranking.top(top_k)
     for above, below in zip(top, top[1:], strict=False):
-        if (str(below) not in tied and ranking.effect(above) == ranking.effect(below)
-                and all(all_measured or ranking.measured_alone(c) for c in (above, below))):
+        if alike(above, below):
             if groups and groups[-1][-1] == above:
                 groups[-1].append(below)
             else:
                 groups.append([above, below])
+    left_out: list[Column] = []  # measured as the k-th is, ranked after it
+    # Only where the k-th hurts: places filled by harmless ones are harmless_words' to say.
+    if top and harm(ranking.effect(top[-1]), ranking.higher_is_better) > 0:
+        for below in ranking.top(len(ranking.columns))[len(top):]:
+            if not alike(left_out[-1] if left_out else top[-1], below):
+                break
+            left_out.append(below)
+    if left_out and not (groups and groups[-1][-1] == top[-1]):
+        groups.append([top[-1]])
     if not groups:
         return []
-    shown = "; ".join(f"{', '.join(map(column_label, group))} "
-                      f"({ranking.effect(group[0]):+.4f})" for group in groups)
+    shown = [f"{', '.join(map(column_label, group))} ({ranking.effect(group[0]):+.4f})"
+             for group in groups]
+    if left_out:
+        names = ", ".join(map(column_label, left_out[:5])) + (
+            f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        shown[-1] += (f", and after the top-{len(top)} {names}, measured the same: the "
+                      f"log-likelihood decided which of them are in the top-{len(top)}")
     return [f"The same measured change, ordered by the gold answers' log-likelihood change "
-            f"(the larger drop first): {shown}.", ""]
+            f"(the larger drop first): {'; '.join(shown)}.", ""]
 
 
 def recorded_harmless(path: Path) -> set[str]:
