@@ -251,3 +251,22 @@ def test_smollm2_baselines_are_clearly_above_chance(smollm2_lm, task_dict):
         chance = chance_accuracy(task, _committed_docs(task)[:BASELINE_LIMIT])
         bar = _binomial_bar(chance, BASELINE_LIMIT)
         assert results[task][METRIC] > bar, (task, results[task][METRIC], chance)
+
+
+def test_lm_eval_does_not_tell_our_tasks_loaders_about_metadata_they_do_not_take(caplog):
+    """lm-eval notes on every load of a ``custom_dataset`` task that it takes --metadata;
+    ours ignore it, and a notebook saw the note at every command. Other tasks keep it."""
+    import logging
+
+    from conftest import TASKS as TEST_TASKS
+
+    from lm_eval_headloc.tasks import make_task_manager
+
+    manager = make_task_manager([TEST_TASKS])
+    notice = "Custom kwargs can be passed to `--metadata`"
+    with caplog.at_level(logging.WARNING, logger="lm_eval"):
+        manager.load(["headloc_induction", "swear"])
+        assert not [r for r in caplog.records if notice in r.getMessage()]
+        manager.load(["tiny_choice"])  # a test task's own custom_dataset: said, as lm-eval does
+    assert [r.getMessage().split(":")[0] for r in caplog.records
+            if notice in r.getMessage()] == ["tiny_choice"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,8 +53,35 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
         if not str(folder).strip() or not Path(folder).is_dir():
             raise UnknownTaskError(f"{option}{str(folder)!r} is not a folder (expected a "
                                    "folder of lm-eval task YAMLs)")
+    _quiet_own_metadata_notice()
     return _task_manager((str(task_configs_dir()),
                           *(str(Path(folder).resolve()) for folder in extra)))
+
+
+#: What lm-eval says on loading every task with a ``custom_dataset`` (ours all have one).
+_METADATA_NOTICE = "Custom kwargs can be passed to `--metadata`"
+
+
+class _OwnTasksMetadataNotice(logging.Filter):
+    """Drops lm-eval's notice that a ``custom_dataset`` task takes ``--metadata`` for our
+    own tasks, whose loaders take none (``data.jsonl_docs``): a notebook saw it on every
+    task load of every command. Other tasks' notices pass."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (_METADATA_NOTICE in message and message.split(":", 1)[0] in self.names)
+
+
+@functools.cache
+def _quiet_own_metadata_notice() -> None:
+    names = frozenset(re.findall(r"^task:\s*(\S+)", "\n".join(
+        path.read_text(encoding="utf-8") for path in task_configs_dir().glob("*/*.yaml")),
+        flags=re.MULTILINE))
+    logging.getLogger("lm_eval.api.task").addFilter(_OwnTasksMetadataNotice(names))
 
 
 @functools.lru_cache(maxsize=8)
