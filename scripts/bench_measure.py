@@ -131,11 +131,13 @@ def time_calls(fn: Callable[[], Any], repeats: int, device: str) -> Timing:
 
 def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int,
                      device: str) -> list[Timing]:
-    """Time several ways round-robin (a, b, a, b, ...), so that drift in the machine's speed
-    (other processes, thermal state, allocator) hits them alike."""
+    """Time several ways round-robin, every other round backwards (a, b, b, a, a, b, ...),
+    so that drift in the machine's speed (other processes, thermal state, allocator) hits
+    them alike, and no way always runs first after the other's work."""
     timings = [Timing() for _ in fns]
-    for _ in range(repeats):
-        for fn, timing in zip(fns, timings, strict=True):
+    for round_ in range(repeats):
+        pairs = list(zip(fns, timings, strict=True))
+        for fn, timing in pairs[::-1] if round_ % 2 else pairs:
             timing.seconds += time_calls(fn, 1, device).seconds
     return timings
 
@@ -556,8 +558,8 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
         f"knocked out ({format_heads(heads)})",
         f"- ours and limit: batch size {args.batch_size}; reference: batch size 1", "",
         "Seconds per measurement: median (min–max, n repetitions). Ours, limit and "
-        "ours-before are timed alternately (ours, limit, before, ours, …) after one untimed "
-        "warm-up call each.", "",
+        "ours-before are timed alternately, every other round in reverse (ours, limit, before, "
+        "before, limit, ours, …), after one untimed warm-up call each.", "",
         "| task | docs | reference | of which model load | ours | limit | reference/ours | "
         "ours/limit | ours before (HFLM answers) | score reference / ours / before |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

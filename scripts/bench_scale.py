@@ -453,8 +453,8 @@ def render_scale(report: ScaleReport, args: argparse.Namespace, command: str) ->
         *summary_lines(report, args),
         "", "## One measurement: reference vs ours vs the forward-pass limit", "",
         "Seconds per measurement: median (min–max, n). Ours and the limit are timed "
-        "alternately after a warm-up; what each column is: see the embedded model's "
-        "section above.", "",
+        "alternately (every other round the limit first) after a warm-up; what each "
+        "column is: see the embedded model's section above.", "",
         "| task | reference (reload + evaluate) | of which model load | ours | limit | "
         "reference/ours | ours/limit | score ours |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -267,3 +267,15 @@ def test_the_derived_generating_run_is_the_logprob_runs_fixed_part_plus_its_meas
     assert derived.fixed == pytest.approx(20.0) and derived.prior == 4.0
     # 20 s fixed + the baseline, 12 masks and 34 heads alone at 2 s each
     assert derived.default_seconds(12, 34) == pytest.approx(20 + 2 + 24 + 68)
+
+
+def test_ways_are_timed_round_robin_every_other_round_backwards():
+    """Ours was always timed first after the limit's work; the generating ours came out
+    1.32x the limit once (n=1) while the locate's own measurements were below it."""
+    import bench_measure
+
+    calls: list[str] = []
+    timings = bench_measure.time_interleaved(
+        [lambda: calls.append("ours"), lambda: calls.append("limit")], 3, "cpu")
+    assert calls == ["ours", "limit", "limit", "ours", "ours", "limit"]
+    assert [len(t.seconds) for t in timings] == [3, 3]
