@@ -155,7 +155,9 @@ def _task_texts(name: str, field: str | None, task_manager: Any) -> list[str]:
     if name not in set(task_manager.all_tasks):
         raise AblationError(f"ablation_data={name!r} is neither a file nor an lm-eval task "
                             "name (a text file, one example per line; a JSONL file; or a "
-                            "task, e.g. ablation_data=headloc_induction)")
+                            "task, e.g. ablation_data=headloc_induction; a task of your "
+                            "own folder needs ablation_include_path=DIR, as lm-eval does "
+                            "not pass --include_path to the model)")
     return task_texts(task_manager.load([name])["tasks"])
 
 

@@ -151,7 +151,7 @@ class HFHeadAblateLM(HFLM):
         ablation_field: str | None = None,
         ablation_include_path: str | os.PathLike | None = None,
         ablation_cache: str | os.PathLike | None = None,
-        resample_seed: int = 0,
+        resample_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         # Read and parse the head list and the reference set before loading weights, so
@@ -165,11 +165,18 @@ class HFHeadAblateLM(HFLM):
             raise HeadSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
                                 "e.g. mlp_out=model.layers.*.mlp.down_proj")
         self._requested = requested  # checked against the config before the weights load
-        if isinstance(resample_seed, bool) or not isinstance(resample_seed, int) \
-                or resample_seed < 0:
+        if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
+                resample_seed, int) or resample_seed < 0):
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
                                 ">= 0")
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
+        # Settings another kind would take and ignore: a silent no-op is refused instead.
+        if resample_seed is not None and self.ablation != "resample":
+            raise AblationError(f"resample_seed={resample_seed}: only ablation=resample draws "
+                                f"donors; ablation={self.ablation} takes no seed")
+        if ablation_cache is not None and self.ablation != "mean":
+            raise AblationError(f"ablation_cache={str(ablation_cache)!r}: only ablation=mean "
+                                f"caches statistics; ablation={self.ablation} keeps none")
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
@@ -196,7 +203,7 @@ class HFHeadAblateLM(HFLM):
         self._override: Intervention | None = None
         self.ablation_data: str | None = None  # set_ablation's source and field
         self.ablation_field: str | None = None
-        self.resample_seed = resample_seed
+        self.resample_seed = 0 if resample_seed is None else resample_seed
         self.means_file: str | None = None
         self.neuron_means_file: str | None = None
         self.reference_digest: str | None = None

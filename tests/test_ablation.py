@@ -278,7 +278,17 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
      "'no_such_file_or_task' is neither a file nor an lm-eval task"),
     (dict(ablation="mean", ablation_data="EMPTY"), "has no examples"),
     # tests/tasks is not where lm-eval looks unless the model is told.
-    (dict(ablation="mean", ablation_data="tiny_copy"), "'tiny_copy' is neither a file nor"),
+    (dict(ablation="mean", ablation_data="tiny_copy"),
+     "'tiny_copy' is neither a file nor.*needs ablation_include_path=DIR"),
+    # Settings another ablation kind takes were accepted and did nothing (an audit).
+    (dict(resample_seed=7), "resample_seed=7: only ablation=resample draws donors; "
+                            "ablation=zero takes no seed"),
+    (dict(ablation="mean", ablation_data="JSONL", resample_seed=0),
+     "resample_seed=0: only ablation=resample"),
+    (dict(ablation_cache="x"), "ablation_cache='x': only ablation=mean caches statistics; "
+                               "ablation=zero keeps none"),
+    (dict(ablation="resample", ablation_data="JSONL", ablation_cache="x"),
+     "ablation=resample keeps none"),
     (dict(ablation="mean", ablation_data="tiny_copy", ablation_include_path="NOFOLDER"),
      "ablation_include_path='.*no-such-folder' is not a folder"),
     (dict(ablation_include_path="TASKS"), "ablation_include_path= are for ablation=mean"),
@@ -315,13 +325,14 @@ def test_stock_cli_runs_mean_and_resample_and_refuses_a_bad_kind(tiny_model_dir,
     base = [LM_EVAL, "--model", "hf-headablate", "--device", "cpu", "--tasks", "tiny_copy",
             "--include_path", TASKS, "--limit", "4"]
     # mean's reference set is a task of the --include_path folder, resample's a file.
-    reference = {"mean": f"ablation_data=tiny_copy,ablation_include_path={TASKS}",
+    reference = {"mean": f"ablation_data=tiny_copy,ablation_include_path={TASKS},"
+                         f"ablation_cache={tmp_path / 'cache'}",
                  "resample": f"ablation_data={reference_file}"}
     # The three processes run at once: each spends its ~15 s importing and indexing tasks.
     running = {}
     for kind in ("mean", "resample"):
         args = (f"pretrained={folder},dtype=float32,ablate=L0H1,ablation={kind},scale=0.5,"
-                f"{reference[kind]},ablation_cache={tmp_path / 'cache'}")
+                f"{reference[kind]}")
         running[kind] = subprocess.Popen(
             [*base, "--model_args", args, "--output_path", str(tmp_path / kind)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -457,7 +468,7 @@ def test_resample_and_mean_masks_per_pass_equal_hflm_one_mask_at_a_time(
     reference.write_text("\n".join(TEXTS), encoding="utf-8")
     for kind in ("resample", "mean"):
         lm = load_lm(tiny_model_dir("qwen2"), ablation=kind, ablation_data=str(reference),
-                     ablation_cache=str(tmp_path))
+                     **({"ablation_cache": str(tmp_path)} if kind == "mean" else {}))
         measurement = open_measurement(task_manager, lm, ["tiny_copy_ppl", "tiny_choice"])
         recorder = RecordingLM(lm)
         measurement.evaluate([], model=recorder)
