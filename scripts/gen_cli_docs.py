@@ -78,19 +78,22 @@ def _default_note(action: argparse.Action, help_text: str) -> str:
     return f" (default: {default})"
 
 
+def _value(action: argparse.Action) -> str:
+    """What an option's value is called: ``M``, ``{metric,logprob}``, ``FILE``."""
+    if action.metavar is not None:
+        return str(action.metavar)
+    if action.choices is not None:
+        return "{" + ",".join(map(str, action.choices)) + "}"
+    return action.dest.upper()
+
+
 def _flag(action: argparse.Action) -> str:
     """``--masks M``, ``--signal {metric,logprob}``, ``--apply-chat-template`` / ``--no-…``."""
     flags = " / ".join(f"`{flag}`" for flag in action.option_strings)
     if action.nargs == 0:
         return flags
-    if action.metavar is not None:
-        value = str(action.metavar)
-    elif action.choices is not None:
-        value = "{" + ",".join(map(str, action.choices)) + "}"
-    else:
-        value = action.dest.upper()
     # Another spelling of the same option (lm-eval's --output_path) is its own code span.
-    return " / ".join(f"`{flag} {value}`" for flag in action.option_strings)
+    return " / ".join(f"`{flag} {_value(action)}`" for flag in action.option_strings)
 
 
 def _positional(action: argparse.Action) -> str:
@@ -107,8 +110,7 @@ def _command_section(name: str, summary: str, parser: argparse.ArgumentParser) -
     options = [a for a in parser._actions
                if a.option_strings and not isinstance(a, argparse._HelpAction)]
     # As argparse's own usage line: the options that must be given, before the rest.
-    required = [f"{a.option_strings[0]} {a.metavar or a.dest.upper()}" for a in options
-                if a.required]
+    required = [f"{a.option_strings[0]} {_value(a)}" for a in options if a.required]
     usage = " ".join([parser.prog, *(_positional(a) for a in positionals), *required,
                       "[options]"])
     summary = _text(summary)
