@@ -203,10 +203,12 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         free = np.setdiff1d(np.arange(total), held)
         y = less_fixed(knocked_out, y, fixed)
         spread = float(np.std(y))
-        # A zero (or round-off: the mean of 0.1s is not 0.1) spread means no mask changed
-        # the score: nothing to standardise, and dividing would blow round-off up into
-        # "effects".
-        constant = spread <= 1e-12 * max(1.0, float(np.max(np.abs(y))))
+        # Round-off at the scores' size: the mean of 0.1s is not 0.1, and coordinate descent
+        # leaves ~1e-19 on the second of two identical columns.
+        round_off = 1e-12 * max(1.0, float(np.max(np.abs(y))))
+        # A zero (or round-off) spread means no mask changed the score: nothing to
+        # standardise, and dividing would blow round-off up into "effects".
+        constant = spread <= round_off
         scale = spread if standardize and not constant else 1.0
 
         offset = 0.0 if baseline is None else baseline
@@ -217,7 +219,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
             lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
             # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
             lasso.fit(knocked_out[:, free] / weights[free], (y - offset) / scale)
-            coef[free] = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
+            fitted_free = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
+            # An effect of round-off size is no effect: left as it is, it "hurts" the task by
+            # 1e-19 and is ranked, bootstrapped and reported as a head that matters.
+            fitted_free[np.abs(fitted_free) <= round_off] = 0.0
+            coef[free] = fitted_free
             intercept, n_iter = float(lasso.intercept_) * scale, int(lasso.n_iter_)
         intercept = intercept if baseline is None else baseline
         # Fitted against the remainder the free heads explain (the fixed part is given).
