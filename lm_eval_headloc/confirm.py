@@ -138,6 +138,17 @@ def prior_rankings(estimates: np.ndarray | None) -> list[list[int]]:
             for point in np.atleast_2d(estimates)]
 
 
+def prior_found_nothing(estimates: np.ndarray | None) -> bool:
+    """Whether every point of the prior estimated the same change for every head (up to
+    round-off: e.g. all 0 where no head's output reaches the answer): its rankings are
+    then the head index, not an order. False without a prior."""
+    if estimates is None:
+        return False
+    points = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
+    round_off = 1e-12 * max(1.0, float(np.max(np.abs(points), initial=0.0)))
+    return bool(np.all(np.ptp(points, axis=1) <= round_off))
+
+
 def marginal_contrast(design_matrix: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """Per head: the mean score of the masks that knock it out minus the mean of those
     that do not (0 for a head in every mask or in none: no evidence either way)."""

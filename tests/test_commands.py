@@ -1631,6 +1631,44 @@ def test_prior_atp_path_saves_both_points_and_takes_their_rankings_in_turn(tiny_
     assert "half ablated" in (out / "report.md").read_text()
 
 
+def test_a_prior_that_found_no_effect_says_its_top_k_is_no_order(tiny_model_dir, tmp_path):
+    """With every o_proj weight zeroed no head reaches the answer: the prior estimates 0
+    for all of them, so its top-k is the head index, and the report must not list it as
+    the prior's order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dead = tmp_path / "dead"
+    shutil.copytree(tiny_model_dir("llama"), dead)  # the tokenizer; the weights replaced
+    model = AutoModelForCausalLM.from_pretrained(dead)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(dead)
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(dead), "--tasks", "tiny_choice", "--masks", "6",
+                   "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+                   "--prior", "atp", "--confirm", "0", "--out", str(out)) == 0
+    effects = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]["effects"]
+    assert set(effects) == {0.0}
+    heads = strict_json(out / "heads.json")
+    assert heads["prior_found_nothing"] is True
+    report = (out / "report.md").read_text()
+    assert ("estimated the same change for every head: it found no effect, and its top-3 "
+            f"({', '.join(heads['prior_top_k'])}) is the head index, not an order") in report
+    assert "attribution prior's own top-3" not in report
+
+
+def test_prior_found_nothing_only_when_every_estimate_is_equal():
+    from lm_eval_headloc.confirm import prior_found_nothing
+
+    assert prior_found_nothing(np.zeros((2, 4)))
+    assert prior_found_nothing(np.array([[-0.3] * 4, [0.1 + 0.2, 0.3, 0.3, 0.3]]))  # round-off
+    assert not prior_found_nothing(np.array([[0.0, 0.0, 0.0, -1e-6]]))
+    assert not prior_found_nothing(np.array([[0.0] * 4, [0.0, -0.2, 0.0, 0.0]]))
+    assert not prior_found_nothing(None)
+
+
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
     from lm_eval_headloc.commands.locate import fit_rankings
     from lm_eval_headloc.prior import prior_penalty_weights
@@ -1881,7 +1919,9 @@ def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
                    "--num-samples", "6", "--signal", "logprob", "--masks", "4",
                    "--prior", "none", "--confirm", "8", "--out", str(out)) == 0
-    assert len(strict_json(out / "heads.json")["confirmed"]) == 8
+    heads = strict_json(out / "heads.json")
+    assert len(heads["confirmed"]) == 8
+    assert heads["r2"] is None and heads["r2_held_out"] is None  # as the report says
     printed = capsys.readouterr().out
     assert "R²" not in printed
     report = (out / "report.md").read_text()
@@ -1892,6 +1932,7 @@ def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_
                    "--num-samples", "6", "--signal", "logprob", "--masks", "4",
                    "--prior", "none", "--confirm", "2", "--out", str(some)) == 0
     assert "Fit R² = " in (some / "report.md").read_text()
+    assert isinstance(strict_json(some / "heads.json")["r2"], float)
 
 
 def test_a_refused_run_folder_leaves_no_output_path_behind(tiny_model_dir, tmp_path, capsys,

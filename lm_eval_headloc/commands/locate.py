@@ -27,6 +27,7 @@ from ..confirm import (
     confirmed_order,
     confirmed_top,
     measured_changes,
+    prior_found_nothing,
     prior_rankings,
     prior_weights,
     screen,
@@ -188,8 +189,13 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                                                    if harm(fit.effects[h], higher) > 0),
                        "next": list(confirmed.get("next", {}).get(task, []))}),
                    **({} if priors is None else {"prior_top_k": columns.names(
-                       alternated(prior_rankings(estimates), top_k))})},
+                       alternated(prior_rankings(estimates), top_k))}),
+                   **({"prior_found_nothing": True} if prior_found_nothing(estimates)
+                      else {})},
             stability=stability)
+        if all_measured_alone(rankings[task]):
+            # The fit held every change fixed and estimated nothing: its R² is no evidence.
+            rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None
     return rankings
 
 
@@ -347,13 +353,24 @@ def locate_report(run: LocateRun) -> str:
             *equal_change_words(ranking, top_k),
             *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
-            *([f"The attribution prior's own top-{top_k} (prior.json"
-               + (", its rankings in turn" if run.prior_kind == "atp-path" else "")
-               + "): " + ", ".join(ranking.extra["prior_top_k"]) + ".", ""]
-              if "prior_top_k" in ranking.extra else [])]
+            *_prior_top_words(ranking.extra, top_k, run.prior_kind, _UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
     return "\n".join(lines) + "\n"
+
+
+def _prior_top_words(extra: Mapping[str, Any], top_k: int, prior_kind: str | None,
+                     unit: str) -> list[str]:
+    """The attribution prior's own top-k, or that it found nothing to order."""
+    if "prior_top_k" not in extra:
+        return []
+    source = "prior.json" + (", its rankings in turn" if prior_kind == "atp-path" else "")
+    if extra.get("prior_found_nothing"):
+        return [f"The attribution prior ({source}) estimated the same change for every "
+                f"{unit}: it found no effect, and its top-{top_k} "
+                f"({', '.join(extra['prior_top_k'])}) is the {unit} index, not an order.", ""]
+    return [f"The attribution prior's own top-{top_k} ({source}): "
+            + ", ".join(extra["prior_top_k"]) + ".", ""]
 
 
 def all_measured_alone(ranking: HeadRanking) -> bool:
