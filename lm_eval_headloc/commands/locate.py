@@ -699,7 +699,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             if spec.masks != "auto":
                 break
             rankings = _fit(run, setup.exclude, used, confirmed=False)
-            if not any(r.unstable(spec.top_k) for r in rankings.values()):
+            if all(r.settled(spec.top_k) for r in rankings.values()):
                 break
         run.masks_used = used + spent
         if spec.confirm:

@@ -89,12 +89,24 @@ class HeadRanking:
         return [c for c, e in effects.items()
                 if np.isfinite(e) and not harm(e, self.higher_is_better) > 0]
 
+    def settled(self, k: int) -> bool:
+        """Whether at least ``STABLE`` of the bootstrap refits put every top-k head in the
+        top-k hurting the task (``--masks auto``'s stop: a top-k place a head that does not
+        hurt fills is not settled); True without a bootstrap."""
+        if self.stability is None:
+            return True
+        return all(self.stability.selected[self.columns.index(h)] >= STABLE
+                   for h in self.top(k))
+
     def unstable(self, k: int) -> list[Component]:
-        """The top-k heads fewer than ``STABLE`` of the bootstrap refits put in the top-k."""
+        """The top-k heads that hurt the task and that fewer than ``STABLE`` of the
+        bootstrap refits put in the top-k hurting it (a head that does not hurt is said as
+        such, ``harmless``; no refit counts it, so "unstable" would say it twice, wrongly)."""
         if self.stability is None:
             return []
-        return [h for h in self.top(k)
-                if self.stability.selected[self.columns.index(h)] < STABLE]
+        harmless = set(self.harmless(k))
+        return [h for h in self.top(k) if h not in harmless
+                and self.stability.selected[self.columns.index(h)] < STABLE]
 
 
 def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
@@ -380,18 +392,20 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
         return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
                         f"{type_cell(head)}"
                         for rank, head in enumerate(ranking.top(top_k), start=1)]
-    lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k} of "
-             f"{ranking.stability.resamples} bootstrap refits |{type_head}",
+    lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k}, hurting, "
+             f"in {ranking.stability.resamples} bootstrap refits |{type_head}",
              f"| --- | --- | --- | --- | --- |{type_rule}"]
+    harmless = set(ranking.harmless(top_k))
+    unstable = set(ranking.unstable(top_k))
     for rank, head in enumerate(ranking.top(top_k), start=1):
         confidence = ranking.confidence(head)
         interval = confidence["effect_interval"]
         shown = "measured alone" if interval is None else (
             f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
-        flag = "" if confidence["selected"] >= STABLE else " (unstable)"
+        selected = ("— (does not hurt)" if head in harmless else
+                    f"{confidence['selected']:.0%}" + (" (unstable)" if head in unstable else ""))
         lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
-                     f"{shown} | "
-                     f"{confidence['selected']:.0%}{flag} |{type_cell(head)}")
+                     f"{shown} | {selected} |{type_cell(head)}")
     return lines
 
 
