@@ -1100,6 +1100,15 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
         out / "verify.md").read_text()
     assert table["located_by"] == "metric"
     assert "log-likelihood" not in (out / "verify.md").read_text()
+    # What the run's ranking says of these heads travels with them (the run's own file).
+    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.commands.verify import ranking_notes, verification_markdown
+
+    assert table["ranking_notes"] == {"tiny_choice": ranking_notes(RunFolder(run),
+                                                                   "tiny_choice", 3)}
+    table["ranking_notes"] = {"tiny_choice": ["L0H1: recorded to do no harm"]}
+    assert ("What the run's ranking says of these (its report.md):\n"
+            "- L0H1: recorded to do no harm\n") in verification_markdown(table)
     # verify's scores are fresh evaluations: heads knocked out by hf-headablate itself.
     from lm_eval_headloc.model import HFHeadAblateLM
 
@@ -1391,6 +1400,31 @@ def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
     result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
     assert [h["head"] for h in result["heads"]] == ["L2H0"]
     assert list(result["candidates"]["L0H1"].values()) == [3]  # task b's only
+
+
+def test_universal_marks_a_head_within_a_rankings_spread(tmp_path):
+    """L0H1 hurts task a by 0.01 where a single knockout gains 0.02 there: counted as
+    listed, but marked as within that ranking's spread (it was said only in report.md)."""
+    from lm_eval_headloc.commands import universal
+    from lm_eval_headloc.commands.universal import universal_table
+
+    runs = [write_heads(tmp_path / "r1", "a", ["L2H0", "L0H1", "L1H1"],
+                        effects=[-0.3, -0.01, 0.02]),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L0H1", "L3H3"],
+                        effects=[-0.2, -0.1, -0.05])]
+    path = runs[0] / "heads-a.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "largest_single_help": {"head": "L1H1",
+                                                                "change": 0.02}}))
+    result = universal(runs, tmp_path / "u.json", top_k=2, min_tasks=2)
+    by_head = {h["head"]: h for h in result["heads"]}
+    assert sorted(by_head) == ["L0H1", "L2H0"]
+    label = f"{runs[0].resolve()}:a"
+    assert by_head["L0H1"]["within_spread_in"] == [label]
+    assert "within_spread_in" not in by_head["L2H0"]
+    table = universal_table(result)
+    assert "| L0H1 | 2 | 2* | 2 |" in table
+    assert "*: in that ranking the head hurts the task by no more than a single knockout" in table
 
 
 def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
@@ -1935,6 +1969,10 @@ def test_prior_auto_is_none_where_there_are_no_gold_answers(tiny_model_dir, tmp_
     assert not (tmp_path / "x").exists()
 
 
+def heads_top_k(run: Path) -> int:
+    return strict_json(run / "config.json")["spec"]["top_k"]
+
+
 def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_path, capsys):
     """With more confirmation than heads (a small model, the default budget) every head is
     measured alone: the fit has nothing left and its R² (0) and held-out R² said nothing
@@ -1948,6 +1986,17 @@ def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_
     assert heads["r2"] is None and heads["r2_held_out"] is None  # as the report says
     printed = capsys.readouterr().out
     assert "R²" not in printed
+    # Every head measured alone: the one whose knockout helps most is the spread, and
+    # top heads that hurt by no more are marked so where the ranking is printed.
+    assert heads["higher_is_better"] is True  # logprob
+    best = max(heads["heads"], key=lambda e: e["effect"])
+    assert best["effect"] > 0  # random weights: some knockout helps (else nothing to test)
+    assert heads["largest_single_help"] == {"head": best["head"], "change": best["effect"]}
+    for entry in heads["heads"][:heads_top_k(out)]:
+        line = next(line for line in printed.splitlines()
+                    if line.strip().split()[1:2] == [entry["head"]])
+        within = entry["effect"] < 0 and -entry["effect"] <= best["effect"]
+        assert ("within the spread of single knockouts" in line) == within, line
     report = (out / "report.md").read_text()
     assert "Every head was measured alone, so each ranks by its measurement" in report
     assert "Fit R²" not in report

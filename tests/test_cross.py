@@ -96,6 +96,17 @@ def test_cross_matrix(tiny_model_dir, matrix):
     assert "## erase (×0)" in text and "## enhance (×2)" in text
     assert all(f"- {label}: " in text for label in labels)
     assert (out / "cross.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # What each run's ranking says of its set is carried, from the run's own file.
+    from lm_eval_headloc.commands.cross import cross_markdown
+    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.commands.verify import ranking_notes
+
+    assert table["ranking_notes"] == {
+        s["label"]: notes for s in table["sets"]
+        if (notes := ranking_notes(RunFolder(s["run"]), s["task"], table["top_k"]))}
+    table["ranking_notes"] = {labels[0]: ["L0H1: recorded to do no harm"]}
+    assert (f"What the runs' rankings say of their sets (each run's report.md):\n"
+            f"- {labels[0]}: L0H1: recorded to do no harm\n") in cross_markdown(table)
 
 
 def test_cross_resumes_without_measuring_again(matrix):

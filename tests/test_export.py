@@ -48,6 +48,8 @@ def ranking(task: str = "toy", higher_is_better: bool = True,
         for rank, (name, effect) in enumerate(RANKED, start=1)]
     return {"task": task, "metric": "acc,none", "higher_is_better": higher_is_better,
             "baseline": 0.75, "heads_per_layer": HEADS, "top_k": ["L0H0", "L1H0"],
+            "confirmed": ["L0H0", "L1H0", "L1H1", "L0H1"], "tied_with_above": [],
+            "same_masks": {}, "largest_single_help": {"head": "L0H1", "change": 0.25},
             "heads": heads}
 
 
@@ -110,6 +112,12 @@ def test_export_scores_every_head_with_mibs_sign(tmp_path):
     assert marker["made_by"] == "lm-eval-headloc" and marker["task"] == "toy"
     assert marker["unscored_heads"] == ["L0H2", "L1H2"]
     assert marker["higher_is_better"] is True and marker["run"]["command"] == "locate"
+    # What the ranking says of its evidence travels with the scores (MIB orders equal
+    # scores its own way, and L1H0's 0.125 is within L0H1's help of 0.25).
+    assert marker["evidence"] == {
+        "tied_with_above": [], "same_masks": {}, "confirmed": ["L0H0", "L1H0", "L1H1", "L0H1"],
+        "largest_single_help": {"head": "L0H1", "change": 0.25}}
+    assert "equal scores are no order" in marker["evidence_words"]
     check_mib(data)
 
 

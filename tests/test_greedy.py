@@ -37,8 +37,13 @@ def test_one_shot_ranks_every_head_measured_as_a_confirmation_would():
         assert math.isnan(ranking.effects[4])  # never measured: no effect, not ranked
         assert [ranking.effects[h] for h in (0, 1, 2, 3, 5)] == [
             changes[task][h][0] for h in (0, 1, 2, 3, 5)]
-        assert {k: v for k, v in ranking.extra.items() if k != "tied_with_above"} == {
+        assert {k: v for k, v in ranking.extra.items()
+                if k not in ("tied_with_above", "largest_single_help")} == {
             "method": "one-shot greedy", "rounds": 1, "winners": [], "measurements": 6}
+    # Every head was measured: the knockout that helps most (acc: head 3 gains 0.02; ppl,
+    # lower is better: head 1's fall of 0.5) is the spread single knockouts show.
+    assert acc.extra["largest_single_help"] == {"head": "L1H0", "change": 0.02}
+    assert ppl.extra["largest_single_help"] == {"head": "L0H1", "change": -0.5}
     assert acc.baseline == 0.6 and not ppl.higher_is_better
 
 
@@ -121,6 +126,16 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
         "no harm; L0H1: no harm in the fit's estimate)")
 
 
+def _recorded(ranking, all_measured=False):
+    """The ranking with its largest single help recorded, as locate and greedy record it."""
+    from lm_eval_headloc.commands.report import largest_single_help
+
+    found = largest_single_help(ranking, all_measured)
+    if found is not None:
+        ranking.extra["largest_single_help"] = found
+    return ranking
+
+
 def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_spread():
     """A task at chance: heads measured alone to lose one example of 100 were ranked as
     hurting, while other single knockouts gained three; the report now says so."""
@@ -131,35 +146,38 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     chance = HeadRanking("t", "acc", True, 0.5, effects, [4, 0, 1, 3, 5, 6, 7, 2], 4,
                          extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
     # L1H0's estimate (not a measurement) is beyond; the measured ones are not.
-    assert spread_words(chance, 3) == [
+    assert spread_words(_recorded(chance), 3) == [
         "Only L1H0 hurts the task by more than knocking out one head alone helps it (L0H2: "
         "+0.0300); the other top-3 heads that hurt do so by no more, within the spread of "
         "single knockouts.", ""]
     measured_only = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 3, 2], 4,
                                 extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
-    assert spread_words(measured_only, 2) == [
+    assert spread_words(_recorded(measured_only), 2) == [
         "Nothing beyond the spread of single knockouts: no top-2 head hurts the task by more "
         "than knocking out one head alone helps it (L0H2: +0.0300); their order may reflect "
         "which examples happened to flip, not heads the task needs.", ""]
     # Lower is better (perplexity): a rise hurts, a fall helps; a harm beyond every help
     # needs no such line, nor does a run in which no knockout helps.
-    ppl = HeadRanking("t", "ppl", False, 10.0, np.array([0.5, -0.1, 0.05, 0.0]),
-                      [0, 2, 3, 1], 2)
-    assert spread_words(ppl, 1, all_measured=True) == []
-    assert spread_words(ppl, 2, all_measured=True)[0].startswith(
+    ppl = _recorded(HeadRanking("t", "ppl", False, 10.0, np.array([0.5, -0.1, 0.05, 0.0]),
+                                [0, 2, 3, 1], 2), all_measured=True)
+    assert spread_words(ppl, 1) == []
+    assert spread_words(ppl, 2)[0].startswith(
         "Only L0H0 hurts the task by more than knocking out one head alone helps it (L0H1: "
         "-0.1000)")
-    never_helps = HeadRanking("t", "acc", True, 0.5, np.array([-0.01, 0.0, 0.0, 0.0]),
-                              [0, 1, 2, 3], 2)
-    assert spread_words(never_helps, 2, all_measured=True) == []
+    never_helps = _recorded(HeadRanking("t", "acc", True, 0.5,
+                                        np.array([-0.01, 0.0, 0.0, 0.0]), [0, 1, 2, 3], 2),
+                            all_measured=True)
+    assert "largest_single_help" not in never_helps.extra
+    assert spread_words(never_helps, 2) == []
     # One example of 24 lost and one gained, as scores minus a baseline: the harm came out
     # larger in its last bits (an audit's run) and was called beyond the spread.
     baseline = 14 / 24
     lost, gained = 13 / 24 - baseline, 15 / 24 - baseline
     assert -lost > gained  # the round-off this guards against
-    one_each = HeadRanking("t", "acc", True, baseline, np.array([-0.2, lost, gained, 0.0]),
-                           [0, 1, 3, 2], 2)
-    assert spread_words(one_each, 2, all_measured=True) == [
+    one_each = _recorded(HeadRanking("t", "acc", True, baseline,
+                                     np.array([-0.2, lost, gained, 0.0]), [0, 1, 3, 2], 2),
+                         all_measured=True)
+    assert spread_words(one_each, 2) == [
         "Only L0H0 hurts the task by more than knocking out one head alone helps it (L1H0: "
         "+0.0417); the other top-2 heads that hurt do so by no more, within the spread of "
         "single knockouts.", ""]
@@ -240,12 +258,12 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 2, 4, 3], 4,
                           columns=columns,
                           extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
-    assert spread_words(ranking, 2, "neuron") == []  # no single neuron's knockout helps
+    assert spread_words(_recorded(ranking), 2, "neuron") == []  # no single neuron helps
     # A single neuron that helps more than they hurt is the spread, as for heads.
     effects[2] = 0.012
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 4, 2, 3], 4,
                           columns=columns,
                           extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
-    assert spread_words(ranking, 2, "neuron")[0].startswith(
+    assert spread_words(_recorded(ranking), 2, "neuron")[0].startswith(
         "Nothing beyond the spread of single knockouts: no top-2 neuron hurts the task by "
         "more than knocking out one neuron alone helps it (L1N0: +0.0120)")

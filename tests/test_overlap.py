@@ -37,7 +37,8 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
               top_k: int = 5, seed: int = 0, subset: dict[str, list[int]] | None = None,
               tied: dict[str, set[str]] | None = None,
               effects: dict[str, list[float]] | None = None,
-              include_path: tuple[str, ...] = ()) -> Path:
+              include_path: tuple[str, ...] = (),
+              largest_help: dict[str, dict] | None = None) -> Path:
     """A finished-looking run folder: config.json and one heads-<task>.json per task, as
     locate writes them (``tied_with_above`` both as the list and per entry)."""
     folder.mkdir(parents=True)
@@ -51,8 +52,9 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
     for task, names in rankings.items():
         ties = (tied or {}).get(task, set())
         values = (effects or {}).get(task) or [-1.0 / (i + 1) for i in range(len(names))]
+        helps = {"largest_single_help": largest_help[task]} if task in (largest_help or {}) else {}
         (folder / f"heads-{task}.json").write_text(json.dumps({
-            "task": task, "top_k": names[:top_k], "tied_with_above": sorted(ties),
+            "task": task, "top_k": names[:top_k], "tied_with_above": sorted(ties), **helps,
             "heads": [{"rank": r, "head": n, "effect": e, "tied_with_above": n in ties}
                       for r, (n, e) in enumerate(zip(names, values, strict=True), start=1)]}))
     return folder
@@ -260,6 +262,49 @@ def test_top_k_places_filled_by_harmless_components_are_said(tmp_path):
     table = overlap_markdown(overlap(a, b, top_k=3))
     assert "A's top-3 holds 1 its ranking records as doing no harm (L0H2)" in table
     assert "B's top-3 holds" not in table
+
+def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
+    # A's L0H1 and L0H2 lose less than L0H3's knockout gains (+0.03): noise, not finds;
+    # L0H0 (-0.3) is beyond it, and L0H3 itself does no harm.
+    a = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  effects={"t": [-0.3, -0.02, -0.01, 0.03]},
+                  largest_help={"t": {"head": "L0H3", "change": 0.03}})
+    b = write_run(tmp_path / "b", {"t": ["L0H1", "L0H0", "L0H2", "L0H3"]})
+    entry = overlap(a, b, top_k=3)["tasks"]["t"]
+    assert entry["a"]["within_spread"] == ["L0H1", "L0H2"] and entry["b"]["within_spread"] == []
+    table = overlap_markdown(overlap(a, b, top_k=3))
+    assert ("A's top-3 holds 2 that hurt the task by no more than a single knockout helps it "
+            "in that run (L0H1, L0H2)") in table
+    assert "B's top-3 holds 2" not in table
+    # A loss equal to the help up to round-off is within it too; one beyond it is not.
+    c = write_run(tmp_path / "c", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                  effects={"t": [-0.3, (13 / 24 - 14 / 24), -0.05, 1 / 24]},
+                  largest_help={"t": {"head": "L0H3", "change": 15 / 24 - 14 / 24}})
+    assert overlap(c, b, top_k=3)["tasks"]["t"]["a"]["within_spread"] == ["L0H1"]
+
+
+def test_verify_and_cross_notes_carry_what_the_ranking_says_of_its_top_k(tmp_path):
+    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.commands.verify import ranking_notes
+
+    run = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"],
+                                     "u": ["L0H0", "L0H1", "L0H2"]},
+                    effects={"t": [-0.3, -0.02, 0.0, -0.01, -0.01], "u": [0.0, 0.0, 0.0]},
+                    tied={"t": {"L1H0"}, "u": {"L0H1", "L0H2"}},
+                    largest_help={"t": {"head": "L1H1", "change": 0.03}})
+    assert ranking_notes(RunFolder(run), "t", 2) == [
+        "L0H1: hurt the task by no more than a single knockout helps it (within the spread of "
+        "single knockouts)"]
+    assert ranking_notes(RunFolder(run), "t", 4) == [
+        "L0H3, L1H0 have the same evidence across the top-4's last place: it holds 1 of them "
+        "by index, not by evidence",
+        "L0H2: recorded to do no harm, listed because fewer hurt",
+        "L0H1, L0H3: hurt the task by no more than a single knockout helps it (within the "
+        "spread of single knockouts)"]
+    assert ranking_notes(RunFolder(run), "u", 3) == [
+        "the run found nothing: no component stands out (the top 3 all have the same "
+        "evidence, so their order is the index)"]
+
 
 # --- refusals: one line, exit status 2 ----------------------------------------------------
 

@@ -26,7 +26,7 @@ from .cross import PROMPT_OPTIONS, cross, cross_markdown
 from .greedy import greedy
 from .locate import locate, refit
 from .overlap import markdown_path, overlap, overlap_markdown
-from .report import FLOOR_HINT, HeadRanking, at_floor
+from .report import FLOOR_HINT, HeadRanking, at_floor, within_spread
 from .result import load_run
 from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
 from .sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
@@ -220,10 +220,13 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
             continue
         alike = ranking.extra.get("same_masks") or {}
         harmless = set(ranking.harmless(top_k))
+        noise = set(within_spread(ranking, top_k))
         for rank, head in enumerate(top, start=1):
             print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"
                   + ("  (tied with the head above)" if str(head) in tied else "")
                   + ("  (does not hurt)" if head in harmless else "")
+                  + ("  (within the spread of single knockouts: see report.md)"
+                     if head in noise else "")
                   + (f"  (knocked out in the same masks as {len(alike[str(head)])} "
                      f"other{'s' if len(alike[str(head)]) > 1 else ''}: see report.md)"
                      if str(head) in alike else ""))

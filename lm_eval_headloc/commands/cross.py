@@ -26,7 +26,15 @@ from .engine import NoEffectError, PlanEntry, measured_plan, prepare
 from .result import load_run
 from .runfolder import RunFolder, option_words, refuse_output_path_into, run_list
 from .spec import RunSpec, command_spec, flag_of, same_model
-from .verify import ablation_words, ablations, effect, kind_words, located_heads, percent
+from .verify import (
+    ablation_words,
+    ablations,
+    effect,
+    kind_words,
+    located_heads,
+    percent,
+    ranking_notes,
+)
 
 __all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
 
@@ -108,6 +116,9 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
                        protect=runs, force=force, num_samples=spec.num_samples
                        ) as (folder, records):
         table = _cross_table(records, sets, setup.task_names, setup.spec)
+        table["ranking_notes"] = {
+            s.label: notes for s in sets
+            if (notes := ranking_notes(RunFolder(s.run), s.task, spec.top_k))}
         folder.write_json("cross.json", table)
         folder.write_text("cross.md", cross_markdown(table))
         plot_cross(table, folder.file("cross.png"))
@@ -209,6 +220,11 @@ def cross_markdown(table: Mapping[str, Any]) -> str:
             lines.append(f"| {s['label']} | {'+'.join(s['heads'])} |"
                          + "".join(f" {c} |" for c in cells))
         lines += ["", *(f"- {_verdict(s, matrix, tasks)}" for s in table["sets"]), ""]
+    notes = table.get("ranking_notes") or {}
+    if notes:
+        lines += ["What the runs' rankings say of their sets (each run's report.md):",
+                  *(f"- {label}: {note}" for label, listed in notes.items()
+                    for note in listed), ""]
     lines.append("Baseline: " + ", ".join(
         f"{t} {table['baseline'][t]:.4f} ({table['metrics'][t]})" for t in tasks) + ".")
     return "\n".join(lines) + "\n"

@@ -42,8 +42,10 @@ from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads r
 knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
 is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
 is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
-task, the sign and what was left unscored; MIB's loader ignores it, and it marks the file
-as ours: an existing file without it is never overwritten.
+task, the sign, what was left unscored and what the ranking says of its own evidence (ties,
+shared masks, heads measured alone, the spread of single knockouts: equal scores are no
+order); MIB's loader ignores it, and it marks the file as ours: an existing file without it
+is never overwritten.
 
 MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
 neurons is refused.
@@ -93,6 +95,17 @@ _SCORE = ("the task score's fall when the head is knocked out, in the metric's u
           "(-effect where higher is better, +effect where lower is better): positive = the "
           "head helps the task, as MIB's own node scores")
 _COMMANDS = ("locate", "greedy")
+#: What the ranking records of its own evidence, carried into our record as it is: which
+#: heads tie with the one above, share their masks, were measured alone, and the largest
+#: single help (harms no larger are within the spread of single knockouts).
+_EVIDENCE = ("tied_with_above", "same_masks", "confirmed", "largest_single_help",
+             "prior_found_nothing")
+_EVIDENCE_WORDS = ("scores are the ranking's effects: measured for the heads in 'confirmed' "
+                   "(all of them after greedy), estimated by the fit otherwise; equal scores "
+                   "are no order (MIB breaks such ties its own way), a head in "
+                   "tied_with_above has the same evidence as the one ranked above it, and "
+                   "a score no larger than largest_single_help's change is within the "
+                   "spread of single knockouts")
 _CFG_INTS = ("n_layers", "n_heads", "d_model")
 _NUMBER = re.compile(r"0|[1-9][0-9]*")  # MIB's node names have no leading zeros
 _HEAD_NODE = re.compile(rf"a({_NUMBER.pattern})\.h({_NUMBER.pattern})")
@@ -353,7 +366,9 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
                  "score": _SCORE, "unscored_heads": unscored,
                  "unscored_nodes": "input, every MLP and the heads in unscored_heads "
                                    "(never knocked out, or no effect): MIB keeps them in "
-                                   "every circuit; no edge is scored"},
+                                   "every circuit; no edge is scored",
+                 "evidence": {key: heads_json[key] for key in _EVIDENCE if key in heads_json},
+                 "evidence_words": _EVIDENCE_WORDS},
     }
 
 

@@ -20,6 +20,7 @@ from .report import (
     equal_change_words,
     floor_words,
     harmless_words,
+    largest_single_help,
     ranking_table,
     spread_words,
     tie_words,
@@ -146,6 +147,9 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
                    "rounds": rounds, "winners": [str(w) for w in winners],
                    "measurements": measurements,
                    "tied_with_above": columns.names(tied)})
+        recorded = largest_single_help(rankings[name], all_measured=True)
+        if recorded is not None:
+            rankings[name].extra["largest_single_help"] = recorded
     return rankings
 
 
@@ -159,7 +163,7 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
                   *tie_words(ranking, top_k, "every head measured alone changed the score "
                              "and log-likelihood alike"),
                   *harmless_words(ranking, top_k, all_measured=True),
-                  *spread_words(ranking, top_k, all_measured=True),
+                  *spread_words(ranking, top_k),
                   *equal_change_words(ranking, top_k, all_measured=True),
                   *ranking_table(ranking, top_k, "score change"), ""]
     return "\n".join(lines)

@@ -53,6 +53,7 @@ from .report import (
     equal_change_words,
     floor_words,
     harmless_words,
+    largest_single_help,
     ranking_table,
     spread_words,
     tie_words,
@@ -193,6 +194,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                    **({"prior_found_nothing": True} if prior_found_nothing(estimates)
                       else {})},
             stability=stability)
+        recorded = largest_single_help(rankings[task])
+        if recorded is not None:
+            rankings[task].extra["largest_single_help"] = recorded
         if all_measured_alone(rankings[task]):
             # The fit held every change fixed and estimated nothing: its R² is no evidence.
             rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None

@@ -38,7 +38,7 @@ from typing import Any
 from ..checks import UsageError, check_number
 from ..files import write_atomically
 from ..heads import read_heads_file, shown_name
-from .report import recorded_harmless
+from .report import beyond_spread, recorded_harmless
 from .result import RunRecord, load_run, ranking_files
 from .runfolder import RunFolder, refuse_writing_into, strict_json
 from .spec import same_model
@@ -66,6 +66,8 @@ class RankingFile:
     tied: frozenset[str]  # names whose evidence equals that of the name above them
     effects: list[float | None] | None  # None: the file records no effects
     harmless: frozenset[str] = frozenset()  # recorded to do no harm (report.recorded_harmless)
+    higher_is_better: bool = True
+    largest_help: Mapping[str, Any] | None = None  # its largest_single_help, if recorded
 
     @classmethod
     def read(cls, path: Path) -> RankingFile:
@@ -78,8 +80,19 @@ class RankingFile:
         else:
             tied = frozenset(e.get("head") for e in records if e.get("tied_with_above"))
         has_effects = len(records) == len(names) and all("effect" in e for e in records)
+        meta = data if isinstance(data, dict) else {}
         return cls(path, names, tied, [e["effect"] for e in records] if has_effects else None,
-                   frozenset(recorded_harmless(path)))
+                   frozenset(recorded_harmless(path)),
+                   bool(meta.get("higher_is_better", True)), meta.get("largest_single_help"))
+
+    def within_spread(self, k: int) -> list[str]:
+        """The top-k names that hurt the task by no more than the ranking's largest single
+        help (``report.within_spread``, from the file): no evidence the task needs them."""
+        if self.largest_help is None or self.effects is None or self.nothing_found(k):
+            return []
+        return [name for name, effect in zip(self.names[:k], self.effects, strict=False)
+                if isinstance(effect, (int, float)) and name not in self.harmless
+                and not beyond_spread(effect, self.largest_help, self.higher_is_better)]
 
     def tied_at(self, k: int) -> bool:
         """Whether the k-th and (k+1)-th share their evidence: no top-k set is defined."""
@@ -186,7 +199,8 @@ def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
     return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
             "tie": {"group": group, "places": places} if group else None,
             "nothing_found": ranking.nothing_found(k),
-            "harmless": [n for n in ranking.names[:k] if n in ranking.harmless]}
+            "harmless": [n for n in ranking.names[:k] if n in ranking.harmless],
+            "within_spread": ranking.within_spread(k)}
 
 
 def _compare(a: RankingFile, b: RankingFile, k_a: int, k_b: int, runs: Sequence[str],
@@ -350,6 +364,11 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
               "filled because fewer hurt, not finds; they count above as listed."
               for label, side in (("A", a), ("B", b))
               if side.get("harmless") and not side["nothing_found"]]
+    notes += [f"{label}'s top-{side['k']} holds {len(side['within_spread'])} that hurt the task "
+              f"by no more than a single knockout helps it in that run "
+              f"({', '.join(map(shown_name, side['within_spread']))}): within the spread of "
+              "single knockouts, no evidence the task needs them; they count above as listed."
+              for label, side in (("A", a), ("B", b)) if side.get("within_spread")]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else [])]
     lines += ["| k | shared | share | IoU | ties |", "| --- | --- | --- | --- | --- |"]
     for point in entry["curve"]:

@@ -25,9 +25,10 @@ from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
-__all__ = ["HeadRanking", "heads_table", "plot_heatmap", "ranked_heads_json",
-           "ranking_from_json", "relative_drop", "harmless_words", "recorded_harmless",
-           "tie_words", "write_ranking"]
+__all__ = ["HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
+           "plot_heatmap", "ranked_heads_json", "ranking_from_json", "relative_drop",
+           "harmless_words", "recorded_harmless", "tie_words", "within_spread",
+           "write_ranking"]
 
 
 @dataclass
@@ -434,14 +435,14 @@ def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
             f"`ablate_top={hurt}` knocks out only what hurts.", ""]
 
 
-def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
-                 all_measured: bool = False) -> list[str]:
-    """Harms no larger than the run's own spread, said as such. Knocking out one
-    component flips a few examples either way, and a knockout that helps the task shows
-    how large such flips come: a harm no larger than the largest help measured alone
-    (a task at chance, say) is not evidence that the task needs the component.
-    ``all_measured``: every effect is a measurement (greedy); otherwise only those
-    measured alone (``--confirm``) are compared."""
+def largest_single_help(ranking: HeadRanking, all_measured: bool = False
+                        ) -> dict[str, Any] | None:
+    """The single knockout that helps the task most, as heads.json records it
+    (``largest_single_help``): ``{"head": name, "change": score change}``. Knocking out one
+    component flips a few examples either way, and such a help shows how large those flips
+    come (``within_spread``). ``all_measured``: every effect is a measurement (greedy);
+    otherwise only those measured alone (``--confirm``) count. None where fewer than two
+    were measured or none helps."""
     higher = ranking.higher_is_better
     # One component's knockout: a neuron group's (--neuron-groups) knocks out many, so
     # its help is no measure of what one flips.
@@ -449,22 +450,48 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head",
                and (all_measured or ranking.measured_alone(c))
                and not isinstance(c, NeuronGroup)]
     if len(columns) < 2:
-        return []
+        return None
     helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
-    helps = ranking.effect(helper)  # the change of the knockout that helps the most
-    if not -harm(helps, higher) > 0:
-        return []  # nothing measured helps: no spread to compare with
-    hurting = [c for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
-               and harm(ranking.effect(c), higher) > 0]
-    largest_help = -harm(helps, higher)
-    # Beyond it by more than round-off: one example of 24 lost (score minus baseline) and
-    # one gained differ in their last bits, not in what was measured.
-    beyond = [str(c) for c in hurting if harm(ranking.effect(c), higher) > largest_help
-              and not math.isclose(harm(ranking.effect(c), higher), largest_help,
-                                   rel_tol=1e-9, abs_tol=1e-12)]
-    if not hurting or len(beyond) == len(hurting) or _all_tied(ranking, top_k):
+    if not -harm(ranking.effect(helper), higher) > 0:
+        return None  # nothing measured helps: no spread to compare with
+    return {"head": str(helper), "change": ranking.effect(helper)}
+
+
+def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_better: bool
+                  ) -> bool:
+    """Whether a knockout's ``change`` hurts the task by more than ``largest_help``
+    (``largest_single_help``) helps it — by more than round-off: one example of 24 lost
+    and one gained differ in their last bits, not in what was measured."""
+    hurts = float(harm(change, higher_is_better))
+    helps = -float(harm(largest_help["change"], higher_is_better))
+    return hurts > helps and not math.isclose(hurts, helps, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def within_spread(ranking: HeadRanking, top_k: int) -> list[Column]:
+    """The top-k components that hurt the task by no more than the run's largest single
+    help (``largest_single_help`` in its extra): no evidence that the task needs them.
+    [] where none is recorded, or where the top-k has no order at all (all tied)."""
+    recorded = ranking.extra.get("largest_single_help")
+    if recorded is None or _all_tied(ranking, top_k):
         return []
-    against = f"knocking out one {unit} alone helps it ({column_label(helper)}: {helps:+.4f})"
+    higher = ranking.higher_is_better
+    return [c for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
+            and harm(ranking.effect(c), higher) > 0
+            and not beyond_spread(ranking.effect(c), recorded, higher)]
+
+
+def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head") -> list[str]:
+    """Harms no larger than the run's own spread (``within_spread``), said as such: a
+    harm no larger than the largest help measured alone (a task at chance, say) is not
+    evidence that the task needs the component."""
+    within = within_spread(ranking, top_k)
+    if not within:
+        return []
+    recorded = ranking.extra["largest_single_help"]
+    beyond = [column_label(c) for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
+              and harm(ranking.effect(c), ranking.higher_is_better) > 0 and c not in within]
+    against = (f"knocking out one {unit} alone helps it ({recorded['head']}: "
+               f"{recorded['change']:+.4f})")
     if not beyond:
         return [f"Nothing beyond the spread of single knockouts: no top-{top_k} {unit} hurts "
                 f"the task by more than {against}; their order may reflect which examples "

@@ -4,7 +4,9 @@ masks (``--never-ablate``). Components are compared by name, so MLP neurons (``L
 of neuron runs are counted as heads are (listed under ``head`` too). Ties are not an
 order: where a ranking's k-th and (k+1)-th have the same evidence, the members of that tie
 group are in its top-k by name order only, so they count for no task; a head that would
-reach ``min_tasks`` with them is listed as undecided, not as universal."""
+reach ``min_tasks`` with them is listed as undecided, not as universal. A head that hurts
+a task by no more than a single knockout helps it there (``report.within_spread``) counts
+as listed, marked ``within_spread_in`` with those rankings: noise, not evidence."""
 
 from __future__ import annotations
 
@@ -86,7 +88,10 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
                          "counts once)")
     ranks: dict[str, dict[str, int]] = {}  # head -> {ranking: rank}, surely in its top-k
     ties: dict[str, dict[str, Any]] = {}  # ranking -> the tie group across its k-th place
+    noise: dict[str, list[str]] = {}  # head -> rankings where it is within their spread
     for label, ranking in rankings.items():
+        for name in ranking.within_spread(top_k):
+            noise.setdefault(name, []).append(label)
         sure, group, places = ranking.cut(top_k)
         for rank, name in enumerate(sure, start=1):
             if name not in ranking.harmless:  # a top-k place that does not hurt says nothing
@@ -108,11 +113,13 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
                         <= tasks([*ranks.get(h, {}), *maybe[h]])), key=order)
     result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
               "min_tasks": min_tasks, "rankings": list(rankings),
-              "heads": [{"head": h, "tasks": tasks(ranks[h]), "ranks": ranks[h]}
+              "heads": [{"head": h, "tasks": tasks(ranks[h]), "ranks": ranks[h],
+                         **({"within_spread_in": noise[h]} if h in noise else {})}
                         for h in chosen],
               "undecided": [{"head": h, "tasks": tasks(ranks.get(h, {})),
                              "tasks_at_most": tasks([*ranks.get(h, {}), *maybe[h]]),
-                             "ranks": ranks.get(h, {}), "tied_in": maybe[h]}
+                             "ranks": ranks.get(h, {}), "tied_in": maybe[h],
+                             **({"within_spread_in": noise[h]} if h in noise else {})}
                             for h in undecided],
               "ties": ties, "candidates": {h: ranks[h] for h in sorted(ranks)}}
     try:
@@ -130,14 +137,22 @@ def universal_table(result: Mapping[str, Any]) -> str:
     labels = result["rankings"]
     lines = ["| head | tasks | " + " | ".join(labels) + " |",
              "| --- | --- |" + " --- |" * len(labels)]
+
+    def cell(entry: Mapping[str, Any], label: str, empty: str = "") -> str:
+        shown = str(entry["ranks"].get(label, empty))
+        return f"{shown}*" if shown and label in entry.get("within_spread_in", ()) else shown
+
     for entry in result["heads"]:
         lines.append(f"| {entry['head']} | {entry['tasks']} | "
-                     + " | ".join(str(entry["ranks"].get(lbl, "")) for lbl in labels) + " |")
+                     + " | ".join(cell(entry, lbl) for lbl in labels) + " |")
     for entry in result.get("undecided", []):
-        cells = [str(entry["ranks"].get(lbl, "tie" if lbl in entry["tied_in"] else ""))
-                 for lbl in labels]
+        cells = [cell(entry, lbl, "tie" if lbl in entry["tied_in"] else "") for lbl in labels]
         lines.append(f"| {entry['head']} (undecided) | {entry['tasks']}-"
                      f"{entry['tasks_at_most']} | " + " | ".join(cells) + " |")
+    if any("within_spread_in" in e for e in (*result["heads"], *result.get("undecided", []))):
+        lines.append("\n*: in that ranking the head hurts the task by no more than a single "
+                     "knockout helps it (within the spread of single knockouts): no evidence "
+                     "that the task needs it, though it counts as listed")
     for label, tie in result.get("ties", {}).items():
         lines.append(f"\n{label}: ranks {tie['from_rank']}-"
                      f"{tie['from_rank'] + len(tie['group']) - 1} ({', '.join(tie['group'])}) "

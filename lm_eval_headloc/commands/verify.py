@@ -29,6 +29,7 @@ from ..heads import (
     shown_name,
 )
 from .engine import PlanEntry, is_embedded, measured_plan, prepare
+from .overlap import RankingFile
 from .report import relative_drop
 from .result import load_run
 from .runfolder import RunFolder, RunFolderError, refuse_output_path_into
@@ -57,6 +58,32 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
         raise UsageError(f"--top-k {top_k}: {path.name} ranks only {len(ranked)} "
                          f"{kind_words(ranked)}")
     return ranked[:top_k]
+
+
+def ranking_notes(folder: RunFolder, task: str, top_k: int) -> list[str]:
+    """What the run's own ranking of ``task`` says of its top-k that the bare list of
+    names drops (``overlap.RankingFile``): that it found nothing, a tie across the k-th
+    place, places filled by components that do not hurt, harms within the spread of
+    single knockouts. [] where it says none of these."""
+    ranking = RankingFile.read(folder.file(f"heads-{task}.json"))
+    nothing = ranking.nothing_found(top_k)
+    if nothing:
+        return [f"the run found nothing: {nothing}"]
+    notes = []
+    _, group, places = ranking.cut(top_k)
+    if group:
+        notes.append(f"{', '.join(map(shown_name, group))} have the same evidence across the "
+                     f"top-{top_k}'s last place: it holds {places} of them by index, not by "
+                     "evidence")
+    harmless = [n for n in ranking.names[:top_k] if n in ranking.harmless]
+    if harmless:
+        notes.append(f"{', '.join(map(shown_name, harmless))}: recorded to do no harm, "
+                     "listed because fewer hurt")
+    within = ranking.within_spread(top_k)
+    if within:
+        notes.append(f"{', '.join(map(shown_name, within))}: hurt the task by no more than a "
+                     "single knockout helps it (within the spread of single knockouts)")
+    return notes
 
 
 def kind_words(names: Iterable[str]) -> str:
@@ -286,6 +313,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                        force=force, limit=spec.limit) as (folder, records):
         table = _verification_table(records, heads_by_task, list(general), spec, drawn)
         table["located_by"] = stored.spec.signal  # verify scores by the tasks' metrics
+        table["ranking_notes"] = {task: ranking_notes(source, task, spec.top_k)
+                                  for task in heads_by_task}
         folder.write_json("verify.json", table)
         folder.write_text("verify.md", verification_markdown(table))
     return table
@@ -295,7 +324,8 @@ def _verification_table(records: Mapping[str, Mapping[str, Any]],
                         ranked: Mapping[str, list[str]], general: list[str], spec: RunSpec,
                         drawn: Mapping[str, list[list[str]]]) -> dict[str, Any]:
     """verify.json: ``rows`` at the run's --scale (with ``erase`` beside each row when
-    that is not 0), and ``random``: the top-k against the random sets."""
+    that is not 0), and ``random``: the top-k against the random sets (``verify`` adds
+    ``located_by`` and ``ranking_notes``)."""
     base = records["baseline"]
     kinds = ablations(spec.scale)
     rows = {}
@@ -363,6 +393,10 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                                 f"{percent(e['gen_drop'])} |" for e in (row["erase"], row))
                 lines.append(f"| {row['k']} | {'+'.join(map(shown_name, row['heads']))} |{cells}")
         lines.append("")
+        notes = table.get("ranking_notes", {}).get(task)
+        if notes:
+            lines += ["What the run's ranking says of these (its report.md):",
+                      *(f"- {note}" for note in notes), ""]
     if table.get("located_by") == "logprob":
         lines += ["The run located these by the gold answers' log-likelihood (--signal "
                   "logprob); verification scores each task by its metric, which can stay "
