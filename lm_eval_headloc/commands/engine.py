@@ -218,9 +218,8 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
         return []
     names: Any = spec
     try:
-        path = Path(spec)
-        if path.exists() or path.suffix.lower() in (".json", ".txt") or "/" in spec:
-            names = read_heads_file(path)  # a path, not names: "not found", not "bad name"
+        if _names_a_file(spec):
+            names = read_heads_file(Path(spec))  # a path: "not found", not "bad name"
         if not neurons:
             return list(parse_heads(names, num_layers, heads_per_layer,
                                     head_layers=head_layers))
@@ -231,6 +230,17 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
             " (neurons are kept out by a locate or sweep that locates them: --components "
             "neurons or heads+neurons)")
         raise UsageError(f"{what}: {err}{hint}") from None
+
+
+def _names_a_file(spec: str) -> bool:
+    """Whether ``spec`` names a head file rather than heads: an existing path, a .json or
+    .txt name, or one with a folder in it."""
+    path = Path(spec)
+    try:
+        exists = path.exists()
+    except OSError:  # a list of hundreds of heads is too long to be a file's name
+        exists = False
+    return exists or path.suffix.lower() in (".json", ".txt") or "/" in spec
 
 
 def _names_a_neuron(names: Any) -> bool:
