@@ -222,7 +222,7 @@ class HeadLasso(RegressorMixin, BaseEstimator):
             fitted_free = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
             # An effect of round-off size is no effect: left as it is, it "hurts" the task by
             # 1e-19 and is ranked, bootstrapped and reported as a head that matters.
-            fitted_free[np.abs(fitted_free) <= round_off] = 0.0
+            fitted_free[(np.abs(fitted_free) <= round_off) & (fitted_free != 0)] = 0.0
             coef[free] = fitted_free
             intercept, n_iter = float(lasso.intercept_) * scale, int(lasso.n_iter_)
         intercept = intercept if baseline is None else baseline
