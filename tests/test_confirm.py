@@ -342,7 +342,10 @@ def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     # whose masks score lower), so every replay's top-2 holds it; none holds L0H0, which
     # measured no harm.
     assert ranking.stability.selected[4] == 1.0 and ranking.stability.selected[0] == 0.0
-    assert ranking.unstable(2) == [Head(0, 0)]
+    # L0H0 fills the 2nd place without hurting: said so (harmless), not called unstable, and
+    # the top-2 is not settled (--masks auto would go on measuring).
+    assert ranking.harmless(2) == [Head(0, 0)] and ranking.unstable(2) == []
+    assert not ranking.settled(2) and ranking.settled(1)
 
 
 def _confirming_records(design, scores, alone):
