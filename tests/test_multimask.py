@@ -394,7 +394,9 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
     from lm_eval_headloc import multimask
 
     masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
-    expected = measurement.measure_many(masks, masks_per_pass=1)
+    # The passes the retry makes, run directly: float32 sums of other batch shapes (one mask
+    # per pass) may differ in their last bits (they do under transformers 5.24's kernels).
+    expected = measurement.measure_many(masks, masks_per_pass=3)
     real = multimask.loglikelihoods_for_masks
     tried = []
 
