@@ -92,8 +92,8 @@ class HeadRanking:
 
     def settled(self, k: int) -> bool:
         """Whether at least ``STABLE`` of the bootstrap refits put every top-k head in the
-        top-k hurting the task (``--masks auto``'s stop: a top-k place a head that does not
-        hurt fills is not settled); True without a bootstrap."""
+        top-k hurting the task (``--masks auto``'s stop: a top-k place filled by a head that
+        does not hurt is not settled); True without a bootstrap."""
         if self.stability is None:
             return True
         return all(self.stability.selected[self.columns.index(h)] >= STABLE
