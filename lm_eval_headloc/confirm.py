@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .recovery import HeadLasso, harm, less_fixed
+from .recovery import HeadLasso, harm, less_fixed, round_off
 
 __all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
            "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split", "default_split",
@@ -145,8 +145,7 @@ def prior_found_nothing(estimates: np.ndarray | None) -> bool:
     if estimates is None:
         return False
     points = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
-    round_off = 1e-12 * max(1.0, float(np.max(np.abs(points), initial=0.0)))
-    return bool(np.all(np.ptp(points, axis=1) <= round_off))
+    return bool(np.all(np.ptp(points, axis=1) <= round_off(points)))
 
 
 def marginal_contrast(design_matrix: np.ndarray, scores: np.ndarray) -> np.ndarray:

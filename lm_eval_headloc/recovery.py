@@ -32,7 +32,7 @@ from .designs import head_column_mask
 from .heads import Head
 
 __all__ = ["STABLE", "HeadLasso", "Stability", "bootstrap_stability", "harm", "held_out_r2",
-           "less_fixed"]
+           "less_fixed", "round_off"]
 
 #: A head is *stable* in a top-k when at least this fraction of bootstrap refits put it there.
 STABLE = 0.9
@@ -203,12 +203,10 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         free = np.setdiff1d(np.arange(total), held)
         y = less_fixed(knocked_out, y, fixed)
         spread = float(np.std(y))
-        # Round-off at the scores' size: the mean of 0.1s is not 0.1, and coordinate descent
-        # leaves ~1e-19 on the second of two identical columns.
-        round_off = 1e-12 * max(1.0, float(np.max(np.abs(y))))
+        noise = round_off(y)
         # A zero (or round-off) spread means no mask changed the score: nothing to
         # standardise, and dividing would blow round-off up into "effects".
-        constant = spread <= round_off
+        constant = spread <= noise
         scale = spread if standardize and not constant else 1.0
 
         offset = 0.0 if baseline is None else baseline
@@ -222,7 +220,7 @@ class HeadLasso(RegressorMixin, BaseEstimator):
             fitted_free = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
             # An effect of round-off size is no effect: left as it is, it "hurts" the task by
             # 1e-19 and is ranked, bootstrapped and reported as a head that matters.
-            fitted_free[(np.abs(fitted_free) <= round_off) & (fitted_free != 0)] = 0.0
+            fitted_free[(np.abs(fitted_free) <= noise) & (fitted_free != 0)] = 0.0
             coef[free] = fitted_free
             intercept, n_iter = float(lasso.intercept_) * scale, int(lasso.n_iter_)
         intercept = intercept if baseline is None else baseline
@@ -317,6 +315,14 @@ def _checked_layers(head_layers: object) -> list[int]:
                          "numbers (whole numbers >= 0), or None")
     return [int(check_number(layer, f"head_layers[{i}]", whole=True, min_val=0))
             for i, layer in enumerate(head_layers)]
+
+
+def round_off(values: object) -> float:
+    """How far apart values of this size may be by float round-off alone (the mean of 0.1s
+    is not 0.1; coordinate descent leaves ~1e-19 on the second of two identical columns):
+    differences no larger are no difference."""
+    return 1e-12 * max(1.0, float(np.max(np.abs(np.asarray(values, dtype=np.float64)),
+                                         initial=0.0)))
 
 
 def harm(effects: object, higher_is_better: bool) -> np.ndarray:
