@@ -252,6 +252,9 @@ class HarnessMeasurement:
     answers (``signals``), reported as metric ``logprob``, higher is better.
     ``num_fewshot`` and ``gen_kwargs``: lm-eval's overrides of the same names
     (``configure_tasks``); ``system_instruction``: lm-eval's, before every prompt.
+    ``generation_batch``: rows per mask of a generation task's ``generate`` calls — None:
+    the model's batch size; ``"auto"``: every example in one batch where memory allows
+    (as the model's ``batch_size=auto``; ``generation_rows``).
     """
 
     def __init__(
@@ -270,6 +273,7 @@ class HarnessMeasurement:
         verbose: bool = False,
         signal: str = "metric",
         examples_part: tuple[int, int] | None = None,
+        generation_batch: str | None = None,
     ) -> None:
         if signal not in SIGNALS:
             raise ValueError(f"signal {signal!r}: must be one of {', '.join(SIGNALS)}")
@@ -307,6 +311,10 @@ class HarnessMeasurement:
         self._all_golds: list[Any] | None = None  # every document's gold, made once
         self._batch_size: int | None = None  # rows per pass, resolved on first use
         self._generation_rows: int | None = None  # batch_size=auto: rows per generate call
+        if generation_batch not in (None, "auto"):
+            raise ValueError(f"generation_batch {generation_batch!r}: None or 'auto'")
+        self.generation_batch_size = generation_batch
+        self._generates_together: bool | None = None  # settled on first use
         # Masks per pass since one more ran out of GPU memory (measure_many); None: no cap.
         self.most_masks_per_pass: int | None = None
 
@@ -411,10 +419,11 @@ class HarnessMeasurement:
                 and scored_positions_apply(self.lm))
 
     def generation_rows(self) -> int | None:
-        """Rows per ``generate`` call when the model's batch size is ``auto`` (resolved
-        once, from the subset's own requests: ``sizing.generation_batch_size``); None
-        otherwise (HFLM batches by the model's batch size)."""
-        if self.lm.batch_size != "auto":
+        """Rows per ``generate`` call (per mask) when the model's batch size is ``auto`` or
+        ``generation_batch`` is: every example where memory allows (resolved once, from the
+        subset's own requests: ``sizing.generation_batch_size``); None otherwise (HFLM
+        batches by the model's batch size)."""
+        if self.lm.batch_size != "auto" and self.generation_batch_size != "auto":
             return None
         if self._generation_rows is None:
             from .sizing import generation_batch_size
@@ -527,12 +536,39 @@ class HarnessMeasurement:
             self._batch_size = batch_size(self.lm, self.requests)
         return self._batch_size
 
-    def auto_masks_per_pass(self) -> int:
-        """Masks per forward pass when none is asked for (``sizing.masks_per_pass``)."""
-        from .sizing import masks_per_pass
+    @property
+    def generates_together(self) -> bool:
+        """True when ``measure_many`` answers generation requests K masks per ``generate``
+        call (``multigen``): tasks scored by their metric that generate, greedily, on a
+        decoder-only model (``multigen.shares_generate``); their loglikelihood requests, if
+        any, go through ``multimask``."""
+        from .multigen import shares_generate
 
+        if self.signal != "metric" or self.loglikelihood_only:
+            return False
+        if self._generates_together is None:  # the requests and the model stay as they are
+            self._generates_together = shares_generate(self.lm, self.recorded_instances())
+        return self._generates_together
+
+    def generating_instances(self) -> list[Any]:
+        """The subset's generation requests, in the order lm-eval asks for them."""
+        return [i for i in self.recorded_instances() if i.request_type == "generate_until"]
+
+    def auto_masks_per_pass(self) -> int:
+        """Masks per forward pass (per ``generate`` call for generation tasks) when none is
+        asked for (``sizing.masks_per_pass``, ``sizing.generation_masks_per_pass``)."""
+        from .sizing import generation_masks_per_pass, masks_per_pass
+
+        if self.generates_together:
+            return generation_masks_per_pass(self.lm, self.generating_instances(),
+                                             self.rows_per_generate())
         return masks_per_pass(self.lm, self.requests, self.resolved_batch_size,
                               self.scored_positions)
+
+    def rows_per_generate(self) -> int:
+        """Rows per mask of each ``generate`` call (``generation_rows``, else the model's
+        batch size)."""
+        return self.generation_rows() or int(self.lm.batch_size)
 
     def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
                        masks_per_pass: int | None = None, scale: float | None = None
@@ -558,46 +594,71 @@ class HarnessMeasurement:
                      masks_per_pass: int = 1) -> list[dict[str, TaskScore]]:
         """Scores of several masks.
 
-        Loglikelihood tasks: the subset's requests are recorded once and their answers
-        computed by ``multimask`` (K = ``masks_per_pass`` masks share each forward pass of
-        K x ``resolved_batch_size()`` rows, logits only at the continuation tokens; K halved
-        for good when a pass runs out of GPU memory, ``most_masks_per_pass``), then
-        lm-eval's ``evaluate`` scores each mask from those answers. Other tasks, a seq2seq
-        model or a prompt-learning adapter (``scored_positions`` False):
-        ``measure_with_model``, one mask at a time (``masks_per_pass`` is then unused).
+        The subset's requests are recorded once and each mask's answers computed K =
+        ``masks_per_pass`` masks at a time: loglikelihood requests by ``multimask`` (K
+        masks share each forward pass of K x ``resolved_batch_size()`` rows, logits only at
+        the continuation tokens), generation requests by ``multigen`` (K masks share each
+        ``generate`` call of K x ``rows_per_generate()`` rows; ``generates_together``).
+        K is halved for good when a pass runs out of GPU memory (``most_masks_per_pass``).
+        lm-eval's ``evaluate`` then scores each mask from its answers. Otherwise (a seq2seq
+        model, a prompt-learning adapter, sampled generation): ``measure_with_model``, one
+        mask at a time (``masks_per_pass`` is then unused).
         """
         per_pass = check_number(masks_per_pass, "masks_per_pass", whole=True, min_val=1)
-        if not self.scored_positions:
+        if self.scored_positions:
+            answer = self._loglikelihood_answers
+        elif self.generates_together:
+            answer = self._generated_answers
+        else:
             return [self.measure_with_model(heads) for heads in masks]
         import torch
 
-        from .multimask import ReplayLM, loglikelihoods_for_masks
+        from .multimask import ReplayLM
         from .sizing import is_out_of_memory
 
-        requests = self.requests()
-        batch_size = self.resolved_batch_size()
         scores: list[dict[str, TaskScore]] = []
         start = 0
         while start < len(masks):
             per_pass = min(per_pass, self.most_masks_per_pass or per_pass)
             group = [list(heads) for heads in masks[start:start + per_pass]]
             try:
-                answers = loglikelihoods_for_masks(self.lm, requests, group,
-                                                   batch_size * len(group))
+                answered = answer(group)
             except RuntimeError as error:
-                # The automatic K is an estimate (sizing.masks_per_pass): a pass that does
-                # not fit is retried at half the masks, and stays halved for the rest.
+                # The automatic K is an estimate (sizing): a pass that does not fit is
+                # retried at half the masks, and stays halved for the rest.
                 if len(group) == 1 or not is_out_of_memory(error):
                     raise
                 self.most_masks_per_pass = len(group) // 2
-                log.warning("%d masks per forward pass ran out of GPU memory; measuring %d "
-                            "per pass from now on", len(group), self.most_masks_per_pass)
+                log.warning("%d masks per pass ran out of GPU memory; measuring %d per pass "
+                            "from now on", len(group), self.most_masks_per_pass)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 continue
             start += len(group)
-            for heads, answered in zip(group, answers, strict=True):
+            for heads, (answers, generations) in zip(group, answered, strict=True):
                 results = None if self.signal == "logprob" else self.evaluate(
-                    heads, ReplayLM(self.lm, answered))
-                scores.append(self._scores(results, answered))
+                    heads, ReplayLM(self.lm, answers, generations))
+                scores.append(self._scores(results, answers))
         return scores
+
+    def _loglikelihood_answers(self, group: list[list[Head]]
+                               ) -> list[tuple[dict[tuple[str, str], Any], None]]:
+        """Each mask's loglikelihood answers (``multimask``), the group in each pass."""
+        from .multimask import loglikelihoods_for_masks
+
+        return [(answers, None) for answers in loglikelihoods_for_masks(
+            self.lm, self.requests(), group, self.resolved_batch_size() * len(group))]
+
+    def _generated_answers(self, group: list[list[Head]]
+                           ) -> list[tuple[dict[tuple[str, str], Any], list[tuple[Any, str]]]]:
+        """Each mask's loglikelihood answers (if the tasks ask for any) and its answers to
+        the generation requests (``multigen``), the group in each ``generate`` call."""
+        from .multigen import generations_for_masks
+
+        lls: list[dict[tuple[str, str], Any]] = [{} for _ in group]
+        if self.requests().keys:
+            lls = [answers for answers, _ in self._loglikelihood_answers(group)]
+        generating = self.generating_instances()
+        texts = generations_for_masks(self.lm, generating, group, self.rows_per_generate())
+        return [(answers, list(zip(generating, mask_texts, strict=True)))
+                for answers, mask_texts in zip(lls, texts, strict=True)]

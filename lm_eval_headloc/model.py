@@ -438,9 +438,14 @@ class HFHeadAblateLM(HFLM):
 
     def _model_generate(self, context: Any, max_length: int, stop: list[str],
                         **generation_kwargs: Any) -> Any:
+        from .multigen import rows_stop_on_their_own, stops_per_row
+
         width = max(int(max_length), int(context.shape[1]))
+        # Greedy rows end on their own (multigen.RowStops): the same text, shorter batches.
+        stopping = (rows_stop_on_their_own(self) if stops_per_row(self, generation_kwargs)
+                    else contextlib.nullcontext())
         with self.forward_pass(context, generation_kwargs.get("attention_mask"),
-                               width) as active:
+                               width) as active, stopping:
             if active is None or active.donors is None:
                 return super()._model_generate(context, max_length, stop,
                                                **generation_kwargs)

@@ -23,8 +23,8 @@ from torch import nn
 
 from .heads import Head
 
-__all__ = ["LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
-           "logits_only_at", "loglikelihoods_for_masks",
+__all__ = ["LMProxy", "LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
+           "generation_key", "logits_only_at", "loglikelihoods_for_masks",
            "scored_positions_apply"]
 
 Answer = tuple[float, bool]
@@ -56,17 +56,36 @@ class RecordingLM:
 
 
 class ReplayLM(RecordingLM):
-    """Answers each loglikelihood request from precomputed results."""
+    """Answers each loglikelihood request from precomputed results, and each generation
+    request from ``generations`` (``(instance, text)`` pairs, ``multigen``) where given,
+    else from the live model."""
 
-    def __init__(self, lm: Any, answers: dict[tuple[str, str], Answer]) -> None:
+    def __init__(self, lm: Any, answers: dict[tuple[str, str], Answer],
+                 generations: Sequence[tuple[Any, str]] | None = None) -> None:
         super().__init__(lm)
         self._answers = answers
+        self._generations: dict[Any, list[str]] | None = None
+        if generations is not None:
+            self._generations = {}
+            for instance, text in generations:
+                self._generations.setdefault(generation_key(instance), []).append(text)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Answer]:
         return [self._answers[tuple(r.args)] for r in requests]
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        return self._lm.generate_until(requests, disable_tqdm=disable_tqdm)
+        if self._generations is None:
+            return self._lm.generate_until(requests, disable_tqdm=disable_tqdm)
+        # Requests alike are answered alike (greedy); in the order recorded all the same.
+        return [self._generations[generation_key(r)].pop(0) for r in requests]
+
+
+def generation_key(instance: Any) -> tuple[str, str]:
+    """A generation request's prompt and settings, as a key (its settings are a dict)."""
+    import json
+
+    context, *rest = instance.args
+    return context, json.dumps(rest[0] if rest else None, sort_keys=True, default=repr)
 
 
 #: The lm-eval versions whose HFLM builds a loglikelihood request's model input as
@@ -88,13 +107,13 @@ def encoded(lm: Any, keys: Sequence[tuple[str, str]]) -> list[tuple[list[int], l
                       in requests)
         return [(0.0, False)] * len(requests)
 
-    proxy = _Proxy(lm, _loglikelihood_tokens=catch)
+    proxy = LMProxy(lm, _loglikelihood_tokens=catch)
     TemplateLM.loglikelihood(proxy, [Instance("loglikelihood", doc={}, arguments=key, idx=0)
                                      for key in keys], disable_tqdm=True)
     return caught
 
 
-class _Proxy:
+class LMProxy:
     """``lm`` with a few attributes replaced, for calling lm-eval's methods on it."""
 
     def __init__(self, lm: Any, **replaced: Any) -> None:
@@ -136,7 +155,7 @@ def check_inputs(lm: Any, pairs: Sequence[tuple[list[int], list[int]]]) -> None:
         return torch.zeros(*inputs.shape, vocab, device=inputs.device)
 
     base = next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
-    proxy = _Proxy(lm, _model_call=catch, cache_hook=CacheHook(None))
+    proxy = LMProxy(lm, _model_call=catch, cache_hook=CacheHook(None))
     problem = None
     try:
         base._loglikelihood_tokens(proxy, [(("", ""), list(c), list(x)) for c, x in pairs],

@@ -7,15 +7,20 @@ the masks per pass on a GPU are sized from the free memory and the batches actua
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .geometry import Geometry, text_config
 
 __all__ = ["MOST_MASKS_PER_PASS", "auto_batch_size", "batch_size", "generation_batch_size",
-           "is_out_of_memory", "masks_per_pass", "masks_per_pass_for_memory"]
+           "generation_masks_for_memory", "generation_masks_per_pass", "is_out_of_memory",
+           "masks_per_pass", "masks_per_pass_for_memory"]
 
 #: The most masks per pass the automatic K gives.
 MOST_MASKS_PER_PASS = 64
+#: The share of free GPU memory the automatic K fills with generating rows: their key/value
+#: cache is counted exactly, so less is held back than for loglikelihood passes (half).
+GENERATION_MEMORY_SHARE = 0.85
 #: How CUDA errors that are not ``torch.OutOfMemoryError`` say they ran out of memory.
 OUT_OF_MEMORY_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
@@ -76,14 +81,9 @@ def auto_batch_size(lm: Any, requests: Any) -> int:
     return int(lm._detect_batch_size([(None, context, continuation)], 0))
 
 
-def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
-    """Rows per ``generate`` call for ``batch_size=auto``, from the generation requests
-    ``instances`` actually sent: lm-eval's own detection (from ``max_batch_size`` down,
-    halving on out-of-memory) probed with the widest prompt plus the most tokens any
-    request may generate. HFLM's ``generate_until`` would instead probe rows of the
-    model's whole ``max_length`` (8,192 tokens for SmolLM2, 131,072 for Llama-3.1) on
-    every call: minutes on a CPU, out of memory at one row on a GPU. None without
-    generation requests."""
+def _generation_shape(lm: Any, instances: Sequence[Any]) -> tuple[list[int], int] | None:
+    """The widest prompt's tokens (as HFLM cuts it) and the most tokens any of the
+    generation requests ``instances`` may generate; None without generation requests."""
     generating = [i for i in instances if i.request_type == "generate_until"]
     if not generating:
         return None
@@ -92,14 +92,119 @@ def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
                       .get("max_gen_toks", default)) for i in generating)
     widest = max((lm.tok_encode(i.args[0]) for i in generating), key=len)
     # HFLM cuts a prompt on the left to leave room for the generated tokens.
-    prompt = widest[-max(1, int(lm.max_length) - longest):]
-    # No batch holds more rows than there are requests: the probe starts there.
+    return widest[-max(1, int(lm.max_length) - longest):], longest
+
+
+def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
+    """Rows per ``generate`` call for ``batch_size=auto``, from the generation requests
+    ``instances`` actually sent: lm-eval's own detection (halving on out-of-memory) probed
+    with the widest prompt plus the most tokens any request may generate, from every
+    request in one batch down (a generating step costs about as much for 100 rows as for
+    32 on a GPU: BENCH.md). HFLM's ``generate_until`` would instead probe rows of the
+    model's whole ``max_length`` (8,192 tokens for SmolLM2, 131,072 for Llama-3.1) on
+    every call: minutes on a CPU, out of memory at one row on a GPU. None without
+    generation requests."""
+    shape = _generation_shape(lm, instances)
+    if shape is None:
+        return None
+    prompt, longest = shape
+    rows = sum(i.request_type == "generate_until" for i in instances)
     saved = lm.max_batch_size
-    lm.max_batch_size = max(1, min(int(saved or 64), len(generating)))
+    lm.max_batch_size = rows  # lm-eval's probe starts here
     try:
         return int(lm._detect_batch_size([(None, prompt, [0] * (longest + 1))], 0))
     finally:
         lm.max_batch_size = saved
+
+
+def generation_masks_per_pass(lm: Any, instances: Sequence[Any], rows: int) -> int:
+    """Masks per ``generate`` call when none is asked for: 1 on a CPU (BENCH.md), and on a
+    GPU as many as ``GENERATION_MEMORY_SHARE`` of the free memory holds with ``rows`` rows
+    per mask, each generating the most tokens any request may from the widest prompt
+    (``generation_masks_for_memory``)."""
+    import torch
+
+    device = torch.device(lm.device)
+    shape = _generation_shape(lm, instances)
+    if device.type != "cuda" or shape is None:
+        return 1
+    prompt, longest = shape
+    free, _ = torch.cuda.mem_get_info(device)
+    free += max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    model = lm.model
+    return generation_masks_for_memory(free, rows, len(prompt), longest, model.config,
+                                       torch.finfo(model.dtype).bits // 8)
+
+
+@dataclass(frozen=True)
+class _Widths:
+    """What the memory of a pass scales with, read off a model's config."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    kv_heads: int
+    ffn: int
+    attention_layers: int
+    other_layers: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> _Widths:
+        text = text_config(config)
+        hidden = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        geometry = Geometry.from_config(text)
+        attention_layers = len(geometry.layers_with_heads)
+        return cls(
+            hidden=hidden, heads=heads,
+            # The widest layer's heads (Gemma 4's full-attention layers are wider).
+            head_dim=(max(geometry.layer_head_dims) if geometry.layer_head_dims
+                      else geometry.head_dim or hidden // heads),
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            ffn=int(geometry.neurons_per_layer or 4 * hidden),
+            attention_layers=attention_layers,
+            other_layers=geometry.num_layers - attention_layers,
+            vocab=int(text.vocab_size))
+
+    def kv_cache(self, tokens: int, bytes_per_value: int) -> int:
+        """The key/value cache every attention layer keeps for ``tokens`` tokens."""
+        return (tokens * self.attention_layers * 2 * self.kv_heads * self.head_dim
+                * bytes_per_value)
+
+    def forward(self, rows: int, width: int, bytes_per_value: int) -> int:
+        """One layer's activations (residual, q/k/v/output, MLP), eager attention weights
+        for one layer, and the recurrent state a hybrid model's other layers keep per row
+        (counted at 2 x hidden x 128 values: Gated DeltaNet's and Mamba-2's, generously)."""
+        tokens = rows * width
+        activations = tokens * (6 * self.hidden + 3 * self.ffn) * bytes_per_value
+        attention = rows * self.heads * width * width * bytes_per_value
+        states = rows * self.other_layers * 2 * self.hidden * 128 * bytes_per_value
+        return activations + attention + states
+
+
+def generation_masks_for_memory(free_bytes: int, rows: int, prompt_width: int,
+                                new_tokens: int, config: Any, bytes_per_value: int = 2,
+                                most: int = MOST_MASKS_PER_PASS) -> int:
+    """How many masks of ``rows`` rows each fit in ``GENERATION_MEMORY_SHARE`` of
+    ``free_bytes`` when they generate together, ``new_tokens`` after prompts
+    ``prompt_width`` wide.
+
+    Per copy, the larger of the two peaks: the prompts' forward pass (their key/value
+    cache, one layer's activations and eager attention weights, the last position's
+    logits in float32 as ``generate`` keeps them) and the last step's key/value cache of
+    prompt + ``new_tokens`` (a decoding step's own activations are one token per row).
+    """
+    widths = _Widths.of(config)
+    logits = rows * widths.vocab * (bytes_per_value + 8)
+    prefill = (widths.kv_cache(rows * prompt_width, bytes_per_value)
+               + widths.forward(rows, prompt_width, bytes_per_value) + logits)
+    last_step = (widths.kv_cache(rows * (prompt_width + new_tokens), bytes_per_value)
+                 + widths.forward(rows, 1, bytes_per_value) + logits)
+    need = max(prefill, last_step)
+    if need == 0:
+        return most
+    return int(max(1, min(most, GENERATION_MEMORY_SHARE * free_bytes // need)))
 
 
 def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, int]],
@@ -117,27 +222,12 @@ def masks_per_pass_for_memory(free_bytes: int, shapes: Sequence[tuple[int, int, 
     float64 ``softmax_dtype``). Deliberately generous: a wrong guess costs an
     out-of-memory error, a low one only some speed.
     """
-    text = text_config(config)
-    hidden = int(text.hidden_size)
-    heads = int(text.num_attention_heads)
-    geometry = Geometry.from_config(text)
-    # The widest layer's heads (Gemma 4's full-attention layers are wider than the rest).
-    head_dim = (max(geometry.layer_head_dims) if geometry.layer_head_dims
-                else geometry.head_dim or hidden // heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    ffn = int(geometry.neurons_per_layer or 4 * hidden)
-    attention_layers = len(geometry.layers_with_heads)
-    other_layers = geometry.num_layers - attention_layers
-    vocab = int(text.vocab_size)
+    widths = _Widths.of(config)
 
     def per_copy(rows: int, width: int, scored: int) -> int:
-        tokens = rows * width
-        activations = tokens * (6 * hidden + 3 * ffn) * bytes_per_value
-        kv_cache = tokens * attention_layers * 2 * kv_heads * head_dim * bytes_per_value
-        states = rows * other_layers * 2 * hidden * 128 * bytes_per_value
-        attention = rows * heads * width * width * bytes_per_value
-        logits = scored * vocab * (bytes_per_value + 8)
-        return activations + kv_cache + states + attention + logits
+        logits = scored * widths.vocab * (bytes_per_value + 8)
+        return (widths.kv_cache(rows * width, bytes_per_value)
+                + widths.forward(rows, width, bytes_per_value) + logits)
 
     need = max((per_copy(*shape) for shape in shapes), default=0)
     if need == 0:

@@ -413,7 +413,7 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
         got = measurement.measure_many(masks, masks_per_pass=6)
     assert tried == [6, 3, 3]  # 6 failed; the six masks in passes of three
     assert measurement.most_masks_per_pass == 3
-    assert "6 masks per forward pass ran out of GPU memory; measuring 3" in caplog.text
+    assert "6 masks per pass ran out of GPU memory; measuring 3" in caplog.text
     assert got == expected
     tried.clear()
     measurement.measure_many(masks[:4], masks_per_pass=4)  # stays halved: nothing fails

@@ -59,6 +59,9 @@ log = logging.getLogger("lm_eval_headloc")
 
 # A design matrix is held in memory and saved as one bool array; refuse budgets past this.
 MAX_DESIGN_BYTES = 256 * 2**20
+#: Rows per forward pass where --batch-size is not given (generation on a GPU aside:
+#: ``generation_batch``).
+DEFAULT_BATCH_SIZE = 32
 
 
 @dataclass
@@ -583,8 +586,10 @@ def load_model(setup: Setup) -> Any:
     from ..model import HFHeadAblateLM
 
     # The kind is set once the reference set is known (open_measurement); the scale now.
+    batch_size = setup.spec.batch_size
     return HFHeadAblateLM.create_from_arg_string(
-        setup.spec.model_args, {"batch_size": setup.spec.batch_size, "scale": setup.spec.scale})
+        setup.spec.model_args, {"batch_size": DEFAULT_BATCH_SIZE if batch_size is None
+                                else batch_size, "scale": setup.spec.scale})
 
 
 def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
@@ -604,7 +609,8 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         gen_kwargs=parse_gen_kwargs(spec.gen_kwargs), system_instruction=spec.system_instruction,
         confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
         verbose=spec.verbose, signal=spec.signal,
-        examples_part=parse_examples_part(spec.examples_part))
+        examples_part=parse_examples_part(spec.examples_part),
+        generation_batch=generation_batch(spec, lm))
     _say_short_tasks(measure, num_samples)
     measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
     if run is not None:
@@ -617,6 +623,17 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
         measure = start_workers(setup, measure, num_samples=num_samples, limit=limit,
                                 extra_tasks=setup.task_names[len(setup.run_task_names):])
     return measure
+
+
+def generation_batch(spec: RunSpec, lm: Any) -> str | None:
+    """Rows per mask of a generation task's ``generate`` calls: with no --batch-size on a
+    GPU, every example where memory allows ("auto"; a generating step costs about as much
+    for 100 rows as for 32 there), else the model's batch size (None)."""
+    import torch
+
+    if spec.batch_size is None and torch.device(lm.device).type == "cuda":
+        return "auto"
+    return None
 
 
 def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,

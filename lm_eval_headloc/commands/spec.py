@@ -403,8 +403,10 @@ class RunSpec:
            "none; rerun with more to add draws)", parse=int, metavar="R", whole=True,
         min_val=0)
     # --- how, not what -------------------------------------------------------------------
-    batch_size: int | str = _option(32, "batch size: a number, 'auto' or 'auto:N'", RUNTIME,
-                                    parse=parse_batch_size, metavar="N")
+    batch_size: int | str | None = _option(
+        None, "batch size: a number, 'auto' or 'auto:N' (default: 32, but a generation task "
+              "on a GPU puts all its examples in one batch where memory allows, as auto)",
+        RUNTIME, parse=parse_batch_size, metavar="N")
     masks_per_pass: int | None = _option(
         None, "masks evaluated together in one forward pass (loglikelihood tasks; default: "
               "1 on CPU, from free memory on a GPU; halved for the rest of the run if a "
@@ -551,7 +553,8 @@ class RunSpec:
             raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
         if self.general is not None and not self.general:
             raise UsageError("--general is empty; name at least one task or leave it out")
-        parse_batch_size(self.batch_size)
+        if self.batch_size is not None:
+            parse_batch_size(self.batch_size)
         if self.masks is not None:
             parse_masks(self.masks)
         parse_sparsity(self.sparsity)

@@ -1,0 +1,2 @@
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    return {"answer_chars": float(len(results[0]))}

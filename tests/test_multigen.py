@@ -1,0 +1,331 @@
+"""Several masks per ``generate`` call give every mask exactly the answers of lm-eval's own
+``generate_until`` with that mask alone, and rows stop on their own (``multigen``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, load_lm
+
+import lm_eval_headloc.multigen as multigen
+from lm_eval_headloc.heads import parse_heads
+from lm_eval_headloc.measure import HarnessMeasurement
+from lm_eval_headloc.sizing import GENERATION_MEMORY_SHARE, generation_masks_for_memory
+
+TASK = "tiny_generate_stops"  # stops ["J", "V", "ry"]: rows end after different steps
+MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
+
+
+def open_measurement(manager, lm, tasks=(TASK,), **kwargs):
+    return HarnessMeasurement(lm, [(name, None) for name in tasks],
+                              {name: manager.load([name]) for name in tasks},
+                              num_samples=None, **kwargs)
+
+
+def lm_evals_own(lm, instances, heads, rows, monkeypatch):
+    """lm-eval's ``generate_until`` with ``heads`` knocked out, its own stopping criteria
+    (``MultiTokenEOSCriteria``: a batch ends when one stop string is in every row) and
+    ``rows`` requests per batch: what one mask alone gets from the stock harness."""
+    from lm_eval.models.huggingface import HFLM
+
+    with monkeypatch.context() as patch:
+        patch.setattr(multigen, "stops_per_row", lambda *_: False)
+        patch.setattr(lm, "batch_size_per_gpu", rows)
+        with lm.knocking_out(heads):
+            return HFLM.generate_until(lm, list(instances), disable_tqdm=True)
+
+
+def with_stops_that_end_rows(lm, instances, monkeypatch, every_row=False):
+    """``instances`` generating until strings that this random model writes in some rows,
+    after a different number of tokens (what each family writes differs, so the stop
+    strings are read off its own answers): leaving a row or more to run to max_gen_toks
+    where the answers allow, or (``every_row``) ending every row, no one string in all."""
+    from lm_eval.api.instance import Instance
+
+    def until(stops):
+        return [Instance("generate_until", doc=i.doc, idx=i.idx,
+                         arguments=(i.args[0], {**i.args[1], "until": stops}))
+                for i in instances]
+
+    texts = lm_evals_own(lm, until([]), [], len(instances), monkeypatch)
+    rows_with: dict[str, set[int]] = {}
+    for row, text in enumerate(texts):
+        for start in range(len(text)):
+            for end in range(start + 1, min(len(text), start + 4) + 1):
+                if "\ufffd" not in text[start:end]:  # a byte left over, not a character
+                    rows_with.setdefault(text[start:end], set()).add(row)
+    everyone = set(range(len(texts)))
+    most = len(texts) if every_row else len(texts) - 1  # rows the stops may cover
+    stops, covered = [], set()
+    for stop, rows in sorted(rows_with.items(), key=lambda item: (-len(item[1]), item[0])):
+        if len(stops) < 6 and rows != everyone and rows - covered \
+                and len(covered | rows) <= most:
+            stops.append(stop)
+            covered |= rows
+    if not stops:  # the same string in every answer: it ends them at different steps
+        stops = [min(rows_with, key=lambda stop: (-len(rows_with[stop]), stop))]
+    assert not every_row or covered == everyone, (texts, stops)
+    return until(stops)
+
+
+def made_criteria(monkeypatch):
+    """Every ``RowStops`` made from now on, in a list."""
+    made = []
+    real = multigen.RowStops.__init__
+
+    def remember(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(multigen.RowStops, "__init__", remember)
+    return made
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
+def test_each_mask_gets_lm_evals_own_answers(tiny_model_dir, task_manager, family,
+                                             monkeypatch):
+    lm = load_lm(tiny_model_dir(family))
+    instances = with_stops_that_end_rows(
+        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    made = made_criteria(monkeypatch)
+    together = multigen.generations_for_masks(lm, instances, masks, rows=5)
+    # The test means something: three batches of 5 x 5 rows (12 requests), rows ending at
+    # different steps and some not before max_gen_toks, masks that answer differently.
+    assert [len(c.finished_at) for c in made] == [25, 25, 10]
+    ends = [end for c in made for end in c.finished_at]
+    assert len({end for end in ends if end is not None}) > 2, ends
+    assert len({tuple(answers) for answers in together}) > 1
+    for heads, answers in zip(masks, together, strict=True):
+        assert answers == lm_evals_own(lm, instances, heads, 5, monkeypatch), heads
+
+
+def test_a_hybrid_model_keeps_each_rows_mask_through_its_recurrent_layers(
+        tiny_hybrid_dir, task_manager, monkeypatch):
+    lm = load_lm(tiny_hybrid_dir)
+    instances = with_stops_that_end_rows(
+        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch)
+    masks = [[], parse_heads("L1H0+L3H2", 4, 4), parse_heads("L3H*", 4, 4)]
+    together = multigen.generations_for_masks(lm, instances, masks, rows=4)
+    for heads, answers in zip(masks, together, strict=True):
+        assert answers == lm_evals_own(lm, instances, heads, 4, monkeypatch), heads
+
+
+def count_steps(lm) -> list[int]:
+    """Forward passes of ``lm``'s model from now on, in a one-element list."""
+    steps = [0]
+
+    def count(*_):
+        steps[0] += 1
+
+    lm.model.register_forward_pre_hook(count)
+    return steps
+
+
+def test_rows_stop_on_their_own_and_the_batch_ends_with_its_last(tiny_model_dir,
+                                                                 task_manager, monkeypatch):
+    """lm-eval's criteria end a batch only when one stop string is in every row: rows that
+    stopped on different strings generate on to max_gen_toks. Ours end each row, and the
+    batch with its last, with the same answers."""
+    lm = load_lm(tiny_model_dir("llama"))
+    instances = with_stops_that_end_rows(
+        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch,
+        every_row=True)
+    made = made_criteria(monkeypatch)
+    steps = count_steps(lm)
+    lm.batch_size_per_gpu = len(instances)  # one batch
+    ours = lm.generate_until(instances, disable_tqdm=True)
+    (criteria,) = made
+    assert None not in criteria.finished_at
+    assert len(set(criteria.finished_at)) > 2  # rows end at different steps
+    assert steps[0] == max(criteria.finished_at) - criteria.prompt_width < 12
+    steps[0] = 0
+    assert lm_evals_own(lm, instances, [], len(instances), monkeypatch) == ours
+    assert steps[0] == 12  # no one stop string is in every row: to max_gen_toks
+
+
+def ending_rows_early(lm):
+    """``lm``'s model, generating greedily, ends many rows on its end-of-sequence token."""
+    from collections import Counter
+
+    ids, attention = lm.tok_batch_encode(["the cat sat on", "Mary and John went to",
+                                          "one two three four", "when the dog"])
+    generated = lm.model.generate(ids, attention_mask=attention, max_new_tokens=12,
+                                  do_sample=False, pad_token_id=0)[:, ids.shape[1]:]
+    common = Counter(generated.flatten().tolist()).most_common(1)[0][0]
+    lm.model.generation_config.eos_token_id = common
+
+
+def test_rows_ended_by_an_eos_token_answer_as_alone(tiny_model_dir, task_manager,
+                                                    monkeypatch):
+    lm = load_lm(tiny_model_dir("llama"))
+    ending_rows_early(lm)
+    instances = open_measurement(task_manager, lm).generating_instances()
+    made = made_criteria(monkeypatch)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    together = multigen.generations_for_masks(lm, instances, masks, rows=6)
+    assert together == [lm_evals_own(lm, instances, heads, 6, monkeypatch) for heads in masks]
+    ends = [end for c in made for end in c.finished_at]
+    assert len({end for end in ends if end is not None}) > 2
+
+
+def test_a_pad_token_that_is_a_word_keeps_lm_evals_own_stopping(tiny_model_dir,
+                                                                task_manager, monkeypatch):
+    """lm-eval keeps a word-like pad token's text after a row's end-of-sequence token, as
+    often as its batch ran on: such rows are not ended sooner, nor masks batched."""
+    lm = load_lm(tiny_model_dir("llama"))
+    ending_rows_early(lm)
+    lm.tokenizer.pad_token = lm.tokenizer.convert_ids_to_tokens(260)  # not special
+    padding = lm.tokenizer.decode([260]) * 2
+    measure = open_measurement(task_manager, lm)
+    assert not multigen.stops_per_row(lm, {"do_sample": False})
+    assert not measure.generates_together
+    lm.batch_size_per_gpu = 6
+    ours = lm.generate_until(measure.generating_instances(), disable_tqdm=True)
+    stock = lm_evals_own(lm, measure.generating_instances(), [], 6, monkeypatch)
+    assert ours == stock and any(padding in answer for answer in stock)
+
+
+def test_sampled_or_thinking_generation_is_not_shared_nor_stopped_early(tiny_model_dir,
+                                                                       task_manager):
+    lm = load_lm(tiny_model_dir("llama"))
+    greedy = open_measurement(task_manager, lm).generating_instances()
+    assert multigen.shares_generate(lm, greedy)
+    for gen_kwargs in ({"do_sample": True, "temperature": 0.7}, {"num_beams": 2}):
+        sampled = open_measurement(task_manager, lm, gen_kwargs=gen_kwargs)
+        assert not multigen.shares_generate(lm, sampled.generating_instances()), gen_kwargs
+        assert not sampled.generates_together
+    assert not multigen.stops_per_row(lm, {"do_sample": True})
+    # do_sample unset with a temperature: the model's generation config decides.
+    lm.model.generation_config.do_sample = True
+    assert not multigen.stops_per_row(lm, {"temperature": 0.7})
+    assert multigen.stops_per_row(lm, {"temperature": 0.0})
+    lm.model.generation_config.do_sample = False
+    assert multigen.stops_per_row(lm, {"temperature": 0.7})
+    # A stop string before the end of thinking does not end the answer (lm-eval cuts
+    # after think_end_token first).
+    lm.think_end_token = "</think>"
+    assert not multigen.stops_per_row(lm, {"do_sample": False})
+    assert not multigen.shares_generate(lm, greedy)
+
+
+@pytest.mark.parametrize("tasks", [(TASK,), (TASK, "tiny_choice")],
+                         ids=["generation", "generation and multiple choice"])
+def test_a_measurement_of_k_masks_per_generate_scores_as_one_at_a_time(
+        tiny_model_dir, task_manager, tasks, monkeypatch):
+    lm = load_lm(tiny_model_dir("qwen2"))
+    measure = open_measurement(task_manager, lm, tasks)
+    assert measure.generates_together and not measure.scored_positions
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    calls = []
+    real = multigen.generations_for_masks
+    monkeypatch.setattr(multigen, "generations_for_masks",
+                        lambda lm, instances, group, rows: calls.append(len(group))
+                        or real(lm, instances, group, rows))
+    together = measure.measure_many(masks, masks_per_pass=3)
+    assert calls == [3, 2]
+    with monkeypatch.context() as patch:  # the live model answers, lm-eval's criteria
+        patch.setattr(multigen, "stops_per_row", lambda *_: False)
+        alone = [measure.measure_with_model(heads) for heads in masks]
+    assert [{t: s.value for t, s in scores.items()} for scores in together] == \
+        [{t: s.value for t, s in scores.items()} for scores in alone]
+    assert len({scores[TASK].value for scores in alone}) > 1  # the masks answer differently
+
+
+def test_sampled_generation_is_measured_one_mask_at_a_time(tiny_model_dir, task_manager,
+                                                           monkeypatch):
+    lm = load_lm(tiny_model_dir("llama"))
+    measure = open_measurement(task_manager, lm,
+                               gen_kwargs={"do_sample": True, "temperature": 0.7})
+
+    def refuse(*_):
+        raise AssertionError("sampled requests must not share generate calls")
+
+    monkeypatch.setattr(multigen, "generations_for_masks", refuse)
+    scores = measure.measure_many([[], parse_heads("L0H1", 2, 4)], masks_per_pass=2)
+    assert len(scores) == 2
+
+
+def test_the_automatic_k_for_generation_counts_each_rows_key_value_cache():
+    """Hand-computed for Llama-3.1-8B's shape (bfloat16): 32 layers x 8 key/value heads x
+    128 values x 2 (keys and values) x 2 bytes = 131,072 bytes per token."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         vocab_size=128256)
+    rows, prompt = 100, 258
+    one_layer = 6 * 4096 + 3 * 14336  # activations per token (residual, q/k/v/o, MLP)
+    logits = rows * 128256 * (2 + 8)  # the last position's, bfloat16 and float32 copies
+    prompt_pass = (rows * prompt * 131_072 + rows * prompt * one_layer * 2
+                   + rows * 32 * prompt * prompt * 2 + logits)
+    for new, deciding in ((256, "prompt pass"), (770, "last step")):
+        last_step = rows * (prompt + new) * 131_072 + rows * one_layer * 2 + rows * 32 * 2 \
+            + logits
+        per_copy = max(prompt_pass, last_step)
+        assert deciding == ("prompt pass" if per_copy == prompt_pass else "last step")
+        for free_gib in (20, 60, 124):
+            free = free_gib * 2**30
+            want = max(1, int(GENERATION_MEMORY_SHARE * free // per_copy))
+            assert generation_masks_for_memory(free, rows, prompt, new, config) == want
+    # 0.85 x 124 GiB over 7.42 GB (256 new tokens) and over 13.6 GB (770).
+    assert generation_masks_for_memory(124 * 2**30, rows, prompt, 256, config) == 15
+    assert generation_masks_for_memory(124 * 2**30, rows, prompt, 770, config) == 8
+
+
+def test_a_generate_call_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
+        tiny_model_dir, task_manager, monkeypatch):
+    lm = load_lm(tiny_model_dir("llama"))
+    measure = open_measurement(task_manager, lm)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS[:4]]
+    want = [s[TASK].value for s in measure.measure_many(masks, masks_per_pass=1)]
+    real, tried = multigen.generations_for_masks, []
+
+    def small_gpu(lm, instances, group, rows):
+        tried.append(len(group))
+        if len(group) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(lm, instances, group, rows)
+
+    monkeypatch.setattr(multigen, "generations_for_masks", small_gpu)
+    got = [s[TASK].value for s in measure.measure_many(masks, masks_per_pass=4)]
+    assert tried == [4, 2, 2] and measure.most_masks_per_pass == 2
+    assert got == want
+
+
+@pytest.mark.slow
+def test_the_embedded_model_rhymes_alike_four_masks_per_generate(smollm2, monkeypatch):
+    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
+    from lm_eval_headloc.commands.spec import RunSpec
+    from lm_eval_headloc.embedded import smollm2_model_args
+
+    setup = prepare(RunSpec(tasks=("rhyme",), model_args=smollm2_model_args()))
+    measure = open_measurement(setup, load_model(setup), num_samples=16)
+    assert measure.generates_together
+    masks = [[], parse_heads("L0H*", 30, 9), parse_heads("L3H1+L10H4+L20H0", 30, 9),
+             parse_heads("L29H*+L28H*", 30, 9)]
+    instances = measure.generating_instances()
+    together = multigen.generations_for_masks(measure.lm, instances, masks,
+                                              measure.rows_per_generate())
+    for heads, answers in zip(masks, together, strict=True):
+        assert answers == lm_evals_own(measure.lm, instances, heads,
+                                       measure.rows_per_generate(), monkeypatch)
+    assert len({tuple(a) for a in together}) > 1
+    scores = measure.measure_many(masks, masks_per_pass=4)
+    with monkeypatch.context() as patch:
+        patch.setattr(multigen, "stops_per_row", lambda *_: False)
+        assert [s["rhyme"].value for s in scores] == \
+            [measure.measure_with_model(heads)["rhyme"].value for heads in masks]
+
+
+def test_only_tokens_that_can_end_a_stop_string_are_looked_at(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    decoded = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    table = multigen.could_end(tokenizer, ("Question:", "at"), frozenset({2}))
+    want = [":" in text or "t" in text or i == 2 for i, text in enumerate(decoded)]
+    assert table.tolist() == want and 0 < sum(want) < len(want) / 2
+    # A space or a non-ASCII last character may not stand alone in a token's decoding.
+    for stops in ((" ",), ("cat ",), ("été",)):
+        assert multigen.could_end(tokenizer, stops, frozenset()).all()
