@@ -2,8 +2,10 @@
 # The GPU benchmarks at the sizes users run: a random-weight Llama-3.2-1B and Llama-3.1-8B
 # in bfloat16 (scripts/bench_measure.py --config; bench_scale.py says what is measured).
 #
-#   bash scripts/bench_gpu.sh 1b|8b|all [OUT_DIR]
+#   bash scripts/bench_gpu.sh 1b|8b|gen1b|gen8b|all [OUT_DIR]
 #
+# gen1b and gen8b time a generation task's measurement at K masks per generate call and a
+# whole default generating locate (scripts/bench_generation.py).
 # Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
 # this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. On a lent GPU machine
 # (docs/development.md, "Benchmarks on a lent GPU"), where one command may run 10 minutes,
@@ -16,13 +18,13 @@ cd "$(dirname "$0")/.."
 stage="${1:-}"
 out="${2:-}"
 case "$stage" in
-    1b|8b|all) ;;
-    *) echo "bench_gpu.sh: stage '$stage': expected 1b, 8b or all" >&2; exit 2 ;;
+    1b|8b|gen1b|gen8b|all) ;;
+    *) echo "bench_gpu.sh: stage '$stage': expected 1b, 8b, gen1b, gen8b or all" >&2; exit 2 ;;
 esac
 if [ -n "$out" ]; then
     [ -d "$out" ] || { echo "bench_gpu.sh: OUT_DIR '$out' is not a folder" >&2; exit 2; }
     # Never over what is not ours: an OUT_DIR already holding these files is refused.
-    for name in BENCH.md bench-1b.log bench-8b.log; do
+    for name in BENCH.md bench-1b.log bench-8b.log bench-gen1b.log bench-gen8b.log; do
         [ ! -e "$out/$name" ] || { echo "bench_gpu.sh: '$out/$name' exists; name an empty OUT_DIR" >&2; exit 2; }
     done
     cp BENCH.md "$out/BENCH.md"
@@ -71,4 +73,21 @@ if [ "$stage" = 8b ] || [ "$stage" = all ]; then
     run 8b --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
         --reference-gen-docs 1 --sweep-masks 4 --max-masks-per-pass 16 \
         --locate choice gen:logprob
+fi
+# Generation at K masks per generate call (bench_generation.py): K = 1, 4, 8 and the
+# automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
+# automatic K, then a whole default locate in a process of its own (timed out at 330 s at 8B
+# so that the stage ends inside one call's 10 minutes).
+gen() {  # stage, then bench_generation's options
+    local name="$1"
+    shift
+    set -o pipefail
+    "$python" scripts/bench_generation.py --device cuda --dtype bfloat16 "$@" --out "$bench" \
+        2>&1 | tee "$logs/bench-$name.log"
+}
+if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
+    gen gen8b --config llama-3.1-8b --ks 4,8 --locate --locate-timeout 330
+fi
+if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
+    gen gen1b --config llama-3.2-1b --ks 4,8,16 --locate --locate-timeout 240
 fi

@@ -53,5 +53,13 @@ cp BENCH.md "$work/BENCH.md"
     || { tail -30 "$work/bench.log" >&2; echo "gpu_image_check.sh: the benchmark failed (log: $work/bench.log)" >&2; exit 1; }
 grep -q "<!-- bench_measure tiny-llama: start -->" "$work/BENCH.md" \
     || { echo "gpu_image_check.sh: the benchmark wrote no section into $work/BENCH.md" >&2; exit 1; }
+echo "== the generation benchmark (bench_gpu.sh gen8b/gen1b), a toy shape on the CPU"
+"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 scripts/bench_generation.py \
+    --config tiny-llama --device cpu --num-samples 4 --max-gen-toks 4 --ks 2 --locate \
+    --out "$work/BENCH.md" > "$work/bench-gen.log" 2>&1 \
+    || { tail -30 "$work/bench-gen.log" >&2; echo "gpu_image_check.sh: the generation benchmark failed (log: $work/bench-gen.log)" >&2; exit 1; }
+grep -q "<!-- bench_generation tiny-llama: start -->" "$work/BENCH.md" && grep -q "| 2 (" "$work/BENCH.md" \
+    && ! grep -q "it failed" "$work/BENCH.md" \
+    || { echo "gpu_image_check.sh: the generation benchmark's section is missing or says a failure ($work/BENCH.md)" >&2; exit 1; }
 cd "$root"
 echo "ok: the image's packages + the carried wheels install, import and run the benchmark ($work)"
