@@ -4,12 +4,17 @@ and status 130, not an import traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Generating, every row's key/value cache grows a step at a time: expandable segments
+    # keep PyTorch's CUDA allocator from fragmenting (and flushing its cache) at the large
+    # batches of several masks per generate call. Before torch is imported; a user's wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         from .commands.cli import main as run
     except KeyboardInterrupt:

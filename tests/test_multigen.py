@@ -329,3 +329,31 @@ def test_only_tokens_that_can_end_a_stop_string_are_looked_at(tiny_model_dir):
     # A space or a non-ASCII last character may not stand alone in a token's decoding.
     for stops in ((" ",), ("cat ",), ("été",)):
         assert multigen.could_end(tokenizer, stops, frozenset()).all()
+
+
+def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, task_manager,
+                                                              monkeypatch):
+    from lm_eval_headloc.commands.engine import generation_batch
+    from lm_eval_headloc.commands.spec import RunSpec
+
+    lm = load_lm(tiny_model_dir("llama"))  # batch size 4
+    measure = open_measurement(task_manager, lm)
+    assert measure.auto_masks_per_pass() == 1  # a CPU
+    width = max(len(lm.tok_encode(i.args[0])) for i in measure.generating_instances())
+    # Per mask copy of 4 rows of the tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads, 2 K/V
+    # heads of 8, vocab 300, float32), prompts `width` wide, 12 new tokens (the task's):
+    # K/V cache 2*2*2*8*4 = 256 bytes a token; activations (6*32 + 3*64)*4 = 1536 a token.
+    rows, logits = 4, 4 * 300 * (4 + 8)
+    prompt_pass = rows * width * (256 + 1536) + rows * 4 * width * width * 4 + logits
+    last_step = rows * (width + 12) * 256 + rows * (1536 + 4 * 4) + logits
+    per_copy = max(prompt_pass, last_step)
+    monkeypatch.setattr(lm, "_device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * per_copy, 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    assert measure.auto_masks_per_pass() == int(GENERATION_MEMORY_SHARE * 10) == 8
+    # With no --batch-size, a generation task on a GPU puts every example in one batch.
+    assert generation_batch(RunSpec(), lm) == "auto"
+    assert generation_batch(RunSpec(batch_size=32), lm) is None
+    monkeypatch.setattr(lm, "_device", torch.device("cpu"))
+    assert generation_batch(RunSpec(), lm) is None
