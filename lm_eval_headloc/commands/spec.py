@@ -408,10 +408,10 @@ class RunSpec:
               "on a GPU puts all its examples in one batch where memory allows, as auto)",
         RUNTIME, parse=parse_batch_size, metavar="N")
     masks_per_pass: int | None = _option(
-        None, "masks evaluated together in one forward pass (loglikelihood tasks; default: "
-              "1 on CPU, from free memory on a GPU; halved for the rest of the run if a "
-              "pass runs out of GPU memory)", RUNTIME, parse=int, metavar="K",
-        whole=True, min_val=1)
+        None, "masks evaluated together in one forward pass, or one generate call for "
+              "greedy generation (default: 1 on CPU, from free memory on a GPU; halved for "
+              "the rest of the run if a pass runs out of GPU memory)", RUNTIME, parse=int,
+        metavar="K", whole=True, min_val=1)
     workers: int = _option(
         1, "measure on N Ray workers, each loading the model once (a local Ray unless "
            "--ray-address; needs pip install 'lm-eval-headloc[ray]')", RUNTIME, parse=int,
