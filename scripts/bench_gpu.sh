@@ -43,11 +43,11 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 "$python" -c 'import torch, sys; torch.cuda.is_available() or sys.exit("bench_gpu.sh: no CUDA device")'
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
-run() {  # stage, then bench_measure's options
-    local name="$1"
-    shift
+run() {  # stage, the benchmark script, then its options
+    local name="$1" script="$2"
+    shift 2
     set -o pipefail
-    "$python" scripts/bench_measure.py --device cuda --dtype bfloat16 "$@" --out "$bench" \
+    "$python" "scripts/$script" --device cuda --dtype bfloat16 "$@" --out "$bench" \
         2>&1 | tee "$logs/bench-$name.log"
 }
 
@@ -66,11 +66,11 @@ run() {  # stage, then bench_measure's options
 # sweep at K = 32 (K = 1 to 64 were within 6 % there) and times the reference's generation on
 # one document.
 if [ "$stage" = 1b ] || [ "$stage" = all ]; then
-    run 1b --config llama-3.2-1b --repeats 5 --gen-repeats 2 --reference-repeats 1 \
+    run 1b bench_measure.py --config llama-3.2-1b --repeats 5 --gen-repeats 2 --reference-repeats 1 \
         --reference-gen-docs 1 --sweep-masks 8 --max-masks-per-pass 32 --locate choice gen:logprob
 fi
 if [ "$stage" = 8b ] || [ "$stage" = all ]; then
-    run 8b --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
+    run 8b bench_measure.py --config llama-3.1-8b --repeats 3 --gen-repeats 1 --reference-repeats 1 \
         --reference-gen-docs 1 --sweep-masks 4 --max-masks-per-pass 16 \
         --locate choice gen:logprob
 fi
@@ -78,16 +78,9 @@ fi
 # automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
 # automatic K, then a whole default locate in a process of its own (timed out at 330 s at 8B
 # so that the stage ends inside one call's 10 minutes).
-gen() {  # stage, then bench_generation's options
-    local name="$1"
-    shift
-    set -o pipefail
-    "$python" scripts/bench_generation.py --device cuda --dtype bfloat16 "$@" --out "$bench" \
-        2>&1 | tee "$logs/bench-$name.log"
-}
 if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
-    gen gen8b --config llama-3.1-8b --ks 4,8 --locate --locate-timeout 330
+    run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --locate --locate-timeout 330
 fi
 if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
-    gen gen1b --config llama-3.2-1b --ks 4,8,16 --locate --locate-timeout 240
+    run gen1b bench_generation.py --config llama-3.2-1b --ks 4,8,16 --locate --locate-timeout 240
 fi

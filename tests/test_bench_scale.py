@@ -281,19 +281,24 @@ def test_ways_are_timed_round_robin_every_other_round_backwards():
     assert [len(t.seconds) for t in timings] == [3, 3]
 
 
-def test_bench_gpu_stages_pass_options_bench_measure_accepts():
+def test_bench_gpu_stages_pass_options_their_scripts_accept():
     # A typo in bench_gpu.sh's options would cost a lent machine's minutes: parse each stage's
-    # `run <stage> ...` line (continuations joined) with bench_measure's own parser.
+    # `run <stage> <script> ...` line (continuations joined) with that script's own parser.
     import re
     import shlex
 
+    import bench_generation
     import bench_measure
 
     script = (SCRIPTS / "bench_gpu.sh").read_text().replace("\\\n", " ")
-    stages = dict(re.findall(r"^\s*run (\w+) (--config .*)$", script, flags=re.MULTILINE))
-    assert sorted(stages) == ["1b", "8b"]
-    for stage, options in stages.items():
-        args = bench_measure.parse_args(["--device", "cpu", "--dtype", "bfloat16",
-                                         *shlex.split(options), "--out", "unused.md"])
-        assert args.config == {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}[stage]
-        assert args.locate, stage  # each stage times a default run's parts
+    stages = {stage: (name, options) for stage, name, options in re.findall(
+        r"^\s*run (\w+) (\w+)\.py (--config .*)$", script, flags=re.MULTILINE)}
+    assert sorted(stages) == ["1b", "8b", "gen1b", "gen8b"]
+    parsers = {"bench_measure": bench_measure.parse_args,
+               "bench_generation": bench_generation.parse_args}
+    for stage, (name, options) in stages.items():
+        args = parsers[name](["--device", "cpu", "--dtype", "bfloat16",
+                              *shlex.split(options), "--out", "unused.md"])
+        assert args.config == {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}[
+            stage.removeprefix("gen")]
+        assert args.locate, stage  # each stage times a default run (or its parts)
