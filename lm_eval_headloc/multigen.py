@@ -202,10 +202,6 @@ def shares_generate(lm: Any, instances: Sequence[Any]) -> bool:
     return True
 
 
-def _hflm(lm: Any) -> type:
-    return next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
-
-
 @torch.no_grad()
 def generations_for_masks(lm: Any, instances: Sequence[Any],
                           masks: Sequence[Sequence[Head | str]], rows: int) -> list[list[str]]:
@@ -220,7 +216,7 @@ def generations_for_masks(lm: Any, instances: Sequence[Any],
     """
     from lm_eval.api.model import CacheHook
 
-    from .multimask import LMProxy
+    from .multimask import LMProxy, hflm_class
 
     k_masks = len(masks)
     row_masks = lm.knockout.row_masks([lm._parsed(heads) if heads else () for heads in masks])
@@ -245,7 +241,7 @@ def generations_for_masks(lm: Any, instances: Sequence[Any],
                                         :stops.width_of(mask_rows, width)])
         return outputs[0][-1]
 
-    hflm = _hflm(lm)
+    hflm = hflm_class(lm)
     answers = [hflm.generate_until(
         LMProxy(lm, _model_generate=generate_together, batch_size=rows,
                 cache_hook=CacheHook(None)), list(instances), disable_tqdm=True)]

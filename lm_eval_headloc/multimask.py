@@ -24,7 +24,7 @@ from torch import nn
 from .heads import Head
 
 __all__ = ["LMProxy", "LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
-           "generation_key", "logits_only_at", "loglikelihoods_for_masks",
+           "generation_key", "hflm_class", "logits_only_at", "loglikelihoods_for_masks",
            "scored_positions_apply"]
 
 Answer = tuple[float, bool]
@@ -128,6 +128,11 @@ class LMProxy:
         return getattr(self._lm, name)
 
 
+def hflm_class(lm: Any) -> type:
+    """lm-eval's ``HFLM`` among ``lm``'s classes: its own methods, run on a proxy."""
+    return next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
+
+
 def model_input(context: list[int], continuation: list[int], max_length: int) -> list[int]:
     """The tokens HFLM's ``_loglikelihood_tokens`` feeds a decoder-only model for one
     request: context + continuation minus the last token, cut on the left to
@@ -154,7 +159,7 @@ def check_inputs(lm: Any, pairs: Sequence[tuple[list[int], list[int]]]) -> None:
         sent.extend(inputs.tolist())
         return torch.zeros(*inputs.shape, vocab, device=inputs.device)
 
-    base = next(c for c in type(lm).__mro__ if c.__name__ == "HFLM")
+    base = hflm_class(lm)
     proxy = LMProxy(lm, _model_call=catch, cache_hook=CacheHook(None))
     problem = None
     try:
