@@ -42,7 +42,7 @@ from ..metrics import (
 )
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
-from ..tasks import check_task_names, make_task_manager
+from ..tasks import check_task_names, load_failure, make_task_manager
 from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, parse_examples_part, parse_gen_kwargs, path_list
@@ -347,9 +347,10 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         try:
             loaded[name] = manager.load([name])
         except Exception as err:  # noqa: BLE001 — a task whose data cannot be had
-            hint = f" ({_OFFLINE_HINT})" if _built_in(manager, name) else ""
-            raise UsageError(f"cannot load task {name!r}: {str(err).splitlines()[0]}"
-                             f"{hint}") from None
+            said = load_failure(name, err)
+            hint = (f" ({_OFFLINE_HINT})" if _built_in(manager, name)
+                    and said.startswith("cannot load") else "")
+            raise UsageError(f"{said}{hint}") from None
         leaves = loaded[name]["tasks"].values()
         if metric is not None:
             produced = sorted({key for task in leaves for key in metrics_of_task(task)})

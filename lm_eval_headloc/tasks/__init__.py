@@ -10,9 +10,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InternalError, UserError
+from ..errors import InternalError, UserError, one_line
 
-__all__ = ["UnknownTaskError", "check_task_names", "make_task_manager", "task_configs_dir"]
+__all__ = ["UnknownTaskError", "check_task_names", "load_failure", "make_task_manager",
+           "task_configs_dir"]
 
 
 class UnknownTaskError(UserError):
@@ -107,6 +108,34 @@ def check_task_names(task_manager: Any, names: Iterable[str]) -> None:
             raise UnknownTaskError(
                 f"unknown task {name!r}{hint} (`lm_eval ls tasks` lists them; add your own "
                 "folder with --include-path)")
+
+
+def load_failure(name: str, error: BaseException) -> str:
+    """Why lm-eval could not build task ``name``, in one line for the user.
+
+    A task without documents fails inside lm-eval in ways that do not say so: an empty
+    data file ends the ``json`` loader with a bare ``StopIteration`` (no message at all),
+    and a dataset of zero rows fails where lm-eval tries its first document
+    (``task_docs[0]``). Both are said as what they are."""
+    if isinstance(error, StopIteration) or _zero_documents(error):
+        return f"task {name!r} has no documents"
+    return f"cannot load task {name!r}: {one_line(error)}"
+
+
+def _zero_documents(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside an lm-eval task's construction whose documents
+    had been read and were none."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        task = traceback.tb_frame.f_locals.get("self")
+        docs = getattr(task, "__dict__", {}).get("task_docs")
+        if docs is not None and type(task).__module__.startswith("lm_eval."):
+            try:
+                return len(docs) == 0
+            except TypeError:  # an iterable dataset: no length to tell
+                return False
+        traceback = traceback.tb_next
+    return False
 
 
 def _unread_yaml(folders: Iterable[str | Path], name: str) -> str | None:
