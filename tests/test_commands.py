@@ -657,6 +657,10 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
     assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
     assert (f"knocking out {'+'.join(heads['top_k'])}: the top 3 of {out / 'heads.json'} "
             "(ranked for task tiny_copy)") in caplog.messages
+    # Without ablate_top, the run's own top-k (3), not all 8 heads it ranks.
+    lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
+                        ablate_file=str(out / "heads.json"))
+    assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
 
 
 def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
