@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import InternalError, UserError, one_line
 
 __all__ = ["UnknownTaskError", "check_task_names", "load_failure", "make_task_manager",
-           "task_configs_dir"]
+           "task_configs_dir", "with_own_tasks"]
 
 
 class UnknownTaskError(UserError):
@@ -40,9 +40,30 @@ def task_configs_dir(package: Path | None = None) -> Path:
                         "lm-eval-headloc is incomplete; reinstall it")
 
 
+def with_own_tasks(include_path: str | Path | Sequence[str | Path] | None
+                   ) -> list[str | Path]:
+    """``include_path`` as lm-eval's ``TaskManager`` takes it (one folder, a list, or
+    None), as a list with our task folder first, unless it names that folder already
+    (the same folder, however spelled). lm-eval indexes the folders in order, a later one
+    overriding an earlier one's names: the user's folders win a clash with ours."""
+    given = ([] if include_path is None else [include_path]
+             if isinstance(include_path, (str, Path)) else list(include_path))
+    ours = task_configs_dir()
+    _quiet_own_metadata_notice()
+    for folder in given:
+        try:
+            if Path(folder).resolve() == ours.resolve():
+                return given
+        except (OSError, RuntimeError, TypeError):  # not a path: lm-eval says what it is
+            continue
+    return [str(ours), *given]
+
+
 def make_task_manager(include_path: str | Sequence[str] | None = None,
                       option: str = "--include-path ") -> Any:
-    """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``.
+    """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``
+    (``with_own_tasks``: the start-up hook's ``TaskManager`` would add ours too, but a
+    checkout used without installing has no hook).
 
     Indexing every task YAML takes seconds, so one manager per set of folders is kept for
     the process (a notebook or sweep building runs over and over); its ``load`` builds
@@ -54,9 +75,8 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
         if not str(folder).strip() or not Path(folder).is_dir():
             raise UnknownTaskError(f"{option}{str(folder)!r} is not a folder (expected a "
                                    "folder of lm-eval task YAMLs)")
-    _quiet_own_metadata_notice()
-    return _task_manager((str(task_configs_dir()),
-                          *(str(Path(folder).resolve()) for folder in extra)))
+    return _task_manager(tuple(map(str, with_own_tasks(
+        [str(Path(folder).resolve()) for folder in extra]))))
 
 
 #: What lm-eval says on loading every task with a ``custom_dataset`` (ours all have one).
