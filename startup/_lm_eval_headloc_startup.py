@@ -11,13 +11,16 @@ and adds our task folder to every ``TaskManager``; it also loads this module for
 """
 
 import sys
-from importlib.abc import Loader, MetaPathFinder
+
+# Plain classes, not importlib.abc's Loader and MetaPathFinder: importing importlib.abc
+# (pathlib, tempfile, typing, ...) took about 25 ms of every Python start in the
+# environment; the import system needs only the methods below.
 
 #: lm-eval's modules after whose import ``registration.imported(name)`` is called.
 _WATCHED = ("lm_eval.models", "lm_eval.tasks.manager")
 
 
-class _RegisterAfterExec(Loader):
+class _RegisterAfterExec:
     """Runs the real loader, then tells ``registration`` the module is there."""
 
     def __init__(self, inner, name):
@@ -45,7 +48,7 @@ class _RegisterAfterExec(Loader):
         return getattr(self._inner, name)
 
 
-class _WatchLmEvalModels(MetaPathFinder):
+class _WatchLmEvalModels:
     """Waits for the ``_WATCHED`` modules not yet imported. (Its name is what earlier
     versions called it, when it watched ``lm_eval.models`` alone: it is found by it.)"""
 

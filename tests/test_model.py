@@ -103,6 +103,21 @@ def test_import_after_lm_eval_tasks_registers_our_tasks_at_once():
     assert result.stdout.split() == ["False", "True"]
 
 
+def test_the_startup_hook_imports_no_module_at_all():
+    """Python runs the hook at every start in the environment: it imports nothing (not
+    even importlib.abc, about 25 ms of pathlib, tempfile and typing)."""
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         f"import sys\nsys.path.insert(0, {str(ROOT / 'startup')!r})\n"
+         "before = set(sys.modules)\n"
+         "import _lm_eval_headloc_startup\n"
+         "print(sorted(set(sys.modules) - before))\n"
+         "print(type(sys.meta_path[0]).__name__)"],
+        capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['_lm_eval_headloc_startup']", "_WatchLmEvalModels"]
+
+
 def test_stock_registry_finds_the_model_lazily_and_keeps_hf():
     # get_model as the very first lm-eval call (the path the CLI takes).
     result = run_python(
