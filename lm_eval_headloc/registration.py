@@ -19,9 +19,7 @@ keeps its traceback.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import logging
 import sys
 from pathlib import Path
@@ -62,6 +60,9 @@ def register_tasks() -> None:
     ``include_path`` names our folder already gets it once. Its ``include_path`` attribute
     stays what it was given.
     """
+    import functools
+    import inspect
+
     from lm_eval.tasks import manager
 
     cls = manager.TaskManager
