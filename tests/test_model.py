@@ -90,19 +90,6 @@ def test_task_managers_index_our_folder_after_the_built_ins_and_before_the_users
                      [builtins, spelled, mine], [mine]]
 
 
-def test_import_after_lm_eval_tasks_registers_our_tasks_at_once():
-    result = run_python(
-        NO_HOOK +
-        "import lm_eval.tasks\n"
-        "from lm_eval.tasks import TaskManager\n"
-        "print(getattr(TaskManager.__init__, '_headloc_tasks', False))\n"
-        "import lm_eval_headloc\n"
-        "print(getattr(TaskManager.__init__, '_headloc_tasks', False))\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "True"]
-
-
 def test_the_startup_hook_imports_no_module_at_all():
     """Python runs the hook at every start in the environment: it imports nothing (not
     even importlib.abc, about 25 ms of pathlib, tempfile and typing)."""
@@ -177,15 +164,19 @@ def test_lm_eval_free_modules_do_not_import_lm_eval():
     assert result.stdout.split() == ["[]"]
 
 
-def test_import_after_lm_eval_models_registers_at_once():
-    # The other order: lm_eval.models already imported, no start-up hook to catch it.
+@pytest.mark.parametrize("module, registered", [
+    ("lm_eval.models", "'hf-headablate' in "
+                       "__import__('lm_eval.api.registry').api.registry.model_registry"),
+    ("lm_eval.tasks", "getattr(__import__('lm_eval.tasks').tasks.TaskManager.__init__, "
+                      "'_headloc_tasks', False)")])
+def test_import_after_lm_eval_registers_at_once(module, registered):
+    # The other order: lm-eval's module already imported, no start-up hook to catch it.
     result = run_python(
         NO_HOOK +
-        "import lm_eval.models\n"
-        "from lm_eval.api.registry import model_registry\n"
-        "print('hf-headablate' in model_registry)\n"
+        f"import {module}\n"
+        f"print({registered})\n"
         "import lm_eval_headloc\n"
-        "print('hf-headablate' in model_registry)\n"
+        f"print({registered})\n"
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
