@@ -93,7 +93,9 @@ def register_tasks() -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
-#: What ``imported`` does after each lm-eval module the start-up hook watches.
+#: What ``imported`` does after each lm-eval module the start-up hook watches (its
+#: ``_WATCHED`` names the same modules: it runs at every Python start, so it cannot
+#: import this package to read them).
 _AFTER_IMPORT = {_WATCHED: register, _TASK_MANAGER: register_tasks}
 
 
