@@ -21,6 +21,7 @@ from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError, check_load_args, check_number
 from ..columns import Columns
 from ..embedded import smollm2_location, smollm2_model_args
+from ..errors import one_line
 from ..geometry import Geometry, UnsupportedGeometry
 from ..heads import (
     Component,
@@ -160,7 +161,7 @@ def model_config(model_args: str) -> Any:
             return AutoConfig.from_pretrained(pretrained, **kwargs)
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
-                         f"{str(err).splitlines()[0]}") from None
+                         f"{one_line(err)}") from None
 
 
 def config_geometry(config: Any) -> Geometry:
@@ -301,8 +302,7 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
         try:
             config = load_yaml(str(path), resolve_func=False)
         except Exception as err:  # noqa: BLE001 — any unreadable YAML is the user's file
-            raise UsageError(f"--tasks {task}: cannot read it ({str(err).splitlines()[0]})") \
-                from None
+            raise UsageError(f"--tasks {task}: cannot read it ({one_line(err)})") from None
         name = config.get("task") or config.get("group") if isinstance(config, dict) else None
         if not isinstance(name, str):
             raise UsageError(f"--tasks {task}: the file names no task (no 'task:' or "
