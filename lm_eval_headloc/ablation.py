@@ -158,7 +158,13 @@ def _task_texts(name: str, field: str | None, task_manager: Any) -> list[str]:
                             "task, e.g. ablation_data=headloc_induction; a task of your "
                             "own folder needs ablation_include_path=DIR, as lm-eval does "
                             "not pass --include_path to the model)")
-    return task_texts(task_manager.load([name])["tasks"])
+    try:
+        loaded = task_manager.load([name])
+    except Exception as err:  # noqa: BLE001 — a task whose data cannot be had
+        from .tasks import load_failure
+
+        raise AblationError(f"ablation_data={name!r}: {load_failure(name, err)}") from None
+    return task_texts(loaded["tasks"])
 
 
 def task_texts(tasks: dict[str, Any], subset: dict[str, list[int]] | None = None

@@ -36,3 +36,21 @@ def smollm2_model_args(device: str | None = "cpu") -> str:
     folder, gguf = location
     args = f"pretrained={folder},gguf_file={gguf},dtype=float32"
     return f"{args},device={device}" if device else args
+
+
+def main() -> int:
+    """``python -m lm_eval_headloc.embedded``: the embedded model's ``--model_args`` for the
+    stock ``lm_eval`` command (which passes its own ``--device``), or one line saying how
+    to install it."""
+    import sys
+
+    try:
+        print(smollm2_model_args(device=None))
+    except UserError as err:
+        print(f"lm_eval_headloc.embedded: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

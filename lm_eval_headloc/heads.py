@@ -318,9 +318,9 @@ def format_heads(heads: str | Iterable[str | Component | tuple[int, int]]) -> st
     return "+".join(map(str, parse_components(heads)))
 
 
-def ranked_task(path: str | Path) -> str | None:
-    """The task a ranking file was ranked for (``headloc-harness``'s heads.json says it),
-    or None for a plain list of heads or a file that does not say."""
+def _json_object(path: str | Path) -> dict[str, Any] | None:
+    """A ``.json`` head file's object (a ranking), or None for a list, another kind of
+    file, or one that cannot be read (``read_heads_file`` says why)."""
     path = Path(path)
     if path.suffix.lower() != ".json":
         return None
@@ -328,8 +328,33 @@ def ranked_task(path: str | Path) -> str | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    task = data.get("task") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def ranked_task(path: str | Path) -> str | None:
+    """The task a ranking file was ranked for (``headloc-harness``'s heads.json says it),
+    or None for a plain list of heads or a file that does not say."""
+    task = (_json_object(path) or {}).get("task")
     return task if isinstance(task, str) else None
+
+
+def ranking_top_k(path: str | Path) -> int | None:
+    """How many entries a run's ranking file names as its located set (its ``top_k``
+    list: the first K of its ``heads``), or None for a file that is no run's ranking (a
+    list of heads, a text file, ``universal.json``). A ``top_k`` list that is not the
+    start of the ``heads`` list is refused: which heads were meant cannot be told."""
+    data = _json_object(path)
+    top = None if data is None else data.get("top_k")
+    if not isinstance(top, list):
+        return None
+    items = data.get("heads")
+    named = [(item.get("head") or item.get("neuron") or item.get("group"))
+             if isinstance(item, dict) else item
+             for item in (items if isinstance(items, list) else [])[:len(top)]]
+    if not top or named != top:
+        raise HeadSpecError(f"{path}: its top_k list is not the start of its heads list; "
+                            "give ablate_top=K for its first K heads")
+    return len(top)
 
 
 def _heads_in_json(data: object, path: Path) -> list[str]:

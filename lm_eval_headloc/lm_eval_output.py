@@ -13,8 +13,10 @@ knockout for any evaluation.
 
 What differs is the model's name: lm-eval names an evaluation after its ``pretrained=``
 argument, so every knockout of one model would share the plain model's folder.
-``knockout_model_name`` adds what was knocked out (``pythia-14m,ablate=L0H1+L3H2``); its
-folder is lm-eval's sanitization of that name. ``evaluate_knockout`` runs lm-eval's
+``knockout_model_name`` adds what was knocked out (``pythia-14m,ablate=L0H1+L3H2``; with
+nothing knocked out ``pythia-14m,ablate=none``, so a run's baseline is not filed with a
+plain ``lm_eval --model hf`` run of the model); its folder is lm-eval's sanitization of that
+name. ``evaluate_knockout`` runs lm-eval's
 ``simple_evaluate`` on a loaded ``hf-headablate`` model with some components knocked out
 and records the results as the CLI would have for ``--model hf-headablate --model_args
 pretrained=…,ablate=…``.
@@ -45,6 +47,8 @@ HASH_DIGITS = 12
 #: The model arguments a knockout's own ``ablate=`` (and ``scale=``) replace.
 _KNOCKOUT_ARGS = ("ablate", "ablate_file", "ablate_top", "scale")
 _WILDCARD = re.compile(r"^L\d+[HN]\*$")
+#: What a name says was knocked out when nothing was (no component is named so).
+NOTHING = "none"
 
 
 def _component_list(knocked_out: Sequence[str | Component] | str) -> str:
@@ -126,8 +130,9 @@ def knockout_model_name(model_args: str | Mapping[str, Any] | None,
     is not 0, ``…,ablation=mean`` for an ablation kind that is not zero. A list longer
     than ``MAX_LISTED`` characters is shortened with a hash of the whole list
     (``_shortened``); the results file's ``config.model_args`` keeps it whole. With
-    nothing knocked out the model is the plain one and so is its name. ``scale`` None:
-    as ``model_args`` say."""
+    nothing knocked out: ``EleutherAI/pythia-14m,ablate=none`` (the model's own name is a
+    plain ``lm_eval --model hf`` run's folder, and this evaluation is not that run).
+    ``scale`` None: as ``model_args`` say."""
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
 
     args = _as_dict(model_args)
@@ -135,7 +140,7 @@ def knockout_model_name(model_args: str | Mapping[str, Any] | None,
     base = GeneralConfigTracker._get_model_name(args) or "model"
     components = _component_list(knocked_out)
     if not components:
-        return base
+        return f"{base},ablate={NOTHING}"
     parts = [base, f"ablate={_shortened(components)}"]
     if str(args.get("ablation", "zero")) != "zero":
         parts.append(f"ablation={args['ablation']}")
@@ -313,6 +318,10 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     # Without an output path the tracker writes nothing: it records what simple_evaluate
     # tells it (the chat template, system instruction) for the results file.
     tracker = EvaluationTracker()
+    # lm-eval records the batch size it is given to build a model; this one is built, so
+    # it is told the size the model batches by now (a number, or "auto" with what it
+    # detects in config.batch_sizes), as the CLI's results file says it.
+    kwargs.setdefault("batch_size", lm.batch_size)
     with at_scale(lm, scale), lm.knocking_out(knocked_out):
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks),
                                           task_manager=task_manager, limit=limit,

@@ -55,6 +55,7 @@ from .heads import (
     names_neurons,
     parse_components,
     ranked_task,
+    ranking_top_k,
     read_heads_file,
 )
 from .hooks import ActivePass, HeadKnockout, Intervention
@@ -102,13 +103,18 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
                 f"ablate_file={ablate_file!r}: expected the path of a head file (a "
                 "headloc-harness heads.json, a JSON list, or one head per line)"
             )
-        from_file = read_heads_file(ablate_file, top=ablate_top)
+        # A run's ranking lists every head; naming it means the heads the run located:
+        # its own top-k, unless ablate_top says how many.
+        run_top = ranking_top_k(ablate_file) if ablate_top is None else None
+        from_file = read_heads_file(ablate_file, top=ablate_top or run_top)
         names.extend(from_file)
         # Which heads a ranking file came to is said: a run's heads.json is its first
         # task's, which may not be the task evaluated.
         task = ranked_task(ablate_file)
         log.info("knocking out %s: %s of %s%s", "+".join(map(str, from_file)),
-                 f"the top {ablate_top}" if ablate_top is not None else "every entry",
+                 f"the top {ablate_top}" if ablate_top is not None else
+                 f"the run's top-{run_top} (ablate_top=K for another count)"
+                 if run_top is not None else "every entry",
                  ablate_file, f" (ranked for task {task})" if task else "")
     check_component_names(names)
     return names

@@ -1,12 +1,15 @@
-"""Make ``hf-headablate`` known to lm-eval's model registry, lazily.
+"""Make ``hf-headablate`` and our task folder known to lm-eval, lazily.
 
-lm-eval 0.4.13 has no plugin discovery, so the package installs a start-up hook
-(``_lm_eval_headloc_startup.py`` via a ``.pth`` file) that calls ``register`` right after
-``lm_eval.models`` is imported; ``import lm_eval_headloc`` does the same through
-``register_when_imported``, which loads that hook where Python did not (a checkout used
-without installing). Neither imports lm-eval:
-a program that never uses lm-eval does not pay for it. Only a "module:Class" placeholder
-is registered: torch and transformers load when the model is first asked for.
+lm-eval 0.4.13 has no plugin discovery (no entry point for models or tasks), so the
+package installs a start-up hook (``_lm_eval_headloc_startup.py`` via a ``.pth`` file) that
+calls ``imported`` right after ``lm_eval.models`` and ``lm_eval.tasks.manager`` are
+imported: the first gets ``register`` (the model), the second ``register_tasks`` (every
+``TaskManager`` then indexes our ``task_configs`` next to lm-eval's built-ins, so
+``lm_eval --tasks headloc_induction`` needs no ``--include_path``). ``import
+lm_eval_headloc`` does the same through ``register_when_imported``, which loads that hook
+where Python did not (a checkout used without installing). Neither imports lm-eval: a
+program that never uses lm-eval does not pay for it. Only a "module:Class" placeholder is
+registered: torch and transformers load when the model is first asked for.
 
 ``register`` also gives the stock ``lm_eval`` command one line, not a traceback, for a
 mistake in our model's arguments (a bad head list, ablation kind or reference set); only
@@ -17,12 +20,17 @@ keeps its traceback.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 MODEL_NAME = "hf-headablate"
 MODEL_TARGET = "lm_eval_headloc.model:HFHeadAblateLM"
 _WATCHED = "lm_eval.models"
+_TASK_MANAGER = "lm_eval.tasks.manager"
+
+log = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -41,11 +49,70 @@ def register() -> None:
         _install_cli_excepthook()
 
 
+def register_tasks() -> None:
+    """Make every lm-eval ``TaskManager`` that includes the built-in tasks include ours
+    too, right after them (idempotent).
+
+    Indexed after the built-ins and before the manager's ``include_path``: a folder of the
+    user's wins a name clash with ours, as it does with a built-in (lm-eval's index lets a
+    later folder override an earlier one, and says so). A manager made without the
+    built-ins (``include_defaults=False``) gets only what it asks for; one whose
+    ``include_path`` names our folder already gets it once. Its ``include_path`` attribute
+    stays what it was given.
+    """
+    import functools
+    import inspect
+
+    from lm_eval.tasks import manager
+
+    cls = manager.TaskManager
+    original = cls.__init__
+    if getattr(original, "_headloc_tasks", False):
+        return
+    signature = inspect.signature(original)
+    if not {"include_path", "include_defaults"} <= set(signature.parameters):
+        log.debug("lm-eval's TaskManager takes no include_path: our tasks are not added")
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments["include_path"]
+        if bound.arguments["include_defaults"]:
+            try:
+                from .tasks import with_own_tasks
+
+                bound.arguments["include_path"] = with_own_tasks(given)
+            except Exception as err:  # noqa: BLE001 — never break lm-eval for our tasks
+                log.warning("lm-eval-headloc: its tasks are not added: %s", err)
+        original(*bound.args, **bound.kwargs)
+        self.include_path = given
+
+    __init__._headloc_tasks = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+#: What ``imported`` does after each lm-eval module the start-up hook watches (its
+#: ``_WATCHED`` names the same modules: it runs at every Python start, so it cannot
+#: import this package to read them).
+_AFTER_IMPORT = {_WATCHED: register, _TASK_MANAGER: register_tasks}
+
+
+def imported(name: str) -> None:
+    """The start-up hook's call right after lm-eval's module ``name`` is imported."""
+    after = _AFTER_IMPORT.get(name)
+    if after is not None:
+        after()
+
+
 def register_when_imported() -> None:
-    """``register`` now if ``lm_eval.models`` is loaded, else right after it is."""
-    if _WATCHED in sys.modules:
-        register()
-    else:
+    """``register`` and ``register_tasks`` now for what lm-eval has loaded already, and
+    right after the import for what it has not."""
+    for name, after in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            after()
+    if not all(name in sys.modules for name in _AFTER_IMPORT):
         _load_startup_hook()
 
 

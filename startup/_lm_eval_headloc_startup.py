@@ -1,23 +1,31 @@
 """Start-up hook of lm-eval-headloc, imported by ``lm_eval_headloc_startup.pth``.
 
-It lets the stock ``lm_eval --model hf-headablate`` work without the user importing
-anything. It must cost nothing for unrelated programs: it imports no third-party
-module; it only waits for ``lm_eval.models`` to be imported and then registers the
-lazy ``hf-headablate`` placeholder (see ``lm_eval_headloc.registration``, which also
-loads this module for ``import lm_eval_headloc`` where the ``.pth`` file did not).
+It lets the stock ``lm_eval`` command use ``--model hf-headablate`` and find our tasks
+(``headloc_induction``, ``swear``, ``rhyme``, ...) by name without the user importing
+anything. It must cost nothing for unrelated programs: it imports no third-party module;
+it only waits for lm-eval's model registry (``lm_eval.models``) and task manager
+(``lm_eval.tasks.manager``) to be imported, and right after each tells
+``lm_eval_headloc.registration`` (which registers the lazy ``hf-headablate`` placeholder,
+and adds our task folder to every ``TaskManager``; it also loads this module for
+``import lm_eval_headloc`` where the ``.pth`` file did not).
 """
 
 import sys
-from importlib.abc import Loader, MetaPathFinder
 
-_WATCHED = "lm_eval.models"
+# Plain classes, not importlib.abc's Loader and MetaPathFinder: importing importlib.abc
+# (pathlib, tempfile, typing, ...) took about 25 ms of every Python start in the
+# environment; the import system needs only the methods below.
+
+#: lm-eval's modules after whose import ``registration.imported(name)`` is called.
+_WATCHED = ("lm_eval.models", "lm_eval.tasks.manager")
 
 
-class _RegisterAfterExec(Loader):
-    """Runs the real loader, then registers hf-headablate."""
+class _RegisterAfterExec:
+    """Runs the real loader, then tells ``registration`` the module is there."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, name):
         self._inner = inner
+        self._name = name
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
@@ -25,35 +33,57 @@ class _RegisterAfterExec(Loader):
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            from lm_eval_headloc.registration import register
+            from lm_eval_headloc import registration
 
-            register()
+            imported = getattr(registration, "imported", None)
+            if imported is not None:
+                imported(self._name)
+            elif self._name == "lm_eval.models":  # a package older than this hook
+                registration.register()
         except Exception as err:  # never break lm_eval itself because of the plugin
-            print(f"lm-eval-headloc: could not register hf-headablate: {err}", file=sys.stderr)
+            print(f"lm-eval-headloc: could not register with lm-eval ({self._name}): {err}",
+                  file=sys.stderr)
 
     def __getattr__(self, name):  # get_source, is_package, ... of the real loader
         return getattr(self._inner, name)
 
 
-class _WatchLmEvalModels(MetaPathFinder):
+class _WatchLmEvalModels:
+    """Waits for the ``_WATCHED`` modules not yet imported. (Its name is what earlier
+    versions called it, when it watched ``lm_eval.models`` alone: it is found by it.)"""
+
+    def __init__(self):
+        self._pending = {name for name in _WATCHED if name not in sys.modules}
+        self._looking = set()
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _WATCHED:
+        if fullname not in self._pending or fullname in self._looking:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisterAfterExec(spec.loader)
-                return spec
-        return None
+        self._looking.add(fullname)  # the lookup below asks this finder again
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None) if finder is not self else None
+                spec = find(fullname, path, target) if find else None
+                if spec is not None:
+                    self._pending.discard(fullname)
+                    if not self._pending and self in sys.meta_path:
+                        sys.meta_path.remove(self)  # all seen: nothing left to watch
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _RegisterAfterExec(spec.loader, fullname)
+                    return spec
+            return None
+        finally:
+            self._looking.discard(fullname)
 
 
 def install():
-    """Insert the watcher unless one is waiting already (idempotent)."""
-    if not any(type(f).__name__ == "_WatchLmEvalModels" for f in sys.meta_path):
-        sys.meta_path.insert(0, _WatchLmEvalModels())
+    """Insert the watcher unless one is waiting already or there is nothing to wait for
+    (idempotent)."""
+    if any(type(f).__name__ == "_WatchLmEvalModels" for f in sys.meta_path):
+        return
+    watcher = _WatchLmEvalModels()
+    if watcher._pending:
+        sys.meta_path.insert(0, watcher)
 
 
 install()

@@ -657,6 +657,10 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
     assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
     assert (f"knocking out {'+'.join(heads['top_k'])}: the top 3 of {out / 'heads.json'} "
             "(ranked for task tiny_copy)") in caplog.messages
+    # Without ablate_top, the run's own top-k (3), not all 8 heads it ranks.
+    lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
+                        ablate_file=str(out / "heads.json"))
+    assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
 
 
 def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
@@ -1222,6 +1226,38 @@ def test_a_task_of_the_users_that_cannot_load_gets_no_hint_about_the_hub(tiny_mo
                    str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
     message = last_error(capsys)
     assert "cannot load task 'mine'" in message and "Hugging Face Hub" not in message
+
+
+@pytest.mark.parametrize("data", ["empty", "zero rows"])
+def test_a_task_without_documents_is_one_line(tiny_model_dir, tmp_path, capsys,
+                                              no_model_loading, data):
+    """An empty data file: lm-eval's loader raised a StopIteration, which has no message,
+    and the error's own formatting then failed (IndexError). A loader that gives zero rows
+    loads; either way the task has no documents to measure."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    if data == "empty":
+        (tmp_path / "empty.jsonl").write_text("")
+        source = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                  f"{tmp_path / 'empty.jsonl'}\n")
+    else:
+        (folder / "utils.py").write_text(
+            "import datasets\n\ndef load_docs(**kwargs):\n    return datasets.DatasetDict("
+            "{'test': datasets.Dataset.from_dict({'q': [], 'a': []})})\n")
+        source = "custom_dataset: !function utils.load_docs\n"
+    (folder / "mine.yaml").write_text(
+        f"task: mine\n{source}test_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--include-path",
+                   str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
+    assert last_error(capsys) == "headloc-harness: error: task 'mine' has no documents"
+    # The same task as mean ablation's reference set.
+    from lm_eval_headloc.ablation import AblationError, reference_texts
+    from lm_eval_headloc.tasks import make_task_manager
+
+    with pytest.raises(AblationError, match=r"^ablation_data='mine': task 'mine' has no "
+                                            r"documents$"):
+        reference_texts("mine", task_manager=make_task_manager([str(folder)]))
 
 
 def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",

@@ -156,6 +156,14 @@ def test_the_embedded_model_missing_is_a_user_error(monkeypatch, capsys, tmp_pat
     assert last_error(capsys) == ("headloc-harness: error: the embedded model is not "
                                   f"installed; run: {embedded.INSTALL_HINT}")
     assert not (tmp_path / "run").exists()
+    # `python -m lm_eval_headloc.embedded` (the stock lm_eval's --model_args): one line.
+    assert embedded.main() == 2
+    assert capsys.readouterr().err.strip() == (
+        "lm_eval_headloc.embedded: error: the embedded model is not installed; run: "
+        f"{embedded.INSTALL_HINT}")
+    monkeypatch.setattr(embedded, "smollm2_location", lambda: ("/m", "x.gguf"))
+    assert embedded.main() == 0
+    assert capsys.readouterr().out == "pretrained=/m,gguf_file=x.gguf,dtype=float32\n"
 
 
 def test_the_stock_lm_eval_hook_prints_user_errors_only():

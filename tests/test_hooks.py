@@ -204,6 +204,43 @@ def test_ablate_file_with_top_k_and_union_with_ablate(tiny_model_dir, tmp_path):
     assert lm.get_model_info()["ablate"] == "L0H2+L1H0+L1H3"
 
 
+def test_a_runs_ranking_without_ablate_top_knocks_out_its_top_k(tiny_model_dir, tmp_path,
+                                                               caplog):
+    """A run's heads.json ranks every head; naming it means the heads the run located (its
+    top_k), not all of them, and the log says which those are. Files that are no run's
+    ranking (a list, universal.json's object) still give every entry."""
+    import json
+
+    folder = tiny_model_dir("llama")
+    ranked = tmp_path / "heads.json"
+    order = ["L1H3", "L0H2", "L0H0", "L1H1", "L0H1", "L0H3", "L1H0", "L1H2"]
+    ranked.write_text(json.dumps({"task": "tiny_copy", "top_k": order[:2],
+                                  "heads": [{"rank": i + 1, "head": h}
+                                            for i, h in enumerate(order)]}))
+    caplog.set_level("INFO", logger="lm_eval.models.hf_headablate")
+    lm = load_ablate(folder, ablate_file=str(ranked))
+    assert [str(h) for h in lm.knocked_out] == ["L0H2", "L1H3"]
+    assert (f"knocking out L1H3+L0H2: the run's top-2 (ablate_top=K for another count) of "
+            f"{ranked} (ranked for task tiny_copy)") in caplog.messages
+    # ablate_top still says how many, more than the run's top-k included.
+    lm = load_ablate(folder, ablate_file=str(ranked), ablate_top=3)
+    assert [str(h) for h in lm.knocked_out] == ["L0H0", "L0H2", "L1H3"]
+    # universal.json: an int top_k (the setting) and the found heads only.
+    universal = tmp_path / "universal.json"
+    universal.write_text(json.dumps({"top_k": 5, "heads": [{"head": "L0H1"},
+                                                           {"head": "L1H0"}]}))
+    assert [str(h) for h in load_ablate(folder, ablate_file=str(universal)).knocked_out] \
+        == ["L0H1", "L1H0"]
+    # A top_k list that is not the start of the ranking: which heads were meant is unclear.
+    ranked.write_text(json.dumps({"top_k": ["L0H0"], "heads": [{"head": "L1H3"},
+                                                               {"head": "L0H0"}]}))
+    with pytest.raises(HeadSpecError, match=r"its top_k list is not the start of its "
+                                            r"heads list; give ablate_top=K"):
+        load_ablate(folder, ablate_file=str(ranked))
+    assert [str(h) for h in load_ablate(folder, ablate_file=str(ranked),
+                                        ablate_top=2).knocked_out] == ["L0H0", "L1H3"]
+
+
 def test_unreadable_architecture_says_how_to_name_the_module(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
     for layer in model.model.layers:  # list the projection under an unknown name only

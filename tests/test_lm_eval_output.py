@@ -285,11 +285,15 @@ def test_names_say_what_was_knocked_out():
     # The model part is lm-eval's own name for the arguments (peft before pretrained) …
     peft = "pretrained=base/model,peft=me/adapter"
     assert knockout_model_name(peft, "L0H0") == "me/adapter,ablate=L0H0"
-    # … and with nothing knocked out the name is the plain model's, as lm-eval gives it.
+    # … and with nothing knocked out it says so: the plain model's own name (lm-eval's for
+    # `--model hf` of the same arguments) would file this evaluation in that run's folder.
     tracker = GeneralConfigTracker()
     tracker.log_experiment_args(model_source="hf", model_args=args, system_instruction=None,
                                 chat_template=None, fewshot_as_multiturn=False)
-    assert knockout_model_name(args, []) == knockout_model_name(args, "") == tracker.model_name
+    assert knockout_model_name(args, []) == knockout_model_name(args, "") == \
+        f"{tracker.model_name},ablate=none"
+    assert knockout_model_name(args + ",scale=2,ablation=mean", "") == \
+        f"{tracker.model_name},ablate=none"  # nothing knocked out: no kind, no scale
     assert sanitize_model_name(knockout_model_name(args, "L0H1")) == \
         "EleutherAI__pythia-14m,ablate=L0H1"
 
@@ -333,7 +337,11 @@ def test_model_args_as_the_cli_records_them():
 def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp_path,
                                                              capsys):
     from conftest import finished_run
-    from lm_eval.utils import get_results_filenames, get_sample_results_filenames
+    from lm_eval.utils import (
+        get_results_filenames,
+        get_sample_results_filenames,
+        sanitize_model_name,
+    )
 
     from lm_eval_headloc.commands.cli import main
 
@@ -361,8 +369,13 @@ def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp
         assert saved["results"]["tiny_copy_ppl"]["perplexity,none"] == pytest.approx(
             measured[key]["scores"]["tiny_copy_ppl"])
         knocked = measured[key]["mask"]
-        assert (f"ablate={knocked}" in saved["model_name"]) == bool(knocked)
         folder = Path(path).parent
+        # Never the folder a plain `lm_eval --model hf --model_args pretrained=<model>`
+        # run writes to: the baseline too is filed as what it is.
+        assert folder.name != sanitize_model_name(str(model))
+        assert saved["model_name"] == f"{model},ablate={knocked or 'none'}"
+        # lm-eval writes the batch size the evaluation ran with (verify's default, 32).
+        assert saved["config"]["batch_size"] == 32
         files = [str(p) for p in folder.iterdir()]
         assert get_results_filenames(files) and len(get_sample_results_filenames(files)) == 2
     # A rerun measures nothing and writes no file again.
@@ -407,6 +420,9 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
         saved = json.loads(Path(path).read_text())
         assert saved["results"]["tiny_generate"]["exact_match,none"] == pytest.approx(
             measured[key]["scores"]["tiny_generate"])
+        # The batch it generated in, resolved from --batch-size auto: a number.
+        assert isinstance(saved["config"]["batch_size"], int)
+        assert saved["config"]["batch_size"] >= 1
     assert len(probes) == 1 and probes[0] < 128  # once, narrower than max_length (128)
 
 

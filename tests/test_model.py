@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 import lm_eval_headloc  # noqa: F401  (registers hf-headablate)
 
+ROOT = Path(__file__).resolve().parent.parent
 TASKS = str(Path(__file__).parent / "tasks")
 LM_EVAL = str(Path(sys.executable).parent / "lm_eval")
 
@@ -32,6 +34,75 @@ def test_startup_hook_imports_nothing_heavy():
     loaded, finders = result.stdout.splitlines()
     assert loaded == "[]"
     assert "_WatchLmEvalModels" in finders  # the hook is installed, waiting
+
+
+def assert_the_installed_hook_is_this_checkouts() -> None:
+    """The hook is a copy in site-packages, made at install time (an editable install's
+    too): a test of what it does tests that copy."""
+    hook = run_python("import _lm_eval_headloc_startup as m; print(m.__file__)")
+    installed = Path(hook.stdout.strip())
+    assert installed.read_bytes() == (ROOT / "startup" / installed.name).read_bytes(), (
+        f"{installed} is not this checkout's start-up hook: reinstall (pip install -e .)")
+
+
+def test_the_hook_registers_our_tasks_when_lm_eval_loads_its_task_manager():
+    """Either module first; the watcher leaves once both are in."""
+    assert_the_installed_hook_is_this_checkouts()
+    for first, second in [("lm_eval.tasks", "lm_eval.models"),
+                          ("lm_eval.models", "lm_eval.tasks")]:
+        result = run_python(
+            f"import sys\nimport {first}\nimport {second}\n"
+            "from lm_eval.tasks import TaskManager\n"
+            "from lm_eval.api.registry import model_registry\n"
+            "print(getattr(TaskManager.__init__, '_headloc_tasks', False),"
+            " 'hf-headablate' in model_registry,"
+            " [type(f).__name__ for f in sys.meta_path].count('_WatchLmEvalModels'))")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["True", "True", "0"], first
+
+
+def test_task_managers_index_our_folder_after_the_built_ins_and_before_the_users(
+        monkeypatch, tmp_path):
+    from lm_eval.tasks import TaskManager, manager
+
+    from lm_eval_headloc.registration import register_tasks
+    from lm_eval_headloc.tasks import task_configs_dir
+
+    register_tasks()
+    register_tasks()  # once is enough; twice changes nothing
+    built: list[list[str]] = []
+
+    def build(paths, **kwargs):
+        built.append([str(p) for p in paths])
+        return {}
+
+    monkeypatch.setattr(manager.TaskIndex, "build", staticmethod(build))
+    builtins, ours = str(Path(manager.__file__).parent), str(task_configs_dir())
+    mine = str(tmp_path)
+    assert TaskManager().include_path is None
+    assert TaskManager(include_path=mine).include_path == mine  # as given
+    TaskManager(None, [mine])  # positionally
+    # Our folder named already, spelled another way: indexed once, as given.
+    spelled = str(Path(ours) / ".." / Path(ours).name)
+    TaskManager(include_path=[spelled, mine])
+    TaskManager(include_path=mine, include_defaults=False)  # only what it asks for
+    assert built == [[builtins, ours], [builtins, ours, mine], [builtins, ours, mine],
+                     [builtins, spelled, mine], [mine]]
+
+
+def test_the_startup_hook_imports_no_module_at_all():
+    """Python runs the hook at every start in the environment: it imports nothing (not
+    even importlib.abc, about 25 ms of pathlib, tempfile and typing)."""
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         f"import sys\nsys.path.insert(0, {str(ROOT / 'startup')!r})\n"
+         "before = set(sys.modules)\n"
+         "import _lm_eval_headloc_startup\n"
+         "print(sorted(set(sys.modules) - before))\n"
+         "print(type(sys.meta_path[0]).__name__)"],
+        capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['_lm_eval_headloc_startup']", "_WatchLmEvalModels"]
 
 
 def test_stock_registry_finds_the_model_lazily_and_keeps_hf():
@@ -93,15 +164,19 @@ def test_lm_eval_free_modules_do_not_import_lm_eval():
     assert result.stdout.split() == ["[]"]
 
 
-def test_import_after_lm_eval_models_registers_at_once():
-    # The other order: lm_eval.models already imported, no start-up hook to catch it.
+@pytest.mark.parametrize("module, registered", [
+    ("lm_eval.models", "'hf-headablate' in "
+                       "__import__('lm_eval.api.registry').api.registry.model_registry"),
+    ("lm_eval.tasks", "getattr(__import__('lm_eval.tasks').tasks.TaskManager.__init__, "
+                      "'_headloc_tasks', False)")])
+def test_import_after_lm_eval_registers_at_once(module, registered):
+    # The other order: lm-eval's module already imported, no start-up hook to catch it.
     result = run_python(
         NO_HOOK +
-        "import lm_eval.models\n"
-        "from lm_eval.api.registry import model_registry\n"
-        "print('hf-headablate' in model_registry)\n"
+        f"import {module}\n"
+        f"print({registered})\n"
         "import lm_eval_headloc\n"
-        "print('hf-headablate' in model_registry)\n"
+        f"print({registered})\n"
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
@@ -228,6 +303,42 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     results_file = next(tmp_path.rglob("results_*.json"))
     config = json.loads(results_file.read_text())["config"]
     assert config["model_args"]["ablate"] == "L0H1+L1H2"
+
+
+def test_stock_cli_finds_our_tasks_by_name_next_to_the_built_ins(tiny_model_dir, tmp_path):
+    """With the package installed, `lm_eval --tasks headloc_induction` needs no
+    --include_path: the start-up hook adds our task folder to lm-eval's TaskManager, after
+    the built-ins; a folder of the user's still wins a name clash."""
+    assert_the_installed_hook_is_this_checkouts()
+    folder = tiny_model_dir("llama")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    # The user's own task of the same name (a clash): theirs is taken, as lm-eval takes a
+    # later folder's over a built-in.
+    (mine / "rhyme.yaml").write_text(
+        f"include: {Path(TASKS) / 'tiny_copy' / 'tiny_copy.yaml'}\ntask: rhyme\n")
+    common = [LM_EVAL, "--model", "hf-headablate", "--device", "cpu", "--model_args",
+              f"pretrained={folder},dtype=float32"]
+    running = {
+        "ours": subprocess.Popen([*common, "--tasks", "headloc_induction", "--limit", "2",
+                                  "--output_path", str(tmp_path / "ours")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        "clash": subprocess.Popen([*common, "--tasks", "rhyme", "--limit", "2",
+                                   "--include_path", str(mine),
+                                   "--output_path", str(tmp_path / "clash")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
+    done = {name: (process.communicate(timeout=600), process.returncode)
+            for name, process in running.items()}
+    for name, ((_, err), code) in done.items():
+        assert code == 0, f"{name}: {err[-3000:]}"
+    ours = json.loads(next((tmp_path / "ours").rglob("results_*.json")).read_text())
+    assert ours["n-samples"]["headloc_induction"]["effective"] == 2
+    assert "acc,none" in ours["results"]["headloc_induction"]
+    clash = json.loads(next((tmp_path / "clash").rglob("results_*.json")).read_text())
+    assert clash["configs"]["rhyme"]["output_type"] == "loglikelihood"  # theirs, not ours
+    # lm-eval says whose task was overridden: ours, by the user's.
+    assert re.search(r"Task 'rhyme' from \S*mine/rhyme\.yaml overrides existing task from "
+                     r"\S*task_configs/rhyme/rhyme\.yaml", done["clash"][0][1])
 
 
 BAD_HEADS = {

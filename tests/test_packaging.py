@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_wheel_ships_tasks_and_startup_hook(tmp_path):
+def test_wheel_ships_tasks_and_startup_hook(tmp_path, tiny_model_dir):
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
         capture_output=True, text=True, timeout=600)
@@ -46,6 +47,32 @@ def test_wheel_ships_tasks_and_startup_hook(tmp_path):
     assert probe.returncode == 0, probe.stderr[-2000:]
     folder, found = probe.stdout.split()
     assert folder.startswith(str(site)) and found == "True"
+
+    # The stock `lm_eval` command with the wheel as the installed package: its .pth file
+    # processed as site-packages' are, this environment's own hook and package left out
+    # (-S: no .pth of site-packages runs, its folders go on the path as plain folders;
+    # -I: nor does PYTHONPATH, which may name a checkout).
+    import site as site_module
+
+    out = tmp_path / "results"
+    stock = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         "import site, sys\n"
+         f"site.addsitedir({str(site)!r})\n"
+         f"sys.path.extend({site_module.getsitepackages()!r})\n"
+         "from lm_eval.__main__ import cli_evaluate\n"
+         "sys.argv = ['lm_eval', *sys.argv[1:]]\n"
+         "cli_evaluate()\n",
+         "--model", "hf-headablate", "--device", "cpu", "--model_args",
+         f"pretrained={tiny_model_dir('llama')},dtype=float32,ablate=L0H1",
+         "--tasks", "headloc_induction", "--limit", "2", "--output_path", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    saved = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert saved["n-samples"]["headloc_induction"]["effective"] == 2
+    source = saved["configs"]["headloc_induction"]["metadata"]["config_source"]
+    assert source.startswith(str(site / "lm_eval_headloc" / "task_configs")), source
+    assert saved["config"]["model_args"]["ablate"] == "L0H1"
 
 
 def test_every_subcommand_is_a_function_of_the_python_api():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -107,18 +108,80 @@ def test_a_cache_read_back_is_used_though_its_time_cannot_be_set(root, tmp_path,
     assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 1
 
 
-@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no file owners")
-def test_a_cache_file_others_may_write_is_not_unpickled(root, tmp_path, builds):
-    """A pickle runs code as it loads: one that another user could have written is
-    rebuilt instead (and replaced by one of ours)."""
+class _RunsCode:
+    """Unpickled, it makes a folder: proof that reading the cache ran code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _stored_name(root, cache):
+    return cache / f"{index_cache._PREFIX}{index_cache.index_digest(root)}{index_cache._SUFFIX}"
+
+
+def test_reading_the_cache_runs_no_code_whoever_owns_the_file(root, tmp_path, builds):
+    """A shared cache folder: another user's symlink, under the index's own name, to a
+    pickle the victim owns (mode 600, so an ownership check passes) must not run code; the
+    index is data, and what is not a valid index costs a rebuild."""
+    import pickle
+
+    cache, marker = tmp_path / "cache", tmp_path / "ran"
+    cache.mkdir()
+    payload = tmp_path / "victims-own.pickle"
+    payload.write_bytes(pickle.dumps({"one": _RunsCode(marker)}))
+    payload.chmod(0o600)
+    _stored_name(root, cache).symlink_to(payload)
+    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 1
+    assert not marker.exists()
+    assert payload.read_bytes() == pickle.dumps({"one": _RunsCode(marker)})  # not written
+
+
+def test_a_stored_index_naming_files_outside_the_folder_is_rebuilt(root, tmp_path, builds):
+    """The index says which YAML each name loads (and a YAML may name Python to import): a
+    stored one that points outside the indexed folder, or is not an index, is not used."""
     cache = tmp_path / "cache"
     index_cache.cached_index(root, cache)
     (stored,) = cache.iterdir()
-    stored.chmod(0o666)
-    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 2
-    (stored,) = cache.iterdir()
-    assert not stored.stat().st_mode & 0o022
-    assert set(index_cache.cached_index(root, cache)) == NAMES and len(builds) == 2
+    data = json.loads(stored.read_text())
+    good = json.dumps(data)
+    for bad in ("../evil/evil.yaml", str(tmp_path / "evil.yaml"), "family/../../x.yaml"):
+        entries_ = data["entries"]
+        entries_["one"]["yaml"] = bad
+        stored.write_text(json.dumps(data))
+        before = len(builds)
+        index = index_cache.cached_index(root, cache)
+        assert len(builds) == before + 1, bad  # rebuilt, not read
+        assert index["one"].yaml_path == root / "family" / "one.yaml"
+        data = json.loads(good)
+    for junk in ("[]", '{"entries": {"one": {"kind": "NOPE"}}}', "null", '{"format": 0}'):
+        stored.write_text(junk)
+        before = len(builds)
+        assert set(index_cache.cached_index(root, cache)) == NAMES
+        assert len(builds) == before + 1, junk
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_under_the_caches_name_does_not_hang_the_reader(root, tmp_path, builds):
+    import threading
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    fifo = _stored_name(root, cache)
+    os.mkfifo(fifo)
+    found = []
+    reader = threading.Thread(target=lambda: found.append(index_cache.cached_index(root, cache)),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    hung = reader.is_alive()
+    if hung:  # let the blocked open go: a writer that closes at once
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=30)
+    assert not hung, "reading a FIFO in the cache folder blocked"
+    assert set(found[0]) == NAMES
 
 
 def test_without_a_home_folder_the_index_is_built_uncached(root, builds, monkeypatch):
@@ -149,15 +212,19 @@ def test_only_the_most_recently_used_indexes_are_kept_and_nothing_else_removed(
     theirs.write_text("someone else's")
     old = []
     for i in range(index_cache.KEEP + 2):
-        path = cache / f"task-index-old{i}.pickle"
+        path = cache / f"task-index-old{i}.json"
         path.write_bytes(b"x")
         os.utime(path, (time.time() - 1000 + i, time.time() - 1000 + i))
         old.append(path)
+    # What earlier versions wrote (about 16 MB each): gone whatever its age.
+    pickled = cache / "task-index-0123456789abcdef01234567.pickle"
+    pickled.write_bytes(b"x")
     index_cache.cached_index(root, cache)
-    kept = sorted(p.name for p in cache.glob("task-index-*.pickle"))
+    kept = sorted(p.name for p in cache.glob("task-index-*.json"))
     assert len(kept) == index_cache.KEEP and theirs.read_text() == "someone else's"
     # The newest old ones stay; the oldest go.
     assert [p.exists() for p in old] == [False, False, False] + [True] * (len(old) - 3)
+    assert not pickled.exists()
 
 
 def test_a_task_manager_with_the_cached_builtins_equals_lm_evals_own(

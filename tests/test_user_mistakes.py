@@ -68,6 +68,22 @@ def test_bad_pretrained_and_dtype_are_refused_before_anything_loads(tmp_path, ca
     assert not out.exists()
 
 
+def test_a_config_failure_without_a_message_is_still_one_line(monkeypatch):
+    """An exception with no message (a bare StopIteration, OSError()) broke the error's own
+    formatting (IndexError) where its first line was taken."""
+    from transformers import AutoConfig
+
+    from lm_eval_headloc.commands import engine
+
+    def fails(*args, **kwargs):
+        raise OSError()
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", fails)
+    with pytest.raises(UsageError, match=r"^cannot read the config of pretrained='org/name': "
+                                         r"OSError$"):
+        engine.model_config("pretrained=org/name")
+
+
 def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny_model_dir,
                                                                   capsys):
     """A missing peft= folder was PEFT's traceback after the base weights loaded; a

@@ -21,6 +21,7 @@ from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError, check_load_args, check_number
 from ..columns import Columns
 from ..embedded import smollm2_location, smollm2_model_args
+from ..errors import one_line
 from ..geometry import Geometry, UnsupportedGeometry
 from ..heads import (
     Component,
@@ -42,7 +43,7 @@ from ..metrics import (
 )
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
-from ..tasks import check_task_names, make_task_manager
+from ..tasks import check_task_names, load_failure, make_task_manager
 from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, parse_examples_part, parse_gen_kwargs, path_list
@@ -163,7 +164,7 @@ def model_config(model_args: str) -> Any:
             return AutoConfig.from_pretrained(pretrained, **kwargs)
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
-                         f"{str(err).splitlines()[0]}") from None
+                         f"{one_line(err)}") from None
 
 
 def config_geometry(config: Any) -> Geometry:
@@ -304,8 +305,7 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
         try:
             config = load_yaml(str(path), resolve_func=False)
         except Exception as err:  # noqa: BLE001 — any unreadable YAML is the user's file
-            raise UsageError(f"--tasks {task}: cannot read it ({str(err).splitlines()[0]})") \
-                from None
+            raise UsageError(f"--tasks {task}: cannot read it ({one_line(err)})") from None
         name = config.get("task") or config.get("group") if isinstance(config, dict) else None
         if not isinstance(name, str):
             raise UsageError(f"--tasks {task}: the file names no task (no 'task:' or "
@@ -350,9 +350,10 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
         try:
             loaded[name] = manager.load([name])
         except Exception as err:  # noqa: BLE001 — a task whose data cannot be had
-            hint = f" ({_OFFLINE_HINT})" if _built_in(manager, name) else ""
-            raise UsageError(f"cannot load task {name!r}: {str(err).splitlines()[0]}"
-                             f"{hint}") from None
+            said = load_failure(name, err)
+            hint = (f" ({_OFFLINE_HINT})" if _built_in(manager, name)
+                    and said.startswith("cannot load") else "")
+            raise UsageError(f"{said}{hint}") from None
         leaves = loaded[name]["tasks"].values()
         if metric is not None:
             produced = sorted({key for task in leaves for key in metrics_of_task(task)})

@@ -10,9 +10,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InternalError, UserError
+from ..errors import InternalError, UserError, one_line
 
-__all__ = ["UnknownTaskError", "check_task_names", "make_task_manager", "task_configs_dir"]
+__all__ = ["UnknownTaskError", "check_task_names", "load_failure", "make_task_manager",
+           "task_configs_dir", "with_own_tasks"]
 
 
 class UnknownTaskError(UserError):
@@ -39,9 +40,30 @@ def task_configs_dir(package: Path | None = None) -> Path:
                         "lm-eval-headloc is incomplete; reinstall it")
 
 
+def with_own_tasks(include_path: str | Path | Sequence[str | Path] | None
+                   ) -> list[str | Path]:
+    """``include_path`` as lm-eval's ``TaskManager`` takes it (one folder, a list, or
+    None), as a list with our task folder first, unless it names that folder already
+    (the same folder, however spelled). lm-eval indexes the folders in order, a later one
+    overriding an earlier one's names: the user's folders win a clash with ours."""
+    given = ([] if include_path is None else [include_path]
+             if isinstance(include_path, (str, Path)) else list(include_path))
+    ours = task_configs_dir()
+    _quiet_own_metadata_notice()
+    for folder in given:
+        try:
+            if Path(folder).resolve() == ours.resolve():
+                return given
+        except (OSError, RuntimeError, TypeError):  # not a path: lm-eval says what it is
+            continue
+    return [str(ours), *given]
+
+
 def make_task_manager(include_path: str | Sequence[str] | None = None,
                       option: str = "--include-path ") -> Any:
-    """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``.
+    """lm-eval's TaskManager over the built-ins, our tasks, and ``include_path``
+    (``with_own_tasks``: the start-up hook's ``TaskManager`` would add ours too, but a
+    checkout used without installing has no hook).
 
     Indexing every task YAML takes seconds, so one manager per set of folders is kept for
     the process (a notebook or sweep building runs over and over); its ``load`` builds
@@ -53,9 +75,8 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
         if not str(folder).strip() or not Path(folder).is_dir():
             raise UnknownTaskError(f"{option}{str(folder)!r} is not a folder (expected a "
                                    "folder of lm-eval task YAMLs)")
-    _quiet_own_metadata_notice()
-    return _task_manager((str(task_configs_dir()),
-                          *(str(Path(folder).resolve()) for folder in extra)))
+    return _task_manager(tuple(map(str, with_own_tasks(
+        [str(Path(folder).resolve()) for folder in extra]))))
 
 
 #: What lm-eval says on loading every task with a ``custom_dataset`` (ours all have one).
@@ -107,6 +128,34 @@ def check_task_names(task_manager: Any, names: Iterable[str]) -> None:
             raise UnknownTaskError(
                 f"unknown task {name!r}{hint} (`lm_eval ls tasks` lists them; add your own "
                 "folder with --include-path)")
+
+
+def load_failure(name: str, error: BaseException) -> str:
+    """Why lm-eval could not build task ``name``, in one line for the user.
+
+    A task without documents fails inside lm-eval in ways that do not say so: an empty
+    data file ends the ``json`` loader with a bare ``StopIteration`` (no message at all),
+    and a dataset of zero rows fails where lm-eval tries its first document
+    (``task_docs[0]``). Both are said as what they are."""
+    if isinstance(error, StopIteration) or _zero_documents(error):
+        return f"task {name!r} has no documents"
+    return f"cannot load task {name!r}: {one_line(error)}"
+
+
+def _zero_documents(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside an lm-eval task's construction whose documents
+    had been read and were none."""
+    traceback = error.__traceback__
+    while traceback is not None:
+        task = traceback.tb_frame.f_locals.get("self")
+        docs = getattr(task, "__dict__", {}).get("task_docs")
+        if docs is not None and type(task).__module__.startswith("lm_eval."):
+            try:
+                return len(docs) == 0
+            except TypeError:  # an iterable dataset: no length to tell
+                return False
+        traceback = traceback.tb_next
+    return False
 
 
 def _unread_yaml(folders: Iterable[str | Path], name: str) -> str | None:

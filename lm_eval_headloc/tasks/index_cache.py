@@ -7,30 +7,44 @@ it is stored under ``$XDG_CACHE_HOME/lm_eval_headloc/`` (default ``~/.cache``) b
 of lm-eval's version and index code, the folder, and every file's path, size and
 modification time, and read back (under a second) while nothing changed. The user's
 folders and ours are small and parsed as before.
+
+The stored index is JSON: reading it runs nothing, whoever wrote the file (a cache folder
+may be shared, and a file in it a link to anything). What it says is checked before it is
+used: each entry's YAML must lie inside the indexed folder (lm-eval loads the YAML a name
+points to, and a YAML may name Python code to import), so a forged file can at most
+misname lm-eval's own tasks; anything else costs a rebuild.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
-import pickle
+import stat
 import sys
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..files import cache_root, write_atomically
+from ..files import cache_root
 
 log = logging.getLogger(__name__)
 _INDEX_LOG = logging.getLogger("lm_eval.tasks._index")
 
-#: The name of every file this module writes (``task-index-<digest>.pickle``).
-_PREFIX, _SUFFIX = "task-index-", ".pickle"
+#: The name of every file this module writes (``task-index-<digest>.json``).
+_PREFIX, _SUFFIX = "task-index-", ".json"
+#: What earlier versions wrote (pickles): removed like old indexes.
+_OLD_SUFFIXES = (".pickle",)
+#: The stored format; a change makes every stored index another digest's.
+FORMAT = 1
 #: Indexes kept (one per lm-eval install that used the cache), newest first; older ones
 #: are removed.
 KEEP = 4
+#: A stored index larger than this is not read (lm-eval 0.4.13's is about 18 MB).
+MAX_BYTES = 256 * 2**20
 
 
 def builtin_tasks_dir() -> Path:
@@ -50,11 +64,11 @@ def index_digest(root: Path) -> str:
 
     digest = hashlib.sha256()
     digest.update(f"{getattr(lm_eval, '__version__', '?')}\0{root}\0"
-                  f"{sys.version_info[:2]}\0{pickle.HIGHEST_PROTOCOL}\0".encode())
+                  f"{sys.version_info[:2]}\0json-{FORMAT}\0".encode())
     code = [Path(module.__file__) for module in (_index, _yaml_loader)]
     for path in [*code, *_files_below(root)]:
-        stat = path.stat()
-        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        stat_ = path.stat()
+        digest.update(f"{path}\0{stat_.st_size}\0{stat_.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:24]
 
 
@@ -68,13 +82,82 @@ def _files_below(root: Path) -> Iterator[Path]:
                 yield Path(folder, name)
 
 
-def _ours(path: Path) -> bool:
-    """Whether ``path`` may be unpickled: a file of this user's that no one else may
-    write (a pickle runs code as it loads). Where there are no owners (Windows), yes."""
-    stat = path.stat()
-    if not hasattr(os, "getuid"):
-        return True
-    return stat.st_uid == os.getuid() and not stat.st_mode & 0o022
+def _as_json(index: Mapping[str, Any], root: Path) -> str | None:
+    """The index as JSON text (YAML paths relative to ``root``), or None where an entry
+    does not go into JSON and back unchanged (then it is not stored)."""
+    entries = {}
+    for name, entry in index.items():
+        if entry.yaml_path is None:
+            yaml = None
+        else:
+            try:
+                yaml = Path(entry.yaml_path).relative_to(root).as_posix()
+            except ValueError:
+                return None
+        entries[name] = {"name": entry.name, "kind": entry.kind.name, "yaml": yaml,
+                         "cfg": entry.cfg, "tags": sorted(entry.tags)}
+    data = {"format": FORMAT, "entries": entries}
+    try:  # a tuple, a set, a date or a key that is not text would come back otherwise
+        text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    return text if json.loads(text) == data else None
+
+
+def _from_json(data: Any, root: Path) -> dict[str, Any] | None:
+    """The index JSON data holds, or None where it is no index of ``root``: an entry that
+    is malformed, or whose YAML is not a relative path inside ``root``."""
+    from lm_eval.tasks._index import Entry, Kind
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT \
+            or not isinstance(data.get("entries"), dict):
+        return None
+    index = {}
+    for name, item in data["entries"].items():
+        if not (isinstance(item, dict) and item.get("name") == name
+                and item.get("kind") in Kind.__members__
+                and (item.get("cfg") is None or isinstance(item["cfg"], dict))
+                and isinstance(item.get("tags"), list)
+                and all(isinstance(tag, str) for tag in item["tags"])):
+            return None
+        yaml = item.get("yaml")
+        if yaml is not None:
+            relative = PurePosixPath(yaml) if isinstance(yaml, str) else None
+            if (relative is None or relative.is_absolute() or ".." in relative.parts
+                    or "\0" in yaml or not relative.parts):
+                return None
+        index[name] = Entry(name=name, kind=Kind[item["kind"]],
+                            yaml_path=None if yaml is None else root / yaml,
+                            cfg=item.get("cfg"), tags=set(item["tags"]))
+    return index
+
+
+def _read_regular_file(path: Path) -> bytes | None:
+    """``path``'s bytes if it is a regular file (through a link or not) of at most
+    ``MAX_BYTES``; None for anything else. Opened without blocking: a FIFO or a device
+    under the cache's name must not hang the reader."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:
+        return None
+    with os.fdopen(descriptor, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return None
+        return file.read(MAX_BYTES + 1)
+
+
+def _stored_index(path: Path, root: Path) -> dict[str, Any] | None:
+    """The index stored at ``path``, or None where there is none that can be used."""
+    text = _read_regular_file(path)
+    if text is None or len(text) > MAX_BYTES:
+        return None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON (torn, or not ours)
+        return None
+    return _from_json(data, root)
 
 
 def cached_index(root: Path, cache_dir: Path | None = None) -> dict[str, Any]:
@@ -89,36 +172,49 @@ def cached_index(root: Path, cache_dir: Path | None = None) -> dict[str, Any]:
     except (OSError, RuntimeError, KeyError) as err:  # no home folder (a uid without one)
         log.debug("task index not cached: %s", err)
         return TaskIndex.build([root])
-    index = None
-    with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError, AttributeError,
-                             ImportError, TypeError, ValueError):
-        if _ours(path):
-            with path.open("rb") as file:
-                index = pickle.load(file)
-    if isinstance(index, dict):
-        with contextlib.suppress(OSError):  # most recently used: kept longest
-            os.utime(path)
+    index = _stored_index(path, root)
+    if index is not None:
+        with contextlib.suppress(OSError, NotImplementedError):  # most recently used: kept
+            # longest. The name's own time: a link in a shared folder may point anywhere.
+            os.utime(path, follow_symlinks=os.utime not in os.supports_follow_symlinks)
         return index
     index = TaskIndex.build([root])
+    text = _as_json(index, root)
+    if text is None:
+        log.debug("task index of %s not cached: it does not go into JSON", root)
+        return index
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda partial: _write_index(partial, index))
+        _write_index(path, text)
         _remove_old(folder)
     except OSError as err:
         log.debug("task index not cached in %s: %s", folder, err)
     return index
 
 
-def _write_index(path: Path, index: dict[str, Any]) -> None:
-    """The pickle, writable by its owner only whatever the umask (``_ours`` reads no
-    other)."""
-    path.write_bytes(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
-    path.chmod(0o644)
+def _write_index(path: Path, text: str) -> None:
+    """``text`` at ``path``, whole or not at all: written to a new file of a
+    random name (never one that is there already: in a shared folder it could be a link
+    to another file), which then replaces ``path``."""
+    descriptor, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial",
+                                           dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(partial, 0o644)  # mkstemp's 600 would keep it from others who share it
+        os.replace(partial, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
 
 
 def _remove_old(folder: Path) -> None:
-    """Keep the ``KEEP`` most recently used indexes this module wrote."""
-    ours = sorted(folder.glob(f"{_PREFIX}*{_SUFFIX}"), key=lambda p: p.stat().st_mtime,
+    """Keep the ``KEEP`` most recently used indexes this module wrote; remove the pickles
+    earlier versions wrote."""
+    for old in folder.glob(f"{_PREFIX}*"):
+        if old.suffix in _OLD_SUFFIXES:
+            old.unlink(missing_ok=True)
+    ours = sorted(folder.glob(f"{_PREFIX}*{_SUFFIX}"), key=lambda p: p.lstat().st_mtime,
                   reverse=True)
     for old in ours[KEEP:]:
         old.unlink(missing_ok=True)
