@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TASKS, error_line, harness
+from conftest import TASKS, error_line, finished_run, harness
 
 from lm_eval_headloc.commands import read_rankings
 from lm_eval_headloc.commands.runfolder import RunFolderError
@@ -270,3 +270,20 @@ def test_a_ranking_file_linked_out_of_the_folder_is_not_read(runs, tmp_path, cap
     assert harness("export", str(folder), "--out", str(tmp_path / "x.json")) == 2
     assert "is a link to" in error_line(capsys)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_overlap_of_a_heads_run_and_a_neurons_run_is_refused(tiny_model_dir, tmp_path,
+                                                              capsys):
+    """Heads and MLP neurons are never the same component: overlap printed 0.0 % overlap
+    and 0.0 % IoU as if measured."""
+    model = tiny_model_dir("llama")
+    heads = finished_run(tmp_path / "heads", model, TASK, ("L0H1", "L1H2", "L0H3"))
+    neurons = finished_run(tmp_path / "neurons", model, TASK, ("L0N1", "L1N2", "L0N3"))
+    capsys.readouterr()
+    out = tmp_path / "o.json"
+    assert harness("overlap", str(heads), str(neurons), "--top-k", "2",
+                   "--out", str(out)) == 2
+    assert error_line(capsys) == (
+        f"headloc-harness: error: the runs locate different components ({heads}: heads; "
+        f"{neurons}: neurons); overlap compares runs of the same --components")
+    assert not out.exists()
