@@ -287,3 +287,17 @@ def test_overlap_of_a_heads_run_and_a_neurons_run_is_refused(tiny_model_dir, tmp
         f"headloc-harness: error: the runs locate different components ({heads}: heads; "
         f"{neurons}: neurons); overlap compares runs of the same --components")
     assert not out.exists()
+
+
+def test_a_greedy_run_is_read_as_a_locate_run_is(runs, tmp_path, capsys):
+    """Reading a greedy run's rankings (read_rankings, overlap, universal) was an
+    AttributeError: its record had no task names."""
+    greedy = runs["greedy"]
+    written = json.loads((greedy / f"heads-{TASK}.json").read_text())["top_k"]
+    rankings = read_rankings(greedy)
+    assert [str(h) for h in rankings[TASK].top(len(written))] == written
+    out = tmp_path / "o.json"
+    assert harness("overlap", str(greedy), str(runs["locate"]), "--out", str(out)) == 0
+    assert json.loads(out.read_text())["tasks"][TASK]["a"]["top_k"] == written
+    assert harness("universal", str(greedy), str(runs["locate"]), "--min-tasks", "1",
+                   "--out", str(tmp_path / "u.json")) == 0

@@ -131,6 +131,12 @@ class RunRecord:
         record._written = stored._written
         return record
 
+    @property
+    def tasks(self) -> list[str]:
+        """The run's task names (its ``--tasks`` without metrics): what its files are
+        keyed by (a greedy run's ranking files too)."""
+        return [parse_task_metric(task)[0] for task in self.spec.tasks]
+
     # --- phases --------------------------------------------------------------------
 
     def measured_with(self, setup: Setup, measure: Any) -> None:
@@ -223,11 +229,6 @@ class LocateRun(RunRecord):
             self._set(prior_skipped=skipped)
 
     # --- what older folders leave out ------------------------------------------------
-
-    @property
-    def tasks(self) -> list[str]:
-        """The run's task names (its ``--tasks`` without metrics)."""
-        return [parse_task_metric(task)[0] for task in self.spec.tasks]
 
     @property
     def columns(self) -> Columns:
