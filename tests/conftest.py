@@ -24,6 +24,25 @@ TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+def harness(*args: str) -> int:
+    """``headloc-harness ARGS`` in this process: its exit status (argparse's own too)."""
+    from lm_eval_headloc.commands.cli import main
+
+    try:
+        return main([*args])
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def error_line(capsys) -> str:
+    """The one line a refused command prints (and checks that it is one line)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("headloc-harness: error: "), lines[0]
+    return lines[0]
+
+
 def script_module(name: str):
     """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
     import importlib

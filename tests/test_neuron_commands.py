@@ -189,6 +189,15 @@ def test_verify_of_a_mixed_run_draws_the_same_mix(tiny_model_dir, tmp_path):
     assert "as many heads and as many MLP neurons as the task's top-k" in text
 
 
+def of_wider_model(run: Path) -> Path:
+    """``run`` recording twice the tiny model's MLP width, as a run of a wider model would:
+    its neurons past the tiny model's width agree with its own config.json."""
+    config = json.loads((run / "config.json").read_text())
+    config["neurons_per_layer"] = 2 * MLP_WIDTH
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
 def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsys,
                                                  no_model_loading, monkeypatch):
     model = tiny_model_dir("llama")
@@ -200,8 +209,10 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
         harness("verify", str(many), "--general", "tiny_choice", "--top-k", "9")
     run = finished_run(tmp_path / "run", model, "tiny_copy", ranking)
     args = ["verify", str(run), "--general", "tiny_choice", "--random-draws", "1"]
-    # A neuron past the MLP's width fails before loading.
-    wide = finished_run(tmp_path / "wide", model, "tiny_copy", ("L1N64", "L0N1"))
+    # A neuron past the MLP's width fails before loading (the run's of a wider model: a
+    # folder whose own width lacks its neurons is refused as disagreeing with itself).
+    wide = of_wider_model(finished_run(tmp_path / "wide", model, "tiny_copy",
+                                       ("L1N64", "L0N1")))
     assert harness("verify", str(wide), "--general", "tiny_choice", "--top-k", "2") == 2
     assert "neuron L1N64 is outside the model: neuron 64 not in 0..63" in last_error(capsys)
     # A config that does not give the MLP's width, and a run that did not record it
@@ -265,8 +276,8 @@ def test_cross_enhances_a_neuron_set(tiny_model_dir, tmp_path):
 
 def test_cross_refuses_a_neuron_outside_the_model_before_loading(tiny_model_dir, tmp_path,
                                                                   capsys, no_model_loading):
-    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",
-                       ("L0N70", "L1N2"))
+    run = of_wider_model(finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",
+                                      ("L0N70", "L1N2")))
     assert harness("cross", str(run), "--top-k", "2", "--out", str(tmp_path / "c")) == 2
     assert "neuron L0N70 is outside the model: neuron 70 not in 0..63 (64 MLP neurons per " \
            "layer)" in last_error(capsys)

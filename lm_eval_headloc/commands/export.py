@@ -424,7 +424,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     """
     from ..metrics import parse_task_metric
     from .result import load_run  # torch and sklearn: only imported when needed
-    from .runfolder import enclosing_run
+    from .runfolder import RunFolder, enclosing_run
 
     run_folder, out = Path(run_folder), Path(out)
     record = load_run(run_folder)
@@ -446,7 +446,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     elif task not in tasks:
         raise ExportError(f"task {task!r} is not one of {run_folder}'s: "
                           f"{', '.join(tasks)}")
-    ranking = run_folder / f"heads-{task}.json"
+    ranking = RunFolder(run_folder).ranking_file(task)
     if not ranking.is_file():
         raise ExportError(f"{run_folder} has no {ranking.name}: the run has not ranked its "
                           "heads yet; finish it first")

@@ -276,6 +276,12 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
     if not same_model(*models):
         raise UsageError(f"the runs are of different models ({run_a}: {models[0]!r}; "
                          f"{run_b}: {models[1]!r}); overlap compares one model's runs")
+    kinds = [record.spec.components for record in records]
+    if kinds[0] != kinds[1]:
+        # Heads and neurons are never the same component: 0 % shared would say nothing.
+        raise UsageError(f"the runs locate different components ({run_a}: {kinds[0]}; "
+                         f"{run_b}: {kinds[1]}); overlap compares runs of the same "
+                         "--components")
     tasks = [task for task in rankings[0] if task in rankings[1]]
     if not tasks:
         raise UsageError(f"the runs rank no task in common ({run_a}: "

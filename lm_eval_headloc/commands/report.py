@@ -368,8 +368,8 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
     for ranking in rankings.values():
         ranking.head_types = head_types
     for task, ranking in rankings.items():
-        folder.write_json(f"heads-{task}.json", ranked_heads_json(ranking, top_k))
-        folder.write_text(f"heads-{task}.csv", heads_table(ranking))
+        folder.write_json(folder.ranking_file(task).name, ranked_heads_json(ranking, top_k))
+        folder.write_text(folder.ranking_file(task, ".csv").name, heads_table(ranking))
     first = next(iter(rankings.values()))
     folder.write_json("heads.json", ranked_heads_json(first, top_k))
     folder.write_text("heads.csv", heads_table(first))

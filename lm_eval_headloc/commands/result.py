@@ -131,6 +131,12 @@ class RunRecord:
         record._written = stored._written
         return record
 
+    @property
+    def tasks(self) -> list[str]:
+        """The run's task names (its ``--tasks`` without metrics): what its files are
+        keyed by (a greedy run's ranking files too)."""
+        return [parse_task_metric(task)[0] for task in self.spec.tasks]
+
     # --- phases --------------------------------------------------------------------
 
     def measured_with(self, setup: Setup, measure: Any) -> None:
@@ -223,11 +229,6 @@ class LocateRun(RunRecord):
             self._set(prior_skipped=skipped)
 
     # --- what older folders leave out ------------------------------------------------
-
-    @property
-    def tasks(self) -> list[str]:
-        """The run's task names (its ``--tasks`` without metrics)."""
-        return [parse_task_metric(task)[0] for task in self.spec.tasks]
 
     @property
     def columns(self) -> Columns:
@@ -349,10 +350,11 @@ _RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun}
 
 def load_run(folder: RunFolder | str | Path) -> RunRecord:
     """The record of the run in ``folder`` (a ``LocateRun`` for a locate run) from its
-    config.json; a config.json from a newer version is refused (``RunFolder.read_config``).
-    The files it points to are read on demand (``LocateRun.read_data``)."""
+    config.json, once the folder is checked (``RunFolder.read_checked``: names, geometry,
+    the other files agreeing with it; a config.json from a newer version is refused). The
+    files it points to are read on demand (``LocateRun.read_data``)."""
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    config = folder.read_config()
+    config = folder.read_checked()
     return _RECORDS.get(config["command"], RunRecord).from_config(config)
 
 
@@ -371,8 +373,7 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
         raise RunFolderError(f"{folder.path} is a {record.command} run{hint}; give a "
                              "locate or greedy run, which ranks heads")
     # The run's own tasks' files only: another heads-x.json put here is no ranking of it.
-    files = [path for task in record.tasks
-             if (path := folder.path / f"heads-{task}.json").is_file()]
+    files = [path for task in record.tasks if (path := folder.ranking_file(task)).is_file()]
     if not files:
         raise RunFolderError(f"{folder.path} has no heads-<task>.json; finish the run first")
     return files

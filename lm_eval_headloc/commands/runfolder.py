@@ -285,12 +285,31 @@ class RunFolder:
         self.release()
 
     def file(self, name: str) -> Path:
+        """The path of the folder's file ``name``, which must be a plain name
+        (``folder_checks.plain_name``: a ranking file's holds a task read from config.json)
+        of a file the commands write; a link out of the folder is refused."""
+        from .folder_checks import plain_name
+
+        plain_name(name, "file name", self.path)
         if not _written(name):
             from ..errors import InternalError
 
             raise InternalError(f"run folder file {name!r} is not in runfolder.WRITTEN, "
                                 "so --force would refuse to clear it")
-        return self.path / name
+        path = self.path / name
+        # The lock is opened without following a link (``_acquire``, which says so).
+        if name != self.LOCK and path.is_symlink() and \
+                path.resolve().parent != self.path.resolve():
+            raise RunFolderError(f"{path} is a link to {path.resolve()}, outside the run "
+                                 "folder; a run folder's files are its own")
+        return path
+
+    def ranking_file(self, task: str, suffix: str = ".json") -> Path:
+        """``heads-<task>.json`` (or ``.csv``): the ranking of ``task``, a name read from
+        config.json, so checked to be a plain name first."""
+        from .folder_checks import plain_name
+
+        return self.file(f"heads-{plain_name(task, 'task', self.path)}{suffix}")
 
     def exists(self) -> bool:
         return self.file(self.CONFIG).is_file()
@@ -314,6 +333,18 @@ class RunFolder:
             raise RunFolderError(f"{path} was written by a newer headloc-harness (config "
                                  f"schema {schema!r}; this version reads up to "
                                  f"{CONFIG_SCHEMA}); upgrade lm-eval-headloc to use it")
+        from .folder_checks import check_config
+
+        check_config(config, path)  # names and geometry, before anything is built from them
+        return config
+
+    def read_checked(self) -> dict[str, Any]:
+        """config.json (``read_config``) once the folder's other files are checked to
+        agree with it (``folder_checks.check_files``): what every reader of a run takes."""
+        from .folder_checks import check_files
+
+        config = self.read_config()
+        check_files(self, config)
         return config
 
     # --- starting a run -------------------------------------------------------------
@@ -362,6 +393,9 @@ class RunFolder:
             raise RunFolderError(f"{self.path} {problem}; use another --out or --force to "
                                  "start over")
         if config is not None:
+            from .folder_checks import check_files
+
+            check_files(self, config)  # what the resumed run reads must agree with it
             config["settings"] = dict(settings)
             if spec is not None:
                 config["spec"] = dict(spec)

@@ -50,7 +50,7 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
     """The first ``top_k`` components (heads, MLP neurons) of ``task``'s ranking in the run
     ``folder`` (``heads-<task>.json``); a one-line error when there is none or it ranks
     fewer."""
-    path = folder.file(f"heads-{task}.json")
+    path = folder.ranking_file(task)
     if not path.is_file():
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     ranked = read_heads_file(path)
@@ -65,7 +65,7 @@ def ranking_notes(folder: RunFolder, task: str, top_k: int) -> list[str]:
     names drops (``overlap.RankingFile``): that it found nothing, a tie across the k-th
     place, places filled by components that do not hurt, harms within the spread of
     single knockouts. [] where it says none of these."""
-    ranking = RankingFile.read(folder.file(f"heads-{task}.json"))
+    ranking = RankingFile.read(folder.ranking_file(task))
     nothing = ranking.nothing_found(top_k)
     if nothing:
         return [f"the run found nothing: {nothing}"]

@@ -1,0 +1,303 @@
+"""Run folders that travel: a copy made to be read by someone else is data, never
+instructions. A task named as a path, a geometry no model has, files that disagree with
+config.json: every command that reads a run folder refuses them in one line before it
+builds a path or an array from them, and nothing is written outside the folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TASKS, error_line, finished_run, harness
+
+from lm_eval_headloc.commands import read_rankings
+from lm_eval_headloc.commands.runfolder import RunFolderError
+
+TASK = "tiny_choice"
+OTHER_TASK = "tiny_copy"  # a task that exists too: the disagreeing folder names it
+PATH_TASK = "../../../pwned"
+
+
+def model_args(model: Path) -> list[str]:
+    return ["--model-args", f"pretrained={model},dtype=float32", "--include-path", TASKS]
+
+
+LOCATE = ["--tasks", TASK, "--masks", "12", "--sparsity", "0.25", "--num-samples", "12",
+          "--top-k", "3", "--prior", "atp", "--confirm", "0"]
+GREEDY = ["--tasks", TASK, "--num-samples", "12", "--top-k", "3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """A finished locate run (with prior.json) and a finished greedy run of a tiny Llama,
+    to copy and alter."""
+    model = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("sources")
+    assert harness("locate", *model_args(model), *LOCATE, "--out", str(root / "locate")) == 0
+    assert (root / "locate" / "prior.json").is_file()
+    assert harness("greedy", *model_args(model), *GREEDY, "--out", str(root / "greedy")) == 0
+    return {"locate": root / "locate", "greedy": root / "greedy", "model": model}
+
+
+def _renamed(data, old: str, new: str):
+    if isinstance(data, dict):
+        return {(new if k == old else k): _renamed(v, old, new) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_renamed(v, old, new) for v in data]
+    return new if data == old else data
+
+
+def renamed_copy(source: Path, folder: Path, task: str, *, prior: bool = True) -> Path:
+    """A copy of ``source`` whose task is called ``task`` in config.json, the measurements
+    and the ranking files (and prior.json unless ``prior`` is False), as a crafted copy
+    would be made."""
+    shutil.copytree(source, folder)
+    names = ["config.json", *(["prior.json"] if prior else [])]
+    for name in names:
+        path = folder / name
+        if path.is_file():
+            path.write_text(json.dumps(_renamed(json.loads(path.read_text()), TASK, task)))
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    (folder / "measurements.jsonl").write_text("".join(
+        json.dumps(_renamed(json.loads(line), TASK, task)) + "\n" for line in lines))
+    for suffix in (".json", ".csv"):
+        ranking = folder / f"heads-{TASK}{suffix}"
+        if ranking.is_file():
+            text = ranking.read_text()
+            ranking.unlink()
+            if "/" not in task:
+                (folder / f"heads-{task}{suffix}").write_text(text.replace(TASK, task))
+    return folder
+
+
+def path_named(source: Path, root: Path) -> Path:
+    """The issue's folder: a task named ``../../../pwned`` everywhere, an empty folder
+    ``heads-..``, and a file of someone else's where ``heads-<task>.json`` resolves to,
+    one level above the run folder (a ranking's shape, so a reader would take it)."""
+    folder = renamed_copy(source, root / "copy" / "run", PATH_TASK)
+    (folder / "heads-..").mkdir()
+    ranking = json.loads((source / f"heads-{TASK}.json").read_text())
+    for suffix in (".json", ".csv"):
+        (root / "copy" / f"pwned{suffix}").write_text(
+            json.dumps(ranking) if suffix == ".json" else "someone else's\n")
+    return folder
+
+
+def huge(source: Path, root: Path, layers: int = 2**19) -> Path:
+    """config.json saying the model has ``layers`` layers (of 4 heads). The default is
+    just past what any model has: enough to be refused, little enough that code which
+    does allocate for it (today's main) fails without taking the machine's memory."""
+    folder = root / "copy" / "run"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def disagreeing(source: Path, root: Path) -> Path:
+    """config.json, the measurements and the rankings name a task prior.json lacks."""
+    return renamed_copy(source, root / "copy" / "run", OTHER_TASK, prior=False)
+
+
+CRAFTS = {"path-named task": path_named, "huge geometry": huge,
+          "files that disagree": disagreeing}
+#: What each refusal names.
+SAID = {"path-named task": "is not a plain name", "huge geometry": "more heads than any model",
+        "files that disagree": "prior.json has no estimates for task 'tiny_copy'"}
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` outside the run folder, with its content."""
+    run = root / "copy" / "run"
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and run not in p.parents}
+
+
+def command_line(command: str, folder: Path, runs: dict[str, Path], out: Path,
+                 task: str = TASK) -> list[str]:
+    """``command`` reading the crafted run ``folder`` (a resumed run: with the command
+    that made it, of ``task``, as its owner would rerun it)."""
+    model = runs["model"]
+    same = [a if a != TASK else task for a in LOCATE]
+    return {
+        "refit": ["refit", str(folder)],
+        "export": ["export", str(folder), "--out", str(out / "x.json")],
+        "overlap": ["overlap", str(folder), str(runs["locate"]), "--out",
+                    str(out / "o.json")],
+        "universal": ["universal", str(folder), str(runs["locate"]), "--min-tasks", "1",
+                      "--out", str(out / "u.json")],
+        "verify": ["verify", str(folder), "--out", str(out / "v")],
+        "cross": ["cross", str(folder), "--out", str(out / "c")],
+        "locate (resumed)": ["locate", *model_args(model), *same, "--out", str(folder)],
+        "greedy (resumed)": ["greedy", *model_args(model),
+                             *[a if a != TASK else task for a in GREEDY], "--out",
+                             str(folder)],
+        "types (resumed)": ["types", *model_args(model), "--out", str(folder)],
+        "sweep (resumed)": ["sweep", *model_args(model), "--tasks", task, "--masks", "4",
+                            "--sparsity", "0.25", "--out", str(folder)],
+    }[command]
+
+
+READERS = ["refit", "export", "overlap", "universal", "verify", "cross", "locate (resumed)",
+           "types (resumed)", "sweep (resumed)"]
+#: types and sweep resume only runs of their own: a locate folder whose config.json passes
+#: is refused as another command's, so only the crafts config.json alone shows are theirs.
+CASES = [(command, craft) for command in READERS for craft in CRAFTS
+         if not (craft == "files that disagree" and command.startswith(("types", "sweep")))]
+
+
+@pytest.mark.parametrize(("command", "craft"), CASES)
+def test_every_command_refuses_a_crafted_locate_folder_in_one_line(
+        runs, tmp_path, capsys, no_model_loading, command, craft):
+    folder = CRAFTS[craft](runs["locate"], tmp_path)
+    before = snapshot(tmp_path)
+    task = OTHER_TASK if craft == "files that disagree" else TASK
+    capsys.readouterr()
+    assert harness(*command_line(command, folder, runs, tmp_path / "out", task)) == 2
+    assert SAID[craft] in error_line(capsys)
+    assert snapshot(tmp_path) == before  # nothing written outside the run folder
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_a_resumed_greedy_run_refuses_a_crafted_folder_in_one_line(
+        runs, tmp_path, capsys, no_model_loading, craft):
+    source = runs["greedy"]
+    if craft == "files that disagree":
+        # A greedy run has no prior: its measurements disagree with config.json instead.
+        folder = renamed_copy(source, tmp_path / "copy" / "run", OTHER_TASK)
+        lines = (folder / "measurements.jsonl").read_text().splitlines()
+        record = json.loads(lines[-1])
+        record["scores"] = {TASK: 0.5}
+        (folder / "measurements.jsonl").write_text("\n".join([*lines[:-1],
+                                                              json.dumps(record)]) + "\n")
+        said = f"measurements.jsonl holds {record['key']!r} without a score of task"
+    else:
+        folder = CRAFTS[craft](source, tmp_path)
+        said = SAID[craft]
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    task = OTHER_TASK if craft == "files that disagree" else TASK
+    assert harness(*command_line("greedy (resumed)", folder, runs, tmp_path / "out",
+                                 task)) == 2
+    assert said in error_line(capsys)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("craft", list(CRAFTS))
+def test_read_rankings_refuses_a_crafted_folder(runs, tmp_path, craft):
+    folder = CRAFTS[craft](runs["locate"], tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(RunFolderError, match=SAID[craft]):
+        read_rankings(folder)
+    assert snapshot(tmp_path) == before
+
+
+def test_refit_of_a_task_named_as_a_path_writes_nothing_outside_the_folder(
+        runs, tmp_path, capsys):
+    """The issue's attack: refit wrote pwned.json and pwned.csv one level above the run
+    folder, replacing a file that was there."""
+    folder = path_named(runs["locate"], tmp_path)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    line = error_line(capsys)
+    assert f"task {PATH_TASK!r} is not a plain name" in line
+    assert snapshot(tmp_path) == before
+    assert (tmp_path / "copy" / "pwned.csv").read_text() == "someone else's\n"
+
+
+def test_refit_of_a_folder_whose_prior_lacks_its_task_is_one_line(runs, tmp_path, capsys):
+    """config.json naming a task prior.json lacks was a KeyError traceback in task_fit."""
+    folder = disagreeing(runs["locate"], tmp_path)
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    line = error_line(capsys)
+    assert "prior.json has no estimates for task 'tiny_copy' (it has 'tiny_choice')" in line
+
+
+def test_refit_of_a_geometry_the_design_does_not_have_is_one_line(runs, tmp_path, capsys):
+    """3 layers of 4 heads is 12 columns, the design has 8: the files disagree."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["layers"], config["heads_per_layer"]) == (2, 4)
+    config["layers"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert ("the folder's files disagree: design_matrix.npy has 8 columns, not the 12 of "
+            "config.json's 3 layers x 4 heads") in error_line(capsys)
+
+
+def test_refit_of_a_huge_geometry_allocates_nothing(runs, tmp_path):
+    """``"layers": 10**12`` made refit allocate until memory ran out. Run as the command
+    is, under a 3 GiB address-space limit, so a refit that allocates fails fast rather
+    than taking the machine's memory."""
+    folder = huge(runs["locate"], tmp_path, 10**12)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from lm_eval_headloc.commands.cli import main; "
+                               "sys.exit(main(sys.argv[1:]))", "refit", str(folder)],
+        capture_output=True, text=True, timeout=300, preexec_fn=limit,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"headloc-harness: error: {folder}/config.json: 1000000000000 layers x 4 heads is "
+        "more heads than any model has (at most 1,048,576 are read); a folder "
+        "headloc-harness wrote never does (altered, or mixed with another run's files)"]
+
+
+def test_a_ranking_file_linked_out_of_the_folder_is_not_read(runs, tmp_path, capsys):
+    """heads-<task>.json as a link to a file elsewhere: every path resolves inside the
+    folder, so export reads nothing through it."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    elsewhere = tmp_path / "elsewhere.json"
+    (folder / f"heads-{TASK}.json").rename(elsewhere)
+    (folder / f"heads-{TASK}.json").symlink_to(elsewhere)
+    capsys.readouterr()
+    assert harness("export", str(folder), "--out", str(tmp_path / "x.json")) == 2
+    assert "is a link to" in error_line(capsys)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_overlap_of_a_heads_run_and_a_neurons_run_is_refused(tiny_model_dir, tmp_path,
+                                                              capsys):
+    """Heads and MLP neurons are never the same component: overlap printed 0.0 % overlap
+    and 0.0 % IoU as if measured."""
+    model = tiny_model_dir("llama")
+    heads = finished_run(tmp_path / "heads", model, TASK, ("L0H1", "L1H2", "L0H3"))
+    neurons = finished_run(tmp_path / "neurons", model, TASK, ("L0N1", "L1N2", "L0N3"))
+    capsys.readouterr()
+    out = tmp_path / "o.json"
+    assert harness("overlap", str(heads), str(neurons), "--top-k", "2",
+                   "--out", str(out)) == 2
+    assert error_line(capsys) == (
+        f"headloc-harness: error: the runs locate different components ({heads}: heads; "
+        f"{neurons}: neurons); overlap compares runs of the same --components")
+    assert not out.exists()
+
+
+def test_a_greedy_run_is_read_as_a_locate_run_is(runs, tmp_path, capsys):
+    """Reading a greedy run's rankings (read_rankings, overlap, universal) was an
+    AttributeError: its record had no task names."""
+    greedy = runs["greedy"]
+    written = json.loads((greedy / f"heads-{TASK}.json").read_text())["top_k"]
+    rankings = read_rankings(greedy)
+    assert [str(h) for h in rankings[TASK].top(len(written))] == written
+    out = tmp_path / "o.json"
+    assert harness("overlap", str(greedy), str(runs["locate"]), "--out", str(out)) == 0
+    assert json.loads(out.read_text())["tasks"][TASK]["a"]["top_k"] == written
+    assert harness("universal", str(greedy), str(runs["locate"]), "--min-tasks", "1",
+                   "--out", str(tmp_path / "u.json")) == 0
