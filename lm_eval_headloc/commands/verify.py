@@ -222,7 +222,7 @@ def _pretrained(model_args: str) -> str:
 
 def _refuse_moved_model(model_args: str | None) -> None:
     """A run's model loaded from a folder that is not there (moved, or the run folder
-    came from another machine): say how to name its new place, before the tasks load."""
+    came from another machine): say how to name its new place, before anything loads."""
     from lm_eval.utils import simple_parse_args_string
 
     pretrained = simple_parse_args_string(model_args or "").get("pretrained")
@@ -297,8 +297,6 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         **kind)
     if own.model_args is not None:  # the run's model where it is now
         spec = spec.replace(model_args=own.model_args)
-    else:
-        _refuse_moved_model(spec.model_args)
     spec.validate()
     refuse_output_path_into(spec.output_path, [run], out)
     heads_by_task = {name: located_heads(source, name, spec.top_k)
@@ -312,6 +310,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                          "measured in the Task column; name another task (or leave --general "
                          "out)")
     spec = spec.replace(general=general)
+    if own.model_args is None:
+        _refuse_moved_model(spec.model_args)
     setup = prepare(spec, extra_tasks=general)
     if not same_model(setup.spec.model_args, stored.spec.model_args):
         _check_moved_model(stored, setup.model_fingerprint, own.model_args)
