@@ -50,6 +50,12 @@ class Geometry:
     #: The layers that have attention heads, in order, where not every layer has them;
     #: None where every layer does.
     head_layers: tuple[int, ...] | None = None
+    #: The residual stream's width (None where the config does not tell), and whether a
+    #: layer's attention and MLP both read the stream as it entered the layer (GPT-J,
+    #: GPT-NeoX, Phi-1/2, CodeGen, Falcon's parallel attention) rather than in sequence:
+    #: what a circuit graph of the model (MIB's) is built from.
+    d_model: int | None = None
+    parallel_attn_mlp: bool = False
 
     @property
     def total_heads(self) -> int:
@@ -121,10 +127,19 @@ class Geometry:
         uniform = len({dims[layer] for layer in head_layers}) == 1
         return cls(layers, heads, dims[head_layers[0]] if uniform else None,
                    _mlp_width(text, hidden), None if uniform else tuple(dims),
-                   None if len(head_layers) == layers else tuple(head_layers))
+                   None if len(head_layers) == layers else tuple(head_layers),
+                   hidden if isinstance(hidden, int) and hidden > 0 else None,
+                   _parallel_blocks(text))
 
 
 _MISSING = object()
+
+
+def _parallel_blocks(text: Any) -> bool:
+    """Whether attention and MLP read the same residual stream in each layer."""
+    return bool(_global(text, "use_parallel_residual", False)
+                or _global(text, "parallel_attn", False)
+                or getattr(text, "model_type", None) in ("gptj", "phi", "codegen"))
 
 
 def _global(text: Any, name: str, default: Any = None) -> Any:

@@ -44,6 +44,7 @@ from .ablation import (
     reference_texts,
 )
 from .checks import UsageError, check_load_args
+from .embedded import local_pretrained
 from .geometry import Geometry
 from .gguf_reads import cached_gguf_reads
 from .heads import (
@@ -185,6 +186,8 @@ class HFHeadAblateLM(HFLM):
                                 f"caches statistics; ablation={self.ablation} keeps none")
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
+        # The embedded model's name (a run's record) is the folder it lies in here.
+        named, pretrained = pretrained, local_pretrained(pretrained)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
                         kwargs.get("gguf_file"))
         if not kwargs.get("parallelize"):
@@ -217,7 +220,7 @@ class HFHeadAblateLM(HFLM):
         self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
         # What cached means are keyed by besides their tokens.
         self._means_key = {
-            "model": pretrained if isinstance(pretrained, (str, os.PathLike))
+            "model": named if isinstance(named, (str, os.PathLike))
             else getattr(self.model.config, "_name_or_path", type(self.model).__name__),
             **{name: kwargs.get(name) for name in ("gguf_file", "revision", "peft", "delta")},
             "dtype": str(self.model.dtype), "attn_out": attn_out,

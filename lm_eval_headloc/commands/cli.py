@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_DIR")
     add_options(p, COMMAND_OPTIONS["verify"])
     add_options(p, ABLATION_FLAGS, keep_stored=True)  # default: the run's ablation
+    p.add_argument("--model-args", "--model_args", default=None, metavar="ARGS",
+                   help="the run's model args with its model where it is now (a run whose "
+                        "model folder has moved; its files must be the ones the run "
+                        "recorded) (default: the run's)")
     _add_out(p, None, "folder for the table (default RUN_DIR/verify)")
 
     p = sub.add_parser("universal", help="heads in the top-k of several tasks' runs")
@@ -134,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's task to export (default: its only one)")
     p.add_argument("--mib-model", default=None, metavar="MODEL",
                    help="MIB's model the run's model is (its width and block layout; "
-                        "default: the run's model's config)")
+                        "default: what the run recorded of its model)")
+    p.add_argument("--model-args", "--model_args", default=None, metavar="ARGS",
+                   help="the run's model where it is now (pretrained=...), read for its "
+                        "width and block layout (its config alone), which runs made before "
+                        "they were recorded do not say (default: the run's model)")
     p.add_argument("--out", required=True, metavar="FILE",
                    help="the .json file to write (for a MIB submission: "
                         "<task>_<model>/importances.json)")
@@ -193,7 +201,8 @@ def run(args: argparse.Namespace) -> None:
     elif command == "export":
         from .export import write_mib
 
-        path = write_mib(args.run, args.out, args.task, mib_model=args.mib_model)
+        path = write_mib(args.run, args.out, args.task, mib_model=args.mib_model,
+                         model_args=args.model_args)
         print(f"Written to {path}")
     elif command == "types":
         print(types_summary(types(args.out, RunSpec.from_namespace(args), force=args.force)))

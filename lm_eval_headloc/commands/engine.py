@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..ablation import AblationError, check_reference_set, reference_texts
 from ..checks import UsageError, check_load_args, check_number
 from ..columns import Columns
-from ..embedded import smollm2_location, smollm2_model_args
+from ..embedded import local_pretrained, recorded_model_args, smollm2_model_args
 from ..errors import one_line
 from ..geometry import Geometry, UnsupportedGeometry
 from ..heads import (
@@ -78,6 +78,8 @@ class Setup:
     # Mean/resample's reference examples when --ablation-data names them; None: the run's
     # own tasks on its example subset, taken once the measurement has chosen it.
     reference: list[str] | None = None
+    # What identifies a model loaded from a local folder (``model_fingerprint``).
+    model_fingerprint: str | None = None
 
     # The counts callers read from before the Setup held the whole geometry.
     @property
@@ -131,14 +133,7 @@ def resolve_model_args(model_args: str | None) -> str:
         import torch
 
         model_args += ",device=" + ("cuda" if torch.cuda.is_available() else "cpu")
-    return model_args
-
-
-def is_embedded(model_args: str | None) -> bool:
-    """Whether ``model_args`` load the embedded SmolLM2 (which runs fully offline)."""
-    location = smollm2_location()
-    return not model_args or (location is not None and f"pretrained={location[0]}" in
-                              model_args.split(","))
+    return recorded_model_args(model_args)  # the embedded model by its name, not its folder
 
 
 #: The model args that say which files a config or tokenizer is read from.
@@ -156,15 +151,53 @@ def model_config(model_args: str) -> Any:
 
     args = simple_parse_args_string(model_args)
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args}
-    check_load_args(args.get("pretrained"), args.get("dtype"), args.get("peft"),
-                    args.get("gguf_file"))
-    pretrained = str(args.get("pretrained"))
+    pretrained = local_pretrained(args.get("pretrained"))
+    check_load_args(pretrained, args.get("dtype"), args.get("peft"), args.get("gguf_file"))
+    pretrained = str(pretrained)
     try:
         with cached_gguf_reads():  # the load after this check reuses the parse
             return AutoConfig.from_pretrained(pretrained, **kwargs)
     except Exception as err:  # noqa: BLE001 — any loading failure is the user's model path
         raise UsageError(f"cannot read the config of pretrained={pretrained!r}: "
                          f"{one_line(err)}") from None
+
+
+#: The weight files a model folder loads from, besides its config.json.
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+#: How much of each file's start and end the fingerprint reads.
+_SAMPLED = 2**20
+
+
+def model_fingerprint(model_args: str) -> str | None:
+    """What identifies a model loaded from a local folder wherever the folder lies: a hash
+    of the names and sizes of the files it loads from (its ``gguf_file=``, else config.json
+    and the weights) and of each one's first and last MiB, where the weights of two
+    fine-tunes of one model differ. None for a Hub model, named by its id wherever it
+    runs. Read in milliseconds: no weights are loaded."""
+    import hashlib
+    import os
+
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string(model_args)
+    folder = local_pretrained(args.get("pretrained"))
+    if not (isinstance(folder, str) and os.path.isdir(folder)):
+        return None
+    folder = Path(folder, str(args.get("subfolder") or ""))
+    files = [folder / str(args["gguf_file"])] if args.get("gguf_file") else [
+        folder / "config.json", *sorted(p for pattern in _WEIGHTS for p in folder.glob(pattern))]
+    digest, read = hashlib.sha256(), 0
+    for path in files:
+        if not path.is_file():
+            continue
+        read += 1
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as file:
+            digest.update(file.read(_SAMPLED))
+            file.seek(max(size - _SAMPLED, 0))
+            digest.update(file.read(_SAMPLED))
+    return f"sha256:{digest.hexdigest()}" if read else None
 
 
 def config_geometry(config: Any) -> Geometry:
@@ -199,7 +232,7 @@ def check_chat_template(model_args: str) -> None:
     from ..gguf_reads import cached_gguf_reads
 
     args = simple_parse_args_string(model_args)
-    source = args.get("tokenizer") or args.get("pretrained")
+    source = local_pretrained(args.get("tokenizer") or args.get("pretrained"))
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args and not args.get("tokenizer")}
     try:
         with cached_gguf_reads():
@@ -434,7 +467,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             check_reference_set(spec.ablation, reference)
         except AblationError as err:
             raise UsageError(f"--ablation-data: {err}") from None
-    return Setup(resolved, specs, geometry, loaded, exclude, never, reference)
+    return Setup(resolved, specs, geometry, loaded, exclude, never, reference,
+                 model_fingerprint(model_args))
 
 
 #: GenerationConfig fields --gen-kwargs refuses, and why: lm-eval's HF model passes some
@@ -823,7 +857,7 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
     with RunFolder(out) as folder:
         # Phases: started, measuring, and (with --workers) measured: their shares.
         record = start_run(folder, command, spec, force=force, protect=protect,
-                           identity=identity)
+                           identity=identity, fingerprint=setup.model_fingerprint)
         if spec.output_path is not None:  # made once the run folder is known to be fine
             make_output_folder(spec.output_path)
         if nothing_left(folder, plan, spec.output_path, spec.log_samples):

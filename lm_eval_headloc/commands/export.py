@@ -384,39 +384,55 @@ def _is_ours(path: Path) -> bool:
     return isinstance(marker, dict) and marker.get("made_by") == _MADE_BY
 
 
-def _model_shape(model_args: str | None) -> tuple[int, bool]:
+def _model_shape(record: Any, run_folder: Path, model_args: str | None
+                 ) -> tuple[int, bool]:
     """The run's model's width and whether its attention and MLP read the same residual
-    stream (GPT-J, GPT-NeoX, Phi-1/2, CodeGen, Falcon's parallel attention), from its
-    config alone."""
+    stream, as the run's config.json records them. ``model_args`` (``--model-args``): the
+    model read for them instead (its config alone), where the record does not say them (a
+    run from before runs recorded them) and the run's own model cannot be read here; it
+    must have the run's layers and heads, and the recorded width where there is one."""
     from ..checks import UsageError
-    from ..embedded import smollm2_model_args
-    from ..geometry import text_config
-    from .engine import model_config
+    from .engine import config_geometry, model_config, resolve_model_args
 
+    recorded = (record.d_model, record.parallel_attn_mlp)
+    if model_args is None and isinstance(recorded[0], int) and isinstance(recorded[1], bool):
+        return recorded[0], recorded[1]
+    given = model_args is not None
     try:
-        whole = model_config(model_args or smollm2_model_args())
+        geometry = config_geometry(model_config(resolve_model_args(
+            model_args if given else record.spec.model_args)))
     except UsageError as err:
-        raise ExportError(f"the run's model: {err}; give d_model and parallel_attn_mlp"
-                          ) from None
-    config, pretrained = text_config(whole), whole.name_or_path
-    width = getattr(config, "hidden_size", None)
-    if not isinstance(width, int):
-        raise ExportError(f"the config of pretrained={pretrained!r} gives no hidden size; "
-                          "give d_model")
-    parallel = bool(getattr(config, "use_parallel_residual", False)
-                    or getattr(config, "parallel_attn", False)
-                    or getattr(config, "model_type", None) in ("gptj", "phi", "codegen"))
-    return width, parallel
+        if given:
+            raise ExportError(f"--model-args {model_args}: {err}") from None
+        raise ExportError(f"{run_folder}/config.json does not record the model's width (a run "
+                          f"from before runs recorded it), and the run's model cannot be read "
+                          f"here ({err}); give --model-args pretrained=<the model's folder or "
+                          "Hub name>, or --mib-model for one of MIB's models") from None
+    if given and ((geometry.num_layers, geometry.heads_per_layer)
+                  != (record.layers, record.heads_per_layer)
+                  or recorded[0] not in (None, geometry.d_model)):
+        raise ExportError(f"--model-args {model_args}: a model of {geometry.num_layers} "
+                          f"layers of {geometry.heads_per_layer} heads, "
+                          f"{geometry.d_model} wide; the run's has {record.layers} of "
+                          f"{record.heads_per_layer}"
+                          + (f", {recorded[0]} wide" if recorded[0] is not None else "")
+                          + ": not the run's model")
+    if geometry.d_model is None:
+        raise ExportError("the config of the run's model gives no hidden size; give "
+                          "--mib-model for one of MIB's models")
+    return geometry.d_model, geometry.parallel_attn_mlp
 
 
 def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, *,
               d_model: int | None = None, parallel_attn_mlp: bool | None = None,
-              mib_model: str | None = None) -> Path:
+              mib_model: str | None = None, model_args: str | None = None) -> Path:
     """Write ``task``'s ranking of the locate or greedy run in ``run_folder`` to ``out``
     as MIB's node-level importance file (``mib_graph``); returns ``out``.
 
     ``task`` may be left out when the run has one. ``d_model`` and ``parallel_attn_mlp``
-    default to what the run's model's config says; ``mib_model`` (a ``MIB_MODELS`` name)
+    default to what the run's config.json records of its model (no model files read; a
+    run from before it recorded them: the model's config, or ``model_args``'s, the model
+    where it is now); ``mib_model`` (a ``MIB_MODELS`` name)
     takes them from MIB's model instead, after checking that the run's model has its
     layers and heads. ``out`` is a ``.json`` file outside the run folder (its folder is
     made); an existing ``out`` is replaced only if an export of ours wrote it. Anything
@@ -474,6 +490,8 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     if inside is not None:
         raise ExportError(f"{out} is inside the run folder {inside}, whose files are its "
                           "command's alone; write it elsewhere")
+    if mib_model is not None and model_args is not None:
+        raise ExportError("--mib-model and --model-args both say the model's width; give one")
     if mib_model is not None:
         if mib_model not in MIB_MODELS:
             raise ExportError(f"unknown MIB model {mib_model!r}; MIB's models: "
@@ -489,7 +507,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
                               "and MLP in sequence")
         d_model, parallel_attn_mlp = mib_width, False
     if d_model is None or parallel_attn_mlp is None:
-        width, parallel = _model_shape(record.spec.model_args)
+        width, parallel = _model_shape(record, run_folder, model_args)
         d_model = width if d_model is None else d_model
         parallel_attn_mlp = parallel if parallel_attn_mlp is None else parallel_attn_mlp
     try:

@@ -61,7 +61,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     names = setup.task_names
     with RunFolder(out) as folder:
         # config.json's phases: started, measuring, and (--workers) measured: their shares.
-        run = start_run(folder, "greedy", spec, force=force)
+        run = start_run(folder, "greedy", spec, force=force,
+                        fingerprint=setup.model_fingerprint)
         measure = None  # loaded once something needs the model
 
         def measuring(plan: Sequence[PlanEntry] = ()) -> Any:

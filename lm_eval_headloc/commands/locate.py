@@ -312,7 +312,7 @@ def locate_report(run: LocateRun) -> str:
            f"prior's {len(run.candidates or ())} likeliest of the model's "
            f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"
            + _group_words(run)]
-          if run.neurons_per_layer else []),
+          if "neurons" in spec.components and run.neurons_per_layer else []),
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
         *([f"- chat template: {_chat_words(run.chat_template)}"]
           if run.chat_template is not None else []),
@@ -639,7 +639,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
                              f"measures {spec.masks or 'the default budget of'} masks")
         done = None if force or measure is not None else _finished(stored, folder, spec)
-        run = start_run(folder, "locate", spec, force=force)  # phase: started
+        run = start_run(folder, "locate", spec, force=force,  # phase: started
+                        fingerprint=setup.model_fingerprint)
         assert isinstance(run, LocateRun)
         if done is not None:
             log.info("%s: every measurement is on disk; fitting again without the model",

@@ -16,6 +16,7 @@ with the defaults older folders need (``LocateRun``'s properties say which).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +31,21 @@ from ..pilot import UNFITTED
 from ..prior import PRIOR_POINTS
 from .report import HeadRanking, ranking_from_json
 from .runfolder import CONFIG_SCHEMA, RunFolder, RunFolderError
-from .spec import RunSpec, same_model
+from .spec import RunSpec, model_identity, same_model
 
 if TYPE_CHECKING:
     from typing import Self
 
+    from ..geometry import Geometry
     from .engine import Setup
 
 __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
-           "load_run", "mask_keys", "measured_on", "ranking_files", "read_rankings",
+           "load_run", "mask_keys", "measured_on", "model_facts", "ranking_files", "read_rankings",
            "start_run",
            "stored_prior", "stored_priors"]
+
+
+log = logging.getLogger("lm_eval_headloc")
 
 
 def mask_keys(masks: int) -> list[str]:
@@ -51,15 +56,27 @@ def mask_keys(masks: int) -> list[str]:
 def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
     """What config.json records of a measurement once the model is loaded: the example
     subset and the examples used per task, which tasks it asks through the chat template
-    (decided from the tokenizer when --apply-chat-template is left out), the model's
-    geometry, and the ablation (``None`` for a measurement that sets none)."""
+    (decided from the tokenizer when --apply-chat-template is left out), the model
+    (``model_facts``), and the ablation (``None`` for a measurement that sets none)."""
     return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
             "chat_template": dict(sorted(measure.chat_template.items())),
-            "layers": setup.num_layers, "heads_per_layer": setup.heads_per_layer,
-            # A hybrid model's layers with heads (left out where every layer has them).
-            **({} if setup.geometry.head_layers is None else
-               {"head_layers": list(setup.geometry.head_layers)}),
+            **model_facts(setup.geometry, setup.model_fingerprint),
             "ablation": getattr(measure, "ablation_config", None)}
+
+
+def model_facts(geometry: Geometry, fingerprint: str | None) -> dict[str, Any]:
+    """What config.json records of the run's model, from its config, so that the commands
+    reading a finished run (refit, export, read_rankings) need no model files: its
+    geometry (a hybrid's layers with heads only where not every layer has them; the MLP's
+    width, the residual stream's and the block layout where the config tells) and what
+    identifies a model loaded from a local folder (``engine.model_fingerprint``), so a
+    folder moved with its model can be pointed at the model's new place."""
+    return {"layers": geometry.num_layers, "heads_per_layer": geometry.heads_per_layer,
+            **({} if geometry.head_layers is None else
+               {"head_layers": list(geometry.head_layers)}),
+            "neurons_per_layer": geometry.neurons_per_layer, "d_model": geometry.d_model,
+            "parallel_attn_mlp": geometry.parallel_attn_mlp,
+            "model_fingerprint": fingerprint}
 
 
 @dataclass
@@ -85,6 +102,13 @@ class RunRecord:
     layers: int | None = None
     heads_per_layer: int | None = None
     head_layers: list[int] | None = None  # a hybrid model's layers with heads (else all)
+    # The MLP's width (a run locating neurons: as the loaded model has it), the residual
+    # stream's, the block layout and the model files' fingerprint (``model_facts``; None:
+    # a folder from before they were recorded, or a config that does not tell).
+    neurons_per_layer: int | None = None
+    d_model: int | None = None
+    parallel_attn_mlp: bool | None = None
+    model_fingerprint: str | None = None
     ablation: dict[str, Any] | None = None
     workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
     other: dict[str, Any] = field(default_factory=dict)
@@ -98,6 +122,7 @@ class RunRecord:
     KEYS: ClassVar[tuple[str, ...]] = (
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
         "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
+        "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
         "ablation", "workers")
 
     # --- reading -------------------------------------------------------------------
@@ -193,7 +218,6 @@ class LocateRun(RunRecord):
     with the new settings; its next phases write what this session decided.)
     """
 
-    neurons_per_layer: int | None = None  # the MLP's width, when the run locates neurons
     candidates: list[str] | None = None  # the neurons the design has columns for
     never_neurons: list[str] | None = None  # --never-ablate's neurons: in no group either
     pilot: dict[str, Any] | None = None  # --sparsity auto: the pilot's choice
@@ -212,8 +236,7 @@ class LocateRun(RunRecord):
     rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
-        *RunRecord.KEYS[:-1], "neurons_per_layer", "candidates", "never_neurons", "pilot",
-        "row_keys",
+        *RunRecord.KEYS[:-1], "candidates", "never_neurons", "pilot", "row_keys",
         "prior_used", "prior_method", "prior_skipped", "masks_used", "confirm",
         RunRecord.KEYS[-1])
 
@@ -401,12 +424,44 @@ def read_rankings(folder: RunFolder | str | Path) -> dict[str, HeadRanking]:
 
 def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = False,
               identity: Mapping[str, Any] | None = None,
-              protect: Sequence[str | Path] = ()) -> RunRecord:
+              protect: Sequence[str | Path] = (), fingerprint: str | None = None
+              ) -> RunRecord:
     """Start (or resume) ``command``'s run in ``folder`` — its first phase, one write of
     config.json (``RunFolder.start``: the folder's identity checked, its lock taken) —
     and return the run's record. ``identity``: the command's, when it is more than the
-    spec's (verify's, sweep's)."""
-    folder.start(command, spec.identity(command) if identity is None else identity,
-                 spec.settings(command), spec.as_config(), force=force, protect=protect,
-                 assumed=RunSpec.assumed_for_old_runs(), same={"model_args": same_model})
-    return _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
+    spec's (verify's, sweep's). ``fingerprint``: the model's (``engine.model_fingerprint``):
+    a run whose model was loaded from a local folder resumes with the model moved
+    elsewhere, named by ``--model-args`` there, when its files are the ones the run
+    recorded; the run then names the new place."""
+    identity = spec.identity(command) if identity is None else identity
+    moved = fingerprint is not None and _stored_fingerprint(folder) == fingerprint
+    folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
+                 protect=protect, assumed=RunSpec.assumed_for_old_runs(),
+                 same={"model_args": _same_files if moved else same_model})
+    record = _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
+    given = json.loads(json.dumps(identity)).get("model_args")
+    if moved and record.identity.get("model_args") != given:
+        log.info("%s: its model's files are at %s now (the same files as recorded); the run "
+                 "names that place from here on", folder.path, given)
+        record.identity = {**record.identity, "model_args": given}
+        record.save(folder)
+    return record
+
+
+def _stored_fingerprint(folder: RunFolder) -> str | None:
+    """The model fingerprint ``folder``'s config.json records, if any."""
+    try:
+        return folder.read_config().get("model_fingerprint") if folder.exists() else None
+    except RunFolderError:
+        return None
+
+
+def _same_files(given: str | None, stored: str | None) -> bool:
+    """Whether two runs' model args name one model, or its files moved (the fingerprints
+    are the same): the same arguments but for ``pretrained=``."""
+    if same_model(given, stored):
+        return True
+    if not (isinstance(given, str) and isinstance(stored, str)):
+        return False
+    ours, theirs = model_identity(given), model_identity(stored)
+    return {**ours, "pretrained": ""} == {**theirs, "pretrained": ""}

@@ -43,9 +43,12 @@ __all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "enclosing_run", "opt
 log = logging.getLogger("lm_eval_headloc")
 
 #: The version of config.json's layout. A file without the field was written before it
-#: existed, in this layout or an earlier one with fewer keys (``result.load_run`` reads
-#: either); a file with a larger number is refused rather than misread.
-CONFIG_SCHEMA = 1
+#: existed, in layout 1 or an earlier one with fewer keys (``result.load_run`` reads
+#: either); a file with a larger number is refused rather than misread. Layout 2 records
+#: the embedded model by its name (``embedded.EMBEDDED``) where layout 1 recorded the
+#: folder it lay in on the machine that made the run, and adds the model's width, block
+#: layout and fingerprint (``result.model_facts``); ``read_config`` reads layout 1 as 2.
+CONFIG_SCHEMA = 2
 
 #: config.json's keys as ``RunFolder.start`` writes them, before a run records anything.
 _STARTED_KEYS = frozenset({"schema", "command", "identity", "settings", "spec", "versions",
@@ -77,6 +80,21 @@ def _other_run(config: Mapping[str, Any], command: str, identity: Mapping[str, A
 def option_words(name: str, value: Any) -> str:
     """An option's value in a message: None is an option left out, said so, not "None"."""
     return f"{name} left out (its default)" if value is None else f"{name}={value!r}"
+
+
+def _upgraded(config: dict[str, Any], schema: int) -> dict[str, Any]:
+    """``config`` (of layout ``schema``) as this version's layout reads it; its ``schema``
+    stays as read, so a folder read is rewritten only when a command writes it."""
+    if schema < 2:
+        # The embedded model by its name: the folder recorded was another machine's, or
+        # will be once the folder is moved.
+        from ..embedded import recorded_model_args
+
+        for section in ("identity", "spec"):
+            values = config.get(section)
+            if isinstance(values, dict) and isinstance(values.get("model_args"), str):
+                values["model_args"] = recorded_model_args(values["model_args"])
+    return config
 
 
 class RunFolderError(UserError):
@@ -328,11 +346,12 @@ class RunFolder:
         if not (isinstance(config, dict) and isinstance(config.get("command"), str)
                 and isinstance(config.get("identity"), dict)):
             raise RunFolderError(f"{path} is not a headloc-harness run configuration")
-        schema = config.get("schema", CONFIG_SCHEMA)
+        schema = config.get("schema", 1)
         if not (isinstance(schema, int) and schema <= CONFIG_SCHEMA):
             raise RunFolderError(f"{path} was written by a newer headloc-harness (config "
                                  f"schema {schema!r}; this version reads up to "
                                  f"{CONFIG_SCHEMA}); upgrade lm-eval-headloc to use it")
+        config = _upgraded(config, schema)
         from .folder_checks import check_config
 
         check_config(config, path)  # names and geometry, before anything is built from them
@@ -399,7 +418,7 @@ class RunFolder:
             config["settings"] = dict(settings)
             if spec is not None:
                 config["spec"] = dict(spec)
-            config["schema"] = CONFIG_SCHEMA  # the same keys: a file without it is layout 1
+            config["schema"] = CONFIG_SCHEMA  # read_config has read an older one as this
             self.write_config(config)
             return True
         if ours:  # --force (or nothing recorded) on a run folder of ours: what we wrote
@@ -523,8 +542,8 @@ class RunFolder:
     def update_config(self, **fields: Any) -> None:
         """Set ``fields`` in config.json (a read-modify-write: for scripts that keep no
         record; the commands write theirs whole, ``result.RunRecord.save``)."""
-        config = self.read_config()
-        config.update(fields)
+        config = self.read_config()  # an older layout read as this one: written as this one
+        config.update(fields, schema=CONFIG_SCHEMA)
         self.write_config(config)
 
     def write_config(self, config: Mapping[str, Any]) -> None:

@@ -52,7 +52,8 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         # Phases: started, measuring, and (with --workers) measured: their shares. Each
         # cell is a locate run of its own, in its own folder.
         run = start_run(folder, "sweep", spec, force=force, identity={
-            **spec.identity("sweep"), "masks": masks, "sparsity": sparsity})
+            **spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
+            fingerprint=setup.model_fingerprint)
         measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                    run=run)
         run.save(folder, measure)

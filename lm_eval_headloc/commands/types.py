@@ -201,7 +201,8 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     setup = prepare(spec)
     spec = setup.spec
     with RunFolder(out) as folder:
-        run = start_run(folder, "types", spec, force=force)
+        run = start_run(folder, "types", spec, force=force,
+                        fingerprint=setup.model_fingerprint)
         found = read_types(folder)  # a finished run rerun: no model needed
         if found is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,

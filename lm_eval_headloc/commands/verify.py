@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..checks import UsageError
+from ..embedded import is_embedded
 from ..geometry import Geometry
 from ..heads import (
     Head,
@@ -28,12 +29,12 @@ from ..heads import (
     read_heads_file,
     shown_name,
 )
-from .engine import PlanEntry, is_embedded, measured_plan, prepare
+from .engine import PlanEntry, measured_plan, prepare
 from .overlap import RankingFile
 from .report import relative_drop
 from .result import load_run
 from .runfolder import RunFolder, RunFolderError, refuse_output_path_into
-from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
+from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec, same_model
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
            "kind_words", "located_heads", "percent", "random_like", "random_sets",
@@ -219,6 +220,32 @@ def _pretrained(model_args: str) -> str:
     return f"pretrained={simple_parse_args_string(model_args)['pretrained']}"
 
 
+def _refuse_moved_model(model_args: str | None) -> None:
+    """A run's model loaded from a folder that is not there (moved, or the run folder
+    came from another machine): say how to name its new place, before anything loads."""
+    from lm_eval.utils import simple_parse_args_string
+
+    pretrained = simple_parse_args_string(model_args or "").get("pretrained")
+    if isinstance(pretrained, str) and Path(pretrained).is_absolute() \
+            and not Path(pretrained).exists():
+        raise UsageError(f"the run's model pretrained={pretrained} is not there; if it has "
+                         "moved, give its new place with --model-args "
+                         "pretrained=<folder>,... (the run's other model args as they were)")
+
+
+def _check_moved_model(stored: Any, fingerprint: str | None, given: str | None) -> None:
+    """``--model-args`` naming another model than the run's: accepted where it is the
+    run's model moved elsewhere (its files' fingerprint is the one the run recorded)."""
+    if stored.model_fingerprint is None:
+        raise UsageError(f"--model-args {given}: not the run's model "
+                         f"({stored.spec.model_args}), and the run recorded no fingerprint "
+                         "of its model's files to check a new place against (runs made "
+                         "before they did); leave --model-args out")
+    if fingerprint != stored.model_fingerprint:
+        raise UsageError(f"--model-args {given}: not the run's model: its files differ from "
+                         "the ones the run was made with")
+
+
 def _spread(values: Iterable[float | None]) -> dict[str, float | None]:
     """Mean, sample standard deviation, min and max of the defined values."""
     defined = [v for v in values if v is not None and math.isfinite(v)]
@@ -246,7 +273,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     The model, tasks and chat-template setting are the run's; ``spec`` or keyword options
     give verify's own (top_k, general, limit, random_draws, batch_size, …). ``ablation``,
     ``scale`` and ``ablation_data`` keywords change the run's ablation for the
-    verification.
+    verification; ``model_args`` names the run's model where it is now (a model folder
+    that moved: its files must be the ones the run recorded).
     """
     # The ablation is the run's unless given (verify --ablation mean checks heads found
     # under one kind under another); zero ablation takes no reference set.
@@ -255,7 +283,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         kind.setdefault("ablation_data", None)
     if "ablation_data" in kind:  # the run's JSONL field belongs to the run's file
         kind.setdefault("ablation_field", None)
-    own = command_spec("verify", spec, options, ABLATION_FLAGS)
+    own = command_spec("verify", spec, options, (*ABLATION_FLAGS, "model_args"))
     source = RunFolder(run)
     stored = load_run(source)
     out = Path(out) if out is not None else Path(run) / "verify"
@@ -267,6 +295,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         signal="metric", examples_part=None,
         **{name: getattr(own, name) for name in (*COMMAND_OPTIONS["verify"], "progress")},
         **kind)
+    if own.model_args is not None:  # the run's model where it is now
+        spec = spec.replace(model_args=own.model_args)
     spec.validate()
     refuse_output_path_into(spec.output_path, [run], out)
     heads_by_task = {name: located_heads(source, name, spec.top_k)
@@ -280,7 +310,11 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                          "measured in the Task column; name another task (or leave --general "
                          "out)")
     spec = spec.replace(general=general)
+    if own.model_args is None:
+        _refuse_moved_model(spec.model_args)
     setup = prepare(spec, extra_tasks=general)
+    if not same_model(setup.spec.model_args, stored.spec.model_args):
+        _check_moved_model(stored, setup.model_fingerprint, own.model_args)
     for names in heads_by_task.values():
         setup.checked(names)  # a ranking of another model fails before the weights load
     # The model's components from its config (prepare's): the draws need no weights. A

