@@ -12,8 +12,9 @@ measurements, in a copy (``locate`` runs by ``refit``, which loads no model; ``g
 runs by rerunning the finished run, which measures nothing, but loads the model once to
 write the head types a greedy run without types.json now gets). Only the ranking files
 the folder already holds (heads*.json, heads*.csv, report.md) are copied back, and only
-when their text changed, with a types.json the rerun wrote; the measurements and anything
-else stay as committed.
+when their text changed beyond the round-off of another machine's BLAS
+(``same_up_to_round_off``), with a types.json the rerun wrote; the measurements and
+anything else stay as committed.
 
 config.json is rewritten in today's layout (``runfolder.CONFIG_SCHEMA``), that of every
 committed run folder, ranking or not: the embedded model by its name rather than the
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +107,21 @@ def upgraded_config(folder: Path) -> str:
     return strict_json(with_model_facts(load_run(folder)).to_config())
 
 
+#: A number with a fraction or an exponent, as the ranking files write the fitted effects.
+_FLOAT = re.compile(r"-?\d+\.\d+(?:[eE][-+]?\d+)?|-?\d+[eE][-+]?\d+")
+
+
+def same_up_to_round_off(old: str, new: str, rel: float = 1e-9) -> bool:
+    """Whether two texts are the same but in the last bits of their floating-point numbers
+    (and the sign of a zero): the Lasso's coordinate descent runs on the machine's BLAS,
+    whose kernels (chosen for the CPU) round differently, so a refit on another machine
+    moves an effect in its 16th digit without changing what the run says."""
+    if _FLOAT.split(old) != _FLOAT.split(new):
+        return False
+    return all(math.isclose(float(a), float(b), rel_tol=rel, abs_tol=1e-15)
+               for a, b in zip(_FLOAT.findall(old), _FLOAT.findall(new), strict=True))
+
+
 def stale_files(folder: Path) -> dict[str, str]:
     """The ranking files and config.json of ``folder`` whose text today's code writes
     differently: name -> the new text. A folder of another command than locate or greedy:
@@ -126,7 +144,7 @@ def stale_files(folder: Path) -> dict[str, str]:
         for pattern in RANKING_FILES:
             for old in sorted(folder.glob(pattern)):
                 new = (copy / old.name).read_text(encoding="utf-8")
-                if new != old.read_text(encoding="utf-8"):
+                if not same_up_to_round_off(old.read_text(encoding="utf-8"), new):
                     changed[old.name] = new
         return changed
 
