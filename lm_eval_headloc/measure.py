@@ -473,9 +473,12 @@ class HarnessMeasurement:
                 except ValueError as err:  # a document lm-eval scores but has no gold
                     golds, self.logprob_missing = None, str(err)
                 if golds is not None:
-                    wanted = {tuple(i.args) for i in self.recorded_instances()
+                    # Each task's own requests: another task's answers to the same text
+                    # (two tasks on one data file) do not make a generation task's free.
+                    wanted = {(i.task_name, tuple(i.args)) for i in self.recorded_instances()
                               if i.request_type == "loglikelihood"}
-                    if not all(key in wanted for gold in golds for key in gold.requests):
+                    if not all((gold.task, key) in wanted
+                               for gold in golds for key in gold.requests):
                         golds = None
                         self.logprob_missing = ("the tasks' own requests do not include "
                                                 "every gold answer's")

@@ -181,12 +181,17 @@ def rows_stop_on_their_own(lm: Any) -> Iterator[list[RowStops]]:
 def shares_generate(lm: Any, instances: Sequence[Any]) -> bool:
     """Whether several masks may share ``generate`` calls for these generation requests:
     a decoder-only model that sees the prompt's tokens as they are (``multimask.
-    scored_positions_apply``) and greedy requests whose rows stop on their own
-    (``stops_per_row``). Sampled ones draw otherwise in a bigger batch."""
+    scored_positions_apply``), requests that are generations or plain loglikelihoods
+    (``multimask`` answers those; rolling ones are not) with at least one generation, and
+    greedy generations whose rows stop on their own (``stops_per_row``). Sampled ones draw
+    otherwise in a bigger batch."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
     from .multimask import scored_positions_apply
 
+    kinds = {instance.request_type for instance in instances}
+    if "generate_until" not in kinds or not kinds <= {"generate_until", "loglikelihood"}:
+        return False
     if not scored_positions_apply(lm):
         return False
     for instance in instances:

@@ -51,6 +51,12 @@ class RecordingLM:
         self.instances.extend(requests)
         return [""] * len(requests)
 
+    def loglikelihood_rolling(self, requests: list[Any],
+                              disable_tqdm: bool = False) -> list[float]:
+        # Recorded, not run: a perplexity task's requests are part of what a mask costs.
+        self.instances.extend(requests)
+        return [0.0] * len(requests)
+
     def __getattr__(self, name: str) -> Any:  # rank, world_size, tokenizer_name, ...
         return getattr(self._lm, name)
 
@@ -58,7 +64,7 @@ class RecordingLM:
 class ReplayLM(RecordingLM):
     """Answers each loglikelihood request from precomputed results, and each generation
     request from ``generations`` (``(instance, text)`` pairs, ``multigen``) where given,
-    else from the live model."""
+    else (and every rolling loglikelihood request) from the live model."""
 
     def __init__(self, lm: Any, answers: dict[tuple[str, str], Answer],
                  generations: Sequence[tuple[Any, str]] | None = None) -> None:
@@ -72,6 +78,10 @@ class ReplayLM(RecordingLM):
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[Answer]:
         return [self._answers[tuple(r.args)] for r in requests]
+
+    def loglikelihood_rolling(self, requests: list[Any],
+                              disable_tqdm: bool = False) -> list[float]:
+        return self._lm.loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         if self._generations is None:

