@@ -131,6 +131,8 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         higher = bool(baseline["higher_is_better"][name])
         effects = np.full(len(columns), np.nan)
         effects[list(task_changes)] = [change for change, _ in task_changes.values()]
+        logprob_change = np.full(len(columns), np.nan)  # rank_measured's tie-break
+        logprob_change[list(task_changes)] = [lp for _, lp in task_changes.values()]
         rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
         # Equal measured changes are ties. An iterative winner is ranked by its round,
         # below the one before it unless that one's round measured the two alike.
@@ -146,7 +148,8 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
             extra={"method": "iterative greedy" if rounds > 1 else "one-shot greedy",
                    "rounds": rounds, "winners": [str(w) for w in winners],
                    "measurements": measurements,
-                   "tied_with_above": columns.names(tied)})
+                   "tied_with_above": columns.names(tied)},
+            evidence={"logprob_change": logprob_change})
         recorded = largest_single_help(rankings[name], all_measured=True)
         if recorded is not None:
             rankings[name].extra["largest_single_help"] = recorded

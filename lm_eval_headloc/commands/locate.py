@@ -169,6 +169,14 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             stability.low[list(alone)] = stability.high[list(alone)] = np.nan
         effects = fit.effects.copy()
         effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
+        # What the ranking ordered equal effects by, kept for orders that need it (export).
+        logprob_change = np.full(len(effects), np.nan)
+        logprob_change[list(alone)] = [lp for _, lp in alone.values()]
+        contrast = fit.contrast.copy()
+        contrast[[*alone, *unmeasured]] = np.nan
+        evidence = {"logprob_change": logprob_change, "contrast": contrast}
+        if estimates is not None:
+            evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,
@@ -195,7 +203,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                        alternated(prior_rankings(estimates), top_k))}),
                    **({"prior_found_nothing": True} if prior_found_nothing(estimates)
                       else {})},
-            stability=stability)
+            stability=stability, evidence=evidence)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
             rankings[task].extra["largest_single_help"] = recorded

@@ -25,10 +25,20 @@ from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
-__all__ = ["HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
+__all__ = ["TIE_EVIDENCE", "HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
            "plot_heatmap", "ranked_heads_json", "ranking_from_json", "relative_drop",
            "harmless_words", "recorded_harmless", "tie_words", "within_spread",
            "write_ranking"]
+
+
+#: What a ranking records of each column beyond its effect, for orders that must tell equal
+#: effects apart (``export``): a column measured alone, its measured change of the gold
+#: answers' log-likelihood (the ranking's own tie-break among equal measured changes); one
+#: the fit estimated, its marginal contrast (mean score of the masks that knock it out
+#: less that of the others, on what the measured changes leave: the ranking's tie-break
+#: among equal fitted effects); and, where the run has a prior, its attribution estimates
+#: of the log-likelihood's change, one per path point.
+TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
 
 
 @dataclass
@@ -47,6 +57,9 @@ class HeadRanking:
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
     columns: Columns | None = None  # the component of each column; None: every head
     head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
+    #: ``TIE_EVIDENCE`` name -> per column values (``prior``: (points, columns)); NaN (or
+    #: inf) where a column has none.
+    evidence: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.columns is None:
@@ -126,7 +139,9 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
     for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
     from locate ``tied_with_above``: the head's evidence equals the head ranked above it
-    (their order is then the head index, which says nothing).
+    (their order is then the head index, which says nothing); and where recorded its
+    ``TIE_EVIDENCE``: ``logprob_change`` (measured alone), ``contrast`` (estimated by the
+    fit), ``prior`` (one estimate per prior point).
     """
     stability = {} if ranking.stability is None else {
         "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
@@ -142,7 +157,8 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
              **_type_fields(ranking, head),
              **_alone_field(ranking, head),
              **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
-                if "tied_with_above" in ranking.extra else {})}
+                if "tied_with_above" in ranking.extra else {}),
+             **_evidence_fields(ranking, head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
@@ -165,6 +181,15 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
     effects = np.full(len(columns), np.nan)
     for index, entry in zip(order, entries, strict=True):
         effects[index] = np.nan if entry.get("effect") is None else entry["effect"]
+    evidence: dict[str, np.ndarray] = {}
+    for name in TIE_EVIDENCE:
+        given = [(index, entry[name]) for index, entry in zip(order, entries, strict=True)
+                 if entry.get(name) is not None]
+        if given:
+            values = np.full((*np.shape(given[0][1]), len(columns)), np.nan)
+            for index, value in given:
+                values[..., index] = value
+            evidence[name] = values
     stability = None
     if "bootstrap" in data:
         selected, low, high = np.zeros(len(columns)), *np.full((2, len(columns)), np.nan)
@@ -178,7 +203,7 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
         baseline=data["baseline"], effects=effects, order=order,
         heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
         extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
-        head_types=head_types)
+        head_types=head_types, evidence=evidence)
 
 
 def _name_fields(component: Column) -> dict[str, Any]:
@@ -210,6 +235,19 @@ def type_words(ranking: HeadRanking, head: Column) -> str:
         return ""
     label = fields["type"]
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
+
+
+def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+    # A column's TIE_EVIDENCE, each only where it has one (finite).
+    index = ranking.columns.index(head)
+    fields: dict[str, Any] = {}
+    for name in TIE_EVIDENCE:
+        if name not in ranking.evidence:
+            continue
+        value = np.asarray(ranking.evidence[name][..., index], dtype=np.float64)
+        if np.isfinite(value).all():
+            fields[name] = value.tolist() if value.ndim else float(value)
+    return fields
 
 
 def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
