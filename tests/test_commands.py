@@ -585,7 +585,7 @@ def test_a_fit_that_tells_no_heads_apart_says_so(tiny_model_dir, tmp_path, capsy
 
 def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_dir, tmp_path,
                                                                      monkeypatch):
-    """Issue 47: the default job drew a new bar for each of the confirmation's rounds. One
+    """The default job drew a new bar for each of the confirmation's rounds. One
     bar per phase (as lm-eval draws one per request type): the masks, then the
     confirmation's heads alone (7: rounds of 5 and 2), each bar filled once."""
     import tqdm as tqdm_module
@@ -609,7 +609,7 @@ def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_d
 
 
 def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
-    """Issue 47: the default job's last lines read 'R² 0.992 (held out -0.70)', which a
+    """The default job's last lines read 'R² 0.992 (held out -0.70)', which a
     newcomer takes for a failed run. The committed run of today's defaults (the top 5
     measured alone) is refitted and its summary line read."""
     source = (Path(__file__).resolve().parent.parent / "benchmarks" / "recovery-runs"
