@@ -75,7 +75,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             return measure
 
         if read_types(folder) is None:  # what kind of head each is: the ranking files say
-            ensure_types(folder, measuring())
+            ensure_types(folder, measuring(), spec.probe_rows)
         baseline = run_plan(folder, measuring([("baseline", [])]), [("baseline", [])],
                             desc="baseline", progress=spec.progress)["baseline"]
         higher = {name: bool(baseline["higher_is_better"][name]) for name in names}

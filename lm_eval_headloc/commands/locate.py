@@ -703,7 +703,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = run.spec = spec.budgeted(method)
         run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
-            ensure_types(folder, measure)
+            ensure_types(folder, measure, spec.probe_rows)
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns

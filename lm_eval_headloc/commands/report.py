@@ -223,17 +223,23 @@ def _type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
     # A head's attention-pattern scores (types.json), where the run has them.
     if ranking.head_types is None or not isinstance(head, Head):
         return {}
+    near = ranking.head_types.borderline(head.layer, head.head)
     return {"types": ranking.head_types.of(head.layer, head.head),
-            "type": ranking.head_types.label(head.layer, head.head)}
+            "type": ranking.head_types.label(head.layer, head.head),
+            **({"type_borderline": near} if near else {})}
 
 
 def type_words(ranking: HeadRanking, head: Column) -> str:
-    """A head's dominant type and its score for a table ("induction (0.81)"), "-" for a
-    head no type stands out in, "" where the run has no types."""
+    """A head's dominant type and its score for a table ("induction (0.81)"), where the
+    probe cannot tell the type it is nearest to "induction? (0.30)", "-" for a head no type
+    stands out in, "" where the run has no types."""
     fields = _type_fields(ranking, head)
     if not fields:
         return ""
     label = fields["type"]
+    if label is None and fields.get("type_borderline"):
+        near = fields["type_borderline"][0]
+        return f"{near.replace('_', '-')}? ({fields['types'][near]:.2f})"
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
 
 
@@ -350,9 +356,12 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
             note += "\ngrey rows: layers without attention heads"
         if unknown:
             note += "\ngrey: no estimate (never knocked out or not measured)"
-        if typed:
+        shown_types = {label for row in ranking.head_types.labels for label in row} if typed \
+            else set()
+        if shown_types - {None}:
             note += "\nletters: head types (" + ", ".join(
-                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()) + ")"
+                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()
+                if name in shown_types) + ")"
         ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8,
                      label="score change on knockout" + ("" if ranking.higher_is_better
@@ -430,7 +439,8 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
                  f"| --- | --- | --- |{type_rule}"]
         return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
                         f"{type_cell(head)}"
-                        for rank, head in enumerate(ranking.top(top_k), start=1)]
+                        for rank, head in enumerate(ranking.top(top_k), start=1)
+                        ] + _near_type_words(ranking, top_k)
     lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k}, hurting, "
              f"in {ranking.stability.resamples} bootstrap refits |{type_head}",
              f"| --- | --- | --- | --- | --- |{type_rule}"]
@@ -445,7 +455,17 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
                     f"{confidence['selected']:.0%}" + (" (unstable)" if head in unstable else ""))
         lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
                      f"{shown} | {selected} |{type_cell(head)}")
-    return lines
+    return lines + _near_type_words(ranking, top_k)
+
+
+def _near_type_words(ranking: HeadRanking, top_k: int) -> list[str]:
+    """What a type with "?" in the table means, where one is shown."""
+    if not any(type_words(ranking, head).split(" ")[0].endswith("?")
+               for head in ranking.top(top_k)):
+        return []
+    return ["", "A type with ?: the head's probe score is within three of its standard "
+                "errors of that type's threshold (types.json's borderline), so another "
+                "probe may put it on either side; it is not labelled."]
 
 
 def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
