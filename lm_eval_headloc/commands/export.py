@@ -37,15 +37,18 @@ What the export writes: every node of the model's graph, in ``Graph.from_model``
 A head's ``score`` is the task score's fall when the head is knocked out, in the metric's
 units (``-effect`` where higher is better, ``effect`` where lower is better): positive =
 the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
-estimate, as the run's ranking says. A head with no effect (``null``), excluded, or missing
+estimate, as the run's ranking says; heads of equal fall (a Lasso's many zeros) are told
+apart by the run's further evidence, as its ranking file records it (``_ordered``), since
+MIB's top-n ranks by score alone. A head with no effect (``null``), excluded, or missing
 from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads run never
 knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
 is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
 is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
-task, the sign, what was left unscored and what the ranking says of its own evidence (ties,
-shared masks, heads measured alone, the spread of single knockouts: equal scores are no
-order); MIB's loader ignores it, and it marks the file as ours: an existing file without it
-is never overwritten.
+task, the sign, what was left unscored, how the scores were ordered (``order``: which heads
+each evidence moved, which still share a score and why) and what the ranking says of its
+own evidence (ties, shared masks, heads measured alone, the spread of single knockouts);
+MIB's loader ignores it, and it marks the file as ours: an existing file without it is
+never overwritten.
 
 MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
 neurons is refused.
@@ -392,13 +395,18 @@ def _ordered(keys: list[tuple[float, ...]]) -> tuple[list[float], list[set[int]]
 def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
     """Why heads share a score: the evidence they have alike, and what would tell them
     apart that the run lacks."""
-    alone = all(e.get("measured_alone") is True or e.get("logprob_change") is not None
-                for e in entries)
+    def all_are(measured: bool) -> bool:
+        evidence = "logprob_change" if measured else "contrast"
+        return all(e.get("measured_alone") is measured or e.get(evidence) is not None
+                   for e in entries)
+
     recorded = [words for name, words in (("logprob_change", "log-likelihood change"),
                                           ("contrast", "marginal contrast"),
                                           ("prior", "prior estimates"))
                 if all(e.get(name) is not None for e in entries)]
-    same = ["score change measured alone" if alone else "fitted effect", *recorded]
+    kind = ("score change measured alone" if all_are(True) else
+            "fitted effect" if all_are(False) else "effect")
+    same = [kind, *recorded]
     words = "the same " + (" and ".join(same) if len(same) < 3 else
                            ", ".join(same[:-1]) + " and " + same[-1])
     if not recorded:
@@ -407,13 +415,44 @@ def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
     return words + ("; the run has no prior to tell them apart" if not points else "")
 
 
+def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float],
+            higher_is_better: bool) -> tuple[dict[Head, float], dict[str, Any]]:
+    """Each scored head's score (``_ordered`` over its ``_evidence``), from its ranking
+    entry and its fall, and our record of the order: the evidence compared, in order; the
+    heads each moved; the heads that still share a score, and why."""
+    points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
+                 default=0)
+    keys = {head: _evidence(entry, falls[head], higher_is_better, points)
+            for head, entry in scored.items()}
+    ordered, moved = _ordered(list(keys.values()))
+    scores = dict(zip(scored, ordered, strict=True))
+    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points)]
+    tie_broken: dict[str, list[str]] = {}
+    for head, levels in zip(scored, moved, strict=True):
+        for name in dict.fromkeys(level_names[level] for level in sorted(levels)):
+            tie_broken.setdefault(name, []).append(str(head))
+    sharing: dict[float, list[Head]] = {}
+    for head, score in scores.items():
+        sharing.setdefault(score, []).append(head)
+    ties = [{"heads": [str(h) for h in heads], "score": score,
+             "why": (_tie_words([scored[h] for h in heads], points)
+                     if len({keys[h] for h in heads}) == 1 else
+                     "evidence that differs by less than a float can tell apart")}
+            for score, heads in sharing.items() if len(heads) > 1]
+    return scores, {"by": [words for name, words in _LEVELS.items()
+                           if name != "prior" or points],
+                    "words": _ORDER_WORDS, "tie_broken_by": tie_broken, "ties": ties}
+
+
 def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
               parallel_attn_mlp: bool = False) -> dict[str, Any]:
     """MIB's node-level importance graph of a ranking (a ``heads-<task>.json``'s content)
     for a model of ``n_layers`` layers of ``n_heads`` heads, ``d_model`` wide.
 
     Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
-    (``-effect`` where higher is better, ``effect`` where lower is better); a head with no
+    (``-effect`` where higher is better, ``effect`` where lower is better), heads of equal
+    fall moved apart by the further evidence their entries record (``_scores``, said in
+    our record's ``order``); a head with no
     effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
     nodes in every circuit. ``in_graph`` is false but for ``logits``; ``edges`` is empty
     (see the module's docstring). Neuron entries are refused: the format has no place
@@ -431,7 +470,8 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
         raise ExportError(f"the ranking has {per_layer} heads per layer, the model "
                           f"{n_heads}")
     falls: dict[Head, float | None] = {}
-    scored: dict[Head, Mapping[str, Any]] = {}
+    scored: dict[Head, Mapping[str, Any]] = {}  # the heads with a fall: entry, fall
+    known: dict[Head, float] = {}
     for entry in entries:
         if not isinstance(entry, Mapping) or "head" not in entry:
             what = (entry.get("neuron") or entry.get("group")
@@ -450,31 +490,10 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
         head = parsed[0]
         if head in falls:
             raise ExportError(f"the ranking lists head {head} twice")
-        falls[head] = _score(entry, higher)
-        if falls[head] is not None:
-            scored[head] = entry
-    points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
-                 default=0)
-    keys = {head: _evidence(entry, falls[head], higher, points)
-            for head, entry in scored.items()}
-    ordered, moved = _ordered(list(keys.values()))
-    scores = dict(zip(scored, ordered, strict=True))
-    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points)]
-    tie_broken: dict[str, list[str]] = {}
-    for head, levels in zip(scored, moved, strict=True):
-        for name in dict.fromkeys(level_names[level] for level in sorted(levels)):
-            tie_broken.setdefault(name, []).append(str(head))
-    sharing: dict[float, list[Head]] = {}
-    for head, score in scores.items():
-        sharing.setdefault(score, []).append(head)
-    ties = []
-    for score, heads in sharing.items():
-        if len(heads) < 2:
-            continue
-        same = len({keys[h] for h in heads}) == 1
-        ties.append({"heads": [str(h) for h in heads], "score": score,
-                     "why": _tie_words([scored[h] for h in heads], points) if same else
-                     "evidence that differs by less than a float can tell apart"})
+        falls[head] = fall = _score(entry, higher)
+        if fall is not None:
+            scored[head], known[head] = entry, fall
+    scores, order = _scores(scored, known, higher)
     nodes: dict[str, dict[str, Any]] = {}
     for name in mib_node_names(n_layers, n_heads):
         nodes[name] = {"in_graph": name == "logits"}
@@ -496,9 +515,7 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
                  "unscored_nodes": "input, every MLP and the heads in unscored_heads "
                                    "(never knocked out, or no effect): MIB keeps them in "
                                    "every circuit; no edge is scored",
-                 "order": {"by": [_LEVELS[name] for name in _LEVELS
-                                  if name != "prior" or points],
-                           "words": _ORDER_WORDS, "tie_broken_by": tie_broken, "ties": ties},
+                 "order": order,
                  "evidence": {key: heads_json[key] for key in _EVIDENCE if key in heads_json},
                  "evidence_words": _EVIDENCE_WORDS},
     }
