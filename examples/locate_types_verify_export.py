@@ -68,11 +68,13 @@ print(verification_markdown(table))
 
 # %% Export: the ranking as MIB's node-importance file, and read back with MIB's checks.
 # A head's score is the task score's fall when it is knocked out (-effect here, where higher
-# is better): positive = the head helps, MIB's sign. MLPs and `input` stay unscored.
+# is better): positive = the head helps, MIB's sign; heads of equal fall are told apart by
+# the run's further evidence (the file's headloc_export.order says how). MLPs and `input`
+# stay unscored.
 mib_file = write_mib(RUN, OUT / "mib" / "headloc-induction_smollm2" / "importances.json")
 graph = read_mib(mib_file)
 scored = [(name, node["score"]) for name, node in graph["nodes"].items() if "score" in node]
-scored.sort(key=lambda item: -item[1])  # stable: ties keep the graph's (layer) order
+scored.sort(key=lambda item: -item[1])  # stable: equal evidence keeps the graph's order
 print(f"{mib_file}: {len(scored)} scored nodes; the highest:")
 for name, score in scored[:3]:
     print(f"  {name}  score {score:+.4f}")

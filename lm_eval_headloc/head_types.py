@@ -24,7 +24,18 @@ every counted (sequence, query) pair of the batch. A batch with no repeated toke
 duplicate or induction measurement: those scores are NaN, never 0.
 
 ``dominant_type`` turns the scores into a label per head, or None where no kind stands out
-from the model's typical head.
+from the model's typical head. Attention to the first position is what the typical head of
+most language models does (Xiao et al.; the embedded SmolLM2's median head gives it 0.44 of
+its attention), so no head stands out from the rest by it: the rule's threshold for it lay
+above 1 (1.07 there), which no share of attention reaches. It is scored, for reading, and
+labels no head (``LABELLED_TYPES``).
+
+A probe's score is a mean over its rows, each drawn at random, so it carries a sampling
+error: ``probe_type_scores`` gives each score's standard error over the rows, and a head is
+labelled only where its score clears the threshold by ``LABEL_MARGIN`` standard errors
+(``dominant_type(errors=…)``). One within that of the threshold is ``borderline``: another
+probe seed may put it on either side, so it is said as such, never labelled; a labelled head
+is then one that no probe of that size would call clearly not of its type.
 """
 
 from __future__ import annotations
@@ -36,13 +47,28 @@ import numpy as np
 import torch
 
 __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "HEAD_TYPES",
-           "MAD_TO_SD", "PROBE_FIRST_ID", "attention_patterns", "dominant_type",
-           "encode_texts", "head_type_scores", "repeated_probe", "type_scores_from_patterns",
-           "type_thresholds"]
+           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "PROBE_FIRST_ID", "PROBE_ROWS",
+           "attention_patterns", "borderline", "dominant_type", "encode_texts",
+           "head_type_scores", "probe_type_scores", "repeated_probe",
+           "type_scores_from_patterns", "type_thresholds"]
+
+#: ``repeated_probe``'s rows by default (``--probe-rows``): on the embedded SmolLM2, 4 rows
+#: (the earlier default) labelled heads that a larger probe put below the threshold (their
+#: scores' standard errors up to 0.05); at 32 they are at most 0.019 (median 0.001), 8 of
+#: 270 heads are too near a threshold to say, and no head labelled by one probe seed is
+#: clearly not of that type by another (tests/test_head_types.py).
+PROBE_ROWS = 32
 
 #: The scores, in the order every result lists them.
 HEAD_TYPES: tuple[str, ...] = ("previous_token", "duplicate_token", "induction",
                                "attention_sink")
+#: The scores a head can be labelled by: not ``attention_sink``, which the typical head
+#: shares (see the module docstring).
+LABELLED_TYPES: tuple[str, ...] = ("previous_token", "duplicate_token", "induction")
+#: Standard errors of the probe's score by which a head must clear a type's threshold to be
+#: labelled with it (and within which of it the head is ``borderline``): as the threshold
+#: asks three robust standard deviations of the heads, this asks three of the probe.
+LABEL_MARGIN = 3.0
 
 #: ``repeated_probe`` draws ids from ``PROBE_FIRST_ID`` up to the vocabulary's last id,
 #: excluded: most tokenizers put their special tokens at the lowest ids (SmolLM2's are
@@ -63,7 +89,7 @@ DOMINANT_MIN_MARGIN = 0.1
 DOMINANT_FLOOR = 0.3
 
 
-def repeated_probe(vocab_size: int, length: int = 32, batch: int = 4, seed: int = 0,
+def repeated_probe(vocab_size: int, length: int = 32, batch: int = PROBE_ROWS, seed: int = 0,
                    first_token: int | None = None) -> torch.Tensor:
     """``batch`` rows of ``length`` distinct random token ids repeated twice, shape
     ``(batch, 2 * length)``, or ``(batch, 2 * length + 1)`` with ``first_token``
@@ -153,10 +179,11 @@ def _targets(input_ids: Any, attention_mask: Any | None
 
 
 def _sums(patterns: Sequence[Any], input_ids: Any, attention_mask: Any | None
-          ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Each type's attention summed over its targets, ``(layers, heads)``, and how many
-    targets there were: what pools across batches."""
+          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Each type's attention summed over each row's targets, ``(rows, layers, heads)``, and
+    how many targets each row had, ``(rows,)``: what pools across rows and batches."""
     targets = _targets(input_ids, attention_mask)
+    rows = len(input_ids)
     sums: dict[str, list[np.ndarray]] = {name: [] for name in HEAD_TYPES}
     for layer in patterns:
         # A tensor stays where it is (a GPU): only the picked weights are copied, not the
@@ -169,15 +196,21 @@ def _sums(patterns: Sequence[Any], input_ids: Any, attention_mask: Any | None
                              f"{np.shape(input_ids)[1]}), got {tuple(weights.shape)}")
         for name, (b, q, k) in targets.items():
             # Advanced indices around a slice: the picked weights come out (targets, heads).
-            sums[name].append(_as_numpy(weights[b, :, q, k]).sum(axis=0))
-    return ({name: np.stack(rows) for name, rows in sums.items()},
-            {name: int(targets[name][0].size) for name in HEAD_TYPES})
+            picked = _as_numpy(weights[b, :, q, k])
+            per_row = np.zeros((rows, picked.shape[1]))
+            np.add.at(per_row, b, picked)
+            sums[name].append(per_row)
+    return ({name: np.stack(layers, axis=1) for name, layers in sums.items()},
+            {name: np.bincount(targets[name][0], minlength=rows) for name in HEAD_TYPES})
 
 
-def _means(sums: Mapping[str, np.ndarray], counts: Mapping[str, int]) -> dict[str, np.ndarray]:
-    # No target at all (no repeats; one-token sequences) is no measurement: NaN, not 0.
-    return {name: (sums[name] / counts[name] if counts[name] else
-                   np.full(sums[name].shape, np.nan)) for name in HEAD_TYPES}
+def _means(sums: Mapping[str, np.ndarray], counts: Mapping[str, np.ndarray]
+           ) -> dict[str, np.ndarray]:
+    # Pooled over the rows. No target at all (no repeats; one-token sequences) is no
+    # measurement: NaN, not 0.
+    total = {name: int(np.sum(counts[name])) for name in HEAD_TYPES}
+    return {name: (sums[name].sum(axis=0) / total[name] if total[name] else
+                   np.full(sums[name].shape[1:], np.nan)) for name in HEAD_TYPES}
 
 
 def type_scores_from_patterns(patterns: Sequence[Any], input_ids: Any,
@@ -248,26 +281,51 @@ def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor,
     return [a.detach() for a in attentions]
 
 
+def _row_sums(model: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None, batch_size: int | None
+              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``_sums`` of ``model``'s own patterns for every row of ``input_ids``, in forward
+    passes of ``batch_size`` rows (all at once by default); a hybrid's layers without heads
+    NaN."""
+    step = batch_size or len(input_ids)
+    parts: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+    head_layers = _head_layers(model)
+    for start in range(0, len(input_ids), step):
+        ids = input_ids[start:start + step]
+        mask = None if attention_mask is None else attention_mask[start:start + step]
+        sums, counts = _sums(attention_patterns(model, ids, mask), ids, mask)
+        if head_layers is not None:
+            sums = {name: _spread(rows, *head_layers) for name, rows in sums.items()}
+        parts.append((sums, counts))
+    return ({name: np.concatenate([p[0][name] for p in parts]) for name in HEAD_TYPES},
+            {name: np.concatenate([p[1][name] for p in parts]) for name in HEAD_TYPES})
+
+
 def head_type_scores(model: torch.nn.Module, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None = None,
                      batch_size: int | None = None) -> dict[str, np.ndarray]:
     """``type_scores_from_patterns`` on ``model``'s own patterns for ``input_ids``, in
     forward passes of ``batch_size`` rows (all at once by default); the means pool every
     counted query of every row, as one pass would."""
-    step = batch_size or len(input_ids)
-    total: dict[str, np.ndarray] = {}
-    counts = dict.fromkeys(HEAD_TYPES, 0)
-    head_layers = _head_layers(model)
-    for start in range(0, len(input_ids), step):
-        ids = input_ids[start:start + step]
-        mask = None if attention_mask is None else attention_mask[start:start + step]
-        sums, n = _sums(attention_patterns(model, ids, mask), ids, mask)
-        if head_layers is not None:
-            sums = {name: _spread(rows, *head_layers) for name, rows in sums.items()}
-        for name in HEAD_TYPES:
-            total[name] = total[name] + sums[name] if name in total else sums[name]
-            counts[name] += n[name]
-    return _means(total, counts)
+    return _means(*_row_sums(model, input_ids, attention_mask, batch_size))
+
+
+def probe_type_scores(model: torch.nn.Module, probe: torch.Tensor,
+                      batch_size: int | None = None
+                      ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``head_type_scores`` on a probe (``repeated_probe``: its rows drawn independently,
+    each with the same targets), and each score's standard error over the rows: the
+    standard deviation of the rows' own scores over the square root of their number (NaN
+    with fewer than two rows)."""
+    sums, counts = _row_sums(model, probe, None, batch_size)
+    scores = _means(sums, counts)
+    errors = {}
+    for name in HEAD_TYPES:
+        counted = counts[name] > 0
+        rows = sums[name][counted] / counts[name][counted][:, None, None]
+        errors[name] = (np.std(rows, axis=0, ddof=1) / np.sqrt(len(rows)) if len(rows) > 1
+                        else np.full(scores[name].shape, np.nan))
+    return scores, errors
 
 
 def _head_layers(model: torch.nn.Module) -> tuple[int, tuple[int, ...]] | None:
@@ -285,25 +343,28 @@ def _head_layers(model: torch.nn.Module) -> tuple[int, tuple[int, ...]] | None:
 
 
 def _spread(rows: np.ndarray, layers: int, head_layers: tuple[int, ...]) -> np.ndarray:
-    """A hybrid's per-attention-layer rows as (layers, heads), NaN where a layer has no
-    heads (a NaN score is never a type)."""
-    if len(rows) != len(head_layers):
-        raise ValueError(f"the model returned attention weights for {len(rows)} layers; it "
-                         f"has heads in {len(head_layers)}")
-    spread = np.full((layers, *rows.shape[1:]), np.nan, dtype=np.float64)
-    spread[list(head_layers)] = rows
+    """A hybrid's per-attention-layer values, ``(..., attention layers, heads)``, as
+    ``(..., layers, heads)``, NaN where a layer has no heads (a NaN score is never a
+    type)."""
+    if rows.shape[-2] != len(head_layers):
+        raise ValueError(f"the model returned attention weights for {rows.shape[-2]} layers; "
+                         f"it has heads in {len(head_layers)}")
+    spread = np.full((*rows.shape[:-2], layers, rows.shape[-1]), np.nan, dtype=np.float64)
+    spread[..., list(head_layers), :] = rows
     return spread
 
 
 def type_thresholds(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,
                     min_margin: float = DOMINANT_MIN_MARGIN,
                     floor: float = DOMINANT_FLOOR) -> dict[str, float]:
-    """Each type's threshold over all of the model's heads:
-    ``max(median + max(mads * MAD_TO_SD * MAD, min_margin), floor)``, with the median and
-    the median absolute deviation (MAD) taken over the heads' finite scores; NaN for a type
-    with none."""
+    """Each labelling type's threshold over all of the model's heads (``LABELLED_TYPES``;
+    other scores are left out): ``max(median + max(mads * MAD_TO_SD * MAD, min_margin),
+    floor)``, with the median and the median absolute deviation (MAD) taken over the heads'
+    finite scores; NaN for a type with none."""
     thresholds = {}
     for name, values in scores.items():
+        if name not in LABELLED_TYPES:
+            continue
         finite = np.asarray(values, dtype=np.float64)
         finite = finite[np.isfinite(finite)]
         if not finite.size:
@@ -315,31 +376,48 @@ def type_thresholds(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MAD
     return thresholds
 
 
+def _clearances(scores: Mapping[str, np.ndarray], errors: Mapping[str, np.ndarray] | None,
+                margin: float, thresholds: Mapping[str, float]
+                ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per labelling type, ``(score, allowance)``: the allowance is ``margin`` standard
+    errors of the score (0 without ``errors``, or where its error is unknown)."""
+    out = {}
+    for name in thresholds:
+        grid = np.asarray(scores[name], dtype=np.float64)
+        error = (np.zeros_like(grid) if errors is None or name not in errors else
+                 np.nan_to_num(np.asarray(errors[name], dtype=np.float64), nan=0.0))
+        out[name] = (grid, margin * error)
+    return out
+
+
 def dominant_type(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,
                   min_margin: float = DOMINANT_MIN_MARGIN,
-                  floor: float = DOMINANT_FLOOR) -> list[list[str | None]]:
+                  floor: float = DOMINANT_FLOOR, *,
+                  errors: Mapping[str, np.ndarray] | None = None,
+                  margin: float = LABEL_MARGIN) -> list[list[str | None]]:
     """Each head's type, ``[layer][head]``: the type whose score is clearly above the
     model's typical head, or None.
 
-    A head qualifies for a type when its score is strictly above the type's threshold,
-    ``max(median + max(mads * 1.4826 * MAD, min_margin), floor)`` over all heads
-    (``type_thresholds``): a robust number of standard deviations above the typical head,
-    at least ``min_margin`` above it, and never below ``floor``. A head that qualifies for
-    several types takes the one with the largest ``score / threshold``; an exact tie
-    (to 1e-9) between the best two is None, as is a head that qualifies for none. NaN
-    scores never qualify.
+    A head qualifies for a type (one of ``LABELLED_TYPES``) when its score is strictly above
+    the type's threshold, ``max(median + max(mads * 1.4826 * MAD, min_margin), floor)`` over
+    all heads (``type_thresholds``) — a robust number of standard deviations above the
+    typical head, at least ``min_margin`` above it, and never below ``floor`` — by more
+    than ``margin`` of its standard errors where ``errors`` gives them
+    (``probe_type_scores``). A head that qualifies for several types takes the one with the
+    largest ``score / threshold``; an exact tie (to 1e-9) between the best two is None, as
+    is a head that qualifies for none. NaN scores never qualify.
     """
     thresholds = type_thresholds(scores, mads, min_margin, floor)
-    grids = {name: np.asarray(values, dtype=np.float64) for name, values in scores.items()}
-    shape = next(iter(grids.values())).shape
+    clear = _clearances(scores, errors, margin, thresholds)
+    shape = next(iter(np.shape(v) for v in scores.values()))
     labels: list[list[str | None]] = []
     for layer in range(shape[0]):
         row: list[str | None] = []
         for head in range(shape[1]):
-            ratios = sorted(((grids[name][layer, head] / thresholds[name], name)
-                             for name in grids
-                             if grids[name][layer, head] > thresholds[name]),  # NaN: False
-                            reverse=True)
+            ratios = sorted(((grid[layer, head] / thresholds[name], name)
+                             for name, (grid, allow) in clear.items()
+                             if grid[layer, head] - allow[layer, head] > thresholds[name]),
+                            reverse=True)  # NaN: never above
             if not ratios or (len(ratios) > 1 and np.isclose(ratios[0][0], ratios[1][0],
                                                              rtol=1e-9, atol=0.0)):
                 row.append(None)
@@ -347,3 +425,18 @@ def dominant_type(scores: Mapping[str, np.ndarray], mads: float = DOMINANT_MADS,
                 row.append(ratios[0][1])
         labels.append(row)
     return labels
+
+
+def borderline(scores: Mapping[str, np.ndarray], errors: Mapping[str, np.ndarray],
+               mads: float = DOMINANT_MADS, min_margin: float = DOMINANT_MIN_MARGIN,
+               floor: float = DOMINANT_FLOOR, margin: float = LABEL_MARGIN
+               ) -> list[list[list[str]]]:
+    """Each head's types, ``[layer][head]``, whose threshold its score is within ``margin``
+    standard errors of (either side): a probe of another seed may put it above or below,
+    so ``dominant_type`` does not label it with them, nor can it be said not to be one."""
+    thresholds = type_thresholds(scores, mads, min_margin, floor)
+    clear = _clearances(scores, errors, margin, thresholds)
+    shape = next(iter(np.shape(v) for v in scores.values()))
+    return [[[name for name, (grid, allow) in clear.items()
+              if abs(grid[layer, head] - thresholds[name]) <= allow[layer, head]]
+             for head in range(shape[1])] for layer in range(shape[0])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -580,6 +581,56 @@ def test_a_fit_that_tells_no_heads_apart_says_so(tiny_model_dir, tmp_path, capsy
         assert "1. L0H0" not in printed
     else:  # two groups of four: the top-3 all come from the more harmful mask
         assert "Tied (the same evidence" in report
+
+
+def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """The default job drew a new bar for each of the confirmation's rounds. One
+    bar per phase (as lm-eval draws one per request type): the masks, then the
+    confirmation's heads alone (7: rounds of 5 and 2), each bar filled once."""
+    import tqdm as tqdm_module
+
+    bars = []
+
+    class Recorded(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
+            if not self.disable:  # shown (close() disables it later)
+                bars.append(self)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--masks", "6", "--sparsity", "0.25", "--num-samples", "6",
+                   "--prior", "none", "--confirm", "7", "--out", str(tmp_path / "run")) == 0
+    shown = [(bar.desc, bar.n, bar.total) for bar in bars]
+    assert shown == [("locate", 7, 7), ("confirm", 7, 7)], shown
+    rounds = strict_json(tmp_path / "run" / "config.json")["confirm"]["rounds"]
+    assert [len(r) for r in rounds] == [5, 2]  # two rounds, one bar
+
+
+def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
+    """The default job's last lines read 'R² 0.992 (held out -0.70)', which a
+    newcomer takes for a failed run. The committed run of today's defaults (the top 5
+    measured alone) is refitted and its summary line read."""
+    source = (Path(__file__).resolve().parent.parent / "benchmarks" / "recovery-runs"
+              / "headloc_induction" / "stratified-p0.1-atp-path" / "m54-seed0")
+    run = Path(shutil.copytree(source, tmp_path / "run"))
+    heads = strict_json(run / "heads.json")
+    assert heads["r2_held_out"] < 0 and all(e["measured_alone"] for e in heads["heads"][:5])
+    assert harness("refit", str(run)) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("headloc_induction (acc,none): baseline 0.4800"), line
+    assert "-0.70" not in line and "R²" not in line, line
+    assert "the top 5 measured alone: their order is measured, not fitted" in line, line
+    # Where the fit does order the top-k, its held-out R² below 0 comes with its meaning.
+    from lm_eval_headloc.commands.locate import BELOW_ZERO, fit_summary
+    from lm_eval_headloc.commands.result import read_rankings
+
+    ranking = read_rankings(run)["headloc_induction"]
+    ranking.extra["confirmed"] = []
+    words = fit_summary(ranking, 5)
+    assert words == f", fit R² 0.992 in-sample, -0.70 held out ({BELOW_ZERO})", words
+    assert "(below 0: " in (run / "report.md").read_text()
 
 
 def test_a_larger_confirm_measures_only_the_new_heads(tiny_model_dir, tmp_path):

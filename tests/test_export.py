@@ -117,7 +117,9 @@ def test_export_scores_every_head_with_mibs_sign(tmp_path):
     assert marker["evidence"] == {
         "tied_with_above": [], "same_masks": {}, "confirmed": ["L0H0", "L1H0", "L1H1", "L0H1"],
         "largest_single_help": {"head": "L0H1", "change": 0.25}}
-    assert "equal scores are no order" in marker["evidence_words"]
+    # Every fall differs: no score was moved and none is shared.
+    assert marker["order"]["tie_broken_by"] == {} and marker["order"]["ties"] == []
+    assert "tied_with_above" in marker["evidence_words"]
     check_mib(data)
 
 
@@ -183,6 +185,144 @@ def test_mib_model_fills_the_width_and_checks_the_shape(tmp_path, model):
         write_mib(make_run(tmp_path / "run"), tmp_path / "out.json", mib_model=model)
     layers, heads, _ = MIB_MODELS[model]
     assert f"{layers} of {heads}" in one_line_error(err)
+
+
+# --- equal falls: ordered by the run's further evidence ------------------------------------
+
+def evidenced(higher_is_better: bool = True, tied_prior: bool = False) -> dict:
+    """A ranking whose falls tie: two heads measured alone that lost 0.5 (told apart by
+    the log-likelihood they lost), three the fit left at 0 (by the masks' marginal
+    contrast, then the prior), one measured to help."""
+    sign = 1 if higher_is_better else -1  # the score's sign; log-likelihoods keep theirs
+    rows = [("L0H0", -0.5, {"logprob_change": -1.0, "measured_alone": True}),
+            ("L0H1", -0.5, {"logprob_change": -2.0, "measured_alone": True}),
+            ("L0H2", 0.0, {"contrast": -0.02, "prior": [-0.3]}),
+            ("L1H0", 0.0, {"contrast": 0.01, "prior": [-0.1]}),
+            ("L1H1", 0.0, {"contrast": -0.02, "prior": [-0.3 if tied_prior else -0.1]}),
+            ("L1H2", 0.25, {"logprob_change": 0.5, "measured_alone": True})]
+    entries = [{"head": name, "effect": sign * effect,
+                **{key: sign * value if key == "contrast" else value
+                   for key, value in fields.items()}} for name, effect, fields in rows]
+    return ranking(higher_is_better=higher_is_better, entries=entries)
+
+
+def head_scores(graph: dict) -> dict[str, float]:
+    return {f"L{name[1]}H{name[4]}": node["score"] for name, node in graph["nodes"].items()
+            if "score" in node}
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_equal_falls_are_told_apart_by_the_next_evidence(higher):
+    graph = mib_graph(evidenced(higher), n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+    # By hand. Falls: 0.5 (L0H0, L0H1), 0 (L0H2, L1H0, L1H1), -0.25 (L1H2).
+    # Log-likelihood falls at 0.5: 1 and 2. Nothing above, so the room is a third of the
+    # gap below, (0.5 - 0) / 3 = 1/6, which the largest (2) takes: L0H1 0.5 + 1/6,
+    # L0H0 0.5 + 1/12. At 0 none was measured alone: unmoved.
+    # Contrast falls at 0 (higher is better: -contrast): .02, -.01, .02. Up: a third of
+    # (7/12 - 0) = 7/36, taken by .02: L0H2 and L1H1 7/36. Down: a third of (0 + 1/4) =
+    # 1/12, scaled by -.01 / .02: L1H0 -1/24.
+    # Prior falls at 7/36 (L0H2 .3, L1H1 .1): up a third of (7/12 - 7/36) = 7/54, taken by
+    # .3: L0H2 7/36 + 7/54 = 35/108; L1H1 7/36 + 7/54 / 3 = 77/324.
+    expected = {"L0H0": 0.5 + 1 / 12, "L0H1": 0.5 + 1 / 6, "L0H2": 35 / 108,
+                "L1H0": -1 / 24, "L1H1": 77 / 324, "L1H2": -0.25}
+    scores = head_scores(graph)
+    assert scores == pytest.approx(expected, rel=1e-12)
+    assert scores["L1H2"] == -0.25  # alone at its fall: unmoved, exactly
+    order = graph[MARKER]["order"]
+    assert order["tie_broken_by"] == {"logprob_change": ["L0H0", "L0H1"],
+                                      "contrast": ["L0H2", "L1H0", "L1H1"],
+                                      "prior": ["L0H2", "L1H1"]}
+    assert order["ties"] == []
+    assert len(order["by"]) == 4 and "prior" in order["by"][-1]
+    check_mib(graph)
+
+
+def test_heads_equal_in_all_evidence_share_a_score_and_the_file_says_so():
+    graph = mib_graph(evidenced(tied_prior=True), n_layers=LAYERS, n_heads=HEADS,
+                      d_model=WIDTH)
+    scores = head_scores(graph)
+    assert scores["L0H2"] == scores["L1H1"] == pytest.approx(7 / 36, rel=1e-12)
+    assert len(set(scores.values())) == 5
+    assert graph[MARKER]["order"]["ties"] == [{
+        "heads": ["L0H2", "L1H1"], "score": scores["L0H2"],
+        "why": "the same fitted effect, marginal contrast and prior estimates"}]
+    # Without a prior or anything else recorded, the file says what it lacks.
+    bare = ranking(entries=[{"head": h, "effect": 0.0} for h in ("L0H0", "L0H1")])
+    ties = mib_graph(bare, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)[MARKER]["order"]
+    assert ties["ties"][0]["heads"] == ["L0H0", "L0H1"]
+    assert "records nothing else of them" in ties["ties"][0]["why"]
+
+
+def test_evidence_that_is_not_a_number_is_refused():
+    for field, value in (("contrast", "x"), ("logprob_change", math.inf), ("prior", [0, None]),
+                         ("prior", 0.5)):
+        data = evidenced()
+        data["heads"][2][field] = value
+        with pytest.raises(ExportError) as err:
+            mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+        assert "L0H2" in one_line_error(err) and field in str(err.value)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RECOVERY_RUNS = ROOT / "benchmarks" / "recovery-runs"
+
+
+def falls_of(entry: dict, higher: bool) -> tuple:
+    """A ranking entry's evidence as falls, read here from the file on its own: the score's,
+    the measured log-likelihood's, the contrast's, the prior's (0 where absent)."""
+    sign = -1 if higher else 1
+    return (sign * entry["effect"], -entry.get("logprob_change", 0.0),
+            sign * entry.get("contrast", 0.0), *(-p for p in entry.get("prior", [])))
+
+
+@pytest.mark.parametrize("name", [
+    "headloc_ioi/stratified-p0.1-atp-path/m40-seed2",  # the prior and 24 heads alone
+    "headloc_induction/stratified-p0.02/seed0",  # no prior, nothing measured alone
+])
+def test_a_committed_lasso_run_orders_every_head(name, tmp_path):
+    """The export of a Lasso run gave 229 of 270 heads the score 0.0. Every head
+    must be ordered by the run's evidence; heads share a score only where all of it is
+    equal, and the file lists them."""
+    run = RECOVERY_RUNS / name
+    task = name.split("/")[0]
+    data = json.loads((run / f"heads-{task}.json").read_text())
+    higher = data["higher_is_better"]
+    graph = json.loads(write_mib(run, tmp_path / "x.json", d_model=576,
+                                 parallel_attn_mlp=False).read_text())
+    scores = head_scores_wide(graph)
+    evidence = {e["head"]: falls_of(e, higher) for e in data["heads"]}
+    assert len(scores) == len(evidence) == 270
+    # Ordered as the evidence, level by level: by the fall first, the rest among equals.
+    heads = sorted(evidence)
+    for a in heads:
+        for b in heads:
+            if evidence[a] > evidence[b]:
+                assert scores[a] > scores[b], (a, b, evidence[a], evidence[b])
+            elif evidence[a] == evidence[b]:
+                assert scores[a] == scores[b], (a, b)
+    # Equal scores are exactly the groups of equal evidence, and the file names them.
+    groups: dict[tuple, list[str]] = {}
+    for head in (e["head"] for e in data["heads"]):
+        groups.setdefault(evidence[head], []).append(head)
+    tied = sorted(sorted(g) for g in groups.values() if len(g) > 1)
+    ties = graph[MARKER]["order"]["ties"]
+    assert sorted(sorted(t["heads"]) for t in ties) == tied
+    assert len(set(scores.values())) == 270 - sum(len(g) - 1 for g in tied)
+    if "prior" in data["heads"][0]:  # every head has its own estimates: nothing ties
+        assert tied == [] and len({tuple(e["prior"]) for e in data["heads"]}) == 270
+    else:
+        assert tied and all("no prior" in t["why"] for t in ties)
+    assert sum(s == 0.0 for s in scores.values()) <= 1 + sum(len(g) for g in tied)
+
+
+def head_scores_wide(graph: dict) -> dict[str, float]:
+    """Head node name a{l}.h{h} -> its score, as L{l}H{h}, for any number of layers."""
+    out = {}
+    for name, node in graph["nodes"].items():
+        if name.startswith("a") and "score" in node:
+            layer, head = name[1:].split(".h")
+            out[f"L{layer}H{head}"] = node["score"]
+    return out
 
 
 # --- refusals -------------------------------------------------------------------------------

@@ -14,16 +14,31 @@ import torch
 from test_commands import harness, strict_json, tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm_eval_headloc.head_types import HEAD_TYPES, dominant_type, head_type_scores, repeated_probe
+from lm_eval_headloc.head_types import (
+    HEAD_TYPES,
+    PROBE_ROWS,
+    dominant_type,
+    head_type_scores,
+    repeated_probe,
+)
 
 
-def probe_scores(model_dir) -> dict[str, np.ndarray]:
+def probe_scores(model_dir, rows: int = PROBE_ROWS) -> dict[str, np.ndarray]:
     """The probe's scores from a plain transformers copy of the model (no hf-headablate)."""
+    return probe_scores_and_errors(model_dir, rows)[0]
+
+
+def probe_scores_and_errors(model_dir, rows: int = PROBE_ROWS
+                            ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The probe's scores and their standard errors, each row scored on its own here."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    probe = repeated_probe(model.get_input_embeddings().num_embeddings, length=32, batch=4,
-                           seed=0, first_token=tokenizer.bos_token_id)
-    return head_type_scores(model, probe)
+    probe = repeated_probe(model.get_input_embeddings().num_embeddings, length=32,
+                           batch=rows, seed=0, first_token=tokenizer.bos_token_id)
+    each = [head_type_scores(model, probe[r:r + 1]) for r in range(rows)]
+    stacked = {t: np.stack([row[t] for row in each]) for t in HEAD_TYPES}
+    return ({t: v.mean(axis=0) for t, v in stacked.items()},
+            {t: v.std(axis=0, ddof=1) / np.sqrt(rows) for t, v in stacked.items()})
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +51,8 @@ def typed_run(tiny_model_dir, tmp_path_factory):
 
 
 def test_a_locate_run_carries_every_heads_type_scores(typed_run, tiny_model_dir):
-    expected = probe_scores(tiny_model_dir("llama"))
-    labels = dominant_type(expected)
+    expected, errors = probe_scores_and_errors(tiny_model_dir("llama"))
+    labels = dominant_type(expected, errors=errors)
     stored = strict_json(typed_run / "types.json")
     assert stored["examples"] > 0 and stored["on_examples"] is not None
     heads = strict_json(typed_run / "heads.json")
@@ -124,6 +139,33 @@ def test_the_types_command_writes_every_head(tiny_model_dir, tmp_path, capsys):
         assert harness(*args) == 0
     assert (out / "types.json").read_text() == stored
     assert json.loads(stored)["probe"]["length"] == 32
+    assert json.loads(stored)["probe"]["batch"] == PROBE_ROWS
+
+
+def test_the_probe_has_as_many_rows_as_asked(tiny_model_dir, tmp_path, capsys):
+    """--probe-rows: the probe's size, part of what a types run measured (a rerun with
+    another size is refused, not answered from the other probe's file)."""
+    out = tmp_path / "types"
+    args = ["types", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--out", str(out)]
+    assert harness(*args, "--probe-rows", "6") == 0
+    stored = strict_json(out / "types.json")
+    assert stored["probe"]["batch"] == 6
+    expected, errors = probe_scores_and_errors(tiny_model_dir("llama"), rows=6)
+    for name in HEAD_TYPES:
+        np.testing.assert_allclose(np.array(stored["scores"][name], dtype=float),
+                                   expected[name], atol=2e-6)
+        np.testing.assert_allclose(np.array(stored["errors"][name], dtype=float),
+                                   errors[name], atol=2e-6)
+    assert stored["dominant"] == dominant_type(expected, errors=errors)
+    assert "attention_sink" not in stored["thresholds"]
+    capsys.readouterr()
+    assert harness(*args, "--probe-rows", "8") == 2
+    assert "probe_rows" in capsys.readouterr().err
+    assert strict_json(out / "types.json") == stored
+    assert harness(*args, "--probe-rows", "1", "--out", str(tmp_path / "one")) == 2
+    assert "--probe-rows" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "one").exists()
 
 
 def test_the_types_command_checks_before_loading(tiny_model_dir, tmp_path, capsys):

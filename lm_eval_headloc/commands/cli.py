@@ -24,7 +24,7 @@ from ..columns import column_label
 from ..errors import UserError, one_line
 from .cross import PROMPT_OPTIONS, cross, cross_markdown
 from .greedy import greedy
-from .locate import locate, refit
+from .locate import fit_summary, locate, refit
 from .overlap import markdown_path, overlap, overlap_markdown
 from .report import FLOOR_HINT, HeadRanking, at_floor, within_spread
 from .result import load_run
@@ -216,10 +216,8 @@ def run(args: argparse.Namespace) -> None:
 def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
     top_k = load_run(out).spec.top_k
     for task, ranking in rankings.items():
-        r2, held_out = ranking.extra.get("r2"), ranking.extra.get("r2_held_out")
-        fit = f", R² {r2:.3f}" if r2 is not None else ""
-        fit += f" (held out {held_out:.2f})" if held_out is not None else ""
-        print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}{fit}")
+        print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}"
+              + fit_summary(ranking, top_k))
         if at_floor(ranking):
             print(f"  no knockout can lower a score of 0; {FLOOR_HINT}")
         tied = set(ranking.extra.get("tied_with_above", []))

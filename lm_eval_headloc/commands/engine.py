@@ -719,9 +719,29 @@ def _scale_words(scale: float | None) -> str:
 PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
 
 
+@contextlib.contextmanager
+def phase_bar(desc: str, total: int, done: int = 0, progress: bool = True) -> Iterator[Any]:
+    """One progress bar for a phase that measures in several calls of ``run_plan`` (the
+    confirmation's rounds, ``--masks auto``'s), as lm-eval draws one per request type:
+    pass it as their ``bar``; each advances it by what it measures. ``done``: what the
+    phase finds on disk (a resumed run). A phase that ends short of ``total`` (it
+    stopped early) ends at 100 % of what it measured."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="meas",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        yield bar
+        if bar.n < bar.total:
+            bar.total = bar.n
+            bar.refresh()
+    finally:
+        bar.close()
+
+
 def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[PlanEntry],
-             desc: str, progress: bool = True, masks_per_pass: int | None = 1
-             ) -> dict[str, dict[str, Any]]:
+             desc: str, progress: bool = True, masks_per_pass: int | None = 1,
+             bar: Any = None) -> dict[str, dict[str, Any]]:
     """Measure every (key, heads) not yet on disk; return all records by key (``measure``
     None: nothing may be left to measure).
 
@@ -733,10 +753,10 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
     measurement's own scale, which the run's identity fixes. A record on disk whose mask
     or scale differs from the plan's refuses the folder. config.json is not touched: a
     distributed measurement's workers go into the command's record with its next phase
-    (``RunRecord.save``).
+    (``RunRecord.save``). ``bar``: the phase's (``phase_bar``), advanced by what this call
+    measures; None: a bar of this plan's own (``desc``, shown unless ``progress`` is
+    False).
     """
-    from tqdm import tqdm
-
     entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
     done = {r["key"]: r for r in folder.measurements()}
     for key, heads, scale in entries:
@@ -788,10 +808,12 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
         raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if todo else 1
-    bar = tqdm(total=len(entries), initial=sum(key in done for key, _, _ in entries),
-               desc=desc, unit="meas",
-               disable=not progress, dynamic_ncols=True)
-    try:
+    if bar is None:
+        phase = phase_bar(desc, len(entries), sum(key in done for key, _, _ in entries),
+                          progress)
+    else:
+        phase = contextlib.nullcontext(bar)
+    with phase as bar:
         copy_twins()  # those planned before anything left to measure
         # One scale per call of measure_chunks: entries grouped by scale, in plan order.
         for scale in dict.fromkeys(entry[2] for entry in todo):
@@ -822,8 +844,6 @@ def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[Plan
                     bar.update(1)
                     copy_twins()
         copy_twins(final=True)
-    finally:
-        bar.close()
     return {key: done[key] for key, _, _ in entries}
 
 

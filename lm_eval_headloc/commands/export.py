@@ -37,15 +37,18 @@ What the export writes: every node of the model's graph, in ``Graph.from_model``
 A head's ``score`` is the task score's fall when the head is knocked out, in the metric's
 units (``-effect`` where higher is better, ``effect`` where lower is better): positive =
 the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
-estimate, as the run's ranking says. A head with no effect (``null``), excluded, or missing
+estimate, as the run's ranking says; heads of equal fall (a Lasso's many zeros) are told
+apart by the run's further evidence, as its ranking file records it (``_ordered``), since
+MIB's top-n ranks by score alone. A head with no effect (``null``), excluded, or missing
 from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads run never
 knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
 is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
 is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
-task, the sign, what was left unscored and what the ranking says of its own evidence (ties,
-shared masks, heads measured alone, the spread of single knockouts: equal scores are no
-order); MIB's loader ignores it, and it marks the file as ours: an existing file without it
-is never overwritten.
+task, the sign, what was left unscored, how the scores were ordered (``order``: which heads
+each evidence moved, which still share a score and why) and what the ranking says of its
+own evidence (ties, shared masks, heads measured alone, the spread of single knockouts);
+MIB's loader ignores it, and it marks the file as ours: an existing file without it is
+never overwritten.
 
 MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
 neurons is refused.
@@ -59,6 +62,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import UserError
 from ..files import write_atomically
@@ -93,19 +98,29 @@ MIB_CELLS: frozenset[str] = frozenset({
 
 _SCORE = ("the task score's fall when the head is knocked out, in the metric's units "
           "(-effect where higher is better, +effect where lower is better): positive = the "
-          "head helps the task, as MIB's own node scores")
+          "head helps the task, as MIB's own node scores; heads of equal fall told apart "
+          "by the evidence in 'order'")
 _COMMANDS = ("locate", "greedy")
 #: What the ranking records of its own evidence, carried into our record as it is: which
 #: heads tie with the one above, share their masks, were measured alone, and the largest
 #: single help (harms no larger are within the spread of single knockouts).
 _EVIDENCE = ("tied_with_above", "same_masks", "confirmed", "largest_single_help",
              "prior_found_nothing")
-_EVIDENCE_WORDS = ("scores are the ranking's effects: measured for the heads in 'confirmed' "
-                   "(all of them after greedy), estimated by the fit otherwise; equal scores "
-                   "are no order (MIB breaks such ties its own way), a head in "
-                   "tied_with_above has the same evidence as the one ranked above it, and "
-                   "a score no larger than largest_single_help's change is within the "
-                   "spread of single knockouts")
+_EVIDENCE_WORDS = ("a score's fall is measured for the heads in 'confirmed' (all of them "
+                   "after greedy), estimated by the fit otherwise; the ranking's own order "
+                   "calls a head in tied_with_above tied with the one ranked above it (the "
+                   "prior, which that order does not consult, may still tell them apart "
+                   "here), and a fall no larger than largest_single_help's change is within "
+                   "the spread of single knockouts")
+_ORDER_WORDS = ("every scored head is ordered by its evidence, compared in the order of "
+                "'by': a score is the head's fall, unless other heads have the same fall; "
+                "then the next evidence moves each of them in proportion to its own fall "
+                "there, by at most a third of the gap to the nearest other score, so no "
+                "score passes another and the sign still says help or harm (a group with "
+                "no other score beside it moves by those falls as they are). "
+                "tie_broken_by lists the heads each evidence moved (their falls are "
+                "heads-<task>.json's effects); ties lists the heads that still share a "
+                "score, and why: the only equal scores")
 _CFG_INTS = ("n_layers", "n_heads", "d_model")
 _NUMBER = re.compile(r"0|[1-9][0-9]*")  # MIB's node names have no leading zeros
 _HEAD_NODE = re.compile(rf"a({_NUMBER.pattern})\.h({_NUMBER.pattern})")
@@ -303,13 +318,141 @@ def _score(entry: Mapping[str, Any], higher_is_better: bool) -> float | None:
     return (-effect if higher_is_better else effect) + 0.0  # + 0.0: no "-0.0" in the file
 
 
+#: The evidence a head's score is ordered by, most telling first (``_evidence``), each as
+#: the fall it points to (larger = knocking the head out hurts more) and in words.
+_LEVELS = {
+    "effect": "score change on knockout (measured alone, or else the fit's estimate)",
+    "logprob_change": "the gold answers' log-likelihood change, measured alone",
+    "contrast": "the masks' marginal contrast (the fit's own tie-break)",
+    "prior": "the attribution prior's estimates of the log-likelihood change",
+}
+#: How far a tied score may move toward the next distinct score on either side: a third of
+#: the gap, so two groups moving toward each other stay apart and no score passes another.
+_ROOM = 1 / 3
+
+
+def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
+              points: int) -> tuple[float, ...]:
+    """A head's evidence as falls (MIB's sign: positive = the head helps the task), in
+    ``_LEVELS``' order, one per prior point for the prior: its score's fall (``fall``),
+    its measured log-likelihood's, the fit's marginal contrast's, the prior's estimated
+    log-likelihood's; 0 for what the ranking does not record of it."""
+    def number(name: str, value: object) -> float:
+        if not (_is_number(value) and math.isfinite(value)):
+            raise ExportError(f"head {entry.get('head')}: {name} {value!r} is not a finite "
+                              "number")
+        return float(value)
+
+    logprob = entry.get("logprob_change")
+    contrast = entry.get("contrast")
+    prior = entry.get("prior")
+    if prior is not None and not (isinstance(prior, list) and len(prior) <= points):
+        raise ExportError(f"head {entry.get('head')}: prior {prior!r} is not a list of "
+                          f"at most {points} numbers")
+    estimates = [number("prior", value) for value in prior or ()]
+    estimates += [0.0] * (points - len(estimates))
+    return (fall,
+            0.0 if logprob is None else -number("logprob_change", logprob),
+            0.0 if contrast is None else (-1 if higher_is_better else 1)
+            * number("contrast", contrast),
+            *(-value for value in estimates))
+
+
+def _ordered(keys: list[tuple[float, ...]]) -> tuple[list[float], list[set[int]]]:
+    """Scores that order heads by their evidence ``keys`` (``_evidence``), compared level
+    by level, and for each head the levels that moved its score.
+
+    A head keeps its first level (its fall) unless another head has the same: then each
+    level in turn moves the heads still equal by their value there, in proportion to it
+    (the group's largest value by ``_ROOM`` of the gap to the next distinct score on its
+    side, 0 not at all), so a score's sign still says help or harm (MIB's CMD ranks by
+    the absolute score). A group with no other score beside it (every head alike) is
+    moved by its values as they are. Heads equal at every level keep one score."""
+    values = np.array(keys, dtype=np.float64).reshape(len(keys), -1)
+    scores = values[:, 0].copy()
+    moved: list[set[int]] = [set() for _ in keys]
+    for level in range(1, values.shape[1]):
+        distinct = np.unique(scores)
+        new = scores.copy()
+        for place, value in enumerate(distinct):
+            group = np.flatnonzero(scores == value)
+            evidence = values[group, level]
+            if group.size < 2 or np.all(evidence == evidence[0]):
+                continue
+            up = (distinct[place + 1] - value) * _ROOM if place + 1 < distinct.size else None
+            down = (value - distinct[place - 1]) * _ROOM if place > 0 else None
+            up, down = (up if up is not None else down), (down if down is not None else up)
+            largest = float(np.max(np.abs(evidence)))
+            shift = (evidence if up is None else
+                     np.where(evidence > 0, evidence * up, evidence * down) / largest)
+            new[group] = value + shift
+            for head in group[shift != 0]:
+                moved[head].add(level)
+        scores = new
+    return [float(score) + 0.0 for score in scores], moved
+
+
+def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
+    """Why heads share a score: the evidence they have alike, and what would tell them
+    apart that the run lacks."""
+    def all_are(measured: bool) -> bool:
+        evidence = "logprob_change" if measured else "contrast"
+        return all(e.get("measured_alone") is measured or e.get(evidence) is not None
+                   for e in entries)
+
+    recorded = [words for name, words in (("logprob_change", "log-likelihood change"),
+                                          ("contrast", "marginal contrast"),
+                                          ("prior", "prior estimates"))
+                if all(e.get(name) is not None for e in entries)]
+    kind = ("score change measured alone" if all_are(True) else
+            "fitted effect" if all_are(False) else "effect")
+    same = [kind, *recorded]
+    words = "the same " + (" and ".join(same) if len(same) < 3 else
+                           ", ".join(same[:-1]) + " and " + same[-1])
+    if not recorded:
+        return (words + "; the ranking file records nothing else of them (it was written "
+                "before rankings kept their evidence: refit the run, or rerun greedy)")
+    return words + ("; the run has no prior to tell them apart" if not points else "")
+
+
+def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float],
+            higher_is_better: bool) -> tuple[dict[Head, float], dict[str, Any]]:
+    """Each scored head's score (``_ordered`` over its ``_evidence``), from its ranking
+    entry and its fall, and our record of the order: the evidence compared, in order; the
+    heads each moved; the heads that still share a score, and why."""
+    points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
+                 default=0)
+    keys = {head: _evidence(entry, falls[head], higher_is_better, points)
+            for head, entry in scored.items()}
+    ordered, moved = _ordered(list(keys.values()))
+    scores = dict(zip(scored, ordered, strict=True))
+    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points)]
+    tie_broken: dict[str, list[str]] = {}
+    for head, levels in zip(scored, moved, strict=True):
+        for name in dict.fromkeys(level_names[level] for level in sorted(levels)):
+            tie_broken.setdefault(name, []).append(str(head))
+    sharing: dict[float, list[Head]] = {}
+    for head, score in scores.items():
+        sharing.setdefault(score, []).append(head)
+    ties = [{"heads": [str(h) for h in heads], "score": score,
+             "why": (_tie_words([scored[h] for h in heads], points)
+                     if len({keys[h] for h in heads}) == 1 else
+                     "evidence that differs by less than a float can tell apart")}
+            for score, heads in sharing.items() if len(heads) > 1]
+    return scores, {"by": [words for name, words in _LEVELS.items()
+                           if name != "prior" or points],
+                    "words": _ORDER_WORDS, "tie_broken_by": tie_broken, "ties": ties}
+
+
 def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
               parallel_attn_mlp: bool = False) -> dict[str, Any]:
     """MIB's node-level importance graph of a ranking (a ``heads-<task>.json``'s content)
     for a model of ``n_layers`` layers of ``n_heads`` heads, ``d_model`` wide.
 
     Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
-    (``-effect`` where higher is better, ``effect`` where lower is better); a head with no
+    (``-effect`` where higher is better, ``effect`` where lower is better), heads of equal
+    fall moved apart by the further evidence their entries record (``_scores``, said in
+    our record's ``order``); a head with no
     effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
     nodes in every circuit. ``in_graph`` is false but for ``logits``; ``edges`` is empty
     (see the module's docstring). Neuron entries are refused: the format has no place
@@ -326,7 +469,9 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
     if per_layer != n_heads:
         raise ExportError(f"the ranking has {per_layer} heads per layer, the model "
                           f"{n_heads}")
-    scores: dict[Head, float | None] = {}
+    falls: dict[Head, float | None] = {}
+    scored: dict[Head, Mapping[str, Any]] = {}  # the heads with a fall: entry, fall
+    known: dict[Head, float] = {}
     for entry in entries:
         if not isinstance(entry, Mapping) or "head" not in entry:
             what = (entry.get("neuron") or entry.get("group")
@@ -343,9 +488,12 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
             raise ExportError(f"the ranking's entry {entry['head']!r} names {len(parsed)} "
                               "heads, not one")
         head = parsed[0]
-        if head in scores:
+        if head in falls:
             raise ExportError(f"the ranking lists head {head} twice")
-        scores[head] = _score(entry, higher)
+        falls[head] = fall = _score(entry, higher)
+        if fall is not None:
+            scored[head], known[head] = entry, fall
+    scores, order = _scores(scored, known, higher)
     nodes: dict[str, dict[str, Any]] = {}
     for name in mib_node_names(n_layers, n_heads):
         nodes[name] = {"in_graph": name == "logits"}
@@ -367,6 +515,7 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
                  "unscored_nodes": "input, every MLP and the heads in unscored_heads "
                                    "(never knocked out, or no effect): MIB keeps them in "
                                    "every circuit; no edge is scored",
+                 "order": order,
                  "evidence": {key: heads_json[key] for key in _EVIDENCE if key in heads_json},
                  "evidence_words": _EVIDENCE_WORDS},
     }

@@ -76,7 +76,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             return measure
 
         if read_types(folder) is None:  # what kind of head each is: the ranking files say
-            ensure_types(folder, measuring())
+            ensure_types(folder, measuring(), spec.probe_rows)
         baseline = run_plan(folder, measuring([("baseline", [])]), [("baseline", [])],
                             desc="baseline", progress=spec.progress)["baseline"]
         higher = {name: bool(baseline["higher_is_better"][name]) for name in names}
@@ -132,6 +132,8 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         higher = bool(baseline["higher_is_better"][name])
         effects = np.full(len(columns), np.nan)
         effects[list(task_changes)] = [change for change, _ in task_changes.values()]
+        logprob_change = np.full(len(columns), np.nan)  # rank_measured's tie-break
+        logprob_change[list(task_changes)] = [lp for _, lp in task_changes.values()]
         rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
         # Equal measured changes are ties. An iterative winner is ranked by its round,
         # below the one before it unless that one's round measured the two alike.
@@ -147,7 +149,8 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
             extra={"method": "iterative greedy" if rounds > 1 else "one-shot greedy",
                    "rounds": rounds, "winners": [str(w) for w in winners],
                    "measurements": measurements,
-                   "tied_with_above": columns.names(tied)})
+                   "tied_with_above": columns.names(tied)},
+            evidence={"logprob_change": logprob_change})
         recorded = largest_single_help(rankings[name], all_measured=True)
         if recorded is not None:
             rankings[name].extra["largest_single_help"] = recorded

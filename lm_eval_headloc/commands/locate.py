@@ -45,6 +45,7 @@ from .engine import (
     head_list,
     load_model,
     open_measurement,
+    phase_bar,
     prepare,
     run_plan,
 )
@@ -75,7 +76,8 @@ from .types import ensure_types
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fit_rankings", "locate", "mask_keys", "refit", "stored_prior"]
+__all__ = ["BELOW_ZERO", "fit_rankings", "fit_summary", "locate", "mask_keys", "refit",
+           "stored_prior"]
 
 
 def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
@@ -167,6 +169,14 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             stability.low[list(alone)] = stability.high[list(alone)] = np.nan
         effects = fit.effects.copy()
         effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
+        # What the ranking ordered equal effects by, kept for orders that need it (export).
+        logprob_change = np.full(len(effects), np.nan)
+        logprob_change[list(alone)] = [lp for _, lp in alone.values()]
+        contrast = fit.contrast.copy()
+        contrast[[*alone, *unmeasured]] = np.nan
+        evidence = {"logprob_change": logprob_change, "contrast": contrast}
+        if estimates is not None:
+            evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
         rankings[task] = HeadRanking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,
@@ -193,7 +203,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                        alternated(prior_rankings(estimates), top_k))}),
                    **({"prior_found_nothing": True} if prior_found_nothing(estimates)
                       else {})},
-            stability=stability)
+            stability=stability, evidence=evidence)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
             rankings[task].extra["largest_single_help"] = recorded
@@ -387,6 +397,11 @@ def all_measured_alone(ranking: HeadRanking) -> bool:
     return len(set(confirmed)) >= ranked
 
 
+#: What a held-out R² below 0 means (a newcomer reads a negative number as a failed run).
+BELOW_ZERO = ("below 0: the fit predicts a measurement it did not see worse than the "
+              "measurements' mean does")
+
+
 def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
     """The fit's R² on measurements it did not see, beside the in-sample one (``r2``)."""
     extra = ranking.extra
@@ -394,12 +409,32 @@ def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
         return ""
     value, rows, columns = extra["r2_held_out"], extra["measurements"], len(ranking.effects)
     shown = "n/a (too few measurements, or none that vary)" if value is None else f"{value:.2f}"
+    if value is not None and value < 0:
+        shown += f" ({BELOW_ZERO})"
     crowded = (f" ({columns} {unit}s, {rows} measurements: a fit comes close whatever the "
                "truth)" if columns > rows else "")
     alone = (f"; the {unit}s measured alone rank by their measurement, not by this fit"
              if extra.get("confirmed") else "")
     return (f", in-sample{crowded}; each measurement predicted by a fit on the others: "
             f"R² = {shown}{alone}")
+
+
+def fit_summary(ranking: HeadRanking, top_k: int) -> str:
+    """The terminal's words on the masks' fit, after a task's baseline: where every top-k
+    component was measured alone the fit ordered none of them, so its R² (which report.md
+    gives) is left out rather than shown as a verdict on the run; otherwise its R² in-sample
+    and held out, with what a held-out R² below 0 means. "" without a fit."""
+    r2, held_out = ranking.extra.get("r2"), ranking.extra.get("r2_held_out")
+    if r2 is None:
+        return ""
+    top = ranking.top(top_k)
+    if top and all(ranking.measured_alone(c) for c in top):
+        return (f"; the top {len(top)} measured alone: their order is measured, not "
+                "fitted (the masks' fit: report.md)")
+    words = f", fit R² {r2:.3f} in-sample"
+    if held_out is not None:
+        words += f", {held_out:.2f} held out" + (f" ({BELOW_ZERO})" if held_out < 0 else "")
+    return words
 
 
 def _group_words(run: LocateRun) -> str:
@@ -669,7 +704,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = run.spec = spec.budgeted(method)
         run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
-            ensure_types(folder, measure)
+            ensure_types(folder, measure, spec.probe_rows)
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns
@@ -694,18 +729,22 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
                   else [len(matrix)])
         rankings = None
-        for used in checks:
-            # Each round measures what is not on disk yet; --masks auto then fits the
-            # first `used` rows and stops once every top-k head is stable in the
-            # bootstrap: the decision depends only on the seed and the measurements, so
-            # a killed run resumes to the same stop.
-            run.records = run_plan(folder, measure, plan[:used + 1], desc="locate",
-                                   progress=spec.progress, masks_per_pass=spec.masks_per_pass)
-            if spec.masks != "auto":
-                break
-            rankings = _fit(run, setup.exclude, used, confirmed=False)
-            if all(r.settled(spec.top_k) for r in rankings.values()):
-                break
+        on_disk = {r["key"] for r in folder.measurements()}
+        phase = plan[:checks[-1] + 1]  # one bar for --masks auto's rounds
+        with phase_bar("locate", len(phase), sum(key in on_disk for key, _ in phase),
+                       spec.progress) as bar:
+            for used in checks:
+                # Each round measures what is not on disk yet; --masks auto then fits the
+                # first `used` rows and stops once every top-k head is stable in the
+                # bootstrap: the decision depends only on the seed and the measurements,
+                # so a killed run resumes to the same stop.
+                run.records = run_plan(folder, measure, plan[:used + 1], desc="locate",
+                                       masks_per_pass=spec.masks_per_pass, bar=bar)
+                if spec.masks != "auto":
+                    break
+                rankings = _fit(run, setup.exclude, used, confirmed=False)
+                if all(r.settled(spec.top_k) for r in rankings.values()):
+                    break
         run.masks_used = used + spent
         if spec.confirm:
             run.confirm = _confirm(folder, measure, spec, setup, columns, matrix[:used],
@@ -761,7 +800,7 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, colum
     def measured(heads: list[int]) -> dict[str, Changes]:
         done = run_plan(folder, measure, [("baseline", [])] + [
             (alone_key(columns[i]), columns.members(i)) for i in heads],
-            desc="confirm", progress=spec.progress, masks_per_pass=spec.masks_per_pass)
+            desc="confirm", masks_per_pass=spec.masks_per_pass, bar=bar)
         return {t: _alone_changes(done, heads, t, columns) for t in tasks}
 
     def on_disk(heads: list[int]) -> dict[str, Changes]:
@@ -772,7 +811,10 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, colum
     sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
     screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
     skip = sorted({*never, *excluded})
-    done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
+    # One bar for every round (a resumed run's picks are those on disk: the same picks).
+    measured_before = sum(key.startswith(alone_key("")) for key in records)
+    with phase_bar("confirm", spec.confirm, measured_before, spec.progress) as bar:
+        done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
     # The round a larger --confirm would measure next: the same picks (they do not depend
     # on the budget), one round further, measuring nothing.
     ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)

@@ -25,10 +25,20 @@ from ..heads import Component, Head, Neuron, format_heads
 from ..recovery import STABLE, Stability, harm
 from .runfolder import RunFolder
 
-__all__ = ["HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
+__all__ = ["TIE_EVIDENCE", "HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
            "plot_heatmap", "ranked_heads_json", "ranking_from_json", "relative_drop",
            "harmless_words", "recorded_harmless", "tie_words", "within_spread",
            "write_ranking"]
+
+
+#: What a ranking records of each column beyond its effect, for orders that must tell equal
+#: effects apart (``export``): a column measured alone, its measured change of the gold
+#: answers' log-likelihood (the ranking's own tie-break among equal measured changes); one
+#: the fit estimated, its marginal contrast (mean score of the masks that knock it out
+#: less that of the others, on what the measured changes leave: the ranking's tie-break
+#: among equal fitted effects); and, where the run has a prior, its attribution estimates
+#: of the log-likelihood's change, one per path point.
+TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
 
 
 @dataclass
@@ -47,6 +57,9 @@ class HeadRanking:
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
     columns: Columns | None = None  # the component of each column; None: every head
     head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
+    #: ``TIE_EVIDENCE`` name -> per column values (``prior``: (points, columns)); NaN (or
+    #: inf) where a column has none.
+    evidence: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.columns is None:
@@ -126,7 +139,9 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
     (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
     for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
     from locate ``tied_with_above``: the head's evidence equals the head ranked above it
-    (their order is then the head index, which says nothing).
+    (their order is then the head index, which says nothing); and where recorded its
+    ``TIE_EVIDENCE``: ``logprob_change`` (measured alone), ``contrast`` (estimated by the
+    fit), ``prior`` (one estimate per prior point).
     """
     stability = {} if ranking.stability is None else {
         "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
@@ -142,7 +157,8 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
              **_type_fields(ranking, head),
              **_alone_field(ranking, head),
              **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
-                if "tied_with_above" in ranking.extra else {})}
+                if "tied_with_above" in ranking.extra else {}),
+             **_evidence_fields(ranking, head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
@@ -165,6 +181,15 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
     effects = np.full(len(columns), np.nan)
     for index, entry in zip(order, entries, strict=True):
         effects[index] = np.nan if entry.get("effect") is None else entry["effect"]
+    evidence: dict[str, np.ndarray] = {}
+    for name in TIE_EVIDENCE:
+        given = [(index, entry[name]) for index, entry in zip(order, entries, strict=True)
+                 if entry.get(name) is not None]
+        if given:
+            values = np.full((*np.shape(given[0][1]), len(columns)), np.nan)
+            for index, value in given:
+                values[..., index] = value
+            evidence[name] = values
     stability = None
     if "bootstrap" in data:
         selected, low, high = np.zeros(len(columns)), *np.full((2, len(columns)), np.nan)
@@ -178,7 +203,7 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
         baseline=data["baseline"], effects=effects, order=order,
         heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
         extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
-        head_types=head_types)
+        head_types=head_types, evidence=evidence)
 
 
 def _name_fields(component: Column) -> dict[str, Any]:
@@ -198,18 +223,37 @@ def _type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
     # A head's attention-pattern scores (types.json), where the run has them.
     if ranking.head_types is None or not isinstance(head, Head):
         return {}
+    near = ranking.head_types.borderline(head.layer, head.head)
     return {"types": ranking.head_types.of(head.layer, head.head),
-            "type": ranking.head_types.label(head.layer, head.head)}
+            "type": ranking.head_types.label(head.layer, head.head),
+            **({"type_borderline": near} if near else {})}
 
 
 def type_words(ranking: HeadRanking, head: Column) -> str:
-    """A head's dominant type and its score for a table ("induction (0.81)"), "-" for a
-    head no type stands out in, "" where the run has no types."""
+    """A head's dominant type and its score for a table ("induction (0.81)"), where the
+    probe cannot tell the type it is nearest to "induction? (0.30)", "-" for a head no type
+    stands out in, "" where the run has no types."""
     fields = _type_fields(ranking, head)
     if not fields:
         return ""
     label = fields["type"]
+    if label is None and fields.get("type_borderline"):
+        near = fields["type_borderline"][0]
+        return f"{near.replace('_', '-')}? ({fields['types'][near]:.2f})"
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
+
+
+def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+    # A column's TIE_EVIDENCE, each only where it has one (finite).
+    index = ranking.columns.index(head)
+    fields: dict[str, Any] = {}
+    for name in TIE_EVIDENCE:
+        if name not in ranking.evidence:
+            continue
+        value = np.asarray(ranking.evidence[name][..., index], dtype=np.float64)
+        if np.isfinite(value).all():
+            fields[name] = value.tolist() if value.ndim else float(value)
+    return fields
 
 
 def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
@@ -312,9 +356,12 @@ def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title:
             note += "\ngrey rows: layers without attention heads"
         if unknown:
             note += "\ngrey: no estimate (never knocked out or not measured)"
-        if typed:
+        shown_types = {label for row in ranking.head_types.labels for label in row} if typed \
+            else set()
+        if shown_types - {None}:
             note += "\nletters: head types (" + ", ".join(
-                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()) + ")"
+                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()
+                if name in shown_types) + ")"
         ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8,
                      label="score change on knockout" + ("" if ranking.higher_is_better
@@ -392,7 +439,8 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
                  f"| --- | --- | --- |{type_rule}"]
         return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
                         f"{type_cell(head)}"
-                        for rank, head in enumerate(ranking.top(top_k), start=1)]
+                        for rank, head in enumerate(ranking.top(top_k), start=1)
+                        ] + _near_type_words(ranking, top_k)
     lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k}, hurting, "
              f"in {ranking.stability.resamples} bootstrap refits |{type_head}",
              f"| --- | --- | --- | --- | --- |{type_rule}"]
@@ -407,7 +455,17 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
                     f"{confidence['selected']:.0%}" + (" (unstable)" if head in unstable else ""))
         lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
                      f"{shown} | {selected} |{type_cell(head)}")
-    return lines
+    return lines + _near_type_words(ranking, top_k)
+
+
+def _near_type_words(ranking: HeadRanking, top_k: int) -> list[str]:
+    """What a type with "?" in the table means, where one is shown."""
+    if not any(type_words(ranking, head).split(" ")[0].endswith("?")
+               for head in ranking.top(top_k)):
+        return []
+    return ["", "A type with ?: the head's probe score is within three of its standard "
+                "errors of that type's threshold (types.json's borderline), so another "
+                "probe may put it on either side; it is not labelled."]
 
 
 def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",

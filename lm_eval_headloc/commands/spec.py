@@ -32,6 +32,7 @@ from ..checks import UsageError, check_number
 from ..columns import COMPONENTS
 from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
 from ..designs import DESIGNS
+from ..head_types import PROBE_ROWS
 from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
 
@@ -335,6 +336,10 @@ class RunSpec:
            "groups, one design column each (a mask knocks out the whole group), so a "
            "neuron the prior passed over still shows, through its group (0: none)",
         parse=int, metavar="G", whole=True, min_val=0)
+    probe_rows: int = _option(
+        PROBE_ROWS, "rows of the head-type probe (random tokens repeated twice): more rows, "
+                    "fewer heads too near a type's threshold to be labelled", parse=int,
+        metavar="N", whole=True, min_val=2, legacy=4)  # 4: the rows before the option
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     # --masks and --confirm: None is the default budget's split for the run's prior
     # (confirm.default_split), or on a resumed run the run's own (RunSpec.budgeted).
@@ -723,8 +728,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
               "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
     "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
-              "apply_chat_template", "num_fewshot", "system_instruction", "batch_size",
-              "confirm_run_unsafe_code", "verbose"),
+              "apply_chat_template", "num_fewshot", "system_instruction", "probe_rows",
+              "batch_size", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
     "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm"})),
 }

@@ -3,11 +3,13 @@ attention sink (``head_types``) — for a model alone, and inside every ``locate
 (``types.json``), where the ranking files carry each head's scores and the report labels the
 heads it finds.
 
-The scores come from one forward pass with attention weights over the standard probe (random
+The scores come from a forward pass with attention weights over the standard probe (random
 tokens repeated twice, after the tokenizer's first token, as TransformerLens's head
-detector) and one over the run's own examples (the contexts lm-eval builds for its tasks).
-A head's type is the probe's: ``dominant_type`` names it only where the head stands clearly
-above the model's typical head, and says nothing otherwise.
+detector; ``--probe-rows`` rows) and one over the run's own examples (the contexts lm-eval
+builds for its tasks). A head's type is the probe's: ``dominant_type`` names it only where
+the head stands clearly above the model's typical head by more than the probe's own
+sampling error, and says nothing otherwise; a head within that error of a threshold is
+``borderline``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ import numpy as np
 
 from ..head_types import (
     HEAD_TYPES,
+    LABEL_MARGIN,
+    LABELLED_TYPES,
+    PROBE_ROWS,
+    borderline,
     dominant_type,
     encode_texts,
     head_type_scores,
+    probe_type_scores,
     repeated_probe,
     type_thresholds,
 )
@@ -41,9 +48,11 @@ log = logging.getLogger(__name__)
 
 #: The file a run keeps its head types in.
 TYPES_FILE = "types.json"
-#: The probe: ``length`` random tokens repeated twice, ``batch`` rows, drawn with ``seed``.
-PROBE = {"length": 32, "batch": 4, "seed": 0}
-#: The run's examples scored (its first distinct contexts), and how many per pass.
+#: The probe: ``length`` random tokens repeated twice, drawn with ``seed`` (its rows:
+#: ``--probe-rows``).
+PROBE = {"length": 32, "seed": 0}
+#: The run's examples scored (its first distinct contexts), and how many per pass (the
+#: probe's rows too).
 EXAMPLES, PER_PASS = 64, 8
 
 
@@ -56,6 +65,9 @@ class HeadTypes:
         self.data = dict(data)
         self.scores = {t: np.asarray(v, dtype=np.float64) for t, v in data["scores"].items()}
         self.labels: list[list[str | None]] = [list(row) for row in data["dominant"]]
+        #: Head name -> the types it is too near the threshold of to be labelled or not
+        #: (none in a file from before the probe's error was taken into account).
+        self.near: dict[str, list[str]] = dict(data.get("borderline") or {})
         #: The layers with heads (a hybrid model's attention layers; else every layer).
         self.head_layers: tuple[int, ...] = tuple(data.get("head_layers")
                                                   or range(len(self.labels)))
@@ -69,6 +81,12 @@ class HeadTypes:
         """One head's dominant type, or None."""
         self._check(layer, head)
         return self.labels[layer][head]
+
+    def borderline(self, layer: int, head: int) -> list[str]:
+        """The types one head's probe score is within ``LABEL_MARGIN`` standard errors of
+        the threshold of: another probe seed may put it either side."""
+        self._check(layer, head)
+        return list(self.near.get(str(Head(int(layer), int(head))), []))
 
     def _check(self, layer: int, head: int) -> None:
         # numpy would wrap a negative index round to another head, or raise IndexError.
@@ -92,14 +110,16 @@ def _texts(measure: Any) -> list[str]:
     return list(seen)
 
 
-def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
-    """``types.json``'s content for the model of ``lm`` (an ``HFHeadAblateLM``): the probe's
-    scores, the scores on ``texts``, the thresholds and each head's dominant type."""
+def head_types_of(lm: Any, texts: Sequence[str] = (), probe_rows: int = PROBE_ROWS
+                  ) -> dict[str, Any]:
+    """``types.json``'s content for the model of ``lm`` (an ``HFHeadAblateLM``): the
+    probe's scores (``probe_rows`` rows) and their standard errors, the scores on
+    ``texts``, the thresholds, each head's dominant type and the heads borderline to one."""
     model, tokenizer = lm.model, lm.tokenizer
     vocab = int(model.get_input_embeddings().num_embeddings)  # ids the model can embed
     first = tokenizer.bos_token_id
-    probe = repeated_probe(vocab, first_token=first, **PROBE).to(lm.device)
-    scores = head_type_scores(model, probe)
+    probe = repeated_probe(vocab, batch=probe_rows, first_token=first, **PROBE).to(lm.device)
+    scores, errors = probe_type_scores(model, probe, batch_size=PER_PASS)
     on_examples = None
     if texts:
         # As the model reads them in a measurement: lm-eval's encoding, its window.
@@ -113,19 +133,26 @@ def head_types_of(lm: Any, texts: Sequence[str] = ()) -> dict[str, Any]:
                     for row in values[t]] for t in HEAD_TYPES}
 
     head_layers = lm.knockout.geometry.head_layers
+    near = {f"L{layer}H{head}": types_near
+            for layer, row in enumerate(borderline(scores, errors))
+            for head, types_near in enumerate(row) if types_near}
     return {"made_by": "lm-eval-headloc types",
             **({} if head_layers is None else {"head_layers": list(head_layers)}),
-            "probe": {**PROBE, "first_token": first,
+            "probe": {**PROBE, "batch": probe_rows, "first_token": first,
                       "what": "random tokens repeated twice after the first token"},
             "examples": len(texts),
             "scores": listed(scores),
+            "errors": listed(errors),
             "on_examples": None if on_examples is None else listed(on_examples),
             "thresholds": {t: round(float(v), 6)
                            for t, v in type_thresholds(scores).items()},
-            "dominant": dominant_type(scores)}
+            "label_margin": LABEL_MARGIN,
+            "dominant": dominant_type(scores, errors=errors),
+            "borderline": near}
 
 
-def ensure_types(folder: RunFolder, measure: Any) -> HeadTypes | None:
+def ensure_types(folder: RunFolder, measure: Any, probe_rows: int = PROBE_ROWS
+                 ) -> HeadTypes | None:
     """The run's head types: ``types.json`` when a resumed run made it, else computed on
     the measurement's model and written. A model whose attention weights cannot be read
     costs the run nothing: the reason is logged and the run goes on without types."""
@@ -133,7 +160,7 @@ def ensure_types(folder: RunFolder, measure: Any) -> HeadTypes | None:
     if stored is not None:
         return stored
     try:
-        data = head_types_of(measure.lm, _texts(measure))
+        data = head_types_of(measure.lm, _texts(measure), probe_rows)
     except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as err:
         log.warning("head types skipped: %s", err)
         return None
@@ -160,7 +187,8 @@ def types_table(head_types: HeadTypes) -> str:
     writer = csv.writer(out, lineterminator="\n")
     examples = head_types.data.get("on_examples")
     writer.writerow(["head", "layer", "head_in_layer", *HEAD_TYPES,
-                     *([f"{t}_on_examples" for t in HEAD_TYPES] if examples else []), "type"])
+                     *([f"{t}_on_examples" for t in HEAD_TYPES] if examples else []), "type",
+                     "borderline"])
     for layer, row in enumerate(head_types.labels):
         if layer not in head_types.head_layers:
             continue  # a hybrid model's layer without heads
@@ -169,7 +197,8 @@ def types_table(head_types: HeadTypes) -> str:
             if examples:
                 cells += ["" if examples[t][layer][head] is None
                           else f"{examples[t][layer][head]:.6g}" for t in HEAD_TYPES]
-            writer.writerow([f"L{layer}H{head}", layer, head, *cells, label or ""])
+            writer.writerow([f"L{layer}H{head}", layer, head, *cells, label or "",
+                             "+".join(head_types.borderline(layer, head))])
     return out.getvalue()
 
 
@@ -178,16 +207,26 @@ def types_summary(head_types: HeadTypes | None, shown: int = 3) -> str:
     if head_types is None:
         return "No head types: the model's attention weights could not be read (see the log)."
     lines = []
+    thresholds = head_types.data["thresholds"]
+    near = [t for types_near in head_types.near.values() for t in types_near]
     for name in HEAD_TYPES:
         values = head_types.scores[name]
         labelled = sum(label == name for row in head_types.labels for label in row)
         order = np.argsort(-np.nan_to_num(values, nan=-np.inf), axis=None, kind="stable")
         best = [np.unravel_index(i, values.shape) for i in order[:shown]]
-        lines.append(f"  {name.replace('_', '-')}: {labelled} head(s) stand out (threshold "
-                     f"{head_types.data['thresholds'][name]:.2f}); highest "
+        if name in LABELLED_TYPES or name in thresholds:  # an older file labelled by all
+            said = (f"{labelled} head(s) stand out (threshold {thresholds[name]:.2f}"
+                    + (f"; {near.count(name)} too near it to say" if near.count(name) else "")
+                    + ")")
+        else:
+            said = (f"labels no head (the typical head does it: median "
+                    f"{float(np.nanmedian(values)):.2f})")
+        lines.append(f"  {name.replace('_', '-')}: {said}; highest "
                      + ", ".join(f"L{layer}H{head} {values[layer, head]:.2f}"
                                  for layer, head in best))
-    return "\n".join(["Head types (scores on the repeated-token probe):", *lines])
+    rows = head_types.data.get("probe", {}).get("batch")
+    return "\n".join(["Head types (scores on the repeated-token probe"
+                      + (f", {rows} rows" if rows else "") + "):", *lines])
 
 
 def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
@@ -208,7 +247,7 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
             run.save(folder, measure)
-            found = ensure_types(folder, measure)
+            found = ensure_types(folder, measure, spec.probe_rows)
         if found is not None:
             folder.write_text("types.csv", types_table(found))
     return found
