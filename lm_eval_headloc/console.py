@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 __all__ = ["main"]
 
@@ -15,9 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     # keep PyTorch's CUDA allocator from fragmenting (and flushing its cache) at the large
     # batches of several masks per generate call. Before torch is imported; a user's wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from .timing import process_age
+
+    # The run's "start-up and imports" phase counts from the process's start.
+    started = time.perf_counter() - (process_age() or 0.0)
     try:
         from .commands.cli import main as run
     except KeyboardInterrupt:
         print("\nheadloc-harness: interrupted", file=sys.stderr)
         return 130
-    return run(argv)
+    return run(argv, started=started)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from .. import __version__
+from .. import __version__, timing
 from ..columns import column_label
 from ..errors import UserError, one_line
 from .cross import PROMPT_OPTIONS, cross, cross_markdown
@@ -250,7 +250,13 @@ class _OneLineWarnings(logging.Handler):
         print(f"headloc-harness: warning: {record.getMessage()}", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+#: The commands that measure (load the model): their last line says where the time went.
+MEASURING = frozenset({"locate", "greedy", "verify", "cross", "types", "sweep"})
+
+
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
+    """The command line; ``started``: the process's start (``time.perf_counter``'s clock),
+    from which the run's "start-up and imports" phase counts (None: from this call)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -263,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours.addHandler(handler)
     ours.propagate = False
     try:
-        run(args)
+        with timing.run_clock(started, first=timing.STARTUP) as clock:
+            run(args)
+            if args.command in MEASURING:
+                print(f"Time: {timing.timings_line([clock.snapshot()])}")
     except KeyboardInterrupt:
         print("\nheadloc-harness: interrupted; rerun the same command to continue",
               file=sys.stderr)

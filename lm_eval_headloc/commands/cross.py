@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import timing
 from ..checks import UsageError
 from ..files import write_atomically
 from .engine import NoEffectError, PlanEntry, measured_plan, prepare
@@ -49,6 +50,7 @@ class _Set:
     heads: list[str]
 
 
+@timing.on_clock
 def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
           spec: RunSpec | None = None, *, force: bool = False, **options: Any
           ) -> dict[str, Any]:

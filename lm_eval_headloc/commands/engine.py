@@ -44,6 +44,7 @@ from ..metrics import (
 from ..prior import PRIOR_POINTS
 from ..signals import check_gold_answers
 from ..tasks import check_task_names, load_failure, make_task_manager
+from ..timing import timed
 from .result import RunRecord, measured_on, start_run
 from .runfolder import RunFolder, RunFolderError
 from .spec import RunSpec, parse_examples_part, parse_gen_kwargs, path_list
@@ -348,6 +349,7 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
     return names, folders
 
 
+@timed("tasks and checks")
 def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     """Check the spec, the model (config only, no weights), the tasks (built once: names,
     metrics, whether they run model-written code) and every head list — all before any
@@ -617,6 +619,7 @@ def check_design_budget(masks: int, total_heads: int, flag: str = "--masks") -> 
 
 # --- the model and the measurement loop -----------------------------------------------
 
+@timed("model load")
 def load_model(setup: Setup) -> Any:
     from ..model import HFHeadAblateLM
 
@@ -627,6 +630,7 @@ def load_model(setup: Setup) -> Any:
                                 else batch_size, "scale": setup.spec.scale})
 
 
+@timed("measurement set-up")
 def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
                      num_samples: int | None = None, limit: int | None = None, *,
                      run: RunRecord | None = None) -> Any:
@@ -739,6 +743,7 @@ def phase_bar(desc: str, total: int, done: int = 0, progress: bool = True) -> It
         bar.close()
 
 
+@timed("measurements")
 def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[PlanEntry],
              desc: str, progress: bool = True, masks_per_pass: int | None = 1,
              bar: Any = None) -> dict[str, dict[str, Any]]:
@@ -937,6 +942,7 @@ def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
     return True
 
 
+@timed("lm-eval results files")
 def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
                           plan: Sequence[PlanEntry]) -> None:
     """``--output-path``: each knockout of ``plan`` evaluated again by lm-eval itself, on the

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import timing
 from ..checks import UsageError
 from ..columns import Columns
 from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
@@ -34,6 +35,7 @@ from .types import ensure_types, read_types
 __all__ = ["greedy"]
 
 
+@timing.on_clock
 def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            **options: Any) -> dict[str, HeadRanking]:
     """One-shot greedy (``rounds=1``) or iterative greedy (``rounds=k``); returns each
@@ -105,15 +107,14 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                           for name in names})
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        if measure is not None:
-            run.save(folder, measure)  # written only if the workers' shares changed
+        run.save(folder, measure)  # the workers' shares, and the timings the report says
         rankings = _rankings(changes, winners, baseline, spec.rounds, columns,
                              setup.heads_per_layer, len(folder.measurements()), alike)
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.extra['method']} (each head's score change in its "
                             "last measured round)",
-                      report=lambda: _report(rankings, spec.top_k))
+                      report=lambda: _report(rankings, spec.top_k, run.timings))
     return rankings
 
 
@@ -157,8 +158,10 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
     return rankings
 
 
-def _report(rankings: Mapping[str, HeadRanking], top_k: int) -> str:
-    lines = []
+def _report(rankings: Mapping[str, HeadRanking], top_k: int,
+            timings: list[dict[str, Any]] | None = None) -> str:
+    lines = [f"Time: {timing.timings_line(timings)} (config.json's timings).", ""] \
+        if timings else []
     for name, ranking in rankings.items():
         lines += [f"# {ranking.extra['method']}: {name} ({ranking.metric})", "",
                   f"Baseline: {ranking.baseline:.4f}; {ranking.extra['measurements']} "

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import timing
 from ..checks import UsageError
 from ..columns import Column, Columns, NeuronGroup, neuron_candidates
 from ..confirm import (
@@ -346,7 +347,9 @@ def locate_report(run: LocateRun) -> str:
         f"- Lasso alpha: {spec.alpha}",
         f"- never knocked out: {spec.never_ablate or 'none'}"
         + (" (not ranked: no measurement knocked them out)" if spec.never_ablate else ""),
-        f"- excluded from the ranking: {spec.exclude or 'none'}", "",
+        f"- excluded from the ranking: {spec.exclude or 'none'}",
+        *([f"- time: {timing.timings_line(run.timings)} (config.json's timings)"]
+          if run.timings else []), "",
     ]
     for task, ranking in run.rankings.items():
         lines += [
@@ -577,6 +580,7 @@ def prior_method(spec: RunSpec, measure: Any) -> str | None:
     return None if spec.prior == "none" else spec.prior
 
 
+@timing.timed("prior")
 def attribution_prior(folder: RunFolder, measure: Any, method: str,
                       kinds: Sequence[str] = ("heads",)) -> dict[str, dict[str, np.ndarray]]:
     """The run's attribution prior, task -> kind -> ``(points, units)``: prior.json when
@@ -648,6 +652,7 @@ def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns
     return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], chosen
 
 
+@timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Any = None, **options: Any
            ) -> dict[str, HeadRanking]:
@@ -717,12 +722,13 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                                      never)
         spent = run.unfitted
         main = spec.design_rows - len(row_keys) - spent
-        matrix = np.vstack([rows, design_matrix(spec.design, main, len(columns), sparsity,
-                                                spec.masks_seed, never)])
-        run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
-        # Through a file object: np.save would add ".npy" to the partial file's name.
-        write_atomically(folder.file("design_matrix.npy"),
-                         lambda partial: _save_array(partial, matrix))
+        with timing.phase("design"):
+            matrix = np.vstack([rows, design_matrix(spec.design, main, len(columns),
+                                                    sparsity, spec.masks_seed, never)])
+            run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
+            # Through a file object: np.save would add ".npy" to the partial file's name.
+            write_atomically(folder.file("design_matrix.npy"),
+                             lambda partial: _save_array(partial, matrix))
         run.save(folder, measure)  # phase: designed
         plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                      for key, row in zip(run.keys(), matrix, strict=True)]
@@ -755,10 +761,12 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # Fitted once, with its bootstrap, on everything measured (--masks auto without
         # --confirm: its last round's fit is that fit).
         run.rankings = _fit(run, setup.exclude, used) if rankings is None else rankings
+        run.save(folder, measure)  # phase: fitted (the timings the report says)
         write_results(folder, run)
     return run.rankings
 
 
+@timing.timed("fit and bootstrap")
 def _fit(run: LocateRun, exclude: Sequence[Component], rows: int, *,
          confirmed: bool = True) -> dict[str, HeadRanking]:
     """``fit_rankings`` of the run's first ``rows`` design rows with its settings, its
@@ -813,11 +821,13 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, colum
     skip = sorted({*never, *excluded})
     # One bar for every round (a resumed run's picks are those on disk: the same picks).
     measured_before = sum(key.startswith(alone_key("")) for key in records)
-    with phase_bar("confirm", spec.confirm, measured_before, spec.progress) as bar:
+    # The screens' refits between rounds are fits; the rounds' measurements, measurements.
+    with phase_bar("confirm", spec.confirm, measured_before, spec.progress) as bar, \
+            timing.phase("fit and bootstrap"):
         done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
-    # The round a larger --confirm would measure next: the same picks (they do not depend
-    # on the budget), one round further, measuring nothing.
-    ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)
+        # The round a larger --confirm would measure next: the same picks (they do not
+        # depend on the budget), one round further, measuring nothing.
+        ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)
 
     names = columns.names
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import timing
 from ..checks import check_number
 from ..columns import Column, Columns, NeuronGroup, column_label
 from ..files import write_atomically
@@ -403,6 +404,7 @@ def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
                  fontsize=9)
 
 
+@timing.timed("report")
 def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
                   title: str, report: Callable[[], str]) -> None:
     """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for

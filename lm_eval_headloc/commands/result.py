@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .. import timing
 from ..columns import Columns
 from ..heads import Head, Neuron
 from ..metrics import parse_task_metric
@@ -110,6 +111,8 @@ class RunRecord:
     parallel_attn_mlp: bool | None = None
     model_fingerprint: str | None = None
     ablation: dict[str, Any] | None = None
+    # Each session's phase timings (``timing.PhaseClock.snapshot``; a resumed run adds one).
+    timings: list[dict[str, Any]] | None = None
     workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
     other: dict[str, Any] = field(default_factory=dict)
     # The config last written or read: a phase that changed nothing writes nothing.
@@ -117,13 +120,17 @@ class RunRecord:
                                             compare=False)
     # The keys whose None is written as null rather than left out.
     _nulls: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # A run going on in this process (``started``): its saves record this session's
+    # timings after the earlier sessions'.
+    _earlier_timings: list[dict[str, Any]] | None = field(default=None, init=False,
+                                                           repr=False, compare=False)
 
     #: The keys of config.json this class owns, in the order they are written.
     KEYS: ClassVar[tuple[str, ...]] = (
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
         "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
         "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
-        "ablation", "workers")
+        "ablation", "timings", "workers")
 
     # --- reading -------------------------------------------------------------------
 
@@ -154,6 +161,7 @@ class RunRecord:
                      settings=stored.settings, spec=spec, versions=stored.versions,
                      created=stored.created, other=stored.other)
         record._written = stored._written
+        record._earlier_timings = list(stored.timings or [])
         return record
 
     @property
@@ -189,12 +197,16 @@ class RunRecord:
 
     def save(self, folder: RunFolder, measure: Any = None) -> bool:
         """Write config.json from this record: one phase's one write. With a distributed
-        ``measure`` (``--workers``) its workers' shares so far are recorded too. A record
-        equal to what was last written or read is not written again; returns whether it
-        was written."""
+        ``measure`` (``--workers``) its workers' shares so far are recorded too, and for a
+        run going on in this process (``started``) its timings so far. A record equal to
+        what was last written or read is not written again; returns whether it was
+        written."""
         workers = None if measure is None else measure.workers_config()
         if workers is not None:  # measured on workers: where, and their shares
             self.workers = workers
+        clock = timing.current()
+        if self._earlier_timings is not None and clock is not None:
+            self.timings = [*self._earlier_timings, clock.snapshot()]
         config = self.to_config()
         as_read = json.loads(json.dumps(config))  # as it reads back (tuples as lists)
         if as_read == self._written:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import timing
 from ..checks import UsageError
 from ..recovery import harm
 from .engine import check_design_budget, load_model, open_measurement, prepare, run_plan
@@ -23,6 +24,7 @@ SWEEP_MASKS = (100, 200)
 SWEEP_SPARSITY = (0.01, 0.02, 0.05)
 
 
+@timing.on_clock
 def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
           sparsity: Sequence[float] = SWEEP_SPARSITY, spec: RunSpec | None = None, *,
           force: bool = False, **options: Any) -> dict[str, Any]:
@@ -62,8 +64,9 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         higher = bool(baseline["higher_is_better"][task])
         results = []
         for name, cell in cells.items():
-            rankings = locate(folder.path / name, cell, force=force, setup=setup,
-                              measure=measure)
+            with timing.run_clock():  # the cell's own timings; the sweep's add them up
+                rankings = locate(folder.path / name, cell, force=force, setup=setup,
+                                  measure=measure)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
             check = run_plan(folder, measure,

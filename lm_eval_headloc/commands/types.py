@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import timing
 from ..head_types import (
     HEAD_TYPES,
     LABEL_MARGIN,
@@ -151,6 +152,7 @@ def head_types_of(lm: Any, texts: Sequence[str] = (), probe_rows: int = PROBE_RO
             "borderline": near}
 
 
+@timing.timed("head types")
 def ensure_types(folder: RunFolder, measure: Any, probe_rows: int = PROBE_ROWS
                  ) -> HeadTypes | None:
     """The run's head types: ``types.json`` when a resumed run made it, else computed on
@@ -229,6 +231,7 @@ def types_summary(head_types: HeadTypes | None, shown: int = 3) -> str:
                       + (f", {rows} rows" if rows else "") + "):", *lines])
 
 
+@timing.on_clock
 def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
           **options: Any) -> HeadTypes | None:
     """The head types of ``spec``'s model, on the probe and its tasks' examples, written to
@@ -248,6 +251,7 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                        run=run)
             run.save(folder, measure)
             found = ensure_types(folder, measure, spec.probe_rows)
+            run.save(folder, measure)  # the timings, head types included
         if found is not None:
             folder.write_text("types.csv", types_table(found))
     return found

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import timing
 from ..checks import UsageError
 from ..embedded import is_embedded
 from ..geometry import Geometry
@@ -266,6 +267,7 @@ def _beaten(located: float, drawn: Iterable[float]) -> int | None:
 
 # --- verify ------------------------------------------------------------------------------
 
+@timing.on_clock
 def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None = None, *,
            force: bool = False, **options: Any) -> dict[str, Any]:
     """Verify run ``run``; the table goes to ``out`` (default ``RUN/verify``).
