@@ -897,7 +897,7 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
                            progress=spec.progress)
         if spec.output_path is not None:
             write_lm_eval_results(folder, measure, setup, plan)
-        record.save(folder, measure)  # written only if the workers' shares changed
+        record.save(folder, measure)  # the workers' shares and the timings so far
         yield folder, records
 
 

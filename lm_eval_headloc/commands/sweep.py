@@ -84,7 +84,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         best = max(results, key=lambda c: c["drop"])
         result = {"task": task, "baseline": baseline["scores"][task], "top_k": spec.top_k,
                   "cells": results, "best": best}
-        run.save(folder, measure)  # written only if the workers' shares changed
+        run.save(folder, measure)  # the workers' shares and the timings so far
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result

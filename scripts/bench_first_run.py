@@ -1,0 +1,122 @@
+"""What a first run spends that a later one does not: a whole ``headloc-harness locate``,
+twice, each in a process of its own, phase by phase (the run's config.json ``timings``).
+
+The first run starts with every cache this package and its libraries keep empty — our task
+index (``$XDG_CACHE_HOME/lm_eval_headloc``), Hugging Face datasets' prepared data
+(``$HF_DATASETS_CACHE``), matplotlib's font list (``$MPLCONFIGDIR``) — as on a fresh machine
+(the operating system's file cache aside: the model's file may still be in memory); the
+later run finds them filled. Both measure everything (separate run folders)::
+
+    python scripts/bench_first_run.py                    # the default job, embedded model
+    python scripts/bench_first_run.py --device cuda -- --model-args pretrained=...,dtype=bfloat16
+
+Arguments after ``--`` go to ``headloc-harness locate``. Writes its section of ``BENCH.md``
+(``first run <device>``; on the CPU ``first run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_sections import bench_refusal, section_name, write_section  # noqa: E402
+
+#: The caches a first run fills, by the variable that places each.
+CACHES = ("XDG_CACHE_HOME", "HF_DATASETS_CACHE", "MPLCONFIGDIR")
+
+
+def harness_command() -> list[str]:
+    """``headloc-harness`` of the environment this script runs in."""
+    script = Path(sys.executable).with_name("headloc-harness")
+    return [str(script)] if script.is_file() else [sys.executable, "-m",
+                                                   "lm_eval_headloc.commands.cli"]
+
+
+def timed_run(arguments: Sequence[str], out: Path, environment: Mapping[str, str]
+              ) -> dict[str, Any]:
+    """One locate in a process of its own: its wall clock from outside, and the timings
+    it recorded (the last session's) with the line it printed last."""
+    start = time.perf_counter()
+    done = subprocess.run([*harness_command(), "locate", *arguments, "--out", str(out)],
+                          env={**os.environ, **environment}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"locate failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    sessions = json.loads((out / "config.json").read_text())["timings"]
+    return {"wall": wall, "recorded": sessions[-1],
+            "last_line": done.stdout.strip().splitlines()[-1]}
+
+
+def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
+           device: str) -> str:
+    phases = list(dict.fromkeys([*first["recorded"]["phases"], *later["recorded"]["phases"]]))
+    rows = [f"| {name} | {first['recorded']['phases'].get(name, 0.0):.2f} | "
+            f"{later['recorded']['phases'].get(name, 0.0):.2f} | "
+            f"{first['recorded']['phases'].get(name, 0.0) - later['recorded']['phases'].get(name, 0.0):+.2f} |"  # noqa: E501
+            for name in phases]
+    rows.append(f"| other | {first['recorded']['other']:.2f} | "
+                f"{later['recorded']['other']:.2f} | "
+                f"{first['recorded']['other'] - later['recorded']['other']:+.2f} |")
+    return "\n".join([
+        f"## A first run against a later one ({device})", "",
+        f"`{command}`: the same `headloc-harness locate` twice, each in a process of its own, "
+        "the first with empty caches (our task index, Hugging Face datasets' prepared data, "
+        "matplotlib's fonts), the second with them filled; seconds per phase from each "
+        "run's config.json (`timings`), the whole wall clock from outside the process.", "",
+        "| phase | first run (s) | later run (s) | first − later (s) |",
+        "| --- | --- | --- | --- |", *rows,
+        f"| **whole (recorded)** | **{first['recorded']['whole']:.2f}** | "
+        f"**{later['recorded']['whole']:.2f}** | "
+        f"{first['recorded']['whole'] - later['recorded']['whole']:+.2f} |",
+        f"| whole (wall clock, outside) | {first['wall']:.2f} | {later['wall']:.2f} | "
+        f"{first['wall'] - later['wall']:+.2f} |", "",
+        f"Last line of the first run: `{first['last_line']}`; of the later one: "
+        f"`{later['last_line']}`.", ""])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    locate_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="for the section's name (the "
+                        "model's device is --model-args')")
+    parser.add_argument("--out", type=Path, default=REPO / "BENCH.md")
+    args = parser.parse_args(own)
+    problem = bench_refusal(args.out)
+    if problem is not None:
+        parser.error(problem)
+    command = "python scripts/bench_first_run.py " + shlex.join(argv)
+    work = Path(tempfile.mkdtemp(prefix="headloc-first-"))
+    try:
+        environment = {name: str(work / "cache" / name) for name in CACHES}
+        environment.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                           TOKENIZERS_PARALLELISM="false")
+        first = timed_run(locate_args, work / "first", environment)
+        print(f"first run: {first['last_line']}", flush=True)
+        later = timed_run(locate_args, work / "later", environment)
+        print(f"later run: {later['last_line']}", flush=True)
+        write_section(args.out, section_name("first run", args.device),
+                      render(first, later, command, args.device))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
