@@ -90,6 +90,7 @@ class LocateRun:
     measurements: int = 0
     ok: bool = False
     tail: str = ""
+    phases: str = ""  # where its time went, as the run recorded it (config.json's timings)
 
 
 @dataclass
@@ -214,6 +215,11 @@ def run_locate(model_args: str, task: str, include: str | None, seed: int, out: 
                  if line.strip()]
         run.measurements = len(lines)
         run.measured = sum(float(r["seconds"]) for r in lines)
+    config = out / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("timings"):
+        from lm_eval_headloc.timing import timings_line
+
+        run.phases = timings_line(json.loads(config.read_text())["timings"])
     print(f"  {'ok' if run.ok else 'FAILED'} in {run.wall:.1f} s: {run.measurements} "
           f"measurements, {run.measured:.1f} s of them", flush=True)
     if not run.ok:
@@ -273,6 +279,9 @@ def render(report: Report, args: argparse.Namespace, command: str, total: float)
                   "| wall clock | measurements | seconds in them |", "|---|---|---|",
                   f"| {run.wall:.1f} s ({run.wall / 60:.1f} min) | {run.measurements} | "
                   f"{run.measured:.1f} |"]
+        if run.phases:
+            lines += ["", f"Its phases, as the run recorded them (config.json's `timings`, "
+                      f"up to its last phase before the report): {run.phases}."]
         if not run.ok:
             lines += ["", "```", run.tail.strip(), "```"]
     lines += [f"- {note}" for note in report.notes]

@@ -330,6 +330,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "ablation_field": "prompt", "random_draws": 2, "components": "heads+neurons",
         "candidates": 9, "examples_part": "1/2", "neuron_groups": 2, "num_fewshot": 5,
         "gen_kwargs": '{"max_gen_toks": 8}', "system_instruction": "Be brief.",
+        "probe_rows": 8,
     }
     from dataclasses import fields
 
@@ -347,7 +348,8 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
                                                                 "bootstrap", "confirm"},
                 "greedy": (shared - {"top_k"}) | {"rounds"},
                 "sweep": shared | design,
-                "verify": shared | {"general", "limit"}, "cross": shared, "types": shared}
+                "verify": shared | {"general", "limit"}, "cross": shared,
+                "types": shared | {"probe_rows"}}
     for command in ("locate", "greedy", "sweep", "verify", "cross", "types"):
         folder = tmp_path / command
         with RunFolder(folder) as run:
@@ -666,9 +668,11 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
                    "--out", str(out))
     assert code == 0
     # Two tasks: heads.json, what ablate_file= reads, is said to be the first one's.
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2] == (
         f"Results in {out}/ (report.md, heatmap.png, heads-<task>.json for each task; "
         "heads.json is tiny_copy's)")
+    assert printed[-1].startswith("Time: ")  # where the time went, last
     for name in ["config.json", "design_matrix.npy", "measurements.jsonl", "heads.json",
                  "heads.csv", "heads-tiny_choice.json", "heatmap.png", "report.md"]:
         assert (out / name).is_file(), name

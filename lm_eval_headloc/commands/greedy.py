@@ -107,7 +107,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                           for name in names})
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        run.save(folder, measure)  # the workers' shares, and the timings the report says
+        if measure is not None:  # a rerun that loaded nothing keeps the record on disk
+            run.save(folder, measure)  # the workers' shares, the timings the report says
         rankings = _rankings(changes, winners, baseline, spec.rounds, columns,
                              setup.heads_per_layer, len(folder.measurements()), alike)
         first = next(iter(rankings.values()))
