@@ -353,15 +353,18 @@ BAD_HEADS = {
                          r"64 not in 0\.\.63",
     "ablate=L0N1+L1Nx": r"hf-headablate: error: bad component name 'L1Nx'",
 }
+#: Through real ``lm_eval`` processes (each spends ~15 s importing lm-eval and indexing its
+#: tasks): both entry points, and an error the model raises from a missing file (a
+#: FileNotFoundError underneath). The others' messages go through the same hook in-process.
+STOCK_CLI = ("ablate=L99H0", "-m lm_eval: ablate=L0H1+X1", "ablate_file=/no/such/heads.json")
 
 
 @pytest.fixture(scope="module")
 def stock_cli_errors(tiny_model_dir) -> dict[str, tuple[int, str]]:
-    """Each bad model_args through the stock CLI, all started at once: each process spends
-    its ~15 s importing lm-eval and indexing its tasks, mostly on one core."""
+    """Each of ``STOCK_CLI`` through the stock CLI, all started at once."""
     folder = tiny_model_dir("llama")
     running = {}
-    for bad in BAD_HEADS:
+    for bad in STOCK_CLI:
         command, args = [LM_EVAL], bad
         if bad.startswith("-m lm_eval: "):  # python -m lm_eval, not the console script
             command, args = [sys.executable, "-m", "lm_eval"], bad.removeprefix("-m lm_eval: ")
@@ -373,12 +376,36 @@ def stock_cli_errors(tiny_model_dir) -> dict[str, tuple[int, str]]:
     return {bad: (running[bad].returncode, stderr) for bad, stderr in errors.items()}
 
 
-@pytest.mark.parametrize("bad", BAD_HEADS)
+@pytest.mark.parametrize("bad", STOCK_CLI)
 def test_stock_cli_bad_heads_one_line_nonzero_exit(stock_cli_errors, bad):
     import re
 
     returncode, stderr = stock_cli_errors[bad]
     assert returncode != 0
+    assert "Traceback" not in stderr
+    assert re.search(BAD_HEADS[bad], stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("bad", [bad for bad in BAD_HEADS if bad not in STOCK_CLI])
+def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_dir, bad,
+                                                                  monkeypatch, capsys):
+    """What the stock CLI does with the model's error (``lm_eval`` builds the model from
+    its --model_args; the start-up hook's excepthook prints a UserError in one line)."""
+    import re
+
+    from lm_eval_headloc import registration
+    from lm_eval_headloc.model import HFHeadAblateLM
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    registration._install_cli_excepthook()
+    folder = tiny_model_dir("llama")
+    try:
+        HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},{bad}", {"device": "cpu"})
+    except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
+        sys.excepthook(*sys.exc_info())
+    else:
+        pytest.fail(f"{bad} was accepted")
+    stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
     assert re.search(BAD_HEADS[bad], stderr.strip().splitlines()[-1])
 

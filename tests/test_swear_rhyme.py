@@ -249,20 +249,28 @@ def test_process_results(task_dict) -> None:
 # ---------------------------------------------------------------- stock CLI, real model
 
 
-def _run_cli(task: str, tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def stock_cli_run(tmp_path_factory, smollm2) -> Path:  # smollm2: skips when not installed
+    """One stock ``lm_eval`` run of both tasks (one process start, one model load)."""
+    out = tmp_path_factory.mktemp("swear-rhyme")
     # The stock CLI passes its own --device to the model: none in model_args.
     model_args = smollm2_model_args(device=None)
     proc = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "hf-headablate",
-         "--model_args", model_args, "--device", "cpu", "--tasks", task,
+         "--model_args", model_args, "--device", "cpu", "--tasks", "swear,rhyme",
          "--include_path", str(TASKS), "--limit", "2", "--apply_chat_template",
-         "--output_path", str(tmp_path), "--log_samples"],
+         "--output_path", str(out), "--log_samples"],
         capture_output=True, text=True, timeout=900,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (results,) = tmp_path.rglob("results_*.json")
-    (samples,) = tmp_path.rglob(f"samples_{task}_*.jsonl")
+    return out
+
+
+def _run_cli(task: str, out: Path) -> dict:
+    """``task``'s results and logged samples from the stock CLI's run."""
+    (results,) = out.rglob("results_*.json")
+    (samples,) = out.rglob(f"samples_{task}_*.jsonl")
     return {"results": json.loads(results.read_text())["results"][task],
             "samples": _jsonl(samples)}
 
@@ -277,8 +285,8 @@ def _letters(text: str) -> str:
 
 
 @pytest.mark.slow
-def test_swear_cli(tmp_path: Path, smollm2) -> None:  # smollm2: skips when not installed
-    out = _run_cli("swear", tmp_path)
+def test_swear_cli(stock_cli_run: Path) -> None:
+    out = _run_cli("swear", stock_cli_run)
     samples, results = out["samples"], out["results"]
     # Checked without the scorer that produced the values: the list as the file says,
     # letters only, and the answer as the model wrote it, letters only.
@@ -298,8 +306,8 @@ def test_swear_cli(tmp_path: Path, smollm2) -> None:  # smollm2: skips when not 
 
 
 @pytest.mark.slow
-def test_rhyme_cli(tmp_path: Path, smollm2) -> None:  # smollm2: skips when not installed
-    out = _run_cli("rhyme", tmp_path)
+def test_rhyme_cli(stock_cli_run: Path) -> None:
+    out = _run_cli("rhyme", stock_cli_run)
     samples = out["samples"]
     for sample in samples:
         word, answer = sample["doc"]["word"], sample["filtered_resps"][0]
