@@ -8,6 +8,14 @@ command spent ~14 s parsing the same 94 MB five times. Inside ``cached_gguf_read
 the file's last parse while the file is unchanged (same path, size and modification
 time). Readers are read-only memory maps; nothing a reader holds is modified by its
 users.
+
+Two more repeats go with it. transformers parses the file's metadata (every field, the
+vocabulary's 49,152 strings included) into Python values once per read: for the config
+(twice), the tokenizer and the weights, ~1.5 s each; ``load_gguf_checkpoint`` without
+tensors hands back a copy of the last such parse of the unchanged file. And it maps tensor
+names by building gguf's ``TensorNameMap`` of the architecture once per module of the model
+(397 times for SmolLM2, ~9 s); the map depends on the architecture and layer count only and
+is read, never changed, so one is built per pair.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ __all__ = ["cached_gguf_reads", "parses"]
 
 _LOCK = threading.Lock()
 _CACHE: dict[tuple[str, int, int], Any] = {}  # the last file parsed: (path, size, mtime)
+_METADATA: dict[tuple[str, int, int], Any] = {}  # its metadata, as transformers parsed it
 _PARSES = [0]  # files actually parsed while the cache was on (for tests)
 _DEPTH = [0]
 
@@ -73,6 +82,7 @@ def cached_gguf_reads() -> Iterator[None]:
             CachedReader.__name__ = CachedReader.__qualname__ = original.__name__
             gguf.GGUFReader = CachedReader
             cached_gguf_reads.original = original  # type: ignore[attr-defined]
+            _patch_transformers(gguf)
     try:
         yield
     finally:
@@ -80,3 +90,41 @@ def cached_gguf_reads() -> Iterator[None]:
             _DEPTH[0] -= 1
             if _DEPTH[0] == 0:
                 gguf.GGUFReader = cached_gguf_reads.original  # type: ignore[attr-defined]
+                for owner, name, original_function in _PATCHED:
+                    setattr(owner, name, original_function)
+                _PATCHED.clear()
+                _METADATA.clear()
+
+
+#: (object, attribute, what it was) for each function ``_patch_transformers`` replaced.
+_PATCHED: list[tuple[Any, str, Any]] = []
+
+
+def _patch_transformers(gguf: Any) -> None:
+    """The metadata parse and the tensor-name map, each made once (the module docstring);
+    both are imported by transformers at each call, so the module attributes are patched."""
+    import copy
+    import functools
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as loading
+    except ImportError:
+        return
+    load = loading.load_gguf_checkpoint
+
+    @functools.wraps(load)
+    def load_once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        key = None if return_tensors or args or kwargs else _key(path)
+        if key is None:
+            return load(path, return_tensors, *args, **kwargs)
+        if key not in _METADATA:
+            _METADATA.clear()  # one file kept, as the readers
+            _METADATA[key] = load(path, False)
+        return copy.deepcopy(_METADATA[key])  # the caller's to change
+
+    name_map = getattr(gguf, "get_tensor_name_map", None)
+    _PATCHED.append((loading, "load_gguf_checkpoint", load))
+    loading.load_gguf_checkpoint = load_once
+    if name_map is not None:
+        _PATCHED.append((gguf, "get_tensor_name_map", name_map))
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)

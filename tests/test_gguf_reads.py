@@ -58,3 +58,46 @@ def test_an_error_inside_puts_the_reader_back(tmp_path):
         assert gguf.GGUFReader is not original
         raise RuntimeError("boom")
     assert gguf.GGUFReader is original
+
+
+def test_transformers_metadata_parse_is_made_once_and_handed_out_as_copies(tmp_path,
+                                                                           monkeypatch):
+    from transformers import modeling_gguf_pytorch_utils as loading
+
+    path = tmp_path / "model.gguf"
+    write_gguf(path, 1)
+    calls = []
+
+    def fake_load(checkpoint, return_tensors=False, **kwargs):
+        calls.append((str(checkpoint), return_tensors))
+        return {"config": {"layers": [1, 2]}, "tokenizer": {"tokens": ["a", "b"]}}
+
+    monkeypatch.setattr(loading, "load_gguf_checkpoint", fake_load)
+    with cached_gguf_reads():
+        first = loading.load_gguf_checkpoint(path)  # transformers' config read
+        first["config"]["layers"].append(3)  # a caller changing what it was given
+        second = loading.load_gguf_checkpoint(str(path), return_tensors=False)  # tokenizer
+        assert second == {"config": {"layers": [1, 2]}, "tokenizer": {"tokens": ["a", "b"]}}
+        assert calls == [(str(path), False)]
+        loading.load_gguf_checkpoint(path, return_tensors=True)  # the weights: read anew
+        assert calls[-1] == (str(path), True) and len(calls) == 2
+        write_gguf(path, 2)  # rewritten: parsed again
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        loading.load_gguf_checkpoint(path)
+        assert len(calls) == 3
+    assert loading.load_gguf_checkpoint is fake_load  # put back on leaving
+
+
+def test_the_tensor_name_map_is_built_once_per_architecture_and_depth():
+    original = gguf.get_tensor_name_map
+    plain = original(gguf.MODEL_ARCH.LLAMA, 2)
+    with cached_gguf_reads():
+        once = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not once
+        # The same map as a fresh build: every name mapped alike.
+        assert once.mapping == plain.mapping
+        assert once.get_name("model.layers.1.self_attn.o_proj") == \
+            plain.get_name("model.layers.1.self_attn.o_proj") == "blk.1.attn_output"
+    assert gguf.get_tensor_name_map is original
