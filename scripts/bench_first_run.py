@@ -84,6 +84,8 @@ def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
         f"{first['recorded']['whole'] - later['recorded']['whole']:+.2f} |",
         f"| whole (wall clock, outside) | {first['wall']:.2f} | {later['wall']:.2f} | "
         f"{first['wall'] - later['wall']:+.2f} |", "",
+        "Phases that read no cache (the measurements, the prior, the fit) vary from run to "
+        "run on a shared machine: read their difference against that spread.", "",
         f"Last line of the first run: `{first['last_line']}`; of the later one: "
         f"`{later['last_line']}`.", ""])
 
