@@ -8,7 +8,12 @@ index (``$XDG_CACHE_HOME/lm_eval_headloc``), Hugging Face datasets' prepared dat
 later run finds them filled. Both measure everything (separate run folders)::
 
     python scripts/bench_first_run.py                    # the default job, embedded model
+    python scripts/bench_first_run.py --device cuda --config llama-3.1-8b --task scale_choice
     python scripts/bench_first_run.py --device cuda -- --model-args pretrained=...,dtype=bfloat16
+
+``--config`` builds a random-weight model of a published shape and writes ``bench_shapes``'
+MMLU-shaped and gsm8k-shaped tasks first (not timed), as the GPU benchmarks do; the runs
+then locate ``--task`` on it.
 
 Arguments after ``--`` go to ``headloc-harness locate``. Writes its section of ``BENCH.md``
 (``first run <device>``; on the CPU ``first run``).
@@ -98,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="for the section's name (the "
                         "model's device is --model-args')")
     parser.add_argument("--out", type=Path, default=REPO / "BENCH.md")
+    parser.add_argument("--config", default=None,
+                        help="a random-weight model of this shape (bench_shapes.py)")
+    parser.add_argument("--task", default="scale_gen",
+                        help="with --config: scale_choice (MMLU-shaped) or scale_gen")
+    parser.add_argument("--dtype", default="bfloat16", help="with --config")
     args = parser.parse_args(own)
     problem = bench_refusal(args.out)
     if problem is not None:
@@ -108,6 +118,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment = {name: str(work / "cache" / name) for name in CACHES}
         environment.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                            TOKENIZERS_PARALLELISM="false")
+        if args.config is not None:
+            import bench_shapes
+
+            model_dir = work / f"{args.config}-{args.dtype}"
+            print(f"building a random-weight {args.config} ({args.dtype}) ...", flush=True)
+            bench_shapes.build_random_model(args.config, model_dir, args.dtype, args.device)
+            bench_shapes.write_tasks(work / "tasks")
+            locate_args = ["--model-args", f"pretrained={model_dir},dtype={args.dtype},"
+                           f"device={args.device}", "--include-path", str(work / "tasks"),
+                           "--tasks", args.task, *locate_args]
         first = timed_run(locate_args, work / "first", environment)
         print(f"first run: {first['last_line']}", flush=True)
         later = timed_run(locate_args, work / "later", environment)
