@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "HEAD_TYPES",
-           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "PROBE_FIRST_ID", "PROBE_ROWS",
+           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "MAX_PROBE_ROWS", "PROBE_FIRST_ID",
+           "PROBE_ROWS",
            "attention_patterns", "borderline", "dominant_type", "encode_texts",
            "head_type_scores", "probe_type_scores", "repeated_probe",
            "type_scores_from_patterns", "type_thresholds"]
@@ -58,6 +59,9 @@ __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "HEAD_TYPES
 #: 270 heads are too near a threshold to say, and no head labelled by one probe seed is
 #: clearly not of that type by another (tests/test_head_types.py).
 PROBE_ROWS = 32
+#: The most rows ``--probe-rows`` may ask for: the probe's token ids are made at once (a
+#: billion rows would be 500 GB), and 4,096 rows take ~15 minutes for SmolLM2 on 2 CPU cores.
+MAX_PROBE_ROWS = 4096
 
 #: The scores, in the order every result lists them.
 HEAD_TYPES: tuple[str, ...] = ("previous_token", "duplicate_token", "induction",

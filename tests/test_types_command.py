@@ -166,6 +166,12 @@ def test_the_probe_has_as_many_rows_as_asked(tiny_model_dir, tmp_path, capsys):
     assert harness(*args, "--probe-rows", "1", "--out", str(tmp_path / "one")) == 2
     assert "--probe-rows" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "one").exists()
+    # A billion rows (500 GB of token ids) is refused in one line before any weights load.
+    assert harness(*args, "--probe-rows", "1000000000", "--out", str(tmp_path / "huge")) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "headloc-harness: error: --probe-rows 1000000000: must be a whole number with "
+        "2 <= value <= 4096")
+    assert not (tmp_path / "huge").exists()
 
 
 def test_the_types_command_checks_before_loading(tiny_model_dir, tmp_path, capsys):

@@ -32,7 +32,7 @@ from ..checks import UsageError, check_number
 from ..columns import COMPONENTS
 from ..confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
 from ..designs import DESIGNS
-from ..head_types import PROBE_ROWS
+from ..head_types import MAX_PROBE_ROWS, PROBE_ROWS
 from ..signals import SIGNALS
 from .workers import RAY_TIMEOUT
 
@@ -339,7 +339,8 @@ class RunSpec:
     probe_rows: int = _option(
         PROBE_ROWS, "rows of the head-type probe (random tokens repeated twice): more rows, "
                     "fewer heads too near a type's threshold to be labelled", parse=int,
-        metavar="N", whole=True, min_val=2, legacy=4)  # 4: the rows before the option
+        metavar="N", whole=True, min_val=2, max_val=MAX_PROBE_ROWS,
+        legacy=4)  # 4: the rows before the option
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     # --masks and --confirm: None is the default budget's split for the run's prior
     # (confirm.default_split), or on a resumed run the run's own (RunSpec.budgeted).
