@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(REPO / "scripts"))
 
+import bench_shapes  # noqa: E402
 from bench_sections import bench_refusal, section_name, write_section  # noqa: E402
 
 #: The caches a first run fills, by the variable that places each.
@@ -45,10 +46,11 @@ CACHES = ("XDG_CACHE_HOME", "HF_DATASETS_CACHE", "MPLCONFIGDIR")
 
 
 def harness_command() -> list[str]:
-    """``headloc-harness`` of the environment this script runs in."""
+    """``headloc-harness`` of the environment this script runs in (its console script, or
+    the function that script calls: either counts start-up from the process's start)."""
     script = Path(sys.executable).with_name("headloc-harness")
-    return [str(script)] if script.is_file() else [sys.executable, "-m",
-                                                   "lm_eval_headloc.commands.cli"]
+    return [str(script)] if script.is_file() else [
+        sys.executable, "-c", "from lm_eval_headloc.console import main; raise SystemExit(main())"]
 
 
 def timed_run(arguments: Sequence[str], out: Path, environment: Mapping[str, str]
@@ -68,14 +70,14 @@ def timed_run(arguments: Sequence[str], out: Path, environment: Mapping[str, str
 
 def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
            device: str) -> str:
-    phases = list(dict.fromkeys([*first["recorded"]["phases"], *later["recorded"]["phases"]]))
-    rows = [f"| {name} | {first['recorded']['phases'].get(name, 0.0):.2f} | "
-            f"{later['recorded']['phases'].get(name, 0.0):.2f} | "
-            f"{first['recorded']['phases'].get(name, 0.0) - later['recorded']['phases'].get(name, 0.0):+.2f} |"  # noqa: E501
-            for name in phases]
-    rows.append(f"| other | {first['recorded']['other']:.2f} | "
-                f"{later['recorded']['other']:.2f} | "
-                f"{first['recorded']['other'] - later['recorded']['other']:+.2f} |")
+    def seconds(run: Mapping[str, Any], name: str) -> float:
+        recorded = run["recorded"]
+        return recorded["other"] if name == "other" else recorded["phases"].get(name, 0.0)
+
+    phases = [*dict.fromkeys([*first["recorded"]["phases"], *later["recorded"]["phases"]]),
+              "other"]
+    rows = [f"| {name} | {seconds(first, name):.2f} | {seconds(later, name):.2f} | "
+            f"{seconds(first, name) - seconds(later, name):+.2f} |" for name in phases]
     return "\n".join([
         f"## A first run against a later one ({device})", "",
         f"`{command}`: the same `headloc-harness locate` twice, each in a process of its own, "
@@ -103,11 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="for the section's name (the "
                         "model's device is --model-args')")
     parser.add_argument("--out", type=Path, default=REPO / "BENCH.md")
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", default=None, choices=bench_shapes.shape_names(),
                         help="a random-weight model of this shape (bench_shapes.py)")
-    parser.add_argument("--task", default="scale_gen",
-                        help="with --config: scale_choice (MMLU-shaped) or scale_gen")
-    parser.add_argument("--dtype", default="bfloat16", help="with --config")
+    parser.add_argument("--task", default=bench_shapes.GEN_TASK,
+                        choices=(bench_shapes.CHOICE_TASK, bench_shapes.GEN_TASK),
+                        help="with --config: the MMLU-shaped or the gsm8k-shaped task")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="with --config")
     args = parser.parse_args(own)
     problem = bench_refusal(args.out)
     if problem is not None:
@@ -119,8 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                            TOKENIZERS_PARALLELISM="false")
         if args.config is not None:
-            import bench_shapes
-
             model_dir = work / f"{args.config}-{args.dtype}"
             print(f"building a random-weight {args.config} ({args.dtype}) ...", flush=True)
             bench_shapes.build_random_model(args.config, model_dir, args.dtype, args.device)
