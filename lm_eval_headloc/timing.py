@@ -15,6 +15,7 @@ command line's last line say it (``timings_line``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         # Open phases, innermost last; None holds a nested clock's time (``absorb``).
         self._open: list[str | None] = [first] if first else []
+        self._first_open = bool(first)  # until the first ``phase`` begins
         self._since = self.started
 
     def _charge(self) -> None:
@@ -62,8 +64,9 @@ class PhaseClock:
     def phase(self, name: str | None) -> Iterator[None]:
         """Charge the time inside to ``name`` (and not to the phase around it)."""
         self._charge()
-        if self._open and self._open[0] == STARTUP and len(self._open) == 1:
-            self._open.clear()  # start-up ends where the command's first phase begins
+        if self._first_open:  # e.g. start-up ends where the command's first phase begins
+            self._open.clear()
+            self._first_open = False
         self._open.append(name)
         try:
             yield
@@ -122,8 +125,6 @@ def run_clock(started: float | None = None, first: str | None = None
 def on_clock(function: Any) -> Any:
     """Decorator for a command's Python API: it runs under the running command's clock
     (the command line's), else one of its own for the call."""
-    import functools
-
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _current is not None:
@@ -167,8 +168,6 @@ def timings_line(sessions: Sequence[Mapping[str, Any]]) -> str:
 
 def timed(name: str) -> Any:
     """Decorator: every call of the function is ``name``'s phase."""
-    import functools
-
     def decorate(function: Any) -> Any:
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
