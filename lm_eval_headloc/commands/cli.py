@@ -24,7 +24,7 @@ from ..columns import column_label
 from ..errors import UserError, one_line
 from .cross import PROMPT_OPTIONS, cross, cross_markdown
 from .greedy import greedy
-from .locate import fit_summary, locate, refit
+from .locate import certificate_line, fit_summary, locate, refit
 from .overlap import markdown_path, overlap, overlap_markdown
 from .report import FLOOR_HINT, HeadRanking, at_floor, within_spread
 from .result import load_run
@@ -220,10 +220,13 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
               + fit_summary(ranking, top_k))
         if at_floor(ranking):
             print(f"  no knockout can lower a score of 0; {FLOOR_HINT}")
+        checked = certificate_line(ranking)
         tied = set(ranking.extra.get("tied_with_above", []))
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):
             print("  no head stands out: the fit found no effect that tells the heads apart")
+            if checked:
+                print(checked)
             continue
         alike = ranking.extra.get("same_masks") or {}
         harmless = set(ranking.harmless(top_k))
@@ -237,6 +240,8 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
                   + (f"  (knocked out in the same masks as {len(alike[str(head)])} "
                      f"other{'s' if len(alike[str(head)]) > 1 else ''}: see report.md)"
                      if str(head) in alike else ""))
+        if checked:
+            print(checked)
     files = "report.md, heads.json, heatmap.png"
     if len(rankings) > 1:  # heads.json (what ablate_file= reads) is one task's
         first = next(iter(rankings))

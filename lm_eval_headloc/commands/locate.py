@@ -36,6 +36,16 @@ from ..confirm import (
 )
 from ..designs import design_matrix, same_masks
 from ..files import write_atomically
+from ..group_tests import (
+    MAX_GROUP,
+    background_harm,
+    certificate,
+    entry_bar,
+    group_key,
+    group_size,
+    group_testing,
+    group_order,
+)
 from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
 from ..prior import PRIOR_POINTS
@@ -77,7 +87,8 @@ from .types import ensure_types
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BELOW_ZERO", "fit_rankings", "fit_summary", "locate", "mask_keys", "refit",
+__all__ = ["BELOW_ZERO", "CERTIFICATE_RULE", "certificate_line", "certificate_words",
+           "fit_rankings", "fit_summary", "group_sets", "locate", "mask_keys", "refit",
            "stored_prior"]
 
 
@@ -205,6 +216,9 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                    **({"prior_found_nothing": True} if prior_found_nothing(estimates)
                       else {})},
             stability=stability, evidence=evidence)
+        rankings[task].extra["certificate"] = _certificate(
+            design, y, baseline, task, higher, alone, records, confirmed, columns,
+            [h for h in range(len(columns)) if h not in set(left_out)], top_k)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
             rankings[task].extra["largest_single_help"] = recorded
@@ -212,6 +226,41 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             # The fit held every change fixed and estimated nothing: its R² is no evidence.
             rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None
     return rankings
+
+
+#: The rule under which a measured set rules out its members (``group_tests``).
+CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it is "
+                    "knocked out in (knocking out more never lessens the harm)")
+
+
+def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any], task: str,
+                 higher: bool, alone: Changes, records: Mapping[str, Mapping[str, Any]],
+                 confirmed: Mapping[str, Any] | None, columns: Columns,
+                 candidates: Sequence[int], top_k: int) -> dict[str, Any]:
+    """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
+    measurements rule out for ``task`` and what they leave unchecked, in names."""
+    base = float(baseline["scores"][task])
+    alone_harm = {h: float(harm(change, higher)) for h, (change, _) in alone.items()}
+    groups = [(tuple(columns.named(n) for n in members),
+               float(harm(records[group_key(members)]["scores"][task] - base, higher)))
+              for members in group_sets(confirmed)]
+    mask_harms = harm(np.asarray(y, dtype=np.float64) - base, higher)
+    cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k)
+    recorded = (confirmed or {}).get("groups") or {}
+    size = recorded.get("size") or group_size(cert.bar, background_harm(design, mask_harms,
+                                                                        alone_harm))
+    sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
+    coverage = [cert.coverage[h] for h in cert.unchecked]
+    return {"rule": CERTIFICATE_RULE, "entry_bar": cert.bar, "top_k": top_k,
+            "measured_alone": len(cert.alone), "ruled_out": len(cert.ruled_out),
+            "bound": cert.bound, "unchecked": columns.names(cert.unchecked),
+            "unchecked_never_in_a_mask": sum(c == 0 for c in coverage),
+            "unchecked_in_one_mask": sum(c == 1 for c in coverage),
+            "unchecked_beside_measured": columns.names(cert.shadowed),
+            "group_size": int(size), "group_tests_run": int(recorded.get("budget", 0)),
+            "group_tests": [{"components": columns.names(m), "change": sign * value}
+                            for m, value in cert.groups],
+            "group_tests_to_cover": -(-len(cert.unchecked) // int(size))}
 
 
 class _TaskFit(NamedTuple):
@@ -247,6 +296,8 @@ def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.nda
     skip = sorted({*confirmed["never"], *excluded})
     round_size = int(confirmed.get("round_size", budget or 1))
     y, higher, _, weights, _, alone = task_fit(task)
+    found_by_groups = {columns.named(n) for n in
+                       (confirmed.get("groups") or {}).get("alone") or []} & set(alone)
 
     def replay(rows: np.ndarray) -> list[int]:
         def screen_of(name: str) -> Callable[[Changes], list[int]]:
@@ -269,7 +320,8 @@ def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.nda
         key = (tuple(replayed), np.asarray(rows, dtype=np.int64).tobytes())
         if key not in replays:
             replays[key] = replay(rows)
-        pool = {h for h in replays[key] if h in alone}
+        # The group tests are not replayed: what they measured alone is in every pool.
+        pool = {h for h in replays[key] if h in alone} | found_by_groups
         top = confirmed_top(alone, pool, top_k, higher)
         if len(top) < top_k:
             fit = screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
@@ -295,7 +347,8 @@ def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[
                     task: str, columns: Columns) -> dict[int, tuple[float, float]]:
     """column -> (score change, logprob change) of every component the run measured
     alone."""
-    heads = [columns.named(name) for name in confirmed["heads"]]
+    names = [*confirmed["heads"], *((confirmed.get("groups") or {}).get("alone") or [])]
+    heads = list(dict.fromkeys(columns.named(name) for name in names))
     return _alone_changes(records, heads, task, columns)
 
 
@@ -370,6 +423,7 @@ def locate_report(run: LocateRun) -> str:
             *equal_change_words(ranking, top_k),
             *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
+            *certificate_words(ranking, _UNIT[spec.components]),
             *_prior_top_words(ranking.extra, top_k, run.prior_kind, _UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -543,6 +597,84 @@ def _unconfirmed_words(extra: Mapping[str, Any], unit: str = "head") -> list[str
         lines.append("A larger `--confirm` would measure next: "
                      + ", ".join(extra["next"]) + ".")
     return [" ".join(lines), ""]
+
+
+def _listed(names: Sequence[str], most: int = 10) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more"
+                                      if len(names) > most else "")
+
+
+def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
+    """report.md's completeness certificate (``extra["certificate"]``): what the run
+    measured alone, what a measured set ruled out and by how much at most, what the
+    group tests measured, and what nothing checked, with the flag that would check it."""
+    cert = ranking.extra.get("certificate")
+    if not cert:
+        return []
+    k, bar = cert["top_k"], cert["entry_bar"]
+    entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {k}th "
+             "largest measured alone)," if bar > 0 else
+             f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
+             f"it, so any harm would enter the top-{k})")
+    lines = [f"### What was checked ({cert['measured_alone'] + cert['ruled_out']} of "
+             f"{cert['measured_alone'] + cert['ruled_out'] + len(cert['unchecked'])} "
+             f"{unit}s)", "",
+             f"Under the rule that {cert['rule']} — an assumption: a {unit} whose knockout "
+             f"helps can hide one that hurts in the same set — a measured set whose harm "
+             f"{entry} rules out each of its members.", "",
+             f"- measured alone: {cert['measured_alone']} {unit}s (the table's measured "
+             "changes)"]
+    if cert["ruled_out"]:
+        lines.append(f"- ruled out by a mask or group test: {cert['ruled_out']} {unit}s; "
+                     + (f"none of them alone harms the task by more than {cert['bound']:.4g} "
+                        "(the harm of the set that ruled it out)" if cert["bound"] > 0 else
+                        "none of them alone hurts the task (each set that ruled one out "
+                        "left the score as good or better)"))
+    else:
+        lines.append(f"- ruled out by a mask or group test: none (every measured set with "
+                     f"an unmeasured {unit} in it reached the bar)")
+    groups = cert["group_tests"]
+    if groups:
+        shown = "; ".join(f"{'+'.join(g['components'][:4])}"
+                          + (f"+{len(g['components']) - 4} more" if len(g["components"]) > 4
+                             else "") + f" {g['change']:+.4f}" for g in groups[:8])
+        lines.append(f"- group tests ({len(groups)} sets of up to {cert['group_size']} "
+                     f"{unit}s, halved where they reached the bar): {shown}"
+                     + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
+                        else ""))
+    unchecked = cert["unchecked"]
+    if not unchecked:
+        lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
+                  f"the rule, no {unit} outside the table's measured ones would enter the "
+                  f"top-{k}.", ""]
+        return lines
+    beside = cert["unchecked_beside_measured"]
+    lines += [f"- **not checked: {len(unchecked)} {unit}s** "
+              f"({cert['unchecked_never_in_a_mask']} never knocked out by a mask, "
+              f"{cert['unchecked_in_one_mask']} in one mask only"
+              + (f", {len(beside)} only in masks beside a {unit} measured to reach the bar"
+                 if beside else "") + f"): {_listed(unchecked)}. Any of them could enter "
+              f"the top-{k}; the masks' estimate is all the run has for them.", "",
+              f"`--group-tests {cert['group_tests_run'] + cert['group_tests_to_cover']}` "
+              f"would knock each of them out in at least one group of "
+              f"{cert['group_size']} (more tests where a group reaches the bar and is "
+              "halved); a larger `--confirm` measures the likeliest alone.", ""]
+    return lines
+
+
+def certificate_line(ranking: HeadRanking) -> str | None:
+    """The terminal's one line on the certificate, or None without one."""
+    cert = ranking.extra.get("certificate")
+    if not cert:
+        return None
+    unit = _UNIT[_components_of(ranking.columns)]
+    unchecked = len(cert["unchecked"])
+    ruled = (f", {cert['ruled_out']} ruled out by sets under the top-{cert['top_k']}'s bar "
+             + (f"(each ≤ {cert['bound']:.4g} alone)" if cert["bound"] > 0 else
+                "(none of them hurts alone)") if cert["ruled_out"] else "")
+    rest = (f", {unchecked} not checked (report.md: what would check them)" if unchecked
+            else f"; every {unit} checked")
+    return f"  checked: {cert['measured_alone']} measured alone{ruled}{rest}"
 
 
 def _sparsity_words(run: LocateRun) -> str:
@@ -755,6 +887,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if spec.confirm:
             run.confirm = _confirm(folder, measure, spec, setup, columns, matrix[:used],
                                    run.keys(used), run.priors, never)
+            if spec.group_tests:
+                run.confirm["groups"] = _group_test(folder, measure, spec, setup, columns,
+                                                    matrix[:used], run.keys(used),
+                                                    run.priors, never, run.confirm)
             run.records = {r["key"]: r for r in folder.measurements()}
             rankings = None  # the masks' fit alone was --masks auto's stopping rule
         run.save(folder, measure)  # phase: measured
@@ -838,6 +974,76 @@ def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, colum
                           for t in tasks},
                  "never": sorted(int(h) for h in never)}
     return confirmed
+
+
+def _group_test(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
+                columns: Columns, design: np.ndarray, keys: Sequence[str],
+                priors: Mapping[str, np.ndarray] | None, never: Sequence[int],
+                confirmed: Mapping[str, Any]) -> dict[str, Any]:
+    """Spend ``--group-tests`` measurements on the components not measured alone, knocked
+    out together in groups (``group_tests.group_testing``): each task's those its screen
+    implicates first, then those the masks covered least, the tasks in turn; returns what
+    the record keeps (``confirm["groups"]``). A group is keyed by its members, a
+    component it narrows down to is measured as the confirmation's are (``alone_key``),
+    so a resumed run looks every earlier set up and makes the same tests."""
+    tasks = setup.task_names
+    excluded = [columns.index(h) for h in setup.exclude if _has(columns, h)]
+    records = {r["key"]: r for r in folder.measurements()}
+    baseline = records["baseline"]
+    higher = {t: bool(baseline["higher_is_better"][t]) for t in tasks}
+    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
+    alone = {t: _measured_alone(confirmed, records, t, columns) for t in tasks}
+    skip = {*never, *excluded}
+
+    def harms(record: Mapping[str, Any]) -> dict[str, float]:
+        return {t: float(harm(record["scores"][t] - baseline["scores"][t], higher[t]))
+                for t in tasks}
+
+    known: dict[tuple[int, ...], dict[str, float]] = {
+        tuple(int(h) for h in np.flatnonzero(row)): harms(records[key])
+        for row, key in zip(design, keys, strict=True)}
+    known.update({(h,): {t: float(harm(alone[t][h][0], higher[t])) for t in tasks}
+                  for h in alone[tasks[0]]})
+    orders, size = [], MAX_GROUP
+    for task in tasks:
+        fixed = {h: change for h, (change, _) in alone[task].items()}
+        fit = screen(design, scores[task], higher[task], alpha=spec.alpha,
+                     penalty_weights=prior_weights(None if priors is None else priors[task]),
+                     fixed=fixed, exclude=sorted(skip))
+        implicated = [h for h in fit.order if harm(fit.effects[h], higher[task]) > 0]
+        orders.append(group_order(fit.order, implicated, design, skip={*skip, *fixed}))
+        task_harms = {h: float(harm(c, higher[task])) for h, c in fixed.items()}
+        size = min(size, group_size(entry_bar(task_harms, spec.top_k), background_harm(
+            design, harm(scores[task] - baseline["scores"][task], higher[task]), task_harms)))
+    order = alternated(orders, sum(len(o) for o in orders))
+
+    def key_of(members: tuple[int, ...]) -> str:
+        if len(members) == 1:
+            return alone_key(columns[members[0]])
+        return group_key(columns.names(members))
+
+    def measured(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
+        done = run_plan(folder, measure, [("baseline", [])] + [
+            (key_of(s), [m for i in s for m in columns.members(i)]) for s in sets],
+            desc="group tests", masks_per_pass=spec.masks_per_pass, bar=bar)
+        return {s: harms(done[key_of(s)]) for s in sets}
+
+    on_disk = sum(key.startswith("group-") for key in records)
+    with phase_bar("group tests", spec.group_tests, on_disk, spec.progress) as bar:
+        tested = group_testing(order, known, measured, spec.group_tests, size=size,
+                               top_k=spec.top_k)
+    names = columns.names
+    return {"budget": spec.group_tests, "size": tested.size,
+            "rounds": [[names(s) for s in batch] for batch in tested.rounds],
+            "alone": names(s[0] for s in tested.sets if len(s) == 1)}
+
+
+def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
+    """The group tests' sets of two or more components, in the order measured (a run's
+    ``confirm["groups"]``; none where it made none)."""
+    groups = (confirmed or {}).get("groups") or {}
+    return [members for batch in groups.get("rounds", []) for members in batch
+            if len(members) > 1]
 
 
 def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
@@ -956,8 +1162,11 @@ def _missing(run: LocateRun, rows: int) -> list[str]:
     on disk (``run.read_data`` first)."""
     # --confirm: the heads the run measured alone stay what they were (refit measures
     # nothing); the screen's fit, and so each head's stability, follows the settings.
-    alone = [alone_key(name) for name in run.confirm["heads"]] if run.confirm else []
-    return [k for k in ["baseline", *run.keys(rows), *alone] if k not in run.records]
+    alone = [alone_key(name) for name in [
+        *run.confirm["heads"], *((run.confirm.get("groups") or {}).get("alone") or [])]
+             ] if run.confirm else []
+    groups = [group_key(members) for members in group_sets(run.confirm)]
+    return [k for k in ["baseline", *run.keys(rows), *alone, *groups] if k not in run.records]
 
 
 def _stored_run(folder: RunFolder) -> LocateRun | None:
@@ -979,13 +1188,15 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
     model need not load. None otherwise, or when unsure."""
     if stored is None or stored.masks_used is None or not spec.budget_given:
         return None
-    ranking = RunSpec.refittable("locate") - {"masks", "max_masks", "confirm"}
+    ranking = RunSpec.refittable("locate") - {"masks", "max_masks", "confirm", "group_tests"}
     measuring = {f: v for f, v in spec.as_config().items()
                  if f not in ranking and f not in RunSpec.runtime_fields()}
     if {f: stored.spec.as_config().get(f) for f in measuring} != measuring:
         return None
     if spec.confirm and stored.confirm is None:
         return None
+    if spec.group_tests != ((stored.confirm or {}).get("groups") or {}).get("budget", 0):
+        return None  # its group tests were a different budget: measured (or looked up)
     if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
         return None  # a run made before head types: the model writes them
     if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):
