@@ -76,12 +76,24 @@ from lm_eval_headloc.metrics import TaskScore  # noqa: E402
 from lm_eval_headloc.prior import PRIOR_POINTS  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
+#: Tasks no default was chosen on: reported apart, with their own ground truth.
+HELD_OUT = ("heldout_successor", "heldout_ioi_b", "heldout_kv_recall")
+#: The priors the benchmark times and ranks (ig is not benchmarked).
+BENCH_PRIORS = ("atp", "atp-path")
 #: The page's first line: --out writes only over a page that begins with it.
 TITLE = "# Recovery: how many measurements find the exhaustive top-5"
-BUDGETS = (25, 40, 54, 80, 100, 150)
+BUDGETS = (25, 27, 40, 54, 80, 100, 150)
 GROUND_TRUTH = ROOT / "benchmarks" / "exhaustive"
 GROUND_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(TASKS)
                         + " --top-k 20 --out benchmarks/exhaustive")
+HELD_OUT_TRUTH = ROOT / "benchmarks" / "exhaustive-heldout"
+HELD_OUT_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(HELD_OUT)
+                          + " --top-k 20 --out benchmarks/exhaustive-heldout")
+
+
+def truth_folder(task: str) -> Path:
+    """The exhaustive run folder that holds ``task``'s ground truth."""
+    return HELD_OUT_TRUTH if task in HELD_OUT else GROUND_TRUTH
 WORK = ROOT / "benchmarks" / "recovery-runs"
 TOP = 5
 #: The recovery goal: >= 4 of the exhaustive top-5 in >= 80 % of seeds, and a joint drop
@@ -104,6 +116,8 @@ class Method:
     confirm: bool = False
     prior_kind: str = "atp"  # --prior of a confirming method
     split_as: str = "before"
+    #: The share of the heads-alone part spent on group tests (--group-tests) instead.
+    group_share: float = 0.0
     #: Not a locate run: a peer method computed from the prior or from other runs' masks.
     peer: str | None = None
 
@@ -111,7 +125,8 @@ class Method:
     def run_name(self) -> str:  # methods differing only in fit_on share their runs
         return f"{self.design}-p{self.sparsity:g}" + (
             "" if not self.confirm else "-confirm" if self.prior_kind == "atp"
-            else f"-{self.prior_kind}")
+            else f"-{self.prior_kind}") + (f"-groups{self.group_share:.2f}"
+                                           if self.group_share else "")
 
     @property
     def allowance(self) -> int:
@@ -119,11 +134,13 @@ class Method:
         cost, seconds over a measurement's, is in each table's cost column)."""
         return PRIOR_ALLOWANCE[self.prior_kind]
 
-    def split(self, budget: int) -> tuple[int, int]:
-        """(masks, heads confirmed alone) of a budget."""
+    def split(self, budget: int) -> tuple[int, int, int]:
+        """(masks, heads confirmed alone, group tests) of a budget."""
         if not self.confirm:
-            return budget, 0
-        return confirmed_split(budget, self.split_as)
+            return budget, 0, 0
+        masks, alone = confirmed_split(budget, self.split_as)
+        groups = round(alone * self.group_share)
+        return masks, alone - groups, groups
 
 
 DEFAULTS = RunSpec().budgeted("atp-path")  # the defaults of a run with its prior
@@ -137,6 +154,12 @@ METHODS = (
            f"themselves, {DEFAULTS.masks} + {DEFAULTS.confirm})",
            DEFAULTS.sparsity, DEFAULTS.signal, prior=True, confirm=True,
            prior_kind="atp-path", split_as="defaults"),
+    Method("default-groups", "the defaults' prior, masks and sparsity, with 10/34 of the "
+           "heads-alone part spent on group tests instead (`--group-tests`; at M = 54: 12 "
+           "masks + 24 alone + 10 group tests): the heads not measured alone, knocked out "
+           "together in groups and halved where a group reaches the top-5's entry bar",
+           DEFAULTS.sparsity, DEFAULTS.signal, prior=True, confirm=True,
+           prior_kind="atp-path", split_as="defaults", group_share=10 / 34),
     Method("default-before", "the defaults until this change: `--prior atp`, p = 0.1, "
            f"the task metric; {PRIOR_ALLOWANCE['atp']} for the prior, then `--masks` and "
            "`--confirm` (M − 4)/2 each (at M = 54: 25 + 25, the heads to confirm picked up "
@@ -172,16 +195,17 @@ def _comma(kind: type) -> Any:
     return lambda text: [kind(part) for part in text.split(",") if part.strip()]
 
 
-_RANKED: list[bool] = []
+_RANKED: list[Path] = []
 
 
 def ground_truth(task: str) -> dict[str, Any]:
     """The exhaustive ranking of ``task``: greedy's on benchmarks/exhaustive, run once per
     benchmark (it measures what is missing, then ranks with today's rules)."""
-    if not _RANKED:
-        greedy(GROUND_TRUTH, RunSpec(tasks=TASKS, top_k=20))
-        _RANKED.append(True)
-    return json.loads((GROUND_TRUTH / f"heads-{task}.json").read_text())
+    folder = truth_folder(task)
+    if folder not in _RANKED:
+        greedy(folder, RunSpec(tasks=HELD_OUT if task in HELD_OUT else TASKS, top_k=20))
+        _RANKED.append(folder)
+    return json.loads((folder / f"heads-{task}.json").read_text())
 
 
 def view(records: Mapping[str, Mapping[str, Any]], task: str, fit_on: str
@@ -240,6 +264,35 @@ def peer_tops(task: str, method: Method, seeds: Sequence[int], budgets: Sequence
     return tops
 
 
+def types_once_per_task(task: str) -> None:
+    """Every run of ``task`` writes the same head types (the model's, on the task's
+    examples): the first computes them (82 s here), the others copy its types.json
+    (``WORK/<task>/types.json``) instead of computing them again."""
+    import importlib
+
+    from lm_eval_headloc.commands.types import TYPES_FILE
+
+    # The module (the package's ``locate`` is the function of that name).
+    locate_module = importlib.import_module("lm_eval_headloc.commands.locate")
+
+    original = getattr(locate_module.ensure_types, "__wrapped__", locate_module.ensure_types)
+    cache = WORK / task / "types.json"
+
+    def ensure_types(folder: Any, measure: Any, probe_rows: int) -> Any:
+        if not folder.file(TYPES_FILE).is_file() and cache.is_file():
+            data = json.loads(cache.read_text())
+            if data["probe"]["batch"] == probe_rows:
+                folder.write_json(TYPES_FILE, data)
+        types = original(folder, measure, probe_rows)
+        if types is not None and not cache.is_file():
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(folder.file(TYPES_FILE).read_text())
+        return types
+
+    ensure_types.__wrapped__ = original  # type: ignore[attr-defined]
+    locate_module.ensure_types = ensure_types  # type: ignore[assignment]
+
+
 class Reused:
     """The measurement, with masks already measured on the same examples (the exhaustive
     folder's single heads, the metric-p0.1 runs' masks) looked up instead of measured
@@ -265,11 +318,25 @@ class Reused:
     def __call__(self, heads: Sequence[Head]) -> dict[str, TaskScore]:
         return self.measure_many([heads])[0]
 
-    def attribution(self, points: Sequence[float] = (0.0,)) -> dict[str, np.ndarray]:
+    def attribution(self, points: Sequence[float] = (0.0,), kind: str = "heads"
+                    ) -> dict[str, np.ndarray]:
         key = tuple(points)
         if key not in self._priors:
-            self._priors[key] = self._measure.attribution(key)
+            self._priors[key] = self._measure.attribution(key, kind=kind)
         return self._priors[key]
+
+    def measure_chunks(self, chunks: Sequence[Sequence[Sequence[Head]]],
+                       masks_per_pass: int | None = None, scale: float | None = None
+                       ) -> Any:
+        """``run_plan``'s way in (``Measurement.measure_chunks``), through the lookup:
+        without it every chunk went to the model's own ``measure_many``, and nothing was
+        looked up."""
+        if scale is not None:
+            raise ValueError("the recovery benchmark measures at the run's own scale")
+        for index, chunk in enumerate(chunks):
+            started = time.perf_counter()
+            scores = self.measure_many(chunk, masks_per_pass or 1)
+            yield index, scores, (time.perf_counter() - started) / max(len(chunk), 1)
 
     def measure_many(self, masks: Sequence[Sequence[Head]], masks_per_pass: int = 1
                      ) -> list[dict[str, TaskScore]]:
@@ -304,22 +371,22 @@ def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
         tops.update(peer_tops(task, method, seeds, budgets, setup, priors))
     for method in (m for m in methods if m.confirm):
         for budget in (b for b in budgets if b in confirm_budgets):
-            masks, confirm = method.split(budget)
+            masks, confirm, groups = method.split(budget)
             for seed in seeds:
                 out = WORK / task / method.run_name / f"m{budget}-seed{seed}"
                 if not new_runs and not (out / "heads.json").is_file():
                     continue
                 cell = setup.spec.replace(design=method.design, sparsity=method.sparsity,
                                           design_seed=seed, masks=masks, confirm=confirm,
-                                          prior=method.prior_kind, signal=method.fit_on,
-                                          bootstrap=1)
+                                          group_tests=groups, prior=method.prior_kind,
+                                          signal=method.fit_on, bootstrap=1)
                 if not new_runs:
                     # Refitted from the picks on disk: resuming would pick with today's
                     # rules, and a method kept for comparison must stay what it was.
                     tops[method.name, budget, seed] = refit(out, bootstrap=1)[task].top(TOP)
                     continue
                 print(f"[{task}] {method.name} seed {seed}: {masks} masks + {confirm} alone "
-                      f"-> {out}", flush=True)
+                      f"+ {groups} group tests -> {out}", flush=True)
                 tops[method.name, budget, seed] = locate(
                     out, cell, setup=setup, measure=measure)[task].top(TOP)
     for run_name in dict.fromkeys(m.run_name for m in methods
@@ -377,13 +444,14 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
                new_runs: bool = True) -> tuple[dict[str, Any], Any]:
     truth = ground_truth(task)
     true_top = truth["top_k"][:TOP]
+    types_once_per_task(task)
     spec = RunSpec(tasks=(task,), masks=max(budgets), progress=True)
     setup = prepare(spec)
     if lm is None:
         lm = load_model(setup)
     spec = setup.spec
     per_layer = setup.heads_per_layer
-    truth_config = json.loads((GROUND_TRUTH / "config.json").read_text())
+    truth_config = json.loads((truth_folder(task) / "config.json").read_text())
     # What the joint measurements depend on: the model, the task and its examples.
     identity = {k: v for k, v in spec.identity("locate").items()
                 if k in ("model_args", "tasks", "num_samples", "seed", "apply_chat_template")}
@@ -393,12 +461,14 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
         if measure.subset[task] != truth_config["example_subset"][task]:
             raise SystemExit(f"{task}: the ground truth was measured on other examples")
         # Measurements already made on these examples are looked up, not repeated.
-        measure = Reused(measure, task, [GROUND_TRUTH, joint.path, *sorted(
-            (WORK / task / "stratified-p0.1").glob("seed*"))])
+        # (the default runs' masks too: each budget's and method's are one seed's prefix).
+        measure = Reused(measure, task, [truth_folder(task), joint.path, *sorted(
+            (WORK / task / "stratified-p0.1").glob("seed*")), *sorted(
+            (WORK / task).glob("stratified-p0.1-atp-path*/m*"))])
         # The priors are the same for every seed (the examples are): computed once each.
         priors, prior_seconds, reference_seconds = {}, {}, {}
         if any(m.prior for m in methods):
-            for kind in PRIOR_POINTS:
+            for kind in BENCH_PRIORS:
                 priors[kind], prior_seconds[kind], reference_seconds[kind] = timed_prior(
                     WORK / task / f"prior-{kind}", kind, measure, identity, spec)
             measure._priors[PRIOR_POINTS["atp-path"]] = priors["atp-path"]
@@ -473,7 +543,9 @@ def task_section(result: Mapping[str, Any], methods: Sequence[Method], seeds: Se
     heads = truth["heads"]
     fifth = heads[TOP - 1]["effect"]
     tied = [h["head"] for h in heads if h["effect"] == fifth]
-    lines = [f"## {task}", "",
+    lines = [f"## {task}" + (" (held out)" if task in HELD_OUT else ""), "",
+             *([f"Held out: no default was chosen on this task (ground truth: "
+                f"`{HELD_OUT_TRUTH_COMMAND}`).", ""] if task in HELD_OUT else []),
              f"Baseline {truth['metric']} {result['baseline']:.2f} on "
              f"{result['examples']} examples. Exhaustive top-{TOP} (one head knocked out "
              "at a time): "
@@ -527,7 +599,8 @@ def verdict_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Meth
     if budget not in budgets:
         return []
     lines = [f"## {title} at M = {budget}", "", about, "",
-             "| method | " + " | ".join(r["task"] for r in results) + " |",
+             "| method | " + " | ".join(r["task"] + (" (held out)" if r["task"] in HELD_OUT
+                                                   else "") for r in results) + " |",
              "| --- |" + " --- |" * len(results)]
     for m in methods:
         cells = []
@@ -561,7 +634,7 @@ def exact_verdict(r: Mapping[str, Any], name: str, budget: int, seeds: Sequence[
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=_comma(str), default=list(TASKS))
+    parser.add_argument("--tasks", type=_comma(str), default=[*TASKS, *HELD_OUT])
     parser.add_argument("--seeds", type=int, default=5, help="design seeds 0..N-1")
     parser.add_argument("--budgets", type=_comma(int), default=list(BUDGETS))
     parser.add_argument("--methods", type=_comma(str), default=[m.name for m in METHODS])
@@ -609,15 +682,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{torch.__version__}, {torch.get_num_threads()} threads",
         "- model: the embedded SmolLM2-135M-Instruct (270 heads); 100 examples per task, "
         "the same subset (seed 0) in every measurement and in the ground truth",
-        f"- ground truth: `{GROUND_TRUTH_COMMAND}` (benchmarks/exhaustive)",
+        f"- ground truth: `{GROUND_TRUTH_COMMAND}` (benchmarks/exhaustive), the tasks the "
+        "defaults were chosen on; and for the held-out tasks, on which no default was "
+        f"chosen: `{HELD_OUT_TRUTH_COMMAND}` (benchmarks/exhaustive-heldout)",
         f"- design seeds: {', '.join(map(str, seeds))}; the Lasso: alpha 0.01 on "
         "standardised scores, fitted intercept", "",
         "Methods (each a `headloc-harness locate` configuration; stratified design):", "",
         *[f"- **{m.name}**: {m.about}" for m in methods], "",
         *([f"Not in this file (not run yet): {', '.join(not_run) or 'none'}; tasks not "
-           f"run: {', '.join(t for t in TASKS if t not in args.tasks) or 'none'}; budgets: "
+           f"run: {', '.join(t for t in (*TASKS, *HELD_OUT) if t not in args.tasks) or 'none'}; "
+           "budgets: "
            f"{', '.join(map(str, budgets))} of {', '.join(map(str, BUDGETS))}.", ""]
-          if not_run or set(args.tasks) != set(TASKS) else []),
+          if not_run or set(args.tasks) != {*TASKS, *HELD_OUT} else []),
         *(["Made with `--no-new-runs`: only the runs on disk were fitted; a cell without a "
            "complete run for every seed says \"not run\".", ""] if not args.new_runs else []),
         "Cost of a cell: M measurement-equivalents (M masks, each one forward pass over the "

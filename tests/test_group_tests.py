@@ -17,10 +17,10 @@ from lm_eval_headloc.group_tests import (
     certificate,
     entry_bar,
     group_key,
+    group_order,
     group_size,
     group_testing,
     positive,
-    group_order,
 )
 
 
@@ -150,7 +150,8 @@ def test_the_certificate_does_not_rule_out_a_planted_head_hiding_in_the_untested
     for head, bound in cert.ruled_out.items():
         assert bound < 0.1 and harms[head] <= bound
     # The group tests over the tail find it and then the certificate is complete.
-    known = {tuple(np.flatnonzero(r)): {"t": float(h)} for r, h in zip(design, mask_harms)}
+    known = {tuple(np.flatnonzero(r)): {"t": float(h)}
+             for r, h in zip(design, mask_harms, strict=True)}
     known.update({(h,): {"t": v} for h, v in alone.items()})
     order = [h for h in range(5, n)]
     tested = group_testing(order, known, additive(harms)[0], 40, size=8, top_k=5)
@@ -266,3 +267,33 @@ def test_a_kill_mid_group_tests_resumes_to_the_same_tests_ranking_and_certificat
     assert strict_json(killed / "config.json")["confirm"] == \
         strict_json(full / "config.json")["confirm"]
     assert read_run(killed)[1]["certificate"]["group_tests"]
+
+
+@pytest.mark.parametrize("given, fragment", [
+    (["--group-tests", "4", "--confirm", "0"], "--group-tests 4: group tests look for"),
+    (["--group-tests", "-1"], "--group-tests"),
+    (["--group-tests", "2.5"], "--group-tests"),
+])
+def test_bad_group_tests_are_one_line_refusals(given, fragment, tmp_path, capsys,
+                                               no_model_loading):
+    code = harness("locate", "--tasks", "tiny_copy", *given, "--out", str(tmp_path / "r"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "r").exists()
+
+
+def test_grouped_run_without_group_tests_is_the_confirming_run():
+    from lm_eval_headloc.bench.simulation import (
+        confirming_run_top,
+        grouped_run_top,
+        measured_alone,
+        seed_trial,
+        simulated_prior,
+    )
+
+    trial = seed_trial(120, 0.1, 3, 12, world_options={"noise": "documents"})
+    changes = measured_alone(trial.world, 5)[1]
+    prior = simulated_prior(trial.world, np.random.default_rng(1), points=2)
+    plain = confirming_run_top(trial.world, trial.design, trial.scores, prior, 15, changes)
+    grouped = grouped_run_top(trial.world, trial.design, trial.scores, prior, 15, 0, changes)
+    assert list(grouped) == list(plain)

@@ -546,8 +546,14 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     assert methods["default-before"].allowance == PRIOR_ALLOWANCE[METHOD_PRIOR["before"]] == 4
     for budget in range(10, 400):
         assert (confirmed_split(budget) == budget_split(budget)
-                == methods["default"].split(budget)), budget
-        assert confirmed_split(budget, "before") == methods["default-before"].split(budget)
+                == methods["default"].split(budget)[:2]), budget
+        assert confirmed_split(budget, "before") == \
+            methods["default-before"].split(budget)[:2]
+        assert methods["default"].split(budget)[2] == 0  # the defaults: no group tests
+        # The group-test variant: the defaults' masks, their heads-alone part shared.
+        masks, alone, groups = methods["default-groups"].split(budget)
+        assert (masks, alone + groups) == budget_split(budget), budget
+        assert groups == round(budget_split(budget)[1] * 10 / 34), budget
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:

@@ -89,6 +89,7 @@ from ..confirm import (
     screen,
 )
 from ..designs import design_matrix, knockouts_per_mask
+from ..group_tests import background_harm, entry_bar, group_order, group_size, group_testing
 from ..recovery import HeadLasso
 
 __all__ = [
@@ -109,6 +110,7 @@ __all__ = [
     "confirming_run_top",
     "coverage_prediction",
     "exhaustive_top",
+    "grouped_run_top",
     "hits_by_budget",
     "masks_needed",
     "measured_alone",
@@ -677,6 +679,52 @@ def confirming_run(design: np.ndarray, scores: np.ndarray, prior: np.ndarray | N
         return picked, np.asarray(confirmed_order(alone, (), higher_is_better=True)[:top])
     final = refit(alone)
     return picked, np.asarray(confirmed_order(alone, final.order, True, (), final.effects)[:top])
+
+
+def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
+                    prior: np.ndarray | None, confirm: int, group_tests: int,
+                    changes: np.ndarray, *, top: int = 5, alpha: float = 0.01
+                    ) -> np.ndarray:
+    """A confirming run's top ``top`` with ``group_tests`` measurements more spent on the
+    heads not measured alone (``commands.locate``'s ``_group_test`` on one task):
+    ``confirm`` heads measured alone as :func:`confirming_run` picks them, then
+    ``group_tests.group_testing`` over the screen's implicated heads and the least covered
+    (``group_tests.group_order``), groups sized by ``group_tests.group_size``; a group is
+    measured on ``world``'s documents (``noise="documents"`` only: a set's score is then a
+    function of the set, as on a real model), a head it narrows down to reads ``changes``.
+    The ranking: every head measured alone by its change, then the screen's."""
+    if world.documents is None:
+        raise ValueError("grouped_run_top needs a noise='documents' world")
+    base = float(world.documents.scores(np.zeros((1, world.n_heads)))[0])
+    picked, _ = confirming_run(design, scores, prior, confirm, changes, top=top, alpha=alpha)
+    alone = {int(h): float(-changes[h]) for h in picked}  # harms
+    weights = prior_weights(prior)
+    fit = screen(design, scores, True, alpha=alpha, penalty_weights=weights,
+                 fixed={h: -v for h, v in alone.items()})
+    implicated = [h for h in fit.order if fit.effects[h] < 0]
+    mask_harms = base - np.asarray(scores, dtype=np.float64)
+    size = group_size(entry_bar(alone, top), background_harm(design, mask_harms, alone))
+    known = {tuple(int(h) for h in np.flatnonzero(row)): {"task": float(value)}
+             for row, value in zip(design, mask_harms, strict=True)}
+    known.update({(h,): {"task": v} for h, v in alone.items()})
+
+    def measure(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
+        rows = np.zeros((len(sets), world.n_heads))
+        for row, members in zip(rows, sets, strict=True):
+            row[list(members)] = 1
+        return {members: {"task": float(-changes[members[0]]) if len(members) == 1
+                          else float(base - value)}
+                for members, value in zip(sets, world.documents.scores(rows), strict=True)}
+
+    tested = group_testing(group_order(fit.order, implicated, design, skip=alone), known,
+                           measure, group_tests, size=size, top_k=top)
+    alone.update({s[0]: h["task"] for s, h in tested.harms.items() if len(s) == 1})
+    measured = {h: (-v, 0.0) for h, v in alone.items()}
+    if sum(v > 0 for v in alone.values()) >= top:
+        return np.asarray(confirmed_order(measured, (), True)[:top])
+    final = screen(design, scores, True, alpha=alpha, penalty_weights=weights,
+                   fixed={h: c for h, (c, _) in measured.items()})
+    return np.asarray(confirmed_order(measured, final.order, True, (), final.effects)[:top])
 
 
 def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True

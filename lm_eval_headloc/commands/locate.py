@@ -42,9 +42,9 @@ from ..group_tests import (
     certificate,
     entry_bar,
     group_key,
+    group_order,
     group_size,
     group_testing,
-    group_order,
 )
 from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
 from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
@@ -218,7 +218,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             stability=stability, evidence=evidence)
         rankings[task].extra["certificate"] = _certificate(
             design, y, baseline, task, higher, alone, records, confirmed, columns,
-            [h for h in range(len(columns)) if h not in set(left_out)], top_k)
+            [h for h in order if h not in set(left_out)], top_k)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
             rankings[task].extra["largest_single_help"] = recorded
@@ -238,7 +238,8 @@ def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any],
                  confirmed: Mapping[str, Any] | None, columns: Columns,
                  candidates: Sequence[int], top_k: int) -> dict[str, Any]:
     """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
-    measurements rule out for ``task`` and what they leave unchecked, in names."""
+    measurements rule out for ``task`` and what they leave unchecked, in names
+    (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
     base = float(baseline["scores"][task])
     alone_harm = {h: float(harm(change, higher)) for h, (change, _) in alone.items()}
     groups = [(tuple(columns.named(n) for n in members),

@@ -583,6 +583,10 @@ class RunSpec:
         if self.neuron_groups and "neurons" not in self.components:
             raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
                              "neurons; add --components neurons or heads+neurons")
+        if self.group_tests and self.confirm == 0:
+            raise UsageError(f"--group-tests {self.group_tests}: group tests look for what "
+                             "the heads measured alone left out; give --confirm N > 0 too "
+                             "(or leave --confirm out for the default)")
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
