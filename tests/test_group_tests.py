@@ -297,3 +297,24 @@ def test_grouped_run_without_group_tests_is_the_confirming_run():
     plain = confirming_run_top(trial.world, trial.design, trial.scores, prior, 15, changes)
     grouped = grouped_run_top(trial.world, trial.design, trial.scores, prior, 15, 0, changes)
     assert list(grouped) == list(plain)
+
+
+def test_a_rerun_keeps_its_group_tests_and_a_larger_budget_measures_only_new_ones(
+        tiny_model_dir, tmp_path):
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), *GROUPED[:-2]]
+    out = tmp_path / "run"
+    assert harness(*base, "--group-tests", "3", "--out", str(out)) == 0
+    first, heads = read_run(out)
+    groups = strict_json(out / "config.json")["confirm"]["groups"]
+    assert groups["budget"] == 3 and sum(map(len, groups["rounds"])) == 3
+    # Left out on a rerun: the run's own (not 0, which would drop what it measured).
+    assert harness(*base, "--out", str(out)) == 0
+    assert read_run(out) == (first, heads)
+    assert strict_json(out / "config.json")["confirm"]["groups"] == groups
+    # More: the same first tests, then the new ones, as a run that asked for 8 at once.
+    assert harness(*base, "--group-tests", "8", "--out", str(out)) == 0
+    grown = read_run(out)[0]
+    assert grown[:len(first)] == first
+    fresh = tmp_path / "fresh"
+    assert harness(*base, "--group-tests", "8", "--out", str(fresh)) == 0
+    assert_same_run(out, fresh)

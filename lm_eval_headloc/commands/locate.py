@@ -1196,7 +1196,8 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
         return None
     if spec.confirm and stored.confirm is None:
         return None
-    if spec.group_tests != ((stored.confirm or {}).get("groups") or {}).get("budget", 0):
+    if (spec.group_tests or 0) != ((stored.confirm or {}).get("groups") or {}).get("budget",
+                                                                                    0):
         return None  # its group tests were a different budget: measured (or looked up)
     if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
         return None  # a run made before head types: the model writes them

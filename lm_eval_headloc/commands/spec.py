@@ -379,15 +379,16 @@ class RunSpec:
             f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
             "without one; a resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
-    group_tests: int = _option(
-        0,
+    group_tests: int | None = _option(
+        None,
         "after --confirm, this many more measurements knock out the heads not measured "
             "alone together in small groups, those the fit implicates first, then those "
             "the masks covered least; a group that drops a task by its top-k's entry bar "
             "(the k-th measured harm) is halved until the heads behind it are measured "
             "alone; report.md's certificate says what the groups ruled out (rerun with "
             "more to test more; default 0: at the default budget the simulator found more "
-            "of the top-5 with the same measurements spent alone, docs/budget_split.md)",
+            "of the top-5 with the same measurements spent alone, docs/budget_split.md; a "
+            "resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
@@ -527,7 +528,8 @@ class RunSpec:
         """This spec with ``masks`` and ``confirm`` that are None (left out) taken from
         ``stored``, each where it has one: a run stopped before its budget was split
         stored only what was given, and a bare rerun keeps that."""
-        return self.replace(**{name: getattr(stored, name) for name in ("masks", "confirm")
+        return self.replace(**{name: getattr(stored, name)
+                               for name in ("masks", "confirm", "group_tests")
                                if getattr(self, name) is None
                                and getattr(stored, name) is not None})
 
@@ -539,7 +541,8 @@ class RunSpec:
         spec = self if stored is None else self.keeping_budget(stored)
         masks, alone = default_split(prior)
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
-                            confirm=alone if spec.confirm is None else spec.confirm)
+                            confirm=alone if spec.confirm is None else spec.confirm,
+                            group_tests=spec.group_tests or 0)
 
     @property
     def masks_seed(self) -> int:
