@@ -15,11 +15,24 @@ from lm_eval_headloc.tasks.generators import (
     COMMON_WORDS,
     FIRST_NAMES,
     GENERATORS,
+    HELDOUT_IOI_OBJECTS,
+    HELDOUT_IOI_PLACES,
+    HELDOUT_IOI_TEMPLATES,
+    HELDOUT_NAMES,
+    IOI_OBJECTS,
+    IOI_PLACES,
+    IOI_TEMPLATES,
+    KV_PAIRS,
+    SUCCESSOR_RUN_LEN,
+    SUCCESSOR_SEQUENCES,
     chance_accuracy,
     data_file,
     docs_to_jsonl,
     main,
     make_arith_docs,
+    make_heldout_ioi_b_docs,
+    make_heldout_kv_recall_docs,
+    make_heldout_successor_docs,
     make_induction_docs,
     make_ioi_docs,
 )
@@ -27,6 +40,8 @@ from lm_eval_headloc.tasks.generators import (
 REPO = Path(__file__).resolve().parents[1]
 TASK_CONFIGS = REPO / "task_configs"
 TASKS = list(GENERATORS)
+TUNED = [t for t in TASKS if t.startswith("headloc_")]  # tag headloc: defaults chosen on them
+HELDOUT = [t for t in TASKS if t.startswith("heldout_")]  # tag headloc_heldout: only reported
 METRIC = "acc,none"  # every headloc task reports this key
 BASELINE_LIMIT = 64
 
@@ -116,6 +131,104 @@ def test_arith_answers_are_sums_and_examples_are_right():
     assert chance_accuracy("headloc_arith", docs) == pytest.approx(0.10)
 
 
+def test_every_task_is_tuned_on_or_held_out_by_its_name_and_tag():
+    assert TUNED == ["headloc_induction", "headloc_ioi", "headloc_arith"]
+    assert HELDOUT == ["heldout_successor", "heldout_ioi_b", "heldout_kv_recall"]
+    for task in TASKS:
+        tag = "headloc" if task in TUNED else "headloc_heldout"
+        yaml = (TASK_CONFIGS / task / f"{task}.yaml").read_text(encoding="utf-8")
+        assert f"\ntask: {task}\n" in yaml and f"\ntag: {tag}\n" in yaml
+        assert f'"{task}.jsonl"' in (TASK_CONFIGS / task / "utils.py").read_text(encoding="utf-8")
+
+
+def test_successor_asks_every_run_once_and_its_target_is_the_next_item():
+    docs = make_heldout_successor_docs()
+    runs = set()
+    for doc in docs:
+        header, items, wraps = SUCCESSOR_SEQUENCES[doc["sequence"]]
+        shown = doc["shown"]
+        assert SUCCESSOR_RUN_LEN[0] <= len(shown) <= SUCCESSOR_RUN_LEN[1]
+        start = items.index(shown[0])
+        expected = [items[(start + j) % len(items)] for j in range(len(shown) + 1)]
+        assert wraps or start + len(shown) < len(items)  # only days and months wrap around
+        assert shown == expected[:-1]
+        assert doc["target"] == " " + expected[-1]
+        assert doc["context"] == f"{header}: " + ", ".join(shown) + ","
+        runs.add((doc["sequence"], start, len(shown)))
+    # every run of every sequence once: 7 and 12 starts a length for the wrapping ones
+    lengths = range(SUCCESSOR_RUN_LEN[0], SUCCESSOR_RUN_LEN[1] + 1)
+    expected_count = sum(len(items) if wraps else len(items) - n
+                         for _, items, wraps in SUCCESSOR_SEQUENCES.values() for n in lengths)
+    assert len(runs) == len(docs) == expected_count == 266
+    assert [d["id"] for d in docs] == list(range(len(docs)))
+    assert {d["sequence"] for d in docs} == set(SUCCESSOR_SEQUENCES)
+    # the seed only reorders the same runs
+    def asked(some):
+        return sorted((d["sequence"], d["context"], d["target"]) for d in some)
+    assert asked(make_heldout_successor_docs(7)) == asked(docs)
+    assert chance_accuracy("heldout_successor", docs) == pytest.approx(0.1, abs=0.01)
+
+
+def _template_of(context: str) -> str:
+    """The one held-out IOI template ``context`` was made from, its slots filled from the
+    held-out pools."""
+    import re
+
+    names = "|".join(HELDOUT_NAMES)
+    slots = {"{a}": f"(?:{names})", "{b}": f"(?:{names})", "{s}": f"(?:{names})",
+             "{place}": f"(?:{'|'.join(HELDOUT_IOI_PLACES)})",
+             "{obj}": f"(?:{'|'.join(HELDOUT_IOI_OBJECTS)})"}
+    matched = []
+    for template in HELDOUT_IOI_TEMPLATES:
+        pattern = re.escape(template)
+        for slot, alternatives in slots.items():
+            pattern = pattern.replace(re.escape(slot), alternatives)
+        if re.fullmatch(pattern, context):
+            matched.append(template)
+    assert len(matched) == 1, (context, matched)
+    return matched[0]
+
+
+def test_ioi_b_is_ioi_in_other_words_and_positions_are_balanced():
+    docs = make_heldout_ioi_b_docs()
+    for doc in docs:
+        a, b = doc["choices"]
+        answer, subject = doc["choices"][doc["label"]], doc["choices"][1 - doc["label"]]
+        assert a != b and {a, b} <= set(HELDOUT_NAMES)
+        words = doc["context"].split()
+        assert words.index(a) < words.index(b)
+        assert words.count(answer) == 1
+        assert words.count(subject) == 2
+        assert words.index(subject, words.index(b) + 1) > words.index(b)
+    assert sum(d["label"] == 0 for d in docs) / len(docs) == 0.5
+    assert chance_accuracy("heldout_ioi_b", docs) == 0.5
+    # held out from headloc_ioi: none of its templates, names, places or objects
+    assert not set(HELDOUT_NAMES) & set(FIRST_NAMES)
+    assert not set(HELDOUT_IOI_PLACES) & set(IOI_PLACES)
+    assert not set(HELDOUT_IOI_OBJECTS) & set(IOI_OBJECTS)
+    assert not set(HELDOUT_IOI_TEMPLATES) & set(IOI_TEMPLATES)
+    used = [_template_of(d["context"]) for d in docs]
+    assert set(used) == set(HELDOUT_IOI_TEMPLATES)
+    with pytest.raises(ValueError, match="even"):
+        make_heldout_ioi_b_docs(n=3)
+
+
+def test_kv_recall_target_is_the_asked_keys_value():
+    docs = make_heldout_kv_recall_docs()
+    for doc in docs:
+        keys, values, demo, query = doc["keys"], doc["values"], doc["demo"], doc["query"]
+        assert KV_PAIRS[0] <= len(keys) == len(values) <= KV_PAIRS[1]
+        assert len(set(keys + values)) == 2 * len(keys)  # no word is a key and a value
+        assert set(keys + values) <= set(COMMON_WORDS)
+        assert demo != query
+        table, asked = doc["context"].split("\n\n")
+        assert table.split("\n") == [f"{k}: {v}" for k, v in zip(keys, values, strict=True)]
+        assert asked == f"{keys[demo]}: {values[demo]}\n{keys[query]}:"
+        assert doc["target"] == " " + values[query]
+    assert {len(d["keys"]) for d in docs} == set(range(KV_PAIRS[0], KV_PAIRS[1] + 1))
+    assert 0.2 < chance_accuracy("heldout_kv_recall", docs) < 0.3
+
+
 def test_chance_levels_by_hand_and_unknown_task_is_refused():
     # Hand-made docs, one per branch of the best trivial predictor.
     two, four = ["w0", "w1"], ["w0", "w1", "w2", "w3"]
@@ -126,6 +239,20 @@ def test_chance_levels_by_hand_and_unknown_task_is_refused():
     assert chance_accuracy("headloc_induction", docs[:1] * 3) == 1.0  # always " a"
     assert chance_accuracy("headloc_ioi", [{"label": 0}] * 3 + [{"label": 1}]) == 0.75
     assert chance_accuracy("headloc_arith", [{"answer": a} for a in (3, 3, 5, 7, 9)]) == 0.4
+    assert chance_accuracy("heldout_ioi_b", [{"label": 1}] * 3 + [{"label": 0}]) == 0.75
+    # successor: guessing among the 7 - 5 and 7 - 4 days not shown, better than any
+    # fixed target (1/3)
+    week = list(SUCCESSOR_SEQUENCES["days"][1])
+    succ = [{"sequence": "days", "shown": week[:5], "target": " x"},
+            {"sequence": "days", "shown": week[:4], "target": " y"},
+            {"sequence": "days", "shown": week[1:6], "target": " z"}]
+    assert chance_accuracy("heldout_successor", succ) == pytest.approx((1 / 2 + 1 / 3 + 1 / 2) / 3)
+    assert chance_accuracy("heldout_successor", succ[:1] * 2) == 1.0  # always " x"
+    # kv recall: guessing among the values but the one answered in the context
+    kv = [{"values": list("abc"), "target": " x"}, {"values": list("abc"), "target": " y"},
+          {"values": list("abcde"), "target": " z"}]
+    assert chance_accuracy("heldout_kv_recall", kv) == pytest.approx((1 / 2 + 1 / 2 + 1 / 4) / 3)
+    assert chance_accuracy("heldout_kv_recall", kv[:1] * 2) == 1.0
     # The committed induction data: at least 10 distinct words a sequence, so guessing
     # among them is right at most 1/10 of the time, and no target repeats more than that.
     assert chance_accuracy("headloc_induction", make_induction_docs()) <= 0.1
@@ -162,17 +289,30 @@ def test_yaml_loads_through_lm_eval_with_all_docs(task, task_dict):
     instances = loaded.construct_requests(first, loaded.doc_to_text(first))
     instances = instances if isinstance(instances, list) else [instances]
     continuations = [inst.arguments[1] for inst in instances]
-    if task == "headloc_ioi":
+    if "choices" in docs[0]:  # the two IOI tasks
         assert continuations == [f" {name}" for name in docs[0]["choices"]]
     else:
         assert continuations == [docs[0]["target"]]
 
 
-def test_headloc_tag_covers_the_three_tasks(task_dict):
+def test_headloc_tag_covers_the_three_tasks_and_the_held_out_tag_the_others(task_dict):
     from lm_eval.tasks import get_task_dict
 
     _, manager = task_dict
-    assert set(TASKS) <= set(get_task_dict(["headloc"], manager))
+    assert set(get_task_dict(["headloc"], manager)) == set(TUNED)
+    assert set(get_task_dict(["headloc_heldout"], manager)) == set(HELDOUT)
+
+
+def test_every_task_is_scored_by_acc(task_dict):
+    """The held-out tasks are in no table of metrics.py: they are scored by the first
+    metric lm-eval reports, so they list acc alone (perplexity would come first)."""
+    from lm_eval_headloc.metrics import default_metric
+
+    tasks, _ = task_dict
+    for task in TASKS:
+        assert default_metric(task, tasks[task]) == METRIC
+    for task in HELDOUT:
+        assert [m["metric"] for m in tasks[task].config.metric_list] == ["acc"]
 
 
 # --- the embedded real model (slow) ------------------------------------------------
@@ -211,7 +351,7 @@ def test_stock_cli_runs_every_task(smollm2, tmp_path):
         for sample in samples:
             doc = docs[sample["doc_id"]]
             pairs = [(float(ll), greedy == "True") for ll, greedy in sample["filtered_resps"]]
-            if task == "headloc_ioi":  # one pair per name: the likelier name is the answer
+            if "choices" in doc:  # one pair per name: the likelier name is the answer
                 likelihoods = [ll for ll, _ in pairs]
                 right.append(likelihoods.index(max(likelihoods)) == doc["label"])
             else:  # the target is the model's greedy continuation
@@ -233,7 +373,9 @@ def smollm2_lm(smollm2):
 @pytest.mark.slow
 def test_words_and_names_are_single_tokens_for_smollm2(smollm2_lm):
     tokenizer = smollm2_lm.tokenizer
-    multi = [w for w in COMMON_WORDS + FIRST_NAMES if len(tokenizer.tokenize(" " + w)) != 1]
+    items = tuple(item for _, seq, _ in SUCCESSOR_SEQUENCES.values() for item in seq)
+    words = COMMON_WORDS + FIRST_NAMES + HELDOUT_NAMES + items
+    multi = [w for w in words if len(tokenizer.tokenize(" " + w)) != 1]
     assert not multi
 
 
@@ -251,6 +393,8 @@ def test_smollm2_baselines_are_clearly_above_chance(smollm2_lm, task_dict):
         chance = chance_accuracy(task, _committed_docs(task)[:BASELINE_LIMIT])
         bar = _binomial_bar(chance, BASELINE_LIMIT)
         assert results[task][METRIC] > bar, (task, results[task][METRIC], chance)
+    for task in HELDOUT:  # room below the baseline for a knockout to show
+        assert results[task][METRIC] < 0.95, (task, results[task][METRIC])
 
 
 def test_lm_eval_does_not_tell_our_tasks_loaders_about_metadata_they_do_not_take(caplog):

@@ -9,8 +9,20 @@ project ships three tasks that run anywhere and that even a 135M model really do
   John gave a drink to" -> " Mary"), a choice between the two names.
 - ``headloc_arith``: few-shot single-digit addition ("6 + 1 =" -> " 7"), greedy match.
 
+Three more families are held out: no default of the method was (or may be) chosen on
+them; they only report how the defaults do on tasks they were not tuned on. Their names
+start with ``heldout_`` and their YAMLs carry the tag ``headloc_heldout``:
+
+- ``heldout_successor``: the next item of a named ordered sequence ("Days: Monday,
+  Tuesday," -> " Wednesday"; months, number words, ordinals, letters). Greedy match.
+- ``heldout_ioi_b``: indirect-object identification with templates, names, places and
+  objects that ``headloc_ioi`` does not use ("Laura met Kevin at the zoo, and Kevin
+  thanked" -> " Laura"), a choice between the two names.
+- ``heldout_kv_recall``: a list of ``key: value`` lines, one key asked and answered,
+  then another key asked ("stone:" -> " chair"). Greedy match.
+
 Each generator is a pure function ``seed -> list of docs``. The committed JSONL files in
-``task_configs/headloc_*/`` are its output for :data:`SEED`; rewrite them with
+``task_configs/<task>/`` are its output for :data:`SEED`; rewrite them with
 
     python -m lm_eval_headloc.tasks.generators --out task_configs
 """
@@ -30,13 +42,19 @@ __all__ = [
     "COMMON_WORDS",
     "FIRST_NAMES",
     "GENERATORS",
+    "HELDOUT_IOI_TEMPLATES",
+    "HELDOUT_NAMES",
     "IOI_TEMPLATES",
     "N_DOCS",
     "SEED",
+    "SUCCESSOR_SEQUENCES",
     "chance_accuracy",
     "data_file",
     "docs_to_jsonl",
     "make_arith_docs",
+    "make_heldout_ioi_b_docs",
+    "make_heldout_kv_recall_docs",
+    "make_heldout_successor_docs",
     "make_induction_docs",
     "make_ioi_docs",
     "write_task_data",
@@ -99,6 +117,56 @@ INDUCTION_SEQUENCE_LEN = (10, 20)  # words before the repeat, inclusive range
 INDUCTION_REPEAT_LEN = (2, 5)  # words repeated before the target, inclusive range
 ARITH_SHOTS = 4  # solved examples before the question
 ARITH_REPEATS = 3  # each of the 100 (a, b) questions appears this often
+
+# --- the held-out families (never used to choose a default) ---------------------------
+
+# name -> (the header that names it, its items in order, whether it wraps around). Every
+# item is a single token with its leading space, so greedy match is a one-token decision.
+SUCCESSOR_SEQUENCES: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "days": ("Days", tuple("Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()),
+             True),
+    "months": ("Months", tuple(
+        "January February March April May June July August September October November December"
+        .split()), True),
+    "numbers": ("Numbers", tuple(
+        """one two three four five six seven eight nine ten eleven twelve thirteen fourteen
+        fifteen sixteen seventeen eighteen nineteen twenty""".split()), False),
+    "ordinals": ("Ordinals", tuple(
+        "first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth"
+        .split()), False),
+    "letters": ("Letters", tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), False),
+}
+SUCCESSOR_RUN_LEN = (2, 5)  # items shown before the asked one, inclusive range
+
+# Names, places and objects that headloc_ioi never uses; each name a single token with its
+# leading space.
+HELDOUT_NAMES: tuple[str, ...] = tuple(
+    """
+    Laura Kevin Steven Brian Linda Susan Karen Lisa Kate Ryan Eric Adam Henry Anne Lucy Emma
+    Oliver Harry Jason Ruth Carl Nick Amy Tony
+    """.split()
+)
+# Structures headloc_ioi's templates do not have; {a}/{b}/{s} as in IOI_TEMPLATES.
+HELDOUT_IOI_TEMPLATES: tuple[str, ...] = (
+    "{a} and {b} were talking at the {place}. {s} said to",
+    "{a} met {b} at the {place}, and {s} thanked",
+    "{a} and {b} were eating lunch at the {place}. Later, {s} sent a {obj} to",
+    "{a} sat next to {b} at the {place}. {s} smiled at",
+    "{a} and {b} argued about a {obj} at the {place} until {s} finally gave it to",
+    "{a} called {b} from the {place}. An hour later, {s} texted",
+    "{a} and {b} cleaned the {place} all day, and in the evening {s} thanked",
+    "{a} and {b} lost a {obj} near the {place}, and {s} blamed",
+)
+HELDOUT_IOI_PLACES: tuple[str, ...] = (
+    "zoo", "bakery", "airport", "theater", "gym", "farm", "hotel", "harbor", "bank", "lake",
+    "bridge", "concert", "mall", "church",
+)
+HELDOUT_IOI_OBJECTS: tuple[str, ...] = (
+    "cake", "coin", "bottle", "scarf", "camera", "note", "cookie", "postcard", "candle",
+    "blanket", "card", "toy", "shirt", "lamp",
+)
+
+KV_PAIRS = (4, 7)  # key: value lines, inclusive range
 
 
 def make_induction_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
@@ -181,10 +249,101 @@ def make_arith_docs(seed: int = SEED, n_repeats: int = ARITH_REPEATS) -> list[di
     return docs
 
 
+def make_heldout_successor_docs(seed: int = SEED) -> list[dict[str, Any]]:
+    """Docs for ``heldout_successor``: a sequence's header and a run of its items; ``target``
+    is the next item.
+
+    Every run of :data:`SUCCESSOR_RUN_LEN` consecutive items of every sequence in
+    :data:`SUCCESSOR_SEQUENCES` is asked once (days and months wrap around, the others
+    stop at their last item), in an order shuffled by ``seed``: 266 docs, none twice.
+    ``context`` is ``"Days: Monday, Tuesday,"``, ``target`` ``" Wednesday"``, with its
+    leading space as in ``headloc_induction``. Without the header and the commas the
+    embedded SmolLM2 continues the run with punctuation, not with the next item.
+    """
+    runs = []
+    for name, (_, items, wraps) in SUCCESSOR_SEQUENCES.items():
+        for length in range(SUCCESSOR_RUN_LEN[0], SUCCESSOR_RUN_LEN[1] + 1):
+            starts = len(items) if wraps else len(items) - length
+            runs += [(name, start, length) for start in range(starts)]
+    rng = random.Random(f"heldout_successor:{seed}")
+    rng.shuffle(runs)
+    docs = []
+    for i, (name, start, length) in enumerate(runs):
+        header, items, _ = SUCCESSOR_SEQUENCES[name]
+        run = [items[(start + j) % len(items)] for j in range(length + 1)]
+        docs.append({
+            "id": i,
+            "sequence": name,
+            "shown": run[:-1],
+            "context": f"{header}: " + ", ".join(run[:-1]) + ",",
+            "target": " " + run[-1],
+        })
+    return docs
+
+
+def make_heldout_ioi_b_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
+    """Docs for ``heldout_ioi_b``: ``headloc_ioi``'s question in other words.
+
+    As :func:`make_ioi_docs` (``choices`` the names in order of mention, ``label`` the
+    answer's index, exactly half the docs answered by the first name), but with
+    :data:`HELDOUT_IOI_TEMPLATES`, :data:`HELDOUT_NAMES` and places and objects that
+    ``headloc_ioi`` does not use.
+    """
+    if n % 2:
+        raise ValueError(f"n={n} must be even so that the answer is the first name in half")
+    rng = random.Random(f"heldout_ioi_b:{seed}")
+    labels = [0] * (n // 2) + [1] * (n // 2)
+    rng.shuffle(labels)
+    docs = []
+    for i, label in enumerate(labels):
+        a, b = rng.sample(HELDOUT_NAMES, 2)
+        template = rng.choice(HELDOUT_IOI_TEMPLATES)
+        place, obj = rng.choice(HELDOUT_IOI_PLACES), rng.choice(HELDOUT_IOI_OBJECTS)
+        subject = b if label == 0 else a  # the repeated name; the answer is the other one
+        docs.append({
+            "id": i,
+            "context": template.format(a=a, b=b, s=subject, place=place, obj=obj),
+            "choices": [a, b],
+            "label": label,
+        })
+    return docs
+
+
+def make_heldout_kv_recall_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
+    """Docs for ``heldout_kv_recall``: ``key: value`` lines, then two keys asked again.
+
+    :data:`KV_PAIRS` lines pair distinct common words (no word is both a key and a value);
+    after a blank line one key is asked and answered (``demo``, which shows the format),
+    then another (``query``) is asked: ``target`` is its value, with its leading space.
+    Without the answered example the embedded SmolLM2 answers a quarter of them.
+    """
+    rng = random.Random(f"heldout_kv_recall:{seed}")
+    docs = []
+    for i in range(n):
+        count = rng.randint(*KV_PAIRS)
+        words = rng.sample(COMMON_WORDS, 2 * count)
+        keys, values = words[:count], words[count:]
+        demo, query = rng.sample(range(count), 2)
+        lines = [f"{k}: {v}" for k, v in zip(keys, values, strict=True)]
+        docs.append({
+            "id": i,
+            "keys": keys,
+            "values": values,
+            "demo": demo,
+            "query": query,
+            "context": "\n".join(lines) + f"\n\n{lines[demo]}\n{keys[query]}:",
+            "target": " " + values[query],
+        })
+    return docs
+
+
 GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
     "headloc_induction": make_induction_docs,
     "headloc_ioi": make_ioi_docs,
     "headloc_arith": make_arith_docs,
+    "heldout_successor": make_heldout_successor_docs,
+    "heldout_ioi_b": make_heldout_ioi_b_docs,
+    "heldout_kv_recall": make_heldout_kv_recall_docs,
 }
 
 
@@ -199,17 +358,28 @@ def chance_accuracy(task: str, docs: Sequence[dict[str, Any]]) -> float:
     - induction: the better of always answering the most frequent target and guessing
       uniformly among the words of the sequence;
     - ioi: always picking the same position (first or second name);
-    - arith: always answering the most frequent sum.
+    - arith: always answering the most frequent sum;
+    - successor: the better of always answering the most frequent target and guessing
+      uniformly among the sequence's items that the run does not show;
+    - kv_recall: the better of always answering the most frequent target and guessing
+      uniformly among the values other than the one answered in the context.
     """
     if not docs:
         raise ValueError("no docs")
     if task == "headloc_induction":
         uniform = sum(1 / len(set(d["words"])) for d in docs) / len(docs)
         return max(uniform, _majority_share(d["target"] for d in docs))
-    if task == "headloc_ioi":
+    if task in ("headloc_ioi", "heldout_ioi_b"):
         return _majority_share(d["label"] for d in docs)
     if task == "headloc_arith":
         return _majority_share(d["answer"] for d in docs)
+    if task == "heldout_successor":
+        unseen = [len(SUCCESSOR_SEQUENCES[d["sequence"]][1]) - len(d["shown"]) for d in docs]
+        uniform = sum(1 / u for u in unseen) / len(docs)
+        return max(uniform, _majority_share(d["target"] for d in docs))
+    if task == "heldout_kv_recall":
+        uniform = sum(1 / (len(d["values"]) - 1) for d in docs) / len(docs)
+        return max(uniform, _majority_share(d["target"] for d in docs))
     raise ValueError(f"unknown task {task!r}; known: {', '.join(GENERATORS)}")
 
 
@@ -237,7 +407,8 @@ def write_task_data(task_configs: str | Path, seed: int = SEED) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm_eval_headloc.tasks.generators",
-        description="Write the data files of the headloc_* offline capability tasks.",
+        description="Write the data files of the offline capability tasks "
+        "(headloc_* and the held-out heldout_*).",
     )
     parser.add_argument("--out", required=True, help="the task_configs folder")
     parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED} (committed)")
