@@ -100,6 +100,16 @@ def _members(results: Mapping[str, Any], task: str,
     return sorted(tagged)
 
 
+def _config_order(results: Mapping[str, Any], task: str) -> list[str]:
+    """The ``metric,filter`` keys in the order the task's config lists them (the results'
+    ``configs``: ``metrics_of_task``'s order), or none where the results do not say."""
+    config = results.get("configs", {}).get(task) or {}
+    names = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
+    filters = [f.get("name") for f in config.get("filter_list") or []
+               if isinstance(f, dict)] or ["none"]
+    return [f"{name},{flt}" for flt in filters for name in names if isinstance(name, str)]
+
+
 def _higher_is_better(results: Mapping[str, Any], task: str, metric: str) -> bool | None:
     flags = results.get("higher_is_better", {}).get(task, {})
     flag = flags.get(metric.split(",")[0])
@@ -131,7 +141,9 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
         keys = _metric_keys(row) or [k for m in members for k in _metric_keys(rows.get(m, {}))]
         if not keys:
             raise MetricError(f"task {task!r} reports no metric")
-        metric = keys[0]
+        # The YAML's first (``default_metric``'s), not the results' first: lm-eval lists a
+        # loglikelihood task's perplexity before an acc the YAML names first.
+        metric = next((k for k in _config_order(results, task) if k in keys), keys[0])
 
     if metric in row:
         value = float(row[metric])

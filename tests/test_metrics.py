@@ -111,3 +111,19 @@ def test_table_metrics_of_our_tasks_are_what_their_yamls_report(manager):
         metric, higher_is_better = TASK_METRICS[name]
         assert metric in metrics_of_task(tasks[name]), name
         assert tasks[name].higher_is_better()[metric.split(",")[0]] is higher_is_better, name
+
+
+def test_an_unknown_task_is_scored_by_its_yamls_first_metric_not_the_results_first():
+    """lm-eval reports a loglikelihood task's perplexity before the acc its YAML lists
+    first; the run names and scores acc (``default_metric``'s choice) either way."""
+    results = {"results": {"kv": {"alias": "kv", "perplexity,none": 3.2,
+                                  "perplexity_stderr,none": "N/A", "acc,none": 0.67,
+                                  "acc_stderr,none": 0.05}},
+               "higher_is_better": {"kv": {"perplexity": False, "acc": True}},
+               "configs": {"kv": {"metric_list": [
+                   {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                   {"metric": "perplexity", "aggregation": "perplexity"}]}}}
+    score = task_score(results, "kv")
+    assert (score.metric, score.value, score.higher_is_better) == ("acc,none", 0.67, True)
+    del results["configs"]  # results that do not say: the first they report, as before
+    assert task_score(results, "kv").metric == "perplexity,none"
