@@ -288,17 +288,22 @@ def test_the_defaults_split_the_default_budget_by_whether_the_run_has_a_prior():
         assert (RunSpec().budgeted(prior).masks, RunSpec().budgeted(prior).confirm) == (12, 34)
     assert default_split(None) == (27, 27) == (DEFAULT_BUDGET // 2, DEFAULT_BUDGET // 2)
     assert default_split("none") == (27, 27)
-    assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27)
+    # --group-tests left out: none (docs/budget_split.md).
+    assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27, group_tests=0)
     # What is given stays; only what is left out is filled.
-    assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27)
-    assert RunSpec(confirm=0).budgeted("atp-path") == RunSpec(masks=12, confirm=0)
+    assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27, group_tests=0)
+    assert RunSpec(confirm=0).budgeted("atp-path") == RunSpec(masks=12, confirm=0,
+                                                              group_tests=0)
+    assert RunSpec(group_tests=6).budgeted("atp-path").group_tests == 6
     assert RunSpec(masks="auto").budgeted("atp-path").masks == "auto"
     # A resumed run keeps its own where they are left out, whatever the prior.
-    stored = RunSpec(masks=100, confirm=60)
+    stored = RunSpec(masks=100, confirm=60, group_tests=8)
     assert RunSpec().budgeted(None, stored) == stored
-    assert RunSpec(masks=40).budgeted("atp-path", stored) == RunSpec(masks=40, confirm=60)
+    assert RunSpec(masks=40).budgeted("atp-path", stored) == RunSpec(masks=40, confirm=60,
+                                                                     group_tests=8)
     # ...unless it never decided them (stopped before its prior): then the defaults.
-    assert RunSpec().budgeted(None, RunSpec()) == RunSpec(masks=27, confirm=27)
+    assert RunSpec().budgeted(None, RunSpec()) == RunSpec(masks=27, confirm=27,
+                                                          group_tests=0)
 
 
 def test_prior_rankings_and_weights_by_hand():

@@ -807,6 +807,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
             spec = spec.keeping_budget(stored.spec)
+        if spec.group_tests is None:  # none, decided now: the first config write says so
+            spec = spec.replace(group_tests=0)
         if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "

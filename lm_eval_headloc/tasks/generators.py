@@ -200,16 +200,23 @@ def make_ioi_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
     Exactly half the docs repeat the second name (answer: the first), so always picking
     the first or always the second name scores 50 %.
     """
+    return _ioi_docs("headloc_ioi", seed, n, FIRST_NAMES, IOI_TEMPLATES, IOI_PLACES,
+                     IOI_OBJECTS)
+
+
+def _ioi_docs(task: str, seed: int, n: int, names: Sequence[str], templates: Sequence[str],
+              places: Sequence[str], objects: Sequence[str]) -> list[dict[str, Any]]:
+    """An IOI task's docs from its words (``make_ioi_docs``' rules; ``task`` seeds it)."""
     if n % 2:
         raise ValueError(f"n={n} must be even so that the answer is the first name in half")
-    rng = random.Random(f"headloc_ioi:{seed}")
+    rng = random.Random(f"{task}:{seed}")
     labels = [0] * (n // 2) + [1] * (n // 2)
     rng.shuffle(labels)
     docs = []
     for i, label in enumerate(labels):
-        a, b = rng.sample(FIRST_NAMES, 2)
-        template = rng.choice(IOI_TEMPLATES)
-        place, obj = rng.choice(IOI_PLACES), rng.choice(IOI_OBJECTS)
+        a, b = rng.sample(names, 2)
+        template = rng.choice(templates)
+        place, obj = rng.choice(places), rng.choice(objects)
         subject = b if label == 0 else a  # the repeated name; the answer is the other one
         docs.append({
             "id": i,
@@ -289,24 +296,8 @@ def make_heldout_ioi_b_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str,
     :data:`HELDOUT_IOI_TEMPLATES`, :data:`HELDOUT_NAMES` and places and objects that
     ``headloc_ioi`` does not use.
     """
-    if n % 2:
-        raise ValueError(f"n={n} must be even so that the answer is the first name in half")
-    rng = random.Random(f"heldout_ioi_b:{seed}")
-    labels = [0] * (n // 2) + [1] * (n // 2)
-    rng.shuffle(labels)
-    docs = []
-    for i, label in enumerate(labels):
-        a, b = rng.sample(HELDOUT_NAMES, 2)
-        template = rng.choice(HELDOUT_IOI_TEMPLATES)
-        place, obj = rng.choice(HELDOUT_IOI_PLACES), rng.choice(HELDOUT_IOI_OBJECTS)
-        subject = b if label == 0 else a  # the repeated name; the answer is the other one
-        docs.append({
-            "id": i,
-            "context": template.format(a=a, b=b, s=subject, place=place, obj=obj),
-            "choices": [a, b],
-            "label": label,
-        })
-    return docs
+    return _ioi_docs("heldout_ioi_b", seed, n, HELDOUT_NAMES, HELDOUT_IOI_TEMPLATES,
+                     HELDOUT_IOI_PLACES, HELDOUT_IOI_OBJECTS)
 
 
 def make_heldout_kv_recall_docs(seed: int = SEED, n: int = N_DOCS) -> list[dict[str, Any]]:
