@@ -21,7 +21,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lm_eval_headloc.commands import RunSpec, locate, verify
-from lm_eval_headloc.commands.export import read_mib, write_mib
+from lm_eval_headloc.report.mib import read_mib, write_mib
 from lm_eval_headloc.commands.types import read_types, types_summary
 from lm_eval_headloc.commands.verify import verification_markdown
 

@@ -53,12 +53,12 @@ import bench_shapes  # noqa: E402
 from bench_measure import _sync, machine_lines  # noqa: E402
 from bench_sections import bench_refusal, section_name, write_section  # noqa: E402
 
-from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare  # noqa: E402
-from lm_eval_headloc.commands.spec import RunSpec  # noqa: E402
-from lm_eval_headloc.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.embedded import smollm2_model_args  # noqa: E402
-from lm_eval_headloc.heads import Head  # noqa: E402
-from lm_eval_headloc.sizing import is_out_of_memory  # noqa: E402
+from lm_eval_headloc.intervention.components import Head  # noqa: E402
+from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
+from lm_eval_headloc.measurement.sizing import is_out_of_memory  # noqa: E402
+from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
+from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare  # noqa: E402
+from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
 
 
 @dataclass
@@ -190,7 +190,7 @@ def time_k(measure: Any, masks: Sequence[Sequence[Head]], k: int, device: str,
 def run_locate(model_args: str, task: str, include: str | None, seed: int, out: Path,
                timeout: float) -> LocateRun:
     """A default ``locate`` of ``task`` as a user starts it: a new process."""
-    argv = [sys.executable, "-c", "from lm_eval_headloc.console import main; "
+    argv = [sys.executable, "-c", "from lm_eval_headloc.cli.console import main; "
             "raise SystemExit(main())", "locate", "--model-args", model_args,
             "--tasks", task, "--seed", str(seed), "--out", str(out)]
     if include:
@@ -217,7 +217,7 @@ def run_locate(model_args: str, task: str, include: str | None, seed: int, out: 
         run.measured = sum(float(r["seconds"]) for r in lines)
     config = out / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("timings"):
-        from lm_eval_headloc.timing import timings_line
+        from lm_eval_headloc.common.timing import timings_line
 
         run.phases = timings_line(json.loads(config.read_text())["timings"])
     print(f"  {'ok' if run.ok else 'FAILED'} in {run.wall:.1f} s: {run.measurements} "

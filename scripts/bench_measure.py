@@ -73,19 +73,19 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from lm_eval_headloc import multimask  # noqa: E402
-from lm_eval_headloc.commands.engine import (  # noqa: E402
+from lm_eval_headloc.intervention import multimask  # noqa: E402
+from lm_eval_headloc.intervention.components import Head, format_heads  # noqa: E402
+from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
+from lm_eval_headloc.measurement.measure import quiet_harness  # noqa: E402
+from lm_eval_headloc.measurement.metrics import task_score  # noqa: E402
+from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
+from lm_eval_headloc.runs.setup import (  # noqa: E402
     Setup,
     load_model,
     open_measurement,
     prepare,
 )
-from lm_eval_headloc.commands.spec import RunSpec  # noqa: E402
-from lm_eval_headloc.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.embedded import smollm2_model_args  # noqa: E402
-from lm_eval_headloc.heads import Head, format_heads  # noqa: E402
-from lm_eval_headloc.measure import quiet_harness  # noqa: E402
-from lm_eval_headloc.metrics import task_score  # noqa: E402
+from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
 from lm_eval_headloc.tasks import make_task_manager  # noqa: E402
 
 LOGLIK_TASK = "headloc_induction"
@@ -286,7 +286,7 @@ def run_reference(model_args: str, task: str, heads: Sequence[Head], subset: dic
         subset = {name: v[:docs] for name, v in subset.items()}
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     args = f"{model_args},ablate={format_heads(heads)}" if heads else model_args
     timing, loading, score = Timing(), Timing(), None
@@ -400,14 +400,14 @@ def bench_masks_per_pass(measure: Any, task: str, masks: Sequence[Sequence[Head]
 
 # (label, file-name fragment, function name): cumulative time of these functions.
 PROFILE_ROWS: list[tuple[str, str, str]] = [
-    ("`measure(heads)` (whole call)", "lm_eval_headloc/measure.py", "__call__"),
+    ("`measure(heads)` (whole call)", "lm_eval_headloc/measurement/measure.py", "__call__"),
     ("answers (`multimask.loglikelihoods_for_masks`: all model work)",
-     "lm_eval_headloc/multimask.py", "loglikelihoods_for_masks"),
+     "lm_eval_headloc/intervention/multimask.py", "loglikelihoods_for_masks"),
     ("tokenization (`TemplateLM._encode_pair`)", "lm_eval/api/model.py", "_encode_pair"),
     ("model forward (`HFLM._model_call`)", "lm_eval/models/huggingface.py", "_model_call"),
-    ("head-knockout hooks (inside the forward)", "lm_eval_headloc/hooks.py", "knock_out_heads"),
+    ("head-knockout hooks (inside the forward)", "lm_eval_headloc/intervention/hooks.py", "knock_out_heads"),
     ("scored-position pick before `lm_head` (inside the forward)",
-     "lm_eval_headloc/multimask.py", "pick_scored"),
+     "lm_eval_headloc/intervention/multimask.py", "pick_scored"),
     ("`log_softmax` (scored positions only)", "~", "<method 'log_softmax' of"),
     ("lm-eval `evaluate` (scoring the answers)", "lm_eval/evaluator.py", "evaluate"),
     ("build requests (`Task.build_all_requests`)", "lm_eval/api/task.py", "build_all_requests"),

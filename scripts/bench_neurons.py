@@ -39,21 +39,21 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import numpy as np  # noqa: E402
 
-from lm_eval_headloc.checks import UsageError  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
-from lm_eval_headloc.commands.engine import (  # noqa: E402
+from lm_eval_headloc.commands.locate import locate  # noqa: E402
+from lm_eval_headloc.commands.verify import random_sets  # noqa: E402
+from lm_eval_headloc.common.checks import UsageError  # noqa: E402
+from lm_eval_headloc.common.files import page_refusal, write_atomically, write_page  # noqa: E402
+from lm_eval_headloc.intervention.components import Neuron, parse_components, read_heads_file  # noqa: E402
+from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
+from lm_eval_headloc.report.pages import relative_drop  # noqa: E402
+from lm_eval_headloc.runs.setup import (  # noqa: E402
     load_model,
     measured_plan,
     model_config,
     open_measurement,
     prepare,
 )
-from lm_eval_headloc.commands.locate import locate  # noqa: E402
-from lm_eval_headloc.commands.report import relative_drop  # noqa: E402
-from lm_eval_headloc.commands.verify import random_sets  # noqa: E402
-from lm_eval_headloc.files import page_refusal, write_atomically, write_page  # noqa: E402
-from lm_eval_headloc.heads import Neuron, parse_components, read_heads_file  # noqa: E402
-from lm_eval_headloc.prior import PRIOR_POINTS  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: How the page begins (the model's name follows): --out writes only over such a page.
@@ -72,7 +72,7 @@ def neurons_per_head(config: Any) -> int:
     """How many MLP neurons hold as many parameters as one attention head: a head's query
     and output slices and its share of its key/value group, against a neuron's up (and
     gate) row and down column."""
-    from lm_eval_headloc.geometry import text_config
+    from lm_eval_headloc.intervention.geometry import text_config
 
     text = text_config(config)
     hidden, heads = text.hidden_size, text.num_attention_heads

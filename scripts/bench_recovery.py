@@ -58,7 +58,6 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from lm_eval_headloc.bench.simulation import confirmed_split  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
-from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare, run_plan  # noqa: E402
 from lm_eval_headloc.commands.greedy import greedy  # noqa: E402
 from lm_eval_headloc.commands.locate import (  # noqa: E402
     attribution_prior,
@@ -67,13 +66,14 @@ from lm_eval_headloc.commands.locate import (  # noqa: E402
     mask_keys,
     refit,
 )
-from lm_eval_headloc.commands.runfolder import RunFolder  # noqa: E402
-from lm_eval_headloc.confirm import PRIOR_ALLOWANCE, alternated, prior_rankings  # noqa: E402
-from lm_eval_headloc.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.files import page_refusal, write_page  # noqa: E402
-from lm_eval_headloc.heads import Head, format_heads, parse_heads  # noqa: E402
-from lm_eval_headloc.metrics import TaskScore  # noqa: E402
-from lm_eval_headloc.prior import PRIOR_POINTS  # noqa: E402
+from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
+from lm_eval_headloc.intervention.components import Head, format_heads, parse_heads  # noqa: E402
+from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
+from lm_eval_headloc.measurement.metrics import TaskScore  # noqa: E402
+from lm_eval_headloc.method.confirm import PRIOR_ALLOWANCE, alternated, prior_rankings  # noqa: E402
+from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
+from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
+from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare, run_plan  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: Tasks no default was chosen on: reported apart, with their own ground truth.

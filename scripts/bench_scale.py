@@ -48,12 +48,12 @@ from bench_measure import (
     time_interleaved,
 )
 
-from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
-from lm_eval_headloc.commands.spec import RunSpec
-from lm_eval_headloc.designs import design_matrix
-from lm_eval_headloc.heads import Head, format_heads
-from lm_eval_headloc.measure import batching
-from lm_eval_headloc.sizing import MOST_MASKS_PER_PASS, is_out_of_memory
+from lm_eval_headloc.intervention.components import Head, format_heads
+from lm_eval_headloc.measurement.measure import batching
+from lm_eval_headloc.measurement.sizing import MOST_MASKS_PER_PASS, is_out_of_memory
+from lm_eval_headloc.method.designs import design_matrix
+from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import make_task_manager
 
 #: Bars the issue sets: ours within 10 % of the bare forward at K = 1, and the automatic

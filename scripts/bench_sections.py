@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from lm_eval_headloc.files import page_refusal, write_page  # noqa: E402
+from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 
 _SECTION = re.compile(r"<!-- (?P<name>[^:>]+): start -->.*?<!-- (?P=name): end -->", re.S)
 #: The head's title (bench_measure.py on the CPU writes it; "on the GPU" may follow).

@@ -68,7 +68,7 @@ def model_and_tasks(args: argparse.Namespace, scratch: Path) -> tuple[str, str, 
     ``args.task``, or with ``--config`` a random model of that shape on its MMLU-shaped
     task."""
     if args.config is None:
-        from lm_eval_headloc.embedded import smollm2_model_args
+        from lm_eval_headloc.intervention.embedded import smollm2_model_args
 
         args_ = smollm2_model_args().rsplit(",device=", 1)[0] + f",device={args.device}"
         return args_, args.task, []
@@ -83,7 +83,8 @@ def model_and_tasks(args: argparse.Namespace, scratch: Path) -> tuple[str, str, 
 
 def timed_locate(workers: int, args: argparse.Namespace, folder: Path,
                  model_args: str, task: str, include: list[str]) -> dict:
-    from lm_eval_headloc.commands import engine, locate
+    from lm_eval_headloc.commands import locate
+    from lm_eval_headloc.runs import setup as engine
 
     measuring = [0.0]
     original = engine.run_plan

@@ -3,7 +3,7 @@
     python scripts/gen_cli_docs.py           # (re)write docs/cli.md
     python scripts/gen_cli_docs.py --check   # exit 1 if docs/cli.md is not what it would write
 
-The page is rendered from ``lm_eval_headloc.commands.cli.build_parser()`` (whose measuring
+The page is rendered from ``lm_eval_headloc.cli.main.build_parser()`` (whose measuring
 options come from ``RunSpec`` in ``commands/spec.py``), never written by hand, so it cannot
 drift from the code: ``tests/test_docs.py`` fails when it is stale. The rendering reads the
 parser's actions directly instead of argparse's help formatter, whose wrapping depends on
@@ -29,9 +29,9 @@ HEADER = f"""\
 
 # `headloc-harness`: every command and option
 
-Generated from the command's own parser (`lm_eval_headloc.commands.cli.build_parser`); the
+Generated from the command's own parser (`lm_eval_headloc.cli.main.build_parser`); the
 measuring options and their defaults are the fields of `RunSpec`
-(`lm_eval_headloc/commands/spec.py`), so this page, the command line and the Python API
+(`lm_eval_headloc/runs/spec.py`), so this page, the command line and the Python API
 (`locate("runs/x", masks=100, ...)`) always agree. CI fails when this page is stale;
 regenerate it with `{COMMAND}`.
 
@@ -124,7 +124,7 @@ def _command_section(name: str, summary: str, parser: argparse.ArgumentParser) -
 
 def render() -> str:
     """The text of docs/cli.md for the current parser."""
-    from lm_eval_headloc.commands.cli import build_parser
+    from lm_eval_headloc.cli.main import build_parser
 
     parser = build_parser()
     sub = _subcommands(parser)
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(problem, file=sys.stderr)
             return 1
         return 0
-    from lm_eval_headloc.files import page_refusal, write_page
+    from lm_eval_headloc.common.files import page_refusal, write_page
 
     if (why := page_refusal(args.out, BEGINS)) is not None:
         parser.error(f"--out: {why}")

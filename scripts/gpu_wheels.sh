@@ -65,8 +65,8 @@ install_here() {
         PYTHONPATH="$SITE:$PWD" python3 - >&2 <<'EOF' || die "the imports failed with PYTHONPATH=$SITE:$PWD (see above)"
 from importlib import metadata
 import lm_eval.evaluator, lm_eval.models.huggingface  # noqa: F401
-import lm_eval_headloc.commands.engine  # noqa: F401
-from lm_eval_headloc.model import HFHeadAblateLM  # noqa: F401
+import lm_eval_headloc.runs.setup  # noqa: F401
+from lm_eval_headloc.intervention.model import HFHeadAblateLM  # noqa: F401
 names = ["lm_eval", "transformers", "torch", "datasets", "huggingface-hub", "tokenizers",
          "accelerate", "peft", "numpy", "scikit-learn", "pyarrow", "fsspec", "matplotlib"]
 def version(name):

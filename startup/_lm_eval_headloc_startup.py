@@ -5,7 +5,7 @@ It lets the stock ``lm_eval`` command use ``--model hf-headablate`` and find our
 anything. It must cost nothing for unrelated programs: it imports no third-party module;
 it only waits for lm-eval's model registry (``lm_eval.models``) and task manager
 (``lm_eval.tasks.manager``) to be imported, and right after each tells
-``lm_eval_headloc.registration`` (which registers the lazy ``hf-headablate`` placeholder,
+``lm_eval_headloc.intervention.registration`` (which registers the lazy ``hf-headablate`` placeholder,
 and adds our task folder to every ``TaskManager``; it also loads this module for
 ``import lm_eval_headloc`` where the ``.pth`` file did not).
 """
@@ -33,7 +33,7 @@ class _RegisterAfterExec:
     def exec_module(self, module):
         self._inner.exec_module(module)
         try:
-            from lm_eval_headloc import registration
+            from lm_eval_headloc.intervention import registration
 
             imported = getattr(registration, "imported", None)
             if imported is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.embedded import INSTALL_HINT, smollm2_location
+from lm_eval_headloc.intervention.embedded import INSTALL_HINT, smollm2_location
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -26,7 +26,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 def harness(*args: str) -> int:
     """``headloc-harness ARGS`` in this process: its exit status (argparse's own too)."""
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     try:
         return main([*args])
@@ -195,7 +195,7 @@ def task_manager():
 
 def load_lm(folder: Path, **model_args):
     """hf-headablate on a tiny model folder, float32 on the CPU, batch size 4."""
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
                                                      "batch_size": 4, **model_args})
@@ -204,7 +204,7 @@ def load_lm(folder: Path, **model_args):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Loading weights fails the test: arguments must be checked before."""
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -222,7 +222,7 @@ def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...
     import json
 
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.heads import Neuron, parse_components
+    from lm_eval_headloc.intervention.components import Neuron, parse_components
 
     ranked = [parse_components([name])[0] for name in heads]  # best first
     kinds = {isinstance(c, Neuron) for c in ranked}

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, TASKS, load_lm
 
-from lm_eval_headloc.ablation import AblationError, cached_head_means, reference_texts
+from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts
 
 LM_EVAL = str(Path(sys.executable).parent / "lm_eval")
 TEXTS = ["the cat sat on the mat", "Mary and John went to the store",
@@ -177,7 +177,7 @@ def test_means_are_cached_by_model_data_and_dtype_and_foreign_files_are_refused(
     def no_second_pass(*args, **kwargs):
         raise AssertionError("the means were computed again instead of read from the cache")
 
-    monkeypatch.setattr("lm_eval_headloc.model.head_means", no_second_pass)
+    monkeypatch.setattr("lm_eval_headloc.intervention.model.head_means", no_second_pass)
     again = load_lm(folder, ablate="L0H1", ablation="mean",
                     ablation_data=str(reference_file), ablation_cache=str(cache))
     assert again.means_file == first.means_file
@@ -203,7 +203,7 @@ def test_the_weights_fingerprint_makes_no_float64_copy_and_keeps_old_cache_keys(
     under (name, shape and the float64 sum of each parameter, as computed before)."""
     import hashlib
 
-    from lm_eval_headloc.model import _weights_fingerprint
+    from lm_eval_headloc.intervention.model import _weights_fingerprint
 
     model = load_lm(tiny_model_dir("llama"), dtype="bfloat16").model
     expected = hashlib.sha256()
@@ -302,7 +302,7 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
      "line 1: no text field 'body' \\(fields: prompt, text\\)"),
 ])
 def test_bad_ablation_input_is_one_line_before_any_weights_load(args, message, tmp_path):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
     (tmp_path / "ref.jsonl").write_text(json.dumps({"text": "a", "prompt": "b"}) + "\n",
@@ -432,7 +432,7 @@ def test_resample_holds_each_donor_once_however_many_copies_of_its_rows(tiny_mod
                                                                          tmp_path):
     """K masks per pass repeat a batch's rows K times; the donors' outputs (rows x width x
     every layer's H·d, the largest tensors of a pass) are held once per distinct donor."""
-    from lm_eval_headloc.ablation import pick_donor
+    from lm_eval_headloc.intervention.ablation import pick_donor
 
     reference = tmp_path / "reference.txt"
     reference.write_text("\n".join(TEXTS + list(DONORS.values())), encoding="utf-8")
@@ -461,8 +461,8 @@ def test_resample_and_mean_masks_per_pass_equal_hflm_one_mask_at_a_time(
         tiny_model_dir, task_manager, tmp_path):
     from test_multimask import MASKS, Request, open_measurement
 
-    from lm_eval_headloc.heads import parse_heads
-    from lm_eval_headloc.multimask import RecordingLM, loglikelihoods_for_masks
+    from lm_eval_headloc.intervention.components import parse_heads
+    from lm_eval_headloc.intervention.multimask import RecordingLM, loglikelihoods_for_masks
 
     reference = tmp_path / "reference.txt"
     reference.write_text("\n".join(TEXTS), encoding="utf-8")

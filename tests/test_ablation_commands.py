@@ -39,7 +39,7 @@ def test_greedy_under_a_kind_scores_what_lm_eval_scores_with_that_model(
         kind, tiny_model_dir, tmp_path, reference):
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import make_task_manager
 
     folder = tiny_model_dir("llama")

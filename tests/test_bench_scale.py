@@ -219,7 +219,7 @@ def test_a_run_cut_short_keeps_what_it_measured():
     its finished stages and says which did not finish."""
     import bench_measure
 
-    from lm_eval_headloc.heads import Head
+    from lm_eval_headloc.intervention.components import Head
 
     def timing(*seconds):
         return bench_measure.Timing(list(seconds))

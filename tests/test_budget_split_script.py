@@ -64,7 +64,7 @@ def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks, row
     # The no-prior row of the defaults before this change, and the splits of today's.
     before = [r for r in rows if r["share"] is None]
     assert [(r["budget"], r["masks"], r["confirm"]) for r in before] == [(46, 12, 34)]
-    from lm_eval_headloc.confirm import default_split
+    from lm_eval_headloc.method.confirm import default_split
 
     splits = {(r["prior"], r["budget"], r["masks"], r["confirm"]) for r in rows}
     assert ("none", 54, *default_split(None)) in splits
@@ -107,7 +107,7 @@ def test_without_a_prior_rounds_and_up_front_are_replayed_as_each_method_picks(
     assert rounds["found"] == next(
         r for r in rows if (r["prior"], r["budget"], r["masks"]) == ("none", 54, 27))["found"]
     # Up front, with no prior ranking to take turns with, is the plain fit's order.
-    from lm_eval_headloc.confirm import screen
+    from lm_eval_headloc.method.confirm import screen
 
     task = tasks[1]
     design, scores = task.masks(task.runs / "stratified-p0.1" / "seed2")

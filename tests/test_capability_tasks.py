@@ -306,7 +306,7 @@ def test_headloc_tag_covers_the_three_tasks_and_the_held_out_tag_the_others(task
 def test_every_task_is_scored_by_acc(task_dict):
     """The held-out tasks are in no table of metrics.py: they are scored by the first
     metric lm-eval reports, so they list acc alone (perplexity would come first)."""
-    from lm_eval_headloc.metrics import default_metric
+    from lm_eval_headloc.measurement.metrics import default_metric
 
     tasks, _ = task_dict
     for task in TASKS:
@@ -362,7 +362,7 @@ def test_stock_cli_runs_every_task(smollm2, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_lm(smollm2):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     folder, gguf = smollm2
     return HFHeadAblateLM(

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from conftest import TASKS
 
-from lm_eval_headloc.commands import RunSpec, engine
-from lm_eval_headloc.commands.cli import main
-from lm_eval_headloc.heads import read_heads_file
+from lm_eval_headloc.cli.main import main
+from lm_eval_headloc.commands import RunSpec
+from lm_eval_headloc.intervention.components import read_heads_file
+from lm_eval_headloc.runs import setup as engine
 
 
 def harness(*args: str) -> int:
@@ -317,7 +318,7 @@ def test_a_second_process_on_the_same_folder_is_refused(tiny_model_dir, tmp_path
 
 def test_changing_any_identity_field_refuses_the_folder(tmp_path):
     from lm_eval_headloc.commands import RunFolder, RunFolderError
-    from lm_eval_headloc.commands.spec import RESULT, SETTING
+    from lm_eval_headloc.runs.spec import RESULT, SETTING
 
     base = RunSpec()
     changed_values = {
@@ -498,11 +499,11 @@ def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: floa
     # finished the run before the kill).
     code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
             "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
-            "from lm_eval_headloc.commands.runfolder import RunFolder; "
+            "from lm_eval_headloc.runs.folder import RunFolder; "
             "append = RunFolder.append_measurement; "
             "RunFolder.append_measurement = lambda self, record: "
             f"(append(self, record), time.sleep({PAUSE})); "
-            "from lm_eval_headloc.commands.cli import main; "
+            "from lm_eval_headloc.cli.main import main; "
             f"sys.exit(main({args!r} + sys.argv[1:]))")
     process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -626,7 +627,7 @@ def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
     assert "the top 5 measured alone: their order is measured, not fitted" in line, line
     # Where the fit does order the top-k, its held-out R² below 0 comes with its meaning.
     from lm_eval_headloc.commands.locate import BELOW_ZERO, fit_summary
-    from lm_eval_headloc.commands.result import read_rankings
+    from lm_eval_headloc.runs.record import read_rankings
 
     ranking = read_rankings(run)["headloc_induction"]
     ranking.extra["confirmed"] = []
@@ -697,7 +698,7 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
     assert all(h["head"] == f"L{h['layer']}H{h['head_in_layer']}" for h in heads["heads"])
     assert heads["heads_per_layer"] == 4
     # The masks really were applied: a mask's score matches a fresh evaluation under it.
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
                         ablate=records[3]["mask"])
@@ -778,7 +779,7 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
 def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
                                                              tmp_path, no_model_loading):
     from lm_eval_headloc.commands import RunFolderError, read_rankings
-    from lm_eval_headloc.commands.report import ranked_heads_json
+    from lm_eval_headloc.report.pages import ranked_heads_json
 
     before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
     ranking = read_rankings(tiny_locate_run)["tiny_choice"]
@@ -886,7 +887,7 @@ def test_force_deletes_only_what_the_commands_wrote(tiny_model_dir, tmp_path, ca
     """--force deleted everything in a run folder but its lock: a user's notes, their
     analysis folder, a nested run another process was working in. Now it refuses while
     anything there is not the commands' own, and deletes nothing then."""
-    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     run = tmp_path / "run"
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
@@ -933,7 +934,7 @@ def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_
 
 
 def _started_run(folder: Path) -> Path:
-    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     with RunFolder(folder) as run:
         run.start("locate", {"seed": 0}, {})
@@ -944,7 +945,7 @@ def test_force_refuses_a_users_entry_under_one_of_our_names(tmp_path):
     """--force cleared any entry whose name the commands write: a user's notes in means/
     (a folder of cached means, ours only by name) and a folder named heads-archive.json
     were deleted whole. Only our kind of entry, holding only our files, is ours."""
-    from lm_eval_headloc.commands.runfolder import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
 
     run = _started_run(tmp_path / "run")
     (run / "means").mkdir()
@@ -982,7 +983,7 @@ def test_only_our_own_partial_files_are_cleared(tmp_path, capsys, tiny_model_dir
 def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
     """The lock was opened through a link and truncated: a .lock linked to a user's file
     replaced its content with a process id."""
-    from lm_eval_headloc.commands.runfolder import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
 
     run = _started_run(tmp_path / "run")
     precious = tmp_path / "precious.txt"
@@ -1001,7 +1002,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
 def test_a_torn_last_line_is_cut_only_by_the_locks_holder(tmp_path):
     """A refused second process (reading before it asked for the lock) cut the live run's
     half-written last line, so the rest of that line landed as garbage."""
-    from lm_eval_headloc.commands.runfolder import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     run = _started_run(tmp_path / "run")
     whole = json.dumps({"key": "mask-0000", "mask": "L0H1", "scores": {"t": 0.5}}) + "\n"
@@ -1051,7 +1052,7 @@ def test_no_file_command_writes_into_another_run_folder(tmp_path, capsys, tiny_l
 
 def test_a_run_folder_made_unwritable_is_one_line(tiny_locate_run, tmp_path, capsys,
                                                    monkeypatch):
-    import lm_eval_headloc.commands.runfolder as runfolder
+    import lm_eval_headloc.runs.folder as runfolder
 
     def refused(path, write):
         raise PermissionError(13, "Permission denied", str(path))
@@ -1119,7 +1120,7 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
 
 def test_a_finished_greedy_run_reruns_without_loading_the_model(tiny_model_dir, tmp_path,
                                                                monkeypatch):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     out = tmp_path / "iterative"
     args = ["greedy", *tiny_args(tiny_model_dir("gpt2")), "--tasks", "tiny_copy",
@@ -1160,8 +1161,8 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert table["located_by"] == "metric"
     assert "log-likelihood" not in (out / "verify.md").read_text()
     # What the run's ranking says of these heads travels with them (the run's own file).
-    from lm_eval_headloc.commands.runfolder import RunFolder
     from lm_eval_headloc.commands.verify import ranking_notes, verification_markdown
+    from lm_eval_headloc.runs.folder import RunFolder
 
     assert table["ranking_notes"] == {"tiny_choice": ranking_notes(RunFolder(run),
                                                                    "tiny_choice", 3)}
@@ -1169,7 +1170,7 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert ("What the run's ranking says of these (its report.md):\n"
             "- L0H1: recorded to do no harm\n") in verification_markdown(table)
     # verify's scores are fresh evaluations: heads knocked out by hf-headablate itself.
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), dtype="float32",
                         device="cpu", ablate="+".join(rows[1]["heads"]))
@@ -1220,7 +1221,7 @@ def test_a_finished_verify_or_cross_reruns_without_loading_the_model(
         tiny_model_dir, tiny_locate_run, tmp_path, monkeypatch):
     """Every measurement on disk: the tables are rewritten from it, no weights loaded; one
     measurement lost: the model is loaded to measure it again."""
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     out, cross_out = tmp_path / "verify", tmp_path / "cross"
     verify_args = ["verify", str(tiny_locate_run), "--top-k", "2", "--general", "tiny_copy",
@@ -1255,7 +1256,7 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
                                                                         tmp_path, capsys,
                                                                         no_model_loading):
     from lm_eval_headloc.commands.verify import DEFAULT_GENERAL, OFFLINE_GENERAL
-    from lm_eval_headloc.embedded import is_embedded
+    from lm_eval_headloc.intervention.embedded import is_embedded
 
     assert is_embedded(None)
     assert not is_embedded(f"pretrained={tiny_model_dir('llama')}")
@@ -1308,7 +1309,7 @@ def test_a_task_without_documents_is_one_line(tiny_model_dir, tmp_path, capsys,
                    str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
     assert last_error(capsys) == "headloc-harness: error: task 'mine' has no documents"
     # The same task as mean ablation's reference set.
-    from lm_eval_headloc.ablation import AblationError, reference_texts
+    from lm_eval_headloc.intervention.ablation import AblationError, reference_texts
     from lm_eval_headloc.tasks import make_task_manager
 
     with pytest.raises(AblationError, match=r"^ablation_data='mine': task 'mine' has no "
@@ -1398,7 +1399,7 @@ def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path,
     """universal, overlap and cross compared model args as text: the same model with its
     arguments in another order, or run on another device (which a run appends itself),
     was 'different models'."""
-    from lm_eval_headloc.commands.spec import same_model
+    from lm_eval_headloc.runs.spec import same_model
 
     assert same_model("pretrained=m,dtype=float32,device=cpu", "dtype=float32,pretrained=m,"
                                                                "device=cuda")
@@ -1420,7 +1421,7 @@ def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path,
 
 def test_a_run_resumes_with_its_model_args_in_another_order(tmp_path):
     from lm_eval_headloc.commands import RunFolder, RunFolderError
-    from lm_eval_headloc.commands.result import start_run
+    from lm_eval_headloc.runs.record import start_run
 
     first = RunSpec(model_args="pretrained=m,dtype=float32,device=cuda", tasks=("t",))
     with RunFolder(tmp_path / "run") as folder:
@@ -1558,7 +1559,7 @@ def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
 def test_chat_template_goes_to_generation_tasks_when_the_model_has_one(tiny_model_dir):
     from types import SimpleNamespace
 
-    from lm_eval_headloc.measure import HarnessMeasurement
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
     setup = engine.prepare(RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},"
                                               "dtype=float32",
@@ -1602,7 +1603,7 @@ def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
     import csv
     import shutil
 
-    from lm_eval_headloc.recovery import HeadLasso, bootstrap_stability
+    from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability
 
     out = shutil.copytree(tiny_locate_run, tmp_path / "run")
     heads = strict_json(out / "heads.json")
@@ -1637,8 +1638,8 @@ def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
 def test_heatmap_hatches_unstable_top_heads(tmp_path):
     from matplotlib.patches import Rectangle
 
-    from lm_eval_headloc.commands.report import HeadRanking, plot_heatmap
-    from lm_eval_headloc.recovery import Stability
+    from lm_eval_headloc.method.recovery import Stability
+    from lm_eval_headloc.report.pages import HeadRanking, plot_heatmap
 
     selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
     ranking = HeadRanking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
@@ -1658,8 +1659,8 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
     """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
     counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
     table says "does not hurt", and unstable_in_top_k leaves it out."""
-    from lm_eval_headloc.commands.report import HeadRanking, ranked_heads_json, ranking_table
-    from lm_eval_headloc.recovery import Stability
+    from lm_eval_headloc.method.recovery import Stability
+    from lm_eval_headloc.report.pages import HeadRanking, ranked_heads_json, ranking_table
 
     effects = np.array([-0.3, -0.1, 0.0, 0.2])  # higher is better: the first two hurt
     selected = np.array([1.0, 0.4, 0.0, 0.0])
@@ -1676,8 +1677,8 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
 
 
 def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
-    from lm_eval_headloc.columns import Columns
-    from lm_eval_headloc.commands.report import HeadRanking, plot_heatmap
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.report.pages import HeadRanking, plot_heatmap
 
     columns = Columns.heads(4, 2, head_layers=(1, 3))
     effects = np.array([-0.4, 0.1, -0.2, 0.3])
@@ -1699,7 +1700,7 @@ def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
 
 
 def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.designs import design_matrix
+    from lm_eval_headloc.method.designs import design_matrix
 
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
             "--masks", "6", "--sparsity", "0.25", "--num-samples", "5", "--seed", "1"]
@@ -1810,7 +1811,7 @@ def test_a_prior_that_found_no_effect_says_its_top_k_is_no_order(tiny_model_dir,
 
 
 def test_prior_found_nothing_only_when_every_estimate_is_equal():
-    from lm_eval_headloc.confirm import prior_found_nothing
+    from lm_eval_headloc.method.confirm import prior_found_nothing
 
     assert prior_found_nothing(np.zeros((2, 4)))
     assert prior_found_nothing(np.array([[-0.3] * 4, [0.1 + 0.2, 0.3, 0.3, 0.3]]))  # round-off
@@ -1821,8 +1822,8 @@ def test_prior_found_nothing_only_when_every_estimate_is_equal():
 
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
     from lm_eval_headloc.commands.locate import fit_rankings
-    from lm_eval_headloc.prior import prior_penalty_weights
-    from lm_eval_headloc.recovery import HeadLasso
+    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
+    from lm_eval_headloc.method.recovery import HeadLasso
 
     out = tmp_path / "prior"
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
@@ -1882,7 +1883,7 @@ def test_new_options_give_equal_results_with_k_masks_per_pass_and_refit(
 
 
 def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.designs import knockouts_per_mask
+    from lm_eval_headloc.method.designs import knockouts_per_mask
 
     out = tmp_path / "pilot"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
@@ -2012,8 +2013,8 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
                    "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
                    "--prior", "atp", "--confirm", "4", "--out", str(out)) == 0
-    from lm_eval_headloc.prior import prior_penalty_weights
-    from lm_eval_headloc.recovery import HeadLasso
+    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
+    from lm_eval_headloc.method.recovery import HeadLasso
 
     stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]
     prior = stored["ranking"]
@@ -2148,9 +2149,9 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
 def test_a_long_inline_head_list_is_heads_not_a_file_name(tmp_path, monkeypatch):
     """--never-ablate with 261 heads inline (an audit's run on the embedded model): the
     check for a file of that name raised 'File name too long' as a traceback."""
-    from lm_eval_headloc.checks import UsageError
-    from lm_eval_headloc.commands.engine import head_list
-    from lm_eval_headloc.heads import Head
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.intervention.components import Head
+    from lm_eval_headloc.runs.setup import head_list
 
     monkeypatch.chdir(tmp_path)
     names = [f"L{layer}H{head}" for layer in range(1, 30) for head in range(9)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lm_eval_headloc.confirm import (
+from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.method.confirm import (
     DEFAULT_ALONE,
     DEFAULT_BUDGET,
     DEFAULT_MASKS,
@@ -24,8 +25,7 @@ from lm_eval_headloc.confirm import (
     screen,
     tied_with_above,
 )
-from lm_eval_headloc.designs import design_matrix
-from lm_eval_headloc.heads import Head
+from lm_eval_headloc.method.designs import design_matrix
 
 
 def test_marginal_contrast_by_hand():
@@ -320,7 +320,7 @@ def test_prior_rankings_and_weights_by_hand():
 
 def test_prior_penalty_weights_are_the_prior_modules():
     """One rule: the attribution prior's module (torch) and this numpy one agree."""
-    from lm_eval_headloc import prior
+    from lm_eval_headloc.measurement import attribution as prior
 
     harms = np.random.default_rng(1).normal(size=50)
     np.testing.assert_array_equal(prior.prior_penalty_weights(harms),
@@ -419,7 +419,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
         monkeypatch, capsys):
     from types import SimpleNamespace
 
-    from lm_eval_headloc.commands import cli
+    from lm_eval_headloc.cli import main as cli
     from lm_eval_headloc.commands.locate import fit_rankings
 
     design = np.zeros((8, 6), dtype=bool)
@@ -446,8 +446,8 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
 
 def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
     from lm_eval_headloc.commands.locate import fit_rankings, held_out_words
-    from lm_eval_headloc.commands.report import HeadRanking
-    from lm_eval_headloc.recovery import HeadLasso, held_out_r2
+    from lm_eval_headloc.method.recovery import HeadLasso, held_out_r2
+    from lm_eval_headloc.report.pages import HeadRanking
 
     design = np.random.default_rng(5).random((12, 6)) < 0.4
     scores = 0.9 - 0.3 * design[:, 2] + 0.01 * np.random.default_rng(6).normal(size=12)

@@ -17,7 +17,7 @@ import pytest
 from conftest import TASKS, error_line, finished_run, harness
 
 from lm_eval_headloc.commands import read_rankings
-from lm_eval_headloc.commands.runfolder import RunFolderError
+from lm_eval_headloc.runs.folder import RunFolderError
 
 TASK = "tiny_choice"
 OTHER_TASK = "tiny_copy"  # a task that exists too: the disagreeing folder names it
@@ -247,7 +247,7 @@ def test_refit_of_a_huge_geometry_allocates_nothing(runs, tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
 
     done = subprocess.run(
-        [sys.executable, "-c", "import sys; from lm_eval_headloc.commands.cli import main; "
+        [sys.executable, "-c", "import sys; from lm_eval_headloc.cli.main import main; "
                                "sys.exit(main(sys.argv[1:]))", "refit", str(folder)],
         capture_output=True, text=True, timeout=300, preexec_fn=limit,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -13,7 +13,7 @@ from conftest import TASKS, finished_run
 from test_commands import harness
 from test_commands import measurement_lines as lines
 
-from lm_eval_headloc.commands.report import relative_drop
+from lm_eval_headloc.report.pages import relative_drop
 
 PPL = ("L1H2", "L0H0", "L0H3", "L1H0")
 ROLLING = ("L0H1", "L1H3", "L1H2", "L0H2")
@@ -42,7 +42,7 @@ def _evaluate(model_dir: Path, heads: list[str], scale: float, task: str) -> flo
     """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import make_task_manager
 
     lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
@@ -98,8 +98,8 @@ def test_cross_matrix(tiny_model_dir, matrix):
     assert (out / "cross.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # What each run's ranking says of its set is carried, from the run's own file.
     from lm_eval_headloc.commands.cross import cross_markdown
-    from lm_eval_headloc.commands.runfolder import RunFolder
     from lm_eval_headloc.commands.verify import ranking_notes
+    from lm_eval_headloc.runs.folder import RunFolder
 
     assert table["ranking_notes"] == {
         s["label"]: notes for s in table["sets"]

@@ -14,9 +14,10 @@ import pytest
 from conftest import TASKS
 from test_commands import harness, last_error, tiny_args
 
-from lm_eval_headloc.commands import RunSpec, engine
-from lm_eval_headloc.commands.workers import RAY_TIMEOUT, WorkerError, check_ray_address
-from lm_eval_headloc.errors import UserError
+from lm_eval_headloc.commands import RunSpec
+from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.distributed.workers import RAY_TIMEOUT, WorkerError, check_ray_address
+from lm_eval_headloc.runs import setup as engine
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
@@ -145,7 +146,7 @@ def _doc_task(targets, output_type="generate_until"):
     ([["a", "b"]], True),
 ])
 def test_no_gold_reason_reads_the_documents_gold_answers(targets, has_gold):
-    from lm_eval_headloc.signals import has_gold_answers, no_gold_reason
+    from lm_eval_headloc.measurement.signals import has_gold_answers, no_gold_reason
 
     task = _doc_task(targets)
     assert has_gold_answers(task) is has_gold
@@ -153,7 +154,7 @@ def test_no_gold_reason_reads_the_documents_gold_answers(targets, has_gold):
 
 
 def test_no_gold_reason_says_why():
-    from lm_eval_headloc.signals import GOLD_SAMPLE, no_gold_reason
+    from lm_eval_headloc.measurement.signals import GOLD_SAMPLE, no_gold_reason
 
     assert no_gold_reason(_doc_task([""] * 9), "swear") == (
         f"task 'swear' has no gold answer (doc_to_target is empty for its first "
@@ -185,8 +186,8 @@ def test_a_log_likelihood_of_no_gold_answer_is_refused_before_weights_load(
 def test_prior_auto_is_none_for_a_task_without_gold_answers(tiny_model_dir):
     from conftest import load_lm
 
-    from lm_eval_headloc.measure import HarnessMeasurement
-    from lm_eval_headloc.signals import no_logprob_reason
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+    from lm_eval_headloc.measurement.signals import no_logprob_reason
 
     model_args = f"pretrained={tiny_model_dir('llama')},dtype=float32"
     lm = load_lm(tiny_model_dir("llama"))

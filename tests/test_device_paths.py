@@ -10,8 +10,8 @@ import torch
 from conftest import load_lm
 from fake_cuda import DEVICE, FakeCuda, on_device, on_fake_cuda, pinned
 
-from lm_eval_headloc.multimask import LoglikelihoodRequests, loglikelihoods_for_masks
-from lm_eval_headloc.prior import PRIOR_POINTS
+from lm_eval_headloc.intervention.multimask import LoglikelihoodRequests, loglikelihoods_for_masks
+from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 
 REFERENCE = ["the cat sat on the mat", "Mary and John went to the store",
              "one two three four five"]
@@ -28,7 +28,7 @@ def pinning_on_the_cpu(monkeypatch):
 
 
 def measurement(manager, lm, task, **kwargs):
-    from lm_eval_headloc.measure import HarnessMeasurement
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
     return HarnessMeasurement(lm, [(task, None)], {task: manager.load([task])},
                               num_samples=None, **kwargs)
@@ -69,7 +69,7 @@ def test_loglikelihood_passes_make_the_host_wait_only_for_the_answers(tiny_model
     # Two copies to the host (sums and greedy misses), after the last pass; none per pass,
     # per layer or per mask.
     assert [what for what, _ in gpu.waits] == ["to the host: cpu"] * 2, gpu.waits
-    assert all(where.startswith("lm_eval_headloc/multimask.py") for _, where in gpu.waits)
+    assert all(where.startswith("lm_eval_headloc/intervention/multimask.py") for _, where in gpu.waits)
     for got, want in zip(answers, on_cpu, strict=True):
         assert got.keys() == want.keys()
         for key in want:

@@ -42,7 +42,7 @@ def test_cli_reference_is_current(gen_cli_docs: ModuleType) -> None:
 def test_cli_reference_covers_every_option(gen_cli_docs: ModuleType) -> None:
     import argparse
 
-    from lm_eval_headloc.commands.cli import build_parser
+    from lm_eval_headloc.cli.main import build_parser
 
     text = gen_cli_docs.render()
     assert text == gen_cli_docs.render()  # deterministic
@@ -183,7 +183,7 @@ def test_shown_commands_parse() -> None:
     not in a reader's terminal. Parsing loads nothing."""
     import shlex
 
-    from lm_eval_headloc.commands.cli import build_parser
+    from lm_eval_headloc.cli.main import build_parser
 
     parser = build_parser()
     shown = [(path, line) for path in _markdown_files() for line in shown_commands(path)]
@@ -232,7 +232,7 @@ def test_sources_do_not_cite_planning_documents() -> None:
 
 
 def test_flags_that_keep_the_runs_value_say_so_not_the_fields_default() -> None:
-    from lm_eval_headloc.commands.cli import build_parser
+    from lm_eval_headloc.cli.main import build_parser
 
     parser = build_parser()
     verify = next(a for a in parser._subparsers._group_actions).choices["verify"]

@@ -8,14 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from lm_eval_headloc.embedded import smollm2_model_args
+from lm_eval_headloc.intervention.embedded import smollm2_model_args
 
 
 @pytest.mark.slow
 def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path, monkeypatch):
     import gguf
 
-    from lm_eval_headloc.commands.cli import main  # the headloc-harness entry point
+    from lm_eval_headloc.cli.main import main  # the headloc-harness entry point
 
     # Each parse of the 94 MB GGUF costs seconds: the argument check, HFLM's config,
     # tokenizer and weights, and the second model below share one (gguf_reads).
@@ -42,7 +42,7 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path, monke
     # Knock each head out alone through hf-headablate and the harness, on the same subset.
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import make_task_manager
 
     manager = make_task_manager()  # the one the run used, kept per process

@@ -16,19 +16,19 @@ import pytest
 from test_commands import harness, last_error
 
 import lm_eval_headloc
-from lm_eval_headloc.commands import cli
-from lm_eval_headloc.errors import HeadlocError, InternalError, UserError, one_line
+from lm_eval_headloc.cli import main as cli
+from lm_eval_headloc.common.errors import HeadlocError, InternalError, UserError, one_line
 
 #: The error classes users catch by name, where they are imported from.
 PUBLIC = [
-    ("lm_eval_headloc.heads", "HeadSpecError"),
-    ("lm_eval_headloc.ablation", "AblationError"),
-    ("lm_eval_headloc.hooks", "AttentionOutputNotFound"),
+    ("lm_eval_headloc.intervention.components", "HeadSpecError"),
+    ("lm_eval_headloc.intervention.ablation", "AblationError"),
+    ("lm_eval_headloc.intervention.hooks", "AttentionOutputNotFound"),
     ("lm_eval_headloc.tasks", "UnknownTaskError"),
-    ("lm_eval_headloc.metrics", "MetricError"),
-    ("lm_eval_headloc.checks", "UsageError"),
-    ("lm_eval_headloc.commands.workers", "WorkerError"),
-    ("lm_eval_headloc.commands.runfolder", "RunFolderError"),
+    ("lm_eval_headloc.measurement.metrics", "MetricError"),
+    ("lm_eval_headloc.common.checks", "UsageError"),
+    ("lm_eval_headloc.distributed.workers", "WorkerError"),
+    ("lm_eval_headloc.runs.folder", "RunFolderError"),
 ]
 
 
@@ -72,8 +72,8 @@ def test_internal_errors_are_not_user_errors():
 def test_an_ablation_error_is_no_head_list_error():
     # It used to derive from HeadSpecError only so that one hook would print it in one
     # line; a bad ablation kind is not a bad head list.
-    from lm_eval_headloc.ablation import AblationError
-    from lm_eval_headloc.heads import HeadSpecError
+    from lm_eval_headloc.intervention.ablation import AblationError
+    from lm_eval_headloc.intervention.components import HeadSpecError
 
     assert not issubclass(AblationError, HeadSpecError)
 
@@ -109,7 +109,7 @@ def test_anything_but_a_user_error_keeps_its_traceback(monkeypatch, error):
 
 
 def test_a_missing_run_folder_is_one_line_and_exit_2_in_a_real_process(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lm_eval_headloc.commands.cli", "refit",
+    result = subprocess.run([sys.executable, "-m", "lm_eval_headloc.cli.main", "refit",
                              str(tmp_path / "no-such-run")], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 2
@@ -123,7 +123,7 @@ def test_a_file_not_found_deep_inside_is_a_traceback_not_exit_2(tiny_model_dir, 
     # reported as the user's mistake: exit 2 and one line.
     result = run_python(f"""
         import lm_eval_headloc.tasks as tasks
-        from lm_eval_headloc.commands.cli import main
+        from lm_eval_headloc.cli.main import main
 
         def missing(*args):
             raise FileNotFoundError(2, "No such file or directory", "task_configs")
@@ -147,7 +147,7 @@ def test_missing_task_configs_is_an_internal_error(tmp_path):
 
 
 def test_the_embedded_model_missing_is_a_user_error(monkeypatch, capsys, tmp_path):
-    from lm_eval_headloc import embedded
+    from lm_eval_headloc.intervention import embedded
 
     monkeypatch.setattr(embedded, "smollm2_location", lambda: None)
     with pytest.raises(UserError, match="the embedded model is not installed"):
@@ -156,10 +156,10 @@ def test_the_embedded_model_missing_is_a_user_error(monkeypatch, capsys, tmp_pat
     assert last_error(capsys) == ("headloc-harness: error: the embedded model is not "
                                   f"installed; run: {embedded.INSTALL_HINT}")
     assert not (tmp_path / "run").exists()
-    # `python -m lm_eval_headloc.embedded` (the stock lm_eval's --model_args): one line.
+    # `python -m lm_eval_headloc.intervention.embedded` (the stock lm_eval's --model_args): one line.
     assert embedded.main() == 2
     assert capsys.readouterr().err.strip() == (
-        "lm_eval_headloc.embedded: error: the embedded model is not installed; run: "
+        "lm_eval_headloc.intervention.embedded: error: the embedded model is not installed; run: "
         f"{embedded.INSTALL_HINT}")
     monkeypatch.setattr(embedded, "smollm2_location", lambda: ("/m", "x.gguf"))
     assert embedded.main() == 0
@@ -179,8 +179,8 @@ def test_the_stock_lm_eval_hook_prints_user_errors_only():
         sys.argv[0] = "/somewhere/bin/lm_eval"
         import lm_eval.models
         import lm_eval_headloc
-        from lm_eval_headloc.ablation import AblationError
-        from lm_eval_headloc.errors import InternalError
+        from lm_eval_headloc.intervention.ablation import AblationError
+        from lm_eval_headloc.common.errors import InternalError
         for err in (AblationError("ablation='x': must be one of zero, mean, resample"),
                     InternalError("broken"), FileNotFoundError("f")):
             sys.excepthook(type(err), err, None)
@@ -197,15 +197,15 @@ def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
     printed an import traceback; it ends as one after the imports does."""
     import sys
 
-    from lm_eval_headloc.console import main
+    from lm_eval_headloc.cli.console import main
 
     class Interrupted:
         def find_spec(self, name, path=None, target=None):
-            if name == "lm_eval_headloc.commands.cli":
+            if name == "lm_eval_headloc.cli.main":
                 raise KeyboardInterrupt
             return None
 
-    monkeypatch.delitem(sys.modules, "lm_eval_headloc.commands.cli")
+    monkeypatch.delitem(sys.modules, "lm_eval_headloc.cli.main")
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     assert main(["--version"]) == 130
     assert capsys.readouterr().err.strip() == "headloc-harness: interrupted"

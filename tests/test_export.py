@@ -1,4 +1,4 @@
-"""``lm_eval_headloc.commands.export``: a run's head ranking as MIB's node-level importance file.
+"""``lm_eval_headloc.report.mib``: a run's head ranking as MIB's node-level importance file.
 
 The expected files are written out by hand here from MIB's format (EAP-IG's
 ``Graph.to_json`` / ``Graph.from_json`` at hannamw/EAP-IG@7af394a5662d, the submodule of
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.commands.export import (
+from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.report.mib import (
     MARKER,
     MIB_MODELS,
     ExportError,
@@ -28,7 +29,6 @@ from lm_eval_headloc.commands.export import (
     read_mib,
     write_mib,
 )
-from lm_eval_headloc.errors import UserError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mib" / "node_importances_2x3.json"
 LAYERS, HEADS, WIDTH = 2, 3, 8
@@ -505,7 +505,7 @@ def test_mibs_own_loader_reads_the_export(tmp_path):
 # --- the command line ----------------------------------------------------------------------
 
 def test_the_export_command_writes_what_write_mib_writes(tmp_path, capsys):
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     def harness(*args: str) -> int:
         try:
@@ -538,7 +538,7 @@ def test_the_export_command_writes_what_write_mib_writes(tmp_path, capsys):
 def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
     from transformers import GPT2Config
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     model = tmp_path / "model"
     GPT2Config(n_layer=LAYERS, n_head=HEADS, n_embd=12).save_pretrained(model)

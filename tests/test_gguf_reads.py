@@ -1,4 +1,4 @@
-"""A GGUF file is parsed once per process while unchanged (lm_eval_headloc.gguf_reads)."""
+"""A GGUF file is parsed once per process while unchanged (lm_eval_headloc.intervention.gguf_reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lm_eval_headloc.gguf_reads import cached_gguf_reads, parses
+from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads, parses
 
 
 def write_gguf(path, value: int) -> None:

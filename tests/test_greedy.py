@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from lm_eval_headloc.columns import Columns
 from lm_eval_headloc.commands.greedy import _rankings
-from lm_eval_headloc.confirm import confirmed_order
-from lm_eval_headloc.heads import Head
+from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.confirm import confirmed_order
 
 #: The columns of 6 and of 4 heads (2 layers of 3, of 2).
 SIX, FOUR = Columns.heads(2, 3), Columns.heads(2, 2)
@@ -58,7 +58,7 @@ def test_iterative_winners_lead_in_the_order_they_won():
 
 
 def test_equal_measured_changes_are_marked_and_reported_as_ties():
-    from lm_eval_headloc.commands.report import ranked_heads_json, tie_words
+    from lm_eval_headloc.report.pages import ranked_heads_json, tie_words
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
@@ -97,7 +97,7 @@ def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
 
 
 def test_top_k_places_that_do_not_hurt_are_said_to():
-    from lm_eval_headloc.commands.report import HeadRanking, harmless_words
+    from lm_eval_headloc.report.pages import HeadRanking, harmless_words
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
@@ -128,7 +128,7 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
 
 def _recorded(ranking, all_measured=False):
     """The ranking with its largest single help recorded, as locate and greedy record it."""
-    from lm_eval_headloc.commands.report import largest_single_help
+    from lm_eval_headloc.report.pages import largest_single_help
 
     found = largest_single_help(ranking, all_measured)
     if found is not None:
@@ -139,7 +139,7 @@ def _recorded(ranking, all_measured=False):
 def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_spread():
     """A task at chance: heads measured alone to lose one example of 100 were ranked as
     hurting, while other single knockouts gained three; the report now says so."""
-    from lm_eval_headloc.commands.report import HeadRanking, spread_words
+    from lm_eval_headloc.report.pages import HeadRanking, spread_words
 
     # L0H0..L0H3 measured alone: -0.01, -0.01, +0.03, 0; L1H0 only estimated (-0.2).
     effects = np.array([-0.01, -0.01, 0.03, 0.0, -0.2, 0.0, 0.0, 0.0])
@@ -186,7 +186,7 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
 def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     """Ranks 1-3 measured -0.01 each (not tied: their gold log-likelihood changes
     differed) read as an order the table did not explain."""
-    from lm_eval_headloc.commands.report import HeadRanking, equal_change_words
+    from lm_eval_headloc.report.pages import HeadRanking, equal_change_words
 
     effects = np.array([-0.01, -0.01, -0.01, -0.3, -0.2, 0.0])
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
@@ -232,7 +232,7 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
 
 def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
     from lm_eval_headloc.commands.greedy import _report
-    from lm_eval_headloc.commands.report import at_floor
+    from lm_eval_headloc.report.pages import at_floor
 
     zero = {**BASELINE, "scores": {"acc": 0.0, "ppl": 10.0}}
     flat = {"acc": {h: (0.0, 0.0) for h in range(4)}, "ppl": {h: (0.0, 0.0) for h in range(4)}}
@@ -247,8 +247,8 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     """With --neuron-groups a group of many neurons is measured alone where the fit
     implicates it; its help is no measure of what knocking out one neuron flips, and it
     called every top neuron's measured harm noise."""
-    from lm_eval_headloc.columns import Columns
-    from lm_eval_headloc.commands.report import HeadRanking, spread_words
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.report.pages import HeadRanking, spread_words
 
     columns = Columns.of("neurons", 2, 4, ["L0N1", "L0N2", "L1N0"], groups_per_layer=1,
                          neurons_per_layer=6)

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from lm_eval_headloc.group_tests import (
+from lm_eval_headloc.method.group_tests import (
     background_harm,
     certificate,
     entry_bar,

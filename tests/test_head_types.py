@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lm_eval_headloc.head_types import (
+from lm_eval_headloc.method.head_types import (
     DOMINANT_FLOOR,
     HEAD_TYPES,
     LABEL_MARGIN,
@@ -82,7 +82,7 @@ def test_a_tensor_pattern_is_read_where_it_is_and_only_the_picked_weights_copied
         monkeypatch):
     """A GPU's (batch, heads, T, T) pattern is gigabytes at a few thousand tokens: the
     scores pick their weights on its device and copy those alone."""
-    from lm_eval_headloc import head_types
+    from lm_eval_headloc.method import head_types
 
     heads = [PREVIOUS, INDUCTION, DUPLICATE, SINK, UNIFORM]
     layer = torch.tensor(np.stack(heads)[None], dtype=torch.float32)  # (1, 5, 6, 6)

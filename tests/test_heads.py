@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from lm_eval_headloc.heads import (
+from lm_eval_headloc.intervention.components import (
     Head,
     HeadSpecError,
     Neuron,

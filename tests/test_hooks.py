@@ -8,9 +8,9 @@ from conftest import ARCHITECTURES, GQA_FAMILIES, HEADS, HIDDEN, KV_HEADS, LAYER
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.heads import HeadSpecError
-from lm_eval_headloc.hooks import AttentionOutputNotFound, HeadKnockout
-from lm_eval_headloc.model import HFHeadAblateLM
+from lm_eval_headloc.intervention.components import HeadSpecError
+from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound, HeadKnockout
+from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])
 

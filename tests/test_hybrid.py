@@ -19,10 +19,10 @@ import transformers
 from conftest import HEADS, HYBRID_HEAD_LAYERS, TASKS, hybrid_config, load_lm
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.commands.cli import main
-from lm_eval_headloc.geometry import Geometry
-from lm_eval_headloc.heads import HeadSpecError
-from lm_eval_headloc.hooks import AttentionOutputNotFound, HeadKnockout
+from lm_eval_headloc.cli.main import main
+from lm_eval_headloc.intervention.components import HeadSpecError
+from lm_eval_headloc.intervention.geometry import Geometry
+from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound, HeadKnockout
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8]])
 HEAD_DIM = 8  # hybrid_config's head_dim
@@ -154,14 +154,14 @@ def test_one_mask_per_row_knocks_out_each_rows_heads(model):
 
 
 def knockout_components(knockout, names):
-    from lm_eval_headloc.heads import parse_components
+    from lm_eval_headloc.intervention.components import parse_components
 
     return parse_components(names, knockout.num_layers, knockout.heads_per_layer,
                             head_layers=knockout.geometry.head_layers)
 
 
 def _intervention(rows):
-    from lm_eval_headloc.hooks import Intervention
+    from lm_eval_headloc.intervention.hooks import Intervention
 
     return Intervention(row_masks=rows)
 
@@ -375,10 +375,10 @@ def test_a_head_in_a_linear_layer_is_refused_before_the_weights_load(
 
 def test_the_attribution_prior_of_a_hybrid_is_each_heads_derivative_in_its_layer(
         tiny_hybrid_dir, task_manager):
-    from lm_eval_headloc.measure import HarnessMeasurement
-    from lm_eval_headloc.multimask import loglikelihoods_for_masks
-    from lm_eval_headloc.prior import attribution_effects
-    from lm_eval_headloc.signals import signal_weights
+    from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
+    from lm_eval_headloc.measurement.attribution import attribution_effects
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+    from lm_eval_headloc.measurement.signals import signal_weights
 
     lm = load_lm(tiny_hybrid_dir, dtype="float64", softmax_dtype="float64")
     task = "tiny_copy"
@@ -478,7 +478,7 @@ def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
 
 def test_a_hybrid_runs_rankings_read_back_to_the_files_they_were_written_as(hybrid_run):
     from lm_eval_headloc.commands import read_rankings
-    from lm_eval_headloc.commands.report import ranked_heads_json
+    from lm_eval_headloc.report.pages import ranked_heads_json
 
     ranking = read_rankings(hybrid_run)["tiny_copy"]
     written = json.loads((hybrid_run / "heads-tiny_copy.json").read_text())

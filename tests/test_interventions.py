@@ -12,7 +12,7 @@ from conftest import load_lm
 from test_model import _per_sample_loglikelihoods, _simple_evaluate
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.multimask import loglikelihoods_for_masks
+from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
 
 HEAD_DIM = 8  # the tiny models: hidden 32, 4 heads
 

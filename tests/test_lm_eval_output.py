@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import load_lm
 
-from lm_eval_headloc.lm_eval_output import (
+from lm_eval_headloc.measurement.lm_eval_output import (
     HASH_DIGITS,
     MAX_LISTED,
     evaluate_knockout,
@@ -216,7 +216,7 @@ def test_saved_score_equals_an_independent_evaluation(knockout, model_dir, task_
                                                       tmp_path):
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     path = save_lm_eval_results(knockout, tmp_path / "out")
     separate = HFHeadAblateLM(pretrained=str(model_dir), ablate=SORTED, dtype="float32",
@@ -231,7 +231,7 @@ def test_saved_score_equals_an_independent_evaluation(knockout, model_dir, task_
 def test_scale_is_named_and_applied(lm, model_dir, task_manager, tmp_path):
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
                                 scale=2, model_args=_model_args(model_dir), limit=4,
@@ -343,7 +343,7 @@ def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp
         sanitize_model_name,
     )
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     def harness(*args: str) -> int:
         try:
@@ -394,8 +394,8 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
     (resolved once from the requests), never probing max_length-wide rows per call."""
     from conftest import finished_run
 
-    from lm_eval_headloc.commands.cli import main
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.cli.main import main
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     probes = []
     detect = HFHeadAblateLM._detect_batch_size
@@ -435,7 +435,7 @@ def test_a_rerun_with_another_output_path_or_log_samples_writes_them(tiny_model_
     config.json named the new folder."""
     from conftest import finished_run
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy_ppl",
                        ("L1H2", "L0H0"))
@@ -468,7 +468,7 @@ def test_output_path_names_a_mean_knockout_as_one(tiny_model_dir, tmp_path):
     knockout's of the same heads."""
     from conftest import finished_run
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     model = tiny_model_dir("llama")
     run = finished_run(tmp_path / "run", model, "tiny_copy_ppl", ("L1H2", "L0H0"))
@@ -514,7 +514,7 @@ def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_p
     from conftest import finished_run, with_chat_template
     from transformers import AutoTokenizer
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     model = with_chat_template(tiny_model_dir("llama"), tmp_path / "chat-model")
     run = finished_run(tmp_path / "run", model, "tiny_generate", ("L1H2", "L0H0"))
@@ -563,7 +563,7 @@ def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_p
 def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path):
     from conftest import finished_run
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     model = tiny_model_dir("llama")
     run = finished_run(tmp_path / "run", model, "tiny_copy_ppl", ("L1H2", "L0H0"), seed=3)
@@ -588,7 +588,7 @@ def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path)
 def test_bad_output_paths_are_refused_before_loading(tmp_path, capsys, options, message):
     from conftest import finished_run
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     not_ours = tmp_path / "notes.txt"
     not_ours.write_text("someone's notes\n")

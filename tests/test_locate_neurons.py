@@ -18,9 +18,9 @@ from test_commands import (
 )
 from test_commands import measurement_lines as read_run_lines
 
-from lm_eval_headloc.columns import Columns, neuron_candidates
-from lm_eval_headloc.commands.result import column_prior
-from lm_eval_headloc.heads import Head, Neuron, parse_components
+from lm_eval_headloc.intervention.components import Head, Neuron, parse_components
+from lm_eval_headloc.method.columns import Columns, neuron_candidates
+from lm_eval_headloc.runs.record import column_prior
 
 # --- columns and candidates, by hand ----------------------------------------------------
 
@@ -110,7 +110,7 @@ def test_a_neuron_run_searches_the_priors_candidates(neuron_run):
 
 
 def test_a_neuron_runs_top_k_is_an_ablate_file(neuron_run, tiny_model_dir):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     out, _ = neuron_run
     heads = strict_json(out / "heads.json")
@@ -200,7 +200,7 @@ def test_embedded_neuron_run_keeps_the_default_budget(smollm2, tmp_path):
     """The embedded model's 46,080 neurons, default settings on a few examples: the prior
     names 270 candidates (as many as the heads), then 12 masks and 34 alone — the default
     budget's split, as for heads."""
-    from lm_eval_headloc.confirm import DEFAULT_ALONE, DEFAULT_MASKS
+    from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS
 
     out = tmp_path / "run"
     assert harness("locate", "--components", "neurons", "--num-samples", "16",
@@ -237,7 +237,7 @@ def test_a_sweep_of_neurons_checks_each_cells_top_k(tiny_model_dir, tmp_path):
 # --- neuron groups (--neuron-groups) ------------------------------------------------------
 
 def test_neuron_groups_cut_the_rest_of_each_layer_in_index_order():
-    from lm_eval_headloc.columns import NeuronGroup, neuron_groups
+    from lm_eval_headloc.method.columns import NeuronGroup, neuron_groups
 
     # 2 layers x 6 neurons, candidates L0N1 and L1N5, 2 groups a layer: by hand,
     # layer 0 leaves 0 2 3 4 5 -> (0 2 3) (4 5); layer 1 leaves 0..4 -> (0 1 2) (3 4).
@@ -270,7 +270,7 @@ def test_a_group_has_no_prior_of_its_own():
     priors = {"t": {"neurons": np.array([[10.0, 11, 12, 13, 14, -15]])}}
     values = column_prior(priors, columns, 2, 3)["t"]
     assert values[0, 0] == -15 and np.isinf(values[0, 1:]).all() and (values[0, 1:] > 0).all()
-    from lm_eval_headloc.confirm import PRIOR_EASE, prior_rankings, prior_weights
+    from lm_eval_headloc.method.confirm import PRIOR_EASE, prior_rankings, prior_weights
 
     assert prior_rankings(values)[0][0] == 0  # the candidate first, the groups after it
     # The candidate's penalty eased as the largest harm's; the groups' left as it is.
@@ -345,7 +345,7 @@ def test_never_ablated_neurons_are_no_candidates(group_run):
 
 
 def test_a_groups_entry_is_one_entry_of_an_ablate_file(group_run, tiny_model_dir, tmp_path):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     out, _ = group_run
     heads = strict_json(out / "heads.json")
@@ -400,7 +400,7 @@ def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("which", ["neuron_run", "group_run"])
 def test_a_neuron_runs_rankings_read_back_to_the_files_they_were_written_as(which, request):
     from lm_eval_headloc.commands import read_rankings
-    from lm_eval_headloc.commands.report import ranked_heads_json
+    from lm_eval_headloc.report.pages import ranked_heads_json
 
     out, _ = request.getfixturevalue(which)
     rankings = read_rankings(out)

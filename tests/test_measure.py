@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import load_lm
 
-from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.measure import HarnessMeasurement
-from lm_eval_headloc.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
+from lm_eval_headloc.intervention.components import parse_heads
+from lm_eval_headloc.intervention.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
+from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
 BOTH = ["tiny_copy_ppl", "tiny_choice"]
 DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them
@@ -209,7 +209,7 @@ def test_each_prompt_template_is_compiled_once_across_measurements(task_manager,
     from jinja2 import Environment
     from lm_eval import utils
 
-    from lm_eval_headloc import measure as measure_module
+    from lm_eval_headloc.measurement import measure as measure_module
 
     measure_module._compiled.cache_clear()
     compiled: list[str] = []

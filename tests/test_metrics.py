@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.metrics import (
+from lm_eval_headloc.measurement.metrics import (
     TASK_METRICS,
     MetricError,
     metrics_of_task,

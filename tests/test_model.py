@@ -65,7 +65,7 @@ def test_task_managers_index_our_folder_after_the_built_ins_and_before_the_users
         monkeypatch, tmp_path):
     from lm_eval.tasks import TaskManager, manager
 
-    from lm_eval_headloc.registration import register_tasks
+    from lm_eval_headloc.intervention.registration import register_tasks
     from lm_eval_headloc.tasks import task_configs_dir
 
     register_tasks()
@@ -115,13 +115,13 @@ def test_stock_registry_finds_the_model_lazily_and_keeps_hf():
         "print(get_model('hf').__name__)\n"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["lm_eval_headloc.model:HFHeadAblateLM", "HFLM"]
+    assert result.stdout.split() == ["lm_eval_headloc.intervention.model:HFHeadAblateLM", "HFLM"]
     result = run_python(
         "import sys\nimport lm_eval.models\n"
         "from lm_eval.api.registry import model_registry\n"
         "print(model_registry._objs['hf-headablate'], 'torch' in sys.modules)"
     )
-    assert result.stdout.split() == ["lm_eval_headloc.model:HFHeadAblateLM", "False"]
+    assert result.stdout.split() == ["lm_eval_headloc.intervention.model:HFHeadAblateLM", "False"]
 
 
 # Without the start-up hook: its watcher taken out (and, for a source checkout used
@@ -150,14 +150,14 @@ def test_import_registers_without_the_startup_hook_and_entry_point_is_declared(w
     from importlib.metadata import entry_points
 
     (entry,) = entry_points(group="lm_eval.models", name="hf-headablate")
-    assert entry.value == "lm_eval_headloc.model:HFHeadAblateLM"
+    assert entry.value == "lm_eval_headloc.intervention.model:HFHeadAblateLM"
 
 
 def test_lm_eval_free_modules_do_not_import_lm_eval():
     result = run_python(
         "import sys\n"
-        "import lm_eval_headloc, lm_eval_headloc.heads, lm_eval_headloc.checks\n"
-        "import lm_eval_headloc.designs, lm_eval_headloc.recovery\n"
+        "import lm_eval_headloc, lm_eval_headloc.intervention.components, lm_eval_headloc.common.checks\n"
+        "import lm_eval_headloc.method.designs, lm_eval_headloc.method.recovery\n"
         "print(sorted(m for m in ('lm_eval', 'torch') if m in sys.modules))\n"
     )
     assert result.returncode == 0, result.stderr
@@ -187,7 +187,7 @@ def test_excepthook_is_left_alone_outside_the_lm_eval_command():
     result = run_python(
         "import sys\n"
         "before = sys.excepthook\n"
-        "import lm_eval.models, lm_eval_headloc, lm_eval_headloc.model\n"
+        "import lm_eval.models, lm_eval_headloc, lm_eval_headloc.intervention.model\n"
         "print(sys.excepthook is before)\n"
     )
     assert result.returncode == 0, result.stderr
@@ -203,7 +203,7 @@ def test_lm_eval_command_hook_handles_only_head_errors():
         "sys.excepthook = lambda kind, value, tb: seen.append(kind.__name__)\n"
         "sys.argv[0] = '/somewhere/bin/lm_eval'\n"
         "import lm_eval.models\n"
-        "from lm_eval_headloc.heads import HeadSpecError\n"
+        "from lm_eval_headloc.intervention.components import HeadSpecError\n"
         "for err in (HeadSpecError('bad head name X1'), KeyError('k'), SystemError('s')):\n"
         "    sys.excepthook(type(err), err, None)\n"
         "print(seen)\n"
@@ -244,8 +244,8 @@ def no_weight_loading(monkeypatch):
 ])
 def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path, monkeypatch,
                                                      kwargs, message):
-    from lm_eval_headloc.heads import HeadSpecError
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.components import HeadSpecError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.txt").write_text("L0H1\nL1H2\n")
@@ -257,7 +257,7 @@ def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path
 
 def test_head_ranges_are_checked_after_the_weights_load(no_weight_loading):
     # L99H0 is well-formed: only the loaded model can say it is out of range.
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     with pytest.raises(AssertionError, match="weights are loading"):
         HFHeadAblateLM(pretrained="never-loaded", ablate="L99H0+L3H*")
@@ -393,8 +393,8 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
     its --model_args; the start-up hook's excepthook prints a UserError in one line)."""
     import re
 
-    from lm_eval_headloc import registration
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention import registration
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     registration._install_cli_excepthook()
@@ -411,7 +411,7 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
 
 
 def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     folder = tiny_model_dir("gpt2")
     args = f"pretrained={folder},device=cpu,dtype=float32"
@@ -425,7 +425,7 @@ def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):
 
 
 def test_response_cache_never_crosses_masks(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     folder = tiny_model_dir("llama")
     cache = str(tmp_path / "cache" / "responses")
@@ -460,7 +460,7 @@ def test_response_cache_never_crosses_masks(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_embedded_smollm2_gguf(smollm2):
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     folder, gguf = smollm2
     lm = HFHeadAblateLM(pretrained=folder, gguf_file=gguf, device="cpu", dtype="float32")

@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, load_lm
 
-import lm_eval_headloc.multigen as multigen
-from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.measure import HarnessMeasurement
-from lm_eval_headloc.sizing import GENERATION_MEMORY_SHARE, generation_masks_for_memory
+import lm_eval_headloc.intervention.multigen as multigen
+from lm_eval_headloc.intervention.components import parse_heads
+from lm_eval_headloc.measurement.measure import HarnessMeasurement
+from lm_eval_headloc.measurement.sizing import GENERATION_MEMORY_SHARE, generation_masks_for_memory
 
 TASK = "tiny_generate_stops"  # stops ["J", "V", "ry"]: rows end after different steps
 MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
@@ -314,9 +314,9 @@ def test_a_generate_call_that_runs_out_of_gpu_memory_is_retried_at_half_the_mask
 
 @pytest.mark.slow
 def test_the_embedded_model_rhymes_alike_four_masks_per_generate(smollm2, monkeypatch):
-    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
-    from lm_eval_headloc.commands.spec import RunSpec
-    from lm_eval_headloc.embedded import smollm2_model_args
+    from lm_eval_headloc.intervention.embedded import smollm2_model_args
+    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.spec import RunSpec
 
     setup = prepare(RunSpec(tasks=("rhyme",), model_args=smollm2_model_args()))
     measure = open_measurement(setup, load_model(setup), num_samples=16)
@@ -352,8 +352,8 @@ def test_only_tokens_that_can_end_a_stop_string_are_looked_at(tiny_model_dir):
 
 def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, task_manager,
                                                               monkeypatch):
-    from lm_eval_headloc.commands.engine import generation_batch
-    from lm_eval_headloc.commands.spec import RunSpec
+    from lm_eval_headloc.runs.setup import generation_batch
+    from lm_eval_headloc.runs.spec import RunSpec
 
     lm = load_lm(tiny_model_dir("llama"))  # batch size 4
     measure = open_measurement(task_manager, lm)

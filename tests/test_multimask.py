@@ -7,19 +7,19 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, TASKS, load_lm
 
-from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.multimask import (
+from lm_eval_headloc.intervention.components import parse_heads
+from lm_eval_headloc.intervention.multimask import (
     RecordingLM,
     logits_only_at,
     loglikelihoods_for_masks,
 )
-from lm_eval_headloc.sizing import masks_per_pass_for_memory
+from lm_eval_headloc.measurement.sizing import masks_per_pass_for_memory
 
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
 
 
 def open_measurement(manager, lm, tasks, num_samples=10):
-    from lm_eval_headloc.measure import HarnessMeasurement
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
     return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
                               loaded_tasks={name: manager.load([name]) for name in tasks},
@@ -107,7 +107,7 @@ def test_scores_equal_the_model_answering_lm_eval_itself(measurement, per_pass):
 def test_locate_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_path):
     import json
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     args = ["locate", "--model-args", f"pretrained={tiny_model_dir('llama')},dtype=float32",
             "--include-path", TASKS, "--tasks", "tiny_copy_ppl", "--masks", "9",
@@ -125,7 +125,7 @@ def test_locate_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_pat
 def test_greedy_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_path):
     import json
 
-    from lm_eval_headloc.commands.cli import main
+    from lm_eval_headloc.cli.main import main
 
     args = ["greedy", "--model-args", f"pretrained={tiny_model_dir('gpt2')},dtype=float32",
             "--include-path", TASKS, "--tasks", "tiny_copy", "--num-samples", "6",
@@ -141,7 +141,7 @@ def test_greedy_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_pat
 
 
 def test_each_task_subset_ignores_the_other_tasks():
-    from lm_eval_headloc.measure import choose_subset
+    from lm_eval_headloc.measurement.measure import choose_subset
 
     alone = choose_subset({"b": 50}, 10, 0)["b"]
     assert choose_subset({"a": 50, "b": 50}, 10, 0)["b"] == alone
@@ -261,7 +261,7 @@ def test_masks_per_pass_grow_with_free_memory_and_shrink_with_the_batch_and_mode
 
 
 def test_seq2seq_models_answer_through_hflm(measurement, monkeypatch):
-    import lm_eval_headloc.multimask as multimask
+    import lm_eval_headloc.intervention.multimask as multimask
 
     def refuse(*args, **kwargs):
         raise AssertionError("multimask builds decoder-only inputs")
@@ -293,7 +293,7 @@ def test_requests_are_tokenized_once_per_measurement_run(measurement, monkeypatc
 
 
 def test_masks_per_pass_must_be_a_positive_whole_number(measurement):
-    from lm_eval_headloc.checks import UsageError
+    from lm_eval_headloc.common.checks import UsageError
 
     for bad in (0, -1, 1.5, True):
         with pytest.raises(UsageError, match="masks_per_pass"):
@@ -304,7 +304,7 @@ def test_requests_are_encoded_by_lm_eval_and_inputs_checked_against_hflm(tiny_mo
                                                                          monkeypatch):
     from lm_eval.api.instance import Instance
 
-    from lm_eval_headloc import multimask
+    from lm_eval_headloc.intervention import multimask
 
     lm = load_lm(tiny_model_dir("llama"), max_length=16)  # short: truncation is exercised
     keys = [("", "the cat"), ("The cat sat on the mat and the dog came in and", " slept")]
@@ -330,7 +330,7 @@ def test_requests_are_encoded_by_lm_eval_and_inputs_checked_against_hflm(tiny_mo
 
 
 def test_example_parts_are_disjoint_and_cover_the_documents():
-    from lm_eval_headloc.measure import choose_subset
+    from lm_eval_headloc.measurement.measure import choose_subset
 
     first = choose_subset({"a": 51}, None, 4, (1, 2))["a"]
     second = choose_subset({"a": 51}, None, 4, (2, 2))["a"]
@@ -351,7 +351,7 @@ def test_a_single_request_passes_the_input_check_and_is_answered_as_hflm_does(
     expect two and refuse every such measurement."""
     from lm_eval.api.instance import Instance
 
-    from lm_eval_headloc import multimask
+    from lm_eval_headloc.intervention import multimask
 
     lm = load_lm(tiny_model_dir("llama"))
     key = ("The cat sat on the mat and the dog", continuation)
@@ -366,7 +366,7 @@ def test_a_single_request_passes_the_input_check_and_is_answered_as_hflm_does(
 def test_requests_with_the_same_model_input_share_one_row(measurement):
     """An MMLU-style question's one-token choices all feed the model the question alone:
     one row answers them all (HFLM groups them too), and the answers stay HFLM's."""
-    from lm_eval_headloc.multimask import LoglikelihoodRequests
+    from lm_eval_headloc.intervention.multimask import LoglikelihoodRequests
 
     lm = measurement.lm
     questions = ["The capital of France is", "Two plus two makes"]
@@ -391,7 +391,7 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
         measurement, monkeypatch, caplog):
     """The automatic masks per pass is an estimate from free memory; a pass that does not
     fit halves K for the rest of the run instead of ending it, with the same scores."""
-    from lm_eval_headloc import multimask
+    from lm_eval_headloc.intervention import multimask
 
     masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
     # The passes the retry makes, run directly: float32 sums of other batch shapes (one mask
@@ -409,7 +409,7 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
         return real(lm, requests, group, batch_size)
 
     monkeypatch.setattr(multimask, "loglikelihoods_for_masks", three_fit)
-    with caplog.at_level("WARNING", logger="lm_eval_headloc.measure"):
+    with caplog.at_level("WARNING", logger="lm_eval_headloc.measurement.measure"):
         got = measurement.measure_many(masks, masks_per_pass=6)
     assert tried == [6, 3, 3]  # 6 failed; the six masks in passes of three
     assert measurement.most_masks_per_pass == 3
@@ -432,7 +432,7 @@ def test_a_pass_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
 def test_a_subset_of_one_question_with_letter_choices_passes_the_input_check(measurement):
     """Its narrowest and widest requests are two letters of one question: HFLM sends
     one row for them, which the check must expect (it refused the subset)."""
-    from lm_eval_headloc.multimask import LoglikelihoodRequests
+    from lm_eval_headloc.intervention.multimask import LoglikelihoodRequests
 
     lm = measurement.lm
     requests = [("Two plus two makes", letter) for letter in "ABCD"]
@@ -442,7 +442,7 @@ def test_a_subset_of_one_question_with_letter_choices_passes_the_input_check(mea
 
 
 def test_a_continuation_hflm_would_not_score_is_refused(measurement):
-    from lm_eval_headloc.multimask import LoglikelihoodRequests
+    from lm_eval_headloc.intervention.multimask import LoglikelihoodRequests
 
     lm = measurement.lm
     too_long = " word" * (int(lm.max_length) + 1)

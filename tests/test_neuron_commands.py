@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import HEADS, LAYERS, MLP_WIDTH, TASKS, finished_run
 
-from lm_eval_headloc.commands.cli import main
+from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands.verify import random_like, random_sets
-from lm_eval_headloc.geometry import Geometry
-from lm_eval_headloc.heads import Head, Neuron, parse_components
+from lm_eval_headloc.intervention.components import Head, Neuron, parse_components
+from lm_eval_headloc.intervention.geometry import Geometry
 
 GEOMETRY = Geometry(LAYERS, HEADS, 8, MLP_WIDTH)
 NEURONS = ("L1N5", "L0N3", "L1N40", "L0N63")  # a neuron run's ranking, best first
@@ -44,7 +44,7 @@ def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL,
     """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import make_task_manager
 
     lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
@@ -218,7 +218,7 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
     # A config that does not give the MLP's width, and a run that did not record it
     # (test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width: one that
     # did): no random neurons before loading.
-    from lm_eval_headloc.commands import engine
+    from lm_eval_headloc.runs import setup as engine
 
     unknown = Geometry(LAYERS, HEADS, 8, None)
     monkeypatch.setattr(engine, "config_geometry", lambda config: unknown)

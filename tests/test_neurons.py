@@ -12,7 +12,7 @@ import torch
 from conftest import ARCHITECTURES, LAYERS
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.heads import (
+from lm_eval_headloc.intervention.components import (
     Head,
     HeadSpecError,
     Neuron,
@@ -20,8 +20,8 @@ from lm_eval_headloc.heads import (
     parse_components,
     parse_heads,
 )
-from lm_eval_headloc.hooks import HeadKnockout, MLPOutputNotFound
-from lm_eval_headloc.model import HFHeadAblateLM
+from lm_eval_headloc.intervention.hooks import HeadKnockout, MLPOutputNotFound
+from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])
 
@@ -167,7 +167,7 @@ def test_neuron_mean_ablation_writes_its_mean(tiny_model_dir, family, tmp_path):
 
 
 def test_neuron_resample_takes_the_donors_feature(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.ablation import pick_donor
+    from lm_eval_headloc.intervention.ablation import pick_donor
 
     family, folder = "llama", tiny_model_dir("llama")
     reference = tmp_path / "reference.txt"

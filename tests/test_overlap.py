@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import TASKS
 
+from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands import RunSpec
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
 
 
@@ -284,8 +284,8 @@ def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
 
 
 def test_verify_and_cross_notes_carry_what_the_ranking_says_of_its_top_k(tmp_path):
-    from lm_eval_headloc.commands.runfolder import RunFolder
     from lm_eval_headloc.commands.verify import ranking_notes
+    from lm_eval_headloc.runs.folder import RunFolder
 
     run = write_run(tmp_path / "a", {"t": ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"],
                                      "u": ["L0H0", "L0H1", "L0H2"]},

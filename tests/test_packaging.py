@@ -80,7 +80,7 @@ def test_every_subcommand_is_a_function_of_the_python_api():
     import argparse
 
     import lm_eval_headloc.commands as api
-    from lm_eval_headloc.commands.cli import build_parser
+    from lm_eval_headloc.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions
                if isinstance(a, argparse._SubParsersAction))

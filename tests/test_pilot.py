@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lm_eval_headloc.pilot import (
+from lm_eval_headloc.method.pilot import (
     FLOOR_KEY,
     PILOT_MASKS,
     PILOT_SPARSITIES,

@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import load_lm
 
-from lm_eval_headloc.heads import Head
-from lm_eval_headloc.measure import HarnessMeasurement
-from lm_eval_headloc.multimask import loglikelihoods_for_masks
-from lm_eval_headloc.prior import attribution_effects, path_point
-from lm_eval_headloc.signals import signal_weights
+from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
+from lm_eval_headloc.measurement.attribution import attribution_effects, path_point
+from lm_eval_headloc.measurement.measure import HarnessMeasurement
+from lm_eval_headloc.measurement.signals import signal_weights
 
 
 def scaled_head(lm, head: Head, factor: float):
@@ -169,7 +169,7 @@ def test_the_prior_halves_its_backward_batch_on_running_out_of_gpu_memory(
     """A backward pass keeps every layer's activations: at 8B the measurements' batch can
     exceed the GPU's memory. The prior retries at half the rows (kept for later passes)
     and gives the estimates it would have given at any batch size."""
-    from lm_eval_headloc import prior
+    from lm_eval_headloc.measurement import attribution as prior
 
     lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64",
                  batch_size=8)
@@ -188,7 +188,7 @@ def test_the_prior_halves_its_backward_batch_on_running_out_of_gpu_memory(
         return real(lm_, requests, batch, *args, **kwargs)
 
     monkeypatch.setattr(prior, "_scored_logprobs", short_of_memory)
-    with caplog.at_level("WARNING", logger="lm_eval_headloc.prior"):
+    with caplog.at_level("WARNING", logger="lm_eval_headloc.measurement.attribution"):
         got = prior.measured_attribution(measure, points=(0.0, 0.5))[task]
     assert max(tried) == 8 and sorted(set(tried))[-2] <= 4  # 8 failed, then fewer rows
     assert tried.count(8) == 1  # halved once, kept for the second point

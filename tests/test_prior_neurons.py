@@ -15,10 +15,9 @@ import pytest
 import torch
 from conftest import load_lm
 
-from lm_eval_headloc.heads import Neuron
-from lm_eval_headloc.measure import HarnessMeasurement, at_scale
-from lm_eval_headloc.multimask import loglikelihoods_for_masks
-from lm_eval_headloc.prior import (
+from lm_eval_headloc.intervention.components import Neuron
+from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
+from lm_eval_headloc.measurement.attribution import (
     IG_STEPS,
     PRIOR_POINTS,
     _answers_at,
@@ -27,6 +26,7 @@ from lm_eval_headloc.prior import (
     measured_attribution,
     path_point,
 )
+from lm_eval_headloc.measurement.measure import HarnessMeasurement, at_scale
 
 TASK = "tiny_choice"
 TEXTS = ["the cat sat on the mat when the dog sat", "Mary and John went to the store"]
@@ -264,8 +264,8 @@ def test_heads_are_the_default_kind_and_a_bad_kind_is_refused(tiny_model_dir, ta
 
 
 def test_ig_allowance_follows_its_steps():
-    from lm_eval_headloc.confirm import PRIOR_ALLOWANCE
-    from lm_eval_headloc.prior import IG_STEPS, PRIOR_POINTS
+    from lm_eval_headloc.measurement.attribution import IG_STEPS, PRIOR_POINTS
+    from lm_eval_headloc.method.confirm import PRIOR_ALLOWANCE
 
     assert PRIOR_ALLOWANCE["ig"] == PRIOR_ALLOWANCE["atp"] * IG_STEPS
     assert len(PRIOR_POINTS["ig"][0]) == IG_STEPS

@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import TASKS, load_lm
 
-from lm_eval_headloc.ablation import AblationError
-from lm_eval_headloc.checks import UsageError
 from lm_eval_headloc.commands import RunSpec, cross, greedy, locate, sweep, types, universal
-from lm_eval_headloc.commands.runfolder import RunFolderError
 from lm_eval_headloc.commands.verify import verify
-from lm_eval_headloc.hooks import HeadKnockout, Intervention
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.intervention.ablation import AblationError
+from lm_eval_headloc.intervention.hooks import HeadKnockout, Intervention
+from lm_eval_headloc.runs.folder import RunFolderError
 
 
 @pytest.mark.parametrize("command, call, ignored", [
@@ -104,7 +104,7 @@ def test_a_refused_ablation_switch_leaves_the_model_as_it_was(tiny_model_dir, tm
 
 def test_a_failed_means_pass_puts_the_old_ablation_back(tiny_model_dir, tmp_path,
                                                         monkeypatch):
-    from lm_eval_headloc import model as model_module
+    from lm_eval_headloc.intervention import model as model_module
 
     lm = load_lm(tiny_model_dir("llama"), ablate="L0H1")
     zero = _logits(lm)
@@ -139,9 +139,9 @@ def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
 def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     import numpy as np
 
-    from lm_eval_headloc.columns import Columns
-    from lm_eval_headloc.commands.report import HeadRanking
     from lm_eval_headloc.commands.types import read_types
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.report.pages import HeadRanking
 
     ranking = HeadRanking("t", "acc", True, 0.5, np.array([-0.3, 0.0, -0.1, 0.2]),
                           [0, 2, 1, 3], 2)
@@ -160,7 +160,7 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
 
 
 def test_components_to_keep_out_may_be_a_list():
-    from lm_eval_headloc.heads import Head
+    from lm_eval_headloc.intervention.components import Head
 
     spec = RunSpec(exclude=["L0H1", Head(1, 2)], never_ablate=("L3N5",))
     assert (spec.exclude, spec.never_ablate) == ("L0H1+L1H2", "L3N5")
@@ -171,8 +171,8 @@ def test_components_to_keep_out_may_be_a_list():
 def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
     from torch import nn
 
-    from lm_eval_headloc.heads import HeadSpecError, parse_heads, read_heads_file
-    from lm_eval_headloc.hooks import AttentionOutputNotFound
+    from lm_eval_headloc.intervention.components import HeadSpecError, parse_heads, read_heads_file
+    from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound
 
     for spec in (None, 5):
         with pytest.raises(HeadSpecError, match=f"components {spec!r}: give names"):

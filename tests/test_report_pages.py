@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import SCRIPTS, script_module
 
-from lm_eval_headloc.files import page_refusal, write_page
+from lm_eval_headloc.common.files import page_refusal, write_page
 
 ROOT = SCRIPTS.parent
 sys.path.insert(0, str(SCRIPTS))  # bench_measure/bench_workers import bench_sections

@@ -17,11 +17,11 @@ from test_export import ranking
 from test_run_result import harness
 
 from lm_eval_headloc.commands import RunFolder
-from lm_eval_headloc.commands.engine import model_fingerprint, resolve_model_args
-from lm_eval_headloc.commands.result import load_run
-from lm_eval_headloc.commands.runfolder import CONFIG_SCHEMA
-from lm_eval_headloc.commands.spec import RunSpec, same_model
-from lm_eval_headloc.embedded import EMBEDDED, recorded_model_args
+from lm_eval_headloc.intervention.embedded import EMBEDDED, recorded_model_args
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
+from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.setup import model_fingerprint, resolve_model_args
+from lm_eval_headloc.runs.spec import RunSpec, same_model
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where another machine kept the embedded model, as folders made before its name were
@@ -103,7 +103,7 @@ def test_a_moved_folder_refits_and_exports_without_its_model(made_and_moved, tmp
                                                              no_model_loading, monkeypatch):
     _, model, run = made_and_moved
     shutil.rmtree(model)  # not even the config is there: nothing of the model is read
-    from lm_eval_headloc.commands import engine
+    from lm_eval_headloc.runs import setup as engine
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model's config was read")

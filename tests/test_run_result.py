@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import TASKS, script_module
 
+from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands import RunFolder, RunFolderError
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.locate import auto_rounds, refit
-from lm_eval_headloc.commands.result import LocateRun, load_run
-from lm_eval_headloc.commands.runfolder import CONFIG_SCHEMA
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
+from lm_eval_headloc.runs.record import LocateRun, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY = ROOT / "benchmarks" / "recovery-runs"

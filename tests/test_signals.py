@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import TASKS, load_lm
 
-from lm_eval_headloc.heads import parse_heads
-from lm_eval_headloc.measure import HarnessMeasurement
+from lm_eval_headloc.intervention.components import parse_heads
+from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
 
 def _docs(task: str) -> list[dict]:
@@ -104,7 +104,7 @@ def test_a_generation_task_measured_by_its_metric_has_no_free_logprob(task_manag
 
 
 def test_signal_weights_are_the_signals_derivative():
-    from lm_eval_headloc.signals import GoldAnswer, gold_logprob, signal_weights
+    from lm_eval_headloc.measurement.signals import GoldAnswer, gold_logprob, signal_weights
 
     golds = [GoldAnswer("a", 0, (("c", " x"), ("c", " y"), ("c", " z")), (1,), True),
              GoldAnswer("a", 1, (("d", " x"), ("d", " y")), (0, 1), True),

@@ -30,7 +30,7 @@ from lm_eval_headloc.bench.simulation import (
     seed_trial,
     simulate_scores,
 )
-from lm_eval_headloc.designs import design_matrix
+from lm_eval_headloc.method.designs import design_matrix
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_recovery.py"
 SMALL_GRID = [4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
@@ -147,7 +147,7 @@ def test_noiseless_big_effects_are_recovered_exactly_by_a_generous_budget_only()
 def test_another_estimator_plugs_in_through_rank():
     """``rank`` scores a new method on the same worlds; the Lasso's own ranking passed as
     ``rank`` gives the default's hits, a ranking that ignores the data finds ~nothing."""
-    from lm_eval_headloc.recovery import HeadLasso
+    from lm_eval_headloc.method.recovery import HeadLasso
 
     def lasso(design, scores):
         return HeadLasso(alpha=0.01).fit(design, scores).ranking()
@@ -296,7 +296,7 @@ def test_the_simulated_splits_and_prior_points():
     package's defaults: test_the_simulated_defaults_are_the_packages_defaults."""
     from lm_eval_headloc.bench.simulation import PRIOR_POINTS as SIMULATED_POINTS
     from lm_eval_headloc.bench.simulation import confirmed_split
-    from lm_eval_headloc.prior import PRIOR_POINTS
+    from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 
     assert SIMULATED_POINTS == {"defaults": len(PRIOR_POINTS["atp-path"]),
                                 "before": len(PRIOR_POINTS["atp"])}
@@ -333,8 +333,8 @@ def test_before_is_the_old_up_front_alternation(use_prior):
         measured_alone,
         simulated_prior,
     )
-    from lm_eval_headloc.confirm import screen
-    from lm_eval_headloc.prior import prior_penalty_weights
+    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
+    from lm_eval_headloc.method.confirm import screen
 
     for seed in range(4):
         trial = seed_trial(40, 0.1, seed, 12, world_options={"noise": "documents"})
@@ -523,7 +523,7 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     another method than the package runs."""
     from lm_eval_headloc.bench.simulation import METHOD_PRIOR, confirmed_split
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
+    from lm_eval_headloc.method.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
 
     assert RunSpec().prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
                                                           "before": "atp"}
@@ -590,8 +590,8 @@ def test_the_core_never_imports_the_bench_subpackage():
         ".".join(("lm_eval_headloc", *path.relative_to(package).with_suffix("").parts))
         .removesuffix(".__init__")
         for path in package.rglob("*.py") if "bench" not in path.relative_to(package).parts)
-    assert {"lm_eval_headloc", "lm_eval_headloc.model", "lm_eval_headloc.hooks",
-            "lm_eval_headloc.confirm", "lm_eval_headloc.commands.cli",
+    assert {"lm_eval_headloc", "lm_eval_headloc.intervention.model", "lm_eval_headloc.intervention.hooks",
+            "lm_eval_headloc.method.confirm", "lm_eval_headloc.cli.main",
             "lm_eval_headloc.commands.locate"} <= set(modules)
     done = _run_python(
         "import importlib, sys\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.embedded import smollm2_model_args
+from lm_eval_headloc.intervention.embedded import smollm2_model_args
 from lm_eval_headloc.tasks.profanity import count_profanity, find_profanity, normalise, wordlist
 from lm_eval_headloc.tasks.rhymes import (
     normalise_word,

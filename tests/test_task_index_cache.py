@@ -195,7 +195,7 @@ def test_without_a_home_folder_the_index_is_built_uncached(root, builds, monkeyp
 
 
 def test_a_relative_xdg_cache_home_is_ignored_as_the_spec_says(monkeypatch, tmp_path):
-    from lm_eval_headloc.files import cache_root
+    from lm_eval_headloc.common.files import cache_root
 
     monkeypatch.setattr(index_cache.Path, "home", staticmethod(lambda: tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")

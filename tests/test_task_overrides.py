@@ -14,7 +14,7 @@ from conftest import TASKS
 from test_commands import harness, last_error, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
-from lm_eval_headloc.commands.spec import parse_gen_kwargs
+from lm_eval_headloc.runs.spec import parse_gen_kwargs
 
 TASK_LIST = "tiny_copy,tiny_generate"  # a loglikelihood task and a generation task
 INSTRUCTION = "Copy the words."
@@ -36,7 +36,7 @@ def _instance_args(measure) -> dict[str, list[str]]:
 def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
     import lm_eval
 
-    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
     from lm_eval_headloc.tasks import make_task_manager
 
     model = tiny_model_dir("llama")
@@ -208,8 +208,8 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
     own evaluation of the same documents does."""
     import lm_eval
 
-    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
     from lm_eval_headloc.tasks import make_task_manager
 
     generated: list[list[str]] = []
@@ -258,7 +258,7 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
 ])
 def test_generation_values_generate_would_refuse_after_the_load_are_refused_now(value,
                                                                                 message):
-    from lm_eval_headloc.checks import UsageError
+    from lm_eval_headloc.common.checks import UsageError
 
     with pytest.raises(UsageError) as refused:
         RunSpec(gen_kwargs=value).validate()
@@ -268,7 +268,7 @@ def test_generation_values_generate_would_refuse_after_the_load_are_refused_now(
 
 
 def test_an_empty_system_instruction_is_refused():
-    from lm_eval_headloc.checks import UsageError
+    from lm_eval_headloc.common.checks import UsageError
 
     with pytest.raises(UsageError, match=r"^--system-instruction '': give the instruction"):
         RunSpec(system_instruction=" ").validate()

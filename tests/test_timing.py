@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import TASKS, harness
 
-from lm_eval_headloc import timing
+from lm_eval_headloc.common import timing
 
 
 class FakeTime:
@@ -77,7 +77,7 @@ def test_the_timings_line_puts_the_largest_phase_first_and_counts_sessions():
 
 
 def test_process_age_counts_from_the_start_of_the_process():
-    code = ("import time; time.sleep(1.0); from lm_eval_headloc.timing import process_age; "
+    code = ("import time; time.sleep(1.0); from lm_eval_headloc.common.timing import process_age; "
             "print(process_age())")
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                check=True).stdout)
@@ -126,7 +126,7 @@ def test_a_resumed_run_adds_a_session(tiny_model_dir, tmp_path):
 
 def test_the_console_script_counts_start_up_from_the_process_start(tiny_model_dir, tmp_path,
                                                                    monkeypatch):
-    from lm_eval_headloc import console
+    from lm_eval_headloc.cli import console
 
     monkeypatch.setattr(timing, "process_age", lambda: 50.0)  # as if started 50 s ago
     out = tmp_path / "types"

@@ -14,7 +14,7 @@ import torch
 from test_commands import harness, strict_json, tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lm_eval_headloc.head_types import (
+from lm_eval_headloc.method.head_types import (
     HEAD_TYPES,
     PROBE_ROWS,
     dominant_type,
@@ -82,8 +82,8 @@ def test_refit_keeps_the_types_and_a_rerun_computes_nothing(typed_run):
 
 
 def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
-    from lm_eval_headloc.commands.result import load_run
     from lm_eval_headloc.commands.types import read_types
+    from lm_eval_headloc.runs.record import load_run
 
     head_types = read_types(typed_run)
     heads = strict_json(typed_run / "heads.json")
@@ -100,7 +100,7 @@ def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
 
 def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
     from lm_eval_headloc.commands.types import read_types
-    from lm_eval_headloc.heads import HeadSpecError
+    from lm_eval_headloc.intervention.components import HeadSpecError
 
     head_types = read_types(typed_run)  # a 2-layer model of 4 heads each
     assert head_types.of(1, 3) == {t: float(head_types.scores[t][1, 3])
@@ -129,7 +129,7 @@ def test_the_types_command_writes_every_head(tiny_model_dir, tmp_path, capsys):
             assert float(row[name]) == pytest.approx(expected[name][layer, head], abs=1e-5)
     assert strict_json(out / "config.json")["command"] == "types"
     stored = (out / "types.json").read_text()
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded")

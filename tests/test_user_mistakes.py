@@ -14,10 +14,10 @@ from conftest import TASKS
 # tiny_locate_run: test_commands' finished run, a fixture (the tests' parameters name it).
 from test_commands import LASSO_ONLY, harness, last_error, tiny_locate_run  # noqa: F401
 
-from lm_eval_headloc.ablation import AblationError, cached_head_means, reference_texts
-from lm_eval_headloc.checks import UsageError, check_load_args
-from lm_eval_headloc.commands.spec import parse_batch_size
-from lm_eval_headloc.heads import HeadSpecError, read_heads_file
+from lm_eval_headloc.common.checks import UsageError, check_load_args
+from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts
+from lm_eval_headloc.intervention.components import HeadSpecError, read_heads_file
+from lm_eval_headloc.runs.spec import parse_batch_size
 
 NOT_UTF8 = b"\xff\xfe\x00L0H1"
 
@@ -73,7 +73,7 @@ def test_a_config_failure_without_a_message_is_still_one_line(monkeypatch):
     formatting (IndexError) where its first line was taken."""
     from transformers import AutoConfig
 
-    from lm_eval_headloc.commands import engine
+    from lm_eval_headloc.runs import setup as engine
 
     def fails(*args, **kwargs):
         raise OSError()
@@ -113,7 +113,7 @@ def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny
     # Through the harness and through lm_eval's model: one line, nothing loaded.
     assert _tiny_locate(model, tmp_path / "run", f"model_args+peft={tmp_path / 'nope'}") == 2
     assert f"peft={tmp_path / 'nope'}: no such folder" in last_error(capsys)
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     with pytest.raises(UsageError, match="no adapter_config.json"):
         HFHeadAblateLM(pretrained=str(model), peft=str(tmp_path / "adapter"))
@@ -152,7 +152,7 @@ def test_a_chat_template_the_tokenizer_lacks_is_refused_before_the_load(tiny_mod
 def test_model_args_win_over_what_lm_evals_command_line_passes_beside_them(tiny_model_dir):
     """lm_eval passes device (default cuda:0), batch_size and max_batch_size beside
     --model_args: device=cpu there was 'got multiple values for keyword argument'."""
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     lm = HFHeadAblateLM.create_from_arg_string(
         f"pretrained={tiny_model_dir('llama')},device=cpu,batch_size=2",
@@ -281,8 +281,8 @@ def test_a_run_that_ranks_nothing_is_named_by_its_kind(tiny_locate_run, tmp_path
     """A types (or sweep) run given to overlap or universal used to be told to finish."""
     from lm_eval_headloc.commands import RunFolder, RunSpec
     from lm_eval_headloc.commands.overlap import overlap
-    from lm_eval_headloc.commands.runfolder import RunFolderError
     from lm_eval_headloc.commands.universal import universal
+    from lm_eval_headloc.runs.folder import RunFolderError
 
     spec = RunSpec()
     for command, hint in (("types", ""), ("sweep", " (a sweep: give one of its cell folders")):
@@ -364,7 +364,7 @@ def test_a_worker_measures_as_one_process_whatever_the_drivers_ray_options():
     (checked there) must not reach the worker's own checks, which would refuse a
     timeout without an address in every worker."""
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.commands.workers import check_workers, worker_spec
+    from lm_eval_headloc.distributed.workers import check_workers, worker_spec
 
     driver = RunSpec(workers=4, ray_address="head:6379", ray_timeout=30.0,
                      gpus_per_worker=1.0)
@@ -382,8 +382,8 @@ def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
     a CPU driver's device=cpu kept GPU workers on their CPUs, and cuda:1 was refused in a
     one-GPU worker. A worker drops it and chooses as a run without one does."""
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.commands.engine import resolve_model_args
-    from lm_eval_headloc.commands.workers import worker_spec
+    from lm_eval_headloc.distributed.workers import worker_spec
+    from lm_eval_headloc.runs.setup import resolve_model_args
 
     driver = RunSpec(model_args=f"pretrained=/m,device={device},dtype=bfloat16", workers=2)
     worker = worker_spec(RunSpec(**driver.as_config()))

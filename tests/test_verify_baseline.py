@@ -13,10 +13,10 @@ from conftest import HEADS, LAYERS, TASKS, finished_run
 from test_commands import harness
 from test_commands import measurement_lines as lines
 
-from lm_eval_headloc.commands.report import relative_drop
 from lm_eval_headloc.commands.verify import random_like, random_sets
-from lm_eval_headloc.geometry import Geometry
-from lm_eval_headloc.heads import parse_heads
+from lm_eval_headloc.intervention.components import parse_heads
+from lm_eval_headloc.intervention.geometry import Geometry
+from lm_eval_headloc.report.pages import relative_drop
 
 GEOMETRY = Geometry(LAYERS, HEADS, None)
 LOCATED = ("L1H2", "L0H0", "L0H3", "L1H0")  # the fake run's ranking, best first
@@ -74,7 +74,7 @@ def _evaluate(model_dir: Path, heads: list[str], scale: float, task: str) -> flo
     """The task's score from a separate hf-headablate model (lm-eval's own evaluation)."""
     import lm_eval
 
-    from lm_eval_headloc.model import HFHeadAblateLM
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
     from lm_eval_headloc.tasks import make_task_manager
 
     lm = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",

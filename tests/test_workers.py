@@ -86,7 +86,7 @@ def test_a_neuron_run_on_two_workers_writes_what_one_process_writes(local_ray,
 def kill_workers_after(monkeypatch, ray, results: int, count: int) -> list:
     """Once a measuring call has had ``results`` chunks back, ``ray.kill`` ``count``
     workers (once per test); the killed actors are returned, as they die."""
-    from lm_eval_headloc.commands import workers
+    from lm_eval_headloc.distributed import workers
 
     original = workers.DistributedMeasurement.measure_chunks
     killed: list = []
@@ -133,8 +133,8 @@ def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
 def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_dir,
                                                           change, message):
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.commands.engine import load_model, open_measurement, prepare
-    from lm_eval_headloc.commands.workers import WorkerError, start_workers
+    from lm_eval_headloc.distributed.workers import WorkerError, start_workers
+    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
 
     args = dict(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
                 tasks=("tiny_copy_ppl",), include_path=(TASKS,),
@@ -212,6 +212,6 @@ def test_more_workers_than_the_cluster_can_place_is_one_line(local_ray, tiny_mod
 def test_the_address_of_a_running_cluster_passes_the_address_check(local_ray):
     # --ray-address is checked (a TCP connection within --ray-timeout) before the model
     # loads; a live cluster's own address must pass it.
-    from lm_eval_headloc.commands.workers import check_ray_address
+    from lm_eval_headloc.distributed.workers import check_ray_address
 
     check_ray_address(local_ray.get_runtime_context().gcs_address, 10)

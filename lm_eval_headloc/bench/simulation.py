@@ -3,8 +3,8 @@
 It stands in for "evaluate the model on ``n_examples`` documents with these heads knocked
 out", so that a design or an estimator can be compared on how many
 measurements it needs before it costs any model time. The package's own
-:func:`~lm_eval_headloc.designs.design_matrix` and
-:class:`~lm_eval_headloc.recovery.HeadLasso` do the work; this module supplies the world
+:func:`~lm_eval_headloc.method.designs.design_matrix` and
+:class:`~lm_eval_headloc.method.recovery.HeadLasso` do the work; this module supplies the world
 and the bookkeeping, numpy in and out, ``np.random.default_rng`` randomness throughout
 (the same seed gives the same world, design, scores and answer).
 
@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..confirm import (
+from lm_eval_headloc.method.confirm import (
     PRIOR_ALLOWANCE,
     ROUND,
     Screen,
@@ -88,9 +88,15 @@ from ..confirm import (
     prior_weights,
     screen,
 )
-from ..designs import design_matrix, knockouts_per_mask
-from ..group_tests import background_harm, entry_bar, group_order, group_size, group_testing
-from ..recovery import HeadLasso
+from lm_eval_headloc.method.designs import design_matrix, knockouts_per_mask
+from lm_eval_headloc.method.group_tests import (
+    background_harm,
+    entry_bar,
+    group_order,
+    group_size,
+    group_testing,
+)
+from lm_eval_headloc.method.recovery import HeadLasso
 
 __all__ = [
     "DEFAULT_BUDGETS",

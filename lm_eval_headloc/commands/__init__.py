@@ -14,20 +14,20 @@ Modules: ``spec`` (the options, their checks and a run's identity), ``runfolder`
 module per subcommand, and ``cli``.
 """
 
-from ..checks import UsageError
-from .cross import cross
-from .export import read_mib, write_mib
-from .greedy import greedy
-from .locate import locate, refit
-from .overlap import overlap
-from .report import HeadRanking
-from .result import read_rankings
-from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec
-from .sweep import sweep
-from .types import read_types, types
-from .universal import universal
-from .verify import verify
+from lm_eval_headloc.commands.cross import cross
+from lm_eval_headloc.commands.greedy import greedy
+from lm_eval_headloc.commands.locate import locate, refit
+from lm_eval_headloc.commands.overlap import overlap
+from lm_eval_headloc.commands.sweep import sweep
+from lm_eval_headloc.commands.types import read_types, types
+from lm_eval_headloc.commands.universal import universal
+from lm_eval_headloc.commands.verify import verify
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.report.mib import read_mib, write_mib
+from lm_eval_headloc.report.pages import HeadRanking
+from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.runs.record import read_rankings
+from lm_eval_headloc.runs.spec import RunSpec
 
 __all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "cross",
            "greedy", "locate", "overlap", "read_mib", "read_rankings", "read_types", "refit",

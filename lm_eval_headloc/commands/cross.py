@@ -20,14 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import timing
-from ..checks import UsageError
-from ..files import write_atomically
-from .engine import NoEffectError, PlanEntry, measured_plan, prepare
-from .result import load_run
-from .runfolder import RunFolder, option_words, refuse_output_path_into, run_list
-from .spec import RunSpec, command_spec, flag_of, same_model
-from .verify import (
+from lm_eval_headloc.commands.verify import (
     ablation_words,
     ablations,
     effect,
@@ -36,6 +29,13 @@ from .verify import (
     percent,
     ranking_notes,
 )
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.runs.folder import RunFolder, option_words, refuse_output_path_into, run_list
+from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.setup import NoEffectError, PlanEntry, measured_plan, prepare
+from lm_eval_headloc.runs.spec import RunSpec, command_spec, flag_of, same_model
 
 __all__ = ["PROMPT_OPTIONS", "cross", "cross_markdown", "plot_cross"]
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import timing
-from ..checks import UsageError
-from ..columns import Columns
-from ..confirm import Changes, measured_changes, rank_measured, tied_with_above
-from ..heads import Head
-from .engine import PlanEntry, load_model, nothing_left, open_measurement, prepare, run_plan
-from .report import (
+from lm_eval_headloc.commands.types import ensure_types, read_types
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
+from lm_eval_headloc.report.pages import (
     HeadRanking,
     equal_change_words,
     floor_words,
@@ -27,10 +27,17 @@ from .report import (
     tie_words,
     write_ranking,
 )
-from .result import start_run
-from .runfolder import RunFolder
-from .spec import RunSpec, command_spec
-from .types import ensure_types, read_types
+from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.record import start_run
+from lm_eval_headloc.runs.setup import (
+    PlanEntry,
+    load_model,
+    nothing_left,
+    open_measurement,
+    prepare,
+    run_plan,
+)
+from lm_eval_headloc.runs.spec import RunSpec, command_spec
 
 __all__ = ["greedy"]
 

@@ -17,10 +17,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import timing
-from ..checks import UsageError
-from ..columns import Column, Columns, NeuronGroup, neuron_candidates
-from ..confirm import (
+from lm_eval_headloc.commands.types import ensure_types
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.intervention.components import (
+    Component,
+    Head,
+    HeadSpecError,
+    Neuron,
+    parse_components,
+    validate_heads,
+)
+from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
+from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup, neuron_candidates
+from lm_eval_headloc.method.confirm import (
     ROUND,
     Changes,
     alternated,
@@ -34,9 +45,8 @@ from ..confirm import (
     screen,
     tied_with_above,
 )
-from ..designs import design_matrix, same_masks
-from ..files import write_atomically
-from ..group_tests import (
+from lm_eval_headloc.method.designs import design_matrix, same_masks
+from lm_eval_headloc.method.group_tests import (
     MAX_GROUP,
     background_harm,
     certificate,
@@ -46,21 +56,9 @@ from ..group_tests import (
     group_size,
     group_testing,
 )
-from ..heads import Component, Head, HeadSpecError, Neuron, parse_components, validate_heads
-from ..pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
-from ..prior import PRIOR_POINTS
-from ..recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
-from .engine import (
-    Setup,
-    check_candidates,
-    head_list,
-    load_model,
-    open_measurement,
-    phase_bar,
-    prepare,
-    run_plan,
-)
-from .report import (
+from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
+from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
+from lm_eval_headloc.report.pages import (
     HeadRanking,
     equal_change_words,
     floor_words,
@@ -71,7 +69,8 @@ from .report import (
     tie_words,
     write_ranking,
 )
-from .result import (
+from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.runs.record import (
     PRIOR_KEYS,
     LocateRun,
     column_prior,
@@ -81,9 +80,23 @@ from .result import (
     stored_prior,
     stored_priors,
 )
-from .runfolder import RunFolder, RunFolderError
-from .spec import COMMAND_OPTIONS, DEFAULT_MAX_MASKS, RunSpec, command_spec, refuse_keywords
-from .types import ensure_types
+from lm_eval_headloc.runs.setup import (
+    Setup,
+    check_candidates,
+    head_list,
+    load_model,
+    open_measurement,
+    phase_bar,
+    prepare,
+    run_plan,
+)
+from lm_eval_headloc.runs.spec import (
+    COMMAND_OPTIONS,
+    DEFAULT_MAX_MASKS,
+    RunSpec,
+    command_spec,
+    refuse_keywords,
+)
 
 log = logging.getLogger(__name__)
 

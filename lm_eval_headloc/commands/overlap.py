@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import UsageError, check_number
-from ..files import write_atomically
-from ..heads import read_heads_file, shown_name
-from .report import beyond_spread, recorded_harmless
-from .result import RunRecord, load_run, ranking_files
-from .runfolder import RunFolder, refuse_writing_into, strict_json
-from .spec import same_model
+from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.intervention.components import read_heads_file, shown_name
+from lm_eval_headloc.report.pages import beyond_spread, recorded_harmless
+from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, strict_json
+from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
+from lm_eval_headloc.runs.spec import same_model
 
 __all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
 

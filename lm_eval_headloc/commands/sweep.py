@@ -8,15 +8,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import timing
-from ..checks import UsageError
-from ..recovery import harm
-from .engine import check_design_budget, load_model, open_measurement, prepare, run_plan
-from .locate import locate
-from .report import relative_drop
-from .result import start_run
-from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec, command_spec
+from lm_eval_headloc.commands.locate import locate
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.method.recovery import harm
+from lm_eval_headloc.report.pages import relative_drop
+from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.runs.record import start_run
+from lm_eval_headloc.runs.setup import (
+    check_design_budget,
+    load_model,
+    open_measurement,
+    prepare,
+    run_plan,
+)
+from lm_eval_headloc.runs.spec import RunSpec, command_spec
 
 __all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table"]
 

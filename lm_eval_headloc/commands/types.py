@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import timing
-from ..head_types import (
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.intervention.components import Head, validate_heads
+from lm_eval_headloc.method.head_types import (
     HEAD_TYPES,
     LABEL_MARGIN,
     LABELLED_TYPES,
@@ -38,9 +39,8 @@ from ..head_types import (
     repeated_probe,
     type_thresholds,
 )
-from ..heads import Head, validate_heads
-from .runfolder import RunFolder, RunFolderError
-from .spec import RunSpec, command_spec
+from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.runs.spec import RunSpec, command_spec
 
 __all__ = ["PROBE", "TYPES_FILE", "HeadTypes", "ensure_types", "read_types", "types",
            "types_summary", "types_table"]
@@ -236,8 +236,8 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
           **options: Any) -> HeadTypes | None:
     """The head types of ``spec``'s model, on the probe and its tasks' examples, written to
     ``out`` (a run folder: types.json, types.csv)."""
-    from .engine import load_model, open_measurement, prepare
-    from .result import start_run
+    from lm_eval_headloc.runs.record import start_run
+    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
 
     spec = command_spec("types", spec, options)
     setup = prepare(spec)

@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checks import UsageError, check_number
-from ..files import write_atomically
-from .overlap import RankingFile
-from .result import load_run, ranking_files
-from .runfolder import RunFolder, refuse_writing_into, run_list, strict_json
-from .spec import RunSpec, same_model
+from lm_eval_headloc.commands.overlap import RankingFile
+from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list, strict_json
+from lm_eval_headloc.runs.record import load_run, ranking_files
+from lm_eval_headloc.runs.spec import RunSpec, same_model
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
 

@@ -17,11 +17,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import timing
-from ..checks import UsageError
-from ..embedded import is_embedded
-from ..geometry import Geometry
-from ..heads import (
+from lm_eval_headloc.commands.overlap import RankingFile
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.intervention.components import (
     Head,
     Neuron,
     component_key,
@@ -30,12 +29,19 @@ from ..heads import (
     read_heads_file,
     shown_name,
 )
-from .engine import PlanEntry, measured_plan, prepare
-from .overlap import RankingFile
-from .report import relative_drop
-from .result import load_run
-from .runfolder import RunFolder, RunFolderError, refuse_output_path_into
-from .spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec, same_model
+from lm_eval_headloc.intervention.embedded import is_embedded
+from lm_eval_headloc.intervention.geometry import Geometry
+from lm_eval_headloc.report.pages import relative_drop
+from lm_eval_headloc.runs.folder import RunFolder, RunFolderError, refuse_output_path_into
+from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.setup import PlanEntry, measured_plan, prepare
+from lm_eval_headloc.runs.spec import (
+    ABLATION_FLAGS,
+    COMMAND_OPTIONS,
+    RunSpec,
+    command_spec,
+    same_model,
+)
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
            "kind_words", "located_heads", "percent", "random_like", "random_sets",

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InternalError, UserError, one_line
+from lm_eval_headloc.common.errors import InternalError, UserError, one_line
 
 __all__ = ["UnknownTaskError", "check_task_names", "load_failure", "make_task_manager",
            "task_configs_dir", "with_own_tasks"]
@@ -109,7 +109,7 @@ def _quiet_own_metadata_notice() -> None:
 def _task_manager(folders: tuple[str, ...]) -> Any:
     from lm_eval.tasks import TaskManager
 
-    from .index_cache import builtin_index_cached
+    from lm_eval_headloc.tasks.index_cache import builtin_index_cached
 
     with builtin_index_cached():  # lm-eval's own ~14,000 YAMLs: parsed once, kept on disk
         return TaskManager(include_path=list(folders))

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..files import cache_root
+from lm_eval_headloc.common.files import cache_root
 
 log = logging.getLogger(__name__)
 _INDEX_LOG = logging.getLogger("lm_eval.tasks._index")

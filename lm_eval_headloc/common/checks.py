@@ -1,0 +1,125 @@
+"""The one scalar check every public function and the CLI use for their numbers.
+
+``check_number`` wraps ``sklearn.utils.check_scalar`` (type and range) with the two
+things it lets through: ``True``/``False`` (bool is an int subclass) and NaN/infinity
+(every comparison with NaN is False). A failure is a ``UsageError``: one line naming the
+value and what is allowed, which the CLI prints without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+from sklearn.utils import check_scalar
+
+from lm_eval_headloc.common.errors import UserError
+
+__all__ = ["UsageError", "check_load_args", "check_number"]
+
+
+class UsageError(UserError):
+    """A bad argument (reported by the CLI in one line, exit status 2)."""
+
+
+def _shown(name: str, value: object) -> str:
+    # CLI flags read "--alpha nan", Python arguments "alpha=nan".
+    return f"{name} {value!r}" if name.startswith("--") else f"{name}={value!r}"
+
+
+def _allowed(whole: bool, min_val: float | None, max_val: float | None,
+             include_boundaries: str) -> str:
+    kind = "a whole number" if whole else "a finite number"
+    low = include_boundaries in ("left", "both")
+    high = include_boundaries in ("right", "both")
+    if min_val is not None and max_val is not None:
+        if not low and not high:
+            return f"{kind} strictly between {min_val:g} and {max_val:g}"
+        return (f"{kind} with {min_val:g} {'<=' if low else '<'} value "
+                f"{'<=' if high else '<'} {max_val:g}")
+    if min_val is not None:
+        return f"{kind} {'>=' if low else '>'} {min_val:g}"
+    if max_val is not None:
+        return f"{kind} {'<=' if high else '<'} {max_val:g}"
+    return kind
+
+
+def check_number(value: object, name: str, whole: bool = False, *,
+                 min_val: float | None = None, max_val: float | None = None,
+                 include_boundaries: str = "both") -> int | float:
+    """``value`` as an int (``whole``) or float, checked; else ``UsageError``.
+
+    >>> check_number(0.02, "--sparsity", min_val=0, max_val=1, include_boundaries="neither")
+    0.02
+    """
+    allowed = _allowed(whole, min_val, max_val, include_boundaries)
+    if isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}, not True/False")
+    target = numbers.Integral if whole else numbers.Real
+    try:
+        check_scalar(value, name, target, min_val=min_val, max_val=max_val,
+                     include_boundaries=include_boundaries)
+    except (TypeError, ValueError):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{_shown(name, value)}: must be {allowed}")
+    return int(value) if whole else float(value)
+
+
+def _local_path(value: object) -> bool:
+    """Whether a model argument is written as a local path (absolute, ``./``, ``../``,
+    ``~``), not a Hub id."""
+    import os
+
+    return isinstance(value, str) and (os.path.isabs(value)
+                                       or value.startswith(("./", "../", "~")))
+
+
+def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
+                    gguf_file: object = None) -> None:
+    """What Hugging Face would report in other words (or after the weights load),
+    checked before anything loads: a ``pretrained=`` or ``peft=`` written as a local path
+    that does not exist, which HF reads as a malformed Hub id, or beginning with ``~``,
+    which nothing expands; a ``pretrained=`` that is a GGUF file (HF takes its folder and
+    ``gguf_file=``); a ``gguf_file=`` missing from a local ``pretrained=`` folder; a
+    ``peft=`` folder without ``adapter_config.json`` (PEFT says so only after the base
+    model loads); a ``dtype=`` torch does not have, which lm-eval turns into an
+    ``AttributeError``."""
+    import os
+
+    for name, value, what in (("peft", peft, "PEFT adapter"), ("gguf_file", gguf_file,
+                                                                  "GGUF file")):
+        if isinstance(value, str) and not value.strip():  # HF reads '' as "none": a typo
+            raise UsageError(f"{name}='': give a {what} or leave it out")
+    for name, value in (("pretrained", pretrained), ("peft", peft)):
+        if isinstance(value, str) and value.startswith("~"):
+            # Neither the shell (not at a word's start) nor Hugging Face expands it.
+            raise UsageError(f"{name}={value}: '~' is not expanded here; write the whole "
+                             f"path ({os.path.expanduser(value)})")
+        if _local_path(value) and not os.path.exists(value):  # type: ignore[arg-type]
+            hub = ("model", "meta-llama/Llama-3.2-1B") if name == "pretrained" else (
+                "adapter", "user/adapter")
+            raise UsageError(f"{name}={value}: no such folder (a Hub {hub[0]} is named like "
+                             f"{hub[1]})")
+    if isinstance(pretrained, str) and pretrained.lower().endswith(".gguf") \
+            and os.path.isfile(pretrained):
+        folder, name = os.path.split(pretrained)
+        raise UsageError(f"pretrained={pretrained}: a GGUF file is loaded by its folder and "
+                         f"name: pretrained={folder or '.'},gguf_file={name}")
+    if isinstance(gguf_file, str) and isinstance(pretrained, str) \
+            and os.path.isdir(pretrained) and not os.path.isfile(
+                os.path.join(pretrained, gguf_file)):
+        present = sorted(f for f in os.listdir(pretrained) if f.lower().endswith(".gguf"))
+        raise UsageError(f"gguf_file={gguf_file}: no such file in {pretrained} (GGUF files "
+                         f"there: {', '.join(present) or 'none'})")
+    if isinstance(peft, str) and os.path.isdir(peft) \
+            and not os.path.isfile(os.path.join(peft, "adapter_config.json")):
+        raise UsageError(f"peft={peft}: no adapter_config.json in it (a PEFT adapter folder "
+                         "is what save_pretrained of a PEFT model writes)")
+    if isinstance(dtype, str) and dtype != "auto":
+        import torch
+
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise UsageError(f"dtype={dtype}: not a torch dtype; use auto, float32, float16 "
+                             "or bfloat16")

@@ -1,0 +1,618 @@
+"""``hf-headablate``: lm-eval's ``hf`` model with chosen attention heads (and MLP neurons)
+knocked out.
+
+    lm_eval --model hf-headablate --model_args pretrained=...,ablate=L0H29+L1H31+L3N1234
+
+Takes every ``hf`` model argument (``dtype``, ``device``, ``peft``, ``gguf_file`` …) plus
+``ablate=COMPONENTS`` (heads ``L0H29``, MLP neurons ``L3N1234``, whole layers ``L3H*`` /
+``L3N*``), ``ablate_file=PATH`` with optional ``ablate_top=K``, and ``attn_out=PATTERN`` /
+``mlp_out=PATTERN`` for architectures whose attention / MLP output projection cannot be
+discovered. Names are checked against the model's config before its weights load.
+What the knocked-out heads become (``ablation.py``): ``ablation=zero|mean|resample``
+(default zero), ``scale=FLOAT`` (default 0; 1 leaves the heads as they are, 2 amplifies),
+and for ``mean``/``resample`` the reference set ``ablation_data=FILE|TASK``
+(``ablation_field=`` for JSONL, ``ablation_include_path=DIR`` for a task in the CLI's
+``--include_path``, which lm-eval does not pass to models); mean's statistics are cached
+under ``ablation_cache=DIR``, resample's donors are drawn with ``resample_seed=``.
+
+The heads are a value (``intervention``) applied around each forward pass the harness
+asks for (``forward_pass``); between passes the model is as loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from lm_eval_headloc.common.checks import UsageError, check_load_args
+from lm_eval_headloc.intervention.ablation import (
+    AblationError,
+    Resampler,
+    cached_head_means,
+    check_ablation,
+    check_reference_set,
+    check_scale,
+    head_means,
+    reference_texts,
+)
+from lm_eval_headloc.intervention.components import (
+    Component,
+    HeadSpecError,
+    check_component_names,
+    check_top,
+    format_heads,
+    names_neurons,
+    parse_components,
+    ranked_task,
+    ranking_top_k,
+    read_heads_file,
+)
+from lm_eval_headloc.intervention.embedded import local_pretrained
+from lm_eval_headloc.intervention.geometry import Geometry
+from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
+from lm_eval_headloc.intervention.hooks import ActivePass, HeadKnockout, Intervention
+from lm_eval_headloc.intervention.registration import MODEL_NAME
+
+__all__ = ["HFHeadAblateLM", "check_against_config"]
+
+# A child of lm-eval's logger, so the `lm_eval` command shows it as it shows its own models'.
+log = logging.getLogger("lm_eval.models.hf_headablate")
+
+# No sys.excepthook here: importing the model must not change how a program reports its
+# errors. The stock `lm_eval` command's one-line head errors come from registration.py.
+
+
+def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) -> list[str]:
+    """The head names asked for, checked for syntax (not yet against the model).
+
+    lm-eval's model_args parser turns ``ablate=1`` into an int and ``ablate=True`` into a
+    bool, hence the type checks: they give one line instead of a TypeError deep inside.
+    """
+    names: list[str] = []
+    if ablate is not None:
+        if isinstance(ablate, str):
+            if not ablate.strip():
+                raise HeadSpecError(
+                    "ablate= is empty; give heads like ablate=L0H29+L1H31 (or neurons like "
+                    "L3N1234), or leave it out"
+                )
+            names.extend(ablate.split("+"))
+        elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
+            names.extend(ablate)
+        else:
+            raise HeadSpecError(
+                f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
+                "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer; "
+                "MLP neurons as L3N1234, L3N* for a whole MLP)"
+            )
+    if ablate_top is not None:
+        ablate_top = check_top(ablate_top)
+        if ablate_file is None:
+            raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
+    if ablate_file is not None:
+        if not isinstance(ablate_file, (str, os.PathLike)):
+            raise HeadSpecError(
+                f"ablate_file={ablate_file!r}: expected the path of a head file (a "
+                "headloc-harness heads.json, a JSON list, or one head per line)"
+            )
+        # A run's ranking lists every head; naming it means the heads the run located:
+        # its own top-k, unless ablate_top says how many.
+        run_top = ranking_top_k(ablate_file) if ablate_top is None else None
+        from_file = read_heads_file(ablate_file, top=ablate_top or run_top)
+        names.extend(from_file)
+        # Which heads a ranking file came to is said: a run's heads.json is its first
+        # task's, which may not be the task evaluated.
+        task = ranked_task(ablate_file)
+        log.info("knocking out %s: %s of %s%s", "+".join(map(str, from_file)),
+                 f"the top {ablate_top}" if ablate_top is not None else
+                 f"the run's top-{run_top} (ablate_top=K for another count)"
+                 if run_top is not None else "every entry",
+                 ablate_file, f" (ranked for task {task})" if task else "")
+    check_component_names(names)
+    return names
+
+
+def _check_device(device: object) -> None:
+    """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
+    without one and quietly takes another device for ``cuda:7`` (said only in its log).
+    Refused, except lm-eval's own default, ``cuda:0``, which falls back to the CPU."""
+    if not isinstance(device, str) or not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count == 0 and device != "cuda:0":
+        raise UsageError(f"device={device}: this machine has no CUDA device; use device=cpu")
+    if count and index.isdigit() and int(index) >= count:
+        have = "cuda:0" + (f" to cuda:{count - 1}" if count > 1 else "")
+        raise UsageError(f"device={device}: this machine has {count} CUDA "
+                         f"device{'s' if count > 1 else ''} ({have})")
+
+
+@register_model(MODEL_NAME)
+class HFHeadAblateLM(HFLM):
+    """An ``HFLM`` whose attention heads and MLP neurons can be knocked out, switchable on
+    the live object."""
+
+    def __init__(
+        self,
+        pretrained: Any,
+        ablate: str | Iterable[str | Component | tuple[int, int]] | None = None,
+        ablate_file: str | os.PathLike | None = None,
+        ablate_top: int | None = None,
+        attn_out: str | None = None,
+        mlp_out: str | None = None,
+        ablation: str = "zero",
+        scale: float = 0.0,
+        ablation_data: str | os.PathLike | None = None,
+        ablation_field: str | None = None,
+        ablation_include_path: str | os.PathLike | None = None,
+        ablation_cache: str | os.PathLike | None = None,
+        resample_seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Read and parse the head list and the reference set before loading weights, so
+        # a missing file or a malformed name fails fast; the layer/head ranges are
+        # checked once the model is loaded.
+        requested = _requested_heads(ablate, ablate_file, ablate_top)
+        if attn_out is not None and not isinstance(attn_out, str):
+            raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
+                                "e.g. attn_out=model.layers.*.self_attn.o_proj")
+        if mlp_out is not None and not isinstance(mlp_out, str):
+            raise HeadSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
+                                "e.g. mlp_out=model.layers.*.mlp.down_proj")
+        self._requested = requested  # checked against the config before the weights load
+        if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
+                resample_seed, int) or resample_seed < 0):
+            raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
+                                ">= 0")
+        self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
+        # Settings another kind would take and ignore: a silent no-op is refused instead.
+        if resample_seed is not None and self.ablation != "resample":
+            raise AblationError(f"resample_seed={resample_seed}: only ablation=resample draws "
+                                f"donors; ablation={self.ablation} takes no seed")
+        if ablation_cache is not None and self.ablation != "mean":
+            raise AblationError(f"ablation_cache={str(ablation_cache)!r}: only ablation=mean "
+                                f"caches statistics; ablation={self.ablation} keeps none")
+        texts = _reference_set(self.ablation, ablation_data, ablation_field,
+                               ablation_include_path)
+        # The embedded model's name (a run's record) is the folder it lies in here.
+        named, pretrained = pretrained, local_pretrained(pretrained)
+        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
+                        kwargs.get("gguf_file"))
+        if not kwargs.get("parallelize"):
+            _check_device(kwargs.get("device"))
+        try:
+            with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
+                super().__init__(pretrained=pretrained, **kwargs)
+        except TypeError as err:  # HFLM passes what it does not know on to the model
+            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            if unknown is None or unknown[1] not in kwargs:
+                raise
+            raise UsageError(f"model_args {unknown[1]}={kwargs[unknown[1]]!r}: neither "
+                             "lm-eval's HFLM nor the model takes it; leave it out or check "
+                             "its spelling") from None
+        self.knockout = HeadKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
+        # What the model's passes knock out: a value, applied around each forward pass
+        # (``forward_pass``); ``knocking_out`` stands in another one for a while.
+        self._means: dict[str, tuple] | None = None  # mean ablation's, per kind and layer
+        self._reference_tokens: list[list[int]] | None = None
+        self._means_dir: str | os.PathLike | None = None
+        self._standing = Intervention(scale=self.scale)
+        self._override: Intervention | None = None
+        self.ablation_data: str | None = None  # set_ablation's source and field
+        self.ablation_field: str | None = None
+        self.resample_seed = 0 if resample_seed is None else resample_seed
+        self.means_file: str | None = None
+        self.neuron_means_file: str | None = None
+        self.reference_digest: str | None = None
+        self.resampler: Resampler | None = None
+        self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
+        # What cached means are keyed by besides their tokens.
+        self._means_key = {
+            "model": named if isinstance(named, (str, os.PathLike))
+            else getattr(self.model.config, "_name_or_path", type(self.model).__name__),
+            **{name: kwargs.get(name) for name in ("gguf_file", "revision", "peft", "delta")},
+            "dtype": str(self.model.dtype), "attn_out": attn_out,
+        }
+        self._mlp_out = mlp_out
+        if texts is not None:
+            self.set_ablation(self.ablation, texts, ablation_cache, ablation_data,
+                              ablation_field)
+        self._cache_db = None
+        self.set_heads(requested)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None
+                               ) -> HFHeadAblateLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None
+                            ) -> HFHeadAblateLM:
+        """As lm-eval's, but a model argument written in ``--model_args`` wins over the
+        one lm_eval's command line passes beside it (``device``, whose default there is
+        cuda:0, ``batch_size``, ``max_batch_size``), where lm-eval's ``hf`` stops with
+        "got multiple values for keyword argument"."""
+        extra = {key: value for key, value in (additional_config or {}).items()
+                 if value is not None and key not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    def _create_model(self, *args: Any, **kwargs: Any) -> None:
+        # HFLM reads the config first: the requested components are checked against it
+        # here, before the weights load (a neuron past the MLP's width fails in seconds).
+        check_against_config(self._requested, self._config)
+        super()._create_model(*args, **kwargs)
+
+    def set_ablation(self, kind: str, texts: list[str] | None = None,
+                     cache_dir: str | os.PathLike | None = None,
+                     source: str | os.PathLike | None = None,
+                     field: str | None = None) -> None:
+        """Switch the ablation kind on the live model (``ablation.py``). Mean and resample
+        need the reference examples ``texts``: for mean their per-head means (from the
+        cache under ``cache_dir``, or one pass over them), for resample the donors.
+        ``source``/``field``: the ``ablation_data=``/``ablation_field=`` the texts were read
+        from, as the model's arguments say it (None: texts handed over, e.g. a run's own
+        examples)."""
+        kind = check_ablation(kind)
+        if (kind == "zero") != (texts is None):
+            raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
+                                                        else "needs reference texts"))
+        if isinstance(texts, (str, bytes)):  # its characters would be the examples
+            raise AblationError(f"ablation={kind}: texts is one string; give a list of "
+                                "reference examples")
+        if texts is not None:  # checked before anything changes: a refusal leaves it as it was
+            texts = list(texts)
+            check_reference_set(kind, texts)
+            if kind == "resample" and getattr(self, "backend", "causal") != "causal":
+                raise AblationError("ablation=resample needs a decoder-only model (its donors "
+                                    "are aligned by position in one sequence); use mean")
+        saved = {name: getattr(self, name) for name in self._ABLATION_STATE
+                 if hasattr(self, name)}
+        try:
+            self._switch_ablation(kind, texts, cache_dir, source, field)
+        except BaseException:  # a failed means pass (or Ctrl-C) leaves the old ablation
+            for name, value in saved.items():
+                setattr(self, name, value)
+            raise
+
+    #: What ``set_ablation`` changes (and puts back when the switch fails).
+    _ABLATION_STATE = ("ablation_data", "ablation_field", "_means", "ablation", "resampler",
+                       "means_file", "neuron_means_file", "reference_digest", "_standing",
+                       "_reference_tokens", "_means_dir")
+
+    def _switch_ablation(self, kind: str, texts: list[str] | None,
+                         cache_dir: str | os.PathLike | None,
+                         source: str | os.PathLike | None, field: str | None) -> None:
+        self.ablation_data = None if source is None else str(source)
+        self.ablation_field = field
+        self._means = None
+        self.ablation, self.resampler, self.means_file = kind, None, None
+        self.neuron_means_file = None
+        self.reference_digest = None
+        self._standing = self._intervention(self._standing.components)
+        if texts is None:
+            return
+        tokens = [self.tok_encode(text)[-self.max_length:] for text in texts]
+        self.reference_digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+        if self.ablation == "resample":
+            self.resampler = Resampler(tokens, seed=self.resample_seed)
+            return
+        self._reference_tokens, self._means_dir, self._means = tokens, cache_dir, {}
+        self._ensure_means(self._standing.kinds | {"heads"})
+        self._standing = self._intervention(self._standing.components)
+
+    def _ensure_means(self, kinds: Iterable[str]) -> None:
+        """Mean ablation's per-layer means for each of ``kinds`` (``"heads"``,
+        ``"neurons"``) not computed yet: from the cache, or one pass over the reference
+        set. Neurons' means are computed the first time a neuron is knocked out."""
+        if self._means is None:
+            return
+        knockout = self.knockout
+        for kind in sorted(set(kinds) - set(self._means)):
+            # The heads' key is the one cached means always had (old caches stay valid).
+            site = {} if kind == "heads" else {"site": kind, "mlp_out": self._mlp_out}
+            fields = {**self._means_key, **site, "weights": _weights_fingerprint(self.model),
+                      "tokens": self.reference_digest}
+            modules = knockout.site_modules([kind])
+            units = knockout.heads_per_layer if kind == "heads" else knockout.neurons_per_layer
+
+            def compute(modules: list = modules, units: int = units) -> list:
+                with knockout.applied(None):  # the unablated model's means
+                    return head_means(self.model, modules, units, self._reference_tokens)
+
+            means, path = cached_head_means(fields, compute, self._means_dir)
+            self._means[kind] = knockout.check_replacement(means, kind)
+            if kind == "heads":
+                self.means_file = str(Path(path).resolve())
+            else:
+                self.neuron_means_file = str(Path(path).resolve())
+
+    def _intervention(self, components: Iterable[Component] = (), row_masks: Any = None
+                      ) -> Intervention:
+        """``components`` (or per-row masks) knocked out the way this model ablates."""
+        intervention = Intervention(components=tuple(components), row_masks=row_masks,
+                                    scale=self.scale)
+        if self._means is None:
+            return intervention
+        kinds = self.knockout.kinds_of(intervention)
+        self._ensure_means(kinds)
+        return intervention.replace(replacement={k: self._means[k] for k in kinds})
+
+    @property
+    def intervention(self) -> Intervention:
+        """What the model's forward passes knock out now."""
+        return self._override if self._override is not None else self._standing
+
+    @contextlib.contextmanager
+    def knocking_out(self, heads: str | Iterable[str | Component | tuple[int, int]] = (), *,
+                     row_masks: Any = None) -> Iterator[Intervention]:
+        """Inside, the model answers with ``heads`` (heads and neurons) knocked out (or,
+        with ``row_masks`` ((rows, components) booleans over the flat index, see
+        ``hooks.Intervention``), a different mask in each batch row) instead of its own
+        ``set_heads``; on exit, as before, whatever happened inside."""
+        parsed = () if row_masks is not None else self._parsed(heads)
+        saved, self._override = self._override, self._intervention(parsed, row_masks)
+        # Per-row masks are forward passes of our own (multimask, once per batch), never
+        # answers lm-eval caches: the response cache's table stays as it is.
+        cached = row_masks is None
+        if cached:
+            self._select_cache_table()
+        try:
+            yield self._override
+        finally:
+            self._override = saved
+            if cached:
+                self._select_cache_table()
+
+    @contextlib.contextmanager
+    def forward_pass(self, input_ids: Any, attention_mask: Any = None,
+                     columns: int | None = None, *, always_donors: bool = False
+                     ) -> Iterator[ActivePass | None]:
+        """Inside, the model's forward passes over ``input_ids`` run under
+        ``intervention``: the one place a pass is intervened on (lm-eval's requests go
+        through ``_model_call`` and ``_model_generate``, which use it). Resample ablation's
+        donors are computed here for ``input_ids`` (right-padded with zeros, or
+        left-padded as ``attention_mask`` says) when a head is knocked out, or
+        ``always_donors``. Nothing stays applied after it."""
+        intervention = self.intervention
+        donors = None
+        if self.resampler is not None and (always_donors or intervention.any_knocked_out):
+            donors = self._donors(input_ids, attention_mask, columns,
+                                  self.knockout.kinds_of(intervention))
+        with self.knockout.applied(intervention, donors) as active:
+            yield active
+
+    def _donors(self, input_ids: Any, attention_mask: Any, columns: int | None,
+                kinds: list[str]) -> tuple:
+        ids = input_ids.tolist()
+        if attention_mask is not None:  # generation: left padding; the prompt is the row
+            starts = [len(row) - int(sum(mask)) for row, mask in
+                      zip(ids, attention_mask.tolist(), strict=True)]
+            rows = [row[start:] for row, start in zip(ids, starts, strict=True)]
+        else:  # loglikelihood batches: right padding
+            starts = [0] * len(ids)
+            rows = [self._unpadded(row) for row in ids]
+        knockout = self.knockout
+        with knockout.applied(None):  # the donors' own clean pass
+            return self.resampler.donors(
+                self.model, knockout.site_modules(kinds), rows, starts,
+                columns if columns is not None else input_ids.shape[1])
+
+    def _unpadded(self, row: list[int]) -> list[int]:
+        """A loglikelihood batch row without its right padding, up to its prompt's end.
+
+        The row is one of the model inputs ``remember_prompts`` saw, possibly followed by
+        padding: the longest remembered prefix is the row (token id 0 is a real token in
+        some vocabularies, e.g. GPT-2's ``!``, so trailing zeros cannot tell). The donor
+        follows the prompt, not the answer scored after it, so every choice of a
+        multiple-choice question gets the same donor.
+        """
+        last = max((i + 1 for i, t in enumerate(row) if t != 0), default=1)
+        for end in range(len(row), last - 1, -1):  # only the trailing zeros are in doubt
+            prompt = self._prompt_lengths.get(tuple(row[:end]))
+            if prompt is not None:
+                return row[:prompt]
+        return row[:last]
+    def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]]) -> None:
+        """Note where the prompt ends in the model input of each (context, continuation)
+        token pair, built as HFLM builds it (resample picks donors by the prompt)."""
+        from lm_eval_headloc.intervention.multimask import model_input
+
+        for context, continuation in encoded:
+            row = model_input(context, continuation, self.max_length)
+            self._prompt_lengths[tuple(row)] = max(1, len(row) - len(continuation) + 1)
+
+    def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
+        self.remember_prompts((context, continuation) for _, context, continuation in requests)
+        return super()._loglikelihood_tokens(requests, *args, **kwargs)
+
+    def _model_call(self, inps: Any, attn_mask: Any = None, labels: Any = None) -> Any:
+        with self.forward_pass(inps):
+            return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, context: Any, max_length: int, stop: list[str],
+                        **generation_kwargs: Any) -> Any:
+        from lm_eval_headloc.intervention.multigen import rows_stop_on_their_own, stops_per_row
+
+        width = max(int(max_length), int(context.shape[1]))
+        # Greedy rows end on their own (multigen.RowStops): the same text, shorter batches.
+        stopping = (rows_stop_on_their_own(self) if stops_per_row(self, generation_kwargs)
+                    else contextlib.nullcontext())
+        with self.forward_pass(context, generation_kwargs.get("attention_mask"),
+                               width) as active, stopping:
+            if active is None or active.donors is None:
+                return super()._model_generate(context, max_length, stop,
+                                               **generation_kwargs)
+            seen = [0]
+
+            def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
+                # With the key/value cache each step sees only its new columns: say where
+                # they start, so each gets its aligned donor position.
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                position = kwargs.get("cache_position")
+                active.first_column = int(position[0]) if position is not None else seen[0]
+                seen[0] = active.first_column + (ids.shape[1] if ids is not None else 1)
+
+            handle = self.model.register_forward_pre_hook(track_columns, with_kwargs=True)
+            try:
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            finally:
+                handle.remove()
+
+    @property
+    def num_layers(self) -> int:
+        return self.knockout.num_layers
+
+    @property
+    def heads_per_layer(self) -> int:
+        return self.knockout.heads_per_layer
+
+    @property
+    def knocked_out(self) -> tuple[Component, ...]:
+        """The heads and neurons the model's answers knock out now."""
+        return self.intervention.components
+
+    @property
+    def neurons_per_layer(self) -> int:
+        """The MLP's width (finding the MLP output projections on first use)."""
+        return self.knockout.neurons_per_layer
+
+    def _parsed(self, components: str | Iterable[str | Component | tuple[int, int]]
+                ) -> tuple[Component, ...]:
+        if isinstance(components, str) and not components.strip():
+            return ()
+        width = self.neurons_per_layer if names_neurons(components) else None
+        return tuple(parse_components(components, self.num_layers, self.heads_per_layer,
+                                      width, head_layers=self.knockout.geometry.head_layers))
+
+    def set_heads(self, heads: str | Iterable[str | Component | tuple[int, int]]
+                  ) -> tuple[Component, ...]:
+        """Knock out exactly these heads and neurons in every answer from now on (``[]``
+        for none): a value swapped in place, cheap. ``knocking_out`` does it for a while."""
+        self._standing = self._intervention(self._parsed(heads))
+        self._select_cache_table()
+        return self._standing.components
+
+    # --- lm-eval's response cache (--use_cache) -----------------------------------
+    # lm-eval keys cached responses by the request alone. Each mask therefore gets its
+    # own table in the cache file, so a cached answer computed under another mask can
+    # never be returned. With no heads knocked out the model *is* plain `hf`, so it
+    # shares the default table with `hf` runs on the same cache file.
+
+    def set_cache_hook(self, cache_hook: Any) -> None:
+        super().set_cache_hook(cache_hook)
+        self._cache_db = getattr(cache_hook, "dbdict", None)
+        self._select_cache_table()
+
+    def cache_table(self) -> str:
+        """Name of the response-cache table for the current mask."""
+        if not self.knocked_out:
+            return "unnamed"  # sqlitedict's default table, the one plain `hf` uses
+        # The kind and scale change the answers too (zero at scale 0: the old key).
+        key = format_heads(self.knocked_out)
+        if (self.ablation, self.scale) != ("zero", 0.0):
+            key += (f"|{self.ablation}|{self.scale!r}|{self.means_file}|"
+                    f"{self.reference_digest}|{self.resample_seed}")
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        return f"headablate-{digest}"
+
+    def _select_cache_table(self) -> None:
+        db = self._cache_db
+        if db is None:
+            return
+        table = self.cache_table()
+        if db.tablename != table:
+            db.commit()
+            db.tablename = table
+            db.conn.execute(
+                f'CREATE TABLE IF NOT EXISTS "{table}" (key TEXT PRIMARY KEY, value BLOB)'
+            )
+            db.conn.commit()
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["ablate"] = format_heads(self.knocked_out)
+        info.update(ablation=self.ablation, scale=self.scale, ablation_data=self.ablation_data,
+                    means_file=self.means_file, reference_digest=self.reference_digest)
+        if self.neuron_means_file is not None:
+            info["neuron_means_file"] = self.neuron_means_file
+        if self.ablation == "resample":
+            info["resample_seed"] = self.resample_seed
+        return info
+
+
+def check_against_config(names: Iterable[str | Component | tuple[int, int]],
+                         config: Any) -> None:
+    """Raise HeadSpecError naming the first component outside the model ``config``
+    describes (where the config does not give the MLP's width, neurons are checked once
+    the MLP is found)."""
+    names = list(names)
+    if not names:
+        return
+    try:
+        geometry = Geometry.from_config(config)
+    except AttributeError:
+        return  # no layer/head counts in the config: checked on the loaded model
+    parse_components(names, geometry.num_layers, geometry.heads_per_layer,
+                     geometry.neurons_per_layer if names_neurons(names) else None,
+                     head_layers=geometry.head_layers)
+
+
+def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = None
+                   ) -> list[str] | None:
+    """The reference texts mean ablation needs (None for zero), read before loading.
+    ``include_path``: a folder of task YAMLs where ``data`` names a task (the stock CLI's
+    ``--include_path`` does not reach the model)."""
+    if field is not None and not isinstance(field, str):
+        raise AblationError(f"ablation_field={field!r}: expected a JSONL field name")
+    if ablation == "zero":
+        if data is not None or field is not None or include_path is not None:
+            raise AblationError("ablation_data=/ablation_field=/ablation_include_path= are "
+                                "for ablation=mean or resample; zero ablation uses no "
+                                "reference set")
+        return None
+    if data is None:
+        raise AblationError(f"ablation={ablation} needs a reference set: ablation_data= a "
+                            "text file (one example per line), a JSONL file or a task name")
+    manager = None
+    if include_path is not None:
+        from lm_eval_headloc.tasks import UnknownTaskError, make_task_manager
+
+        try:
+            manager = make_task_manager(str(include_path), option="ablation_include_path=")
+        except UnknownTaskError as err:
+            raise AblationError(str(err)) from None
+    texts = reference_texts(data, field, task_manager=manager)
+    check_reference_set(ablation, texts)
+    return texts
+
+
+def _weights_fingerprint(model: Any) -> str:
+    """A digest of every parameter's name, shape and sum: cached means follow the weights
+    (a folder overwritten with other weights gets new means), at one pass over them. Summed
+    in float64 without a float64 copy: an 8B model's embedding would take 4 GiB more on a
+    GPU it may already fill."""
+    import torch
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            total = (float(tensor.sum(dtype=torch.float64)) if tensor.device.type != "meta"
+                     else 0.0)
+            digest.update(f"{name}{tuple(tensor.shape)}{total!r}".encode())
+    return digest.hexdigest()

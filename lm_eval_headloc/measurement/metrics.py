@@ -1,0 +1,193 @@
+"""Which single number a task is measured by, and whether higher is better.
+
+The driver needs one scalar per task per measurement. ``TASK_METRICS`` holds the
+metric the compressed-sensing paper's released code (Bair, Xu, Sun & Kolter, arXiv
+2603.03335) scores lm-eval's built-ins by, and our own tasks' metrics; any other task
+falls back to its first metric and the harness's own higher-is-better flag.
+``task:metric`` overrides either.
+
+Scores are read from the dict ``lm_eval.simple_evaluate`` returns: the harness does
+the scoring (filters, metrics, group aggregation); this module only picks the number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_headloc.common.errors import UserError
+
+__all__ = ["TASK_METRICS", "MetricError", "TaskScore", "default_metric", "metrics_of_task",
+           "parse_task_metric", "tag_metric", "task_score"]
+
+# task -> (metric key as lm-eval reports it, higher is better).
+# Groups and tags not aggregated by the harness are the mean over their subtasks.
+TASK_METRICS: dict[str, tuple[str, bool]] = {
+    # lm-eval's built-ins: the metrics the paper's released code scores them by
+    "gsm8k": ("exact_match,flexible-extract", True),
+    "arithmetic": ("acc,none", True),  # a tag: mean over arithmetic_1dc ... _5ds
+    "mbpp": ("pass_at_1,none", True),
+    "humaneval_instruct": ("pass@1,create_test", True),
+    "boolq": ("acc,none", True),
+    "mmlu": ("acc,none", True),
+    "wmdp_bio": ("acc,none", True),
+    "wmdp_chem": ("acc,none", True),
+    "wmdp_cyber": ("acc,none", True),
+    "arc_challenge": ("acc_norm,none", True),
+    "hellaswag": ("acc_norm,none", True),
+    # ours (task_configs/)
+    "swear": ("swear_words,none", True),
+    "rhyme": ("rhyme_acc,none", True),
+    "rhyme_heldout": ("rhyme_acc,none", True),
+    "headloc_induction": ("acc,none", True),
+    "headloc_ioi": ("acc,none", True),
+    "headloc_arith": ("acc,none", True),
+}
+
+_NOT_METRICS = ("alias", "samples", "name", "sample_len", "sample_count")
+
+
+class MetricError(UserError):
+    """A task or metric the results do not have (a user mistake, reported in one line)."""
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    task: str
+    metric: str
+    value: float
+    higher_is_better: bool
+    subtasks: tuple[str, ...] = ()  # non-empty when the value is a mean over subtasks
+    # The gold answer's mean log-likelihood from the same answers, when it came for free
+    # (loglikelihood tasks measured by their metric); see ``signals``.
+    logprob: float | None = None
+
+
+def parse_task_metric(spec: str) -> tuple[str, str | None]:
+    """``"gsm8k:exact_match,strict-match"`` -> ``("gsm8k", "exact_match,strict-match")``;
+    ``"gsm8k"`` -> ``("gsm8k", None)``. A metric without a filter means filter ``none``."""
+    task, sep, metric = spec.partition(":")
+    task, metric = task.strip(), metric.strip()
+    if not task or (sep and not metric):
+        raise MetricError(f"bad task spec {spec!r}: expected TASK or TASK:METRIC "
+                          "(e.g. gsm8k:exact_match,strict-match)")
+    if metric and "," not in metric:
+        metric = f"{metric},none"
+    return task, metric or None
+
+
+def _metric_keys(row: Mapping[str, Any]) -> list[str]:
+    return [k for k in row if "," in k and "_stderr" not in k and k.split(",")[0]
+            not in _NOT_METRICS]
+
+
+def _members(results: Mapping[str, Any], task: str,
+             leaves: Sequence[str] | None = None) -> list[str]:
+    """Subtasks of a group (from the harness's ``group_subtasks``) or a tag (from the
+    ``tag`` entries of the task configs, which lm-eval 0.4.13 no longer dumps there; else
+    ``leaves``, the tasks lm-eval's TaskManager loaded for the name)."""
+    members = results.get("group_subtasks", {}).get(task)
+    if members:
+        return list(members)
+    tagged = []
+    for name, config in results.get("configs", {}).items():
+        tags = config.get("tag") or []
+        if task in ([tags] if isinstance(tags, str) else tags):
+            tagged.append(name)
+    if not tagged and leaves and any(leaf != task for leaf in leaves):
+        tagged = [leaf for leaf in leaves if leaf in results.get("results", {})]
+    return sorted(tagged)
+
+
+def _config_order(results: Mapping[str, Any], task: str) -> list[str]:
+    """The ``metric,filter`` keys in the order the task's config lists them (the results'
+    ``configs``: ``metrics_of_task``'s order), or none where the results do not say."""
+    config = results.get("configs", {}).get(task) or {}
+    names = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
+    filters = [f.get("name") for f in config.get("filter_list") or []
+               if isinstance(f, dict)] or ["none"]
+    return [f"{name},{flt}" for flt in filters for name in names if isinstance(name, str)]
+
+
+def _higher_is_better(results: Mapping[str, Any], task: str, metric: str) -> bool | None:
+    flags = results.get("higher_is_better", {}).get(task, {})
+    flag = flags.get(metric.split(",")[0])
+    return None if flag is None else bool(flag)
+
+
+def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
+               leaves: Sequence[str] | None = None) -> TaskScore:
+    """The one number ``task`` is measured by in ``simple_evaluate``'s ``results``;
+    ``leaves``: the tasks lm-eval loaded for it (a tag's members: the mean over them)."""
+    rows = results.get("results", {})
+    row = rows.get(task, {})
+    members = [] if _metric_keys(row) and (metric is None or metric in row) else _members(
+        results, task, leaves)
+    if not row and not members:
+        raise MetricError(f"task {task!r} is not in the results; they hold: "
+                          f"{', '.join(sorted(rows)) or 'nothing'}")
+    known_metric, known_flag = TASK_METRICS.get(task, (None, None))
+    if metric is None and known_metric is None and members and not _metric_keys(row):
+        # A tag or group with no score of its own: each member by its own metric, which
+        # must be one metric for the mean to mean anything.
+        parts = [task_score(results, m) for m in members]
+        metric = tag_metric(task, {p.task: p.metric for p in parts})
+        return TaskScore(task, metric, sum(p.value for p in parts) / len(parts),
+                         parts[0].higher_is_better, tuple(members))
+    if metric is None:
+        metric = known_metric
+    if metric is None:  # fallback: the task's first metric
+        keys = _metric_keys(row) or [k for m in members for k in _metric_keys(rows.get(m, {}))]
+        if not keys:
+            raise MetricError(f"task {task!r} reports no metric")
+        # The YAML's first (``default_metric``'s), not the results' first: lm-eval lists a
+        # loglikelihood task's perplexity before an acc the YAML names first.
+        metric = next((k for k in _config_order(results, task) if k in keys), keys[0])
+
+    if metric in row:
+        value = float(row[metric])
+        subtasks: tuple[str, ...] = ()
+        flag = _higher_is_better(results, task, metric)
+    elif members:
+        parts = [task_score(results, m, metric) for m in members]
+        value = sum(p.value for p in parts) / len(parts)
+        subtasks = tuple(members)
+        flag = parts[0].higher_is_better
+    else:
+        raise MetricError(f"task {task!r} produces no metric {metric!r}; it produces: "
+                          f"{', '.join(_metric_keys(row)) or 'none'}")
+    if known_flag is not None and metric == known_metric:
+        flag = known_flag
+    if flag is None:
+        flag = True
+    return TaskScore(task, metric, value, flag, subtasks)
+
+
+def tag_metric(task: str, metrics: Mapping[str, str]) -> str:
+    """The one metric a tag's tasks (``metrics``: each one's) are scored by, whose mean is
+    the tag's score; a MetricError naming them where they differ."""
+    used = sorted(set(metrics.values()))
+    if len(used) > 1:
+        raise MetricError(f"task {task!r}: its tasks are scored by different metrics ("
+                          + ", ".join(f"{t}: {m}" for t, m in metrics.items())
+                          + f"); give one ({task}:METRIC) or name the tasks")
+    return used[0]
+
+
+def default_metric(name: str, task: Any) -> str:
+    """The metric a leaf task is scored by when none is given: ``TASK_METRICS``', else
+    its first (``metrics_of_task``)."""
+    known = TASK_METRICS.get(name)
+    return known[0] if known else (metrics_of_task(task) or [""])[0]
+
+
+def metrics_of_task(task: Any) -> list[str]:
+    """The ``metric,filter`` keys a built lm-eval Task will report (before running it)."""
+    config = task.config
+    names = [m["metric"] if isinstance(m["metric"], str) else m["metric"].__name__
+             for m in (config.metric_list or [])]
+    if not names:  # tasks without metric_list use their output type's defaults
+        names = list(task.aggregation().keys())
+    filters = [f["name"] for f in (config.filter_list or [])] or ["none"]
+    return [f"{name},{flt}" for flt in filters for name in names]

@@ -1,0 +1,355 @@
+"""Confirmation: the likeliest heads knocked out one at a time, in rounds, ranked by what
+they measured.
+
+A random design (the *screen*) and the attribution prior each name likely heads, and each
+misses some: the Lasso on a few masks is noisy, and attribution patching misses heads
+whose knockout saturates (a false negative it cannot see). Confirmation spends the rest
+of a budget on knocking out their candidates alone. A head measured alone has its effect
+measured, not estimated: the same quantity as an exhaustive one-head-at-a-time search, on
+the same examples.
+
+The candidates come in small rounds (``ROUND``). Each task's *sources* — every ranking
+the prior gives (``prior.PRIOR_POINTS``) and the screen — take turns, one head each, and
+the turns go on across rounds, so every source gets its share of the budget. Between
+rounds the screen is refitted with the confirmed heads' measured changes held fixed
+(``screen``): what the masks still cannot explain points at what is left to find, and
+the screen's order is informative all the way down (its Lasso's zeros ordered by the
+marginal contrast of the same residual, never by head index).
+
+A budget in measurement-equivalents is spent as the prior's allowance, masks and heads
+measured alone (``budget_split``; the defaults' 54 as 8 + 12 + 34 with a prior, 27 + 27
+without one: ``default_split``). Heads measured alone
+rank by one rule (``rank_measured``), whether a confirmation picked them or one-shot
+greedy measured every head.
+
+The procedure (``confirmation``) is a pure function of its sources and of what each
+round measured, and a round's picks do not depend on the budget, so a run with a larger
+``--confirm`` measures only what is new and a killed run resumes to the same picks.
+Everything works on flat head indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lm_eval_headloc.method.recovery import HeadLasso, harm, less_fixed, round_off
+
+__all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
+           "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split", "default_split",
+           "confirmation", "confirmed_order", "confirmed_top", "marginal_contrast",
+           "measured_changes", "prior_penalty_weights", "prior_rankings", "prior_weights",
+           "rank_measured", "screen", "tied_with_above"]
+
+#: Heads measured alone per round: small, so that each round's measurements steer the
+#: next picks, and a whole number of masks-per-pass batches on a GPU.
+ROUND = 5
+
+#: What a head measured alone changed, per task: (score change, logprob change).
+Changes = Mapping[int, tuple[float, float]]
+
+# --- the budget: the prior's allowance, masks, heads measured alone ----------------------
+
+#: Measurement-equivalents (one measurement: a forward pass over the example subset) set
+#: aside for the attribution prior, by ``--prior`` method. On the embedded model atp's
+#: forward and backward pass cost 3.2-3.6 measurements; atp-path's two passes and a
+#: forward for the answers at its second point 6.3-7.1 (RECOVERY.md times them).
+#: ig (integrated gradients over ``prior.IG_STEPS`` = 8 points, averaged) is allowed atp's
+#: per point (not timed yet; a test keeps the 8 in step with IG_STEPS).
+PRIOR_ALLOWANCE: dict[str, int] = {"none": 0, "atp": 4, "atp-path": 8, "ig": 4 * 8}
+
+#: The defaults' budget in measurement-equivalents: atp-path's allowance, then masks and
+#: heads measured alone.
+DEFAULT_BUDGET = 54
+
+#: The share of a budget, after the prior's allowance, spent on masks; the rest is heads
+#: measured alone. With a prior, 12 of the default budget's 46: the prior's rankings name
+#: most candidates, the masks' screen is one source in turn. Without one the screen names
+#: every candidate, and a screen of 12 masks is too weak to name them: half the budget on
+#: masks finds more of the exhaustive top-5 at the default budget than the prior's share,
+#: on the embedded model's stored measurements and in the simulator at 1,024 heads
+#: (docs/budget_split.md, ``python scripts/budget_split.py``).
+MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
+
+
+def budget_split(total: int, prior: str = "atp-path", share: float | None = None
+                 ) -> tuple[int, int]:
+    """(masks, heads measured alone) of a budget of ``total`` measurement-equivalents:
+    ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``share`` of the rest in masks
+    (default ``MASK_SHARE``'s, with a prior or without one for ``"none"``; rounded to the
+    nearest, halves to even), the remainder measured alone."""
+    if prior not in PRIOR_ALLOWANCE:
+        raise ValueError(f"prior={prior!r}: must be one of {', '.join(PRIOR_ALLOWANCE)}")
+    rest = int(total) - PRIOR_ALLOWANCE[prior]
+    masks = round(rest * (MASK_SHARE[prior != "none"] if share is None else share))
+    return masks, rest - masks
+
+
+def default_split(prior: str | None) -> tuple[int, int]:
+    """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
+    computes (``prior.PRIOR_POINTS``' key; None or ``"none"`` for none): without a prior
+    the whole default budget split for none (27 + 27); with one, the split measured for
+    atp-path (12 + 34), whichever it is (atp's and ig's allowances are estimates, not
+    timings)."""
+    return budget_split(DEFAULT_BUDGET, "none" if prior in (None, "none") else "atp-path")
+
+
+#: The defaults' split with a prior: 12 masks, 34 heads measured alone.
+DEFAULT_MASKS, DEFAULT_ALONE = default_split("atp-path")
+
+# --- the prior's part: its rankings and the screen's penalty weights ---------------------
+
+#: How much the prior eases the Lasso penalty of the head it finds most harmful: its
+#: penalty is divided by 1 + PRIOR_EASE (others by less; harmless-looking heads keep 1).
+PRIOR_EASE = 1.0
+
+
+def prior_penalty_weights(harm_estimates: np.ndarray, ease: float = PRIOR_EASE) -> np.ndarray:
+    """Per-head Lasso penalty factors from a prior's harm estimates (positive = the
+    knockout hurts): ``1 / (1 + ease * share)``, ``share`` the head's harm over the
+    largest. A mild adaptive Lasso: no head's penalty rises, so a head the prior misses
+    (a false negative) is found as without a prior."""
+    hurt = np.clip(np.asarray(harm_estimates, dtype=np.float64), 0.0, None)
+    top = hurt.max() if hurt.size else 0.0
+    share = hurt / top if top > 0 else np.zeros_like(hurt)
+    return 1.0 / (1.0 + ease * share)
+
+
+def prior_weights(estimates: np.ndarray | None) -> np.ndarray | None:
+    """The screen's penalty weights from a prior's estimates of the logprob's change
+    (``(points, heads)`` or one point; most negative = most harmful): the first point's,
+    the clean run's, eases the penalty of likely heads (``prior_penalty_weights``); None
+    without a prior."""
+    if estimates is None:
+        return None
+    return prior_penalty_weights(harm(np.atleast_2d(estimates)[0], higher_is_better=True))
+
+
+def prior_rankings(estimates: np.ndarray | None) -> list[list[int]]:
+    """The prior's rankings, one per point of ``estimates`` (``(points, heads)`` or one
+    point), most harmful (most negative estimated change of the logprob) first, equal
+    estimates in head order; [] without a prior."""
+    if estimates is None:
+        return []
+    return [[int(h) for h in np.argsort(point, kind="stable")]
+            for point in np.atleast_2d(estimates)]
+
+
+def prior_found_nothing(estimates: np.ndarray | None) -> bool:
+    """Whether every point of the prior estimated the same change for every head (up to
+    round-off: e.g. all 0 where no head's output reaches the answer): its rankings are
+    then the head index, not an order. False without a prior."""
+    if estimates is None:
+        return False
+    points = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
+    return bool(np.all(np.ptp(points, axis=1) <= round_off(points)))
+
+
+def marginal_contrast(design_matrix: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Per head: the mean score of the masks that knock it out minus the mean of those
+    that do not (0 for a head in every mask or in none: no evidence either way)."""
+    knocked_out = np.asarray(design_matrix, dtype=bool)
+    y = np.asarray(scores, dtype=np.float64)
+    count = knocked_out.sum(axis=0)
+    inside = knocked_out.T.astype(np.float64) @ y
+    with np.errstate(invalid="ignore", divide="ignore"):
+        contrast = inside / count - (y.sum() - inside) / (len(y) - count)
+    contrast[(count == 0) | (count == len(y))] = 0.0
+    return contrast
+
+
+@dataclass(frozen=True)
+class Screen:
+    """The masks' fit with some heads' changes held fixed: ``order`` lists the other
+    heads most harmful first (ties of the fit by marginal contrast, then by index),
+    ``effects`` is every head's estimate (the fixed ones' given changes), ``contrast``
+    every head's marginal contrast on the same residual."""
+
+    order: list[int]
+    effects: np.ndarray
+    contrast: np.ndarray
+    r2: float
+
+
+def screen(design_matrix: np.ndarray, scores: np.ndarray, higher_is_better: bool, *,
+           alpha: float = 0.01, penalty_weights: np.ndarray | None = None,
+           fixed: Mapping[int, float] | None = None, exclude: Iterable[int] = ()) -> Screen:
+    """Fit the masks (``HeadLasso``, intercept fitted) on the scores less each mask's sum
+    of the ``fixed`` heads' measured changes, over the heads not fixed. With nothing
+    fixed this is the plain compressed-sensing fit."""
+    knocked_out = np.asarray(design_matrix, dtype=bool)
+    y = np.asarray(scores, dtype=np.float64)
+    total = knocked_out.shape[1]
+    fixed = dict(fixed or {})
+    held = np.array(sorted(fixed), dtype=np.int64)
+    residual = less_fixed(knocked_out, y, fixed)
+    free = np.setdiff1d(np.arange(total), held)
+    effects = np.zeros(total)
+    effects[held] = [fixed[h] for h in held]
+    r2 = 0.0
+    if free.size and len(y) >= 2:
+        fit = HeadLasso(alpha=alpha, penalty_weights=penalty_weights,
+                        fixed_effects=fixed).fit(knocked_out, y)
+        effects, r2 = fit.coef_, fit.r2_
+    contrast = marginal_contrast(knocked_out, residual) if len(y) >= 2 else np.zeros(total)
+    excluded = {*map(int, exclude), *map(int, held)}
+    fitted_harm = harm(effects, higher_is_better)
+    contrast_harm = harm(contrast, higher_is_better)
+    order = sorted((int(h) for h in free if int(h) not in excluded),
+                   key=lambda h: (-fitted_harm[h], -contrast_harm[h], h))
+    return Screen(order, effects, contrast, float(r2))
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """What ``confirmation`` did: the heads picked in each round (in order), and per task
+    the heads its sources picked."""
+
+    rounds: list[list[int]]
+    picked_by: dict[str, list[int]]
+
+    @property
+    def heads(self) -> list[int]:
+        return [h for picks in self.rounds for h in picks]
+
+
+def confirmation(sources: Mapping[str, Sequence[Sequence[int]]],
+                 screens: Mapping[str, Callable[[Changes], Sequence[int]]],
+                 measure: Callable[[list[int]], Mapping[str, Changes]], budget: int, *,
+                 round_size: int = ROUND, skip: Iterable[int] = ()) -> Confirmation:
+    """Pick and measure up to ``budget`` heads alone, ``round_size`` per round.
+
+    ``sources``: per task, its fixed rankings (the prior's; likeliest first).
+    ``screens``: per task, the screen's ranking given the changes measured so far (a task
+    without one uses its fixed rankings alone). ``measure(heads)``: what those heads
+    changed, per task, as ``{head: (score change, logprob change)}`` for every head
+    measured so far (a head it cannot give, as in a bootstrap replay, stays unmeasured).
+    A round's picks: the tasks in turn, each task's next source in turn (fixed rankings,
+    then the screen) naming its likeliest head not yet picked, measured or in ``skip``.
+    """
+    tasks = list(sources)
+    left_out = {int(h) for h in skip}
+    turns = dict.fromkeys(tasks, 0)
+    picked_by: dict[str, list[int]] = {t: [] for t in tasks}
+    changes: dict[str, dict[int, tuple[float, float]]] = {t: {} for t in tasks}
+    picked: list[int] = []
+    rounds: list[list[int]] = []
+    while len(picked) < budget:
+        per_task = {t: [*sources[t], *([screens[t](changes[t])] if t in screens else [])]
+                    for t in tasks}
+        taken = set(picked) | left_out
+        batch: list[int] = []
+        size = min(round_size, budget - len(picked))
+        live = [t for t in tasks if per_task[t]]
+        while len(batch) < size and live:
+            for task in list(live):
+                head = _next_pick(per_task[task], turns, task, taken)
+                if head is None:
+                    live.remove(task)
+                    continue
+                batch.append(head)
+                picked_by[task].append(head)
+                taken.add(head)
+                if len(batch) == size:
+                    break
+        if not batch:
+            break  # every head measured or skipped
+        picked += batch
+        rounds.append(batch)
+        measured = measure(list(picked))
+        for task in tasks:
+            changes[task] = dict(measured.get(task, {}))
+    return Confirmation(rounds, picked_by)
+
+
+def alternated(orders: Sequence[Sequence[int]], count: int) -> list[int]:
+    """The first ``count`` distinct heads of ``orders`` taken in turn, each naming its
+    likeliest head not taken yet (one with none left passes its turn): what a
+    confirmation with these sources picks when nothing it measures steers the picks."""
+    return confirmation({"": orders}, {}, lambda _heads: {}, count, round_size=count).heads
+
+
+def _next_pick(orders: Sequence[Sequence[int]], turns: dict[str, int], task: str,
+               taken: set[int]) -> int | None:
+    """The task's next source's likeliest head not taken (a source with none left passes
+    its turn on); None when no source has one."""
+    for _ in range(len(orders)):
+        order = orders[turns[task] % len(orders)]
+        turns[task] += 1
+        head = next((int(h) for h in order if int(h) not in taken), None)
+        if head is not None:
+            return head
+    return None
+
+
+def measured_changes(reference: Mapping[str, Any], measured: Mapping[int, Mapping[str, Any]],
+                     task: str) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change) of ``task`` in each head's measurement
+    record (a run folder's: ``scores`` and, where recorded, ``logprob`` by task) against
+    the ``reference`` record's; a logprob not recorded counts as 0."""
+    def logprob(record: Mapping[str, Any]) -> float:
+        return float(record.get("logprob", {}).get(task, 0.0))
+
+    return {int(head): (record["scores"][task] - reference["scores"][task],
+                        logprob(record) - logprob(reference))
+            for head, record in measured.items()}
+
+
+def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
+    """The ranking rule of heads measured (``changes[head] = (score change, logprob
+    change)``): the most harmful score change first; equal score changes (a metric over
+    100 examples moves in steps of 0.01) by the larger drop of the logprob; equal both,
+    by head index. That last order is no evidence: ``tied_with_above`` says which heads
+    it ordered."""
+    return sorted((int(h) for h in changes), key=lambda h: (
+        -float(harm(changes[h][0], higher_is_better)), float(changes[h][1]), h))
+
+
+def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
+                    exclude: Iterable[int] = (), screen_effects: np.ndarray | None = None
+                    ) -> list[int]:
+    """The ranking: heads measured alone that hurt, by ``rank_measured``; then the heads
+    not measured whose ``screen_effects`` estimate hurts, in ``screen_order``; then the
+    heads measured to do no harm; then the rest of ``screen_order``. A measurement that
+    shows no harm is stronger evidence than an estimate that shows some, so it does not
+    outrank one (without ``screen_effects`` no estimate counts as harm). Heads in
+    ``exclude`` are left out."""
+    excluded = set(exclude)
+    measured = rank_measured({h: c for h, c in alone.items() if h not in excluded},
+                             higher_is_better)
+    hurts = [h for h in measured if harm(alone[h][0], higher_is_better) > 0]
+    harmless = measured[len(hurts):]  # rank_measured puts every harmful change first
+    rest = [int(h) for h in screen_order if h not in alone and h not in excluded]
+    implicated = [] if screen_effects is None else [
+        h for h in rest if harm(screen_effects[h], higher_is_better) > 0]
+    shown = set(implicated)
+    return hurts + implicated + harmless + [h for h in rest if h not in shown]
+
+
+def confirmed_top(alone: Changes, pool: Iterable[int], top_k: int,
+                  higher_is_better: bool) -> list[int]:
+    """The ``top_k`` heads of ``pool`` (all measured alone) with a harmful measured change,
+    most harmful first: what a confirmation that had measured only ``pool`` would report."""
+    order = confirmed_order({h: alone[h] for h in pool}, (), higher_is_better)
+    return [h for h in order[:top_k] if harm(alone[h][0], higher_is_better) > 0]
+
+
+def tied_with_above(order: Sequence[int], alone: Changes, fit: Screen | None = None
+                    ) -> list[int]:
+    """The heads of ``order`` whose evidence equals the head ranked just above them: the
+    same measured changes (both measured alone), or the same fitted effect and marginal
+    contrast (neither measured; without a ``fit``, a head not measured alone ties with
+    none). Their order between them is the head index, which says nothing: a ranking
+    must call them ties."""
+    def evidence(head: int) -> tuple:
+        if head in alone:
+            return ("alone", *alone[head])
+        if fit is None:
+            return ("unmeasured", head)
+        return ("fit", float(fit.effects[head]), float(fit.contrast[head]))
+
+    return [int(below) for above, below in zip(order, order[1:], strict=False)
+            if evidence(above) == evidence(below)]

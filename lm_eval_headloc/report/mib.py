@@ -1,0 +1,686 @@
+"""Export a run's head ranking for the Mechanistic Interpretability Benchmark (MIB).
+
+``write_mib`` turns one task's ``heads-<task>.json`` of a ``locate`` or ``greedy`` run into
+a node-level importance file of MIB's circuit-localization track (``MIB_FORMAT_VERSION``),
+so the run's heads can be scored by MIB's own evaluator (``run_evaluation.py --level
+node``) or submitted to its leaderboard. ``read_mib`` and ``check_mib`` read and check any
+file of that format (ours or MIB's).
+
+The format, as read in MIB's own code (hannamw/MIB-circuit-track at commit
+b759df34433c, whose EAP-IG submodule is hannamw/EAP-IG at commit 7af394a5662d;
+``src/eap/graph.py``: ``Graph.from_model``, ``Graph.to_json``, ``Graph.from_json``,
+``Graph.apply_topn``; ``MIB_circuit_track/evaluation.py``; the README's "Submitting to the
+MIB Leaderboard"):
+
+- a JSON object with ``cfg`` (``n_layers``, ``n_heads``, ``d_model``,
+  ``parallel_attn_mlp``: ``Graph.from_json`` builds the model's whole graph from these and
+  needs all four), ``nodes`` and ``edges``;
+- ``nodes``: node name -> ``{"in_graph": bool, "score": float}``. Names: ``input``,
+  ``a{layer}.h{head}`` (attention head, zero-based), ``m{layer}`` (the layer's MLP),
+  ``logits``. A node without ``score`` is unscored: node-level evaluation keeps it in every
+  circuit. ``logits`` is skipped by the loader. (A node may also carry ``neurons`` /
+  ``neurons_scores``, ``d_model`` long: MIB's neuron level scores the output dimensions of
+  a head or an MLP, not an MLP's hidden neurons.);
+- ``edges``: edge name (``parent->child``, ``parent->a{l}.h{h}<q|k|v>`` into a head) ->
+  ``{"score": float, "in_graph": bool}``; each must be an edge of the graph. Node-level
+  evaluation (``apply_topn(level="node")``) ranks the node scores and derives the edges
+  from the chosen nodes, so a node-level file may leave ``edges`` empty;
+- ranking: ``apply_topn`` keeps the top n nodes by score, highest first — signed for MIB's
+  CPR (``--absolute`` off), by absolute value for its CMD — so a larger score means a more
+  important node. MIB's own node scores (EAP's, exact patching's) are the task loss with the
+  node patched minus the clean loss: positive when the node helps the task;
+- a leaderboard submission is one folder per task and model, ``<task>_<model>`` with the
+  task hyphenated (``ioi_gpt2``, ``arc-easy_llama3``: ``MIB_CELLS``), holding one
+  importance file (``importances.json``, as ``run_attribution.py`` names it).
+
+What the export writes: every node of the model's graph, in ``Graph.from_model``'s order.
+A head's ``score`` is the task score's fall when the head is knocked out, in the metric's
+units (``-effect`` where higher is better, ``effect`` where lower is better): positive =
+the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
+estimate, as the run's ranking says; heads of equal fall (a Lasso's many zeros) are told
+apart by the run's further evidence, as its ranking file records it (``_ordered``), since
+MIB's top-n ranks by score alone. A head with no effect (``null``), excluded, or missing
+from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads run never
+knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
+is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
+is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
+task, the sign, what was left unscored, how the scores were ordered (``order``: which heads
+each evidence moved, which still share a score and why) and what the ranking says of its
+own evidence (ties, shared masks, heads measured alone, the spread of single knockouts);
+MIB's loader ignores it, and it marks the file as ours: an existing file without it is
+never overwritten.
+
+MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
+neurons is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.intervention.components import (
+    Head,
+    HeadSpecError,
+    describe_layers,
+    parse_heads,
+)
+
+__all__ = ["MARKER", "MIB_CELLS", "MIB_FORMAT_VERSION", "MIB_MODELS", "ExportError",
+           "MibFormatError", "check_mib", "is_mib_edge", "mib_graph", "mib_node_names",
+           "read_mib", "write_mib"]
+
+#: The format followed: MIB's circuit-localization track, node-level importance JSON as
+#: EAP-IG's ``Graph.to_json`` writes it and ``Graph.from_json`` reads it, at these commits.
+MIB_FORMAT_VERSION = ("mib-circuit-track node importances JSON "
+                      "(hannamw/MIB-circuit-track@b759df34433c, hannamw/EAP-IG@7af394a5662d)")
+
+#: The key of our record in an exported file (ignored by MIB's loader).
+MARKER = "headloc_export"
+_MADE_BY = "lm-eval-headloc"
+
+#: MIB's models: ``(n_layers, n_heads, d_model)`` of the graph its evaluator builds
+#: (query heads: it ungroups grouped-query attention). Layers and heads agree with the
+#: edge counts MIB's evaluation backend lists (gpt2 32491, qwen2.5 179749, gemma2 74218,
+#: llama3 1592881); d_model is gpt2's in MIB's example circuit and the others' configs'.
+MIB_MODELS: dict[str, tuple[int, int, int]] = {
+    "gpt2": (12, 12, 768), "qwen2.5": (24, 14, 896), "gemma2": (26, 8, 2304),
+    "llama3": (32, 32, 4096)}
+
+#: The leaderboard's task/model folders (MIB_circuit_track/utils.py's COL_MAPPING).
+MIB_CELLS: frozenset[str] = frozenset({
+    "ioi_gpt2", "ioi_qwen2.5", "ioi_gemma2", "ioi_llama3", "mcqa_qwen2.5", "mcqa_gemma2",
+    "mcqa_llama3", "arithmetic-addition_llama3", "arithmetic-subtraction_llama3",
+    "arc-easy_gemma2", "arc-easy_llama3", "arc-challenge_llama3"})
+
+_SCORE = ("the task score's fall when the head is knocked out, in the metric's units "
+          "(-effect where higher is better, +effect where lower is better): positive = the "
+          "head helps the task, as MIB's own node scores; heads of equal fall told apart "
+          "by the evidence in 'order'")
+_COMMANDS = ("locate", "greedy")
+#: What the ranking records of its own evidence, carried into our record as it is: which
+#: heads tie with the one above, share their masks, were measured alone, and the largest
+#: single help (harms no larger are within the spread of single knockouts).
+_EVIDENCE = ("tied_with_above", "same_masks", "confirmed", "largest_single_help",
+             "prior_found_nothing")
+_EVIDENCE_WORDS = ("a score's fall is measured for the heads in 'confirmed' (all of them "
+                   "after greedy), estimated by the fit otherwise; the ranking's own order "
+                   "calls a head in tied_with_above tied with the one ranked above it (the "
+                   "prior, which that order does not consult, may still tell them apart "
+                   "here), and a fall no larger than largest_single_help's change is within "
+                   "the spread of single knockouts")
+_ORDER_WORDS = ("every scored head is ordered by its evidence, compared in the order of "
+                "'by': a score is the head's fall, unless other heads have the same fall; "
+                "then the next evidence moves each of them in proportion to its own fall "
+                "there, by at most a third of the gap to the nearest other score, so no "
+                "score passes another and the sign still says help or harm (a group with "
+                "no other score beside it moves by those falls as they are). "
+                "tie_broken_by lists the heads each evidence moved (their falls are "
+                "heads-<task>.json's effects); ties lists the heads that still share a "
+                "score, and why: the only equal scores")
+_CFG_INTS = ("n_layers", "n_heads", "d_model")
+_NUMBER = re.compile(r"0|[1-9][0-9]*")  # MIB's node names have no leading zeros
+_HEAD_NODE = re.compile(rf"a({_NUMBER.pattern})\.h({_NUMBER.pattern})")
+_MLP_NODE = re.compile(rf"m({_NUMBER.pattern})")
+_EDGE = re.compile(r"(?P<parent>[^<>]+?)->(?P<child>[^<>]+?)(?:<(?P<qkv>[qkv])>)?")
+
+
+class ExportError(UserError):
+    """A run or an output path that cannot be exported (reported in one line)."""
+
+
+class MibFormatError(ExportError):
+    """A file or object that MIB's loader would not read as this format."""
+
+
+# --- the graph ---------------------------------------------------------------------------
+
+def mib_node_names(n_layers: int, n_heads: int) -> list[str]:
+    """Every node of MIB's graph of a model, in ``Graph.from_model``'s order: ``input``,
+    then per layer its heads ``a{l}.h{h}`` and its MLP ``m{l}``, then ``logits``."""
+    names = ["input"]
+    for layer in range(n_layers):
+        names += [f"a{layer}.h{head}" for head in range(n_heads)]
+        names.append(f"m{layer}")
+    return [*names, "logits"]
+
+
+def _stage(node: str, n_layers: int, n_heads: int, parallel: bool) -> tuple[str, int] | None:
+    """A node's kind and its place in the forward pass (a parent writes into every later
+    place), or None if the graph has no such node. In sequence, layer l's heads read the
+    residual stream before its MLP, which also reads them; in parallel both read the same
+    stream."""
+    if node == "input":
+        return "input", -1
+    if node == "logits":
+        return "logits", 2 * n_layers
+    if (match := _HEAD_NODE.fullmatch(node)) is not None:
+        layer, head = int(match.group(1)), int(match.group(2))
+        if layer < n_layers and head < n_heads:
+            return "head", layer if parallel else 2 * layer
+    elif (match := _MLP_NODE.fullmatch(node)) is not None:
+        layer = int(match.group(1))
+        if layer < n_layers:
+            return "mlp", layer if parallel else 2 * layer + 1
+    return None
+
+
+def is_mib_edge(name: str, n_layers: int, n_heads: int, parallel_attn_mlp: bool = False
+                ) -> bool:
+    """Whether ``name`` is an edge of MIB's graph of the model (``Graph.from_model``): every
+    node writes into every later head (once per input, ``<q>``, ``<k>``, ``<v>``), MLP and
+    the logits."""
+    match = _EDGE.fullmatch(name)
+    if match is None:
+        return False
+    parent = _stage(match.group("parent"), n_layers, n_heads, parallel_attn_mlp)
+    child = _stage(match.group("child"), n_layers, n_heads, parallel_attn_mlp)
+    if parent is None or child is None or parent[0] == "logits" or child[0] == "input":
+        return False
+    if (child[0] == "head") != (match.group("qkv") is not None):
+        return False  # an edge into a head names the head's input; no other edge does
+    return parent[1] < child[1]
+
+
+# --- checking a file -----------------------------------------------------------------------
+
+def _is_number(value: object) -> bool:
+    # NaN is a number here: Graph.to_json writes an unscored node's NaN score as it is.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_cfg(cfg: object) -> dict[str, Any]:
+    if not isinstance(cfg, Mapping):
+        raise MibFormatError("'cfg' must be an object with n_layers, n_heads, d_model and "
+                             f"parallel_attn_mlp, not {type(cfg).__name__}")
+    for key in _CFG_INTS:
+        value = cfg.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise MibFormatError(f"cfg {key} must be a whole number >= 1 (MIB's loader "
+                                 f"builds the model's graph from it), not {value!r}")
+    if not isinstance(cfg.get("parallel_attn_mlp"), bool):
+        raise MibFormatError("cfg parallel_attn_mlp must be true or false, not "
+                             f"{cfg.get('parallel_attn_mlp')!r}")
+    return dict(cfg)
+
+
+def _check_node(name: str, entry: object, d_model: int) -> bool:
+    """Check one node's entry as ``Graph.from_json`` reads it; returns whether it has a
+    score."""
+    if not isinstance(entry, Mapping):
+        raise MibFormatError(f"node {name!r} must be an object with 'in_graph', not "
+                             f"{type(entry).__name__}")
+    if not isinstance(entry.get("in_graph"), bool):
+        raise MibFormatError(f"node {name!r} needs 'in_graph' true or false (MIB's loader "
+                             f"reads it for every node but logits), not "
+                             f"{entry.get('in_graph')!r}")
+    if "score" in entry and not _is_number(entry["score"]):
+        raise MibFormatError(f"node {name!r} has score {entry['score']!r}; a score is a "
+                             "number (leave the key out for an unscored node)")
+    for key in ("neurons", "neurons_scores"):
+        values = entry.get(key)
+        if key in entry and not (isinstance(values, list) and len(values) == d_model
+                                 and all(_is_number(v) or isinstance(v, bool)
+                                         for v in values)):
+            raise MibFormatError(f"node {name!r}: {key} must be a list of {d_model} numbers "
+                                 "(one per d_model dimension)")
+    return "score" in entry
+
+
+def check_mib(obj: object, *, complete: bool = True, node_scores: bool = True) -> None:
+    """Raise ``MibFormatError`` (one line) unless MIB's loader reads ``obj`` as a graph.
+
+    The loader's checks (``Graph.from_json``, with ``Graph.from_model`` building the graph
+    from ``cfg``): the keys ``cfg``, ``nodes`` and ``edges``; ``cfg``'s four values; every
+    node and edge named one of the graph's (``is_mib_edge``), each node but ``logits``
+    with a boolean ``in_graph`` and, where given, a numeric ``score`` (and ``neurons`` /
+    ``neurons_scores`` of ``d_model`` numbers), each edge with a numeric ``score`` and a
+    boolean ``in_graph``. Besides, ``complete`` asks for every node but ``logits`` (the
+    loader would leave a missing one unscored, which is how ``Graph.to_json`` never writes
+    a file) and ``node_scores`` for at least one scored node (node-level evaluation
+    asserts that the graph has node scores).
+    """
+    if not isinstance(obj, Mapping):
+        raise MibFormatError(f"a MIB graph is a JSON object, not {type(obj).__name__}")
+    missing = [key for key in ("cfg", "nodes", "edges") if key not in obj]
+    if missing:
+        raise MibFormatError(f"missing key(s) {', '.join(missing)}: a MIB graph has cfg, "
+                             "nodes and edges")
+    cfg = _check_cfg(obj["cfg"])
+    layers, heads, d_model = (cfg[key] for key in _CFG_INTS)
+    parallel = cfg["parallel_attn_mlp"]
+    nodes, edges = obj["nodes"], obj["edges"]
+    if not isinstance(nodes, Mapping) or not isinstance(edges, Mapping):
+        raise MibFormatError("'nodes' and 'edges' must be JSON objects keyed by name")
+    scored = False
+    for name, entry in nodes.items():
+        if not isinstance(name, str) or _stage(name, layers, heads, parallel) is None:
+            raise MibFormatError(
+                f"unknown node {name!r} for cfg n_layers={layers}, n_heads={heads}: nodes "
+                f"are input, a{{0..{layers - 1}}}.h{{0..{heads - 1}}}, m{{0..{layers - 1}}} "
+                "and logits")
+        if name != "logits":  # the loader skips logits' entry
+            scored = _check_node(name, entry, d_model) or scored
+    if complete:
+        absent = [name for name in mib_node_names(layers, heads)[:-1] if name not in nodes]
+        if absent:
+            raise MibFormatError(f"{len(absent)} node(s) missing, first {absent[0]!r}: "
+                                 "Graph.to_json writes every node of the graph")
+    if node_scores and not scored:
+        raise MibFormatError("no node has a score; MIB's node-level evaluation needs node "
+                             "scores")
+    for name, entry in edges.items():
+        if not (isinstance(name, str) and is_mib_edge(name, layers, heads, parallel)):
+            raise MibFormatError(f"{name!r} is not an edge of the graph of cfg "
+                                 f"n_layers={layers}, n_heads={heads}, "
+                                 f"parallel_attn_mlp={str(parallel).lower()}")
+        if not (isinstance(entry, Mapping) and _is_number(entry.get("score"))
+                and isinstance(entry.get("in_graph"), bool)):
+            raise MibFormatError(f"edge {name!r} needs a numeric 'score' and 'in_graph' true "
+                                 "or false")
+
+
+def read_mib(path: str | Path, *, complete: bool = True, node_scores: bool = True
+             ) -> dict[str, Any]:
+    """A MIB importance file (``.json``), checked by ``check_mib``; errors name the
+    file."""
+    path = Path(path)
+    if path.suffix != ".json":
+        raise MibFormatError(f"{path}: MIB reads a graph from a .json (or .pt) file by its "
+                             "extension; this reads .json")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MibFormatError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MibFormatError(f"{path} is not readable JSON: {str(err).splitlines()[0]}") \
+            from None
+    try:
+        check_mib(data, complete=complete, node_scores=node_scores)
+    except MibFormatError as err:
+        raise MibFormatError(f"{path}: {err}") from None
+    return data
+
+
+# --- building one ----------------------------------------------------------------------------
+
+def _score(entry: Mapping[str, Any], higher_is_better: bool) -> float | None:
+    effect = entry.get("effect")
+    if effect is None:
+        return None
+    if not _is_number(effect):
+        raise ExportError(f"head {entry.get('head')}: effect {effect!r} is not a number")
+    if not math.isfinite(effect):
+        return None  # undefined: as the run's own files write it (null)
+    return (-effect if higher_is_better else effect) + 0.0  # + 0.0: no "-0.0" in the file
+
+
+#: The evidence a head's score is ordered by, most telling first (``_evidence``), each as
+#: the fall it points to (larger = knocking the head out hurts more) and in words.
+_LEVELS = {
+    "effect": "score change on knockout (measured alone, or else the fit's estimate)",
+    "logprob_change": "the gold answers' log-likelihood change, measured alone",
+    "contrast": "the masks' marginal contrast (the fit's own tie-break)",
+    "prior": "the attribution prior's estimates of the log-likelihood change",
+}
+#: How far a tied score may move toward the next distinct score on either side: a third of
+#: the gap, so two groups moving toward each other stay apart and no score passes another.
+_ROOM = 1 / 3
+
+
+def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
+              points: int) -> tuple[float, ...]:
+    """A head's evidence as falls (MIB's sign: positive = the head helps the task), in
+    ``_LEVELS``' order, one per prior point for the prior: its score's fall (``fall``),
+    its measured log-likelihood's, the fit's marginal contrast's, the prior's estimated
+    log-likelihood's; 0 for what the ranking does not record of it."""
+    def number(name: str, value: object) -> float:
+        if not (_is_number(value) and math.isfinite(value)):
+            raise ExportError(f"head {entry.get('head')}: {name} {value!r} is not a finite "
+                              "number")
+        return float(value)
+
+    logprob = entry.get("logprob_change")
+    contrast = entry.get("contrast")
+    prior = entry.get("prior")
+    if prior is not None and not (isinstance(prior, list) and len(prior) <= points):
+        raise ExportError(f"head {entry.get('head')}: prior {prior!r} is not a list of "
+                          f"at most {points} numbers")
+    estimates = [number("prior", value) for value in prior or ()]
+    estimates += [0.0] * (points - len(estimates))
+    return (fall,
+            0.0 if logprob is None else -number("logprob_change", logprob),
+            0.0 if contrast is None else (-1 if higher_is_better else 1)
+            * number("contrast", contrast),
+            *(-value for value in estimates))
+
+
+def _ordered(keys: list[tuple[float, ...]]) -> tuple[list[float], list[set[int]]]:
+    """Scores that order heads by their evidence ``keys`` (``_evidence``), compared level
+    by level, and for each head the levels that moved its score.
+
+    A head keeps its first level (its fall) unless another head has the same: then each
+    level in turn moves the heads still equal by their value there, in proportion to it
+    (the group's largest value by ``_ROOM`` of the gap to the next distinct score on its
+    side, 0 not at all), so a score's sign still says help or harm (MIB's CMD ranks by
+    the absolute score). A group with no other score beside it (every head alike) is
+    moved by its values as they are. Heads equal at every level keep one score."""
+    values = np.array(keys, dtype=np.float64).reshape(len(keys), -1)
+    scores = values[:, 0].copy()
+    moved: list[set[int]] = [set() for _ in keys]
+    for level in range(1, values.shape[1]):
+        distinct = np.unique(scores)
+        new = scores.copy()
+        for place, value in enumerate(distinct):
+            group = np.flatnonzero(scores == value)
+            evidence = values[group, level]
+            if group.size < 2 or np.all(evidence == evidence[0]):
+                continue
+            up = (distinct[place + 1] - value) * _ROOM if place + 1 < distinct.size else None
+            down = (value - distinct[place - 1]) * _ROOM if place > 0 else None
+            up, down = (up if up is not None else down), (down if down is not None else up)
+            largest = float(np.max(np.abs(evidence)))
+            shift = (evidence if up is None else
+                     np.where(evidence > 0, evidence * up, evidence * down) / largest)
+            new[group] = value + shift
+            for head in group[shift != 0]:
+                moved[head].add(level)
+        scores = new
+    return [float(score) + 0.0 for score in scores], moved
+
+
+def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
+    """Why heads share a score: the evidence they have alike, and what would tell them
+    apart that the run lacks."""
+    def all_are(measured: bool) -> bool:
+        evidence = "logprob_change" if measured else "contrast"
+        return all(e.get("measured_alone") is measured or e.get(evidence) is not None
+                   for e in entries)
+
+    recorded = [words for name, words in (("logprob_change", "log-likelihood change"),
+                                          ("contrast", "marginal contrast"),
+                                          ("prior", "prior estimates"))
+                if all(e.get(name) is not None for e in entries)]
+    kind = ("score change measured alone" if all_are(True) else
+            "fitted effect" if all_are(False) else "effect")
+    same = [kind, *recorded]
+    words = "the same " + (" and ".join(same) if len(same) < 3 else
+                           ", ".join(same[:-1]) + " and " + same[-1])
+    if not recorded:
+        return (words + "; the ranking file records nothing else of them (it was written "
+                "before rankings kept their evidence: refit the run, or rerun greedy)")
+    return words + ("; the run has no prior to tell them apart" if not points else "")
+
+
+def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float],
+            higher_is_better: bool) -> tuple[dict[Head, float], dict[str, Any]]:
+    """Each scored head's score (``_ordered`` over its ``_evidence``), from its ranking
+    entry and its fall, and our record of the order: the evidence compared, in order; the
+    heads each moved; the heads that still share a score, and why."""
+    points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
+                 default=0)
+    keys = {head: _evidence(entry, falls[head], higher_is_better, points)
+            for head, entry in scored.items()}
+    ordered, moved = _ordered(list(keys.values()))
+    scores = dict(zip(scored, ordered, strict=True))
+    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points)]
+    tie_broken: dict[str, list[str]] = {}
+    for head, levels in zip(scored, moved, strict=True):
+        for name in dict.fromkeys(level_names[level] for level in sorted(levels)):
+            tie_broken.setdefault(name, []).append(str(head))
+    sharing: dict[float, list[Head]] = {}
+    for head, score in scores.items():
+        sharing.setdefault(score, []).append(head)
+    ties = [{"heads": [str(h) for h in heads], "score": score,
+             "why": (_tie_words([scored[h] for h in heads], points)
+                     if len({keys[h] for h in heads}) == 1 else
+                     "evidence that differs by less than a float can tell apart")}
+            for score, heads in sharing.items() if len(heads) > 1]
+    return scores, {"by": [words for name, words in _LEVELS.items()
+                           if name != "prior" or points],
+                    "words": _ORDER_WORDS, "tie_broken_by": tie_broken, "ties": ties}
+
+
+def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
+              parallel_attn_mlp: bool = False) -> dict[str, Any]:
+    """MIB's node-level importance graph of a ranking (a ``heads-<task>.json``'s content)
+    for a model of ``n_layers`` layers of ``n_heads`` heads, ``d_model`` wide.
+
+    Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
+    (``-effect`` where higher is better, ``effect`` where lower is better), heads of equal
+    fall moved apart by the further evidence their entries record (``_scores``, said in
+    our record's ``order``); a head with no
+    effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
+    nodes in every circuit. ``in_graph`` is false but for ``logits``; ``edges`` is empty
+    (see the module's docstring). Neuron entries are refused: the format has no place
+    for an MLP's hidden neurons.
+    """
+    entries = heads_json.get("heads") if isinstance(heads_json, Mapping) else None
+    if not isinstance(entries, list):
+        raise ExportError("a ranking (heads-<task>.json) has a 'heads' list")
+    higher = heads_json.get("higher_is_better")
+    if not isinstance(higher, bool):
+        raise ExportError(f"the ranking's higher_is_better is {higher!r}; the sign of its "
+                          "effects cannot be read without it")
+    per_layer = heads_json.get("heads_per_layer", n_heads)
+    if per_layer != n_heads:
+        raise ExportError(f"the ranking has {per_layer} heads per layer, the model "
+                          f"{n_heads}")
+    falls: dict[Head, float | None] = {}
+    scored: dict[Head, Mapping[str, Any]] = {}  # the heads with a fall: entry, fall
+    known: dict[Head, float] = {}
+    for entry in entries:
+        if not isinstance(entry, Mapping) or "head" not in entry:
+            what = (entry.get("neuron") or entry.get("group")
+                    if isinstance(entry, Mapping) else None)
+            raise ExportError(
+                f"the ranking holds {what or repr(entry)}, not a head: MIB's node format "
+                "scores heads, MLPs and their d_model output dimensions, not an MLP's hidden "
+                "neurons; export a run that locates heads only")
+        try:
+            parsed = parse_heads([entry["head"]], n_layers, n_heads)
+        except HeadSpecError as err:
+            raise ExportError(f"the ranking's head {entry['head']!r}: {err}") from None
+        if len(parsed) != 1:
+            raise ExportError(f"the ranking's entry {entry['head']!r} names {len(parsed)} "
+                              "heads, not one")
+        head = parsed[0]
+        if head in falls:
+            raise ExportError(f"the ranking lists head {head} twice")
+        falls[head] = fall = _score(entry, higher)
+        if fall is not None:
+            scored[head], known[head] = entry, fall
+    scores, order = _scores(scored, known, higher)
+    nodes: dict[str, dict[str, Any]] = {}
+    for name in mib_node_names(n_layers, n_heads):
+        nodes[name] = {"in_graph": name == "logits"}
+        match = _HEAD_NODE.fullmatch(name)
+        score = None if match is None else scores.get(Head(int(match[1]), int(match[2])))
+        if score is not None:
+            nodes[name]["score"] = score
+    unscored = [str(Head(layer, head)) for layer in range(n_layers) for head in range(n_heads)
+                if scores.get(Head(layer, head)) is None]
+    return {
+        "cfg": {"n_layers": n_layers, "n_heads": n_heads,
+                "parallel_attn_mlp": bool(parallel_attn_mlp), "d_model": d_model},
+        "nodes": nodes,
+        "edges": {},
+        MARKER: {"made_by": _MADE_BY, "format": MIB_FORMAT_VERSION, "level": "node",
+                 "task": heads_json.get("task"), "metric": heads_json.get("metric"),
+                 "higher_is_better": higher, "baseline": heads_json.get("baseline"),
+                 "score": _SCORE, "unscored_heads": unscored,
+                 "unscored_nodes": "input, every MLP and the heads in unscored_heads "
+                                   "(never knocked out, or no effect): MIB keeps them in "
+                                   "every circuit; no edge is scored",
+                 "order": order,
+                 "evidence": {key: heads_json[key] for key in _EVIDENCE if key in heads_json},
+                 "evidence_words": _EVIDENCE_WORDS},
+    }
+
+
+# --- writing one from a run folder -------------------------------------------------------------
+
+def _is_ours(path: Path) -> bool:
+    """Whether ``path`` is a file an export of ours wrote (it carries our marker)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    marker = data.get(MARKER) if isinstance(data, dict) else None
+    return isinstance(marker, dict) and marker.get("made_by") == _MADE_BY
+
+
+def _model_shape(record: Any, run_folder: Path, model_args: str | None
+                 ) -> tuple[int, bool]:
+    """The run's model's width and whether its attention and MLP read the same residual
+    stream, as the run's config.json records them. ``model_args`` (``--model-args``): the
+    model read for them instead (its config alone), where the record does not say them (a
+    run from before runs recorded them) and the run's own model cannot be read here; it
+    must have the run's layers and heads, and the recorded width where there is one."""
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.runs.setup import config_geometry, model_config, resolve_model_args
+
+    recorded = (record.d_model, record.parallel_attn_mlp)
+    if model_args is None and isinstance(recorded[0], int) and isinstance(recorded[1], bool):
+        return recorded[0], recorded[1]
+    given = model_args is not None
+    try:
+        geometry = config_geometry(model_config(resolve_model_args(
+            model_args if given else record.spec.model_args)))
+    except UsageError as err:
+        if given:
+            raise ExportError(f"--model-args {model_args}: {err}") from None
+        raise ExportError(f"{run_folder}/config.json does not record the model's width (a run "
+                          f"from before runs recorded it), and the run's model cannot be read "
+                          f"here ({err}); give --model-args pretrained=<the model's folder or "
+                          "Hub name>, or --mib-model for one of MIB's models") from None
+    if given and ((geometry.num_layers, geometry.heads_per_layer)
+                  != (record.layers, record.heads_per_layer)
+                  or recorded[0] not in (None, geometry.d_model)):
+        raise ExportError(f"--model-args {model_args}: a model of {geometry.num_layers} "
+                          f"layers of {geometry.heads_per_layer} heads, "
+                          f"{geometry.d_model} wide; the run's has {record.layers} of "
+                          f"{record.heads_per_layer}"
+                          + (f", {recorded[0]} wide" if recorded[0] is not None else "")
+                          + ": not the run's model")
+    if geometry.d_model is None:
+        raise ExportError("the config of the run's model gives no hidden size; give "
+                          "--mib-model for one of MIB's models")
+    return geometry.d_model, geometry.parallel_attn_mlp
+
+
+def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, *,
+              d_model: int | None = None, parallel_attn_mlp: bool | None = None,
+              mib_model: str | None = None, model_args: str | None = None) -> Path:
+    """Write ``task``'s ranking of the locate or greedy run in ``run_folder`` to ``out``
+    as MIB's node-level importance file (``mib_graph``); returns ``out``.
+
+    ``task`` may be left out when the run has one. ``d_model`` and ``parallel_attn_mlp``
+    default to what the run's config.json records of its model (no model files read; a
+    run from before it recorded them: the model's config, or ``model_args``'s, the model
+    where it is now); ``mib_model`` (a ``MIB_MODELS`` name)
+    takes them from MIB's model instead, after checking that the run's model has its
+    layers and heads. ``out`` is a ``.json`` file outside the run folder (its folder is
+    made); an existing ``out`` is replaced only if an export of ours wrote it. Anything
+    else is a one-line ``ExportError`` (a ``UserError``).
+    """
+    from lm_eval_headloc.measurement.metrics import parse_task_metric
+    from lm_eval_headloc.runs.folder import RunFolder, enclosing_run
+    from lm_eval_headloc.runs.record import load_run  # torch and sklearn: only imported when needed
+
+    run_folder, out = Path(run_folder), Path(out)
+    record = load_run(run_folder)
+    if record.command not in _COMMANDS:
+        hint = (" (a sweep: export one of its cell folders, m<M>-p<P>/)"
+                if record.command == "sweep" else "")
+        raise ExportError(f"{run_folder} is a {record.command} run{hint}; MIB export reads "
+                          "the head ranking of a locate or greedy run")
+    if record.spec.components != "heads":
+        raise ExportError(f"{run_folder} locates {record.spec.components}: MIB's node format "
+                          "scores heads, MLPs and their d_model output dimensions, not an "
+                          "MLP's hidden neurons; export a run of --components heads")
+    tasks = [parse_task_metric(name)[0] for name in record.spec.tasks]
+    if task is None:
+        if len(tasks) != 1:
+            raise ExportError(f"{run_folder} ranks {len(tasks)} tasks ({', '.join(tasks)}); "
+                              "name the one to export")
+        task = tasks[0]
+    elif task not in tasks:
+        raise ExportError(f"task {task!r} is not one of {run_folder}'s: "
+                          f"{', '.join(tasks)}")
+    ranking = RunFolder(run_folder).ranking_file(task)
+    if not ranking.is_file():
+        raise ExportError(f"{run_folder} has no {ranking.name}: the run has not ranked its "
+                          "heads yet; finish it first")
+    layers, heads = record.layers, record.heads_per_layer
+    if not (isinstance(layers, int) and isinstance(heads, int)):
+        raise ExportError(f"{run_folder}/config.json records no model geometry (layers, "
+                          "heads_per_layer); finish the run first")
+    if record.head_layers is not None:
+        raise ExportError(f"{run_folder} is a run of a hybrid model, with heads in layers "
+                          f"{describe_layers(record.head_layers)} only; MIB's graph has "
+                          "heads in every layer")
+    if out.is_dir():
+        raise ExportError(f"{out} is a folder; give the file to write, e.g. "
+                          f"{out / 'importances.json'}")
+    if out.suffix != ".json":
+        raise ExportError(f"{out}: MIB reads a graph by its extension; write a .json file "
+                          "(e.g. <task>_<model>/importances.json)")
+    if out.is_symlink():
+        raise ExportError(f"{out} is a link; name the file itself (the link would be "
+                          "replaced by a file)")
+    if out.exists() and not _is_ours(out):
+        raise ExportError(f"{out} exists and is not an export of lm-eval-headloc; not "
+                          "overwritten: choose another path or remove it")
+    inside = enclosing_run(out.parent)  # the run exported, or any other run of ours
+    if inside is not None:
+        raise ExportError(f"{out} is inside the run folder {inside}, whose files are its "
+                          "command's alone; write it elsewhere")
+    if mib_model is not None and model_args is not None:
+        raise ExportError("--mib-model and --model-args both say the model's width; give one")
+    if mib_model is not None:
+        if mib_model not in MIB_MODELS:
+            raise ExportError(f"unknown MIB model {mib_model!r}; MIB's models: "
+                              f"{', '.join(MIB_MODELS)}")
+        mib_layers, mib_heads, mib_width = MIB_MODELS[mib_model]
+        if (layers, heads) != (mib_layers, mib_heads):
+            raise ExportError(f"the run's model has {layers} layers of {heads} heads, MIB's "
+                              f"{mib_model} {mib_layers} of {mib_heads}: not a run of it")
+        if d_model not in (None, mib_width):
+            raise ExportError(f"d_model={d_model}, but MIB's {mib_model} is {mib_width} wide")
+        if parallel_attn_mlp:
+            raise ExportError(f"parallel_attn_mlp=True, but MIB's {mib_model} runs attention "
+                              "and MLP in sequence")
+        d_model, parallel_attn_mlp = mib_width, False
+    if d_model is None or parallel_attn_mlp is None:
+        width, parallel = _model_shape(record, run_folder, model_args)
+        d_model = width if d_model is None else d_model
+        parallel_attn_mlp = parallel if parallel_attn_mlp is None else parallel_attn_mlp
+    try:
+        data = json.loads(ranking.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{ranking} is unreadable: {str(err).splitlines()[0]}") from None
+    try:
+        graph = mib_graph(data, n_layers=layers, n_heads=heads, d_model=d_model,
+                          parallel_attn_mlp=parallel_attn_mlp)
+    except ExportError as err:
+        raise ExportError(f"{ranking}: {err}") from None
+    graph[MARKER]["run"] = {"folder": str(run_folder), "command": record.command,
+                            "model_args": record.spec.model_args,
+                            "ablation": record.spec.ablation}
+    check_mib(graph)  # what we write, MIB's loader reads
+    text = json.dumps(graph, allow_nan=False) + "\n"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(out, lambda partial: partial.write_text(text))
+    except OSError as err:
+        raise ExportError(f"cannot write {out}: {err.strerror or err}") from None
+    return out

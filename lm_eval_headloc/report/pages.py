@@ -1,0 +1,665 @@
+"""What a run leaves for people: ranked head files, the heatmap, the markdown report.
+
+``write_ranking`` is the one writer of a ranking's files (heads.json/csv per task, the
+heatmap, report.md), used by locate, refit and greedy.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.checks import check_number
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.intervention.components import Component, Head, Neuron, format_heads
+from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup, column_label
+from lm_eval_headloc.method.head_types import HEAD_TYPES
+from lm_eval_headloc.method.recovery import STABLE, Stability, harm
+from lm_eval_headloc.runs.folder import RunFolder
+
+__all__ = ["TIE_EVIDENCE", "HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
+           "plot_heatmap", "ranked_heads_json", "ranking_from_json", "relative_drop",
+           "harmless_words", "recorded_harmless", "tie_words", "within_spread",
+           "write_ranking"]
+
+
+#: What a ranking records of each column beyond its effect, for orders that must tell equal
+#: effects apart (``export``): a column measured alone, its measured change of the gold
+#: answers' log-likelihood (the ranking's own tie-break among equal measured changes); one
+#: the fit estimated, its marginal contrast (mean score of the masks that knock it out
+#: less that of the others, on what the measured changes leave: the ranking's tie-break
+#: among equal fitted effects); and, where the run has a prior, its attribution estimates
+#: of the log-likelihood's change, one per path point.
+TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
+
+
+@dataclass
+class HeadRanking:
+    """One task's result: every column's (head's, or neuron's) estimated effect, most
+    harmful first."""
+
+    task: str
+    metric: str
+    higher_is_better: bool
+    baseline: float
+    effects: np.ndarray  # (columns,), score change from knocking out each; NaN unknown
+    order: list[int]  # column indices, most harmful first (excluded ones left out)
+    heads_per_layer: int
+    extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
+    stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
+    columns: Columns | None = None  # the component of each column; None: every head
+    head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
+    #: ``TIE_EVIDENCE`` name -> per column values (``prior``: (points, columns)); NaN (or
+    #: inf) where a column has none.
+    evidence: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.columns is None:
+            layers = max(1, len(self.effects) // self.heads_per_layer)
+            self.columns = Columns.heads(layers, self.heads_per_layer)
+
+    def top(self, k: int) -> list[Column]:
+        """The first ``k`` columns (all of them where fewer are ranked)."""
+        k = check_number(k, "k", whole=True, min_val=0)  # top(-1) was all but the last
+        return [self.columns[i] for i in self.order[:k]]
+
+    def top_knocked_out(self, k: int) -> list[Component]:
+        """What knocking out the top ``k`` columns knocks out (a group: its neurons)."""
+        return [c for i in self.order[:k] for c in self.columns.members(i)]
+
+    def effect(self, head: Component) -> float:
+        return float(self.effects[self.columns.index(head)])
+
+    def confidence(self, head: Component) -> dict[str, Any]:
+        """``selected`` (fraction of bootstrap refits with the head in the top-k) and
+        ``effect_interval`` (95 %); empty when the ranking has no bootstrap."""
+        if self.stability is None:
+            return {}
+        i = self.columns.index(head)
+        low, high = float(self.stability.low[i]), float(self.stability.high[i])
+        # None for a head measured alone (--confirm): one measurement has no spread.
+        return {"selected": float(self.stability.selected[i]),
+                "effect_interval": [low, high] if np.isfinite(low) else None}
+
+    def measured_alone(self, head: Component) -> bool | None:
+        """Whether ``head``'s effect was measured alone (``--confirm``), rather than
+        estimated; None when the run confirmed nothing."""
+        confirmed = self.extra.get("confirmed")
+        return None if confirmed is None else str(head) in confirmed
+
+    def harmless(self, k: int) -> list[Column]:
+        """The top-k columns whose effect (measured or estimated) does not hurt the task:
+        listed because a top-k has k places, not because the task needs them. An unknown
+        (NaN) effect is not among them."""
+        effects = {c: float(self.effects[self.columns.index(c)]) for c in self.top(k)}
+        return [c for c, e in effects.items()
+                if np.isfinite(e) and not harm(e, self.higher_is_better) > 0]
+
+    def settled(self, k: int) -> bool:
+        """Whether at least ``STABLE`` of the bootstrap refits put every top-k head in the
+        top-k hurting the task (``--masks auto``'s stop: a top-k place filled by a head that
+        does not hurt is not settled); True without a bootstrap."""
+        if self.stability is None:
+            return True
+        return all(self.stability.selected[self.columns.index(h)] >= STABLE
+                   for h in self.top(k))
+
+    def unstable(self, k: int) -> list[Component]:
+        """The top-k heads that hurt the task and that fewer than ``STABLE`` of the
+        bootstrap refits put in the top-k hurting it (a head that does not hurt is said as
+        such, ``harmless``; no refit counts it, so "unstable" would say it twice, wrongly)."""
+        if self.stability is None:
+            return []
+        harmless = set(self.harmless(k))
+        return [h for h in self.top(k) if h not in harmless
+                and self.stability.selected[self.columns.index(h)] < STABLE]
+
+
+def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
+    """How much of the baseline a knockout removed (positive = worse); NaN at a zero
+    baseline, where a relative drop is undefined."""
+    change = float(harm(score - baseline, higher_is_better))
+    return change / abs(baseline) if baseline else float("nan")
+
+
+def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
+    """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
+
+    Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
+    ``effect`` (null where no effect was estimated) — an MLP neuron's has ``neuron``
+    (L{layer}N{neuron}) and ``neuron_in_layer`` instead; with a bootstrap also ``selected``
+    (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
+    for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
+    from locate ``tied_with_above``: the head's evidence equals the head ranked above it
+    (their order is then the head index, which says nothing); and where recorded its
+    ``TIE_EVIDENCE``: ``logprob_change`` (measured alone), ``contrast`` (estimated by the
+    fit), ``prior`` (one estimate per prior point).
+    """
+    stability = {} if ranking.stability is None else {
+        "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
+                      "unstable_in_top_k": [str(h) for h in ranking.unstable(top_k)]}}
+    return {
+        "task": ranking.task, "metric": ranking.metric,
+        "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
+        "heads_per_layer": ranking.heads_per_layer,
+        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
+        "heads": [
+            {"rank": rank, **_name_fields(head),
+             "effect": ranking.effect(head), **ranking.confidence(head),
+             **_type_fields(ranking, head),
+             **_alone_field(ranking, head),
+             **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
+                if "tied_with_above" in ranking.extra else {}),
+             **_evidence_fields(ranking, head)}
+            for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
+        ],
+    }
+
+
+#: heads.json's keys that are not a ranking's ``extra`` (``ranked_heads_json``).
+_RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
+                 "bootstrap", "heads")
+
+
+def ranking_from_json(data: Mapping[str, Any], columns: Columns,
+                      head_types: Any = None) -> HeadRanking:
+    """The ranking a heads-<task>.json holds (``ranked_heads_json``'s inverse), over the
+    run's ``columns``: its order, effects (NaN for what it does not rank: excluded, never
+    knocked out, never measured), bootstrap and the rest (``extra``); ``head_types`` the
+    run's types.json. What ``ranked_heads_json`` writes of it is the file again."""
+    entries = data["heads"]
+    order = [columns.named(entry.get("head") or entry.get("neuron") or entry["group"])
+             for entry in entries]
+    effects = np.full(len(columns), np.nan)
+    for index, entry in zip(order, entries, strict=True):
+        effects[index] = np.nan if entry.get("effect") is None else entry["effect"]
+    evidence: dict[str, np.ndarray] = {}
+    for name in TIE_EVIDENCE:
+        given = [(index, entry[name]) for index, entry in zip(order, entries, strict=True)
+                 if entry.get(name) is not None]
+        if given:
+            values = np.full((*np.shape(given[0][1]), len(columns)), np.nan)
+            for index, value in given:
+                values[..., index] = value
+            evidence[name] = values
+    stability = None
+    if "bootstrap" in data:
+        selected, low, high = np.zeros(len(columns)), *np.full((2, len(columns)), np.nan)
+        for index, entry in zip(order, entries, strict=True):
+            selected[index] = entry["selected"]
+            if entry.get("effect_interval") is not None:
+                low[index], high[index] = entry["effect_interval"]
+        stability = Stability(selected, low, high, int(data["bootstrap"]["resamples"]))
+    return HeadRanking(
+        task=data["task"], metric=data["metric"], higher_is_better=data["higher_is_better"],
+        baseline=data["baseline"], effects=effects, order=order,
+        heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
+        extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
+        head_types=head_types, evidence=evidence)
+
+
+def _name_fields(component: Column) -> dict[str, Any]:
+    if isinstance(component, NeuronGroup):
+        # Its name means something only in its run: the neurons travel with it, as one
+        # '+'-joined name that ablate_file= and verify read as one entry of the ranking.
+        return {"group": str(component), "layer": component.layer,
+                "group_in_layer": component.group, "size": len(component.neurons),
+                "neurons": format_heads(component.members)}
+    if isinstance(component, Neuron):
+        return {"neuron": str(component), "layer": component.layer,
+                "neuron_in_layer": component.neuron}
+    return {"head": str(component), "layer": component.layer, "head_in_layer": component.head}
+
+
+def _type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+    # A head's attention-pattern scores (types.json), where the run has them.
+    if ranking.head_types is None or not isinstance(head, Head):
+        return {}
+    near = ranking.head_types.borderline(head.layer, head.head)
+    return {"types": ranking.head_types.of(head.layer, head.head),
+            "type": ranking.head_types.label(head.layer, head.head),
+            **({"type_borderline": near} if near else {})}
+
+
+def type_words(ranking: HeadRanking, head: Column) -> str:
+    """A head's dominant type and its score for a table ("induction (0.81)"), where the
+    probe cannot tell the type it is nearest to "induction? (0.30)", "-" for a head no type
+    stands out in, "" where the run has no types."""
+    fields = _type_fields(ranking, head)
+    if not fields:
+        return ""
+    label = fields["type"]
+    if label is None and fields.get("type_borderline"):
+        near = fields["type_borderline"][0]
+        return f"{near.replace('_', '-')}? ({fields['types'][near]:.2f})"
+    return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
+
+
+def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+    # A column's TIE_EVIDENCE, each only where it has one (finite).
+    index = ranking.columns.index(head)
+    fields: dict[str, Any] = {}
+    for name in TIE_EVIDENCE:
+        if name not in ranking.evidence:
+            continue
+        value = np.asarray(ranking.evidence[name][..., index], dtype=np.float64)
+        if np.isfinite(value).all():
+            fields[name] = value.tolist() if value.ndim else float(value)
+    return fields
+
+
+def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
+    alone = ranking.measured_alone(head)
+    return {} if alone is None else {"measured_alone": alone}
+
+
+def heads_table(ranking: HeadRanking) -> str:
+    """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown); with
+    a bootstrap also selected, effect_low, effect_high. A run with neurons has
+    ``component, kind, layer, index_in_layer`` instead of ``head, layer, head_in_layer``."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    boot = ranking.stability is not None
+    confirmed = "confirmed" in ranking.extra
+    neurons = ranking.columns.has_neurons
+    names = ["component", "kind", "layer", "index_in_layer"] if neurons else [
+        "head", "layer", "head_in_layer"]
+    typed = ranking.head_types is not None
+    writer.writerow(["rank", *names, "effect",
+                     *(["measured_alone"] if confirmed else []),
+                     *(["selected", "effect_low", "effect_high"] if boot else []),
+                     *([*HEAD_TYPES, "type"] if typed else [])])
+    for rank, head in enumerate(ranking.top(len(ranking.order)), start=1):
+        effect = ranking.effect(head)
+        kind = [_KIND[type(head)]] if neurons else []
+        row = [rank, str(head), *kind, head.layer, head[1],
+               f"{effect:.6g}" if np.isfinite(effect) else ""]
+        if confirmed:
+            row.append(int(bool(ranking.measured_alone(head))))
+        if boot:
+            confidence = ranking.confidence(head)
+            interval = confidence["effect_interval"]  # None: measured alone
+            row += [f"{confidence['selected']:.6g}",
+                    *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
+        if typed:
+            fields = _type_fields(ranking, head)
+            row += ([f"{fields['types'][t]:.6g}" for t in HEAD_TYPES] + [fields["type"] or ""]
+                    if fields else [""] * (len(HEAD_TYPES) + 1))
+        writer.writerow(row)
+    return out.getvalue()
+
+
+#: The heatmap's letter for each head type.
+_TYPE_LETTER = {"previous_token": "P", "duplicate_token": "D", "induction": "I",
+                "attention_sink": "S"}
+
+#: heads.csv's kind column.
+_KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
+
+
+def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = ""
+                 ) -> Any:
+    """Layers × heads image of each task's harm, its top-k heads circled (hatched when
+    fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are grey,
+    as are a hybrid model's layers without heads (white is "no change").
+    Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are not
+    touched."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
+    axes = fig.subplots(1, len(rankings), squeeze=False)[0]
+    for ax, ranking in zip(axes, rankings, strict=True):
+        if ranking.columns.heads_grid is None:  # neurons: no grid would be readable
+            _plot_top_list(ax, ranking, top_k)
+            continue
+        # Harmful is red whichever way the metric points: show -harm on a red-blue map.
+        shown = ranking.columns.grid_of(-harm(ranking.effects, ranking.higher_is_better))
+        finite = np.abs(shown[np.isfinite(shown)])
+        limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+        image = ax.imshow(np.ma.masked_invalid(shown), cmap="RdBu", vmin=-limit, vmax=limit,
+                          aspect="auto", interpolation="nearest")
+        for head in ranking.top(top_k):
+            ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
+                       linewidths=1.5)
+        typed = ranking.head_types is not None
+        if typed:  # each head a type stands out in, by its letter
+            for layer, row in enumerate(ranking.head_types.labels):
+                for head_index, label in enumerate(row):
+                    if label is not None:
+                        ax.text(head_index, layer, _TYPE_LETTER[label], ha="center",
+                                va="center", fontsize=6, color="dimgray")
+        unstable = ranking.unstable(top_k)
+        for head in unstable:
+            ax.add_patch(Rectangle((head.head - 0.5, head.layer - 0.5), 1, 1, fill=False,
+                                   hatch="////", edgecolor="black", linewidth=0))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        for axis in (ax.xaxis, ax.yaxis):  # a layer and a head are whole numbers
+            axis.set_major_locator(MaxNLocator(integer=True))
+        note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
+                f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
+        hybrid = len({c.layer for c in ranking.columns}) < shown.shape[0]
+        unknown = not np.isfinite(ranking.effects).all()
+        if hybrid or unknown:
+            ax.set_facecolor("0.8")  # not white: white is "no change" on this map
+        if hybrid:
+            note += "\ngrey rows: layers without attention heads"
+        if unknown:
+            note += "\ngrey: no estimate (never knocked out or not measured)"
+        shown_types = {label for row in ranking.head_types.labels for label in row} if typed \
+            else set()
+        if shown_types - {None}:
+            note += "\nletters: head types (" + ", ".join(
+                f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()
+                if name in shown_types) + ")"
+        ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8,
+                     label="score change on knockout" + ("" if ranking.higher_is_better
+                                                         else " (sign flipped)"))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    # Atomically: a kill mid-write never leaves a truncated figure.
+    write_atomically(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
+    return fig
+
+
+_COLOUR = {Head: "tab:blue", Neuron: "tab:red", NeuronGroup: "tab:orange"}
+
+#: Components a top list shows (a run with neurons has no layers x heads picture).
+TOP_LIST = 30
+
+
+def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
+    """The ranking's first ``TOP_LIST`` components as horizontal bars of their harm, the
+    top-k darker, hatched where unstable; heads and neurons in two colours."""
+    shown = ranking.top(TOP_LIST)
+    effects = np.array([ranking.effect(c) for c in shown], dtype=np.float64)
+    harms = np.nan_to_num(harm(effects, ranking.higher_is_better))
+    unstable = {str(c) for c in ranking.unstable(top_k)}
+    positions = np.arange(len(shown))[::-1]
+    for position, component, value, rank in zip(positions, shown, harms, range(len(shown)),
+                                                 strict=True):
+        ax.barh(position, value, color=_COLOUR[type(component)],
+                alpha=1.0 if rank < top_k else 0.45,
+                hatch="////" if str(component) in unstable else None, edgecolor="black",
+                linewidth=0.3)
+    ax.set_yticks(positions, [column_label(c) for c in shown], fontsize=7)
+    ax.axvline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("harm on knockout (how much worse the score gets)")
+    ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}\n"
+                 f"dark: top-{top_k}; red: MLP neurons, blue: heads"
+                 + ("; orange: neuron groups" if ranking.columns.has_groups else ""),
+                 fontsize=9)
+
+
+@timing.timed("report")
+def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
+                  title: str, report: Callable[[], str]) -> None:
+    """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
+    ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
+    with the folder's head types (types.json) each head's scores and type, in every one
+    of them."""
+    from lm_eval_headloc.commands.types import read_types
+
+    head_types = read_types(folder)
+    for ranking in rankings.values():
+        ranking.head_types = head_types
+    for task, ranking in rankings.items():
+        folder.write_json(folder.ranking_file(task).name, ranked_heads_json(ranking, top_k))
+        folder.write_text(folder.ranking_file(task, ".csv").name, heads_table(ranking))
+    first = next(iter(rankings.values()))
+    folder.write_json("heads.json", ranked_heads_json(first, top_k))
+    folder.write_text("heads.csv", heads_table(first))
+    plot_heatmap(list(rankings.values()), top_k, folder.file("heatmap.png"), title=title)
+    folder.write_text("report.md", report())
+
+
+def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
+    """Markdown rows of a ranking's top-k: rank, head, effect (and, with a bootstrap, how
+    often refits put the head in the top-k and the effect's 95 % interval)."""
+    unit = "component" if ranking.columns.has_neurons else "head"
+    typed = ranking.head_types is not None
+    type_head, type_rule = (" type (score) |", " --- |") if typed else ("", "")
+
+    def type_cell(head: Column) -> str:
+        return f" {type_words(ranking, head)} |" if typed else ""
+
+    if ranking.stability is None:
+        lines = [f"| rank | {unit} | {effect_label} |{type_head}",
+                 f"| --- | --- | --- |{type_rule}"]
+        return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
+                        f"{type_cell(head)}"
+                        for rank, head in enumerate(ranking.top(top_k), start=1)
+                        ] + _near_type_words(ranking, top_k)
+    lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k}, hurting, "
+             f"in {ranking.stability.resamples} bootstrap refits |{type_head}",
+             f"| --- | --- | --- | --- | --- |{type_rule}"]
+    harmless = set(ranking.harmless(top_k))
+    unstable = set(ranking.unstable(top_k))
+    for rank, head in enumerate(ranking.top(top_k), start=1):
+        confidence = ranking.confidence(head)
+        interval = confidence["effect_interval"]
+        shown = "measured alone" if interval is None else (
+            f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
+        selected = ("— (does not hurt)" if head in harmless else
+                    f"{confidence['selected']:.0%}" + (" (unstable)" if head in unstable else ""))
+        lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
+                     f"{shown} | {selected} |{type_cell(head)}")
+    return lines + _near_type_words(ranking, top_k)
+
+
+def _near_type_words(ranking: HeadRanking, top_k: int) -> list[str]:
+    """What a type with "?" in the table means, where one is shown."""
+    if not any(type_words(ranking, head).split(" ")[0].endswith("?")
+               for head in ranking.top(top_k)):
+        return []
+    return ["", "A type with ?: the head's probe score is within three of its standard "
+                "errors of that type's threshold (types.json's borderline), so another "
+                "probe may put it on either side; it is not labelled."]
+
+
+def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
+                   all_measured: bool = False) -> list[str]:
+    """The top-k places filled by components that do not hurt the task, said as such (a
+    top-k is not a claim that k were found). ``all_measured``: every effect is a
+    measurement (greedy); otherwise those measured alone (``--confirm``) are told from
+    the fit's estimates."""
+    harmless = ranking.harmless(top_k)
+    top = ranking.top(top_k)
+    if not harmless or _all_tied(ranking, top_k):  # tie_words says it then
+        return []
+    measured = [str(c) for c in harmless if all_measured or ranking.measured_alone(c)]
+    estimated = [str(c) for c in harmless if str(c) not in measured]
+    how = "; ".join(
+        [f"{', '.join(measured)}: measured {'' if all_measured else 'alone '}to do no harm"]
+        * bool(measured) + [f"{', '.join(estimated)}: no harm in the fit's estimate"]
+        * bool(estimated))
+    hurt = len(top) - len(harmless)
+    if not hurt:
+        return [f"Nothing found: none of the top-{len(top)} {unit}s hurts the task ({how}); "
+                "their order is no evidence of a role in it.", ""]
+    return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
+            f"the task; the other places are filled by {unit}s that do not ({how}). "
+            f"`ablate_top={hurt}` knocks out only what hurts.", ""]
+
+
+def largest_single_help(ranking: HeadRanking, all_measured: bool = False
+                        ) -> dict[str, Any] | None:
+    """The single knockout that helps the task most, as heads.json records it
+    (``largest_single_help``): ``{"head": name, "change": score change}``. Knocking out one
+    component flips a few examples either way, and such a help shows how large those flips
+    come (``within_spread``). ``all_measured``: every effect is a measurement (greedy);
+    otherwise only those measured alone (``--confirm``) count. None where fewer than two
+    were measured or none helps."""
+    higher = ranking.higher_is_better
+    # One component's knockout: a neuron group's (--neuron-groups) knocks out many, so
+    # its help is no measure of what one flips.
+    columns = [c for c in ranking.columns if np.isfinite(ranking.effect(c))
+               and (all_measured or ranking.measured_alone(c))
+               and not isinstance(c, NeuronGroup)]
+    if len(columns) < 2:
+        return None
+    helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
+    if not -harm(ranking.effect(helper), higher) > 0:
+        return None  # nothing measured helps: no spread to compare with
+    return {"head": str(helper), "change": ranking.effect(helper)}
+
+
+def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_better: bool
+                  ) -> bool:
+    """Whether a knockout's ``change`` hurts the task by more than ``largest_help``
+    (``largest_single_help``) helps it — by more than round-off: one example of 24 lost
+    and one gained differ in their last bits, not in what was measured."""
+    hurts = float(harm(change, higher_is_better))
+    helps = -float(harm(largest_help["change"], higher_is_better))
+    return hurts > helps and not math.isclose(hurts, helps, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def within_spread(ranking: HeadRanking, top_k: int) -> list[Column]:
+    """The top-k components that hurt the task by no more than the run's largest single
+    help (``largest_single_help`` in its extra): no evidence that the task needs them.
+    [] where none is recorded, or where the top-k has no order at all (all tied)."""
+    recorded = ranking.extra.get("largest_single_help")
+    if recorded is None or _all_tied(ranking, top_k):
+        return []
+    higher = ranking.higher_is_better
+    return [c for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
+            and harm(ranking.effect(c), higher) > 0
+            and not beyond_spread(ranking.effect(c), recorded, higher)]
+
+
+def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head") -> list[str]:
+    """Harms no larger than the run's own spread (``within_spread``), said as such: a
+    harm no larger than the largest help measured alone (a task at chance, say) is not
+    evidence that the task needs the component."""
+    within = within_spread(ranking, top_k)
+    if not within:
+        return []
+    recorded = ranking.extra["largest_single_help"]
+    beyond = [column_label(c) for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
+              and harm(ranking.effect(c), ranking.higher_is_better) > 0 and c not in within]
+    against = (f"knocking out one {unit} alone helps it ({recorded['head']}: "
+               f"{recorded['change']:+.4f})")
+    if not beyond:
+        return [f"Nothing beyond the spread of single knockouts: no top-{top_k} {unit} hurts "
+                f"the task by more than {against}; their order may reflect which examples "
+                f"happened to flip, not {unit}s the task needs.", ""]
+    return [f"Only {', '.join(beyond)} hurt{'s' if len(beyond) == 1 else ''} the task by "
+            f"more than {against}; the other top-{top_k} {unit}s that hurt do so by no "
+            "more, within the spread of single knockouts.", ""]
+
+
+def equal_change_words(ranking: HeadRanking, top_k: int, all_measured: bool = False
+                       ) -> list[str]:
+    """Top-k neighbours measured alike by the task's score but not tied, said as such:
+    ``confirm.rank_measured`` orders them by the gold answers' log-likelihood, which the
+    table does not show. Where the k-th is measured alike with those ranked after it, the
+    log-likelihood decided which of them is in the top-k: said too. ``all_measured``:
+    every effect is a measurement (greedy)."""
+    tied = set(ranking.extra.get("tied_with_above", []))
+
+    def alike(above: Column, below: Column) -> bool:
+        return (str(below) not in tied and ranking.effect(above) == ranking.effect(below)
+                and all(all_measured or ranking.measured_alone(c) for c in (above, below)))
+
+    groups: list[list[Column]] = []
+    top = ranking.top(top_k)
+    for above, below in zip(top, top[1:], strict=False):
+        if alike(above, below):
+            if groups and groups[-1][-1] == above:
+                groups[-1].append(below)
+            else:
+                groups.append([above, below])
+    left_out: list[Column] = []  # measured as the k-th is, ranked after it
+    # Only where the k-th hurts: places filled by harmless ones are harmless_words' to say.
+    if top and harm(ranking.effect(top[-1]), ranking.higher_is_better) > 0:
+        for below in ranking.top(len(ranking.columns))[len(top):]:
+            if not alike(left_out[-1] if left_out else top[-1], below):
+                break
+            left_out.append(below)
+    if left_out and not (groups and groups[-1][-1] == top[-1]):
+        groups.append([top[-1]])
+    if not groups:
+        return []
+    shown = [f"{', '.join(map(column_label, group))} ({ranking.effect(group[0]):+.4f})"
+             for group in groups]
+    if left_out:
+        names = ", ".join(map(column_label, left_out[:5])) + (
+            f" and {len(left_out) - 5} more" if len(left_out) > 5 else "")
+        shown[-1] += (f", and after the top-{len(top)} {names}, measured the same: the "
+                      f"log-likelihood decided which of them are in the top-{len(top)}")
+    return [f"The same measured change, ordered by the gold answers' log-likelihood change "
+            f"(the larger drop first): {'; '.join(shown)}.", ""]
+
+
+def recorded_harmless(path: Path) -> set[str]:
+    """The components a ranking file (heads-<task>.json) records as not hurting the task:
+    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
+    top-k lists such components when fewer hurt; their places say nothing of the task.
+    (An entry with no effect recorded is not among them.)"""
+    data = json.loads(path.read_text())
+    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
+    entries = data.get("heads", []) if isinstance(data, dict) else []
+    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
+            and not (-entry["effect"] if higher else entry["effect"]) > 0}
+
+
+def _all_tied(ranking: HeadRanking, top_k: int) -> bool:
+    tied = set(ranking.extra.get("tied_with_above", []))
+    top = [str(h) for h in ranking.top(top_k)]
+    return len(top) > 1 and all(h in tied for h in top[1:])
+
+
+def at_floor(ranking: HeadRanking) -> bool:
+    """Whether the task scores 0 by a higher-is-better metric with nothing knocked out
+    (accuracy 0): no knockout can lower it, so a ranking by the metric finds nothing."""
+    return ranking.higher_is_better and ranking.baseline == 0.0 and ranking.metric != "logprob"
+
+
+FLOOR_HINT = ("--signal logprob (the gold answers' log-likelihood, where the task has "
+              "them) can move")
+
+
+def floor_words(ranking: HeadRanking) -> list[str]:
+    """The report's line for a task at its floor (``at_floor``)."""
+    if not at_floor(ranking):
+        return []
+    return [f"The task scores 0 with nothing knocked out, so no knockout can lower it; "
+            f"{FLOOR_HINT}.", ""]
+
+
+def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
+    """Ties in the top-k (``ranking.extra["tied_with_above"]``) said as such: equal
+    evidence is no order. ``why_none``: why no head would stand out, in words."""
+    tied = set(ranking.extra.get("tied_with_above", []))
+    top = [str(h) for h in ranking.top(top_k)]
+    if _all_tied(ranking, top_k):
+        return [f"No head stands out: all {len(top)} listed heads have the same evidence "
+                f"({why_none}); their order is the head index.", ""]
+    groups: list[list[str]] = []
+    for head in top:
+        if head in tied and groups:
+            groups[-1].append(head)
+        else:
+            groups.append([head])
+    ties = [" = ".join(group) for group in groups if len(group) > 1]
+    below = ranking.top(top_k + 1)
+    if len(below) > top_k and str(below[top_k]) in tied:
+        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with heads "
+                    "below it)")
+    return [f"Tied (the same evidence; listed in head order): {'; '.join(ties)}.", ""] \
+        if ties else []

@@ -1,0 +1,479 @@
+"""A run as a value: the record config.json is written from, and the one reader of it.
+
+A measuring command (locate, greedy, sweep, verify) builds its run's record in memory as
+it goes, and writes config.json from it once per phase of the run, whole and atomically
+(``RunRecord.save``): never a read-modify-write of the file, never a value read back from
+disk to decide or report something. A locate run's record (``LocateRun``) also holds
+what has a file of its own — the design, the attribution prior, the measurements, the
+rankings — so its report and ranking files are rendered from the same value.
+
+``load_run`` is the one reader of a run folder's config.json (refit, verify, universal,
+the command line's printing). config.json carries a ``schema`` version (``CONFIG_SCHEMA``);
+a file without one was written before the field existed, and is read as the same layout
+with the defaults older folders need (``LocateRun``'s properties say which).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.intervention.components import Head, Neuron
+from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
+from lm_eval_headloc.measurement.metrics import parse_task_metric
+from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.pilot import UNFITTED
+from lm_eval_headloc.report.pages import HeadRanking, ranking_from_json
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder, RunFolderError
+from lm_eval_headloc.runs.spec import RunSpec, model_identity, same_model
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from lm_eval_headloc.intervention.geometry import Geometry
+    from lm_eval_headloc.runs.setup import Setup
+
+__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
+           "load_run", "mask_keys", "measured_on", "model_facts", "ranking_files", "read_rankings",
+           "start_run",
+           "stored_prior", "stored_priors"]
+
+
+log = logging.getLogger("lm_eval_headloc")
+
+
+def mask_keys(masks: int) -> list[str]:
+    """The measurement keys of a design's rows, when the run recorded none (no pilot)."""
+    return [f"mask-{i:04d}" for i in range(masks)]
+
+
+def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
+    """What config.json records of a measurement once the model is loaded: the example
+    subset and the examples used per task, which tasks it asks through the chat template
+    (decided from the tokenizer when --apply-chat-template is left out), the model
+    (``model_facts``), and the ablation (``None`` for a measurement that sets none)."""
+    return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
+            "chat_template": dict(sorted(measure.chat_template.items())),
+            **model_facts(setup.geometry, setup.model_fingerprint),
+            "ablation": getattr(measure, "ablation_config", None)}
+
+
+def model_facts(geometry: Geometry, fingerprint: str | None) -> dict[str, Any]:
+    """What config.json records of the run's model, from its config, so that the commands
+    reading a finished run (refit, export, read_rankings) need no model files: its
+    geometry (a hybrid's layers with heads only where not every layer has them; the MLP's
+    width, the residual stream's and the block layout where the config tells) and what
+    identifies a model loaded from a local folder (``engine.model_fingerprint``), so a
+    folder moved with its model can be pointed at the model's new place."""
+    return {"layers": geometry.num_layers, "heads_per_layer": geometry.heads_per_layer,
+            **({} if geometry.head_layers is None else
+               {"head_layers": list(geometry.head_layers)}),
+            "neurons_per_layer": geometry.neurons_per_layer, "d_model": geometry.d_model,
+            "parallel_attn_mlp": geometry.parallel_attn_mlp,
+            "model_fingerprint": fingerprint}
+
+
+@dataclass
+class RunRecord:
+    """What every measuring command's config.json records.
+
+    Fields left None were not recorded (or not yet: the phase that sets them has not
+    run) and are left out of the file, unless the run recorded them as null (``_nulls``:
+    a phase that decided "none"); keys this version does not know are kept as read
+    (``other``). So a folder read and written back keeps its keys.
+    """
+
+    command: str
+    identity: dict[str, Any]  # what resume compares; on resume, the stored one
+    settings: dict[str, Any]  # the fields the command may change on resume (refit's)
+    spec: RunSpec
+    versions: dict[str, str] | None = None  # package versions when the folder was made
+    created: str | None = None
+    # The measurement, once the model is loaded (``measured_with``).
+    example_subset: dict[str, list[int]] | None = None
+    examples_used: dict[str, int] | None = None
+    chat_template: dict[str, bool] | None = None  # leaf task -> asked through it
+    layers: int | None = None
+    heads_per_layer: int | None = None
+    head_layers: list[int] | None = None  # a hybrid model's layers with heads (else all)
+    # The MLP's width (a run locating neurons: as the loaded model has it), the residual
+    # stream's, the block layout and the model files' fingerprint (``model_facts``; None:
+    # a folder from before they were recorded, or a config that does not tell).
+    neurons_per_layer: int | None = None
+    d_model: int | None = None
+    parallel_attn_mlp: bool | None = None
+    model_fingerprint: str | None = None
+    ablation: dict[str, Any] | None = None
+    # Each session's phase timings (``timing.PhaseClock.snapshot``; a resumed run adds one).
+    timings: list[dict[str, Any]] | None = None
+    workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
+    other: dict[str, Any] = field(default_factory=dict)
+    # The config last written or read: a phase that changed nothing writes nothing.
+    _written: dict[str, Any] | None = field(default=None, init=False, repr=False,
+                                            compare=False)
+    # The keys whose None is written as null rather than left out.
+    _nulls: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # A run going on in this process (``started``): its saves record this session's
+    # timings after the earlier sessions'.
+    _earlier_timings: list[dict[str, Any]] | None = field(default=None, init=False,
+                                                           repr=False, compare=False)
+
+    #: The keys of config.json this class owns, in the order they are written.
+    KEYS: ClassVar[tuple[str, ...]] = (
+        "command", "identity", "settings", "spec", "versions", "created", "example_subset",
+        "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
+        "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
+        "ablation", "timings", "workers")
+
+    # --- reading -------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        """The record of a config.json (any schema up to ``CONFIG_SCHEMA``). The spec of a
+        folder made before config.json held it whole is its identity and settings, with
+        what options added since then did before they existed (``RunSpec.from_config``)."""
+        values = {key: config[key] for key in cls.KEYS
+                  if key in config and key not in ("spec", "settings")}
+        other = {key: value for key, value in config.items()
+                 if key not in cls.KEYS and key != "schema"}
+        record = cls(**values, settings=dict(config.get("settings", {})),
+                     spec=RunSpec.from_config(config), other=other)
+        record._written = dict(config)
+        record._nulls = {key for key, value in values.items() if value is None}
+        return record
+
+    @classmethod
+    def started(cls, config: Mapping[str, Any], spec: RunSpec) -> Self:
+        """The record of a run that starts (or resumes) in a folder whose config.json
+        ``RunFolder.start`` has just written: its command, identity, versions and
+        creation time as written there (a resumed run keeps the stored ones), this run's
+        spec, and nothing the run measures or decides — a resumed run decides again, so
+        a value from an earlier session with other settings is never carried over."""
+        stored = cls.from_config(config)
+        record = cls(command=stored.command, identity=stored.identity,
+                     settings=stored.settings, spec=spec, versions=stored.versions,
+                     created=stored.created, other=stored.other)
+        record._written = stored._written
+        record._earlier_timings = list(stored.timings or [])
+        return record
+
+    @property
+    def tasks(self) -> list[str]:
+        """The run's task names (its ``--tasks`` without metrics): what its files are
+        keyed by (a greedy run's ranking files too)."""
+        return [parse_task_metric(task)[0] for task in self.spec.tasks]
+
+    # --- phases --------------------------------------------------------------------
+
+    def measured_with(self, setup: Setup, measure: Any) -> None:
+        """Take what the measurement was made on (``measured_on``)."""
+        self._set(**measured_on(setup, measure))
+
+    def _set(self, **values: Any) -> None:
+        """Record ``values``; a None among them is recorded as null."""
+        for key, value in values.items():
+            setattr(self, key, value)
+            if value is None:
+                self._nulls.add(key)
+            else:
+                self._nulls.discard(key)
+
+    def to_config(self) -> dict[str, Any]:
+        """config.json's content: the schema version, then every recorded key, then the
+        keys this version does not know."""
+        config: dict[str, Any] = {"schema": CONFIG_SCHEMA}
+        for key in self.KEYS:
+            value = self.spec.as_config() if key == "spec" else getattr(self, key)
+            if value is not None or key in self._nulls:
+                config[key] = value
+        return {**config, **{k: v for k, v in self.other.items() if k not in config}}
+
+    def save(self, folder: RunFolder, measure: Any = None) -> bool:
+        """Write config.json from this record: one phase's one write. With a distributed
+        ``measure`` (``--workers``) its workers' shares so far are recorded too, and for a
+        run going on in this process (``started``) its timings so far. A record equal to
+        what was last written or read is not written again; returns whether it was
+        written."""
+        workers = None if measure is None else measure.workers_config()
+        if workers is not None:  # measured on workers: where, and their shares
+            self.workers = workers
+        clock = timing.current()
+        if self._earlier_timings is not None and clock is not None:
+            self.timings = [*self._earlier_timings, clock.snapshot()]
+        config = self.to_config()
+        as_read = json.loads(json.dumps(config))  # as it reads back (tuples as lists)
+        if as_read == self._written:
+            return False
+        folder.write_config(config)
+        self._written = as_read
+        return True
+
+
+@dataclass
+class LocateRun(RunRecord):
+    """A locate run: its record, and what it measured and fitted.
+
+    Phases and what each adds to config.json: *started* (``RunFolder.start``: command,
+    identity, settings, spec, versions, created); *measuring* (the model loaded: example
+    subset, examples used, geometry, ablation); *designed* (everything fixed before the
+    masks are measured: ``pilot`` with --sparsity auto, ``row_keys``, ``prior_used`` and
+    ``prior_method``); *measured* (``masks_used``, and ``confirm`` with --confirm). The
+    rankings follow from those and the files on disk; they are written as heads and
+    report files, not into config.json. (A resumed run's start keeps the stored config
+    with the new settings; its next phases write what this session decided.)
+    """
+
+    candidates: list[str] | None = None  # the neurons the design has columns for
+    never_neurons: list[str] | None = None  # --never-ablate's neurons: in no group either
+    pilot: dict[str, Any] | None = None  # --sparsity auto: the pilot's choice
+    row_keys: list[str] | None = None  # the measurement of each design row
+    prior_used: bool | None = None
+    prior_method: str | None = None  # a PRIOR_POINTS key, or None without a prior
+    prior_skipped: str | None = None  # why --prior auto computed none
+    masks_used: int | None = None  # measurements of masks (the pilot's included)
+    confirm: dict[str, Any] | None = None  # --confirm: the heads measured alone
+    # Held here, written to files of their own: design_matrix.npy, prior.json,
+    # measurements.jsonl, heads*.json / report.md.
+    design: np.ndarray | None = field(default=None, repr=False, compare=False)
+    priors: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False,
+                                               compare=False)
+    rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
+
+    KEYS: ClassVar[tuple[str, ...]] = (
+        *RunRecord.KEYS[:-1], "candidates", "never_neurons", "pilot", "row_keys",
+        "prior_used", "prior_method", "prior_skipped", "masks_used", "confirm",
+        RunRecord.KEYS[-1])
+
+    def set_prior(self, priors: dict[str, np.ndarray] | None, method: str | None,
+                  skipped: str | None = None) -> None:
+        """The designed phase's prior: the estimates (None: no prior) and the method (a
+        ``PRIOR_POINTS`` key); recorded as a pair, a run without one recording null, and
+        ``skipped``: why ``--prior auto`` computed none."""
+        self.priors = priors
+        self._set(prior_used=priors is not None, prior_method=method)
+        self.prior_skipped = skipped  # recorded only when there is a reason
+        if skipped is not None:
+            self._set(prior_skipped=skipped)
+
+    # --- what older folders leave out ------------------------------------------------
+
+    @property
+    def columns(self) -> Columns:
+        """The component of each design column: every head (a heads run, and every run
+        from before neurons), then the neuron candidates when the run locates neurons,
+        then the groups of the other neurons (``--neuron-groups``)."""
+        if not (isinstance(self.layers, int) and isinstance(self.heads_per_layer, int)):
+            raise ValueError("columns need the model's geometry (the measuring phase)")
+        return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
+                          self.candidates or (), self.spec.neuron_groups,
+                          self.neurons_per_layer, self.never_neurons or (), self.head_layers)
+
+    @property
+    def uses_prior(self) -> bool:
+        """Whether the fit is eased by prior.json (not recorded by the earliest folders:
+        then whether the spec asks for a prior)."""
+        return self.spec.prior in PRIOR_POINTS if self.prior_used is None \
+            else bool(self.prior_used)
+
+    @property
+    def prior_kind(self) -> str | None:
+        """The attribution prior computed (a ``PRIOR_POINTS`` key), or None. Folders from
+        before path points computed plain AtP and did not record its name."""
+        return (self.prior_method or "atp") if self.uses_prior else None
+
+    @property
+    def unfitted(self) -> int:
+        """Measurements of masks that are not design rows: --sparsity auto's pilot
+        measures a floor mask that only chooses the sparsity."""
+        return UNFITTED if self.pilot is not None else 0
+
+    @property
+    def masks_measured(self) -> int:
+        """The masks the run measured (--masks auto: before it stopped); folders that did
+        not record it measured their whole design."""
+        if self.masks_used is not None:
+            return self.masks_used
+        if self.design is None:
+            raise ValueError("masks_measured needs the design (read_data)")
+        return len(self.design)
+
+    def keys(self, rows: int | None = None) -> list[str]:
+        """The measurement keys of the first ``rows`` design rows (default: all)."""
+        if self.row_keys is not None:
+            keys = list(self.row_keys)
+        elif self.design is not None:
+            keys = mask_keys(len(self.design))
+        else:
+            raise ValueError("keys() needs the design (read_data) or recorded row_keys")
+        return keys if rows is None else keys[:rows]
+
+    # --- the files ---------------------------------------------------------------------
+
+    def read_data(self, folder: RunFolder) -> None:
+        """Read what the run's config.json points to: the design, the measurements and
+        (when the fit uses one) the attribution prior."""
+        path = folder.file("design_matrix.npy")
+        if not path.is_file():
+            raise RunFolderError(f"{folder.path} is incomplete (no {path.name}: its design "
+                                 "was never made); rerun the locate command to finish it")
+        self.design = np.load(path)
+        self.records = {record["key"]: record for record in folder.measurements()}
+        self.priors = column_prior(stored_priors(folder), self.columns, self.heads_per_layer,
+                                   self.neurons_per_layer) if self.uses_prior else None
+
+
+#: prior.json's key of each kind's estimates at a path point.
+PRIOR_KEYS = {"heads": "effects", "neurons": "neuron_effects"}
+
+
+def stored_priors(folder: RunFolder) -> dict[str, dict[str, np.ndarray]]:
+    """prior.json's per-task attribution estimates by kind: ``"heads"`` ``(points,
+    heads)`` in flat head order, ``"neurons"`` ``(points, layers x neurons)`` in flat
+    neuron order, each where the run computed it (a file from before path points holds
+    the clean run's heads alone)."""
+    path = folder.file("prior.json")
+    if not path.is_file():
+        raise RunFolderError(f"{folder.path} is incomplete (no prior.json, which its fit "
+                             "uses); rerun the locate command to finish it")
+    data = json.loads(path.read_text())
+    priors: dict[str, dict[str, np.ndarray]] = {}
+    for task, entry in data["tasks"].items():
+        points = entry["points"] if "points" in entry else [entry]
+        priors[task] = {kind: np.atleast_2d(np.asarray([p[key] for p in points],
+                                                       dtype=np.float64))
+                        for kind, key in PRIOR_KEYS.items() if key in points[0]}
+    return priors
+
+
+def stored_prior(folder: RunFolder) -> dict[str, np.ndarray]:
+    """prior.json's per-task estimates of the heads, ``(points, heads)``."""
+    return {task: kinds["heads"] for task, kinds in stored_priors(folder).items()}
+
+
+def column_prior(priors: Mapping[str, Mapping[str, np.ndarray]], columns: Columns,
+                 heads_per_layer: int, neurons_per_layer: int | None
+                 ) -> dict[str, np.ndarray]:
+    """Each task's estimates over a run's design columns, ``(points, columns)``: a head's
+    from the heads' estimates, a neuron's from the neurons'. A neuron group has none of its
+    own (+inf: the prior ranks it after everything and leaves its penalty as it is): its
+    neurons are the ones the prior passed over, so the masks alone speak for it."""
+    neuron = np.array([isinstance(c, Neuron) for c in columns], dtype=bool)
+    head = np.array([isinstance(c, Head) for c in columns], dtype=bool)
+    flat = np.array([c.layer * ((neurons_per_layer or 0) if isinstance(c, Neuron)
+                                else heads_per_layer) + c[1] for c in columns], dtype=np.int64)
+    out = {}
+    for task, by_kind in priors.items():
+        points = next(iter(by_kind.values())).shape[0]
+        values = np.full((points, len(columns)), np.inf, dtype=np.float64)
+        for kind, where in (("heads", head), ("neurons", neuron)):
+            if where.any():
+                values[:, where] = by_kind[kind][:, flat[where]]
+        out[task] = values
+    return out
+
+
+_RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun}
+
+
+def load_run(folder: RunFolder | str | Path) -> RunRecord:
+    """The record of the run in ``folder`` (a ``LocateRun`` for a locate run) from its
+    config.json, once the folder is checked (``RunFolder.read_checked``: names, geometry,
+    the other files agreeing with it; a config.json from a newer version is refused). The
+    files it points to are read on demand (``LocateRun.read_data``)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    config = folder.read_checked()
+    return _RECORDS.get(config["command"], RunRecord).from_config(config)
+
+
+#: The commands whose runs rank components (``heads-<task>.json``).
+RANKING_COMMANDS = ("locate", "greedy")
+
+
+def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Path]:
+    """The per-task ranking files (``heads-<task>.json``) of the locate or greedy run in
+    ``folder``; a one-line ``RunFolderError`` for another command's run or one that has
+    ranked nothing yet."""
+    record = load_run(folder) if record is None else record
+    if record.command not in RANKING_COMMANDS:
+        hint = (" (a sweep: give one of its cell folders, m<M>-p<P>/)"
+                if record.command == "sweep" else "")
+        raise RunFolderError(f"{folder.path} is a {record.command} run{hint}; give a "
+                             "locate or greedy run, which ranks heads")
+    # The run's own tasks' files only: another heads-x.json put here is no ranking of it.
+    files = [path for task in record.tasks if (path := folder.ranking_file(task)).is_file()]
+    if not files:
+        raise RunFolderError(f"{folder.path} has no heads-<task>.json; finish the run first")
+    return files
+
+
+def read_rankings(folder: RunFolder | str | Path) -> dict[str, HeadRanking]:
+    """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
+    as ``HeadRanking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
+    from lm_eval_headloc.commands.types import read_types
+
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    record = load_run(folder)
+    files = ranking_files(folder, record)
+    if not (isinstance(record.layers, int) and isinstance(record.heads_per_layer, int)):
+        raise RunFolderError(f"{folder.path} records no model geometry; finish the run first")
+    columns = record.columns if isinstance(record, LocateRun) else Columns.heads(
+        record.layers, record.heads_per_layer, record.head_layers)
+    head_types = read_types(folder)
+    rankings = {}
+    for path in files:
+        data = json.loads(path.read_text())
+        rankings[data["task"]] = ranking_from_json(data, columns, head_types)
+    return rankings
+
+
+def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = False,
+              identity: Mapping[str, Any] | None = None,
+              protect: Sequence[str | Path] = (), fingerprint: str | None = None
+              ) -> RunRecord:
+    """Start (or resume) ``command``'s run in ``folder`` — its first phase, one write of
+    config.json (``RunFolder.start``: the folder's identity checked, its lock taken) —
+    and return the run's record. ``identity``: the command's, when it is more than the
+    spec's (verify's, sweep's). ``fingerprint``: the model's (``engine.model_fingerprint``):
+    a run whose model was loaded from a local folder resumes with the model moved
+    elsewhere, named by ``--model-args`` there, when its files are the ones the run
+    recorded; the run then names the new place."""
+    identity = spec.identity(command) if identity is None else identity
+    moved = fingerprint is not None and _stored_fingerprint(folder) == fingerprint
+    folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
+                 protect=protect, assumed=RunSpec.assumed_for_old_runs(),
+                 same={"model_args": _same_files if moved else same_model})
+    record = _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
+    given = json.loads(json.dumps(identity)).get("model_args")
+    if moved and record.identity.get("model_args") != given:
+        log.info("%s: its model's files are at %s now (the same files as recorded); the run "
+                 "names that place from here on", folder.path, given)
+        record.identity = {**record.identity, "model_args": given}
+        record.save(folder)
+    return record
+
+
+def _stored_fingerprint(folder: RunFolder) -> str | None:
+    """The model fingerprint ``folder``'s config.json records, if any."""
+    try:
+        return folder.read_config().get("model_fingerprint") if folder.exists() else None
+    except RunFolderError:
+        return None
+
+
+def _same_files(given: str | None, stored: str | None) -> bool:
+    """Whether two runs' model args name one model, or its files moved (the fingerprints
+    are the same): the same arguments but for ``pretrained=``."""
+    if same_model(given, stored):
+        return True
+    if not (isinstance(given, str) and isinstance(stored, str)):
+        return False
+    ours, theirs = model_identity(given), model_identity(stored)
+    return {**ours, "pretrained": ""} == {**theirs, "pretrained": ""}

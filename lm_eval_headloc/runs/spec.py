@@ -1,0 +1,841 @@
+"""``RunSpec``: every option of a measuring run, defined once.
+
+A run of ``locate``, ``greedy``, ``sweep`` or ``verify`` is described by one frozen
+``RunSpec``, built from argparse (``RunSpec.from_namespace``) or from Python keyword
+arguments (``RunSpec(tasks=("gsm8k",), masks=200)``). Each field carries its own
+default, help text and role, so that:
+
+- the CLI's flags and defaults are generated from the fields (``add_options``), never
+  restated;
+- ``validate`` checks every value before anything is loaded;
+- ``identity(command)`` — what resume compares — is every field that can change the
+  command's measurements, so no option can be forgotten.
+
+Roles: ``result`` fields define what is measured; ``setting`` fields only change how
+the stored measurements are ranked (``refit`` may change them on a ``locate`` run);
+``runtime`` fields change how fast or how loudly a run goes, never its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.distributed.workers import RAY_TIMEOUT
+from lm_eval_headloc.intervention.ablation import ABLATIONS
+from lm_eval_headloc.measurement.signals import SIGNALS
+from lm_eval_headloc.method.columns import COMPONENTS
+from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
+from lm_eval_headloc.method.designs import DESIGNS
+from lm_eval_headloc.method.head_types import MAX_PROBE_ROWS, PROBE_ROWS
+
+__all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
+           "UsageError", "add_options", "command_spec", "flag_of", "parse_batch_size",
+           "parse_gen_kwargs"]
+
+DEFAULT_TASK = "headloc_induction"
+#: --masks and --confirm where neither is given and the run has no prior.
+NO_PRIOR_MASKS, NO_PRIOR_ALONE = default_split(None)
+#: --max-masks: where --masks auto stops when no top-k head settles.
+DEFAULT_MAX_MASKS = 300
+#: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
+PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "ig", "none")
+_SAME = object()  # _option's legacy: the same as the default
+RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
+#: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
+#: than this would keep a run fitting for hours after its last measurement.
+MAX_BOOTSTRAP = 10_000
+
+# Fields a command may change on a run folder it resumes (everything else that is not
+# runtime must match): locate's ranking can be refitted, greedy's top-k only trims files.
+# locate's masks too: a design's first M rows are the M-mask design, so more masks extend
+# a run and refit can fit on fewer; and its --confirm, whose picks do not depend on the
+# budget, so a larger one measures only what is new (refit measures nothing: not there).
+_REFITTABLE: dict[str, frozenset[str]] = {
+    "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks",
+                         "confirm", "group_tests"}),
+    "greedy": frozenset({"top_k"}),
+    # verify's random sets are drawn in turn from one seeded generator: more draws keep
+    # the first ones, so a larger --random-draws only measures the new sets.
+    "verify": frozenset({"random_draws"}),
+}
+
+
+def flag_of(name: str) -> str:
+    """A RunSpec field's command-line flag: ``num_fewshot`` -> ``--num-fewshot``."""
+    return "--" + name.replace("_", "-")
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    # A metric's filter also follows a comma (gsm8k:exact_match,strict-match); the engine
+    # re-joins such parts once it knows the task names.
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _number_or_word(value: float | str, flag: str, is_word: Any, allowed: str, *,
+                    whole: bool, **limits: Any) -> float | str:
+    """A number within ``limits`` (``check_number``), or a word ``is_word`` accepts; a
+    text that is neither is refused naming ``allowed``."""
+    if isinstance(value, str):
+        text = value.strip()
+        if is_word(text):
+            return text
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise UsageError(f"{flag} {value!r}: must be {allowed}") from None
+    return check_number(value, flag, whole=whole, **limits)
+
+
+def parse_batch_size(value: int | str) -> int | str:
+    """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
+    return _number_or_word(
+        value, "--batch-size",
+        # auto:N recomputes the batch size N times; lm-eval divides by N.
+        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit() and int(t[5:]) > 0),
+        "a whole number >= 1, 'auto' or 'auto:N' (N >= 1)", whole=True, min_val=1)
+
+
+def parse_masks(value: int | str) -> int | str:
+    """A whole number >= 2 (the fit needs two masks: one is an error after measuring it)
+    or ``auto``."""
+    return _number_or_word(value, "--masks", lambda t: t == "auto",
+                           "a whole number >= 2 or 'auto'", whole=True, min_val=2)
+
+
+def parse_examples_part(value: str | None) -> tuple[int, int] | None:
+    """``K/N`` as (K, N) with 1 <= K <= N, or None."""
+    if value is None:
+        return None
+    parts = str(value).split("/")
+    try:
+        index, count = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        index, count = 0, 0
+    if not 1 <= index <= count:
+        raise UsageError(f"--examples-part {value!r}: must be K/N with 1 <= K <= N, e.g. 1/2")
+    return index, count
+
+
+def parse_candidates(value: int | str) -> int | str:
+    """A whole number >= 1 or ``auto``."""
+    return _number_or_word(value, "--candidates", lambda t: t == "auto",
+                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
+
+
+def parse_sparsity(value: float | str) -> float | str:
+    """A number strictly between 0 and 1, or ``auto``."""
+    return _number_or_word(value, "--sparsity", lambda t: t == "auto",
+                           "a number strictly between 0 and 1, or 'auto'", whole=False,
+                           min_val=0, max_val=1, include_boundaries="neither")
+
+
+#: generate's numeric arguments that it refuses only once the model is loaded: each key ->
+#: (whole number?, lowest, lowest allowed?, highest). Its warpers take only a float for the
+#: real-valued ones (``temperature=2`` is a ValueError there) and an int for ``top_k``, so
+#: the values are made so here: ``temperature=0`` and ``0.0`` are also one run.
+_GENERATE_NUMBERS = {"temperature": (False, 0, True, None), "top_p": (False, 0, True, 1),
+                     "top_k": (True, 0, True, None), "min_p": (False, 0, True, 1),
+                     "repetition_penalty": (False, 0, False, None)}
+
+
+def _generate_number(key: str, item: Any) -> Any:
+    """``item`` as generate takes ``key`` (float, or int where whole), refused in one line
+    where it is not a number in ``key``'s range; a key without a range is kept as given."""
+    if key not in _GENERATE_NUMBERS:
+        return item
+    whole, low, low_allowed, high = _GENERATE_NUMBERS[key]
+    number = isinstance(item, (int, float)) and not isinstance(item, bool)
+    if number and whole and not float(item).is_integer():
+        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a whole number >= {low}")
+    if not number or item < low or (item == low and not low_allowed) or (
+            high is not None and item > high):
+        allowed = (f"between {low} and {high}" if high is not None
+                   else f"{'>=' if low_allowed else 'above'} {low}")
+        kind = "whole number" if whole else "number"
+        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a {kind} {allowed}")
+    return int(item) if whole else float(item)
+
+
+def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``--gen-kwargs`` as a dict, read as the ``lm_eval`` command reads its
+    ``--gen_kwargs``: a JSON object, or ``key=value,...`` whose values are Python literals
+    where they parse as one (``until=["\\n\\n"]``, ``max_gen_toks=256``, ``do_sample=true``).
+    Which keys a model's ``generate`` takes is checked once the tasks are known
+    (``engine.check_task_overrides``)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        parsed: Any = dict(value)
+    else:
+        text = str(value).strip()
+        if text.startswith("{"):
+            import json
+
+            try:
+                parsed = json.loads(text)
+            except ValueError as err:
+                raise UsageError(f"--gen-kwargs {value!r}: not a JSON object ({err})") \
+                    from None
+        else:
+            from lm_eval_headloc.measurement.lm_eval_output import cli_args_dict
+
+            try:
+                parsed = cli_args_dict(text) if "=" in text else None
+            except (ValueError, SyntaxError):
+                parsed = None
+            if parsed is None or any(not str(key).strip() for key in parsed):
+                raise UsageError(f"--gen-kwargs {value!r}: must be key=value pairs joined by "
+                                 "commas (e.g. max_gen_toks=256,temperature=0) or a JSON "
+                                 "object")
+            parsed = {str(key).strip(): item for key, item in parsed.items()}
+    if not isinstance(parsed, dict) or not parsed:
+        raise UsageError(f"--gen-kwargs {value!r}: must name at least one generation argument "
+                         "(e.g. max_gen_toks=256)")
+    tokens = parsed.get("max_gen_toks", 1)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UsageError(f"--gen-kwargs max_gen_toks={tokens!r}: must be a whole number >= 1")
+    for key, item in parsed.items():
+        number = isinstance(item, (int, float)) and not isinstance(item, bool)
+        if number and not math.isfinite(item):
+            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a finite number")
+        parsed[key] = _generate_number(key, item)
+    if "do_sample" in parsed and not isinstance(parsed["do_sample"], bool):
+        raise UsageError(f"--gen-kwargs do_sample={parsed['do_sample']!r}: must be true or "
+                         "false")
+    until = parsed.get("until")
+    if until is not None and not (isinstance(until, str) or (
+            isinstance(until, list) and all(isinstance(u, str) for u in until))):
+        raise UsageError(f"--gen-kwargs until={until!r}: must be a string or a list of "
+                         "strings")
+    if isinstance(until, str):  # lm-eval's generate_until reads one string as [it]
+        parsed["until"] = [until]
+    return parsed
+
+
+def _canonical_gen_kwargs(value: Any) -> Any:
+    """``gen_kwargs`` as one JSON text with sorted keys, so that a run resumed with the
+    same arguments in another order, as JSON instead of key=value, or with a value written
+    otherwise (``temperature=0`` for ``0.0``, ``until="Q:"`` for ``["Q:"]``) is the same
+    run; a value that does not parse is left
+    for ``validate`` to refuse in one line."""
+    import json
+
+    try:
+        parsed = parse_gen_kwargs(value)
+    except UsageError:
+        return value
+    return None if parsed is None else json.dumps(parsed, sort_keys=True)
+
+
+def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
+            metavar: str | None = None, whole: bool | None = None,
+            min_val: float | None = None, max_val: float | None = None,
+            include_boundaries: str = "both", choices: Sequence[str] | None = None,
+            switch: Any = None, legacy: Any = _SAME) -> Any:
+    """A RunSpec field with what the CLI and ``validate`` need to know about it.
+
+    ``switch``: a yes/no option — ``"store_true"`` or ``argparse.BooleanOptionalAction``.
+    ``legacy``: the value that gives what run folders made before the field existed did,
+    when that is not the default (``RunSpec.assumed_for_old_runs``).
+    """
+    number = None if whole is None else dict(whole=whole, min_val=min_val, max_val=max_val,
+                                             include_boundaries=include_boundaries)
+    return field(default=default, metadata=dict(
+        help=help, role=role, parse=parse, metavar=metavar, number=number, choices=choices,
+        switch=switch, legacy=default if legacy is _SAME else legacy))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Every option of a measuring run (see the module docstring)."""
+
+    # --- what is measured ------------------------------------------------------------
+    model_args: str | None = _option(
+        None, "hf model_args, e.g. pretrained=meta-llama/Llama-3.1-8B,dtype=bfloat16 "
+              "(default: the embedded SmolLM2-135M-Instruct)", metavar="ARGS")
+    tasks: tuple[str, ...] = _option(
+        (DEFAULT_TASK,), "comma-separated lm-eval tasks, each optionally TASK:METRIC; a "
+                         "task YAML's path is its task (its folder is included)",
+        parse=_comma_list, metavar="TASKS")
+    include_path: tuple[str, ...] = _option(
+        (), "a folder of your own lm-eval task YAMLs (repeatable); our task_configs are "
+            "always included", metavar="DIR")
+    num_samples: int = _option(
+        100, "examples per task, the same seeded subset in every measurement",
+        parse=int, metavar="N", whole=True, min_val=1)
+    seed: int = _option(0, "seed of the example subset and the design", parse=int,
+                        whole=True, min_val=0)
+    examples_part: str | None = _option(
+        None, "take the examples from part K of N disjoint parts of each task's documents "
+              "(a shuffle seeded by --seed, cut in N): runs on 1/2 and 2/2 share no "
+              "example, for headloc-harness overlap", metavar="K/N")
+    design_seed: int | None = _option(
+        None, "seed of the masks alone, so designs can vary on the same examples "
+              "(default: --seed)", parse=int, metavar="SEED", whole=True, min_val=0)
+    apply_chat_template: bool | None = _option(
+        None, "ask through the chat template (default: for generation tasks when the "
+              "model has one)", switch=argparse.BooleanOptionalAction)
+    num_fewshot: int | None = _option(
+        None, "as lm-eval's --num_fewshot: examples in each prompt's few-shot context, for "
+              "every task whose YAML does not fix it at 0 (default: each task's own)",
+        parse=int, metavar="N", whole=True, min_val=0)
+    system_instruction: str | None = _option(
+        None, "as lm-eval's --system_instruction: a system prompt before every prompt (the "
+              "chat template's system message where a task is asked through it, else text "
+              "before the prompt)", metavar="TEXT")
+    gen_kwargs: str | None = _option(
+        None, "as lm-eval's --gen_kwargs: generation arguments of the generation tasks, "
+              "key=value pairs joined by commas or a JSON object, e.g. "
+              "max_gen_toks=256,temperature=0 (default: each task's own)", metavar="ARGS")
+    signal: str = _option(
+        "metric", "what each measurement scores: the task's metric (as lm-eval reports it) "
+                  "or logprob, the mean log-likelihood of the gold answers (continuous; "
+                  "generation tasks teacher-forced on their reference answer)",
+        choices=SIGNALS)
+    never_ablate: str | None = _option(
+        None, "heads kept out of every mask, and so out of the ranking (L0H1+L2H3 or a head "
+              "file, e.g. universal.json); a run that locates MLP neurons takes neurons too "
+              "(L3N12, L3N*), which are then no candidate and in no group",
+        metavar="HEADS|FILE")
+    ablation: str = _option(
+        "zero", "what a knocked-out head's output becomes: zero; mean, its mean over the "
+                "reference set's tokens; resample, its output on another example of the "
+                "reference set", choices=ABLATIONS)
+    scale: float = _option(
+        0.0, "knocked-out heads' outputs become replacement + S x (output - replacement): 0 "
+             "replaces them, 1 leaves them as they are, 2 amplifies (with --ablation zero: "
+             "the output doubled)", parse=float, metavar="S", whole=False)
+    ablation_data: str | None = _option(
+        None, "reference set of --ablation mean or resample: a text file (one example per "
+              "line), a JSONL file (its text field) or an lm-eval task (default: the run's "
+              "tasks on its example subset)", metavar="FILE|TASK")
+    ablation_field: str | None = _option(
+        None, "with a JSONL --ablation-data: the field that holds each example's text "
+              "(default: text)", metavar="FIELD")
+    # --- locate's design ---------------------------------------------------------------
+    components: str = _option(
+        "heads", "what is located: attention heads, MLP neurons (L3N1234: the attribution "
+                 "prior picks --candidates of the model's neurons, which the masks and the "
+                 "confirmation then search as they search heads), or both",
+        choices=COMPONENTS)
+    candidates: int | str = _option(
+        "auto", "with neurons: the neurons the prior's rankings name first that get a "
+                "column in the design (auto: as many as the model has heads, so the "
+                "default budget covers them as it covers the heads)",
+        parse=parse_candidates, metavar="C")
+    neuron_groups: int = _option(
+        0, "with neurons: also cut each layer's neurons outside the candidates into G "
+           "groups, one design column each (a mask knocks out the whole group), so a "
+           "neuron the prior passed over still shows, through its group (0: none)",
+        parse=int, metavar="G", whole=True, min_val=0)
+    probe_rows: int = _option(
+        PROBE_ROWS, "rows of the head-type probe (random tokens repeated twice): more rows, "
+                    "fewer heads too near a type's threshold to be labelled", parse=int,
+        metavar="N", whole=True, min_val=2, max_val=MAX_PROBE_ROWS,
+        legacy=4)  # 4: the rows before the option
+    design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
+    # --masks and --confirm: None is the default budget's split for the run's prior
+    # (confirm.default_split), or on a resumed run the run's own (RunSpec.budgeted).
+    masks: int | str | None = _option(
+        None,
+        "measurements (masks) in the design; rerun with more to extend a run, refit "
+            "with fewer to see it shorter; auto: measure in rounds until every top-k head "
+            "is stable in the bootstrap (or --max-masks) (default: "
+            f"{DEFAULT_MASKS} with an attribution prior, {NO_PRIOR_MASKS} without one; a "
+            "resumed run keeps its own)", parse=parse_masks, metavar="M")
+    max_masks: int = _option(DEFAULT_MAX_MASKS, "with --masks auto: the most masks measured",
+                             parse=int, metavar="M", whole=True, min_val=1)
+    sparsity: float | str = _option(
+        0.1, "fraction of heads knocked out per mask; auto: the largest of 0.02, 0.05, "
+              "0.1, 0.2 whose pilot masks stay clear of the score's floor (the pilot's "
+              "masks count towards --masks and join the fit)", parse=parse_sparsity,
+        metavar="P")
+    prior: str = _option(
+        "auto", "atp: attribution patching of the logprob signal (one forward + backward "
+                "pass) eases the Lasso penalty of heads it finds harmful, never excluding "
+                "any, and its ranking takes turns with the masks' in naming --confirm's "
+                "candidates; atp-path: the same, and a second pass with every head half "
+                "ablated, whose ranking takes a turn too (it sees heads whose effect the "
+                "clean run's gradient hides); ig: integrated gradients, the attribution "
+                "averaged over 8 points of the path to every head ablated (8 passes); "
+                "saved as prior.json and ranked in the report; "
+                "auto: atp-path where the tasks have gold answers and the model is "
+                "decoder-only, else none",
+        choices=PRIORS, legacy="none")
+    confirm: int | None = _option(
+        None,
+        "after the masks, knock out this many heads one at a time, in rounds of 5: "
+            "the prior's rankings and the masks' fit (redone after each round with the "
+            "measured heads held fixed) name one each in turn; those that hurt rank first, "
+            "by what they measured (0: rank by the fit alone; rerun with more to measure "
+            f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
+            "without one; a resumed run keeps its own)",
+        parse=int, metavar="N", whole=True, min_val=0, legacy=0)
+    group_tests: int | None = _option(
+        None,
+        "after --confirm, this many more measurements knock out the heads not measured "
+            "alone together in small groups, those the fit implicates first, then those "
+            "the masks covered least; a group that drops a task by its top-k's entry bar "
+            "(the k-th measured harm) is halved until the heads behind it are measured "
+            "alone; report.md's certificate says what the groups ruled out (rerun with "
+            "more to test more; default 0: at the default budget the simulator found more "
+            "of the top-5 with the same measurements spent alone, docs/budget_split.md; a "
+            "resumed run keeps its own)",
+        parse=int, metavar="N", whole=True, min_val=0, legacy=0)
+    # --- ranking -----------------------------------------------------------------------
+    alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
+                           parse=float, whole=False, min_val=0, include_boundaries="neither")
+    top_k: int = _option(5, "heads reported (and knocked out by verify and cross)", SETTING,
+                         parse=int, metavar="K", whole=True, min_val=1)
+    exclude: str | None = _option(
+        None, "heads kept out of the ranking (L0H1+L2H3 or a head file); a run that locates "
+              "MLP neurons takes neurons too (L3N12)", SETTING, metavar="HEADS|FILE")
+    bootstrap: int = _option(
+        200, "refits on resampled measurements that give each head's stability (how "
+             "often it makes the top-k) and its effect's 95 % interval", SETTING,
+        parse=int, metavar="B", whole=True, min_val=1, max_val=MAX_BOOTSTRAP)
+    # --- greedy ------------------------------------------------------------------------
+    rounds: int = _option(1, "1: one-shot greedy (N measurements); K: iterative, K*N",
+                          parse=int, metavar="K", whole=True, min_val=1)
+    # --- verify ------------------------------------------------------------------------
+    general: tuple[str, ...] | None = _option(
+        None, "general tasks for the Gen drop (default: hellaswag,boolq,arc_challenge,mmlu; "
+              "for the embedded model, which runs offline, the headloc_induction, "
+              "headloc_ioi and headloc_arith tasks that are not the run's own)",
+        parse=_comma_list, metavar="TASKS")
+    limit: int | None = _option(None, "examples per task (default: full datasets)",
+                                parse=int, metavar="N", whole=True, min_val=1)
+    random_draws: int = _option(
+        5, "random sets as large as each task's top-k, of the same kind, drawn (seeded by "
+           "the run's --seed) from the components outside it and outside --exclude and "
+           "--never-ablate, each knocked out like it: what its drop is compared with (0: "
+           "none; rerun with more to add draws)", parse=int, metavar="R", whole=True,
+        min_val=0)
+    # --- how, not what -------------------------------------------------------------------
+    batch_size: int | str | None = _option(
+        None, "batch size: a number, 'auto' or 'auto:N' (default: 32, but a generation task "
+              "on a GPU puts all its examples in one batch where memory allows, as auto)",
+        RUNTIME, parse=parse_batch_size, metavar="N")
+    masks_per_pass: int | None = _option(
+        None, "masks evaluated together in one forward pass, or one generate call for "
+              "greedy generation (default: 1 on CPU, from free memory on a GPU; halved for "
+              "the rest of the run if a pass runs out of GPU memory)", RUNTIME, parse=int,
+        metavar="K", whole=True, min_val=1)
+    workers: int = _option(
+        1, "measure on N Ray workers, each loading the model once (a local Ray unless "
+           "--ray-address; needs pip install 'lm-eval-headloc[ray]')", RUNTIME, parse=int,
+        metavar="N", whole=True, min_val=1)
+    ray_address: str | None = _option(
+        None, "with --workers: join this Ray cluster (e.g. auto, or HOST:6379 from ray "
+              "start --head)", RUNTIME, metavar="ADDR")
+    ray_timeout: float = _option(
+        RAY_TIMEOUT, "with --ray-address: seconds the address may take to answer; checked "
+                     "before the model loads, it ends the run in one line if nothing "
+                     "answers", RUNTIME, parse=float, metavar="SECONDS", whole=False,
+        min_val=0, max_val=86400, include_boundaries="right")  # a thread's wait must fit
+    gpus_per_worker: float | None = _option(
+        None, "with --workers: GPUs per worker (default 1 where CUDA is available, else 0; "
+              "more than 1 spreads the model over them with parallelize=True on one node)",
+        RUNTIME, parse=float, metavar="G", whole=False, min_val=0)
+    confirm_run_unsafe_code: bool = _option(
+        False, "allow tasks that execute model-written code (mbpp, humaneval)", RUNTIME,
+        switch="store_true")
+    verbose: bool = _option(False, "show lm-eval's per-measurement logging", RUNTIME,
+                            switch="store_true")
+    output_path: str | None = _option(
+        None, "as lm-eval's --output_path: also evaluate each knockout with lm-eval itself "
+              "and write its results file there (results_<date>.json in a folder named "
+              "for the model and what was knocked out)", RUNTIME, metavar="DIR")
+    log_samples: bool = _option(
+        False, "as lm-eval's --log_samples: with --output-path, also each document's "
+               "sample (samples_<task>_<date>.jsonl)", RUNTIME, switch="store_true")
+    progress: bool = _option(True, "show progress bars", RUNTIME)  # Python API only
+
+    def __post_init__(self) -> None:
+        # Sequences become tuples, so a spec is hashable and compares by value; a string
+        # is a comma-separated list (one folder for include_path).
+        for name in ("tasks", "include_path", "general"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,) if name == "include_path" else _comma_list(value)
+            elif value is not None and not isinstance(value, Iterable):  # tasks=5
+                raise UsageError(f"{flag_of(name)} {value!r}: give names, comma-separated "
+                                 "or as a list")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "gen_kwargs", _canonical_gen_kwargs(self.gen_kwargs))
+        # Components given as a list (a notebook's ["L0H1", Head(2, 3)]) are the names the
+        # command line would give: one '+'-joined string, as config.json records it.
+        for name in ("exclude", "never_ablate"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, "+".join(map(str, value)) or None)
+
+    # --- construction ------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def runtime_fields(cls) -> frozenset[str]:
+        """The fields that change how a run goes, never what it measures (batch size,
+        masks per pass, workers, progress bars…)."""
+        return frozenset(f.name for f in fields(cls) if f.metadata["role"] == RUNTIME)
+
+    @staticmethod
+    def refittable(command: str) -> frozenset[str]:
+        """The fields ``command`` may change on a run folder it resumes (refit's)."""
+        return _REFITTABLE.get(command, frozenset())
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace, **overrides: Any) -> RunSpec:
+        """The spec of a parsed command line (flags it does not have keep the defaults)."""
+        given = {name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)}
+        return cls(**{**given, **overrides})
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RunSpec:
+        """The spec a run folder's config.json recorded."""
+        # Folders made before config.json held the whole spec: identity + settings.
+        # A field the folder does not record did not exist yet: what it did then.
+        recorded = {**cls.assumed_for_old_runs(), **config.get("identity", {}),
+                    **config.get("settings", {}), **config.get("spec", {})}
+        return cls(**{k: v for k, v in recorded.items() if k in cls.field_names()})
+
+    @property
+    def design_rows(self) -> int:
+        """Masks in the design: ``masks``, or ``max_masks`` for ``masks="auto"`` (after
+        ``budgeted``: a spec with no ``masks`` has no design yet)."""
+        if self.masks is None:
+            raise ValueError("masks=None: the run's prior decides it (RunSpec.budgeted)")
+        return self.max_masks if self.masks == "auto" else self.masks
+
+    @property
+    def budget_given(self) -> bool:
+        """Whether ``masks`` and ``confirm`` are both set (given, or ``budgeted``)."""
+        return self.masks is not None and self.confirm is not None
+
+    def keeping_budget(self, stored: RunSpec) -> RunSpec:
+        """This spec with ``masks`` and ``confirm`` that are None (left out) taken from
+        ``stored``, each where it has one: a run stopped before its budget was split
+        stored only what was given, and a bare rerun keeps that."""
+        return self.replace(**{name: getattr(stored, name)
+                               for name in ("masks", "confirm", "group_tests")
+                               if getattr(self, name) is None
+                               and getattr(stored, name) is not None})
+
+    def budgeted(self, prior: str | None, stored: RunSpec | None = None) -> RunSpec:
+        """This spec with ``masks`` and ``confirm`` set where they are None: ``stored``'s
+        (the run being resumed: a rerun without them keeps what it measured), else the
+        default budget's split for ``prior``, the prior the run computes (``None``: none;
+        ``confirm.default_split``)."""
+        spec = self if stored is None else self.keeping_budget(stored)
+        masks, alone = default_split(prior)
+        return spec.replace(masks=masks if spec.masks is None else spec.masks,
+                            confirm=alone if spec.confirm is None else spec.confirm,
+                            group_tests=spec.group_tests or 0)
+
+    @property
+    def masks_seed(self) -> int:
+        """The seed the design (and its bootstrap) is drawn with."""
+        return self.seed if self.design_seed is None else self.design_seed
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return dataclasses.replace(self, **changes)
+
+    # --- checks --------------------------------------------------------------------------
+
+    def validate(self) -> RunSpec:
+        """Check every value that can be checked without the model; returns self."""
+        for spec_field in fields(self):
+            value = getattr(self, spec_field.name)
+            flag = flag_of(spec_field.name)
+            meta = spec_field.metadata
+            if meta["number"] is not None and value is not None:
+                check_number(value, flag, **meta["number"])
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise UsageError(f"{flag} {value!r}: must be one of {', '.join(meta['choices'])}")
+            if meta["switch"] is not None and value not in (None, True, False):
+                raise UsageError(f"{flag} {value!r}: must be True or False")
+        if not isinstance(self.progress, bool):  # "no" would draw the bars regardless
+            raise UsageError(f"progress={self.progress!r}: must be True or False")
+        if not self.tasks:
+            raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
+        if self.general is not None and not self.general:
+            raise UsageError("--general is empty; name at least one task or leave it out")
+        if self.batch_size is not None:
+            parse_batch_size(self.batch_size)
+        if self.masks is not None:
+            parse_masks(self.masks)
+        parse_sparsity(self.sparsity)
+        parse_candidates(self.candidates)
+        parse_examples_part(self.examples_part)
+        parse_gen_kwargs(self.gen_kwargs)
+        if parse_candidates(self.candidates) != "auto" and "neurons" not in self.components:
+            raise UsageError(f"--candidates {self.candidates}: the candidates are MLP "
+                             "neurons; add --components neurons or heads+neurons")
+        if self.neuron_groups and "neurons" not in self.components:
+            raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
+                             "neurons; add --components neurons or heads+neurons")
+        if self.group_tests and self.confirm == 0:
+            raise UsageError(f"--group-tests {self.group_tests}: group tests look for what "
+                             "the heads measured alone left out; give --confirm N > 0 too "
+                             "(or leave --confirm out for the default)")
+        if "neurons" in self.components and self.prior == "none":
+            raise UsageError(f"--components {self.components} needs the attribution prior "
+                             "(--prior auto, atp, atp-path or ig): the masks, too few for every "
+                             "neuron, search the ones it names first")
+        if self.output_path is not None:
+            where = Path(self.output_path)
+            if not str(self.output_path).strip():
+                raise UsageError("--output-path '': give a folder for lm-eval's results files")
+            # lm-eval writes into a folder, or beside a .json file name (never into it).
+            if where.exists() and not where.is_dir() and where.suffix != ".json":
+                raise UsageError(f"--output-path {self.output_path}: exists and is not a "
+                                 "folder; lm-eval writes its results files into a folder")
+        if self.log_samples and self.output_path is None:
+            raise UsageError("--log-samples: give --output-path too (the samples are written "
+                             "there, as lm-eval does)")
+        if self.ablation_data is not None and self.ablation == "zero":
+            raise UsageError(f"--ablation-data {self.ablation_data!r}: a reference set is for "
+                             "--ablation mean or resample; zero ablation uses none")
+        if self.ablation_field is not None and self.ablation_data is None:
+            raise UsageError(f"--ablation-field {self.ablation_field!r}: names a field of a "
+                             "JSONL --ablation-data; give that file too")
+        for name in ("model_args", "never_ablate", "exclude", "ablation_data",
+                     "ablation_field", "ray_address", "system_instruction"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"{flag_of(name)} {value!r}: must be a string")
+        # Empty means "the default" only when left out: '' is a mistake, not the embedded
+        # model or the current folder.
+        if self.model_args is not None and not self.model_args.strip():
+            raise UsageError("--model-args '': give pretrained=<model> (or leave it out for "
+                             "the embedded SmolLM2)")
+        for name in ("never_ablate", "exclude"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise UsageError(f"{flag_of(name)} '': give components (L0H1+L2H3) "
+                                 "or a head file, or leave it out for none")
+        if self.model_args is not None:
+            given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
+            refused = {**{name: f"give it as {flag}, which the run records"
+                          for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
+            clash = sorted(given & set(refused))
+            if clash:
+                raise UsageError(f"--model-args {clash[0]}=...: {refused[clash[0]]}")
+        if self.system_instruction is not None and not self.system_instruction.strip():
+            raise UsageError("--system-instruction '': give the instruction's text, or leave "
+                             "it out for none")
+        if self.ablation_data is not None and not self.ablation_data.strip():
+            raise UsageError("--ablation-data '': give a file or a task, or leave it out for "
+                             "the run's tasks")
+        if any(not str(folder).strip() for folder in self.include_path):
+            raise UsageError("--include-path '': give a folder of task YAMLs")
+        return self
+
+    # --- identity ----------------------------------------------------------------------
+
+    def identity(self, command: str) -> dict[str, Any]:
+        """The fields that define ``command``'s measurements, as JSON values: a run folder
+        made with other values is refused rather than resumed. Those are the fields every
+        measuring command shares and ``command``'s own options (``COMMAND_OPTIONS``):
+        locate's design does not make a greedy run's measurements, so a changed default
+        of ``--masks`` does not refuse a greedy folder."""
+        refittable = self.refittable(command)
+        used = {*_MEASURING, *COMMAND_OPTIONS.get(command, ())}
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)
+                if f.metadata["role"] != RUNTIME and f.name not in refittable
+                and f.name in used}
+
+    @classmethod
+    def assumed_for_old_runs(cls) -> dict[str, Any]:
+        """What a run folder made before a field existed was made with, per field, as JSON
+        values (``RunFolder.start``'s ``assumed``): its default, or for a field whose
+        default does something new (``confirm``, ``prior``) the value that does not."""
+        return {f.name: _jsonable(f.metadata["legacy"]) for f in fields(cls)}
+
+    def settings(self, command: str) -> dict[str, Any]:
+        """The fields ``command`` may change when it resumes (``refit``'s)."""
+        return {name: _jsonable(getattr(self, name))
+                for name in sorted(self.refittable(command))}
+
+    def as_config(self) -> dict[str, Any]:
+        """Every field, for config.json (``from_config`` reads it back)."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# --- the command line ------------------------------------------------------------------
+
+#: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
+ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
+                  "ablation_data": "--ablation-data", "ablation_field": "--ablation-field"}
+_PICKS_HEADS = ("headloc-harness picks the heads each measurement knocks out (--exclude and "
+                "--never-ablate keep heads out of the search)")
+#: The hf-headablate model args the harness sets itself for every measurement, which in
+#: --model-args would be silently overridden: why each is refused.
+HARNESS_MODEL_ARGS = {
+    "ablate": _PICKS_HEADS, "ablate_file": _PICKS_HEADS, "ablate_top": _PICKS_HEADS,
+    "ablation_include_path": "give the folder as --include-path, where --ablation-data "
+                             "finds its task",
+    "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
+    "batch_size": "give it as --batch-size, which the harness passes to the model",
+}
+#: Model args that say where and how fast a model runs, not which model it is.
+PLACEMENT_MODEL_ARGS = frozenset({"device", "device_map", "parallelize", "max_memory_per_gpu",
+                                  "max_cpu_memory", "offload_folder", "batch_size",
+                                  "max_batch_size"})
+
+
+def model_identity(model_args: str | None) -> dict[str, str]:
+    """What ``model_args`` say the model is: each argument but placement ones (the device
+    a run chose for itself, say), in any order, values as text; runs of one model compare
+    equal by it."""
+    from lm_eval.utils import simple_parse_args_string
+
+    return {key: str(value) for key, value in sorted(
+        simple_parse_args_string(model_args or "").items())
+        if key not in PLACEMENT_MODEL_ARGS}
+
+
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two runs' model args name one model (``model_identity``)."""
+    if not all(value is None or isinstance(value, str) for value in (a, b)):
+        return a == b
+    return model_identity(a) == model_identity(b)
+
+
+# The RunSpec fields each subcommand takes on the command line.
+_MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
+              "apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs",
+              "signal", "never_ablate",
+              "ablation", "scale", "ablation_data", "ablation_field", "exclude", "top_k",
+              "batch_size", "masks_per_pass",
+              "workers", "ray_address", "ray_timeout", "gpus_per_worker",
+              "confirm_run_unsafe_code", "verbose")
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "locate": _MEASURING + ("components", "candidates", "neuron_groups", "design",
+                            "design_seed", "masks", "max_masks", "sparsity", "prior",
+                            "confirm", "group_tests", "alpha", "bootstrap"),
+    "greedy": _MEASURING + ("rounds",),
+    # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
+    "sweep": _MEASURING + ("components", "candidates", "neuron_groups", "design",
+                           "design_seed", "prior", "confirm", "alpha", "bootstrap"),
+    # verify's ablation flags default to the run's (add_options(keep_stored=True)).
+    "verify": ("top_k", "general", "limit", "random_draws", "batch_size", "workers",
+               "ray_address", "ray_timeout", "gpus_per_worker", "confirm_run_unsafe_code",
+               "verbose", "output_path", "log_samples"),
+    # cross takes the model from its runs, and its --tasks defaults to theirs (the CLI
+    # adds it with add_options(keep_stored="the runs' own tasks")).
+    # cross's prompt options default to its runs' (add_options(keep_stored=...)).
+    "cross": ("include_path", "num_samples", "seed", "ablation",
+              "scale", "ablation_data", "ablation_field", "top_k", "batch_size",
+              "masks_per_pass", "workers", "ray_address", "ray_timeout", "gpus_per_worker",
+              "confirm_run_unsafe_code", "verbose", "output_path", "log_samples"),
+    "types": ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
+              "apply_chat_template", "num_fewshot", "system_instruction", "probe_rows",
+              "batch_size", "confirm_run_unsafe_code", "verbose"),
+    # max_masks may change when a run resumes, but refit measures nothing.
+    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm", "group_tests"})),
+}
+
+
+def command_spec(command: str, spec: RunSpec | None, options: Mapping[str, Any],
+                 also: Iterable[str] = (), base: RunSpec | None = None) -> RunSpec:
+    """``spec`` (default ``base``, else a new RunSpec) with ``options``, the keywords of
+    ``command``'s Python function: its flags' fields (``COMMAND_OPTIONS``), ``also`` and
+    ``progress``. Another name is a TypeError naming the ones it takes: dropped silently,
+    a notebook's ``verify(run, num_samples=8)`` would seem to have applied."""
+    if spec is not None and not isinstance(spec, RunSpec):
+        raise TypeError(f"{command}(): spec={spec!r} is not a RunSpec; give the options as "
+                        "keywords, or RunSpec(**options)")
+    refuse_keywords(command, options, {*COMMAND_OPTIONS[command], *also, "progress"})
+    return (spec or base or RunSpec()).replace(**options)
+
+
+def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) -> None:
+    """A TypeError naming the ``options`` that ``command``'s Python function does not take,
+    and those it does."""
+    takes = set(takes)
+    unknown = sorted(set(options) - takes)
+    if unknown:
+        raise TypeError(f"{command}() got {', '.join(unknown)}, which it does not take; it "
+                        f"takes {', '.join(sorted(takes))}")
+
+
+#: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
+LM_EVAL_SPELLING = frozenset({"model_args", "include_path", "batch_size", "output_path",
+                              "log_samples", "num_fewshot", "gen_kwargs",
+                              "system_instruction"})
+
+
+def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
+                keep_stored: bool | str = False) -> None:
+    """Add the flags of these RunSpec fields, defaults taken from the fields.
+
+    ``keep_stored``: every default is None, meaning "as stored in the run" (refit); a
+    string says what None stands for instead of "the run's" (cross: "the runs' own tasks").
+    """
+    by_name = {f.name: f for f in fields(RunSpec)}
+    for name in names:
+        spec_field = by_name[name]
+        meta, flag = spec_field.metadata, flag_of(name)
+        # lm-eval's own spelling is accepted too where the option is lm-eval's.
+        spellings = (flag, f"--{name}") if name in LM_EVAL_SPELLING else (flag,)
+        default = None if keep_stored else spec_field.default
+        stored = keep_stored if isinstance(keep_stored, str) else "the run's"
+        shown = stored if keep_stored else (
+            ",".join(default) if isinstance(default, tuple) else default)
+        text = meta["help"]
+        if keep_stored:  # the field's own default is not what a stored run uses
+            text = re.sub(r" \(default: [^()]*\)", "", text)
+        say_default = shown is not None and shown != "" and "default:" not in text
+        # argparse %-formats help texts.
+        help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
+        if meta["switch"] is not None:
+            parser.add_argument(*spellings, action=meta["switch"],
+                                default=None if keep_stored else spec_field.default,
+                                help=(text + (f" (default: {stored})" if keep_stored else ""))
+                                .replace("%", "%%"))
+            continue
+        kwargs: dict[str, Any] = dict(default=default, help=help_text)
+        if meta["choices"] is not None:
+            kwargs["choices"] = meta["choices"]
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        if name == "include_path":
+            kwargs.update(action="append", default=[])
+        elif meta["parse"] is not None:
+            kwargs["type"] = _argparse_type(meta["parse"], flag)
+        parser.add_argument(*spellings, **kwargs)
+
+
+def _argparse_type(parse: Any, flag: str) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, UsageError) as err:
+            reason = str(err) if isinstance(err, UsageError) else (
+                f"{text!r} is not a {'whole number' if parse is int else 'number'}")
+            raise argparse.ArgumentTypeError(reason) from None
+
+    convert.__name__ = flag
+    return convert
+
+
+def path_list(paths: Iterable[str | Path]) -> list[str]:
+    """Folders as absolute paths (what identity records, whatever the working directory)."""
+    return [str(Path(p).resolve()) for p in paths]
