@@ -21,8 +21,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lm_eval_headloc.commands import RunSpec, locate, verify
-from lm_eval_headloc.report.mib import read_mib, write_mib
-from lm_eval_headloc.commands.types import read_types, types_summary
+from lm_eval_headloc.report.mib_format import read_mib
+from lm_eval_headloc.report.mib import write_mib
+from lm_eval_headloc.runs.types_file import read_types
+from lm_eval_headloc.report.type_pages import types_summary
 from lm_eval_headloc.commands.verify import verification_markdown
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example")

@@ -50,7 +50,8 @@ def harness_command() -> list[str]:
     the function that script calls: either counts start-up from the process's start)."""
     script = Path(sys.executable).with_name("headloc-harness")
     return [str(script)] if script.is_file() else [
-        sys.executable, "-c", "from lm_eval_headloc.cli.console import main; raise SystemExit(main())"]
+        sys.executable, "-c",
+        "from lm_eval_headloc.cli.console import main; raise SystemExit(main())"]
 
 
 def timed_run(arguments: Sequence[str], out: Path, environment: Mapping[str, str]

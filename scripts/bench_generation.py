@@ -57,7 +57,8 @@ from lm_eval_headloc.intervention.components import Head  # noqa: E402
 from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
 from lm_eval_headloc.measurement.sizing import is_out_of_memory  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare  # noqa: E402
+from lm_eval_headloc.runs.plan import load_model, open_measurement  # noqa: E402
+from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
 
 

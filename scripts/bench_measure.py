@@ -76,15 +76,11 @@ import torch  # noqa: E402
 from lm_eval_headloc.intervention import multimask  # noqa: E402
 from lm_eval_headloc.intervention.components import Head, format_heads  # noqa: E402
 from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
-from lm_eval_headloc.measurement.measure import quiet_harness  # noqa: E402
+from lm_eval_headloc.measurement.harness import quiet_harness  # noqa: E402
 from lm_eval_headloc.measurement.metrics import task_score  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.runs.setup import (  # noqa: E402
-    Setup,
-    load_model,
-    open_measurement,
-    prepare,
-)
+from lm_eval_headloc.runs.plan import load_model, open_measurement
+from lm_eval_headloc.runs.setup import Setup, prepare
 from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
 from lm_eval_headloc.tasks import make_task_manager  # noqa: E402
 
@@ -405,7 +401,8 @@ PROFILE_ROWS: list[tuple[str, str, str]] = [
      "lm_eval_headloc/intervention/multimask.py", "loglikelihoods_for_masks"),
     ("tokenization (`TemplateLM._encode_pair`)", "lm_eval/api/model.py", "_encode_pair"),
     ("model forward (`HFLM._model_call`)", "lm_eval/models/huggingface.py", "_model_call"),
-    ("head-knockout hooks (inside the forward)", "lm_eval_headloc/intervention/hooks.py", "knock_out_heads"),
+    ("head-knockout hooks (inside the forward)", "lm_eval_headloc/intervention/hooks.py",
+     "knock_out_heads"),
     ("scored-position pick before `lm_head` (inside the forward)",
      "lm_eval_headloc/intervention/multimask.py", "pick_scored"),
     ("`log_softmax` (scored positions only)", "~", "<method 'log_softmax' of"),

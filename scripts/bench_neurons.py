@@ -45,15 +45,11 @@ from lm_eval_headloc.commands.verify import random_sets  # noqa: E402
 from lm_eval_headloc.common.checks import UsageError  # noqa: E402
 from lm_eval_headloc.common.files import page_refusal, write_atomically, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import Neuron, parse_components, read_heads_file  # noqa: E402
+from lm_eval_headloc.intervention.model_args import model_config  # noqa: E402
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
-from lm_eval_headloc.report.pages import relative_drop  # noqa: E402
-from lm_eval_headloc.runs.setup import (  # noqa: E402
-    load_model,
-    measured_plan,
-    model_config,
-    open_measurement,
-    prepare,
-)
+from lm_eval_headloc.method.ranking import relative_drop  # noqa: E402
+from lm_eval_headloc.runs.plan import load_model, measured_plan, open_measurement  # noqa: E402
+from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: How the page begins (the model's name follows): --out writes only over such a page.

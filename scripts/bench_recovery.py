@@ -56,24 +56,20 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from lm_eval_headloc.bench.simulation import confirmed_split  # noqa: E402
+from lm_eval_headloc.bench.defaults import confirmed_split  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
 from lm_eval_headloc.commands.greedy import greedy  # noqa: E402
-from lm_eval_headloc.commands.locate import (  # noqa: E402
-    attribution_prior,
-    fit_rankings,
-    locate,
-    mask_keys,
-    refit,
-)
+from lm_eval_headloc.commands.locate import attribution_prior, locate, mask_keys, refit  # noqa: E402
 from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_heads  # noqa: E402
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
 from lm_eval_headloc.measurement.metrics import TaskScore  # noqa: E402
 from lm_eval_headloc.method.confirm import PRIOR_ALLOWANCE, alternated, prior_rankings  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
+from lm_eval_headloc.method.fit import fit_rankings  # noqa: E402
 from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
-from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare, run_plan  # noqa: E402
+from lm_eval_headloc.runs.plan import load_model, open_measurement, run_plan  # noqa: E402
+from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: Tasks no default was chosen on: reported apart, with their own ground truth.
@@ -270,7 +266,7 @@ def types_once_per_task(task: str) -> None:
     (``WORK/<task>/types.json``) instead of computing them again."""
     import importlib
 
-    from lm_eval_headloc.commands.types import TYPES_FILE
+    from lm_eval_headloc.runs.types_file import TYPES_FILE
 
     # The module (the package's ``locate`` is the function of that name).
     locate_module = importlib.import_module("lm_eval_headloc.commands.locate")

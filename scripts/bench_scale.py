@@ -49,10 +49,11 @@ from bench_measure import (
 )
 
 from lm_eval_headloc.intervention.components import Head, format_heads
-from lm_eval_headloc.measurement.measure import batching
+from lm_eval_headloc.measurement.harness import batching
 from lm_eval_headloc.measurement.sizing import MOST_MASKS_PER_PASS, is_out_of_memory
 from lm_eval_headloc.method.designs import design_matrix
-from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+from lm_eval_headloc.runs.plan import load_model, open_measurement
+from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import make_task_manager
 

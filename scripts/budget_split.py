@@ -49,16 +49,16 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import simulate_recovery  # noqa: E402  (beside this script: SIMULATION.md's world)
 
-from lm_eval_headloc.bench.simulation import (  # noqa: E402
+from lm_eval_headloc.bench.defaults import (  # noqa: E402
     METHODS,
     confirming_run,
     confirming_run_top,
     exhaustive_top,
     grouped_run_top,
     measured_alone,
-    seed_trial,
     simulated_prior,
 )
+from lm_eval_headloc.bench.simulation import seed_trial  # noqa: E402
 from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import parse_heads  # noqa: E402
 from lm_eval_headloc.method.confirm import (  # noqa: E402

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from lm_eval_headloc.commands import greedy, refit  # noqa: E402
-from lm_eval_headloc.runs.folder import strict_json  # noqa: E402
+from lm_eval_headloc.common.files import strict_json  # noqa: E402
 from lm_eval_headloc.runs.record import RunRecord, load_run, model_facts  # noqa: E402
 
 #: What a refit rewrites that a committed folder keeps.
@@ -75,7 +75,7 @@ def with_model_facts(record: RunRecord) -> RunRecord:
     which must have the run's layers and heads. The MLP's width a run recorded (from its
     weights) is kept; a folder that recorded nothing of its model (a script's that only
     computed a prior) is left so."""
-    from lm_eval_headloc.runs.setup import (
+    from lm_eval_headloc.intervention.model_args import (
         config_geometry,
         model_config,
         model_fingerprint,

@@ -42,15 +42,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from lm_eval_headloc.bench.simulation import (  # noqa: E402
-    DEFAULT_BUDGETS,
+from lm_eval_headloc.bench.defaults import (
     METHOD_PRIOR,
     METHODS,
-    NOISES,
     PRIOR_POINTS,
-    SATURATIONS,
     confirmed_masks_needed,
     confirmed_split,
+)
+from lm_eval_headloc.bench.simulation import (
+    DEFAULT_BUDGETS,
+    NOISES,
+    SATURATIONS,
     coverage_prediction,
     hits_by_budget,
     masks_needed,

@@ -12,12 +12,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound, MLPOutputNotFound
 from lm_eval_headloc.intervention.geometry import Geometry, UnsupportedGeometry
-from lm_eval_headloc.intervention.hooks import (
-    AttentionOutputNotFound,
-    HeadKnockout,
-    MLPOutputNotFound,
-)
+from lm_eval_headloc.intervention.hooks import HeadKnockout
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8]])
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,

@@ -626,7 +626,7 @@ def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
     assert "-0.70" not in line and "R²" not in line, line
     assert "the top 5 measured alone: their order is measured, not fitted" in line, line
     # Where the fit does order the top-k, its held-out R² below 0 comes with its meaning.
-    from lm_eval_headloc.commands.locate import BELOW_ZERO, fit_summary
+    from lm_eval_headloc.report.locate_report import BELOW_ZERO, fit_summary
     from lm_eval_headloc.runs.record import read_rankings
 
     ranking = read_rankings(run)["headloc_induction"]
@@ -779,7 +779,7 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
 def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
                                                              tmp_path, no_model_loading):
     from lm_eval_headloc.commands import RunFolderError, read_rankings
-    from lm_eval_headloc.report.pages import ranked_heads_json
+    from lm_eval_headloc.method.ranking import ranked_heads_json
 
     before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
     ranking = read_rankings(tiny_locate_run)["tiny_choice"]
@@ -945,7 +945,8 @@ def test_force_refuses_a_users_entry_under_one_of_our_names(tmp_path):
     """--force cleared any entry whose name the commands write: a user's notes in means/
     (a folder of cached means, ours only by name) and a folder named heads-archive.json
     were deleted whole. Only our kind of entry, holding only our files, is ours."""
-    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
 
     run = _started_run(tmp_path / "run")
     (run / "means").mkdir()
@@ -983,7 +984,8 @@ def test_only_our_own_partial_files_are_cleared(tmp_path, capsys, tiny_model_dir
 def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
     """The lock was opened through a link and truncated: a .lock linked to a user's file
     replaced its content with a process id."""
-    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
 
     run = _started_run(tmp_path / "run")
     precious = tmp_path / "precious.txt"
@@ -1399,7 +1401,7 @@ def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path,
     """universal, overlap and cross compared model args as text: the same model with its
     arguments in another order, or run on another device (which a run appends itself),
     was 'different models'."""
-    from lm_eval_headloc.runs.spec import same_model
+    from lm_eval_headloc.intervention.model_args import same_model
 
     assert same_model("pretrained=m,dtype=float32,device=cpu", "dtype=float32,pretrained=m,"
                                                                "device=cuda")
@@ -1638,8 +1640,9 @@ def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
 def test_heatmap_hatches_unstable_top_heads(tmp_path):
     from matplotlib.patches import Rectangle
 
+    from lm_eval_headloc.method.ranking import HeadRanking
     from lm_eval_headloc.method.recovery import Stability
-    from lm_eval_headloc.report.pages import HeadRanking, plot_heatmap
+    from lm_eval_headloc.report.pages import plot_heatmap
 
     selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
     ranking = HeadRanking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
@@ -1659,8 +1662,9 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
     """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
     counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
     table says "does not hurt", and unstable_in_top_k leaves it out."""
+    from lm_eval_headloc.method.ranking import HeadRanking, ranked_heads_json
     from lm_eval_headloc.method.recovery import Stability
-    from lm_eval_headloc.report.pages import HeadRanking, ranked_heads_json, ranking_table
+    from lm_eval_headloc.report.pages import ranking_table
 
     effects = np.array([-0.3, -0.1, 0.0, 0.2])  # higher is better: the first two hurt
     selected = np.array([1.0, 0.4, 0.0, 0.0])
@@ -1678,7 +1682,8 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
 
 def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.report.pages import HeadRanking, plot_heatmap
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.report.pages import plot_heatmap
 
     columns = Columns.heads(4, 2, head_layers=(1, 3))
     effects = np.array([-0.4, 0.1, -0.2, 0.3])
@@ -1821,8 +1826,8 @@ def test_prior_found_nothing_only_when_every_estimate_is_equal():
 
 
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.commands.locate import fit_rankings
-    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
+    from lm_eval_headloc.method.confirm import prior_penalty_weights
+    from lm_eval_headloc.method.fit import fit_rankings
     from lm_eval_headloc.method.recovery import HeadLasso
 
     out = tmp_path / "prior"
@@ -2013,7 +2018,7 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
                    "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
                    "--prior", "atp", "--confirm", "4", "--out", str(out)) == 0
-    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
+    from lm_eval_headloc.method.confirm import prior_penalty_weights
     from lm_eval_headloc.method.recovery import HeadLasso
 
     stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]

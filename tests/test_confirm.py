@@ -318,20 +318,20 @@ def test_prior_rankings_and_weights_by_hand():
     np.testing.assert_allclose(prior_penalty_weights(np.zeros(3)), [1.0, 1.0, 1.0])
 
 
-def test_prior_penalty_weights_are_the_prior_modules():
-    """One rule: the attribution prior's module (torch) and this numpy one agree."""
-    from lm_eval_headloc.measurement import attribution as prior
+def test_the_prior_penalty_rule_lives_in_the_method_alone():
+    """One rule: the penalty weights are the method's (numpy); the attribution module
+    (torch, the measurement layer) computes estimates and no weights of its own."""
+    from lm_eval_headloc.measurement import attribution
+    from lm_eval_headloc.method import confirm
 
-    harms = np.random.default_rng(1).normal(size=50)
-    np.testing.assert_array_equal(prior.prior_penalty_weights(harms),
-                                  prior_penalty_weights(harms))
-    assert prior.PRIOR_EASE == 1.0
+    assert not hasattr(attribution, "prior_penalty_weights")
+    assert confirm.PRIOR_EASE == 1.0
 
 
 def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     """fit_rankings hands the screen's estimates to the ranking: a head the masks show
     to hurt outranks a head measured alone to change nothing."""
-    from lm_eval_headloc.commands.locate import fit_rankings
+    from lm_eval_headloc.method.fit import fit_rankings
 
     rng = np.random.default_rng(0)
     design = rng.random((30, 6)) < 0.3
@@ -366,7 +366,7 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
     to head 1. Head 1 was measured alone to do nothing: the run's screen (head 1 held at
     0) credits head 4, and so must the bootstrap refits whose interval is printed beside
     head 4's estimate (they credited head 1, giving head 4 the interval [0, 0])."""
-    from lm_eval_headloc.commands.locate import fit_rankings
+    from lm_eval_headloc.method.fit import fit_rankings
 
     design = np.zeros((8, 6), dtype=bool)
     design[0, [1, 4]] = True
@@ -386,7 +386,8 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
 
 
 def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
-    from lm_eval_headloc.commands.locate import fit_rankings, same_masks_words
+    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.report.locate_report import same_masks_words
 
     design = np.zeros((8, 6), dtype=bool)
     design[0, [1, 2, 4]] = True
@@ -420,7 +421,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
     from types import SimpleNamespace
 
     from lm_eval_headloc.cli import main as cli
-    from lm_eval_headloc.commands.locate import fit_rankings
+    from lm_eval_headloc.method.fit import fit_rankings
 
     design = np.zeros((8, 6), dtype=bool)
     design[0, [1, 2, 4]] = True
@@ -445,9 +446,10 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
 
 
 def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
-    from lm_eval_headloc.commands.locate import fit_rankings, held_out_words
+    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.ranking import HeadRanking
     from lm_eval_headloc.method.recovery import HeadLasso, held_out_r2
-    from lm_eval_headloc.report.pages import HeadRanking
+    from lm_eval_headloc.report.locate_report import held_out_words
 
     design = np.random.default_rng(5).random((12, 6)) < 0.4
     scores = 0.9 - 0.3 * design[:, 2] + 0.01 * np.random.default_rng(6).normal(size=12)
@@ -475,7 +477,7 @@ def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():
     resample of the masks 'b''s screen picks other heads, so 'a''s top-2 holds L1H0 only
     as often as the whole confirmation's replay picks it again: it was 100 % stable,
     always in 'a''s pool as a head 'a' did not pick, while 'a''s own picks were replayed."""
-    from lm_eval_headloc.commands.locate import fit_rankings
+    from lm_eval_headloc.method.fit import fit_rankings
 
     rng = np.random.default_rng(0)
     design = rng.random((24, 6)) < 0.3

@@ -17,7 +17,7 @@ import pytest
 from conftest import TASKS, error_line, finished_run, harness
 
 from lm_eval_headloc.commands import read_rankings
-from lm_eval_headloc.runs.folder import RunFolderError
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 TASK = "tiny_choice"
 OTHER_TASK = "tiny_copy"  # a task that exists too: the disagreeing folder names it

@@ -13,7 +13,7 @@ from conftest import TASKS, finished_run
 from test_commands import harness
 from test_commands import measurement_lines as lines
 
-from lm_eval_headloc.report.pages import relative_drop
+from lm_eval_headloc.method.ranking import relative_drop
 
 PPL = ("L1H2", "L0H0", "L0H3", "L1H0")
 ROLLING = ("L0H1", "L1H3", "L1H2", "L0H2")

@@ -69,7 +69,8 @@ def test_loglikelihood_passes_make_the_host_wait_only_for_the_answers(tiny_model
     # Two copies to the host (sums and greedy misses), after the last pass; none per pass,
     # per layer or per mask.
     assert [what for what, _ in gpu.waits] == ["to the host: cpu"] * 2, gpu.waits
-    assert all(where.startswith("lm_eval_headloc/intervention/multimask.py") for _, where in gpu.waits)
+    assert all(where.startswith("lm_eval_headloc/intervention/multimask.py")
+               for _, where in gpu.waits)
     for got, want in zip(answers, on_cpu, strict=True):
         assert got.keys() == want.keys()
         for key in want:

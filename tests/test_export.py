@@ -17,17 +17,14 @@ from pathlib import Path
 import pytest
 
 from lm_eval_headloc.common.errors import UserError
-from lm_eval_headloc.report.mib import (
-    MARKER,
-    MIB_MODELS,
+from lm_eval_headloc.report.mib import MARKER, MIB_MODELS, mib_graph, write_mib
+from lm_eval_headloc.report.mib_format import (
     ExportError,
     MibFormatError,
     check_mib,
     is_mib_edge,
-    mib_graph,
     mib_node_names,
     read_mib,
-    write_mib,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mib" / "node_importances_2x3.json"

@@ -1,4 +1,5 @@
-"""A GGUF file is parsed once per process while unchanged (lm_eval_headloc.intervention.gguf_reads)."""
+"""A GGUF file is parsed once per process while unchanged
+(lm_eval_headloc.intervention.gguf_reads)."""
 
 from __future__ import annotations
 

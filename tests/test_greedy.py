@@ -58,7 +58,8 @@ def test_iterative_winners_lead_in_the_order_they_won():
 
 
 def test_equal_measured_changes_are_marked_and_reported_as_ties():
-    from lm_eval_headloc.report.pages import ranked_heads_json, tie_words
+    from lm_eval_headloc.method.ranking import ranked_heads_json
+    from lm_eval_headloc.report.pages import tie_words
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
@@ -97,7 +98,8 @@ def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
 
 
 def test_top_k_places_that_do_not_hurt_are_said_to():
-    from lm_eval_headloc.report.pages import HeadRanking, harmless_words
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.report.pages import harmless_words
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
@@ -128,7 +130,7 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
 
 def _recorded(ranking, all_measured=False):
     """The ranking with its largest single help recorded, as locate and greedy record it."""
-    from lm_eval_headloc.report.pages import largest_single_help
+    from lm_eval_headloc.method.ranking import largest_single_help
 
     found = largest_single_help(ranking, all_measured)
     if found is not None:
@@ -139,7 +141,8 @@ def _recorded(ranking, all_measured=False):
 def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_spread():
     """A task at chance: heads measured alone to lose one example of 100 were ranked as
     hurting, while other single knockouts gained three; the report now says so."""
-    from lm_eval_headloc.report.pages import HeadRanking, spread_words
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.report.pages import spread_words
 
     # L0H0..L0H3 measured alone: -0.01, -0.01, +0.03, 0; L1H0 only estimated (-0.2).
     effects = np.array([-0.01, -0.01, 0.03, 0.0, -0.2, 0.0, 0.0, 0.0])
@@ -186,7 +189,8 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
 def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     """Ranks 1-3 measured -0.01 each (not tied: their gold log-likelihood changes
     differed) read as an order the table did not explain."""
-    from lm_eval_headloc.report.pages import HeadRanking, equal_change_words
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.report.pages import equal_change_words
 
     effects = np.array([-0.01, -0.01, -0.01, -0.3, -0.2, 0.0])
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
@@ -248,7 +252,8 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     implicates it; its help is no measure of what knocking out one neuron flips, and it
     called every top neuron's measured harm noise."""
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.report.pages import HeadRanking, spread_words
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.report.pages import spread_words
 
     columns = Columns.of("neurons", 2, 4, ["L0N1", "L0N2", "L1N0"], groups_per_layer=1,
                          neurons_per_layer=6)

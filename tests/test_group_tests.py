@@ -283,13 +283,13 @@ def test_bad_group_tests_are_one_line_refusals(given, fragment, tmp_path, capsys
 
 
 def test_grouped_run_without_group_tests_is_the_confirming_run():
-    from lm_eval_headloc.bench.simulation import (
+    from lm_eval_headloc.bench.defaults import (
         confirming_run_top,
         grouped_run_top,
         measured_alone,
-        seed_trial,
         simulated_prior,
     )
+    from lm_eval_headloc.bench.simulation import seed_trial
 
     trial = seed_trial(120, 0.1, 3, 12, world_options={"noise": "documents"})
     changes = measured_alone(trial.world, 5)[1]

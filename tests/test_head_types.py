@@ -222,8 +222,8 @@ def test_types_read_a_chat_prompt_as_the_measurement_does(tiny_model_dir, tmp_pa
 
     from conftest import load_lm
 
-    # The module (the package's ``types`` is the command's function).
-    types_command = importlib.import_module("lm_eval_headloc.commands.types")
+    # The module that computes types.json's content.
+    types_command = importlib.import_module("lm_eval_headloc.method.head_types")
     folder = tmp_path / "bos-model"
     shutil.copytree(tiny_model_dir("llama"), folder)
     tokenizer_file = folder / "tokenizer.json"
@@ -561,8 +561,8 @@ def test_smollm2_labels_hold_across_probe_seeds(smollm2, monkeypatch):
 
     from conftest import load_lm
 
-    # The module (the package's name 'types' is the command's function).
-    types_module = importlib.import_module("lm_eval_headloc.commands.types")
+    # The module that holds the probe and computes types.json's content.
+    types_module = importlib.import_module("lm_eval_headloc.method.head_types")
     folder, gguf = smollm2
     lm = load_lm(Path(folder), gguf_file=gguf, batch_size=8)
     seeds = (0, 1, 2)

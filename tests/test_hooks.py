@@ -9,7 +9,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.components import HeadSpecError
-from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound, HeadKnockout
+from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
+from lm_eval_headloc.intervention.hooks import HeadKnockout
 from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])

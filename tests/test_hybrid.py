@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.intervention.components import HeadSpecError
+from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
 from lm_eval_headloc.intervention.geometry import Geometry
-from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound, HeadKnockout
+from lm_eval_headloc.intervention.hooks import HeadKnockout
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8]])
 HEAD_DIM = 8  # hybrid_config's head_dim
@@ -308,7 +309,8 @@ def test_locate_ranks_the_heads_of_the_attention_layers_only(hybrid_run):
     assert np.load(hybrid_run / "design_matrix.npy").shape[1] == len(HYBRID_HEADS)
     assert (hybrid_run / "heatmap.png").stat().st_size > 0
     # Head types: the linear-attention layers have no scores and no heads in the table.
-    from lm_eval_headloc.commands.types import HeadTypes, types_table
+    from lm_eval_headloc.method.head_types import HeadTypes
+    from lm_eval_headloc.report.type_pages import types_table
 
     data = json.loads((hybrid_run / "types.json").read_text())
     assert data["head_layers"] == list(HYBRID_HEAD_LAYERS)
@@ -478,7 +480,7 @@ def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
 
 def test_a_hybrid_runs_rankings_read_back_to_the_files_they_were_written_as(hybrid_run):
     from lm_eval_headloc.commands import read_rankings
-    from lm_eval_headloc.report.pages import ranked_heads_json
+    from lm_eval_headloc.method.ranking import ranked_heads_json
 
     ranking = read_rankings(hybrid_run)["tiny_copy"]
     written = json.loads((hybrid_run / "heads-tiny_copy.json").read_text())

@@ -400,7 +400,7 @@ def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("which", ["neuron_run", "group_run"])
 def test_a_neuron_runs_rankings_read_back_to_the_files_they_were_written_as(which, request):
     from lm_eval_headloc.commands import read_rankings
-    from lm_eval_headloc.report.pages import ranked_heads_json
+    from lm_eval_headloc.method.ranking import ranked_heads_json
 
     out, _ = request.getfixturevalue(which)
     rankings = read_rankings(out)
@@ -415,7 +415,7 @@ def test_a_neuron_runs_report_speaks_of_neurons(neuron_run):
     'heads' for a neuron run."""
     from types import SimpleNamespace
 
-    from lm_eval_headloc.commands.locate import _prior_words
+    from lm_eval_headloc.report.locate_report import _prior_words
 
     out, _ = neuron_run
     report = (out / "report.md").read_text()

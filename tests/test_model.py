@@ -156,7 +156,8 @@ def test_import_registers_without_the_startup_hook_and_entry_point_is_declared(w
 def test_lm_eval_free_modules_do_not_import_lm_eval():
     result = run_python(
         "import sys\n"
-        "import lm_eval_headloc, lm_eval_headloc.intervention.components, lm_eval_headloc.common.checks\n"
+        "import lm_eval_headloc, lm_eval_headloc.intervention.components\n"
+        "import lm_eval_headloc.common.checks\n"
         "import lm_eval_headloc.method.designs, lm_eval_headloc.method.recovery\n"
         "print(sorted(m for m in ('lm_eval', 'torch') if m in sys.modules))\n"
     )

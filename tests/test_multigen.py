@@ -315,7 +315,8 @@ def test_a_generate_call_that_runs_out_of_gpu_memory_is_retried_at_half_the_mask
 @pytest.mark.slow
 def test_the_embedded_model_rhymes_alike_four_masks_per_generate(smollm2, monkeypatch):
     from lm_eval_headloc.intervention.embedded import smollm2_model_args
-    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.plan import load_model, open_measurement
+    from lm_eval_headloc.runs.setup import prepare
     from lm_eval_headloc.runs.spec import RunSpec
 
     setup = prepare(RunSpec(tasks=("rhyme",), model_args=smollm2_model_args()))
@@ -352,7 +353,7 @@ def test_only_tokens_that_can_end_a_stop_string_are_looked_at(tiny_model_dir):
 
 def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, task_manager,
                                                               monkeypatch):
-    from lm_eval_headloc.runs.setup import generation_batch
+    from lm_eval_headloc.runs.plan import generation_batch
     from lm_eval_headloc.runs.spec import RunSpec
 
     lm = load_lm(tiny_model_dir("llama"))  # batch size 4

@@ -141,7 +141,7 @@ def test_greedy_with_masks_per_pass_equals_one_at_a_time(tiny_model_dir, tmp_pat
 
 
 def test_each_task_subset_ignores_the_other_tasks():
-    from lm_eval_headloc.measurement.measure import choose_subset
+    from lm_eval_headloc.measurement.harness import choose_subset
 
     alone = choose_subset({"b": 50}, 10, 0)["b"]
     assert choose_subset({"a": 50, "b": 50}, 10, 0)["b"] == alone
@@ -330,7 +330,7 @@ def test_requests_are_encoded_by_lm_eval_and_inputs_checked_against_hflm(tiny_mo
 
 
 def test_example_parts_are_disjoint_and_cover_the_documents():
-    from lm_eval_headloc.measurement.measure import choose_subset
+    from lm_eval_headloc.measurement.harness import choose_subset
 
     first = choose_subset({"a": 51}, None, 4, (1, 2))["a"]
     second = choose_subset({"a": 51}, None, 4, (2, 2))["a"]

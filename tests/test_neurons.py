@@ -20,7 +20,8 @@ from lm_eval_headloc.intervention.components import (
     parse_components,
     parse_heads,
 )
-from lm_eval_headloc.intervention.hooks import HeadKnockout, MLPOutputNotFound
+from lm_eval_headloc.intervention.discovery import MLPOutputNotFound
+from lm_eval_headloc.intervention.hooks import HeadKnockout
 from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])

@@ -26,7 +26,8 @@ from lm_eval_headloc.measurement.attribution import (
     measured_attribution,
     path_point,
 )
-from lm_eval_headloc.measurement.measure import HarnessMeasurement, at_scale
+from lm_eval_headloc.measurement.harness import at_scale
+from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
 TASK = "tiny_choice"
 TEXTS = ["the cat sat on the mat when the dog sat", "Mary and John went to the store"]

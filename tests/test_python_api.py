@@ -12,7 +12,7 @@ from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.ablation import AblationError
 from lm_eval_headloc.intervention.hooks import HeadKnockout, Intervention
-from lm_eval_headloc.runs.folder import RunFolderError
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 
 @pytest.mark.parametrize("command, call, ignored", [
@@ -139,9 +139,9 @@ def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
 def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     import numpy as np
 
-    from lm_eval_headloc.commands.types import read_types
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.report.pages import HeadRanking
+    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.runs.types_file import read_types
 
     ranking = HeadRanking("t", "acc", True, 0.5, np.array([-0.3, 0.0, -0.1, 0.2]),
                           [0, 2, 1, 3], 2)
@@ -172,7 +172,7 @@ def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
     from torch import nn
 
     from lm_eval_headloc.intervention.components import HeadSpecError, parse_heads, read_heads_file
-    from lm_eval_headloc.intervention.hooks import AttentionOutputNotFound
+    from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
 
     for spec in (None, 5):
         with pytest.raises(HeadSpecError, match=f"components {spec!r}: give names"):

@@ -18,10 +18,14 @@ from test_run_result import harness
 
 from lm_eval_headloc.commands import RunFolder
 from lm_eval_headloc.intervention.embedded import EMBEDDED, recorded_model_args
+from lm_eval_headloc.intervention.model_args import (
+    model_fingerprint,
+    resolve_model_args,
+    same_model,
+)
 from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
 from lm_eval_headloc.runs.record import load_run
-from lm_eval_headloc.runs.setup import model_fingerprint, resolve_model_args
-from lm_eval_headloc.runs.spec import RunSpec, same_model
+from lm_eval_headloc.runs.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where another machine kept the embedded model, as folders made before its name were

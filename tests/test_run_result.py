@@ -105,8 +105,8 @@ def test_locate_writes_config_once_per_phase(tiny_model_dir, tmp_path, config_wr
 def test_locate_bootstraps_only_the_fit_it_keeps(tiny_model_dir, tmp_path, monkeypatch):
     """The bootstrap (its refits) runs once per task on the final fit; with --masks auto
     also once per round, for its stopping rule."""
-    # The module (the package's `locate` is the function).
-    module = importlib.import_module("lm_eval_headloc.commands.locate")
+    # The fit's module, where locate's fits call it.
+    module = importlib.import_module("lm_eval_headloc.method.fit")
     calls: list[int] = []
     original = module.bootstrap_stability
 

@@ -245,7 +245,7 @@ def test_cli_writes_a_table_with_its_command_and_world(tmp_path, capsys):
 def test_confirming_defaults_in_the_simulator(method):
     """Single knockouts follow the world's own accuracy; confirming every head is the
     exhaustive search (either method); a noise-free prior is the effects themselves."""
-    from lm_eval_headloc.bench.simulation import (
+    from lm_eval_headloc.bench.defaults import (
         confirmed_masks_needed,
         confirming_run_top,
         exhaustive_top,
@@ -294,8 +294,8 @@ def test_the_simulated_splits_and_prior_points():
     rounded in that ratio; 25 + 25 after atp's 4 before), with and without a prior, and
     how many rankings each method's prior gives (prior.PRIOR_POINTS). That these are the
     package's defaults: test_the_simulated_defaults_are_the_packages_defaults."""
-    from lm_eval_headloc.bench.simulation import PRIOR_POINTS as SIMULATED_POINTS
-    from lm_eval_headloc.bench.simulation import confirmed_split
+    from lm_eval_headloc.bench.defaults import PRIOR_POINTS as SIMULATED_POINTS
+    from lm_eval_headloc.bench.defaults import confirmed_split
     from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 
     assert SIMULATED_POINTS == {"defaults": len(PRIOR_POINTS["atp-path"]),
@@ -328,13 +328,8 @@ def test_before_is_the_old_up_front_alternation(use_prior):
     """method="before": the prior's one ranking and the plain fit's take turns up front
     (nothing measured steers the picks, nothing is held fixed in the fit), and the
     top-5 are the picked heads most harmful first by their measured change."""
-    from lm_eval_headloc.bench.simulation import (
-        confirming_run_top,
-        measured_alone,
-        simulated_prior,
-    )
-    from lm_eval_headloc.measurement.attribution import prior_penalty_weights
-    from lm_eval_headloc.method.confirm import screen
+    from lm_eval_headloc.bench.defaults import confirming_run_top, measured_alone, simulated_prior
+    from lm_eval_headloc.method.confirm import prior_penalty_weights, screen
 
     for seed in range(4):
         trial = seed_trial(40, 0.1, seed, 12, world_options={"noise": "documents"})
@@ -366,11 +361,7 @@ def test_defaults_pick_in_rounds_with_the_fit_redone():
     refitted on what each round measured: with the measured changes fed back, its
     top-5 differs from "before"'s on some seed (the rounds matter), and a prior that
     names the planted heads at both points finds them at once."""
-    from lm_eval_headloc.bench.simulation import (
-        confirming_run_top,
-        measured_alone,
-        simulated_prior,
-    )
+    from lm_eval_headloc.bench.defaults import confirming_run_top, measured_alone, simulated_prior
 
     differs = 0
     for seed in range(8):
@@ -394,7 +385,7 @@ def test_defaults_pick_in_rounds_with_the_fit_redone():
 def test_prior_points_draw_independent_misses():
     """Every point draws its own noise and its own false negatives (unless told to share
     point 0's); point 0 is the one-point prior's draw."""
-    from lm_eval_headloc.bench.simulation import simulated_prior
+    from lm_eval_headloc.bench.defaults import simulated_prior
 
     world = planted_world(400, np.random.default_rng(0), k_true=60,
                           planted_drops=(0.2, 0.45), tail_mass=2.0)
@@ -454,7 +445,7 @@ def test_fixed_documents_give_the_same_score_to_the_same_mask_and_match_a_hand_c
 
 
 def test_fixed_documents_single_knockouts_are_the_hand_count_of_each_head_alone():
-    from lm_eval_headloc.bench.simulation import measured_alone
+    from lm_eval_headloc.bench.defaults import measured_alone
 
     world = planted_world(25, np.random.default_rng(6), noise="documents", n_examples=30)
     base, changes = measured_alone(world, noise_seed=0)
@@ -502,7 +493,7 @@ def test_cli_refuses_fixed_documents_with_another_saturation(capsys):
 def test_confirming_with_fixed_documents_measures_exactly_the_ground_truth():
     """With fixed documents a head confirmed alone is the exhaustive search's own
     measurement: confirming every head returns the exhaustive top-5 whatever the masks."""
-    from lm_eval_headloc.bench.simulation import confirming_run_top, exhaustive_top, measured_alone
+    from lm_eval_headloc.bench.defaults import confirming_run_top, exhaustive_top, measured_alone
 
     trial = seed_trial(40, 0.1, seed=3, max_masks=10,
                        world_options={"noise": "documents"})
@@ -521,7 +512,7 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     --masks and --confirm after the allowance of the prior --prior auto resolves to) and
     the recovery benchmark's, at every budget, or SIMULATION.md and RECOVERY.md describe
     another method than the package runs."""
-    from lm_eval_headloc.bench.simulation import METHOD_PRIOR, confirmed_split
+    from lm_eval_headloc.bench.defaults import METHOD_PRIOR, confirmed_split
     from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.method.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
 
@@ -568,8 +559,9 @@ def test_the_simulator_runs_without_torch():
     done = _run_python(
         "import sys\n"
         "import numpy as np\n"
-        "from lm_eval_headloc.bench.simulation import (confirming_run_top, measured_alone,\n"
-        "    seed_trial, simulated_prior)\n"
+        "from lm_eval_headloc.bench.defaults import (confirming_run_top, measured_alone,\n"
+        "    simulated_prior)\n"
+        "from lm_eval_headloc.bench.simulation import seed_trial\n"
         "trial = seed_trial(40, 0.1, 0, 12)\n"
         "_, changes = measured_alone(trial.world, 0)\n"
         "prior = simulated_prior(trial.world, np.random.default_rng(0), points=2)\n"
@@ -590,7 +582,8 @@ def test_the_core_never_imports_the_bench_subpackage():
         ".".join(("lm_eval_headloc", *path.relative_to(package).with_suffix("").parts))
         .removesuffix(".__init__")
         for path in package.rglob("*.py") if "bench" not in path.relative_to(package).parts)
-    assert {"lm_eval_headloc", "lm_eval_headloc.intervention.model", "lm_eval_headloc.intervention.hooks",
+    assert {"lm_eval_headloc", "lm_eval_headloc.intervention.model",
+            "lm_eval_headloc.intervention.hooks",
             "lm_eval_headloc.method.confirm", "lm_eval_headloc.cli.main",
             "lm_eval_headloc.commands.locate"} <= set(modules)
     done = _run_python(

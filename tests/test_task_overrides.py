@@ -14,7 +14,7 @@ from conftest import TASKS
 from test_commands import harness, last_error, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
-from lm_eval_headloc.runs.spec import parse_gen_kwargs
+from lm_eval_headloc.runs.option_values import parse_gen_kwargs
 
 TASK_LIST = "tiny_copy,tiny_generate"  # a loglikelihood task and a generation task
 INSTRUCTION = "Copy the words."
@@ -36,7 +36,8 @@ def _instance_args(measure) -> dict[str, list[str]]:
 def test_prompts_and_generation_arguments_are_lm_evals_own(tiny_model_dir):
     import lm_eval
 
-    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.plan import load_model, open_measurement
+    from lm_eval_headloc.runs.setup import prepare
     from lm_eval_headloc.tasks import make_task_manager
 
     model = tiny_model_dir("llama")
@@ -209,7 +210,8 @@ def test_sampled_generation_draws_alike_in_every_measurement_and_in_lm_eval(tiny
     import lm_eval
 
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
-    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.plan import load_model, open_measurement
+    from lm_eval_headloc.runs.setup import prepare
     from lm_eval_headloc.tasks import make_task_manager
 
     generated: list[list[str]] = []

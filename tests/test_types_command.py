@@ -82,8 +82,8 @@ def test_refit_keeps_the_types_and_a_rerun_computes_nothing(typed_run):
 
 
 def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
-    from lm_eval_headloc.commands.types import read_types
     from lm_eval_headloc.runs.record import load_run
+    from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(typed_run)
     heads = strict_json(typed_run / "heads.json")
@@ -99,8 +99,8 @@ def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
 
 
 def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
-    from lm_eval_headloc.commands.types import read_types
     from lm_eval_headloc.intervention.components import HeadSpecError
+    from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(typed_run)  # a 2-layer model of 4 heads each
     assert head_types.of(1, 3) == {t: float(head_types.scores[t][1, 3])

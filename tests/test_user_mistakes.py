@@ -17,7 +17,7 @@ from test_commands import LASSO_ONLY, harness, last_error, tiny_locate_run  # no
 from lm_eval_headloc.common.checks import UsageError, check_load_args
 from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts
 from lm_eval_headloc.intervention.components import HeadSpecError, read_heads_file
-from lm_eval_headloc.runs.spec import parse_batch_size
+from lm_eval_headloc.runs.option_values import parse_batch_size
 
 NOT_UTF8 = b"\xff\xfe\x00L0H1"
 
@@ -282,7 +282,7 @@ def test_a_run_that_ranks_nothing_is_named_by_its_kind(tiny_locate_run, tmp_path
     from lm_eval_headloc.commands import RunFolder, RunSpec
     from lm_eval_headloc.commands.overlap import overlap
     from lm_eval_headloc.commands.universal import universal
-    from lm_eval_headloc.runs.folder import RunFolderError
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
 
     spec = RunSpec()
     for command, hint in (("types", ""), ("sweep", " (a sweep: give one of its cell folders")):
@@ -383,7 +383,7 @@ def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
     one-GPU worker. A worker drops it and chooses as a run without one does."""
     from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import worker_spec
-    from lm_eval_headloc.runs.setup import resolve_model_args
+    from lm_eval_headloc.intervention.model_args import resolve_model_args
 
     driver = RunSpec(model_args=f"pretrained=/m,device={device},dtype=bfloat16", workers=2)
     worker = worker_spec(RunSpec(**driver.as_config()))

@@ -16,7 +16,7 @@ from test_commands import measurement_lines as lines
 from lm_eval_headloc.commands.verify import random_like, random_sets
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.intervention.geometry import Geometry
-from lm_eval_headloc.report.pages import relative_drop
+from lm_eval_headloc.method.ranking import relative_drop
 
 GEOMETRY = Geometry(LAYERS, HEADS, None)
 LOCATED = ("L1H2", "L0H0", "L0H3", "L1H0")  # the fake run's ranking, best first

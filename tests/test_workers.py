@@ -134,7 +134,8 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
                                                           change, message):
     from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import WorkerError, start_workers
-    from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
+    from lm_eval_headloc.runs.plan import load_model, open_measurement, worker_measurement
+    from lm_eval_headloc.runs.setup import prepare
 
     args = dict(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
                 tasks=("tiny_copy_ppl",), include_path=(TASKS,),
@@ -145,7 +146,8 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
         change = {"model_args": f"pretrained={tiny_model_dir('qwen2')},dtype=float32"}
     worker_spec = {**setup.spec.replace(workers=2).as_config(), **change}
     with pytest.raises(WorkerError, match=message):
-        start_workers(setup, local, num_samples=6, worker_spec=worker_spec)
+        start_workers(setup, local, worker_measurement, num_samples=6,
+                      worker_spec=worker_spec)
 
 
 def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, tmp_path,

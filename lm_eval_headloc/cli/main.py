@@ -20,20 +20,24 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from lm_eval_headloc import __version__
+from lm_eval_headloc.cli.options import add_options
 from lm_eval_headloc.commands.cross import PROMPT_OPTIONS, cross, cross_markdown
 from lm_eval_headloc.commands.greedy import greedy
-from lm_eval_headloc.commands.locate import certificate_line, fit_summary, locate, refit
+from lm_eval_headloc.commands.locate import locate, refit
 from lm_eval_headloc.commands.overlap import markdown_path, overlap, overlap_markdown
 from lm_eval_headloc.commands.sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
-from lm_eval_headloc.commands.types import types, types_summary
+from lm_eval_headloc.commands.types import types
 from lm_eval_headloc.commands.universal import universal, universal_table
 from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
 from lm_eval_headloc.method.columns import column_label
-from lm_eval_headloc.report.pages import FLOOR_HINT, HeadRanking, at_floor, within_spread
+from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
+from lm_eval_headloc.report.pages import FLOOR_HINT, at_floor, within_spread
+from lm_eval_headloc.report.type_pages import types_summary
 from lm_eval_headloc.runs.record import load_run
-from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, add_options
+from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
 __all__ = ["build_parser", "main"]
 

@@ -19,15 +19,18 @@ from lm_eval_headloc.commands.greedy import greedy
 from lm_eval_headloc.commands.locate import locate, refit
 from lm_eval_headloc.commands.overlap import overlap
 from lm_eval_headloc.commands.sweep import sweep
-from lm_eval_headloc.commands.types import read_types, types
+from lm_eval_headloc.commands.types import types
 from lm_eval_headloc.commands.universal import universal
 from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.checks import UsageError
-from lm_eval_headloc.report.mib import read_mib, write_mib
-from lm_eval_headloc.report.pages import HeadRanking
-from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.report.mib import write_mib
+from lm_eval_headloc.report.mib_format import read_mib
+from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.record import read_rankings
 from lm_eval_headloc.runs.spec import RunSpec
+from lm_eval_headloc.runs.types_file import read_types
 
 __all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "cross",
            "greedy", "locate", "overlap", "read_mib", "read_rankings", "read_types", "refit",

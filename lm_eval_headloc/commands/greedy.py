@@ -10,34 +10,33 @@ from typing import Any
 
 import numpy as np
 
-from lm_eval_headloc.commands.types import ensure_types, read_types
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
+from lm_eval_headloc.method.ranking import HeadRanking, largest_single_help
 from lm_eval_headloc.report.pages import (
-    HeadRanking,
     equal_change_words,
     floor_words,
     harmless_words,
-    largest_single_help,
     ranking_table,
     spread_words,
     tie_words,
     write_ranking,
 )
 from lm_eval_headloc.runs.folder import RunFolder
-from lm_eval_headloc.runs.record import start_run
-from lm_eval_headloc.runs.setup import (
+from lm_eval_headloc.runs.plan import (
     PlanEntry,
     load_model,
     nothing_left,
     open_measurement,
-    prepare,
     run_plan,
 )
+from lm_eval_headloc.runs.record import start_run
+from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
+from lm_eval_headloc.runs.types_file import ensure_types, read_types
 
 __all__ = ["greedy"]
 

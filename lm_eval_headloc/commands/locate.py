@@ -13,11 +13,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from lm_eval_headloc.commands.types import ensure_types
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import write_atomically
@@ -30,26 +29,32 @@ from lm_eval_headloc.intervention.components import (
     validate_heads,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
-from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup, neuron_candidates
+from lm_eval_headloc.method.columns import (
+    Columns,
+    neuron_candidates,
+)
 from lm_eval_headloc.method.confirm import (
     ROUND,
     Changes,
     alternated,
     confirmation,
-    confirmed_order,
-    confirmed_top,
-    measured_changes,
-    prior_found_nothing,
     prior_rankings,
     prior_weights,
     screen,
-    tied_with_above,
 )
-from lm_eval_headloc.method.designs import design_matrix, same_masks
+from lm_eval_headloc.method.designs import design_matrix
+from lm_eval_headloc.method.fit import (
+    _alone_changes,
+    _has,
+    _measured_alone,
+    alone_key,
+    fit_rankings,
+    group_sets,
+    mask_keys,
+)
 from lm_eval_headloc.method.group_tests import (
     MAX_GROUP,
     background_harm,
-    certificate,
     entry_bar,
     group_key,
     group_order,
@@ -57,39 +62,22 @@ from lm_eval_headloc.method.group_tests import (
     group_testing,
 )
 from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
-from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
-from lm_eval_headloc.report.pages import (
-    HeadRanking,
-    equal_change_words,
-    floor_words,
-    harmless_words,
-    largest_single_help,
-    ranking_table,
-    spread_words,
-    tie_words,
-    write_ranking,
-)
-from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.method.recovery import harm
+from lm_eval_headloc.report.locate_report import write_results
+from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.plan import load_model, open_measurement, phase_bar, run_plan
 from lm_eval_headloc.runs.record import (
     PRIOR_KEYS,
     LocateRun,
     column_prior,
     load_run,
-    mask_keys,
     start_run,
     stored_prior,
     stored_priors,
 )
-from lm_eval_headloc.runs.setup import (
-    Setup,
-    check_candidates,
-    head_list,
-    load_model,
-    open_measurement,
-    phase_bar,
-    prepare,
-    run_plan,
-)
+from lm_eval_headloc.runs.setup import Setup, check_candidates, head_list, prepare
 from lm_eval_headloc.runs.spec import (
     COMMAND_OPTIONS,
     DEFAULT_MAX_MASKS,
@@ -97,625 +85,11 @@ from lm_eval_headloc.runs.spec import (
     command_spec,
     refuse_keywords,
 )
+from lm_eval_headloc.runs.types_file import ensure_types
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BELOW_ZERO", "CERTIFICATE_RULE", "certificate_line", "certificate_words",
-           "fit_rankings", "fit_summary", "group_sets", "locate", "mask_keys", "refit",
-           "stored_prior"]
-
-
-def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
-    # A heads_per_layer count stands for every head (callers from before neurons).
-    if isinstance(columns, Columns):
-        return columns
-    return Columns.heads(np.shape(design)[1] // columns, columns)
-
-
-def alone_key(head: Column | str) -> str:
-    """The measurement of ``head`` knocked out alone (confirmation)."""
-    return f"alone-{head}"
-
-
-def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
-                 tasks: Sequence[str], columns: Columns | int, alpha: float,
-                 exclude: Sequence[Component] = (), *, top_k: int = 5,
-                 bootstrap: int | None = 200, seed: int = 0,
-                 priors: Mapping[str, Any] | None = None,
-                 keys: Sequence[str] | None = None,
-                 confirmed: Mapping[str, Any] | None = None,
-                 heads_per_layer: int | None = None,
-                 never: Sequence[Component] = ()) -> dict[str, HeadRanking]:
-    """One Lasso per task over the stored measurements (rows in design order), with each
-    head's stability from ``bootstrap`` refits on resampled measurements (None: none).
-    ``columns``: the component of each design column (``Columns``; a heads-per-layer
-    count for every head; then ``heads_per_layer`` is the model's, for the ranking files).
-    ``priors``: task -> attribution estimates of the logprob signal's change per head and
-    path point (prior.json); the first point eases the penalty of likely heads
-    (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
-    ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
-    measured alone to hurt rank first, by their measured change, then the heads the screen
-    implicates, then those measured to do no harm (``confirm.confirmed_order``); the
-    screen is refitted with those changes held fixed (``confirm.screen``); the
-    bootstrap asks which of them a replay of the confirmation on a resample of the masks
-    would have confirmed into the top-k. ``never``: the components no mask knocked out
-    (--never-ablate): no measurement says anything of them, so they are left out of the
-    ranking, their effect unknown (NaN), as ``exclude``'s are left out."""
-    keys = mask_keys(len(design)) if keys is None else list(keys)
-    if isinstance(columns, int):
-        heads_per_layer = columns
-    columns = _columns(columns, design)
-    if heads_per_layer is None:
-        grid = columns.heads_grid
-        heads_per_layer = grid[1] if grid is not None else 1
-    baseline = records["baseline"]
-    excluded = sorted({columns.index(h) for h in exclude if _has(columns, h)})
-    unmeasured = sorted({columns.index(h) for h in never if _has(columns, h)} - {*excluded})
-    left_out = sorted({*excluded, *unmeasured})
-    rankings = {}
-    known: dict[str, _TaskFit] = {}
-
-    def task_fit(task: str) -> _TaskFit:
-        if task not in known:
-            estimates = None if priors is None else priors[task]
-            known[task] = _TaskFit(
-                np.array([records[key]["scores"][task] for key in keys]),
-                bool(baseline["higher_is_better"][task]), estimates,
-                prior_weights(estimates), prior_rankings(estimates),
-                {} if confirmed is None else _measured_alone(confirmed, records, task,
-                                                             columns))
-        return known[task]
-
-    # One replay per resample, shared by the tasks (keyed by the tasks it replays).
-    replays: dict[tuple[tuple[str, ...], bytes], list[int]] = {}
-    for task in tasks:
-        # Fitted with an intercept, as the reference code does: the intercept absorbs the
-        # small average cost of a mask's unimportant heads (pinning it to the baseline
-        # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
-        y, higher, estimates, weights, _, alone = task_fit(task)
-        fixed = {h: change for h, (change, _) in alone.items()}
-        fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
-                     exclude=left_out)
-        order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
-        select = None
-        if confirmed is not None:
-            select = _confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
-                                          left_out, columns, replays)
-        # The refits are the screen's model (the measured changes held fixed), so each
-        # interval is the spread of the estimate reported beside it.
-        model = HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed)
-        held_out = held_out_r2(model, design, y)
-        stability = None if bootstrap is None else bootstrap_stability(
-            model, design, y, top_k,
-            higher_is_better=higher, exclude=left_out, resamples=bootstrap, seed=seed,
-            select=select)
-        if stability is not None and alone:
-            # A head measured alone has one measurement, not a spread of Lasso refits.
-            stability.low[list(alone)] = stability.high[list(alone)] = np.nan
-        effects = fit.effects.copy()
-        effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
-        # What the ranking ordered equal effects by, kept for orders that need it (export).
-        logprob_change = np.full(len(effects), np.nan)
-        logprob_change[list(alone)] = [lp for _, lp in alone.values()]
-        contrast = fit.contrast.copy()
-        contrast[[*alone, *unmeasured]] = np.nan
-        evidence = {"logprob_change": logprob_change, "contrast": contrast}
-        if estimates is not None:
-            evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
-        rankings[task] = HeadRanking(
-            task=task, metric=baseline["metrics"][task], higher_is_better=higher,
-            baseline=float(baseline["scores"][task]), effects=effects,
-            order=order, heads_per_layer=heads_per_layer, columns=columns,
-            extra={"method": "compressed sensing (Lasso)" + (
-                       "" if confirmed is None else
-                       f", the likeliest {_UNITS[_components_of(columns)]} measured alone"),
-                   "r2": fit.r2,
-                   "r2_held_out": held_out if np.isfinite(held_out) else None,
-                   "alpha": alpha, "measurements": int(len(design)),
-                   "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
-                   "same_masks": _same_masks(
-                       design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
-                       alone, columns),
-                   "excluded": columns.names(excluded),
-                   **({"never_knocked_out": columns.names(unmeasured)} if unmeasured
-                      else {}),
-                   **({} if confirmed is None else {
-                       "confirmed": columns.names(alone),
-                       "implicated": columns.names(h for h in fit.order
-                                                   if harm(fit.effects[h], higher) > 0),
-                       "next": list(confirmed.get("next", {}).get(task, []))}),
-                   **({} if priors is None else {"prior_top_k": columns.names(
-                       alternated(prior_rankings(estimates), top_k))}),
-                   **({"prior_found_nothing": True} if prior_found_nothing(estimates)
-                      else {})},
-            stability=stability, evidence=evidence)
-        rankings[task].extra["certificate"] = _certificate(
-            design, y, baseline, task, higher, alone, records, confirmed, columns,
-            [h for h in order if h not in set(left_out)], top_k)
-        recorded = largest_single_help(rankings[task])
-        if recorded is not None:
-            rankings[task].extra["largest_single_help"] = recorded
-        if all_measured_alone(rankings[task]):
-            # The fit held every change fixed and estimated nothing: its R² is no evidence.
-            rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None
-    return rankings
-
-
-#: The rule under which a measured set rules out its members (``group_tests``).
-CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it is "
-                    "knocked out in (knocking out more never lessens the harm)")
-
-
-def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any], task: str,
-                 higher: bool, alone: Changes, records: Mapping[str, Mapping[str, Any]],
-                 confirmed: Mapping[str, Any] | None, columns: Columns,
-                 candidates: Sequence[int], top_k: int) -> dict[str, Any]:
-    """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
-    measurements rule out for ``task`` and what they leave unchecked, in names
-    (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
-    base = float(baseline["scores"][task])
-    alone_harm = {h: float(harm(change, higher)) for h, (change, _) in alone.items()}
-    groups = [(tuple(columns.named(n) for n in members),
-               float(harm(records[group_key(members)]["scores"][task] - base, higher)))
-              for members in group_sets(confirmed)]
-    mask_harms = harm(np.asarray(y, dtype=np.float64) - base, higher)
-    cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k)
-    recorded = (confirmed or {}).get("groups") or {}
-    size = recorded.get("size") or group_size(cert.bar, background_harm(design, mask_harms,
-                                                                        alone_harm))
-    sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
-    coverage = [cert.coverage[h] for h in cert.unchecked]
-    return {"rule": CERTIFICATE_RULE, "entry_bar": cert.bar, "top_k": top_k,
-            "measured_alone": len(cert.alone), "ruled_out": len(cert.ruled_out),
-            "bound": cert.bound, "unchecked": columns.names(cert.unchecked),
-            "unchecked_never_in_a_mask": sum(c == 0 for c in coverage),
-            "unchecked_in_one_mask": sum(c == 1 for c in coverage),
-            "unchecked_beside_measured": columns.names(cert.shadowed),
-            "group_size": int(size), "group_tests_run": int(recorded.get("budget", 0)),
-            "group_tests": [{"components": columns.names(m), "change": sign * value}
-                            for m, value in cert.groups],
-            "group_tests_to_cover": -(-len(cert.unchecked) // int(size))}
-
-
-class _TaskFit(NamedTuple):
-    """What one task's fit reads: its scores on the design's rows, its direction, its
-    prior (estimates, penalty weights, rankings) and the changes measured alone."""
-
-    y: np.ndarray
-    higher: bool
-    estimates: np.ndarray | None
-    weights: np.ndarray | None
-    sources: list[list[int]]
-    alone: Changes
-
-
-def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
-                         task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
-                         excluded: Sequence[int], columns: Columns,
-                         replays: dict[tuple[tuple[str, ...], bytes], list[int]]
-                         ) -> Callable[[np.ndarray], np.ndarray]:
-    """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
-    on a resample of the masks (its rows). The whole confirmation is replayed, every
-    task's picks with screens fitted on those rows (``confirm.confirmation``), as the run
-    made it: a head another task's picks brought is in the pool only where its replay
-    picks it too, as this task's own are. A pick the run did not measure cannot be
-    ranked, so it is left out. Where fewer than k of the pool hurt, the ranking's rule
-    fills the top-k with the heads the resample's screen (the pool's changes held fixed)
-    implicates, so such a head is as stable as that screen says. ``replays`` keeps each
-    resample's picks for the other tasks' rankings (the bootstrap draws the same rows for
-    every task)."""
-    picked_by = confirmed.get("picked_by") or {task: confirmed["heads"]}
-    replayed = list(picked_by)
-    budget = sum(len(heads) for heads in picked_by.values())
-    skip = sorted({*confirmed["never"], *excluded})
-    round_size = int(confirmed.get("round_size", budget or 1))
-    y, higher, _, weights, _, alone = task_fit(task)
-    found_by_groups = {columns.named(n) for n in
-                       (confirmed.get("groups") or {}).get("alone") or []} & set(alone)
-
-    def replay(rows: np.ndarray) -> list[int]:
-        def screen_of(name: str) -> Callable[[Changes], list[int]]:
-            fit = task_fit(name)
-            return lambda changes: screen(
-                design[rows], fit.y[rows], fit.higher, alpha=alpha,
-                penalty_weights=fit.weights, fixed={h: c[0] for h, c in changes.items()},
-                exclude=excluded).order
-
-        def lookup(heads: list[int]) -> dict[str, Changes]:
-            return {name: {h: task_fit(name).alone[h] for h in heads
-                           if h in task_fit(name).alone} for name in replayed}
-
-        return confirmation({name: task_fit(name).sources for name in replayed},
-                            {name: screen_of(name) for name in replayed}, lookup, budget,
-                            round_size=round_size, skip=skip).heads
-
-    def select(rows: np.ndarray) -> np.ndarray:
-        # Runs from before picked_by replay each task alone: not one replay for all.
-        key = (tuple(replayed), np.asarray(rows, dtype=np.int64).tobytes())
-        if key not in replays:
-            replays[key] = replay(rows)
-        # The group tests are not replayed: what they measured alone is in every pool.
-        pool = {h for h in replays[key] if h in alone} | found_by_groups
-        top = confirmed_top(alone, pool, top_k, higher)
-        if len(top) < top_k:
-            fit = screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
-                         fixed={h: alone[h][0] for h in pool}, exclude=excluded)
-            top += [h for h in fit.order if h not in pool and h not in skip
-                    and harm(fit.effects[h], higher) > 0][:top_k - len(top)]
-        return np.array(top, dtype=np.int64)
-
-    return select
-
-
-def _same_masks(design: np.ndarray, top: Sequence[int], alone: Changes, columns: Columns
-                ) -> dict[str, list[str]]:
-    """Of the ``top`` heads (those the fit implicates), the ones not measured alone that
-    the masks knocked out only together with other heads not measured alone, with those
-    heads (``designs.same_masks``): the masks cannot tell them apart."""
-    unmeasured = [h for h in range(len(columns)) if h not in alone]
-    found = same_masks(design, [h for h in top if h not in alone], unmeasured)
-    return {str(columns[head]): columns.names(alike) for head, alike in found.items()}
-
-
-def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
-                    task: str, columns: Columns) -> dict[int, tuple[float, float]]:
-    """column -> (score change, logprob change) of every component the run measured
-    alone."""
-    names = [*confirmed["heads"], *((confirmed.get("groups") or {}).get("alone") or [])]
-    heads = list(dict.fromkeys(columns.named(name) for name in names))
-    return _alone_changes(records, heads, task, columns)
-
-
-def _has(columns: Columns, component: Column) -> bool:
-    try:
-        columns.index(component)
-    except KeyError:
-        return False
-    return True
-
-
-
-_SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
-                 "logprob": "the gold answers' mean log-likelihood (logprob)"}
-
-
-def locate_report(run: LocateRun) -> str:
-    """report.md of a fitted locate run (``run.rankings``), from its record alone."""
-    spec, top_k = run.spec, run.spec.top_k
-    units = _UNITS[spec.components]
-    lines = [
-        f"# {_TITLES[spec.components]} by compressed sensing", "",
-        f"- model: `{spec.model_args}`",
-        *([f"- components: {units}; the design's neuron columns are the attribution "
-           f"prior's {len(run.candidates or ())} likeliest of the model's "
-           f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"
-           + _group_words(run)]
-          if "neurons" in spec.components and run.neurons_per_layer else []),
-        f"- signal: {_SIGNAL_WORDS[spec.signal]}",
-        *([f"- chat template: {_chat_words(run.chat_template)}"]
-          if run.chat_template is not None else []),
-        *([f"- few-shot examples per prompt: {spec.num_fewshot} (--num-fewshot; a task "
-           "whose YAML fixes 0 keeps 0)"] if spec.num_fewshot is not None else []),
-        *([f"- system instruction: {spec.system_instruction!r} (--system-instruction)"]
-          if spec.system_instruction is not None else []),
-        *([f"- generation arguments: `{spec.gen_kwargs}` (--gen-kwargs, over each "
-           "generation task's own)"] if spec.gen_kwargs is not None else []),
-        f"- design: {spec.design}, {_masks_words(run)}, sparsity "
-        f"{_sparsity_words(run)}, seed {spec.seed}"
-        + (f", masks drawn with seed {spec.design_seed}"
-           if spec.design_seed is not None else ""),
-        f"- examples per task: {spec.num_samples} asked, used "
-        + ", ".join(f"{t} {n}" for t, n in (run.examples_used or {}).items())
-        + " (the same subset in every measurement)",
-        f"- attribution prior: {_prior_words(run)}"
-        + (f" (--prior {spec.prior}" + (f": {run.prior_skipped})" if run.prior_skipped
-                                        else ")") if spec.prior == "auto" else ""),
-        f"- confirmation: {_confirm_words(run)}",
-        f"- Lasso alpha: {spec.alpha}",
-        f"- never knocked out: {spec.never_ablate or 'none'}"
-        + (" (not ranked: no measurement knocked them out)" if spec.never_ablate else ""),
-        f"- excluded from the ranking: {spec.exclude or 'none'}",
-        *([f"- time: {timing.timings_line(run.timings)} (config.json's timings)"]
-          if run.timings else []), "",
-    ]
-    for task, ranking in run.rankings.items():
-        lines += [
-            f"## {task} ({ranking.metric}, {'higher' if ranking.higher_is_better else 'lower'}"
-            " is better)", "",
-            f"Baseline (nothing knocked out): {ranking.baseline:.4f}. "
-            + (f"Every {_UNIT[spec.components]} was measured alone, so each ranks by its "
-               "measurement; the masks' fit, with those changes held fixed, has nothing "
-               "left to estimate (no R²)." if all_measured_alone(ranking) else
-               f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
-               f"measurements{held_out_words(ranking, _UNIT[spec.components])}."), "",
-            *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
-                           else "estimated change on knockout"), "",
-            *floor_words(ranking),
-            *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
-            *harmless_words(ranking, top_k, _UNIT[spec.components]),
-            *spread_words(ranking, top_k, _UNIT[spec.components]),
-            *equal_change_words(ranking, top_k),
-            *same_masks_words(ranking.extra, _UNIT[spec.components], run.uses_prior),
-            *_unconfirmed_words(ranking.extra, _UNIT[spec.components]),
-            *certificate_words(ranking, _UNIT[spec.components]),
-            *_prior_top_words(ranking.extra, top_k, run.prior_kind, _UNIT[spec.components])]
-    lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
-                 "real).")
-    return "\n".join(lines) + "\n"
-
-
-def _prior_top_words(extra: Mapping[str, Any], top_k: int, prior_kind: str | None,
-                     unit: str) -> list[str]:
-    """The attribution prior's own top-k, or that it found nothing to order."""
-    if "prior_top_k" not in extra:
-        return []
-    source = "prior.json" + (", its rankings in turn" if prior_kind == "atp-path" else "")
-    if extra.get("prior_found_nothing"):
-        return [f"The attribution prior ({source}) estimated the same change for every "
-                f"{unit}: it found no effect, and its top-{top_k} "
-                f"({', '.join(extra['prior_top_k'])}) is the {unit} index, not an order.", ""]
-    return [f"The attribution prior's own top-{top_k} ({source}): "
-            + ", ".join(extra["prior_top_k"]) + ".", ""]
-
-
-def all_measured_alone(ranking: HeadRanking) -> bool:
-    """Whether the confirmation measured every component the run ranks (a small model
-    under the default budget): the fit then estimates nothing and its R² says nothing."""
-    confirmed = ranking.extra.get("confirmed")
-    if not confirmed:
-        return False
-    ranked = len(ranking.effects) - len(ranking.extra.get("excluded") or ())
-    return len(set(confirmed)) >= ranked
-
-
-#: What a held-out R² below 0 means (a newcomer reads a negative number as a failed run).
-BELOW_ZERO = ("below 0: the fit predicts a measurement it did not see worse than the "
-              "measurements' mean does")
-
-
-def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
-    """The fit's R² on measurements it did not see, beside the in-sample one (``r2``)."""
-    extra = ranking.extra
-    if "r2_held_out" not in extra:  # a ranking file from before it was computed
-        return ""
-    value, rows, columns = extra["r2_held_out"], extra["measurements"], len(ranking.effects)
-    shown = "n/a (too few measurements, or none that vary)" if value is None else f"{value:.2f}"
-    if value is not None and value < 0:
-        shown += f" ({BELOW_ZERO})"
-    crowded = (f" ({columns} {unit}s, {rows} measurements: a fit comes close whatever the "
-               "truth)" if columns > rows else "")
-    alone = (f"; the {unit}s measured alone rank by their measurement, not by this fit"
-             if extra.get("confirmed") else "")
-    return (f", in-sample{crowded}; each measurement predicted by a fit on the others: "
-            f"R² = {shown}{alone}")
-
-
-def fit_summary(ranking: HeadRanking, top_k: int) -> str:
-    """The terminal's words on the masks' fit, after a task's baseline: where every top-k
-    component was measured alone the fit ordered none of them, so its R² (which report.md
-    gives) is left out rather than shown as a verdict on the run; otherwise its R² in-sample
-    and held out, with what a held-out R² below 0 means. "" without a fit."""
-    r2, held_out = ranking.extra.get("r2"), ranking.extra.get("r2_held_out")
-    if r2 is None:
-        return ""
-    top = ranking.top(top_k)
-    if top and all(ranking.measured_alone(c) for c in top):
-        return (f"; the top {len(top)} measured alone: their order is measured, not "
-                "fitted (the masks' fit: report.md)")
-    words = f", fit R² {r2:.3f} in-sample"
-    if held_out is not None:
-        words += f", {held_out:.2f} held out" + (f" ({BELOW_ZERO})" if held_out < 0 else "")
-    return words
-
-
-def _group_words(run: LocateRun) -> str:
-    groups = [c for c in run.columns if isinstance(c, NeuronGroup)]
-    if not groups:
-        return ""
-    sizes = [len(g.neurons) for g in groups]
-    return (f", and the other neurons in {len(groups)} groups (--neuron-groups "
-            f"{run.spec.neuron_groups} per layer, {min(sizes):,}–{max(sizes):,} neurons "
-            "each), one column per group: the attribution prior does not rank a group, "
-            "so the masks alone implicate one")
-
-
-def _components_of(columns: Columns) -> str:
-    """The ``--components`` value whose columns these are."""
-    heads = sum(isinstance(c, Head) for c in columns)
-    return "heads" if heads == len(columns) else "neurons" if not heads else "heads+neurons"
-
-
-def _prior_words(run: LocateRun) -> str:
-    if run.prior_kind is None:
-        return "none"
-    one, all_ = _UNIT[run.spec.components], _UNITS[run.spec.components]
-    return {"atp": "atp (prior.json): attribution patching at the clean run",
-            "atp-path": "atp-path (prior.json): attribution patching at the clean run and "
-                        f"with every {one} half ablated, each ranking the {all_}",
-            "ig": "ig (prior.json): integrated gradients, the attribution averaged along "
-                  "the path from the clean run to every component ablated"}[run.prior_kind]
-
-
-#: What a run locates, in words (``--components``): all of them, one of them, the title.
-_UNITS = {"heads": "heads", "neurons": "MLP neurons", "heads+neurons": "heads and MLP neurons"}
-_UNIT = {"heads": "head", "neurons": "neuron", "heads+neurons": "component"}
-_TITLES = {"heads": "Head localization", "neurons": "MLP neuron localization",
-           "heads+neurons": "Head and MLP neuron localization"}
-
-
-def _chat_words(chat_template: Mapping[str, bool]) -> str:
-    """Which tasks were asked through the chat template, as the run recorded it."""
-    through = [task for task, chat in chat_template.items() if chat]
-    if not through:
-        return "not used"
-    if len(through) == len(chat_template):
-        return "every task asked through it"
-    return "asked through it: " + ", ".join(through) + "; the others plain"
-
-
-def _confirm_words(run: LocateRun) -> str:
-    confirmed = run.confirm
-    if not confirmed:
-        return f"none (every {_UNIT[run.spec.components]} ranked by the Lasso's estimate)"
-    rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
-              if "rounds" in confirmed else "")
-    units = _UNITS[run.spec.components]
-    return (f"{len(confirmed['heads'])} {units} knocked out one at a "
-            f"time{rounds}, "
-            + ("the attribution prior's rankings and the masks' fit's likeliest in turn"
-               if run.uses_prior else "the masks' fit's likeliest")
-            + " (the fit redone after each round with "
-            f"the measured {units}' changes held fixed); those that hurt rank first, by "
-            "their measured change (equal ones by the gold answers' log-likelihood change), "
-            f"then the {units} the fit implicates, then those that did no harm "
-            "(their stability: how often a replay of the confirmation on a bootstrap "
-            "resample of the masks would have confirmed them into the top-k)")
-
-
-def same_masks_words(extra: Mapping[str, Any], unit: str = "head",
-                     uses_prior: bool = False) -> list[str]:
-    """The top heads the masks cannot tell from others (``extra["same_masks"]``), said as
-    such: the fit's credit among identical columns is not the masks' evidence."""
-    found = extra.get("same_masks") or {}
-    if not found:
-        return []
-    # Not "the lowest index": coordinate descent leaves some credit on the other copies
-    # of a column (an audit's run split it -0.041 / -0.022 between two such heads).
-    chooser = ("the attribution prior's penalty and the solver's order" if uses_prior
-               else "the solver's order")
-
-    def clause(head: str, alike: list[str]) -> str:
-        shown = ", ".join(alike[:5]) + (f" and {len(alike) - 5} more" if len(alike) > 5
-                                        else "")
-        return f"{head} was knocked out in exactly the same masks as {shown}"
-
-    return ["Not told apart by the masks: "
-            + "; ".join(clause(head, alike) for head, alike in found.items())
-            + f", none of them measured alone. The masks cannot say which {unit} of such a "
-            f"set moved the score: how the fit shares the credit among them follows {chooser}, "
-            "not the masks. Measuring it alone (a larger `--confirm`) settles it.", ""]
-
-
-def _unconfirmed_words(extra: Mapping[str, Any], unit: str = "head") -> list[str]:
-    """Where to look next: heads the masks' fit implicates that no one measured alone, and
-    the round a larger --confirm would measure."""
-    if "confirmed" not in extra:
-        return []
-    implicated = extra.get("implicated", [])
-    lines = ["Not measured alone: " + (
-        f"the masks' fit (with the measured {unit}s held fixed) implicates "
-        + ", ".join(implicated[:10]) + (f" and {len(implicated) - 10} more"
-                                        if len(implicated) > 10 else "")
-        if implicated else f"the masks' fit implicates no other {unit}") + "."]
-    if extra.get("next"):
-        lines.append("A larger `--confirm` would measure next: "
-                     + ", ".join(extra["next"]) + ".")
-    return [" ".join(lines), ""]
-
-
-def _listed(names: Sequence[str], most: int = 10) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more"
-                                      if len(names) > most else "")
-
-
-def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
-    """report.md's completeness certificate (``extra["certificate"]``): what the run
-    measured alone, what a measured set ruled out and by how much at most, what the
-    group tests measured, and what nothing checked, with the flag that would check it."""
-    cert = ranking.extra.get("certificate")
-    if not cert:
-        return []
-    k, bar = cert["top_k"], cert["entry_bar"]
-    entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {k}th "
-             "largest measured alone)," if bar > 0 else
-             f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
-             f"it, so any harm would enter the top-{k})")
-    lines = [f"### What was checked ({cert['measured_alone'] + cert['ruled_out']} of "
-             f"{cert['measured_alone'] + cert['ruled_out'] + len(cert['unchecked'])} "
-             f"{unit}s)", "",
-             f"Under the rule that {cert['rule']} — an assumption: a {unit} whose knockout "
-             f"helps can hide one that hurts in the same set — a measured set whose harm "
-             f"{entry} rules out each of its members.", "",
-             f"- measured alone: {cert['measured_alone']} {unit}s (the table's measured "
-             "changes)"]
-    if cert["ruled_out"]:
-        lines.append(f"- ruled out by a mask or group test: {cert['ruled_out']} {unit}s; "
-                     + (f"none of them alone harms the task by more than {cert['bound']:.4g} "
-                        "(the harm of the set that ruled it out)" if cert["bound"] > 0 else
-                        "none of them alone hurts the task (each set that ruled one out "
-                        "left the score as good or better)"))
-    else:
-        lines.append(f"- ruled out by a mask or group test: none (every measured set with "
-                     f"an unmeasured {unit} in it reached the bar)")
-    groups = cert["group_tests"]
-    if groups:
-        shown = "; ".join(f"{'+'.join(g['components'][:4])}"
-                          + (f"+{len(g['components']) - 4} more" if len(g["components"]) > 4
-                             else "") + f" {g['change']:+.4f}" for g in groups[:8])
-        lines.append(f"- group tests ({len(groups)} sets of up to {cert['group_size']} "
-                     f"{unit}s, halved where they reached the bar): {shown}"
-                     + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
-                        else ""))
-    unchecked = cert["unchecked"]
-    if not unchecked:
-        lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
-                  f"the rule, no {unit} outside the table's measured ones would enter the "
-                  f"top-{k}.", ""]
-        return lines
-    beside = cert["unchecked_beside_measured"]
-    lines += [f"- **not checked: {len(unchecked)} {unit}s** "
-              f"({cert['unchecked_never_in_a_mask']} never knocked out by a mask, "
-              f"{cert['unchecked_in_one_mask']} in one mask only"
-              + (f", {len(beside)} only in masks beside a {unit} measured to reach the bar"
-                 if beside else "") + f"): {_listed(unchecked)}. Any of them could enter "
-              f"the top-{k}; the masks' estimate is all the run has for them.", "",
-              f"`--group-tests {cert['group_tests_run'] + cert['group_tests_to_cover']}` "
-              f"would knock each of them out in at least one group of "
-              f"{cert['group_size']} (more tests where a group reaches the bar and is "
-              "halved); a larger `--confirm` measures the likeliest alone.", ""]
-    return lines
-
-
-def certificate_line(ranking: HeadRanking) -> str | None:
-    """The terminal's one line on the certificate, or None without one."""
-    cert = ranking.extra.get("certificate")
-    if not cert:
-        return None
-    unit = _UNIT[_components_of(ranking.columns)]
-    unchecked = len(cert["unchecked"])
-    ruled = (f", {cert['ruled_out']} ruled out by sets under the top-{cert['top_k']}'s bar "
-             + (f"(each ≤ {cert['bound']:.4g} alone)" if cert["bound"] > 0 else
-                "(none of them hurts alone)") if cert["ruled_out"] else "")
-    rest = (f", {unchecked} not checked (report.md: what would check them)" if unchecked
-            else f"; every {unit} checked")
-    return f"  checked: {cert['measured_alone']} measured alone{ruled}{rest}"
-
-
-def _sparsity_words(run: LocateRun) -> str:
-    if run.spec.sparsity != "auto" or run.pilot is None:
-        return f"{run.spec.sparsity}"
-    pilot = run.pilot
-    return (f"auto: {pilot['sparsity']:g}, the largest whose pilot masks kept ≥ "
-            f"{pilot['keep_at_least']:.0%} of the score's distance to a mask of half the "
-            "heads (" + "; ".join(f"p={level}: " + ", ".join(
-                f"{share:.0%}" for share in shares.values())
-                for level, shares in pilot["kept"].items()) + ")")
-
-
-def _masks_words(run: LocateRun) -> str:
-    if run.spec.masks != "auto":
-        return f"{run.spec.masks} masks"
-    return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
-            f"head was stable, at most {run.spec.max_masks})")
-
-
-def write_results(folder: RunFolder, run: LocateRun) -> None:
-    """The run's ranking files and report (``write_ranking``), from ``run`` alone."""
-    sparsity = run.spec.sparsity if run.pilot is None else run.pilot["sparsity"]
-    write_ranking(folder, run.rankings, run.spec.top_k,
-                  title=f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
-                        .replace(" (", "\n("),
-                  report=lambda: locate_report(run))
+__all__ = ["locate", "mask_keys", "refit", "stored_prior"]
 
 
 def prior_method(spec: RunSpec, measure: Any) -> str | None:
@@ -1052,21 +426,6 @@ def _group_test(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
     return {"budget": spec.group_tests, "size": tested.size,
             "rounds": [[names(s) for s in batch] for batch in tested.rounds],
             "alone": names(s[0] for s in tested.sets if len(s) == 1)}
-
-
-def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
-    """The group tests' sets of two or more components, in the order measured (a run's
-    ``confirm["groups"]``; none where it made none)."""
-    groups = (confirmed or {}).get("groups") or {}
-    return [members for batch in groups.get("rounds", []) for members in batch
-            if len(members) > 1]
-
-
-def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
-                   columns: Columns) -> dict[int, tuple[float, float]]:
-    """column -> (score change, logprob change) of each component knocked out alone."""
-    return measured_changes(records["baseline"], {
-        h: records[alone_key(columns[h])] for h in heads}, task)
 
 
 def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,

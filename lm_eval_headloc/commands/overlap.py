@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.files import strict_json, write_atomically
 from lm_eval_headloc.intervention.components import read_heads_file, shown_name
+from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.report.pages import beyond_spread, recorded_harmless
-from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, strict_json
+from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into
 from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
-from lm_eval_headloc.runs.spec import same_model
 
 __all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
 

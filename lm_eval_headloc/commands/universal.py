@@ -17,10 +17,11 @@ from typing import Any
 
 from lm_eval_headloc.commands.overlap import RankingFile
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import write_atomically
-from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list, strict_json
+from lm_eval_headloc.common.files import strict_json, write_atomically
+from lm_eval_headloc.intervention.model_args import same_model
+from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list
 from lm_eval_headloc.runs.record import load_run, ranking_files
-from lm_eval_headloc.runs.spec import RunSpec, same_model
+from lm_eval_headloc.runs.spec import RunSpec
 
 __all__ = ["MADE_BY", "universal", "universal_table"]
 

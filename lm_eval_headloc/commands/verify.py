@@ -31,17 +31,14 @@ from lm_eval_headloc.intervention.components import (
 )
 from lm_eval_headloc.intervention.embedded import is_embedded
 from lm_eval_headloc.intervention.geometry import Geometry
-from lm_eval_headloc.report.pages import relative_drop
-from lm_eval_headloc.runs.folder import RunFolder, RunFolderError, refuse_output_path_into
+from lm_eval_headloc.intervention.model_args import same_model
+from lm_eval_headloc.method.ranking import relative_drop
+from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
+from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.plan import PlanEntry, measured_plan
 from lm_eval_headloc.runs.record import load_run
-from lm_eval_headloc.runs.setup import PlanEntry, measured_plan, prepare
-from lm_eval_headloc.runs.spec import (
-    ABLATION_FLAGS,
-    COMMAND_OPTIONS,
-    RunSpec,
-    command_spec,
-    same_model,
-)
+from lm_eval_headloc.runs.setup import prepare
+from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
 
 __all__ = ["DEFAULT_GENERAL", "OFFLINE_GENERAL", "Ablation", "ablations", "effect",
            "kind_words", "located_heads", "percent", "random_like", "random_sets",

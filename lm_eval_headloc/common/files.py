@@ -3,12 +3,15 @@ only over a page of our own (a report script never replaces a file it did not wr
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "write_atomically",
+__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "strict_json", "write_atomically",
            "write_page"]
 
 #: How much of a file is read to see how it begins.
@@ -86,3 +89,47 @@ def write_page(path: str | os.PathLike, text: str,
     if not _begins(text, begins):  # else the next run would refuse its own page
         raise ValueError(f"the page for {path} does not begin with {_shown(begins)}")
     write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))
+
+
+def _finite_or_none(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, Mapping):
+        return {k: _finite_or_none(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_none(v) for v in data]
+    return data
+
+
+def _json_key(key: Any) -> str:
+    """An object key as ``json.dumps`` writes it (a number, bool or null as its text)."""
+    if isinstance(key, str):
+        return json.dumps(key)
+    if key is None or isinstance(key, (int, float)):
+        return json.dumps(json.dumps(key, allow_nan=False))
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
+
+
+def _indented(data: Any, depth: int) -> str:
+    if isinstance(data, list) and data and all(
+            x is None or isinstance(x, (int, float)) for x in data):
+        # A list of plain numbers goes on one line: a neuron prior holds lists of tens of
+        # thousands, and a line for each number made prior.json several times larger.
+        return json.dumps(data, allow_nan=False)
+    if not isinstance(data, (list, dict)) or not data:
+        return json.dumps(data, allow_nan=False)
+    pad, inner = "\n" + "  " * depth, "\n" + "  " * (depth + 1)
+    if isinstance(data, list):
+        items = [_indented(v, depth + 1) for v in data]
+        return "[" + inner + ("," + inner).join(items) + pad + "]"
+    items = [f"{_json_key(k)}: {_indented(v, depth + 1)}" for k, v in data.items()]
+    return "{" + inner + ("," + inner).join(items) + pad + "}"
+
+
+def strict_json(data: Any) -> str:
+    """JSON any strict parser reads: NaN and infinities (undefined numbers) become null.
+
+    Laid out as ``json.dumps(indent=2)`` does, but for lists of numbers (and nulls),
+    each written on one line; every number is json's own text of it (``repr``), so the
+    values read back exactly."""
+    return _indented(_finite_or_none(data), 0) + "\n"

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
@@ -200,27 +200,23 @@ def _scores_as_values(scores: Mapping[str, TaskScore]) -> dict[str, float]:
 class MeasurementWorker:
     """One worker's model and measurement (made a Ray actor by :func:`start_workers`).
 
-    Built from the driver's resolved spec, the extra tasks it measures (verify's general
-    tasks), its example count or limit and its reference set, so it measures exactly
-    what the driver would.
+    Built by ``build`` (the run layer's ``runs.setup.worker_measurement``, passed in so
+    this layer need not import the one above it) from the driver's resolved spec, the
+    extra tasks it measures (verify's general tasks), its example count or limit and its
+    reference set, so it measures exactly what the driver would.
     """
 
-    def __init__(self, spec: dict[str, Any], extra_tasks: Sequence[str],
-                 num_samples: int | None, limit: int | None,
+    def __init__(self, build: Callable[..., Any], spec: dict[str, Any],
+                 extra_tasks: Sequence[str], num_samples: int | None, limit: int | None,
                  reference: list[str] | None, threads: int | None = None) -> None:
         for name in DISTRIBUTED_ENV:
             os.environ.pop(name, None)
         import torch
 
-        from lm_eval_headloc.runs.setup import load_model, open_measurement, prepare
-        from lm_eval_headloc.runs.spec import RunSpec
-
         if threads:  # several workers on one machine share its cores
             torch.set_num_threads(threads)
-        self.setup = prepare(worker_spec(RunSpec(**spec)), extra_tasks=extra_tasks)
-        self.setup.reference = reference
-        self.measure = open_measurement(self.setup, load_model(self.setup), None,
-                                        num_samples=num_samples, limit=limit)
+        self.measure = build(spec, extra_tasks=extra_tasks, num_samples=num_samples,
+                             limit=limit, reference=reference)
 
     def describe(self) -> dict[str, Any]:
         """What the driver checks (fingerprint, unablated scores) and records (where)."""
@@ -314,12 +310,15 @@ class DistributedMeasurement:
         self._actors = []
 
 
-def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
-                  num_samples: int | None = None, limit: int | None = None,
-                  worker_spec: dict[str, Any] | None = None) -> DistributedMeasurement:
-    """Start ``setup.spec.workers`` actors (a local Ray unless ``--ray-address``), check
-    each against the driver's measurement ``local``, and return the distributed
-    measurement. ``worker_spec`` overrides the spec the workers are built from (tests)."""
+def start_workers(setup: Any, local: Any, build: Callable[..., Any], *,
+                  extra_tasks: Sequence[str] = (), num_samples: int | None = None,
+                  limit: int | None = None, worker_spec: dict[str, Any] | None = None
+                  ) -> DistributedMeasurement:
+    """Start ``setup.spec.workers`` actors (a local Ray unless ``--ray-address``), each
+    measuring with what ``build`` makes of the spec (a module-level function, which Ray
+    sends by name), check each against the driver's measurement ``local``, and return the
+    distributed measurement. ``worker_spec`` overrides the spec the workers are built from
+    (tests)."""
     import ray
 
     spec = setup.spec
@@ -359,7 +358,8 @@ def start_workers(setup: Any, local: Any, *, extra_tasks: Sequence[str] = (),
             group = placement_group([{"GPU": gpus, "CPU": 1}], strategy="STRICT_PACK")
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group)
         actors.append(actor_class.options(**options).remote(
-            config, list(extra_tasks), num_samples, limit, setup.reference, threads))
+            build, config, list(extra_tasks), num_samples, limit, setup.reference,
+            threads))
     from ray.exceptions import GetTimeoutError
 
     try:

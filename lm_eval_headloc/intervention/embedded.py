@@ -95,9 +95,9 @@ def is_embedded(model_args: str | None) -> bool:
 
 
 def main() -> int:
-    """``python -m lm_eval_headloc.intervention.embedded``: the embedded model's ``--model_args`` for the
-    stock ``lm_eval`` command (which passes its own ``--device``), or one line saying how
-    to install it."""
+    """``python -m lm_eval_headloc.intervention.embedded``: the embedded model's
+    ``--model_args`` for the stock ``lm_eval`` command (which passes its own ``--device``),
+    or one line saying how to install it."""
     import sys
 
     try:

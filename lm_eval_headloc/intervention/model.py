@@ -47,19 +47,15 @@ from lm_eval_headloc.intervention.ablation import (
 from lm_eval_headloc.intervention.components import (
     Component,
     HeadSpecError,
-    check_component_names,
-    check_top,
     format_heads,
     names_neurons,
     parse_components,
-    ranked_task,
-    ranking_top_k,
-    read_heads_file,
 )
 from lm_eval_headloc.intervention.embedded import local_pretrained
 from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 from lm_eval_headloc.intervention.hooks import ActivePass, HeadKnockout, Intervention
+from lm_eval_headloc.intervention.model_args import _check_device, _requested_heads
 from lm_eval_headloc.intervention.registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM", "check_against_config"]
@@ -69,74 +65,6 @@ log = logging.getLogger("lm_eval.models.hf_headablate")
 
 # No sys.excepthook here: importing the model must not change how a program reports its
 # errors. The stock `lm_eval` command's one-line head errors come from registration.py.
-
-
-def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) -> list[str]:
-    """The head names asked for, checked for syntax (not yet against the model).
-
-    lm-eval's model_args parser turns ``ablate=1`` into an int and ``ablate=True`` into a
-    bool, hence the type checks: they give one line instead of a TypeError deep inside.
-    """
-    names: list[str] = []
-    if ablate is not None:
-        if isinstance(ablate, str):
-            if not ablate.strip():
-                raise HeadSpecError(
-                    "ablate= is empty; give heads like ablate=L0H29+L1H31 (or neurons like "
-                    "L3N1234), or leave it out"
-                )
-            names.extend(ablate.split("+"))
-        elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
-            names.extend(ablate)
-        else:
-            raise HeadSpecError(
-                f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
-                "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer; "
-                "MLP neurons as L3N1234, L3N* for a whole MLP)"
-            )
-    if ablate_top is not None:
-        ablate_top = check_top(ablate_top)
-        if ablate_file is None:
-            raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
-    if ablate_file is not None:
-        if not isinstance(ablate_file, (str, os.PathLike)):
-            raise HeadSpecError(
-                f"ablate_file={ablate_file!r}: expected the path of a head file (a "
-                "headloc-harness heads.json, a JSON list, or one head per line)"
-            )
-        # A run's ranking lists every head; naming it means the heads the run located:
-        # its own top-k, unless ablate_top says how many.
-        run_top = ranking_top_k(ablate_file) if ablate_top is None else None
-        from_file = read_heads_file(ablate_file, top=ablate_top or run_top)
-        names.extend(from_file)
-        # Which heads a ranking file came to is said: a run's heads.json is its first
-        # task's, which may not be the task evaluated.
-        task = ranked_task(ablate_file)
-        log.info("knocking out %s: %s of %s%s", "+".join(map(str, from_file)),
-                 f"the top {ablate_top}" if ablate_top is not None else
-                 f"the run's top-{run_top} (ablate_top=K for another count)"
-                 if run_top is not None else "every entry",
-                 ablate_file, f" (ranked for task {task})" if task else "")
-    check_component_names(names)
-    return names
-
-
-def _check_device(device: object) -> None:
-    """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
-    without one and quietly takes another device for ``cuda:7`` (said only in its log).
-    Refused, except lm-eval's own default, ``cuda:0``, which falls back to the CPU."""
-    if not isinstance(device, str) or not device.startswith("cuda"):
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = device.partition(":")[2]
-    if count == 0 and device != "cuda:0":
-        raise UsageError(f"device={device}: this machine has no CUDA device; use device=cpu")
-    if count and index.isdigit() and int(index) >= count:
-        have = "cuda:0" + (f" to cuda:{count - 1}" if count > 1 else "")
-        raise UsageError(f"device={device}: this machine has {count} CUDA "
-                         f"device{'s' if count > 1 else ''} ({have})")
 
 
 @register_model(MODEL_NAME)

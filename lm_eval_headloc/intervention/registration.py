@@ -128,7 +128,8 @@ def _load_startup_hook() -> None:
                     / "_lm_eval_headloc_startup.py")
             spec = importlib.util.spec_from_file_location("_lm_eval_headloc_startup", path)
             if spec is None or spec.loader is None or not path.is_file():
-                return  # nothing to watch with; lm_eval_headloc.intervention.registration.register() works
+                # nothing to watch with; lm_eval_headloc.intervention.registration.register()
+                return  # works
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)

@@ -38,15 +38,11 @@ from lm_eval_headloc.intervention.multimask import (
     logits_only_at,
 )
 from lm_eval_headloc.measurement.sizing import is_out_of_memory
-from lm_eval_headloc.method.confirm import (  # re-exported; numpy-only there
-    PRIOR_EASE,
-    prior_penalty_weights,
-)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IG_STEPS", "PRIOR_EASE", "PRIOR_POINTS", "attribution_effects", "ig_points",
-           "measured_attribution", "path_point", "prior_penalty_weights"]
+__all__ = ["IG_STEPS", "PRIOR_POINTS", "attribution_effects", "ig_points",
+           "measured_attribution", "path_point"]
 
 #: Steps of the ``"ig"`` prior's midpoint rule (knowledge neurons and CNL take ~20 left
 #: Riemann steps; the midpoint rule's error falls with the square of the step).

@@ -309,7 +309,7 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import sanitize_model_name
 
-    from lm_eval_headloc.measurement.measure import at_scale
+    from lm_eval_headloc.measurement.harness import at_scale
 
     if model_args is None:
         pretrained = lm.pretrained if isinstance(lm.pretrained, (str, Path)) else \

@@ -28,7 +28,8 @@ from lm_eval_headloc.intervention.components import (
     parse_components,
 )
 
-__all__ = ["COMPONENTS", "Column", "Columns", "NeuronGroup", "column_key", "column_label",
+__all__ = ["COMPONENTS", "UNIT", "UNITS", "Column", "Columns", "NeuronGroup", "column_key",
+           "column_label", "components_of",
            "neuron_candidates", "neuron_groups"]
 
 #: ``--components``' values: what a run locates.
@@ -234,3 +235,16 @@ def neuron_candidates(estimates: Mapping[str, np.ndarray], neurons_per_layer: in
     picked = alternated(sources, count + len(skipped))
     neurons = [Neuron(*divmod(int(i), neurons_per_layer)) for i in picked]
     return [n for n in neurons if component_key(n) not in skipped][:count]
+
+
+def components_of(columns: Columns) -> str:
+    """The ``--components`` value whose columns these are."""
+    heads = sum(isinstance(c, Head) for c in columns)
+    return "heads" if heads == len(columns) else "neurons" if not heads else "heads+neurons"
+
+
+#: What a run locates, in words (``--components``): all of them, one of them, the title.
+UNITS = {"heads": "heads", "neurons": "MLP neurons", "heads+neurons": "heads and MLP neurons"}
+
+
+UNIT = {"heads": "head", "neurons": "neuron", "heads+neurons": "component"}

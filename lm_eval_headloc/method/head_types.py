@@ -46,12 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "HEAD_TYPES",
-           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "MAX_PROBE_ROWS", "PROBE_FIRST_ID",
-           "PROBE_ROWS",
-           "attention_patterns", "borderline", "dominant_type", "encode_texts",
-           "head_type_scores", "probe_type_scores", "repeated_probe",
-           "type_scores_from_patterns", "type_thresholds"]
+from lm_eval_headloc.intervention.components import Head, validate_heads
+
+__all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "EXAMPLES", "HEAD_TYPES",
+           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "MAX_PROBE_ROWS", "PER_PASS", "PROBE",
+           "PROBE_FIRST_ID", "PROBE_ROWS", "HeadTypes", "attention_patterns", "borderline",
+           "dominant_type", "encode_texts", "head_type_scores", "head_types_of",
+           "probe_type_scores", "repeated_probe", "type_scores_from_patterns", "type_thresholds"]
 
 #: ``repeated_probe``'s rows by default (``--probe-rows``): on the embedded SmolLM2, 4 rows
 #: (the earlier default) labelled heads that a larger probe put below the threshold (their
@@ -444,3 +445,108 @@ def borderline(scores: Mapping[str, np.ndarray], errors: Mapping[str, np.ndarray
     return [[[name for name, (grid, allow) in clear.items()
               if abs(grid[layer, head] - thresholds[name]) <= allow[layer, head]]
              for head in range(shape[1])] for layer in range(shape[0])]
+
+
+#: The probe: ``length`` random tokens repeated twice, drawn with ``seed`` (its rows:
+#: ``--probe-rows``).
+PROBE = {"length": 32, "seed": 0}
+
+
+#: The run's examples scored (its first distinct contexts), and how many per pass (the
+#: probe's rows too).
+EXAMPLES, PER_PASS = 64, 8
+
+
+class HeadTypes:
+    """A model's head types as ``types.json`` holds them: ``scores`` on the probe and
+    ``on_examples`` (None without examples), each type -> (layers, heads); ``labels``: each
+    head's dominant type or None."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data = dict(data)
+        self.scores = {t: np.asarray(v, dtype=np.float64) for t, v in data["scores"].items()}
+        self.labels: list[list[str | None]] = [list(row) for row in data["dominant"]]
+        #: Head name -> the types it is too near the threshold of to be labelled or not
+        #: (none in a file from before the probe's error was taken into account).
+        self.near: dict[str, list[str]] = dict(data.get("borderline") or {})
+        #: The layers with heads (a hybrid model's attention layers; else every layer).
+        self.head_layers: tuple[int, ...] = tuple(data.get("head_layers")
+                                                  or range(len(self.labels)))
+
+    def of(self, layer: int, head: int) -> dict[str, float]:
+        """One head's four probe scores."""
+        self._check(layer, head)
+        return {t: float(self.scores[t][layer, head]) for t in HEAD_TYPES}
+
+    def label(self, layer: int, head: int) -> str | None:
+        """One head's dominant type, or None."""
+        self._check(layer, head)
+        return self.labels[layer][head]
+
+    def borderline(self, layer: int, head: int) -> list[str]:
+        """The types one head's probe score is within ``LABEL_MARGIN`` standard errors of
+        the threshold of: another probe seed may put it either side."""
+        self._check(layer, head)
+        return list(self.near.get(str(Head(int(layer), int(head))), []))
+
+    def _check(self, layer: int, head: int) -> None:
+        # numpy would wrap a negative index round to another head, or raise IndexError.
+        validate_heads([Head(int(layer), int(head))], len(self.labels),
+                       len(self.labels[0]) if self.labels else 0,
+                       head_layers=self.head_layers)
+
+
+def run_texts(measure: Any) -> list[str]:
+    """The run's own examples as the model reads them: each request's context (with its
+    continuation for a log-likelihood request), distinct, the first ``EXAMPLES``."""
+    seen: dict[str, None] = {}
+    for instance in measure.recorded_instances():
+        context, rest = instance.args[0], instance.args[1] if len(instance.args) > 1 else ""
+        text = context + rest if instance.request_type == "loglikelihood" and \
+            isinstance(rest, str) else context
+        if isinstance(text, str) and text.strip():
+            seen.setdefault(text, None)
+        if len(seen) >= EXAMPLES:
+            break
+    return list(seen)
+
+
+def head_types_of(lm: Any, texts: Sequence[str] = (), probe_rows: int = PROBE_ROWS
+                  ) -> dict[str, Any]:
+    """``types.json``'s content for the model of ``lm`` (an ``HFHeadAblateLM``): the
+    probe's scores (``probe_rows`` rows) and their standard errors, the scores on
+    ``texts``, the thresholds, each head's dominant type and the heads borderline to one."""
+    model, tokenizer = lm.model, lm.tokenizer
+    vocab = int(model.get_input_embeddings().num_embeddings)  # ids the model can embed
+    first = tokenizer.bos_token_id
+    probe = repeated_probe(vocab, batch=probe_rows, first_token=first, **PROBE).to(lm.device)
+    scores, errors = probe_type_scores(model, probe, batch_size=PER_PASS)
+    on_examples = None
+    if texts:
+        # As the model reads them in a measurement: lm-eval's encoding, its window.
+        ids, mask = encode_texts(tokenizer, list(texts),
+                                 lambda text: lm.tok_encode(text)[-lm.max_length:])
+        on_examples = head_type_scores(model, ids.to(lm.device), mask.to(lm.device),
+                                       batch_size=PER_PASS)
+
+    def listed(values: Mapping[str, np.ndarray]) -> dict[str, list[list[float | None]]]:
+        return {t: [[None if not np.isfinite(x) else round(float(x), 6) for x in row]
+                    for row in values[t]] for t in HEAD_TYPES}
+
+    head_layers = lm.knockout.geometry.head_layers
+    near = {f"L{layer}H{head}": types_near
+            for layer, row in enumerate(borderline(scores, errors))
+            for head, types_near in enumerate(row) if types_near}
+    return {"made_by": "lm-eval-headloc types",
+            **({} if head_layers is None else {"head_layers": list(head_layers)}),
+            "probe": {**PROBE, "batch": probe_rows, "first_token": first,
+                      "what": "random tokens repeated twice after the first token"},
+            "examples": len(texts),
+            "scores": listed(scores),
+            "errors": listed(errors),
+            "on_examples": None if on_examples is None else listed(on_examples),
+            "thresholds": {t: round(float(v), 6)
+                           for t, v in type_thresholds(scores).items()},
+            "label_margin": LABEL_MARGIN,
+            "dominant": dominant_type(scores, errors=errors),
+            "borderline": near}

@@ -11,230 +11,33 @@ import io
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.checks import check_number
 from lm_eval_headloc.common.files import write_atomically
-from lm_eval_headloc.intervention.components import Component, Head, Neuron, format_heads
-from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup, column_label
+from lm_eval_headloc.intervention.components import Head, Neuron
+from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
 from lm_eval_headloc.method.head_types import HEAD_TYPES
-from lm_eval_headloc.method.recovery import STABLE, Stability, harm
+from lm_eval_headloc.method.ranking import (
+    HeadRanking,
+    ranked_heads_json,
+    type_fields,
+)
+from lm_eval_headloc.method.recovery import STABLE, harm
 from lm_eval_headloc.runs.folder import RunFolder
 
-__all__ = ["TIE_EVIDENCE", "HeadRanking", "beyond_spread", "heads_table", "largest_single_help",
-           "plot_heatmap", "ranked_heads_json", "ranking_from_json", "relative_drop",
-           "harmless_words", "recorded_harmless", "tie_words", "within_spread",
-           "write_ranking"]
-
-
-#: What a ranking records of each column beyond its effect, for orders that must tell equal
-#: effects apart (``export``): a column measured alone, its measured change of the gold
-#: answers' log-likelihood (the ranking's own tie-break among equal measured changes); one
-#: the fit estimated, its marginal contrast (mean score of the masks that knock it out
-#: less that of the others, on what the measured changes leave: the ranking's tie-break
-#: among equal fitted effects); and, where the run has a prior, its attribution estimates
-#: of the log-likelihood's change, one per path point.
-TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
-
-
-@dataclass
-class HeadRanking:
-    """One task's result: every column's (head's, or neuron's) estimated effect, most
-    harmful first."""
-
-    task: str
-    metric: str
-    higher_is_better: bool
-    baseline: float
-    effects: np.ndarray  # (columns,), score change from knocking out each; NaN unknown
-    order: list[int]  # column indices, most harmful first (excluded ones left out)
-    heads_per_layer: int
-    extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
-    stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
-    columns: Columns | None = None  # the component of each column; None: every head
-    head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
-    #: ``TIE_EVIDENCE`` name -> per column values (``prior``: (points, columns)); NaN (or
-    #: inf) where a column has none.
-    evidence: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.columns is None:
-            layers = max(1, len(self.effects) // self.heads_per_layer)
-            self.columns = Columns.heads(layers, self.heads_per_layer)
-
-    def top(self, k: int) -> list[Column]:
-        """The first ``k`` columns (all of them where fewer are ranked)."""
-        k = check_number(k, "k", whole=True, min_val=0)  # top(-1) was all but the last
-        return [self.columns[i] for i in self.order[:k]]
-
-    def top_knocked_out(self, k: int) -> list[Component]:
-        """What knocking out the top ``k`` columns knocks out (a group: its neurons)."""
-        return [c for i in self.order[:k] for c in self.columns.members(i)]
-
-    def effect(self, head: Component) -> float:
-        return float(self.effects[self.columns.index(head)])
-
-    def confidence(self, head: Component) -> dict[str, Any]:
-        """``selected`` (fraction of bootstrap refits with the head in the top-k) and
-        ``effect_interval`` (95 %); empty when the ranking has no bootstrap."""
-        if self.stability is None:
-            return {}
-        i = self.columns.index(head)
-        low, high = float(self.stability.low[i]), float(self.stability.high[i])
-        # None for a head measured alone (--confirm): one measurement has no spread.
-        return {"selected": float(self.stability.selected[i]),
-                "effect_interval": [low, high] if np.isfinite(low) else None}
-
-    def measured_alone(self, head: Component) -> bool | None:
-        """Whether ``head``'s effect was measured alone (``--confirm``), rather than
-        estimated; None when the run confirmed nothing."""
-        confirmed = self.extra.get("confirmed")
-        return None if confirmed is None else str(head) in confirmed
-
-    def harmless(self, k: int) -> list[Column]:
-        """The top-k columns whose effect (measured or estimated) does not hurt the task:
-        listed because a top-k has k places, not because the task needs them. An unknown
-        (NaN) effect is not among them."""
-        effects = {c: float(self.effects[self.columns.index(c)]) for c in self.top(k)}
-        return [c for c, e in effects.items()
-                if np.isfinite(e) and not harm(e, self.higher_is_better) > 0]
-
-    def settled(self, k: int) -> bool:
-        """Whether at least ``STABLE`` of the bootstrap refits put every top-k head in the
-        top-k hurting the task (``--masks auto``'s stop: a top-k place filled by a head that
-        does not hurt is not settled); True without a bootstrap."""
-        if self.stability is None:
-            return True
-        return all(self.stability.selected[self.columns.index(h)] >= STABLE
-                   for h in self.top(k))
-
-    def unstable(self, k: int) -> list[Component]:
-        """The top-k heads that hurt the task and that fewer than ``STABLE`` of the
-        bootstrap refits put in the top-k hurting it (a head that does not hurt is said as
-        such, ``harmless``; no refit counts it, so "unstable" would say it twice, wrongly)."""
-        if self.stability is None:
-            return []
-        harmless = set(self.harmless(k))
-        return [h for h in self.top(k) if h not in harmless
-                and self.stability.selected[self.columns.index(h)] < STABLE]
-
-
-def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
-    """How much of the baseline a knockout removed (positive = worse); NaN at a zero
-    baseline, where a relative drop is undefined."""
-    change = float(harm(score - baseline, higher_is_better))
-    return change / abs(baseline) if baseline else float("nan")
-
-
-def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
-    """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
-
-    Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
-    ``effect`` (null where no effect was estimated) — an MLP neuron's has ``neuron``
-    (L{layer}N{neuron}) and ``neuron_in_layer`` instead; with a bootstrap also ``selected``
-    (fraction of refits with the head in the top-k) and ``effect_interval`` (95 %; null
-    for a head measured alone); after a confirmation (``--confirm``) ``measured_alone``;
-    from locate ``tied_with_above``: the head's evidence equals the head ranked above it
-    (their order is then the head index, which says nothing); and where recorded its
-    ``TIE_EVIDENCE``: ``logprob_change`` (measured alone), ``contrast`` (estimated by the
-    fit), ``prior`` (one estimate per prior point).
-    """
-    stability = {} if ranking.stability is None else {
-        "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
-                      "unstable_in_top_k": [str(h) for h in ranking.unstable(top_k)]}}
-    return {
-        "task": ranking.task, "metric": ranking.metric,
-        "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
-        "heads_per_layer": ranking.heads_per_layer,
-        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
-        "heads": [
-            {"rank": rank, **_name_fields(head),
-             "effect": ranking.effect(head), **ranking.confidence(head),
-             **_type_fields(ranking, head),
-             **_alone_field(ranking, head),
-             **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
-                if "tied_with_above" in ranking.extra else {}),
-             **_evidence_fields(ranking, head)}
-            for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
-        ],
-    }
-
-
-#: heads.json's keys that are not a ranking's ``extra`` (``ranked_heads_json``).
-_RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
-                 "bootstrap", "heads")
-
-
-def ranking_from_json(data: Mapping[str, Any], columns: Columns,
-                      head_types: Any = None) -> HeadRanking:
-    """The ranking a heads-<task>.json holds (``ranked_heads_json``'s inverse), over the
-    run's ``columns``: its order, effects (NaN for what it does not rank: excluded, never
-    knocked out, never measured), bootstrap and the rest (``extra``); ``head_types`` the
-    run's types.json. What ``ranked_heads_json`` writes of it is the file again."""
-    entries = data["heads"]
-    order = [columns.named(entry.get("head") or entry.get("neuron") or entry["group"])
-             for entry in entries]
-    effects = np.full(len(columns), np.nan)
-    for index, entry in zip(order, entries, strict=True):
-        effects[index] = np.nan if entry.get("effect") is None else entry["effect"]
-    evidence: dict[str, np.ndarray] = {}
-    for name in TIE_EVIDENCE:
-        given = [(index, entry[name]) for index, entry in zip(order, entries, strict=True)
-                 if entry.get(name) is not None]
-        if given:
-            values = np.full((*np.shape(given[0][1]), len(columns)), np.nan)
-            for index, value in given:
-                values[..., index] = value
-            evidence[name] = values
-    stability = None
-    if "bootstrap" in data:
-        selected, low, high = np.zeros(len(columns)), *np.full((2, len(columns)), np.nan)
-        for index, entry in zip(order, entries, strict=True):
-            selected[index] = entry["selected"]
-            if entry.get("effect_interval") is not None:
-                low[index], high[index] = entry["effect_interval"]
-        stability = Stability(selected, low, high, int(data["bootstrap"]["resamples"]))
-    return HeadRanking(
-        task=data["task"], metric=data["metric"], higher_is_better=data["higher_is_better"],
-        baseline=data["baseline"], effects=effects, order=order,
-        heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
-        extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
-        head_types=head_types, evidence=evidence)
-
-
-def _name_fields(component: Column) -> dict[str, Any]:
-    if isinstance(component, NeuronGroup):
-        # Its name means something only in its run: the neurons travel with it, as one
-        # '+'-joined name that ablate_file= and verify read as one entry of the ranking.
-        return {"group": str(component), "layer": component.layer,
-                "group_in_layer": component.group, "size": len(component.neurons),
-                "neurons": format_heads(component.members)}
-    if isinstance(component, Neuron):
-        return {"neuron": str(component), "layer": component.layer,
-                "neuron_in_layer": component.neuron}
-    return {"head": str(component), "layer": component.layer, "head_in_layer": component.head}
-
-
-def _type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
-    # A head's attention-pattern scores (types.json), where the run has them.
-    if ranking.head_types is None or not isinstance(head, Head):
-        return {}
-    near = ranking.head_types.borderline(head.layer, head.head)
-    return {"types": ranking.head_types.of(head.layer, head.head),
-            "type": ranking.head_types.label(head.layer, head.head),
-            **({"type_borderline": near} if near else {})}
+__all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap", "recorded_harmless",
+           "tie_words", "within_spread", "write_ranking"]
 
 
 def type_words(ranking: HeadRanking, head: Column) -> str:
     """A head's dominant type and its score for a table ("induction (0.81)"), where the
     probe cannot tell the type it is nearest to "induction? (0.30)", "-" for a head no type
     stands out in, "" where the run has no types."""
-    fields = _type_fields(ranking, head)
+    fields = type_fields(ranking, head)
     if not fields:
         return ""
     label = fields["type"]
@@ -242,24 +45,6 @@ def type_words(ranking: HeadRanking, head: Column) -> str:
         near = fields["type_borderline"][0]
         return f"{near.replace('_', '-')}? ({fields['types'][near]:.2f})"
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
-
-
-def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
-    # A column's TIE_EVIDENCE, each only where it has one (finite).
-    index = ranking.columns.index(head)
-    fields: dict[str, Any] = {}
-    for name in TIE_EVIDENCE:
-        if name not in ranking.evidence:
-            continue
-        value = np.asarray(ranking.evidence[name][..., index], dtype=np.float64)
-        if np.isfinite(value).all():
-            fields[name] = value.tolist() if value.ndim else float(value)
-    return fields
-
-
-def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
-    alone = ranking.measured_alone(head)
-    return {} if alone is None else {"measured_alone": alone}
 
 
 def heads_table(ranking: HeadRanking) -> str:
@@ -291,7 +76,7 @@ def heads_table(ranking: HeadRanking) -> str:
             row += [f"{confidence['selected']:.6g}",
                     *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
         if typed:
-            fields = _type_fields(ranking, head)
+            fields = type_fields(ranking, head)
             row += ([f"{fields['types'][t]:.6g}" for t in HEAD_TYPES] + [fields["type"] or ""]
                     if fields else [""] * (len(HEAD_TYPES) + 1))
         writer.writerow(row)
@@ -411,7 +196,7 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
     ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
     with the folder's head types (types.json) each head's scores and type, in every one
     of them."""
-    from lm_eval_headloc.commands.types import read_types
+    from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(folder)
     for ranking in rankings.values():
@@ -493,28 +278,6 @@ def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
     return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
             f"the task; the other places are filled by {unit}s that do not ({how}). "
             f"`ablate_top={hurt}` knocks out only what hurts.", ""]
-
-
-def largest_single_help(ranking: HeadRanking, all_measured: bool = False
-                        ) -> dict[str, Any] | None:
-    """The single knockout that helps the task most, as heads.json records it
-    (``largest_single_help``): ``{"head": name, "change": score change}``. Knocking out one
-    component flips a few examples either way, and such a help shows how large those flips
-    come (``within_spread``). ``all_measured``: every effect is a measurement (greedy);
-    otherwise only those measured alone (``--confirm``) count. None where fewer than two
-    were measured or none helps."""
-    higher = ranking.higher_is_better
-    # One component's knockout: a neuron group's (--neuron-groups) knocks out many, so
-    # its help is no measure of what one flips.
-    columns = [c for c in ranking.columns if np.isfinite(ranking.effect(c))
-               and (all_measured or ranking.measured_alone(c))
-               and not isinstance(c, NeuronGroup)]
-    if len(columns) < 2:
-        return None
-    helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
-    if not -harm(ranking.effect(helper), higher) > 0:
-        return None  # nothing measured helps: no spread to compare with
-    return {"head": str(helper), "change": ranking.effect(helper)}
 
 
 def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_better: bool

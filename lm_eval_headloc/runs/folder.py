@@ -23,7 +23,6 @@ import fcntl
 import fnmatch
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -34,11 +33,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.common.errors import UserError
-from lm_eval_headloc.common.files import PARTIAL, write_atomically
+from lm_eval_headloc.common.files import PARTIAL, _finite_or_none, strict_json, write_atomically
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 
-__all__ = ["CONFIG_SCHEMA", "RunFolder", "RunFolderError", "enclosing_run", "option_words",
-           "package_versions", "refuse_writing_into", "strict_json"]
+__all__ = ["CONFIG_SCHEMA", "RunFolder", "enclosing_run", "option_words", "package_versions",
+           "refuse_writing_into"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -97,10 +96,6 @@ def _upgraded(config: dict[str, Any], schema: int) -> dict[str, Any]:
     return config
 
 
-class RunFolderError(UserError):
-    """A run folder that does not fit the command (a user mistake, reported in one line)."""
-
-
 def package_versions() -> dict[str, str]:
     names = ["lm-eval-headloc", "lm_eval", "torch", "transformers", "peft", "numpy",
              "scikit-learn", "gguf"]
@@ -111,50 +106,6 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-def _finite_or_none(data: Any) -> Any:
-    if isinstance(data, float) and not math.isfinite(data):
-        return None
-    if isinstance(data, Mapping):
-        return {k: _finite_or_none(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_finite_or_none(v) for v in data]
-    return data
-
-
-def _json_key(key: Any) -> str:
-    """An object key as ``json.dumps`` writes it (a number, bool or null as its text)."""
-    if isinstance(key, str):
-        return json.dumps(key)
-    if key is None or isinstance(key, (int, float)):
-        return json.dumps(json.dumps(key, allow_nan=False))
-    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
-
-
-def _indented(data: Any, depth: int) -> str:
-    if isinstance(data, list) and data and all(
-            x is None or isinstance(x, (int, float)) for x in data):
-        # A list of plain numbers goes on one line: a neuron prior holds lists of tens of
-        # thousands, and a line for each number made prior.json several times larger.
-        return json.dumps(data, allow_nan=False)
-    if not isinstance(data, (list, dict)) or not data:
-        return json.dumps(data, allow_nan=False)
-    pad, inner = "\n" + "  " * depth, "\n" + "  " * (depth + 1)
-    if isinstance(data, list):
-        items = [_indented(v, depth + 1) for v in data]
-        return "[" + inner + ("," + inner).join(items) + pad + "]"
-    items = [f"{_json_key(k)}: {_indented(v, depth + 1)}" for k, v in data.items()]
-    return "{" + inner + ("," + inner).join(items) + pad + "}"
-
-
-def strict_json(data: Any) -> str:
-    """JSON any strict parser reads: NaN and infinities (undefined numbers) become null.
-
-    Laid out as ``json.dumps(indent=2)`` does, but for lists of numbers (and nulls),
-    each written on one line; every number is json's own text of it (``repr``), so the
-    values read back exactly."""
-    return _indented(_finite_or_none(data), 0) + "\n"
 
 
 def _is_measurement(record: Any) -> bool:

@@ -24,18 +24,32 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.method.columns import COMPONENTS
-from lm_eval_headloc.runs.folder import RunFolderError
 
-if TYPE_CHECKING:
-    from lm_eval_headloc.runs.folder import RunFolder
+__all__ = ["MAX_HEADS", "MAX_NAME", "MAX_NEURONS", "MAX_WIDTH", "RunFolderError", "check_config",
+           "check_files", "plain_name", "run_tasks"]
 
-__all__ = ["MAX_HEADS", "MAX_NAME", "MAX_NEURONS", "MAX_WIDTH", "check_config", "check_files",
-           "plain_name", "run_tasks"]
+
+class RunFolderError(UserError):
+    """A run folder that does not fit the command (a user mistake, reported in one line)."""
+
+
+class RunFolder(Protocol):
+    """What these checks read of a run folder (``runs.folder.RunFolder``, which calls
+    them: named here by its shape, so the checks need not import the folder back)."""
+
+    path: Path
+
+    def file(self, name: str) -> Path: ...
+
+    def ranking_file(self, task: str, suffix: str = ".json") -> Path: ...
+
+    def measurements(self) -> list[dict[str, Any]]: ...
 
 #: The longest name that may stand in a file name (``heads-<task>.json`` must stay under
 #: the 255 bytes a file name may have).

@@ -26,13 +26,16 @@ import numpy as np
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.intervention.components import Head, Neuron
+from lm_eval_headloc.intervention.model_args import model_identity, same_model
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.measurement.metrics import parse_task_metric
 from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.fit import mask_keys
 from lm_eval_headloc.method.pilot import UNFITTED
-from lm_eval_headloc.report.pages import HeadRanking, ranking_from_json
-from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder, RunFolderError
-from lm_eval_headloc.runs.spec import RunSpec, model_identity, same_model
+from lm_eval_headloc.method.ranking import HeadRanking, ranking_from_json
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.spec import RunSpec
 
 if TYPE_CHECKING:
     from typing import Self
@@ -41,17 +44,11 @@ if TYPE_CHECKING:
     from lm_eval_headloc.runs.setup import Setup
 
 __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
-           "load_run", "mask_keys", "measured_on", "model_facts", "ranking_files", "read_rankings",
-           "start_run",
+           "load_run", "measured_on", "model_facts", "ranking_files", "read_rankings", "start_run",
            "stored_prior", "stored_priors"]
 
 
 log = logging.getLogger("lm_eval_headloc")
-
-
-def mask_keys(masks: int) -> list[str]:
-    """The measurement keys of a design's rows, when the run recorded none (no pilot)."""
-    return [f"mask-{i:04d}" for i in range(masks)]
 
 
 def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
@@ -417,7 +414,7 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
 def read_rankings(folder: RunFolder | str | Path) -> dict[str, HeadRanking]:
     """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
     as ``HeadRanking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
-    from lm_eval_headloc.commands.types import read_types
+    from lm_eval_headloc.runs.types_file import read_types
 
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     record = load_run(folder)

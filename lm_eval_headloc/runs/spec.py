@@ -5,7 +5,7 @@ A run of ``locate``, ``greedy``, ``sweep`` or ``verify`` is described by one fro
 arguments (``RunSpec(tasks=("gsm8k",), masks=200)``). Each field carries its own
 default, help text and role, so that:
 
-- the CLI's flags and defaults are generated from the fields (``add_options``), never
+- the CLI's flags and defaults are generated from the fields (``cli.options``), never
   restated;
 - ``validate`` checks every value before anything is loaded;
 - ``identity(command)`` — what resume compares — is every field that can change the
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,10 +33,20 @@ from lm_eval_headloc.method.columns import COMPONENTS
 from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
 from lm_eval_headloc.method.designs import DESIGNS
 from lm_eval_headloc.method.head_types import MAX_PROBE_ROWS, PROBE_ROWS
+from lm_eval_headloc.runs.option_values import (
+    canonical_gen_kwargs,
+    comma_list,
+    flag_of,
+    parse_batch_size,
+    parse_candidates,
+    parse_examples_part,
+    parse_gen_kwargs,
+    parse_masks,
+    parse_sparsity,
+)
 
 __all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
-           "UsageError", "add_options", "command_spec", "flag_of", "parse_batch_size",
-           "parse_gen_kwargs"]
+           "UsageError", "command_spec"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --masks and --confirm where neither is given and the run has no prior.
@@ -66,173 +74,6 @@ _REFITTABLE: dict[str, frozenset[str]] = {
     # the first ones, so a larger --random-draws only measures the new sets.
     "verify": frozenset({"random_draws"}),
 }
-
-
-def flag_of(name: str) -> str:
-    """A RunSpec field's command-line flag: ``num_fewshot`` -> ``--num-fewshot``."""
-    return "--" + name.replace("_", "-")
-
-
-def _comma_list(text: str) -> tuple[str, ...]:
-    # A metric's filter also follows a comma (gsm8k:exact_match,strict-match); the engine
-    # re-joins such parts once it knows the task names.
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _number_or_word(value: float | str, flag: str, is_word: Any, allowed: str, *,
-                    whole: bool, **limits: Any) -> float | str:
-    """A number within ``limits`` (``check_number``), or a word ``is_word`` accepts; a
-    text that is neither is refused naming ``allowed``."""
-    if isinstance(value, str):
-        text = value.strip()
-        if is_word(text):
-            return text
-        try:
-            value = int(text) if whole else float(text)
-        except ValueError:
-            raise UsageError(f"{flag} {value!r}: must be {allowed}") from None
-    return check_number(value, flag, whole=whole, **limits)
-
-
-def parse_batch_size(value: int | str) -> int | str:
-    """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
-    return _number_or_word(
-        value, "--batch-size",
-        # auto:N recomputes the batch size N times; lm-eval divides by N.
-        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit() and int(t[5:]) > 0),
-        "a whole number >= 1, 'auto' or 'auto:N' (N >= 1)", whole=True, min_val=1)
-
-
-def parse_masks(value: int | str) -> int | str:
-    """A whole number >= 2 (the fit needs two masks: one is an error after measuring it)
-    or ``auto``."""
-    return _number_or_word(value, "--masks", lambda t: t == "auto",
-                           "a whole number >= 2 or 'auto'", whole=True, min_val=2)
-
-
-def parse_examples_part(value: str | None) -> tuple[int, int] | None:
-    """``K/N`` as (K, N) with 1 <= K <= N, or None."""
-    if value is None:
-        return None
-    parts = str(value).split("/")
-    try:
-        index, count = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
-    except ValueError:
-        index, count = 0, 0
-    if not 1 <= index <= count:
-        raise UsageError(f"--examples-part {value!r}: must be K/N with 1 <= K <= N, e.g. 1/2")
-    return index, count
-
-
-def parse_candidates(value: int | str) -> int | str:
-    """A whole number >= 1 or ``auto``."""
-    return _number_or_word(value, "--candidates", lambda t: t == "auto",
-                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
-
-
-def parse_sparsity(value: float | str) -> float | str:
-    """A number strictly between 0 and 1, or ``auto``."""
-    return _number_or_word(value, "--sparsity", lambda t: t == "auto",
-                           "a number strictly between 0 and 1, or 'auto'", whole=False,
-                           min_val=0, max_val=1, include_boundaries="neither")
-
-
-#: generate's numeric arguments that it refuses only once the model is loaded: each key ->
-#: (whole number?, lowest, lowest allowed?, highest). Its warpers take only a float for the
-#: real-valued ones (``temperature=2`` is a ValueError there) and an int for ``top_k``, so
-#: the values are made so here: ``temperature=0`` and ``0.0`` are also one run.
-_GENERATE_NUMBERS = {"temperature": (False, 0, True, None), "top_p": (False, 0, True, 1),
-                     "top_k": (True, 0, True, None), "min_p": (False, 0, True, 1),
-                     "repetition_penalty": (False, 0, False, None)}
-
-
-def _generate_number(key: str, item: Any) -> Any:
-    """``item`` as generate takes ``key`` (float, or int where whole), refused in one line
-    where it is not a number in ``key``'s range; a key without a range is kept as given."""
-    if key not in _GENERATE_NUMBERS:
-        return item
-    whole, low, low_allowed, high = _GENERATE_NUMBERS[key]
-    number = isinstance(item, (int, float)) and not isinstance(item, bool)
-    if number and whole and not float(item).is_integer():
-        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a whole number >= {low}")
-    if not number or item < low or (item == low and not low_allowed) or (
-            high is not None and item > high):
-        allowed = (f"between {low} and {high}" if high is not None
-                   else f"{'>=' if low_allowed else 'above'} {low}")
-        kind = "whole number" if whole else "number"
-        raise UsageError(f"--gen-kwargs {key}={item!r}: must be a {kind} {allowed}")
-    return int(item) if whole else float(item)
-
-
-def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``--gen-kwargs`` as a dict, read as the ``lm_eval`` command reads its
-    ``--gen_kwargs``: a JSON object, or ``key=value,...`` whose values are Python literals
-    where they parse as one (``until=["\\n\\n"]``, ``max_gen_toks=256``, ``do_sample=true``).
-    Which keys a model's ``generate`` takes is checked once the tasks are known
-    (``engine.check_task_overrides``)."""
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        parsed: Any = dict(value)
-    else:
-        text = str(value).strip()
-        if text.startswith("{"):
-            import json
-
-            try:
-                parsed = json.loads(text)
-            except ValueError as err:
-                raise UsageError(f"--gen-kwargs {value!r}: not a JSON object ({err})") \
-                    from None
-        else:
-            from lm_eval_headloc.measurement.lm_eval_output import cli_args_dict
-
-            try:
-                parsed = cli_args_dict(text) if "=" in text else None
-            except (ValueError, SyntaxError):
-                parsed = None
-            if parsed is None or any(not str(key).strip() for key in parsed):
-                raise UsageError(f"--gen-kwargs {value!r}: must be key=value pairs joined by "
-                                 "commas (e.g. max_gen_toks=256,temperature=0) or a JSON "
-                                 "object")
-            parsed = {str(key).strip(): item for key, item in parsed.items()}
-    if not isinstance(parsed, dict) or not parsed:
-        raise UsageError(f"--gen-kwargs {value!r}: must name at least one generation argument "
-                         "(e.g. max_gen_toks=256)")
-    tokens = parsed.get("max_gen_toks", 1)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise UsageError(f"--gen-kwargs max_gen_toks={tokens!r}: must be a whole number >= 1")
-    for key, item in parsed.items():
-        number = isinstance(item, (int, float)) and not isinstance(item, bool)
-        if number and not math.isfinite(item):
-            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a finite number")
-        parsed[key] = _generate_number(key, item)
-    if "do_sample" in parsed and not isinstance(parsed["do_sample"], bool):
-        raise UsageError(f"--gen-kwargs do_sample={parsed['do_sample']!r}: must be true or "
-                         "false")
-    until = parsed.get("until")
-    if until is not None and not (isinstance(until, str) or (
-            isinstance(until, list) and all(isinstance(u, str) for u in until))):
-        raise UsageError(f"--gen-kwargs until={until!r}: must be a string or a list of "
-                         "strings")
-    if isinstance(until, str):  # lm-eval's generate_until reads one string as [it]
-        parsed["until"] = [until]
-    return parsed
-
-
-def _canonical_gen_kwargs(value: Any) -> Any:
-    """``gen_kwargs`` as one JSON text with sorted keys, so that a run resumed with the
-    same arguments in another order, as JSON instead of key=value, or with a value written
-    otherwise (``temperature=0`` for ``0.0``, ``until="Q:"`` for ``["Q:"]``) is the same
-    run; a value that does not parse is left
-    for ``validate`` to refuse in one line."""
-    import json
-
-    try:
-        parsed = parse_gen_kwargs(value)
-    except UsageError:
-        return value
-    return None if parsed is None else json.dumps(parsed, sort_keys=True)
 
 
 def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
@@ -264,7 +105,7 @@ class RunSpec:
     tasks: tuple[str, ...] = _option(
         (DEFAULT_TASK,), "comma-separated lm-eval tasks, each optionally TASK:METRIC; a "
                          "task YAML's path is its task (its folder is included)",
-        parse=_comma_list, metavar="TASKS")
+        parse=comma_list, metavar="TASKS")
     include_path: tuple[str, ...] = _option(
         (), "a folder of your own lm-eval task YAMLs (repeatable); our task_configs are "
             "always included", metavar="DIR")
@@ -410,7 +251,7 @@ class RunSpec:
         None, "general tasks for the Gen drop (default: hellaswag,boolq,arc_challenge,mmlu; "
               "for the embedded model, which runs offline, the headloc_induction, "
               "headloc_ioi and headloc_arith tasks that are not the run's own)",
-        parse=_comma_list, metavar="TASKS")
+        parse=comma_list, metavar="TASKS")
     limit: int | None = _option(None, "examples per task (default: full datasets)",
                                 parse=int, metavar="N", whole=True, min_val=1)
     random_draws: int = _option(
@@ -465,13 +306,13 @@ class RunSpec:
         for name in ("tasks", "include_path", "general"):
             value = getattr(self, name)
             if isinstance(value, str):
-                value = (value,) if name == "include_path" else _comma_list(value)
+                value = (value,) if name == "include_path" else comma_list(value)
             elif value is not None and not isinstance(value, Iterable):  # tasks=5
                 raise UsageError(f"{flag_of(name)} {value!r}: give names, comma-separated "
                                  "or as a list")
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, "gen_kwargs", _canonical_gen_kwargs(self.gen_kwargs))
+        object.__setattr__(self, "gen_kwargs", canonical_gen_kwargs(self.gen_kwargs))
         # Components given as a list (a notebook's ["L0H1", Head(2, 3)]) are the names the
         # command line would give: one '+'-joined string, as config.json records it.
         for name in ("exclude", "never_ablate"):
@@ -694,28 +535,6 @@ HARNESS_MODEL_ARGS = {
     "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
     "batch_size": "give it as --batch-size, which the harness passes to the model",
 }
-#: Model args that say where and how fast a model runs, not which model it is.
-PLACEMENT_MODEL_ARGS = frozenset({"device", "device_map", "parallelize", "max_memory_per_gpu",
-                                  "max_cpu_memory", "offload_folder", "batch_size",
-                                  "max_batch_size"})
-
-
-def model_identity(model_args: str | None) -> dict[str, str]:
-    """What ``model_args`` say the model is: each argument but placement ones (the device
-    a run chose for itself, say), in any order, values as text; runs of one model compare
-    equal by it."""
-    from lm_eval.utils import simple_parse_args_string
-
-    return {key: str(value) for key, value in sorted(
-        simple_parse_args_string(model_args or "").items())
-        if key not in PLACEMENT_MODEL_ARGS}
-
-
-def same_model(a: str | None, b: str | None) -> bool:
-    """Whether two runs' model args name one model (``model_identity``)."""
-    if not all(value is None or isinstance(value, str) for value in (a, b)):
-        return a == b
-    return model_identity(a) == model_identity(b)
 
 
 # The RunSpec fields each subcommand takes on the command line.
@@ -776,66 +595,3 @@ def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) 
                         f"takes {', '.join(sorted(takes))}")
 
 
-#: Options that are lm-eval's own: their flags take lm-eval's spelling (--output_path) too.
-LM_EVAL_SPELLING = frozenset({"model_args", "include_path", "batch_size", "output_path",
-                              "log_samples", "num_fewshot", "gen_kwargs",
-                              "system_instruction"})
-
-
-def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
-                keep_stored: bool | str = False) -> None:
-    """Add the flags of these RunSpec fields, defaults taken from the fields.
-
-    ``keep_stored``: every default is None, meaning "as stored in the run" (refit); a
-    string says what None stands for instead of "the run's" (cross: "the runs' own tasks").
-    """
-    by_name = {f.name: f for f in fields(RunSpec)}
-    for name in names:
-        spec_field = by_name[name]
-        meta, flag = spec_field.metadata, flag_of(name)
-        # lm-eval's own spelling is accepted too where the option is lm-eval's.
-        spellings = (flag, f"--{name}") if name in LM_EVAL_SPELLING else (flag,)
-        default = None if keep_stored else spec_field.default
-        stored = keep_stored if isinstance(keep_stored, str) else "the run's"
-        shown = stored if keep_stored else (
-            ",".join(default) if isinstance(default, tuple) else default)
-        text = meta["help"]
-        if keep_stored:  # the field's own default is not what a stored run uses
-            text = re.sub(r" \(default: [^()]*\)", "", text)
-        say_default = shown is not None and shown != "" and "default:" not in text
-        # argparse %-formats help texts.
-        help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
-        if meta["switch"] is not None:
-            parser.add_argument(*spellings, action=meta["switch"],
-                                default=None if keep_stored else spec_field.default,
-                                help=(text + (f" (default: {stored})" if keep_stored else ""))
-                                .replace("%", "%%"))
-            continue
-        kwargs: dict[str, Any] = dict(default=default, help=help_text)
-        if meta["choices"] is not None:
-            kwargs["choices"] = meta["choices"]
-        if meta["metavar"]:
-            kwargs["metavar"] = meta["metavar"]
-        if name == "include_path":
-            kwargs.update(action="append", default=[])
-        elif meta["parse"] is not None:
-            kwargs["type"] = _argparse_type(meta["parse"], flag)
-        parser.add_argument(*spellings, **kwargs)
-
-
-def _argparse_type(parse: Any, flag: str) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except (ValueError, UsageError) as err:
-            reason = str(err) if isinstance(err, UsageError) else (
-                f"{text!r} is not a {'whole number' if parse is int else 'number'}")
-            raise argparse.ArgumentTypeError(reason) from None
-
-    convert.__name__ = flag
-    return convert
-
-
-def path_list(paths: Iterable[str | Path]) -> list[str]:
-    """Folders as absolute paths (what identity records, whatever the working directory)."""
-    return [str(Path(p).resolve()) for p in paths]

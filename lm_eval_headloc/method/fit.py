@@ -1,0 +1,341 @@
+"""The fit: each task's ranking from a design and its measurements, as plain values.
+
+``fit_rankings`` fits one Lasso per task over the measured masks (the measured-alone
+changes held fixed), bootstraps it, and records the evidence behind the order and the
+completeness certificate; it reads no run folder, so a notebook calls it on its own arrays
+(``locate`` and ``refit`` call it on a run's). Measurement keys are named here
+(``mask_keys``, ``alone_key``; the group tests' ``group_tests.group_key``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from lm_eval_headloc.intervention.components import (
+    Component,
+)
+from lm_eval_headloc.method.columns import UNITS, Column, Columns, components_of
+from lm_eval_headloc.method.confirm import (
+    Changes,
+    alternated,
+    confirmation,
+    confirmed_order,
+    confirmed_top,
+    measured_changes,
+    prior_found_nothing,
+    prior_rankings,
+    prior_weights,
+    screen,
+    tied_with_above,
+)
+from lm_eval_headloc.method.designs import same_masks
+from lm_eval_headloc.method.group_tests import (
+    background_harm,
+    certificate,
+    group_key,
+    group_size,
+)
+from lm_eval_headloc.method.ranking import (
+    HeadRanking,
+    all_measured_alone,
+    largest_single_help,
+)
+from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
+
+if TYPE_CHECKING:
+
+    pass
+
+__all__ = ["CERTIFICATE_RULE", "alone_key", "fit_rankings", "group_sets", "mask_keys"]
+
+
+def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
+    # A heads_per_layer count stands for every head (callers from before neurons).
+    if isinstance(columns, Columns):
+        return columns
+    return Columns.heads(np.shape(design)[1] // columns, columns)
+
+
+def alone_key(head: Column | str) -> str:
+    """The measurement of ``head`` knocked out alone (confirmation)."""
+    return f"alone-{head}"
+
+
+def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
+                 tasks: Sequence[str], columns: Columns | int, alpha: float,
+                 exclude: Sequence[Component] = (), *, top_k: int = 5,
+                 bootstrap: int | None = 200, seed: int = 0,
+                 priors: Mapping[str, Any] | None = None,
+                 keys: Sequence[str] | None = None,
+                 confirmed: Mapping[str, Any] | None = None,
+                 heads_per_layer: int | None = None,
+                 never: Sequence[Component] = ()) -> dict[str, HeadRanking]:
+    """One Lasso per task over the stored measurements (rows in design order), with each
+    head's stability from ``bootstrap`` refits on resampled measurements (None: none).
+    ``columns``: the component of each design column (``Columns``; a heads-per-layer
+    count for every head; then ``heads_per_layer`` is the model's, for the ranking files).
+    ``priors``: task -> attribution estimates of the logprob signal's change per head and
+    path point (prior.json); the first point eases the penalty of likely heads
+    (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
+    ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
+    measured alone to hurt rank first, by their measured change, then the heads the screen
+    implicates, then those measured to do no harm (``confirm.confirmed_order``); the
+    screen is refitted with those changes held fixed (``confirm.screen``); the
+    bootstrap asks which of them a replay of the confirmation on a resample of the masks
+    would have confirmed into the top-k. ``never``: the components no mask knocked out
+    (--never-ablate): no measurement says anything of them, so they are left out of the
+    ranking, their effect unknown (NaN), as ``exclude``'s are left out."""
+    keys = mask_keys(len(design)) if keys is None else list(keys)
+    if isinstance(columns, int):
+        heads_per_layer = columns
+    columns = _columns(columns, design)
+    if heads_per_layer is None:
+        grid = columns.heads_grid
+        heads_per_layer = grid[1] if grid is not None else 1
+    baseline = records["baseline"]
+    excluded = sorted({columns.index(h) for h in exclude if _has(columns, h)})
+    unmeasured = sorted({columns.index(h) for h in never if _has(columns, h)} - {*excluded})
+    left_out = sorted({*excluded, *unmeasured})
+    rankings = {}
+    known: dict[str, _TaskFit] = {}
+
+    def task_fit(task: str) -> _TaskFit:
+        if task not in known:
+            estimates = None if priors is None else priors[task]
+            known[task] = _TaskFit(
+                np.array([records[key]["scores"][task] for key in keys]),
+                bool(baseline["higher_is_better"][task]), estimates,
+                prior_weights(estimates), prior_rankings(estimates),
+                {} if confirmed is None else _measured_alone(confirmed, records, task,
+                                                             columns))
+        return known[task]
+
+    # One replay per resample, shared by the tasks (keyed by the tasks it replays).
+    replays: dict[tuple[tuple[str, ...], bytes], list[int]] = {}
+    for task in tasks:
+        # Fitted with an intercept, as the reference code does: the intercept absorbs the
+        # small average cost of a mask's unimportant heads (pinning it to the baseline
+        # recovers planted heads worse in simulation, see tests/test_designs_recovery.py).
+        y, higher, estimates, weights, _, alone = task_fit(task)
+        fixed = {h: change for h, (change, _) in alone.items()}
+        fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
+                     exclude=left_out)
+        order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
+        select = None
+        if confirmed is not None:
+            select = _confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
+                                          left_out, columns, replays)
+        # The refits are the screen's model (the measured changes held fixed), so each
+        # interval is the spread of the estimate reported beside it.
+        model = HeadLasso(alpha=alpha, penalty_weights=weights, fixed_effects=fixed)
+        held_out = held_out_r2(model, design, y)
+        stability = None if bootstrap is None else bootstrap_stability(
+            model, design, y, top_k,
+            higher_is_better=higher, exclude=left_out, resamples=bootstrap, seed=seed,
+            select=select)
+        if stability is not None and alone:
+            # A head measured alone has one measurement, not a spread of Lasso refits.
+            stability.low[list(alone)] = stability.high[list(alone)] = np.nan
+        effects = fit.effects.copy()
+        effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
+        # What the ranking ordered equal effects by, kept for orders that need it (export).
+        logprob_change = np.full(len(effects), np.nan)
+        logprob_change[list(alone)] = [lp for _, lp in alone.values()]
+        contrast = fit.contrast.copy()
+        contrast[[*alone, *unmeasured]] = np.nan
+        evidence = {"logprob_change": logprob_change, "contrast": contrast}
+        if estimates is not None:
+            evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
+        rankings[task] = HeadRanking(
+            task=task, metric=baseline["metrics"][task], higher_is_better=higher,
+            baseline=float(baseline["scores"][task]), effects=effects,
+            order=order, heads_per_layer=heads_per_layer, columns=columns,
+            extra={"method": "compressed sensing (Lasso)" + (
+                       "" if confirmed is None else
+                       f", the likeliest {UNITS[components_of(columns)]} measured alone"),
+                   "r2": fit.r2,
+                   "r2_held_out": held_out if np.isfinite(held_out) else None,
+                   "alpha": alpha, "measurements": int(len(design)),
+                   "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
+                   "same_masks": _same_masks(
+                       design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
+                       alone, columns),
+                   "excluded": columns.names(excluded),
+                   **({"never_knocked_out": columns.names(unmeasured)} if unmeasured
+                      else {}),
+                   **({} if confirmed is None else {
+                       "confirmed": columns.names(alone),
+                       "implicated": columns.names(h for h in fit.order
+                                                   if harm(fit.effects[h], higher) > 0),
+                       "next": list(confirmed.get("next", {}).get(task, []))}),
+                   **({} if priors is None else {"prior_top_k": columns.names(
+                       alternated(prior_rankings(estimates), top_k))}),
+                   **({"prior_found_nothing": True} if prior_found_nothing(estimates)
+                      else {})},
+            stability=stability, evidence=evidence)
+        rankings[task].extra["certificate"] = _certificate(
+            design, y, baseline, task, higher, alone, records, confirmed, columns,
+            [h for h in order if h not in set(left_out)], top_k)
+        recorded = largest_single_help(rankings[task])
+        if recorded is not None:
+            rankings[task].extra["largest_single_help"] = recorded
+        if all_measured_alone(rankings[task]):
+            # The fit held every change fixed and estimated nothing: its R² is no evidence.
+            rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None
+    return rankings
+
+
+#: The rule under which a measured set rules out its members (``group_tests``).
+CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it is "
+                    "knocked out in (knocking out more never lessens the harm)")
+
+
+def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any], task: str,
+                 higher: bool, alone: Changes, records: Mapping[str, Mapping[str, Any]],
+                 confirmed: Mapping[str, Any] | None, columns: Columns,
+                 candidates: Sequence[int], top_k: int) -> dict[str, Any]:
+    """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
+    measurements rule out for ``task`` and what they leave unchecked, in names
+    (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
+    base = float(baseline["scores"][task])
+    alone_harm = {h: float(harm(change, higher)) for h, (change, _) in alone.items()}
+    groups = [(tuple(columns.named(n) for n in members),
+               float(harm(records[group_key(members)]["scores"][task] - base, higher)))
+              for members in group_sets(confirmed)]
+    mask_harms = harm(np.asarray(y, dtype=np.float64) - base, higher)
+    cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k)
+    recorded = (confirmed or {}).get("groups") or {}
+    size = recorded.get("size") or group_size(cert.bar, background_harm(design, mask_harms,
+                                                                        alone_harm))
+    sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
+    coverage = [cert.coverage[h] for h in cert.unchecked]
+    return {"rule": CERTIFICATE_RULE, "entry_bar": cert.bar, "top_k": top_k,
+            "measured_alone": len(cert.alone), "ruled_out": len(cert.ruled_out),
+            "bound": cert.bound, "unchecked": columns.names(cert.unchecked),
+            "unchecked_never_in_a_mask": sum(c == 0 for c in coverage),
+            "unchecked_in_one_mask": sum(c == 1 for c in coverage),
+            "unchecked_beside_measured": columns.names(cert.shadowed),
+            "group_size": int(size), "group_tests_run": int(recorded.get("budget", 0)),
+            "group_tests": [{"components": columns.names(m), "change": sign * value}
+                            for m, value in cert.groups],
+            "group_tests_to_cover": -(-len(cert.unchecked) // int(size))}
+
+
+class _TaskFit(NamedTuple):
+    """What one task's fit reads: its scores on the design's rows, its direction, its
+    prior (estimates, penalty weights, rankings) and the changes measured alone."""
+
+    y: np.ndarray
+    higher: bool
+    estimates: np.ndarray | None
+    weights: np.ndarray | None
+    sources: list[list[int]]
+    alone: Changes
+
+
+def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
+                         task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
+                         excluded: Sequence[int], columns: Columns,
+                         replays: dict[tuple[tuple[str, ...], bytes], list[int]]
+                         ) -> Callable[[np.ndarray], np.ndarray]:
+    """For ``bootstrap_stability(select=…)``: the top-k the confirmation would have led to
+    on a resample of the masks (its rows). The whole confirmation is replayed, every
+    task's picks with screens fitted on those rows (``confirm.confirmation``), as the run
+    made it: a head another task's picks brought is in the pool only where its replay
+    picks it too, as this task's own are. A pick the run did not measure cannot be
+    ranked, so it is left out. Where fewer than k of the pool hurt, the ranking's rule
+    fills the top-k with the heads the resample's screen (the pool's changes held fixed)
+    implicates, so such a head is as stable as that screen says. ``replays`` keeps each
+    resample's picks for the other tasks' rankings (the bootstrap draws the same rows for
+    every task)."""
+    picked_by = confirmed.get("picked_by") or {task: confirmed["heads"]}
+    replayed = list(picked_by)
+    budget = sum(len(heads) for heads in picked_by.values())
+    skip = sorted({*confirmed["never"], *excluded})
+    round_size = int(confirmed.get("round_size", budget or 1))
+    y, higher, _, weights, _, alone = task_fit(task)
+    found_by_groups = {columns.named(n) for n in
+                       (confirmed.get("groups") or {}).get("alone") or []} & set(alone)
+
+    def replay(rows: np.ndarray) -> list[int]:
+        def screen_of(name: str) -> Callable[[Changes], list[int]]:
+            fit = task_fit(name)
+            return lambda changes: screen(
+                design[rows], fit.y[rows], fit.higher, alpha=alpha,
+                penalty_weights=fit.weights, fixed={h: c[0] for h, c in changes.items()},
+                exclude=excluded).order
+
+        def lookup(heads: list[int]) -> dict[str, Changes]:
+            return {name: {h: task_fit(name).alone[h] for h in heads
+                           if h in task_fit(name).alone} for name in replayed}
+
+        return confirmation({name: task_fit(name).sources for name in replayed},
+                            {name: screen_of(name) for name in replayed}, lookup, budget,
+                            round_size=round_size, skip=skip).heads
+
+    def select(rows: np.ndarray) -> np.ndarray:
+        # Runs from before picked_by replay each task alone: not one replay for all.
+        key = (tuple(replayed), np.asarray(rows, dtype=np.int64).tobytes())
+        if key not in replays:
+            replays[key] = replay(rows)
+        # The group tests are not replayed: what they measured alone is in every pool.
+        pool = {h for h in replays[key] if h in alone} | found_by_groups
+        top = confirmed_top(alone, pool, top_k, higher)
+        if len(top) < top_k:
+            fit = screen(design[rows], y[rows], higher, alpha=alpha, penalty_weights=weights,
+                         fixed={h: alone[h][0] for h in pool}, exclude=excluded)
+            top += [h for h in fit.order if h not in pool and h not in skip
+                    and harm(fit.effects[h], higher) > 0][:top_k - len(top)]
+        return np.array(top, dtype=np.int64)
+
+    return select
+
+
+def _same_masks(design: np.ndarray, top: Sequence[int], alone: Changes, columns: Columns
+                ) -> dict[str, list[str]]:
+    """Of the ``top`` heads (those the fit implicates), the ones not measured alone that
+    the masks knocked out only together with other heads not measured alone, with those
+    heads (``designs.same_masks``): the masks cannot tell them apart."""
+    unmeasured = [h for h in range(len(columns)) if h not in alone]
+    found = same_masks(design, [h for h in top if h not in alone], unmeasured)
+    return {str(columns[head]): columns.names(alike) for head, alike in found.items()}
+
+
+def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
+                    task: str, columns: Columns) -> dict[int, tuple[float, float]]:
+    """column -> (score change, logprob change) of every component the run measured
+    alone."""
+    names = [*confirmed["heads"], *((confirmed.get("groups") or {}).get("alone") or [])]
+    heads = list(dict.fromkeys(columns.named(name) for name in names))
+    return _alone_changes(records, heads, task, columns)
+
+
+def _has(columns: Columns, component: Column) -> bool:
+    try:
+        columns.index(component)
+    except KeyError:
+        return False
+    return True
+
+
+def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
+    """The group tests' sets of two or more components, in the order measured (a run's
+    ``confirm["groups"]``; none where it made none)."""
+    groups = (confirmed or {}).get("groups") or {}
+    return [members for batch in groups.get("rounds", []) for members in batch
+            if len(members) > 1]
+
+
+def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
+                   columns: Columns) -> dict[int, tuple[float, float]]:
+    """column -> (score change, logprob change) of each component knocked out alone."""
+    return measured_changes(records["baseline"], {
+        h: records[alone_key(columns[h])] for h in heads}, task)
+
+
+def mask_keys(masks: int) -> list[str]:
+    """The measurement keys of a design's rows, when the run recorded none (no pilot)."""
+    return [f"mask-{i:04d}" for i in range(masks)]

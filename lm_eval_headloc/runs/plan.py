@@ -1,0 +1,444 @@
+"""Measuring a run's plan: load → open the measurement → measure what is not on disk yet.
+
+``run_plan`` measures the masks of a plan that are not on disk yet, each written before the
+next starts, so an interrupted run loses at most the work in flight; ``measured_plan`` is
+the whole check → prepare → load → measure sequence a plain measuring command runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.timing import timed
+from lm_eval_headloc.intervention.ablation import (
+    AblationError,
+)
+from lm_eval_headloc.intervention.components import (
+    Head,
+    format_heads,
+)
+from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.option_values import parse_examples_part, parse_gen_kwargs
+from lm_eval_headloc.runs.record import RunRecord, measured_on, start_run
+from lm_eval_headloc.runs.setup import Setup, prepare
+from lm_eval_headloc.runs.spec import RunSpec
+from lm_eval_headloc.tasks import make_task_manager
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
+
+__all__ = ["DEFAULT_BATCH_SIZE", "LM_EVAL_FILES", "PlanEntry", "chat_settings", "generation_batch",
+           "load_model", "measured_plan", "nothing_left", "open_measurement", "phase_bar",
+           "run_plan", "set_ablation", "worker_measurement", "write_lm_eval_results"]
+
+log = logging.getLogger("lm_eval_headloc")
+
+
+@timed("model load")
+def load_model(setup: Setup) -> Any:
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    # The kind is set once the reference set is known (open_measurement); the scale now.
+    batch_size = setup.spec.batch_size
+    return HFHeadAblateLM.create_from_arg_string(
+        setup.spec.model_args, {"batch_size": DEFAULT_BATCH_SIZE if batch_size is None
+                                else batch_size, "scale": setup.spec.scale})
+
+
+@timed("measurement set-up")
+def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
+                     num_samples: int | None = None, limit: int | None = None, *,
+                     run: RunRecord | None = None) -> Any:
+    """The measurement of ``setup``'s tasks on ``lm`` (a task with fewer documents than
+    asked for is said in the log). What it is made on (``result.measured_on``: the
+    example subset, the geometry, the ablation) goes into ``run``, the command's record,
+    which writes it with its phase; without one, into ``folder``'s config.json at once
+    (for scripts that keep no record). ``folder`` also holds mean ablation's cache."""
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    spec = setup.spec
+    measure = HarnessMeasurement(
+        lm, setup.tasks, setup.loaded, num_samples=num_samples, seed=spec.seed,
+        apply_chat_template=spec.apply_chat_template, num_fewshot=spec.num_fewshot,
+        gen_kwargs=parse_gen_kwargs(spec.gen_kwargs), system_instruction=spec.system_instruction,
+        confirm_run_unsafe_code=spec.confirm_run_unsafe_code, limit=limit,
+        verbose=spec.verbose, signal=spec.signal,
+        examples_part=parse_examples_part(spec.examples_part),
+        generation_batch=generation_batch(spec, lm))
+    _say_short_tasks(measure, num_samples)
+    measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
+    if run is not None:
+        run.measured_with(setup, measure)
+    elif folder is not None:
+        folder.update_config(**measured_on(setup, measure))
+    if spec.workers > 1:
+        from lm_eval_headloc.distributed.workers import start_workers
+
+        measure = start_workers(setup, measure, worker_measurement, num_samples=num_samples,
+                                limit=limit,
+                                extra_tasks=setup.task_names[len(setup.run_task_names):])
+    return measure
+
+
+def worker_measurement(spec: Mapping[str, Any], *, extra_tasks: Sequence[str],
+                       num_samples: int | None, limit: int | None,
+                       reference: list[str] | None) -> Any:
+    """One Ray worker's measurement, from the driver's resolved spec (``spec.as_config``):
+    the same tasks, example subset and reference set, as one process on the worker's own
+    device (``workers.worker_spec``)."""
+    from lm_eval_headloc.distributed.workers import worker_spec
+
+    setup = prepare(worker_spec(RunSpec(**spec)), extra_tasks=extra_tasks)
+    setup.reference = reference
+    return open_measurement(setup, load_model(setup), None, num_samples=num_samples,
+                            limit=limit)
+
+
+def generation_batch(spec: RunSpec, lm: Any) -> str | None:
+    """Rows per mask of a generation task's ``generate`` calls: with no --batch-size on a
+    GPU, every example where memory allows ("auto"; a generating step costs about as much
+    for 100 rows as for 32 there), else the model's batch size (None)."""
+    import torch
+
+    if spec.batch_size is None and torch.device(lm.device).type == "cuda":
+        return "auto"
+    return None
+
+
+def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
+                 folder: RunFolder | None = None) -> dict[str, Any]:
+    """Put ``setup``'s ablation kind on ``lm``: mean and resample take their reference
+    examples from --ablation-data, or else from the run's own tasks on ``subset``; mean's
+    statistics are cached in ``folder`` (``means/``). Returns what was used, for the
+    run's config.json."""
+    spec = setup.spec
+    if spec.ablation == "zero":
+        lm.set_ablation("zero")
+        texts, source = None, None
+    else:
+        texts = setup.reference_texts(subset)
+        source = spec.ablation_data or ("the run's tasks on its example subset: "
+                                        + ",".join(setup.run_task_names))
+        if spec.ablation_field is not None:
+            source += f" (field {spec.ablation_field!r})"
+        try:
+            lm.set_ablation(spec.ablation, texts,
+                            None if folder is None else folder.file("means"),
+                            spec.ablation_data, spec.ablation_field)
+        except AblationError as err:
+            raise UsageError(f"--ablation {spec.ablation}: {err}") from None
+    used = {"kind": spec.ablation, "scale": spec.scale, "reference": source,
+            "reference_examples": None if texts is None else len(texts),
+            "reference_digest": lm.reference_digest, "means_file": lm.means_file,
+            "resample_seed": lm.resample_seed if spec.ablation == "resample" else None}
+    return used
+
+
+def _say_short_tasks(measure: Any, num_samples: int | None) -> None:
+    """Say when a task has fewer documents than ``num_samples`` asked for."""
+    if num_samples is None:
+        return
+    for task, count in sorted(dict(measure.examples_used).items()):
+        if count < num_samples:
+            log.warning("%s has only %d documents; all %d are used (--num-samples %d)",
+                        task, count, count, num_samples)
+
+
+def _scale_words(scale: float | None) -> str:
+    return "the run's scale" if scale is None else f"scale {scale:g}"
+
+
+#: A plan entry: (key, heads), or (key, heads, scale) for heads knocked out at ``scale``
+#: rather than at the measurement's own (the run's --scale).
+PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
+
+
+@contextlib.contextmanager
+def phase_bar(desc: str, total: int, done: int = 0, progress: bool = True) -> Iterator[Any]:
+    """One progress bar for a phase that measures in several calls of ``run_plan`` (the
+    confirmation's rounds, ``--masks auto``'s), as lm-eval draws one per request type:
+    pass it as their ``bar``; each advances it by what it measures. ``done``: what the
+    phase finds on disk (a resumed run). A phase that ends short of ``total`` (it
+    stopped early) ends at 100 % of what it measured."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="meas",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        yield bar
+        if bar.n < bar.total:
+            bar.total = bar.n
+            bar.refresh()
+    finally:
+        bar.close()
+
+
+@timed("measurements")
+def run_plan(folder: RunFolder, measure: Measurement | None, plan: Sequence[PlanEntry],
+             desc: str, progress: bool = True, masks_per_pass: int | None = 1,
+             bar: Any = None) -> dict[str, dict[str, Any]]:
+    """Measure every (key, heads) not yet on disk; return all records by key (``measure``
+    None: nothing may be left to measure).
+
+    Each record is appended (and fsynced) before the next measurement (or, with
+    ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
+    loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
+    An entry ``(key, heads, scale)`` is measured at that scale (verify's and cross's
+    erase beside an enhance) and its record holds ``scale``; an entry without one, at the
+    measurement's own scale, which the run's identity fixes. A record on disk whose mask
+    or scale differs from the plan's refuses the folder. config.json is not touched: a
+    distributed measurement's workers go into the command's record with its next phase
+    (``RunRecord.save``). ``bar``: the phase's (``phase_bar``), advanced by what this call
+    measures; None: a bar of this plan's own (``desc``, shown unless ``progress`` is
+    False).
+    """
+    entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
+    done = {r["key"]: r for r in folder.measurements()}
+    for key, heads, scale in entries:
+        if key not in done:
+            continue
+        if done[key]["mask"] != format_heads(heads):
+            raise RunFolderError(
+                f"{folder.path}: measurement {key!r} on disk knocked out "
+                f"{done[key]['mask'] or 'nothing'}, this run plans "
+                f"{format_heads(heads) or 'nothing'}; the folder was made with other arguments "
+                "(use another --out or --force)")
+        wanted = None if scale is None else float(scale)
+        if done[key].get("scale") != wanted:
+            raise RunFolderError(
+                f"{folder.path}: measurement {key!r} on disk was made at "
+                f"{_scale_words(done[key].get('scale'))}, this run plans "
+                f"{_scale_words(wanted)}; the folder was made with other arguments (use "
+                "another --out or --force)")
+    # A knockout planned twice (two tasks' top-k that are the same heads, a set two runs
+    # found) is measured once: a measurement is deterministic, so the second key's record
+    # is the first's, said by "same_as".
+    first_of: dict[tuple[str, float | None], str] = {}
+    for key, heads, scale in entries:
+        if key in done:
+            first_of.setdefault(_knockout_of(heads, scale), key)
+    todo, waiting = [], []  # waiting: (twin's key, its first's key), in plan order
+    for key, heads, scale in entries:
+        if key in done:
+            continue
+        first = first_of.setdefault(_knockout_of(heads, scale), key)
+        if first == key:
+            todo.append((key, heads, scale))
+        else:
+            waiting.append((key, first))
+    position = {key: index for index, (key, _, _) in enumerate(entries)}
+
+    def copy_twins(final: bool = False) -> None:
+        # In plan order: each twin once every entry planned before it is on disk.
+        if not waiting:  # the usual case, once a measurement: nothing to scan
+            return
+        horizon = min((position[key] for key, _, _ in todo if key not in done),
+                      default=len(entries))
+        while waiting and (final or position[waiting[0][0]] < horizon):
+            key, first = waiting.pop(0)
+            done[key] = _twin_record(folder, key, done[first])
+            bar.update(1)
+
+    if todo and measure is None:
+        raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
+    if masks_per_pass is None:
+        masks_per_pass = measure.auto_masks_per_pass() if todo else 1
+    if bar is None:
+        phase = phase_bar(desc, len(entries), sum(key in done for key, _, _ in entries),
+                          progress)
+    else:
+        phase = contextlib.nullcontext(bar)
+    with phase as bar:
+        copy_twins()  # those planned before anything left to measure
+        # One scale per call of measure_chunks: entries grouped by scale, in plan order.
+        for scale in dict.fromkeys(entry[2] for entry in todo):
+            group = [entry for entry in todo if entry[2] == scale]
+            chunks = [group[start:start + masks_per_pass]
+                      for start in range(0, len(group), masks_per_pass)]
+            at = {} if scale is None else {"scale": float(scale)}
+            # Chunks may complete in any order (--workers); each is written as it arrives.
+            results = measure.measure_chunks([[h for _, h, _ in c] for c in chunks],
+                                             masks_per_pass, **at)
+            for index, all_scores, seconds in results:
+                for (key, heads, _), scores in zip(chunks[index], all_scores, strict=True):
+                    record = {
+                        "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
+                        **at,
+                        "scores": {name: s.value for name, s in scores.items()},
+                        "metrics": {name: s.metric for name, s in scores.items()},
+                        "higher_is_better": {name: s.higher_is_better
+                                             for name, s in scores.items()},
+                        "seconds": round(seconds, 4),
+                    }
+                    logprob = {name: s.logprob for name, s in scores.items()
+                               if s.logprob is not None}
+                    if logprob:  # the gold answers' log-likelihood, measured along the way
+                        record["logprob"] = logprob
+                    folder.append_measurement(record)
+                    done[key] = record
+                    bar.update(1)
+                    copy_twins()
+        copy_twins(final=True)
+    return {key: done[key] for key, _, _ in entries}
+
+
+def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
+    """What a plan entry measures: its mask and scale (None: the measurement's own)."""
+    return format_heads(heads), None if scale is None else float(scale)
+
+
+def _twin_record(folder: RunFolder, key: str, measured: Mapping[str, Any]) -> dict[str, Any]:
+    """``key``'s record, copied from ``measured``, the same knockout's, and appended."""
+    record = {**measured, "key": key, "same_as": measured.get("same_as", measured["key"])}
+    folder.append_measurement(record)
+    return record
+
+
+@contextlib.contextmanager
+def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
+                  plan: Sequence[PlanEntry], *, identity: Mapping[str, Any],
+                  protect: Sequence[str | Path] = (), force: bool = False,
+                  num_samples: int | None = None, limit: int | None = None,
+                  desc: str | None = None
+                  ) -> Iterator[tuple[RunFolder, dict[str, dict[str, Any]]]]:
+    """Start (or resume) ``command``'s run folder ``out``, load the model once, measure
+    ``plan`` (``run_plan``) and hold the folder's lock while the caller writes its
+    tables from the records: ``with measured_plan(...) as (folder, records):``. The
+    commands that knock out given sets (verify, cross) share this."""
+    if spec.output_path is not None:
+        from lm_eval_headloc.measurement.lm_eval_output import (
+            check_output_folder,
+            make_output_folder,
+        )
+
+        check_output_folder(spec.output_path)
+    with RunFolder(out) as folder:
+        # Phases: started, measuring, and (with --workers) measured: their shares.
+        record = start_run(folder, command, spec, force=force, protect=protect,
+                           identity=identity, fingerprint=setup.model_fingerprint)
+        if spec.output_path is not None:  # made once the run folder is known to be fine
+            make_output_folder(spec.output_path)
+        if nothing_left(folder, plan, spec.output_path, spec.log_samples):
+            # A finished run rerun: its tables come from disk, no weights loaded (run_plan
+            # still checks that what is on disk is what the plan asks for).
+            yield folder, run_plan(folder, None, plan, desc=desc or command, progress=False)
+            return
+        measure = open_measurement(setup, load_model(setup), folder, num_samples=num_samples,
+                                   limit=limit, run=record)
+        record.save(folder, measure)
+        records = run_plan(folder, measure, plan, desc=desc or command,
+                           progress=spec.progress)
+        if spec.output_path is not None:
+            write_lm_eval_results(folder, measure, setup, plan)
+        record.save(folder, measure)  # the workers' shares and the timings so far
+        yield folder, records
+
+
+#: The run folder's index of the lm-eval results files ``--output-path`` wrote.
+LM_EVAL_FILES = "lm_eval_files.json"
+
+
+def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
+                 output_path: str | None = None, log_samples: bool = False) -> bool:
+    """Every measurement of ``plan`` is on disk (and, with ``output_path``, every lm-eval
+    results file --output-path wants for it), so the model is not needed."""
+    done = {record["key"] for record in folder.measurements()}
+    if any(entry[0] not in done for entry in plan):
+        return False
+    if output_path is None:
+        return True
+    index = folder.file(LM_EVAL_FILES)
+    written = json.loads(index.read_text()) if index.is_file() else {}
+    return all(_files_written(written.get(entry[0]), output_path, log_samples)
+               for entry in plan)
+
+
+def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
+    """An index entry (one path, or a list of them: one per chat-template setting) whose
+    every file is on disk under ``output_path`` (a rerun with another --output-path writes
+    there), with its samples beside it where ``log_samples`` wants them (a rerun that adds
+    --log-samples writes them)."""
+    paths = [entry] if isinstance(entry, str) else entry
+    if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
+        return False
+    from lm_eval_headloc.measurement.lm_eval_output import results_folder
+
+    root = results_folder(output_path).resolve()
+    for path in map(Path, paths):
+        if not path.is_file() or root not in path.resolve().parents:
+            return False
+        # lm-eval names a save's files with one date id (results_<id>.json, and
+        # samples_<task>_<id>.jsonl beside it).
+        date_id = path.stem.rsplit("_", 1)[-1]
+        if log_samples and not any(path.parent.glob(f"samples_*_{date_id}.jsonl")):
+            return False
+    return True
+
+
+@timed("lm-eval results files")
+def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
+                          plan: Sequence[PlanEntry]) -> None:
+    """``--output-path``: each knockout of ``plan`` evaluated again by lm-eval itself, on the
+    same examples and prompts, and saved as lm-eval's CLI saves its results
+    (``lm_eval_output``). A results file holds one chat-template setting, so where the
+    measurement asks some tasks through the chat template (generation tasks, by default)
+    and others not, each knockout gets one file per setting, as two ``lm_eval`` runs would
+    write. The folder's ``lm_eval_files.json`` says which file (or files) each knockout
+    went to, so a resumed run writes only the ones not written yet."""
+    from lm_eval_headloc.measurement.lm_eval_output import evaluate_knockout, save_lm_eval_results
+
+    spec = setup.spec
+    index_path = folder.file(LM_EVAL_FILES)
+    written = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    manager = make_task_manager(list(spec.include_path))
+    window = ({"samples": measure.subset} if measure.subset is not None
+              else {"limit": measure.limit})
+    settings = chat_settings(measure, [name for name, _ in setup.tasks])
+    gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
+    files_of: dict[tuple[str, float | None], Any] = {}  # one evaluation a knockout
+    for key, components, *scale in plan:
+        knockout = _knockout_of(components, scale[0] if scale else None)
+        if _files_written(written.get(key), str(spec.output_path), spec.log_samples):
+            files_of.setdefault(knockout, written[key])
+            continue
+        if knockout in files_of:
+            written[key] = files_of[knockout]
+            folder.write_json(LM_EVAL_FILES, written)
+            continue
+        paths = []
+        for chat, names in settings.items():
+            with measure.generation_batch():  # --batch-size auto: the measurement's batch
+                results = evaluate_knockout(
+                    measure.lm, names, task_manager=manager,
+                    knocked_out=list(components), scale=scale[0] if scale else None,
+                    model_args=spec.model_args, log_samples=spec.log_samples,
+                    apply_chat_template=chat, fewshot_as_multiturn=chat,
+                    num_fewshot=spec.num_fewshot, gen_kwargs=gen_kwargs,
+                    system_instruction=spec.system_instruction,
+                    confirm_run_unsafe_code=spec.confirm_run_unsafe_code, **window)
+            path = save_lm_eval_results(results, spec.output_path,
+                                        log_samples=spec.log_samples)
+            paths.append(str(path.resolve()))
+        written[key] = files_of[knockout] = paths[0] if len(paths) == 1 else paths
+        folder.write_json(LM_EVAL_FILES, written)
+
+
+def chat_settings(measure: Any, names: Sequence[str]) -> dict[bool, list[str]]:
+    """``names`` (the measurement's tasks) by whether it asks them through the chat
+    template, the setting lm-eval is given for each (no template first)."""
+    chat_of = {name: any(measure.chat_template[leaf] for leaf in measure.leaves_of[name])
+               for name in names}
+    return {chat: [name for name in names if chat_of[name] == chat]
+            for chat in (False, True) if chat in chat_of.values()}
+
+
+#: Rows per forward pass where --batch-size is not given (generation on a GPU aside:
+#: ``generation_batch``).
+DEFAULT_BATCH_SIZE = 32

@@ -1,0 +1,51 @@
+"""A run's head types: ``types.json``, computed once per run folder and read back."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.method.head_types import PROBE_ROWS, HeadTypes, head_types_of, run_texts
+from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
+
+__all__ = ["TYPES_FILE", "ensure_types", "read_types"]
+
+log = logging.getLogger("lm_eval_headloc")
+
+
+#: The file a run keeps its head types in.
+TYPES_FILE = "types.json"
+
+
+@timing.timed("head types")
+def ensure_types(folder: RunFolder, measure: Any, probe_rows: int = PROBE_ROWS
+                 ) -> HeadTypes | None:
+    """The run's head types: ``types.json`` when a resumed run made it, else computed on
+    the measurement's model and written. A model whose attention weights cannot be read
+    costs the run nothing: the reason is logged and the run goes on without types."""
+    stored = read_types(folder)
+    if stored is not None:
+        return stored
+    try:
+        data = head_types_of(measure.lm, run_texts(measure), probe_rows)
+    except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as err:
+        log.warning("head types skipped: %s", err)
+        return None
+    folder.write_json(TYPES_FILE, data)
+    return HeadTypes(data)
+
+
+def read_types(folder: RunFolder | str | Path) -> HeadTypes | None:
+    """``types.json`` of a run folder, or None where it has none (a folder that does not
+    exist is a RunFolderError: a mistyped path is not a run without types)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    if not folder.path.is_dir():
+        raise RunFolderError(f"{folder.path} is not a run folder (no such folder)")
+    path = folder.file(TYPES_FILE)
+    if not path.is_file():
+        return None
+    return HeadTypes(json.loads(path.read_text()))

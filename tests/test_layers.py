@@ -1,0 +1,154 @@
+"""The package's structure: folders that are its layers, imports pointing down, no cycle.
+
+The contracts live in pyproject.toml ([tool.importlinter]); these tests run them, show
+they catch what they are for (a planted back-import, a planted cycle), and check what
+they do not say: no cycle through the package root, no module over 600 lines, and the
+public API importable from the top.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+import lm_eval_headloc
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lm_eval_headloc"
+MAX_LINES = 600
+
+
+def lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
+    """import-linter over the package found in ``package_parent``, with our pyproject's
+    contracts (a fresh process: grimp finds the package by import)."""
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command;"
+         " sys.exit(lint_imports_command())", "--no-cache",
+         "--config", str(ROOT / "pyproject.toml")],
+        cwd=package_parent, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(package_parent), "PATH": "/usr/bin:/bin"})
+
+
+def test_the_layer_contracts_hold():
+    result = lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout
+
+
+@pytest.fixture()
+def package_copy(tmp_path: Path) -> Path:
+    shutil.copytree(PACKAGE, tmp_path / "lm_eval_headloc",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def _plant(package_parent: Path, module: str, line: str) -> None:
+    path = package_parent / (module.replace(".", "/") + ".py")
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
+
+
+def test_a_back_import_inside_a_function_breaks_the_layers(package_copy):
+    # The notation (intervention) reaching up to the command line, where a lazy import
+    # would hide it from anyone reading the top of the file.
+    _plant(package_copy, "lm_eval_headloc.intervention.components",
+           "from lm_eval_headloc.cli.main import main  # noqa: F401")
+    result = lint_imports(package_copy)
+    assert result.returncode != 0
+    assert "layers: imports point down BROKEN" in result.stdout
+    assert "lm_eval_headloc.intervention.components -> lm_eval_headloc.cli.main" in result.stdout
+
+
+def test_a_cycle_inside_a_layer_breaks_the_acyclic_contract(package_copy):
+    # runs.folder imports runs.folder_checks; the checks importing the folder back closes a
+    # cycle the layers contract cannot see (both are in runs/).
+    _plant(package_copy, "lm_eval_headloc.runs.folder_checks",
+           "from lm_eval_headloc.runs.folder import RunFolder  # noqa: F401")
+    result = lint_imports(package_copy)
+    assert result.returncode != 0
+    assert "no cycles among the modules of any folder BROKEN" in result.stdout
+    assert "layers: imports point down KEPT" in result.stdout
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph.modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(
+                        child)))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package_root_included():
+    """The acyclic contract compares siblings; a module importing the package root (whose
+    names import the commands) would close a cycle through the root it cannot see."""
+    graph = grimp.build_graph("lm_eval_headloc", cache_dir=None)
+    assert _cycles(graph) == []
+    # The finder finds one: the root (which imports the notation, and it the errors)
+    # imported back by the errors.
+    graph.add_import(importer="lm_eval_headloc.common.errors", imported="lm_eval_headloc")
+    (cycle,) = _cycles(graph)
+    assert {"lm_eval_headloc", "lm_eval_headloc.common.errors",
+            "lm_eval_headloc.intervention.components"} <= set(cycle)
+
+
+def test_no_module_is_over_600_lines():
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for path in PACKAGE.rglob("*.py")}
+    assert len(sizes) > 50  # the package, not an empty glob
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_public_api_is_importable_from_the_top():
+    from lm_eval_headloc import HeadLasso, RunSpec, locate, verify
+    from lm_eval_headloc.commands.locate import locate as defined_locate
+    from lm_eval_headloc.method.recovery import HeadLasso as defined_lasso
+
+    assert locate is defined_locate and HeadLasso is defined_lasso
+    assert callable(verify) and RunSpec().tasks
+    for name in lm_eval_headloc.__all__:
+        assert getattr(lm_eval_headloc, name) is not None, name
+    assert set(lm_eval_headloc.__all__) <= set(dir(lm_eval_headloc))
+    with pytest.raises(AttributeError, match="no attribute 'locat'"):
+        lm_eval_headloc.locat  # noqa: B018
