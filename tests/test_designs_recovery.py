@@ -64,10 +64,8 @@ def planted_in_top5(
 ) -> int:
     world = simulated_world(seed, total_heads, **world_options)
     knocked_out = design_matrix(kind, masks, total_heads, sparsity, seed)
-    model = HeadLasso().fit(
-        knocked_out, world.measure(knocked_out),
-        baseline=world.baseline if with_baseline else None,
-    )
+    model = HeadLasso(baseline=world.baseline if with_baseline else None).fit(
+        knocked_out, world.measure(knocked_out))
     return len(set(model.ranking()[:5].tolist()) & world.planted)
 
 
@@ -200,7 +198,7 @@ def test_fit_returns_self_and_coef_is_in_score_units():
     # The same scores in percent give the same fit in percent: alpha means the same.
     percent = HeadLasso().fit(knocked_out, 100 * scores)
     assert np.allclose(percent.coef_, 100 * model.coef_)
-    pinned = HeadLasso().fit(knocked_out, scores, baseline=0.6)
+    pinned = HeadLasso(baseline=0.6).fit(knocked_out, scores)
     assert pinned.intercept_ == 0.6
     assert pinned.coef_[7] == pytest.approx(-0.2, abs=0.02)
 
@@ -231,7 +229,7 @@ def test_one_head_fit_is_the_closed_form_lasso(baseline, alpha):
     predicted = intercept + effect * x
     r2 = 1 - np.sum((scores - predicted) ** 2) / np.sum((scores - scores.mean()) ** 2)
 
-    model = HeadLasso(alpha=alpha).fit(x[:, None], scores, baseline=baseline)
+    model = HeadLasso(alpha=alpha, baseline=baseline).fit(x[:, None], scores)
     assert model.coef_[0] == pytest.approx(effect, rel=1e-9, abs=1e-12)
     assert model.intercept_ == pytest.approx(intercept, rel=1e-9)
     assert model.predict(x[:, None]) == pytest.approx(predicted, rel=1e-9)
@@ -274,7 +272,7 @@ def test_constant_scores_fit_to_no_effects(value):
     assert model.r2_ == 1.0  # fitted exactly (sklearn's convention for constant scores)
     assert model.ranking().tolist() == list(range(12))  # ties keep index order
     # Pinned to a baseline they do not reach, constant scores are not fitted: R² 0.
-    assert HeadLasso().fit(knocked_out, np.full(30, value), baseline=value + 1).r2_ == 0.0
+    assert HeadLasso(baseline=value + 1).fit(knocked_out, np.full(30, value)).r2_ == 0.0
 
 
 RECOVERY_SETTINGS = [(100, 0.02), (200, 0.02), (100, 0.05)]
@@ -403,7 +401,7 @@ def _fitted() -> HeadLasso:
         (lambda: HeadLasso(max_iter=0).fit(np.zeros((2, 2)), [0, 1]), "max_iter=0"),
         (lambda: HeadLasso(standardize="False").fit(np.zeros((2, 2)), [0, 1]),
          "standardize='False'"),
-        (lambda: HeadLasso().fit(np.zeros((2, 2)), [0, 1], baseline="high"),
+        (lambda: HeadLasso(baseline="high").fit(np.zeros((2, 2)), [0, 1]),
          "baseline='high'"),
         (lambda: _fitted().ranking(exclude=[6]), "exclude index 6.*0..5"),
         (lambda: _fitted().top_heads(7, 3), "k=7.*1 <= value <= 6"),
@@ -561,7 +559,7 @@ def test_bootstrap_of_a_pinned_fit_refits_pinned_to_its_baseline():
     assert not np.allclose(pinned_by_hand[0], free_by_hand[0])
     for baseline, (selected, (low, high)) in ((world.baseline, pinned_by_hand),
                                               (None, free_by_hand)):
-        fitted = HeadLasso().fit(knocked_out, scores, baseline=baseline)
+        fitted = HeadLasso(baseline=baseline).fit(knocked_out, scores)
         stability = bootstrap_stability(fitted, knocked_out, scores, 5, resamples=30, seed=1)
         np.testing.assert_allclose(stability.selected, selected)
         np.testing.assert_allclose(stability.low, low, atol=1e-9)
@@ -655,6 +653,13 @@ def test_fixed_effects_fit_the_rest_on_what_the_fixed_heads_leave():
     assert fit.intercept_ == pytest.approx(by_hand.intercept_ * rest.std())
     # A parameter, so a clone (each bootstrap refit) is the same model.
     assert clone(fit).get_params()["fixed_effects"] == fixed
+    # The baseline too: a clone of a pinned fit refits pinned (sklearn's clone keeps the
+    # constructor's parameters, not what fit was given), the same coefficients exactly.
+    pinned = HeadLasso(baseline=world.baseline).fit(knocked_out, scores)
+    assert clone(pinned).get_params()["baseline"] == world.baseline
+    np.testing.assert_array_equal(clone(pinned).fit(knocked_out, scores).coef_, pinned.coef_)
+    assert pinned.intercept_ == world.baseline
+    assert not np.array_equal(HeadLasso().fit(knocked_out, scores).coef_, pinned.coef_)
     with pytest.raises(ValueError, match="fixed_effects column=270: .*<= 269"):
         HeadLasso(fixed_effects={270: 0.0}).fit(knocked_out, scores)
     with pytest.raises(ValueError, match=r"fixed_effects\[3\]=nan"):
@@ -720,10 +725,10 @@ def test_an_effect_of_round_off_size_is_exactly_zero():
                        [0, 0, 1, 1, 1, 1, 0, 0]], dtype=float)
     scores = np.array([-5.47190477328318, -5.438645209300131, -5.438744916111615])
     baseline = -5.436263803382718
-    model = HeadLasso(alpha=0.01).fit(design, scores, baseline=baseline)
+    model = HeadLasso(alpha=0.01, baseline=baseline).fit(design, scores)
     tiny = (model.coef_ != 0) & (np.abs(model.coef_) < 1e-9)
     assert not tiny.any(), model.coef_[tiny]
     # The pair's credit is what one copy of the column earns alone (fit independently).
-    alone = HeadLasso(alpha=0.01).fit(np.delete(design, 6, axis=1), scores, baseline=baseline)
+    alone = HeadLasso(alpha=0.01, baseline=baseline).fit(np.delete(design, 6, axis=1), scores)
     assert model.coef_[1] + model.coef_[6] == pytest.approx(alone.coef_[1], rel=1e-9)
     assert min(abs(model.coef_[1]), abs(model.coef_[6])) == 0.0

@@ -136,10 +136,12 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         each mask's sum of the fixed changes (standardised, and ``r2_`` computed, on
         that remainder). A constructor parameter, so ``clone`` (the bootstrap) refits the
         same model. None: every head fitted.
+    baseline:
+        None (default, the reference): an intercept is fitted along with the head
+        effects. ``y0`` (a measured unablated score): no intercept; ``(y − y0)/std`` is
+        regressed on the design, pinning the empty mask to y0. A constructor parameter, so
+        ``clone`` (the bootstrap, the held-out refits) refits the same model.
 
-    Fit with ``baseline=None`` (default, the reference): an intercept is fitted along
-    with the head effects. Fit with ``baseline=y0`` (a measured unablated score): no
-    intercept; ``(y − y0)/std`` is regressed on the design, pinning the empty mask to y0.
     The default is the intercept because it ranks better in simulation
     (tests/test_designs_recovery.py): real knockouts of unimportant heads still cost a
     little on average, and with ``k`` heads per mask those costs add up; the intercept
@@ -159,26 +161,28 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         vary, 1 if they are fitted exactly and 0 otherwise (sklearn's convention).
     n_measurements_: number of measurements (rows) fitted.
     scale_: the standard deviation the scores were divided by (1.0 if not standardised).
-    baseline_: the baseline passed to ``fit`` (None if the intercept was fitted).
     n_features_in_: number of heads (columns).
     """
 
     def __init__(self, alpha: float = 0.01, standardize: bool = True, max_iter: int = 10000,
-                 penalty_weights: object = None, fixed_effects: Mapping[int, float] | None = None):
+                 penalty_weights: object = None, fixed_effects: Mapping[int, float] | None = None,
+                 baseline: float | None = None):
         self.alpha = alpha
         self.standardize = standardize
         self.max_iter = max_iter
         self.penalty_weights = penalty_weights
         self.fixed_effects = fixed_effects
+        self.baseline = baseline
 
-    def fit(self, X: object, y: object, baseline: float | None = None) -> HeadLasso:  # noqa: N803
+    def fit(self, X: object, y: object) -> HeadLasso:  # noqa: N803
         """Fit head effects: ``X`` the design matrix (masks x heads, 1 = knocked out;
         sklearn's name, as its estimator checks and tools expect), ``y`` each mask's
-        measured score, ``baseline`` the unablated score (None: fit an intercept)."""
+        measured score."""
         design_matrix, scores = X, y
         alpha = check_number(self.alpha, "alpha", min_val=0, include_boundaries="neither")
         max_iter = check_number(self.max_iter, "max_iter", whole=True, min_val=1)
         standardize = _checked_bool(self.standardize, "standardize")
+        baseline = self.baseline
         if baseline is not None:
             baseline = check_number(baseline, "baseline")
         # validate_data records n_features_in_ (and feature names) on the estimator it is
@@ -233,7 +237,6 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         # Everything is known: the fitted state is replaced all at once.
         self.coef_ = coef
         self.intercept_ = intercept
-        self.baseline_ = baseline
         self.scale_ = scale
         self.n_measurements_ = int(y.shape[0])
         self.n_iter_ = n_iter
@@ -375,9 +378,8 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     makes the top ``top_k`` with a harmful effect (a refit that finds fewer harmful heads
     selects fewer); the same seed gives the same answer.
 
-    Each refit is the estimator's own model: an ``estimator`` fitted with ``baseline=y0``
-    refits pinned to that baseline, one fitted with an intercept (or not fitted) fits an
-    intercept. Refitting a pinned fit with a free intercept would report the stability
+    Each refit is the estimator's own model (``clone``): ``HeadLasso(baseline=y0)``
+    refits pinned to that baseline, one without a baseline fits an intercept. Refitting a pinned fit with a free intercept would report the stability
     of another estimator, not of the one whose ranking is reported.
 
     ``select``: the heads a resample (its row indices into the measurements) leads to,
@@ -388,14 +390,12 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     knocked_out, y = _paired(design_matrix, scores)
     rows, total = knocked_out.shape
     excluded = list(exclude)
-    # clone() keeps the parameters, not what fit() was given: the baseline is carried over.
-    baseline = getattr(estimator, "baseline_", None)
     rng = np.random.default_rng(seed)
     counts = np.zeros(total, dtype=np.int64)
     effects = np.empty((resamples, total))
     for r in range(resamples):
         picked = rng.integers(0, rows, size=rows)
-        refit = clone(estimator).fit(knocked_out[picked], y[picked], baseline=baseline)
+        refit = clone(estimator).fit(knocked_out[picked], y[picked])
         effects[r] = refit.coef_
         ranking = refit.ranking(higher_is_better, excluded)
         if select is not None:
@@ -423,10 +423,9 @@ def held_out_r2(estimator: HeadLasso, design_matrix: object, scores: object) -> 
     if rows < 3 or spread <= 1e-24 * max(1.0, float(np.max(np.abs(rest)))) ** 2:
         return float("nan")
     free = np.setdiff1d(np.arange(total), sorted(fixed))
-    baseline = getattr(estimator, "baseline_", None)
     predicted = np.empty(rows)
     for row in range(rows):
         others = np.arange(rows) != row
-        refit = clone(estimator).fit(knocked_out[others], y[others], baseline=baseline)
+        refit = clone(estimator).fit(knocked_out[others], y[others])
         predicted[row] = refit.intercept_ + knocked_out[row, free] @ refit.coef_[free]
     return 1.0 - float(np.sum((rest - predicted) ** 2)) / spread
