@@ -20,6 +20,7 @@ import numpy as np
 from lm_eval_headloc.commands.overlap import RankingFile
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
     Head,
     Neuron,
@@ -219,17 +220,13 @@ def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: in
 
 def _pretrained(model_args: str) -> str:
     """The model resolved ``model_args`` load, as the user named it: ``pretrained=…``."""
-    from lm_eval.utils import simple_parse_args_string
-
-    return f"pretrained={simple_parse_args_string(model_args)['pretrained']}"
+    return f"pretrained={ModelArgs.parse(model_args).args['pretrained']}"
 
 
 def _refuse_moved_model(model_args: str | None) -> None:
     """A run's model loaded from a folder that is not there (moved, or the run folder
     came from another machine): say how to name its new place, before anything loads."""
-    from lm_eval.utils import simple_parse_args_string
-
-    pretrained = simple_parse_args_string(model_args or "").get("pretrained")
+    pretrained = ModelArgs.parse(model_args).get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).is_absolute() \
             and not Path(pretrained).exists():
         raise UsageError(f"the run's model pretrained={pretrained} is not there; if it has "

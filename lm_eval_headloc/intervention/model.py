@@ -44,6 +44,7 @@ from lm_eval_headloc.intervention.ablation import (
     head_means,
     reference_texts,
 )
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
     Component,
     HeadSpecError,
@@ -164,9 +165,7 @@ class HFHeadAblateLM(HFLM):
     def create_from_arg_string(cls, arg_string: str,
                                additional_config: dict[str, Any] | None = None
                                ) -> HFHeadAblateLM:
-        from lm_eval.utils import simple_parse_args_string
-
-        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+        return cls.create_from_arg_obj(dict(ModelArgs.parse(arg_string).args), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any],

@@ -11,6 +11,7 @@ from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_load_args, check_number
 from lm_eval_headloc.common.errors import one_line
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
     HeadSpecError,
     check_component_names,
@@ -37,7 +38,7 @@ def resolve_model_args(model_args: str | None) -> str:
     """None -> the embedded SmolLM2; a device is chosen when none is given."""
     if not model_args:
         return smollm2_model_args()
-    keys = {part.split("=", 1)[0].strip() for part in model_args.split(",") if part.strip()}
+    keys = ModelArgs.parse(model_args).names
     if "pretrained" not in keys:
         raise UsageError(f"--model-args {model_args!r}: needs pretrained=<model name or folder>")
     if "device" not in keys:
@@ -55,12 +56,11 @@ def model_config(model_args: str) -> Any:
     """The Hugging Face config ``model_args`` name (its ``pretrained=``, ``revision=``,
     ``gguf_file=`` …), no weights loaded; a one-line ``UsageError`` when it cannot be
     read."""
-    from lm_eval.utils import simple_parse_args_string
     from transformers import AutoConfig
 
     from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 
-    args = simple_parse_args_string(model_args)
+    args = ModelArgs.parse(model_args)
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args}
     pretrained = local_pretrained(args.get("pretrained"))
     check_load_args(pretrained, args.get("dtype"), args.get("peft"), args.get("gguf_file"))
@@ -90,9 +90,7 @@ def model_fingerprint(model_args: str) -> str | None:
     import hashlib
     import os
 
-    from lm_eval.utils import simple_parse_args_string
-
-    args = simple_parse_args_string(model_args)
+    args = ModelArgs.parse(model_args)
     folder = local_pretrained(args.get("pretrained"))
     if not (isinstance(folder, str) and os.path.isdir(folder)):
         return None
@@ -127,9 +125,8 @@ def context_length(model_args: str, config: Any) -> int | None:
     model resolves it: ``max_length=`` in the model args, else the config's (None where
     the config does not say: then the tokenizer's, known once it loads)."""
     from lm_eval.models.utils import resolve_max_length
-    from lm_eval.utils import simple_parse_args_string
 
-    given = simple_parse_args_string(model_args).get("max_length")
+    given = ModelArgs.parse(model_args).get("max_length")
     if given is not None:
         return check_number(given, "max_length", whole=True, min_val=1)
     return resolve_max_length(config, None, default=0) or None
@@ -139,12 +136,11 @@ def check_chat_template(model_args: str) -> None:
     """``--apply-chat-template`` needs a tokenizer with a chat template (a base model's
     has none): read from the tokenizer alone, before any weights load (transformers would
     say so only when the first prompt is built)."""
-    from lm_eval.utils import simple_parse_args_string
     from transformers import AutoTokenizer
 
     from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 
-    args = simple_parse_args_string(model_args)
+    args = ModelArgs.parse(model_args)
     source = local_pretrained(args.get("tokenizer") or args.get("pretrained"))
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args and not args.get("tokenizer")}
     try:
@@ -167,11 +163,8 @@ def model_identity(model_args: str | None) -> dict[str, str]:
     """What ``model_args`` say the model is: each argument but placement ones (the device
     a run chose for itself, say), in any order, values as text; runs of one model compare
     equal by it."""
-    from lm_eval.utils import simple_parse_args_string
-
-    return {key: str(value) for key, value in sorted(
-        simple_parse_args_string(model_args or "").items())
-        if key not in PLACEMENT_MODEL_ARGS}
+    return {key: str(value) for key, value in sorted(ModelArgs.parse(model_args).args.items())
+            if key not in PLACEMENT_MODEL_ARGS}
 
 
 def same_model(a: str | None, b: str | None) -> bool:

@@ -379,8 +379,9 @@ def bootstrap_stability(estimator: HeadLasso, design_matrix: object, scores: obj
     selects fewer); the same seed gives the same answer.
 
     Each refit is the estimator's own model (``clone``): ``HeadLasso(baseline=y0)``
-    refits pinned to that baseline, one without a baseline fits an intercept. Refitting a pinned fit with a free intercept would report the stability
-    of another estimator, not of the one whose ranking is reported.
+    refits pinned to that baseline, one without a baseline fits an intercept. Refitting a
+    pinned fit with a free intercept would report the stability of another estimator, not
+    of the one whose ranking is reported.
 
     ``select``: the heads a resample (its row indices into the measurements) leads to,
     when that is not the refit's own harmful top-k (``locate``'s confirmation replay)."""

@@ -28,6 +28,7 @@ from typing import Any
 from lm_eval_headloc.common.checks import UsageError, check_number
 from lm_eval_headloc.distributed.workers import RAY_TIMEOUT
 from lm_eval_headloc.intervention.ablation import ABLATIONS
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.measurement.signals import SIGNALS
 from lm_eval_headloc.method.columns import COMPONENTS
 from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
@@ -468,7 +469,7 @@ class RunSpec:
                 raise UsageError(f"{flag_of(name)} '': give components (L0H1+L2H3) "
                                  "or a head file, or leave it out for none")
         if self.model_args is not None:
-            given = {part.split("=", 1)[0].strip() for part in self.model_args.split(",")}
+            given = ModelArgs.parse(self.model_args).names
             refused = {**{name: f"give it as {flag}, which the run records"
                           for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
             clash = sorted(given & set(refused))
