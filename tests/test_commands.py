@@ -630,7 +630,7 @@ def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
     from lm_eval_headloc.runs.record import read_rankings
 
     ranking = read_rankings(run)["headloc_induction"]
-    ranking.extra["confirmed"] = []
+    ranking.facts.confirmed = []
     words = fit_summary(ranking, 5)
     assert words == f", fit R² 0.992 in-sample, -0.70 held out ({BELOW_ZERO})", words
     assert "(below 0: " in (run / "report.md").read_text()

@@ -342,7 +342,7 @@ def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=50, top_k=2,
                            confirmed={"heads": ["L0H0"], "never": []})["t"]
     assert [str(h) for h in ranking.top(2)] == ["L1H1", "L0H0"]
-    assert ranking.extra["confirmed"] == ["L0H0"] and ranking.extra["implicated"] == ["L1H1"]
+    assert ranking.facts.confirmed == ["L0H0"] and ranking.facts.implicated == ["L1H1"]
     # Its stability is the screen's: every resample's screen implicates it (the only head
     # whose masks score lower), so every replay's top-2 holds it; none holds L0H0, which
     # measured no harm.
@@ -382,7 +382,7 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
     low, high = ranking.confidence(Head(1, 1))["effect_interval"]
     assert low <= effect <= high and low < -0.1
     # The masks cannot tell head 4 from head 1, which was measured: nothing to report.
-    assert ranking.extra["same_masks"] == {}
+    assert ranking.facts.same_masks == {}
 
 
 def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
@@ -400,11 +400,11 @@ def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
     top = str(ranking.top(1)[0])
     alike = {"L0H1", "L0H2", "L1H1"}  # flat 1, 2, 4: the same single mask
     assert top in alike
-    named = ranking.extra["same_masks"]
+    named = ranking.facts.same_masks
     assert top in named and set(named) <= alike  # the top-2's implicated ones, no other
     for head, others in named.items():
         assert others == sorted(alike - {head}, key=lambda n: (n[1], n[3]))
-    words = " ".join(same_masks_words(ranking.extra, "head", uses_prior=False))
+    words = " ".join(same_masks_words(ranking.facts, "head", uses_prior=False))
     assert f"{top} was knocked out in exactly the same masks as" in words
     # No rule claimed for the fit's credit among identical columns: the solver splits it.
     assert "how the fit shares the credit among them follows the solver's order, not the " \
@@ -413,7 +413,7 @@ def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
     measured = _confirming_records(design, scores, {"L0H1": 0.0, "L0H2": 0.0, "L1H1": -0.5})
     ranking = fit_rankings(design, measured, ["t"], 3, 0.01, bootstrap=None, top_k=2,
                            confirmed={"heads": ["L0H1", "L0H2", "L1H1"], "never": []})["t"]
-    assert ranking.top(1) == [Head(1, 1)] and ranking.extra["same_masks"] == {}
+    assert ranking.top(1) == [Head(1, 1)] and ranking.facts.same_masks == {}
 
 
 def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not_hurt(
@@ -436,7 +436,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
     cli._print_rankings(rankings, "out")
     lines = capsys.readouterr().out.splitlines()[1:5]
     ranking = rankings["t"]
-    alike = ranking.extra["same_masks"]
+    alike = ranking.facts.same_masks
     harmless = {str(h) for h in ranking.harmless(4)}
     assert harmless >= {"L0H0", "L1H0"} and alike
     for line, head in zip(lines, ranking.top(4), strict=True):
@@ -447,7 +447,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
 
 def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
     from lm_eval_headloc.method.fit import fit_rankings
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts
     from lm_eval_headloc.method.recovery import HeadLasso, held_out_r2
     from lm_eval_headloc.report.locate_report import held_out_words
 
@@ -456,14 +456,14 @@ def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
     records = _confirming_records(design, scores, {"L0H0": 0.0})
     ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
                            confirmed={"heads": ["L0H0"], "never": []})["t"]
-    assert ranking.extra["r2_held_out"] == pytest.approx(held_out_r2(
+    assert ranking.facts.r2_held_out == pytest.approx(held_out_r2(
         HeadLasso(fixed_effects={0: 0.0}), design, scores))
     words = held_out_words(ranking)
     # 6 heads, 12 measurements: no crowding to warn of; heads measured alone are said apart.
     assert words.startswith(", in-sample; each measurement predicted by a fit on the others: "
-                            f"R² = {ranking.extra['r2_held_out']:.2f}; the heads measured")
+                            f"R² = {ranking.facts.r2_held_out:.2f}; the heads measured")
     crowded = HeadRanking("t", "acc", True, 0.5, np.zeros(30), list(range(30)), 3,
-                          extra={"measurements": 4, "r2_held_out": None})
+                          facts=RankingFacts(measurements=4, alpha=0.01, r2_held_out=None))
     assert held_out_words(crowded) == (
         ", in-sample (30 heads, 4 measurements: a fit comes close whatever the truth); each "
         "measurement predicted by a fit on the others: R² = n/a (too few measurements, or "

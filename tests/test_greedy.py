@@ -11,6 +11,7 @@ from lm_eval_headloc.commands.greedy import _rankings
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import confirmed_order
+from lm_eval_headloc.method.ranking import RankingFacts
 
 #: The columns of 6 and of 4 heads (2 layers of 3, of 2).
 SIX, FOUR = Columns.heads(2, 3), Columns.heads(2, 2)
@@ -37,13 +38,13 @@ def test_one_shot_ranks_every_head_measured_as_a_confirmation_would():
         assert math.isnan(ranking.effects[4])  # never measured: no effect, not ranked
         assert [ranking.effects[h] for h in (0, 1, 2, 3, 5)] == [
             changes[task][h][0] for h in (0, 1, 2, 3, 5)]
-        assert {k: v for k, v in ranking.extra.items()
+        assert {k: v for k, v in ranking.facts.to_json().items()
                 if k not in ("tied_with_above", "largest_single_help")} == {
             "method": "one-shot greedy", "rounds": 1, "winners": [], "measurements": 6}
     # Every head was measured: the knockout that helps most (acc: head 3 gains 0.02; ppl,
     # lower is better: head 1's fall of 0.5) is the spread single knockouts show.
-    assert acc.extra["largest_single_help"] == {"head": "L1H0", "change": 0.02}
-    assert ppl.extra["largest_single_help"] == {"head": "L0H1", "change": -0.5}
+    assert acc.facts.largest_single_help == {"head": "L1H0", "change": 0.02}
+    assert ppl.facts.largest_single_help == {"head": "L0H1", "change": -0.5}
     assert acc.baseline == 0.6 and not ppl.higher_is_better
 
 
@@ -53,8 +54,8 @@ def test_iterative_winners_lead_in_the_order_they_won():
     winners = [Head(1, 0), Head(0, 1)]
     ranking = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9)["acc"]
     assert ranking.order == [2, 1, 0, 3]
-    assert ranking.extra["method"] == "iterative greedy"
-    assert ranking.extra["winners"] == ["L1H0", "L0H1"]
+    assert ranking.facts.method == "iterative greedy"
+    assert ranking.facts.winners == ["L1H0", "L0H1"]
 
 
 def test_equal_measured_changes_are_marked_and_reported_as_ties():
@@ -65,7 +66,7 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
                        3: (0.02, -1.0), 5: (-0.05, -0.2)}}
     ranking = _rankings(changes, [], BASELINE, 1, SIX, 3, 6)["acc"]
     # Order 1, 2, 0, 5, 3: only 0 and 5 share both changes (L1H2 is head 5).
-    assert ranking.extra["tied_with_above"] == ["L1H2"]
+    assert ranking.facts.tied_with_above == ["L1H2"]
     listed = ranked_heads_json(ranking, 4)["heads"]
     assert [h["tied_with_above"] for h in listed[:4]] == [False, False, False, True]
     assert tie_words(ranking, 4, "why") == [
@@ -73,7 +74,7 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
     # Nothing measured tells any head apart: no order is claimed.
     flat = _rankings({"acc": {h: (0.0, 0.0) for h in range(6)}}, [], BASELINE, 1, SIX, 3,
                      6)["acc"]
-    assert flat.extra["tied_with_above"] == [str(Head.from_flat_index(h, 3))
+    assert flat.facts.tied_with_above == [str(Head.from_flat_index(h, 3))
                                              for h in range(1, 6)]
     assert tie_words(flat, 3, "all alike")[0].startswith(
         "No head stands out: all 3 listed heads have the same evidence (all alike)")
@@ -91,10 +92,10 @@ def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
     ranking = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9, alike)["acc"]
     assert ranking.order == [0, 1, 2, 3]
     # L1H0 measured in round 2 as L0H1 did when it won: tied with it too.
-    assert ranking.extra["tied_with_above"] == ["L0H1", "L1H0"]
+    assert ranking.facts.tied_with_above == ["L0H1", "L1H0"]
     strict = _rankings(changes, winners, BASELINE, 2, FOUR, 2, 9,
                        [{"acc": {0}}, {"acc": {1}}])["acc"]
-    assert strict.extra["tied_with_above"] == ["L1H0"]
+    assert strict.facts.tied_with_above == ["L1H0"]
 
 
 def test_top_k_places_that_do_not_hurt_are_said_to():
@@ -115,14 +116,14 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
     # A locate ranking: one head measured alone to do nothing, one the fit gives -0.01
     # (helps), one it implicates; lower is better here, so a positive change hurts.
     located = HeadRanking("t", "ppl", False, 10.0, np.array([0.0, -0.01, 0.3, 0.0]),
-                          [2, 0, 1, 3], 2, extra={"confirmed": ["L0H0"]})
+                          [2, 0, 1, 3], 2, facts=RankingFacts(confirmed=["L0H0"]))
     assert located.harmless(3) == [Head(0, 0), Head(0, 1)]
     assert harmless_words(located, 3, "head") == [
         "Only 1 of the top-3 heads hurts the task; the other places are filled by heads "
         "that do not (L0H0: measured alone to do no harm; L0H1: no harm in the fit's "
         "estimate). `ablate_top=1` knocks out only what hurts.", ""]
     none = HeadRanking("t", "acc", True, 0.5, np.array([0.0, 0.01, 0.0, 0.0]),
-                       [0, 1, 2, 3], 2, extra={"confirmed": ["L0H0"]})
+                       [0, 1, 2, 3], 2, facts=RankingFacts(confirmed=["L0H0"]))
     assert harmless_words(none, 2)[0].startswith(
         "Nothing found: none of the top-2 heads hurts the task (L0H0: measured alone to do "
         "no harm; L0H1: no harm in the fit's estimate)")
@@ -134,7 +135,7 @@ def _recorded(ranking, all_measured=False):
 
     found = largest_single_help(ranking, all_measured)
     if found is not None:
-        ranking.extra["largest_single_help"] = found
+        ranking.facts.largest_single_help = found
     return ranking
 
 
@@ -147,14 +148,14 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     # L0H0..L0H3 measured alone: -0.01, -0.01, +0.03, 0; L1H0 only estimated (-0.2).
     effects = np.array([-0.01, -0.01, 0.03, 0.0, -0.2, 0.0, 0.0, 0.0])
     chance = HeadRanking("t", "acc", True, 0.5, effects, [4, 0, 1, 3, 5, 6, 7, 2], 4,
-                         extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
+                         facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L0H3"]))
     # L1H0's estimate (not a measurement) is beyond; the measured ones are not.
     assert spread_words(_recorded(chance), 3) == [
         "Only L1H0 hurts the task by more than knocking out one head alone helps it (L0H2: "
         "+0.0300); the other top-3 heads that hurt do so by no more, within the spread of "
         "single knockouts.", ""]
     measured_only = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 3, 2], 4,
-                                extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L0H3"]})
+                                facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L0H3"]))
     assert spread_words(_recorded(measured_only), 2) == [
         "Nothing beyond the spread of single knockouts: no top-2 head hurts the task by more "
         "than knocking out one head alone helps it (L0H2: +0.0300); their order may reflect "
@@ -170,7 +171,7 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     never_helps = _recorded(HeadRanking("t", "acc", True, 0.5,
                                         np.array([-0.01, 0.0, 0.0, 0.0]), [0, 1, 2, 3], 2),
                             all_measured=True)
-    assert "largest_single_help" not in never_helps.extra
+    assert never_helps.facts.largest_single_help is None
     assert spread_words(never_helps, 2) == []
     # One example of 24 lost and one gained, as scores minus a baseline: the harm came out
     # larger in its last bits (an audit's run) and was called beyond the spread.
@@ -194,8 +195,8 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
 
     effects = np.array([-0.01, -0.01, -0.01, -0.3, -0.2, 0.0])
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
-                          extra={"confirmed": ["L0H0", "L0H1", "L0H2", "L1H0"],
-                                 "tied_with_above": []})
+                          facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L1H0"],
+                                 tied_with_above=[]))
     assert equal_change_words(ranking, 2) == []
     # L0H2 is measured alone; L1H1 (-0.2, estimated) differs from L0H0: one group.
     assert equal_change_words(ranking, 5) == [
@@ -213,22 +214,22 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     # Many measured alike after it are counted, not listed; a harmless k-th (its place is
     # harmless_words' to explain) gets no such clause, or every head doing nothing would.
     many = HeadRanking("t", "acc", True, 0.5, np.array([-0.2] + [-0.1] * 8 + [0.0] * 4),
-                       list(range(13)), 13, extra={"tied_with_above": []})
+                       list(range(13)), 13, facts=RankingFacts(tied_with_above=[]))
     assert equal_change_words(many, 2, all_measured=True)[0].endswith(
         "L0H1 (-0.1000), and after the top-2 L0H2, L0H3, L0H4, L0H5, L0H6 and 2 more, "
         "measured the same: the log-likelihood decided which of them are in the top-2.")
     assert "after the top" not in equal_change_words(many, 10, all_measured=True)[0]
     # An estimate after the k-th, equal to its measurement, decided nothing of the kind.
     estimated_after = HeadRanking("t", "acc", True, 0.5, np.array([-0.2, -0.1, -0.1]),
-                                  [0, 1, 2], 3, extra={"confirmed": ["L0H0", "L0H1"],
-                                                       "tied_with_above": []})
+                                  [0, 1, 2], 3, facts=RankingFacts(confirmed=["L0H0", "L0H1"],
+                                                       tied_with_above=[]))
     assert equal_change_words(estimated_after, 2) == []
     # A tie (the same log-likelihood change too) is tie_words' to say, not this line's.
-    ranking.extra["tied_with_above"] = ["L0H1", "L0H2"]
+    ranking.facts.tied_with_above = ["L0H1", "L0H2"]
     assert equal_change_words(ranking, 5) == []
     # An estimate equal to a measurement is no such pair.
     estimated = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, -0.1]), [0, 1], 2,
-                            extra={"confirmed": ["L0H0"]})
+                            facts=RankingFacts(confirmed=["L0H0"]))
     assert equal_change_words(estimated, 2) == []
     assert equal_change_words(estimated, 2, all_measured=True)[0].endswith(
         "L0H0, L0H1 (-0.1000).")
@@ -262,13 +263,13 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     effects = np.array([-0.01, -0.008, 0.0, 0.02, 0.0])
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 2, 4, 3], 4,
                           columns=columns,
-                          extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
+                          facts=RankingFacts(confirmed=["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]))
     assert spread_words(_recorded(ranking), 2, "neuron") == []  # no single neuron helps
     # A single neuron that helps more than they hurt is the spread, as for heads.
     effects[2] = 0.012
     ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 4, 2, 3], 4,
                           columns=columns,
-                          extra={"confirmed": ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]})
+                          facts=RankingFacts(confirmed=["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]))
     assert spread_words(_recorded(ranking), 2, "neuron")[0].startswith(
         "Nothing beyond the spread of single knockouts: no top-2 neuron hurts the task by "
         "more than knocking out one neuron alone helps it (L1N0: +0.0120)")

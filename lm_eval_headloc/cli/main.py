@@ -226,14 +226,14 @@ def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
         if at_floor(ranking):
             print(f"  no knockout can lower a score of 0; {FLOOR_HINT}")
         checked = certificate_line(ranking)
-        tied = set(ranking.extra.get("tied_with_above", []))
+        tied = set(ranking.facts.tied_with_above or [])
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):
             print("  no head stands out: the fit found no effect that tells the heads apart")
             if checked:
                 print(checked)
             continue
-        alike = ranking.extra.get("same_masks") or {}
+        alike = ranking.facts.same_masks or {}
         harmless = set(ranking.harmless(top_k))
         noise = set(within_spread(ranking, top_k))
         for rank, head in enumerate(top, start=1):

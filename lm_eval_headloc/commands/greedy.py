@@ -15,7 +15,7 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
-from lm_eval_headloc.method.ranking import HeadRanking, largest_single_help
+from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts, largest_single_help
 from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
@@ -119,7 +119,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                              setup.heads_per_layer, len(folder.measurements()), alike)
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
-                      title=f"{first.extra['method']} (each head's score change in its "
+                      title=f"{first.facts.method} (each head's score change in its "
                             "last measured round)",
                       report=lambda: _report(rankings, spec.top_k, run.timings))
     return rankings
@@ -154,14 +154,14 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,
             baseline=float(baseline["scores"][name]), effects=effects,
             order=lead + rest, heads_per_layer=heads_per_layer, columns=columns,
-            extra={"method": "iterative greedy" if rounds > 1 else "one-shot greedy",
-                   "rounds": rounds, "winners": [str(w) for w in winners],
-                   "measurements": measurements,
-                   "tied_with_above": columns.names(tied)},
+            facts=RankingFacts(
+                method="iterative greedy" if rounds > 1 else "one-shot greedy",
+                rounds=rounds, winners=[str(w) for w in winners], measurements=measurements,
+                tied_with_above=columns.names(tied)),
             evidence={"logprob_change": logprob_change})
         recorded = largest_single_help(rankings[name], all_measured=True)
         if recorded is not None:
-            rankings[name].extra["largest_single_help"] = recorded
+            rankings[name].facts.largest_single_help = recorded
     return rankings
 
 
@@ -170,8 +170,8 @@ def _report(rankings: Mapping[str, HeadRanking], top_k: int,
     lines = [f"Time: {timing.timings_line(timings)} (config.json's timings).", ""] \
         if timings else []
     for name, ranking in rankings.items():
-        lines += [f"# {ranking.extra['method']}: {name} ({ranking.metric})", "",
-                  f"Baseline: {ranking.baseline:.4f}; {ranking.extra['measurements']} "
+        lines += [f"# {ranking.facts.method}: {name} ({ranking.metric})", "",
+                  f"Baseline: {ranking.baseline:.4f}; {ranking.facts.measurements} "
                   "measurements.", "",
                   *floor_words(ranking),
                   *tie_words(ranking, top_k, "every head measured alone changed the score "

@@ -81,7 +81,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                 "score": score,
                 "drop": float(harm(score - baseline["scores"][task], higher)),
                 "relative_drop": relative_drop(baseline["scores"][task], score, higher),
-                "r2": rankings[task].extra["r2"]})
+                "r2": rankings[task].facts.r2})
         # Cells are compared by the absolute harm (defined even for a zero baseline).
         best = max(results, key=lambda c: c["drop"])
         result = {"task": task, "baseline": baseline["scores"][task], "top_k": spec.top_k,

@@ -40,6 +40,7 @@ from lm_eval_headloc.method.group_tests import (
 )
 from lm_eval_headloc.method.ranking import (
     HeadRanking,
+    RankingFacts,
     all_measured_alone,
     largest_single_help,
 )
@@ -153,38 +154,36 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer, columns=columns,
-            extra={"method": "compressed sensing (Lasso)" + (
-                       "" if confirmed is None else
-                       f", the likeliest {UNITS[components_of(columns)]} measured alone"),
-                   "r2": fit.r2,
-                   "r2_held_out": held_out if np.isfinite(held_out) else None,
-                   "alpha": alpha, "measurements": int(len(design)),
-                   "tied_with_above": columns.names(tied_with_above(order, alone, fit)),
-                   "same_masks": _same_masks(
-                       design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
-                       alone, columns),
-                   "excluded": columns.names(excluded),
-                   **({"never_knocked_out": columns.names(unmeasured)} if unmeasured
-                      else {}),
-                   **({} if confirmed is None else {
-                       "confirmed": columns.names(alone),
-                       "implicated": columns.names(h for h in fit.order
-                                                   if harm(fit.effects[h], higher) > 0),
-                       "next": list(confirmed.get("next", {}).get(task, []))}),
-                   **({} if priors is None else {"prior_top_k": columns.names(
-                       alternated(prior_rankings(estimates), top_k))}),
-                   **({"prior_found_nothing": True} if prior_found_nothing(estimates)
-                      else {})},
+            facts=RankingFacts(
+                method="compressed sensing (Lasso)" + (
+                    "" if confirmed is None else
+                    f", the likeliest {UNITS[components_of(columns)]} measured alone"),
+                r2=fit.r2, r2_held_out=held_out if np.isfinite(held_out) else None,
+                alpha=alpha, measurements=int(len(design)),
+                tied_with_above=columns.names(tied_with_above(order, alone, fit)),
+                same_masks=_same_masks(
+                    design, [h for h in order[:top_k] if harm(fit.effects[h], higher) > 0],
+                    alone, columns),
+                excluded=columns.names(excluded),
+                never_knocked_out=columns.names(unmeasured) if unmeasured else None,
+                **({} if confirmed is None else {
+                    "confirmed": columns.names(alone),
+                    "implicated": columns.names(h for h in fit.order
+                                                if harm(fit.effects[h], higher) > 0),
+                    "next": list(confirmed.get("next", {}).get(task, []))}),
+                prior_top_k=None if priors is None else columns.names(
+                    alternated(prior_rankings(estimates), top_k)),
+                prior_found_nothing=prior_found_nothing(estimates)),
             stability=stability, evidence=evidence)
-        rankings[task].extra["certificate"] = _certificate(
+        rankings[task].facts.certificate = _certificate(
             design, y, baseline, task, higher, alone, records, confirmed, columns,
             [h for h in order if h not in set(left_out)], top_k)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
-            rankings[task].extra["largest_single_help"] = recorded
+            rankings[task].facts.largest_single_help = recorded
         if all_measured_alone(rankings[task]):
             # The fit held every change fixed and estimated nothing: its R² is no evidence.
-            rankings[task].extra["r2"] = rankings[task].extra["r2_held_out"] = None
+            rankings[task].facts.r2 = rankings[task].facts.r2_held_out = None
     return rankings
 
 

@@ -8,7 +8,7 @@ back, the one inverse of the other.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -23,8 +23,9 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup
 from lm_eval_headloc.method.recovery import STABLE, Stability, harm
 
-__all__ = ["TIE_EVIDENCE", "HeadRanking", "all_measured_alone", "largest_single_help",
-           "ranked_heads_json", "ranking_from_json", "relative_drop", "type_fields"]
+__all__ = ["TIE_EVIDENCE", "HeadRanking", "RankingFacts", "all_measured_alone",
+           "largest_single_help", "ranked_heads_json", "ranking_from_json", "relative_drop",
+           "type_fields"]
 
 
 #: What a ranking records of each column beyond its effect, for orders that must tell equal
@@ -35,6 +36,74 @@ __all__ = ["TIE_EVIDENCE", "HeadRanking", "all_measured_alone", "largest_single_
 #: among equal fitted effects); and, where the run has a prior, its attribution estimates
 #: of the log-likelihood's change, one per path point.
 TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
+
+
+@dataclass
+class RankingFacts:
+    """What a ranking says of itself beside each column's effect: heads.json's keys between
+    ``top_k`` and ``heads``, typed, each None where the ranking does not record it.
+
+    The method and its size (``method``, ``measurements``); greedy's ``rounds`` and
+    ``winners``; the Lasso's diagnostics (``alpha``, and with it ``r2`` and ``r2_held_out``,
+    null where they say nothing: every change measured alone); the order's caveats
+    (``tied_with_above``: components whose evidence equals the one ranked above;
+    ``same_masks``: top components the masks cannot tell from others; ``excluded``,
+    ``never_knocked_out``); the confirmation (``confirmed`` measured alone, ``implicated``
+    by the screen, ``next`` the round that would come next); the prior's own top-k
+    (``prior_top_k``, ``prior_found_nothing``); the completeness ``certificate``
+    (``fit._certificate``); and ``largest_single_help`` (``{"head", "change"}``). ``other``:
+    keys a file holds that this version does not know, kept as read.
+    """
+
+    method: str | None = None
+    rounds: int | None = None
+    winners: list[str] | None = None
+    r2: float | None = None
+    r2_held_out: float | None = None
+    alpha: float | None = None
+    measurements: int | None = None
+    tied_with_above: list[str] | None = None
+    same_masks: dict[str, list[str]] | None = None
+    excluded: list[str] | None = None
+    never_knocked_out: list[str] | None = None
+    confirmed: list[str] | None = None
+    implicated: list[str] | None = None
+    next: list[str] | None = None
+    prior_top_k: list[str] | None = None
+    prior_found_nothing: bool = False
+    certificate: dict[str, Any] | None = None
+    largest_single_help: dict[str, Any] | None = None
+    other: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """heads.json's keys, in the order the file has them: a field that is None is left
+        out, except the fit's R²s, written (null or not) wherever a Lasso was fitted."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "other":
+                out.update(value)
+            elif f.name in _FIT_DIAGNOSTICS and self.alpha is not None:
+                out[f.name] = value
+            elif f.name == "prior_found_nothing":
+                if value:
+                    out[f.name] = True
+            elif value is not None:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankingFacts:
+        """``to_json``'s inverse (a heads.json's keys less the ranking's own)."""
+        known = {f.name for f in fields(cls)} - {"other"}
+        if "alpha" not in data:  # R²s without a fit's alpha: kept as read, not as the fit's
+            known -= set(_FIT_DIAGNOSTICS)
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   other={k: v for k, v in data.items() if k not in known})
+
+
+#: The Lasso's diagnostics, null in a file where they say nothing (``RankingFacts``).
+_FIT_DIAGNOSTICS = ("r2", "r2_held_out")
 
 
 @dataclass
@@ -49,7 +118,7 @@ class HeadRanking:
     effects: np.ndarray  # (columns,), score change from knocking out each; NaN unknown
     order: list[int]  # column indices, most harmful first (excluded ones left out)
     heads_per_layer: int
-    extra: dict[str, Any] = field(default_factory=dict)  # r2, alpha, excluded, ...
+    facts: RankingFacts = field(default_factory=RankingFacts)  # method, r2, confirmed...
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
     columns: Columns | None = None  # the component of each column; None: every head
     head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
@@ -88,7 +157,7 @@ class HeadRanking:
     def measured_alone(self, head: Component) -> bool | None:
         """Whether ``head``'s effect was measured alone (``--confirm``), rather than
         estimated; None when the run confirmed nothing."""
-        confirmed = self.extra.get("confirmed")
+        confirmed = self.facts.confirmed
         return None if confirmed is None else str(head) in confirmed
 
     def harmless(self, k: int) -> list[Column]:
@@ -146,20 +215,20 @@ def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
         "task": ranking.task, "metric": ranking.metric,
         "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
         "heads_per_layer": ranking.heads_per_layer,
-        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.extra, **stability,
+        "top_k": [str(h) for h in ranking.top(top_k)], **ranking.facts.to_json(), **stability,
         "heads": [
             {"rank": rank, **_name_fields(head),
              "effect": ranking.effect(head), **ranking.confidence(head),
              **type_fields(ranking, head),
              **_alone_field(ranking, head),
-             **({"tied_with_above": str(head) in ranking.extra["tied_with_above"]}
-                if "tied_with_above" in ranking.extra else {}),
+             **({"tied_with_above": str(head) in ranking.facts.tied_with_above}
+                if ranking.facts.tied_with_above is not None else {}),
              **_evidence_fields(ranking, head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
     }
 
-#: heads.json's keys that are not a ranking's ``extra`` (``ranked_heads_json``).
+#: heads.json's keys that are not a ranking's ``facts`` (``ranked_heads_json``).
 _RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
                  "bootstrap", "heads")
 
@@ -168,7 +237,7 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
                       head_types: Any = None) -> HeadRanking:
     """The ranking a heads-<task>.json holds (``ranked_heads_json``'s inverse), over the
     run's ``columns``: its order, effects (NaN for what it does not rank: excluded, never
-    knocked out, never measured), bootstrap and the rest (``extra``); ``head_types`` the
+    knocked out, never measured), bootstrap and the rest (``facts``); ``head_types`` the
     run's types.json. What ``ranked_heads_json`` writes of it is the file again."""
     entries = data["heads"]
     order = [columns.named(entry.get("head") or entry.get("neuron") or entry["group"])
@@ -197,7 +266,7 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
         task=data["task"], metric=data["metric"], higher_is_better=data["higher_is_better"],
         baseline=data["baseline"], effects=effects, order=order,
         heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
-        extra={k: v for k, v in data.items() if k not in _RANKING_KEYS},
+        facts=RankingFacts.from_json({k: v for k, v in data.items() if k not in _RANKING_KEYS}),
         head_types=head_types, evidence=evidence)
 
 
@@ -267,8 +336,8 @@ def largest_single_help(ranking: HeadRanking, all_measured: bool = False
 def all_measured_alone(ranking: HeadRanking) -> bool:
     """Whether the confirmation measured every component the run ranks (a small model
     under the default budget): the fit then estimates nothing and its R² says nothing."""
-    confirmed = ranking.extra.get("confirmed")
+    confirmed = ranking.facts.confirmed
     if not confirmed:
         return False
-    ranked = len(ranking.effects) - len(ranking.extra.get("excluded") or ())
+    ranked = len(ranking.effects) - len(ranking.facts.excluded or ())
     return len(set(confirmed)) >= ranked

@@ -4,7 +4,6 @@ the report and the terminal share (the fit, the certificate, the prior)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.method.columns import (
@@ -13,7 +12,7 @@ from lm_eval_headloc.method.columns import (
     NeuronGroup,
     components_of,
 )
-from lm_eval_headloc.method.ranking import HeadRanking, all_measured_alone
+from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts, all_measured_alone
 from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
@@ -83,36 +82,37 @@ def locate_report(run: LocateRun) -> str:
             + (f"Every {UNIT[spec.components]} was measured alone, so each ranks by its "
                "measurement; the masks' fit, with those changes held fixed, has nothing "
                "left to estimate (no R²)." if all_measured_alone(ranking) else
-               f"Fit R² = {ranking.extra['r2']:.3f} over {ranking.extra['measurements']} "
+               f"Fit R² = {ranking.facts.r2:.3f} over {ranking.facts.measurements} "
                f"measurements{held_out_words(ranking, UNIT[spec.components])}."), "",
-            *ranking_table(ranking, top_k, "change on knockout" if "confirmed" in ranking.extra
+            *ranking_table(ranking, top_k, "change on knockout"
+                           if ranking.facts.confirmed is not None
                            else "estimated change on knockout"), "",
             *floor_words(ranking),
             *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
             *harmless_words(ranking, top_k, UNIT[spec.components]),
             *spread_words(ranking, top_k, UNIT[spec.components]),
             *equal_change_words(ranking, top_k),
-            *same_masks_words(ranking.extra, UNIT[spec.components], run.uses_prior),
-            *_unconfirmed_words(ranking.extra, UNIT[spec.components]),
+            *same_masks_words(ranking.facts, UNIT[spec.components], run.uses_prior),
+            *_unconfirmed_words(ranking.facts, UNIT[spec.components]),
             *certificate_words(ranking, UNIT[spec.components]),
-            *_prior_top_words(ranking.extra, top_k, run.prior_kind, UNIT[spec.components])]
+            *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
     return "\n".join(lines) + "\n"
 
 
-def _prior_top_words(extra: Mapping[str, Any], top_k: int, prior_kind: str | None,
+def _prior_top_words(facts: RankingFacts, top_k: int, prior_kind: str | None,
                      unit: str) -> list[str]:
     """The attribution prior's own top-k, or that it found nothing to order."""
-    if "prior_top_k" not in extra:
+    if facts.prior_top_k is None:
         return []
     source = "prior.json" + (", its rankings in turn" if prior_kind == "atp-path" else "")
-    if extra.get("prior_found_nothing"):
+    if facts.prior_found_nothing:
         return [f"The attribution prior ({source}) estimated the same change for every "
                 f"{unit}: it found no effect, and its top-{top_k} "
-                f"({', '.join(extra['prior_top_k'])}) is the {unit} index, not an order.", ""]
+                f"({', '.join(facts.prior_top_k)}) is the {unit} index, not an order.", ""]
     return [f"The attribution prior's own top-{top_k} ({source}): "
-            + ", ".join(extra["prior_top_k"]) + ".", ""]
+            + ", ".join(facts.prior_top_k) + ".", ""]
 
 
 #: What a held-out R² below 0 means (a newcomer reads a negative number as a failed run).
@@ -122,17 +122,17 @@ BELOW_ZERO = ("below 0: the fit predicts a measurement it did not see worse than
 
 def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
     """The fit's R² on measurements it did not see, beside the in-sample one (``r2``)."""
-    extra = ranking.extra
-    if "r2_held_out" not in extra:  # a ranking file from before it was computed
+    facts = ranking.facts
+    if facts.alpha is None:  # no Lasso fitted (greedy): no R² to speak of
         return ""
-    value, rows, columns = extra["r2_held_out"], extra["measurements"], len(ranking.effects)
+    value, rows, columns = facts.r2_held_out, facts.measurements, len(ranking.effects)
     shown = "n/a (too few measurements, or none that vary)" if value is None else f"{value:.2f}"
     if value is not None and value < 0:
         shown += f" ({BELOW_ZERO})"
     crowded = (f" ({columns} {unit}s, {rows} measurements: a fit comes close whatever the "
                "truth)" if columns > rows else "")
     alone = (f"; the {unit}s measured alone rank by their measurement, not by this fit"
-             if extra.get("confirmed") else "")
+             if facts.confirmed else "")
     return (f", in-sample{crowded}; each measurement predicted by a fit on the others: "
             f"R² = {shown}{alone}")
 
@@ -142,7 +142,7 @@ def fit_summary(ranking: HeadRanking, top_k: int) -> str:
     component was measured alone the fit ordered none of them, so its R² (which report.md
     gives) is left out rather than shown as a verdict on the run; otherwise its R² in-sample
     and held out, with what a held-out R² below 0 means. "" without a fit."""
-    r2, held_out = ranking.extra.get("r2"), ranking.extra.get("r2_held_out")
+    r2, held_out = ranking.facts.r2, ranking.facts.r2_held_out
     if r2 is None:
         return ""
     top = ranking.top(top_k)
@@ -210,11 +210,11 @@ def _confirm_words(run: LocateRun) -> str:
             "resample of the masks would have confirmed them into the top-k)")
 
 
-def same_masks_words(extra: Mapping[str, Any], unit: str = "head",
+def same_masks_words(facts: RankingFacts, unit: str = "head",
                      uses_prior: bool = False) -> list[str]:
-    """The top heads the masks cannot tell from others (``extra["same_masks"]``), said as
+    """The top heads the masks cannot tell from others (``facts.same_masks``), said as
     such: the fit's credit among identical columns is not the masks' evidence."""
-    found = extra.get("same_masks") or {}
+    found = facts.same_masks or {}
     if not found:
         return []
     # Not "the lowest index": coordinate descent leaves some credit on the other copies
@@ -234,20 +234,20 @@ def same_masks_words(extra: Mapping[str, Any], unit: str = "head",
             "not the masks. Measuring it alone (a larger `--confirm`) settles it.", ""]
 
 
-def _unconfirmed_words(extra: Mapping[str, Any], unit: str = "head") -> list[str]:
+def _unconfirmed_words(facts: RankingFacts, unit: str = "head") -> list[str]:
     """Where to look next: heads the masks' fit implicates that no one measured alone, and
     the round a larger --confirm would measure."""
-    if "confirmed" not in extra:
+    if facts.confirmed is None:
         return []
-    implicated = extra.get("implicated", [])
+    implicated = facts.implicated or []
     lines = ["Not measured alone: " + (
         f"the masks' fit (with the measured {unit}s held fixed) implicates "
         + ", ".join(implicated[:10]) + (f" and {len(implicated) - 10} more"
                                         if len(implicated) > 10 else "")
         if implicated else f"the masks' fit implicates no other {unit}") + "."]
-    if extra.get("next"):
+    if facts.next:
         lines.append("A larger `--confirm` would measure next: "
-                     + ", ".join(extra["next"]) + ".")
+                     + ", ".join(facts.next) + ".")
     return [" ".join(lines), ""]
 
 
@@ -257,10 +257,10 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
 
 
 def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
-    """report.md's completeness certificate (``extra["certificate"]``): what the run
+    """report.md's completeness certificate (``facts.certificate``): what the run
     measured alone, what a measured set ruled out and by how much at most, what the
     group tests measured, and what nothing checked, with the flag that would check it."""
-    cert = ranking.extra.get("certificate")
+    cert = ranking.facts.certificate
     if not cert:
         return []
     k, bar = cert["top_k"], cert["entry_bar"]
@@ -316,7 +316,7 @@ def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
 
 def certificate_line(ranking: HeadRanking) -> str | None:
     """The terminal's one line on the certificate, or None without one."""
-    cert = ranking.extra.get("certificate")
+    cert = ranking.facts.certificate
     if not cert:
         return None
     unit = UNIT[components_of(ranking.columns)]

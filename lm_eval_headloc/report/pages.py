@@ -54,7 +54,7 @@ def heads_table(ranking: HeadRanking) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     boot = ranking.stability is not None
-    confirmed = "confirmed" in ranking.extra
+    confirmed = ranking.facts.confirmed is not None
     neurons = ranking.columns.has_neurons
     names = ["component", "kind", "layer", "index_in_layer"] if neurons else [
         "head", "layer", "head_in_layer"]
@@ -292,9 +292,9 @@ def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_bett
 
 def within_spread(ranking: HeadRanking, top_k: int) -> list[Column]:
     """The top-k components that hurt the task by no more than the run's largest single
-    help (``largest_single_help`` in its extra): no evidence that the task needs them.
+    help (``facts.largest_single_help``): no evidence that the task needs them.
     [] where none is recorded, or where the top-k has no order at all (all tied)."""
-    recorded = ranking.extra.get("largest_single_help")
+    recorded = ranking.facts.largest_single_help
     if recorded is None or _all_tied(ranking, top_k):
         return []
     higher = ranking.higher_is_better
@@ -310,7 +310,7 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head") -> list[s
     within = within_spread(ranking, top_k)
     if not within:
         return []
-    recorded = ranking.extra["largest_single_help"]
+    recorded = ranking.facts.largest_single_help
     beyond = [column_label(c) for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
               and harm(ranking.effect(c), ranking.higher_is_better) > 0 and c not in within]
     against = (f"knocking out one {unit} alone helps it ({recorded['head']}: "
@@ -331,7 +331,7 @@ def equal_change_words(ranking: HeadRanking, top_k: int, all_measured: bool = Fa
     table does not show. Where the k-th is measured alike with those ranked after it, the
     log-likelihood decided which of them is in the top-k: said too. ``all_measured``:
     every effect is a measurement (greedy)."""
-    tied = set(ranking.extra.get("tied_with_above", []))
+    tied = set(ranking.facts.tied_with_above or [])
 
     def alike(above: Column, below: Column) -> bool:
         return (str(below) not in tied and ranking.effect(above) == ranking.effect(below)
@@ -382,7 +382,7 @@ def recorded_harmless(path: Path) -> set[str]:
 
 
 def _all_tied(ranking: HeadRanking, top_k: int) -> bool:
-    tied = set(ranking.extra.get("tied_with_above", []))
+    tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
     return len(top) > 1 and all(h in tied for h in top[1:])
 
@@ -406,9 +406,9 @@ def floor_words(ranking: HeadRanking) -> list[str]:
 
 
 def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
-    """Ties in the top-k (``ranking.extra["tied_with_above"]``) said as such: equal
+    """Ties in the top-k (``ranking.facts.tied_with_above``) said as such: equal
     evidence is no order. ``why_none``: why no head would stand out, in words."""
-    tied = set(ranking.extra.get("tied_with_above", []))
+    tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
     if _all_tied(ranking, top_k):
         return [f"No head stands out: all {len(top)} listed heads have the same evidence "
