@@ -23,8 +23,8 @@ import importlib
 from typing import Any
 
 from lm_eval_headloc.intervention.components import (
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     Neuron,
     format_heads,
     parse_heads,
@@ -48,14 +48,14 @@ _LAZY = {
     "load_run": "runs.record", "read_rankings": "runs.record", "read_types": "runs.types_file",
     # the method, on plain arrays
     "HeadLasso": "method.recovery", "bootstrap_stability": "method.recovery",
-    "design_matrix": "method.designs", "HeadRanking": "method.ranking",
+    "design_matrix": "method.designs", "Ranking": "method.ranking",
     "Columns": "method.columns",
     # the model and its errors
     "HFHeadAblateLM": "intervention.model", "UsageError": "common.checks",
     "UserError": "common.errors",
 }
 
-__all__ = ["MODEL_NAME", "Head", "HeadSpecError", "Neuron", "__version__", "format_heads",
+__all__ = ["MODEL_NAME", "Head", "ComponentSpecError", "Neuron", "__version__", "format_heads",
            "parse_heads", "read_heads_file", *sorted(_LAZY)]
 
 

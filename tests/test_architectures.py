@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound, MLPOutputNotFound
 from lm_eval_headloc.intervention.geometry import Geometry, UnsupportedGeometry
-from lm_eval_headloc.intervention.hooks import HeadKnockout
+from lm_eval_headloc.intervention.hooks import ComponentKnockout
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8]])
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -35,7 +35,7 @@ def _zeroed(model, path: str, start: int, stop: int) -> torch.Tensor:
 
 
 def _knocked(model, heads: str, **kwargs) -> torch.Tensor:
-    knockout = HeadKnockout(model, **kwargs)
+    knockout = ComponentKnockout(model, **kwargs)
     with torch.no_grad(), knockout.knocking_out(heads):
         return model(INPUT_IDS).logits
 
@@ -57,7 +57,7 @@ def test_gemma4_heads_are_as_wide_as_their_layers_heads():
                            (head + 1) * width)
         assert torch.allclose(_knocked(model, f"L{layer}H{head}"), expected, atol=1e-5)
     # Mean ablation's per-layer means have each layer's width.
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     means = [torch.zeros(4, w) for w in widths]
     assert len(knockout.check_replacement(means)) == 4
     with pytest.raises(ValueError, match="shapes"):
@@ -120,12 +120,12 @@ def test_a_shared_expert_is_not_taken_for_the_layers_mlp():
                                          num_experts_per_tok=2)
     model = _model(config)
     with pytest.raises(MLPOutputNotFound, match="a mixture of experts has no single one"):
-        HeadKnockout(model, neurons=True)
+        ComponentKnockout(model, neurons=True)
     # Its heads are still there; and a dense model's refusal does not blame experts.
     assert _knocked(model, "L0H1").shape == (1, 8, 128)
     dense = _model(transformers.LlamaConfig(**SMALL, num_hidden_layers=2))
     with pytest.raises(MLPOutputNotFound) as refused:
-        HeadKnockout(dense, mlp_out="model.layers.*.mlp.up_proj")
+        ComponentKnockout(dense, mlp_out="model.layers.*.mlp.up_proj")
     assert "expert" not in str(refused.value)
 
 
@@ -140,7 +140,7 @@ def test_a_vision_tower_as_deep_as_the_text_decoder_is_not_taken_for_it():
                                                   intermediate_size=256, image_size=32,
                                                   patch_size=8))
     with pytest.raises(AttentionOutputNotFound, match="decoder layer 0 \\(GitLayer\\)"):
-        HeadKnockout(_model(config))
+        ComponentKnockout(_model(config))
 
 
 def test_an_attention_block_shared_by_two_layers_is_refused():
@@ -149,7 +149,7 @@ def test_an_attention_block_shared_by_two_layers_is_refused():
     model = _model(transformers.LlamaConfig(**SMALL, num_hidden_layers=3))
     model.model.layers[2] = model.model.layers[0]
     with pytest.raises(AttentionOutputNotFound) as refused:
-        HeadKnockout(model)
+        ComponentKnockout(model)
     assert str(refused.value).startswith("decoder layers 0 and 2 share one attention block")
 
 

@@ -1640,12 +1640,12 @@ def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
 def test_heatmap_hatches_unstable_top_heads(tmp_path):
     from matplotlib.patches import Rectangle
 
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.method.recovery import Stability
     from lm_eval_headloc.report.pages import plot_heatmap
 
     selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
-    ranking = HeadRanking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
+    ranking = Ranking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
                           stability=Stability(selected, -selected - 0.1, -selected + 0.1, 40))
     assert [str(h) for h in ranking.unstable(3)] == ["L1H3"]
     figure = plot_heatmap([ranking], 3, tmp_path / "heatmap.png")
@@ -1662,13 +1662,13 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
     """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
     counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
     table says "does not hurt", and unstable_in_top_k leaves it out."""
-    from lm_eval_headloc.method.ranking import HeadRanking, ranked_heads_json
+    from lm_eval_headloc.method.ranking import Ranking, ranked_heads_json
     from lm_eval_headloc.method.recovery import Stability
     from lm_eval_headloc.report.pages import ranking_table
 
     effects = np.array([-0.3, -0.1, 0.0, 0.2])  # higher is better: the first two hurt
     selected = np.array([1.0, 0.4, 0.0, 0.0])
-    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 2, 3], 2,
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 2, 3], 2,
                           stability=Stability(selected, effects - 0.1, effects + 0.1, 40))
     assert [str(h) for h in ranking.harmless(3)] == ["L1H0"]
     assert [str(h) for h in ranking.unstable(3)] == ["L0H1"]
@@ -1682,12 +1682,12 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
 
 def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import plot_heatmap
 
     columns = Columns.heads(4, 2, head_layers=(1, 3))
     effects = np.array([-0.4, 0.1, -0.2, 0.3])
-    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 2, 1, 3], 2, columns=columns)
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 2, 1, 3], 2, columns=columns)
     figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
     shown = figure.axes[0].images[0].get_array()
     assert shown.shape == (4, 2)
@@ -1697,7 +1697,7 @@ def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
     assert "grey: no estimate" not in figure.axes[0].get_title()
     # A head never knocked out has no estimate: grey too, and said so (white is "no change").
     effects[1] = np.nan
-    unknown = plot_heatmap([HeadRanking("t", "acc", True, 0.5, effects, [0, 2, 3], 2,
+    unknown = plot_heatmap([Ranking("t", "acc", True, 0.5, effects, [0, 2, 3], 2,
                                         columns=columns)], 2, tmp_path / "heatmap.png")
     assert "grey: no estimate" in unknown.axes[0].get_title()
     assert unknown.axes[0].images[0].get_array().mask[1, 1]

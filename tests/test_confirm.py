@@ -447,7 +447,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
 
 def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
     from lm_eval_headloc.method.fit import fit_rankings
-    from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
     from lm_eval_headloc.method.recovery import HeadLasso, held_out_r2
     from lm_eval_headloc.report.locate_report import held_out_words
 
@@ -462,13 +462,13 @@ def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
     # 6 heads, 12 measurements: no crowding to warn of; heads measured alone are said apart.
     assert words.startswith(", in-sample; each measurement predicted by a fit on the others: "
                             f"R² = {ranking.facts.r2_held_out:.2f}; the heads measured")
-    crowded = HeadRanking("t", "acc", True, 0.5, np.zeros(30), list(range(30)), 3,
+    crowded = Ranking("t", "acc", True, 0.5, np.zeros(30), list(range(30)), 3,
                           facts=RankingFacts(measurements=4, alpha=0.01, r2_held_out=None))
     assert held_out_words(crowded) == (
         ", in-sample (30 heads, 4 measurements: a fit comes close whatever the truth); each "
         "measurement predicted by a fit on the others: R² = n/a (too few measurements, or "
         "none that vary)")
-    assert held_out_words(HeadRanking("t", "acc", True, 0.5, np.zeros(3), [0, 1, 2], 3)) == ""
+    assert held_out_words(Ranking("t", "acc", True, 0.5, np.zeros(3), [0, 1, 2], 3)) == ""
 
 
 def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():

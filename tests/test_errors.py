@@ -21,7 +21,7 @@ from lm_eval_headloc.common.errors import HeadlocError, InternalError, UserError
 
 #: The error classes users catch by name, where they are imported from.
 PUBLIC = [
-    ("lm_eval_headloc.intervention.components", "HeadSpecError"),
+    ("lm_eval_headloc.intervention.components", "ComponentSpecError"),
     ("lm_eval_headloc.intervention.ablation", "AblationError"),
     ("lm_eval_headloc.intervention.hooks", "AttentionOutputNotFound"),
     ("lm_eval_headloc.tasks", "UnknownTaskError"),
@@ -70,12 +70,12 @@ def test_internal_errors_are_not_user_errors():
 
 
 def test_an_ablation_error_is_no_head_list_error():
-    # It used to derive from HeadSpecError only so that one hook would print it in one
+    # It used to derive from ComponentSpecError only so that one hook would print it in one
     # line; a bad ablation kind is not a bad head list.
     from lm_eval_headloc.intervention.ablation import AblationError
-    from lm_eval_headloc.intervention.components import HeadSpecError
+    from lm_eval_headloc.intervention.components import ComponentSpecError
 
-    assert not issubclass(AblationError, HeadSpecError)
+    assert not issubclass(AblationError, ComponentSpecError)
 
 
 def test_one_line_is_the_first_line_or_the_class_name():

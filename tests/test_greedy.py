@@ -99,7 +99,7 @@ def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():
 
 
 def test_top_k_places_that_do_not_hurt_are_said_to():
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import harmless_words
 
     changes = {"acc": {0: (-0.05, -0.2), 1: (-0.10, -0.1), 2: (-0.05, -0.6),
@@ -107,7 +107,7 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
     ranking = _rankings(changes, [], BASELINE, 1, SIX, 3, 6)["acc"]  # order 1, 2, 0, 5, 3
     assert harmless_words(ranking, 4, all_measured=True) == []  # all four hurt
     assert ranking.harmless(5) == [Head(1, 0)]  # head 3 helps: +0.02
-    unknown = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, np.nan, 0.0]), [0, 1, 2], 3)
+    unknown = Ranking("t", "acc", True, 0.5, np.array([-0.1, np.nan, 0.0]), [0, 1, 2], 3)
     assert unknown.harmless(3) == [Head(0, 2)]  # a NaN effect is unknown, not harmless
     assert harmless_words(ranking, 5, all_measured=True) == [
         "Only 4 of the top-5 heads hurt the task; the other places are filled by heads "
@@ -115,14 +115,14 @@ def test_top_k_places_that_do_not_hurt_are_said_to():
         "hurts.", ""]
     # A locate ranking: one head measured alone to do nothing, one the fit gives -0.01
     # (helps), one it implicates; lower is better here, so a positive change hurts.
-    located = HeadRanking("t", "ppl", False, 10.0, np.array([0.0, -0.01, 0.3, 0.0]),
+    located = Ranking("t", "ppl", False, 10.0, np.array([0.0, -0.01, 0.3, 0.0]),
                           [2, 0, 1, 3], 2, facts=RankingFacts(confirmed=["L0H0"]))
     assert located.harmless(3) == [Head(0, 0), Head(0, 1)]
     assert harmless_words(located, 3, "head") == [
         "Only 1 of the top-3 heads hurts the task; the other places are filled by heads "
         "that do not (L0H0: measured alone to do no harm; L0H1: no harm in the fit's "
         "estimate). `ablate_top=1` knocks out only what hurts.", ""]
-    none = HeadRanking("t", "acc", True, 0.5, np.array([0.0, 0.01, 0.0, 0.0]),
+    none = Ranking("t", "acc", True, 0.5, np.array([0.0, 0.01, 0.0, 0.0]),
                        [0, 1, 2, 3], 2, facts=RankingFacts(confirmed=["L0H0"]))
     assert harmless_words(none, 2)[0].startswith(
         "Nothing found: none of the top-2 heads hurts the task (L0H0: measured alone to do "
@@ -142,19 +142,19 @@ def _recorded(ranking, all_measured=False):
 def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_spread():
     """A task at chance: heads measured alone to lose one example of 100 were ranked as
     hurting, while other single knockouts gained three; the report now says so."""
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import spread_words
 
     # L0H0..L0H3 measured alone: -0.01, -0.01, +0.03, 0; L1H0 only estimated (-0.2).
     effects = np.array([-0.01, -0.01, 0.03, 0.0, -0.2, 0.0, 0.0, 0.0])
-    chance = HeadRanking("t", "acc", True, 0.5, effects, [4, 0, 1, 3, 5, 6, 7, 2], 4,
+    chance = Ranking("t", "acc", True, 0.5, effects, [4, 0, 1, 3, 5, 6, 7, 2], 4,
                          facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L0H3"]))
     # L1H0's estimate (not a measurement) is beyond; the measured ones are not.
     assert spread_words(_recorded(chance), 3) == [
         "Only L1H0 hurts the task by more than knocking out one head alone helps it (L0H2: "
         "+0.0300); the other top-3 heads that hurt do so by no more, within the spread of "
         "single knockouts.", ""]
-    measured_only = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 3, 2], 4,
+    measured_only = Ranking("t", "acc", True, 0.5, effects, [0, 1, 3, 2], 4,
                                 facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L0H3"]))
     assert spread_words(_recorded(measured_only), 2) == [
         "Nothing beyond the spread of single knockouts: no top-2 head hurts the task by more "
@@ -162,13 +162,13 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
         "which examples happened to flip, not heads the task needs.", ""]
     # Lower is better (perplexity): a rise hurts, a fall helps; a harm beyond every help
     # needs no such line, nor does a run in which no knockout helps.
-    ppl = _recorded(HeadRanking("t", "ppl", False, 10.0, np.array([0.5, -0.1, 0.05, 0.0]),
+    ppl = _recorded(Ranking("t", "ppl", False, 10.0, np.array([0.5, -0.1, 0.05, 0.0]),
                                 [0, 2, 3, 1], 2), all_measured=True)
     assert spread_words(ppl, 1) == []
     assert spread_words(ppl, 2)[0].startswith(
         "Only L0H0 hurts the task by more than knocking out one head alone helps it (L0H1: "
         "-0.1000)")
-    never_helps = _recorded(HeadRanking("t", "acc", True, 0.5,
+    never_helps = _recorded(Ranking("t", "acc", True, 0.5,
                                         np.array([-0.01, 0.0, 0.0, 0.0]), [0, 1, 2, 3], 2),
                             all_measured=True)
     assert never_helps.facts.largest_single_help is None
@@ -178,7 +178,7 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
     baseline = 14 / 24
     lost, gained = 13 / 24 - baseline, 15 / 24 - baseline
     assert -lost > gained  # the round-off this guards against
-    one_each = _recorded(HeadRanking("t", "acc", True, baseline,
+    one_each = _recorded(Ranking("t", "acc", True, baseline,
                                      np.array([-0.2, lost, gained, 0.0]), [0, 1, 3, 2], 2),
                          all_measured=True)
     assert spread_words(one_each, 2) == [
@@ -190,11 +190,11 @@ def test_harms_no_larger_than_a_single_knockouts_help_are_said_to_be_within_the_
 def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     """Ranks 1-3 measured -0.01 each (not tied: their gold log-likelihood changes
     differed) read as an order the table did not explain."""
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import equal_change_words
 
     effects = np.array([-0.01, -0.01, -0.01, -0.3, -0.2, 0.0])
-    ranking = HeadRanking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
+    ranking = Ranking("t", "acc", True, 0.5, effects, [3, 4, 0, 1, 2, 5], 3,
                           facts=RankingFacts(confirmed=["L0H0", "L0H1", "L0H2", "L1H0"],
                                  tied_with_above=[]))
     assert equal_change_words(ranking, 2) == []
@@ -213,14 +213,14 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
         "log-likelihood decided which of them are in the top-4.")
     # Many measured alike after it are counted, not listed; a harmless k-th (its place is
     # harmless_words' to explain) gets no such clause, or every head doing nothing would.
-    many = HeadRanking("t", "acc", True, 0.5, np.array([-0.2] + [-0.1] * 8 + [0.0] * 4),
+    many = Ranking("t", "acc", True, 0.5, np.array([-0.2] + [-0.1] * 8 + [0.0] * 4),
                        list(range(13)), 13, facts=RankingFacts(tied_with_above=[]))
     assert equal_change_words(many, 2, all_measured=True)[0].endswith(
         "L0H1 (-0.1000), and after the top-2 L0H2, L0H3, L0H4, L0H5, L0H6 and 2 more, "
         "measured the same: the log-likelihood decided which of them are in the top-2.")
     assert "after the top" not in equal_change_words(many, 10, all_measured=True)[0]
     # An estimate after the k-th, equal to its measurement, decided nothing of the kind.
-    estimated_after = HeadRanking("t", "acc", True, 0.5, np.array([-0.2, -0.1, -0.1]),
+    estimated_after = Ranking("t", "acc", True, 0.5, np.array([-0.2, -0.1, -0.1]),
                                   [0, 1, 2], 3, facts=RankingFacts(confirmed=["L0H0", "L0H1"],
                                                        tied_with_above=[]))
     assert equal_change_words(estimated_after, 2) == []
@@ -228,7 +228,7 @@ def test_equal_measured_changes_are_said_to_be_ordered_by_the_log_likelihood():
     ranking.facts.tied_with_above = ["L0H1", "L0H2"]
     assert equal_change_words(ranking, 5) == []
     # An estimate equal to a measurement is no such pair.
-    estimated = HeadRanking("t", "acc", True, 0.5, np.array([-0.1, -0.1]), [0, 1], 2,
+    estimated = Ranking("t", "acc", True, 0.5, np.array([-0.1, -0.1]), [0, 1], 2,
                             facts=RankingFacts(confirmed=["L0H0"]))
     assert equal_change_words(estimated, 2) == []
     assert equal_change_words(estimated, 2, all_measured=True)[0].endswith(
@@ -253,7 +253,7 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     implicates it; its help is no measure of what knocking out one neuron flips, and it
     called every top neuron's measured harm noise."""
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import spread_words
 
     columns = Columns.of("neurons", 2, 4, ["L0N1", "L0N2", "L1N0"], groups_per_layer=1,
@@ -261,13 +261,13 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     assert [str(c) for c in columns] == ["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]
     # Measured alone: two neurons hurt, the group of layer 0's other neurons helps.
     effects = np.array([-0.01, -0.008, 0.0, 0.02, 0.0])
-    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 2, 4, 3], 4,
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 2, 4, 3], 4,
                           columns=columns,
                           facts=RankingFacts(confirmed=["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]))
     assert spread_words(_recorded(ranking), 2, "neuron") == []  # no single neuron helps
     # A single neuron that helps more than they hurt is the spread, as for heads.
     effects[2] = 0.012
-    ranking = HeadRanking("t", "acc", True, 0.5, effects, [0, 1, 4, 2, 3], 4,
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 4, 2, 3], 4,
                           columns=columns,
                           facts=RankingFacts(confirmed=["L0N1", "L0N2", "L1N0", "L0G0", "L1G0"]))
     assert spread_words(_recorded(ranking), 2, "neuron")[0].startswith(

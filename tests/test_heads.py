@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from lm_eval_headloc.intervention.components import (
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     Neuron,
     check_component_names,
     check_head_names,
@@ -31,7 +31,7 @@ def test_parse_format_round_trip_is_sorted_and_unique():
 def test_whole_layer_expands_with_the_model_head_count():
     assert parse_heads("L1H*+L0H0", num_layers=2, heads_per_layer=3) == [
         Head(0, 0), Head(1, 0), Head(1, 1), Head(1, 2)]
-    with pytest.raises(HeadSpecError, match="whole layer"):
+    with pytest.raises(ComponentSpecError, match="whole layer"):
         parse_heads("L1H*")
 
 
@@ -54,7 +54,7 @@ def test_flat_index_round_trip():
     ],
 )
 def test_bad_heads_name_the_value_and_the_allowed_range(spec, message):
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         parse_heads(spec, num_layers=2, heads_per_layer=4)
     assert "\n" not in str(info.value)
 
@@ -75,17 +75,17 @@ def test_read_heads_file_json_ranked_and_text(tmp_path):
 
 
 def test_read_heads_file_errors(tmp_path):
-    with pytest.raises(HeadSpecError, match="head file not found: .*missing.json"):
+    with pytest.raises(ComponentSpecError, match="head file not found: .*missing.json"):
         read_heads_file(tmp_path / "missing.json")
     path = tmp_path / "h.txt"
     path.write_text("L0H1\nL0H2\n")
-    with pytest.raises(HeadSpecError, match="ablate_top=3 but .* lists only 2"):
+    with pytest.raises(ComponentSpecError, match="ablate_top=3 but .* lists only 2"):
         read_heads_file(path, top=3)
-    with pytest.raises(HeadSpecError, match="ablate_top=0"):
+    with pytest.raises(ComponentSpecError, match="ablate_top=0"):
         read_heads_file(path, top=0)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(HeadSpecError, match="not valid JSON"):
+    with pytest.raises(ComponentSpecError, match="not valid JSON"):
         read_heads_file(bad)
 
 
@@ -95,7 +95,7 @@ def test_head_names_are_checked_without_a_model():
     for spec, message in [("X1", "bad head name 'X1'"), ("l0h0", "bad head name 'l0h0'"),
                           ("L*H1", r"bad head name 'L\*H1'"),
                           ("L0H1++L1H2", "empty head name"), ("", "head list is empty")]:
-        with pytest.raises(HeadSpecError, match=message) as info:
+        with pytest.raises(ComponentSpecError, match=message) as info:
             check_head_names(spec)
         assert "\n" not in str(info.value)
 
@@ -109,7 +109,7 @@ def test_head_names_are_checked_without_a_model():
 ])
 def test_pairs_from_python_must_be_two_whole_numbers(pair, message):
     # (0, 1.5) used to become L0H1 silently, 5 a TypeError.
-    with pytest.raises(HeadSpecError, match=message):
+    with pytest.raises(ComponentSpecError, match=message):
         parse_heads([pair])
     import numpy as np
 
@@ -119,9 +119,9 @@ def test_pairs_from_python_must_be_two_whole_numbers(pair, message):
 @pytest.mark.parametrize("top", [True, 0, -1, 2.5, "3", [2]])
 def test_ablate_top_is_a_whole_number_from_one(top, tmp_path):
     # Checked before the file is even looked for.
-    with pytest.raises(HeadSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
+    with pytest.raises(ComponentSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
         read_heads_file(tmp_path / "missing.json", top=top)
-    with pytest.raises(HeadSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
+    with pytest.raises(ComponentSpecError, match=r"ablate_top=.*: must be a whole number >= 1"):
         check_top(top)
     assert check_top(3) == 3
 
@@ -148,7 +148,7 @@ def test_flat_index_is_layer_major_for_every_head(per_layer):
     (lambda: Head.from_flat_index(3, True), r"heads_per_layer=True"),
 ])
 def test_flat_index_refuses_heads_and_counts_that_do_not_fit(call, message):
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         call()
     assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
 
@@ -165,7 +165,7 @@ def test_flat_index_refuses_heads_and_counts_that_do_not_fit(call, message):
 ])
 def test_each_bound_given_is_checked(call, message):
     # Only one of num_layers / heads_per_layer used to check nothing (L5H1 of 2 layers).
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         call()
     assert "\n" not in str(info.value)
 
@@ -201,7 +201,7 @@ def test_format_heads_takes_names_components_and_pairs(tmp_path):
 ])
 def test_format_heads_refuses_what_parse_heads_refuses(heads, message):
     # (-1, 2) used to format as 'L-1H2', a name parse_heads refuses.
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         format_heads(heads)
     assert "\n" not in str(info.value)
 
@@ -222,7 +222,7 @@ def test_read_heads_file_refuses_malformed_names(tmp_path, name, text, message):
     # Used to come back as names: ['garbage'], ['L0H1 L1H2'].
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         read_heads_file(path)
     assert "\n" not in str(info.value)
 

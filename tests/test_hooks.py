@@ -8,9 +8,9 @@ from conftest import ARCHITECTURES, GQA_FAMILIES, HEADS, HIDDEN, KV_HEADS, LAYER
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.intervention.components import HeadSpecError
+from lm_eval_headloc.intervention.components import ComponentSpecError
 from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
-from lm_eval_headloc.intervention.hooks import HeadKnockout
+from lm_eval_headloc.intervention.hooks import ComponentKnockout
 from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])
@@ -184,15 +184,15 @@ def test_bad_heads_and_files_are_one_line_errors(tiny_model_dir, tmp_path):
         ("L-1H0", "bad component name 'L-1H0'"),
         ("L0H1++L0H2", "empty component name"),
     ]:
-        with pytest.raises(HeadSpecError, match=message) as info:
+        with pytest.raises(ComponentSpecError, match=message) as info:
             lm.set_heads(spec)
         assert "\n" not in str(info.value)
     assert lm.knocked_out == ()  # a refused mask leaves the model as it was
-    with pytest.raises(HeadSpecError, match="head file not found: .*nope.json"):
+    with pytest.raises(ComponentSpecError, match="head file not found: .*nope.json"):
         load_ablate(tiny_model_dir("llama"), ablate_file=str(tmp_path / "nope.json"))
-    with pytest.raises(HeadSpecError, match="ablate= is empty"):
+    with pytest.raises(ComponentSpecError, match="ablate= is empty"):
         load_ablate(tiny_model_dir("llama"), ablate="")
-    with pytest.raises(HeadSpecError, match="ablate_top=2 needs ablate_file"):
+    with pytest.raises(ComponentSpecError, match="ablate_top=2 needs ablate_file"):
         load_ablate(tiny_model_dir("llama"), ablate_top=2)
 
 
@@ -235,7 +235,7 @@ def test_a_runs_ranking_without_ablate_top_knocks_out_its_top_k(tiny_model_dir, 
     # A top_k list that is not the start of the ranking: which heads were meant is unclear.
     ranked.write_text(json.dumps({"top_k": ["L0H0"], "heads": [{"head": "L1H3"},
                                                                {"head": "L0H0"}]}))
-    with pytest.raises(HeadSpecError, match=r"its top_k list is not the start of its "
+    with pytest.raises(ComponentSpecError, match=r"its top_k list is not the start of its "
                                             r"heads list; give ablate_top=K"):
         load_ablate(folder, ablate_file=str(ranked))
     assert [str(h) for h in load_ablate(folder, ablate_file=str(ranked),
@@ -250,12 +250,12 @@ def test_unreadable_architecture_says_how_to_name_the_module(tiny_model_dir):
         layer.self_attn.mixer_out = o_proj
         layer.self_attn.__dict__["o_proj"] = o_proj  # what forward calls; not a submodule
     with pytest.raises(AttentionOutputNotFound, match="attn_out=") as info:
-        HeadKnockout(model)
+        ComponentKnockout(model)
     assert "\n" not in str(info.value)
-    knockout = HeadKnockout(model, attn_out="model.layers.*.self_attn.mixer_out")
+    knockout = ComponentKnockout(model, attn_out="model.layers.*.self_attn.mixer_out")
     assert len(knockout.modules) == LAYERS
     with pytest.raises(AttentionOutputNotFound, match="matches 0 module"):
-        HeadKnockout(model, attn_out="*.nothing")
+        ComponentKnockout(model, attn_out="*.nothing")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -303,7 +303,7 @@ def test_attn_out_accepts_only_the_attention_output_projection(tiny_model_dir, f
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for wrong in WRONG_ATTN_OUT.get(family, []):
         with pytest.raises(AttentionOutputNotFound, match=r"attn_out=|input features") as info:
-            HeadKnockout(model, attn_out=wrong)
+            ComponentKnockout(model, attn_out=wrong)
         assert "\n" not in str(info.value)
         # The probe's hooks are gone again.
         assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
@@ -315,14 +315,14 @@ def test_attn_out_width_must_be_heads_times_head_dim(tiny_model_dir):
     with pytest.raises(AttentionOutputNotFound,
                        match=r"layer 0 \(model\.layers\.0\.mlp\.down_proj, Linear\) takes 64 "
                              r"input features, not 4 heads x 8 = 32"):
-        HeadKnockout(model, attn_out="model.layers.*.mlp.down_proj")
+        ComponentKnockout(model, attn_out="model.layers.*.mlp.down_proj")
 
 
 def test_discovery_skips_a_look_alike_of_the_wrong_width(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
     for layer in model.model.layers:  # named like an output projection, 8 heads x 8 wide
         layer.self_attn.out = nn.Linear(2 * HEADS * 8, 32)
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     assert knockout.modules == [layer.self_attn.o_proj for layer in model.model.layers]
 
 
@@ -341,25 +341,25 @@ def test_bloom_adds_the_residual_inside_attention_and_attn_out_still_works():
         dense.weight[:, 16:24] = 0  # head 2 by hand
         by_hand = logits(model)
         dense.weight[:, 16:24] = saved
-    knockout = HeadKnockout(model, attn_out="transformer.h.*.self_attention.dense")
+    knockout = ComponentKnockout(model, attn_out="transformer.h.*.self_attention.dense")
     with knockout.knocking_out("L1H2"):
         assert torch.allclose(logits(model), by_hand, atol=1e-5)
     assert torch.equal(logits(model), plain)  # scoped: nothing stays applied
     assert not torch.allclose(by_hand, plain, atol=1e-4)
     knockout.remove()
     with pytest.raises(AttentionOutputNotFound, match="is not what its block"):
-        HeadKnockout(model, attn_out="transformer.h.*.self_attention.query_key_value")
+        ComponentKnockout(model, attn_out="transformer.h.*.self_attention.query_key_value")
 
 
 def test_knocking_out_names_are_checked_against_the_model_and_expanded(tiny_model_dir):
     """The bare-model shorthand took L0H* only with a head count it had but did not pass,
     and a head outside the model was not refused there."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     with torch.no_grad():
         with knockout.knocking_out("L0H*"):
             whole_layer = model(INPUT_IDS).logits
         with knockout.knocking_out("+".join(f"L0H{h}" for h in range(HEADS))):
             assert torch.equal(model(INPUT_IDS).logits, whole_layer)
-    with pytest.raises(HeadSpecError, match=f"layer {LAYERS} not in 0..{LAYERS - 1}"):
+    with pytest.raises(ComponentSpecError, match=f"layer {LAYERS} not in 0..{LAYERS - 1}"):
         knockout.knocking_out(f"L{LAYERS}H0")

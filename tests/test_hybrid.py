@@ -20,10 +20,10 @@ from conftest import HEADS, HYBRID_HEAD_LAYERS, TASKS, hybrid_config, load_lm
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.cli.main import main
-from lm_eval_headloc.intervention.components import HeadSpecError
+from lm_eval_headloc.intervention.components import ComponentSpecError
 from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
 from lm_eval_headloc.intervention.geometry import Geometry
-from lm_eval_headloc.intervention.hooks import HeadKnockout
+from lm_eval_headloc.intervention.hooks import ComponentKnockout
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8]])
 HEAD_DIM = 8  # hybrid_config's head_dim
@@ -101,7 +101,7 @@ def test_the_layers_with_heads_come_from_the_config(config, layers, heads):
 
 @pytest.mark.parametrize("heads", [[(1, 2)], [(3, 0), (3, 3)], [(1, 0), (3, 1)]])
 def test_a_hybrids_head_is_its_attention_layers_o_proj_slice(model, heads):
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     try:
         with torch.no_grad(), knockout.knocking_out([f"L{layer}H{head}" for layer, head in heads]):
             got = model(INPUT_IDS).logits
@@ -117,12 +117,12 @@ def test_mllamas_heads_are_its_self_attention_layers_and_cross_attention_is_refu
     could change nothing. Its heads are those of the self-attention layers, o_proj slices."""
     torch.manual_seed(0)
     mllama = transformers.MllamaForCausalLM(_mllama()).eval()
-    knockout = HeadKnockout(mllama)
+    knockout = ComponentKnockout(mllama)
     try:
         assert knockout.layers_with_heads == (0, 2)
         with torch.no_grad(), knockout.knocking_out(["L2H1", "L0H3"]):
             got = mllama(INPUT_IDS).logits
-        with pytest.raises(HeadSpecError, match="layer 1 has no attention heads .it is not "
+        with pytest.raises(ComponentSpecError, match="layer 1 has no attention heads .it is not "
                                                 "a self-attention layer.; the layers with "
                                                 "heads are 0, 2"):
             with knockout.knocking_out(["L1H0"]):
@@ -140,7 +140,7 @@ def test_mllamas_heads_are_its_self_attention_layers_and_cross_attention_is_refu
 
 
 def test_one_mask_per_row_knocks_out_each_rows_heads(model):
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     masks = [["L1H1"], ["L3H2", "L1H3"]]
     try:
         rows = knockout.row_masks([knockout_components(knockout, m) for m in masks])
@@ -168,7 +168,7 @@ def _intervention(rows):
 
 
 def test_a_row_mask_over_a_layer_without_heads_is_refused(model):
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     rows = torch.zeros(1, 4 * HEADS, dtype=torch.bool)
     rows[0, 0 * HEADS + 1] = True  # L0H1: layer 0 is linear attention
     try:
@@ -186,9 +186,9 @@ def test_a_row_mask_over_a_layer_without_heads_is_refused(model):
     ("L4H0", "head L4H0 is outside the model: layer 4 not in 0..3 (4 layers)"),
 ])
 def test_a_head_in_a_layer_without_heads_is_named_in_the_refusal(model, names, message):
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     try:
-        with pytest.raises(HeadSpecError) as refused:
+        with pytest.raises(ComponentSpecError) as refused:
             knockout.knocking_out(names)
     finally:
         knockout.remove()
@@ -196,7 +196,7 @@ def test_a_head_in_a_layer_without_heads_is_named_in_the_refusal(model, names, m
 
 
 def test_a_whole_attention_layer_and_a_linear_layers_neurons(model):
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     try:
         with torch.no_grad(), knockout.knocking_out("L3H*"):
             whole = model(INPUT_IDS).logits
@@ -221,9 +221,9 @@ def test_a_whole_attention_layer_and_a_linear_layers_neurons(model):
 ])
 def test_attn_out_must_name_the_attention_layers_projections(model, pattern, message):
     with pytest.raises(AttentionOutputNotFound) as refused:
-        HeadKnockout(model, attn_out=pattern)
+        ComponentKnockout(model, attn_out=pattern)
     assert message in str(refused.value)
-    knockout = HeadKnockout(model, attn_out="model.layers.*.self_attn.o_proj")
+    knockout = ComponentKnockout(model, attn_out="model.layers.*.self_attn.o_proj")
     knockout.remove()
     assert knockout.modules == [model.get_submodule(O_PROJ.format(layer))
                                 for layer in HYBRID_HEAD_LAYERS]
@@ -433,7 +433,7 @@ def test_an_attention_block_is_found_by_its_class_where_its_name_does_not_say(
         pad_token_id=0, **options)
     torch.manual_seed(0)
     hybrid = AutoModelForCausalLM.from_config(config).eval()
-    knockout = HeadKnockout(hybrid)
+    knockout = ComponentKnockout(hybrid)
     layers = knockout.layers_with_heads
     assert knockout.modules == [hybrid.get_submodule(path.format(layer)) for layer in layers]
     ids = torch.tensor([[5, 17, 42, 99, 7, 100, 64, 8]])
@@ -466,7 +466,7 @@ def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
     lfm = AutoModelForCausalLM.from_config(config).eval()
     w2 = lfm.model.layers[2].feed_forward.w2
     assert Geometry.from_config(config).neurons_per_layer == w2.in_features
-    knockout = HeadKnockout(lfm, neurons=True)
+    knockout = ComponentKnockout(lfm, neurons=True)
     last = w2.in_features - 1
     with torch.no_grad(), knockout.knocking_out(f"L2N{last}+L1H2"):
         got = lfm(INPUT_IDS).logits

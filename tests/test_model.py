@@ -204,8 +204,8 @@ def test_lm_eval_command_hook_handles_only_head_errors():
         "sys.excepthook = lambda kind, value, tb: seen.append(kind.__name__)\n"
         "sys.argv[0] = '/somewhere/bin/lm_eval'\n"
         "import lm_eval.models\n"
-        "from lm_eval_headloc.intervention.components import HeadSpecError\n"
-        "for err in (HeadSpecError('bad head name X1'), KeyError('k'), SystemError('s')):\n"
+        "from lm_eval_headloc.intervention.components import ComponentSpecError\n"
+        "for err in (ComponentSpecError('bad head name X1'), KeyError('k'), SystemError('s')):\n"
         "    sys.excepthook(type(err), err, None)\n"
         "print(seen)\n"
     )
@@ -245,13 +245,13 @@ def no_weight_loading(monkeypatch):
 ])
 def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path, monkeypatch,
                                                      kwargs, message):
-    from lm_eval_headloc.intervention.components import HeadSpecError
+    from lm_eval_headloc.intervention.components import ComponentSpecError
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.txt").write_text("L0H1\nL1H2\n")
     (tmp_path / "bad.txt").write_text("L0H**\n")
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         HFHeadAblateLM(pretrained="never-loaded", **kwargs)
     assert "\n" not in str(info.value)
 

@@ -13,15 +13,15 @@ from conftest import ARCHITECTURES, LAYERS
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.components import (
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     Neuron,
     format_heads,
     parse_components,
     parse_heads,
 )
 from lm_eval_headloc.intervention.discovery import MLPOutputNotFound
-from lm_eval_headloc.intervention.hooks import HeadKnockout
+from lm_eval_headloc.intervention.hooks import ComponentKnockout
 from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
 INPUT_IDS = torch.tensor([[5, 17, 42, 99, 7, 123, 64, 8, 250, 31]])
@@ -79,13 +79,13 @@ def test_notation_mixes_heads_and_neurons():
     # Head(0, 1) and Neuron(0, 1) are equal tuples: both must survive de-duplication.
     assert parse_components("L0N1+L0H1+L0N1") == [Head(0, 1), Neuron(0, 1)]
     assert parse_components("L1N*", 2, 4, 3) == [Neuron(1, 0), Neuron(1, 1), Neuron(1, 2)]
-    with pytest.raises(HeadSpecError, match=r"neuron L1N3 is outside the model: neuron 3 "
+    with pytest.raises(ComponentSpecError, match=r"neuron L1N3 is outside the model: neuron 3 "
                                             r"not in 0\.\.2 \(3 MLP neurons per layer\)"):
         parse_components("L1N3", 2, 4, 3)
-    with pytest.raises(HeadSpecError, match=r"'L0N2' is an MLP neuron; only attention heads"):
+    with pytest.raises(ComponentSpecError, match=r"'L0N2' is an MLP neuron; only attention heads"):
         parse_heads("L0H1+L0N2")
     for bad in ("L0N", "L0Nx", "N3", "L0N-1", "L0n3"):
-        with pytest.raises(HeadSpecError, match="bad component name"):
+        with pytest.raises(ComponentSpecError, match="bad component name"):
             parse_components(bad)
 
 
@@ -227,25 +227,25 @@ def no_weights(monkeypatch):
     ("L0N1+L0Nx", r"bad component name 'L0Nx'"),
 ])
 def test_bad_neurons_fail_before_the_weights_load(tiny_model_dir, no_weights, ablate, message):
-    with pytest.raises(HeadSpecError, match=message) as info:
+    with pytest.raises(ComponentSpecError, match=message) as info:
         load_ablate(tiny_model_dir("llama"), ablate=ablate)
     assert "\n" not in str(info.value)
 
 
 def test_mlp_out_override_and_refusals(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
-    knockout = HeadKnockout(model, mlp_out="model.layers.*.mlp.down_proj")
+    knockout = ComponentKnockout(model, mlp_out="model.layers.*.mlp.down_proj")
     assert knockout.mlp_modules == [layer.mlp.down_proj for layer in model.model.layers]
     for wrong, message in [("model.layers.*.mlp.up_proj", "takes 32 input features"),
                            ("model.layers.*.mlp.*", "matches 8 module"),
                            ("*.nothing", "matches 0 module")]:
         with pytest.raises(MLPOutputNotFound, match=message):
-            HeadKnockout(model, mlp_out=wrong)
+            ComponentKnockout(model, mlp_out=wrong)
     # Discovery is lazy: a model whose MLP cannot be found keeps its heads.
     for layer in model.model.layers:  # a second down_proj in each layer: two candidates
         layer.second_mlp = torch.nn.Module()
         layer.second_mlp.down_proj = torch.nn.Linear(64, 32)
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     with knockout.knocking_out("L0H1"):
         model(INPUT_IDS)
     with pytest.raises(MLPOutputNotFound, match=r"decoder layer 0 .*mlp_out="):

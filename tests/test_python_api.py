@@ -11,7 +11,7 @@ from lm_eval_headloc.commands import RunSpec, cross, greedy, locate, sweep, type
 from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.ablation import AblationError
-from lm_eval_headloc.intervention.hooks import HeadKnockout, Intervention
+from lm_eval_headloc.intervention.hooks import ComponentKnockout, Intervention
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 
@@ -123,7 +123,7 @@ def test_a_removed_knockout_refuses_rather_than_knocking_out_nothing(tiny_model_
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
-    knockout = HeadKnockout(model)
+    knockout = ComponentKnockout(model)
     knockout.remove()
     with pytest.raises(RuntimeError, match=r"taken off the model \(remove\(\)\); make a new"):
         with knockout.knocking_out("L0H1"):
@@ -140,10 +140,10 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     import numpy as np
 
     from lm_eval_headloc.method.columns import Columns
-    from lm_eval_headloc.method.ranking import HeadRanking
+    from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.runs.types_file import read_types
 
-    ranking = HeadRanking("t", "acc", True, 0.5, np.array([-0.3, 0.0, -0.1, 0.2]),
+    ranking = Ranking("t", "acc", True, 0.5, np.array([-0.3, 0.0, -0.1, 0.2]),
                           [0, 2, 1, 3], 2)
     assert ranking.effect("L1H0") == ranking.effect(ranking.columns[2]) == -0.1
     assert [str(h) for h in ranking.top(2)] == ["L0H0", "L1H0"]
@@ -171,16 +171,20 @@ def test_components_to_keep_out_may_be_a_list():
 def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
     from torch import nn
 
-    from lm_eval_headloc.intervention.components import HeadSpecError, parse_heads, read_heads_file
+    from lm_eval_headloc.intervention.components import (
+        ComponentSpecError,
+        parse_heads,
+        read_heads_file,
+    )
     from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
 
     for spec in (None, 5):
-        with pytest.raises(HeadSpecError, match=f"components {spec!r}: give names"):
+        with pytest.raises(ComponentSpecError, match=f"components {spec!r}: give names"):
             parse_heads(spec)
-    with pytest.raises(HeadSpecError, match="head file None: give a path"):
+    with pytest.raises(ComponentSpecError, match="head file None: give a path"):
         read_heads_file(None)
     with pytest.raises(AttentionOutputNotFound, match="Linear has no .config: give a Hugging"):
-        HeadKnockout(nn.Linear(3, 3))
+        ComponentKnockout(nn.Linear(3, 3))
     with pytest.raises(UsageError, match="--tasks 5: give names"):
         RunSpec(tasks=5)
     with pytest.raises(TypeError, match=r"locate\(\): spec=\{'tasks'"):

@@ -99,7 +99,7 @@ def test_the_report_labels_a_head_only_where_a_type_stands_out(typed_run):
 
 
 def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
-    from lm_eval_headloc.intervention.components import HeadSpecError
+    from lm_eval_headloc.intervention.components import ComponentSpecError
     from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(typed_run)  # a 2-layer model of 4 heads each
@@ -108,7 +108,7 @@ def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
     for layer, head, message in ((-1, 0, "layer -1 not in 0..1"), (2, 0, "layer 2 not in 0..1"),
                                  (0, -1, "head -1 not in 0..3"), (0, 4, "head 4 not in 0..3")):
         for read in (head_types.of, head_types.label):
-            with pytest.raises(HeadSpecError, match=message):
+            with pytest.raises(ComponentSpecError, match=message):
                 read(layer, head)
 
 

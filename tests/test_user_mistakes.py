@@ -16,7 +16,7 @@ from test_commands import LASSO_ONLY, harness, last_error, tiny_locate_run  # no
 
 from lm_eval_headloc.common.checks import UsageError, check_load_args
 from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts
-from lm_eval_headloc.intervention.components import HeadSpecError, read_heads_file
+from lm_eval_headloc.intervention.components import ComponentSpecError, read_heads_file
 from lm_eval_headloc.runs.option_values import parse_batch_size
 
 NOT_UTF8 = b"\xff\xfe\x00L0H1"
@@ -207,9 +207,9 @@ def test_a_cuda_device_the_machine_lacks_is_refused_not_swapped_for_the_cpu(tiny
 def test_head_files_that_are_no_text_or_no_file_are_one_line(tmp_path):
     binary = tmp_path / "heads.json"
     binary.write_bytes(NOT_UTF8)
-    with pytest.raises(HeadSpecError, match="is not a head file: not UTF-8 text"):
+    with pytest.raises(ComponentSpecError, match="is not a head file: not UTF-8 text"):
         read_heads_file(binary)
-    with pytest.raises(HeadSpecError, match="is a folder, not a head file"):
+    with pytest.raises(ComponentSpecError, match="is a folder, not a head file"):
         read_heads_file(tmp_path)
 
 

@@ -32,7 +32,7 @@ from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
 from lm_eval_headloc.method.columns import column_label
-from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
 from lm_eval_headloc.report.pages import FLOOR_HINT, at_floor, within_spread
 from lm_eval_headloc.report.type_pages import types_summary
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> None:
         print(sweep_table(result))
 
 
-def _print_rankings(rankings: Mapping[str, HeadRanking], out: str) -> None:
+def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
     top_k = load_run(out).spec.top_k
     for task, ranking in rankings.items():
         print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}"

@@ -23,7 +23,7 @@ from lm_eval_headloc.commands.types import types
 from lm_eval_headloc.commands.universal import universal
 from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.checks import UsageError
-from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.mib import write_mib
 from lm_eval_headloc.report.mib_format import read_mib
 from lm_eval_headloc.runs.folder import RunFolder
@@ -32,7 +32,7 @@ from lm_eval_headloc.runs.record import read_rankings
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.runs.types_file import read_types
 
-__all__ = ["HeadRanking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "cross",
+__all__ = ["Ranking", "RunFolder", "RunFolderError", "RunSpec", "UsageError", "cross",
            "greedy", "locate", "overlap", "read_mib", "read_rankings", "read_types", "refit",
            "sweep",
            "types", "universal", "verify", "write_mib"]

@@ -15,7 +15,7 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
-from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts, largest_single_help
+from lm_eval_headloc.method.ranking import Ranking, RankingFacts, largest_single_help
 from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
@@ -43,7 +43,7 @@ __all__ = ["greedy"]
 
 @timing.on_clock
 def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
-           **options: Any) -> dict[str, HeadRanking]:
+           **options: Any) -> dict[str, Ranking]:
     """One-shot greedy (``rounds=1``) or iterative greedy (``rounds=k``); returns each
     task's ranking. Iterative rounds follow the first task's winners.
 
@@ -128,7 +128,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 def _rankings(changes: Mapping[str, Changes], winners: list[Head],
               baseline: Mapping[str, Any], rounds: int, columns: Columns,
               heads_per_layer: int, measurements: int,
-              alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, HeadRanking]:
+              alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, Ranking]:
     """Each task's ranking: iterative greedy's winners first, in the order they won, then
     every head measured by ``confirm.rank_measured`` (one-shot greedy: every head, ranked
     as a confirmation that measured every head alone ranks them); heads never measured
@@ -150,7 +150,7 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         tied_set = {h for h in tied_with_above(lead + rest, task_changes)
                     if h not in lead} | tied_leads
         tied = [h for h in lead + rest if h in tied_set]
-        rankings[name] = HeadRanking(
+        rankings[name] = Ranking(
             task=name, metric=baseline["metrics"][name], higher_is_better=higher,
             baseline=float(baseline["scores"][name]), effects=effects,
             order=lead + rest, heads_per_layer=heads_per_layer, columns=columns,
@@ -165,7 +165,7 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
     return rankings
 
 
-def _report(rankings: Mapping[str, HeadRanking], top_k: int,
+def _report(rankings: Mapping[str, Ranking], top_k: int,
             timings: list[dict[str, Any]] | None = None) -> str:
     lines = [f"Time: {timing.timings_line(timings)} (config.json's timings).", ""] \
         if timings else []

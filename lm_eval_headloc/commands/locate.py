@@ -22,8 +22,8 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import (
     Component,
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     Neuron,
     parse_components,
     validate_heads,
@@ -62,7 +62,7 @@ from lm_eval_headloc.method.group_tests import (
     group_testing,
 )
 from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
-from lm_eval_headloc.method.ranking import HeadRanking
+from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.method.recovery import harm
 from lm_eval_headloc.report.locate_report import write_results
 from lm_eval_headloc.runs.folder import RunFolder
@@ -175,7 +175,7 @@ def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns
 @timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Any = None, **options: Any
-           ) -> dict[str, HeadRanking]:
+           ) -> dict[str, Ranking]:
     """Compressed-sensing localization; returns each task's ranking.
 
     ``spec`` or keyword options (``locate("runs/x", tasks=["gsm8k"], masks=200)``) give
@@ -294,7 +294,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
 @timing.timed("fit and bootstrap")
 def _fit(run: LocateRun, exclude: Sequence[Component], rows: int, *,
-         confirmed: bool = True) -> dict[str, HeadRanking]:
+         confirmed: bool = True) -> dict[str, Ranking]:
     """``fit_rankings`` of the run's first ``rows`` design rows with its settings, its
     prior and (``confirmed``) its confirmation."""
     spec = run.spec
@@ -449,7 +449,7 @@ def _never_neurons(setup: Setup, neurons_per_layer: int) -> list[str]:
         try:
             validate_heads([c for c in listed if isinstance(c, Neuron)], setup.num_layers,
                            setup.heads_per_layer, neurons_per_layer)
-        except HeadSpecError as err:
+        except ComponentSpecError as err:
             raise UsageError(f"{flag}: {err}") from None
     return [str(c) for c in setup.never_ablate if isinstance(c, Neuron)]
 
@@ -462,7 +462,7 @@ def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
                      neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
 
 
-def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
+def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
     """Fit again from the stored measurements, without touching the model.
 
     ``settings``: the ranking settings to change (``COMMAND_OPTIONS["refit"]``: alpha,
@@ -499,7 +499,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, HeadRanking]:
 
 
 def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
-                  excluded: Sequence[Component]) -> dict[str, HeadRanking]:
+                  excluded: Sequence[Component]) -> dict[str, Ranking]:
     """The fit of a stored run's measurements with ``spec``'s ranking settings, its
     files rewritten (``refit``'s work, the folder locked)."""
     out = folder.path

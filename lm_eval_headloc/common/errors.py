@@ -17,7 +17,7 @@ Anything else (a ``FileNotFoundError`` from deep inside a library, a ``KeyError`
 a ``UserError`` either and also keeps its traceback: only an error that was raised as the
 user's mistake, with a message written for them, is reported as one.
 
-The classes users catch by name (``HeadSpecError``, ``AblationError``, ``UsageError``,
+The classes users catch by name (``ComponentSpecError``, ``AblationError``, ``UsageError``,
 ``MetricError``, ``UnknownTaskError``, ``RunFolderError``, ``WorkerError``,
 ``AttentionOutputNotFound``) stay in their modules and derive from ``UserError``.
 """

@@ -1,7 +1,7 @@
 """Ablation kinds: what a knocked-out head's output becomes (zero, mean or resample).
 
 The knockout acts where it always has, on a head's slice of the attention output
-projection's input (``hooks.HeadKnockout``; an MLP neuron's is its one feature of the MLP
+projection's input (``hooks.ComponentKnockout``; an MLP neuron's is its one feature of the MLP
 output projection's input, and everything below holds for neurons the same way); the kind
 says what that slice is replaced by:
 

@@ -23,7 +23,7 @@ from lm_eval_headloc.common.errors import UserError
 __all__ = [
     "Component",
     "Head",
-    "HeadSpecError",
+    "ComponentSpecError",
     "Neuron",
     "check_component_names",
     "check_head_names",
@@ -42,7 +42,7 @@ __all__ = [
 _TOKEN = re.compile(r"^L(\d+)([HN])(\d+|\*)$")
 
 
-class HeadSpecError(UserError):
+class ComponentSpecError(UserError):
     """A head list that cannot be parsed or does not fit the model (a user mistake)."""
 
 
@@ -58,7 +58,7 @@ class Head(NamedTuple):
         per_layer = _whole(heads_per_layer, "heads_per_layer", 1)
         # Out of range, the sum lands on another head's column (Head(1, 5) of 4 is L2H1).
         if self.layer < 0 or not 0 <= self.head < per_layer:
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"head {self} has no flat index with heads_per_layer={per_layer}: the layer "
                 f"must be >= 0 and the head in 0..{per_layer - 1}")
         return self.layer * per_layer + self.head
@@ -85,7 +85,7 @@ Component = Head | Neuron
 
 
 def _whole(value: object, name: str, min_val: int) -> int:
-    """``value`` as an int >= ``min_val``, else HeadSpecError naming it."""
+    """``value`` as an int >= ``min_val``, else ComponentSpecError naming it."""
     if type(value) is int and value >= min_val:  # the usual case, without sklearn
         return value
     from lm_eval_headloc.common.checks import (  # sklearn: only imported when needed
@@ -96,7 +96,7 @@ def _whole(value: object, name: str, min_val: int) -> int:
     try:
         return int(check_number(value, name, whole=True, min_val=min_val))
     except UsageError as err:
-        raise HeadSpecError(str(err)) from None
+        raise ComponentSpecError(str(err)) from None
 
 
 def component_key(component: Component) -> tuple[int, int, int]:
@@ -119,26 +119,26 @@ def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int
     token = token.strip()
     if not token:
         what = "component" if neurons else "head"
-        raise HeadSpecError(
+        raise ComponentSpecError(
             f"empty {what} name in the {what} list (two '+' in a row, or a '+' at an end); "
             "write heads as L{layer}H{head} joined by '+', e.g. L0H29+L1H31"
         )
     match = _TOKEN.match(token)
     if match is None:
-        raise HeadSpecError(f"bad {'component' if neurons else 'head'} name {token!r}: "
+        raise ComponentSpecError(f"bad {'component' if neurons else 'head'} name {token!r}: "
                             f"expected {_NAMES[neurons]}")
     layer, kind, index = int(match.group(1)), match.group(2), match.group(3)
     if kind == "N" and not neurons:
-        raise HeadSpecError(f"{token!r} is an MLP neuron; only attention heads are accepted "
+        raise ComponentSpecError(f"{token!r} is an MLP neuron; only attention heads are accepted "
                             "here (L{layer}H{head}, e.g. L0H29)")
     unit, count, what = ((Head, heads_per_layer, "head") if kind == "H"
                          else (Neuron, neurons_per_layer, "MLP neuron"))
     if index == "*":
         if count is None:
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"{token!r} names a whole layer, which needs the model's {what} count")
         if unit is Head and head_layers is not None and layer not in head_layers:
-            raise HeadSpecError(_no_heads_in(token, layer, head_layers))
+            raise ComponentSpecError(_no_heads_in(token, layer, head_layers))
         return [unit(layer, i) for i in range(count)]
     return [unit(layer, int(index))]
 
@@ -146,7 +146,7 @@ def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int
 def validate_heads(heads: Iterable[Component], num_layers: int | None,
                    heads_per_layer: int | None, neurons_per_layer: int | None = None, *,
                    head_layers: Collection[int] | None = None) -> None:
-    """Raise HeadSpecError naming the first component outside a model of ``num_layers``
+    """Raise ComponentSpecError naming the first component outside a model of ``num_layers``
     layers of ``heads_per_layer`` heads (and MLPs ``neurons_per_layer`` wide): layer or
     index out of range, or a head in a layer without heads (a hybrid model's:
     ``head_layers`` lists those with heads, None for every layer). Each bound is checked
@@ -156,20 +156,20 @@ def validate_heads(heads: Iterable[Component], num_layers: int | None,
         what, count, per = (("neuron", neurons_per_layer, "MLP neurons per layer") if is_neuron
                             else ("head", heads_per_layer, "heads per layer"))
         if num_layers is not None and not 0 <= component.layer < num_layers:
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"{what} {component} is outside the model: layer {component.layer} not in "
                 f"0..{num_layers - 1} ({num_layers} layers)"
             )
         if count is not None and not 0 <= component[1] < count:
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"{what} {component} is outside the model: {what} {component[1]} not in "
                 f"0..{count - 1} ({count} {per})"
             )
         if component.layer < 0 or component[1] < 0:
-            raise HeadSpecError(f"bad {what} {component}: layer {component.layer} and {what} "
+            raise ComponentSpecError(f"bad {what} {component}: layer {component.layer} and {what} "
                                 f"{component[1]} must be >= 0 (zero-based)")
         if not is_neuron and head_layers is not None and component.layer not in head_layers:
-            raise HeadSpecError(_no_heads_in(f"head {component}", component.layer,
+            raise ComponentSpecError(_no_heads_in(f"head {component}", component.layer,
                                              head_layers))
 
 
@@ -225,10 +225,10 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
            ) -> list[Component]:
     # ranges=False: the counts only expand L{l}H*/L{l}N* (names checked without a model).
     if not isinstance(spec, (str, Iterable)):  # None, 5: not a list of names at all
-        raise HeadSpecError(f"components {spec!r}: give names such as 'L0H29+L1H31' (or a "
+        raise ComponentSpecError(f"components {spec!r}: give names such as 'L0H29+L1H31' (or a "
                             "list of names, Heads or (layer, head) pairs)")
     if isinstance(spec, str) and not spec.strip():
-        raise HeadSpecError(
+        raise ComponentSpecError(
             "the head list is empty; write heads as L{layer}H{head} joined by '+', "
             "e.g. L0H29+L1H31"
         )
@@ -240,7 +240,7 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
                                   head_layers)
         elif isinstance(token, Neuron):
             if not neurons:
-                raise HeadSpecError(f"{token} is an MLP neuron; only attention heads are "
+                raise ComponentSpecError(f"{token} is an MLP neuron; only attention heads are "
                                     "accepted here (L{layer}H{head}, e.g. L0H29)")
             parsed = [token]
         else:
@@ -273,7 +273,7 @@ def parse_heads(
 
 
 def check_head_names(spec: str | Iterable[str | Head | tuple[int, int]]) -> None:
-    """Raise HeadSpecError if ``spec`` is malformed whatever the model (``L3H*`` passes).
+    """Raise ComponentSpecError if ``spec`` is malformed whatever the model (``L3H*`` passes).
 
     For checks before a model is loaded; the layer/head ranges need the model.
     """
@@ -298,7 +298,7 @@ def _head_from_pair(token: object) -> Head:
     try:
         layer, head = token  # type: ignore[misc]
     except (TypeError, ValueError):
-        raise HeadSpecError(f"bad head {token!r}: expected a name like 'L0H29', a Head or a "
+        raise ComponentSpecError(f"bad head {token!r}: expected a name like 'L0H29', a Head or a "
                             "(layer, head) pair") from None
     if type(layer) is not int or type(head) is not int:  # plain ints (the usual) skip this
         from lm_eval_headloc.common.checks import (  # sklearn: only imported when needed
@@ -310,7 +310,7 @@ def _head_from_pair(token: object) -> Head:
             layer = check_number(layer, "layer", whole=True)
             head = check_number(head, "head", whole=True)
         except UsageError as err:
-            raise HeadSpecError(f"bad head {token!r}: {err}") from None
+            raise ComponentSpecError(f"bad head {token!r}: {err}") from None
     return Head(layer, head)
 
 
@@ -318,7 +318,7 @@ def format_heads(heads: str | Iterable[str | Component | tuple[int, int]]) -> st
     """``[Head(1, 31), Neuron(0, 7), Head(0, 29)]`` -> ``"L0H29+L0N7+L1H31"`` (sorted,
     unique; a plain pair is a head). Names (``"L0H1"``, ``["L1H2+L0H1"]``, as
     ``read_heads_file`` gives them) are accepted too; nothing formats to ``""``. A
-    component ``parse_components`` refuses (``(-1, 2)``) raises HeadSpecError."""
+    component ``parse_components`` refuses (``(-1, 2)``) raises ComponentSpecError."""
     if isinstance(heads, str) and not heads.strip():
         return ""
     return "+".join(map(str, parse_components(heads)))
@@ -358,7 +358,7 @@ def ranking_top_k(path: str | Path) -> int | None:
              if isinstance(item, dict) else item
              for item in (items if isinstance(items, list) else [])[:len(top)]]
     if not top or named != top:
-        raise HeadSpecError(f"{path}: its top_k list is not the start of its heads list; "
+        raise ComponentSpecError(f"{path}: its top_k list is not the start of its heads list; "
                             "give ablate_top=K for its first K heads")
     return len(top)
 
@@ -370,7 +370,7 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
     # one entry of the ranking, its neurons '+'-joined).
     items = data.get("heads") if isinstance(data, dict) else data
     if not isinstance(items, list):
-        raise HeadSpecError(
+        raise ComponentSpecError(
             f"{path}: expected a JSON list of heads or an object with a 'heads' list"
         )
     names = []
@@ -378,7 +378,7 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
         name = (item.get("neurons" if "group" in item else "head", item.get("neuron"))
                 if isinstance(item, dict) else item)
         if not isinstance(name, str):
-            raise HeadSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
+            raise ComponentSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
                                 "{\"head\": \"L0H29\", ...}")
         names.append(_checked_entry(name, path, f"entry {number}"))
     return names
@@ -386,18 +386,18 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
 
 def _checked_entry(entry: str, path: Path, where: str) -> str:
     """``entry`` (one line or item of a head file, maybe '+'-joined) if its names parse,
-    else HeadSpecError naming the file, where in it, and the entry."""
+    else ComponentSpecError naming the file, where in it, and the entry."""
     # Checked here, not only when the heads are used: a file of junk must not read as a
     # list of heads (format_heads, overlap and verify take the names as they are).
     if not entry.strip() or any(len(part.split()) > 1 for part in entry.split("+")):
         problem = "is empty" if not entry.strip() else "holds names separated by spaces"
         unit = where.split()[0]  # "line" or "entry"
-        raise HeadSpecError(f"{path}, {where}: {entry!r} {problem}; write one head per "
+        raise ComponentSpecError(f"{path}, {where}: {entry!r} {problem}; write one head per "
                             f"{unit}, or several joined by '+' (e.g. L0H29+L1H31)")
     try:
         check_component_names(entry)
-    except HeadSpecError as err:
-        raise HeadSpecError(f"{path}, {where}: {err}") from None
+    except ComponentSpecError as err:
+        raise ComponentSpecError(f"{path}, {where}: {err}") from None
     return entry
 
 
@@ -409,7 +409,7 @@ def shown_name(name: str) -> str:
 
 
 def check_top(top: object) -> int:
-    """``ablate_top`` as an int >= 1, else HeadSpecError (True, 0, 2.5 and "3" are refused)."""
+    """``ablate_top`` as an int >= 1, else ComponentSpecError (True, 0, 2.5 and "3" are refused)."""
     from lm_eval_headloc.common.checks import (  # sklearn: only imported when needed
         UsageError,
         check_number,
@@ -418,7 +418,7 @@ def check_top(top: object) -> int:
     try:
         return check_number(top, "ablate_top", whole=True, min_val=1)
     except UsageError as err:
-        raise HeadSpecError(str(err)) from None
+        raise ComponentSpecError(str(err)) from None
 
 
 def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
@@ -428,29 +428,29 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     ``headloc-harness`` writes); any other file holds one head per line (``#`` comments
     and blank lines ignored; ``+``-joined lines allowed). ``top=K`` keeps the first K.
     Every entry must be a head or neuron name (``L3H*`` passes: the model is not known
-    here), else HeadSpecError naming the file, the line or entry, and the name.
+    here), else ComponentSpecError naming the file, the line or entry, and the name.
     """
     if top is not None:
         top = check_top(top)
     if not isinstance(path, (str, os.PathLike)):
-        raise HeadSpecError(f"head file {path!r}: give a path")
+        raise ComponentSpecError(f"head file {path!r}: give a path")
     path = Path(path)
     if path.is_dir():
-        raise HeadSpecError(f"{path} is a folder, not a head file")
+        raise ComponentSpecError(f"{path} is a folder, not a head file")
     if not path.is_file():
-        raise HeadSpecError(f"head file not found: {path}")
+        raise ComponentSpecError(f"head file not found: {path}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise HeadSpecError(f"{path} is not a head file: not UTF-8 text (expected JSON or "
+        raise ComponentSpecError(f"{path} is not a head file: not UTF-8 text (expected JSON or "
                             "one head per line)") from None
     except OSError as err:
-        raise HeadSpecError(f"{path} cannot be read: {err.strerror or err}") from None
+        raise ComponentSpecError(f"{path} cannot be read: {err.strerror or err}") from None
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise HeadSpecError(f"{path} is not valid JSON: {err}") from None
+            raise ComponentSpecError(f"{path} is not valid JSON: {err}") from None
         names = _heads_in_json(data, path)
     else:
         names = []
@@ -461,10 +461,10 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
                 names.extend(part.strip() for part in line.split("+"))
     if top is not None:
         if top > len(names):
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"ablate_top={top} but {path} lists only {len(names)} head(s)"
             )
         names = names[:top]
     if not names:
-        raise HeadSpecError(f"{path} lists no heads")
+        raise ComponentSpecError(f"{path} lists no heads")
     return names

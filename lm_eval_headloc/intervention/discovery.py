@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lm_eval_headloc.intervention.components import (
-    HeadSpecError,
+    ComponentSpecError,
     describe_layers,
 )
 from lm_eval_headloc.intervention.geometry import Geometry, UnsupportedGeometry, text_config
@@ -41,11 +41,11 @@ _ATTENTION_HINTS = ("attn", "attention")
 _NOT_SELF_ATTENTION = ("encoder_attn", "linear")
 
 
-class AttentionOutputNotFound(HeadSpecError):
+class AttentionOutputNotFound(ComponentSpecError):
     """The attention output projection of this architecture could not be discovered."""
 
 
-class MLPOutputNotFound(HeadSpecError):
+class MLPOutputNotFound(ComponentSpecError):
     """The MLP output projection (the neurons' site) could not be discovered."""
 
 

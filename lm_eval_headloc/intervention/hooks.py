@@ -8,7 +8,7 @@ what zeroing that head's columns of the projection's weight does. A neuron is th
 thing one feature wide on the MLP's output projection (``down_proj``, ``fc2`` …): input
 feature ``n`` is neuron ``n``'s activation, and zeroing it is zeroing column ``n``.
 
-The hooks are installed once and act only inside ``HeadKnockout.applied``, on the
+The hooks are installed once and act only inside ``ComponentKnockout.applied``, on the
 ``Intervention`` (a value) given there; outside it the model is as loaded.
 
 No lm-eval import here: this module works on a bare ``transformers``/PEFT model.
@@ -40,7 +40,7 @@ from lm_eval_headloc.intervention.discovery import (
     model_geometry,
 )
 
-__all__ = ["KINDS", "ActivePass", "HeadKnockout", "Intervention", "kind_of"]
+__all__ = ["KINDS", "ActivePass", "ComponentKnockout", "Intervention", "kind_of"]
 
 
 #: The kinds of component, in flat-index order (a design's columns: heads, then neurons).
@@ -54,7 +54,7 @@ def kind_of(component: Component) -> str:
 @dataclass(frozen=True, eq=False)
 class Intervention:
     """What one forward pass does to the model's components: a value, applied only inside
-    ``HeadKnockout.applied`` (nothing stays switched on after it).
+    ``ComponentKnockout.applied`` (nothing stays switched on after it).
 
     ``components`` (heads and MLP neurons) are knocked out in every batch row;
     ``row_masks`` ((rows, columns) booleans over the flat component index: head
@@ -139,11 +139,11 @@ class _Site:
         return spread
 
 
-class HeadKnockout:
+class ComponentKnockout:
     """Ablation of attention heads, and MLP neurons, through forward pre-hooks on the
     attention (and MLP) output projections.
 
-    >>> knockout = HeadKnockout(model)                 # hooks installed once
+    >>> knockout = ComponentKnockout(model)                 # hooks installed once
     >>> with knockout.knocking_out("L0H3+L1N12"):      # for the passes inside only
     ...     model(input_ids)
     >>> model(input_ids)                               # the model as loaded
@@ -450,8 +450,8 @@ class HeadKnockout:
         (``ablation.Resampler.donors``: rows that share a donor share its outputs). Yields
         the ``ActivePass``."""
         if self._removed:  # its hooks are off the model: a knockout would change nothing
-            raise RuntimeError("this HeadKnockout's hooks were taken off the model (remove()); "
-                               "make a new HeadKnockout(model)")
+            raise RuntimeError("this ComponentKnockout's hooks were taken off the model "
+                               "(remove()); make a new ComponentKnockout(model)")
         active = None if intervention is None else self._place(intervention)
         if active is not None and donors is not None:
             per_module, index = donors
@@ -507,7 +507,7 @@ class HeadKnockout:
                    if "neurons" in self._sites else "")
         some = ("" if self.geometry.head_layers is None else
                 f", heads in layers {describe_layers(self.layers_with_heads)}")
-        return (f"HeadKnockout({self.num_layers} layers x {self.heads_per_layer} heads"
+        return (f"ComponentKnockout({self.num_layers} layers x {self.heads_per_layer} heads"
                 f"{some}{neurons})")
 
 

@@ -47,7 +47,7 @@ from lm_eval_headloc.intervention.ablation import (
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
     Component,
-    HeadSpecError,
+    ComponentSpecError,
     format_heads,
     names_neurons,
     parse_components,
@@ -55,7 +55,7 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.intervention.embedded import local_pretrained
 from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
-from lm_eval_headloc.intervention.hooks import ActivePass, HeadKnockout, Intervention
+from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, Intervention
 from lm_eval_headloc.intervention.model_args import _check_device, _requested_heads
 from lm_eval_headloc.intervention.registration import MODEL_NAME
 
@@ -95,10 +95,10 @@ class HFHeadAblateLM(HFLM):
         # checked once the model is loaded.
         requested = _requested_heads(ablate, ablate_file, ablate_top)
         if attn_out is not None and not isinstance(attn_out, str):
-            raise HeadSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
+            raise ComponentSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
                                 "e.g. attn_out=model.layers.*.self_attn.o_proj")
         if mlp_out is not None and not isinstance(mlp_out, str):
-            raise HeadSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
+            raise ComponentSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
                                 "e.g. mlp_out=model.layers.*.mlp.down_proj")
         self._requested = requested  # checked against the config before the weights load
         if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
@@ -131,7 +131,7 @@ class HFHeadAblateLM(HFLM):
             raise UsageError(f"model_args {unknown[1]}={kwargs[unknown[1]]!r}: neither "
                              "lm-eval's HFLM nor the model takes it; leave it out or check "
                              "its spelling") from None
-        self.knockout = HeadKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
+        self.knockout = ComponentKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
         # What the model's passes knock out: a value, applied around each forward pass
         # (``forward_pass``); ``knocking_out`` stands in another one for a while.
         self._means: dict[str, tuple] | None = None  # mean ablation's, per kind and layer
@@ -485,7 +485,7 @@ class HFHeadAblateLM(HFLM):
 
 def check_against_config(names: Iterable[str | Component | tuple[int, int]],
                          config: Any) -> None:
-    """Raise HeadSpecError naming the first component outside the model ``config``
+    """Raise ComponentSpecError naming the first component outside the model ``config``
     describes (where the config does not give the MLP's width, neurons are checked once
     the MLP is found)."""
     names = list(names)

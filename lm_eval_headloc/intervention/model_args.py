@@ -13,7 +13,7 @@ from lm_eval_headloc.common.checks import UsageError, check_load_args, check_num
 from lm_eval_headloc.common.errors import one_line
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
-    HeadSpecError,
+    ComponentSpecError,
     check_component_names,
     check_top,
     ranked_task,
@@ -184,7 +184,7 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
     if ablate is not None:
         if isinstance(ablate, str):
             if not ablate.strip():
-                raise HeadSpecError(
+                raise ComponentSpecError(
                     "ablate= is empty; give heads like ablate=L0H29+L1H31 (or neurons like "
                     "L3N1234), or leave it out"
                 )
@@ -192,7 +192,7 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
         elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
             names.extend(ablate)
         else:
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
                 "(L{layer}H{head}, zero-based, joined by '+'; L3H* for a whole layer; "
                 "MLP neurons as L3N1234, L3N* for a whole MLP)"
@@ -200,10 +200,10 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
     if ablate_top is not None:
         ablate_top = check_top(ablate_top)
         if ablate_file is None:
-            raise HeadSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
+            raise ComponentSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
     if ablate_file is not None:
         if not isinstance(ablate_file, (str, os.PathLike)):
-            raise HeadSpecError(
+            raise ComponentSpecError(
                 f"ablate_file={ablate_file!r}: expected the path of a head file (a "
                 "headloc-harness heads.json, a JSON list, or one head per line)"
             )

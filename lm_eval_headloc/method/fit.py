@@ -39,7 +39,7 @@ from lm_eval_headloc.method.group_tests import (
     group_size,
 )
 from lm_eval_headloc.method.ranking import (
-    HeadRanking,
+    Ranking,
     RankingFacts,
     all_measured_alone,
     largest_single_help,
@@ -73,7 +73,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  keys: Sequence[str] | None = None,
                  confirmed: Mapping[str, Any] | None = None,
                  heads_per_layer: int | None = None,
-                 never: Sequence[Component] = ()) -> dict[str, HeadRanking]:
+                 never: Sequence[Component] = ()) -> dict[str, Ranking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
     head's stability from ``bootstrap`` refits on resampled measurements (None: none).
     ``columns``: the component of each design column (``Columns``; a heads-per-layer
@@ -150,7 +150,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         evidence = {"logprob_change": logprob_change, "contrast": contrast}
         if estimates is not None:
             evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
-        rankings[task] = HeadRanking(
+        rankings[task] = Ranking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,
             order=order, heads_per_layer=heads_per_layer, columns=columns,

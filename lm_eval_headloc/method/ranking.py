@@ -1,6 +1,6 @@
 """A ranking: one task's components, most harmful first, with the evidence behind the order.
 
-``HeadRanking`` is what locate, refit and greedy produce; ``ranked_heads_json`` writes it as
+``Ranking`` is what locate, refit and greedy produce; ``ranked_heads_json`` writes it as
 heads.json (which ``hf-headablate ablate_file=`` reads) and ``ranking_from_json`` reads it
 back, the one inverse of the other.
 """
@@ -23,7 +23,7 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup
 from lm_eval_headloc.method.recovery import STABLE, Stability, harm
 
-__all__ = ["TIE_EVIDENCE", "HeadRanking", "RankingFacts", "all_measured_alone",
+__all__ = ["TIE_EVIDENCE", "Ranking", "RankingFacts", "all_measured_alone",
            "largest_single_help", "ranked_heads_json", "ranking_from_json", "relative_drop",
            "type_fields"]
 
@@ -107,7 +107,7 @@ _FIT_DIAGNOSTICS = ("r2", "r2_held_out")
 
 
 @dataclass
-class HeadRanking:
+class Ranking:
     """One task's result: every column's (head's, or neuron's) estimated effect, most
     harmful first."""
 
@@ -195,7 +195,7 @@ def relative_drop(baseline: float, score: float, higher_is_better: bool) -> floa
     return change / abs(baseline) if baseline else float("nan")
 
 
-def ranked_heads_json(ranking: HeadRanking, top_k: int) -> dict[str, Any]:
+def ranked_heads_json(ranking: Ranking, top_k: int) -> dict[str, Any]:
     """heads.json: read by ``hf-headablate ablate_file=…,ablate_top=K`` (the 'heads' list).
 
     Each entry: ``head`` (its name, L{layer}H{head}), ``layer``, ``head_in_layer`` and
@@ -234,7 +234,7 @@ _RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_la
 
 
 def ranking_from_json(data: Mapping[str, Any], columns: Columns,
-                      head_types: Any = None) -> HeadRanking:
+                      head_types: Any = None) -> Ranking:
     """The ranking a heads-<task>.json holds (``ranked_heads_json``'s inverse), over the
     run's ``columns``: its order, effects (NaN for what it does not rank: excluded, never
     knocked out, never measured), bootstrap and the rest (``facts``); ``head_types`` the
@@ -262,7 +262,7 @@ def ranking_from_json(data: Mapping[str, Any], columns: Columns,
             if entry.get("effect_interval") is not None:
                 low[index], high[index] = entry["effect_interval"]
         stability = Stability(selected, low, high, int(data["bootstrap"]["resamples"]))
-    return HeadRanking(
+    return Ranking(
         task=data["task"], metric=data["metric"], higher_is_better=data["higher_is_better"],
         baseline=data["baseline"], effects=effects, order=order,
         heads_per_layer=data["heads_per_layer"], columns=columns, stability=stability,
@@ -283,7 +283,7 @@ def _name_fields(component: Column) -> dict[str, Any]:
     return {"head": str(component), "layer": component.layer, "head_in_layer": component.head}
 
 
-def type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+def type_fields(ranking: Ranking, head: Column) -> dict[str, Any]:
     # A head's attention-pattern scores (types.json), where the run has them.
     if ranking.head_types is None or not isinstance(head, Head):
         return {}
@@ -293,7 +293,7 @@ def type_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
             **({"type_borderline": near} if near else {})}
 
 
-def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
+def _evidence_fields(ranking: Ranking, head: Column) -> dict[str, Any]:
     # A column's TIE_EVIDENCE, each only where it has one (finite).
     index = ranking.columns.index(head)
     fields: dict[str, Any] = {}
@@ -306,12 +306,12 @@ def _evidence_fields(ranking: HeadRanking, head: Column) -> dict[str, Any]:
     return fields
 
 
-def _alone_field(ranking: HeadRanking, head: Component) -> dict[str, bool]:
+def _alone_field(ranking: Ranking, head: Component) -> dict[str, bool]:
     alone = ranking.measured_alone(head)
     return {} if alone is None else {"measured_alone": alone}
 
 
-def largest_single_help(ranking: HeadRanking, all_measured: bool = False
+def largest_single_help(ranking: Ranking, all_measured: bool = False
                         ) -> dict[str, Any] | None:
     """The single knockout that helps the task most, as heads.json records it
     (``largest_single_help``): ``{"head": name, "change": score change}``. Knocking out one
@@ -333,7 +333,7 @@ def largest_single_help(ranking: HeadRanking, all_measured: bool = False
     return {"head": str(helper), "change": ranking.effect(helper)}
 
 
-def all_measured_alone(ranking: HeadRanking) -> bool:
+def all_measured_alone(ranking: Ranking) -> bool:
     """Whether the confirmation measured every component the run ranks (a small model
     under the default budget): the fit then estimates nothing and its R² says nothing."""
     confirmed = ranking.facts.confirmed

@@ -12,7 +12,7 @@ from lm_eval_headloc.method.columns import (
     NeuronGroup,
     components_of,
 )
-from lm_eval_headloc.method.ranking import HeadRanking, RankingFacts, all_measured_alone
+from lm_eval_headloc.method.ranking import Ranking, RankingFacts, all_measured_alone
 from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
@@ -120,7 +120,7 @@ BELOW_ZERO = ("below 0: the fit predicts a measurement it did not see worse than
               "measurements' mean does")
 
 
-def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
+def held_out_words(ranking: Ranking, unit: str = "head") -> str:
     """The fit's R² on measurements it did not see, beside the in-sample one (``r2``)."""
     facts = ranking.facts
     if facts.alpha is None:  # no Lasso fitted (greedy): no R² to speak of
@@ -137,7 +137,7 @@ def held_out_words(ranking: HeadRanking, unit: str = "head") -> str:
             f"R² = {shown}{alone}")
 
 
-def fit_summary(ranking: HeadRanking, top_k: int) -> str:
+def fit_summary(ranking: Ranking, top_k: int) -> str:
     """The terminal's words on the masks' fit, after a task's baseline: where every top-k
     component was measured alone the fit ordered none of them, so its R² (which report.md
     gives) is left out rather than shown as a verdict on the run; otherwise its R² in-sample
@@ -256,7 +256,7 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
                                       if len(names) > most else "")
 
 
-def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
+def certificate_words(ranking: Ranking, unit: str = "head") -> list[str]:
     """report.md's completeness certificate (``facts.certificate``): what the run
     measured alone, what a measured set ruled out and by how much at most, what the
     group tests measured, and what nothing checked, with the flag that would check it."""
@@ -314,7 +314,7 @@ def certificate_words(ranking: HeadRanking, unit: str = "head") -> list[str]:
     return lines
 
 
-def certificate_line(ranking: HeadRanking) -> str | None:
+def certificate_line(ranking: Ranking) -> str | None:
     """The terminal's one line on the certificate, or None without one."""
     cert = ranking.facts.certificate
     if not cert:

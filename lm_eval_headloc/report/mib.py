@@ -66,8 +66,8 @@ import numpy as np
 
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import (
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     describe_layers,
     parse_heads,
 )
@@ -314,7 +314,7 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
                 "neurons; export a run that locates heads only")
         try:
             parsed = parse_heads([entry["head"]], n_layers, n_heads)
-        except HeadSpecError as err:
+        except ComponentSpecError as err:
             raise ExportError(f"the ranking's head {entry['head']!r}: {err}") from None
         if len(parsed) != 1:
             raise ExportError(f"the ranking's entry {entry['head']!r} names {len(parsed)} "

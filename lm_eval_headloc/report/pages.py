@@ -22,7 +22,7 @@ from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
 from lm_eval_headloc.method.head_types import HEAD_TYPES
 from lm_eval_headloc.method.ranking import (
-    HeadRanking,
+    Ranking,
     ranked_heads_json,
     type_fields,
 )
@@ -33,7 +33,7 @@ __all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap", "re
            "tie_words", "within_spread", "write_ranking"]
 
 
-def type_words(ranking: HeadRanking, head: Column) -> str:
+def type_words(ranking: Ranking, head: Column) -> str:
     """A head's dominant type and its score for a table ("induction (0.81)"), where the
     probe cannot tell the type it is nearest to "induction? (0.30)", "-" for a head no type
     stands out in, "" where the run has no types."""
@@ -47,7 +47,7 @@ def type_words(ranking: HeadRanking, head: Column) -> str:
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
 
 
-def heads_table(ranking: HeadRanking) -> str:
+def heads_table(ranking: Ranking) -> str:
     """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown); with
     a bootstrap also selected, effect_low, effect_high. A run with neurons has
     ``component, kind, layer, index_in_layer`` instead of ``head, layer, head_in_layer``."""
@@ -91,7 +91,7 @@ _TYPE_LETTER = {"previous_token": "P", "duplicate_token": "D", "induction": "I",
 _KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
 
 
-def plot_heatmap(rankings: Sequence[HeadRanking], top_k: int, path: Path, title: str = ""
+def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str = ""
                  ) -> Any:
     """Layers × heads image of each task's harm, its top-k heads circled (hatched when
     fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are grey,
@@ -166,7 +166,7 @@ _COLOUR = {Head: "tab:blue", Neuron: "tab:red", NeuronGroup: "tab:orange"}
 TOP_LIST = 30
 
 
-def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
+def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> None:
     """The ranking's first ``TOP_LIST`` components as horizontal bars of their harm, the
     top-k darker, hatched where unstable; heads and neurons in two colours."""
     shown = ranking.top(TOP_LIST)
@@ -190,7 +190,7 @@ def _plot_top_list(ax: Any, ranking: HeadRanking, top_k: int) -> None:
 
 
 @timing.timed("report")
-def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k: int,
+def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int,
                   title: str, report: Callable[[], str]) -> None:
     """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
     ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
@@ -211,7 +211,7 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, HeadRanking], top_k:
     folder.write_text("report.md", report())
 
 
-def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[str]:
+def ranking_table(ranking: Ranking, top_k: int, effect_label: str) -> list[str]:
     """Markdown rows of a ranking's top-k: rank, head, effect (and, with a bootstrap, how
     often refits put the head in the top-k and the effect's 95 % interval)."""
     unit = "component" if ranking.columns.has_neurons else "head"
@@ -245,7 +245,7 @@ def ranking_table(ranking: HeadRanking, top_k: int, effect_label: str) -> list[s
     return lines + _near_type_words(ranking, top_k)
 
 
-def _near_type_words(ranking: HeadRanking, top_k: int) -> list[str]:
+def _near_type_words(ranking: Ranking, top_k: int) -> list[str]:
     """What a type with "?" in the table means, where one is shown."""
     if not any(type_words(ranking, head).split(" ")[0].endswith("?")
                for head in ranking.top(top_k)):
@@ -255,7 +255,7 @@ def _near_type_words(ranking: HeadRanking, top_k: int) -> list[str]:
                 "probe may put it on either side; it is not labelled."]
 
 
-def harmless_words(ranking: HeadRanking, top_k: int, unit: str = "head",
+def harmless_words(ranking: Ranking, top_k: int, unit: str = "head",
                    all_measured: bool = False) -> list[str]:
     """The top-k places filled by components that do not hurt the task, said as such (a
     top-k is not a claim that k were found). ``all_measured``: every effect is a
@@ -290,7 +290,7 @@ def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_bett
     return hurts > helps and not math.isclose(hurts, helps, rel_tol=1e-9, abs_tol=1e-12)
 
 
-def within_spread(ranking: HeadRanking, top_k: int) -> list[Column]:
+def within_spread(ranking: Ranking, top_k: int) -> list[Column]:
     """The top-k components that hurt the task by no more than the run's largest single
     help (``facts.largest_single_help``): no evidence that the task needs them.
     [] where none is recorded, or where the top-k has no order at all (all tied)."""
@@ -303,7 +303,7 @@ def within_spread(ranking: HeadRanking, top_k: int) -> list[Column]:
             and not beyond_spread(ranking.effect(c), recorded, higher)]
 
 
-def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head") -> list[str]:
+def spread_words(ranking: Ranking, top_k: int, unit: str = "head") -> list[str]:
     """Harms no larger than the run's own spread (``within_spread``), said as such: a
     harm no larger than the largest help measured alone (a task at chance, say) is not
     evidence that the task needs the component."""
@@ -324,7 +324,7 @@ def spread_words(ranking: HeadRanking, top_k: int, unit: str = "head") -> list[s
             "more, within the spread of single knockouts.", ""]
 
 
-def equal_change_words(ranking: HeadRanking, top_k: int, all_measured: bool = False
+def equal_change_words(ranking: Ranking, top_k: int, all_measured: bool = False
                        ) -> list[str]:
     """Top-k neighbours measured alike by the task's score but not tied, said as such:
     ``confirm.rank_measured`` orders them by the gold answers' log-likelihood, which the
@@ -381,13 +381,13 @@ def recorded_harmless(path: Path) -> set[str]:
             and not (-entry["effect"] if higher else entry["effect"]) > 0}
 
 
-def _all_tied(ranking: HeadRanking, top_k: int) -> bool:
+def _all_tied(ranking: Ranking, top_k: int) -> bool:
     tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
     return len(top) > 1 and all(h in tied for h in top[1:])
 
 
-def at_floor(ranking: HeadRanking) -> bool:
+def at_floor(ranking: Ranking) -> bool:
     """Whether the task scores 0 by a higher-is-better metric with nothing knocked out
     (accuracy 0): no knockout can lower it, so a ranking by the metric finds nothing."""
     return ranking.higher_is_better and ranking.baseline == 0.0 and ranking.metric != "logprob"
@@ -397,7 +397,7 @@ FLOOR_HINT = ("--signal logprob (the gold answers' log-likelihood, where the tas
               "them) can move")
 
 
-def floor_words(ranking: HeadRanking) -> list[str]:
+def floor_words(ranking: Ranking) -> list[str]:
     """The report's line for a task at its floor (``at_floor``)."""
     if not at_floor(ranking):
         return []
@@ -405,7 +405,7 @@ def floor_words(ranking: HeadRanking) -> list[str]:
             f"{FLOOR_HINT}.", ""]
 
 
-def tie_words(ranking: HeadRanking, top_k: int, why_none: str) -> list[str]:
+def tie_words(ranking: Ranking, top_k: int, why_none: str) -> list[str]:
     """Ties in the top-k (``ranking.facts.tied_with_above``) said as such: equal
     evidence is no order. ``why_none``: why no head would stand out, in words."""
     tied = set(ranking.facts.tied_with_above or [])

@@ -32,7 +32,7 @@ from lm_eval_headloc.measurement.metrics import parse_task_metric
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.fit import mask_keys
 from lm_eval_headloc.method.pilot import UNFITTED
-from lm_eval_headloc.method.ranking import HeadRanking, ranking_from_json
+from lm_eval_headloc.method.ranking import Ranking, ranking_from_json
 from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.spec import RunSpec
@@ -242,7 +242,7 @@ class LocateRun(RunRecord):
     priors: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False,
                                                compare=False)
-    rankings: dict[str, HeadRanking] = field(default_factory=dict, repr=False, compare=False)
+    rankings: dict[str, Ranking] = field(default_factory=dict, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
         *RunRecord.KEYS[:-1], "candidates", "never_neurons", "pilot", "row_keys",
@@ -411,9 +411,9 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
     return files
 
 
-def read_rankings(folder: RunFolder | str | Path) -> dict[str, HeadRanking]:
+def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
-    as ``HeadRanking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
+    as ``Ranking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
     from lm_eval_headloc.runs.types_file import read_types
 
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)

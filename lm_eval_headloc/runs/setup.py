@@ -25,8 +25,8 @@ from lm_eval_headloc.intervention.ablation import (
 )
 from lm_eval_headloc.intervention.components import (
     Component,
+    ComponentSpecError,
     Head,
-    HeadSpecError,
     Neuron,
     parse_components,
     parse_heads,
@@ -140,7 +140,7 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
                                     head_layers=head_layers))
         return parse_components(names, num_layers, heads_per_layer, neurons_per_layer,
                                 head_layers=head_layers)
-    except HeadSpecError as err:
+    except ComponentSpecError as err:
         hint = "" if neurons or not _names_a_neuron(names) else (
             " (neurons are kept out by a locate or sweep that locates them: --components "
             "neurons or heads+neurons)")
@@ -161,7 +161,7 @@ def _names_a_file(spec: str) -> bool:
 def _names_a_neuron(names: Any) -> bool:
     try:
         return any(isinstance(c, Neuron) for c in parse_components(names))
-    except HeadSpecError:
+    except ComponentSpecError:
         return False
 
 
