@@ -20,12 +20,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model and our tasks
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lm_eval_headloc.commands import RunSpec, locate, verify
-from lm_eval_headloc.report.mib_format import read_mib
-from lm_eval_headloc.report.mib import write_mib
-from lm_eval_headloc.runs.types_file import read_types
-from lm_eval_headloc.report.type_pages import types_summary
+from lm_eval_headloc import RunSpec, locate, verify
 from lm_eval_headloc.commands.verify import verification_markdown
+from lm_eval_headloc.report.mib import write_mib
+from lm_eval_headloc.report.mib_format import read_mib
+from lm_eval_headloc.report.type_pages import types_summary
+from lm_eval_headloc.runs.types_file import read_types
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example")
 RUN = OUT / "locate"  # a run folder of its own: verify and the export write beside it

@@ -1,0 +1,1 @@
+"""``headloc-harness``: the command line over ``lm_eval_headloc.commands``."""

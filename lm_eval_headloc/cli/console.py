@@ -1,4 +1,4 @@
-"""The ``headloc-harness`` console script: ``commands.cli.main``, with a Ctrl-C during the
+"""The ``headloc-harness`` console script: ``cli.main.main``, with a Ctrl-C during the
 few seconds its imports take (torch, lm-eval) ending as one after them does, in one line
 and status 130, not an import traceback."""
 

@@ -3,15 +3,14 @@
 Each subcommand takes a ``RunSpec`` (or the same options as keyword arguments), checks
 everything it can before any weights load, and writes a run folder it can resume::
 
-    from lm_eval_headloc.commands import RunSpec, locate, verify, write_mib
+    from lm_eval_headloc import RunSpec, locate, verify, write_mib
     rankings = locate("runs/smol", tasks=["headloc_induction"], masks=100)
     table = verify("runs/smol", top_k=5)
     write_mib("runs/smol", "smol_mib.json")  # the ranking as a MIB circuit graph
     read_rankings("runs/smol")["headloc_induction"].top(5)  # a finished run, read only
 
-Modules: ``spec`` (the options, their checks and a run's identity), ``runfolder``,
-``engine`` (prepare, load, measure a plan), ``report`` (ranking files and figures), one
-module per subcommand, and ``cli``.
+One module per subcommand; the rest of a run lives in the layers below (``runs``,
+``method``, ``report``: docs/development.md).
 """
 
 from lm_eval_headloc.commands.cross import cross

@@ -6,7 +6,7 @@ need as much?
 Rows are the sets knocked out (``RUN:task``), columns the tasks measured, cells the drop
 relative to the unablated baseline (``report.relative_drop``); erased (scale 0), and with
 ``--scale`` not 0 also at that scale (2: enhanced). One model load measures everything,
-through ``engine.run_plan``, so a killed run resumes.
+through ``runs.plan.run_plan``, so a killed run resumes.
 """
 
 from __future__ import annotations

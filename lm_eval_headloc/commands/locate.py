@@ -3,7 +3,7 @@ with many random sets of heads knocked out together (masks), a Lasso fitted to t
 estimating each head's effect, and the likeliest heads then knocked out one at a time
 (confirmation). ``refit``: the same fit again from the measurements on disk.
 
-A run's state is one value, its ``LocateRun`` (``result.py``), written to config.json
+A run's state is one value, its ``LocateRun`` (``runs.record``), written to config.json
 once per phase and read back by ``load_run`` alone.
 """
 

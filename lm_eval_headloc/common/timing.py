@@ -8,7 +8,7 @@ twice (the confirmation's measurements are measurements, its refits its own). Th
 console script starts its clock at the process's start, so the interpreter's start and
 the imports before the command are in "start-up and imports".
 
-A run record keeps one ``snapshot`` per session (``result.RunRecord``); the report and the
+A run record keeps one ``snapshot`` per session (``runs.record.RunRecord``); the report and the
 command line's last line say it (``timings_line``).
 """
 

@@ -1,0 +1,1 @@
+"""Measurements on Ray workers, each with its own model."""

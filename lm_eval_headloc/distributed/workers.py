@@ -7,7 +7,7 @@ fixed example subset from the run's spec, exactly as the driver did. Before any 
 worker reports a fingerprint of its recorded requests and its unablated scores; the
 driver refuses one that differs from its own (another model, task version or subset).
 
-Only the driver generates masks and writes the run folder: ``engine.run_plan`` appends
+Only the driver generates masks and writes the run folder: ``runs.plan.run_plan`` appends
 each chunk's records by mask key as results arrive, in any order, so resume works as
 before. A chunk whose worker dies is given to another worker; the run fails, with what
 was measured kept on disk, only when no worker is left.

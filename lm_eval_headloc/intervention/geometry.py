@@ -1,7 +1,7 @@
 """A model's component geometry (attention heads, MLP neurons), read from its config in
 one place.
 
-Used before the weights load (``commands.engine``, ``hf-headablate``: component names are
+Used before the weights load (``runs.setup``, ``hf-headablate``: component names are
 checked against the config), by the knockout hooks (``hooks``: which projection input is
 heads x head_dim wide, which is the MLP's width) and by memory sizing (``multimask``). No
 torch import: reading a config is cheap.

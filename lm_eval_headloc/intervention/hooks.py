@@ -427,7 +427,7 @@ class ComponentKnockout:
                 mask[indices] = True
                 masks.setdefault(kind, [None] * layers)[layer] = mask.to(site.devices[layer])
             masks = {kind: masks[kind] for kind in KINDS if kind in masks}
-        # Every kind given, knocked out or not: attribution (prior.py) reads the
+        # Every kind given, knocked out or not: attribution (measurement/attribution.py) reads the
         # replacement of a pass that knocks out nothing.
         replacement = {kind: list(self.check_replacement(per_layer, kind))
                        for kind, per_layer in (intervention.replacement or {}).items()}

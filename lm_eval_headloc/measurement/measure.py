@@ -57,7 +57,7 @@ Scores = dict[str, TaskScore]
 
 
 class Measurement(Protocol):
-    """What the commands (``engine.run_plan``, the prior, the report) may ask of a
+    """What the commands (``runs.plan.run_plan``, the prior, the report) may ask of a
     measurement: ``HarnessMeasurement`` here, and ``commands.workers``'
     ``DistributedMeasurement``, which measures the masks on Ray workers."""
 

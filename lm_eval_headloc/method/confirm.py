@@ -9,7 +9,7 @@ measured, not estimated: the same quantity as an exhaustive one-head-at-a-time s
 the same examples.
 
 The candidates come in small rounds (``ROUND``). Each task's *sources* — every ranking
-the prior gives (``prior.PRIOR_POINTS``) and the screen — take turns, one head each, and
+the prior gives (``attribution.PRIOR_POINTS``) and the screen — take turns, one head each, and
 the turns go on across rounds, so every source gets its share of the budget. Between
 rounds the screen is refitted with the confirmed heads' measured changes held fixed
 (``screen``): what the masks still cannot explain points at what is left to find, and
@@ -57,7 +57,7 @@ Changes = Mapping[int, tuple[float, float]]
 #: aside for the attribution prior, by ``--prior`` method. On the embedded model atp's
 #: forward and backward pass cost 3.2-3.6 measurements; atp-path's two passes and a
 #: forward for the answers at its second point 6.3-7.1 (RECOVERY.md times them).
-#: ig (integrated gradients over ``prior.IG_STEPS`` = 8 points, averaged) is allowed atp's
+#: ig (integrated gradients over ``attribution.IG_STEPS`` = 8 points, averaged) is allowed atp's
 #: per point (not timed yet; a test keeps the 8 in step with IG_STEPS).
 PRIOR_ALLOWANCE: dict[str, int] = {"none": 0, "atp": 4, "atp-path": 8, "ig": 4 * 8}
 
@@ -90,7 +90,7 @@ def budget_split(total: int, prior: str = "atp-path", share: float | None = None
 
 def default_split(prior: str | None) -> tuple[int, int]:
     """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
-    computes (``prior.PRIOR_POINTS``' key; None or ``"none"`` for none): without a prior
+    computes (``attribution.PRIOR_POINTS``' key; None or ``"none"`` for none): without a prior
     the whole default budget split for none (27 + 27); with one, the split measured for
     atp-path (12 + 34), whichever it is (atp's and ig's allowances are estimates, not
     timings)."""

@@ -121,7 +121,7 @@ class Ranking:
     facts: RankingFacts = field(default_factory=RankingFacts)  # method, r2, confirmed...
     stability: Stability | None = None  # bootstrap over the measurements (locate, refit)
     columns: Columns | None = None  # the component of each column; None: every head
-    head_types: Any = None  # the run's types.json (``types.HeadTypes``), None without one
+    head_types: Any = None  # the run's types.json (``head_types.HeadTypes``), None without one
     #: ``TIE_EVIDENCE`` name -> per column values (``prior``: (points, columns)); NaN (or
     #: inf) where a column has none.
     evidence: dict[str, np.ndarray] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""What a run leaves for people: ranking files, report.md, the heatmap, the MIB export."""

@@ -265,7 +265,7 @@ class RunFolder:
         if not _written(name):
             from lm_eval_headloc.common.errors import InternalError
 
-            raise InternalError(f"run folder file {name!r} is not in runfolder.WRITTEN, "
+            raise InternalError(f"run folder file {name!r} is not in folder.WRITTEN, "
                                 "so --force would refuse to clear it")
         path = self.path / name
         # The lock is opened without following a link (``_acquire``, which says so).
