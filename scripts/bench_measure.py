@@ -8,7 +8,7 @@ through the chat template), one measurement under one random stratified mask is 
   ``hf-headablate`` model from disk with the mask, then ``lm_eval.simple_evaluate(...,
   batch_size=1)`` on the same documents (``samples=``);
 - **ours**: ``headloc-harness``'s measurement on the already-loaded model
-  (``engine.prepare`` + ``load_model`` + ``open_measurement`` once, then ``measure(heads)``);
+  (``runs.setup.prepare`` + ``load_model`` + ``open_measurement`` once, then ``measure(heads)``);
 - **limit**: the very token batches ``ours`` sends to the model (recorded from one
   ``ours`` call), replayed through the bare model: ``model(input_ids)`` under
   ``torch.no_grad()`` for loglikelihood, ``model.generate`` with the same number of new

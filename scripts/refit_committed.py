@@ -16,10 +16,10 @@ when their text changed beyond the round-off of another machine's BLAS
 (``same_up_to_round_off``), with a types.json the rerun wrote; the measurements and
 anything else stay as committed.
 
-config.json is rewritten in today's layout (``runfolder.CONFIG_SCHEMA``), that of every
+config.json is rewritten in today's layout (``runs.folder.CONFIG_SCHEMA``), that of every
 committed run folder, ranking or not: the embedded model by its name rather than the
 folder it lay in on the machine that made the run, and what the run's model is (its
-width, block layout and files' fingerprint, ``result.model_facts``) read from the model's
+width, block layout and files' fingerprint, ``runs.record.model_facts``) read from the model's
 config where a folder made before they were recorded lacks them; nothing measured changes.
 """
 
