@@ -61,12 +61,7 @@ from lm_eval_headloc.bench.defaults import (  # noqa: E402
 from lm_eval_headloc.bench.simulation import seed_trial  # noqa: E402
 from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import parse_heads  # noqa: E402
-from lm_eval_headloc.method.confirm import (  # noqa: E402
-    DEFAULT_BUDGET,
-    MASK_SHARE,
-    PRIOR_ALLOWANCE,
-    budget_split,
-)
+from lm_eval_headloc.method.budget import DEFAULT_BUDGET, MASK_SHARE, PRIOR_ALLOWANCE, budget_split  # noqa: E402
 
 BENCHMARKS = ROOT / "benchmarks"
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")

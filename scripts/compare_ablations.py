@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.files import page_refusal, write_page
-from lm_eval_headloc.intervention.ablation import ABLATIONS
+from lm_eval_headloc.common.options import ABLATIONS
 
 #: The page's first line: --out writes only over a page that begins with it.
 TITLE = "# One run's top heads verified under each ablation kind"

@@ -60,13 +60,10 @@ from lm_eval_headloc.bench.simulation import (
     seed_trial,
 )
 from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
-from lm_eval_headloc.method.confirm import (  # noqa: E402
-    DEFAULT_BUDGET,
-    MASK_SHARE,
-    PRIOR_ALLOWANCE,
-    ROUND,
-)
-from lm_eval_headloc.method.designs import DESIGNS, knockouts_per_mask  # noqa: E402
+from lm_eval_headloc.common.options import DESIGNS  # noqa: E402
+from lm_eval_headloc.method.budget import DEFAULT_BUDGET, MASK_SHARE, PRIOR_ALLOWANCE
+from lm_eval_headloc.method.confirm import ROUND
+from lm_eval_headloc.method.designs import knockouts_per_mask  # noqa: E402
 
 #: The page's first line: --out writes only over a page that begins with it.
 TITLE = "# Recovery in the planted-sparse simulator"

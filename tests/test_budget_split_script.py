@@ -64,7 +64,7 @@ def test_the_committed_page_holds_what_the_replay_renders_now(script, tasks, row
     # The no-prior row of the defaults before this change, and the splits of today's.
     before = [r for r in rows if r["share"] is None]
     assert [(r["budget"], r["masks"], r["confirm"]) for r in before] == [(46, 12, 34)]
-    from lm_eval_headloc.method.confirm import default_split
+    from lm_eval_headloc.method.budget import default_split
 
     splits = {(r["prior"], r["budget"], r["masks"], r["confirm"]) for r in rows}
     assert ("none", 54, *default_split(None)) in splits

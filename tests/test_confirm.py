@@ -6,16 +6,18 @@ import numpy as np
 import pytest
 
 from lm_eval_headloc.intervention.components import Head
-from lm_eval_headloc.method.confirm import (
+from lm_eval_headloc.method.budget import (
     DEFAULT_ALONE,
     DEFAULT_BUDGET,
     DEFAULT_MASKS,
-    alternated,
     budget_split,
+    default_split,
+)
+from lm_eval_headloc.method.confirm import (
+    alternated,
     confirmation,
     confirmed_order,
     confirmed_top,
-    default_split,
     marginal_contrast,
     measured_changes,
     prior_penalty_weights,

@@ -16,7 +16,8 @@ from test_commands import harness, last_error, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.common.errors import UserError
-from lm_eval_headloc.distributed.workers import RAY_TIMEOUT, WorkerError, check_ray_address
+from lm_eval_headloc.common.options import RAY_TIMEOUT
+from lm_eval_headloc.distributed.workers import WorkerError, check_ray_address
 from lm_eval_headloc.runs import setup as engine
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
+from lm_eval_headloc.common.options import DESIGNS
 from lm_eval_headloc.intervention.components import Head
-from lm_eval_headloc.method.designs import DESIGNS, column_counts, design_matrix, knockouts_per_mask
+from lm_eval_headloc.method.designs import column_counts, design_matrix, knockouts_per_mask
 from lm_eval_headloc.method.recovery import HeadLasso, harm
 
 LAYERS, HEADS_PER_LAYER = 30, 9  # the embedded SmolLM2: 270 heads

@@ -152,3 +152,20 @@ def test_the_public_api_is_importable_from_the_top():
     assert set(lm_eval_headloc.__all__) <= set(dir(lm_eval_headloc))
     with pytest.raises(AttributeError, match="no attribute 'locat'"):
         lm_eval_headloc.locat  # noqa: B018
+
+
+def test_a_spec_and_its_option_choices_load_nothing_heavy():
+    """RunSpec, the option choices (common.options) and the budget's defaults import no
+    torch, scikit-learn, Ray or lm-eval (a spec once imported torch and scikit-learn for a
+    few constants); checking a spec's numbers adds scikit-learn's scalar check alone."""
+    code = ("import sys\nfrom lm_eval_headloc.runs.spec import RunSpec\n"
+            "import lm_eval_headloc.common.options, lm_eval_headloc.method.budget\n"
+            "heavy = ('torch', 'sklearn', 'ray', 'lm_eval', 'transformers')\n"
+            "spec = RunSpec(tasks=('a',), masks=10)\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "spec.validate()\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "['sklearn']"]

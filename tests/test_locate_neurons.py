@@ -200,7 +200,7 @@ def test_embedded_neuron_run_keeps_the_default_budget(smollm2, tmp_path):
     """The embedded model's 46,080 neurons, default settings on a few examples: the prior
     names 270 candidates (as many as the heads), then 12 masks and 34 alone — the default
     budget's split, as for heads."""
-    from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS
+    from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS
 
     out = tmp_path / "run"
     assert harness("locate", "--components", "neurons", "--num-samples", "16",

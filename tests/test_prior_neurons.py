@@ -266,7 +266,7 @@ def test_heads_are_the_default_kind_and_a_bad_kind_is_refused(tiny_model_dir, ta
 
 def test_ig_allowance_follows_its_steps():
     from lm_eval_headloc.measurement.attribution import IG_STEPS, PRIOR_POINTS
-    from lm_eval_headloc.method.confirm import PRIOR_ALLOWANCE
+    from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
 
     assert PRIOR_ALLOWANCE["ig"] == PRIOR_ALLOWANCE["atp"] * IG_STEPS
     assert len(PRIOR_POINTS["ig"][0]) == IG_STEPS

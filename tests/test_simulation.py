@@ -514,7 +514,7 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     another method than the package runs."""
     from lm_eval_headloc.bench.defaults import METHOD_PRIOR, confirmed_split
     from lm_eval_headloc.commands import RunSpec
-    from lm_eval_headloc.method.confirm import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
+    from lm_eval_headloc.method.budget import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
 
     assert RunSpec().prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
                                                           "before": "atp"}

@@ -14,9 +14,9 @@ import torch
 from test_commands import harness, strict_json, tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lm_eval_headloc.common.options import PROBE_ROWS
 from lm_eval_headloc.method.head_types import (
     HEAD_TYPES,
-    PROBE_ROWS,
     dominant_type,
     head_type_scores,
     repeated_probe,

@@ -10,12 +10,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from lm_eval_headloc.bench.simulation import DEFAULT_BUDGETS, SeedTrial, World, seed_trial
+from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE, budget_split
 from lm_eval_headloc.method.confirm import (
-    PRIOR_ALLOWANCE,
     ROUND,
     Screen,
     alternated,
-    budget_split,
     confirmation,
     confirmed_order,
     prior_rankings,

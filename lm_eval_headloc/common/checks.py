@@ -12,7 +12,6 @@ import math
 import numbers
 
 import numpy as np
-from sklearn.utils import check_scalar
 
 from lm_eval_headloc.common.errors import UserError
 
@@ -56,6 +55,8 @@ def check_number(value: object, name: str, whole: bool = False, *,
     allowed = _allowed(whole, min_val, max_val, include_boundaries)
     if isinstance(value, (bool, np.bool_)):
         raise UsageError(f"{_shown(name, value)}: must be {allowed}, not True/False")
+    from sklearn.utils import check_scalar  # here: a spec's checks need no scikit-learn
+
     target = numbers.Integral if whole else numbers.Real
     try:
         check_scalar(value, name, target, min_val=min_val, max_val=max_val,

@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.options import RAY_TIMEOUT
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_components
 from lm_eval_headloc.measurement.metrics import TaskScore
 
-__all__ = ["RAY_EXTRA", "RAY_TIMEOUT", "DistributedMeasurement", "MeasurementWorker",
-           "WorkerError", "check_ray_address", "check_workers", "measurement_fingerprint",
-           "start_workers"]
+__all__ = ["RAY_EXTRA", "DistributedMeasurement", "MeasurementWorker", "WorkerError",
+           "check_ray_address", "check_workers", "measurement_fingerprint", "start_workers"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -50,10 +50,6 @@ DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
 #: How long workers may take to load their model and report before the run gives up:
 #: a request the cluster cannot place (more GPUs than free) would otherwise wait forever.
 START_SECONDS = float(os.environ.get("HEADLOC_WORKER_START_SECONDS", 3600))
-#: --ray-timeout's default, in seconds: how long the address of a Ray cluster may take to
-#: answer. Ray's own connection attempt to an address nothing listens at retries for about
-#: 14 minutes (20 tries of some 40 s) and ends in a traceback, after the model has loaded.
-RAY_TIMEOUT = 60.0
 #: Unablated scores of a worker and of the driver may differ by float rounding at most
 #: (other thread counts or devices sum in another order): relative, then absolute.
 BASELINE_TOLERANCE = (1e-4, 1e-6)

@@ -45,13 +45,11 @@ from torch import nn
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.files import cache_root, write_atomically
+from lm_eval_headloc.common.options import ABLATIONS
 
-__all__ = ["ABLATIONS", "AblationError", "Resampler", "cached_head_means", "check_ablation",
-           "check_reference_set", "check_scale", "default_cache_dir", "head_means",
-           "head_outputs", "pick_donor", "reference_texts", "task_texts"]
-
-#: The ablation kinds, the default first.
-ABLATIONS: tuple[str, ...] = ("zero", "mean", "resample")
+__all__ = ["AblationError", "Resampler", "cached_head_means", "check_ablation",
+           "check_reference_set", "check_scale", "default_cache_dir", "head_means", "head_outputs",
+           "pick_donor", "reference_texts", "task_texts"]
 
 
 class AblationError(UserError):

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lm_eval_headloc.common.checks import check_number
+from lm_eval_headloc.common.options import SIGNALS
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.measurement.harness import (
     FEWSHOT_SEED,
@@ -32,12 +33,7 @@ from lm_eval_headloc.measurement.harness import (
     templates_compiled_once,
 )
 from lm_eval_headloc.measurement.metrics import TaskScore, task_score
-from lm_eval_headloc.measurement.signals import (
-    SIGNALS,
-    gold_answers,
-    gold_logprob,
-    no_logprob_reason,
-)
+from lm_eval_headloc.measurement.signals import gold_answers, gold_logprob, no_logprob_reason
 
 __all__ = ["HarnessMeasurement", "Measurement"]
 

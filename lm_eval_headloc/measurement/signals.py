@@ -31,12 +31,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GOLD_SAMPLE", "SIGNALS", "SIGNAL_OUTPUT_TYPES", "GoldAnswer",
-           "check_gold_answers", "gold_answers", "gold_logprob", "has_gold_answers",
-           "no_gold_reason", "no_logprob_reason", "signal_weights"]
+__all__ = ["GOLD_SAMPLE", "SIGNAL_OUTPUT_TYPES", "GoldAnswer", "check_gold_answers",
+           "gold_answers", "gold_logprob", "has_gold_answers", "no_gold_reason",
+           "no_logprob_reason", "signal_weights"]
 
-#: What a measurement scores: the harness metric, or the gold answer's log-likelihood.
-SIGNALS: tuple[str, ...] = ("metric", "logprob")
 #: lm-eval output types the logprob signal is defined for.
 SIGNAL_OUTPUT_TYPES: tuple[str, ...] = ("loglikelihood", "multiple_choice", "generate_until")
 

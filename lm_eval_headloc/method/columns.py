@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lm_eval_headloc.common.options import COMPONENTS
 from lm_eval_headloc.intervention.components import (
     Component,
     Head,
@@ -28,12 +29,8 @@ from lm_eval_headloc.intervention.components import (
     parse_components,
 )
 
-__all__ = ["COMPONENTS", "UNIT", "UNITS", "Column", "Columns", "NeuronGroup", "column_key",
-           "column_label", "components_of",
-           "neuron_candidates", "neuron_groups"]
-
-#: ``--components``' values: what a run locates.
-COMPONENTS: tuple[str, ...] = ("heads", "neurons", "heads+neurons")
+__all__ = ["UNIT", "UNITS", "Column", "Columns", "NeuronGroup", "column_key", "column_label",
+           "components_of", "neuron_candidates", "neuron_groups"]
 
 
 class NeuronGroup(NamedTuple):

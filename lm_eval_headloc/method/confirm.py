@@ -38,11 +38,9 @@ import numpy as np
 
 from lm_eval_headloc.method.recovery import HeadLasso, harm, less_fixed, round_off
 
-__all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
-           "PRIOR_EASE", "ROUND", "Confirmation", "alternated", "budget_split", "default_split",
-           "confirmation", "confirmed_order", "confirmed_top", "marginal_contrast",
-           "measured_changes", "prior_penalty_weights", "prior_rankings", "prior_weights",
-           "rank_measured", "screen", "tied_with_above"]
+__all__ = ["PRIOR_EASE", "ROUND", "Confirmation", "alternated", "confirmation", "confirmed_order",
+           "confirmed_top", "marginal_contrast", "measured_changes", "prior_penalty_weights",
+           "prior_rankings", "prior_weights", "rank_measured", "screen", "tied_with_above"]
 
 #: Heads measured alone per round: small, so that each round's measurements steer the
 #: next picks, and a whole number of masks-per-pass batches on a GPU.
@@ -53,52 +51,6 @@ Changes = Mapping[int, tuple[float, float]]
 
 # --- the budget: the prior's allowance, masks, heads measured alone ----------------------
 
-#: Measurement-equivalents (one measurement: a forward pass over the example subset) set
-#: aside for the attribution prior, by ``--prior`` method. On the embedded model atp's
-#: forward and backward pass cost 3.2-3.6 measurements; atp-path's two passes and a
-#: forward for the answers at its second point 6.3-7.1 (RECOVERY.md times them).
-#: ig (integrated gradients over ``attribution.IG_STEPS`` = 8 points, averaged) is allowed atp's
-#: per point (not timed yet; a test keeps the 8 in step with IG_STEPS).
-PRIOR_ALLOWANCE: dict[str, int] = {"none": 0, "atp": 4, "atp-path": 8, "ig": 4 * 8}
-
-#: The defaults' budget in measurement-equivalents: atp-path's allowance, then masks and
-#: heads measured alone.
-DEFAULT_BUDGET = 54
-
-#: The share of a budget, after the prior's allowance, spent on masks; the rest is heads
-#: measured alone. With a prior, 12 of the default budget's 46: the prior's rankings name
-#: most candidates, the masks' screen is one source in turn. Without one the screen names
-#: every candidate, and a screen of 12 masks is too weak to name them: half the budget on
-#: masks finds more of the exhaustive top-5 at the default budget than the prior's share,
-#: on the embedded model's stored measurements and in the simulator at 1,024 heads
-#: (docs/budget_split.md, ``python scripts/budget_split.py``).
-MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
-
-
-def budget_split(total: int, prior: str = "atp-path", share: float | None = None
-                 ) -> tuple[int, int]:
-    """(masks, heads measured alone) of a budget of ``total`` measurement-equivalents:
-    ``prior``'s allowance (``PRIOR_ALLOWANCE``) set aside, ``share`` of the rest in masks
-    (default ``MASK_SHARE``'s, with a prior or without one for ``"none"``; rounded to the
-    nearest, halves to even), the remainder measured alone."""
-    if prior not in PRIOR_ALLOWANCE:
-        raise ValueError(f"prior={prior!r}: must be one of {', '.join(PRIOR_ALLOWANCE)}")
-    rest = int(total) - PRIOR_ALLOWANCE[prior]
-    masks = round(rest * (MASK_SHARE[prior != "none"] if share is None else share))
-    return masks, rest - masks
-
-
-def default_split(prior: str | None) -> tuple[int, int]:
-    """``--masks`` and ``--confirm`` where the user gives neither, for the prior the run
-    computes (``attribution.PRIOR_POINTS``' key; None or ``"none"`` for none): without a prior
-    the whole default budget split for none (27 + 27); with one, the split measured for
-    atp-path (12 + 34), whichever it is (atp's and ig's allowances are estimates, not
-    timings)."""
-    return budget_split(DEFAULT_BUDGET, "none" if prior in (None, "none") else "atp-path")
-
-
-#: The defaults' split with a prior: 12 masks, 34 heads measured alone.
-DEFAULT_MASKS, DEFAULT_ALONE = default_split("atp-path")
 
 # --- the prior's part: its rankings and the screen's penalty weights ---------------------
 

@@ -14,12 +14,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from lm_eval_headloc.common.checks import check_number
+from lm_eval_headloc.common.options import DESIGNS
 
-__all__ = ["DESIGNS", "column_counts", "design_matrix", "head_column_mask",
-           "knockouts_per_mask", "same_masks"]
-
-#: The design kinds :func:`design_matrix` accepts.
-DESIGNS: tuple[str, ...] = ("bernoulli", "stratified")
+__all__ = ["column_counts", "design_matrix", "head_column_mask", "knockouts_per_mask",
+           "same_masks"]
 
 
 def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.ndarray:

@@ -46,23 +46,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm_eval_headloc.common.options import PROBE_ROWS
 from lm_eval_headloc.intervention.components import Head, validate_heads
 
 __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "EXAMPLES", "HEAD_TYPES",
-           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "MAX_PROBE_ROWS", "PER_PASS", "PROBE",
-           "PROBE_FIRST_ID", "PROBE_ROWS", "HeadTypes", "attention_patterns", "borderline",
-           "dominant_type", "encode_texts", "head_type_scores", "head_types_of",
-           "probe_type_scores", "repeated_probe", "type_scores_from_patterns", "type_thresholds"]
+           "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "PER_PASS", "PROBE", "PROBE_FIRST_ID",
+           "HeadTypes", "attention_patterns", "borderline", "dominant_type", "encode_texts",
+           "head_type_scores", "head_types_of", "probe_type_scores", "repeated_probe",
+           "type_scores_from_patterns", "type_thresholds"]
 
-#: ``repeated_probe``'s rows by default (``--probe-rows``): on the embedded SmolLM2, 4 rows
-#: (the earlier default) labelled heads that a larger probe put below the threshold (their
-#: scores' standard errors up to 0.05); at 32 they are at most 0.019 (median 0.001), 8 of
-#: 270 heads are too near a threshold to say, and no head labelled by one probe seed is
-#: clearly not of that type by another (tests/test_head_types.py).
-PROBE_ROWS = 32
-#: The most rows ``--probe-rows`` may ask for: the probe's token ids are made at once (a
-#: billion rows would be 500 GB), and 4,096 rows take ~15 minutes for SmolLM2 on 2 CPU cores.
-MAX_PROBE_ROWS = 4096
 
 #: The scores, in the order every result lists them.
 HEAD_TYPES: tuple[str, ...] = ("previous_token", "duplicate_token", "induction",

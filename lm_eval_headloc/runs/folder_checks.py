@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lm_eval_headloc.common.errors import UserError
-from lm_eval_headloc.method.columns import COMPONENTS
+from lm_eval_headloc.common.options import COMPONENTS
 
 __all__ = ["MAX_HEADS", "MAX_NAME", "MAX_NEURONS", "MAX_WIDTH", "RunFolderError", "check_config",
            "check_files", "plain_name", "run_tasks"]

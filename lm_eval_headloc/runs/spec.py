@@ -26,14 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.distributed.workers import RAY_TIMEOUT
-from lm_eval_headloc.intervention.ablation import ABLATIONS
+from lm_eval_headloc.common.options import (
+    ABLATIONS,
+    COMPONENTS,
+    DESIGNS,
+    MAX_PROBE_ROWS,
+    PRIORS,
+    PROBE_ROWS,
+    RAY_TIMEOUT,
+    SIGNALS,
+)
 from lm_eval_headloc.intervention.arg_string import ModelArgs
-from lm_eval_headloc.measurement.signals import SIGNALS
-from lm_eval_headloc.method.columns import COMPONENTS
-from lm_eval_headloc.method.confirm import DEFAULT_ALONE, DEFAULT_MASKS, default_split
-from lm_eval_headloc.method.designs import DESIGNS
-from lm_eval_headloc.method.head_types import MAX_PROBE_ROWS, PROBE_ROWS
+from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS, default_split
 from lm_eval_headloc.runs.option_values import (
     canonical_gen_kwargs,
     comma_list,
@@ -54,8 +58,6 @@ DEFAULT_TASK = "headloc_induction"
 NO_PRIOR_MASKS, NO_PRIOR_ALONE = default_split(None)
 #: --max-masks: where --masks auto stops when no top-k head settles.
 DEFAULT_MAX_MASKS = 300
-#: --prior's values: auto resolves to atp-path or none once the tasks and model are known.
-PRIORS: tuple[str, ...] = ("auto", "atp-path", "atp", "ig", "none")
 _SAME = object()  # _option's legacy: the same as the default
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 #: Bootstrap refits are a few ms each on a small model, seconds on a large design: more

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.method.head_types import PROBE_ROWS, HeadTypes, head_types_of, run_texts
+from lm_eval_headloc.common.options import PROBE_ROWS
+from lm_eval_headloc.method.head_types import HeadTypes, head_types_of, run_texts
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 
