@@ -10,7 +10,7 @@ read on first use (lm-eval is imported then, not for a check of the names).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -48,9 +48,6 @@ class ModelArgs:
 
     def __contains__(self, name: object) -> bool:
         return name in self.names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.args)
 
     def without(self, *names: str) -> str:
         """The text less the parts that give ``names`` (and less empty parts)."""

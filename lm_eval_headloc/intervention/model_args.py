@@ -60,7 +60,7 @@ def model_config(model_args: str) -> Any:
 
     from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 
-    args = ModelArgs.parse(model_args)
+    args = ModelArgs.parse(model_args).args
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args}
     pretrained = local_pretrained(args.get("pretrained"))
     check_load_args(pretrained, args.get("dtype"), args.get("peft"), args.get("gguf_file"))
@@ -90,7 +90,7 @@ def model_fingerprint(model_args: str) -> str | None:
     import hashlib
     import os
 
-    args = ModelArgs.parse(model_args)
+    args = ModelArgs.parse(model_args).args
     folder = local_pretrained(args.get("pretrained"))
     if not (isinstance(folder, str) and os.path.isdir(folder)):
         return None
@@ -140,7 +140,7 @@ def check_chat_template(model_args: str) -> None:
 
     from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 
-    args = ModelArgs.parse(model_args)
+    args = ModelArgs.parse(model_args).args
     source = local_pretrained(args.get("tokenizer") or args.get("pretrained"))
     kwargs = {k: args[k] for k in _FILE_ARGS if k in args and not args.get("tokenizer")}
     try:
