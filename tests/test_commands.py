@@ -17,6 +17,7 @@ from conftest import TASKS
 from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.intervention.components import read_heads_file
+from lm_eval_headloc.runs import plan
 from lm_eval_headloc.runs import setup as engine
 
 
@@ -704,7 +705,7 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
                         ablate=records[3]["mask"])
     setup = engine.prepare(RunSpec(model_args=f"pretrained={folder},dtype=float32",
                                    tasks=("tiny_copy",), include_path=(TASKS,)))
-    measure = engine.open_measurement(setup, lm, num_samples=8)
+    measure = plan.open_measurement(setup, lm, num_samples=8)
     assert measure([*lm.knocked_out])["tiny_copy"].value == records[3]["scores"]["tiny_copy"]
     # hf-headablate reads heads.json directly, and says what it took from it.
     caplog.set_level("INFO", logger="lm_eval.models.hf_headablate")

@@ -23,12 +23,12 @@ from lm_eval_headloc.common.errors import HeadlocError, InternalError, UserError
 PUBLIC = [
     ("lm_eval_headloc.intervention.components", "ComponentSpecError"),
     ("lm_eval_headloc.intervention.ablation", "AblationError"),
-    ("lm_eval_headloc.intervention.hooks", "AttentionOutputNotFound"),
+    ("lm_eval_headloc.intervention.discovery", "AttentionOutputNotFound"),
     ("lm_eval_headloc.tasks", "UnknownTaskError"),
     ("lm_eval_headloc.measurement.metrics", "MetricError"),
     ("lm_eval_headloc.common.checks", "UsageError"),
     ("lm_eval_headloc.distributed.workers", "WorkerError"),
-    ("lm_eval_headloc.runs.folder", "RunFolderError"),
+    ("lm_eval_headloc.runs.folder_checks", "RunFolderError"),
 ]
 
 

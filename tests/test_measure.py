@@ -209,9 +209,10 @@ def test_each_prompt_template_is_compiled_once_across_measurements(task_manager,
     from jinja2 import Environment
     from lm_eval import utils
 
+    from lm_eval_headloc.measurement import harness
     from lm_eval_headloc.measurement import measure as measure_module
 
-    measure_module._compiled.cache_clear()
+    harness._compiled.cache_clear()
     compiled: list[str] = []
     from_string = Environment.from_string
 
@@ -227,7 +228,7 @@ def test_each_prompt_template_is_compiled_once_across_measurements(task_manager,
     templates = set(compiled)
     assert templates == {"{{question}}", "{{choices}}", "{{answer}}"}
     assert len(compiled) == len(templates)  # lm-eval alone: once per document and use
-    assert utils.apply_template is not measure_module._apply_template  # put back
+    assert utils.apply_template is not harness._apply_template  # put back
 
     # lm-eval's own apply_template, compiling every time, scores alike.
     monkeypatch.setattr(measure_module, "templates_compiled_once", contextlib.nullcontext)

@@ -124,7 +124,8 @@ def _load_startup_hook() -> None:
         try:
             import _lm_eval_headloc_startup as module
         except ImportError:  # used from a checkout without installing
-            path = (Path(__file__).resolve().parent.parent / "startup"
+            # lm_eval_headloc/intervention/registration.py -> the checkout's startup/
+            path = (Path(__file__).resolve().parents[2] / "startup"
                     / "_lm_eval_headloc_startup.py")
             spec = importlib.util.spec_from_file_location("_lm_eval_headloc_startup", path)
             if spec is None or spec.loader is None or not path.is_file():
