@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 from lm_eval_headloc.bench.defaults import confirmed_split  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
 from lm_eval_headloc.commands.greedy import greedy  # noqa: E402
-from lm_eval_headloc.commands.locate import attribution_prior, locate, mask_keys, refit  # noqa: E402
+from lm_eval_headloc.commands.locate import attribution_prior, locate, refit  # noqa: E402
 from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_heads  # noqa: E402
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
@@ -67,7 +67,7 @@ from lm_eval_headloc.measurement.metrics import TaskScore  # noqa: E402
 from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE  # noqa: E402
 from lm_eval_headloc.method.confirm import alternated, prior_rankings  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.method.fit import fit_rankings  # noqa: E402
+from lm_eval_headloc.method.fit import fit_rankings, mask_keys  # noqa: E402
 from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
 from lm_eval_headloc.runs.plan import load_model, open_measurement, run_plan  # noqa: E402
 from lm_eval_headloc.runs.setup import prepare  # noqa: E402
