@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lm_eval_headloc.method.ranking import RankingFacts
+from lm_eval_headloc.method.ranking import CertificateRecord, GroupTestRecord, RankingFacts
 
 ROOT = Path(__file__).resolve().parents[1]
 #: heads.json's keys that are the ranking itself, not its facts.
@@ -30,14 +30,20 @@ def test_every_committed_ranking_file_round_trips_in_order():
     files = _committed_rankings()
     assert len(files) > 100  # the benchmarks' runs, locate's and greedy's
     methods = set()
+    certified = 0
     for path in files:
         data = json.loads(path.read_text())
         keys = {k: v for k, v in data.items() if k not in RANKING_KEYS}
         facts = RankingFacts.from_json(keys)
         assert list(facts.to_json().items()) == list(keys.items()), path
         assert facts.other == {}, path
+        if "certificate" in keys:  # typed too, its group tests included
+            assert isinstance(facts.certificate, CertificateRecord)
+            assert all(isinstance(g, GroupTestRecord) for g in facts.certificate.group_tests)
+            certified += 1
         methods.add(facts.method.split(",")[0])
     assert {"compressed sensing (Lasso)", "one-shot greedy"} <= methods
+    assert certified > 50
 
 
 def test_presence_rules():

@@ -39,6 +39,8 @@ from lm_eval_headloc.method.group_tests import (
     group_size,
 )
 from lm_eval_headloc.method.ranking import (
+    CertificateRecord,
+    GroupTestRecord,
     Ranking,
     RankingFacts,
     all_measured_alone,
@@ -195,7 +197,7 @@ CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it 
 def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any], task: str,
                  higher: bool, alone: Changes, records: Mapping[str, Mapping[str, Any]],
                  confirmed: Mapping[str, Any] | None, columns: Columns,
-                 candidates: Sequence[int], top_k: int) -> dict[str, Any]:
+                 candidates: Sequence[int], top_k: int) -> CertificateRecord:
     """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
     measurements rule out for ``task`` and what they leave unchecked, in names
     (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
@@ -211,16 +213,17 @@ def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any],
                                                                         alone_harm))
     sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
     coverage = [cert.coverage[h] for h in cert.unchecked]
-    return {"rule": CERTIFICATE_RULE, "entry_bar": cert.bar, "top_k": top_k,
-            "measured_alone": len(cert.alone), "ruled_out": len(cert.ruled_out),
-            "bound": cert.bound, "unchecked": columns.names(cert.unchecked),
-            "unchecked_never_in_a_mask": sum(c == 0 for c in coverage),
-            "unchecked_in_one_mask": sum(c == 1 for c in coverage),
-            "unchecked_beside_measured": columns.names(cert.shadowed),
-            "group_size": int(size), "group_tests_run": int(recorded.get("budget", 0)),
-            "group_tests": [{"components": columns.names(m), "change": sign * value}
-                            for m, value in cert.groups],
-            "group_tests_to_cover": -(-len(cert.unchecked) // int(size))}
+    return CertificateRecord(
+        rule=CERTIFICATE_RULE, entry_bar=cert.bar, top_k=top_k,
+        measured_alone=len(cert.alone), ruled_out=len(cert.ruled_out), bound=cert.bound,
+        unchecked=columns.names(cert.unchecked),
+        unchecked_never_in_a_mask=sum(c == 0 for c in coverage),
+        unchecked_in_one_mask=sum(c == 1 for c in coverage),
+        unchecked_beside_measured=columns.names(cert.shadowed),
+        group_size=int(size), group_tests_run=int(recorded.get("budget", 0)),
+        group_tests=[GroupTestRecord(columns.names(m), sign * value)
+                     for m, value in cert.groups],
+        group_tests_to_cover=-(-len(cert.unchecked) // int(size)))
 
 
 class _TaskFit(NamedTuple):

@@ -8,7 +8,7 @@ back, the one inverse of the other.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -23,9 +23,9 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup
 from lm_eval_headloc.method.recovery import STABLE, Stability, harm
 
-__all__ = ["TIE_EVIDENCE", "Ranking", "RankingFacts", "all_measured_alone",
-           "largest_single_help", "ranked_heads_json", "ranking_from_json", "relative_drop",
-           "type_fields"]
+__all__ = ["TIE_EVIDENCE", "CertificateRecord", "GroupTestRecord", "Ranking", "RankingFacts",
+           "all_measured_alone", "largest_single_help", "ranked_heads_json", "ranking_from_json",
+           "relative_drop", "type_fields"]
 
 
 #: What a ranking records of each column beyond its effect, for orders that must tell equal
@@ -36,6 +36,48 @@ __all__ = ["TIE_EVIDENCE", "Ranking", "RankingFacts", "all_measured_alone",
 #: among equal fitted effects); and, where the run has a prior, its attribution estimates
 #: of the log-likelihood's change, one per path point.
 TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
+
+
+@dataclass
+class GroupTestRecord:
+    """One group test as heads.json records it: the set knocked out and the score's change."""
+
+    components: list[str]
+    change: float
+
+
+@dataclass
+class CertificateRecord:
+    """heads.json's ``certificate`` (``fit._certificate``, from ``group_tests.certificate``):
+    what a task's measurements rule out under ``rule`` and what they leave unchecked, in
+    names. ``entry_bar``: the top-k's bar (the k-th largest harm measured alone);
+    ``measured_alone`` and ``ruled_out`` (by a measured set under the bar, each at most
+    ``bound`` alone) count components; ``unchecked`` names the rest, likeliest first, with
+    how many of them no mask or one mask knocked out and which sat beside a measured one;
+    ``group_size``, the tests run and those that would cover the unchecked."""
+
+    rule: str
+    entry_bar: float
+    top_k: int
+    measured_alone: int
+    ruled_out: int
+    bound: float
+    unchecked: list[str]
+    unchecked_never_in_a_mask: int
+    unchecked_in_one_mask: int
+    unchecked_beside_measured: list[str]
+    group_size: int
+    group_tests_run: int
+    group_tests: list[GroupTestRecord]
+    group_tests_to_cover: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # field order: the file's key order
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CertificateRecord:
+        return cls(**{**data, "group_tests": [GroupTestRecord(**g)
+                                              for g in data["group_tests"]]})
 
 
 @dataclass
@@ -71,7 +113,7 @@ class RankingFacts:
     next: list[str] | None = None
     prior_top_k: list[str] | None = None
     prior_found_nothing: bool = False
-    certificate: dict[str, Any] | None = None
+    certificate: CertificateRecord | None = None
     largest_single_help: dict[str, Any] | None = None
     other: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +130,8 @@ class RankingFacts:
             elif f.name == "prior_found_nothing":
                 if value:
                     out[f.name] = True
+            elif isinstance(value, CertificateRecord):
+                out[f.name] = value.to_json()
             elif value is not None:
                 out[f.name] = value
         return out
@@ -98,8 +142,10 @@ class RankingFacts:
         known = {f.name for f in fields(cls)} - {"other"}
         if "alpha" not in data:  # R²s without a fit's alpha: kept as read, not as the fit's
             known -= set(_FIT_DIAGNOSTICS)
-        return cls(**{k: v for k, v in data.items() if k in known},
-                   other={k: v for k, v in data.items() if k not in known})
+        given = {k: v for k, v in data.items() if k in known}
+        if given.get("certificate") is not None:
+            given["certificate"] = CertificateRecord.from_json(given["certificate"])
+        return cls(**given, other={k: v for k, v in data.items() if k not in known})
 
 
 #: The Lasso's diagnostics, null in a file where they say nothing (``RankingFacts``).

@@ -263,53 +263,53 @@ def certificate_words(ranking: Ranking, unit: str = "head") -> list[str]:
     cert = ranking.facts.certificate
     if not cert:
         return []
-    k, bar = cert["top_k"], cert["entry_bar"]
+    k, bar = cert.top_k, cert.entry_bar
     entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {k}th "
              "largest measured alone)," if bar > 0 else
              f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
              f"it, so any harm would enter the top-{k})")
-    lines = [f"### What was checked ({cert['measured_alone'] + cert['ruled_out']} of "
-             f"{cert['measured_alone'] + cert['ruled_out'] + len(cert['unchecked'])} "
+    lines = [f"### What was checked ({cert.measured_alone + cert.ruled_out} of "
+             f"{cert.measured_alone + cert.ruled_out + len(cert.unchecked)} "
              f"{unit}s)", "",
-             f"Under the rule that {cert['rule']} — an assumption: a {unit} whose knockout "
+             f"Under the rule that {cert.rule} — an assumption: a {unit} whose knockout "
              f"helps can hide one that hurts in the same set — a measured set whose harm "
              f"{entry} rules out each of its members.", "",
-             f"- measured alone: {cert['measured_alone']} {unit}s (the table's measured "
+             f"- measured alone: {cert.measured_alone} {unit}s (the table's measured "
              "changes)"]
-    if cert["ruled_out"]:
-        lines.append(f"- ruled out by a mask or group test: {cert['ruled_out']} {unit}s; "
-                     + (f"none of them alone harms the task by more than {cert['bound']:.4g} "
-                        "(the harm of the set that ruled it out)" if cert["bound"] > 0 else
+    if cert.ruled_out:
+        lines.append(f"- ruled out by a mask or group test: {cert.ruled_out} {unit}s; "
+                     + (f"none of them alone harms the task by more than {cert.bound:.4g} "
+                        "(the harm of the set that ruled it out)" if cert.bound > 0 else
                         "none of them alone hurts the task (each set that ruled one out "
                         "left the score as good or better)"))
     else:
         lines.append(f"- ruled out by a mask or group test: none (every measured set with "
                      f"an unmeasured {unit} in it reached the bar)")
-    groups = cert["group_tests"]
+    groups = cert.group_tests
     if groups:
-        shown = "; ".join(f"{'+'.join(g['components'][:4])}"
-                          + (f"+{len(g['components']) - 4} more" if len(g["components"]) > 4
-                             else "") + f" {g['change']:+.4f}" for g in groups[:8])
-        lines.append(f"- group tests ({len(groups)} sets of up to {cert['group_size']} "
+        shown = "; ".join(f"{'+'.join(g.components[:4])}"
+                          + (f"+{len(g.components) - 4} more" if len(g.components) > 4
+                             else "") + f" {g.change:+.4f}" for g in groups[:8])
+        lines.append(f"- group tests ({len(groups)} sets of up to {cert.group_size} "
                      f"{unit}s, halved where they reached the bar): {shown}"
                      + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
                         else ""))
-    unchecked = cert["unchecked"]
+    unchecked = cert.unchecked
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
                   f"the rule, no {unit} outside the table's measured ones would enter the "
                   f"top-{k}.", ""]
         return lines
-    beside = cert["unchecked_beside_measured"]
+    beside = cert.unchecked_beside_measured
     lines += [f"- **not checked: {len(unchecked)} {unit}s** "
-              f"({cert['unchecked_never_in_a_mask']} never knocked out by a mask, "
-              f"{cert['unchecked_in_one_mask']} in one mask only"
+              f"({cert.unchecked_never_in_a_mask} never knocked out by a mask, "
+              f"{cert.unchecked_in_one_mask} in one mask only"
               + (f", {len(beside)} only in masks beside a {unit} measured to reach the bar"
                  if beside else "") + f"): {_listed(unchecked)}. Any of them could enter "
               f"the top-{k}; the masks' estimate is all the run has for them.", "",
-              f"`--group-tests {cert['group_tests_run'] + cert['group_tests_to_cover']}` "
+              f"`--group-tests {cert.group_tests_run + cert.group_tests_to_cover}` "
               f"would knock each of them out in at least one group of "
-              f"{cert['group_size']} (more tests where a group reaches the bar and is "
+              f"{cert.group_size} (more tests where a group reaches the bar and is "
               "halved); a larger `--confirm` measures the likeliest alone.", ""]
     return lines
 
@@ -320,13 +320,13 @@ def certificate_line(ranking: Ranking) -> str | None:
     if not cert:
         return None
     unit = UNIT[components_of(ranking.columns)]
-    unchecked = len(cert["unchecked"])
-    ruled = (f", {cert['ruled_out']} ruled out by sets under the top-{cert['top_k']}'s bar "
-             + (f"(each ≤ {cert['bound']:.4g} alone)" if cert["bound"] > 0 else
-                "(none of them hurts alone)") if cert["ruled_out"] else "")
+    unchecked = len(cert.unchecked)
+    ruled = (f", {cert.ruled_out} ruled out by sets under the top-{cert.top_k}'s bar "
+             + (f"(each ≤ {cert.bound:.4g} alone)" if cert.bound > 0 else
+                "(none of them hurts alone)") if cert.ruled_out else "")
     rest = (f", {unchecked} not checked (report.md: what would check them)" if unchecked
             else f"; every {unit} checked")
-    return f"  checked: {cert['measured_alone']} measured alone{ruled}{rest}"
+    return f"  checked: {cert.measured_alone} measured alone{ruled}{rest}"
 
 
 def _sparsity_words(run: LocateRun) -> str:
