@@ -7,73 +7,27 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TASKS
+from helpers import (
+    LASSO_ONLY,
+    TASKS,
+    assert_same_run,
+    fake_run,
+    harness,
+    last_error,
+    measurement_lines,
+    read_run,
+    stopped_part_way,
+    strict_json,
+    tiny_args,
+    write_heads,
+)
 
 from lm_eval_headloc.commands import RunSpec, engine
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.heads import read_heads_file
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
-
-
-#: locate's ranking from the masks' Lasso alone (before --confirm and --prior auto).
-LASSO_ONLY = ["--prior", "none", "--confirm", "0"]
-
-
-def tiny_args(folder) -> list[str]:
-    return ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
-
-
-def strict_json(path: Path):
-    """json.loads that refuses NaN/Infinity, as any strict JSON parser does."""
-    def refuse(name):
-        raise ValueError(f"{path} holds {name}, which is not JSON")
-    return json.loads(path.read_text(), parse_constant=refuse)
-
-
-def measurement_lines(folder: Path) -> list[dict]:
-    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
-
-
-def read_run(folder: Path) -> tuple[list[dict], dict]:
-    return measurement_lines(folder), strict_json(folder / "heads.json")
-
-
-def assert_same_run(resumed: Path, full: Path) -> None:
-    """The same measurements (timings aside) and the same ranking."""
-    resumed_records, resumed_heads = read_run(resumed)
-    full_records, full_heads = read_run(full)
-    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
-    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
-    assert resumed_heads == full_heads
-
-
-def last_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err, "no error message"
-    return err[-1]
-
-
-@pytest.fixture(scope="module")
-def tiny_locate_run(tiny_model_dir, tmp_path_factory):
-    """A finished locate run on a tiny Llama (8 heads) to read, refit and verify: the
-    Lasso's ranking alone (no prior, no confirmation)."""
-    out = tmp_path_factory.mktemp("runs") / "locate"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
-                   "--masks", "12", "--sparsity", "0.25", "--num-samples", "12",
-                   "--top-k", "3", *LASSO_ONLY, "--out", str(out)) == 0
-    return out
-
 
 # --- every subcommand checks everything before loading weights ------------------------
 
@@ -159,23 +113,6 @@ def test_measuring_commands_check_arguments_before_loading(
     assert code == 2
     assert message in last_error(capsys)
     assert not out.exists(), "a refused run must write nothing"
-
-
-def fake_run(folder: Path, model_dir: Path, task: str = "tiny_copy",
-             heads: tuple[str, ...] = ("L1H2", "L0H0", "L0H3", "L1H0", "L0H1", "L1H1"),
-             model_args: str | None = None
-             ) -> Path:
-    """A finished-looking locate run written by hand (no model needed to make it)."""
-    spec = RunSpec(model_args=model_args or f"pretrained={model_dir},dtype=float32,device=cpu",
-                   tasks=(task,), include_path=(TASKS,))
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "command": "locate", "identity": spec.identity("locate"),
-        "settings": spec.settings("locate"), "spec": spec.as_config(),
-        "layers": 2, "heads_per_layer": 4}))
-    (folder / f"heads-{task}.json").write_text(json.dumps(
-        {"heads": [{"rank": r, "head": h} for r, h in enumerate(heads, start=1)]}))
-    return folder
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -480,41 +417,6 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
     redone = json.loads(after[-1])
     assert (redone["key"], redone["mask"], redone["scores"]) == (
         lost["key"], lost["mask"], lost["scores"])
-
-
-#: Seconds a stopped run pauses after each measurement it writes (``stopped_part_way``).
-PAUSE = 0.25
-
-
-def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
-                     ) -> int:
-    """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
-    SIGINT) once ``after`` measurements are on disk; the measurements it left."""
-    # SIGINT as a terminal user's process has it: a child inherits an ignored or blocked
-    # SIGINT from this process (a library earlier in the suite may leave it so), and then
-    # a SIGINT stop would do nothing.
-    # Each measurement's line is followed by a pause, so that the stop lands before the next
-    # one: a tiny model measures in milliseconds, faster than this loop looks (it once
-    # finished the run before the kill).
-    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
-            "from lm_eval_headloc.commands.runfolder import RunFolder; "
-            "append = RunFolder.append_measurement; "
-            "RunFolder.append_measurement = lambda self, record: "
-            f"(append(self, record), time.sleep({PAUSE})); "
-            "from lm_eval_headloc.commands.cli import main; "
-            f"sys.exit(main({args!r} + sys.argv[1:]))")
-    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = out / "measurements.jsonl"
-    deadline = time.time() + seconds
-    while time.time() < deadline and process.poll() is None:
-        if log.is_file() and len(log.read_text().splitlines()) >= after:
-            stop(process)
-            break
-        time.sleep(0.02)
-    process.wait(timeout=seconds)
-    return len(log.read_text().splitlines())
 
 
 @pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
@@ -1314,21 +1216,6 @@ def test_a_task_without_documents_is_one_line(tiny_model_dir, tmp_path, capsys,
     with pytest.raises(AblationError, match=r"^ablation_data='mine': task 'mine' has no "
                                             r"documents$"):
         reference_texts("mine", task_manager=make_task_manager([str(folder)]))
-
-
-def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
-                effects: list[float] | None = None, tied: tuple[str, ...] = ()) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = RunSpec(model_args=model_args, tasks=(task,))
-    (folder / "config.json").write_text(json.dumps({
-        "command": "locate", "identity": spec.identity("locate"), "spec": spec.as_config(),
-        "settings": {}}))
-    effects = [-0.1] * len(heads) if effects is None else effects
-    (folder / f"heads-{task}.json").write_text(json.dumps(
-        {"higher_is_better": True,
-         "heads": [{"head": h, "effect": e} | ({"tied_with_above": True} if h in tied else {})
-                   for h, e in zip(heads, effects, strict=True)]}))
-    return folder
 
 
 def test_universal_heads_by_hand(tmp_path, capsys):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_lm
+from helpers import Request, load_lm
 
 from lm_eval_headloc.heads import parse_heads
 from lm_eval_headloc.measure import HarnessMeasurement
@@ -16,11 +16,6 @@ from lm_eval_headloc.multimask import RecordingLM, ReplayLM, loglikelihoods_for_
 
 BOTH = ["tiny_copy_ppl", "tiny_choice"]
 DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them
-
-
-class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
-    def __init__(self, args):
-        self.args = args
 
 
 def open_measurement(manager, lm, tasks=BOTH, **options):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import load_lm
+from helpers import load_lm
 
 from lm_eval_headloc.heads import Head
 from lm_eval_headloc.measure import HarnessMeasurement

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import load_lm
+from helpers import load_lm
 
 from lm_eval_headloc.heads import Neuron
 from lm_eval_headloc.measure import HarnessMeasurement, at_scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TASKS, load_lm
+from helpers import TASKS, load_lm
 
 from lm_eval_headloc.ablation import AblationError
 from lm_eval_headloc.checks import UsageError

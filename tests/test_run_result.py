@@ -9,23 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TASKS, script_module
+from helpers import TASKS, harness, script_module
 
 from lm_eval_headloc.commands import RunFolder, RunFolderError
-from lm_eval_headloc.commands.cli import main
 from lm_eval_headloc.commands.locate import auto_rounds, refit
 from lm_eval_headloc.commands.result import LocateRun, load_run
 from lm_eval_headloc.commands.runfolder import CONFIG_SCHEMA
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY = ROOT / "benchmarks" / "recovery-runs"
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
 
 
 def tiny_locate(model: Path, out: Path, *extra: str) -> list[str]:
