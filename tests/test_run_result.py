@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TASKS, harness, script_module
+from helpers import TASKS, harness, script_module, strict_json
 
 from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.locate import auto_rounds, refit
@@ -294,3 +294,21 @@ def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
         load_run(run)
     with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
         refit(run)
+
+
+# --- rankings read back -------------------------------------------------------------------
+
+def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
+                                                             tmp_path, no_model_loading):
+    from lm_eval_headloc.commands import RunFolderError, read_rankings
+    from lm_eval_headloc.commands.report import ranked_heads_json
+
+    before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
+    ranking = read_rankings(tiny_locate_run)["tiny_choice"]
+    written = strict_json(tiny_locate_run / "heads-tiny_choice.json")
+    assert json.loads(json.dumps(ranked_heads_json(ranking, 3))) == written
+    assert [str(h) for h in ranking.top(3)] == written["top_k"]
+    # Read only: nothing in the folder changed.
+    assert {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()} == before
+    with pytest.raises(RunFolderError, match="is not a run folder"):
+        read_rankings(tmp_path)
