@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, TASKS, load_lm
+from helpers import ARCHITECTURES, MASKS, TASKS, Request, load_lm, open_measurement
 
 from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts
 
@@ -459,8 +459,6 @@ def test_resample_holds_each_donor_once_however_many_copies_of_its_rows(tiny_mod
 
 def test_resample_and_mean_masks_per_pass_equal_hflm_one_mask_at_a_time(
         tiny_model_dir, task_manager, tmp_path):
-    from test_multimask import MASKS, Request, open_measurement
-
     from lm_eval_headloc.intervention.components import parse_heads
     from lm_eval_headloc.intervention.multimask import RecordingLM, loglikelihoods_for_masks
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TASKS
-from test_commands import (
+from helpers import (
+    TASKS,
     harness,
     last_error,
     strict_json,

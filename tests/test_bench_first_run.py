@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import TASKS, script_module
+from helpers import TASKS, script_module
 
 
 def test_a_first_and_a_later_run_are_timed_phase_by_phase(tiny_model_dir, tmp_path,

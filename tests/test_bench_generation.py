@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import script_module
+from helpers import script_module
 
 
 def test_the_generation_benchmark_writes_its_section(tmp_path):

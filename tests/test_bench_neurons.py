@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import script_module
+from helpers import script_module
 
 
 def _bench_neurons():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import script_module
+from helpers import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -402,7 +402,7 @@ def test_lm_eval_does_not_tell_our_tasks_loaders_about_metadata_they_do_not_take
     ours ignore it, and a notebook saw the note at every command. Other tasks keep it."""
     import logging
 
-    from conftest import TASKS as TEST_TASKS
+    from helpers import TASKS as TEST_TASKS
 
     from lm_eval_headloc.tasks import make_task_manager
 

@@ -1,9 +1,14 @@
-"""Confirmation in rounds and the screen's order, against answers worked out by hand."""
+"""Confirmation in rounds and the screen's order, against answers worked out by hand; and
+locate --confirm on a tiny model."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import numpy as np
 import pytest
+from helpers import harness, read_run, strict_json, tiny_args
 
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.budget import (
@@ -508,3 +513,172 @@ def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():
                              confirmed=confirmed)[task]
         np.testing.assert_array_equal(together[task].stability.selected,
                                       alone.stability.selected, err_msg=task)
+
+
+# --- locate --confirm on a tiny model -----------------------------------------------------
+
+def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """The default job drew a new bar for each of the confirmation's rounds. One
+    bar per phase (as lm-eval draws one per request type): the masks, then the
+    confirmation's heads alone (7: rounds of 5 and 2), each bar filled once."""
+    import tqdm as tqdm_module
+
+    bars = []
+
+    class Recorded(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
+            if not self.disable:  # shown (close() disables it later)
+                bars.append(self)
+
+    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--masks", "6", "--sparsity", "0.25", "--num-samples", "6",
+                   "--prior", "none", "--confirm", "7", "--out", str(tmp_path / "run")) == 0
+    shown = [(bar.desc, bar.n, bar.total) for bar in bars]
+    assert shown == [("locate", 7, 7), ("confirm", 7, 7)], shown
+    rounds = strict_json(tmp_path / "run" / "config.json")["confirm"]["rounds"]
+    assert [len(r) for r in rounds] == [5, 2]  # two rounds, one bar
+
+
+def test_confirm_knocks_out_the_likeliest_heads_alone_and_ranks_them_first(
+        tiny_model_dir, tmp_path):
+    import csv
+
+    from sklearn.linear_model import Lasso
+
+    out = tmp_path / "confirm"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "12", "--sparsity", "0.25", "--num-samples", "8", "--top-k", "2",
+            "--signal", "logprob", "--prior", "none", "--confirm", "3", "--out", str(out)]
+    assert harness(*args) == 0
+    records = {r["key"]: r for r in read_run(out)[0]}
+    heads = strict_json(out / "heads.json")
+    config = strict_json(out / "config.json")
+    # Candidates without a prior: the masks' Lasso's three most harmful heads, fitted
+    # here with sklearn directly (scores over their standard deviation, intercept).
+    design = np.load(out / "design_matrix.npy")
+    y = np.array([records[f"mask-{i:04d}"]["scores"]["tiny_copy"] for i in range(12)])
+    coef = Lasso(alpha=0.01, max_iter=10000).fit(design.astype(float), y / y.std()).coef_
+    screen = [f"L{i // 4}H{i % 4}" for i in np.argsort(coef, kind="stable")]
+    assert config["confirm"]["heads"] == screen[:3]
+    assert config["confirm"]["picked_by"] == {"tiny_copy": screen[:3]}
+    assert config["confirm"]["rounds"] == [screen[:3]]  # one round (of at most 5)
+    # Each was measured alone, and the ranking starts with them by measured change.
+    base = records["baseline"]["scores"]["tiny_copy"]
+    alone = {h: records[f"alone-{h}"]["scores"]["tiny_copy"] - base for h in screen[:3]}
+    assert all(records[f"alone-{h}"]["mask"] == h for h in alone)
+    first = [h["head"] for h in heads["heads"][:3]]
+    assert sorted(alone.values()) == [alone[h] for h in first]
+    # The rest: the masks refitted with the measured heads' changes held fixed (sklearn
+    # on the residual), equal fits ordered by the residual's marginal contrast.
+    flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
+    held = [flat[h] for h in alone]
+    residual = y - design[:, held].astype(float) @ np.array(list(alone.values()))
+    free = [i for i in range(8) if i not in held]
+    refit_coef = dict(zip(free, Lasso(alpha=0.01, max_iter=10000).fit(
+        design[:, free].astype(float), residual / residual.std()).coef_ * residual.std(),
+        strict=True))
+
+    def contrast(i):
+        inside = [r for r, row in zip(residual, design, strict=True) if row[i]]
+        outside = [r for r, row in zip(residual, design, strict=True) if not row[i]]
+        return np.mean(inside) - np.mean(outside) if inside and outside else 0.0
+
+    tail = sorted(free, key=lambda i: (refit_coef[i], contrast(i), i))
+    assert [h["head"] for h in heads["heads"][3:]] == [f"L{i // 4}H{i % 4}" for i in tail]
+    for entry in heads["heads"]:
+        assert entry["measured_alone"] == (entry["head"] in alone)
+        if entry["measured_alone"]:
+            assert entry["effect"] == pytest.approx(alone[entry["head"]])
+            assert entry["effect_interval"] is None
+        else:
+            assert entry["effect"] == pytest.approx(
+                refit_coef[flat[entry["head"]]], abs=1e-9)
+    with open(out / "heads.csv") as f:
+        rows = {row["head"]: row for row in csv.DictReader(f)}
+    assert {h for h, row in rows.items() if row["measured_alone"] == "1"} == set(alone)
+    report = (out / "report.md").read_text()
+    assert "3 heads knocked out one at a time" in report and "measured alone" in report
+    # refit measures nothing: the confirmed heads stay, the screen's fit may change.
+    assert harness("refit", str(out), "--alpha", "0.05") == 0
+    assert strict_json(out / "config.json")["confirm"] == config["confirm"]
+    assert [h["head"] for h in strict_json(out / "heads.json")["heads"][:3]] == first
+    assert harness("refit", str(out), "--alpha", "0.01") == 0
+    assert strict_json(out / "heads.json") == heads
+
+
+def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_dir, tmp_path):
+    out = tmp_path / "both"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
+                   "--prior", "atp", "--confirm", "4", "--out", str(out)) == 0
+    from lm_eval_headloc.method.confirm import prior_penalty_weights
+    from lm_eval_headloc.method.recovery import HeadLasso
+
+    stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]
+    prior = stored["ranking"]
+    records = {r["key"]: r for r in read_run(out)[0]}
+    design = np.load(out / "design_matrix.npy")
+    y = [records[f"mask-{i:04d}"]["scores"]["tiny_choice"] for i in range(8)]
+    # The screen: the prior-eased Lasso (checked against its definition above).
+    fit = HeadLasso(penalty_weights=prior_penalty_weights(-np.array(stored["effects"])))
+    screen = [f"L{i // 4}H{i % 4}" for i in fit.fit(design, y).ranking()]
+    expected = []
+    for source in [prior, screen, prior, screen]:  # in turn, skipping what is taken
+        expected.append(next(h for h in source if h not in expected))
+    assert np.count_nonzero(fit.coef_) >= 2  # the screen's picks are its fit's, not ties
+    assert strict_json(out / "config.json")["confirm"]["heads"] == expected
+    # --confirm above the model's 8 heads: every head alone (one-shot greedy's ranking).
+    every = tmp_path / "every"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
+                   "--out", str(every)) == 0  # the defaults: --confirm 34, --prior auto
+    config = strict_json(every / "config.json")
+    assert len(config["confirm"]["heads"]) == 8 and config["prior_used"] is True
+    records = {r["key"]: r for r in read_run(every)[0]}
+    base = records["baseline"]["scores"]["tiny_choice"]
+    changes = {h: records[f"alone-{h}"]["scores"]["tiny_choice"] - base
+               for h in config["confirm"]["heads"]}
+    ranked = [h["head"] for h in strict_json(every / "heads.json")["heads"]]
+    assert [changes[h] for h in ranked] == sorted(changes.values())
+
+
+def heads_top_k(run: Path) -> int:
+    return strict_json(run / "config.json")["spec"]["top_k"]
+
+
+def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_path, capsys):
+    """With more confirmation than heads (a small model, the default budget) every head is
+    measured alone: the fit has nothing left and its R² (0) and held-out R² said nothing
+    true; the report says why there is none."""
+    out = tmp_path / "all"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--masks", "4",
+                   "--prior", "none", "--confirm", "8", "--out", str(out)) == 0
+    heads = strict_json(out / "heads.json")
+    assert len(heads["confirmed"]) == 8
+    assert heads["r2"] is None and heads["r2_held_out"] is None  # as the report says
+    printed = capsys.readouterr().out
+    assert "R²" not in printed
+    # Every head measured alone: the one whose knockout helps most is the spread, and
+    # top heads that hurt by no more are marked so where the ranking is printed.
+    assert heads["higher_is_better"] is True  # logprob
+    best = max(heads["heads"], key=lambda e: e["effect"])
+    assert best["effect"] > 0  # random weights: some knockout helps (else nothing to test)
+    assert heads["largest_single_help"] == {"head": best["head"], "change": best["effect"]}
+    for entry in heads["heads"][:heads_top_k(out)]:
+        line = next(line for line in printed.splitlines()
+                    if line.strip().split()[1:2] == [entry["head"]])
+        within = entry["effect"] < 0 and -entry["effect"] <= best["effect"]
+        assert ("within the spread of single knockouts" in line) == within, line
+    report = (out / "report.md").read_text()
+    assert "Every head was measured alone, so each ranks by its measurement" in report
+    assert "Fit R²" not in report
+    some = tmp_path / "some"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--masks", "4",
+                   "--prior", "none", "--confirm", "2", "--out", str(some)) == 0
+    assert "Fit R² = " in (some / "report.md").read_text()
+    assert isinstance(strict_json(some / "heads.json")["r2"], float)

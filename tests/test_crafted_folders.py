@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TASKS, error_line, finished_run, harness
+from helpers import TASKS, error_line, finished_run, harness
 
 from lm_eval_headloc.commands import read_rankings
 from lm_eval_headloc.runs.folder_checks import RunFolderError

@@ -9,19 +9,14 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import TASKS, finished_run
-from test_commands import harness
-from test_commands import measurement_lines as lines
+from helpers import TASKS, finished_run, harness, last_error
+from helpers import measurement_lines as lines
 
 from lm_eval_headloc.method.ranking import relative_drop
 
 PPL = ("L1H2", "L0H0", "L0H3", "L1H0")
 ROLLING = ("L0H1", "L1H3", "L1H2", "L0H2")
 METRIC = {"tiny_copy_ppl": "perplexity,none", "tiny_rolling": "word_perplexity,none"}
-
-
-def last_error(capsys) -> str:
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

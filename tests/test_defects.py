@@ -11,8 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import TASKS
-from test_commands import harness, last_error, tiny_args
+from helpers import TASKS, harness, last_error, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.common.errors import UserError
@@ -185,7 +184,7 @@ def test_a_log_likelihood_of_no_gold_answer_is_refused_before_weights_load(
 
 
 def test_prior_auto_is_none_for_a_task_without_gold_answers(tiny_model_dir):
-    from conftest import load_lm
+    from helpers import load_lm
 
     from lm_eval_headloc.measurement.measure import HarnessMeasurement
     from lm_eval_headloc.measurement.signals import no_logprob_reason

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_lm
 from fake_cuda import DEVICE, FakeCuda, on_device, on_fake_cuda, pinned
+from helpers import load_lm
 
 from lm_eval_headloc.intervention.multimask import LoglikelihoodRequests, loglikelihoods_for_masks
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS

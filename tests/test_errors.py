@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from test_commands import harness, last_error
+from helpers import harness, last_error
 
 import lm_eval_headloc
 from lm_eval_headloc.cli import main as cli

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import RANKED, RANKED_HEADS_PER_LAYER, ranking
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.report.mib import MARKER, MIB_MODELS, mib_graph, write_mib
@@ -28,26 +29,9 @@ from lm_eval_headloc.report.mib_format import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mib" / "node_importances_2x3.json"
-LAYERS, HEADS, WIDTH = 2, 3, 8
-
-# A 2-layer x 3-head ranking, most harmful first (higher is better: a negative effect
-# hurts). L0H2 has no effect; L1H2 is left out of the ranking (as --exclude leaves it).
-RANKED = [("L0H0", -0.5), ("L1H0", -0.125), ("L1H1", 0.0), ("L0H1", 0.25), ("L0H2", None)]
-
-
-def ranking(task: str = "toy", higher_is_better: bool = True,
-            entries: list | None = None) -> dict:
-    """A heads-<task>.json as locate writes it (the fields export reads, and some it
-    does not)."""
-    heads = entries if entries is not None else [
-        {"rank": rank, "head": name, "layer": int(name[1]), "head_in_layer": int(name[3]),
-         "effect": effect, "selected": 1.0, "measured_alone": effect is not None}
-        for rank, (name, effect) in enumerate(RANKED, start=1)]
-    return {"task": task, "metric": "acc,none", "higher_is_better": higher_is_better,
-            "baseline": 0.75, "heads_per_layer": HEADS, "top_k": ["L0H0", "L1H0"],
-            "confirmed": ["L0H0", "L1H0", "L1H1", "L0H1"], "tied_with_above": [],
-            "same_masks": {}, "largest_single_help": {"head": "L0H1", "change": 0.25},
-            "heads": heads}
+# helpers.ranking(): a heads-<task>.json of a 2-layer x 3-head model ranking RANKED (L0H2
+# has no effect; L1H2 is left out, as --exclude leaves it).
+LAYERS, HEADS, WIDTH = 2, RANKED_HEADS_PER_LAYER, 8
 
 
 def make_run(folder: Path, *, command: str = "locate", tasks: tuple[str, ...] = ("toy",),

@@ -1,11 +1,13 @@
 """greedy's ranking: the rule for heads measured alone (``confirm.rank_measured``), worked
-out by hand; the command itself runs on the tiny model in tests/test_commands.py."""
+out by hand; and the command itself on a tiny model (one-shot, iterative, a rerun)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
+from helpers import harness, read_run, strict_json, tiny_args
 
 from lm_eval_headloc.commands.greedy import _rankings
 from lm_eval_headloc.intervention.components import Head
@@ -252,7 +254,6 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     """With --neuron-groups a group of many neurons is measured alone where the fit
     implicates it; its help is no measure of what knocking out one neuron flips, and it
     called every top neuron's measured harm noise."""
-    from lm_eval_headloc.method.columns import Columns
     from lm_eval_headloc.method.ranking import Ranking
     from lm_eval_headloc.report.pages import spread_words
 
@@ -273,3 +274,74 @@ def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     assert spread_words(_recorded(ranking), 2, "neuron")[0].startswith(
         "Nothing beyond the spread of single knockouts: no top-2 neuron hurts the task by "
         "more than knocking out one neuron alone helps it (L1N0: +0.0120)")
+
+
+# --- the greedy command on a tiny model ---------------------------------------------------
+
+def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("gpt2")
+    one = tmp_path / "one"
+    assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
+                   "--top-k", "3", "--out", str(one)) == 0
+    records, heads = read_run(one)
+    assert len(records) == 1 + 8  # baseline + every head alone
+    base = records[0]["scores"]["tiny_copy"]
+    drops = {r["mask"]: base - r["scores"]["tiny_copy"] for r in records[1:]}
+    base_logprob = records[0]["logprob"]["tiny_copy"]
+    logprob_drops = {r["mask"]: base_logprob - r["logprob"]["tiny_copy"] for r in records[1:]}
+    ranked = [h["head"] for h in heads["heads"]]
+    # Most harmful first; equal accuracy drops by the gold log-likelihood's drop, then in
+    # head order (L0H0 < L0H1 < ... by flat index).
+    flat = {f"L{i // 4}H{i % 4}": i for i in range(8)}
+    assert ranked == sorted(drops, key=lambda h: (-drops[h], -logprob_drops[h], flat[h]))
+    assert len(set(drops.values())) < len(drops), "no tie: the tie-break was not tested"
+    # What kind of head each is, as in a locate run's files (types.json written once).
+    types = strict_json(one / "types.json")
+    assert set(heads["heads"][0]["types"]) == set(types["scores"])
+    head = heads["heads"][0]["head"]
+    layer, index = int(head[1:head.index("H")]), int(head[head.index("H") + 1:])
+    assert heads["heads"][0]["types"]["induction"] == pytest.approx(
+        types["scores"]["induction"][layer][index], abs=1e-6)
+    assert "type" in (one / "heads.csv").read_text().splitlines()[0].split(",")
+
+    it = tmp_path / "iterative"
+    assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
+                   "--rounds", "2", "--top-k", "3", "--out", str(it)) == 0
+    records, heads = read_run(it)  # strict JSON: no NaN for the round-1 winner
+    assert len(records) == 1 + 8 + 7
+    winner = heads["winners"][0]
+    assert all(r["mask"].count("+") == 1 and winner in r["mask"]
+               for r in records if r["key"].startswith("round2-"))
+    by_key = {r["key"]: r["scores"]["tiny_copy"] for r in records}
+    effects = {h["head"]: h["effect"] for h in heads["heads"]}
+    # The first winner's effect is what it cost in round 1; the others' their round 2 cost.
+    assert effects[winner] == pytest.approx(by_key[f"round1-{winner}"] - by_key["baseline"])
+    second = heads["winners"][1]
+    assert effects[second] == pytest.approx(by_key[f"round2-{second}"]
+                                            - by_key[f"round1-{winner}"])
+    assert [h["head"] for h in heads["heads"][:2]] == heads["winners"]
+    assert "nan" not in (it / "heads.csv").read_text().lower()
+
+
+def test_a_finished_greedy_run_reruns_without_loading_the_model(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    out = tmp_path / "iterative"
+    args = ["greedy", *tiny_args(tiny_model_dir("gpt2")), "--tasks", "tiny_copy",
+            "--num-samples", "12", "--rounds", "2", "--top-k", "3", "--out", str(out)]
+    assert harness(*args) == 0
+    files = {name: (out / name).read_bytes() for name in
+             ("heads.json", "heads.csv", "types.json", "config.json", "measurements.jsonl")}
+    original = HFHeadAblateLM.__init__
+    loads = []
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    assert harness(*args) == 0
+    assert loads == [] and {n: (out / n).read_bytes() for n in files} == files
+    # The last round's last measurement lost: the model loads to measure it again.
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    assert harness(*args) == 0
+    assert loads == [1]
+    assert (out / "heads.json").read_bytes() == files["heads.json"]

@@ -11,6 +11,14 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import (
+    assert_same_run,
+    harness,
+    read_run,
+    stopped_part_way,
+    strict_json,
+    tiny_args,
+)
 
 from lm_eval_headloc.method.group_tests import (
     background_harm,
@@ -193,15 +201,6 @@ def test_a_set_above_the_bar_rules_out_nothing_and_the_unchecked_say_where_they_
 
 
 # --- a locate run with group tests -------------------------------------------------------
-
-from conftest import harness  # noqa: E402
-from test_commands import (  # noqa: E402
-    assert_same_run,
-    read_run,
-    stopped_part_way,
-    strict_json,
-    tiny_args,
-)
 
 # A random model's knockouts hurt the gold answers' log-likelihood now and then: with
 # two masks and one head measured alone, six heads are left for the group tests (seed 1:

@@ -220,7 +220,7 @@ def test_types_read_a_chat_prompt_as_the_measurement_does(tiny_model_dir, tmp_pa
     import json
     import shutil
 
-    from conftest import load_lm
+    from helpers import load_lm
 
     # The module that computes types.json's content.
     types_command = importlib.import_module("lm_eval_headloc.method.head_types")
@@ -559,7 +559,7 @@ def test_smollm2_labels_hold_across_probe_seeds(smollm2, monkeypatch):
     labels it too or says it is too near that threshold to tell (borderline)."""
     import importlib
 
-    from conftest import load_lm
+    from helpers import load_lm
 
     # The module that holds the probe and computes types.json's content.
     types_module = importlib.import_module("lm_eval_headloc.method.head_types")

@@ -1,4 +1,4 @@
-"""Head notation: parsing, formatting, validation and head files."""
+"""Head notation: parsing, formatting, validation, head files and inline head lists."""
 
 import itertools
 import json
@@ -235,3 +235,24 @@ def test_read_heads_file_keeps_groups_whole_layers_and_neurons(tmp_path):
     text = tmp_path / "heads.txt"
     text.write_text("L3H*\n L0H1 + L2N5 \n")
     assert read_heads_file(text) == ["L3H*", "L0H1", "L2N5"]
+
+
+# --- head lists on the command line -------------------------------------------------------
+
+def test_a_long_inline_head_list_is_heads_not_a_file_name(tmp_path, monkeypatch):
+    """--never-ablate with 261 heads inline (an audit's run on the embedded model): the
+    check for a file of that name raised 'File name too long' as a traceback."""
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.intervention.components import Head
+    from lm_eval_headloc.runs.setup import head_list
+
+    monkeypatch.chdir(tmp_path)
+    names = [f"L{layer}H{head}" for layer in range(1, 30) for head in range(9)]
+    assert len("+".join(names)) > 255  # longer than a file name may be
+    assert head_list("+".join(names), 30, 9, "--never-ablate") == [
+        Head(layer, head) for layer in range(1, 30) for head in range(9)]
+    # A file is still read as one, and a bad name is still a one-line error.
+    (tmp_path / "keep.txt").write_text("L0H1\nL2H3\n")
+    assert head_list("keep.txt", 30, 9, "--never-ablate") == [Head(0, 1), Head(2, 3)]
+    with pytest.raises(UsageError, match="--never-ablate: "):
+        head_list("+".join([*names, "L40H0"]), 30, 9, "--never-ablate")

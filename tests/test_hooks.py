@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, GQA_FAMILIES, HEADS, HIDDEN, KV_HEADS, LAYERS
+from helpers import ARCHITECTURES, GQA_FAMILIES, HEADS, HIDDEN, KV_HEADS, LAYERS
 from torch import nn
 from transformers import AutoModelForCausalLM
 

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import HEADS, HYBRID_HEAD_LAYERS, TASKS, hybrid_config, load_lm
+from helpers import HEADS, HYBRID_HEAD_LAYERS, TASKS, harness, hybrid_config, load_lm
 from transformers import AutoModelForCausalLM
 
-from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.intervention.components import ComponentSpecError
 from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound
 from lm_eval_headloc.intervention.geometry import Geometry
@@ -30,13 +29,6 @@ HEAD_DIM = 8  # hybrid_config's head_dim
 O_PROJ = "model.layers.{}.self_attn.o_proj"
 #: Every head of the tiny hybrid, by name: layers 1 and 3 only.
 HYBRID_HEADS = {f"L{layer}H{head}" for layer in HYBRID_HEAD_LAYERS for head in range(HEADS)}
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:
-        return exit_.code
 
 
 @pytest.fixture(scope="module")

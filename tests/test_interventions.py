@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_lm
-from test_model import _per_sample_loglikelihoods, _simple_evaluate
+from helpers import load_lm, per_sample_loglikelihoods, simple_evaluate
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
@@ -34,20 +33,20 @@ def _hooks_idle(lm) -> bool:
 
 def test_passes_with_different_interventions_leave_nothing_behind(tiny_model_dir):
     folder = tiny_model_dir("llama")
-    truth = {name: _per_sample_loglikelihoods(_simple_evaluate(model=_hand_zeroed(folder, h)))
+    truth = {name: per_sample_loglikelihoods(simple_evaluate(model=_hand_zeroed(folder, h)))
              for name, h in {"": [], "L0H1": [(0, 1)], "L1H2+L0H3": [(1, 2), (0, 3)]}.items()}
     assert truth["L0H1"] != pytest.approx(truth[""], abs=1e-5)  # so the test could fail
 
     lm = load_lm(folder)
-    plain_first = _per_sample_loglikelihoods(_simple_evaluate(model=lm))
+    plain_first = per_sample_loglikelihoods(simple_evaluate(model=lm))
     assert plain_first == pytest.approx(truth[""], abs=1e-6)
     for spec in ["L0H1", "L1H2+L0H3", "L0H1"]:
         with lm.knocking_out(spec):
-            ablated = _per_sample_loglikelihoods(_simple_evaluate(model=lm))
+            ablated = per_sample_loglikelihoods(simple_evaluate(model=lm))
         assert ablated == pytest.approx(truth[spec], abs=1e-6), spec
         assert _hooks_idle(lm) and lm.knocked_out == ()
         # A plain lm-eval call right after: the model as loaded.
-        plain = _per_sample_loglikelihoods(_simple_evaluate(model=lm))
+        plain = per_sample_loglikelihoods(simple_evaluate(model=lm))
         assert plain == pytest.approx(truth[""], abs=1e-6), spec
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import load_lm
+from helpers import load_lm
 
 from lm_eval_headloc.measurement.lm_eval_output import (
     HASH_DIGITS,
@@ -336,7 +336,7 @@ def test_model_args_as_the_cli_records_them():
 
 def test_verify_writes_each_knockout_as_lm_evals_own_results(tiny_model_dir, tmp_path,
                                                              capsys):
-    from conftest import finished_run
+    from helpers import finished_run
     from lm_eval.utils import (
         get_results_filenames,
         get_sample_results_filenames,
@@ -392,7 +392,7 @@ def test_output_path_on_a_generation_task_with_auto_batch_size_probes_once(
         tiny_model_dir, tmp_path, monkeypatch):
     """lm-eval's own evaluations for --output-path generate in the measurement's batch
     (resolved once from the requests), never probing max_length-wide rows per call."""
-    from conftest import finished_run
+    from helpers import finished_run
 
     from lm_eval_headloc.cli.main import main
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
@@ -433,7 +433,7 @@ def test_a_rerun_with_another_output_path_or_log_samples_writes_them(tiny_model_
     """A finished verify rerun with a new --output-path, or adding --log-samples, used to
     write nothing (the files of the first --output-path counted as done) while its
     config.json named the new folder."""
-    from conftest import finished_run
+    from helpers import finished_run
 
     from lm_eval_headloc.cli.main import main
 
@@ -466,7 +466,7 @@ def test_output_path_names_a_mean_knockout_as_one(tiny_model_dir, tmp_path):
     ablation=mean (with the reference it was given), so rerunning them with lm_eval gives
     this evaluation, not a zero knockout's; its name and folder differ from a zero
     knockout's of the same heads."""
-    from conftest import finished_run
+    from helpers import finished_run
 
     from lm_eval_headloc.cli.main import main
 
@@ -511,7 +511,7 @@ def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_p
     and a loglikelihood task not (the default): lm-eval's own files must ask the same, so
     each knockout gets one file per setting, each file saying its setting, each sample's
     prompt the one the measurement used."""
-    from conftest import finished_run, with_chat_template
+    from helpers import finished_run, with_chat_template
     from transformers import AutoTokenizer
 
     from lm_eval_headloc.cli.main import main
@@ -561,7 +561,7 @@ def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_p
 
 
 def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path):
-    from conftest import finished_run
+    from helpers import finished_run
 
     from lm_eval_headloc.cli.main import main
 
@@ -586,7 +586,7 @@ def test_cross_writes_each_set_as_lm_evals_own_results(tiny_model_dir, tmp_path)
     (["--log_samples"], "--log-samples: give --output-path too"),
 ])
 def test_bad_output_paths_are_refused_before_loading(tmp_path, capsys, options, message):
-    from conftest import finished_run
+    from helpers import finished_run
 
     from lm_eval_headloc.cli.main import main
 

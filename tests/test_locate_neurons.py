@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_commands import (
+from helpers import (
     assert_same_run,
     harness,
     read_run,
@@ -16,7 +16,7 @@ from test_commands import (
     strict_json,
     tiny_args,
 )
-from test_commands import measurement_lines as read_run_lines
+from helpers import measurement_lines as read_run_lines
 
 from lm_eval_headloc.intervention.components import Head, Neuron, parse_components
 from lm_eval_headloc.method.columns import Columns, neuron_candidates

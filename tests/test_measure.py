@@ -1,5 +1,5 @@
-"""``HarnessMeasurement``: the examples it uses, its batch size, masks per pass, and the
-models whose loglikelihoods only HFLM computes right."""
+"""``HarnessMeasurement``: the examples it uses, its batch size, masks per pass, the models
+whose loglikelihoods only HFLM computes right, and the tasks it gives a chat template."""
 
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ import math
 
 import pytest
 import torch
-from conftest import load_lm
+from helpers import TASKS, Request, load_lm
 
+from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.intervention.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
+from lm_eval_headloc.runs import setup as engine
 
 BOTH = ["tiny_copy_ppl", "tiny_choice"]
 DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them
-
-
-class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
-    def __init__(self, args):
-        self.args = args
 
 
 def open_measurement(manager, lm, tasks=BOTH, **options):
@@ -235,3 +232,26 @@ def test_each_prompt_template_is_compiled_once_across_measurements(task_manager,
     compiled.clear()
     assert measurement.measure_many(masks) == ours
     assert len(compiled) > 4 * len(masks) * len(templates)
+
+
+# --- the chat template --------------------------------------------------------------------
+
+def test_chat_template_goes_to_generation_tasks_when_the_model_has_one(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    setup = engine.prepare(RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},"
+                                              "dtype=float32",
+                                   tasks=("swear", "tiny_copy"), include_path=(TASKS,)))
+    with_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ x }}"))
+    without = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+
+    def chat(lm, override=None):
+        return HarnessMeasurement(lm, setup.tasks, setup.loaded, num_samples=2,
+                                  apply_chat_template=override).chat_template
+
+    assert chat(with_template) == {"swear": True, "tiny_copy": False}
+    assert chat(without) == {"swear": False, "tiny_copy": False}
+    assert chat(with_template, override=False) == {"swear": False, "tiny_copy": False}
+    assert chat(without, override=True) == {"swear": True, "tiny_copy": True}

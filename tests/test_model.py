@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TASKS, per_sample_loglikelihoods, simple_evaluate
 
 import lm_eval_headloc  # noqa: F401  (registers hf-headablate)
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = str(Path(__file__).parent / "tasks")
 LM_EVAL = str(Path(sys.executable).parent / "lm_eval")
 
 
@@ -264,24 +264,6 @@ def test_head_ranges_are_checked_after_the_weights_load(no_weight_loading):
         HFHeadAblateLM(pretrained="never-loaded", ablate="L99H0+L3H*")
 
 
-def _per_sample_loglikelihoods(results: dict) -> list[float]:
-    """Every choice's loglikelihood, sample by sample, flattened."""
-    return [float(r[0]) for s in results["samples"]["tiny_choice"] for r in s["filtered_resps"]]
-
-
-def _simple_evaluate(model_args: str | None = None, model=None, **kwargs) -> dict:
-    import lm_eval
-
-    from lm_eval_headloc.tasks import make_task_manager
-
-    # The package's manager is kept per process: indexing lm-eval's tasks takes seconds.
-    return lm_eval.simple_evaluate(
-        model=model if model is not None else "hf-headablate", model_args=model_args,
-        tasks=["tiny_choice"], task_manager=make_task_manager([TASKS]),
-        log_samples=True, **kwargs,
-    )
-
-
 def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("llama")
     args = f"pretrained={folder},dtype=float32"
@@ -296,9 +278,9 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     samples_file = next(tmp_path.rglob("samples_tiny_choice_*.jsonl"))
     cli_ll = [float(r[0]) for line in samples_file.read_text().splitlines()
               for r in json.loads(line)["filtered_resps"]]
-    masked = _per_sample_loglikelihoods(_simple_evaluate(f"{args},ablate=L1H2+L0H1",
-                                                         device="cpu"))
-    plain = _per_sample_loglikelihoods(_simple_evaluate(args, device="cpu"))
+    masked = per_sample_loglikelihoods(simple_evaluate(f"{args},ablate=L1H2+L0H1",
+                                                       device="cpu"))
+    plain = per_sample_loglikelihoods(simple_evaluate(args, device="cpu"))
     assert cli_ll == pytest.approx(masked, abs=1e-5)
     assert cli_ll != pytest.approx(plain, abs=1e-5)
     results_file = next(tmp_path.rglob("results_*.json"))
@@ -416,11 +398,11 @@ def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):
 
     folder = tiny_model_dir("gpt2")
     args = f"pretrained={folder},device=cpu,dtype=float32"
-    by_name = _per_sample_loglikelihoods(_simple_evaluate(f"{args},ablate=L1H0"))
+    by_name = per_sample_loglikelihoods(simple_evaluate(f"{args},ablate=L1H0"))
     live = HFHeadAblateLM(pretrained=str(folder), device="cpu", dtype="float32")
-    plain = _per_sample_loglikelihoods(_simple_evaluate(model=live))
+    plain = per_sample_loglikelihoods(simple_evaluate(model=live))
     live.set_heads("L1H0")
-    switched = _per_sample_loglikelihoods(_simple_evaluate(model=live))
+    switched = per_sample_loglikelihoods(simple_evaluate(model=live))
     assert switched == pytest.approx(by_name, abs=1e-6)
     assert switched != pytest.approx(plain, abs=1e-5)
 
@@ -434,18 +416,18 @@ def test_response_cache_never_crosses_masks(tiny_model_dir, tmp_path):
     reference = HFHeadAblateLM(pretrained=str(folder), device="cpu", dtype="float32")
     for spec in ["", "L0H1", "L1H3"]:
         reference.set_heads(spec)
-        truth[spec] = _per_sample_loglikelihoods(_simple_evaluate(model=reference))
+        truth[spec] = per_sample_loglikelihoods(simple_evaluate(model=reference))
     assert truth["L0H1"] != pytest.approx(truth[""], abs=1e-5)
 
     # One live object, one cache file, masks switched in between and repeated.
     live = HFHeadAblateLM(pretrained=str(folder), device="cpu", dtype="float32")
     for spec in ["", "L0H1", "", "L1H3", "L0H1"]:
         live.set_heads(spec)
-        got = _per_sample_loglikelihoods(_simple_evaluate(model=live, use_cache=cache))
+        got = per_sample_loglikelihoods(simple_evaluate(model=live, use_cache=cache))
         assert got == pytest.approx(truth[spec], abs=1e-6), spec
     # Fresh processes' worth of objects built by name with a mask, same cache file.
     for spec in ["L1H3", "L0H1"]:
-        got = _per_sample_loglikelihoods(_simple_evaluate(
+        got = per_sample_loglikelihoods(simple_evaluate(
             f"pretrained={folder},device=cpu,dtype=float32,ablate={spec}", use_cache=cache))
         assert got == pytest.approx(truth[spec], abs=1e-6), spec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, load_lm
+from helpers import ARCHITECTURES, load_lm
 
 import lm_eval_headloc.intervention.multigen as multigen
 from lm_eval_headloc.intervention.components import parse_heads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, TASKS, load_lm
+from helpers import ARCHITECTURES, MASKS, TASKS, Request, load_lm, open_measurement
 
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.intervention.multimask import (
@@ -14,21 +14,6 @@ from lm_eval_headloc.intervention.multimask import (
     loglikelihoods_for_masks,
 )
 from lm_eval_headloc.measurement.sizing import masks_per_pass_for_memory
-
-MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
-
-
-def open_measurement(manager, lm, tasks, num_samples=10):
-    from lm_eval_headloc.measurement.measure import HarnessMeasurement
-
-    return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
-                              loaded_tasks={name: manager.load([name]) for name in tasks},
-                              num_samples=num_samples, seed=0)
-
-
-class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
-    def __init__(self, args):
-        self.args = args
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HEADS, LAYERS, MLP_WIDTH, TASKS, finished_run
+from helpers import HEADS, LAYERS, MLP_WIDTH, TASKS, finished_run, harness, last_error
 
 from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands.verify import random_like, random_sets
@@ -23,20 +23,9 @@ MIXED = ("L1N5", "L0H2", "L0N3", "L1H1")  # a run of heads and neurons
 PPL = "perplexity,none"
 
 
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
-
-
 def records(folder: Path) -> dict[str, dict]:
     return {r["key"]: r for r in map(json.loads, (folder / "measurements.jsonl")
                                      .read_text().splitlines())}
-
-
-def last_error(capsys) -> str:
-    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def _evaluate(model_dir: Path, ablate: str, task: str, metric: str = PPL,
@@ -364,7 +353,7 @@ def test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width(tmp_
     records it, and verify's random neuron sets (on by default) were refused."""
     import torch
     import transformers
-    from conftest import _tokenizer
+    from helpers import save_tiny_tokenizer
 
     folder = tmp_path / "bloom"
     config = transformers.BloomConfig(vocab_size=300, hidden_size=32, n_layer=2, n_head=4,
@@ -372,7 +361,7 @@ def test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width(tmp_
     assert Geometry.from_config(config).neurons_per_layer is None
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    _tokenizer(folder)
+    save_tiny_tokenizer(folder)
     model = ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
     run = tmp_path / "run"
     assert main(["locate", *model, "--tasks", "tiny_copy", "--num-samples", "8",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, LAYERS
+from helpers import ARCHITECTURES, LAYERS
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.components import (
@@ -288,7 +288,7 @@ def test_stock_cli_knocks_out_heads_and_neurons(tiny_model_dir, tmp_path):
     from pathlib import Path
 
     import lm_eval
-    from conftest import TASKS
+    from helpers import TASKS
 
     folder = tiny_model_dir("llama")
     edited = tmp_path / "edited"

@@ -10,27 +10,10 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import TASKS
+from helpers import TASKS, error_line, harness
 
-from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
-
-
-def error_line(capsys) -> str:
-    """The one line a refused command prints (and checks that it is one line)."""
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith("headloc-harness: error: ")
-    return lines[0]
 
 
 def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str = "m",

@@ -1,4 +1,5 @@
-"""A normal (non-editable) install ships the task configs and the start-up hook."""
+"""A normal (non-editable) install ships the task configs and the start-up hook, and the
+package finds its own task configs, never a stray folder of that name."""
 
 from __future__ import annotations
 
@@ -89,3 +90,20 @@ def test_every_subcommand_is_a_function_of_the_python_api():
     for command in sub.choices:
         name = names.get(command, command)
         assert name in api.__all__ and callable(getattr(api, name)), command
+
+
+# --- our task configs, not a stray folder of that name ------------------------------------
+
+def test_stray_task_configs_is_never_taken_for_ours(tmp_path):
+    from lm_eval_headloc.tasks import task_configs_dir
+
+    site = tmp_path / "site-packages"
+    (site / "task_configs").mkdir(parents=True)  # somebody else's folder
+    (site / "lm_eval_headloc" / "task_configs").mkdir(parents=True)
+    assert task_configs_dir(site / "lm_eval_headloc") == site / "lm_eval_headloc" / \
+        "task_configs"
+    checkout = tmp_path / "repo"
+    (checkout / "task_configs").mkdir(parents=True)
+    (checkout / "lm_eval_headloc").mkdir()
+    (checkout / "pyproject.toml").write_text("")
+    assert task_configs_dir(checkout / "lm_eval_headloc") == checkout / "task_configs"

@@ -1,9 +1,11 @@
-"""--sparsity auto: the pilot's masks and its choice, against hand-made scores."""
+"""--sparsity auto: the pilot's masks and its choice, against hand-made scores; and a locate
+run's pilot."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import LASSO_ONLY, harness, read_run, strict_json, tiny_args
 
 from lm_eval_headloc.method.pilot import (
     FLOOR_KEY,
@@ -57,3 +59,25 @@ def test_choice_is_the_largest_level_keeping_half_the_way_to_the_floor():
     # Every level at the floor: the smallest.
     floored = records_for(levels, keys, dict.fromkeys(PILOT_SPARSITIES, 0.1), 0.1)
     assert choose_sparsity(levels, keys, floored, ["t"])[0] == 0.02
+
+
+# --- a locate run's pilot -----------------------------------------------------------------
+
+def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.method.designs import knockouts_per_mask
+
+    out = tmp_path / "pilot"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--sparsity", "auto", "--masks", "16", "--num-samples", "6", *LASSO_ONLY,
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    records, heads = read_run(out)
+    assert len(records) == 1 + 16  # baseline + 16 measurements, the pilot's included
+    chosen = config["pilot"]["sparsity"]
+    assert chosen in (0.02, 0.2) and config["masks_used"] == 16
+    matrix = np.load(out / "design_matrix.npy")
+    assert len(matrix) == heads["measurements"] == 15  # the floor mask is not fitted
+    assert config["row_keys"][:4] == ["pilot-p0.02-0", "pilot-p0.02-1", "pilot-p0.2-0",
+                                      "pilot-p0.2-1"]
+    assert (matrix[4:].sum(axis=1) == knockouts_per_mask(chosen, 8)).all()
+    assert "sparsity auto: " in (out / "report.md").read_text()

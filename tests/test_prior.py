@@ -1,11 +1,15 @@
-"""Attribution patching against a finite difference of the measured logprob signal."""
+"""Attribution patching against a finite difference of the measured logprob signal; and
+locate --prior on a tiny model (prior.json, the eased penalty, a prior that found no
+effect, --prior auto)."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import load_lm
+from helpers import harness, last_error, load_lm, read_run, strict_json, tiny_args
 
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
@@ -201,3 +205,115 @@ def test_the_prior_halves_its_backward_batch_on_running_out_of_gpu_memory(
     with pytest.raises(torch.OutOfMemoryError):
         prior.measured_attribution(measure)
     torch.set_grad_enabled(True)
+
+
+# --- locate --prior on a tiny model -------------------------------------------------------
+
+def test_prior_atp_path_saves_both_points_and_takes_their_rankings_in_turn(tiny_model_dir,
+                                                                         tmp_path):
+    out = tmp_path / "path"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "6", "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+                   "--prior", "atp-path", "--confirm", "0", "--out", str(out)) == 0
+    points = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"]
+    assert [p["at"] for p in points] == [0.0, 0.5]
+    assert points[0]["effects"] != points[1]["effects"]
+    expected = []  # by hand: the clean run's first, the half-ablated run's first, ...
+    for first, second in zip(points[0]["ranking"], points[1]["ranking"], strict=True):
+        for head in (first, second):
+            if head not in expected:
+                expected.append(head)
+    assert strict_json(out / "heads.json")["prior_top_k"] == expected[:3]
+    assert "half ablated" in (out / "report.md").read_text()
+
+
+def test_a_prior_that_found_no_effect_says_its_top_k_is_no_order(tiny_model_dir, tmp_path):
+    """With every o_proj weight zeroed no head reaches the answer: the prior estimates 0
+    for all of them, so its top-k is the head index, and the report must not list it as
+    the prior's order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dead = tmp_path / "dead"
+    shutil.copytree(tiny_model_dir("llama"), dead)  # the tokenizer; the weights replaced
+    model = AutoModelForCausalLM.from_pretrained(dead)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(dead)
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(dead), "--tasks", "tiny_choice", "--masks", "6",
+                   "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+                   "--prior", "atp", "--confirm", "0", "--out", str(out)) == 0
+    effects = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]["effects"]
+    assert set(effects) == {0.0}
+    heads = strict_json(out / "heads.json")
+    assert heads["prior_found_nothing"] is True
+    report = (out / "report.md").read_text()
+    assert ("estimated the same change for every head: it found no effect, and its top-3 "
+            f"({', '.join(heads['prior_top_k'])}) is the head index, not an order") in report
+    assert "attribution prior's own top-3" not in report
+
+
+def test_prior_found_nothing_only_when_every_estimate_is_equal():
+    from lm_eval_headloc.method.confirm import prior_found_nothing
+
+    assert prior_found_nothing(np.zeros((2, 4)))
+    assert prior_found_nothing(np.array([[-0.3] * 4, [0.1 + 0.2, 0.3, 0.3, 0.3]]))  # round-off
+    assert not prior_found_nothing(np.array([[0.0, 0.0, 0.0, -1e-6]]))
+    assert not prior_found_nothing(np.array([[0.0] * 4, [0.0, -0.2, 0.0, 0.0]]))
+    assert not prior_found_nothing(None)
+
+
+def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.method.confirm import prior_penalty_weights
+    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.recovery import HeadLasso
+
+    out = tmp_path / "prior"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "4", "--top-k", "3",
+            "--prior", "atp", "--confirm", "0", "--out", str(out)]
+    assert harness(*args) == 0
+    prior = strict_json(out / "prior.json")
+    assert [p["at"] for p in prior["tasks"]["tiny_choice"]["points"]] == [0.0]
+    clean = prior["tasks"]["tiny_choice"]["points"][0]
+    effects = np.array(clean["effects"])
+    assert effects.shape == (8,) and np.abs(effects).max() > 0
+    heads = strict_json(out / "heads.json")
+    assert heads["prior_top_k"] == clean["ranking"][:3]
+    assert "attribution prior's own top-3" in (out / "report.md").read_text()
+    # The fit is the weighted Lasso with the prior's weights (most harmful: most eased).
+    weights = prior_penalty_weights(-effects)
+    assert weights.min() == pytest.approx(0.5) and weights.max() <= 1
+    records = {r["key"]: r for r in read_run(out)[0]}
+    design = np.load(out / "design_matrix.npy")
+    y = [records[f"mask-{i:04d}"]["scores"]["tiny_choice"] for i in range(10)]
+    expected = HeadLasso(penalty_weights=weights).fit(design, y).coef_
+    assert [h["effect"] for h in heads["heads"]] == pytest.approx(
+        [expected[int(h["layer"]) * 4 + int(h["head_in_layer"])] for h in heads["heads"]])
+    # Resuming reads prior.json back; refit keeps using it.
+    before = (out / "prior.json").read_text()
+    assert harness(*args) == 0 and harness("refit", str(out)) == 0
+    assert (out / "prior.json").read_text() == before
+    assert strict_json(out / "heads.json")["heads"] == heads["heads"]
+    plain = fit_rankings(design, records, ["tiny_choice"], 4, 0.01, bootstrap=None)
+    assert not np.allclose(plain["tiny_choice"].effects, expected)
+
+
+def test_prior_auto_is_none_where_there_are_no_gold_answers(tiny_model_dir, tmp_path,
+                                                            capsys):
+    out = tmp_path / "rolling"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_rolling",
+            "--masks", "6", "--sparsity", "0.25", "--num-samples", "4", "--confirm", "2"]
+    assert harness(*args, "--out", str(out)) == 0
+    assert strict_json(out / "config.json")["prior_used"] is False
+    assert not (out / "prior.json").exists()
+    report = (out / "report.md").read_text()
+    # The report says why auto computed none, naming the task.
+    assert "attribution prior: none (--prior auto: task 'tiny_rolling' " in report
+    assert strict_json(out / "config.json")["prior_skipped"].startswith("task 'tiny_rolling'")
+    assert harness(*args, "--prior", "atp", "--out", str(tmp_path / "x")) == 2
+    error = last_error(capsys)
+    assert "--prior atp: task 'tiny_rolling' is loglikelihood_rolling" in error
+    assert not (tmp_path / "x").exists()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import load_lm
+from helpers import load_lm
 
 from lm_eval_headloc.intervention.components import Neuron
 from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TASKS, load_lm
+from helpers import TASKS, load_lm, strict_json
 
 from lm_eval_headloc.commands import RunSpec, cross, greedy, locate, sweep, types, universal
 from lm_eval_headloc.commands.verify import verify
@@ -189,3 +189,19 @@ def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
         RunSpec(tasks=5)
     with pytest.raises(TypeError, match=r"locate\(\): spec=\{'tasks'"):
         locate(tmp_path / "l", {"tasks": ["tiny_copy"]})
+
+
+# --- a spec or keywords -------------------------------------------------------------------
+
+def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
+    from lm_eval_headloc.commands import locate
+
+    spec = RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                   tasks=("tiny_copy",), include_path=(TASKS,), masks=4, sparsity=0.25,
+                   num_samples=4, progress=False)
+    by_spec = locate(tmp_path / "a", spec)
+    by_keywords = locate(tmp_path / "b", model_args=spec.model_args, tasks=["tiny_copy"],
+                         include_path=[TASKS], masks=4, sparsity=0.25, num_samples=4,
+                         progress=False)
+    assert by_spec["tiny_copy"].order == by_keywords["tiny_copy"].order
+    assert RunSpec.from_config(strict_json(tmp_path / "a" / "config.json")).masks == 4

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import SCRIPTS, script_module
+from helpers import SCRIPTS, script_module
 
 from lm_eval_headloc.common.files import page_refusal, write_page
 

@@ -12,9 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import HEADS, HIDDEN, LAYERS, MLP_WIDTH, TASKS
-from test_export import ranking
-from test_run_result import harness
+from helpers import HEADS, HIDDEN, LAYERS, MLP_WIDTH, TASKS, harness, ranking
 
 from lm_eval_headloc.commands import RunFolder
 from lm_eval_headloc.intervention.embedded import EMBEDDED, recorded_model_args

@@ -9,9 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TASKS, script_module
+from helpers import TASKS, harness, script_module, strict_json
 
-from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.locate import auto_rounds, refit
 from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
@@ -19,13 +18,6 @@ from lm_eval_headloc.runs.record import LocateRun, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY = ROOT / "benchmarks" / "recovery-runs"
-
-
-def harness(*args: str) -> int:
-    try:
-        return main([*args])
-    except SystemExit as exit_:  # argparse's own errors
-        return exit_.code
 
 
 def tiny_locate(model: Path, out: Path, *extra: str) -> list[str]:
@@ -302,3 +294,21 @@ def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
         load_run(run)
     with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
         refit(run)
+
+
+# --- rankings read back -------------------------------------------------------------------
+
+def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
+                                                             tmp_path, no_model_loading):
+    from lm_eval_headloc.commands import RunFolderError, read_rankings
+    from lm_eval_headloc.method.ranking import ranked_heads_json
+
+    before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
+    ranking = read_rankings(tiny_locate_run)["tiny_choice"]
+    written = strict_json(tiny_locate_run / "heads-tiny_choice.json")
+    assert json.loads(json.dumps(ranked_heads_json(ranking, 3))) == written
+    assert [str(h) for h in ranking.top(3)] == written["top_k"]
+    # Read only: nothing in the folder changed.
+    assert {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()} == before
+    with pytest.raises(RunFolderError, match="is not a run folder"):
+        read_rankings(tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TASKS, load_lm
+from helpers import TASKS, load_lm
 
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
@@ -133,7 +133,7 @@ def test_a_chat_prompts_gold_answer_is_delimited_as_lm_evals_own_answers(
     after a gen_prefix that does not end in whitespace ("Answer: 4"): its multiple-choice
     requests, built from the same YAML lines, are the reference for the generation task's
     teacher-forced gold answer."""
-    from conftest import with_chat_template
+    from helpers import with_chat_template
 
     from lm_eval_headloc.tasks import make_task_manager
 

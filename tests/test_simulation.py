@@ -328,7 +328,11 @@ def test_before_is_the_old_up_front_alternation(use_prior):
     """method="before": the prior's one ranking and the plain fit's take turns up front
     (nothing measured steers the picks, nothing is held fixed in the fit), and the
     top-5 are the picked heads most harmful first by their measured change."""
-    from lm_eval_headloc.bench.defaults import confirming_run_top, measured_alone, simulated_prior
+    from lm_eval_headloc.bench.defaults import (
+        confirming_run_top,
+        measured_alone,
+        simulated_prior,
+    )
     from lm_eval_headloc.method.confirm import prior_penalty_weights, screen
 
     for seed in range(4):
@@ -361,7 +365,11 @@ def test_defaults_pick_in_rounds_with_the_fit_redone():
     refitted on what each round measured: with the measured changes fed back, its
     top-5 differs from "before"'s on some seed (the rounds matter), and a prior that
     names the planted heads at both points finds them at once."""
-    from lm_eval_headloc.bench.defaults import confirming_run_top, measured_alone, simulated_prior
+    from lm_eval_headloc.bench.defaults import (
+        confirming_run_top,
+        measured_alone,
+        simulated_prior,
+    )
 
     differs = 0
     for seed in range(8):

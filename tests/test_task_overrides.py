@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TASKS
-from test_commands import harness, last_error, tiny_args
+from helpers import TASKS, harness, last_error, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.runs.option_values import parse_gen_kwargs

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TASKS, harness
+from helpers import TASKS, harness
 
 from lm_eval_headloc.common import timing
 

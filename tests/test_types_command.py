@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_commands import harness, strict_json, tiny_args
+from helpers import harness, strict_json, tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_headloc.common.options import PROBE_ROWS

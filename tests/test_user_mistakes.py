@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TASKS
-
-# tiny_locate_run: test_commands' finished run, a fixture (the tests' parameters name it).
-from test_commands import LASSO_ONLY, harness, last_error, tiny_locate_run  # noqa: F401
+from helpers import LASSO_ONLY, TASKS, harness, last_error
 
 from lm_eval_headloc.common.checks import UsageError, check_load_args
 from lm_eval_headloc.intervention.ablation import AblationError, cached_head_means, reference_texts

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HEADS, LAYERS, TASKS, finished_run
-from test_commands import harness
-from test_commands import measurement_lines as lines
+from helpers import HEADS, LAYERS, TASKS, finished_run, harness
+from helpers import measurement_lines as lines
 
 from lm_eval_headloc.commands.verify import random_like, random_sets
 from lm_eval_headloc.intervention.components import parse_heads

@@ -10,17 +10,21 @@ import importlib.util
 import json
 import signal
 
-import numpy as np
 import pytest
-from conftest import TASKS
-from test_commands import harness, last_error, stopped_part_way, tiny_args
+from helpers import (
+    TASKS,
+    assert_same_run_by_key,
+    harness,
+    last_error,
+    measurements_by_key,
+    stopped_part_way,
+    tiny_args,
+)
+from helpers import WORKERS_LOCATE as LOCATE
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="Ray is not installed (pip install "
                                        "'lm-eval-headloc[ray]')")
-
-LOCATE = ["--tasks", "tiny_copy_ppl", "--masks", "10", "--sparsity", "0.25",
-          "--num-samples", "6", "--confirm", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +34,6 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
-
-
-def _by_key(folder):
-    lines = (folder / "measurements.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    keys = [r["key"] for r in records]
-    assert len(keys) == len(set(keys)), "a mask key was measured twice"
-    return {r["key"]: (r["mask"], r["scores"]) for r in records}
-
-
-def _same_run(a, b):
-    assert _by_key(a).keys() == _by_key(b).keys()
-    for key, (mask, scores) in _by_key(a).items():
-        other_mask, other_scores = _by_key(b)[key]
-        assert mask == other_mask
-        assert scores == pytest.approx(other_scores, rel=1e-5, abs=1e-6), key
-    assert np.array_equal(np.load(a / "design_matrix.npy"), np.load(b / "design_matrix.npy"))
-    heads = [json.loads((f / "heads.json").read_text())["top_k"] for f in (a, b)]
-    assert heads[0] == heads[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +49,7 @@ def test_two_workers_write_what_one_process_writes(local_ray, tiny_model_dir, tm
     out = tmp_path / "two"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) == 0
-    _same_run(out, one_process_run)
+    assert_same_run_by_key(out, one_process_run)
     workers = json.loads((out / "config.json").read_text())["workers"]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
     assert sum(w["measurements"] for w in workers) > 0
@@ -79,8 +64,8 @@ def test_a_neuron_run_on_two_workers_writes_what_one_process_writes(local_ray,
                    "--out", str(one)) == 0
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *neurons, "--workers", "2",
                    "--out", str(two)) == 0
-    _same_run(two, one)
-    assert any("N" in mask for mask, _ in _by_key(two).values())
+    assert_same_run_by_key(two, one)
+    assert any("N" in mask for mask, _ in measurements_by_key(two).values())
 
 
 def kill_workers_after(monkeypatch, ray, results: int, count: int) -> list:
@@ -111,7 +96,7 @@ def test_a_killed_worker_has_its_masks_measured_by_another(local_ray, tiny_model
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) == 0
     assert len(killed) == 1
-    _same_run(out, one_process_run)
+    assert_same_run_by_key(out, one_process_run)
     alive = [w["alive"] for w in json.loads((out / "config.json").read_text())["workers"]]
     assert sorted(alive) == [False, True]
 
@@ -123,7 +108,7 @@ def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) != 0
     assert "every worker has died" in last_error(capsys)
-    assert len(_by_key(out)) >= 2
+    assert len(measurements_by_key(out)) >= 2
 
 
 @pytest.mark.parametrize("change, message", [
@@ -159,9 +144,9 @@ def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, t
     out = tmp_path / "interrupted"
     partial = stopped_part_way(args, out, after=4, seconds=300,
                                stop=lambda process: process.send_signal(signal.SIGINT))
-    assert 4 <= partial < len(_by_key(one_process_run)), "not interrupted part-way"
+    assert 4 <= partial < len(measurements_by_key(one_process_run)), "not interrupted part-way"
     assert harness(*args, "--out", str(out)) == 0
-    _same_run(out, one_process_run)
+    assert_same_run_by_key(out, one_process_run)
 
 
 def test_workers_without_ray_or_ray_options_without_workers_are_refused(
@@ -186,7 +171,7 @@ def test_greedy_and_verify_on_workers_equal_one_process(local_ray, tiny_model_di
         assert harness("verify", str(tmp_path / "greedy1"), "--top-k", "2", "--general",
                        "tiny_choice", "--workers", workers,
                        "--out", str(tmp_path / f"verify{workers}")) == 0
-    one, two = _by_key(tmp_path / "greedy1"), _by_key(tmp_path / "greedy2")
+    one, two = measurements_by_key(tmp_path / "greedy1"), measurements_by_key(tmp_path / "greedy2")
     assert one.keys() == two.keys()
     for key, (mask, scores) in one.items():
         assert two[key][0] == mask

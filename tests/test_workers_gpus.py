@@ -13,8 +13,8 @@ import importlib.util
 import json
 
 import pytest
-from test_commands import harness, tiny_args
-from test_workers import LOCATE, _same_run
+from helpers import WORKERS_LOCATE as LOCATE
+from helpers import assert_same_run_by_key, harness, tiny_args
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="Ray is not installed (pip install "
@@ -41,7 +41,7 @@ def test_two_gpu_workers_get_one_packed_bundle_each_and_measure_what_one_process
     assert harness("locate", *model, *LOCATE, "--out", str(one)) == 0
     assert harness("locate", *model, *LOCATE, "--workers", "2", "--gpus-per-worker", "2",
                    "--out", str(two)) == 0
-    _same_run(two, one)
+    assert_same_run_by_key(two, one)
     groups = list(placement_group_table().values())
     assert len(groups) == 2
     for group in groups:

@@ -1,0 +1,390 @@
+"""What the tests share that is not a fixture: the tiny models' shapes and configs, the
+command run in this process, hand-written run folders, and readers of what a run writes.
+
+A plain module: tests/ is on sys.path (pytest puts it there for conftest.py), so a test
+module does ``from helpers import ...``. The fixtures are in conftest.py, and conftest.py
+has pytest rewrite this module's asserts as it does a test module's. No test module
+imports another.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# --- the tiny models ----------------------------------------------------------------------
+#
+# Each has 2 layers and 4 query heads (2 key/value heads where the family uses grouped-query
+# attention) and a small BPE tokenizer trained here, so everything runs offline in seconds.
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
+MLP_WIDTH = 64  # the llama-style families' intermediate_size: their MLP neurons per layer
+TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the tests
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+# family -> (config class name, config kwargs, path of layer l's output projection,
+#            whether that projection is a GPT-2 Conv1D with weight (in, out))
+_LLAMA_STYLE = "model.layers.{l}.self_attn.o_proj"
+ARCHITECTURES: dict[str, tuple[str, dict, str, bool]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=KV_HEADS), _LLAMA_STYLE, False),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), _LLAMA_STYLE,
+              False),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=KV_HEADS, head_dim=8), _LLAMA_STYLE,
+               False),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=KV_HEADS, pad_token_id=0), _LLAMA_STYLE,
+             False),
+    "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128),
+             "transformer.h.{l}.attn.c_proj", True),
+    "gpt_neox": ("GPTNeoXConfig", dict(), "gpt_neox.layers.{l}.attention.dense", False),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN,
+                              max_position_embeddings=128),
+            "model.decoder.layers.{l}.self_attn.out_proj", False),
+}
+GQA_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
+
+
+def tiny_config(family: str):
+    """The transformers config of the tiny random model of ``family`` (ARCHITECTURES)."""
+    import transformers
+
+    class_name, extra, _, _ = ARCHITECTURES[family]
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP_WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=128, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False,
+    )
+    if family in ("gpt2",):
+        common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, class_name)(**{**common, **extra})
+    return config
+
+
+def save_tiny_tokenizer(folder: Path):
+    """The tiny BPE tokenizer, trained here on a few words, saved into ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the a cat dog sat on mat when Mary and John went to store gave drink "
+             "one two three four five six seven eight nine plus equals answer is").split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(folder)
+
+
+#: A hybrid model (Qwen3.5: Gated DeltaNet layers between attention layers): heads only in
+#: layers 1 and 3. Not in ARCHITECTURES, whose tests hook every layer.
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention",
+                      "full_attention"]
+HYBRID_HEAD_LAYERS = (1, 3)
+
+
+def hybrid_config():
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP_WIDTH,
+        num_hidden_layers=len(HYBRID_LAYER_TYPES), layer_types=HYBRID_LAYER_TYPES,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
+        linear_num_value_heads=4, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_key_head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
+
+
+def load_lm(folder: Path, **model_args):
+    """hf-headablate on a tiny model folder, float32 on the CPU, batch size 4."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    return HFHeadAblateLM(pretrained=str(folder), **{"dtype": "float32", "device": "cpu",
+                                                     "batch_size": 4, **model_args})
+
+
+def with_chat_template(model_dir: Path, folder: Path) -> Path:
+    """A copy of a tiny model whose tokenizer has a chat template."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+                               "</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:"
+                               "{% endif %}")
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
+# --- the command line, in this process ----------------------------------------------------
+
+def harness(*args: str) -> int:
+    """``headloc-harness ARGS`` in this process: its exit status (argparse's own too)."""
+    from lm_eval_headloc.cli.main import main
+
+    try:
+        return main([*args])
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def tiny_args(folder) -> list[str]:
+    """The model and task options of a command on the tiny model in ``folder``."""
+    return ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]
+
+
+#: locate's ranking from the masks' Lasso alone (before --confirm and --prior auto).
+LASSO_ONLY = ["--prior", "none", "--confirm", "0"]
+
+
+def last_error(capsys) -> str:
+    """The last line a command printed to stderr (there must be one)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "no error message"
+    return err[-1]
+
+
+def error_line(capsys) -> str:
+    """The one line a refused command prints (and checks that it is one line)."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("headloc-harness: error: "), lines[0]
+    return lines[0]
+
+
+def script_module(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+#: Seconds a stopped run pauses after each measurement it writes (``stopped_part_way``).
+PAUSE = 0.25
+
+
+def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
+                     ) -> int:
+    """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
+    SIGINT) once ``after`` measurements are on disk; the measurements it left."""
+    # SIGINT as a terminal user's process has it: a child inherits an ignored or blocked
+    # SIGINT from this process (a library earlier in the suite may leave it so), and then
+    # a SIGINT stop would do nothing.
+    # Each measurement's line is followed by a pause, so that the stop lands before the next
+    # one: a tiny model measures in milliseconds, faster than this loop looks (it once
+    # finished the run before the kill).
+    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+            "from lm_eval_headloc.runs.folder import RunFolder; "
+            "append = RunFolder.append_measurement; "
+            "RunFolder.append_measurement = lambda self, record: "
+            f"(append(self, record), time.sleep({PAUSE})); "
+            "from lm_eval_headloc.cli.main import main; "
+            f"sys.exit(main({args!r} + sys.argv[1:]))")
+    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / "measurements.jsonl"
+    deadline = time.time() + seconds
+    while time.time() < deadline and process.poll() is None:
+        if log.is_file() and len(log.read_text().splitlines()) >= after:
+            stop(process)
+            break
+        time.sleep(0.02)
+    process.wait(timeout=seconds)
+    return len(log.read_text().splitlines())
+
+
+# --- what a run writes ----------------------------------------------------------------------
+
+def strict_json(path: Path):
+    """json.loads that refuses NaN/Infinity, as any strict JSON parser does."""
+    def refuse(name):
+        raise ValueError(f"{path} holds {name}, which is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def measurement_lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "measurements.jsonl").read_text().splitlines()]
+
+
+def read_run(folder: Path) -> tuple[list[dict], dict]:
+    return measurement_lines(folder), strict_json(folder / "heads.json")
+
+
+def assert_same_run(resumed: Path, full: Path) -> None:
+    """The same measurements (timings aside) and the same ranking."""
+    resumed_records, resumed_heads = read_run(resumed)
+    full_records, full_heads = read_run(full)
+    strip = [{k: v for k, v in r.items() if k != "seconds"} for r in resumed_records]
+    assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in full_records]
+    assert resumed_heads == full_heads
+
+
+def measurements_by_key(folder):
+    """A run's measurements as ``{key: (mask, scores)}`` (no key measured twice)."""
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    keys = [r["key"] for r in records]
+    assert len(keys) == len(set(keys)), "a mask key was measured twice"
+    return {r["key"]: (r["mask"], r["scores"]) for r in records}
+
+
+def assert_same_run_by_key(a, b):
+    """The same measurements per mask key in any order (scores to float round-off, as
+    workers' batches may differ), the same design and the same top-k."""
+    assert measurements_by_key(a).keys() == measurements_by_key(b).keys()
+    for key, (mask, scores) in measurements_by_key(a).items():
+        other_mask, other_scores = measurements_by_key(b)[key]
+        assert mask == other_mask
+        assert scores == pytest.approx(other_scores, rel=1e-5, abs=1e-6), key
+    assert np.array_equal(np.load(a / "design_matrix.npy"), np.load(b / "design_matrix.npy"))
+    heads = [json.loads((f / "heads.json").read_text())["top_k"] for f in (a, b)]
+    assert heads[0] == heads[1]
+
+
+#: The --workers tests' locate run (options after the model's).
+WORKERS_LOCATE = ["--tasks", "tiny_copy_ppl", "--masks", "10", "--sparsity", "0.25",
+                  "--num-samples", "6", "--confirm", "3"]
+
+
+# --- run folders written by hand ----------------------------------------------------------
+
+def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...],
+                 model_args: str | None = None, seed: int = 0) -> Path:
+    """A finished-looking locate run written by hand (config.json and heads-<task>.json,
+    no model needed to make it), for verify and cross to read. ``heads`` may name MLP
+    neurons (L1N5): the run then located them (``--components``), and its ranking holds
+    ``{"neuron": …}`` records, as locate writes them."""
+    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.intervention.components import Neuron, parse_components
+
+    ranked = [parse_components([name])[0] for name in heads]  # best first
+    kinds = {isinstance(c, Neuron) for c in ranked}
+    components = "+".join(k for k, neuron in (("heads", False), ("neurons", True))
+                          if neuron in kinds)
+    neurons = [str(c) for c in ranked if isinstance(c, Neuron)]
+    # As locate records them: the ranking's neurons are the run's candidates.
+    spec = RunSpec(model_args=model_args or f"pretrained={model_dir},dtype=float32,device=cpu",
+                   tasks=(task,), include_path=(TASKS,), seed=seed, components=components,
+                   candidates=len(neurons) if neurons else "auto")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"),
+        "settings": spec.settings("locate"), "spec": spec.as_config(),
+        "layers": LAYERS, "heads_per_layer": HEADS,
+        **({"neurons_per_layer": MLP_WIDTH, "candidates": neurons} if neurons else {})}))
+    (folder / f"heads-{task}.json").write_text(json.dumps({"heads": [
+        {"rank": r, "neuron" if isinstance(c, Neuron) else "head": name}
+        for r, (name, c) in enumerate(zip(heads, ranked, strict=True), start=1)]}))
+    return folder
+
+
+def fake_run(folder: Path, model_dir: Path) -> Path:
+    """``finished_run`` of tiny_copy on the tiny model in ``model_dir``, ranking six of its
+    eight heads (L1H2 first)."""
+    return finished_run(folder, model_dir, "tiny_copy",
+                        ("L1H2", "L0H0", "L0H3", "L1H0", "L0H1", "L1H1"))
+
+
+def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
+                effects: list[float] | None = None, tied: tuple[str, ...] = ()) -> Path:
+    """A run folder of ``task``'s ranking alone (config.json and heads-<task>.json), for
+    the commands that compare rankings (universal, overlap)."""
+    from lm_eval_headloc.commands import RunSpec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = RunSpec(model_args=model_args, tasks=(task,))
+    (folder / "config.json").write_text(json.dumps({
+        "command": "locate", "identity": spec.identity("locate"), "spec": spec.as_config(),
+        "settings": {}}))
+    effects = [-0.1] * len(heads) if effects is None else effects
+    (folder / f"heads-{task}.json").write_text(json.dumps(
+        {"higher_is_better": True,
+         "heads": [{"head": h, "effect": e} | ({"tied_with_above": True} if h in tied else {})
+                   for h, e in zip(heads, effects, strict=True)]}))
+    return folder
+
+
+#: A 2-layer x 3-head ranking (``ranking``'s), most harmful first (higher is better: a
+#: negative effect hurts). L0H2 has no effect; L1H2 is left out of the ranking (as
+#: --exclude leaves it).
+RANKED = [("L0H0", -0.5), ("L1H0", -0.125), ("L1H1", 0.0), ("L0H1", 0.25), ("L0H2", None)]
+RANKED_HEADS_PER_LAYER = 3
+
+
+def ranking(task: str = "toy", higher_is_better: bool = True,
+            entries: list | None = None) -> dict:
+    """A heads-<task>.json as locate writes it (the fields export reads, and some it
+    does not)."""
+    heads = entries if entries is not None else [
+        {"rank": rank, "head": name, "layer": int(name[1]), "head_in_layer": int(name[3]),
+         "effect": effect, "selected": 1.0, "measured_alone": effect is not None}
+        for rank, (name, effect) in enumerate(RANKED, start=1)]
+    return {"task": task, "metric": "acc,none", "higher_is_better": higher_is_better,
+            "baseline": 0.75, "heads_per_layer": RANKED_HEADS_PER_LAYER,
+            "top_k": ["L0H0", "L1H0"],
+            "confirmed": ["L0H0", "L1H0", "L1H1", "L0H1"], "tied_with_above": [],
+            "same_masks": {}, "largest_single_help": {"head": "L0H1", "change": 0.25},
+            "heads": heads}
+
+
+# --- lm-eval's own evaluation and requests ------------------------------------------------
+
+def per_sample_loglikelihoods(results: dict) -> list[float]:
+    """Every choice's loglikelihood, sample by sample, flattened."""
+    return [float(r[0]) for s in results["samples"]["tiny_choice"] for r in s["filtered_resps"]]
+
+
+def simple_evaluate(model_args: str | None = None, model=None, **kwargs) -> dict:
+    """lm-eval's ``simple_evaluate`` of tiny_choice (samples logged) on hf-headablate with
+    ``model_args``, or on ``model``."""
+    import lm_eval
+
+    from lm_eval_headloc.tasks import make_task_manager
+
+    # The package's manager is kept per process: indexing lm-eval's tasks takes seconds.
+    return lm_eval.simple_evaluate(
+        model=model if model is not None else "hf-headablate", model_args=model_args,
+        tasks=["tiny_choice"], task_manager=make_task_manager([TASKS]),
+        log_samples=True, **kwargs,
+    )
+
+
+#: Masks several of which go through one forward pass (test_multimask, test_ablation).
+MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
+
+
+def open_measurement(manager, lm, tasks, num_samples=10):
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
+                              loaded_tasks={name: manager.load([name]) for name in tasks},
+                              num_samples=num_samples, seed=0)
+
+
+class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
+    def __init__(self, args):
+        self.args = args

@@ -1,0 +1,199 @@
+"""locate stopped part-way (killed, a measurement corrupted, interrupted before its design)
+or run again (finished, with more masks or confirmation, with options left out) comes to
+the run an unbroken one makes, measuring only what is missing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+from helpers import (
+    LASSO_ONLY,
+    assert_same_run,
+    harness,
+    last_error,
+    read_run,
+    stopped_part_way,
+    strict_json,
+    tiny_args,
+)
+
+
+def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path, capsys):
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "8", "--sparsity", "0.25", "--num-samples", "6", "--out",
+            str(tmp_path / "run")]
+    assert harness(*args) == 0
+    log = tmp_path / "run" / "measurements.jsonl"
+    lines = log.read_text().splitlines()
+    lost = json.loads(lines[3])
+    lines[3] = "garbage"
+    log.write_text("\n".join(lines) + "\n")
+    assert harness(*args) == 0
+    # Said once, though the run reads the file several times (it was said six times).
+    assert capsys.readouterr().err.count("line 4 is not a measurement") == 1
+    after = log.read_text().splitlines()
+    assert after[:len(lines)] == lines and len(after) == len(lines) + 1  # only one redone
+    redone = json.loads(after[-1])
+    assert (redone["key"], redone["mask"], redone["scores"]) == (
+        lost["key"], lost["mask"], lost["scores"])
+
+
+@pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
+                                     ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
+                                     ["--sparsity", "auto"], ["--ablation", "mean"],
+                                     ["--ablation", "resample", "--scale", "0.5"]])
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, options):
+    folder = tiny_model_dir("llama")
+    args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
+            "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", *options]
+    killed = tmp_path / "killed"
+    partial = stopped_part_way(args, killed, after=6, stop=subprocess.Popen.kill)
+    assert 6 <= partial < 41, "the run was not interrupted part-way"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    assert len(read_run(full)[0]) >= 21
+    assert_same_run(killed, full)
+
+
+def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_path):
+    """Killed (-9) in the second round of confirmation (8 heads, rounds of 5 and 2): the
+    resumed run makes the same picks in the same order, and ranks as an unbroken run."""
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "12", "--seed", "3",
+            "--prior", "atp-path", "--confirm", "7"]
+    killed = tmp_path / "killed"
+    # baseline + 10 masks + round 1's 5 heads + 1 of round 2
+    partial = stopped_part_way(args, killed, after=17, stop=subprocess.Popen.kill)
+    assert 17 <= partial < 18, "the run was not stopped inside round 2"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    assert len(read_run(full)[0]) == 1 + 10 + 7
+    assert_same_run(killed, full)
+    assert strict_json(killed / "config.json")["confirm"] == \
+        strict_json(full / "config.json")["confirm"]
+
+
+def test_a_larger_confirm_measures_only_the_new_heads(tiny_model_dir, tmp_path):
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "10", "--sparsity", "0.25", "--num-samples", "12", "--seed", "3",
+            "--prior", "atp"]
+    grown = tmp_path / "grown"
+    assert harness(*base, "--confirm", "3", "--out", str(grown)) == 0
+    first = read_run(grown)[0]
+    assert harness(*base, "--confirm", "7", "--out", str(grown)) == 0
+    after = read_run(grown)[0]
+    assert after[:len(first)] == first  # nothing measured again, nothing rewritten
+    assert len(after) == len(first) + 4
+    fresh = tmp_path / "fresh"
+    assert harness(*base, "--confirm", "7", "--out", str(fresh)) == 0
+    strip = [[{k: v for k, v in r.items() if k != "seconds"} for r in read_run(folder)[0]]
+             for folder in (grown, fresh)]
+    assert strip[0] == strip[1]
+    assert read_run(grown)[1] == read_run(fresh)[1]
+    config = strict_json(grown / "config.json")["confirm"]
+    assert config["heads"][:3] == [r["key"][len("alone-"):] for r in first[11:]]
+    assert config["rounds"] == [config["heads"][:5], config["heads"][5:]]
+
+
+def test_a_finished_run_resumes_without_loading_the_model(tiny_model_dir, tiny_locate_run,
+                                                         tmp_path, capsys, no_model_loading):
+    """Rerunning the command of a finished run measures nothing, so the user does not
+    wait for the weights: the files are fitted again from disk (with the ranking settings
+    given, as refit would); asking for more measurements does load the model."""
+    import shutil
+
+    args = [*tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice", "--masks", "12",
+            "--sparsity", "0.25", "--num-samples", "12", "--top-k", "3", *LASSO_ONLY]
+    again = shutil.copytree(tiny_locate_run, tmp_path / "again")
+    assert harness("locate", *args, "--out", str(again)) == 0
+    for name in ("heads.json", "heads.csv", "measurements.jsonl", "config.json"):
+        assert (again / name).read_bytes() == (tiny_locate_run / name).read_bytes(), name
+    # Other ranking settings: the same files as refit writes with them.
+    resumed = shutil.copytree(tiny_locate_run, tmp_path / "resumed")
+    refitted = shutil.copytree(tiny_locate_run, tmp_path / "refitted")
+    assert harness("locate", *args, "--alpha", "0.05", "--out", str(resumed)) == 0
+    assert harness("refit", str(refitted), "--alpha", "0.05") == 0
+    capsys.readouterr()
+    for name in ("heads.json", "report.md", "config.json"):
+        assert (resumed / name).read_text() == (refitted / name).read_text().replace(
+            str(refitted), str(resumed)), name
+    assert strict_json(resumed / "heads.json")["alpha"] == 0.05
+    # More masks than measured: the model is needed (and here refused by the fixture).
+    more = shutil.copytree(tiny_locate_run, tmp_path / "more")
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        harness("locate", *args, "--masks", "14", "--out", str(more))
+
+
+def test_a_rerun_without_masks_or_confirm_keeps_the_runs_own(tiny_model_dir, tiny_locate_run,
+                                                           tmp_path, no_model_loading):
+    """--masks and --confirm left out of a rerun mean the run's own, not the defaults: a
+    finished --confirm 0 run is not confirmed (nor the model loaded) by a bare rerun, and
+    one last fitted on 10 of its masks stays fitted on 10."""
+    import shutil
+
+    args = [*tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice", "--sparsity",
+            "0.25", "--num-samples", "12", "--top-k", "3", "--prior", "none"]
+    again = shutil.copytree(tiny_locate_run, tmp_path / "again")
+    assert harness("locate", *args, "--out", str(again)) == 0
+    for name in ("heads.json", "measurements.jsonl", "config.json"):
+        assert (again / name).read_bytes() == (tiny_locate_run / name).read_bytes(), name
+    assert harness("refit", str(again), "--masks", "10") == 0
+    assert strict_json(again / "heads.json")["measurements"] == 10
+    assert harness("locate", *args, "--out", str(again)) == 0
+    assert strict_json(again / "heads.json")["measurements"] == 10
+    spec = strict_json(again / "config.json")["spec"]
+    assert (spec["masks"], spec["confirm"]) == (10, 0)
+
+
+def test_a_bare_rerun_keeps_the_masks_given_to_a_run_stopped_before_its_design(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A run stopped between its start and its design recorded --masks 5 and no --confirm;
+    the bare rerun kept neither (only both were kept) and measured the default budget."""
+    import importlib
+
+    locate_module = importlib.import_module("lm_eval_headloc.commands.locate")
+    real = locate_module.ensure_types
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the head types are measured
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--prior", "none", "--out", str(run)]
+    monkeypatch.setattr(locate_module, "ensure_types", stopped)
+    assert harness(*args, "--masks", "5") == 130  # interrupted
+    assert strict_json(run / "config.json")["spec"]["masks"] == 5
+    assert not (run / "design_matrix.npy").exists()
+    monkeypatch.setattr(locate_module, "ensure_types", real)
+    assert harness(*args) == 0  # the same command, --masks left out
+    assert np.load(run / "design_matrix.npy").shape[0] == 5
+    assert strict_json(run / "config.json")["spec"]["masks"] == 5
+
+
+def test_more_masks_extend_a_run_and_refit_can_take_fewer(tiny_model_dir, tmp_path, capsys):
+    # Without confirmation: a confirming run's refit keeps the heads it measured alone.
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--sparsity", "0.25", "--num-samples", "6", "--top-k", "3", *LASSO_ONLY]
+    grown, short, full = tmp_path / "grown", tmp_path / "short", tmp_path / "full"
+    assert harness(*args, "--masks", "6", "--out", str(grown)) == 0
+    assert harness(*args, "--masks", "6", "--out", str(short)) == 0
+    assert harness(*args, "--masks", "10", "--out", str(grown)) == 0
+    assert harness(*args, "--masks", "10", "--out", str(full)) == 0
+
+    def without_seconds(folder):
+        records, heads = read_run(folder)
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in records], heads
+
+    assert without_seconds(grown) == without_seconds(full)
+    assert len(without_seconds(grown)[0]) == 11
+    # refit on the first 6 masks is the 6-mask run.
+    assert harness("refit", str(grown), "--masks", "6") == 0
+    assert read_run(grown)[1] == read_run(short)[1]
+    assert harness("refit", str(grown), "--masks", "12") == 2
+    error = last_error(capsys)
+    assert "--masks 12: " in error and "has 10 masks" in error

@@ -1,0 +1,75 @@
+"""A ranking's report (``commands.report``): the heatmap (unstable top heads hatched, layers
+without heads and heads without an estimate grey) and the ranking table's words for a top
+head that does not hurt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def test_heatmap_hatches_unstable_top_heads(tmp_path):
+    from matplotlib.patches import Rectangle
+
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.method.recovery import Stability
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
+    ranking = Ranking("t", "acc", True, 0.5, -selected, [0, 7, 2, 1, 3, 4, 5, 6], 4,
+                          stability=Stability(selected, -selected - 0.1, -selected + 0.1, 40))
+    assert [str(h) for h in ranking.unstable(3)] == ["L1H3"]
+    figure = plot_heatmap([ranking], 3, tmp_path / "heatmap.png")
+    hatched = [p for p in figure.axes[0].patches if isinstance(p, Rectangle) and p.get_hatch()]
+    assert [(p.get_x() + 0.5, p.get_y() + 0.5) for p in hatched] == [(3, 1)]
+    assert (tmp_path / "heatmap.png").stat().st_size > 0
+    # Layers and heads are whole numbers: no tick between two (2 layers drew 0.25, 0.5, ...).
+    axes = figure.axes[0]
+    for ticks in (axes.get_xticks(), axes.get_yticks()):
+        assert len(ticks) and all(float(t).is_integer() for t in ticks)
+
+
+def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
+    """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
+    counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
+    table says "does not hurt", and unstable_in_top_k leaves it out."""
+    from lm_eval_headloc.method.ranking import Ranking, ranked_heads_json
+    from lm_eval_headloc.method.recovery import Stability
+    from lm_eval_headloc.report.pages import ranking_table
+
+    effects = np.array([-0.3, -0.1, 0.0, 0.2])  # higher is better: the first two hurt
+    selected = np.array([1.0, 0.4, 0.0, 0.0])
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 2, 3], 2,
+                          stability=Stability(selected, effects - 0.1, effects + 0.1, 40))
+    assert [str(h) for h in ranking.harmless(3)] == ["L1H0"]
+    assert [str(h) for h in ranking.unstable(3)] == ["L0H1"]
+    assert not ranking.settled(3) and not ranking.settled(2) and ranking.settled(1)
+    rows = ranking_table(ranking, 3, "change")
+    assert "in top-3, hurting, in 40 bootstrap refits" in rows[0]
+    assert rows[2].endswith("| 100% |") and rows[3].endswith("| 40% (unstable) |")
+    assert rows[4].endswith("| — (does not hurt) |")
+    assert ranked_heads_json(ranking, 3)["bootstrap"]["unstable_in_top_k"] == ["L0H1"]
+
+
+def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    columns = Columns.heads(4, 2, head_layers=(1, 3))
+    effects = np.array([-0.4, 0.1, -0.2, 0.3])
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 2, 1, 3], 2, columns=columns)
+    figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
+    shown = figure.axes[0].images[0].get_array()
+    assert shown.shape == (4, 2)
+    assert shown.mask[[0, 2]].all() and not shown.mask[[1, 3]].any()
+    np.testing.assert_allclose(shown[[1, 3]].data, effects.reshape(2, 2))  # higher is better
+    assert "grey rows: layers without attention heads" in figure.axes[0].get_title()
+    assert "grey: no estimate" not in figure.axes[0].get_title()
+    # A head never knocked out has no estimate: grey too, and said so (white is "no change").
+    effects[1] = np.nan
+    unknown = plot_heatmap([Ranking("t", "acc", True, 0.5, effects, [0, 2, 3], 2,
+                                        columns=columns)], 2, tmp_path / "heatmap.png")
+    assert "grey: no estimate" in unknown.axes[0].get_title()
+    assert unknown.axes[0].images[0].get_array().mask[1, 1]
+    assert unknown.axes[0].get_facecolor()[:3] == pytest.approx((0.8, 0.8, 0.8))

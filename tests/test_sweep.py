@@ -1,0 +1,79 @@
+"""headloc-harness sweep: cells of --masks x --sparsity over one set of measurements, the
+folder it resumes or refuses, and a --never-ablate file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import harness, last_error, strict_json, tiny_args
+
+
+def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
+        tiny_model_dir, tmp_path, capsys):
+    model = tmp_path / "model"  # the tiny model, its tokenizer given a chat template
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["sweep", *tiny_args(model), "--tasks", "tiny_choice",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--out", str(tmp_path / "sweep")]
+    assert harness(*args) == 0
+    assert harness(*args, "--apply-chat-template") == 2
+    assert ("was made with apply_chat_template left out (its default), not True"
+            in last_error(capsys))
+
+
+def test_a_sweep_rerun_without_confirm_keeps_the_sweeps_own(tiny_model_dir, tmp_path):
+    """--confirm left out of a rerun resumes the sweep as it was made (a sweep made with
+    --confirm 2, or before its default depended on the prior, recorded 34), not refused."""
+    out = tmp_path / "sweep"
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--out", str(out)]
+    assert harness(*args, "--confirm", "2") == 0
+    made = (out / "sweep.json").read_text()
+    assert strict_json(out / "m3-p0.25" / "config.json")["spec"]["confirm"] == 2
+    assert harness(*args) == 0
+    assert (out / "sweep.json").read_text() == made
+    assert strict_json(out / "config.json")["identity"]["confirm"] == 2
+    assert strict_json(out / "m3-p0.25" / "config.json")["spec"]["confirm"] == 2
+
+
+def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
+    args = tiny_args(tiny_model_dir("llama"))
+    universal = tmp_path / "universal.json"
+    universal.write_text(json.dumps({"heads": [{"head": "L0H1"}, {"head": "L1H2"}]}))
+    assert harness("locate", *args, "--tasks", "tiny_copy", "--masks", "6", "--sparsity", "0.25",
+                   "--num-samples", "4", "--never-ablate", str(universal),
+                   "--out", str(tmp_path / "protected")) == 0
+    design = np.load(tmp_path / "protected" / "design_matrix.npy")
+    assert not design[:, [1, 6]].any() and design.any(axis=0).sum() == 6
+    # Never knocked out, so nothing was measured of them: not ranked (as "no harm" they were).
+    ranking = strict_json(tmp_path / "protected" / "heads.json")
+    assert ranking["never_knocked_out"] == ["L0H1", "L1H2"]
+    assert {h["head"] for h in ranking["heads"]} == {
+        f"L{layer}H{head}" for layer in (0, 1) for head in range(4)} - {"L0H1", "L1H2"}
+    assert "(not ranked: no measurement knocked them out)" in \
+        (tmp_path / "protected" / "report.md").read_text()
+
+    sweep = tmp_path / "sweep"
+    assert harness("sweep", *args, "--tasks", "tiny_choice", "--masks", "4,6", "--sparsity",
+                   "0.2,0.4", "--num-samples", "4", "--top-k", "2", "--out", str(sweep)) == 0
+    result = strict_json(sweep / "sweep.json")
+    assert len(result["cells"]) == 4
+    records = {r["key"]: r for r in map(json.loads,
+                                         (sweep / "measurements.jsonl").read_text().splitlines())}
+    base = records["baseline"]["scores"]["tiny_choice"]
+    for cell in result["cells"]:
+        name = f"m{cell['masks']}-p{cell['sparsity']:g}"
+        top = strict_json(sweep / name / "heads.json")["top_k"]
+        assert cell["heads"] == top
+        check = records[f"{name}-top2"]
+        assert check["mask"] == "+".join(sorted(top))
+        assert cell["drop"] == pytest.approx(base - check["scores"]["tiny_choice"])
+    assert result["best"]["drop"] == max(c["drop"] for c in result["cells"])
+    assert "Best: --masks" in capsys.readouterr().out

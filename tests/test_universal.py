@@ -1,0 +1,156 @@
+"""headloc-harness universal: the heads in the top-k of several tasks' rankings, worked out
+by hand from hand-written rankings (ties, places filled by heads that do no harm, a task
+ranked by several runs, runs of one model)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import harness, last_error, strict_json, write_heads
+
+from lm_eval_headloc.intervention.components import read_heads_file
+
+
+def test_universal_heads_by_hand(tmp_path, capsys):
+    # Three task rankings; top-3 of each: a: L0H1 L2H0 L1H1, b: L2H0 L3H3 L0H1, c: L0H1 ...
+    runs = [write_heads(tmp_path / "r1" / "locate", "a", ["L0H1", "L2H0", "L1H1", "L3H3"]),
+            write_heads(tmp_path / "r2" / "locate", "b", ["L2H0", "L3H3", "L0H1", "L1H1"]),
+            write_heads(tmp_path / "r3" / "locate", "c", ["L0H1", "L1H2", "L3H0", "L2H0"])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--min-tasks", "2",
+                   "--out", str(out)) == 0
+    result = strict_json(out)
+    # L0H1: in all three (ranks 1+3+1); L2H0: a, b (2+1); L3H3: only b; L1H1: only a.
+    assert [h["head"] for h in result["heads"]] == ["L0H1", "L2H0"]
+    assert [h["tasks"] for h in result["heads"]] == [3, 2]
+    # Two runs whose folders share a name are two rankings, labelled by full path.
+    assert len(result["rankings"]) == 3
+    assert all(str(tmp_path) in label for label in result["rankings"])
+    # Rerunning overwrites our own file; a foreign file or a folder is refused.
+    assert harness("universal", *map(str, runs), "--out", str(out)) == 0
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": true}')
+    for target, message in [(foreign, "was not written by headloc-harness universal"),
+                            (tmp_path, "is a folder"),
+                            # a run folder it reads (overlap refused it, universal did not)
+                            (runs[0] / "u.json", "which this command reads from")]:
+        assert harness("universal", *map(str, runs), "--out", str(target)) == 2
+        assert message in last_error(capsys)
+    assert foreign.read_text() == '{"mine": true}' and not (runs[0] / "u.json").exists()
+    # Runs of different models (even of the same shape) are not compared.
+    other = write_heads(tmp_path / "r4", "d", ["L0H1"], model_args="another")
+    assert harness("universal", str(runs[0]), str(other), "--out", str(tmp_path / "v.json")) == 2
+    assert "the runs are of different models" in last_error(capsys)
+
+
+def test_universal_does_not_count_a_tie_broken_by_name(tmp_path, capsys):
+    """Task a's 3rd and 4th (L3H3, L1H1) have the same evidence, so its top-3 holds one of
+    them by file order only: L3H3 (2nd in b) is undecided, not universal; L1H1, in a's tie
+    only, is neither."""
+    runs = [write_heads(tmp_path / "r1", "a", ["L0H1", "L2H0", "L3H3", "L1H1"],
+                        tied=("L1H1",)),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L3H3", "L0H1", "L1H1"]),
+            write_heads(tmp_path / "r3", "c", ["L0H1", "L1H2", "L3H0", "L2H0"])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--min-tasks", "2",
+                   "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    result = strict_json(out)
+    assert [h["head"] for h in result["heads"]] == ["L0H1", "L2H0"]
+    [undecided] = result["undecided"]
+    label_a = f"{(tmp_path / 'r1').resolve()}:a"
+    assert undecided == {"head": "L3H3", "tasks": 1, "tasks_at_most": 2,
+                         "ranks": {f"{(tmp_path / 'r2').resolve()}:b": 2},
+                         "tied_in": [label_a]}
+    assert result["ties"] == {label_a: {"group": ["L3H3", "L1H1"], "places": 1,
+                                        "from_rank": 3}}
+    assert "L1H1" not in result["candidates"]
+    assert "| L3H3 (undecided) | 1-2 | tie | 2 |  |" in printed
+    assert "1 more undecided" in printed
+    # --never-ablate / ablate_file read the universal heads only.
+    assert read_heads_file(out) == ["L0H1", "L2H0"]
+    # A ranking shorter than the top-k is its whole self (a greedy run ranks a few heads).
+    assert harness("universal", *map(str, runs), "--top-k", "5", "--out", str(out)) == 0
+    assert [h["head"] for h in strict_json(out)["heads"]] == ["L0H1", "L2H0", "L3H3", "L1H1"]
+
+
+def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path, capsys):
+    """universal, overlap and cross compared model args as text: the same model with its
+    arguments in another order, or run on another device (which a run appends itself),
+    was 'different models'."""
+    from lm_eval_headloc.intervention.model_args import same_model
+
+    assert same_model("pretrained=m,dtype=float32,device=cpu", "dtype=float32,pretrained=m,"
+                                                               "device=cuda")
+    assert not same_model("pretrained=m,dtype=float32", "pretrained=m,dtype=bfloat16")
+    assert not same_model("pretrained=m", "pretrained=m,peft=a")
+    runs = [write_heads(tmp_path / "a", "t", ["L0H1", "L1H0"],
+                        model_args="pretrained=m,dtype=float32,device=cpu"),
+            write_heads(tmp_path / "b", "t", ["L1H0", "L0H1"],
+                        model_args="dtype=float32,pretrained=m,device=cuda,batch_size=4")]
+    assert harness("universal", *map(str, runs), "--min-tasks", "1", "--out",
+                   str(tmp_path / "u.json")) == 0
+    assert harness("overlap", *map(str, runs), "--top-k", "2", "--out",
+                   str(tmp_path / "o.json")) == 0
+    other = write_heads(tmp_path / "c", "t", ["L0H1"], model_args="pretrained=m,dtype=bfloat16")
+    assert harness("overlap", str(runs[0]), str(other), "--top-k", "1", "--out",
+                   str(tmp_path / "p.json")) == 2
+    assert "the runs are of different models" in last_error(capsys)
+
+
+def test_universal_counts_a_task_once_however_many_runs_rank_it(tmp_path, capsys):
+    """Two runs of one task (100 and 10 examples) made its heads 'universal', in 2 tasks."""
+    from lm_eval_headloc.commands import universal
+
+    runs = [write_heads(tmp_path / "r1", "induction", ["L0H1", "L1H1", "L2H2"]),
+            write_heads(tmp_path / "r2", "induction", ["L0H1", "L2H2", "L3H3"]),
+            write_heads(tmp_path / "r3", "ioi", ["L3H3", "L0H0", "L1H0"])]
+    result = universal(runs, tmp_path / "u.json", top_k=2, min_tasks=2)
+    assert result["heads"] == []  # L0H1 is in two rankings of one task
+    assert result["candidates"]["L0H1"] == {f"{(tmp_path / r).resolve()}:induction": 1
+                                            for r in ("r1", "r2")}
+    result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
+    assert [(h["head"], h["tasks"]) for h in result["heads"]] == [("L3H3", 2)]
+    assert harness("universal", *map(str, runs[:2]), "--out", str(tmp_path / "v.json")) == 2
+    assert last_error(capsys).endswith("--min-tasks 2: the runs rank only 1 distinct task "
+                                       "(a task ranked by several runs counts once)")
+
+
+def test_universal_counts_a_head_only_where_it_hurts(tmp_path):
+    """A top-k place filled by a head that does no harm (fewer hurt than k) is no evidence
+    that the task needs it: L0H1 is third in both top-3s, but one ranking measured it to
+    change nothing, so it is in one task's set, not two."""
+    from lm_eval_headloc.commands import universal
+
+    runs = [write_heads(tmp_path / "r1", "a", ["L2H0", "L1H1", "L0H1"],
+                        effects=[-0.3, -0.2, 0.0]),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L3H3", "L0H1"],
+                        effects=[-0.2, -0.1, -0.05])]
+    result = universal(runs, tmp_path / "u.json", top_k=3, min_tasks=2)
+    assert [h["head"] for h in result["heads"]] == ["L2H0"]
+    assert list(result["candidates"]["L0H1"].values()) == [3]  # task b's only
+
+
+def test_universal_marks_a_head_within_a_rankings_spread(tmp_path):
+    """L0H1 hurts task a by 0.01 where a single knockout gains 0.02 there: counted as
+    listed, but marked as within that ranking's spread (it was said only in report.md)."""
+    from lm_eval_headloc.commands import universal
+    from lm_eval_headloc.commands.universal import universal_table
+
+    runs = [write_heads(tmp_path / "r1", "a", ["L2H0", "L0H1", "L1H1"],
+                        effects=[-0.3, -0.01, 0.02]),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L0H1", "L3H3"],
+                        effects=[-0.2, -0.1, -0.05])]
+    path = runs[0] / "heads-a.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "largest_single_help": {"head": "L1H1",
+                                                                "change": 0.02}}))
+    result = universal(runs, tmp_path / "u.json", top_k=2, min_tasks=2)
+    by_head = {h["head"]: h for h in result["heads"]}
+    assert sorted(by_head) == ["L0H1", "L2H0"]
+    label = f"{runs[0].resolve()}:a"
+    assert by_head["L0H1"]["within_spread_in"] == [label]
+    assert "within_spread_in" not in by_head["L2H0"]
+    table = universal_table(result)
+    assert "| L0H1 | 2 | 2* | 2 |" in table
+    assert "*: in that ranking the head hurts the task by no more than a single knockout" in table

@@ -1,0 +1,134 @@
+"""headloc-harness verify: the top-k knocked out by hf-headablate itself (the table, what a
+run's signal and example part mean for it, its default general tasks), and a finished
+verify or cross rerun without loading the model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import LASSO_ONLY, TASKS, fake_run, harness, last_error, strict_json, tiny_args
+
+
+def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
+    run = tiny_locate_run
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "3", "--general", "tiny_copy",
+                   "--out", str(out)) == 0
+    table = strict_json(out / "verify.json")
+    rows = table["rows"]["tiny_choice"]
+    assert [r["k"] for r in rows] == [1, 2, 3]
+    assert rows[2]["heads"] == strict_json(run / "heads.json")["top_k"][:3]
+    base = table["baseline"]["tiny_choice"]
+    drop = (base - rows[0]["score"]) / base if base else None
+    assert rows[0]["task_drop"] == (pytest.approx(drop) if drop is not None else None)
+    assert "| k | heads | score | Task drop | Gen drop | tiny_copy |" in (
+        out / "verify.md").read_text()
+    assert table["located_by"] == "metric"
+    assert "log-likelihood" not in (out / "verify.md").read_text()
+    # What the run's ranking says of these heads travels with them (the run's own file).
+    from lm_eval_headloc.commands.verify import ranking_notes, verification_markdown
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    assert table["ranking_notes"] == {"tiny_choice": ranking_notes(RunFolder(run),
+                                                                   "tiny_choice", 3)}
+    table["ranking_notes"] = {"tiny_choice": ["L0H1: recorded to do no harm"]}
+    assert ("What the run's ranking says of these (its report.md):\n"
+            "- L0H1: recorded to do no harm\n") in verification_markdown(table)
+    # verify's scores are fresh evaluations: heads knocked out by hf-headablate itself.
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), dtype="float32",
+                        device="cpu", ablate="+".join(rows[1]["heads"]))
+    import lm_eval
+
+    from lm_eval_headloc.tasks import make_task_manager
+
+    results = lm_eval.simple_evaluate(model=lm, tasks=["tiny_choice"],
+                                      task_manager=make_task_manager([TASKS]))
+    assert rows[1]["score"] == pytest.approx(results["results"]["tiny_choice"]["acc,none"])
+
+
+def test_verify_of_a_logprob_run_says_it_scores_by_the_metric(tiny_model_dir, tmp_path):
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    config = strict_json(run / "config.json")
+    for part in ("spec", "identity"):
+        config[part]["signal"] = "logprob"
+    (run / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "verify"
+    assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+                   "--random-draws", "0", "--limit", "4", "--out", str(out)) == 0
+    assert strict_json(out / "verify.json")["located_by"] == "logprob"
+    assert "The run located these by the gold answers' log-likelihood" in (
+        out / "verify.md").read_text()
+
+
+def test_verify_of_a_run_on_part_of_the_examples_measures_whole_tasks(tiny_model_dir,
+                                                                      tmp_path):
+    """A run located on --examples-part 1/2 is verified on whole tasks (or --limit's first
+    documents), as verify's options say: the part used to cut the general tasks too, and
+    --limit silently dropped it."""
+    run = tmp_path / "part"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--examples-part", "1/2", "--masks", "4", "--sparsity", "0.25",
+                   *LASSO_ONLY, "--out", str(run)) == 0
+    assert strict_json(run / "config.json")["examples_used"] == {"tiny_choice": 2}
+    for limit, used in (([], {"tiny_choice": 4, "tiny_copy": 12}),
+                        (["--limit", "3"], {"tiny_choice": 3, "tiny_copy": 3})):
+        out = tmp_path / f"verify{len(limit)}"
+        assert harness("verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+                       "--random-draws", "0", *limit, "--out", str(out)) == 0
+        config = strict_json(out / "config.json")
+        assert config["examples_used"] == used
+        assert config["spec"]["examples_part"] is None
+
+
+def test_a_finished_verify_or_cross_reruns_without_loading_the_model(
+        tiny_model_dir, tiny_locate_run, tmp_path, monkeypatch):
+    """Every measurement on disk: the tables are rewritten from it, no weights loaded; one
+    measurement lost: the model is loaded to measure it again."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    out, cross_out = tmp_path / "verify", tmp_path / "cross"
+    verify_args = ["verify", str(tiny_locate_run), "--top-k", "2", "--general", "tiny_copy",
+                   "--out", str(out)]
+    cross_args = ["cross", str(tiny_locate_run), "--top-k", "2", "--out", str(cross_out)]
+    assert harness(*verify_args) == 0 and harness(*cross_args) == 0
+    tables = {path: path.read_text() for path in (out / "verify.json", out / "verify.md",
+                                                  cross_out / "cross.json")}
+    for path in tables:
+        path.unlink()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(HFHeadAblateLM, "__init__", refuse)
+        assert harness(*verify_args) == 0 and harness(*cross_args) == 0
+    assert {path: path.read_text() for path in tables} == tables
+    # A measurement lost: measured again, so the model loads (and the table is the same).
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    loads = []
+    original = HFHeadAblateLM.__init__
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    assert harness(*verify_args) == 0
+    assert loads == [1]
+    assert (out / "verify.json").read_text() == tables[out / "verify.json"]
+
+
+def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_model_dir,
+                                                                        tmp_path, capsys,
+                                                                        no_model_loading):
+    from lm_eval_headloc.commands.verify import DEFAULT_GENERAL, OFFLINE_GENERAL
+    from lm_eval_headloc.intervention.embedded import is_embedded
+
+    assert is_embedded(None)
+    assert not is_embedded(f"pretrained={tiny_model_dir('llama')}")
+    assert "hellaswag" in DEFAULT_GENERAL and "headloc_ioi" in OFFLINE_GENERAL
+    # Another model offline: the paper's general tasks cannot be had; one line, a hint.
+    run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
+    assert harness("verify", str(run)) == 2
+    message = last_error(capsys)
+    assert "cannot load task" in message and "headloc_ioi" in message
