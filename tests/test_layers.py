@@ -8,6 +8,7 @@ public API importable from the top.
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -169,3 +170,20 @@ def test_a_spec_and_its_option_choices_load_nothing_heavy():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["[]", "['sklearn']"]
+
+
+def test_no_test_file_imports_another():
+    """Shared helpers live in tests/helpers.py and fixtures in conftest.py: a test module
+    (or conftest) imported by another would run its tests twice or hide where a helper is."""
+    tests = Path(__file__).resolve().parent
+    importing = {}
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found = [n for n in names if n.split(".")[0].startswith("test_")
+                     or n.split(".")[0] == "conftest"]
+            if found:
+                importing[path.name] = found
+    assert len(list(tests.glob("test_*.py"))) > 50
+    assert importing == {}
