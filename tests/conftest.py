@@ -54,6 +54,18 @@ def script_module(name: str):
     finally:
         sys.path.remove(str(SCRIPTS))
 
+
+@pytest.fixture(scope="session")
+def committed_benchmarks(tmp_path_factory) -> Path:
+    """benchmarks/'s committed run folders, unpacked once a session into a temporary folder
+    laid out as benchmarks/ was (``exhaustive/``, ``recovery-runs/<task>/...``; see
+    ``scripts/bench_store.py``). Read them there; copy a folder before changing it."""
+    store = script_module("bench_store")
+    if not store.archives():
+        pytest.skip("not a checkout with the committed runs")
+    return store.unpack(tmp_path_factory.mktemp("committed") / "benchmarks")
+
+
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))
 _LLAMA_STYLE = "model.layers.{l}.self_attn.o_proj"

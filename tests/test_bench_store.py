@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import lzma
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 from conftest import script_module
@@ -164,3 +164,44 @@ def test_unpack_fills_only_an_empty_folder(store, tmp_path):
         store.unpack(tmp_path / "full", tmp_path / "store")
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["mine.txt"]
 
+
+def test_the_committed_store_holds_each_file_once_and_repacks_unchanged(store, tmp_path,
+                                                                       committed_benchmarks):
+    """Every committed archive comes back as the files it was packed from: packing the
+    unpacked copy again finds nothing to write (the same content, archive by archive)."""
+    archives = store.archives()
+    assert {"exhaustive", "exhaustive-heldout", "recovery-runs/headloc_ioi",
+            "neurons/headloc_arith"} <= set(archives)
+    copy = tmp_path / "store"
+    for path in archives.values():
+        (copy / path.relative_to(store.STORE)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / path.relative_to(store.STORE)).write_bytes(path.read_bytes())
+    assert store.pack(committed_benchmarks, copy) == []
+    names = [n for part, path in archives.items() for n in store.read_archive(path, part)]
+    assert len(names) == len(set(names)) == len(store.tree_files(committed_benchmarks))
+    assert not any(store.kept_out(PurePosixPath(n)) for n in names)
+
+
+def test_refit_committed_checks_and_rewrites_the_archived_runs(store, tmp_path, monkeypatch,
+                                                              committed_benchmarks, capsys):
+    """scripts/refit_committed.py on a store of one committed run whose report.md is not
+    what today's refit writes: --check names it and fails; without --check the archive is
+    rewritten with the refit's text, after which --check passes."""
+    refit_committed = script_module("refit_committed")
+    name = "recovery-runs/headloc_induction/stratified-p0.1-atp-path/m54-seed0"
+    source = committed_benchmarks / name
+    files = {f"{name}/{p.name}": p.read_bytes() for p in source.iterdir() if p.is_file()}
+    good = files[f"{name}/report.md"]
+    files[f"{name}/report.md"] = b"an older report\n"
+    archives = tmp_path / "store"
+    store.pack(write(tmp_path / "tree", files), archives)
+    archive = archives / "recovery-runs" / "headloc_induction.tar.xz"
+    monkeypatch.setattr(refit_committed, "STORE", archives)
+    monkeypatch.setattr(refit_committed, "committed_folders",
+                        lambda tree: sorted(tree.rglob("config.json")))  # not git's others
+    assert refit_committed.main(["--check"]) == 1
+    assert capsys.readouterr().out == f"benchmarks/{name}: report.md\n"
+    assert store.read_archive(archive)[f"{name}/report.md"] == b"an older report\n"
+    assert refit_committed.main([]) == 0
+    assert store.read_archive(archive) == {**files, f"{name}/report.md": good}
+    assert refit_committed.main(["--check"]) == 0
