@@ -20,6 +20,10 @@ Per task, on two disjoint halves of its documents (``--examples-part 1/2`` and `
 
 Runs live under ``benchmarks/neurons/`` and resume when the script is rerun (each is a run
 folder of the product's). Nothing here is tuned: the defaults, as a user gets them.
+They are stored packed there, one archive per task (``scripts/bench_store.py``); the script
+works in their unpacked copy ``bench-work/neurons/`` (unpacked where the archives are newer
+before it starts, packed back into ``benchmarks/`` when it ends). ``--runs`` elsewhere
+reads and writes that folder as it is.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_store.py, however this is loaded
 
 import numpy as np  # noqa: E402
+from bench_store import WORK_TREE, store_work, work_tree  # noqa: E402  (scripts/)
 
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
 from lm_eval_headloc.commands.locate import locate  # noqa: E402
@@ -54,7 +60,7 @@ from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: How the page begins (the model's name follows): --out writes only over such a page.
 TITLE = "# Heads or MLP neurons? ("
-OUT = ROOT / "benchmarks" / "neurons"
+OUT = WORK_TREE / "neurons"  # benchmarks/neurons/, unpacked
 NUM_SAMPLES = 50  # per half: the runs' examples, and the held-out evaluation's
 DRAWS = 5
 EQUAL_COUNTS = (1, 5)
@@ -348,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (why := page_refusal(args.out, TITLE)) is not None:
         parser.error(f"--out: {why}")  # before the runs, not after them
     runs = Path(args.runs)
+    stored = runs.resolve() == OUT.resolve()
+    if stored:
+        work_tree()  # the committed runs unpacked (bench_store.py), up to date
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     base = RunSpec(model_args=args.model_args, include_path=tuple(args.include_path))
     tasks = [t for t in args.tasks.split(",") if t]
@@ -371,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "embedded SmolLM2-135M-Instruct" if args.model_args is None else args.model_args
     write_page(args.out, render(results, per_head, name), TITLE)
     print(f"wrote {args.out}")
+    if stored:
+        store_work()  # what the runs added, packed into benchmarks/
     return 0
 
 

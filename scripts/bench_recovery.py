@@ -6,6 +6,11 @@ log-likelihood), on the example subset every run here uses. Its run folder is st
 ``benchmarks/exhaustive`` (``benchmarks/README.md`` has the command that made it); this
 script makes it when it is missing.
 
+The run folders are stored packed in ``benchmarks/`` (``scripts/bench_store.py``): the
+script works in their unpacked copy, ``bench-work/`` (unpacked where the archives are
+newer before it starts, packed back into ``benchmarks/`` when it ends; a part that did
+not change keeps its archive byte for byte).
+
 For each method (a ``locate`` configuration) and design seed (``--design-seed``: other
 masks, the same examples) one locate run of the largest budget is made, and a budget M
 is the fit on its first M masks: the designs draw row by row, so the first M rows are
@@ -27,7 +32,7 @@ Methods that fit the logprob signal use the same runs as their metric twins: a
 measurement by the metric records the gold answers' log-likelihood from the same
 answers (``tests/test_signals.py`` checks that it equals ``--signal logprob``).
 
-Usage (repository root; run folders go to benchmarks/recovery-runs, resumed on rerun)::
+Usage (repository root; run folders go to bench-work/recovery-runs, resumed on rerun)::
 
     python scripts/bench_recovery.py --out RECOVERY.md
     python scripts/bench_recovery.py --tasks headloc_induction --seeds 2 --budgets 25,54 \\
@@ -55,6 +60,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_store.py, however this is loaded
+
+from bench_store import WORK_TREE, store_work, work_tree  # noqa: E402  (scripts/)
 
 from lm_eval_headloc.bench.defaults import confirmed_split  # noqa: E402
 from lm_eval_headloc.commands import RunSpec  # noqa: E402
@@ -80,10 +88,10 @@ BENCH_PRIORS = ("atp", "atp-path")
 #: The page's first line: --out writes only over a page that begins with it.
 TITLE = "# Recovery: how many measurements find the exhaustive top-5"
 BUDGETS = (25, 27, 40, 54, 80, 100, 150)
-GROUND_TRUTH = ROOT / "benchmarks" / "exhaustive"
+GROUND_TRUTH = WORK_TREE / "exhaustive"
 GROUND_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(TASKS)
                         + " --top-k 20 --out benchmarks/exhaustive")
-HELD_OUT_TRUTH = ROOT / "benchmarks" / "exhaustive-heldout"
+HELD_OUT_TRUTH = WORK_TREE / "exhaustive-heldout"
 HELD_OUT_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(HELD_OUT)
                           + " --top-k 20 --out benchmarks/exhaustive-heldout")
 
@@ -91,7 +99,7 @@ HELD_OUT_TRUTH_COMMAND = ("headloc-harness greedy --tasks " + ",".join(HELD_OUT)
 def truth_folder(task: str) -> Path:
     """The exhaustive run folder that holds ``task``'s ground truth."""
     return HELD_OUT_TRUTH if task in HELD_OUT else GROUND_TRUTH
-WORK = ROOT / "benchmarks" / "recovery-runs"
+WORK = WORK_TREE / "recovery-runs"
 TOP = 5
 #: The recovery goal: >= 4 of the exhaustive top-5 in >= 80 % of seeds, and a joint drop
 #: >= 90 % of the exhaustive top-5's.
@@ -654,6 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = list(range(args.seeds))
     budgets = sorted(args.budgets)
     start = time.time()
+    work_tree()  # the committed runs unpacked (bench_store.py), up to date
     lm, results = None, []
     for task in args.tasks:
         result, lm = bench_task(task, methods, seeds, budgets, lm,
@@ -718,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "median over seeds).", goal_verdict)
     write_page(args.out, "\n".join(lines), TITLE)
     print(f"wrote {args.out}")
+    store_work()  # what the runs added, packed into benchmarks/
     return 0
 
 

@@ -26,7 +26,9 @@ holds:
 
 A split is a share of the budget left after the prior's allowance (``confirm.
 PRIOR_ALLOWANCE``: 8 for atp-path, none without a prior) spent on masks, the rest measured
-alone. Usage (repository root, about two minutes)::
+alone. The committed folders are read from their unpacked copy, ``bench-work/``
+(``scripts/bench_store.py`` unpacks ``benchmarks/`` there first). Usage (repository root,
+about two minutes)::
 
     python scripts/budget_split.py --out docs/budget_split.md
 """
@@ -46,8 +48,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_store.py, however this is loaded
 
 import simulate_recovery  # noqa: E402  (beside this script: SIMULATION.md's world)
+from bench_store import WORK_TREE, work_tree  # noqa: E402  (the committed runs, unpacked)
 
 from lm_eval_headloc.bench.defaults import (  # noqa: E402
     METHODS,
@@ -63,7 +67,7 @@ from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import parse_heads  # noqa: E402
 from lm_eval_headloc.method.budget import DEFAULT_BUDGET, MASK_SHARE, PRIOR_ALLOWANCE, budget_split  # noqa: E402
 
-BENCHMARKS = ROOT / "benchmarks"
+BENCHMARKS = WORK_TREE  # benchmarks/, unpacked (bench_store.py)
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 DESIGN_SEEDS = (0, 1, 2, 3)
 #: Shares of the budget after the prior's allowance spent on masks: the defaults' two.
@@ -105,7 +109,7 @@ class EmbeddedTask:
             self.logprob[head] = record["logprob"][task] - self.base["logprob"][task]
         ranking = json.loads((root / "exhaustive" / f"heads-{task}.json").read_text())
         self.truth = {_flat(n, self.heads_per_layer) for n in ranking["top_k"][:5]}
-        self.runs = root / "recovery-runs" / task
+        self.root, self.runs = root, root / "recovery-runs" / task
         self.prior = self._prior(self.runs / "prior-atp-path" / "prior.json")
 
     def _prior(self, path: Path) -> np.ndarray:
@@ -153,7 +157,7 @@ def check_replay(tasks: Sequence[EmbeddedTask]) -> list[str]:
             ranked = json.loads((folder / f"heads-{task.task}.json").read_text())["top_k"][:5]
             if picks != written or top != [_flat(n, task.heads_per_layer) for n in ranked]:
                 raise SystemExit(f"{folder}: the replay does not pick or rank as the run did")
-            checked.append(str(folder.relative_to(ROOT)))
+            checked.append(f"benchmarks/{folder.relative_to(task.root).as_posix()}")
     return checked
 
 
@@ -449,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seeds must be >= 1 and each --n-heads >= 20")
     if args.out is not None and (why := page_refusal(args.out, TITLE)) is not None:
         parser.error(f"--out: {why}")
+    root = work_tree()  # up to date with benchmarks/
     started = time.perf_counter()
-    tasks = [EmbeddedTask(task) for task in TASKS]
+    tasks = [EmbeddedTask(task, root) for task in TASKS]
     checked = check_replay(tasks)
     simulated = simulated_rows(sizes, args.seeds)
     grouped = grouped_rows(sizes, args.seeds)

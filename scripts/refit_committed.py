@@ -5,9 +5,13 @@ code.
     python scripts/refit_committed.py --check   # list what is stale, exit 1 if any
 
 When the ranking code changes (the order, an interval, a sentence of report.md), the
-run folders committed to this repository (under ``benchmarks/``; ``git ls-files`` says
-which, so a user's own runs are never touched) no longer read as today's code writes
-them, and ``tests/test_run_result.py`` says so. Each run is fitted again from its stored
+run folders committed to this repository (packed in ``benchmarks/``'s archives, and any
+other folder whose config.json git tracks, so a user's own runs are never touched) no
+longer read as today's code writes them, and ``tests/test_run_result.py`` says so. The
+archives are unpacked into a temporary folder (``scripts/bench_store.py``: the committed
+bytes, not ``bench-work/``'s copy, which may hold runs not packed yet); without
+``--check`` what changed is written there and packed back, so only the archives of the
+parts that changed are rewritten. Each run is fitted again from its stored
 measurements, in a copy (``locate`` runs by ``refit``, which loads no model; ``greedy``
 runs by rerunning the finished run, which measures nothing, but loads the model once to
 write the head types a greedy run without types.json now gets). Only the ranking files
@@ -38,6 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_store.py, however this is loaded
+
+from bench_store import STORE, pack, unpack  # noqa: E402  (scripts/)
 
 from lm_eval_headloc.commands import greedy, refit  # noqa: E402
 from lm_eval_headloc.common.files import strict_json  # noqa: E402
@@ -47,17 +54,20 @@ from lm_eval_headloc.runs.record import RunRecord, load_run, model_facts  # noqa
 RANKING_FILES = ("heads*.json", "heads*.csv", "report.md")
 
 
-def committed_folders(root: Path = ROOT) -> list[Path]:
-    """Every run folder whose config.json git tracks (any command's)."""
+def committed_folders(tree: Path, root: Path = ROOT) -> list[Path]:
+    """The config.json of every committed run folder (any command's): those of ``tree``
+    (``benchmarks/`` unpacked, ``bench_store.unpack``), then any whose config.json git
+    tracks elsewhere."""
     listed = subprocess.run(["git", "ls-files", "-z", "--", "*config.json"], cwd=root,
                             check=True, capture_output=True, text=True).stdout
-    return [root / name for name in sorted(filter(None, listed.split("\0")))
-            if Path(name).name == "config.json" and (root / name).is_file()]
+    tracked = [root / name for name in sorted(filter(None, listed.split("\0")))
+               if Path(name).name == "config.json" and (root / name).is_file()]
+    return sorted(tree.rglob("config.json")) + tracked
 
 
-def committed_runs(root: Path = ROOT) -> list[Path]:
-    """Every locate or greedy run folder whose config.json git tracks."""
-    return [config.parent for config in committed_folders(root)
+def committed_runs(tree: Path, root: Path = ROOT) -> list[Path]:
+    """Every committed locate or greedy run folder (``committed_folders``)."""
+    return [config.parent for config in committed_folders(tree, root)
             if _command(config) in ("locate", "greedy")]
 
 
@@ -155,16 +165,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="only list the stale folders; exit 1 if there are any")
     args = parser.parse_args(argv)
     stale = 0
-    for folder in (config.parent for config in committed_folders()):
-        changed = stale_files(folder)
-        if not changed:
-            continue
-        stale += 1
-        print(f"{folder.relative_to(ROOT)}: {', '.join(changed)}")
-        if not args.check:
-            for name, text in changed.items():
-                (folder / name).write_text(text, encoding="utf-8")
-    print(f"{stale} folder(s) {'stale' if args.check else 'rewritten'}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = unpack(Path(scratch) / "benchmarks", STORE)
+        for folder in (config.parent for config in committed_folders(tree)):
+            changed = stale_files(folder)
+            if not changed:
+                continue
+            stale += 1
+            where = (Path("benchmarks") / folder.relative_to(tree)
+                     if folder.is_relative_to(tree) else folder.relative_to(ROOT))
+            print(f"{where}: {', '.join(changed)}")
+            if not args.check:
+                for name, text in changed.items():
+                    (folder / name).write_text(text, encoding="utf-8")
+        packed = [] if args.check or not stale else pack(tree, STORE)
+    print(f"{stale} folder(s) {'stale' if args.check else 'rewritten'}"
+          + (f"; archives rewritten: {', '.join(packed)}" if packed else ""), file=sys.stderr)
     return 1 if args.check and stale else 0
 
 

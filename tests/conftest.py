@@ -24,6 +24,7 @@ from helpers import (  # noqa: E402
     harness,
     hybrid_config,
     save_tiny_tokenizer,
+    script_module,
     tiny_args,
     tiny_config,
 )
@@ -31,6 +32,17 @@ from helpers import (  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def committed_benchmarks(tmp_path_factory) -> Path:
+    """benchmarks/'s committed run folders, unpacked once a session into a temporary folder
+    laid out as benchmarks/ was (``exhaustive/``, ``recovery-runs/<task>/...``; see
+    ``scripts/bench_store.py``). Read them there; copy a folder before changing it."""
+    store = script_module("bench_store")
+    if not store.archives():
+        pytest.skip("not a checkout with the committed runs")
+    return store.unpack(tmp_path_factory.mktemp("committed") / "benchmarks")
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ def script():
 
 
 @pytest.fixture(scope="module")
-def tasks(script):
-    return [script.EmbeddedTask(task) for task in script.TASKS]
+def tasks(script, committed_benchmarks):
+    return [script.EmbeddedTask(task, committed_benchmarks) for task in script.TASKS]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,10 @@ def test_a_replay_that_differs_from_the_run_is_refused(script, tasks):
     assert task.run(design, scores, None, confirm)[0] != picks
 
 
-def test_the_exhaustive_truth_and_single_head_changes_are_read_as_written(script, tasks):
+def test_the_exhaustive_truth_and_single_head_changes_are_read_as_written(
+        script, tasks, committed_benchmarks):
     for task in tasks:
-        ranking = json.loads((ROOT / "benchmarks" / "exhaustive" /
+        ranking = json.loads((committed_benchmarks / "exhaustive" /
                               f"heads-{task.task}.json").read_text())
         effects = {h["head"]: h["effect"] for h in ranking["heads"]}
         for name, effect in effects.items():

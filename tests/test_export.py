@@ -244,8 +244,6 @@ def test_evidence_that_is_not_a_number_is_refused():
         assert "L0H2" in one_line_error(err) and field in str(err.value)
 
 
-ROOT = Path(__file__).resolve().parent.parent
-RECOVERY_RUNS = ROOT / "benchmarks" / "recovery-runs"
 
 
 def falls_of(entry: dict, higher: bool) -> tuple:
@@ -260,11 +258,11 @@ def falls_of(entry: dict, higher: bool) -> tuple:
     "headloc_ioi/stratified-p0.1-atp-path/m40-seed2",  # the prior and 24 heads alone
     "headloc_induction/stratified-p0.02/seed0",  # no prior, nothing measured alone
 ])
-def test_a_committed_lasso_run_orders_every_head(name, tmp_path):
+def test_a_committed_lasso_run_orders_every_head(name, tmp_path, committed_benchmarks):
     """The export of a Lasso run gave 229 of 270 heads the score 0.0. Every head
     must be ordered by the run's evidence; heads share a score only where all of it is
     equal, and the file lists them."""
-    run = RECOVERY_RUNS / name
+    run = committed_benchmarks / "recovery-runs" / name
     task = name.split("/")[0]
     data = json.loads((run / f"heads-{task}.json").read_text())
     higher = data["higher_is_better"]

@@ -4,30 +4,26 @@ reads every committed ranking file and writes its keys back as they were, in ord
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from lm_eval_headloc.method.ranking import CertificateRecord, GroupTestRecord, RankingFacts
 
-ROOT = Path(__file__).resolve().parents[1]
 #: heads.json's keys that are the ranking itself, not its facts.
 RANKING_KEYS = {"task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
                 "bootstrap", "heads"}
 
 
-def _committed_rankings() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "*heads.json", "*heads-*.json"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split()
-    return [ROOT / name for name in listed
-            if Path(name).name == "heads.json" or Path(name).name.startswith("heads-")]
+def _committed_rankings(benchmarks: Path) -> list[Path]:
+    return sorted(path for path in benchmarks.rglob("heads*.json")
+                  if path.name == "heads.json" or path.name.startswith("heads-"))
 
 
-def test_every_committed_ranking_file_round_trips_in_order():
+def test_every_committed_ranking_file_round_trips_in_order(committed_benchmarks):
     """Written by the code before the facts were typed (and by locate, greedy and refit
     since): the keys come back the same, in the same order, nothing moved to ``other``."""
-    files = _committed_rankings()
+    files = _committed_rankings(committed_benchmarks)
     assert len(files) > 100  # the benchmarks' runs, locate's and greedy's
     methods = set()
     certified = 0

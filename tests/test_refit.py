@@ -9,12 +9,13 @@ from pathlib import Path
 from helpers import harness, strict_json
 
 
-def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys):
+def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys,
+                                                           committed_benchmarks):
     """The default job's last lines read 'R² 0.992 (held out -0.70)', which a
     newcomer takes for a failed run. The committed run of today's defaults (the top 5
     measured alone) is refitted and its summary line read."""
-    source = (Path(__file__).resolve().parent.parent / "benchmarks" / "recovery-runs"
-              / "headloc_induction" / "stratified-p0.1-atp-path" / "m54-seed0")
+    source = (committed_benchmarks / "recovery-runs" / "headloc_induction"
+              / "stratified-p0.1-atp-path" / "m54-seed0")
     run = Path(shutil.copytree(source, tmp_path / "run"))
     heads = strict_json(run / "heads.json")
     assert heads["r2_held_out"] < 0 and all(e["measured_alone"] for e in heads["heads"][:5])

@@ -17,7 +17,6 @@ from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
 from lm_eval_headloc.runs.record import LocateRun, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
-RECOVERY = ROOT / "benchmarks" / "recovery-runs"
 
 
 def tiny_locate(model: Path, out: Path, *extra: str) -> list[str]:
@@ -165,8 +164,9 @@ def contents(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def committed_copy(name: str, tmp_path: Path) -> tuple[Path, Path]:
-    source = RECOVERY / name
+def committed_copy(name: str, tmp_path: Path, benchmarks: Path) -> tuple[Path, Path]:
+    """A committed recovery run (``benchmarks``: the store unpacked) and a copy of it."""
+    source = benchmarks / "recovery-runs" / name
     if not (source / "config.json").is_file():
         pytest.skip(f"{source} is not in this checkout")
     return source, Path(shutil.copytree(source, tmp_path / "run"))
@@ -174,8 +174,9 @@ def committed_copy(name: str, tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("name", COMMITTED)
 def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
-                                                              no_model_loading):
-    source, run = committed_copy(name, tmp_path)
+                                                              no_model_loading,
+                                                              committed_benchmarks):
+    source, run = committed_copy(name, tmp_path, committed_benchmarks)
     committed = contents(source)
     assert harness("refit", str(run)) == 0
     same = script_module("refit_committed").same_up_to_round_off
@@ -200,16 +201,16 @@ def test_round_off_is_no_change_but_anything_else_is():
     assert not same("a 1.5 b", "a 1.5 b 2.5")
 
 
-def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_model_loading):
-    """scripts/refit_committed.py: the run folders git tracks (never an ignored runs/),
-    and a ranking file whose text today's refit writes differently."""
+def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_model_loading,
+                                                                  committed_benchmarks):
+    """scripts/refit_committed.py: the run folders benchmarks/'s archives hold (never an
+    ignored runs/), and a ranking file whose text today's refit writes differently."""
     refit_committed = script_module("refit_committed")
-    found = refit_committed.committed_runs()
-    if not found:
-        pytest.skip("not a git checkout with the committed runs")
-    assert all(f.relative_to(ROOT).parts[0] == "benchmarks" for f in found)
-    assert RECOVERY / COMMITTED[0] in found
-    source, run = committed_copy(COMMITTED[0], tmp_path)
+    found = refit_committed.committed_runs(committed_benchmarks)
+    assert all(f.is_relative_to(committed_benchmarks) for f in found)
+    assert committed_benchmarks / "recovery-runs" / COMMITTED[0] in found
+    assert committed_benchmarks / "exhaustive" in found  # greedy's too
+    source, run = committed_copy(COMMITTED[0], tmp_path, committed_benchmarks)
     assert refit_committed.stale_files(run) == {}  # today's code wrote it
     (run / "report.md").write_text("an older report\n")
     assert refit_committed.stale_files(run) == {"report.md": (source / "report.md").read_text()}
@@ -236,11 +237,12 @@ def as_layout_1(run: Path) -> dict:
     return config
 
 
-def test_load_run_reads_a_config_without_schema(tmp_path):
+def test_load_run_reads_a_config_without_schema(tmp_path, committed_benchmarks):
     """The earlier layout (no schema, no prior_method, the confirmation as heads /
     consumed / never, the embedded model by its folder) loads with the defaults it
     implies, and writes back as it was but for the model's name and the schema."""
-    source, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path)
+    source, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path,
+                                 committed_benchmarks)
     config = as_layout_1(run)
     assert "schema" not in config and "prior_method" not in config
     record = load_run(run)
@@ -281,8 +283,9 @@ def test_load_run_fills_what_the_earliest_folders_left_out(tmp_path):
 
 
 def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
-        tmp_path, capsys):
-    _, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path)
+        tmp_path, capsys, committed_benchmarks):
+    _, run = committed_copy("headloc_ioi/stratified-p0.1-confirm/m54-seed2", tmp_path,
+                            committed_benchmarks)
     config = json.loads((run / "config.json").read_text())
     del config["confirm"]  # killed while measuring heads alone
     (run / "config.json").write_text(json.dumps(config))
