@@ -1,4 +1,4 @@
-"""A ranking's report (``commands.report``): the heatmap (unstable top heads hatched, layers
+"""A ranking's report (``report.pages``): the heatmap (unstable top heads hatched, layers
 without heads and heads without an estimate grey) and the ranking table's words for a top
 head that does not hurt."""
 

@@ -1,4 +1,4 @@
-"""Run folders (``commands.runfolder``): a command never touches what is not its own (a
+"""Run folders (``runs.folder``): a command never touches what is not its own (a
 user's files, another run, the run it reads), --force deletes only what the commands wrote,
 one process at a time holds a folder, a run's identity decides whether a folder resumes or
 is refused, and the measurements on disk keep every good line."""

@@ -54,7 +54,7 @@ Scores = dict[str, TaskScore]
 
 class Measurement(Protocol):
     """What the commands (``runs.plan.run_plan``, the prior, the report) may ask of a
-    measurement: ``HarnessMeasurement`` here, and ``commands.workers``'
+    measurement: ``HarnessMeasurement`` here, and ``distributed.workers``'
     ``DistributedMeasurement``, which measures the masks on Ray workers."""
 
     lm: Any
