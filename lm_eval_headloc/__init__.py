@@ -8,6 +8,7 @@ The public API, re-exported here (the code lives in the layer folders; docs/deve
     read_rankings("runs/smol")["headloc_induction"].top(5)
 
     from lm_eval_headloc import HeadLasso, design_matrix  # the method, on your own arrays
+    from lm_eval_headloc import locate_components  # the loop, on a measurement, in memory
 
 ``import lm_eval_headloc`` registers the ``hf-headablate`` model with lm-eval, so
 ``lm_eval.simple_evaluate(model="hf-headablate", model_args="pretrained=...,ablate=L0H1")``
@@ -49,7 +50,11 @@ _LAZY = {
     # the method, on plain arrays
     "HeadLasso": "method.recovery", "bootstrap_stability": "method.recovery",
     "design_matrix": "method.designs", "Ranking": "method.ranking",
-    "Columns": "method.columns",
+    "Columns": "method.columns", "fit_rankings": "method.fit",
+    # the locate loop on a measurement, without a run folder
+    "locate_components": "method.locate_loop", "locate_loop": "method.locate_loop",
+    "LocateState": "method.locate_loop", "MemoryStore": "measurement.store",
+    "HarnessMeasurement": "measurement.measure",
     # the model and its errors
     "HFHeadAblateLM": "intervention.model", "UsageError": "common.checks",
     "UserError": "common.errors",

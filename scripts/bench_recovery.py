@@ -72,12 +72,13 @@ from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_heads  # noqa: E402
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS  # noqa: E402
 from lm_eval_headloc.measurement.metrics import TaskScore  # noqa: E402
+from lm_eval_headloc.measurement.store import run_plan  # noqa: E402
 from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE  # noqa: E402
 from lm_eval_headloc.method.confirm import alternated, prior_rankings  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
 from lm_eval_headloc.method.fit import fit_rankings, mask_keys  # noqa: E402
 from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
-from lm_eval_headloc.runs.plan import load_model, open_measurement, run_plan  # noqa: E402
+from lm_eval_headloc.runs.plan import load_model, open_measurement  # noqa: E402
 from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")

@@ -28,6 +28,7 @@ PUBLIC = [
     ("lm_eval_headloc.measurement.metrics", "MetricError"),
     ("lm_eval_headloc.common.checks", "UsageError"),
     ("lm_eval_headloc.distributed.workers", "WorkerError"),
+    ("lm_eval_headloc.measurement.store", "StoreError"),
     ("lm_eval_headloc.runs.folder_checks", "RunFolderError"),
 ]
 

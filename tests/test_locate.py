@@ -267,7 +267,7 @@ def test_design_seed_draws_other_masks_on_the_same_examples(tiny_model_dir, tmp_
 
 
 def test_masks_auto_stops_at_the_first_stable_round(tiny_model_dir, tmp_path):
-    from lm_eval_headloc.commands.locate import auto_rounds
+    from lm_eval_headloc.method.locate_loop import auto_rounds
 
     assert auto_rounds(100) == [20, 30, 40, 50, 62, 77, 96, 100]
     assert auto_rounds(7) == [7]

@@ -12,7 +12,8 @@ import pytest
 from helpers import TASKS, harness, script_module, strict_json
 
 from lm_eval_headloc.commands import RunFolder, RunFolderError
-from lm_eval_headloc.commands.locate import auto_rounds, refit
+from lm_eval_headloc.commands.locate import refit
+from lm_eval_headloc.method.locate_loop import auto_rounds
 from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
 from lm_eval_headloc.runs.record import LocateRun, load_run
 

@@ -124,7 +124,7 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                        prior: np.ndarray | None, confirm: int, changes: np.ndarray, *,
                        method: str = "defaults", top: int = 5, alpha: float = 0.01,
                        logprob_changes: np.ndarray | None = None) -> np.ndarray:
-    """A confirming run's top ``top`` (``commands.locate``'s ``_confirm`` and
+    """A confirming run's top ``top`` (``method.locate_loop``'s ``_confirm`` and
     ``fit_rankings`` on one task): ``confirm`` heads measured alone (``changes``, from
     :func:`measured_alone`), picked by ``confirm.confirmation`` from the prior's rankings
     (``prior``: ``(points, N)`` estimates as :func:`simulated_prior` gives, or None;
@@ -192,7 +192,7 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                     changes: np.ndarray, *, top: int = 5, alpha: float = 0.01
                     ) -> np.ndarray:
     """A confirming run's top ``top`` with ``group_tests`` measurements more spent on the
-    heads not measured alone (``commands.locate``'s ``_group_test`` on one task):
+    heads not measured alone (``method.locate_loop``'s ``_group_test`` on one task):
     ``confirm`` heads measured alone as :func:`confirming_run` picks them, then
     ``group_tests.group_testing`` over the screen's implicated heads and the least covered
     (``group_tests.group_order``), groups sized by ``group_tests.group_size``; a group is

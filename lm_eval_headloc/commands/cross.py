@@ -33,9 +33,10 @@ from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.model_args import same_model
+from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.runs.folder import RunFolder, option_words, refuse_output_path_into, run_list
 from lm_eval_headloc.runs.option_values import flag_of
-from lm_eval_headloc.runs.plan import PlanEntry, measured_plan
+from lm_eval_headloc.runs.plan import measured_plan
 from lm_eval_headloc.runs.record import load_run
 from lm_eval_headloc.runs.setup import NoEffectError, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec

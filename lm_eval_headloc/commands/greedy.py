@@ -13,6 +13,7 @@ import numpy as np
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.measurement.store import PlanEntry, run_plan
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
 from lm_eval_headloc.method.ranking import Ranking, RankingFacts, largest_single_help
@@ -26,13 +27,7 @@ from lm_eval_headloc.report.pages import (
     write_ranking,
 )
 from lm_eval_headloc.runs.folder import RunFolder
-from lm_eval_headloc.runs.plan import (
-    PlanEntry,
-    load_model,
-    nothing_left,
-    open_measurement,
-    run_plan,
-)
+from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
 from lm_eval_headloc.runs.record import start_run
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec

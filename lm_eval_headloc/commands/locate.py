@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,44 +30,23 @@ from lm_eval_headloc.intervention.components import (
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.method.columns import (
-    Columns,
     neuron_candidates,
 )
-from lm_eval_headloc.method.confirm import (
-    ROUND,
-    Changes,
-    alternated,
-    confirmation,
-    prior_rankings,
-    prior_weights,
-    screen,
-)
-from lm_eval_headloc.method.designs import design_matrix
 from lm_eval_headloc.method.fit import (
-    _alone_changes,
     _has,
-    _measured_alone,
     alone_key,
-    fit_rankings,
     group_sets,
     mask_keys,
 )
 from lm_eval_headloc.method.group_tests import (
-    MAX_GROUP,
-    background_harm,
-    entry_bar,
     group_key,
-    group_order,
-    group_size,
-    group_testing,
 )
-from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
+from lm_eval_headloc.method.locate_loop import fit_with, locate_loop
 from lm_eval_headloc.method.ranking import Ranking
-from lm_eval_headloc.method.recovery import harm
 from lm_eval_headloc.report.locate_report import write_results
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
-from lm_eval_headloc.runs.plan import load_model, open_measurement, phase_bar, run_plan
+from lm_eval_headloc.runs.plan import load_model, open_measurement
 from lm_eval_headloc.runs.record import (
     PRIOR_KEYS,
     LocateRun,
@@ -140,38 +119,6 @@ def attribution_prior(folder: RunFolder, measure: Any, method: str,
             for task in tasks}
 
 
-#: --masks auto: masks in the first round, and each round's growth (a share of the masks
-#: measured so far, at least ROUND_MIN), so a run checks its stability ~log(M) times.
-FIRST_ROUND, ROUND_MIN, ROUND_GROWTH = 20, 10, 0.25
-
-
-def auto_rounds(max_masks: int) -> list[int]:
-    """The mask counts after which ``--masks auto`` checks whether to stop."""
-    counts = [min(FIRST_ROUND, max_masks)]
-    while counts[-1] < max_masks:
-        step = max(ROUND_MIN, int(counts[-1] * ROUND_GROWTH))
-        counts.append(min(max_masks, counts[-1] + step))
-    return counts
-
-
-def _pilot(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns: Columns,
-           never: Sequence[int]) -> tuple[float, list[str], np.ndarray, dict[str, Any] | None]:
-    """(sparsity, pilot row keys, pilot rows, what config.json records of the pilot): with
-    ``--sparsity auto`` the pilot is measured and chooses; its masks come first in the
-    design and join the fit, its floor mask does not (``LocateRun.unfitted``)."""
-    if spec.sparsity != "auto":
-        return spec.sparsity, [], np.zeros((0, len(columns)), dtype=bool), None
-    keys, levels, pilot = pilot_design(len(columns), spec.masks_seed, never)
-    plan = [("baseline", [])] + [(key, columns.knocked_out(row))
-                                 for key, row in zip(keys, pilot, strict=True)]
-    records = run_plan(folder, measure, plan, desc="pilot", progress=spec.progress,
-                       masks_per_pass=spec.masks_per_pass)
-    sparsity, kept = choose_sparsity(levels, keys, records, setup.task_names)
-    chosen = {"sparsity": sparsity, "kept": kept, "measurements": len(keys),
-              "keep_at_least": KEEP}
-    return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], chosen
-
-
 @timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Any = None, **options: Any
@@ -239,193 +186,37 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                           estimates, columns, setup.heads_per_layer, run.neurons_per_layer),
                       method, measure.no_prior_reason() if spec.prior == "auto" and not method
                       else None)
-        never = [columns.index(h) for h in setup.never_ablate if _has(columns, h)]
-        sparsity, row_keys, rows, run.pilot = _pilot(folder, measure, spec, setup, columns,
-                                                     never)
-        spent = run.unfitted
-        main = spec.design_rows - len(row_keys) - spent
-        with timing.phase("design"):
-            matrix = np.vstack([rows, design_matrix(spec.design, main, len(columns),
-                                                    sparsity, spec.masks_seed, never)])
-            run.design, run.row_keys = matrix, [*row_keys, *mask_keys(main)]
-            # Through a file object: np.save would add ".npy" to the partial file's name.
-            write_atomically(folder.file("design_matrix.npy"),
-                             lambda partial: _save_array(partial, matrix))
-        run.save(folder, measure)  # phase: designed
-        plan = [("baseline", [])] + [(key, columns.knocked_out(row))
-                                     for key, row in zip(run.keys(), matrix, strict=True)]
-        checks = ([len(rows) + n for n in auto_rounds(main)] if spec.masks == "auto"
-                  else [len(matrix)])
-        rankings = None
-        on_disk = {r["key"] for r in folder.measurements()}
-        phase = plan[:checks[-1] + 1]  # one bar for --masks auto's rounds
-        with phase_bar("locate", len(phase), sum(key in on_disk for key, _ in phase),
-                       spec.progress) as bar:
-            for used in checks:
-                # Each round measures what is not on disk yet; --masks auto then fits the
-                # first `used` rows and stops once every top-k head is stable in the
-                # bootstrap: the decision depends only on the seed and the measurements,
-                # so a killed run resumes to the same stop.
-                run.records = run_plan(folder, measure, plan[:used + 1], desc="locate",
-                                       masks_per_pass=spec.masks_per_pass, bar=bar)
-                if spec.masks != "auto":
-                    break
-                rankings = _fit(run, setup.exclude, used, confirmed=False)
-                if all(r.settled(spec.top_k) for r in rankings.values()):
-                    break
-        run.masks_used = used + spent
-        if spec.confirm:
-            run.confirm = _confirm(folder, measure, spec, setup, columns, matrix[:used],
-                                   run.keys(used), run.priors, never)
-            if spec.group_tests:
-                run.confirm["groups"] = _group_test(folder, measure, spec, setup, columns,
-                                                    matrix[:used], run.keys(used),
-                                                    run.priors, never, run.confirm)
-            run.records = {r["key"]: r for r in folder.measurements()}
-            rankings = None  # the masks' fit alone was --masks auto's stopping rule
-        run.save(folder, measure)  # phase: measured
-        # Fitted once, with its bootstrap, on everything measured (--masks auto without
-        # --confirm: its last round's fit is that fit).
-        run.rankings = _fit(run, setup.exclude, used) if rankings is None else rankings
+
+        def checkpoint(phase: str) -> None:  # designed, then measured
+            if phase == "designed":
+                assert run.design is not None
+                design = run.design
+                with timing.phase("design"):
+                    # Through a file object: np.save would add ".npy" to the partial name.
+                    write_atomically(folder.file("design_matrix.npy"),
+                                     lambda partial: _save_array(partial, design))
+            run.save(folder, measure)
+
+        locate_loop(measure, folder, columns, setup.task_names, spec, priors=run.priors,
+                    never=setup.never_ablate, exclude=setup.exclude,
+                    heads_per_layer=run.heads_per_layer, state=run, checkpoint=checkpoint)
         run.save(folder, measure)  # phase: fitted (the timings the report says)
         write_results(folder, run)
     return run.rankings
 
 
-@timing.timed("fit and bootstrap")
-def _fit(run: LocateRun, exclude: Sequence[Component], rows: int, *,
-         confirmed: bool = True) -> dict[str, Ranking]:
-    """``fit_rankings`` of the run's first ``rows`` design rows with its settings, its
-    prior and (``confirmed``) its confirmation."""
+def _fit(run: LocateRun, exclude: Sequence[Component], rows: int) -> dict[str, Ranking]:
+    """``fit_with`` of a stored run's first ``rows`` design rows with its settings, its
+    prior and its confirmation."""
     spec = run.spec
     assert run.design is not None and isinstance(run.heads_per_layer, int)
     assert isinstance(run.layers, int)
     never = head_list(spec.never_ablate, run.layers, run.heads_per_layer, "--never-ablate",
                       neurons="neurons" in spec.components,
                       neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
-    return fit_rankings(run.design[:rows], run.records, run.tasks, run.columns,
-                        spec.alpha, exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
-                        seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
-                        confirmed=run.confirm if confirmed else None,
-                        heads_per_layer=run.heads_per_layer, never=never)
-
-
-def _confirm(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup, columns: Columns,
-             design: np.ndarray, keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
-             never: Sequence[int]) -> dict[str, Any]:
-    """Measure ``--confirm`` heads alone in rounds (``confirm.confirmation``): the prior's
-    rankings and the screen, refitted after each round with what it measured; returns
-    what the run's record keeps of it (``LocateRun.confirm``, ``fit_rankings``'
-    ``confirmed``). Heads never knocked out or excluded from the ranking are no
-    candidates. Every pick follows from the measurements on disk, so a resumed run makes
-    the same picks and measures only what is missing."""
-    tasks = setup.task_names
-    excluded = [columns.index(h) for h in setup.exclude if _has(columns, h)]
-    records = {r["key"]: r for r in folder.measurements()}
-    higher = {t: bool(records["baseline"]["higher_is_better"][t]) for t in tasks}
-    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
-
-    def screen_of(task: str) -> Callable[[Changes], list[int]]:
-        weights = prior_weights(None if priors is None else priors[task])
-        return lambda changes: screen(
-            design, scores[task], higher[task], alpha=spec.alpha, penalty_weights=weights,
-            fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
-
-    def measured(heads: list[int]) -> dict[str, Changes]:
-        done = run_plan(folder, measure, [("baseline", [])] + [
-            (alone_key(columns[i]), columns.members(i)) for i in heads],
-            desc="confirm", masks_per_pass=spec.masks_per_pass, bar=bar)
-        return {t: _alone_changes(done, heads, t, columns) for t in tasks}
-
-    def on_disk(heads: list[int]) -> dict[str, Changes]:
-        records.update({r["key"]: r for r in folder.measurements()})
-        known = [h for h in heads if alone_key(columns[h]) in records]
-        return {t: _alone_changes(records, known, t, columns) for t in tasks}
-
-    sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
-    screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
-    skip = sorted({*never, *excluded})
-    # One bar for every round (a resumed run's picks are those on disk: the same picks).
-    measured_before = sum(key.startswith(alone_key("")) for key in records)
-    # The screens' refits between rounds are fits; the rounds' measurements, measurements.
-    with phase_bar("confirm", spec.confirm, measured_before, spec.progress) as bar, \
-            timing.phase("fit and bootstrap"):
-        done = confirmation(sources, screens, measured, spec.confirm, skip=skip)
-        # The round a larger --confirm would measure next: the same picks (they do not
-        # depend on the budget), one round further, measuring nothing.
-        ahead = confirmation(sources, screens, on_disk, spec.confirm + ROUND, skip=skip)
-
-    names = columns.names
-
-    confirmed = {"heads": names(done.heads), "round_size": ROUND,
-                 "rounds": [names(r) for r in done.rounds],
-                 "picked_by": {t: names(done.picked_by[t]) for t in tasks},
-                 "next": {t: names(ahead.picked_by[t][len(done.picked_by[t]):])
-                          for t in tasks},
-                 "never": sorted(int(h) for h in never)}
-    return confirmed
-
-
-def _group_test(folder: RunFolder, measure: Any, spec: RunSpec, setup: Setup,
-                columns: Columns, design: np.ndarray, keys: Sequence[str],
-                priors: Mapping[str, np.ndarray] | None, never: Sequence[int],
-                confirmed: Mapping[str, Any]) -> dict[str, Any]:
-    """Spend ``--group-tests`` measurements on the components not measured alone, knocked
-    out together in groups (``group_tests.group_testing``): each task's those its screen
-    implicates first, then those the masks covered least, the tasks in turn; returns what
-    the record keeps (``confirm["groups"]``). A group is keyed by its members, a
-    component it narrows down to is measured as the confirmation's are (``alone_key``),
-    so a resumed run looks every earlier set up and makes the same tests."""
-    tasks = setup.task_names
-    excluded = [columns.index(h) for h in setup.exclude if _has(columns, h)]
-    records = {r["key"]: r for r in folder.measurements()}
-    baseline = records["baseline"]
-    higher = {t: bool(baseline["higher_is_better"][t]) for t in tasks}
-    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
-    alone = {t: _measured_alone(confirmed, records, t, columns) for t in tasks}
-    skip = {*never, *excluded}
-
-    def harms(record: Mapping[str, Any]) -> dict[str, float]:
-        return {t: float(harm(record["scores"][t] - baseline["scores"][t], higher[t]))
-                for t in tasks}
-
-    known: dict[tuple[int, ...], dict[str, float]] = {
-        tuple(int(h) for h in np.flatnonzero(row)): harms(records[key])
-        for row, key in zip(design, keys, strict=True)}
-    known.update({(h,): {t: float(harm(alone[t][h][0], higher[t])) for t in tasks}
-                  for h in alone[tasks[0]]})
-    orders, size = [], MAX_GROUP
-    for task in tasks:
-        fixed = {h: change for h, (change, _) in alone[task].items()}
-        fit = screen(design, scores[task], higher[task], alpha=spec.alpha,
-                     penalty_weights=prior_weights(None if priors is None else priors[task]),
-                     fixed=fixed, exclude=sorted(skip))
-        implicated = [h for h in fit.order if harm(fit.effects[h], higher[task]) > 0]
-        orders.append(group_order(fit.order, implicated, design, skip={*skip, *fixed}))
-        task_harms = {h: float(harm(c, higher[task])) for h, c in fixed.items()}
-        size = min(size, group_size(entry_bar(task_harms, spec.top_k), background_harm(
-            design, harm(scores[task] - baseline["scores"][task], higher[task]), task_harms)))
-    order = alternated(orders, sum(len(o) for o in orders))
-
-    def key_of(members: tuple[int, ...]) -> str:
-        if len(members) == 1:
-            return alone_key(columns[members[0]])
-        return group_key(columns.names(members))
-
-    def measured(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
-        done = run_plan(folder, measure, [("baseline", [])] + [
-            (key_of(s), [m for i in s for m in columns.members(i)]) for s in sets],
-            desc="group tests", masks_per_pass=spec.masks_per_pass, bar=bar)
-        return {s: harms(done[key_of(s)]) for s in sets}
-
-    on_disk = sum(key.startswith("group-") for key in records)
-    with phase_bar("group tests", spec.group_tests, on_disk, spec.progress) as bar:
-        tested = group_testing(order, known, measured, spec.group_tests, size=size,
-                               top_k=spec.top_k)
-    names = columns.names
-    return {"budget": spec.group_tests, "size": tested.size,
-            "rounds": [[names(s) for s in batch] for batch in tested.rounds],
-            "alone": names(s[0] for s in tested.sets if len(s) == 1)}
+    return fit_with(spec, run.design[:rows], run.records, run.tasks, run.columns,
+                    run.keys(rows), priors=run.priors, confirmed=run.confirm, never=never,
+                    exclude=exclude, heads_per_layer=run.heads_per_layer)
 
 
 def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,

@@ -11,11 +11,12 @@ from typing import Any
 from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.method.recovery import harm
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
-from lm_eval_headloc.runs.plan import load_model, open_measurement, run_plan
+from lm_eval_headloc.runs.plan import load_model, open_measurement
 from lm_eval_headloc.runs.record import start_run
 from lm_eval_headloc.runs.setup import check_design_budget, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec

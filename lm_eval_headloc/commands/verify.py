@@ -33,10 +33,11 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.intervention.embedded import is_embedded
 from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.model_args import same_model
+from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
 from lm_eval_headloc.runs.folder_checks import RunFolderError
-from lm_eval_headloc.runs.plan import PlanEntry, measured_plan
+from lm_eval_headloc.runs.plan import measured_plan
 from lm_eval_headloc.runs.record import load_run
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec

@@ -18,7 +18,7 @@ a ``UserError`` either and also keeps its traceback: only an error that was rais
 user's mistake, with a message written for them, is reported as one.
 
 The classes users catch by name (``ComponentSpecError``, ``AblationError``, ``UsageError``,
-``MetricError``, ``UnknownTaskError``, ``RunFolderError``, ``WorkerError``,
+``MetricError``, ``UnknownTaskError``, ``StoreError``, ``RunFolderError``, ``WorkerError``,
 ``AttentionOutputNotFound``) stay in their modules and derive from ``UserError``.
 """
 

@@ -28,15 +28,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.options import COMPONENTS
+from lm_eval_headloc.measurement.store import StoreError
 
 __all__ = ["MAX_HEADS", "MAX_NAME", "MAX_NEURONS", "MAX_WIDTH", "RunFolderError", "check_config",
            "check_files", "plain_name", "run_tasks"]
 
 
-class RunFolderError(UserError):
-    """A run folder that does not fit the command (a user mistake, reported in one line)."""
+class RunFolderError(StoreError):
+    """A run folder that does not fit the command (a user mistake, reported in one line);
+    a ``StoreError``, as a run folder is its measurements' store."""
 
 
 class RunFolder(Protocol):

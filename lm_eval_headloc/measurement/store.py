@@ -1,0 +1,209 @@
+"""Where measurements are kept, and measuring a plan into it.
+
+A measurement is a function of its mask on fixed examples, so a run keeps every one it
+makes in a ``MeasurementStore`` (a run folder's ``measurements.jsonl``, or ``MemoryStore``
+in a notebook) and ``run_plan`` measures only the plan's masks the store lacks: a run
+resumed on the same store measures nothing twice and makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.common.timing import timed
+from lm_eval_headloc.intervention.components import Head, format_heads
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
+
+__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "StoreError", "phase_bar",
+           "run_plan"]
+
+
+class StoreError(UserError):
+    """A store's measurement that does not fit the plan asked of it: the store was made
+    with other arguments (``runs.folder_checks.RunFolderError`` is one, for a folder)."""
+
+
+class MeasurementStore(Protocol):
+    """What ``run_plan`` keeps its measurements in: records (dicts with a unique
+    ``"key"``) in the order they were made. ``runs.folder.RunFolder`` is one."""
+
+    @property
+    def path(self) -> str | Path:
+        """What the store is called in messages (a run folder's path)."""
+        ...
+
+    def measurements(self) -> list[dict[str, Any]]: ...
+
+    def append_measurement(self, record: Mapping[str, Any]) -> None: ...
+
+
+class MemoryStore:
+    """A ``MeasurementStore`` in memory: a notebook's run, kept as long as the object."""
+
+    path = "the in-memory store"
+
+    def __init__(self, records: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.records: list[dict[str, Any]] = [dict(r) for r in records]
+
+    def measurements(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self.records]
+
+    def append_measurement(self, record: Mapping[str, Any]) -> None:
+        self.records.append(dict(record))
+
+
+def _scale_words(scale: float | None) -> str:
+    return "the run's scale" if scale is None else f"scale {scale:g}"
+
+
+#: A plan entry: (key, heads), or (key, heads, scale) for heads knocked out at ``scale``
+#: rather than at the measurement's own (the run's --scale).
+PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
+
+
+@contextlib.contextmanager
+def phase_bar(desc: str, total: int, done: int = 0, progress: bool = True) -> Iterator[Any]:
+    """One progress bar for a phase that measures in several calls of ``run_plan`` (the
+    confirmation's rounds, ``--masks auto``'s), as lm-eval draws one per request type:
+    pass it as their ``bar``; each advances it by what it measures. ``done``: what the
+    phase finds on disk (a resumed run). A phase that ends short of ``total`` (it
+    stopped early) ends at 100 % of what it measured."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="meas",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        yield bar
+        if bar.n < bar.total:
+            bar.total = bar.n
+            bar.refresh()
+    finally:
+        bar.close()
+
+
+@timed("measurements")
+def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequence[PlanEntry],
+             desc: str, progress: bool = True, masks_per_pass: int | None = 1,
+             bar: Any = None) -> dict[str, dict[str, Any]]:
+    """Measure every (key, heads) not yet in ``store``; return all records by key
+    (``measure`` None: nothing may be left to measure).
+
+    Each record is appended (a run folder fsyncs it) before the next measurement (or,
+    with ``masks_per_pass`` K > 1, the next pass of K masks) starts, so an interrupted run
+    loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
+    An entry ``(key, heads, scale)`` is measured at that scale (verify's and cross's
+    erase beside an enhance) and its record holds ``scale``; an entry without one, at the
+    measurement's own scale, which the run's identity fixes. A stored record whose mask
+    or scale differs from the plan's refuses the store (``StoreError``). A run folder's
+    config.json is not touched: a distributed measurement's workers go into the
+    command's record with its next phase (``RunRecord.save``). ``bar``: the phase's
+    (``phase_bar``), advanced by what this call measures; None: a bar of this plan's own
+    (``desc``, shown unless ``progress`` is False).
+    """
+    entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
+    done = {r["key"]: r for r in store.measurements()}
+    for key, heads, scale in entries:
+        if key not in done:
+            continue
+        if done[key]["mask"] != format_heads(heads):
+            raise StoreError(
+                f"{store.path}: measurement {key!r} on disk knocked out "
+                f"{done[key]['mask'] or 'nothing'}, this run plans "
+                f"{format_heads(heads) or 'nothing'}; the folder was made with other arguments "
+                "(use another --out or --force)")
+        wanted = None if scale is None else float(scale)
+        if done[key].get("scale") != wanted:
+            raise StoreError(
+                f"{store.path}: measurement {key!r} on disk was made at "
+                f"{_scale_words(done[key].get('scale'))}, this run plans "
+                f"{_scale_words(wanted)}; the folder was made with other arguments (use "
+                "another --out or --force)")
+    # A knockout planned twice (two tasks' top-k that are the same heads, a set two runs
+    # found) is measured once: a measurement is deterministic, so the second key's record
+    # is the first's, said by "same_as".
+    first_of: dict[tuple[str, float | None], str] = {}
+    for key, heads, scale in entries:
+        if key in done:
+            first_of.setdefault(_knockout_of(heads, scale), key)
+    todo, waiting = [], []  # waiting: (twin's key, its first's key), in plan order
+    for key, heads, scale in entries:
+        if key in done:
+            continue
+        first = first_of.setdefault(_knockout_of(heads, scale), key)
+        if first == key:
+            todo.append((key, heads, scale))
+        else:
+            waiting.append((key, first))
+    position = {key: index for index, (key, _, _) in enumerate(entries)}
+
+    def copy_twins(final: bool = False) -> None:
+        # In plan order: each twin once every entry planned before it is on disk.
+        if not waiting:  # the usual case, once a measurement: nothing to scan
+            return
+        horizon = min((position[key] for key, _, _ in todo if key not in done),
+                      default=len(entries))
+        while waiting and (final or position[waiting[0][0]] < horizon):
+            key, first = waiting.pop(0)
+            done[key] = _twin_record(store, key, done[first])
+            bar.update(1)
+
+    if todo and measure is None:
+        raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
+    if masks_per_pass is None:
+        masks_per_pass = measure.auto_masks_per_pass() if todo else 1
+    if bar is None:
+        phase = phase_bar(desc, len(entries), sum(key in done for key, _, _ in entries),
+                          progress)
+    else:
+        phase = contextlib.nullcontext(bar)
+    with phase as bar:
+        copy_twins()  # those planned before anything left to measure
+        # One scale per call of measure_chunks: entries grouped by scale, in plan order.
+        for scale in dict.fromkeys(entry[2] for entry in todo):
+            group = [entry for entry in todo if entry[2] == scale]
+            chunks = [group[start:start + masks_per_pass]
+                      for start in range(0, len(group), masks_per_pass)]
+            at = {} if scale is None else {"scale": float(scale)}
+            # Chunks may complete in any order (--workers); each is written as it arrives.
+            results = measure.measure_chunks([[h for _, h, _ in c] for c in chunks],
+                                             masks_per_pass, **at)
+            for index, all_scores, seconds in results:
+                for (key, heads, _), scores in zip(chunks[index], all_scores, strict=True):
+                    record = {
+                        "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
+                        **at,
+                        "scores": {name: s.value for name, s in scores.items()},
+                        "metrics": {name: s.metric for name, s in scores.items()},
+                        "higher_is_better": {name: s.higher_is_better
+                                             for name, s in scores.items()},
+                        "seconds": round(seconds, 4),
+                    }
+                    logprob = {name: s.logprob for name, s in scores.items()
+                               if s.logprob is not None}
+                    if logprob:  # the gold answers' log-likelihood, measured along the way
+                        record["logprob"] = logprob
+                    store.append_measurement(record)
+                    done[key] = record
+                    bar.update(1)
+                    copy_twins()
+        copy_twins(final=True)
+    return {key: done[key] for key, _, _ in entries}
+
+
+def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
+    """What a plan entry measures: its mask and scale (None: the measurement's own)."""
+    return format_heads(heads), None if scale is None else float(scale)
+
+
+def _twin_record(store: MeasurementStore, key: str, measured: Mapping[str, Any]
+                 ) -> dict[str, Any]:
+    """``key``'s record, copied from ``measured``, the same knockout's, and appended."""
+    record = {**measured, "key": key, "same_as": measured.get("same_as", measured["key"])}
+    store.append_measurement(record)
+    return record

@@ -1,0 +1,361 @@
+"""The locate loop: a task's components ranked by compressed sensing, over a measurement
+and a store of its measurements.
+
+``locate_loop`` measures the task with random sets of components knocked out together
+(the pilot's masks with ``--sparsity auto``, then the design's; ``--masks auto`` in rounds
+until every top-k component is stable), measures the likeliest alone (``--confirm``) and
+the rest in groups (``--group-tests``), and fits the Lasso (``fit.fit_rankings``). Every
+measurement goes through ``measurement.store.run_plan``, so a store that already holds
+some (a resumed run folder) is measured only where it lacks them, and every decision
+follows from the seed and the measurements: a run resumed on the same store makes the
+same decisions. It needs no run folder: a notebook passes a ``MemoryStore``
+(``locate_components``); ``commands.locate`` passes the run folder and saves its record
+at each ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.intervention.components import Component
+from lm_eval_headloc.measurement.store import (
+    MeasurementStore,
+    MemoryStore,
+    phase_bar,
+    run_plan,
+)
+from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.confirm import (
+    ROUND,
+    Changes,
+    alternated,
+    confirmation,
+    prior_rankings,
+    prior_weights,
+    screen,
+)
+from lm_eval_headloc.method.designs import design_matrix
+from lm_eval_headloc.method.fit import (
+    _alone_changes,
+    _has,
+    _measured_alone,
+    alone_key,
+    fit_rankings,
+    mask_keys,
+)
+from lm_eval_headloc.method.group_tests import (
+    MAX_GROUP,
+    background_harm,
+    entry_bar,
+    group_key,
+    group_order,
+    group_size,
+    group_testing,
+)
+from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
+from lm_eval_headloc.method.ranking import Ranking
+from lm_eval_headloc.method.recovery import harm
+
+__all__ = ["LocateState", "LoopSettings", "auto_rounds", "fit_with", "locate_components",
+           "locate_loop"]
+
+#: --masks auto: masks in the first round, and each round's growth (a share of the masks
+#: measured so far, at least ROUND_MIN), so a run checks its stability ~log(M) times.
+FIRST_ROUND, ROUND_MIN, ROUND_GROWTH = 20, 10, 0.25
+
+
+class LoopSettings(Protocol):
+    """The settings the loop reads (a ``runs.spec.RunSpec`` with its budget decided,
+    e.g. ``RunSpec(masks=100, confirm=10)``)."""
+
+    masks: int | str | None  # a count, or "auto": rounds up to design_rows
+    design: str
+    sparsity: float | str  # a share, or "auto": the pilot chooses
+    confirm: int | None
+    group_tests: int | None
+    alpha: float
+    top_k: int
+    bootstrap: int | None
+    progress: bool
+
+    @property
+    def design_rows(self) -> int: ...
+
+    @property
+    def masks_seed(self) -> int: ...
+
+    @property
+    def masks_per_pass(self) -> int | None: ...
+
+
+@dataclass
+class LocateState:
+    """What the loop decides and measures, in the order it does: the pilot's choice, the
+    design and its measurement keys, the records, the masks used, the confirmation and
+    the rankings. ``commands.locate`` passes its run record (``runs.record.LocateRun``,
+    which has these attributes) so that each ``checkpoint`` saves them."""
+
+    pilot: dict[str, Any] | None = None
+    design: np.ndarray | None = field(default=None, repr=False)
+    row_keys: list[str] | None = None
+    records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    masks_used: int | None = None
+    confirm: dict[str, Any] | None = None
+    rankings: dict[str, Ranking] = field(default_factory=dict)
+
+
+def auto_rounds(max_masks: int) -> list[int]:
+    """The mask counts after which ``--masks auto`` checks whether to stop."""
+    counts = [min(FIRST_ROUND, max_masks)]
+    while counts[-1] < max_masks:
+        step = max(ROUND_MIN, int(counts[-1] * ROUND_GROWTH))
+        counts.append(min(max_masks, counts[-1] + step))
+    return counts
+
+
+def locate_components(measure: Any, settings: LoopSettings, columns: Columns | None = None,
+                      *, store: MeasurementStore | None = None,
+                      priors: Mapping[str, np.ndarray] | None = None,
+                      never: Sequence[Component] = (), exclude: Sequence[Component] = (),
+                      ) -> dict[str, Ranking]:
+    """Each of ``measure``'s tasks' ranking of ``columns`` (default: every head of its
+    model) by ``locate_loop``, in a ``MemoryStore`` unless ``store`` is given: a
+    notebook's way to locate, given a measurement (``HarnessMeasurement``) and no run
+    folder. Pass the same store again and nothing is measured twice."""
+    knockout = measure.lm.knockout
+    if columns is None:
+        columns = Columns.heads(knockout.num_layers, knockout.heads_per_layer,
+                                knockout.layers_with_heads)
+    state = locate_loop(measure, MemoryStore() if store is None else store, columns,
+                        [name for name, _ in measure.tasks], settings, priors=priors,
+                        never=never, exclude=exclude, heads_per_layer=knockout.heads_per_layer)
+    return state.rankings
+
+
+def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
+                tasks: Sequence[str], settings: LoopSettings, *,
+                priors: Mapping[str, np.ndarray] | None = None,
+                never: Sequence[Component] = (), exclude: Sequence[Component] = (),
+                heads_per_layer: int | None = None, state: Any = None,
+                checkpoint: Callable[[str], None] | None = None) -> Any:
+    """Measure and fit ``tasks``' rankings of ``columns``; returns ``state`` (a new
+    ``LocateState`` unless given) holding what was decided, measured and fitted.
+
+    ``priors``: task -> each column's attribution estimates (they order the confirmation
+    and ease the Lasso's penalty); ``never``: components no mask knocks out; ``exclude``:
+    components left out of the ranking. ``checkpoint(phase)`` is called once the design is
+    fixed ("designed") and once everything is measured ("measured"), with ``state`` up to
+    date, so a caller can save what a resumed run must find.
+    """
+    state = LocateState() if state is None else state
+    saved = checkpoint or (lambda phase: None)
+    never_columns = [columns.index(h) for h in never if _has(columns, h)]
+    excluded = [columns.index(h) for h in exclude if _has(columns, h)]
+    per_pass = settings.masks_per_pass
+    sparsity, row_keys, rows, state.pilot = _pilot(store, measure, settings, tasks, columns,
+                                                   never_columns)
+    spent = UNFITTED if state.pilot is not None else 0
+    main = settings.design_rows - len(row_keys) - spent
+    with timing.phase("design"):
+        matrix = np.vstack([rows, design_matrix(settings.design, main, len(columns),
+                                                sparsity, settings.masks_seed,
+                                                never_columns)])
+        state.design, state.row_keys = matrix, [*row_keys, *mask_keys(main)]
+    saved("designed")
+    keys = state.row_keys
+    plan = [("baseline", [])] + [(key, columns.knocked_out(row))
+                                 for key, row in zip(keys, matrix, strict=True)]
+    checks = ([len(rows) + n for n in auto_rounds(main)] if settings.masks == "auto"
+              else [len(matrix)])
+
+    def fit(used: int, confirmed: Mapping[str, Any] | None) -> dict[str, Ranking]:
+        return fit_with(settings, matrix[:used], state.records, tasks, columns, keys[:used],
+                        priors=priors, confirmed=confirmed, never=never, exclude=exclude,
+                        heads_per_layer=heads_per_layer)
+
+    rankings = None
+    stored = {r["key"] for r in store.measurements()}
+    phase = plan[:checks[-1] + 1]  # one bar for --masks auto's rounds
+    with phase_bar("locate", len(phase), sum(key in stored for key, _ in phase),
+                   settings.progress) as bar:
+        for used in checks:
+            # Each round measures what is not in the store yet; --masks auto then fits the
+            # first `used` rows and stops once every top-k component is stable in the
+            # bootstrap: the decision depends only on the seed and the measurements, so a
+            # killed run resumes to the same stop.
+            state.records = run_plan(store, measure, plan[:used + 1], desc="locate",
+                                     masks_per_pass=per_pass, bar=bar)
+            if settings.masks != "auto":
+                break
+            rankings = fit(used, None)
+            if all(r.settled(settings.top_k) for r in rankings.values()):
+                break
+    state.masks_used = used + spent
+    if settings.confirm:
+        state.confirm = _confirm(store, measure, settings, tasks, columns, matrix[:used],
+                                 keys[:used], priors, never_columns, excluded)
+        if settings.group_tests:
+            state.confirm["groups"] = _group_test(
+                store, measure, settings, tasks, columns, matrix[:used], keys[:used], priors,
+                never_columns, excluded, state.confirm)
+        state.records = {r["key"]: r for r in store.measurements()}
+        rankings = None  # the masks' fit alone was --masks auto's stopping rule
+    saved("measured")
+    # Fitted once, with its bootstrap, on everything measured (--masks auto without
+    # --confirm: its last round's fit is that fit).
+    state.rankings = fit(used, state.confirm) if rankings is None else rankings
+    return state
+
+
+@timing.timed("fit and bootstrap")
+def fit_with(settings: LoopSettings, design: np.ndarray,
+             records: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], columns: Columns,
+             keys: Sequence[str], *, priors: Mapping[str, np.ndarray] | None = None,
+             confirmed: Mapping[str, Any] | None = None, never: Sequence[Component] = (),
+             exclude: Sequence[Component] = (), heads_per_layer: int | None = None
+             ) -> dict[str, Ranking]:
+    """``fit.fit_rankings`` of ``design``'s rows (measured as ``keys``) with ``settings``'
+    alpha, top-k, bootstrap and seed: the loop's fit, and ``refit``'s of a stored run."""
+    return fit_rankings(design, records, tasks, columns, settings.alpha, exclude,
+                        top_k=settings.top_k, bootstrap=settings.bootstrap,
+                        seed=settings.masks_seed, priors=priors, keys=keys,
+                        confirmed=confirmed, heads_per_layer=heads_per_layer, never=never)
+
+
+def _pilot(store: MeasurementStore, measure: Any, settings: LoopSettings,
+           tasks: Sequence[str], columns: Columns, never: Sequence[int]
+           ) -> tuple[float, list[str], np.ndarray, dict[str, Any] | None]:
+    """(sparsity, pilot row keys, pilot rows, what the run records of the pilot): with
+    ``--sparsity auto`` the pilot is measured and chooses; its masks come first in the
+    design and join the fit, its floor mask does not (``UNFITTED``)."""
+    if settings.sparsity != "auto":
+        return float(settings.sparsity), [], np.zeros((0, len(columns)), dtype=bool), None
+    keys, levels, pilot = pilot_design(len(columns), settings.masks_seed, never)
+    plan = [("baseline", [])] + [(key, columns.knocked_out(row))
+                                 for key, row in zip(keys, pilot, strict=True)]
+    records = run_plan(store, measure, plan, desc="pilot", progress=settings.progress,
+                       masks_per_pass=settings.masks_per_pass)
+    sparsity, kept = choose_sparsity(levels, keys, records, tasks)
+    chosen = {"sparsity": sparsity, "kept": kept, "measurements": len(keys),
+              "keep_at_least": KEEP}
+    return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], chosen
+
+
+def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
+             tasks: Sequence[str], columns: Columns, design: np.ndarray, keys: Sequence[str],
+             priors: Mapping[str, np.ndarray] | None, never: Sequence[int],
+             excluded: Sequence[int]) -> dict[str, Any]:
+    """Measure ``--confirm`` components alone in rounds (``confirm.confirmation``): the
+    prior's rankings and the screen, refitted after each round with what it measured;
+    returns what the run's record keeps of it (``fit_rankings``' ``confirmed``).
+    Components never knocked out or excluded from the ranking are no candidates. Every
+    pick follows from the stored measurements, so a resumed run makes the same picks and
+    measures only what is missing."""
+    records = {r["key"]: r for r in store.measurements()}
+    higher = {t: bool(records["baseline"]["higher_is_better"][t]) for t in tasks}
+    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
+
+    def screen_of(task: str) -> Callable[[Changes], list[int]]:
+        weights = prior_weights(None if priors is None else priors[task])
+        return lambda changes: screen(
+            design, scores[task], higher[task], alpha=settings.alpha, penalty_weights=weights,
+            fixed={h: c[0] for h, c in changes.items()}, exclude=excluded).order
+
+    def measured(heads: list[int]) -> dict[str, Changes]:
+        done = run_plan(store, measure, [("baseline", [])] + [
+            (alone_key(columns[i]), columns.members(i)) for i in heads],
+            desc="confirm", masks_per_pass=settings.masks_per_pass, bar=bar)
+        return {t: _alone_changes(done, heads, t, columns) for t in tasks}
+
+    def stored(heads: list[int]) -> dict[str, Changes]:
+        records.update({r["key"]: r for r in store.measurements()})
+        known = [h for h in heads if alone_key(columns[h]) in records]
+        return {t: _alone_changes(records, known, t, columns) for t in tasks}
+
+    sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
+    screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
+    skip = sorted({*never, *excluded})
+    budget = int(settings.confirm or 0)
+    # One bar for every round (a resumed run's picks are those stored: the same picks).
+    measured_before = sum(key.startswith(alone_key("")) for key in records)
+    # The screens' refits between rounds are fits; the rounds' measurements, measurements.
+    with phase_bar("confirm", budget, measured_before, settings.progress) as bar, \
+            timing.phase("fit and bootstrap"):
+        done = confirmation(sources, screens, measured, budget, skip=skip)
+        # The round a larger --confirm would measure next: the same picks (they do not
+        # depend on the budget), one round further, measuring nothing.
+        ahead = confirmation(sources, screens, stored, budget + ROUND, skip=skip)
+
+    names = columns.names
+    return {"heads": names(done.heads), "round_size": ROUND,
+            "rounds": [names(r) for r in done.rounds],
+            "picked_by": {t: names(done.picked_by[t]) for t in tasks},
+            "next": {t: names(ahead.picked_by[t][len(done.picked_by[t]):]) for t in tasks},
+            "never": sorted(int(h) for h in never)}
+
+
+def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
+                tasks: Sequence[str], columns: Columns, design: np.ndarray,
+                keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
+                never: Sequence[int], excluded: Sequence[int],
+                confirmed: Mapping[str, Any]) -> dict[str, Any]:
+    """Spend ``--group-tests`` measurements on the components not measured alone, knocked
+    out together in groups (``group_tests.group_testing``): each task's those its screen
+    implicates first, then those the masks covered least, the tasks in turn; returns what
+    the record keeps (``confirm["groups"]``). A group is keyed by its members, a
+    component it narrows down to is measured as the confirmation's are (``alone_key``),
+    so a resumed run looks every earlier set up and makes the same tests."""
+    records = {r["key"]: r for r in store.measurements()}
+    baseline = records["baseline"]
+    higher = {t: bool(baseline["higher_is_better"][t]) for t in tasks}
+    scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
+    alone = {t: _measured_alone(confirmed, records, t, columns) for t in tasks}
+    skip = {*never, *excluded}
+    budget = int(settings.group_tests or 0)
+
+    def harms(record: Mapping[str, Any]) -> dict[str, float]:
+        return {t: float(harm(record["scores"][t] - baseline["scores"][t], higher[t]))
+                for t in tasks}
+
+    known: dict[tuple[int, ...], dict[str, float]] = {
+        tuple(int(h) for h in np.flatnonzero(row)): harms(records[key])
+        for row, key in zip(design, keys, strict=True)}
+    known.update({(h,): {t: float(harm(alone[t][h][0], higher[t])) for t in tasks}
+                  for h in alone[tasks[0]]})
+    orders, size = [], MAX_GROUP
+    for task in tasks:
+        fixed = {h: change for h, (change, _) in alone[task].items()}
+        fit = screen(design, scores[task], higher[task], alpha=settings.alpha,
+                     penalty_weights=prior_weights(None if priors is None else priors[task]),
+                     fixed=fixed, exclude=sorted(skip))
+        implicated = [h for h in fit.order if harm(fit.effects[h], higher[task]) > 0]
+        orders.append(group_order(fit.order, implicated, design, skip={*skip, *fixed}))
+        task_harms = {h: float(harm(c, higher[task])) for h, c in fixed.items()}
+        size = min(size, group_size(entry_bar(task_harms, settings.top_k), background_harm(
+            design, harm(scores[task] - baseline["scores"][task], higher[task]), task_harms)))
+    order = alternated(orders, sum(len(o) for o in orders))
+
+    def key_of(members: tuple[int, ...]) -> str:
+        if len(members) == 1:
+            return alone_key(columns[members[0]])
+        return group_key(columns.names(members))
+
+    def measured(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
+        done = run_plan(store, measure, [("baseline", [])] + [
+            (key_of(s), [m for i in s for m in columns.members(i)]) for s in sets],
+            desc="group tests", masks_per_pass=settings.masks_per_pass, bar=bar)
+        return {s: harms(done[key_of(s)]) for s in sets}
+
+    stored = sum(key.startswith("group-") for key in records)
+    with phase_bar("group tests", budget, stored, settings.progress) as bar:
+        tested = group_testing(order, known, measured, budget, size=size,
+                               top_k=settings.top_k)
+    names = columns.names
+    return {"budget": budget, "size": tested.size,
+            "rounds": [[names(s) for s in batch] for batch in tested.rounds],
+            "alone": names(s[0] for s in tested.sets if len(s) == 1)}

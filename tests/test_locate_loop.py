@@ -1,0 +1,82 @@
+"""The locate loop without a run folder: a notebook's measurement and a ``MemoryStore``."""
+
+import numpy as np
+from helpers import TASKS
+
+
+def _options(folder) -> dict:
+    return dict(model_args=f"pretrained={folder},dtype=float32", tasks=("tiny_copy_ppl",),
+                include_path=(TASKS,), num_samples=8, masks=12, sparsity=0.25, confirm=3,
+                group_tests=2, prior="none", bootstrap=10, progress=False)
+
+
+def _without_seconds(records):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+def test_the_loop_in_memory_measures_and_ranks_as_a_run_folder(tiny_model_dir, tmp_path):
+    from lm_eval_headloc import MemoryStore, RunSpec, locate, locate_components
+    from lm_eval_headloc.intervention.components import format_heads
+    from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.plan import load_model, open_measurement
+    from lm_eval_headloc.runs.setup import prepare
+
+    options = _options(tiny_model_dir("llama"))
+    on_disk = locate(tmp_path / "run", **options)
+    setup = prepare(RunSpec(**options).validate())
+    measure = open_measurement(setup, load_model(setup), num_samples=8)
+    store = MemoryStore()
+    in_memory = locate_components(measure, setup.spec, store=store)
+
+    # The same measurements, in the same order, as the run folder holds.
+    with RunFolder(tmp_path / "run") as folder:
+        stored = folder.measurements()
+    assert _without_seconds(store.measurements()) == _without_seconds(stored)
+    # The masks are the design's rows (derived here from the design's own function), the
+    # baseline first; then the 3 heads measured alone.
+    rows = design_matrix("stratified", 12, 8, 0.25, 0, [])
+    records = store.measurements()
+    assert [r["mask"] for r in records[:13]] == ["", *(
+        format_heads([f"L{i // 4}H{i % 4}" for i in np.flatnonzero(row)]) for row in rows)]
+    assert all(r["key"].startswith("alone-") and r["num_knocked_out"] == 1
+               for r in records[13:16])
+    # Group tests: at most 2 more, each a group's or a head's it narrowed down to.
+    assert 16 <= len(records) <= 18
+    assert all(r["key"].startswith(("group-", "alone-")) for r in records[16:])
+    # The ranking is the run folder's (and ranks something: the masks moved the score).
+    assert np.ptp([r["scores"]["tiny_copy_ppl"] for r in records]) > 0
+    mine, theirs = in_memory["tiny_copy_ppl"], on_disk["tiny_copy_ppl"]
+    assert mine.order == theirs.order and mine.facts.confirmed == theirs.facts.confirmed
+    np.testing.assert_array_equal(mine.effects, theirs.effects)
+
+    # The same store again: every measurement is there, so nothing is measured.
+    calls = []
+    original = measure.measure_chunks
+
+    def counted(chunks, *args, **kwargs):
+        calls.append(len(chunks))
+        return original(chunks, *args, **kwargs)
+
+    measure.measure_chunks = counted
+    again = locate_components(measure, setup.spec, store=store)
+    assert calls == [] and len(store.measurements()) == len(records)
+    assert again["tiny_copy_ppl"].order == in_memory["tiny_copy_ppl"].order
+
+
+def test_a_store_whose_measurement_is_another_mask_is_refused(tiny_model_dir):
+    import pytest
+
+    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
+    from lm_eval_headloc.measurement.store import StoreError
+    from lm_eval_headloc.runs.plan import load_model, open_measurement
+    from lm_eval_headloc.runs.setup import prepare
+
+    options = {**_options(tiny_model_dir("llama")), "confirm": 0, "group_tests": 0}
+    setup = prepare(RunSpec(**options).validate())
+    measure = open_measurement(setup, load_model(setup), num_samples=8)
+    store = MemoryStore([{"key": "mask-0000", "mask": "L1H3", "scores": {"tiny_copy_ppl": 0.0}}])
+    with pytest.raises(StoreError) as refused:
+        locate_components(measure, setup.spec, store=store)
+    assert "'mask-0000'" in str(refused.value) and "L1H3" in str(refused.value)
+    assert len(store.measurements()) == 1  # nothing measured into a store it refused
