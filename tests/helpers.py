@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,23 @@ def error_line(capsys) -> str:
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("headloc-harness: error: "), lines[0]
     return lines[0]
+
+
+# --- errors: their class and the values they name, not their wording ----------------------
+
+def assert_names(message: str, *values: str) -> None:
+    """``message`` names each of ``values`` (plain substrings: the user's bad input, what is
+    allowed), whatever words are around them."""
+    for value in values:
+        assert value in message, f"{value!r} not in {message!r}"
+
+
+@contextmanager
+def raises_naming(error: type[BaseException], *values: str):
+    """The block raises ``error`` whose message names each of ``values`` (not its wording)."""
+    with pytest.raises(error) as caught:
+        yield caught
+    assert_names(str(caught.value), *values)
 
 
 def script_module(name: str):

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
+from helpers import raises_naming
 from transformers import AutoModelForCausalLM
 
 from lm_eval_headloc.intervention.discovery import AttentionOutputNotFound, MLPOutputNotFound
@@ -94,20 +95,19 @@ def test_a_causal_lm_made_of_a_seq2seq_decoder_has_the_decoders_heads():
     assert torch.allclose(_knocked(model, "L1H1"), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("config, message", [
+@pytest.mark.parametrize("config, values", [  # the config and what is wrong in it
     # No attention layer at all: nothing to name a head in.
     (lambda: transformers.Qwen3_5TextConfig(
         **SMALL, num_hidden_layers=2, head_dim=24, linear_num_value_heads=8,
         linear_value_head_dim=12, linear_num_key_heads=4, linear_key_head_dim=12,
         layer_types=["linear_attention"] * 2),
-     "Qwen3_5TextConfig: no layer is an attention layer (its layers are linear_attention)"),
+     ("Qwen3_5TextConfig", "linear_attention")),
     (lambda: transformers.Dots3NoteTextConfig(),
-     "Dots3NoteTextConfig: the number of attention heads varies across layers (128, 128, 64"),
+     ("Dots3NoteTextConfig", "(128, 128, 64")),
 ])
-def test_layers_that_are_not_one_grid_of_heads_are_refused_from_the_config(config, message):
-    with pytest.raises(UnsupportedGeometry) as refused:
+def test_layers_that_are_not_one_grid_of_heads_are_refused_from_the_config(config, values):
+    with raises_naming(UnsupportedGeometry, *values) as refused:
         Geometry.from_config(config())
-    assert str(refused.value).startswith(message)
     assert "\n" not in str(refused.value)
 
 
@@ -148,9 +148,8 @@ def test_an_attention_block_shared_by_two_layers_is_refused():
     # "L1H0" would be every calling layer's head at once.
     model = _model(transformers.LlamaConfig(**SMALL, num_hidden_layers=3))
     model.model.layers[2] = model.model.layers[0]
-    with pytest.raises(AttentionOutputNotFound) as refused:
+    with raises_naming(AttentionOutputNotFound, "layers 0 and 2"):
         ComponentKnockout(model)
-    assert str(refused.value).startswith("decoder layers 0 and 2 share one attention block")
 
 
 def _inkling(**sliding):
@@ -173,5 +172,5 @@ def test_sliding_layers_with_heads_of_their_own_are_sliced_at_their_width():
     assert torch.allclose(_knocked(model, "L0H1"), expected, atol=1e-5)
     expected = _zeroed(model, "model.layers.1.self_attn.o_proj", 16, 32)
     assert torch.allclose(_knocked(model, "L1H1"), expected, atol=1e-5)
-    with pytest.raises(UnsupportedGeometry, match=r"varies across layers \(8, 4, 8\)"):
+    with raises_naming(UnsupportedGeometry, "(8, 4, 8)"):
         Geometry.from_config(_inkling(swa_num_attention_heads=8, swa_head_dim=8))

@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import TASKS, harness, last_error, tiny_args
+from helpers import TASKS, assert_names, harness, last_error, raises_naming, tiny_args
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.common.errors import UserError
@@ -44,9 +44,8 @@ def test_a_ray_address_nothing_listens_at_is_one_line_before_the_model_loads(
                    "--out", str(out))
     assert time.monotonic() - started < 30
     assert code == 2
-    message = last_error(capsys)
-    assert message.startswith(f"headloc-harness: error: --ray-address {address}: no Ray "
-                              f"cluster answers at {address} (connection refused)")
+    assert_names(last_error(capsys), "headloc-harness: error: ", f"--ray-address {address}",
+                 "connection refused")
     assert not out.exists(), "a refused run must write nothing"
 
 
@@ -62,9 +61,7 @@ def test_a_silent_address_is_given_up_after_the_timeout(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", hang)
     started = time.monotonic()
     try:
-        with pytest.raises(WorkerError, match=r"^--ray-address 10\.1\.2\.3:6379: no Ray "
-                                              r"cluster answers at 10\.1\.2\.3:6379 \(no "
-                                              r"answer within --ray-timeout 0\.5 s\)"):
+        with raises_naming(WorkerError, "--ray-address 10.1.2.3:6379", "--ray-timeout 0.5"):
             check_ray_address("10.1.2.3:6379", 0.5)
         assert time.monotonic() - started < 5
     finally:
@@ -81,21 +78,20 @@ def test_an_address_where_a_server_listens_passes():
     check_ray_address("local", 5)  # a new local cluster: nothing to ask
 
 
-@pytest.mark.parametrize("address, message", [
-    ("10.0.0.1", "expected auto, HOST:PORT"),
-    ("10.0.0.1:notaport", "expected auto, HOST:PORT"),
-    ("10.0.0.1:0", "expected auto, HOST:PORT"),
-    ("ray://127.0.0.1:{port}", "no Ray cluster answers at 127.0.0.1:{port} (connection "
-                               "refused)"),
-    ("[::1]:{port}", "no Ray cluster answers at [::1]:{port}"),
+@pytest.mark.parametrize("address, values", [  # besides the address given
+    ("10.0.0.1", ("auto, HOST:PORT",)),  # the forms it takes
+    ("10.0.0.1:notaport", ("auto, HOST:PORT",)),
+    ("10.0.0.1:0", ("auto, HOST:PORT",)),
+    ("ray://127.0.0.1:{port}", ("127.0.0.1:{port}", "connection refused")),  # where it asked
+    ("[::1]:{port}", ("[::1]:{port}",)),
 ])
-def test_ray_address_forms(address, message):
+def test_ray_address_forms(address, values):
     port = free_port()
-    address, message = address.format(port=port), message.format(port=port)
-    with pytest.raises(WorkerError) as error:
+    address = address.format(port=port)
+    with raises_naming(WorkerError, f"--ray-address {address}",
+                       *(value.format(port=port) for value in values)) as error:
         check_ray_address(address, 2)
-    assert str(error.value).startswith(f"--ray-address {address}: ")
-    assert message in str(error.value) and "\n" not in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 @needs_ray
@@ -106,7 +102,7 @@ def test_ray_address_auto_without_a_cluster_is_one_line(monkeypatch):
         raise ConnectionError("Could not find any running Ray instance.")
 
     monkeypatch.setattr(services, "canonicalize_bootstrap_address", none_found)
-    with pytest.raises(WorkerError, match="^--ray-address auto: no running Ray cluster found"):
+    with raises_naming(WorkerError, "--ray-address auto"):
         check_ray_address("auto", 2)
 
 
@@ -176,10 +172,7 @@ def test_a_log_likelihood_of_no_gold_answer_is_refused_before_weights_load(
     out = tmp_path / "run"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "swear", *flags,
                    "--out", str(out)) == 2
-    assert last_error(capsys) == (
-        f"headloc-harness: error: {flag}: task 'swear' has no gold answer (doc_to_target is "
-        "empty for its first 5 documents), so it has no log-likelihood signal "
-        f"(use {instead})")
+    assert_names(last_error(capsys), "headloc-harness: error: ", flag, "'swear'", instead)
     assert not out.exists()
 
 

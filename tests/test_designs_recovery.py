@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from helpers import raises_naming
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from lm_eval_headloc.common.options import DESIGNS
@@ -151,29 +152,29 @@ def test_bernoulli_rate_matches_sparsity():
 
 
 @pytest.mark.parametrize(
-    "kwargs, fragment",
-    [
-        (dict(kind="random"), "'random'.*bernoulli, stratified"),
-        (dict(num_masks=0), "num_masks=0"),
-        (dict(num_masks=2.5), "num_masks=2.5"),
-        (dict(total_heads=0), "total_heads=0"),
-        (dict(sparsity=0.0), "sparsity=0.0.*between 0 and 1"),
-        (dict(sparsity=1.0), "sparsity=1.0"),
-        (dict(sparsity=-0.1), "sparsity=-0.1"),
-        (dict(sparsity=float("nan")), "sparsity=nan"),
-        (dict(seed=-1), "seed=-1"),
-        (dict(num_masks=True), "num_masks=True"),
-        (dict(sparsity=np.float64(np.inf)), "sparsity=.*inf"),
-        (dict(never_ablate=[10]), "never_ablate index 10.*0..9"),
-        (dict(never_ablate=range(10)), "all 10 heads"),
-        (dict(never_ablate=3), "never_ablate=3: must be a list of head column indices"),
-        (dict(never_ablate="L0H1"), "never_ablate=.L0H1.: must be a list"),
+    "kwargs, values",
+    [  # the bad value and, where the message gives it, what is allowed
+        (dict(kind="random"), ("'random'", "bernoulli, stratified")),
+        (dict(num_masks=0), ("num_masks=0",)),
+        (dict(num_masks=2.5), ("num_masks=2.5",)),
+        (dict(total_heads=0), ("total_heads=0",)),
+        (dict(sparsity=0.0), ("sparsity=0.0", "0 and 1")),
+        (dict(sparsity=1.0), ("sparsity=1.0",)),
+        (dict(sparsity=-0.1), ("sparsity=-0.1",)),
+        (dict(sparsity=float("nan")), ("sparsity=nan",)),
+        (dict(seed=-1), ("seed=-1",)),
+        (dict(num_masks=True), ("num_masks=True",)),
+        (dict(sparsity=np.float64(np.inf)), ("sparsity=", "inf")),
+        (dict(never_ablate=[10]), ("never_ablate", "10", "0..9")),
+        (dict(never_ablate=range(10)), ("never_ablate", "10 heads")),
+        (dict(never_ablate=3), ("never_ablate=3", "0..9")),
+        (dict(never_ablate="L0H1"), ("never_ablate='L0H1'", "0..9")),
     ],
 )
-def test_design_validation_errors_are_one_line_and_name_the_value(kwargs, fragment):
+def test_design_validation_errors_are_one_line_and_name_the_value(kwargs, values):
     arguments = dict(kind="stratified", num_masks=5, total_heads=10, sparsity=0.2, seed=0)
     arguments.update(kwargs)
-    with pytest.raises(ValueError, match=fragment) as error:
+    with raises_naming(ValueError, *values) as error:
         design_matrix(**arguments)
     assert "\n" not in str(error.value)
 
@@ -371,8 +372,7 @@ def test_ranking_orders_by_harm_stably_and_excludes():
     # A hybrid's design: columns for layers 3 and 7's heads only (2 each), layer by layer.
     model.coef_ = np.array([0.0, -1.0, -2.0, 0.0])
     assert model.top_heads(2, 2, head_layers=(3, 7)) == [Head(7, 0), Head(3, 1)]
-    with pytest.raises(ValueError, match=r"head_layers=\(3,\) of 2 heads each are 2 heads, "
-                                         "not the 4 fitted"):
+    with raises_naming(ValueError, "head_layers=(3,)", "2 heads", "4"):
         model.top_heads(2, 2, head_layers=(3,))
 
 
@@ -381,49 +381,46 @@ def _fitted() -> HeadLasso:
 
 
 @pytest.mark.parametrize(
-    "call, fragment",
+    "call, values",
     [
         # sklearn's validation (validate_data), first line plus the shapes passed
-        (lambda: HeadLasso().fit(np.zeros((5, 3)), np.zeros(4)),
-         r"inconsistent numbers of samples: \[5, 4\].*\(5, 3\).*\(4,\)"),
-        (lambda: HeadLasso().fit(np.zeros(5), np.zeros(5)),
-         r"Expected 2D array, got 1D.*design matrix of shape \(5,\)"),
+        (lambda: HeadLasso().fit(np.zeros((5, 3)), np.zeros(4)), ("[5, 4]", "(5, 3)", "(4,)")),
+        (lambda: HeadLasso().fit(np.zeros(5), np.zeros(5)), ("2D", "design matrix", "(5,)")),
         (lambda: HeadLasso().fit(np.zeros((3, 2)), [0.1, float("nan"), 0.2]),
-         "y contains NaN.*scores"),
-        (lambda: HeadLasso().fit(np.zeros((3, 2)), ["0.1", "nan", "0.2"]), "y contains NaN"),
-        (lambda: HeadLasso().fit(np.zeros((3, 2)), ["a", "b", "c"]), "'a'"),
+         ("NaN", "scores")),
+        (lambda: HeadLasso().fit(np.zeros((3, 2)), ["0.1", "nan", "0.2"]), ("NaN",)),
+        (lambda: HeadLasso().fit(np.zeros((3, 2)), ["a", "b", "c"]), ("'a'",)),
         (lambda: HeadLasso().fit(np.full((3, 2), np.inf), np.zeros(3)),
-         "X contains infinity.*design matrix"),
-        (lambda: HeadLasso().fit(np.zeros((1, 2)), [0.1]), r"1 sample\(s\).*minimum of 2"),
-        (lambda: _fitted().predict(np.zeros((2, 5))), "5 features.*expecting 6"),
+         ("infinity", "design matrix")),
+        (lambda: HeadLasso().fit(np.zeros((1, 2)), [0.1]), ("1 sample", "2")),
+        (lambda: _fitted().predict(np.zeros((2, 5))), ("5 features", "6")),
         # parameters (check_number)
-        (lambda: HeadLasso(alpha=0).fit(np.zeros((2, 2)), [0, 1]), "alpha=0: .* > 0"),
-        (lambda: HeadLasso(alpha=float("nan")).fit(np.zeros((2, 2)), [0, 1]), "alpha=nan"),
-        (lambda: HeadLasso(max_iter=0).fit(np.zeros((2, 2)), [0, 1]), "max_iter=0"),
+        (lambda: HeadLasso(alpha=0).fit(np.zeros((2, 2)), [0, 1]), ("alpha=0", "> 0")),
+        (lambda: HeadLasso(alpha=float("nan")).fit(np.zeros((2, 2)), [0, 1]), ("alpha=nan",)),
+        (lambda: HeadLasso(max_iter=0).fit(np.zeros((2, 2)), [0, 1]), ("max_iter=0",)),
         (lambda: HeadLasso(standardize="False").fit(np.zeros((2, 2)), [0, 1]),
-         "standardize='False'"),
+         ("standardize='False'",)),
         (lambda: HeadLasso(baseline="high").fit(np.zeros((2, 2)), [0, 1]),
-         "baseline='high'"),
-        (lambda: _fitted().ranking(exclude=[6]), "exclude index 6.*0..5"),
-        (lambda: _fitted().top_heads(7, 3), "k=7.*1 <= value <= 6"),
-        (lambda: _fitted().top_heads(1, 6, exclude=range(6)), "k=1.*<= 0"),
-        (lambda: _fitted().top_heads(2, True), "heads_per_layer=True"),
-        (lambda: _fitted().top_heads(2, 4), "heads_per_layer=4 does not divide the 6"),
+         ("baseline='high'",)),
+        (lambda: _fitted().ranking(exclude=[6]), ("exclude index 6", "0..5")),
+        (lambda: _fitted().top_heads(7, 3), ("k=7", "1 <= value <= 6")),
+        (lambda: _fitted().top_heads(1, 6, exclude=range(6)), ("k=1", "<= 0")),
+        (lambda: _fitted().top_heads(2, True), ("heads_per_layer=True",)),
+        (lambda: _fitted().top_heads(2, 4), ("heads_per_layer=4", "6")),
         # named, not numpy's "could not convert string to float" / "invalid literal for int"
         (lambda: HeadLasso(penalty_weights="abc").fit(np.zeros((2, 2)), [0, 1]),
-         r"penalty_weights: need 2 finite positive numbers, one per head \(got 'abc'\)"),
+         ("penalty_weights", "2", "'abc'")),
         (lambda: _fitted().top_heads(2, 2, head_layers=["a", "b", "c"]),
-         r"head_layers\[0\]='a': must be a whole number >= 0"),
+         ("head_layers[0]='a'", ">= 0")),
         (lambda: _fitted().top_heads(2, 2, head_layers=[0, -1, 2]),
-         r"head_layers\[1\]=-1: must be a whole number >= 0"),
-        (lambda: _fitted().top_heads(2, 2, head_layers=3), r"head_layers=3: must be a list"),
+         ("head_layers[1]=-1", ">= 0")),
+        (lambda: _fitted().top_heads(2, 2, head_layers=3), ("head_layers=3",)),
         # sklearn's own check_fit2d_predict1d looks for "Reshape your data".
-        (lambda: _fitted().predict(np.zeros(6)),
-         r"Expected 2D array, got 1D.*Reshape your data.*design matrix of shape \(6,\)"),
+        (lambda: _fitted().predict(np.zeros(6)), ("2D", "Reshape your data", "(6,)")),
     ],
 )
-def test_recovery_errors_are_one_line_and_name_the_value(call, fragment):
-    with pytest.raises(ValueError, match=fragment) as error:
+def test_recovery_errors_are_one_line_and_name_the_value(call, values):
+    with raises_naming(ValueError, *values) as error:
         call()
     assert "\n" not in str(error.value)
 
@@ -434,12 +431,11 @@ def test_higher_is_better_must_be_a_bool(value):
     from lm_eval_headloc.method.recovery import bootstrap_stability
 
     model = _fitted()
-    message = rf"higher_is_better={value!r}: must be True or False"
     for call in (lambda: model.ranking(higher_is_better=value),
                  lambda: model.top_heads(2, 3, higher_is_better=value),
                  lambda: bootstrap_stability(HeadLasso(), np.eye(3), np.arange(3.0), 1,
                                              higher_is_better=value, resamples=1)):
-        with pytest.raises(ValueError, match=message):
+        with raises_naming(ValueError, f"higher_is_better={value!r}", "True or False"):
             call()
 
 
@@ -626,7 +622,7 @@ def test_penalty_weights_solve_the_weighted_lasso():
         knocked_out, scores)
     np.testing.assert_allclose(doubled.coef_, HeadLasso(alpha=0.02).fit(
         knocked_out, scores).coef_, atol=1e-8)
-    with pytest.raises(ValueError, match="penalty_weights: need 270 finite positive"):
+    with raises_naming(ValueError, "penalty_weights", "270"):
         HeadLasso(penalty_weights=np.zeros(NUM_HEADS)).fit(knocked_out, scores)
 
 
@@ -661,7 +657,7 @@ def test_fixed_effects_fit_the_rest_on_what_the_fixed_heads_leave():
     np.testing.assert_array_equal(clone(pinned).fit(knocked_out, scores).coef_, pinned.coef_)
     assert pinned.intercept_ == world.baseline
     assert not np.array_equal(HeadLasso().fit(knocked_out, scores).coef_, pinned.coef_)
-    with pytest.raises(ValueError, match="fixed_effects column=270: .*<= 269"):
+    with raises_naming(ValueError, "fixed_effects column=270", "269"):
         HeadLasso(fixed_effects={270: 0.0}).fit(knocked_out, scores)
     with pytest.raises(ValueError, match=r"fixed_effects\[3\]=nan"):
         HeadLasso(fixed_effects={3: float("nan")}).fit(knocked_out, scores)

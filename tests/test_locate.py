@@ -173,7 +173,7 @@ def test_a_task_of_the_users_that_cannot_load_gets_no_hint_about_the_hub(tiny_mo
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--include-path",
                    str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
     message = last_error(capsys)
-    assert "cannot load task 'mine'" in message and "Hugging Face Hub" not in message
+    assert "'mine'" in message and "Hugging Face Hub" not in message
 
 
 @pytest.mark.parametrize("data", ["empty", "zero rows"])
@@ -198,13 +198,12 @@ def test_a_task_without_documents_is_one_line(tiny_model_dir, tmp_path, capsys,
         "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--include-path",
                    str(folder), "--tasks", "mine", "--out", str(tmp_path / "run")) == 2
-    assert last_error(capsys) == "headloc-harness: error: task 'mine' has no documents"
+    assert (line := last_error(capsys)).startswith("headloc-harness: error: ") and "'mine'" in line
     # The same task as mean ablation's reference set.
     from lm_eval_headloc.intervention.ablation import AblationError, reference_texts
     from lm_eval_headloc.tasks import make_task_manager
 
-    with pytest.raises(AblationError, match=r"^ablation_data='mine': task 'mine' has no "
-                                            r"documents$"):
+    with pytest.raises(AblationError, match="ablation_data='mine'"):
         reference_texts("mine", task_manager=make_task_manager([str(folder)]))
 
 
@@ -345,6 +344,6 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
     assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
                    "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
                    "--out", str(tmp_path / "run")) == 2
-    assert last_error(capsys).endswith(
-        "task 'mixed': its tasks are scored by different metrics (mixed_acc: acc,none, "
-        "mixed_ppl: perplexity,none); give one (mixed:METRIC) or name the tasks")
+    line = last_error(capsys)  # names the task, each task's metric and the way to choose one
+    assert all(value in line for value in ("'mixed'", "mixed_acc: acc,none",
+                                           "mixed_ppl: perplexity,none", "mixed:METRIC")), line

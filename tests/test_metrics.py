@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import raises_naming
 
 from lm_eval_headloc.measurement.metrics import (
     TASK_METRICS,
@@ -74,10 +75,10 @@ def test_override_and_errors():
     assert parse_task_metric("boolq") == ("boolq", None)
     task, metric = parse_task_metric("gsm8k:exact_match,strict-match")
     assert task_score(RESULTS, task, metric).value == 0.30
-    with pytest.raises(MetricError, match="gsm8k.*no metric 'acc,none'.*exact_match,strict-match"
-                                          ", exact_match,flexible-extract$"):
+    with raises_naming(MetricError, "gsm8k", "'acc,none'",
+                       "exact_match,strict-match, exact_match,flexible-extract"):  # it has
         task_score(RESULTS, "gsm8k", "acc,none")
-    with pytest.raises(MetricError, match="task 'nope' is not in the results"):
+    with raises_naming(MetricError, "'nope'"):
         task_score(RESULTS, "nope")
     with pytest.raises(MetricError, match="bad task spec"):
         parse_task_metric("gsm8k:")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TASKS, per_sample_loglikelihoods, simple_evaluate
+from helpers import TASKS, per_sample_loglikelihoods, raises_naming, simple_evaluate
 
 import lm_eval_headloc  # noqa: F401  (registers hf-headablate)
 
@@ -225,33 +225,32 @@ def no_weight_loading(monkeypatch):
     monkeypatch.setattr(HFLM, "__init__", refuse)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(ablate="X1"), r"bad component name 'X1'"),
-    (dict(ablate="l0h0"), r"bad component name 'l0h0'"),
-    (dict(ablate="L*H1"), r"bad component name 'L\*H1'"),
-    (dict(ablate="L0H1++L1H2"), r"empty component name"),
+@pytest.mark.parametrize("kwargs, values", [  # the bad value and, where it helps, the form
+    (dict(ablate="X1"), ("'X1'",)),
+    (dict(ablate="l0h0"), ("'l0h0'",)),
+    (dict(ablate="L*H1"), ("'L*H1'",)),
+    (dict(ablate="L0H1++L1H2"), ("empty component name",)),  # no value to name
     # What lm-eval's model_args parser makes of ablate=1 and ablate=True.
-    (dict(ablate=1), r"^ablate=1: expected heads like ablate=L0H29\+L1H31"),
-    (dict(ablate=True), r"^ablate=True: expected heads like ablate=L0H29\+L1H31"),
-    (dict(ablate_file="h.txt", ablate_top=True),
-     r"^ablate_top=True: must be a whole number >= 1, not True/False"),
-    (dict(ablate_file="h.txt", ablate_top=0), r"^ablate_top=0: must be a whole number >= 1"),
-    (dict(ablate_file="h.txt", ablate_top=1.5), r"^ablate_top=1\.5: must be a whole number"),
-    (dict(ablate_top=2), r"^ablate_top=2 needs ablate_file=PATH"),
-    (dict(ablate_file=1), r"^ablate_file=1: expected the path of a head file"),
-    (dict(ablate_file="nope.json"), r"^head file not found: nope\.json"),
-    (dict(ablate="L0H1", ablate_file="bad.txt"), r"bad component name 'L0H\*\*'"),
-    (dict(attn_out=1), r"^attn_out=1: expected a module-name pattern"),
+    (dict(ablate=1), ("ablate=1", "ablate=L0H29+L1H31")),
+    (dict(ablate=True), ("ablate=True", "ablate=L0H29+L1H31")),
+    (dict(ablate_file="h.txt", ablate_top=True), ("ablate_top=True", ">= 1")),
+    (dict(ablate_file="h.txt", ablate_top=0), ("ablate_top=0", ">= 1")),
+    (dict(ablate_file="h.txt", ablate_top=1.5), ("ablate_top=1.5",)),
+    (dict(ablate_top=2), ("ablate_top=2", "ablate_file=")),
+    (dict(ablate_file=1), ("ablate_file=1",)),
+    (dict(ablate_file="nope.json"), ("nope.json",)),
+    (dict(ablate="L0H1", ablate_file="bad.txt"), ("bad.txt", "'L0H**'")),
+    (dict(attn_out=1), ("attn_out=1",)),
 ])
 def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path, monkeypatch,
-                                                     kwargs, message):
+                                                     kwargs, values):
     from lm_eval_headloc.intervention.components import ComponentSpecError
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "h.txt").write_text("L0H1\nL1H2\n")
     (tmp_path / "bad.txt").write_text("L0H**\n")
-    with pytest.raises(ComponentSpecError, match=message) as info:
+    with raises_naming(ComponentSpecError, *values) as info:
         HFHeadAblateLM(pretrained="never-loaded", **kwargs)
     assert "\n" not in str(info.value)
 

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HEADS, LAYERS, MLP_WIDTH, TASKS, finished_run, harness, last_error
+from helpers import (
+    HEADS,
+    LAYERS,
+    MLP_WIDTH,
+    TASKS,
+    assert_names,
+    finished_run,
+    harness,
+    last_error,
+    raises_naming,
+)
 
 from lm_eval_headloc.cli.main import main
 from lm_eval_headloc.commands.verify import random_like, random_sets
@@ -70,10 +80,9 @@ def test_random_neurons_are_other_neurons_of_the_model():
     for _ in range(200):
         seen.update(random_like(["L0N0", "L1N2"], small, rng))
     assert seen == {"L0N1", "L0N2", "L1N0", "L1N1"}
-    with pytest.raises(ValueError, match="5 MLP neurons located or kept out leave 1 of the "
-                                         "model's 6, fewer than a random set of 2"):
+    with raises_naming(ValueError, "5 MLP neurons", "1", "6", "2"):  # taken, left, all, drawn
         random_like(["L0N0", "L0N1"], small, rng, ["L0N2", "L1N0", "L1N1"])
-    with pytest.raises(ValueError, match="config does not give its MLP width"):
+    with raises_naming(ValueError, "MLP width"):
         random_like(located, Geometry(LAYERS, HEADS, 8, None), rng)
 
 
@@ -203,7 +212,7 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
     wide = of_wider_model(finished_run(tmp_path / "wide", model, "tiny_copy",
                                        ("L1N64", "L0N1")))
     assert harness("verify", str(wide), "--general", "tiny_choice", "--top-k", "2") == 2
-    assert "neuron L1N64 is outside the model: neuron 64 not in 0..63" in last_error(capsys)
+    assert_names(last_error(capsys), "L1N64", "0..63")
     # A config that does not give the MLP's width, and a run that did not record it
     # (test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width: one that
     # did): no random neurons before loading.
@@ -215,10 +224,8 @@ def test_verify_of_neurons_checks_before_loading(tiny_model_dir, tmp_path, capsy
     del config["neurons_per_layer"]
     (run / "config.json").write_text(json.dumps(config))
     assert harness(*args, "--top-k", "2") == 2
-    assert last_error(capsys).endswith(
-        f"--random-draws 1: the config of pretrained={model} does not give its MLP width, "
-        "so no random MLP neurons can be drawn before the weights load (0 turns the "
-        "baseline off)")
+    assert_names(last_error(capsys), "--random-draws 1", f"pretrained={model}", "MLP width",
+                 "0")  # what it lacks, and the value that turns the baseline off
     assert not (run / "verify").exists() and not (wide / "verify").exists()
 
 
@@ -268,8 +275,7 @@ def test_cross_refuses_a_neuron_outside_the_model_before_loading(tiny_model_dir,
     run = of_wider_model(finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",
                                       ("L0N70", "L1N2")))
     assert harness("cross", str(run), "--top-k", "2", "--out", str(tmp_path / "c")) == 2
-    assert "neuron L0N70 is outside the model: neuron 70 not in 0..63 (64 MLP neurons per " \
-           "layer)" in last_error(capsys)
+    assert_names(last_error(capsys), "L0N70", "0..63")
 
 
 # --- universal --------------------------------------------------------------------------
@@ -299,9 +305,8 @@ def test_universal_counts_neurons_as_it_counts_heads(tiny_model_dir, tmp_path, c
     assert harness("locate", "--model-args", f"pretrained={model},dtype=float32,device=cpu",
                    "--tasks", "tiny_copy", "--include-path", TASKS, "--never-ablate",
                    str(out), "--out", str(tmp_path / "loc")) == 2
-    error = last_error(capsys)
-    assert "--never-ablate: 'L0N3' is an MLP neuron; only attention heads are accepted" \
-        in error and "--components neurons or heads+neurons" in error
+    assert_names(last_error(capsys), "--never-ablate", "'L0N3'",
+                 "--components neurons or heads+neurons")
 
 
 def test_verifys_header_counts_what_a_random_set_knocks_out():

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import TASKS, error_line, harness
+from helpers import TASKS, assert_names, error_line, harness
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
@@ -300,23 +300,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     write_run(unfinished, {"t": ["L0H0"]})
     (unfinished / "heads-t.json").unlink()
     out = ["--out", str(tmp_path / "o.json")]
-    cases = [
-        ([str(tmp_path / "nowhere"), str(a)], "is not a run folder (no config.json)"),
-        ([str(a), str(a / ".." / "a")], "RUN_A and RUN_B are the same folder"),
-        ([str(a), str(b), "--top-k", "0"], "--top-k 0: must be a whole number >= 1"),
-        ([str(a), str(b), "--top-k", "4"], "--top-k 4: heads-t.json of"),
-        ([str(a), str(other_model)], "the runs are of different models"),
-        ([str(a), str(other_task)], "the runs rank no task in common"),
-        ([str(a), str(unfinished)], "has no heads-<task>.json; finish the run first"),
+    cases = [  # the values each refusal names
+        ([str(tmp_path / "nowhere"), str(a)], (str(tmp_path / "nowhere"), "config.json")),
+        ([str(a), str(a / ".." / "a")], ("RUN_A", "RUN_B")),
+        ([str(a), str(b), "--top-k", "0"], ("--top-k 0", ">= 1")),
+        ([str(a), str(b), "--top-k", "4"], ("--top-k 4", "heads-t.json", "3")),
+        ([str(a), str(other_model)], ("'m'", "'another'")),
+        ([str(a), str(other_task)], (str(a), str(other_task))),
+        ([str(a), str(unfinished)], (str(unfinished), "heads-<task>.json")),
     ]
-    for args, message in cases:
+    for args, values in cases:
         assert harness("overlap", *args, *out) == 2, args
-        assert message in error_line(capsys)
+        assert_names(error_line(capsys), *values)
     assert not (tmp_path / "o.json").exists()
     # With no --top-k each run's own is checked the same way (and said to be the run's).
     big = write_run(tmp_path / "f", {"t": ["L0H0", "L0H1"]}, top_k=5)
     assert harness("overlap", str(a), str(big), "--out", str(tmp_path / "o.json")) == 2
-    assert "--top-k 5 (the run's own): heads-t.json of" in error_line(capsys)
+    assert_names(error_line(capsys), "--top-k 5", "the run's own", "heads-t.json")
     # The values are named: both models, both task lists.
     harness("overlap", str(a), str(other_model), *out)
     assert "'m'" in (line := error_line(capsys)) and "'another'" in line
@@ -332,23 +332,23 @@ def test_out_never_overwrites_a_file_that_is_not_ours(tmp_path, capsys):
     foreign_md = tmp_path / "mine.md"
     foreign_md.write_text("# my notes\n")
     (tmp_path / "mine.json").write_text(json.dumps({"made_by": MADE_BY}))  # ours; its .md not
-    cases = [
-        (foreign_json, "notes.json exists and was not written by headloc-harness overlap"),
-        (tmp_path / "mine.json", "mine.md exists and was not written by"),
-        (tmp_path / "table.md", "name a .json file"),
-        (tmp_path, "name a .json file"),
-        (a / "overlap.json", "which this command reads from"),
+    cases = [  # the file refused and, where it is the wrong kind, the kind to name
+        (foreign_json, (str(foreign_json),)),
+        (tmp_path / "mine.json", (str(foreign_md),)),
+        (tmp_path / "table.md", (str(tmp_path / "table.md"), ".json")),
+        (tmp_path, (str(tmp_path), ".json")),
+        (a / "overlap.json", (str(a / "overlap.json"), str(a))),  # and the run it reads
     ]
-    for target, message in cases:
+    for target, values in cases:
         assert harness("overlap", str(a), str(b), "--top-k", "1", "--out", str(target)) == 2
-        assert message in error_line(capsys)
+        assert_names(error_line(capsys), *values)
     assert foreign_json.read_text() == '{"mine": true}'
     assert foreign_md.read_text() == "# my notes\n"
     assert not (a / "overlap.json").exists() and not (tmp_path / "table.md").exists()
     folder = tmp_path / "x.json"
     folder.mkdir()
     assert harness("overlap", str(a), str(b), "--out", str(folder)) == 2
-    assert "is a folder" in error_line(capsys)
+    assert_names(error_line(capsys), str(folder))
 
 
 # --- on real runs ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from helpers import load_lm
+from helpers import load_lm, raises_naming
 
 from lm_eval_headloc.intervention.components import Neuron
 from lm_eval_headloc.intervention.multimask import loglikelihoods_for_masks
@@ -254,7 +254,7 @@ def test_heads_are_the_default_kind_and_a_bad_kind_is_refused(tiny_model_dir, ta
     assert np.array_equal(default, heads)
     neurons = measure.attribution((0.0,), kind="neurons")[TASK]
     assert neurons.shape == (1, 2 * 64)
-    with pytest.raises(ValueError, match=r"kind='mlp': must be one of heads, neurons"):
+    with raises_naming(ValueError, "kind='mlp'", "heads, neurons"):
         measured_attribution(measure, kind="mlp")
     requests = measure.requests()
     with pytest.raises(ValueError, match=r"kind='mlp'"):

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import harness, strict_json, tiny_args
+from helpers import harness, raises_naming, strict_json, tiny_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lm_eval_headloc.common.options import PROBE_ROWS
@@ -105,10 +105,10 @@ def test_a_head_outside_the_model_is_named_not_wrapped_round(typed_run):
     head_types = read_types(typed_run)  # a 2-layer model of 4 heads each
     assert head_types.of(1, 3) == {t: float(head_types.scores[t][1, 3])
                                    for t in head_types.scores}
-    for layer, head, message in ((-1, 0, "layer -1 not in 0..1"), (2, 0, "layer 2 not in 0..1"),
-                                 (0, -1, "head -1 not in 0..3"), (0, 4, "head 4 not in 0..3")):
+    for layer, head, values in ((-1, 0, ("layer -1", "0..1")), (2, 0, ("layer 2", "0..1")),
+                                (0, -1, ("head -1", "0..3")), (0, 4, ("head 4", "0..3"))):
         for read in (head_types.of, head_types.label):
-            with pytest.raises(ComponentSpecError, match=message):
+            with raises_naming(ComponentSpecError, *values):
                 read(layer, head)
 
 
