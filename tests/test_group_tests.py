@@ -317,3 +317,28 @@ def test_a_rerun_keeps_its_group_tests_and_a_larger_budget_measures_only_new_one
     fresh = tmp_path / "fresh"
     assert harness(*base, "--group-tests", "8", "--out", str(fresh)) == 0
     assert_same_run(out, fresh)
+
+
+@pytest.mark.parametrize("confirmed", [None, ["L0H1"]])
+def test_the_certificate_advises_flags_a_run_like_it_accepts(confirmed):
+    from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
+    from lm_eval_headloc.report.locate_report import certificate_words
+    from lm_eval_headloc.runs.spec import RunSpec, UsageError
+
+    cert = CertificateRecord(
+        rule="r", entry_bar=0.0, top_k=2, measured_alone=0 if confirmed is None else 1,
+        ruled_out=0, bound=0.0, unchecked=["L1H0", "L1H2"], unchecked_never_in_a_mask=0,
+        unchecked_in_one_mask=2, unchecked_beside_measured=[], group_size=2,
+        group_tests_run=0, group_tests=[], group_tests_to_cover=3)
+    ranking = Ranking(task="t", metric="acc", higher_is_better=True, baseline=1.0,
+                      effects=np.zeros(8), order=list(range(8)), heads_per_layer=4,
+                      facts=RankingFacts(confirmed=confirmed, certificate=cert))
+    line = next(x for x in certificate_words(ranking) if "would knock each" in x)
+    flags = line.split(" would knock each")[0]  # what the line says to run
+    assert "--group-tests 3" in flags
+    # Group tests follow a confirmation: a run that confirmed nothing is told to confirm
+    # too, as the spec refuses --group-tests with --confirm 0.
+    assert ("--confirm" in flags) == (confirmed is None)
+    with pytest.raises(UsageError, match="--group-tests 3"):
+        RunSpec(masks=10, confirm=0, group_tests=3).validate()
+    RunSpec(masks=10, confirm=1, group_tests=3).validate()

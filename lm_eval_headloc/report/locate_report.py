@@ -307,11 +307,19 @@ def certificate_words(ranking: Ranking, unit: str = "head") -> list[str]:
               + (f", {len(beside)} only in masks beside a {unit} measured to reach the bar"
                  if beside else "") + f"): {_listed(unchecked)}. Any of them could enter "
               f"the top-{k}; the masks' estimate is all the run has for them.", "",
-              f"`--group-tests {cert.group_tests_run + cert.group_tests_to_cover}` "
-              f"would knock each of them out in at least one group of "
+              _group_tests_advice(ranking, cert.group_tests_run + cert.group_tests_to_cover)
+              + f" would knock each of them out in at least one group of "
               f"{cert.group_size} (more tests where a group reaches the bar and is "
               "halved); a larger `--confirm` measures the likeliest alone.", ""]
     return lines
+
+
+def _group_tests_advice(ranking: Ranking, tests: int) -> str:
+    """The flags that would run ``tests`` group tests: group tests follow a confirmation
+    (a ``--confirm 0`` run is refused them), so a run that confirmed nothing needs both."""
+    if ranking.facts.confirmed is None:
+        return f"`--confirm` above 0 with `--group-tests {tests}`"
+    return f"`--group-tests {tests}`"
 
 
 def certificate_line(ranking: Ranking) -> str | None:
