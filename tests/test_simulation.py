@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import raises_naming
 
 from lm_eval_headloc.bench.simulation import (
     SATURATIONS,
@@ -479,7 +480,7 @@ def test_alike_documents_average_to_the_logistic_accuracy():
 
 def test_fixed_documents_refuse_what_they_cannot_model():
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="noise='documents' needs saturation='logistic'"):
+    with raises_naming(ValueError, "noise='documents'", "saturation='logistic'", "'clip'"):
         planted_world(20, rng, noise="documents", saturation="clip")
     with pytest.raises(ValueError, match="noise='poisson'"):
         planted_world(20, rng, noise="poisson")
