@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import raises_naming
+from helpers import assert_names, raises_naming
 
 from lm_eval_headloc.bench.simulation import (
     SATURATIONS,
@@ -221,7 +221,7 @@ def test_planted_world_refuses_impossible_parameters():
     with pytest.raises(ValueError, match="tail_helpful"):
         planted_world(270, rng, tail_helpful=0.9)
     world = planted_world(20, rng)
-    with pytest.raises(ValueError, match="design must be"):
+    with raises_naming(ValueError, "(masks, 20)", "(3, 21)"):
         world.accuracy(np.zeros((3, 21), bool))
 
 
@@ -495,7 +495,8 @@ def test_cli_refuses_fixed_documents_with_another_saturation(capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.parse_args(["--saturation", "clip"])
     assert exit_info.value.code == 2
-    assert "--noise documents needs --saturation logistic" in capsys.readouterr().err
+    assert_names(capsys.readouterr().err, "--noise documents", "--saturation logistic",
+                 "(got clip)")
     assert module.parse_args(["--saturation", "clip", "--noise", "binomial"]).noise == "binomial"
 
 
