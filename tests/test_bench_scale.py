@@ -65,7 +65,7 @@ def test_a_random_model_generates_bytes_only_and_its_folder_is_reused_not_overwr
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not made by this benchmark"):
+    with raises_naming(FileExistsError, f"--model-dir {str(theirs)!r}", bench_shapes.MARKER):
         bench_shapes.build_random_model("tiny-llama", theirs, "float32")
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
 

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import assert_names, last_error, raises_naming
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sections.py"
 _spec = importlib.util.spec_from_file_location("bench_sections", SCRIPT)
@@ -77,7 +78,7 @@ def test_sections_written_elsewhere_are_copied_in_leaving_the_rest(tmp_path):
     assert bench_sections.sections(text)["bench_measure llama-3.1-8b cuda"] == (
         "<!-- bench_measure llama-3.1-8b cuda: start -->\n\n## 8B\n\nrows\n\n"
         "<!-- bench_measure llama-3.1-8b cuda: end -->")
-    with pytest.raises(KeyError, match="has no section 'nope'"):
+    with raises_naming(KeyError, str(there), "'nope'", "'bench_workers'"):
         bench_sections.copy_sections(there, here, ["nope"])
 
 
@@ -116,8 +117,7 @@ def test_a_section_that_differs_undated_is_copied_only_by_name(tmp_path, capsys)
     with pytest.raises(SystemExit) as info:
         bench_sections.main(["copy", str(there), str(here)])
     assert info.value.code == 2
-    assert "differ in section(s) 'bench_workers' with no measurement time" in \
-        capsys.readouterr().err
+    assert_names(last_error(capsys), str(there), str(here), "'bench_workers'")
     assert here.read_text(encoding="utf-8") == FILE
     assert bench_sections.main(["copy", str(there), str(here), "bench_workers"]) == 0
     assert "other workers" in here.read_text(encoding="utf-8")
@@ -128,7 +128,8 @@ def test_copy_refuses_a_folder_as_its_target(tmp_path, capsys):
     bench_sections.write_section(source, "bench_workers", "rows")
     with pytest.raises(SystemExit) as info:
         bench_sections.main(["copy", str(source), str(tmp_path)])
-    assert info.value.code == 2 and "is not a regular file" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert_names(last_error(capsys), str(tmp_path), str(tmp_path / "page.md"))
 
 
 NOT_OURS = "# My notes\n\n<!-- x: start -->\n\nmine\n\n<!-- x: end -->\n"
@@ -142,13 +143,14 @@ def test_no_writer_touches_a_file_that_is_not_a_bench_page(tmp_path, capsys, tex
     theirs, source = tmp_path / "notes.md", tmp_path / "gpu.md"
     theirs.write_text(text, encoding="utf-8")
     bench_sections.write_section(source, "bench_workers", "rows")
-    with pytest.raises(FileExistsError, match="does not begin with '# Measurement"):
+    with raises_naming(FileExistsError, str(theirs), repr(bench_sections.TITLE)):
         bench_sections.write_section(theirs, "bench_workers", "rows")
     with pytest.raises(FileExistsError):
         bench_sections.write_head(theirs, "# Measurement throughput: new\n")
     with pytest.raises(SystemExit) as info:
         bench_sections.main(["copy", str(source), str(theirs)])
-    assert info.value.code == 2 and "notes.md exists" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert_names(last_error(capsys), str(theirs), repr(bench_sections.TITLE))
     assert theirs.read_text(encoding="utf-8") == text
 
 
@@ -166,7 +168,7 @@ def test_a_file_begun_by_a_section_and_an_empty_file_are_written(tmp_path):
 
 
 def test_the_head_must_begin_with_the_title(tmp_path):
-    with pytest.raises(ValueError, match="must begin with"):
+    with raises_naming(ValueError, repr(bench_sections.TITLE)):
         bench_sections.write_head(tmp_path / "BENCH.md", "# Another title\n")
     assert not (tmp_path / "BENCH.md").exists()
 

@@ -450,9 +450,13 @@ def _fitted_state(model: HeadLasso) -> dict[str, object]:
     return {k: v for k, v in vars(model).items() if k.endswith("_") and not k.startswith("_")}
 
 
-@pytest.mark.parametrize("parameters", [dict(penalty_weights=np.ones(12)),
-                                        dict(fixed_effects={11: -0.1})])
-def test_a_failed_refit_leaves_the_fit_as_it_was(parameters):
+# The refusal names the parameter, what it holds (12 weights, column 11) and what 8 heads
+# allow.
+@pytest.mark.parametrize("parameters, named", [
+    (dict(penalty_weights=np.ones(12)), ("penalty_weights", "need 8", "shape (12,)")),
+    (dict(fixed_effects={11: -0.1}), ("fixed_effects column=11", "<= 7")),
+])
+def test_a_failed_refit_leaves_the_fit_as_it_was(parameters, named):
     # The refit on 8 heads fails on a 12-head parameter; it used to leave n_features_in_ = 8
     # beside a 12-entry coef_, so predict failed in a matrix product.
     rng = np.random.default_rng(1)
@@ -461,7 +465,7 @@ def test_a_failed_refit_leaves_the_fit_as_it_was(parameters):
     model = HeadLasso(**parameters).fit(twelve, scores)
     before = _fitted_state(model)
     predicted = model.predict(twelve)
-    with pytest.raises(ValueError, match="penalty_weights: need 8|fixed_effects column=11"):
+    with raises_naming(ValueError, *named):
         model.fit(eight, scores)
     after = _fitted_state(model)
     assert after.keys() == before.keys() and model.n_features_in_ == 12

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import RANKED, RANKED_HEADS_PER_LAYER, ranking
+from helpers import RANKED, RANKED_HEADS_PER_LAYER, assert_names, ranking
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.report.mib import MARKER, MIB_MODELS, mib_graph, write_mib
@@ -165,7 +165,8 @@ def test_mib_model_fills_the_width_and_checks_the_shape(tmp_path, model):
     with pytest.raises(ExportError) as err:
         write_mib(make_run(tmp_path / "run"), tmp_path / "out.json", mib_model=model)
     layers, heads, _ = MIB_MODELS[model]
-    assert f"{layers} of {heads}" in one_line_error(err)
+    assert_names(one_line_error(err), f"{LAYERS} layers of {HEADS} heads", model,
+                 f"{layers} of {heads}")
 
 
 # --- equal falls: ordered by the run's further evidence ------------------------------------
@@ -241,7 +242,7 @@ def test_evidence_that_is_not_a_number_is_refused():
         data["heads"][2][field] = value
         with pytest.raises(ExportError) as err:
             mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
-        assert "L0H2" in one_line_error(err) and field in str(err.value)
+        assert_names(one_line_error(err), "L0H2", field)
 
 
 
@@ -310,10 +311,10 @@ def test_refuses_a_task_the_run_does_not_have(tmp_path):
     run = make_run(tmp_path / "run", tasks=("toy", "other"))
     with pytest.raises(ExportError) as err:
         export(run, tmp_path / "out.json", task="nope")
-    assert "'nope'" in one_line_error(err) and "toy, other" in str(err.value)
+    assert_names(one_line_error(err), "'nope'", "toy, other")
     with pytest.raises(ExportError) as err:  # two tasks: which one must be said
         export(run, tmp_path / "out.json")
-    assert "name the one" in one_line_error(err)
+    assert_names(one_line_error(err), str(run), "(toy, other)")
     assert not (tmp_path / "out.json").exists()
 
 
@@ -324,7 +325,7 @@ def test_never_overwrites_a_file_that_is_not_ours(tmp_path):
         out.write_text(text)
         with pytest.raises(ExportError) as err:
             export(run, out)
-        assert "not an export of lm-eval-headloc" in one_line_error(err)
+        assert_names(one_line_error(err), f"{out} exists", "lm-eval-headloc")
         assert out.read_text() == text
 
 
@@ -332,48 +333,51 @@ def test_refuses_a_run_that_ranks_neurons(tmp_path):
     run = make_run(tmp_path / "run", components="heads+neurons")
     with pytest.raises(ExportError) as err:
         export(run, tmp_path / "out.json")
-    assert "heads+neurons" in one_line_error(err)
-    for entry in ({"neuron": "L1N5", "effect": -0.1},
-                  {"group": "L1G0", "neurons": "L1N0+L1N1", "effect": -0.1}):
+    assert_names(one_line_error(err), str(run), "heads+neurons")
+    for entry, name in (({"neuron": "L1N5", "effect": -0.1}, "L1N5"),
+                        ({"group": "L1G0", "neurons": "L1N0+L1N1", "effect": -0.1}, "L1G0")):
         with pytest.raises(ExportError) as err:
             mib_graph(ranking(entries=[{"head": "L0H0", "effect": -0.2}, entry]),
                       n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
-        assert "not a head" in one_line_error(err)
+        assert_names(one_line_error(err), f"holds {name}")
 
 
 @pytest.mark.parametrize("command", ["verify", "cross", "sweep"])
 def test_refuses_a_run_that_is_no_ranking(tmp_path, command):
     with pytest.raises(ExportError) as err:
         export(make_run(tmp_path / "run", command=command), tmp_path / "out.json")
-    assert f"is a {command} run" in one_line_error(err)
+    assert_names(one_line_error(err), str(tmp_path / "run"), f"a {command} run")
 
 
 def test_refuses_bad_outputs_and_unfinished_runs(tmp_path):
     run = make_run(tmp_path / "run")
-    for out, words in ((tmp_path / "out.pt", ".json file"), (tmp_path, "is a folder"),
-                       (run / "mib.json", "inside the run folder")):
+    # Each names the output given and what to write instead (or the run it is inside).
+    for out, allowed in ((tmp_path / "out.pt", ".json"),
+                         (tmp_path, str(tmp_path / "importances.json")),
+                         (run / "mib.json", f"folder {run}")):
         with pytest.raises(ExportError) as err:
             export(run, out)
-        assert words in one_line_error(err)
+        assert_names(one_line_error(err), str(out), allowed)
     with pytest.raises(ExportError) as err:
         export(make_run(tmp_path / "unranked", ranked=False), tmp_path / "out.json")
-    assert "no heads-toy.json" in one_line_error(err)
+    assert_names(one_line_error(err), str(tmp_path / "unranked"), "heads-toy.json")
     with pytest.raises(UserError):  # not a run folder at all
         export(tmp_path / "nowhere", tmp_path / "out.json")
 
 
 def test_refuses_rankings_that_do_not_fit_the_model():
+    # Each names the value the ranking holds and, where there is one, what the model allows.
     cases = [
-        (ranking(entries=[{"head": "L2H0", "effect": -0.1}]), "outside the model"),
-        (ranking(entries=[{"head": "L0H0", "effect": -0.1}] * 2), "twice"),
-        (ranking(entries=[{"head": "L0H0", "effect": "big"}]), "not a number"),
-        ({**ranking(), "higher_is_better": None}, "higher_is_better"),
-        ({**ranking(), "heads_per_layer": 4}, "4 heads per layer"),
+        (ranking(entries=[{"head": "L2H0", "effect": -0.1}]), ("'L2H0'", f"0..{LAYERS - 1}")),
+        (ranking(entries=[{"head": "L0H0", "effect": -0.1}] * 2), ("head L0H0",)),
+        (ranking(entries=[{"head": "L0H0", "effect": "big"}]), ("L0H0", "'big'")),
+        ({**ranking(), "higher_is_better": None}, ("higher_is_better is None",)),
+        ({**ranking(), "heads_per_layer": 4}, ("4 heads per layer", f"model {HEADS}")),
     ]
-    for data, words in cases:
+    for data, values in cases:
         with pytest.raises(ExportError) as err:
             mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
-        assert words in one_line_error(err)
+        assert_names(one_line_error(err), *values)
 
 
 # --- MIB's format: the fixture, broken copies, the graph's edges ---------------------------
@@ -409,25 +413,25 @@ BROKEN = {
     "one layer too few": (lambda d: d["cfg"].update(n_layers=1), "unknown node 'a1.h0'"),
     "missing node": (lambda d: d["nodes"].pop("a1.h2"), "missing, first 'a1.h2'"),
     "zero-padded name": (lambda d: d["nodes"].update({"a01.h0": {"in_graph": True}}),
-                         "unknown node"),
+                         "unknown node 'a01.h0'"),
     "no in_graph": (lambda d: d["nodes"]["m0"].pop("in_graph"), "'in_graph'"),
     "score as text": (lambda d: d["nodes"]["a0.h1"].update(score="1.0"), "score '1.0'"),
     "short neurons": (lambda d: d["nodes"]["m0"].update(neurons=[True] * 7), "8 numbers"),
     "no edges key": (lambda d: d.pop("edges"), "missing key(s) edges"),
     "backward edge": (lambda d: d["edges"].update({"m1->a0.h0<q>": d["edges"]["input->m0"]}),
-                      "not an edge"),
+                      "'m1->a0.h0<q>' is not an edge"),
     "head input unnamed": (lambda d: d["edges"].update({"input->a0.h0": {
-        "score": 0.1, "in_graph": False}}), "not an edge"),
+        "score": 0.1, "in_graph": False}}), "'input->a0.h0' is not an edge"),
     "edge without score": (lambda d: d["edges"]["input->m0"].pop("score"), "numeric 'score'"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_broken_copies_of_the_fixture_are_refused(case):
-    change, words = BROKEN[case]
+    change, named = BROKEN[case]
     with pytest.raises(MibFormatError) as err:
         check_mib(_broken(change))
-    assert words in one_line_error(err)
+    assert_names(one_line_error(err), named)
 
 
 def test_a_missing_node_is_what_mibs_loader_itself_lets_pass():
@@ -443,7 +447,7 @@ def test_read_mib_names_the_file(tmp_path):
                         (FIXTURE.with_suffix(".md"), ".json")):
         with pytest.raises(MibFormatError) as err:
             read_mib(path)
-        assert str(path) in one_line_error(err) and words in str(err.value)
+        assert_names(one_line_error(err), str(path), words)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "gemma2"])

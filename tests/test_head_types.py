@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import raises_naming
 
 from lm_eval_headloc.method.head_types import (
     DOMINANT_FLOOR,
@@ -356,7 +357,7 @@ class NoWeights(torch.nn.Module):
 
 
 def test_no_weights_is_a_clear_error_naming_the_model():
-    with pytest.raises(RuntimeError, match="NoWeights returned no attention weights"):
+    with raises_naming(RuntimeError, "NoWeights", "output_attentions=True"):
         attention_patterns(NoWeights(), torch.zeros((1, 3), dtype=torch.long))
 
 

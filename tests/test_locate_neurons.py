@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 from helpers import (
+    assert_names,
     assert_same_run,
     harness,
     raises_naming,
@@ -390,11 +391,11 @@ def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
     code = harness(*neuron_args(tiny_model_dir("llama"), "--neuron-groups", "2"),
                    "--out", str(tmp_path / "bad"))
     assert code == 2
-    assert "--neuron-groups 2: groups are of MLP neurons" in capsys.readouterr().err
+    assert_names(capsys.readouterr().err, "--neuron-groups 2", "--components neurons")
     code = harness(*neuron_args(tiny_model_dir("llama"), "--components", "neurons",
                                 "--neuron-groups", "65"), "--out", str(tmp_path / "bad2"))
     assert code == 2
-    assert "--neuron-groups 65: a layer's MLP has only 64 neurons" in capsys.readouterr().err
+    assert_names(capsys.readouterr().err, "--neuron-groups 65", "64 neurons")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
 
 

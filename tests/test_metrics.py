@@ -80,7 +80,7 @@ def test_override_and_errors():
         task_score(RESULTS, "gsm8k", "acc,none")
     with raises_naming(MetricError, "'nope'"):
         task_score(RESULTS, "nope")
-    with pytest.raises(MetricError, match="bad task spec"):
+    with raises_naming(MetricError, "'gsm8k:'", "TASK:METRIC"):
         parse_task_metric("gsm8k:")
 
 

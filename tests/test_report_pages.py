@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from helpers import SCRIPTS, script_module
+from helpers import SCRIPTS, assert_names, raises_naming, script_module
 
 from lm_eval_headloc.common.files import page_refusal, write_page
 
@@ -30,7 +30,7 @@ def test_anything_else_is_refused_in_one_line_naming_the_path(tmp_path):
     theirs.write_text(THEIRS)
     why = page_refusal(theirs, "# Title")
     assert why is not None and str(theirs) in why and "'# Title'" in why and "\n" not in why
-    assert "not a regular file" in page_refusal(tmp_path, "# Title")
+    assert_names(page_refusal(tmp_path, "# Title"), str(tmp_path), str(tmp_path / "page.md"))
     # A longer beginning than the file: a prefix of the title is not the title.
     (tmp_path / "short.md").write_text("# Ti")
     assert page_refusal(tmp_path / "short.md", "# Title") is not None
@@ -42,7 +42,9 @@ def test_an_unreadable_file_is_refused(tmp_path):
     locked.write_text("# Title\n")
     locked.chmod(0)
     try:
-        assert "cannot be read" in page_refusal(locked, "# Title")
+        why = page_refusal(locked, "# Title")  # it begins as asked: unreadable is why
+        assert why is not None
+        assert_names(why, str(locked))
     finally:
         locked.chmod(0o600)
 
@@ -53,10 +55,11 @@ def test_write_page_replaces_its_own_page_and_refuses_another(tmp_path):
     write_page(page, "# Title\n\ntwo\n", "# Title")
     assert page.read_text() == "# Title\n\ntwo\n"
     page.write_text(THEIRS)  # changed while a long run worked: checked again at the write
-    with pytest.raises(FileExistsError, match="does not begin with '# Title'"):
+    with raises_naming(FileExistsError, str(page), "'# Title'"):
         write_page(page, "# Title\n\nthree\n", "# Title")
     assert page.read_text() == THEIRS
-    with pytest.raises(ValueError, match="does not begin with"):  # it would refuse itself
+    # A page that does not begin as it says: the next run would refuse it.
+    with raises_naming(ValueError, str(tmp_path / "other.md"), "'# Title'"):
         write_page(tmp_path / "other.md", "# Another\n", "# Title")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.md"]  # no partial file left
 

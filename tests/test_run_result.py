@@ -9,7 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TASKS, harness, script_module, strict_json
+from helpers import (
+    TASKS,
+    assert_names,
+    harness,
+    last_error,
+    raises_naming,
+    script_module,
+    strict_json,
+)
 
 from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.locate import refit
@@ -291,12 +299,13 @@ def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
     del config["confirm"]  # killed while measuring heads alone
     (run / "config.json").write_text(json.dumps(config))
     assert harness("refit", str(run)) == 2
-    assert "is incomplete (its confirmation never finished)" in \
-        capsys.readouterr().err.splitlines()[-1]
+    assert_names(last_error(capsys), str(run), "confirmation")
     (run / "config.json").write_text(json.dumps({**config, "schema": CONFIG_SCHEMA + 1}))
-    with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
+    # Each names the file, the schema it holds and the newest this version reads.
+    newer = (str(run / "config.json"), f"schema {CONFIG_SCHEMA + 1}", f"up to {CONFIG_SCHEMA}")
+    with raises_naming(RunFolderError, *newer):
         load_run(run)
-    with pytest.raises(RunFolderError, match="written by a newer headloc-harness"):
+    with raises_naming(RunFolderError, *newer):
         refit(run)
 
 
@@ -314,5 +323,5 @@ def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, t
     assert [str(h) for h in ranking.top(3)] == written["top_k"]
     # Read only: nothing in the folder changed.
     assert {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()} == before
-    with pytest.raises(RunFolderError, match="is not a run folder"):
+    with raises_naming(RunFolderError, str(tmp_path), "config.json"):
         read_rankings(tmp_path)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_names, raises_naming
 
 from lm_eval_headloc.bench.simulation import (
     SATURATIONS,
@@ -220,7 +221,7 @@ def test_planted_world_refuses_impossible_parameters():
     with pytest.raises(ValueError, match="tail_helpful"):
         planted_world(270, rng, tail_helpful=0.9)
     world = planted_world(20, rng)
-    with pytest.raises(ValueError, match="design must be"):
+    with raises_naming(ValueError, "(masks, 20)", "(3, 21)"):
         world.accuracy(np.zeros((3, 21), bool))
 
 
@@ -479,7 +480,7 @@ def test_alike_documents_average_to_the_logistic_accuracy():
 
 def test_fixed_documents_refuse_what_they_cannot_model():
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="noise='documents' needs saturation='logistic'"):
+    with raises_naming(ValueError, "noise='documents'", "saturation='logistic'", "'clip'"):
         planted_world(20, rng, noise="documents", saturation="clip")
     with pytest.raises(ValueError, match="noise='poisson'"):
         planted_world(20, rng, noise="poisson")
@@ -494,7 +495,8 @@ def test_cli_refuses_fixed_documents_with_another_saturation(capsys):
     with pytest.raises(SystemExit) as exit_info:
         module.parse_args(["--saturation", "clip"])
     assert exit_info.value.code == 2
-    assert "--noise documents needs --saturation logistic" in capsys.readouterr().err
+    assert_names(capsys.readouterr().err, "--noise documents", "--saturation logistic",
+                 "(got clip)")
     assert module.parse_args(["--saturation", "clip", "--noise", "binomial"]).noise == "binomial"
 
 

@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import LASSO_ONLY, TASKS, fake_run, harness, last_error, strict_json, tiny_args
+from helpers import (
+    LASSO_ONLY,
+    TASKS,
+    assert_names,
+    fake_run,
+    harness,
+    last_error,
+    strict_json,
+    tiny_args,
+)
 
 
 def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
@@ -130,5 +139,4 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
     # Another model offline: the paper's general tasks cannot be had; one line, a hint.
     run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
     assert harness("verify", str(run)) == 2
-    message = last_error(capsys)
-    assert "cannot load task" in message and "headloc_ioi" in message
+    assert_names(last_error(capsys), "cannot load task 'hellaswag'", "headloc_ioi")

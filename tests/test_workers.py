@@ -18,6 +18,7 @@ from helpers import (
     harness,
     last_error,
     measurements_by_key,
+    raises_naming,
     stopped_part_way,
     tiny_args,
 )
@@ -112,12 +113,16 @@ def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
     assert len(measurements_by_key(out)) >= 2
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"seed": 5}, "records other requests than the driver"),  # another example subset
-    ({"model_args": "OTHER"}, "unablated, the driver"),
+# Each refusal names the worker (on this host: the cluster is local) and what differs: the
+# requests it records, or the task it scores otherwise unablated.
+@pytest.mark.parametrize("change, named", [
+    ({"seed": 5}, ("requests",)),  # another example subset
+    ({"model_args": "OTHER"}, ("tiny_copy_ppl", "unablated")),
 ])
 def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_dir,
-                                                          change, message):
+                                                          change, named):
+    import platform
+
     from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import WorkerError, start_workers
     from lm_eval_headloc.runs.plan import load_model, open_measurement, worker_measurement
@@ -131,7 +136,7 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
     if change.get("model_args") == "OTHER":  # same tokenizer, another model
         change = {"model_args": f"pretrained={tiny_model_dir('qwen2')},dtype=float32"}
     worker_spec = {**setup.spec.replace(workers=2).as_config(), **change}
-    with pytest.raises(WorkerError, match=message):
+    with raises_naming(WorkerError, f"on {platform.node()}", *named):
         start_workers(setup, local, worker_measurement, num_samples=6,
                       worker_spec=worker_spec)
 
