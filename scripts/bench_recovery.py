@@ -79,6 +79,7 @@ from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
 from lm_eval_headloc.method.fit import fit_rankings, mask_keys  # noqa: E402
 from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
 from lm_eval_headloc.runs.plan import load_model, open_measurement  # noqa: E402
+from lm_eval_headloc.runs.record import load_run  # noqa: E402
 from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
@@ -209,7 +210,12 @@ def ground_truth(task: str) -> dict[str, Any]:
     benchmark (it measures what is missing, then ranks with today's rules)."""
     folder = truth_folder(task)
     if folder not in _RANKED:
-        greedy(folder, RunSpec(tasks=HELD_OUT if task in HELD_OUT else TASKS, top_k=20))
+        spec = RunSpec(tasks=HELD_OUT if task in HELD_OUT else TASKS, top_k=20)
+        if (folder / "config.json").is_file():
+            # Resumed with the spec it records: a plain RunSpec would write today's
+            # defaults of the options greedy does not use over the folder's own.
+            spec = load_run(folder).spec.replace(top_k=20)
+        greedy(folder, spec)
         _RANKED.append(folder)
     return json.loads((folder / f"heads-{task}.json").read_text())
 

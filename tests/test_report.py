@@ -8,6 +8,12 @@ import numpy as np
 import pytest
 
 
+def _legend(figure) -> str:
+    """The heatmap's legend under its panels (what its marks mean)."""
+    [legend] = [t for t in figure.texts if t.get_gid() == "legend"]
+    return legend.get_text()
+
+
 def test_heatmap_hatches_unstable_top_heads(tmp_path):
     from matplotlib.patches import Rectangle
 
@@ -64,12 +70,58 @@ def test_a_hybrids_heatmap_greys_the_layers_without_heads(tmp_path):
     assert shown.shape == (4, 2)
     assert shown.mask[[0, 2]].all() and not shown.mask[[1, 3]].any()
     np.testing.assert_allclose(shown[[1, 3]].data, effects.reshape(2, 2))  # higher is better
-    assert "grey rows: layers without attention heads" in figure.axes[0].get_title()
-    assert "grey: no estimate" not in figure.axes[0].get_title()
+    assert "grey rows: layers without attention heads" in _legend(figure)
+    assert "grey: no estimate" not in _legend(figure)
     # A head never knocked out has no estimate: grey too, and said so (white is "no change").
     effects[1] = np.nan
     unknown = plot_heatmap([Ranking("t", "acc", True, 0.5, effects, [0, 2, 3], 2,
                                         columns=columns)], 2, tmp_path / "heatmap.png")
-    assert "grey: no estimate" in unknown.axes[0].get_title()
+    assert "grey: no estimate" in _legend(unknown)
     assert unknown.axes[0].images[0].get_array().mask[1, 1]
     assert unknown.axes[0].get_facecolor()[:3] == pytest.approx((0.8, 0.8, 0.8))
+
+
+def test_several_tasks_panels_titles_and_legend_do_not_run_into_each_other(tmp_path):
+    from itertools import combinations
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from lm_eval_headloc.method.head_types import HeadTypes
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.method.recovery import Stability
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    # Three tasks on a model of 30 layers x 9 heads, each with every mark a legend
+    # explains: head types (all three letters), an unstable top head, a head never
+    # knocked out.
+    labels = [[("previous_token", "duplicate_token", "induction", None)[(i + j) % 4]
+               for j in range(9)] for i in range(30)]
+    types = HeadTypes({"scores": {}, "dominant": labels})
+    rankings = []
+    for task in ("headloc_induction", "headloc_ioi", "headloc_arith"):
+        effects = -np.linspace(0.3, 0.0, 270)
+        effects[200] = np.nan
+        selected = np.where(np.arange(270) < 2, 1.0, 0.0)
+        selected[2] = 0.5  # the third top head: unstable
+        rankings.append(Ranking(task, "acc,none", True, 0.5, effects,
+                                [i for i in range(270) if i != 200], 9, head_types=types,
+                                stability=Stability(selected, effects, effects, 40)))
+    figure = plot_heatmap(rankings, 3, tmp_path / "heatmap.png", title="locate")
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    panels = [ax for ax in figure.axes if ax.images]
+    assert len(panels) == 3
+    titles = [ax.title.get_window_extent(renderer) for ax in panels]
+    for a, b in combinations(titles, 2):
+        assert not a.overlaps(b), (a, b)
+    assert [ax.get_title() for ax in panels] == [f"{r.task} (acc,none)" for r in rankings]
+    # Each explanation once, under every panel (its tick labels and axis labels too), and
+    # inside the figure.
+    legend = next(t for t in figure.texts if t.get_gid() == "legend")
+    box = legend.get_window_extent(renderer)
+    for ax in figure.axes:
+        assert not box.overlaps(ax.get_tightbbox(renderer)), ax
+    assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure.bbox.x1
+    lines = legend.get_text().splitlines()
+    assert len(lines) == len(set(lines))
+    assert {line.split(":")[0] for line in lines} == {"circled", "hatched", "grey", "letters"}
+    assert "P previous-token, D duplicate-token, I induction" in legend.get_text()

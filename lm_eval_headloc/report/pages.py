@@ -95,7 +95,9 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
                  ) -> Any:
     """Layers × heads image of each task's harm, its top-k heads circled (hatched when
     fewer than ``STABLE`` of the bootstrap refits agree); heads with no estimate are grey,
-    as are a hybrid model's layers without heads (white is "no change").
+    as are a hybrid model's layers without heads (white is "no change"). What the marks
+    mean is said once, under the panels (each line once however many panels use it): a
+    panel's title holds only its task, so several tasks' titles never run into each other.
     Uses a bare ``Figure`` (returned): the caller's pyplot state and backend are not
     touched."""
     from matplotlib.figure import Figure
@@ -104,9 +106,10 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
 
     fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
     axes = fig.subplots(1, len(rankings), squeeze=False)[0]
+    notes: dict[str, None] = {}  # the legend's lines, each once, in the order first met
     for ax, ranking in zip(axes, rankings, strict=True):
         if ranking.columns.heads_grid is None:  # neurons: no grid would be readable
-            _plot_top_list(ax, ranking, top_k)
+            notes.update(dict.fromkeys(_plot_top_list(ax, ranking, top_k)))
             continue
         # Harmful is red whichever way the metric points: show -harm on a red-blue map.
         shown = ranking.columns.grid_of(-harm(ranking.effects, ranking.higher_is_better))
@@ -132,29 +135,36 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
         ax.set_ylabel("layer")
         for axis in (ax.xaxis, ax.yaxis):  # a layer and a head are whole numbers
             axis.set_major_locator(MaxNLocator(integer=True))
-        note = (f"\nhatched: top-{top_k} in < {STABLE:.0%} of "
-                f"{ranking.stability.resamples} bootstrap refits") if unstable else ""
+        notes[f"circled: top-{top_k}"] = None
+        if unstable:
+            notes[f"hatched: top-{top_k} in < {STABLE:.0%} of "
+                  f"{ranking.stability.resamples} bootstrap refits"] = None
         hybrid = len({c.layer for c in ranking.columns}) < shown.shape[0]
         unknown = not np.isfinite(ranking.effects).all()
         if hybrid or unknown:
             ax.set_facecolor("0.8")  # not white: white is "no change" on this map
         if hybrid:
-            note += "\ngrey rows: layers without attention heads"
+            notes["grey rows: layers without attention heads"] = None
         if unknown:
-            note += "\ngrey: no estimate (never knocked out or not measured)"
+            notes["grey: no estimate (never knocked out or not measured)"] = None
         shown_types = {label for row in ranking.head_types.labels for label in row} if typed \
             else set()
         if shown_types - {None}:
-            note += "\nletters: head types (" + ", ".join(
+            notes["letters: head types (" + ", ".join(
                 f"{letter} {name.replace('_', '-')}" for name, letter in _TYPE_LETTER.items()
-                if name in shown_types) + ")"
-        ax.set_title(f"{ranking.task} ({ranking.metric}){note}", fontsize=9)
+                if name in shown_types) + ")"] = None
+        ax.set_title(f"{ranking.task} ({ranking.metric})", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8,
                      label="score change on knockout" + ("" if ranking.higher_is_better
                                                          else " (sign flipped)"))
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    # The legend under the panels, the panels laid out above it (a line is ~0.17 in).
+    below = (0.1 + 0.17 * len(notes)) / fig.get_figheight() if notes else 0.0
+    if notes:
+        fig.text(0.5, 0.1 / fig.get_figheight(), "\n".join(notes), ha="center",
+                 va="bottom", fontsize=8, gid="legend")
+    fig.tight_layout(rect=(0, below, 1, 1))
     # Atomically: a kill mid-write never leaves a truncated figure.
     write_atomically(path, lambda partial: fig.savefig(partial, dpi=120, format="png"))
     return fig
@@ -166,9 +176,10 @@ _COLOUR = {Head: "tab:blue", Neuron: "tab:red", NeuronGroup: "tab:orange"}
 TOP_LIST = 30
 
 
-def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> None:
+def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     """The ranking's first ``TOP_LIST`` components as horizontal bars of their harm, the
-    top-k darker, hatched where unstable; heads and neurons in two colours."""
+    top-k darker, hatched where unstable; heads and neurons in two colours. Returns the
+    legend's lines for it."""
     shown = ranking.top(TOP_LIST)
     effects = np.array([ranking.effect(c) for c in shown], dtype=np.float64)
     harms = np.nan_to_num(harm(effects, ranking.higher_is_better))
@@ -183,10 +194,10 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> None:
     ax.set_yticks(positions, [column_label(c) for c in shown], fontsize=7)
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("harm on knockout (how much worse the score gets)")
-    ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}\n"
-                 f"dark: top-{top_k}; red: MLP neurons, blue: heads"
-                 + ("; orange: neuron groups" if ranking.columns.has_groups else ""),
-                 fontsize=9)
+    ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}", fontsize=9)
+    return [f"bars: dark, top-{top_k}; red, MLP neurons; blue, heads"
+            + ("; orange, neuron groups" if ranking.columns.has_groups else "")
+            + ("; hatched, unstable" if unstable else "")]
 
 
 @timing.timed("report")
