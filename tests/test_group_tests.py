@@ -342,3 +342,26 @@ def test_the_certificate_advises_flags_a_run_like_it_accepts(confirmed):
     with pytest.raises(UsageError, match="--group-tests 3"):
         RunSpec(masks=10, confirm=0, group_tests=3).validate()
     RunSpec(masks=10, confirm=1, group_tests=3).validate()
+
+
+def test_a_tasks_group_plan_knows_every_measured_set_and_leaves_out_the_measured():
+    from lm_eval_headloc.method.locate_loop import plan_groups
+
+    design = np.array([[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 1, 0],
+                       [0, 1, 0, 0, 0, 1], [1, 0, 1, 0, 0, 0]], dtype=bool)
+    scores = np.array([0.5, 0.9, 0.6, 0.8, 0.55])  # higher is better, baseline 1.0
+    plan = plan_groups(design, scores, 1.0, True, {0: -0.4, 3: 0.0}, alpha=0.01,
+                       penalty_weights=None, top_k=2, skip=[5])
+    # Every mask's harm (baseline less its score), every head measured alone (its
+    # change's opposite), by its members.
+    assert plan.known == {(0, 1): pytest.approx(0.5), (2, 3): pytest.approx(0.1),
+                          (0, 4): pytest.approx(0.4), (1, 5): pytest.approx(0.2),
+                          (0, 2): pytest.approx(0.45), (0,): 0.4, (3,): 0.0}
+    # The heads left to test: not those measured alone, not the skipped one.
+    assert sorted(plan.order) == [1, 2, 4]
+    # Fewer than top-k measured alone hurt: any harm enters, so the smallest groups.
+    assert plan.size == 2
+    # Lower is better: the same scores are improvements, so no mask harmed.
+    lower = plan_groups(design, scores, 1.0, False, {}, alpha=0.01, penalty_weights=None,
+                        top_k=2)
+    assert all(harm < 0 for harm in lower.known.values())

@@ -21,13 +21,8 @@ from lm_eval_headloc.method.confirm import (
     prior_weights,
     screen,
 )
-from lm_eval_headloc.method.group_tests import (
-    background_harm,
-    entry_bar,
-    group_order,
-    group_size,
-    group_testing,
-)
+from lm_eval_headloc.method.group_tests import group_testing
+from lm_eval_headloc.method.locate_loop import plan_groups
 
 __all__ = ["METHODS", "METHOD_PRIOR", "PRIOR_POINTS", "confirmed_masks_needed", "confirmed_split",
            "confirming_run", "confirming_run_top", "exhaustive_top", "grouped_run_top",
@@ -192,7 +187,7 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                     changes: np.ndarray, *, top: int = 5, alpha: float = 0.01
                     ) -> np.ndarray:
     """A confirming run's top ``top`` with ``group_tests`` measurements more spent on the
-    heads not measured alone (``method.locate_loop``'s ``_group_test`` on one task):
+    heads not measured alone (``method.locate_loop``'s group stage on one task):
     ``confirm`` heads measured alone as :func:`confirming_run` picks them, then
     ``group_tests.group_testing`` over the screen's implicated heads and the least covered
     (``group_tests.group_order``), groups sized by ``group_tests.group_size``; a group is
@@ -203,16 +198,11 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
         raise ValueError("grouped_run_top needs a noise='documents' world")
     base = float(world.documents.scores(np.zeros((1, world.n_heads)))[0])
     picked, _ = confirming_run(design, scores, prior, confirm, changes, top=top, alpha=alpha)
-    alone = {int(h): float(-changes[h]) for h in picked}  # harms
     weights = prior_weights(prior)
-    fit = screen(design, scores, True, alpha=alpha, penalty_weights=weights,
-                 fixed={h: -v for h, v in alone.items()})
-    implicated = [h for h in fit.order if fit.effects[h] < 0]
-    mask_harms = base - np.asarray(scores, dtype=np.float64)
-    size = group_size(entry_bar(alone, top), background_harm(design, mask_harms, alone))
-    known = {tuple(int(h) for h in np.flatnonzero(row)): {"task": float(value)}
-             for row, value in zip(design, mask_harms, strict=True)}
-    known.update({(h,): {"task": v} for h, v in alone.items()})
+    plan = plan_groups(design, scores, base, True, {int(h): float(changes[h]) for h in picked},
+                       alpha=alpha, penalty_weights=weights, top_k=top)
+    alone = {int(h): float(-changes[h]) for h in picked}  # harms
+    known = {members: {"task": value} for members, value in plan.known.items()}
 
     def measure(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
         rows = np.zeros((len(sets), world.n_heads))
@@ -222,8 +212,8 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
                           else float(base - value)}
                 for members, value in zip(sets, world.documents.scores(rows), strict=True)}
 
-    tested = group_testing(group_order(fit.order, implicated, design, skip=alone), known,
-                           measure, group_tests, size=size, top_k=top)
+    tested = group_testing(plan.order, known, measure, group_tests, size=plan.size,
+                           top_k=top)
     alone.update({s[0]: h["task"] for s, h in tested.harms.items() if len(s) == 1})
     measured = {h: (-v, 0.0) for h, v in alone.items()}
     if sum(v > 0 for v in alone.values()) >= top:

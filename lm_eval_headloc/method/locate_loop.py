@@ -15,9 +15,9 @@ at each ``checkpoint``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -61,8 +61,8 @@ from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.method.recovery import harm
 
-__all__ = ["LocateState", "LoopSettings", "auto_rounds", "fit_with", "locate_components",
-           "locate_loop"]
+__all__ = ["GroupPlan", "LocateState", "LoopSettings", "auto_rounds", "fit_with",
+           "locate_components", "locate_loop", "plan_groups"]
 
 #: --masks auto: masks in the first round, and each round's growth (a share of the masks
 #: measured so far, at least ROUND_MIN), so a run checks its stability ~log(M) times.
@@ -299,6 +299,39 @@ def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
             "never": sorted(int(h) for h in never)}
 
 
+class GroupPlan(NamedTuple):
+    """One task's group stage, set up (``plan_groups``)."""
+
+    order: list[int]  # the columns to test in groups, in turn
+    size: int  # the groups' size
+    known: dict[tuple[int, ...], float]  # each set measured already (masks, alone): harm
+
+
+def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher: bool,
+                alone: Mapping[int, float], *, alpha: float,
+                penalty_weights: np.ndarray | None, top_k: int, skip: Iterable[int] = ()
+                ) -> GroupPlan:
+    """One task's group stage from its masks' ``scores`` and the columns measured
+    ``alone`` (column -> measured change): the screen refitted with those changes held
+    fixed orders the rest, those it implicates first (``group_tests.group_order``); the
+    groups are sized to keep a group's typical harm under half the top-k's entry bar
+    (``group_size``); each set measured already, a mask or a column alone, is known by
+    its harm. ``skip``: columns never knocked out or excluded."""
+    skip = sorted({int(h) for h in skip})
+    alone_harms = {h: float(harm(change, higher)) for h, change in alone.items()}
+    fit = screen(design, scores, higher, alpha=alpha, penalty_weights=penalty_weights,
+                 fixed=dict(alone), exclude=skip)
+    implicated = [h for h in fit.order if harm(fit.effects[h], higher) > 0]
+    order = group_order(fit.order, implicated, design, skip={*skip, *alone})
+    mask_harms = harm(np.asarray(scores, dtype=np.float64) - baseline, higher)
+    size = group_size(entry_bar(alone_harms, top_k),
+                      background_harm(design, mask_harms, alone_harms))
+    known = {tuple(int(h) for h in np.flatnonzero(row)): float(value)
+             for row, value in zip(design, mask_harms, strict=True)}
+    known.update({(h,): value for h, value in alone_harms.items()})
+    return GroupPlan(order, size, known)
+
+
 def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
                 tasks: Sequence[str], columns: Columns, design: np.ndarray,
                 keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
@@ -322,22 +355,15 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
         return {t: float(harm(record["scores"][t] - baseline["scores"][t], higher[t]))
                 for t in tasks}
 
-    known: dict[tuple[int, ...], dict[str, float]] = {
-        tuple(int(h) for h in np.flatnonzero(row)): harms(records[key])
-        for row, key in zip(design, keys, strict=True)}
-    known.update({(h,): {t: float(harm(alone[t][h][0], higher[t])) for t in tasks}
-                  for h in alone[tasks[0]]})
-    orders, size = [], MAX_GROUP
-    for task in tasks:
-        fixed = {h: change for h, (change, _) in alone[task].items()}
-        fit = screen(design, scores[task], higher[task], alpha=settings.alpha,
-                     penalty_weights=prior_weights(None if priors is None else priors[task]),
-                     fixed=fixed, exclude=sorted(skip))
-        implicated = [h for h in fit.order if harm(fit.effects[h], higher[task]) > 0]
-        orders.append(group_order(fit.order, implicated, design, skip={*skip, *fixed}))
-        task_harms = {h: float(harm(c, higher[task])) for h, c in fixed.items()}
-        size = min(size, group_size(entry_bar(task_harms, settings.top_k), background_harm(
-            design, harm(scores[task] - baseline["scores"][task], higher[task]), task_harms)))
+    weights = {t: prior_weights(None if priors is None else priors[t]) for t in tasks}
+    plans = {t: plan_groups(design, scores[t], baseline["scores"][t], higher[t],
+                            {h: change for h, (change, _) in alone[t].items()},
+                            alpha=settings.alpha, penalty_weights=weights[t],
+                            top_k=settings.top_k, skip=skip) for t in tasks}
+    known = {members: {t: plans[t].known[members] for t in tasks}
+             for members in plans[tasks[0]].known}
+    orders = [plans[t].order for t in tasks]
+    size = min(MAX_GROUP, *(plans[t].size for t in tasks))
     order = alternated(orders, sum(len(o) for o in orders))
 
     def key_of(members: tuple[int, ...]) -> str:
