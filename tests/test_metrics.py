@@ -128,3 +128,97 @@ def test_an_unknown_task_is_scored_by_its_yamls_first_metric_not_the_results_fir
     assert (score.metric, score.value, score.higher_is_better) == ("acc,none", 0.67, True)
     del results["configs"]  # results that do not say: the first they report, as before
     assert task_score(results, "kv").metric == "perplexity,none"
+
+
+# --- the per-example values a score is the mean of (TaskScore.examples) ------------------
+
+def _sample(doc_id, flt="none", **metrics):
+    return {"doc_id": doc_id, "filter": flt, "doc": {}, "target": "", **metrics}
+
+
+def _with_samples():
+    """RESULTS as ``evaluate(log_samples=True)`` gives them: each document's values."""
+    import numpy as np
+
+    samples = {
+        # Out of document order, as lm-eval's ranks may gather them; numpy and bool values.
+        "gsm8k": [_sample(2, "flexible-extract", exact_match=np.float64(0.1)),
+                  _sample(0, "flexible-extract", exact_match=1.0),
+                  _sample(1, "flexible-extract", exact_match=np.bool_(False)),
+                  _sample(3, "flexible-extract", exact_match=True),
+                  _sample(4, "flexible-extract", exact_match=0),
+                  *(_sample(i, "strict-match", exact_match=float(i < 1)) for i in range(4)),
+                  _sample(4, "strict-match", exact_match=0.5)],
+        "arithmetic_1dc": [_sample(i, acc=float(i == 0)) for i in range(5)],
+        "arithmetic_2da": [_sample(i, acc=float(i < 3)) for i in range(5)],
+        "mmlu_a": [_sample(i, acc=float(i < 9)) for i in range(10)],
+        "mmlu_b": [_sample(i, acc=float(i < 2)) for i in range(20)],
+        # f1's and perplexity's per-document values: pairs and loglikelihoods.
+        "sub1": [_sample(i, f1=("a", "b"), perplexity=-2.0) for i in range(2)],
+        "sub2": [_sample(i, f1=("a", "a"), perplexity=-2.1) for i in range(2)],
+        # brier_score: per-document values whose mean is not the reported 0.3.
+        "custom": [_sample(i, brier_score=0.5, acc=float(i < 3)) for i in range(5)],
+    }
+    return {**RESULTS, "samples": samples}
+
+
+def test_examples_are_each_documents_value_in_document_order():
+    results = _with_samples()
+    # flexible-extract's values, ordered by doc_id; numpy's and Python's bools are numbers.
+    assert task_score(results, "gsm8k").examples == ((1.0, 0.0, 0.1, 1.0, 0.0),)  # 0.42
+    # strict-match: 1, 0, 0, 0, 0.5 (mean 0.3) -- the other filter's samples are not mixed in.
+    assert task_score(results, "gsm8k", "exact_match,strict-match").examples == (
+        (1.0, 0.0, 0.0, 0.0, 0.5),)
+    assert task_score(results, "custom", "acc,none").examples == ((1.0,) * 3 + (0.0,) * 2,)
+    # A tag (the mean of its tasks' scores): one stratum per task, in its subtasks' order.
+    tag = task_score(results, "arithmetic")
+    assert tag.subtasks == ("arithmetic_1dc", "arithmetic_2da")
+    assert tag.examples == ((1.0, 0.0, 0.0, 0.0, 0.0), (1.0, 1.0, 1.0, 0.0, 0.0))
+    # Results without samples (log_samples=False) carry none, as before.
+    assert task_score(RESULTS, "gsm8k").examples is None
+
+
+def test_a_score_no_per_example_values_reproduce_has_none():
+    results = _with_samples()
+    # f1 (pairs per document) and perplexity (exp of minus the mean) are not such means.
+    assert task_score(results, "mygroup").examples is None
+    assert task_score(results, "mygroup", "perplexity,none").examples is None
+    assert task_score(results, "sub1", "perplexity,none").examples is None
+    # Numbers per document whose mean is not the reported score: none, never a guess.
+    assert task_score(results, "custom").examples is None
+    off = _with_samples()
+    off["samples"]["gsm8k"][1]["exact_match"] = 1.0 + 1e-6  # the mean moves by 2e-7
+    assert task_score(off, "gsm8k").examples is None
+    off["samples"]["gsm8k"][1]["exact_match"] = 1.0 + 1e-9  # by 2e-10: the same number
+    assert task_score(off, "gsm8k").examples is not None
+    # A tag of a task that has none has none.
+    off["samples"]["arithmetic_2da"][0]["acc"] = ("x", "y")
+    assert task_score(off, "arithmetic").examples is None
+
+
+def test_a_group_rows_examples_follow_its_weighting():
+    from types import SimpleNamespace
+
+    from lm_eval.config.group import AggMetricConfig
+
+    results = _with_samples()
+    leaves = [SimpleNamespace(task_name=name) for name in ("mmlu_a", "mmlu_b")]
+
+    def group(**aggregate):
+        return {"mmlu": SimpleNamespace(aggregate_metric_list=[AggMetricConfig(**aggregate)],
+                                        get_all_tasks=lambda: leaves)}
+
+    a, b = (results["samples"][leaf] for leaf in ("mmlu_a", "mmlu_b"))
+    pooled = tuple(float(s["acc"]) for s in a + b)  # 11 of 30
+    per_task = (tuple(float(s["acc"]) for s in a), tuple(float(s["acc"]) for s in b))
+    results["results"]["mmlu"]["acc,none"] = 11 / 30  # as lm-eval weights by size
+    assert task_score(results, "mmlu", groups=group(metric="acc")).examples == (pooled,)
+    results["results"]["mmlu"]["acc,none"] = (0.9 + 0.1) / 2  # weight_by_size: false
+    assert task_score(results, "mmlu", groups=group(
+        metric="acc", weight_by_size=False)).examples == per_task
+    # The weighting said does not give the row's number; no weighting said; another
+    # metric's or filter's entry; a custom aggregation: none.
+    for groups in (group(metric="acc"), None, {}, group(metric="acc_norm"),
+                   group(metric="acc", filter_list=["strict"]),
+                   group(metric="acc", weight_by_size=False, aggregation=lambda v, s: 0.5)):
+        assert task_score(results, "mmlu", groups=groups).examples is None

@@ -125,6 +125,23 @@ def test_signal_weights_are_the_signals_derivative():
         assert weights[key] == pytest.approx(numeric, abs=1e-8)
 
 
+def test_gold_logprobs_are_each_documents_and_gold_logprob_their_mean():
+    from lm_eval_headloc.measurement.signals import GoldAnswer, gold_logprob, gold_logprobs
+
+    golds = [GoldAnswer("b", 0, (("f", " v"),), (0,), False),
+             GoldAnswer("a", 0, (("c", " x"), ("c", " y")), (1,), True),
+             GoldAnswer("a", 1, (("e", " w"),), (0,), False)]
+    answers = {("c", " x"): (-1.0, False), ("c", " y"): (-2.0, False),
+               ("e", " w"): (-7.0, True), ("f", " v"): (-2.0, True)}
+    # In golds' order, each its own: a choice's log-softmax, a target's log-likelihood.
+    expected = [-2.0 - math.log(math.exp(-1.0) + math.exp(-2.0)), -7.0]
+    assert gold_logprobs(golds, answers, ["a"]) == pytest.approx(expected, abs=1e-12)
+    assert gold_logprobs(golds, answers, ["a", "b"])[0] == -2.0
+    assert gold_logprob(golds, answers, ["a"]) == pytest.approx(np.mean(expected), abs=1e-12)
+    with pytest.raises(ValueError, match="no documents recorded for c"):
+        gold_logprobs(golds, answers, ["c"])
+
+
 @pytest.mark.parametrize("prefix, delimited", [("Answer:", True), ("Answer: ", False),
                                                (None, False)])
 def test_a_chat_prompts_gold_answer_is_delimited_as_lm_evals_own_answers(

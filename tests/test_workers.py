@@ -17,6 +17,7 @@ from helpers import (
     assert_same_run_by_key,
     harness,
     last_error,
+    measurement_lines,
     measurements_by_key,
     raises_naming,
     stopped_part_way,
@@ -190,6 +191,11 @@ def test_greedy_and_verify_on_workers_equal_one_process(local_ray, tiny_model_di
         assert one_row["score"] == pytest.approx(two_row["score"], rel=1e-5, abs=1e-6)
         assert one_row["general_scores"] == pytest.approx(two_row["general_scores"],
                                                           rel=1e-5, abs=1e-6)
+    # Each score's per-example values come back from the workers with it (pickled).
+    examples = [{r["key"]: r["examples"] for r in measurement_lines(tmp_path / f"verify{w}")}
+                for w in ("1", "2")]
+    assert examples[0] == examples[1]
+    assert all(list(e) == ["tiny_choice"] for e in examples[0].values())  # ppl: none
 
 
 def test_more_workers_than_the_cluster_can_place_is_one_line(local_ray, tiny_model_dir,

@@ -3,7 +3,9 @@
 Tasks are built once; every measurement knocks its heads out of the loaded
 ``hf-headablate`` model for that measurement only (``knocking_out``) and runs lm-eval's
 own ``evaluate`` on the same fixed example subset, so the harness does the scoring (its
-filters, metrics and aggregation).
+filters, metrics and aggregation). Each score carries the per-example values it is the
+mean of, where there are such (``TaskScore.examples``): lm-eval's logged samples with the
+metric signal, each document's gold log-likelihood with the logprob signal.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from lm_eval_headloc.measurement.harness import (
     seed_as_lm_eval,
     templates_compiled_once,
 )
-from lm_eval_headloc.measurement.metrics import TaskScore, task_score
-from lm_eval_headloc.measurement.signals import gold_answers, gold_logprob, no_logprob_reason
+from lm_eval_headloc.measurement.metrics import TaskScore, checked_examples, task_score
+from lm_eval_headloc.measurement.signals import (
+    gold_answers,
+    gold_logprob,
+    gold_logprobs,
+    no_logprob_reason,
+)
 
 __all__ = ["HarnessMeasurement", "Measurement"]
 
@@ -150,6 +157,9 @@ class HarnessMeasurement:
             for leaf, task in loaded["tasks"].items():
                 self.doc_counts[leaf] = len(task.eval_docs)
         self._groups = [_TaskGroup(loaded, chat) for chat, loaded in groups.items()]
+        # lm-eval's Group objects: how a group's own row weights its tasks (task_score).
+        self.lm_eval_groups = {name: g for group in self._groups
+                               for name, g in group.loaded["groups"].items()}
         self.chat_template = {name: chat for chat, g in groups.items() for name in g["tasks"]}
         self.subset = None if limit is not None else choose_subset(
             self.doc_counts, num_samples, seed, examples_part)
@@ -189,11 +199,13 @@ class HarnessMeasurement:
         return all(task.get_config("output_type") in ("loglikelihood", "multiple_choice")
                    for group in self._groups for task in group.loaded["tasks"].values())
 
-    def evaluate(self, heads: Iterable[Head | str], model: Any = None) -> dict[str, Any]:
+    def evaluate(self, heads: Iterable[Head | str], model: Any = None,
+                 log_samples: bool = False) -> dict[str, Any]:
         """lm-eval's results dicts merged over the task groups, for this mask.
 
         ``model`` stands in for the live model (``multimask.ReplayLM``) when answers were
-        computed beforehand.
+        computed beforehand. ``log_samples``: lm-eval's, so the results hold each leaf
+        task's ``samples`` (each document's metric values: the scores' ``examples``).
         """
         from lm_eval.evaluator import evaluate
 
@@ -209,7 +221,7 @@ class HarnessMeasurement:
                 results = evaluate(
                     lm=model if model is not None else self.lm, task_dict=group.loaded,
                     samples=self.subset, limit=self.limit, bootstrap_iters=0,
-                    log_samples=False, system_instruction=self.system_instruction,
+                    log_samples=log_samples, system_instruction=self.system_instruction,
                     apply_chat_template=group.apply_chat_template,
                     fewshot_as_multiturn=group.apply_chat_template,
                     confirm_run_unsafe_code=self.confirm_run_unsafe_code,
@@ -222,20 +234,25 @@ class HarnessMeasurement:
     def _scores(self, results: dict[str, Any] | None,
                 answers: Mapping[tuple[str, str], tuple[float, bool]] | None = None
                 ) -> dict[str, TaskScore]:
-        """Each task's score: from lm-eval's ``results`` (metric signal) or from the gold
-        answers' loglikelihoods in ``answers`` (logprob signal; with the metric signal the
-        logprob is added when the answers hold it)."""
+        """Each task's score: from lm-eval's ``results`` (metric signal; its per-example
+        values from the results' ``samples``, where logged) or from the gold answers'
+        loglikelihoods in ``answers`` (logprob signal: each document's, one stratum; with
+        the metric signal the logprob is added when the answers hold it)."""
         scores = {}
         for name, metric in self.tasks:
-            logprob = None
             golds = self._answer_golds() if answers is not None else None
+            if self.signal == "logprob":
+                values = gold_logprobs(golds, answers, self.leaves_of[name])
+                logprob = float(sum(values) / len(values))  # gold_logprob, computed once
+                examples = checked_examples((tuple(values),), logprob)
+                scores[name] = TaskScore(name, "logprob", logprob, True, examples=examples)
+                continue
+            logprob = None
             if golds is not None:
                 logprob = gold_logprob(golds, answers, self.leaves_of[name])
-            if self.signal == "logprob":
-                scores[name] = TaskScore(name, "logprob", logprob, True)
-            else:
-                scores[name] = dataclasses.replace(
-                    task_score(results, name, metric, self.leaves_of[name]), logprob=logprob)
+            scores[name] = dataclasses.replace(
+                task_score(results, name, metric, self.leaves_of[name],
+                           groups=self.lm_eval_groups), logprob=logprob)
         return scores
 
     def __call__(self, heads: Iterable[Head | str]) -> dict[str, TaskScore]:
@@ -246,7 +263,7 @@ class HarnessMeasurement:
         loglikelihood and generation code), whatever the task type."""
         heads = list(heads)
         if self.signal == "metric":
-            return self._scores(self.evaluate(heads))
+            return self._scores(self.evaluate(heads, log_samples=True))
         from lm_eval.api.instance import Instance
 
         keys = self.requests().keys
@@ -489,7 +506,7 @@ class HarnessMeasurement:
             start += len(group)
             for heads, (answers, generations) in zip(group, answered, strict=True):
                 results = None if self.signal == "logprob" else self.evaluate(
-                    heads, ReplayLM(self.lm, answers, generations))
+                    heads, ReplayLM(self.lm, answers, generations), log_samples=True)
                 scores.append(self._scores(results, answers))
         return scores
 

@@ -8,18 +8,26 @@ falls back to its first metric and the harness's own higher-is-better flag.
 
 Scores are read from the dict ``lm_eval.simple_evaluate`` returns: the harness does
 the scoring (filters, metrics, group aggregation); this module only picks the number.
+Where those results log their samples, the score also carries the per-example values it
+is the mean of (``TaskScore.examples``), found by rebuilding the number from them: a
+measurement is a sample of examples, and the same examples in every measurement, so the
+noise of a change between two is read from their paired per-example differences
+(``noise``).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_headloc.common.errors import UserError
 
-__all__ = ["TASK_METRICS", "MetricError", "TaskScore", "default_metric", "metrics_of_task",
-           "parse_task_metric", "tag_metric", "task_score"]
+__all__ = ["EXAMPLES_TOLERANCE", "TASK_METRICS", "Examples", "MetricError", "TaskScore",
+           "checked_examples", "default_metric", "mean_of_strata", "metrics_of_task",
+           "parse_task_metric", "reproduces", "tag_metric", "task_score"]
 
 # task -> (metric key as lm-eval reports it, higher is better).
 # Groups and tags not aggregated by the harness are the mean over their subtasks.
@@ -47,6 +55,13 @@ TASK_METRICS: dict[str, tuple[str, bool]] = {
 
 _NOT_METRICS = ("alias", "samples", "name", "sample_len", "sample_count")
 
+#: Per-example values as strata: the score is the mean over strata of each one's mean.
+Examples = tuple[tuple[float, ...], ...]
+
+#: How close the per-example values' mean must come to the reported score to stand for it
+#: (absolute; relative above 1).
+EXAMPLES_TOLERANCE = 1e-9
+
 
 class MetricError(UserError):
     """A task or metric the results do not have (a user mistake, reported in one line)."""
@@ -62,6 +77,11 @@ class TaskScore:
     # The gold answer's mean log-likelihood from the same answers, when it came for free
     # (loglikelihood tasks measured by their metric); see ``signals``.
     logprob: float | None = None
+    # The per-example values ``value`` is the mean of, as strata (``mean_of_strata``): one
+    # for a task (or a group lm-eval weights by size: all its documents), one per subtask
+    # where the value is the mean of theirs. None where no such values reproduce it (an
+    # aggregation that is not a mean: f1, bleu, perplexity ...; samples not logged).
+    examples: Examples | None = None
 
 
 def parse_task_metric(spec: str) -> tuple[str, str | None]:
@@ -117,9 +137,15 @@ def _higher_is_better(results: Mapping[str, Any], task: str, metric: str) -> boo
 
 
 def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
-               leaves: Sequence[str] | None = None) -> TaskScore:
+               leaves: Sequence[str] | None = None,
+               groups: Mapping[str, Any] | None = None) -> TaskScore:
     """The one number ``task`` is measured by in ``simple_evaluate``'s ``results``;
-    ``leaves``: the tasks lm-eval loaded for it (a tag's members: the mean over them)."""
+    ``leaves``: the tasks lm-eval loaded for it (a tag's members: the mean over them).
+
+    Where ``results`` hold lm-eval's ``samples`` (``log_samples=True``), the score carries
+    the per-example values it is the mean of (``TaskScore.examples``), checked to give it
+    back; ``groups``: lm-eval's ``Group`` objects by name (``TaskManager.load``'s
+    ``"groups"``), which say how a group's own row weights its tasks."""
     rows = results.get("results", {})
     row = rows.get(task, {})
     members = [] if _metric_keys(row) and (metric is None or metric in row) else _members(
@@ -131,10 +157,11 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
     if metric is None and known_metric is None and members and not _metric_keys(row):
         # A tag or group with no score of its own: each member by its own metric, which
         # must be one metric for the mean to mean anything.
-        parts = [task_score(results, m) for m in members]
+        parts = [task_score(results, m, groups=groups) for m in members]
         metric = tag_metric(task, {p.task: p.metric for p in parts})
-        return TaskScore(task, metric, sum(p.value for p in parts) / len(parts),
-                         parts[0].higher_is_better, tuple(members))
+        value = sum(p.value for p in parts) / len(parts)
+        return TaskScore(task, metric, value, parts[0].higher_is_better, tuple(members),
+                         examples=checked_examples(_parts_examples(results, parts), value))
     if metric is None:
         metric = known_metric
     if metric is None:  # fallback: the task's first metric
@@ -149,11 +176,13 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
         value = float(row[metric])
         subtasks: tuple[str, ...] = ()
         flag = _higher_is_better(results, task, metric)
+        examples = _row_examples(results, task, metric, groups)
     elif members:
-        parts = [task_score(results, m, metric) for m in members]
+        parts = [task_score(results, m, metric, groups=groups) for m in members]
         value = sum(p.value for p in parts) / len(parts)
         subtasks = tuple(members)
         flag = parts[0].higher_is_better
+        examples = _parts_examples(results, parts)
     else:
         raise MetricError(f"task {task!r} produces no metric {metric!r}; it produces: "
                           f"{', '.join(_metric_keys(row)) or 'none'}")
@@ -161,7 +190,107 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
         flag = known_flag
     if flag is None:
         flag = True
-    return TaskScore(task, metric, value, flag, subtasks)
+    return TaskScore(task, metric, value, flag, subtasks,
+                     examples=checked_examples(examples, value))
+
+
+# --- the per-example values a score is the mean of -----------------------------------
+
+def mean_of_strata(examples: Examples) -> float:
+    """The score per-example values stand for: the mean over strata of each one's mean."""
+    return sum(sum(stratum) / len(stratum) for stratum in examples) / len(examples)
+
+
+def reproduces(value: float, reported: float) -> bool:
+    """Whether ``value`` is the ``reported`` score, to ``EXAMPLES_TOLERANCE`` (absolute,
+    or relative where the score is larger than 1); never for a NaN or an infinity."""
+    return math.isfinite(value) and math.isfinite(reported) and \
+        abs(value - reported) <= EXAMPLES_TOLERANCE * max(1.0, abs(reported))
+
+
+def checked_examples(examples: Examples | None, value: float) -> Examples | None:
+    """``examples`` where they give ``value`` back, else None: a metric whose aggregation
+    is not the mean of its per-document values (f1, bleu, perplexity ...) has none."""
+    if not examples or not all(examples) or not reproduces(mean_of_strata(examples), value):
+        return None
+    return examples
+
+
+def _number(value: Any) -> float | None:
+    """A per-document metric value as a float, or None where it is not one number (f1's
+    and bleu's (reference, prediction) pairs, a perplexity's (loglikelihood, words))."""
+    if isinstance(value, numbers.Real):  # bool and int too
+        return float(value)
+    if getattr(value, "shape", None) == () and getattr(value, "dtype", None) is not None:
+        try:  # a numpy scalar (numpy's bool is not a numbers.Real)
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _leaf_values(results: Mapping[str, Any], leaf: str, metric: str
+                 ) -> tuple[float, ...] | None:
+    """A leaf task's per-document values of ``metric`` (``name,filter``) from lm-eval's
+    logged samples, ordered by document; None where they are not all numbers."""
+    samples = results.get("samples", {}).get(leaf)
+    if not samples:
+        return None
+    name, _, flt = metric.partition(",")
+    chosen = sorted((s for s in samples if s.get("filter") == flt), key=lambda s: s["doc_id"])
+    values = [_number(s.get(name)) for s in chosen]
+    if not values or any(v is None for v in values):
+        return None
+    return tuple(float(v) for v in values if v is not None)
+
+
+def _row_examples(results: Mapping[str, Any], task: str, metric: str,
+                  groups: Mapping[str, Any] | None) -> Examples | None:
+    """The per-example values of lm-eval's own row for ``task``: a leaf's documents (one
+    stratum); a group's, as its ``aggregate_metric_list`` averages its leaf tasks: weighted
+    by size, the mean over all their documents (one stratum); unweighted, the mean of their
+    means (one stratum each). None where the group's weighting is not known."""
+    if "samples" not in results:
+        return None
+    if task in results["samples"]:
+        values = _leaf_values(results, task, metric)
+        return None if values is None else (values,)
+    group = (groups or {}).get(task)
+    weighted = None if group is None else _size_weighted(group, metric)
+    if weighted is None:
+        return None
+    rows = results.get("results", {})
+    # lm-eval averages the group's leaf tasks that report the metric, in this order.
+    leaves = [t.task_name for t in group.get_all_tasks()
+              if metric in rows.get(t.task_name, {})]
+    found = [_leaf_values(results, leaf, metric) for leaf in leaves]
+    strata = tuple(s for s in found if s is not None)
+    if not strata or len(strata) != len(found):
+        return None
+    return (tuple(v for stratum in strata for v in stratum),) if weighted else strata
+
+
+def _size_weighted(group: Any, metric: str) -> bool | None:
+    """Whether lm-eval's ``Group`` weights its tasks by size in its row for ``metric``, or
+    None where that row is not a mean of theirs (a custom aggregation, or none)."""
+    name, _, flt = metric.partition(",")
+    found = None
+    for entry in getattr(group, "aggregate_metric_list", None) or []:
+        if entry.metric == name and (entry.filter_list is None or flt in entry.filter_list):
+            found = entry  # a later entry's row replaces an earlier one's
+    if found is None or found.aggregation != "mean":
+        return None
+    return bool(found.weight_by_size)
+
+
+def _parts_examples(results: Mapping[str, Any], parts: Sequence[TaskScore]
+                    ) -> Examples | None:
+    """A mean over ``parts``' scores: one stratum per part, each part's own single stratum
+    (None where a part has several: the mean of their means is not one stratum's)."""
+    if "samples" not in results or any(p.examples is None or len(p.examples) != 1
+                                       for p in parts):
+        return None
+    return tuple(p.examples[0] for p in parts if p.examples is not None)
 
 
 def tag_metric(task: str, metrics: Mapping[str, str]) -> str:

@@ -12,7 +12,9 @@ measurement. Per document:
   answer (``doc_to_target``) after the prompt lm-eval would generate from, so a
   generation task is measured with loglikelihood requests (and K masks per pass).
 
-A task's signal is the mean over its documents (over every leaf of a group).
+A task's signal is the mean over its documents (over every leaf of a group):
+:func:`gold_logprobs` are those documents' values, the per-example values a measurement's
+noise is read from (``TaskScore.examples``).
 
 A task whose documents have no gold answer (``doc_to_target: ""``: one scored by a
 function of the generated text alone, such as ``swear``) has no such signal: what would be
@@ -32,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["GOLD_SAMPLE", "SIGNAL_OUTPUT_TYPES", "GoldAnswer", "check_gold_answers",
-           "gold_answers", "gold_logprob", "has_gold_answers", "no_gold_reason",
-           "no_logprob_reason", "signal_weights"]
+           "gold_answers", "gold_logprob", "gold_logprobs", "has_gold_answers",
+           "no_gold_reason", "no_logprob_reason", "signal_weights"]
 
 #: lm-eval output types the logprob signal is defined for.
 SIGNAL_OUTPUT_TYPES: tuple[str, ...] = ("loglikelihood", "multiple_choice", "generate_until")
@@ -161,13 +163,21 @@ def signal_weights(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[
     return weights
 
 
-def gold_logprob(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],
-                 leaves: Iterable[str]) -> float:
-    """Mean gold log-likelihood over the documents of ``leaves`` (a task's leaf tasks)."""
+def gold_logprobs(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],
+                  leaves: Iterable[str]) -> list[float]:
+    """Each gold log-likelihood of the documents of ``leaves`` (a task's leaf tasks), in
+    ``golds``' order: the values ``gold_logprob`` is the mean of."""
     wanted = set(leaves)
     values = [g.logprob(answers) for g in golds if g.task in wanted]
     if not values:
         raise ValueError(f"no documents recorded for {', '.join(sorted(wanted))}")
+    return values
+
+
+def gold_logprob(golds: Sequence[GoldAnswer], answers: Mapping[Request, tuple[float, bool]],
+                 leaves: Iterable[str]) -> float:
+    """Mean gold log-likelihood over the documents of ``leaves`` (a task's leaf tasks)."""
+    values = gold_logprobs(golds, answers, leaves)
     return float(sum(values) / len(values))
 
 

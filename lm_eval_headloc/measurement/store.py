@@ -99,9 +99,11 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     loses at most the work in flight. ``masks_per_pass=None``: the measurement's choice.
     An entry ``(key, heads, scale)`` is measured at that scale (verify's and cross's
     erase beside an enhance) and its record holds ``scale``; an entry without one, at the
-    measurement's own scale, which the run's identity fixes. A stored record whose mask
-    or scale differs from the plan's refuses the store (``StoreError``). A run folder's
-    config.json is not touched: a distributed measurement's workers go into the
+    measurement's own scale, which the run's identity fixes. A record's last key,
+    ``examples``, holds each score's per-example values (``TaskScore.examples`` as lists;
+    only the tasks that have them, the key left out where none does). A stored record
+    whose mask or scale differs from the plan's refuses the store (``StoreError``). A run
+    folder's config.json is not touched: a distributed measurement's workers go into the
     command's record with its next phase (``RunRecord.save``). ``bar``: the phase's
     (``phase_bar``), advanced by what this call measures; None: a bar of this plan's own
     (``desc``, shown unless ``progress`` is False).
@@ -188,6 +190,12 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                                if s.logprob is not None}
                     if logprob:  # the gold answers' log-likelihood, measured along the way
                         record["logprob"] = logprob
+                    # The per-example values each score is the mean of (strata, as
+                    # TaskScore.examples): the paired noise of a change between two records.
+                    examples = {name: [list(stratum) for stratum in s.examples]
+                                for name, s in scores.items() if s.examples is not None}
+                    if examples:
+                        record["examples"] = examples
                     store.append_measurement(record)
                     done[key] = record
                     bar.update(1)
