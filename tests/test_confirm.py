@@ -295,22 +295,47 @@ def test_the_defaults_split_the_default_budget_by_whether_the_run_has_a_prior():
         assert (RunSpec().budgeted(prior).masks, RunSpec().budgeted(prior).confirm) == (12, 34)
     assert default_split(None) == (27, 27) == (DEFAULT_BUDGET // 2, DEFAULT_BUDGET // 2)
     assert default_split("none") == (27, 27)
-    # --group-tests left out: none (docs/budget_split.md).
-    assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27, group_tests=0)
+    # --group-tests left out stays None: group tests until certified, within
+    # --max-measurements (also left out: auto).
+    assert RunSpec().budgeted(None) == RunSpec(masks=27, confirm=27)
+    assert RunSpec().budgeted(None).group_tests is None
+    assert RunSpec().budgeted(None).max_measurements is None
     # What is given stays; only what is left out is filled.
-    assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27, group_tests=0)
-    assert RunSpec(confirm=0).budgeted("atp-path") == RunSpec(masks=12, confirm=0,
-                                                              group_tests=0)
+    assert RunSpec(masks=100).budgeted(None) == RunSpec(masks=100, confirm=27)
+    assert RunSpec(confirm=0).budgeted("atp-path") == RunSpec(masks=12, confirm=0)
     assert RunSpec(group_tests=6).budgeted("atp-path").group_tests == 6
     assert RunSpec(masks="auto").budgeted("atp-path").masks == "auto"
     # A resumed run keeps its own where they are left out, whatever the prior.
-    stored = RunSpec(masks=100, confirm=60, group_tests=8)
+    stored = RunSpec(masks=100, confirm=60, group_tests=8, max_measurements=200)
     assert RunSpec().budgeted(None, stored) == stored
-    assert RunSpec(masks=40).budgeted("atp-path", stored) == RunSpec(masks=40, confirm=60,
-                                                                     group_tests=8)
+    assert RunSpec(masks=40).budgeted("atp-path", stored) == RunSpec(
+        masks=40, confirm=60, group_tests=8, max_measurements=200)
     # ...unless it never decided them (stopped before its prior): then the defaults.
-    assert RunSpec().budgeted(None, RunSpec()) == RunSpec(masks=27, confirm=27,
-                                                          group_tests=0)
+    assert RunSpec().budgeted(None, RunSpec()) == RunSpec(masks=27, confirm=27)
+
+
+def test_the_measurement_cap_is_half_the_ranked_columns_unless_given():
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    assert RunSpec().measurement_cap(270) == 135
+    assert RunSpec().measurement_cap(1025) == 513  # rounded up
+    assert RunSpec(max_measurements="auto").measurement_cap(270) == 135
+    assert RunSpec(max_measurements=80).measurement_cap(270) == 80
+
+
+@pytest.mark.parametrize("options, least", [
+    (dict(masks=12, confirm=34, prior="atp-path"), 54),  # the prior's 8 named outright
+    (dict(masks=12, confirm=34, prior="none"), 46),
+    (dict(masks=12, confirm=34), 46),  # auto: the prior not decided yet, at least 46
+])
+def test_a_cap_below_the_runs_fixed_part_is_refused(options, least):
+    from helpers import raises_naming
+
+    from lm_eval_headloc.runs.spec import RunSpec, UsageError
+
+    RunSpec(**options, max_measurements=least).validate()
+    with raises_naming(UsageError, f"--max-measurements {least - 1}", str(least)):
+        RunSpec(**options, max_measurements=least - 1).validate()
 
 
 def test_prior_rankings_and_weights_by_hand():

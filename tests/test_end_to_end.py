@@ -24,14 +24,20 @@ def test_locate_finds_heads_that_really_break_induction(smollm2, tmp_path, monke
                         lambda self, *a, **k: parsed.append(a) or parse(self, *a, **k))
 
     out = tmp_path / "induction"
-    # The defaults: the two-point prior, 12 masks, 34 heads confirmed alone in rounds; 32
-    # examples, not 64, to keep the suite short (the bars below are this subset's own).
+    # The defaults: the two-point prior, 12 masks, 34 heads confirmed alone in rounds, group
+    # tests until certified; 32 examples, not 64, to keep the suite short (the bars below
+    # are this subset's own).
     code = main(["locate", "--tasks", "headloc_induction", "--num-samples", "32",
                  "--top-k", "3", "--seed", "0", "--batch-size", "32", "--out", str(out)])
     assert code == 0
     heads = json.loads((out / "heads.json").read_text())
     top3 = heads["top_k"]
     assert len(top3) == 3
+    # Then group tests until certified or the default cap, half of the 270 heads.
+    cert = heads["certificate"]
+    assert cert["max_measurements"] == 135 and cert["measurements_spent"] <= 135
+    assert cert["measured_alone"] + cert["ruled_out"] + len(cert["unchecked"]) == 270
+    assert cert["certified"] == (not cert["unchecked"]) and cert["confidence"] == 0.95
     subset = json.loads((out / "config.json").read_text())["example_subset"]  # task -> docs
 
     # The control: as many heads as were located, drawn at random from the others and

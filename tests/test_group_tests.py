@@ -7,6 +7,7 @@ top-k's entry bar rules out its members), not read off the code's output.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import numpy as np
@@ -21,6 +22,13 @@ from helpers import (
 )
 
 from lm_eval_headloc.method.group_tests import (
+    HELPS,
+    OVER,
+    UNCLEAR,
+    UNDER,
+    VIOLATES,
+    Harm,
+    Z,
     background_harm,
     certificate,
     entry_bar,
@@ -28,20 +36,29 @@ from lm_eval_headloc.method.group_tests import (
     group_order,
     group_size,
     group_testing,
-    positive,
+    halves,
+    read_sets,
+    status,
+    tied_at_k,
 )
 
 
-def additive(harm_of_head):
+def additive(harm_of_head, se_of_set=None):
     """measure() of a world where a set's harm is the sum of its members' (the rule holds
-    whenever no head helps), with a log of every set asked for."""
+    whenever no head helps), with a log of every set asked for; ``se_of_set(members)``
+    gives each set's standard error (default 0: exact)."""
     asked = []
 
     def measure(sets):
         asked.extend(sets)
-        return {s: {"t": float(sum(harm_of_head[h] for h in s))} for s in sets}
+        return {s: {"t": Harm(float(sum(harm_of_head[h] for h in s)),
+                              0.0 if se_of_set is None else se_of_set(s))} for s in sets}
 
     return measure, asked
+
+
+def test_z_is_the_one_sided_95_percent_quantile():
+    assert Z == pytest.approx(1.6449, abs=1e-4)
 
 
 def test_entry_bar_is_the_kth_measured_harm_or_zero_below_k():
@@ -49,22 +66,75 @@ def test_entry_bar_is_the_kth_measured_harm_or_zero_below_k():
     assert entry_bar({1: 0.3, 2: 0.1, 3: 0.2}, 3) == 0.1
     assert entry_bar({1: 0.3, 2: 0.1}, 3) == 0.0  # fewer than k measured: any harm enters
     assert entry_bar({1: 0.3, 2: -0.1, 3: 0.0}, 2) == 0.0  # the k-th does not hurt
+    assert entry_bar({1: Harm(0.3, 0.1), 2: Harm(0.2, 0.05)}, 2) == 0.2
 
 
-def test_positive_needs_harm_at_or_above_the_bar():
-    assert positive(0.05, 0.05) and positive(0.2, 0.05)
-    assert not positive(0.049, 0.05)
-    assert not positive(0.0, 0.0) and not positive(-0.1, 0.0)  # no harm hides no harm
-    assert positive(0.01, 0.0)
+def test_status_without_noise_is_under_or_over_the_bar():
+    assert status(0.049, 0.05) == UNDER
+    assert status(0.05, 0.05) == OVER and status(0.2, 0.05) == OVER
+    assert status(0.0, 0.0) == UNDER  # fewer than k hurt: a set that hurts nothing clears
+    assert status(0.01, 0.0) == OVER
+    # Any help at all is a help beyond a noise of 0: it can hide a harmful member.
+    assert status(-0.1, 0.05) == HELPS
 
 
-def test_group_size_keeps_a_groups_background_under_half_the_bar():
+def test_status_with_noise_rules_out_only_clearly_under_the_bar():
+    # 1.645 standard errors of 0.02 is a margin of 0.0329.
+    assert status(Harm(0.06, 0.02), 0.1) == UNDER  # 0.0929 < 0.1
+    assert status(Harm(0.07, 0.02), 0.1) == UNCLEAR  # 0.1029 >= 0.1, 0.0371 < 0.1
+    assert status(Harm(0.14, 0.02), 0.1) == OVER  # 0.1071 >= 0.1
+    assert status(Harm(-0.05, 0.02), 0.1) == HELPS  # a help beyond 0.0329
+    assert status(Harm(-0.02, 0.02), 0.1) == UNDER  # a help within the noise
+    assert status(Harm(0.0, 0.01), 0.0) == UNCLEAR  # could hurt: fewer than k hurt
+
+
+def test_status_sees_a_violation_of_the_rule_in_a_measured_part():
+    # The set harms 0.05, a member alone 0.2: 0.15 > 1.645 * hypot(0.01, 0.01) = 0.0233.
+    assert status(Harm(0.05, 0.01), 0.3, [Harm(0.2, 0.01)]) == VIOLATES
+    # 0.07 vs 0.05: 0.02 < 1.645 * hypot(0.02, 0.01) = 0.0368, within the noise.
+    assert status(Harm(0.05, 0.01), 0.1, [Harm(0.07, 0.02)]) == UNDER
+    assert status(0.05, 0.1, [0.06]) == VIOLATES  # exact numbers: any excess
+
+
+def test_read_sets_rules_out_with_the_upper_bound_and_counts_what_it_cannot_use():
+    measured = {(0,): Harm(0.3, 0.02), (1,): Harm(0.2, 0.02),  # bar (k=2) 0.2
+                (2, 3): Harm(0.05, 0.02),  # 0.05 + 0.0329 = 0.0829: under
+                (3, 4): Harm(0.18, 0.02),  # unclear
+                (0, 5): Harm(0.1, 0.02),  # a part (0) harms 0.3: violates
+                (6, 7): Harm(-0.2, 0.02),  # helps
+                (2, 8, 9): Harm(0.12, 0.03)}  # 0.12 + 0.0493 = 0.1693: under
+    reading = read_sets(measured, 2)
+    assert reading.bar == pytest.approx(0.2)
+    assert reading.statuses == {(2, 3): UNDER, (3, 4): UNCLEAR, (0, 5): VIOLATES,
+                                (6, 7): HELPS, (2, 8, 9): UNDER}
+    # Each column's bound: its least ruling set's harm plus the margin.
+    assert reading.ruled_out == {2: pytest.approx(0.05 + Z * 0.02),
+                                 3: pytest.approx(0.05 + Z * 0.02),
+                                 8: pytest.approx(0.12 + Z * 0.03),
+                                 9: pytest.approx(0.12 + Z * 0.03)}
+
+
+def test_ties_at_the_kth_place_are_those_the_noise_cannot_tell_apart():
+    alone = {0: Harm(0.5, 0.02), 1: Harm(0.30, 0.02), 2: Harm(0.28, 0.02),
+             3: Harm(0.20, 0.02)}
+    # k=2: the 2nd harms 0.30; 0.28 is within 1.645 * hypot(0.02, 0.02) = 0.0465 of it,
+    # 0.20 and 0.5 are not.
+    assert tied_at_k(alone, 2) == [1, 2]
+    assert tied_at_k(alone, 1) == []  # the first is clear of the second
+    assert tied_at_k({0: 0.3, 1: 0.3, 2: 0.1}, 1) == [0, 1]  # exact ties
+    assert tied_at_k({0: 0.3, 1: 0.2}, 2) == []  # no one outside the top-k
+
+
+def test_group_size_keeps_a_groups_background_under_half_the_room_above_the_noise():
     # bar 0.08, 0.005 per member: 0.04 / 0.005 = 8 members.
     assert group_size(0.08, 0.005) == 8
     assert group_size(0.08, 0.006) == 4  # 6.7 rounds down to a power of two
     assert group_size(0.08, 0.0) == 16 and group_size(0.08, 0.0, largest=32) == 32
     assert group_size(0.0, 0.001) == 2  # any harm enters: the smallest groups
     assert group_size(0.01, 0.5) == 2
+    # A margin of 0.04 leaves 0.04 of the bar: 0.02 / 0.005 = 4 members.
+    assert group_size(0.08, 0.005, margin=0.04) == 4
+    assert group_size(0.08, 0.005, margin=0.1) == 2  # the noise takes the whole bar
 
 
 def test_background_harm_is_what_the_masks_leave_to_their_unmeasured_members():
@@ -73,6 +143,7 @@ def test_background_harm_is_what_the_masks_leave_to_their_unmeasured_members():
     # Head 0 measured alone at 0.4: row 0 leaves 0.1 to 2 heads, row 1 0.06 to 3, row 2
     # 0.04 to 1 -> 0.05, 0.02, 0.04: the median 0.04.
     assert background_harm(design, harms, {0: 0.4}) == pytest.approx(0.04)
+    assert background_harm(design, harms, {0: Harm(0.4, 0.1)}) == pytest.approx(0.04)
 
 
 def test_group_order_takes_the_implicated_first_then_the_least_covered():
@@ -80,6 +151,13 @@ def test_group_order_takes_the_implicated_first_then_the_least_covered():
     # screen order 4, 0, 1, 2, 3; implicated: 0; coverage 4:2, 1:1, 2:0, 3:0.
     assert group_order([4, 0, 1, 2, 3], [0], design) == [0, 2, 3, 1, 4]
     assert group_order([4, 0, 1, 2, 3], [0], design, skip=[2]) == [0, 3, 1, 4]
+
+
+def test_halves_put_the_likelier_members_first():
+    position = {7: 0, 2: 1, 9: 2, 4: 3}
+    assert halves((2, 4, 7, 9), position) == ((2, 7), (4, 9))
+    assert halves((2, 4, 7), position) == ((7,), (2, 4))
+    assert halves((1, 4, 3), position) == ((4,), (1, 3))  # unknown columns last, by index
 
 
 def test_binary_splitting_finds_a_strong_head_and_clears_the_rest():
@@ -91,14 +169,37 @@ def test_binary_splitting_finds_a_strong_head_and_clears_the_rest():
     known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
     order = list(range(2, 16))
     result = group_testing(order, known, measure, 20, size=8, top_k=2)
-    # Round 1: groups 2..9 (harm 0.08 < 0.3: cleared) and 10..15 (0.05 + 0.35: positive).
+    # Round 1: groups 2..9 (harm 0.08 < 0.3: cleared) and 10..15 (0.05 + 0.35: over).
     assert result.rounds[0] == [tuple(range(2, 10)), tuple(range(10, 16))]
-    # Then halves down to head 11 measured alone; each negative half cleared.
+    # Then halves down to head 11 measured alone; each half under the bar cleared.
     assert result.rounds[1] == [(10, 11, 12), (13, 14, 15)]
     assert result.rounds[2] == [(10,), (11, 12)]
     assert result.rounds[3] == [(11,), (12,)]
-    assert result.harms[(11,)] == {"t": pytest.approx(0.35)}
+    assert result.harms[(11,)]["t"].value == pytest.approx(0.35)
     assert len(result.sets) == 8 and asked == result.sets
+
+
+def test_a_group_within_the_noise_of_the_bar_is_split_not_ruled_out():
+    harms = np.zeros(10)
+    harms[[2, 3, 4, 5]] = 0.05  # group (2..5): 0.2, under the bar 0.3 by 0.1
+    harms[[6, 7, 8, 9]] = 0.01  # group (6..9): 0.04
+    known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
+    exact = group_testing(range(2, 10), known, additive(harms)[0], 20, size=4, top_k=2)
+    assert exact.rounds == [[(2, 3, 4, 5), (6, 7, 8, 9)]]  # both under: done
+    # With a standard error of 0.1 a set, 0.2 + 0.1645 and 0.04 + 0.1645: the first is
+    # within the noise of the bar and is halved, the second stays clearly under it.
+    noisy = group_testing(range(2, 10), known, additive(harms, lambda s: 0.1)[0], 20,
+                          size=4, top_k=2)
+    assert noisy.rounds[:2] == [[(2, 3, 4, 5), (6, 7, 8, 9)], [(2, 3), (4, 5)]]
+
+
+def test_a_helpful_member_does_not_hide_a_harmful_one():
+    harms = np.zeros(10)
+    harms[5] = 0.4  # would enter the top-2
+    harms[6] = -0.5  # helps: the group (4..7) measures -0.1
+    known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
+    result = group_testing(range(2, 10), known, additive(harms)[0], 30, size=4, top_k=2)
+    assert (5,) in result.sets and result.harms[(5,)]["t"].value == pytest.approx(0.4)
 
 
 def test_a_larger_budget_extends_the_same_tests():
@@ -110,6 +211,21 @@ def test_a_larger_budget_extends_the_same_tests():
     large = group_testing(range(1, 40), known, additive(harms)[0], 30, size=8, top_k=1)
     assert large.sets[:7] == small.sets
     assert len(small.sets) == 7
+
+
+def test_an_unbounded_budget_goes_on_until_every_column_is_settled():
+    rng = np.random.default_rng(3)
+    harms = rng.uniform(0, 0.01, 60)
+    harms[[17, 44]] = [0.6, 0.35]
+    known = {(0,): {"t": 0.3}, (1,): {"t": 0.2}}
+    result = group_testing(range(2, 60), known, additive(harms)[0], math.inf, size=8,
+                           top_k=2)
+    alone = {0: 0.3, 1: 0.2, **{s[0]: v["t"] for s, v in result.harms.items()
+                                  if len(s) == 1}}
+    groups = [(s, v["t"]) for s, v in result.harms.items() if len(s) > 1]
+    cert = certificate(range(60), np.zeros((0, 60), dtype=bool), [], alone, groups, 2)
+    assert cert.complete and {17, 44} <= set(cert.alone)
+    assert cert.bar == pytest.approx(0.35)
 
 
 def test_halves_of_a_group_the_risen_bar_rules_out_are_dropped():
@@ -158,7 +274,7 @@ def test_the_certificate_does_not_rule_out_a_planted_head_hiding_in_the_untested
     for head, bound in cert.ruled_out.items():
         assert bound < 0.1 and harms[head] <= bound
     # The group tests over the tail find it and then the certificate is complete.
-    known = {tuple(np.flatnonzero(r)): {"t": float(h)}
+    known = {tuple(int(h) for h in np.flatnonzero(r)): {"t": float(h)}
              for r, h in zip(design, mask_harms, strict=True)}
     known.update({(h,): {"t": v} for h, v in alone.items()})
     order = [h for h in range(5, n)]
@@ -203,11 +319,11 @@ def test_a_set_above_the_bar_rules_out_nothing_and_the_unchecked_say_where_they_
 # --- a locate run with group tests -------------------------------------------------------
 
 # A random model's knockouts hurt the gold answers' log-likelihood now and then: with
-# two masks and one head measured alone, six heads are left for the group tests (seed 1:
-# four sets, and one of them reaches the bar and is halved).
+# two masks and one head measured alone, seven heads are left for the group tests, on 4
+# documents whose noise keeps most sets from clearing the bar: they are halved.
 GROUPED = ["--tasks", "tiny_choice", "--masks", "2", "--sparsity", "0.25", "--num-samples",
            "8", "--seed", "1", "--signal", "logprob", "--prior", "atp", "--confirm", "1",
-           "--group-tests", "8"]
+           "--max-measurements", "100", "--group-tests", "8"]
 
 
 def test_a_locate_run_records_its_group_tests_and_its_certificate(tiny_model_dir, tmp_path,
@@ -220,47 +336,67 @@ def test_a_locate_run_records_its_group_tests_and_its_certificate(tiny_model_dir
     records = {json.loads(x)["key"]: json.loads(x)
                for x in (out / "measurements.jsonl").read_text().splitlines()}
     sets = [m for batch in groups["rounds"] for m in batch]
-    assert groups["budget"] == 8 and len(sets) == 6
+    # --group-tests 8 caps the group tests: 2 masks, 1 head alone and atp's 4 leave the
+    # default cap (4 of 8 heads) nothing, an explicit --max-measurements 100 plenty.
+    assert groups["budget"] == 8 and 0 < len(sets) <= 8
+    assert groups["cap"] == 100 and groups["spent_before"] == 4 + 2 + 1
+    assert len({tuple(m) for m in sets}) == len(sets)  # no set measured twice
     for members in sets:  # each set measured under its key, knocking out its members
         key = group_key(members) if len(members) > 1 else f"alone-{members[0]}"
         assert records[key]["mask"] == "+".join(members)
+        assert "tiny_choice" in records[key]["examples"]  # per-example scores: the noise
+    # After the first round, every set is a half of one measured before.
+    first = {tuple(m) for m in groups["rounds"][0]}
+    for later in groups["rounds"][1:]:
+        for members in later:
+            assert any(set(members) < set(parent) for parent in map(tuple, sets)), members
     heads = strict_json(out / "heads.json")
     cert = heads["certificate"]
-    assert cert["group_tests_run"] == 8
-    # The 2-sets measured, with their changes: the halves of the one that hurt are heads
-    # measured alone (ranked by their measurement), not group tests.
+    assert cert["group_tests_run"] == len(sets)
+    assert cert["confidence"] == 0.95
+    assert cert["measurements_spent"] == 7 + len(sets) and cert["max_measurements"] == 100
+    # The sets of two or more measured, with their changes and standard errors: the halves
+    # narrowed down to single heads are measured alone (ranked by their measurement).
     assert [g["components"] for g in cert["group_tests"]] == [m for m in sets if len(m) > 1]
     for g in cert["group_tests"]:
         record = records[group_key(g["components"])]
         assert g["change"] == pytest.approx(record["scores"]["tiny_choice"]
                                             - records["baseline"]["scores"]["tiny_choice"])
+        assert g["se"] > 0
     found = {e["head"]: e for e in heads["heads"]}
     for name in groups["alone"]:
         assert found[name]["measured_alone"]
     total = cert["measured_alone"] + cert["ruled_out"] + len(cert["unchecked"])
     assert total == len(heads["heads"])
+    assert cert["certified"] == (not cert["unchecked"])
     report = (out / "report.md").read_text()
-    assert "### What was checked" in report and "knocking out more never lessens" in report
-    assert "  checked: " in terminal
+    assert "knocking out more never lessens" in report
+    if cert["certified"]:
+        assert "### Certified: every one of the 8 heads checked" in report
+        assert "  certified: " in terminal
+    else:
+        assert f"### Not certified: {len(cert['unchecked'])} of 8 heads unchecked" in report
+        assert f"  not certified: {len(cert['unchecked'])} heads unchecked" in terminal
+    assert first  # the first round measured groups
 
 
 def test_a_kill_mid_group_tests_resumes_to_the_same_tests_ranking_and_certificate(
         tiny_model_dir, tmp_path):
-    """Killed (-9) inside the group tests' second round (the halves of a group that
-    reached the bar): the resumed run measures the same sets and ends with the same
-    ranking and certificate (heads.json) as an unbroken run."""
+    """Killed (-9) inside the group tests' second round (the halves of the first round's
+    sets): the resumed run measures the same sets and ends with the same ranking and
+    certificate (heads.json) as an unbroken run."""
     args = ["locate", *tiny_args(tiny_model_dir("llama")), *GROUPED]
     full = tmp_path / "full"
     assert harness(*args, "--out", str(full)) == 0
     records = read_run(full)[0]
     first_group = 1 + 2 + 1  # baseline, 2 masks, 1 head alone
     rounds = strict_json(full / "config.json")["confirm"]["groups"]["rounds"]
-    assert [len(batch) for batch in rounds] == [4, 2]  # 4 sets, then one's two halves
-    assert len(records) == first_group + 6
+    assert len(rounds) >= 2 and len(rounds[1]) >= 2
+    assert len(records) == first_group + sum(map(len, rounds))
     killed = tmp_path / "killed"
-    partial = stopped_part_way(args, killed, after=first_group + 5,
-                               stop=subprocess.Popen.kill)
-    assert partial == first_group + 5, "not stopped inside the second round"
+    inside = first_group + len(rounds[0]) + 1  # one set of the second round measured
+    partial = stopped_part_way(args, killed, after=inside, stop=subprocess.Popen.kill)
+    assert partial == inside, "not stopped inside the second round"
     assert harness(*args, "--out", str(killed)) == 0
     assert_same_run(killed, full)
     assert strict_json(killed / "config.json")["confirm"] == \
@@ -319,6 +455,32 @@ def test_a_rerun_keeps_its_group_tests_and_a_larger_budget_measures_only_new_one
     assert_same_run(out, fresh)
 
 
+def test_a_rerun_with_a_larger_cap_measures_only_what_is_new(tiny_model_dir, tmp_path,
+                                                              capsys):
+    """A run stopped by --max-measurements says it is not certified and the cap that would
+    test what it left; rerun with that cap, it measures only new sets and ends as a run
+    that had the cap from the start."""
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), *GROUPED[:-4]]
+    out = tmp_path / "run"
+    # 4 (atp) + 2 masks + 1 alone = 7: a cap of 9 leaves two group tests.
+    assert harness(*base, "--max-measurements", "9", "--out", str(out)) == 0
+    terminal = capsys.readouterr().out
+    first, heads = read_run(out)
+    cert = heads["certificate"]
+    assert cert["group_tests_run"] == 2 and cert["measurements_spent"] == 9
+    assert not cert["certified"] and cert["unchecked"]
+    assert cert["max_measurements_to_finish"] > 9
+    assert f"not certified: {len(cert['unchecked'])} heads unchecked" in terminal
+    assert f"--max-measurements {cert['max_measurements_to_finish']} or more" in terminal
+    bigger = ["--max-measurements", "100"]
+    assert harness(*base, *bigger, "--out", str(out)) == 0
+    grown = read_run(out)[0]
+    assert grown[:len(first)] == first and len(grown) > len(first)
+    fresh = tmp_path / "fresh"
+    assert harness(*base, *bigger, "--out", str(fresh)) == 0
+    assert_same_run(out, fresh)
+
+
 @pytest.mark.parametrize("confirmed", [None, ["L0H1"]])
 def test_the_certificate_advises_flags_a_run_like_it_accepts(confirmed):
     from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
@@ -354,7 +516,8 @@ def test_a_tasks_group_plan_knows_every_measured_set_and_leaves_out_the_measured
                        penalty_weights=None, top_k=2, skip=[5])
     # Every mask's harm (baseline less its score), every head measured alone (its
     # change's opposite), by its members.
-    assert plan.known == {(0, 1): pytest.approx(0.5), (2, 3): pytest.approx(0.1),
+    assert {m: h.value for m, h in plan.known.items()} == {
+                          (0, 1): pytest.approx(0.5), (2, 3): pytest.approx(0.1),
                           (0, 4): pytest.approx(0.4), (1, 5): pytest.approx(0.2),
                           (0, 2): pytest.approx(0.45), (0,): 0.4, (3,): 0.0}
     # The heads left to test: not those measured alone, not the skipped one.
@@ -364,4 +527,14 @@ def test_a_tasks_group_plan_knows_every_measured_set_and_leaves_out_the_measured
     # Lower is better: the same scores are improvements, so no mask harmed.
     lower = plan_groups(design, scores, 1.0, False, {}, alpha=0.01, penalty_weights=None,
                         top_k=2)
-    assert all(harm < 0 for harm in lower.known.values())
+    assert all(harm.value < 0 for harm in lower.known.values())
+
+
+def test_ties_read_the_paired_error_of_two_heads_where_given():
+    alone = {0: Harm(0.5, 0.02), 1: Harm(0.30, 0.02), 2: Harm(0.25, 0.02)}
+    # Independent: 0.05 <= 1.645 * hypot(0.02, 0.02) = 0.0465? No: not tied.
+    assert tied_at_k(alone, 2) == []
+    # Given, the paired error is the one read (0.04 here: it ties them).
+    assert tied_at_k(alone, 2, se_between=lambda a, b: 0.04) == [1, 2]
+    # A pair whose paired error is unknown falls back to the independent one.
+    assert tied_at_k(alone, 2, se_between=lambda a, b: None) == []

@@ -205,17 +205,24 @@ def test_embedded_neuron_run_keeps_the_default_budget(smollm2, tmp_path):
     from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS
 
     out = tmp_path / "run"
+    # --max-measurements 54: the default budget before the group tests (they are the
+    # heads' run's, tested in test_end_to_end), to keep this run short.
     assert harness("locate", "--components", "neurons", "--num-samples", "16",
-                   "--out", str(out)) == 0
+                   "--max-measurements", "54", "--out", str(out)) == 0
     config = strict_json(out / "config.json")
     assert config["neurons_per_layer"] == 1536 and len(config["candidates"]) == 30 * 9
     assert np.load(out / "design_matrix.npy").shape == (DEFAULT_MASKS, 270)
     records, heads = read_run(out)
     assert len(records) == 1 + DEFAULT_MASKS + DEFAULT_ALONE
+    # Its certificate is over its 270 candidates, and says the rest was not searched.
+    cert = heads["certificate"]
+    assert cert["measured_alone"] + cert["ruled_out"] + len(cert["unchecked"]) == 270
+    assert cert["measurements_spent"] == 54 and not cert["certified"]
+    report = (out / "report.md").read_text()
+    assert (f"The model's other {30 * 1536 - 270:,} neurons were not searched") in report
     assert json.loads((out / "prior.json").read_text())["kinds"] == ["neurons"]
     top = heads["top_k"]
     assert len(top) == 5 and all(isinstance(c, Neuron) for c in parse_components(top))
-    report = (out / "report.md").read_text()
     assert all(name in report for name in top)
 
 
@@ -327,7 +334,15 @@ def test_a_group_run_knocks_out_whole_groups(group_run):
         assert parse_components(entries[name]["neurons"]) == groups[i]
     csv = (out / "heads.csv").read_text()
     assert ",L0G1,neuron group,0,1," in csv
-    assert "groups (--neuron-groups 2 per layer" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "groups (--neuron-groups 2 per layer" in report
+    # The certificate is over the design's columns: 6 candidates and 4 groups of the
+    # layers' other neurons (every one of the 128 but the candidates and the never-ablated);
+    # none is left unsearched.
+    grouped = sum(len(g) for g in groups)
+    assert grouped == 2 * 64 - 6 - len(never)
+    assert (f"over the 10 components the design searched: the prior's 6 likeliest MLP "
+            f"neurons, {grouped} more in groups") in report
     # No measurement knocked out a never-ablated neuron (the confirmation's included).
     assert all(not set(parse_components(r["mask"])) & set(never)
                for r in records if r["mask"])
@@ -426,6 +441,10 @@ def test_a_neuron_runs_report_speaks_of_neurons(neuron_run):
     assert "heads' changes" not in report and "the heads the fit" not in report
     method = strict_json(out / "heads.json")["method"]
     assert method.endswith(", the likeliest MLP neurons measured alone"), method
+    # Its certificate is over its 16 candidates: the model's other 2 x 64 - 16 neurons
+    # were not searched, and the report says so.
+    assert ("over the 16 components the design searched: the prior's 16 likeliest MLP "
+            "neurons. The model's other 112 neurons were not searched") in report
     path = _prior_words(SimpleNamespace(prior_kind="atp-path",
                                         spec=SimpleNamespace(components="neurons")))
     assert path.endswith("with every neuron half ablated, each ranking the MLP neurons")

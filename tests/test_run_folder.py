@@ -143,7 +143,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
         "ablation_field": "prompt", "random_draws": 2, "components": "heads+neurons",
         "candidates": 9, "examples_part": "1/2", "neuron_groups": 2, "num_fewshot": 5,
         "gen_kwargs": '{"max_gen_toks": 8}', "system_instruction": "Be brief.",
-        "probe_rows": 8, "group_tests": 3,
+        "probe_rows": 8, "group_tests": 3, "max_measurements": 80,
     }
     from dataclasses import fields
 

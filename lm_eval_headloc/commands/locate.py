@@ -29,6 +29,7 @@ from lm_eval_headloc.intervention.components import (
     validate_heads,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
+from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
 )
@@ -141,8 +142,6 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
             spec = spec.keeping_budget(stored.spec)
-        if spec.group_tests is None:  # none, decided now: the first config write says so
-            spec = spec.replace(group_tests=0)
         if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
@@ -176,6 +175,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # --masks and --confirm left out of a new run: the default budget's split for the
         # prior it has (confirm.default_split).
         spec = run.spec = spec.budgeted(method)
+        allowance = PRIOR_ALLOWANCE[method] if method else 0
+        spec.check_cap(allowance)
         run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
             ensure_types(folder, measure, spec.probe_rows)
@@ -199,7 +200,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
         locate_loop(measure, folder, columns, setup.task_names, spec, priors=run.priors,
                     never=setup.never_ablate, exclude=setup.exclude,
-                    heads_per_layer=run.heads_per_layer, state=run, checkpoint=checkpoint)
+                    heads_per_layer=run.heads_per_layer, state=run, checkpoint=checkpoint,
+                    allowance=allowance)
         run.save(folder, measure)  # phase: fitted (the timings the report says)
         write_results(folder, run)
     return run.rankings
@@ -361,9 +363,11 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
         return None
     if spec.confirm and stored.confirm is None:
         return None
-    if (spec.group_tests or 0) != ((stored.confirm or {}).get("groups") or {}).get("budget",
-                                                                                    0):
-        return None  # its group tests were a different budget: measured (or looked up)
+    if (spec.group_tests, spec.max_measurements) != (stored.spec.group_tests,
+                                                     stored.spec.max_measurements):
+        return None  # its group tests had a different budget: measured (or looked up)
+    if spec.confirm and "groups" not in stored.confirm and stored.spec.group_tests != 0:
+        return None  # killed before its group tests finished
     if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
         return None  # a run made before head types: the model writes them
     if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):

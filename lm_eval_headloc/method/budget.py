@@ -4,8 +4,10 @@ method's numerics)."""
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE",
-           "budget_split", "default_split"]
+import math
+
+__all__ = ["AUTO_CAP_SHARE", "DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE",
+           "PRIOR_ALLOWANCE", "budget_split", "cap_refusal", "default_split", "measurement_cap"]
 
 
 #: Measurement-equivalents (one measurement: a forward pass over the example subset) set
@@ -56,3 +58,32 @@ def default_split(prior: str | None) -> tuple[int, int]:
 
 #: The defaults' split with a prior: 12 masks, 34 heads measured alone.
 DEFAULT_MASKS, DEFAULT_ALONE = default_split("atp-path")
+
+
+#: --max-measurements auto: this share of the columns a run ranks (one-shot greedy's cost).
+AUTO_CAP_SHARE = 0.5
+
+
+def measurement_cap(max_measurements: int | str | None, columns: int) -> int:
+    """``--max-measurements`` as a number for a run ranking ``columns`` components: auto
+    (or None, left out) is ``AUTO_CAP_SHARE`` of them, rounded up."""
+    if max_measurements in (None, "auto"):
+        return max(1, math.ceil(columns * AUTO_CAP_SHARE))
+    return int(max_measurements)
+
+
+def cap_refusal(cap: int, masks: int | str | None, confirm: int, allowance: int,
+                prior_known: bool = True) -> str | None:
+    """Why ``--max-measurements cap`` is too small for a run's fixed part — the prior's
+    ``allowance``, its ``masks`` (not counted with ``auto``) and the ``confirm`` heads it
+    measures alone — or None where it is not. ``prior_known`` False: the prior is not
+    decided yet (``--prior auto``), its allowance comes on top."""
+    counted = 0 if masks in (None, "auto") else int(masks)
+    fixed = allowance + counted + int(confirm)
+    if cap >= fixed:
+        return None
+    parts = (f"{counted} masks and {confirm} heads measured alone"
+             + (f" with the prior's {allowance}" if allowance else "")
+             + ("" if prior_known else " (and the prior's allowance, if it has one)"))
+    return (f"--max-measurements {cap}: the run's {parts} take {fixed}; give at least "
+            f"{fixed}, or fewer --masks or --confirm")

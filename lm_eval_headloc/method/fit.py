@@ -10,13 +10,14 @@ completeness certificate; it reads no run folder, so a notebook calls it on its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from lm_eval_headloc.intervention.components import (
     Component,
 )
+from lm_eval_headloc.measurement.noise import change_se, paired_se
 from lm_eval_headloc.method.columns import UNITS, Column, Columns, components_of
 from lm_eval_headloc.method.confirm import (
     Changes,
@@ -33,6 +34,9 @@ from lm_eval_headloc.method.confirm import (
 )
 from lm_eval_headloc.method.designs import same_masks
 from lm_eval_headloc.method.group_tests import (
+    CONFIDENCE,
+    Harm,
+    Z,
     background_harm,
     certificate,
     group_key,
@@ -48,11 +52,8 @@ from lm_eval_headloc.method.ranking import (
 )
 from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
 
-if TYPE_CHECKING:
-
-    pass
-
-__all__ = ["CERTIFICATE_RULE", "alone_key", "fit_rankings", "group_sets", "mask_keys"]
+__all__ = ["CERTIFICATE_RULE", "alone_key", "fit_rankings", "group_sets", "mask_keys",
+           "measured_harm"]
 
 
 def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
@@ -178,7 +179,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                 prior_found_nothing=prior_found_nothing(estimates)),
             stability=stability, evidence=evidence)
         rankings[task].facts.certificate = _certificate(
-            design, y, baseline, task, higher, alone, records, confirmed, columns,
+            design, keys, records, task, alone, confirmed, columns,
             [h for h in order if h not in set(left_out)], top_k)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
@@ -194,36 +195,67 @@ CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it 
                     "knocked out in (knocking out more never lessens the harm)")
 
 
-def _certificate(design: np.ndarray, y: np.ndarray, baseline: Mapping[str, Any], task: str,
-                 higher: bool, alone: Changes, records: Mapping[str, Mapping[str, Any]],
+def measured_harm(record: Mapping[str, Any], baseline: Mapping[str, Any], task: str) -> Harm:
+    """What the measurement ``record`` did to ``task``: its harm (the score's change
+    against ``baseline``, positive = worse) and the paired standard error of that change
+    (``measurement.noise.change_se``; 0 where the records hold no per-example scores)."""
+    higher = bool(baseline["higher_is_better"][task])
+    change = float(record["scores"][task]) - float(baseline["scores"][task])
+    se = change_se(record, baseline, task)
+    return Harm(float(harm(change, higher)), 0.0 if se is None else float(se))
+
+
+def _certificate(design: np.ndarray, keys: Sequence[str],
+                 records: Mapping[str, Mapping[str, Any]], task: str, alone: Changes,
                  confirmed: Mapping[str, Any] | None, columns: Columns,
                  candidates: Sequence[int], top_k: int) -> CertificateRecord:
     """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
     measurements rule out for ``task`` and what they leave unchecked, in names
     (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
-    base = float(baseline["scores"][task])
-    alone_harm = {h: float(harm(change, higher)) for h, (change, _) in alone.items()}
+    baseline = records["baseline"]
+    higher = bool(baseline["higher_is_better"][task])
+    alone_harm = {h: measured_harm(records[alone_key(columns[h])], baseline, task)
+                  for h in alone}
     groups = [(tuple(columns.named(n) for n in members),
-               float(harm(records[group_key(members)]["scores"][task] - base, higher)))
+               measured_harm(records[group_key(members)], baseline, task))
               for members in group_sets(confirmed)]
-    mask_harms = harm(np.asarray(y, dtype=np.float64) - base, higher)
-    cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k)
+    mask_harms = [measured_harm(records[key], baseline, task) for key in keys]
+    def se_between(a: int, b: int) -> float | None:  # two columns measured alone
+        first, second = records[alone_key(columns[a])], records[alone_key(columns[b])]
+        return paired_se(first.get("examples", {}).get(task),
+                         second.get("examples", {}).get(task))
+
+    cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k,
+                       se_between=se_between)
     recorded = (confirmed or {}).get("groups") or {}
-    size = recorded.get("size") or group_size(cert.bar, background_harm(design, mask_harms,
-                                                                        alone_harm))
+    margin = Z * float(np.median([h.se for h in [*mask_harms, *alone_harm.values()]])
+                       ) if mask_harms or alone_harm else 0.0
+    size = recorded.get("size") or group_size(
+        cert.bar, background_harm(design, [h.value for h in mask_harms], alone_harm), margin)
     sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
     coverage = [cert.coverage[h] for h in cert.unchecked]
+    tested = sum(len(batch) for batch in recorded.get("rounds", []))
+    spent = (int(recorded["spent_before"]) + tested if "spent_before" in recorded
+             else None)
+    to_cover = -(-len(cert.unchecked) // int(size))
     return CertificateRecord(
-        rule=CERTIFICATE_RULE, entry_bar=cert.bar, top_k=top_k,
+        certified=cert.complete, rule=CERTIFICATE_RULE,
+        confidence=CONFIDENCE if cert.noise else None, entry_bar=cert.bar, top_k=top_k,
         measured_alone=len(cert.alone), ruled_out=len(cert.ruled_out), bound=cert.bound,
         unchecked=columns.names(cert.unchecked),
         unchecked_never_in_a_mask=sum(c == 0 for c in coverage),
         unchecked_in_one_mask=sum(c == 1 for c in coverage),
         unchecked_beside_measured=columns.names(cert.shadowed),
-        group_size=int(size), group_tests_run=int(recorded.get("budget", 0)),
-        group_tests=[GroupTestRecord(columns.names(m), sign * value)
+        tied_at_k=columns.names(cert.tied), helps=len(cert.helps),
+        violations=len(cert.violations),
+        group_size=int(size), group_tests_run=tested,
+        group_tests=[GroupTestRecord(columns.names(m), sign * value.value,
+                                     value.se if cert.noise else None)
                      for m, value in cert.groups],
-        group_tests_to_cover=-(-len(cert.unchecked) // int(size)))
+        group_tests_to_cover=to_cover, measurements_spent=spent,
+        max_measurements=recorded.get("cap"),
+        max_measurements_to_finish=(None if cert.complete or spent is None
+                                    else spent + to_cover))
 
 
 class _TaskFit(NamedTuple):

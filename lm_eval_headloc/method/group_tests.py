@@ -1,29 +1,37 @@
 """Group tests: the components no one measured alone, knocked out together in small groups,
-and the completeness certificate that says what every measurement rules out.
+and the certificate that says what every measurement rules out.
 
 A run measures a few components alone (``confirm``) and estimates the rest from random
 masks. What no one measured alone is the method's blind spot: a strong head the prior did
 not rank, knocked out once in a mask beside 26 others, is credited to no one. Group tests
 look there. The unmeasured components are knocked out together in groups (those the masks'
-fit implicates first, then those the masks covered least); a group that does not drop the
-task by the *entry bar* — the harm of the k-th strongest component measured alone, what a
-hidden one needs to enter the top-k — clears its members; one that does is halved and each
-half measured (binary splitting, Hwang 1972), down to components measured alone, which then
-rank by their measurement like the confirmation's.
+fit implicates first, then those the masks covered least); a group that stays clearly
+under the *entry bar* — the harm of the k-th strongest component measured alone, what a
+hidden one needs to enter the top-k — rules out its members; one that does not is halved
+and each half measured (binary splitting, Hwang 1972; the likelier half first), down to
+components measured alone, which then rank by their measurement like the confirmation's.
+A run is *certified* when every component it ranks was measured alone or ruled out.
 
-The rule behind "clears": **knocking out more components never lessens the harm** (a
-component's harm alone is at most that of any set it is in). It is an assumption, named as
-such wherever the certificate is shown: components whose knockout helps the task can hide a
-harmful one in the same set. Under it, every measured set with a harm below the bar — a
-group, a random mask, a component alone — rules out each of its members, and
-``certificate`` says which components were measured alone, which a set ruled out (and the
-largest harm any of them could still have alone), and which nothing ruled out (with how
-often the masks covered them and beside what).
+The rule behind "rules out": **knocking out more components never lessens the harm** (a
+component's harm alone is at most that of any set it is in). It is an assumption, and the
+measurements are checked against it: a set whose change is a help larger than its noise
+(a helpful member can hide a harmful one), or whose harm is clearly below that of a
+measured part of it (a violation of the rule, observed), rules out nothing, and the
+certificate counts them.
+
+A measurement is a sample of n examples, so each set's harm comes with the paired standard
+error of its change (``Harm.se``: per-example differences against the baseline, on the same
+examples). A set *rules out* its members only when its harm is under the bar by more than
+``Z`` standard errors (one-sided, ``CONFIDENCE``); one within the noise of the bar is
+split, not ruled out. Each ruled-out member's harm alone is then at most the set's harm
+plus that margin (``Certificate.ruled_out``'s bound), at that confidence. Where a run
+recorded no per-example scores the error is 0: the rule is then applied to the numbers as
+measured.
 
 Everything works on flat column indices and plain numbers (harm: positive = the task gets
 worse); the procedure (``group_testing``) is a pure function of what each round measured,
-and a round's sets do not depend on the budget, so a larger ``--group-tests`` measures
-only what is new and a killed run resumes to the same tests.
+and a round's sets do not depend on the budget, so a larger budget measures only what is
+new and a killed run resumes to the same tests.
 """
 
 from __future__ import annotations
@@ -32,15 +40,18 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["MAX_GROUP", "ROUND", "Certificate", "GroupTesting", "background_harm",
-           "certificate", "entry_bar", "group_key", "group_size", "group_testing",
-           "positive", "group_order"]
+__all__ = ["CONFIDENCE", "HELPS", "MAX_GROUP", "OVER", "ROUND", "UNCLEAR", "UNDER", "VIOLATES",
+           "Certificate", "GroupTesting", "Harm", "Reading", "Z", "background_harm",
+           "certificate", "entry_bar", "group_key", "group_order", "group_size",
+           "group_testing", "halves", "read_sets", "status", "tied_at_k"]
 
-#: Sets measured per round: halves of the last round's positive groups first, then new
-#: groups. Small, so that a round's results steer the next (as the confirmation's rounds).
+#: Sets measured per round: halves of the last round's sets that did not rule out their
+#: members first, then new groups. Small, so that a round's results steer the next.
 ROUND = 5
 
 #: The largest group: a group's harm is the sum of many small ones, and past a few dozen
@@ -48,9 +59,37 @@ ROUND = 5
 #: model), so a larger group only costs more halvings.
 MAX_GROUP = 16
 
-#: A set of columns knocked out together (sorted), and its harm per task.
+#: The one-sided confidence at which a set rules out its members, and its normal quantile:
+#: a set rules them out when its harm plus Z standard errors stays under the bar.
+CONFIDENCE = 0.95
+Z = NormalDist().inv_cdf(CONFIDENCE)
+
+#: Round-off: harms are differences of means of a hundred-odd values.
+_TOL = 1e-12
+
+#: A set of columns knocked out together (sorted).
 Members = tuple[int, ...]
-Harms = Mapping[str, float]
+
+
+class Harm(NamedTuple):
+    """What a measured set did to one task: ``value``, its harm (the score's change, signed
+    so that positive = worse), and ``se``, the paired standard error of that change (0: not
+    estimated, the run recorded no per-example scores)."""
+
+    value: float
+    se: float = 0.0
+
+
+def _harm(value: Harm | float) -> Harm:
+    return value if isinstance(value, Harm) else Harm(float(value), 0.0)
+
+
+#: What a measured set says of its members under the rule (``status``).
+UNDER = "under"  # clearly under the bar: rules its members out
+OVER = "over"  # clearly at or over the bar: one of its members may enter the top-k
+UNCLEAR = "unclear"  # within the noise of the bar: split, never ruled out
+HELPS = "helps"  # a help larger than the noise: a helpful member may hide a harmful one
+VIOLATES = "violates"  # clearly less harm than a measured part of it: the rule fails here
 
 
 def group_key(names: Sequence[str]) -> str:
@@ -61,23 +100,110 @@ def group_key(names: Sequence[str]) -> str:
     return f"group-{digest}"
 
 
-def entry_bar(alone: Mapping[int, float], top_k: int) -> float:
+def entry_bar(alone: Mapping[int, Harm | float], top_k: int) -> float:
     """The harm a component alone needs to enter the top-k: the k-th largest harm of those
     measured alone (``alone``: column -> harm); 0 where fewer than k were measured to hurt
     (then any harm would enter it)."""
-    harms = sorted((float(h) for h in alone.values()), reverse=True)
+    harms = sorted((_harm(h).value for h in alone.values()), reverse=True)
     if len(harms) < top_k or harms[top_k - 1] <= 0:
         return 0.0
     return harms[top_k - 1]
 
 
-def positive(harm: float, bar: float) -> bool:
-    """Whether a set with this harm could hide a component that enters the top-k (its harm
-    reaches the bar, and it hurts at all): such a set rules out none of its members."""
-    return harm > 1e-12 and harm >= bar
+def status(harm: Harm | float, bar: float, inside: Iterable[Harm | float] = (),
+           z: float = Z) -> str:
+    """What a measured set with this ``harm`` says of its members, given the top-k's entry
+    ``bar`` and the harms of its parts measured too (``inside``: its members alone, smaller
+    sets of them): ``HELPS`` where its change is a help larger than ``z`` standard errors;
+    ``VIOLATES`` where a part's harm exceeds its own by more than ``z`` standard errors of
+    the difference; else ``UNDER`` where its harm plus ``z`` standard errors stays under the
+    bar (or at 0: it hurts nothing, and fewer than k hurt), ``OVER`` where its harm less
+    them reaches the bar, ``UNCLEAR`` in between. Only ``UNDER`` rules its members out."""
+    harm = _harm(harm)
+    margin = z * harm.se
+    if harm.value < -margin - _TOL:
+        return HELPS
+    for part in map(_harm, inside):
+        if part.value - harm.value > z * math.hypot(part.se, harm.se) + _TOL:
+            return VIOLATES
+    if harm.value + margin < bar - _TOL or harm.value + margin <= _TOL:
+        return UNDER
+    if harm.value - margin >= bar - _TOL:
+        return OVER
+    return UNCLEAR
 
 
-def background_harm(design: np.ndarray, harms: np.ndarray, alone: Mapping[int, float]
+@dataclass(frozen=True)
+class Reading:
+    """One task's reading of every measured set (``read_sets``): the ``bar``, each set of
+    two or more members' ``status``, and the columns ruled out with the largest harm each
+    could have alone (the least of its ruling sets' harm plus their margin)."""
+
+    bar: float
+    statuses: dict[Members, str]
+    ruled_out: dict[int, float]
+
+
+def read_sets(measured: Mapping[Members, Harm | float], top_k: int, z: float = Z,
+              alone: Mapping[int, Harm | float] | None = None) -> Reading:
+    """One task's ``Reading`` of ``measured`` (members -> harm). ``alone``: the components
+    measured alone, which set the bar and are never ruled out (they are measured); None:
+    the 1-sets of ``measured`` are. A set's parts (``status``'s ``inside``) are its members
+    measured alone and the smaller measured sets inside it."""
+    sets = {tuple(members): _harm(value) for members, value in measured.items()}
+    if alone is None:
+        singles = {members[0]: value for members, value in sets.items() if len(members) == 1}
+    else:
+        singles = {int(h): _harm(value) for h, value in alone.items()}
+    bar = entry_bar(singles, top_k)
+    larger = [members for members in sets if alone is not None or len(members) > 1]
+    containing: dict[int, list[Members]] = {}  # column -> the sets it is in
+    for members in larger:
+        for h in members:
+            containing.setdefault(h, []).append(members)
+    statuses: dict[Members, str] = {}
+    ruled_out: dict[int, float] = {}
+    for members in larger:
+        harm, inner = sets[members], set(members)
+        parts = [singles[h] for h in members if h in singles and (h,) != members]
+        smaller = {other for h in members for other in containing[h]
+                   if len(other) < len(members)}
+        parts += [sets[other] for other in smaller if inner.issuperset(other)]
+        statuses[members] = verdict = status(harm, bar, parts, z)
+        if verdict != UNDER:
+            continue
+        bound = harm.value + z * harm.se
+        for h in members:
+            if h not in singles:
+                ruled_out[h] = min(ruled_out.get(h, bound), bound)
+    return Reading(bar, statuses, ruled_out)
+
+
+def tied_at_k(alone: Mapping[int, Harm | float], top_k: int, z: float = Z,
+              se_between: Callable[[int, int], float | None] | None = None) -> list[int]:
+    """The columns measured alone whose harm the noise cannot tell from the k-th largest's
+    (within ``z`` standard errors of the difference), strongest first, where they straddle
+    the top-k's edge (some inside, some outside); [] where the edge is clear.
+    ``se_between(a, b)``: the paired standard error of two columns' difference (their
+    measurements' per-example scores; None: not known), else the two errors combined as
+    if independent."""
+    ranked = sorted(((_harm(v), h) for h, v in alone.items()), key=lambda x: -x[0].value)
+    if len(ranked) <= top_k:
+        return []
+    kth, kth_column = ranked[top_k - 1]
+
+    def error(harm: Harm, column: int) -> float:
+        paired = None if se_between is None else se_between(column, kth_column)
+        return math.hypot(harm.se, kth.se) if paired is None else paired
+
+    tied = [i for i, (harm, column) in enumerate(ranked)
+            if abs(harm.value - kth.value) <= z * error(harm, column) + _TOL]
+    if not any(i < top_k for i in tied) or not any(i >= top_k for i in tied):
+        return []
+    return [ranked[i][1] for i in tied]
+
+
+def background_harm(design: np.ndarray, harms: np.ndarray, alone: Mapping[int, Harm | float]
                     ) -> float:
     """The typical harm of one component nobody measured alone, from the masks: each
     mask's harm less its members' measured harms (additivity, only for this estimate),
@@ -86,7 +212,7 @@ def background_harm(design: np.ndarray, harms: np.ndarray, alone: Mapping[int, f
     measured = np.zeros(knocked_out.shape[1], dtype=bool)
     measured[list(alone)] = True
     known = np.zeros(knocked_out.shape[1])
-    known[list(alone)] = [alone[h] for h in alone]
+    known[list(alone)] = [_harm(alone[h]).value for h in alone]
     per_member = []
     for row, harm in zip(knocked_out, np.asarray(harms, dtype=np.float64), strict=True):
         others = int((row & ~measured).sum())
@@ -95,20 +221,23 @@ def background_harm(design: np.ndarray, harms: np.ndarray, alone: Mapping[int, f
     return max(0.0, float(np.median(per_member))) if per_member else 0.0
 
 
-def group_size(bar: float, background: float, largest: int = MAX_GROUP) -> int:
+def group_size(bar: float, background: float, margin: float = 0.0,
+               largest: int = MAX_GROUP) -> int:
     """The group size: the largest power of two (2 to ``largest``) whose groups' typical
-    harm (``background`` per member) stays under half the bar, so that a group passes the
-    bar for a member's sake rather than for the sum of small ones."""
-    if bar <= 0:
+    harm (``background`` per member) stays under half of what the bar leaves above a
+    measurement's noise (``margin``: ``Z`` typical standard errors), so that a group that
+    is not ruled out owes it to a member rather than to the sum of small ones."""
+    room = bar - margin
+    if room <= 0:
         return 2
     if background <= 0:
         return largest
-    fits = bar / (2 * background)
+    fits = room / (2 * background)
     return int(min(largest, max(2, 2 ** math.floor(math.log2(max(fits, 1.0))))))
 
 
 def group_order(screen_order: Sequence[int], implicated: Iterable[int], design: np.ndarray,
-               skip: Iterable[int] = ()) -> list[int]:
+                skip: Iterable[int] = ()) -> list[int]:
     """The order a task's group tests take its unmeasured columns in: those the masks'
     fit implicates (in ``screen_order``), then the rest by how few masks knocked them
     out (never, once, …), equal counts in ``screen_order``. ``skip``: measured alone,
@@ -123,6 +252,16 @@ def group_order(screen_order: Sequence[int], implicated: Iterable[int], design: 
     return first + rest
 
 
+def halves(members: Members, position: Mapping[int, int]) -> tuple[Members, Members]:
+    """A set's two halves: its likelier half (by ``position``, the group order; columns
+    not in it last, by index) and the rest, each sorted. The likelier half holds the
+    members the fit or the prior point at, so the other half, without them, is the one
+    likely to rule its members out at once."""
+    ranked = sorted(members, key=lambda h: (position.get(h, len(position)), h))
+    middle = len(ranked) // 2
+    return tuple(sorted(ranked[:middle])), tuple(sorted(ranked[middle:]))
+
+
 @dataclass(frozen=True)
 class GroupTesting:
     """What ``group_testing`` did: the sets measured in each round, in order, the group
@@ -130,92 +269,100 @@ class GroupTesting:
 
     rounds: list[list[Members]]
     size: int
-    harms: dict[Members, dict[str, float]] = field(default_factory=dict)
+    harms: dict[Members, dict[str, Harm]] = field(default_factory=dict)
 
     @property
     def sets(self) -> list[Members]:
         return [s for batch in self.rounds for s in batch]
 
 
-def group_testing(order: Sequence[int], known: Mapping[Members, Harms],
-                  measure: Callable[[list[Members]], Mapping[Members, Harms]], budget: int,
-                  *, size: int, top_k: int, round_size: int = ROUND) -> GroupTesting:
-    """Spend up to ``budget`` measurements on group tests of ``order``'s columns (the
-    likeliest first), ``round_size`` sets per round.
+Measured = Mapping[Members, Mapping[str, Harm | float]]
+
+
+def group_testing(order: Sequence[int], known: Measured,
+                  measure: Callable[[list[Members]], Measured], budget: int | float,
+                  *, size: int, top_k: int, round_size: int = ROUND, z: float = Z
+                  ) -> GroupTesting:
+    """Spend up to ``budget`` measurements (``math.inf``: until every column of ``order``
+    is measured alone or ruled out) on group tests of ``order``'s columns (the likeliest
+    first), ``round_size`` sets per round.
 
     ``known``: sets measured before (the masks, the components measured alone as 1-sets),
     with their harm per task; a task's bar is ``entry_bar`` of every 1-set known or
     measured so far, so it rises as splitting finds strong components. ``measure(sets)``:
-    the harm per task of those sets (each a sorted tuple of columns). A round: first the
-    halves of positive sets (``positive`` for some task), deepest first, then new groups of
-    ``size`` columns that no set rules out yet and no group has taken; a positive 1-set is
-    a component measured alone, and is not split. Halves whose parent the risen bar now
-    rules out are dropped (the parent's members are ruled out with it)."""
-    tested: dict[Members, dict[str, float]] = {}
+    the harm per task of those sets (each a sorted tuple of columns). A column is *done*
+    when every task has it measured alone or ruled out (``read_sets``). A round: first
+    the halves (``halves``) of sets that did not rule out their members for every task,
+    deepest first, then new groups of ``size`` columns not done and in no group yet; a
+    1-set is a component measured alone, and is not split. Halves with no column left to
+    settle (the risen bar ruled their parent out, or their members were settled
+    otherwise) are dropped; a half measured before is read, not measured again."""
+    order = [int(h) for h in order]
+    position = {h: i for i, h in enumerate(order)}
+    tested: dict[Members, dict[str, Harm]] = {}
+    known_sets = {tuple(m): {t: _harm(v) for t, v in harms.items()} for m, harms in
+                  known.items()}
+    tasks = sorted({t for harms in known_sets.values() for t in harms})
     rounds: list[list[Members]] = []
-    pending: list[tuple[Members, Members]] = []  # (half, its parent), the next to measure
+    pending: list[Members] = []  # halves to measure next, deepest first
     grouped: set[int] = set()
-    queue = [int(h) for h in order]
+    queue = list(order)
     spent = 0
+
+    def readings() -> dict[str, Reading]:
+        seen = {**known_sets, **tested}
+        return {t: read_sets({m: h[t] for m, h in seen.items() if t in h}, top_k, z)
+                for t in tasks}
+
+    def settled(read: Mapping[str, Reading]) -> set[int]:
+        seen = {**known_sets, **tested}
+        alone = {m[0] for m in seen if len(m) == 1}
+        return {h for h in order if h in alone
+                or (read and all(h in r.ruled_out for r in read.values()))}
+
+    def to_split(members: Members, read: Mapping[str, Reading], done: set[int]) -> bool:
+        return (len(members) > 1 and any(h not in done for h in members)
+                and any(r.statuses.get(members) != UNDER for r in read.values()))
+
+    read = readings()
+    done = settled(read)
     while spent < budget:
-        seen = {**known, **tested}
-        bars = _bars(seen, top_k)
-        ruled_out = _ruled_out(seen, bars)
-        pending = [(s, parent) for s, parent in pending if _any_positive(seen[parent], bars)]
+        seen = {**known_sets, **tested}
         batch: list[Members] = []
-        room = min(round_size, budget - spent)
+        room = int(min(round_size, budget - spent))
         while pending and len(batch) < room:
-            batch.append(pending.pop(0)[0])
-        queue = [h for h in queue if h not in ruled_out and h not in grouped
-                 and (h,) not in seen]
+            half = pending.pop(0)
+            if not any(h not in done for h in half):
+                continue  # nothing left in it to settle
+            if half in seen:  # measured before (a mask, a component alone): read it
+                if to_split(half, read, done):
+                    pending[:0] = list(halves(half, position))
+                continue
+            batch.append(half)
+        queue = [h for h in queue if h not in done and h not in grouped]
         while queue and len(batch) < room:
             group = tuple(sorted(queue[:size]))
             queue = queue[size:]
             grouped.update(group)
+            if group in seen:
+                if to_split(group, read, done):
+                    pending[:0] = list(halves(group, position))
+                continue
             batch.append(group)
         if not batch:
-            break  # every column ruled out, measured or tested
+            break  # every column measured alone, ruled out or in a group being split
         measured = measure(batch)
         for members in batch:
-            tested[members] = dict(measured[members])
+            tested[members] = {t: _harm(v) for t, v in measured[members].items()}
+        tasks = sorted({*tasks, *(t for m in batch for t in tested[m])})
         spent += len(batch)
         rounds.append(batch)
-        seen = {**known, **tested}
-        bars = _bars(seen, top_k)
-        # Each positive set's halves go first, the round's first set's first.
-        halves = [(half, members) for members in batch
-                  if len(members) > 1 and _any_positive(tested[members], bars)
-                  for half in (members[:len(members) // 2], members[len(members) // 2:])]
-        pending = halves + pending
+        read = readings()  # also the next round's
+        done = settled(read)
+        # Each unsettled set's halves go first, the round's first set's first.
+        pending = [half for members in batch if to_split(members, read, done)
+                   for half in halves(members, position)] + pending
     return GroupTesting(rounds, size, tested)
-
-
-def _singles(seen: Mapping[Members, Harms]) -> dict[str, dict[int, float]]:
-    singles: dict[str, dict[int, float]] = {}
-    for members, harms in seen.items():
-        if len(members) == 1:
-            for task, value in harms.items():
-                singles.setdefault(task, {})[members[0]] = float(value)
-    return singles
-
-
-def _bars(seen: Mapping[Members, Harms], top_k: int) -> dict[str, float]:
-    tasks = {task for harms in seen.values() for task in harms}
-    singles = _singles(seen)
-    return {task: entry_bar(singles.get(task, {}), top_k) for task in tasks}
-
-
-def _any_positive(harms: Harms, bars: Mapping[str, float]) -> bool:
-    return any(positive(value, bars.get(task, 0.0)) for task, value in harms.items())
-
-
-def _ruled_out(seen: Mapping[Members, Harms], bars: Mapping[str, float]) -> set[int]:
-    """Columns in a set positive for no task (of those not measured alone)."""
-    out: set[int] = set()
-    for members, harms in seen.items():
-        if len(members) > 1 and not _any_positive(harms, bars):
-            out.update(members)
-    return out
 
 
 @dataclass(frozen=True)
@@ -223,11 +370,16 @@ class Certificate:
     """What one task's measurements rule out (``certificate``).
 
     ``bar``: the top-k's entry bar. ``alone``: the columns measured alone. ``ruled_out``:
-    column -> the harm of the least harmful measured set that ruled it out (its harm alone
-    is at most that, under the rule). ``unchecked``: the columns nothing ruled out, each
-    with how many masks knocked it out (``coverage``) and whether every such mask also
-    knocked out a component measured alone to reach the bar (``shadowed``: the masks' drop
-    has an owner already). ``groups``: the group tests, (members, harm), in order."""
+    column -> the largest harm it could have alone (its least ruling set's harm plus ``z``
+    standard errors). ``unchecked``: the columns nothing ruled out, each with how many
+    masks knocked it out (``coverage``) and whether every such mask also knocked out a
+    component measured alone to reach the bar (``shadowed``: the masks' drop has an owner
+    already). ``groups``: the group tests, (members, harm), in order. ``helps`` and
+    ``violations``: the measured sets of two or more members that ruled nothing out
+    because they helped the task beyond the noise, or harmed it clearly less than a
+    measured part of them. ``tied``: the components measured alone that the noise cannot
+    tell from the k-th (``tied_at_k``). ``noise``: whether the harms came with standard
+    errors (per-example scores recorded) or were taken as exact."""
 
     bar: float
     alone: list[int]
@@ -235,7 +387,12 @@ class Certificate:
     unchecked: list[int]
     coverage: dict[int, int]
     shadowed: list[int]
-    groups: list[tuple[Members, float]]
+    groups: list[tuple[Members, Harm]]
+    helps: list[Members] = field(default_factory=list)
+    violations: list[Members] = field(default_factory=list)
+    tied: list[int] = field(default_factory=list)
+    noise: bool = False
+    z: float = Z
 
     @property
     def bound(self) -> float | None:
@@ -247,36 +404,40 @@ class Certificate:
         return not self.unchecked
 
 
-def certificate(candidates: Iterable[int], design: np.ndarray, mask_harms: np.ndarray,
-                alone: Mapping[int, float], groups: Sequence[tuple[Members, float]],
-                top_k: int) -> Certificate:
+def certificate(candidates: Iterable[int], design: np.ndarray,
+                mask_harms: Sequence[Harm | float], alone: Mapping[int, Harm | float],
+                groups: Sequence[tuple[Members, Harm | float]], top_k: int, z: float = Z,
+                se_between: Callable[[int, int], float | None] | None = None
+                ) -> Certificate:
     """One task's certificate over its ranked ``candidates`` (columns): ``design``'s rows
     with their harms, the columns measured alone (``alone``: column -> harm) and the group
-    tests (members, harm). A column not measured alone is ruled out by the least harmful
-    set containing it whose harm is under the bar (``positive`` is False)."""
-    bar = entry_bar(alone, top_k)
+    tests (members, harm), read by ``read_sets``; ``se_between``: ``tied_at_k``'s."""
     knocked_out = np.asarray(design, dtype=bool)
-    sets: list[tuple[Members, float]] = [
-        (tuple(int(h) for h in np.flatnonzero(row)), float(value))
-        for row, value in zip(knocked_out, np.asarray(mask_harms, dtype=np.float64),
-                              strict=True)]
-    sets += [(tuple(members), float(value)) for members, value in groups]
+    masks = [tuple(int(h) for h in np.flatnonzero(row)) for row in knocked_out]
+    measured: dict[Members, Harm] = {}
+    for members, value in [*zip(masks, mask_harms, strict=True),
+                           *((tuple(m), v) for m, v in groups)]:
+        if members and not (len(members) == 1 and members[0] in alone):
+            measured.setdefault(members, _harm(value))
+    reading = read_sets(measured, top_k, z, alone=alone)
     pool = [int(h) for h in candidates]
     ranked = set(pool)
-    ruled_out: dict[int, float] = {}
-    for members, value in sets:
-        if positive(value, bar):
-            continue
-        for h in members:
-            if h in ranked and h not in alone:
-                ruled_out[h] = min(ruled_out.get(h, value), value)
+    ruled_out = {h: bound for h, bound in reading.ruled_out.items() if h in ranked}
     unchecked = [h for h in pool if h not in alone and h not in ruled_out]
-    owners = {h for h, value in alone.items() if positive(value, bar)}
+    owners = {h for h, value in alone.items()
+              if status(value, reading.bar, (), z) in (OVER, UNCLEAR)
+              and _harm(value).value > _TOL}
     coverage, shadowed = {}, []
     for h in unchecked:
         rows = knocked_out[:, h] if knocked_out.size else np.zeros(0, dtype=bool)
         coverage[h] = int(rows.sum())
         if rows.any() and all(owners & set(np.flatnonzero(r)) for r in knocked_out[rows]):
             shadowed.append(h)
-    return Certificate(bar, sorted(h for h in pool if h in alone), ruled_out, unchecked,
-                       coverage, shadowed, [(tuple(m), float(v)) for m, v in groups])
+    noise = any(_harm(v).se > 0 for v in [*mask_harms, *alone.values(),
+                                          *(v for _, v in groups)])
+    return Certificate(
+        reading.bar, sorted(h for h in pool if h in alone), ruled_out, unchecked, coverage,
+        shadowed, [(tuple(m), _harm(v)) for m, v in groups],
+        helps=[m for m, s in reading.statuses.items() if s == HELPS],
+        violations=[m for m, s in reading.statuses.items() if s == VIOLATES],
+        tied=tied_at_k(alone, top_k, z, se_between), noise=noise, z=z)

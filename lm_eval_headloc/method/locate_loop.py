@@ -47,9 +47,13 @@ from lm_eval_headloc.method.fit import (
     alone_key,
     fit_rankings,
     mask_keys,
+    measured_harm,
 )
 from lm_eval_headloc.method.group_tests import (
     MAX_GROUP,
+    GroupTesting,
+    Harm,
+    Z,
     background_harm,
     entry_bar,
     group_key,
@@ -77,7 +81,7 @@ class LoopSettings(Protocol):
     design: str
     sparsity: float | str  # a share, or "auto": the pilot chooses
     confirm: int | None
-    group_tests: int | None
+    group_tests: int | None  # at most this many group tests (None: until certified)
     alpha: float
     top_k: int
     bootstrap: int | None
@@ -91,6 +95,8 @@ class LoopSettings(Protocol):
 
     @property
     def masks_per_pass(self) -> int | None: ...
+
+    def measurement_cap(self, columns: int) -> int: ...
 
 
 @dataclass
@@ -122,18 +128,20 @@ def locate_components(measure: Any, settings: LoopSettings, columns: Columns | N
                       *, store: MeasurementStore | None = None,
                       priors: Mapping[str, np.ndarray] | None = None,
                       never: Sequence[Component] = (), exclude: Sequence[Component] = (),
-                      ) -> dict[str, Ranking]:
+                      allowance: int = 0) -> dict[str, Ranking]:
     """Each of ``measure``'s tasks' ranking of ``columns`` (default: every head of its
     model) by ``locate_loop``, in a ``MemoryStore`` unless ``store`` is given: a
     notebook's way to locate, given a measurement (``HarnessMeasurement``) and no run
-    folder. Pass the same store again and nothing is measured twice."""
+    folder. Pass the same store again and nothing is measured twice. ``allowance``: the
+    measurement-equivalents ``priors`` cost, counted against ``--max-measurements``."""
     knockout = measure.lm.knockout
     if columns is None:
         columns = Columns.heads(knockout.num_layers, knockout.heads_per_layer,
                                 knockout.layers_with_heads)
     state = locate_loop(measure, MemoryStore() if store is None else store, columns,
                         [name for name, _ in measure.tasks], settings, priors=priors,
-                        never=never, exclude=exclude, heads_per_layer=knockout.heads_per_layer)
+                        never=never, exclude=exclude, heads_per_layer=knockout.heads_per_layer,
+                        allowance=allowance)
     return state.rankings
 
 
@@ -142,7 +150,7 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
                 priors: Mapping[str, np.ndarray] | None = None,
                 never: Sequence[Component] = (), exclude: Sequence[Component] = (),
                 heads_per_layer: int | None = None, state: Any = None,
-                checkpoint: Callable[[str], None] | None = None) -> Any:
+                checkpoint: Callable[[str], None] | None = None, allowance: int = 0) -> Any:
     """Measure and fit ``tasks``' rankings of ``columns``; returns ``state`` (a new
     ``LocateState`` unless given) holding what was decided, measured and fitted.
 
@@ -150,7 +158,10 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     and ease the Lasso's penalty); ``never``: components no mask knocks out; ``exclude``:
     components left out of the ranking. ``checkpoint(phase)`` is called once the design is
     fixed ("designed") and once everything is measured ("measured"), with ``state`` up to
-    date, so a caller can save what a resumed run must find.
+    date, so a caller can save what a resumed run must find. ``allowance``: the
+    measurement-equivalents spent before the loop (the prior's), which count against
+    ``settings.measurement_cap``: the group tests go on until every column is measured
+    alone or ruled out (the run is certified) or the run has spent its cap.
     """
     state = LocateState() if state is None else state
     saved = checkpoint or (lambda phase: None)
@@ -199,10 +210,16 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     if settings.confirm:
         state.confirm = _confirm(store, measure, settings, tasks, columns, matrix[:used],
                                  keys[:used], priors, never_columns, excluded)
-        if settings.group_tests:
-            state.confirm["groups"] = _group_test(
-                store, measure, settings, tasks, columns, matrix[:used], keys[:used], priors,
-                never_columns, excluded, state.confirm)
+        spent_before = allowance + state.masks_used + len(state.confirm["heads"])
+        cap = settings.measurement_cap(len(columns))
+        budget = max(0, cap - spent_before)
+        if settings.group_tests is not None:
+            budget = min(budget, int(settings.group_tests))
+        state.confirm["groups"] = {
+            "cap": cap, "spent_before": spent_before,
+            **_group_test(store, measure, settings, tasks, columns, matrix[:used],
+                          keys[:used], priors, never_columns, excluded, state.confirm,
+                          budget)}
         state.records = {r["key"]: r for r in store.measurements()}
         rankings = None  # the masks' fit alone was --masks auto's stopping rule
     saved("measured")
@@ -304,31 +321,38 @@ class GroupPlan(NamedTuple):
 
     order: list[int]  # the columns to test in groups, in turn
     size: int  # the groups' size
-    known: dict[tuple[int, ...], float]  # each set measured already (masks, alone): harm
+    known: dict[tuple[int, ...], Harm]  # each set measured already (masks, alone): harm
 
 
 def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher: bool,
                 alone: Mapping[int, float], *, alpha: float,
-                penalty_weights: np.ndarray | None, top_k: int, skip: Iterable[int] = ()
-                ) -> GroupPlan:
+                penalty_weights: np.ndarray | None, top_k: int, skip: Iterable[int] = (),
+                mask_se: Sequence[float] | None = None,
+                alone_se: Mapping[int, float] | None = None) -> GroupPlan:
     """One task's group stage from its masks' ``scores`` and the columns measured
     ``alone`` (column -> measured change): the screen refitted with those changes held
     fixed orders the rest, those it implicates first (``group_tests.group_order``); the
-    groups are sized to keep a group's typical harm under half the top-k's entry bar
-    (``group_size``); each set measured already, a mask or a column alone, is known by
-    its harm. ``skip``: columns never knocked out or excluded."""
+    groups are sized to keep a group's typical harm under half of what the top-k's entry
+    bar leaves above the noise (``group_size``, the margin ``Z`` times the median
+    standard error of the sets measured); each set measured already, a mask or a column
+    alone, is known by its harm and its standard error (``mask_se``, ``alone_se``; 0
+    where not given). ``skip``: columns never knocked out or excluded."""
     skip = sorted({int(h) for h in skip})
-    alone_harms = {h: float(harm(change, higher)) for h, change in alone.items()}
+    alone_se = alone_se or {}
+    alone_harms = {h: Harm(float(harm(change, higher)), float(alone_se.get(h, 0.0)))
+                   for h, change in alone.items()}
     fit = screen(design, scores, higher, alpha=alpha, penalty_weights=penalty_weights,
                  fixed=dict(alone), exclude=skip)
     implicated = [h for h in fit.order if harm(fit.effects[h], higher) > 0]
     order = group_order(fit.order, implicated, design, skip={*skip, *alone})
     mask_harms = harm(np.asarray(scores, dtype=np.float64) - baseline, higher)
-    size = group_size(entry_bar(alone_harms, top_k),
-                      background_harm(design, mask_harms, alone_harms))
-    known = {tuple(int(h) for h in np.flatnonzero(row)): float(value)
-             for row, value in zip(design, mask_harms, strict=True)}
+    ses = np.zeros(len(mask_harms)) if mask_se is None else np.asarray(mask_se, dtype=float)
+    known = {tuple(int(h) for h in np.flatnonzero(row)): Harm(float(value), float(se))
+             for row, value, se in zip(design, mask_harms, ses, strict=True)}
     known.update({(h,): value for h, value in alone_harms.items()})
+    margin = Z * float(np.median([h.se for h in known.values()])) if known else 0.0
+    size = group_size(entry_bar(alone_harms, top_k),
+                      background_harm(design, mask_harms, alone_harms), margin)
     return GroupPlan(order, size, known)
 
 
@@ -336,11 +360,12 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
                 tasks: Sequence[str], columns: Columns, design: np.ndarray,
                 keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
                 never: Sequence[int], excluded: Sequence[int],
-                confirmed: Mapping[str, Any]) -> dict[str, Any]:
-    """Spend ``--group-tests`` measurements on the components not measured alone, knocked
+                confirmed: Mapping[str, Any], budget: int) -> dict[str, Any]:
+    """Spend up to ``budget`` measurements on the components not measured alone, knocked
     out together in groups (``group_tests.group_testing``): each task's those its screen
-    implicates first, then those the masks covered least, the tasks in turn; returns what
-    the record keeps (``confirm["groups"]``). A group is keyed by its members, a
+    implicates first, then those the masks covered least, the tasks in turn; it stops
+    earlier once every component is measured alone or ruled out for every task. Returns
+    what the record keeps (``confirm["groups"]``). A group is keyed by its members, a
     component it narrows down to is measured as the confirmation's are (``alone_key``),
     so a resumed run looks every earlier set up and makes the same tests."""
     records = {r["key"]: r for r in store.measurements()}
@@ -349,17 +374,21 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
     scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
     alone = {t: _measured_alone(confirmed, records, t, columns) for t in tasks}
     skip = {*never, *excluded}
-    budget = int(settings.group_tests or 0)
+    alone_keys = {h: alone_key(columns[h]) for t in tasks for h in alone[t]}
 
-    def harms(record: Mapping[str, Any]) -> dict[str, float]:
-        return {t: float(harm(record["scores"][t] - baseline["scores"][t], higher[t]))
-                for t in tasks}
+    def harms(record: Mapping[str, Any]) -> dict[str, Harm]:
+        return {t: measured_harm(record, baseline, t) for t in tasks}
 
     weights = {t: prior_weights(None if priors is None else priors[t]) for t in tasks}
     plans = {t: plan_groups(design, scores[t], baseline["scores"][t], higher[t],
                             {h: change for h, (change, _) in alone[t].items()},
                             alpha=settings.alpha, penalty_weights=weights[t],
-                            top_k=settings.top_k, skip=skip) for t in tasks}
+                            top_k=settings.top_k, skip=skip,
+                            mask_se=[measured_harm(records[k], baseline, t).se
+                                     for k in keys],
+                            alone_se={h: measured_harm(records[alone_keys[h]], baseline,
+                                                       t).se for h in alone[t]})
+             for t in tasks}
     known = {members: {t: plans[t].known[members] for t in tasks}
              for members in plans[tasks[0]].known}
     orders = [plans[t].order for t in tasks]
@@ -371,16 +400,19 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
             return alone_key(columns[members[0]])
         return group_key(columns.names(members))
 
-    def measured(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, float]]:
+    def measured(sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], dict[str, Harm]]:
         done = run_plan(store, measure, [("baseline", [])] + [
             (key_of(s), [m for i in s for m in columns.members(i)]) for s in sets],
             desc="group tests", masks_per_pass=settings.masks_per_pass, bar=bar)
         return {s: harms(done[key_of(s)]) for s in sets}
 
     stored = sum(key.startswith("group-") for key in records)
-    with phase_bar("group tests", budget, stored, settings.progress) as bar:
-        tested = group_testing(order, known, measured, budget, size=size,
-                               top_k=settings.top_k)
+    if budget == 0:  # the cap taken by the masks and the heads alone: no bar to draw
+        tested = GroupTesting([], size)
+    else:
+        with phase_bar("group tests", budget, min(stored, budget), settings.progress) as bar:
+            tested = group_testing(order, known, measured, budget, size=size,
+                                   top_k=settings.top_k)
     names = columns.names
     return {"budget": budget, "size": tested.size,
             "rounds": [[names(s) for s in batch] for batch in tested.rounds],

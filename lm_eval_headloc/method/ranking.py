@@ -40,44 +40,64 @@ TIE_EVIDENCE = ("logprob_change", "contrast", "prior")
 
 @dataclass
 class GroupTestRecord:
-    """One group test as heads.json records it: the set knocked out and the score's change."""
+    """One group test as heads.json records it: the set knocked out, the score's change
+    and its paired standard error (None where the run recorded no per-example scores)."""
 
     components: list[str]
     change: float
+    se: float | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CertificateRecord:
     """heads.json's ``certificate`` (``fit._certificate``, from ``group_tests.certificate``):
     what a task's measurements rule out under ``rule`` and what they leave unchecked, in
-    names. ``entry_bar``: the top-k's bar (the k-th largest harm measured alone);
-    ``measured_alone`` and ``ruled_out`` (by a measured set under the bar, each at most
-    ``bound`` alone) count components; ``unchecked`` names the rest, likeliest first, with
-    how many of them no mask or one mask knocked out and which sat beside a measured one;
-    ``group_size``, the tests run and those that would cover the unchecked."""
+    names. ``certified``: nothing is left unchecked. ``confidence``: the one-sided
+    confidence each ruling-out holds at (None: the run recorded no per-example scores, and
+    the harms were taken as exact). ``entry_bar``: the top-k's bar (the k-th largest harm
+    measured alone); ``measured_alone`` and ``ruled_out`` (by a measured set clearly under
+    the bar, each at most ``bound`` alone) count components; ``unchecked`` names the rest,
+    likeliest first, with how many of them no mask or one mask knocked out and which sat
+    beside a measured one; ``tied_at_k``, the components measured alone the noise cannot
+    tell from the k-th; ``helps`` and ``violations``, the measured sets that ruled nothing
+    out because they helped beyond the noise or harmed clearly less than a measured part
+    of them; ``group_size``, the group tests run (sets measured) and those that would
+    cover the unchecked; ``measurements_spent`` (measurement-equivalents, the prior's
+    allowance included, the baseline aside), the run's ``max_measurements`` and, where it
+    is not certified, the least ``max_measurements_to_finish`` that would test every
+    unchecked component in a group (None where the run does not say)."""
 
+    certified: bool = False
     rule: str
+    confidence: float | None = None
     entry_bar: float
     top_k: int
     measured_alone: int
     ruled_out: int
-    bound: float
+    bound: float | None
     unchecked: list[str]
     unchecked_never_in_a_mask: int
     unchecked_in_one_mask: int
     unchecked_beside_measured: list[str]
+    tied_at_k: list[str] = field(default_factory=list)
+    helps: int = 0
+    violations: int = 0
     group_size: int
     group_tests_run: int
     group_tests: list[GroupTestRecord]
     group_tests_to_cover: int
+    measurements_spent: int | None = None
+    max_measurements: int | None = None
+    max_measurements_to_finish: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # field order: the file's key order
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CertificateRecord:
-        return cls(**{**data, "group_tests": [GroupTestRecord(**g)
-                                              for g in data["group_tests"]]})
+        # A file written before ``certified`` was recorded: certified when complete.
+        return cls(**{"certified": not data["unchecked"], **data,
+                      "group_tests": [GroupTestRecord(**g) for g in data["group_tests"]]})
 
 
 @dataclass

@@ -12,7 +12,12 @@ from lm_eval_headloc.method.columns import (
     NeuronGroup,
     components_of,
 )
-from lm_eval_headloc.method.ranking import Ranking, RankingFacts, all_measured_alone
+from lm_eval_headloc.method.ranking import (
+    CertificateRecord,
+    Ranking,
+    RankingFacts,
+    all_measured_alone,
+)
 from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
@@ -94,7 +99,7 @@ def locate_report(run: LocateRun) -> str:
             *equal_change_words(ranking, top_k),
             *same_masks_words(ranking.facts, UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.facts, UNIT[spec.components]),
-            *certificate_words(ranking, UNIT[spec.components]),
+            *certificate_words(ranking, UNIT[spec.components], _searched_words(run)),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -153,6 +158,24 @@ def fit_summary(ranking: Ranking, top_k: int) -> str:
     if held_out is not None:
         words += f", {held_out:.2f} held out" + (f" ({BELOW_ZERO})" if held_out < 0 else "")
     return words
+
+
+def _searched_words(run: LocateRun) -> str:
+    """What a run that locates MLP neurons searched, for its certificate: the candidates
+    (and groups), not the model's other neurons."""
+    if "neurons" not in run.spec.components or not run.neurons_per_layer:
+        return ""
+    total = run.layers * run.neurons_per_layer
+    searched = len(run.candidates or ())
+    grouped = sum(len(c.neurons) for c in run.columns if isinstance(c, NeuronGroup))
+    rest = total - searched - grouped
+    return (f"The certificate is over the {len(run.columns):,} components the design "
+            f"searched: the prior's {searched:,} likeliest MLP neurons"
+            + (f", {grouped:,} more in groups (a group is ruled out or measured as one)"
+               if grouped else "")
+            + (", and the heads" if "heads" in run.spec.components else "")
+            + (f". The model's other {rest:,} neurons were not searched: nothing here "
+               "says anything of them." if rest > 0 else "."))
 
 
 def _group_words(run: LocateRun) -> str:
@@ -256,85 +279,133 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
                                       if len(names) > most else "")
 
 
-def certificate_words(ranking: Ranking, unit: str = "head") -> list[str]:
-    """report.md's completeness certificate (``facts.certificate``): what the run
-    measured alone, what a measured set ruled out and by how much at most, what the
-    group tests measured, and what nothing checked, with the flag that would check it."""
+def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> list[str]:
+    """report.md's certificate (``facts.certificate``): certified or not, the rule and the
+    confidence it holds at, what the run measured alone, what a measured set ruled out and
+    by how much at most, what the group tests measured, the sets that ruled nothing out,
+    the ties at the k-th place, and what nothing checked, with the flag that would check
+    it. ``scope``: a sentence on what the run searched (a neuron run: its candidates)."""
     cert = ranking.facts.certificate
     if not cert:
         return []
     k, bar = cert.top_k, cert.entry_bar
+    total = cert.measured_alone + cert.ruled_out + len(cert.unchecked)
+    head = (f"### Certified: every one of the {total} {unit}s checked" if cert.certified
+            else f"### Not certified: {len(cert.unchecked)} of {total} {unit}s unchecked")
+    noise = (f"by more than {_z_words(cert)} standard errors of its change (the paired "
+             f"standard error from the per-example scores: one-sided "
+             f"{cert.confidence:.0%} confidence)" if cert.confidence is not None else
+             "(the run recorded no per-example scores: each harm is taken as measured, and "
+             "no confidence is stated)")
     entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {k}th "
-             "largest measured alone)," if bar > 0 else
+             f"largest measured alone), {noise}," if bar > 0 else
              f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
-             f"it, so any harm would enter the top-{k})")
-    lines = [f"### What was checked ({cert.measured_alone + cert.ruled_out} of "
-             f"{cert.measured_alone + cert.ruled_out + len(cert.unchecked)} "
-             f"{unit}s)", "",
-             f"Under the rule that {cert.rule} — an assumption: a {unit} whose knockout "
-             f"helps can hide one that hurts in the same set — a measured set whose harm "
-             f"{entry} rules out each of its members.", "",
+             f"it, so any harm would enter the top-{k}),")
+    lines = [head, "", *([scope, ""] if scope else []),
+             f"Under the rule that {cert.rule} — an assumption, checked against the "
+             f"measurements: a set whose change helps beyond the noise, or harms clearly "
+             f"less than a measured part of it, rules out nothing — a measured set whose "
+             f"harm {entry} rules out each of its members.", "",
              f"- measured alone: {cert.measured_alone} {unit}s (the table's measured "
              "changes)"]
     if cert.ruled_out:
         lines.append(f"- ruled out by a mask or group test: {cert.ruled_out} {unit}s; "
                      + (f"none of them alone harms the task by more than {cert.bound:.4g} "
-                        "(the harm of the set that ruled it out)" if cert.bound > 0 else
-                        "none of them alone hurts the task (each set that ruled one out "
-                        "left the score as good or better)"))
+                        "(the harm of the set that ruled it out"
+                        + (", plus its margin)" if cert.confidence is not None else ")")
+                        if cert.bound is not None and cert.bound > 0 else
+                        "none of them alone hurts the task"))
     else:
-        lines.append(f"- ruled out by a mask or group test: none (every measured set with "
-                     f"an unmeasured {unit} in it reached the bar)")
+        lines.append(f"- ruled out by a mask or group test: none (no measured set with an "
+                     f"unmeasured {unit} in it stayed clearly under the bar)")
     groups = cert.group_tests
     if groups:
         shown = "; ".join(f"{'+'.join(g.components[:4])}"
                           + (f"+{len(g.components) - 4} more" if len(g.components) > 4
                              else "") + f" {g.change:+.4f}" for g in groups[:8])
-        lines.append(f"- group tests ({len(groups)} sets of up to {cert.group_size} "
-                     f"{unit}s, halved where they reached the bar): {shown}"
+        lines.append(f"- group tests ({cert.group_tests_run} measurements: {len(groups)} "
+                     f"sets of up to {cert.group_size} {unit}s, halved where they were not "
+                     f"clearly under the bar, and the {unit}s that halving narrowed down "
+                     f"to, measured alone): {shown}"
                      + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
                         else ""))
+    if cert.helps or cert.violations:
+        lines.append(f"- sets that ruled out nothing against the rule: {cert.helps} helped "
+                     f"the task beyond the noise, {cert.violations} harmed it clearly less "
+                     f"than a measured part of them (violations of the rule, observed)")
+    if cert.tied_at_k:
+        lines.append(f"- tied at the {k}th place: {', '.join(cert.tied_at_k)} — their "
+                     f"measured harms are within the noise of each other, so which of them "
+                     f"make the top-{k} is the measurement's order, not a finding")
+    if cert.measurements_spent is not None:
+        lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
+                     "(the prior's allowance, masks, heads measured alone and group tests)"
+                     + (f" of `--max-measurements {cert.max_measurements}`"
+                        if cert.max_measurements is not None else ""))
     unchecked = cert.unchecked
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
-                  f"the rule, no {unit} outside the table's measured ones would enter the "
-                  f"top-{k}.", ""]
+                  f"the rule{', at that confidence,' if cert.confidence is not None else ''}"
+                  f" no {unit} outside the table's measured ones would enter the top-{k}.",
+                  ""]
         return lines
     beside = cert.unchecked_beside_measured
-    lines += [f"- **not checked: {len(unchecked)} {unit}s** "
-              f"({cert.unchecked_never_in_a_mask} never knocked out by a mask, "
-              f"{cert.unchecked_in_one_mask} in one mask only"
-              + (f", {len(beside)} only in masks beside a {unit} measured to reach the bar"
-                 if beside else "") + f"): {_listed(unchecked)}. Any of them could enter "
-              f"the top-{k}; the masks' estimate is all the run has for them.", "",
-              _group_tests_advice(ranking, cert.group_tests_run + cert.group_tests_to_cover)
-              + f" would knock each of them out in at least one group of "
-              f"{cert.group_size} (more tests where a group reaches the bar and is "
-              "halved); a larger `--confirm` measures the likeliest alone.", ""]
+    lines += [f"- **not checked: {len(unchecked)} {unit}s**: {_listed(unchecked)}. Of "
+              f"them, {cert.unchecked_never_in_a_mask} were never knocked out by a mask and "
+              f"{cert.unchecked_in_one_mask} by one mask only"
+              + (f"; {len(beside)} (counted among those) only in masks beside a {unit} "
+                 "measured to reach the bar" if beside else "")
+              + f". Any of them could enter the top-{k}; the masks' estimate is all the run "
+              f"has for them.", "", _finish_advice(ranking, cert) + ".", ""]
     return lines
 
 
-def _group_tests_advice(ranking: Ranking, tests: int) -> str:
-    """The flags that would run ``tests`` group tests: group tests follow a confirmation
-    (a ``--confirm 0`` run is refused them), so a run that confirmed nothing needs both."""
+def _z_words(cert: CertificateRecord) -> str:
+    from statistics import NormalDist
+
+    return f"{NormalDist().inv_cdf(cert.confidence or 0.5):.3g}"
+
+
+def _finish_advice(ranking: Ranking, cert: CertificateRecord) -> str:
+    """What would check the unchecked: a larger ``--max-measurements`` where the run
+    records its cap, else ``--group-tests`` (a run that confirmed nothing needs a
+    confirmation first: group tests follow one)."""
     if ranking.facts.confirmed is None:
-        return f"`--confirm` above 0 with `--group-tests {tests}`"
-    return f"`--group-tests {tests}`"
+        return (f"`--confirm` above 0 with `--group-tests "
+                f"{cert.group_tests_run + cert.group_tests_to_cover}` would knock each of "
+                f"them out in at least one group of {cert.group_size}")
+    if cert.max_measurements_to_finish is not None:
+        return (f"Rerun with `--max-measurements {cert.max_measurements_to_finish}` or more "
+                f"to go on: that tests each of them in a group of {cert.group_size}, and "
+                "more where a group is split; a larger `--confirm` measures the likeliest "
+                "alone")
+    return (f"`--group-tests {cert.group_tests_run + cert.group_tests_to_cover}` would knock "
+            f"each of them out in at least one group of {cert.group_size} (more tests where "
+            "a group is split); a larger `--confirm` measures the likeliest alone")
 
 
 def certificate_line(ranking: Ranking) -> str | None:
-    """The terminal's one line on the certificate, or None without one."""
+    """The terminal's line on the certificate (and one on the ties at the k-th place, where
+    it found any), or None without one."""
     cert = ranking.facts.certificate
     if not cert:
         return None
     unit = UNIT[components_of(ranking.columns)]
-    unchecked = len(cert.unchecked)
+    confidence = f", {cert.confidence:.0%}" if cert.confidence is not None else ""
     ruled = (f", {cert.ruled_out} ruled out by sets under the top-{cert.top_k}'s bar "
-             + (f"(each ≤ {cert.bound:.4g} alone)" if cert.bound > 0 else
+             + (f"(each ≤ {cert.bound:.4g} alone{confidence})"
+                if cert.bound is not None and cert.bound > 0 else
                 "(none of them hurts alone)") if cert.ruled_out else "")
-    rest = (f", {unchecked} not checked (report.md: what would check them)" if unchecked
-            else f"; every {unit} checked")
-    return f"  checked: {cert.measured_alone} measured alone{ruled}{rest}"
+    checked = f"{cert.measured_alone} measured alone{ruled}"
+    tied = (f"\n  tied at the {cert.top_k}th place within the noise: "
+            + ", ".join(cert.tied_at_k) if cert.tied_at_k else "")
+    if cert.certified:
+        return f"  certified: {checked}{tied}"
+    finish = (f"; --max-measurements {cert.max_measurements_to_finish} or more would test "
+              "them" if cert.max_measurements_to_finish is not None
+              and ranking.facts.confirmed is not None else "")
+    return (f"  not certified: {len(cert.unchecked)} {unit}s unchecked ({checked}"
+            f"{finish}; report.md says which){tied}")
 
 
 def _sparsity_words(run: LocateRun) -> str:

@@ -8,14 +8,24 @@ argparse types (``cli.options``): each value has one parser, whichever way it co
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 
-__all__ = ["canonical_gen_kwargs", "comma_list", "flag_of", "parse_batch_size", "parse_candidates",
-           "parse_examples_part", "parse_gen_kwargs", "parse_masks", "parse_sparsity", "path_list"]
+#: A RunSpec field's role (``RunSpec``'s docstring): what is measured, how it is ranked, or
+#: how fast and loudly a run goes.
+RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
+_SAME = object()  # option's legacy: the same as the default
+
+__all__ = ["ABLATION_FLAGS", "HARNESS_MODEL_ARGS", "RESULT", "RUNTIME", "SETTING",
+           "canonical_gen_kwargs", "check_model_args", "comma_list", "flag_of", "option",
+           "parse_batch_size", "parse_candidates", "parse_examples_part", "parse_gen_kwargs",
+           "parse_masks", "parse_max_measurements", "parse_sparsity", "path_list",
+           "refuse_keywords"]
 
 
 def flag_of(name: str) -> str:
@@ -58,6 +68,12 @@ def parse_masks(value: int | str) -> int | str:
     or ``auto``."""
     return _number_or_word(value, "--masks", lambda t: t == "auto",
                            "a whole number >= 2 or 'auto'", whole=True, min_val=2)
+
+
+def parse_max_measurements(value: int | str) -> int | str:
+    """A whole number >= 1 or ``auto``."""
+    return _number_or_word(value, "--max-measurements", lambda t: t == "auto",
+                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
 
 
 def parse_examples_part(value: str | None) -> tuple[int, int] | None:
@@ -188,3 +204,58 @@ def canonical_gen_kwargs(value: Any) -> Any:
 def path_list(paths: Iterable[str | Path]) -> list[str]:
     """Folders as absolute paths (what identity records, whatever the working directory)."""
     return [str(Path(p).resolve()) for p in paths]
+
+
+#: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
+ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
+                  "ablation_data": "--ablation-data", "ablation_field": "--ablation-field"}
+_PICKS_HEADS = ("headloc-harness picks the heads each measurement knocks out (--exclude and "
+                "--never-ablate keep heads out of the search)")
+#: The hf-headablate model args the harness sets itself for every measurement, which in
+#: --model-args would be silently overridden: why each is refused.
+HARNESS_MODEL_ARGS = {
+    "ablate": _PICKS_HEADS, "ablate_file": _PICKS_HEADS, "ablate_top": _PICKS_HEADS,
+    "ablation_include_path": "give the folder as --include-path, where --ablation-data "
+                             "finds its task",
+    "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
+    "batch_size": "give it as --batch-size, which the harness passes to the model",
+}
+
+
+def option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
+            metavar: str | None = None, whole: bool | None = None,
+            min_val: float | None = None, max_val: float | None = None,
+            include_boundaries: str = "both", choices: Sequence[str] | None = None,
+            switch: Any = None, legacy: Any = _SAME) -> Any:
+    """A RunSpec field with what the CLI and ``validate`` need to know about it.
+
+    ``switch``: a yes/no option — ``"store_true"`` or ``argparse.BooleanOptionalAction``.
+    ``legacy``: the value that gives what run folders made before the field existed did,
+    when that is not the default (``RunSpec.assumed_for_old_runs``).
+    """
+    number = None if whole is None else dict(whole=whole, min_val=min_val, max_val=max_val,
+                                             include_boundaries=include_boundaries)
+    return field(default=default, metadata=dict(
+        help=help, role=role, parse=parse, metavar=metavar, number=number, choices=choices,
+        switch=switch, legacy=default if legacy is _SAME else legacy))
+
+
+def check_model_args(model_args: str) -> None:
+    """Refuse --model-args that name what the run sets itself (``ABLATION_FLAGS``'
+    arguments, recorded as flags; ``HARNESS_MODEL_ARGS``), in one line naming why."""
+    given = ModelArgs.parse(model_args).names
+    refused = {**{name: f"give it as {flag}, which the run records"
+                  for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
+    clash = sorted(given & set(refused))
+    if clash:
+        raise UsageError(f"--model-args {clash[0]}=...: {refused[clash[0]]}")
+
+
+def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) -> None:
+    """A TypeError naming the ``options`` that ``command``'s Python function does not take,
+    and those it does."""
+    takes = set(takes)
+    unknown = sorted(set(options) - takes)
+    if unknown:
+        raise TypeError(f"{command}() got {', '.join(unknown)}, which it does not take; it "
+                        f"takes {', '.join(sorted(takes))}")

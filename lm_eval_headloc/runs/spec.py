@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,23 @@ from lm_eval_headloc.common.options import (
     RAY_TIMEOUT,
     SIGNALS,
 )
-from lm_eval_headloc.intervention.arg_string import ModelArgs
-from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS, default_split
+from lm_eval_headloc.method.budget import (
+    AUTO_CAP_SHARE,
+    DEFAULT_ALONE,
+    DEFAULT_MASKS,
+    PRIOR_ALLOWANCE,
+    cap_refusal,
+    default_split,
+    measurement_cap,
+)
 from lm_eval_headloc.runs.option_values import (
+    ABLATION_FLAGS,
+    HARNESS_MODEL_ARGS,
+    RESULT,
+    RUNTIME,
+    SETTING,
     canonical_gen_kwargs,
+    check_model_args,
     comma_list,
     flag_of,
     parse_batch_size,
@@ -47,19 +60,21 @@ from lm_eval_headloc.runs.option_values import (
     parse_examples_part,
     parse_gen_kwargs,
     parse_masks,
+    parse_max_measurements,
     parse_sparsity,
+    refuse_keywords,
 )
+from lm_eval_headloc.runs.option_values import option as _option
 
-__all__ = ["ABLATION_FLAGS", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS", "DEFAULT_TASK", "RunSpec",
-           "UsageError", "command_spec"]
+__all__ = ["ABLATION_FLAGS", "AUTO_CAP_SHARE", "COMMAND_OPTIONS", "DEFAULT_MAX_MASKS",
+           "DEFAULT_TASK", "HARNESS_MODEL_ARGS", "RESULT", "RUNTIME", "SETTING", "RunSpec",
+           "UsageError", "command_spec", "refuse_keywords"]
 
 DEFAULT_TASK = "headloc_induction"
 #: --masks and --confirm where neither is given and the run has no prior.
 NO_PRIOR_MASKS, NO_PRIOR_ALONE = default_split(None)
 #: --max-masks: where --masks auto stops when no top-k head settles.
 DEFAULT_MAX_MASKS = 300
-_SAME = object()  # _option's legacy: the same as the default
-RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 #: Bootstrap refits are a few ms each on a small model, seconds on a large design: more
 #: than this would keep a run fitting for hours after its last measurement.
 MAX_BOOTSTRAP = 10_000
@@ -71,30 +86,12 @@ MAX_BOOTSTRAP = 10_000
 # budget, so a larger one measures only what is new (refit measures nothing: not there).
 _REFITTABLE: dict[str, frozenset[str]] = {
     "locate": frozenset({"alpha", "top_k", "exclude", "bootstrap", "masks", "max_masks",
-                         "confirm", "group_tests"}),
+                         "confirm", "group_tests", "max_measurements"}),
     "greedy": frozenset({"top_k"}),
     # verify's random sets are drawn in turn from one seeded generator: more draws keep
     # the first ones, so a larger --random-draws only measures the new sets.
     "verify": frozenset({"random_draws"}),
 }
-
-
-def _option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
-            metavar: str | None = None, whole: bool | None = None,
-            min_val: float | None = None, max_val: float | None = None,
-            include_boundaries: str = "both", choices: Sequence[str] | None = None,
-            switch: Any = None, legacy: Any = _SAME) -> Any:
-    """A RunSpec field with what the CLI and ``validate`` need to know about it.
-
-    ``switch``: a yes/no option — ``"store_true"`` or ``argparse.BooleanOptionalAction``.
-    ``legacy``: the value that gives what run folders made before the field existed did,
-    when that is not the default (``RunSpec.assumed_for_old_runs``).
-    """
-    number = None if whole is None else dict(whole=whole, min_val=min_val, max_val=max_val,
-                                             include_boundaries=include_boundaries)
-    return field(default=default, metadata=dict(
-        help=help, role=role, parse=parse, metavar=metavar, number=number, choices=choices,
-        switch=switch, legacy=default if legacy is _SAME else legacy))
 
 
 @dataclass(frozen=True)
@@ -225,15 +222,24 @@ class RunSpec:
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
     group_tests: int | None = _option(
         None,
-        "after --confirm, this many more measurements knock out the heads not measured "
-            "alone together in small groups, those the fit implicates first, then those "
-            "the masks covered least; a group that drops a task by its top-k's entry bar "
-            "(the k-th measured harm) is halved until the heads behind it are measured "
-            "alone; report.md's certificate says what the groups ruled out (rerun with "
-            "more to test more; default 0: at the default budget the simulator found more "
-            "of the top-5 with the same measurements spent alone, docs/budget_split.md; a "
+        "after --confirm, at most this many more measurements knock out the heads not "
+            "measured alone together in small groups, those the fit implicates first, then "
+            "those the masks covered least; a group that is not clearly under a task's "
+            "top-k entry bar (the k-th measured harm) is halved until the heads behind it "
+            "are measured alone; report.md's certificate says what the groups ruled out "
+            "(default: until every head is measured alone or ruled out — the run is "
+            "certified — or --max-measurements is reached; rerun with more to test more; a "
             "resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, legacy=0)
+    max_measurements: int | str | None = _option(
+        None,
+        "the most measurement-equivalents a run spends: the prior's allowance, the masks, "
+            "the heads measured alone and the group tests (the baseline aside); the group "
+            "tests stop there if the run is not certified by then, and the report says "
+            "what is left unchecked (default auto: half the heads the run ranks, "
+            f"{AUTO_CAP_SHARE:.0%} of one-shot greedy's cost; rerun with more to go on; a "
+            "resumed run keeps its own)",
+        parse=parse_max_measurements, metavar="M")
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
                            parse=float, whole=False, min_val=0, include_boundaries="neither")
@@ -373,7 +379,8 @@ class RunSpec:
         ``stored``, each where it has one: a run stopped before its budget was split
         stored only what was given, and a bare rerun keeps that."""
         return self.replace(**{name: getattr(stored, name)
-                               for name in ("masks", "confirm", "group_tests")
+                               for name in ("masks", "confirm", "group_tests",
+                                            "max_measurements")
                                if getattr(self, name) is None
                                and getattr(stored, name) is not None})
 
@@ -385,8 +392,21 @@ class RunSpec:
         spec = self if stored is None else self.keeping_budget(stored)
         masks, alone = default_split(prior)
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
-                            confirm=alone if spec.confirm is None else spec.confirm,
-                            group_tests=spec.group_tests or 0)
+                            confirm=alone if spec.confirm is None else spec.confirm)
+
+    def measurement_cap(self, columns: int) -> int:
+        """``max_measurements`` as a number, for a run ranking ``columns`` components."""
+        return measurement_cap(self.max_measurements, columns)
+
+    def check_cap(self, allowance: int, *, prior_known: bool = True) -> None:
+        """Refuse a numeric ``max_measurements`` below the run's fixed part
+        (``budget.cap_refusal``; ``prior_known`` False: the prior not decided yet)."""
+        if self.max_measurements in (None, "auto") or self.confirm is None:
+            return
+        refusal = cap_refusal(int(self.max_measurements), self.masks, int(self.confirm),
+                              allowance, prior_known)
+        if refusal:
+            raise UsageError(refusal)
 
     @property
     def masks_seed(self) -> int:
@@ -421,6 +441,8 @@ class RunSpec:
         if self.masks is not None:
             parse_masks(self.masks)
         parse_sparsity(self.sparsity)
+        if self.max_measurements is not None:
+            parse_max_measurements(self.max_measurements)
         parse_candidates(self.candidates)
         parse_examples_part(self.examples_part)
         parse_gen_kwargs(self.gen_kwargs)
@@ -430,6 +452,12 @@ class RunSpec:
         if self.neuron_groups and "neurons" not in self.components:
             raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
                              "neurons; add --components neurons or heads+neurons")
+        if self.max_measurements is not None and self.masks is not None \
+                and self.confirm is not None:
+            # What the prior costs is known once it is decided (commands.locate checks
+            # again then); a prior named outright costs its allowance already.
+            self.check_cap(PRIOR_ALLOWANCE.get(self.prior, 0),
+                           prior_known=self.prior != "auto")
         if self.group_tests and self.confirm == 0:
             raise UsageError(f"--group-tests {self.group_tests}: group tests look for what "
                              "the heads measured alone left out; give --confirm N > 0 too "
@@ -471,12 +499,7 @@ class RunSpec:
                 raise UsageError(f"{flag_of(name)} '': give components (L0H1+L2H3) "
                                  "or a head file, or leave it out for none")
         if self.model_args is not None:
-            given = ModelArgs.parse(self.model_args).names
-            refused = {**{name: f"give it as {flag}, which the run records"
-                          for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
-            clash = sorted(given & set(refused))
-            if clash:
-                raise UsageError(f"--model-args {clash[0]}=...: {refused[clash[0]]}")
+            check_model_args(self.model_args)
         if self.system_instruction is not None and not self.system_instruction.strip():
             raise UsageError("--system-instruction '': give the instruction's text, or leave "
                              "it out for none")
@@ -524,22 +547,6 @@ def _jsonable(value: Any) -> Any:
 
 # --- the command line ------------------------------------------------------------------
 
-#: The hf-headablate model args that are RunSpec fields (and so flags, recorded by runs).
-ABLATION_FLAGS = {"ablation": "--ablation", "scale": "--scale",
-                  "ablation_data": "--ablation-data", "ablation_field": "--ablation-field"}
-_PICKS_HEADS = ("headloc-harness picks the heads each measurement knocks out (--exclude and "
-                "--never-ablate keep heads out of the search)")
-#: The hf-headablate model args the harness sets itself for every measurement, which in
-#: --model-args would be silently overridden: why each is refused.
-HARNESS_MODEL_ARGS = {
-    "ablate": _PICKS_HEADS, "ablate_file": _PICKS_HEADS, "ablate_top": _PICKS_HEADS,
-    "ablation_include_path": "give the folder as --include-path, where --ablation-data "
-                             "finds its task",
-    "ablation_cache": "a run keeps its mean statistics in its own folder (means/)",
-    "batch_size": "give it as --batch-size, which the harness passes to the model",
-}
-
-
 # The RunSpec fields each subcommand takes on the command line.
 _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "examples_part",
               "apply_chat_template", "num_fewshot", "system_instruction", "gen_kwargs",
@@ -551,7 +558,8 @@ _MEASURING = ("model_args", "tasks", "include_path", "num_samples", "seed", "exa
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "locate": _MEASURING + ("components", "candidates", "neuron_groups", "design",
                             "design_seed", "masks", "max_masks", "sparsity", "prior",
-                            "confirm", "group_tests", "alpha", "bootstrap"),
+                            "confirm", "group_tests", "max_measurements", "alpha",
+                            "bootstrap"),
     "greedy": _MEASURING + ("rounds",),
     # sweep's --masks and --sparsity are grids (lists), added by the sweep command.
     "sweep": _MEASURING + ("components", "candidates", "neuron_groups", "design",
@@ -571,7 +579,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "apply_chat_template", "num_fewshot", "system_instruction", "probe_rows",
               "batch_size", "confirm_run_unsafe_code", "verbose"),
     # max_masks may change when a run resumes, but refit measures nothing.
-    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm", "group_tests"})),
+    "refit": tuple(sorted(_REFITTABLE["locate"] - {"max_masks", "confirm", "group_tests",
+                                                   "max_measurements"})),
 }
 
 
@@ -586,15 +595,3 @@ def command_spec(command: str, spec: RunSpec | None, options: Mapping[str, Any],
                         "keywords, or RunSpec(**options)")
     refuse_keywords(command, options, {*COMMAND_OPTIONS[command], *also, "progress"})
     return (spec or base or RunSpec()).replace(**options)
-
-
-def refuse_keywords(command: str, options: Iterable[str], takes: Iterable[str]) -> None:
-    """A TypeError naming the ``options`` that ``command``'s Python function does not take,
-    and those it does."""
-    takes = set(takes)
-    unknown = sorted(set(options) - takes)
-    if unknown:
-        raise TypeError(f"{command}() got {', '.join(unknown)}, which it does not take; it "
-                        f"takes {', '.join(sorted(takes))}")
-
-
