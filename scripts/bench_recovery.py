@@ -313,13 +313,17 @@ class Reused:
     value (logprob to 3e-5, batching). The attribution prior is computed once per path
     set and kept (the same for every seed: the examples are)."""
 
-    def __init__(self, measure: Any, task: str, folders: Sequence[Path]) -> None:
+    def __init__(self, measure: Any, task: str, folders: Sequence[Path],
+                 with_examples: bool = False) -> None:
         self._measure, self._task = measure, task
         self._known: dict[str, dict[str, Any]] = {}
         for folder in folders:
             if (folder / "measurements.jsonl").is_file():
                 for record in RunFolder(folder).measurements():
-                    if task in record["scores"]:
+                    # A run whose certificate reads the noise looks up only records that
+                    # carry their per-example scores (measured since they are recorded).
+                    if task in record["scores"] and (
+                            not with_examples or task in record.get("examples", {})):
                         self._known.setdefault(record["mask"], record)
         self._priors: dict[tuple[float, ...], dict[str, np.ndarray]] = {}
         self.looked_up = self.measured = 0
@@ -356,10 +360,12 @@ class Reused:
         for i, heads in enumerate(masks):
             record = self._known.get(format_heads(list(heads)))
             if record is not None:
+                examples = record.get("examples", {}).get(task)
                 answers[i] = {task: TaskScore(
                     task, record["metrics"][task], record["scores"][task],
                     record["higher_is_better"][task],
-                    logprob=record.get("logprob", {}).get(task))}
+                    logprob=record.get("logprob", {}).get(task),
+                    examples=None if examples is None else tuple(map(tuple, examples)))}
         todo = [i for i in range(len(masks)) if i not in answers]
         fresh = self._measure.measure_many([masks[i] for i in todo], masks_per_pass) \
             if todo else []
@@ -429,6 +435,41 @@ def run_methods(task: str, methods: Sequence[Method], seeds: Sequence[int],
     return tops
 
 
+#: The folder of a task's certified runs (the defaults, measured until certified).
+CERTIFIED = "certified"
+
+
+def certified_runs(task: str, seeds: Sequence[int], setup: Any, measure: Reused,
+                   new_runs: bool = True) -> dict[int, dict[str, Any]]:
+    """The default run, measured until certified (or its cap), per design seed: what its
+    certificate says, what it spent and its top-5 (run folders in
+    ``WORK/<task>/certified/seed<S>``; without ``new_runs``, only those on disk)."""
+    found = {}
+    for seed in seeds:
+        out = WORK / task / CERTIFIED / f"seed{seed}"
+        if not new_runs and not (out / "heads.json").is_file():
+            continue
+        spec = setup.spec.replace(masks=None, confirm=None, group_tests=None,
+                                  max_measurements=None, design_seed=seed, bootstrap=1)
+        print(f"[{task}] certified seed {seed} -> {out}", flush=True)
+        started = time.perf_counter()
+        ranking = (locate(out, spec, setup=setup, measure=measure) if new_runs
+                   else refit(out, bootstrap=1))[task]
+        cert = ranking.facts.certificate
+        assert cert is not None
+        config = json.loads((out / "config.json").read_text())
+        found[seed] = {"top": [str(h) for h in ranking.top(TOP)],
+                       "certified": cert.certified, "spent": cert.measurements_spent,
+                       "cap": cert.max_measurements, "unchecked": len(cert.unchecked),
+                       "tied_at_k": cert.tied_at_k, "helps": cert.helps,
+                       "violations": cert.violations,
+                       # Every session's whole time (a resumed run adds one).
+                       "minutes": sum(t.get("whole", 0.0) for t in config.get("timings", []))
+                       / 60,
+                       "seconds_this_call": time.perf_counter() - started}
+    return found
+
+
 def timed_prior(path: Path, kind: str, measure: Reused, identity: Mapping[str, Any],
                 spec: RunSpec) -> tuple[dict[str, np.ndarray], float, float]:
     """(the prior, its seconds, a measurement's seconds) of ``kind``, computed once into
@@ -453,7 +494,8 @@ def timed_prior(path: Path, kind: str, measure: Reused, identity: Mapping[str, A
 
 def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
                budgets: Sequence[int], lm: Any, confirm_budgets: Sequence[int],
-               new_runs: bool = True) -> tuple[dict[str, Any], Any]:
+               new_runs: bool = True, certified: bool = True
+               ) -> tuple[dict[str, Any], Any]:
     truth = ground_truth(task)
     true_top = truth["top_k"][:TOP]
     types_once_per_task(task)
@@ -486,9 +528,18 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
             measure._priors[PRIOR_POINTS["atp-path"]] = priors["atp-path"]
         tops = run_methods(task, methods, seeds, budgets, setup, measure, priors,
                            confirm_budgets, new_runs)
+        certified_found = {}
+        if certified:
+            noisy = Reused(measure._measure, task, sorted(
+                (WORK / task / CERTIFIED).glob("seed*")), with_examples=True)
+            noisy._priors = measure._priors  # the same priors: computed once per task
+            certified_found = certified_runs(task, seeds, setup, noisy, new_runs)
+            measure.looked_up += noisy.looked_up
+            measure.measured += noisy.measured
         # Joint knockouts: every distinct top-5, and the exhaustive top-5, measured once.
         plan = {"baseline": []}
-        for heads in [parse_heads("+".join(true_top)), *tops.values()]:
+        for heads in [parse_heads("+".join(true_top)), *tops.values(),
+                      *(parse_heads("+".join(r["top"])) for r in certified_found.values())]:
             ordered = sorted(heads, key=lambda h: h.flat_index(per_layer))
             plan.setdefault(format_heads(ordered), ordered)
         measured = run_plan(joint, measure, list(plan.items()), desc=f"{task} joint",
@@ -508,6 +559,12 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
             "examples": len(truth_config["example_subset"][task]),
             "true_joint_score": base - true_drop, "found": found, "ratios": ratios,
             "top3": top3,
+            "certified": {seed: {**r, "exact": set(r["top"]) == set(true_top[:TOP]),
+                                 "in_order": r["top"] == true_top[:TOP],
+                                 "found": len(set(r["top"]) & set(true_top)),
+                                 "drop": drop(parse_heads("+".join(r["top"]))) / true_drop
+                                 if true_drop else float("nan")}
+                          for seed, r in certified_found.items()},
             "tops": {f"{m}|{b}|{s}": [str(h) for h in heads]
                      for (m, b, s), heads in tops.items()},
             "prior_seconds": prior_seconds,
@@ -603,6 +660,65 @@ def task_section(result: Mapping[str, Any], methods: Sequence[Method], seeds: Se
     return lines + [""]
 
 
+#: The certified runs' goal: a median of at most this many measurement-equivalents.
+CERTIFIED_GOAL = 90
+
+
+def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
+                      ) -> list[str]:
+    """The default run measured until certified, per task over ``seeds``: how often it
+    ended certified, with the exhaustive top-5 (as a set, and in order), what it spent,
+    the ties its certificate said at the 5th place, and the sets that ruled nothing out."""
+    rows = []
+    for r in results:
+        runs = [r["certified"].get(s) for s in seeds]
+        if any(run is None for run in runs):
+            rows.append(f"| {_task_label(r['task'])} | not run | | | | | |")
+            continue
+        spent = [run["spent"] for run in runs]
+        tied = [run for run in runs if run["tied_at_k"]]
+        rows.append(
+            f"| {_task_label(r['task'])} | {_share(runs, 'certified')} | "
+            f"{_share(runs, 'exact')} | {_share(runs, 'in_order')} | "
+            f"{np.median(spent):.0f} ({min(spent)}–{max(spent)}) of {runs[0]['cap']} | "
+            + (f"{len(tied)}/{len(runs)} (e.g. {', '.join(tied[0]['tied_at_k'])})" if tied
+               else "none")
+            + f" | {np.median([run['helps'] for run in runs]):.0f} / "
+              f"{np.median([run['violations'] for run in runs]):.0f} |")
+    met = [r["task"] for r in results if len(r["certified"]) == len(seeds)
+           and all(run["certified"] and run["exact"] for run in r["certified"].values())
+           and np.median([run["spent"] for run in r["certified"].values()])
+           <= CERTIFIED_GOAL]
+    return [
+        f"## Certified by default: measured until no other head can be in the top-{TOP}", "",
+        "The default run (`headloc-harness locate --tasks TASK --design-seed S`, every other "
+        "option its default) goes on after its masks and the heads it measures alone with "
+        "group tests of the heads no one measured alone, until each head is measured alone "
+        "or ruled out by a set clearly under the top-5's entry bar (one-sided 95 %, the "
+        "paired standard error of the set's change) — certified — or its cap "
+        "(`--max-measurements auto`: half the heads). Cells over the design seeds: runs "
+        f"that ended certified; whose top-{TOP} is the exhaustive top-{TOP} as a set "
+        "(exact) and in its order; the measurement-equivalents spent (the prior's allowance, "
+        "masks, heads alone, group tests; median, range) of the cap; runs whose certificate "
+        "found heads at the 5th place the noise cannot tell apart (ties); and the median "
+        "number of measured sets that ruled nothing out because they helped the task "
+        "beyond the noise / harmed it clearly less than a measured part of them.", "",
+        "| task | certified | exact top-5 | in order | measurements | ties at the 5th "
+        "place | helps / violations |",
+        "| --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+        f"Certified with the exact top-{TOP} in every seed, at a median of at most "
+        f"{CERTIFIED_GOAL} measurements (a third of 270): "
+        + (", ".join(met) if met else "none") + ".", ""]
+
+
+def _share(runs: Sequence[Mapping[str, Any]], key: str) -> str:
+    return f"{sum(bool(run[key]) for run in runs)}/{len(runs)}"
+
+
+def _task_label(task: str) -> str:
+    return f"{task} (held out)" if task in HELD_OUT else task
+
+
 def verdict_section(results: Sequence[Mapping[str, Any]], methods: Sequence[Method],
                     seeds: Sequence[int], budgets: Sequence[int], title: str, about: str,
                     verdict: Any, budget: int = 54) -> list[str]:
@@ -657,6 +773,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fit only the locate runs already on disk (a benchmark made "
                              "over several sessions); cells without one say 'not run'. "
                              "The joint knockouts of the heads found are still measured")
+    parser.add_argument("--no-certified", dest="certified", action="store_false",
+                        help="leave out the certified runs (the default run measured until "
+                             "certified, per seed)")
     parser.add_argument("--out", type=Path, default=ROOT / "RECOVERY.md")
     args = parser.parse_args(argv)
     known = {m.name: m for m in METHODS}
@@ -673,12 +792,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     lm, results = None, []
     for task in args.tasks:
         result, lm = bench_task(task, methods, seeds, budgets, lm,
-                                args.confirm_budgets or budgets, args.new_runs)
+                                args.confirm_budgets or budgets, args.new_runs,
+                                args.certified)
         results.append(result)
     (WORK / "results.json").write_text(json.dumps(
         [{**r, "found": {"|".join(map(str, k)): v for k, v in r["found"].items()},
           "ratios": {"|".join(map(str, k)): v for k, v in r["ratios"].items()},
-          "top3": {"|".join(map(str, k)): v for k, v in r["top3"].items()}}
+          "top3": {"|".join(map(str, k)): v for k, v in r["top3"].items()},
+          "certified": {str(k): v for k, v in r["certified"].items()}}
          for r in results], indent=1))
     import torch
 
@@ -720,6 +841,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{r['reused']['measured']} measured" for r in results)
         + " (runs already on disk counted theirs when they were made).", "",
     ]
+    if args.certified:
+        lines += certified_section(results, seeds)
     for result in results:
         lines += task_section(result, methods, seeds, budgets)
     lines += verdict_section(

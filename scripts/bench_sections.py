@@ -6,6 +6,10 @@ device) owns one section between ``<!-- NAME: start -->`` and ``<!-- NAME: end -
 writer replaces only what it owns, so a GPU run on a borrowed machine and a CPU run here
 never erase each other's numbers. Nor a file that is not a BENCH.md: one that begins neither
 with its title nor with a section is refused (``bench_refusal``).
+
+Other pages hold marked sections the same way: ``write_section(..., begins=...)`` names how
+that page must begin (``scripts/simulate_certified.py`` writes its section into
+SIMULATION.md, whose head ``scripts/simulate_recovery.py`` writes).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from lm_eval_headloc.common.files import page_refusal, write_page  # noqa: E402
+from lm_eval_headloc.common.files import Beginning, page_refusal, write_page  # noqa: E402
 
 _SECTION = re.compile(r"<!-- (?P<name>[^:>]+): start -->.*?<!-- (?P=name): end -->", re.S)
 #: The head's title (bench_measure.py on the CPU writes it; "on the GPU" may follow).
@@ -56,8 +60,13 @@ def demote(markdown: str) -> str:
     return "\n".join(out)
 
 
-def write_section(path: Path, name: str, body: str) -> None:
-    """Replace section ``name`` of ``path`` (or append it); the rest stays byte for byte."""
+def write_section(path: Path, name: str, body: str,
+                  begins: Beginning | tuple[Beginning, ...] = BEGINS) -> None:
+    """Replace section ``name`` of ``path`` (or append it); the rest stays byte for byte.
+
+    ``begins``: how the page must begin (``common.files.page_refusal``), BENCH.md's unless
+    the page is another's. A page that must begin with its own title cannot be begun by a
+    section: its writer makes sure the page exists first (``write_page`` refuses else)."""
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     block = marked(name, body)
     old = sections(text).get(name)
@@ -65,7 +74,7 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = text.replace(old, block, 1)
     else:
         text = text.rstrip("\n") + ("\n\n" if text.strip() else "") + block + "\n"
-    write_page(path, text, BEGINS)
+    write_page(path, text, begins)
 
 
 def write_head(path: Path, head: str) -> None:

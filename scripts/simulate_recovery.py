@@ -441,6 +441,20 @@ def header(args: argparse.Namespace, argv: list[str], seconds: float) -> str:
     ])
 
 
+def _sections(page: Path) -> list[str]:
+    """The marked sections ``page`` holds (``bench_sections.sections``), in file order."""
+    import importlib.util
+
+    # Loaded from its file: scripts/ is not on sys.path when a test loads this one so.
+    spec = importlib.util.spec_from_file_location(
+        "bench_sections", Path(__file__).with_name("bench_sections.py"))
+    assert spec is not None and spec.loader is not None
+    bench_sections = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_sections)
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    return list(bench_sections.sections(text).values())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -454,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     print(f"({seconds:.0f} s)")
     if args.out is not None:
-        write_page(args.out, header(args, argv, seconds) + "\n" + table, TITLE)
+        # The page's marked sections are other scripts' (simulate_certified.py's): kept,
+        # byte for byte, after this script's part.
+        page = header(args, argv, seconds) + "\n" + table
+        write_page(args.out, "\n\n".join([page.rstrip("\n"), *_sections(args.out)]) + "\n",
+                   TITLE)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -214,7 +214,7 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
 
     tested = group_testing(plan.order, known, measure, group_tests, size=plan.size,
                            top_k=top)
-    alone.update({s[0]: h["task"] for s, h in tested.harms.items() if len(s) == 1})
+    alone.update({s[0]: h["task"].value for s, h in tested.harms.items() if len(s) == 1})
     measured = {h: (-v, 0.0) for h, v in alone.items()}
     if sum(v > 0 for v in alone.values()) >= top:
         return np.asarray(confirmed_order(measured, (), True)[:top])

@@ -114,10 +114,14 @@ class Documents:
     guessed: np.ndarray
     steps: np.ndarray
 
+    def outcomes(self, design: np.ndarray) -> np.ndarray:
+        """Whether each document is right under each mask: ``(masks, documents)``."""
+        right = (self.logits + np.asarray(design, dtype=np.float64) @ self.steps.T) > 0
+        return right | self.guessed
+
     def scores(self, design: np.ndarray) -> np.ndarray:
         """Share of the documents right under each mask (row of ``design``)."""
-        right = (self.logits + np.asarray(design, dtype=np.float64) @ self.steps.T) > 0
-        return (right | self.guessed).mean(axis=1)
+        return self.outcomes(design).mean(axis=1)
 
     def single_scores(self) -> np.ndarray:
         """:meth:`scores` of every head knocked out alone, without an N × N design."""
