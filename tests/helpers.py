@@ -406,3 +406,16 @@ def open_measurement(manager, lm, tasks, num_samples=10):
 class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
     def __init__(self, args):
         self.args = args
+
+
+def tiny_task_docs(task: str) -> list[dict]:
+    """The test documents of one of tests/tasks' tiny tasks, from its own utils.py
+    (``tiny_copy``'s variants share tiny_copy's)."""
+    import importlib.util
+
+    folder = "tiny_copy" if task.startswith("tiny_copy") or task == "tiny_generate" else task
+    spec = importlib.util.spec_from_file_location(f"{folder}_utils",
+                                                  Path(TASKS) / folder / "utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.load_docs()["test"])

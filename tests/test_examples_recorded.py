@@ -12,7 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
-from helpers import TASKS, load_lm
+from helpers import TASKS, Request, load_lm, tiny_task_docs
 
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
@@ -49,28 +49,11 @@ def measurement(manager, lm, tasks, signal="metric", num_samples=6):
                               num_samples=num_samples, seed=0, signal=signal)
 
 
-def docs_of(task):
-    import importlib.util
-    from pathlib import Path
-
-    folder = "tiny_copy" if task.startswith("tiny_copy") else task
-    spec = importlib.util.spec_from_file_location(f"{folder}_docs",
-                                                  Path(TASKS) / folder / "utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return list(module.load_docs()["test"])
-
-
-class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
-    def __init__(self, *args):
-        self.args = args
-
-
 def hflm_answers(lm, heads, pairs):
     """HFLM's own (loglikelihood, is_greedy) answers, ``heads`` knocked out."""
     lm.set_heads(heads)
     try:
-        return lm.loglikelihood([Request(*p) for p in pairs], disable_tqdm=True)
+        return lm.loglikelihood([Request(p) for p in pairs], disable_tqdm=True)
     finally:
         lm.set_heads([])
 
@@ -79,7 +62,7 @@ def acc_by_hand(lm, task, heads, indices):
     """Each document's acc, in document order, from the YAMLs: tiny_copy's is whether its
     target is the greedy continuation; tiny_choice's whether its answer has the largest
     loglikelihood of the choices (after lm-eval's " " target delimiter)."""
-    docs = [docs_of(task)[i] for i in sorted(indices)]
+    docs = [tiny_task_docs(task)[i] for i in sorted(indices)]
     if task == "tiny_copy":
         return [float(greedy) for _, greedy in
                 hflm_answers(lm, heads, [(d["context"], d["target"]) for d in docs])]
@@ -94,7 +77,7 @@ def acc_by_hand(lm, task, heads, indices):
 def logprob_by_hand(lm, task, heads):
     """Each document's gold log-likelihood (every document, in order): tiny_choice's gold
     choice's log-softmax over its choices, tiny_copy's target's log-likelihood."""
-    docs = docs_of(task)
+    docs = tiny_task_docs(task)
     if task == "tiny_copy":
         return [ll for ll, _ in hflm_answers(lm, heads, [(d["context"], d["target"])
                                                           for d in docs])]

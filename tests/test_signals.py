@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TASKS, load_lm
+from helpers import TASKS, Request, load_lm, tiny_task_docs
 
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
-
-
-def _docs(task: str) -> list[dict]:
-    folder = "tiny_copy" if task in ("tiny_copy", "tiny_generate") else task
-    spec = importlib.util.spec_from_file_location(f"{folder}_utils",
-                                                  Path(TASKS) / folder / "utils.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return list(module.load_docs()["test"])
-
-
-class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
-    def __init__(self, *args):
-        self.args = args
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +28,7 @@ def hflm_loglikelihoods(lm, heads, pairs):
     """HFLM's own answers (its full-logits code path, not ours) with ``heads`` out."""
     lm.set_heads(heads)
     try:
-        return [ll for ll, _ in lm.loglikelihood([Request(*p) for p in pairs],
+        return [ll for ll, _ in lm.loglikelihood([Request(p) for p in pairs],
                                                  disable_tqdm=True)]
     finally:
         lm.set_heads([])
@@ -54,7 +39,7 @@ MASKS = [[], parse_heads("L0H1", 2, 4), parse_heads("L0H0+L1H2+L1H3", 2, 4)]
 
 def by_hand(lm, task, heads):
     """The task's logprob signal, written out from its YAML and documents."""
-    docs = _docs(task)
+    docs = tiny_task_docs(task)
     if task == "tiny_choice":  # target_delimiter " " before each choice; gold = answer
         values = []
         for doc in docs:
