@@ -253,10 +253,10 @@ def group_order(screen_order: Sequence[int], implicated: Iterable[int], design: 
 
 
 def halves(members: Members, position: Mapping[int, int]) -> tuple[Members, Members]:
-    """A set's two halves: its likelier half (by ``position``, the group order; columns
-    not in it last, by index) and the rest, each sorted. The likelier half holds the
-    members the fit or the prior point at, so the other half, without them, is the one
-    likely to rule its members out at once."""
+    """A set's two halves: its likelier half (by ``position``, the group order: the masks'
+    fit's implicated first, then the least covered; columns not in it last, by index) and
+    the rest, each sorted. The likelier half holds the members the fit points at, so the
+    other half, without them, is the one likely to rule its members out at once."""
     ranked = sorted(members, key=lambda h: (position.get(h, len(position)), h))
     middle = len(ranked) // 2
     return tuple(sorted(ranked[:middle])), tuple(sorted(ranked[middle:]))
