@@ -5,9 +5,9 @@ It lets the stock ``lm_eval`` command use ``--model hf-headablate`` and find our
 anything. It must cost nothing for unrelated programs: it imports no third-party module;
 it only waits for lm-eval's model registry (``lm_eval.models``) and task manager
 (``lm_eval.tasks.manager``) to be imported, and right after each tells
-``lm_eval_headloc.intervention.registration`` (which registers the lazy ``hf-headablate`` placeholder,
-and adds our task folder to every ``TaskManager``; it also loads this module for
-``import lm_eval_headloc`` where the ``.pth`` file did not).
+``lm_eval_headloc.intervention.registration`` (which registers the lazy ``hf-headablate``
+placeholder, and adds our task folder to every ``TaskManager``; it also loads this module
+for ``import lm_eval_headloc`` where the ``.pth`` file did not).
 """
 
 import sys
