@@ -8,7 +8,7 @@
 # whole default generating locate (scripts/bench_generation.py).
 # Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
 # this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. On a lent GPU machine
-# (docs/development.md, "Benchmarks on a lent GPU"), where one command may run 10 minutes,
+# (docs/development.md, "Benchmarks on a GPU"), where one command may run 10 minutes,
 # run one stage per call with OUT_DIR=$OUT, then here:
 #   python scripts/bench_sections.py copy <files_at>/BENCH.md BENCH.md
 # With .whl/ present (scripts/gpu_wheels.sh), the wheels are installed first.

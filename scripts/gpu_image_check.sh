@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rehearse a lent GPU machine's first call here, on the CPU, before spending its minutes:
-# a venv shaped like the device image (docs/development.md, "Benchmarks on a lent GPU":
+# a venv shaped like the device image (docs/development.md, "On a GPU machine without network":
 # torch and the image's own packages at the versions its page lists, nothing of ours),
 # the wheels scripts/gpu_wheels.sh carries (fetched for this Python), a copy of the
 # committed tree (what `run` sends, less the ignored files), then the same install step
