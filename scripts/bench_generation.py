@@ -2,7 +2,7 @@
 
 For a generation task measured by its metric (``multigen``: K masks share each ``generate``
 call, every row stopping on its own), it times ``measure_many`` at K = 1, the ``--ks`` and the
-automatic K (``measure.auto_masks_per_pass``), seconds per mask, against the bare
+automatic K (``measure.HarnessMeasurement.auto_masks_per_pass``), seconds per mask, against the bare
 ``model.generate`` of the very calls ours made (the same rows and new tokens, no harness, no
 hooks); then, with ``--locate``, a whole default ``headloc-harness locate`` of the task in a
 process of its own, timed from its start (imports and model load included) to its end.
@@ -143,7 +143,7 @@ def bare_generate(lm: Any, calls: Sequence[Call], device: str) -> float:
 def premap(share: float = 0.9) -> None:
     """Have the CUDA allocator map ``share`` of the free memory now, and keep it: whichever
     of ours and the bare generate ran first at a K would otherwise pay for growing into the
-    memory (on the first lease, ours ran first and was 1.29-1.41x the bare generate)."""
+    memory (on an H200 without it, ours ran first and was 1.29-1.41x the bare generate)."""
     free, _ = torch.cuda.mem_get_info()
     block = torch.empty(int(free * share), dtype=torch.uint8, device="cuda")
     del block  # back to the allocator's cache, still mapped (no empty_cache after it)

@@ -7,10 +7,10 @@
 # gen1b and gen8b time a generation task's measurement at K masks per generate call and a
 # whole default generating locate (scripts/bench_generation.py).
 # Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
-# this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. On a lent GPU machine
-# (docs/development.md, "Benchmarks on a GPU"), where one command may run 10 minutes,
-# run one stage per call with OUT_DIR=$OUT, then here:
-#   python scripts/bench_sections.py copy <files_at>/BENCH.md BENCH.md
+# this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. Run on another GPU
+# machine (docs/development.md, "Benchmarks on a GPU") with an empty OUT_DIR, then bring
+# its new sections into this BENCH.md:
+#   python scripts/bench_sections.py copy OUT_DIR/BENCH.md BENCH.md
 # With .whl/ present (scripts/gpu_wheels.sh), the wheels are installed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,20 +51,19 @@ run() {  # stage, the benchmark script, then its options
         2>&1 | tee "$logs/bench-$name.log"
 }
 
-# Sized so that both stages fit a lent machine's 15 minutes in all (the 8B stage alone in
-# one call, the 1B stage in a second; the first lease's timings are in docs/development.md):
-# the generation task's measurements are ~40 s each at 8B (~20 s at 1B), so they are
-# repeated less, and the generating locate is not run but derived from the logprob run's
-# fixed part and one measurement's seconds (on the H100 lease, where the 1B stage also ran
-# it, the derivation came out 30 % above the measured run); the 8B's masks-per-pass sweep
-# doubles K up to 16 (the automatic K is measured wherever it lies) and times 4 masks per K
-# beyond the warm-up. On that lease the 8B stage took 469 s and the 1B stage, with its
-# generating locate, all 390 s that were left; without it the 1B stage has room to time its
-# generating measurement twice (once, it came out 1.32x the limit while the locate's own
-# generating measurements took less than the limit). On the third lease (an H200) the 8B stage
-# took 492 s and the 1B stage was cut ~30 s before its end, so the 1B stage now stops its
-# sweep at K = 32 (K = 1 to 64 were within 6 % there) and times the reference's generation on
-# one document.
+# Sized so that each stage ends within 10 minutes on one H100 or H200 (the timings are in
+# docs/development.md, "Benchmarks on a GPU"): the generation task's measurements are ~40 s
+# each at 8B (~20 s at 1B), so they are repeated less, and the generating locate is not run
+# but derived from the logprob run's fixed part and one measurement's seconds (on an H100,
+# where the 1B stage also ran it, the derivation came out 30 % above the measured run); the
+# 8B's masks-per-pass sweep doubles K up to 16 (the automatic K is measured wherever it
+# lies) and times 4 masks per K beyond the warm-up. On that H100 the 8B stage took 469 s and
+# the 1B stage, with its generating locate, about 390 s; without it the 1B stage has room
+# to time its generating measurement twice (once, it came out 1.32x the limit while the
+# locate's own generating measurements took less than the limit). On an H200 the 8B stage
+# took 492 s and the 1B stage was stopped ~30 s before its end, so the 1B stage now stops
+# its sweep at K = 32 (K = 1 to 64 were within 6 % there) and times the reference's
+# generation on one document.
 if [ "$stage" = 1b ] || [ "$stage" = all ]; then
     run 1b bench_measure.py --config llama-3.2-1b --repeats 5 --gen-repeats 2 --reference-repeats 1 \
         --reference-gen-docs 1 --sweep-masks 8 --max-masks-per-pass 32 --locate choice gen:logprob
@@ -77,7 +76,7 @@ fi
 # Generation at K masks per generate call (bench_generation.py): K = 1, 4, 8 and the
 # automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
 # automatic K, then a whole default locate in a process of its own (timed out at 330 s at 8B
-# so that the stage ends inside one call's 10 minutes).
+# so that the stage ends within 10 minutes).
 if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
     run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --locate --locate-timeout 330
 fi

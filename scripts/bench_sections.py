@@ -3,7 +3,7 @@
 ``bench_measure.py`` on the CPU owns the head of the file (everything outside marked
 sections); every other writer (``bench_measure.py --device cuda``, ``bench_workers.py`` per
 device) owns one section between ``<!-- NAME: start -->`` and ``<!-- NAME: end -->``. A
-writer replaces only what it owns, so a GPU run on a borrowed machine and a CPU run here
+writer replaces only what it owns, so a GPU run on another machine and a CPU run here
 never erase each other's numbers. Nor a file that is not a BENCH.md: one that begins neither
 with its title nor with a section is refused (``bench_refusal``).
 
@@ -110,11 +110,11 @@ def copy_sections(source: Path, target: Path, names: list[str] | None = None
     or appended; returns the names copied and the names left as they are.
 
     With ``names`` None, every section of ``source`` that ``target`` lacks or holds
-    measured earlier: a lent machine's copy of BENCH.md also carries the sections it was
-    given, so copying two runs' files one after the other must not put the first run's
-    new numbers back to the old ones. A section that differs with no measurement time to
-    compare is an error (name it to copy it). A name ``source`` lacks is an error too;
-    on any error nothing is written."""
+    measured earlier: a copy of BENCH.md written on another machine also carries the
+    sections it started with, so copying two runs' files one after the other must not put
+    the first run's new numbers back to the old ones. A section that differs with no
+    measurement time to compare is an error (name it to copy it). A name ``source`` lacks
+    is an error too; on any error nothing is written."""
     found = sections(source.read_text(encoding="utf-8"))
     have = sections(target.read_text(encoding="utf-8")) if target.is_file() else {}
     if names is None:
@@ -149,7 +149,7 @@ def copy_sections(source: Path, target: Path, names: list[str] | None = None
 
 def main(argv: list[str] | None = None) -> int:
     """``python scripts/bench_sections.py copy FROM TO [NAME ...]``: bring the sections a
-    benchmark wrote elsewhere (a lent GPU machine's copy of BENCH.md) into ``TO``."""
+    benchmark wrote elsewhere (a GPU machine's copy of BENCH.md) into ``TO``."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

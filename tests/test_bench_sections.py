@@ -87,9 +87,9 @@ def _dated(when: str, rows: str) -> str:
 
 
 def test_copying_two_runs_files_in_turn_keeps_each_runs_new_section(tmp_path, capsys):
-    """Each lent-machine run's BENCH.md also holds the sections it was given: copying the
-    second run's file after the first's must not put the first run's new section back to
-    the old one it carried (the 2026-11-26 lease's 8B rows were lost that way)."""
+    """Each GPU machine's copy of BENCH.md also holds the sections it started with: copying
+    the second run's file after the first's must not put the first run's new section back
+    to the old one it carried (the 8B rows of 2026-11-26 were once lost that way)."""
     here, first, second = (tmp_path / name for name in ("BENCH.md", "8b.md", "1b.md"))
     here.write_text(FILE, encoding="utf-8")
     bench_sections.write_section(here, "bench 8b", _dated("2026-11-26 12:44", "old 8b"))
@@ -155,7 +155,7 @@ def test_no_writer_touches_a_file_that_is_not_a_bench_page(tmp_path, capsys, tex
 
 
 def test_a_file_begun_by_a_section_and_an_empty_file_are_written(tmp_path):
-    """A lent GPU machine's BENCH.md may begin with the section first written into it; an
+    """A GPU machine's BENCH.md may begin with the section first written into it; an
     empty file has nothing to lose."""
     begun, empty = tmp_path / "gpu.md", tmp_path / "empty.md"
     bench_sections.write_section(begun, "bench_measure cuda", "first")

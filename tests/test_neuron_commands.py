@@ -311,7 +311,7 @@ def test_universal_counts_neurons_as_it_counts_heads(tiny_model_dir, tmp_path, c
 
 def test_verifys_header_counts_what_a_random_set_knocks_out():
     # A top-3 with a neuron group knocks out 12 neurons: the random sets are that large,
-    # and the header said "sets of 3" (a helper's audit).
+    # and the header once said "sets of 3".
     from lm_eval_headloc.commands.verify import verification_markdown
 
     top = ["L0N1+L0N2+L0N3+L0N4+L0N5+L0N6+L0N7+L0N8+L0N9+L0N10", "L1N1", "L1N2"]
