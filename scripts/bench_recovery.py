@@ -23,9 +23,9 @@ the M-mask design itself (checked below). Per (task, method, budget, seed):
 Cost is counted in measurement-equivalents (forward passes over the example subset):
 M masks (the baseline measurement, one more, is left out of every row alike). A
 confirming method (``--confirm``, the defaults) spends a budget M as its prior's
-allowance (``confirm.PRIOR_ALLOWANCE``; the prior's measured cost is in the table), then
+allowance (``budget.PRIOR_ALLOWANCE``; the prior's measured cost is in the table), then
 masks and heads knocked out alone as the simulator splits it
-(``bench.simulation.confirmed_split``: the defaults' ``confirm.budget_split``, the
+(``bench.defaults.confirmed_split``: the defaults' ``budget.budget_split``, the
 earlier defaults' halves); its runs are made per budget (a confirmation is no prefix).
 
 Methods that fit the logprob signal use the same runs as their metric twins: a
@@ -119,7 +119,7 @@ class Method:
     alpha: float = 0.01
     #: Confirmation (--confirm): a budget M is the prior's allowance, then the rest split
     #: between masks and heads knocked out alone as the simulated method ``split_as``
-    #: splits it (``bench.simulation.confirmed_split``); a run per budget (no prefixes).
+    #: splits it (``bench.defaults.confirmed_split``); a run per budget (no prefixes).
     confirm: bool = False
     prior_kind: str = "atp"  # --prior of a confirming method
     split_as: str = "before"

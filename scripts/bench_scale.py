@@ -10,7 +10,7 @@ gsm8k-shaped generation task (``bench_shapes.write_tasks``), it times:
    scaled to all of them (batch size 1 makes it linear in the documents);
 2. K masks per forward pass, K doubling from 1 until the GPU runs out of memory (or
    ``--max-masks-per-pass``), with peak memory, and the automatic K
-   (``measure.auto_masks_per_pass``) against the best measured;
+   (``measure.HarnessMeasurement.auto_masks_per_pass``) against the best measured;
 3. the generation task measured by generating against ``--signal logprob`` (the gold
    answers' teacher-forced log-likelihood, several masks per pass);
 4. whole ``locate`` runs with the default settings but fewer masks and confirmations,

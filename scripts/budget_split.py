@@ -1,5 +1,5 @@
 """How the default budget is split between masks and heads measured alone, with and
-without an attribution prior: the evidence behind ``confirm.MASK_SHARE``.
+without an attribution prior: the evidence behind ``budget.MASK_SHARE``.
 
 Two sources, each counting how many of the exhaustive top-5 (every head knocked out alone,
 ranked by the task's metric, ties by the gold log-likelihood) a confirming run's top-5
@@ -11,7 +11,7 @@ holds:
   would measure them), the prior the committed atp-path prior (``prior-atp-path``), and a
   head measured alone reads what the exhaustive run measured for it (``benchmarks/
   exhaustive``: the same examples, the same knockout). The confirmation itself is the
-  package's (``bench.simulation.confirming_run``: ``confirm.confirmation``'s rounds,
+  package's (``bench.defaults.confirming_run``: ``confirm.confirmation``'s rounds,
   the screen refitted with what was measured, the run's ranking rule), so a replay is what
   ``locate`` would have done with those measurements. A check runs first: replaying each
   committed default run (``stratified-p0.1-atp-path/m54-seed<s>``, its own masks) must
@@ -130,7 +130,7 @@ class EmbeddedTask:
     def run(self, design: np.ndarray, scores: np.ndarray, prior: np.ndarray | None,
             confirm: int, method: str = "defaults") -> tuple[list[int], list[int]]:
         """(the heads measured alone, the top-5) of a confirming run on these masks
-        (``bench.simulation.confirming_run``; ``method`` "before": every head picked up
+        (``bench.defaults.confirming_run``; ``method`` "before": every head picked up
         front from one plain fit), each head alone reading the exhaustive run's
         measurement of it."""
         picked, top = confirming_run(design, scores, prior, confirm, self.changes,
@@ -282,7 +282,7 @@ def simulated_rows(n_heads: Sequence[int], seeds: int) -> list[dict]:
 def grouped_rows(n_heads: Sequence[int], seeds: int) -> list[dict]:
     """Found of the exhaustive top-5 and the exact top-5 in the simulator at the default
     budget, with ``GROUP_TESTS`` of its heads measured alone spent on group tests instead
-    (``bench.simulation.grouped_run_top``), per N and prior."""
+    (``bench.defaults.grouped_run_top``), per N and prior."""
     world = simulate_recovery._world_options(simulate_recovery.parse_args([]))
     rows = []
     for n in n_heads:
@@ -428,7 +428,7 @@ def render(embedded: list[dict], methods: list[dict], simulated: list[dict],
         "", f"```bash\n{command}\n```", "",
         "A budget of M measurement-equivalents is the prior's allowance (8 for atp-path, "
         "none without a prior), then a share of the rest in masks (p = 0.1) and the "
-        "remainder measured alone in rounds of 5 (`confirm.budget_split`). The defaults: "
+        "remainder measured alone in rounds of 5 (`budget.budget_split`). The defaults: "
         f"{MASK_SHARE[True]:.2f} with a prior (12 + 34 at 54), {MASK_SHARE[False]:.2f} "
         "without one (27 + 27). Each cell: how many of the exhaustive top-5 the run's "
         "top-5 holds, the mean over runs. The method is in the docstring of "

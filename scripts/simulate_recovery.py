@@ -335,12 +335,12 @@ def defaults_section(args: argparse.Namespace) -> str:
     allowance = {method: PRIOR_ALLOWANCE[METHOD_PRIOR[method]] for method in METHODS}
     lines = ["", "## The defaults: prior, masks, then heads confirmed alone", "",
              "Two methods, each a budget M of measurement-equivalents at p = 0.1 "
-             "(`bench.simulation.confirmed_split`, `bench.simulation.confirming_run_top`, "
+             "(`bench.defaults.confirmed_split`, `bench.defaults.confirming_run_top`, "
              "the package's `confirm` functions):", "",
              f"- **defaults** (today's: `--prior auto`, i.e. atp-path): "
              f"{allowance['defaults']} for a prior of {PRIOR_POINTS['defaults']} "
              "rankings (the clean run's and the half-ablated run's: "
-             "`bench.simulation.simulated_prior`, each point with its own noise and its own "
+             "`bench.defaults.simulated_prior`, each point with its own noise and its own "
              "missed heads, drawn independently, an assumption that is optimistic where "
              f"real misses correlate), then round((M − {allowance['defaults']}) · "
              f"{masks}/{masks + confirm}) masks and the rest measured alone "

@@ -31,7 +31,7 @@ __all__ = ["METHODS", "METHOD_PRIOR", "PRIOR_POINTS", "confirmed_masks_needed", 
 
 #: The confirming methods the simulator runs. ``"defaults"``: today's (``--prior auto``,
 #: which is atp-path: two rankings, the clean run's and the half-ablated run's; then the
-#: budget split as ``confirm.budget_split`` splits it, 12 masks at p = 0.1 and 34 heads
+#: budget split as ``budget.budget_split`` splits it, 12 masks at p = 0.1 and 34 heads
 #: confirmed at M = 54, picked in rounds of ``confirm.ROUND``, the screen refitted after
 #: each round with the measured heads held fixed). ``"before"``: the defaults until then
 #: (``--prior atp``, one ranking; the rest of the budget halved, 25 + 25 at M = 54, every
@@ -39,7 +39,7 @@ __all__ = ["METHODS", "METHOD_PRIOR", "PRIOR_POINTS", "confirmed_masks_needed", 
 METHODS: tuple[str, ...] = ("defaults", "before")
 
 
-#: Each method's ``--prior``: its allowance is ``confirm.PRIOR_ALLOWANCE``'s.
+#: Each method's ``--prior``: its allowance is ``budget.PRIOR_ALLOWANCE``'s.
 METHOD_PRIOR: dict[str, str] = {"defaults": "atp-path", "before": "atp"}
 
 
@@ -226,8 +226,8 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
 def confirmed_split(budget: int, method: str = "defaults", use_prior: bool = True
                     ) -> tuple[int, int]:
     """(masks, heads confirmed) of a budget in measurement-equivalents, after the
-    method's prior's allowance (``confirm.PRIOR_ALLOWANCE``; none without a prior):
-    ``"defaults"``, ``confirm.budget_split`` (12 + 34 at 54); ``"before"``, the rest
+    method's prior's allowance (``budget.PRIOR_ALLOWANCE``; none without a prior):
+    ``"defaults"``, ``budget.budget_split`` (12 + 34 at 54); ``"before"``, the rest
     halved, masks rounded down (25 + 25 at 54)."""
     _check_method(method)
     prior = METHOD_PRIOR[method] if use_prior else "none"

@@ -4,7 +4,7 @@ them knocked out: is a capability's set specific to it, or general machinery oth
 need as much?
 
 Rows are the sets knocked out (``RUN:task``), columns the tasks measured, cells the drop
-relative to the unablated baseline (``report.relative_drop``); erased (scale 0), and with
+relative to the unablated baseline (``ranking.relative_drop``); erased (scale 0), and with
 ``--scale`` not 0 also at that scale (2: enhanced). One model load measures everything,
 through ``runs.plan.run_plan``, so a killed run resumes.
 """

@@ -173,7 +173,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                              f"{measure.no_prior_reason()})")
         estimates = attribution_prior(folder, measure, method, kinds) if method else None
         # --masks and --confirm left out of a new run: the default budget's split for the
-        # prior it has (confirm.default_split).
+        # prior it has (budget.default_split).
         spec = run.spec = spec.budgeted(method)
         allowance = PRIOR_ALLOWANCE[method] if method else 0
         spec.check_cap(allowance)

@@ -87,7 +87,7 @@ class RankingFile:
 
     def within_spread(self, k: int) -> list[str]:
         """The top-k names that hurt the task by no more than the ranking's largest single
-        help (``report.within_spread``, from the file): no evidence the task needs them."""
+        help (``report.pages.within_spread``, from the file): no evidence the task needs them."""
         if self.largest_help is None or self.effects is None or self.nothing_found(k):
             return []
         return [name for name, effect in zip(self.names[:k], self.effects, strict=False)

@@ -5,7 +5,7 @@ of neuron runs are counted as heads are (listed under ``head`` too). Ties are no
 order: where a ranking's k-th and (k+1)-th have the same evidence, the members of that tie
 group are in its top-k by name order only, so they count for no task; a head that would
 reach ``min_tasks`` with them is listed as undecided, not as universal. A head that hurts
-a task by no more than a single knockout helps it there (``report.within_spread``) counts
+a task by no more than a single knockout helps it there (``report.pages.within_spread``) counts
 as listed, marked ``within_spread_in`` with those rankings: noise, not evidence."""
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     """Heads in the top-k of rankings of at least ``min_tasks`` distinct tasks (two runs
     of one task, on other examples say, are one task) -> ``out`` (JSON); a
     head counts for a task only where its ranking does not record it as harmless
-    (``report.recorded_harmless``).
+    (``report.pages.recorded_harmless``).
 
     Rankings are labelled by their run folder's full path and task; every run must be
-    of the same model (``spec.same_model``: the same ``model_args`` but for where it ran).
+    of the same model (``model_args.same_model``: the same ``model_args`` but for where it ran).
     """
     runs = run_list(runs)
     top_k = RunSpec(top_k=top_k).validate().top_k  # --top-k's one check

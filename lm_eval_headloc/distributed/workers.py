@@ -196,7 +196,7 @@ def _scores_as_values(scores: Mapping[str, TaskScore]) -> dict[str, float]:
 class MeasurementWorker:
     """One worker's model and measurement (made a Ray actor by :func:`start_workers`).
 
-    Built by ``build`` (the run layer's ``runs.setup.worker_measurement``, passed in so
+    Built by ``build`` (the run layer's ``runs.plan.worker_measurement``, passed in so
     this layer need not import the one above it) from the driver's resolved spec, the
     extra tasks it measures (verify's general tasks), its example count or limit and its
     reference set, so it measures exactly what the driver would.

@@ -167,7 +167,7 @@ class ComponentKnockout:
         #: The layers with heads (every layer but a hybrid model's others).
         self.layers_with_heads = self.geometry.layers_with_heads
         modules = find_attention_outputs(model, attn_out)
-        #: The first layer's head width (``geometry.head_dim_of`` gives each layer's).
+        #: The first layer's head width (``geometry.Geometry.head_dim_of`` gives each layer's).
         self.head_dim = input_features(modules[0]) // self.heads_per_layer
         self.mlp_out = mlp_out
         self._sites: dict[str, _Site] = {}

@@ -65,7 +65,7 @@ def ig_points(steps: int = IG_STEPS) -> tuple[float, ...]:
 #: gradients (EAP-IG; knowledge neurons and CNL for MLP neurons): the integrand averaged
 #: over ``IG_STEPS`` midpoints, whose sum over every unit is the effect of ablating them
 #: all; it costs a forward pass and a forward and backward pass per point
-#: (``confirm.PRIOR_ALLOWANCE`` sets atp's allowance aside per point).
+#: (``budget.PRIOR_ALLOWANCE`` sets atp's allowance aside per point).
 PRIOR_POINTS: dict[str, tuple[float | tuple[float, ...], ...]] = {
     "atp": (0.0,), "atp-path": (0.0, 0.5), "ig": (ig_points(),)}
 

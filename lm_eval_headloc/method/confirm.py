@@ -17,8 +17,8 @@ the screen's order is informative all the way down (its Lasso's zeros ordered by
 marginal contrast of the same residual, never by head index).
 
 A budget in measurement-equivalents is spent as the prior's allowance, masks and heads
-measured alone (``budget_split``; the defaults' 54 as 8 + 12 + 34 with a prior, 27 + 27
-without one: ``default_split``). Heads measured alone
+measured alone (``budget.budget_split``; the defaults' 54 as 8 + 12 + 34 with a prior,
+27 + 27 without one: ``budget.default_split``). Heads measured alone
 rank by one rule (``rank_measured``), whether a confirmation picked them or one-shot
 greedy measured every head.
 
@@ -48,9 +48,6 @@ ROUND = 5
 
 #: What a head measured alone changed, per task: (score change, logprob change).
 Changes = Mapping[int, tuple[float, float]]
-
-# --- the budget: the prior's allowance, masks, heads measured alone ----------------------
-
 
 # --- the prior's part: its rankings and the screen's penalty weights ---------------------
 

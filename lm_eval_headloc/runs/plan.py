@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.timing import timed
@@ -27,9 +27,6 @@ from lm_eval_headloc.runs.record import RunRecord, measured_on, start_run
 from lm_eval_headloc.runs.setup import Setup, prepare
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import make_task_manager
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DEFAULT_BATCH_SIZE", "LM_EVAL_FILES", "chat_settings", "generation_batch",
            "load_model", "measured_plan", "nothing_left", "open_measurement", "set_ablation",
@@ -87,7 +84,7 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
 def worker_measurement(spec: Mapping[str, Any], *, extra_tasks: Sequence[str],
                        num_samples: int | None, limit: int | None,
                        reference: list[str] | None) -> Any:
-    """One Ray worker's measurement, from the driver's resolved spec (``spec.as_config``):
+    """One Ray worker's measurement, from the driver's resolved spec (``spec.RunSpec.as_config``):
     the same tasks, example subset and reference set, as one process on the worker's own
     device (``workers.worker_spec``)."""
     from lm_eval_headloc.distributed.workers import worker_spec

@@ -184,7 +184,7 @@ class RunSpec:
         legacy=4)  # 4: the rows before the option
     design: str = _option("stratified", "how masks are drawn", choices=DESIGNS)
     # --masks and --confirm: None is the default budget's split for the run's prior
-    # (confirm.default_split), or on a resumed run the run's own (RunSpec.budgeted).
+    # (budget.default_split), or on a resumed run the run's own (RunSpec.budgeted).
     masks: int | str | None = _option(
         None,
         "measurements (masks) in the design; rerun with more to extend a run, refit "
@@ -388,7 +388,7 @@ class RunSpec:
         """This spec with ``masks`` and ``confirm`` set where they are None: ``stored``'s
         (the run being resumed: a rerun without them keeps what it measured), else the
         default budget's split for ``prior``, the prior the run computes (``None``: none;
-        ``confirm.default_split``)."""
+        ``budget.default_split``)."""
         spec = self if stored is None else self.keeping_budget(stored)
         masks, alone = default_split(prior)
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
