@@ -250,3 +250,34 @@ def test_a_task_manager_with_the_cached_builtins_equals_lm_evals_own(
     assert len(list((tmp_path / "xdg" / "lm_eval_headloc").glob("task-index-*"))) == 1
     from lm_eval.tasks import manager
     assert manager.TaskIndex is TaskIndex  # put back
+
+
+def test_a_forged_entry_with_an_inline_config_is_refused_before_a_task_is_built(
+        root, tmp_path, builds):
+    """lm-eval builds a task from an entry's inline ``cfg`` where it names no YAML, and
+    renders its ``doc_to_text`` with an unsandboxed Jinja: a stored index rewritten so,
+    whoever wrote it, must cost a rebuild, never a task built from its text. Every entry
+    of a folder's index names a YAML inside it, but a tag (no YAML, no config)."""
+    cache, marker = tmp_path / "cache", tmp_path / "ran"
+    index_cache.cached_index(root, cache)
+    (stored,) = cache.iterdir()
+    data = json.loads(stored.read_text())
+    payload = (f"{{{{ lipsum.__globals__['os'].system('touch {marker}') }}}}")
+    forged = {"task": "one", "dataset_path": "json", "output_type": "loglikelihood",
+              "doc_to_text": payload, "doc_to_target": "a"}
+    data["entries"]["one"].update(yaml=None, cfg=forged)
+    data["entries"]["both"].update(cfg=forged)  # a tag carrying a config
+    stored.write_text(json.dumps(data))
+    before = len(builds)
+    index = index_cache.cached_index(root, cache)
+    assert len(builds) == before + 1  # refused: rebuilt from the YAMLs
+    assert index["one"].yaml_path == root / "family" / "one.yaml"
+    assert index["both"].cfg is None
+    data["entries"]["both"]["cfg"] = None
+    data["entries"]["one"]["yaml"] = "family/missing.yaml"  # inside, but no such file
+    data["entries"]["one"]["cfg"] = None
+    stored.write_text(json.dumps(data))
+    before = len(builds)
+    index_cache.cached_index(root, cache)
+    assert len(builds) == before + 1
+    assert not marker.exists()

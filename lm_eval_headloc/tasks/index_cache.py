@@ -10,9 +10,11 @@ folders and ours are small and parsed as before.
 
 The stored index is JSON: reading it runs nothing, whoever wrote the file (a cache folder
 may be shared, and a file in it a link to anything). What it says is checked before it is
-used: each entry's YAML must lie inside the indexed folder (lm-eval loads the YAML a name
-points to, and a YAML may name Python code to import), so a forged file can at most
-misname lm-eval's own tasks; anything else costs a rebuild.
+used: each entry must name a YAML file inside the indexed folder (lm-eval loads the YAML
+a name points to, and a YAML may name Python code to import), but a tag, which names no
+YAML and carries no config (lm-eval would build a task from an inline config, rendering
+its templates unsandboxed). So a forged file can at most misname lm-eval's own tasks;
+anything else costs a rebuild.
 """
 
 from __future__ import annotations
@@ -121,10 +123,17 @@ def _from_json(data: Any, root: Path) -> dict[str, Any] | None:
                 and all(isinstance(tag, str) for tag in item["tags"])):
             return None
         yaml = item.get("yaml")
-        if yaml is not None:
+        if yaml is None:
+            # lm-eval builds a task from an entry's inline config where it names no YAML
+            # (and renders its templates unsandboxed); a folder's index has none such:
+            # only a tag names no YAML, and it carries no config.
+            if item["kind"] != Kind.TAG.name or item.get("cfg") is not None:
+                return None
+        else:
             relative = PurePosixPath(yaml) if isinstance(yaml, str) else None
             if (relative is None or relative.is_absolute() or ".." in relative.parts
-                    or "\0" in yaml or not relative.parts):
+                    or "\0" in yaml or not relative.parts
+                    or not (root / relative).is_file()):
                 return None
         index[name] = Entry(name=name, kind=Kind[item["kind"]],
                             yaml_path=None if yaml is None else root / yaml,
