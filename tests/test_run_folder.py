@@ -497,3 +497,23 @@ def test_a_refused_run_folder_leaves_no_output_path_behind(tiny_model_dir, tmp_p
                    "--output-path", str(tmp_path / "brand" / "new")) == 2
     assert_names(last_error(capsys), str(mine))
     assert not (tmp_path / "brand").exists()
+
+
+def test_a_whole_last_measurement_without_its_newline_is_kept(tmp_path):
+    """A last line that parses as a whole measurement lost only its newline (an editor, a
+    copy): it was cut as "unfinished" and measured again, gone even where the model then
+    failed to load. It is kept, and the lock's holder adds the newline."""
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    run = _started_run(tmp_path / "run")
+    first = json.dumps({"key": "mask-0000", "mask": "L0H1", "scores": {"t": 0.5}})
+    last = json.dumps({"key": "mask-0001", "mask": "L1H0", "scores": {"t": 0.25}})
+    (run / "measurements.jsonl").write_text(first + "\n" + last)
+    assert [r["key"] for r in RunFolder(run).measurements()] == ["mask-0000", "mask-0001"]
+    assert (run / "measurements.jsonl").read_text() == first + "\n" + last  # reader: as is
+    with RunFolder(run).lock() as holder:
+        assert [r["key"] for r in holder.measurements()] == ["mask-0000", "mask-0001"]
+        holder.append_measurement({"key": "mask-0002", "mask": "L1H1", "scores": {"t": 0.0}})
+        assert [r["key"] for r in holder.measurements()] == ["mask-0000", "mask-0001",
+                                                             "mask-0002"]
+    assert (run / "measurements.jsonl").read_text().startswith(first + "\n" + last + "\n")

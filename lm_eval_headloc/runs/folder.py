@@ -108,6 +108,14 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def _json_or_none(raw: bytes) -> Any:
+    """One line's JSON value, or None where it is not JSON."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too many digits
+        return None
+
+
 def _is_measurement(record: Any) -> bool:
     return (isinstance(record, dict) and isinstance(record.get("key"), str)
             and isinstance(record.get("mask"), str) and isinstance(record.get("scores"), dict))
@@ -531,17 +539,21 @@ class RunFolder:
         data = path.read_bytes()
         lines = data.split(b"\n")
         torn = lines.pop()  # b"" when the file ends with a newline
-        if torn and self._lock_fd is not None:
+        if torn and _is_measurement(_json_or_none(torn)):
+            # Whole, only its newline missing: kept (the lock's holder adds the newline,
+            # so the next append starts a line of its own).
+            lines.append(torn)
+            if self._lock_fd is not None:
+                with path.open("ab") as handle:
+                    handle.write(b"\n")
+        elif torn and self._lock_fd is not None:
             with path.open("r+b") as handle:
                 handle.truncate(len(data) - len(torn))
             log.warning("%s: dropped an unfinished last line (%d bytes) left by an "
                         "interrupted run; it will be measured again", path, len(torn))
         records = []
         for number, raw in enumerate(lines, start=1):
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                record = None
+            record = _json_or_none(raw)
             if not _is_measurement(record):
                 if (str(path.resolve()), number, raw) not in _SAID_SKIPPED:  # once a run
                     _SAID_SKIPPED.add((str(path.resolve()), number, raw))
