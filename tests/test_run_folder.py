@@ -517,3 +517,19 @@ def test_a_whole_last_measurement_without_its_newline_is_kept(tmp_path):
         assert [r["key"] for r in holder.measurements()] == ["mask-0000", "mask-0001",
                                                              "mask-0002"]
     assert (run / "measurements.jsonl").read_text().startswith(first + "\n" + last + "\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_in_place_of_a_runs_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO as measurements.jsonl hung locate for ever after the baseline (the append
+    waits for a reader)."""
+    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+
+    run = _started_run(tmp_path / "run")
+    (run / "measurements.jsonl").unlink(missing_ok=True)
+    os.mkfifo(run / "measurements.jsonl")
+    for call in (lambda f: f.measurements(),
+                 lambda f: f.append_measurement({"key": "baseline", "mask": "",
+                                                 "scores": {"t": 0.5}})):
+        with pytest.raises(RunFolderError, match="not a regular file"):
+            call(RunFolder(run))
