@@ -408,6 +408,12 @@ def test_a_kill_mid_group_tests_resumes_to_the_same_tests_ranking_and_certificat
     (["--group-tests", "4", "--confirm", "0"], "--group-tests 4: group tests look for"),
     (["--group-tests", "-1"], "--group-tests"),
     (["--group-tests", "2.5"], "--group-tests"),
+    # int() reads other scripts' digits: Arabic-Indic three.
+    (["--group-tests", "\u0663"], "only ASCII digits"),
+    (["--confirm", "\u0663"], "only ASCII digits"),
+    (["--group-tests", "1" + "0" * 23], "<= 10000000"),
+    (["--max-measurements", "1" + "0" * 12], "1 <= value <= 10000000"),
+    (["--masks", "1" + "0" * 12], "2 <= value <= 10000000"),
 ])
 def test_bad_group_tests_are_one_line_refusals(given, fragment, tmp_path, capsys,
                                                no_model_loading):

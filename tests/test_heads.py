@@ -52,6 +52,7 @@ def test_flat_index_round_trip():
         ("L0H1+", ("empty head name",)),
         ("", ("head list is empty",)),
         ("l0h1", ("'l0h1'",)),
+        ("L\u0660H\u0660", ("'L\u0660H\u0660'",)),  # Arabic-Indic digits: not a head
     ],
 )
 def test_bad_heads_name_the_value_and_the_allowed_range(spec, values):

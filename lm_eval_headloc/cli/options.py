@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
-from lm_eval_headloc.runs.option_values import flag_of
+from lm_eval_headloc.runs.option_values import comma_list, flag_of
 from lm_eval_headloc.runs.spec import RunSpec
 
 __all__ = ["LM_EVAL_SPELLING", "add_options"]
@@ -64,7 +64,12 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
 
 
 def _argparse_type(parse: Any, flag: str) -> Any:
+    numeric = parse is not comma_list
+
     def convert(text: str) -> Any:
+        if numeric and not text.isascii():  # int() reads Arabic-Indic and other digits
+            raise argparse.ArgumentTypeError(f"{text!r}: only ASCII digits are read as "
+                                              "numbers")
         try:
             return parse(text)
         except (ValueError, UsageError) as err:

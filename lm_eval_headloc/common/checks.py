@@ -27,6 +27,11 @@ def _shown(name: str, value: object) -> str:
     return f"{name} {value!r}" if name.startswith("--") else f"{name}={value!r}"
 
 
+def _bound(value: float) -> str:
+    """A bound as written: a whole one in full (10000000, not 1e+07)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def _allowed(whole: bool, min_val: float | None, max_val: float | None,
              include_boundaries: str) -> str:
     kind = "a whole number" if whole else "a finite number"
@@ -34,13 +39,13 @@ def _allowed(whole: bool, min_val: float | None, max_val: float | None,
     high = include_boundaries in ("right", "both")
     if min_val is not None and max_val is not None:
         if not low and not high:
-            return f"{kind} strictly between {min_val:g} and {max_val:g}"
-        return (f"{kind} with {min_val:g} {'<=' if low else '<'} value "
-                f"{'<=' if high else '<'} {max_val:g}")
+            return f"{kind} strictly between {_bound(min_val)} and {_bound(max_val)}"
+        return (f"{kind} with {_bound(min_val)} {'<=' if low else '<'} value "
+                f"{'<=' if high else '<'} {_bound(max_val)}")
     if min_val is not None:
-        return f"{kind} {'>=' if low else '>'} {min_val:g}"
+        return f"{kind} {'>=' if low else '>'} {_bound(min_val)}"
     if max_val is not None:
-        return f"{kind} {'<=' if high else '<'} {max_val:g}"
+        return f"{kind} {'<=' if high else '<'} {_bound(max_val)}"
     return kind
 
 

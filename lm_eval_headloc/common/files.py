@@ -20,7 +20,7 @@ _PEEK = 4096
 
 #: The name of ``write_atomically``'s partial file of ``<name>``, left behind only by a kill
 #: mid-write.
-PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial")
+PARTIAL = re.compile(r"\.(?P<name>.+)\.\d+\.partial", re.ASCII)
 
 
 def cache_root() -> Path:

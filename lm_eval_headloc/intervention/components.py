@@ -39,7 +39,7 @@ __all__ = [
     "validate_heads",
 ]
 
-_TOKEN = re.compile(r"^L(\d+)([HN])(\d+|\*)$")
+_TOKEN = re.compile(r"^L(\d+)([HN])(\d+|\*)$", re.ASCII)
 
 
 class ComponentSpecError(UserError):

@@ -46,7 +46,7 @@ MAX_LISTED = 64
 HASH_DIGITS = 12
 #: The model arguments a knockout's own ``ablate=`` (and ``scale=``) replace.
 _KNOCKOUT_ARGS = ("ablate", "ablate_file", "ablate_top", "scale")
-_WILDCARD = re.compile(r"^L\d+[HN]\*$")
+_WILDCARD = re.compile(r"^L\d+[HN]\*$", re.ASCII)
 #: What a name says was knocked out when nothing was (no component is named so).
 NOTHING = "none"
 

@@ -169,7 +169,7 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
 
 # --- the other files against config.json ------------------------------------------------
 
-_COLUMN = re.compile(r"L(\d+)([HNG])(\d+)")
+_COLUMN = re.compile(r"L(\d+)([HNG])(\d+)", re.ASCII)
 
 
 class _Run:

@@ -21,7 +21,7 @@ from lm_eval_headloc.intervention.arg_string import ModelArgs
 RESULT, SETTING, RUNTIME = "result", "setting", "runtime"
 _SAME = object()  # option's legacy: the same as the default
 
-__all__ = ["ABLATION_FLAGS", "HARNESS_MODEL_ARGS", "RESULT", "RUNTIME", "SETTING",
+__all__ = ["ABLATION_FLAGS", "HARNESS_MODEL_ARGS", "MAX_COUNT", "RESULT", "RUNTIME", "SETTING",
            "canonical_gen_kwargs", "check_model_args", "comma_list", "flag_of", "option",
            "parse_batch_size", "parse_candidates", "parse_examples_part", "parse_gen_kwargs",
            "parse_masks", "parse_max_measurements", "parse_sparsity", "path_list",
@@ -31,6 +31,11 @@ __all__ = ["ABLATION_FLAGS", "HARNESS_MODEL_ARGS", "RESULT", "RUNTIME", "SETTING
 def flag_of(name: str) -> str:
     """A RunSpec field's command-line flag: ``num_fewshot`` -> ``--num-fewshot``."""
     return "--" + name.replace("_", "-")
+
+
+#: The most measurements a count option takes (masks, heads alone, group tests, the cap):
+#: more than a run makes in a year at a second each, so a larger number is a typo.
+MAX_COUNT = 10**7
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -67,13 +72,15 @@ def parse_masks(value: int | str) -> int | str:
     """A whole number >= 2 (the fit needs two masks: one is an error after measuring it)
     or ``auto``."""
     return _number_or_word(value, "--masks", lambda t: t == "auto",
-                           "a whole number >= 2 or 'auto'", whole=True, min_val=2)
+                           f"a whole number from 2 to {MAX_COUNT} or 'auto'", whole=True,
+                           min_val=2, max_val=MAX_COUNT)
 
 
 def parse_max_measurements(value: int | str) -> int | str:
     """A whole number >= 1 or ``auto``."""
     return _number_or_word(value, "--max-measurements", lambda t: t == "auto",
-                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
+                           f"a whole number from 1 to {MAX_COUNT} or 'auto'", whole=True,
+                           min_val=1, max_val=MAX_COUNT)
 
 
 def parse_examples_part(value: str | None) -> tuple[int, int] | None:
@@ -93,7 +100,8 @@ def parse_examples_part(value: str | None) -> tuple[int, int] | None:
 def parse_candidates(value: int | str) -> int | str:
     """A whole number >= 1 or ``auto``."""
     return _number_or_word(value, "--candidates", lambda t: t == "auto",
-                           "a whole number >= 1 or 'auto'", whole=True, min_val=1)
+                           f"a whole number from 1 to {MAX_COUNT} or 'auto'", whole=True,
+                           min_val=1, max_val=MAX_COUNT)
 
 
 def parse_sparsity(value: float | str) -> float | str:

@@ -48,6 +48,7 @@ from lm_eval_headloc.method.budget import (
 from lm_eval_headloc.runs.option_values import (
     ABLATION_FLAGS,
     HARNESS_MODEL_ARGS,
+    MAX_COUNT,
     RESULT,
     RUNTIME,
     SETTING,
@@ -219,7 +220,7 @@ class RunSpec:
             "by what they measured (0: rank by the fit alone; rerun with more to measure "
             f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
             "without one; a resumed run keeps its own)",
-        parse=int, metavar="N", whole=True, min_val=0, legacy=0)
+        parse=int, metavar="N", whole=True, min_val=0, max_val=MAX_COUNT, legacy=0)
     group_tests: int | None = _option(
         None,
         "after --confirm, at most this many more measurements knock out the heads not "
@@ -230,7 +231,7 @@ class RunSpec:
             "(default: until every head is measured alone or ruled out — the run is "
             "certified — or --max-measurements is reached; rerun with more to test more; a "
             "resumed run keeps its own)",
-        parse=int, metavar="N", whole=True, min_val=0, legacy=0)
+        parse=int, metavar="N", whole=True, min_val=0, max_val=MAX_COUNT, legacy=0)
     max_measurements: int | str | None = _option(
         None,
         "the most measurement-equivalents a run spends: the prior's allowance, the masks, "
