@@ -37,6 +37,7 @@ from lm_eval_headloc.method.group_tests import (
     group_size,
     group_testing,
     halves,
+    next_size,
     read_sets,
     status,
     tied_at_k,
@@ -240,6 +241,42 @@ def test_halves_of_a_group_the_risen_bar_rules_out_are_dropped():
     result = group_testing([5, 6, 7, 8, 1, 2, 3, 4], known, measure, 20, size=4, top_k=1,
                            round_size=2)
     assert result.rounds == [[(5, 6, 7, 8), (1, 2, 3, 4)], [(5, 6), (7, 8)], [(7,), (8,)]]
+
+
+def test_next_size_doubles_after_a_clean_round_and_halves_after_a_failing_one():
+    assert next_size(8, [True] * 5) == 16
+    assert next_size(8, [True] * 5, largest=8) == 8
+    assert next_size(8, [True, True, False, True, True]) == 8  # most ruled out: the same
+    assert next_size(16, [True, False, False]) == 8  # fewer than half: half as large
+    assert next_size(16, [True, False, False], smallest=16) == 16
+    assert next_size(4, []) == 4  # no new group this round: nothing learnt
+
+
+def test_groups_grow_while_every_new_group_rules_its_members_out():
+    """A round whose new groups all stay under the bar says the groups could be larger:
+    the next round's are twice the size (round after round, up to the largest), and a
+    round where most new groups reach the bar takes them back, never below the size the
+    run started from. A clean tail then costs a few large groups, not many small ones."""
+    harms = np.full(400, 0.001)
+    harms[300] = 0.6  # far in the order: reached once the groups have grown
+    known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
+    measure, asked = additive(harms)
+    result = group_testing(range(2, 400), known, measure, math.inf, size=4, top_k=2,
+                           round_size=2, largest=32)
+    fresh = [len(s) for batch in result.rounds for s in batch
+             if not any(set(s) < set(p) for p in result.sets[:result.sets.index(s)])]
+    # 2 groups of 4, 2 of 8, 2 of 16, then 32s: 398 columns, not 100 groups of 4.
+    assert fresh[:6] == [4, 4, 8, 8, 16, 16] and max(fresh) == 32
+    assert result.sizes[:4] == [4, 8, 16, 32]
+    assert (300,) in result.sets  # the strong one is split out, measured alone
+    alone = {0: 0.5, 1: 0.3, **{s[0]: v["t"] for s, v in result.harms.items()
+                                  if len(s) == 1}}
+    groups = [(s, v["t"]) for s, v in result.harms.items() if len(s) > 1]
+    cert = certificate(range(400), np.zeros((0, 400), dtype=bool), [], alone, groups, 2)
+    assert cert.complete and len(result.sets) < 40 and asked == result.sets
+    fixed = group_testing(range(2, 400), known, additive(harms)[0], math.inf, size=4,
+                          top_k=2, round_size=2, largest=4)
+    assert len(fixed.sets) > 100  # the same world at a fixed size of 4
 
 
 def test_group_keys_are_by_content():

@@ -59,6 +59,10 @@ ROUND = 5
 #: model), so a larger group only costs more halvings.
 MAX_GROUP = 16
 
+#: The largest a group grows to where every new group of a round rules its members out
+#: (``next_size``).
+LARGEST_GROUP = 64
+
 #: The one-sided confidence at which a set rules out its members, and its normal quantile:
 #: a set rules them out when its harm plus Z standard errors stays under the bar.
 CONFIDENCE = 0.95
@@ -252,6 +256,20 @@ def group_order(screen_order: Sequence[int], implicated: Iterable[int], design: 
     return first + rest
 
 
+def next_size(size: int, ruled_out: Sequence[bool], smallest: int = 2,
+              largest: int = LARGEST_GROUP) -> int:
+    """The next round's new groups' size, from whether each of this round's new groups
+    (``size`` members) ruled its members out: twice as large (up to ``largest``) where all
+    did, half as large (down to ``smallest``) where fewer than half did, else the same."""
+    if not ruled_out:
+        return size
+    if all(ruled_out):
+        return max(size, min(largest, 2 * size))
+    if 2 * sum(ruled_out) < len(ruled_out):
+        return max(smallest, size // 2)
+    return size
+
+
 def halves(members: Members, position: Mapping[int, int]) -> tuple[Members, Members]:
     """A set's two halves: its likelier half (by ``position``, the group order: the masks'
     fit's implicated first, then the least covered; columns not in it last, by index) and
@@ -270,6 +288,7 @@ class GroupTesting:
     rounds: list[list[Members]]
     size: int
     harms: dict[Members, dict[str, Harm]] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)  # each round's new groups' size
 
     @property
     def sets(self) -> list[Members]:
@@ -281,8 +300,8 @@ Measured = Mapping[Members, Mapping[str, Harm | float]]
 
 def group_testing(order: Sequence[int], known: Measured,
                   measure: Callable[[list[Members]], Measured], budget: int | float,
-                  *, size: int, top_k: int, round_size: int = ROUND, z: float = Z
-                  ) -> GroupTesting:
+                  *, size: int, top_k: int, round_size: int = ROUND, z: float = Z,
+                  largest: int = LARGEST_GROUP) -> GroupTesting:
     """Spend up to ``budget`` measurements (``math.inf``: until every column of ``order``
     is measured alone or ruled out) on group tests of ``order``'s columns (the likeliest
     first), ``round_size`` sets per round.
@@ -326,6 +345,8 @@ def group_testing(order: Sequence[int], known: Measured,
 
     read = readings()
     done = settled(read)
+    sizes: list[int] = []
+    current = size
     while spent < budget:
         seen = {**known_sets, **tested}
         batch: list[Members] = []
@@ -340,15 +361,17 @@ def group_testing(order: Sequence[int], known: Measured,
                 continue
             batch.append(half)
         queue = [h for h in queue if h not in done and h not in grouped]
+        fresh: list[Members] = []  # this round's new groups, which steer the next size
         while queue and len(batch) < room:
-            group = tuple(sorted(queue[:size]))
-            queue = queue[size:]
+            group = tuple(sorted(queue[:current]))
+            queue = queue[current:]
             grouped.update(group)
             if group in seen:
                 if to_split(group, read, done):
                     pending[:0] = list(halves(group, position))
                 continue
             batch.append(group)
+            fresh.append(group)
         if not batch:
             break  # every column measured alone, ruled out or in a group being split
         measured = measure(batch)
@@ -357,12 +380,15 @@ def group_testing(order: Sequence[int], known: Measured,
         tasks = sorted({*tasks, *(t for m in batch for t in tested[m])})
         spent += len(batch)
         rounds.append(batch)
+        sizes.append(current if fresh else 0)
         read = readings()  # also the next round's
         done = settled(read)
+        current = next_size(current, [all(r.statuses.get(g) == UNDER for r in read.values())
+                                      for g in fresh], smallest=size, largest=largest)
         # Each unsettled set's halves go first, the round's first set's first.
         pending = [half for members in batch if to_split(members, read, done)
                    for half in halves(members, position)] + pending
-    return GroupTesting(rounds, size, tested)
+    return GroupTesting(rounds, size, tested, sizes)
 
 
 @dataclass(frozen=True)

@@ -323,8 +323,12 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
         shown = "; ".join(f"{'+'.join(g.components[:4])}"
                           + (f"+{len(g.components) - 4} more" if len(g.components) > 4
                              else "") + f" {g.change:+.4f}" for g in groups[:8])
+        largest = max(len(g.components) for g in groups)
+        sizes = (f"of up to {cert.group_size} {unit}s" if largest <= cert.group_size else
+                 f"of {cert.group_size} {unit}s at first, twice as many after a round whose "
+                 f"new groups all ruled theirs out (up to {largest})")
         lines.append(f"- group tests ({cert.group_tests_run} measurements: {len(groups)} "
-                     f"sets of up to {cert.group_size} {unit}s, halved where they were not "
+                     f"sets {sizes}, halved where they were not "
                      f"clearly under the bar, and the {unit}s that halving narrowed down "
                      f"to, measured alone): {shown}"
                      + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
