@@ -498,6 +498,23 @@ def test_a_rerun_keeps_its_group_tests_and_a_larger_budget_measures_only_new_one
     assert_same_run(out, fresh)
 
 
+def test_group_tests_on_a_resumed_run_that_confirmed_nothing_are_refused(
+        tiny_model_dir, tmp_path, capsys):
+    """A run made with --confirm 0, resumed with --group-tests and no --confirm: the stored
+    0 is kept, so the group tests would silently not run; refused as a fresh run is, and
+    before the model loads."""
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "2", "--sparsity", "0.25", "--num-samples", "8", "--prior", "none",
+            "--out", str(tmp_path / "run")]
+    assert harness(*base, "--confirm", "0") == 0
+    before = (tmp_path / "run" / "config.json").read_bytes()
+    capsys.readouterr()
+    assert harness(*base, "--group-tests", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--group-tests 4: group tests look for" in err[0], err
+    assert (tmp_path / "run" / "config.json").read_bytes() == before
+
+
 def test_a_rerun_with_a_larger_cap_measures_only_what_is_new(tiny_model_dir, tmp_path,
                                                               capsys):
     """A run stopped by --max-measurements says it is not certified and the cap that would

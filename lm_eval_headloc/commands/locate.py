@@ -142,6 +142,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
             spec = spec.keeping_budget(stored.spec)
+            spec.check_group_tests()  # a --confirm 0 kept from the run: refused as given
         if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "

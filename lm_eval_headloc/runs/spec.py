@@ -409,6 +409,14 @@ class RunSpec:
         if refusal:
             raise UsageError(refusal)
 
+    def check_group_tests(self) -> None:
+        """Refuse ``--group-tests`` with no heads measured alone (``--confirm 0``, given or
+        kept from the run resumed): group tests follow a confirmation."""
+        if self.group_tests and self.confirm == 0:
+            raise UsageError(f"--group-tests {self.group_tests}: group tests look for what "
+                             "the heads measured alone left out; give --confirm N > 0 too "
+                             "(or leave --confirm out for the default)")
+
     @property
     def masks_seed(self) -> int:
         """The seed the design (and its bootstrap) is drawn with."""
@@ -459,10 +467,7 @@ class RunSpec:
             # again then); a prior named outright costs its allowance already.
             self.check_cap(PRIOR_ALLOWANCE.get(self.prior, 0),
                            prior_known=self.prior != "auto")
-        if self.group_tests and self.confirm == 0:
-            raise UsageError(f"--group-tests {self.group_tests}: group tests look for what "
-                             "the heads measured alone left out; give --confirm N > 0 too "
-                             "(or leave --confirm out for the default)")
+        self.check_group_tests()
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
