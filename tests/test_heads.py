@@ -91,6 +91,25 @@ def test_read_heads_file_errors(tmp_path):
         read_heads_file(bad)
 
 
+def test_a_head_file_that_is_not_one_is_refused_without_printing_its_text(tmp_path):
+    """--exclude /etc/shadow printed the file's first line in its error ("bad component
+    name 'root:*:...'"): the file and the line are named, not its text; a misspelt head
+    is still shown, as the user wrote it."""
+    secret = "toor:$6$pepper$digest:19000:0:99999:7:::"
+    for name, text in (("shadow", secret + "\n"), ("secret.json", json.dumps([secret])),
+                       ("records.json", json.dumps({"heads": [{"head": 3}]}))):
+        path = tmp_path / name
+        path.write_text(text)
+        with raises_naming(ComponentSpecError, str(path)) as info:
+            read_heads_file(path)
+        assert "toor" not in str(info.value) and "digest" not in str(info.value)
+        assert "\n" not in str(info.value)
+    typo = tmp_path / "heads.txt"
+    typo.write_text("L0H1\nL0H1x\n")
+    with raises_naming(ComponentSpecError, str(typo), "line 2", "L0H1x"):
+        read_heads_file(typo)
+
+
 def test_head_names_are_checked_without_a_model():
     check_head_names("L3H*+L0H29+L12H0")  # whole layers parse without a head count
     check_head_names([Head(0, 1), (2, 3), "L1H*"])
@@ -207,10 +226,10 @@ def test_format_heads_refuses_what_parse_heads_refuses(heads, values):
 
 
 @pytest.mark.parametrize("name, text, values", [  # the file, where in it, what is there
-    ("junk.txt", "L0H1\ngarbage\n", ("line 2", "'garbage'")),
+    ("junk.txt", "L0H1\ngarbage\n", ("line 2", "not a head name")),  # text not shown
     ("spaces.txt", "# two\nL0H1 L1H2\n", ("line 2", "'L0H1 L1H2'", "'+'")),
     ("plus.txt", "L0H1+\n", ("line 1",)),
-    ("list.json", '["L0H1", "nope"]', ("entry 2", "'nope'")),
+    ("list.json", '["L0H1", "nope"]', ("entry 2", "not a head name")),
     ("empty.json", '{"heads": [{"head": ""}]}', ("entry 1", "''")),
     ("spaces.json", '["L0H1  L1H2"]', ("entry 1", "'L0H1  L1H2'")),
     ("group.json", '{"heads": [{"group": "L3G0", "neurons": "L3N1+L3X2"}]}',

@@ -378,10 +378,15 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
         name = (item.get("neurons" if "group" in item else "head", item.get("neuron"))
                 if isinstance(item, dict) else item)
         if not isinstance(name, str):
-            raise ComponentSpecError(f"{path}: bad head entry {item!r}; expected 'L0H29' or "
-                                "{\"head\": \"L0H29\", ...}")
+            raise ComponentSpecError(f"{path}: entry {number} is not a head; expected "
+                                     "'L0H29' or {\"head\": \"L0H29\", ...}")
         names.append(_checked_entry(name, path, f"entry {number}"))
     return names
+
+
+#: What a head file's entry must look like to be echoed in an error: a name that may be
+#: misspelt (L0H99, L3h1, L2H1 + L0H3), not arbitrary text.
+_NAME_ATTEMPT = re.compile(r"L[0-9][0-9A-Za-z*+ ]{0,60}", re.ASCII)
 
 
 def _checked_entry(entry: str, path: Path, where: str) -> str:
@@ -389,6 +394,11 @@ def _checked_entry(entry: str, path: Path, where: str) -> str:
     else ComponentSpecError naming the file, where in it, and the entry."""
     # Checked here, not only when the heads are used: a file of junk must not read as a
     # list of heads (format_heads, overlap and verify take the names as they are).
+    if entry.strip() and not _NAME_ATTEMPT.fullmatch(entry.strip()):
+        # Not even a misspelt head: the file may be anything (--exclude /etc/shadow), and
+        # its text is not ours to print.
+        raise ComponentSpecError(f"{path}, {where}: not a head name (e.g. L0H29, L3N12 or "
+                                 "L0H29+L1H31; its text is not shown)")
     if not entry.strip() or any(len(part.split()) > 1 for part in entry.split("+")):
         problem = "is empty" if not entry.strip() else "holds names separated by spaces"
         unit = where.split()[0]  # "line" or "entry"
