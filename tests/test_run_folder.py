@@ -353,7 +353,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
     run = _started_run(tmp_path / "run")
     precious = tmp_path / "precious.txt"
     precious.write_text("important data\n")
-    (run / ".lock").unlink()
+    (run / ".lock").unlink(missing_ok=True)  # released: removed already
     (run / ".lock").symlink_to(precious)
     with raises_naming(RunFolderError, str(run / ".lock")):
         RunFolder(run).lock()
@@ -533,3 +533,19 @@ def test_a_fifo_in_place_of_a_runs_file_is_refused_not_waited_on(tmp_path):
                                                  "scores": {"t": 0.5}})):
         with pytest.raises(RunFolderError, match="not a regular file"):
             call(RunFolder(run))
+
+
+def test_no_lock_is_left_behind_and_a_stale_one_is_taken_over(tmp_path):
+    """A .lock with a dead PID stayed in runs/locate/ after every successful run."""
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+
+    run = _started_run(tmp_path / "run")
+    assert not (run / ".lock").exists()
+    (run / ".lock").write_text("999999999\n")  # left by a killed process: no flock on it
+    with RunFolder(run).lock():
+        assert (run / ".lock").read_text() == f"{os.getpid()}\n"
+        with raises_naming(RunFolderError, str(run), str(os.getpid())):
+            RunFolder(run).lock()  # held: a second holder is refused
+        assert (run / ".lock").is_file()
+    assert not (run / ".lock").exists()

@@ -6,7 +6,8 @@
 ``measurements.jsonl`` one line per measurement, on disk before the next starts
 ``design_matrix.npy``  the masks (locate), generated up front from the seed
 results files          written by the subcommand (heads.json, heads.csv, report.md, …)
-``.lock``              held while a command works in the folder (the holder's PID)
+``.lock``              held while a command works in the folder (the holder's PID); removed
+                       when it is done
 
 A rerun of the same command continues where the last one stopped; a folder made with
 different defining arguments is refused, unless it recorded nothing past its start (a
@@ -19,6 +20,7 @@ is refused, deleting nothing, as is any other non-empty folder, forced or not.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import fnmatch
 import json
@@ -463,7 +465,29 @@ class RunFolder:
                                      "this command reads from; choose another --out")
 
     def _acquire(self) -> None:
-        """Hold an exclusive lock on the folder; a second process gets a one-line error."""
+        """Hold an exclusive lock on the folder; a second process gets a one-line error.
+        The lock file is removed when released (``release``), so a lock taken on a file
+        another process has just removed is taken again on the file now there."""
+        for _ in range(10):
+            self._acquire_once()
+            if self._lock_fd is None or self._holds_the_file():
+                return
+            os.close(self._lock_fd)  # locked a removed file: the holder released it
+            self._lock_fd = None
+        raise RunFolderError(f"cannot lock {self.path}: its lock file keeps being replaced "
+                             "by another process")
+
+    def _holds_the_file(self) -> bool:
+        """Whether the lock held is on the file at ``.lock`` (not one removed since)."""
+        assert self._lock_fd is not None
+        try:
+            there = os.lstat(self.path / self.LOCK)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._lock_fd)
+        return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+    def _acquire_once(self) -> None:
         if self._lock_fd is not None:
             return
         lock = self.file(self.LOCK)
@@ -499,7 +523,12 @@ class RunFolder:
 
     def release(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing releases the flock
+            # Removed while still held (so it is the file this process locked): no lock
+            # with a dead PID is left behind; closing then releases the flock.
+            if self._holds_the_file():
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path / self.LOCK)
+            os.close(self._lock_fd)
             self._lock_fd = None
 
     # --- files ------------------------------------------------------------------------
