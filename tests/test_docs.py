@@ -240,3 +240,22 @@ def test_flags_that_keep_the_runs_value_say_so_not_the_fields_default() -> None:
     for dest in ("ablation_data", "ablation_field"):
         assert helps[dest].endswith("(default: the run's)"), helps[dest]
         assert helps[dest].count("default:") == 1
+
+
+def test_the_main_job_installs_no_test_extras_and_the_test_command_does() -> None:
+    """The main job installed pytest, ruff and Ray (`.[test]`, 2.3 GB of venv) to run one
+    command; the test command must install them itself (CI runs it on a fresh clone)."""
+    import subprocess
+
+    scripts = ROOT / "scripts"
+    calls = {name: [line.split() for line in (scripts / name).read_text().splitlines()
+                    if line.startswith("bash scripts/setup.sh")]
+             for name in ("run_default.sh", "test.sh")}
+    assert calls == {"run_default.sh": [["bash", "scripts/setup.sh"]],
+                     "test.sh": [["bash", "scripts/setup.sh", "--test"]]}
+    text = (scripts / "setup.sh").read_text()
+    assert 'install -e ".$EXTRAS"' in text and 'EXTRAS="[test]"' in text
+    refused = subprocess.run(["bash", str(scripts / "setup.sh"), "--tests"],
+                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
+                                                                  "HEADLOC_VENV": "/nonexistent"})
+    assert refused.returncode == 2 and "'--tests'" in refused.stderr
