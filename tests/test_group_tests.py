@@ -449,8 +449,7 @@ def test_a_kill_mid_group_tests_resumes_to_the_same_tests_ranking_and_certificat
     (["--group-tests", "\u0663"], "only ASCII digits"),
     (["--confirm", "\u0663"], "only ASCII digits"),
     (["--group-tests", "1" + "0" * 23], "<= 10000000"),
-    (["--max-measurements", "1" + "0" * 12], "1 <= value <= 10000000"),
-    (["--masks", "1" + "0" * 12], "2 <= value <= 10000000"),
+    (["--max-measurements", "1" + "0" * 12], "from 1 to 10000000 or 'auto'"),
 ])
 def test_bad_group_tests_are_one_line_refusals(given, fragment, tmp_path, capsys,
                                                no_model_loading):

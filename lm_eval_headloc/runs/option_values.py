@@ -56,7 +56,10 @@ def _number_or_word(value: float | str, flag: str, is_word: Any, allowed: str, *
             value = int(text) if whole else float(text)
         except ValueError:
             raise UsageError(f"{flag} {value!r}: must be {allowed}") from None
-    return check_number(value, flag, whole=whole, **limits)
+    try:
+        return check_number(value, flag, whole=whole, **limits)
+    except UsageError:  # out of range: said with the word that is allowed too
+        raise UsageError(f"{flag} {value!r}: must be {allowed}") from None
 
 
 def parse_batch_size(value: int | str) -> int | str:
@@ -72,8 +75,7 @@ def parse_masks(value: int | str) -> int | str:
     """A whole number >= 2 (the fit needs two masks: one is an error after measuring it)
     or ``auto``."""
     return _number_or_word(value, "--masks", lambda t: t == "auto",
-                           f"a whole number from 2 to {MAX_COUNT} or 'auto'", whole=True,
-                           min_val=2, max_val=MAX_COUNT)
+                           "a whole number >= 2 or 'auto'", whole=True, min_val=2)
 
 
 def parse_max_measurements(value: int | str) -> int | str:
