@@ -76,6 +76,19 @@ class _WatchLmEvalModels:
             self._looking.discard(fullname)
 
 
+#: ``os.times().elapsed`` when site read this hook's ``.pth`` file (``started_at_site``):
+#: when this program started, even where a script ``exec``'d it in a process older than
+#: it; None where the hook was not loaded by the ``.pth`` file.
+SITE_STARTED = None
+
+
+def started_at_site():
+    """Called by the ``.pth`` line: note the time (``os``, which site has imported: no
+    module imported for it)."""
+    global SITE_STARTED
+    SITE_STARTED = sys.modules["os"].times().elapsed
+
+
 def install():
     """Insert the watcher unless one is waiting already or there is nothing to wait for
     (idempotent)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import TASKS, harness
@@ -149,3 +150,18 @@ def test_verify_records_its_phases(tiny_model_dir, tmp_path, capsys):
     [session] = json.loads((out / "config.json").read_text())["timings"]
     assert {"tasks and checks", "model load", "measurements"} <= set(session["phases"])
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("Time: ")
+
+
+def test_a_program_a_script_execs_counts_its_start_up_from_its_own_start():
+    """scripts/run_default.sh ran pip, then exec'd headloc-harness: the process's age
+    counted the install as "start-up and imports" (3.2 min on a first run)."""
+    probe = "from lm_eval_headloc.common.timing import process_age; print(process_age())"
+    script = f"sleep 2.5; exec {sys.executable} -c '{probe}'"
+    age = float(subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                               check=True).stdout)
+    assert 0.0 <= age < 1.5
+    # Without the start-up hook's note (python -S: no .pth file read), the process's age.
+    root = Path(__file__).resolve().parent.parent
+    bare = f"sleep 1.5; PYTHONPATH={root} exec {sys.executable} -S -c '{probe}'"
+    assert float(subprocess.run(["bash", "-c", bare], capture_output=True, text=True,
+                                check=True).stdout) >= 1.5

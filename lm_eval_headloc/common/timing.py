@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -28,8 +29,26 @@ __all__ = ["STARTUP", "PhaseClock", "current", "on_clock", "phase", "process_age
 STARTUP = "start-up and imports"
 
 
+#: Seconds a process may be older than the program it runs (the interpreter's start
+#: before site reads the ``.pth`` files) before it counts as one a script ``exec``'d.
+EXEC_SLACK = 1.0
+
+
 def process_age() -> float | None:
-    """Seconds since this process started (Linux ``/proc``), or None where not known."""
+    """Seconds since this program started, or None where not known: the process's age
+    (Linux ``/proc``), unless the start-up hook noted a later start (``SITE_STARTED``,
+    when site read its ``.pth`` file) — a script that ``exec``s ``headloc-harness``
+    (``scripts/run_default.sh``: its pip install) is not this program's start-up."""
+    age = _process_age()
+    hook = sys.modules.get("_lm_eval_headloc_startup")
+    started = getattr(hook, "SITE_STARTED", None)
+    if started is None:
+        return age
+    program = max(0.0, os.times().elapsed - started)
+    return program if age is None or age - program > EXEC_SLACK else age
+
+
+def _process_age() -> float | None:
     try:
         with open("/proc/self/stat") as stat:
             # Field 22, after the command name in parentheses (which may hold spaces).
