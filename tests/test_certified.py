@@ -83,3 +83,20 @@ def test_a_ruled_out_heads_bound_holds_for_its_true_harm(hidden):
     measured = set(full.ranking.facts.confirmed or [])
     others = [h for h in range(world.n_heads) if str(full.ranking.columns[h]) not in measured]
     assert bound is not None and max(-changes[h] for h in others) <= bound
+
+
+def test_the_reports_counts_of_the_unchecked_add_up(hidden):
+    """"not checked: 113 heads (0 never knocked out, 97 in one mask only, 80 only in masks
+    beside ...)": sub-counts that overlapped and added to 177. The three mask counts part
+    the unchecked; the one that overlaps them says so."""
+    import re
+
+    from lm_eval_headloc.report.locate_report import certificate_words
+
+    _, _, short, _ = hidden
+    text = " ".join(certificate_words(short.ranking))
+    found = re.search(r"not checked: (\d+) heads\*\*.*?Of them, (\d+) were never knocked out "
+                      r"by a mask, (\d+) by one mask only and (\d+) by two or more", text)
+    assert found, text
+    total, *parts = map(int, found.groups())
+    assert total == len(short.certificate.unchecked) and sum(parts) == total

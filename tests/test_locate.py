@@ -155,7 +155,8 @@ def test_the_default_budget_is_split_by_whether_the_run_has_a_prior(tiny_model_d
         assert f"stratified, {masks} masks" in report
         # Who named the heads measured alone: the prior's rankings only where there is one.
         named = ("the attribution prior's rankings and the masks' fit's likeliest in turn ("
-                 if prior else "in 2 rounds of 5, the masks' fit's likeliest (the fit")
+                 if prior else "in 2 rounds of 5 (the last of 3), the masks' fit's likeliest"
+                                " (the fit")  # 8 heads: 5 + 3
         assert named in report and "the the" not in report
 
 

@@ -214,12 +214,24 @@ def _chat_words(chat_template: Mapping[str, bool]) -> str:
     return "asked through it: " + ", ".join(through) + "; the others plain"
 
 
+def _rounds_words(rounds: list[list[str]] | None, size: int | None) -> str:
+    """" in 7 rounds of 5" where every round had 5, else the sizes, so the words add up
+    to the heads measured ("in 7 rounds of 5" for 34 did not)."""
+    if not rounds:
+        return ""
+    sizes = [len(r) for r in rounds]
+    if all(n == size for n in sizes):
+        return f" in {len(sizes)} rounds of {size}"
+    if all(n == size for n in sizes[:-1]):
+        return f" in {len(sizes)} rounds of {size} (the last of {sizes[-1]})"
+    return f" in {len(sizes)} rounds ({'+'.join(map(str, sizes))})"
+
+
 def _confirm_words(run: LocateRun) -> str:
     confirmed = run.confirm
     if not confirmed:
         return f"none (every {UNIT[run.spec.components]} ranked by the Lasso's estimate)"
-    rounds = (f" in {len(confirmed['rounds'])} rounds of {confirmed['round_size']}"
-              if "rounds" in confirmed else "")
+    rounds = _rounds_words(confirmed.get("rounds"), confirmed.get("round_size"))
     units = UNITS[run.spec.components]
     return (f"{len(confirmed['heads'])} {units} knocked out one at a "
             f"time{rounds}, "
@@ -354,11 +366,13 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
                   ""]
         return lines
     beside = cert.unchecked_beside_measured
+    more = len(unchecked) - cert.unchecked_never_in_a_mask - cert.unchecked_in_one_mask
     lines += [f"- **not checked: {len(unchecked)} {unit}s**: {_listed(unchecked)}. Of "
-              f"them, {cert.unchecked_never_in_a_mask} were never knocked out by a mask and "
-              f"{cert.unchecked_in_one_mask} by one mask only"
-              + (f"; {len(beside)} (counted among those) only in masks beside a {unit} "
-                 "measured to reach the bar" if beside else "")
+              f"them, {cert.unchecked_never_in_a_mask} were never knocked out by a mask, "
+              f"{cert.unchecked_in_one_mask} by one mask only and {more} by two or more"
+              + (f"; {len(beside)} of the {len(unchecked)} (whatever their masks' count) "
+                 f"only in masks beside a {unit} measured to reach the bar"
+                 if beside else "")
               + f". Any of them could enter the top-{k}; the masks' estimate is all the run "
               f"has for them.", "", _finish_advice(ranking, cert) + ".", ""]
     return lines
