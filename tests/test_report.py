@@ -125,3 +125,36 @@ def test_several_tasks_panels_titles_and_legend_do_not_run_into_each_other(tmp_p
     assert len(lines) == len(set(lines))
     assert {line.split(":")[0] for line in lines} == {"circled", "hatched", "grey", "letters"}
     assert "P previous-token, D duplicate-token, I induction" in legend.get_text()
+
+
+def test_the_heatmap_can_be_read_as_the_readme_reads_it(tmp_path):
+    """A type letter inside a circled dark cell could not be seen (L18H6's "I", the head
+    the README names); ticks every third layer left L10 and L11 hard to tell apart;
+    measured cells and estimated ones looked the same."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    from lm_eval_headloc.method.head_types import HeadTypes
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    labels = [[None] * 9 for _ in range(30)]
+    labels[18][6] = "induction"  # on the strongest head
+    labels[2][1] = "previous_token"  # on a head that does nothing
+    effects = np.zeros(270)
+    effects[18 * 9 + 6], effects[1 * 9 + 4] = -0.3, -0.25
+    measured = ["L18H6", "L1H4", "L0H0"]
+    ranking = Ranking("t", "acc,none", True, 0.5, effects, list(np.argsort(effects)), 9,
+                      facts=RankingFacts(confirmed=measured),
+                      head_types=HeadTypes({"scores": {}, "dominant": labels}))
+    figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
+    ax = figure.axes[0]
+    assert list(ax.get_yticks()) == list(range(30)) or \
+        [t for t in ax.get_yticks() if 0 <= t <= 29] == list(range(30))
+    letters = {t.get_text(): t for t in ax.texts}
+    assert to_rgb(letters["I"].get_color()) == (1.0, 1.0, 1.0)  # light on the dark cell
+    assert to_rgb(letters["P"].get_color()) != (1.0, 1.0, 1.0)
+    boxes = sorted((round(p.get_x() + 0.42), round(p.get_y() + 0.42)) for p in ax.patches
+                   if isinstance(p, Rectangle) and p.get_gid() == "measured")
+    assert boxes == [(0, 0), (4, 1), (6, 18)]  # (head, layer) of each measured alone
+    assert "boxed: measured alone" in _legend(figure)

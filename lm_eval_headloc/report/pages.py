@@ -47,6 +47,13 @@ def type_words(ranking: Ranking, head: Column) -> str:
     return "-" if label is None else f"{label.replace('_', '-')} ({fields['types'][label]:.2f})"
 
 
+def _decimal(value: float) -> str:
+    """A number of heads.csv: 6 significant digits, always with a decimal point or an
+    exponent (1.0, not 1: a column a reader parses as floats on every run) and no
+    negative zero."""
+    return repr(float(f"{float(value):.6g}") + 0.0)
+
+
 def heads_table(ranking: Ranking) -> str:
     """heads.csv text: rank, head, layer, head_in_layer, effect (empty where unknown); with
     a bootstrap also selected, effect_low, effect_high. A run with neurons has
@@ -67,17 +74,17 @@ def heads_table(ranking: Ranking) -> str:
         effect = ranking.effect(head)
         kind = [_KIND[type(head)]] if neurons else []
         row = [rank, str(head), *kind, head.layer, head[1],
-               f"{effect:.6g}" if np.isfinite(effect) else ""]
+               _decimal(effect) if np.isfinite(effect) else ""]
         if confirmed:
             row.append(int(bool(ranking.measured_alone(head))))
         if boot:
             confidence = ranking.confidence(head)
             interval = confidence["effect_interval"]  # None: measured alone
-            row += [f"{confidence['selected']:.6g}",
-                    *((f"{v:.6g}" for v in interval) if interval else ("", ""))]
+            row += [_decimal(confidence["selected"]),
+                    *((_decimal(v) for v in interval) if interval else ("", ""))]
         if typed:
             fields = type_fields(ranking, head)
-            row += ([f"{fields['types'][t]:.6g}" for t in HEAD_TYPES] + [fields["type"] or ""]
+            row += ([_decimal(fields["types"][t]) for t in HEAD_TYPES] + [fields["type"] or ""]
                     if fields else [""] * (len(HEAD_TYPES) + 1))
         writer.writerow(row)
     return out.getvalue()
@@ -86,6 +93,9 @@ def heads_table(ranking: Ranking) -> str:
 #: The heatmap's letter for each head type.
 _TYPE_LETTER = {"previous_token": "P", "duplicate_token": "D", "induction": "I",
                 "attention_sink": "S"}
+
+#: The most layers (heads) the heatmap gives a tick each.
+MAX_TICKS = 40
 
 #: heads.csv's kind column.
 _KIND = {Head: "head", Neuron: "neuron", NeuronGroup: "neuron group"}
@@ -102,7 +112,7 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
     touched."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, MultipleLocator
 
     fig = Figure(figsize=(4 + 2.5 * len(rankings), 6))
     axes = fig.subplots(1, len(rankings), squeeze=False)[0]
@@ -117,6 +127,13 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
         limit = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
         image = ax.imshow(np.ma.masked_invalid(shown), cmap="RdBu", vmin=-limit, vmax=limit,
                           aspect="auto", interpolation="nearest")
+        measured = [c for c in ranking.columns if ranking.measured_alone(c)]
+        if measured:  # a measured cell is a measurement, the others the Lasso's estimate
+            for head in measured:
+                ax.add_patch(Rectangle((head.head - 0.42, head.layer - 0.42), 0.84, 0.84,
+                                       fill=False, edgecolor="0.35", linewidth=0.6,
+                                       gid="measured"))
+            notes["boxed: measured alone (the other cells: the masks' fit's estimate)"] = None
         for head in ranking.top(top_k):
             ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
                        linewidths=1.5)
@@ -125,16 +142,24 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
             for layer, row in enumerate(ranking.head_types.labels):
                 for head_index, label in enumerate(row):
                     if label is not None:
+                        # Light on a dark cell (a strong head's, often circled), else grey.
+                        value = shown[layer, head_index]
+                        dark = np.isfinite(value) and abs(value) > 0.5 * limit
                         ax.text(head_index, layer, _TYPE_LETTER[label], ha="center",
-                                va="center", fontsize=6, color="dimgray")
+                                va="center", fontsize=6, fontweight="bold" if dark else None,
+                                color="white" if dark else "dimgray")
         unstable = ranking.unstable(top_k)
         for head in unstable:
             ax.add_patch(Rectangle((head.head - 0.5, head.layer - 0.5), 1, 1, fill=False,
                                    hatch="////", edgecolor="black", linewidth=0))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-        for axis in (ax.xaxis, ax.yaxis):  # a layer and a head are whole numbers
-            axis.set_major_locator(MaxNLocator(integer=True))
+        for axis, count in ((ax.xaxis, shown.shape[1]), (ax.yaxis, shown.shape[0])):
+            # A tick per layer (per head) while they fit: every third left L10 and L11
+            # hard to tell apart. Whole numbers either way.
+            axis.set_major_locator(MultipleLocator(1) if count <= MAX_TICKS
+                                   else MaxNLocator(integer=True))
+            axis.set_tick_params(labelsize=7 if count > 16 else 9)
         notes[f"circled: top-{top_k}"] = None
         if unstable:
             notes[f"hatched: top-{top_k} in < {STABLE:.0%} of "
