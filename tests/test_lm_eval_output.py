@@ -604,3 +604,24 @@ def test_bad_output_paths_are_refused_before_loading(tmp_path, capsys, options, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not out.exists() and not_ours.read_text() == "someone's notes\n"
+
+
+def test_lm_evals_prints_go_to_the_log_not_the_output(lm, model_dir, task_manager, capsys,
+                                                      caplog, monkeypatch):
+    """verify --output_path printed 18 lines of lm-eval's "bootstrapping for stddev:
+    perplexity" into the run's output: they go to the log (--verbose shows it)."""
+    import lm_eval
+
+    evaluate = lm_eval.simple_evaluate
+
+    def chatty(**kwargs):
+        print("bootstrapping for stddev: perplexity")
+        return evaluate(**kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", chatty)
+    with caplog.at_level("INFO", logger="lm_eval_headloc"):
+        evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out=KNOCKOUT,
+                          model_args=_model_args(model_dir), bootstrap_iters=0)
+    assert "bootstrapping" not in capsys.readouterr().out
+    assert any("bootstrapping for stddev: perplexity" in r.getMessage()
+               for r in caplog.records)

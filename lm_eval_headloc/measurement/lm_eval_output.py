@@ -24,8 +24,11 @@ pretrained=…,ablate=…``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
+import logging
 import os
 import re
 import time
@@ -35,6 +38,8 @@ from typing import Any
 
 from lm_eval_headloc.intervention.components import Component, component_tokens, format_heads
 from lm_eval_headloc.intervention.registration import MODEL_NAME
+
+log = logging.getLogger(__name__)
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
            "check_output_folder", "make_output_folder", "save_lm_eval_results"]
@@ -322,12 +327,19 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     # it is told the size the model batches by now (a number, or "auto" with what it
     # detects in config.batch_sizes), as the CLI's results file says it.
     kwargs.setdefault("batch_size", lm.batch_size)
-    with at_scale(lm, scale), lm.knocking_out(knocked_out):
+    printed = io.StringIO()
+    # lm-eval prints a line per metric it bootstraps a standard error for ("bootstrapping
+    # for stddev: perplexity", 18 lines a verify): into the log (--verbose), not the run's
+    # output.
+    with at_scale(lm, scale), lm.knocking_out(knocked_out), \
+            contextlib.redirect_stdout(printed):
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks),
                                           task_manager=task_manager, limit=limit,
                                           log_samples=log_samples, evaluation_tracker=tracker,
                                           **kwargs)
         done, used_scale = format_heads(lm.knocked_out), lm.scale  # whole layers expanded
+    for line in printed.getvalue().splitlines():
+        log.info("lm-eval: %s", line)
     args = knockout_model_args(model_args, done, used_scale)
     if done:
         args.update(_live_ablation(lm, args))
