@@ -298,3 +298,16 @@ def test_a_greedy_run_is_read_as_a_locate_run_is(runs, tmp_path, capsys):
     assert json.loads(out.read_text())["tasks"][TASK]["a"]["top_k"] == written
     assert harness("universal", str(greedy), str(runs["locate"]), "--min-tasks", "1",
                    "--out", str(tmp_path / "u.json")) == 0
+
+
+def test_a_prior_that_lists_no_task_is_said_to_have_none(runs, tmp_path, capsys):
+    """prior.json with an empty "tasks": the refusal read "(it has )"."""
+    folder = disagreeing(runs["locate"], tmp_path)
+    prior = json.loads((runs["locate"] / "prior.json").read_text())
+    prior["tasks"] = {}
+    (folder / "prior.json").write_text(json.dumps(prior))
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    line = error_line(capsys)
+    assert_names(line, "prior.json", "(it has none)")
+    assert "(it has )" not in line

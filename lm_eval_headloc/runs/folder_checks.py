@@ -288,7 +288,8 @@ def _check_prior(run: _Run) -> None:
         said = (f"has no estimates for task {missing[0]!r}" if missing else
                 f"has estimates for task {next(t for t in tasks if t not in run.tasks)!r}, "
                 "not one of the run's")
-        raise run.disagree("prior.json", f"{said} (it has {', '.join(map(repr, tasks))})")
+        raise run.disagree("prior.json", f"{said} (it has "
+                                         f"{', '.join(map(repr, tasks)) or 'none'})")
     widths = _prior_widths(run) if run.geometry else {}
     for task, entry in tasks.items():
         points = entry.get("points", [entry]) if isinstance(entry, dict) else None
