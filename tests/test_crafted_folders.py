@@ -311,3 +311,19 @@ def test_a_prior_that_lists_no_task_is_said_to_have_none(runs, tmp_path, capsys)
     line = error_line(capsys)
     assert_names(line, "prior.json", "(it has none)")
     assert "(it has )" not in line
+
+
+@pytest.mark.parametrize("d_model", [2**30, 1, 0, -64, "64", 64.0])
+def test_a_forged_width_is_refused_not_copied_into_the_mib_export(runs, tmp_path, capsys,
+                                                                  d_model):
+    """config.json's d_model went into the MIB export unchecked."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["d_model"] = d_model
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "mib.json"
+    capsys.readouterr()
+    assert harness("export", str(folder), "--out", str(out)) == 2
+    assert_names(error_line(capsys), "d_model", repr(d_model))
+    assert not out.exists()

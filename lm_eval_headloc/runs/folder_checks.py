@@ -151,6 +151,13 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
         raise RunFolderError(f"{path}: {layers or '?'} layers x {per_layer or '?'} heads is "
                              f"more heads than any model has (at most {MAX_HEADS:,} are "
                              f"read); {_NOT_ALTERED}")
+    d_model = _whole(config, "d_model", path)
+    if d_model is not None and (d_model > MAX_WIDTH or d_model < (per_layer or 1)):
+        # Copied into the MIB export as the model's width: no model is wider, and each of
+        # its heads is at least one unit of it.
+        raise RunFolderError(f"{path}: d_model {d_model} is not a model's width (at least "
+                             f"its {per_layer or 1} heads a layer, at most {MAX_WIDTH:,}); "
+                             f"{_NOT_ALTERED}")
     if width is not None and (width > MAX_WIDTH or (layers or 1) * width > MAX_NEURONS):
         raise RunFolderError(f"{path}: {layers or '?'} layers x {width} MLP neurons is more "
                              f"neurons than any model has (at most {MAX_NEURONS:,}, "
