@@ -327,3 +327,33 @@ def test_a_forged_width_is_refused_not_copied_into_the_mib_export(runs, tmp_path
     assert harness("export", str(folder), "--out", str(out)) == 2
     assert_names(error_line(capsys), "d_model", repr(d_model))
     assert not out.exists()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+LONG = '{"n": ' + "9" * 5000 + "}"
+
+
+@pytest.mark.parametrize("text", [DEEP, LONG], ids=["100000-deep", "5000-digit"])
+@pytest.mark.parametrize("name", ["config.json", "heads-tiny_choice.json", "prior.json",
+                                  "types.json"])
+def test_a_json_file_too_deep_or_with_too_long_a_number_is_one_line(runs, tmp_path, capsys,
+                                                                    name, text):
+    """Each ended in a RecursionError or "Exceeds the limit (4300 digits)" traceback: one
+    reader for every JSON file the package reads says which file, in one line."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    (folder / name).write_text(text)
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert_names(error_line(capsys), name)
+
+
+@pytest.mark.parametrize("text", [DEEP, LONG], ids=["100000-deep", "5000-digit"])
+def test_a_head_file_too_deep_or_with_too_long_a_number_is_one_line(tmp_path, text):
+    from lm_eval_headloc.intervention.components import ComponentSpecError, read_heads_file
+
+    path = tmp_path / "heads.json"
+    path.write_text(text)
+    with pytest.raises(ComponentSpecError, match="heads.json") as info:
+        read_heads_file(path)
+    assert "\n" not in str(info.value)

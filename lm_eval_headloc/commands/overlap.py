@@ -36,8 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import strict_json, write_atomically
-from lm_eval_headloc.intervention.components import read_heads_file, shown_name
+from lm_eval_headloc.common.files import read_json, strict_json, write_atomically
+from lm_eval_headloc.intervention.components import (
+    ComponentSpecError,
+    read_heads_file,
+    shown_name,
+)
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.report.pages import beyond_spread, recorded_harmless
 from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into
@@ -72,7 +76,7 @@ class RankingFile:
     @classmethod
     def read(cls, path: Path) -> RankingFile:
         names = read_heads_file(path)  # the one reader of ranking files
-        data = json.loads(path.read_text())
+        data = read_json(path, ComponentSpecError)
         entries = data.get("heads", []) if isinstance(data, dict) else data
         records = [e for e in entries if isinstance(e, dict)]
         if isinstance(data, dict) and "tied_with_above" in data:
@@ -233,7 +237,7 @@ def _ours(path: Path) -> bool:
         if path.suffix == ".md":
             return text.splitlines()[:1] == [_MARK]
         return json.loads(text).get("made_by") == MADE_BY
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return False
 
 

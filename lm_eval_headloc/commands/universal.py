@@ -36,7 +36,7 @@ def _check_out(out: Path, runs: Sequence[str | Path]) -> None:
     if out.exists():
         try:
             ours = json.loads(out.read_text()).get("made_by") == MADE_BY
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
             ours = False
         if not ours:
             raise UsageError(f"--out {out} exists and was not written by {MADE_BY}; "

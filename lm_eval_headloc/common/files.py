@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "strict_json", "write_atomically",
-           "write_page"]
+__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "parse_json", "read_json",
+           "strict_json", "write_atomically", "write_page"]
 
 #: How much of a file is read to see how it begins.
 _PEEK = 4096
@@ -89,6 +89,30 @@ def write_page(path: str | os.PathLike, text: str,
     if not _begins(text, begins):  # else the next run would refuse its own page
         raise ValueError(f"the page for {path} does not begin with {_shown(begins)}")
     write_atomically(path, lambda partial: partial.write_text(text, encoding="utf-8"))
+
+
+def parse_json(text: str | bytes, where: str | Path, error: type[Exception]) -> Any:
+    """The JSON value of ``text`` (read from ``where``), or one line of ``error`` naming
+    ``where``: not JSON, not UTF-8, nested deeper than the reader follows (a 100,000-deep
+    array is a RecursionError), or a number longer than Python reads (4,300 digits). The
+    one way the package reads a JSON file it did not just write."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise error(f"{where}: nested too deeply to be read as JSON") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, a too long integer
+        raise error(f"{where} is not readable JSON ({str(err).splitlines()[0][:200]})") \
+            from None
+
+
+def read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
+    """``parse_json`` of the file at ``path``; one line of ``error`` where it cannot be
+    read."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise error(f"{path} cannot be read ({err.strerror or err})") from None
+    return parse_json(data, path, error)
 
 
 def _finite_or_none(data: Any) -> Any:

@@ -128,11 +128,9 @@ def _jsonl_texts(path: Path, field: str | None) -> list[str]:
     for number, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise AblationError(f"ablation_data={str(path)!r} line {number}: not JSON "
-                                f"({err.msg})") from None
+        from lm_eval_headloc.common.files import parse_json
+
+        record = parse_json(line, f"ablation_data={str(path)!r} line {number}", AblationError)
         value = record.get(name) if isinstance(record, dict) else None
         if not isinstance(value, str):
             keys = ", ".join(sorted(record)) if isinstance(record, dict) else "none"

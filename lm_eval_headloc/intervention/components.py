@@ -332,7 +332,7 @@ def _json_object(path: str | Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -457,10 +457,9 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     except OSError as err:
         raise ComponentSpecError(f"{path} cannot be read: {err.strerror or err}") from None
     if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ComponentSpecError(f"{path} is not valid JSON: {err}") from None
+        from lm_eval_headloc.common.files import parse_json
+
+        data = parse_json(text, path, ComponentSpecError)
         names = _heads_in_json(data, path)
     else:
         names = []

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.files import read_json, write_atomically
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     Head,
@@ -359,7 +359,7 @@ def _is_ours(path: Path) -> bool:
     """Whether ``path`` is a file an export of ours wrote (it carries our marker)."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return False
     marker = data.get(MARKER) if isinstance(data, dict) else None
     return isinstance(marker, dict) and marker.get("made_by") == _MADE_BY
@@ -495,10 +495,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
         width, parallel = _model_shape(record, run_folder, model_args)
         d_model = width if d_model is None else d_model
         parallel_attn_mlp = parallel if parallel_attn_mlp is None else parallel_attn_mlp
-    try:
-        data = json.loads(ranking.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ExportError(f"{ranking} is unreadable: {str(err).splitlines()[0]}") from None
+    data = read_json(ranking, ExportError)
     try:
         graph = mib_graph(data, n_layers=layers, n_heads=heads, d_model=d_model,
                           parallel_attn_mlp=parallel_attn_mlp)

@@ -4,13 +4,13 @@ would accept, without MIB installed."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.common.files import read_json
 
 __all__ = ["ExportError", "MibFormatError", "check_mib", "is_mib_edge", "mib_node_names",
            "read_mib"]
@@ -182,13 +182,9 @@ def read_mib(path: str | Path, *, complete: bool = True, node_scores: bool = Tru
     if path.suffix != ".json":
         raise MibFormatError(f"{path}: MIB reads a graph from a .json (or .pt) file by its "
                              "extension; this reads .json")
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MibFormatError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MibFormatError(f"{path} is not readable JSON: {str(err).splitlines()[0]}") \
-            from None
+    if not path.exists():
+        raise MibFormatError(f"{path}: no such file")
+    data = read_json(path, MibFormatError)
     try:
         check_mib(data, complete=complete, node_scores=node_scores)
     except MibFormatError as err:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.files import write_atomically
-from lm_eval_headloc.intervention.components import Head, Neuron
+from lm_eval_headloc.common.files import read_json, write_atomically
+from lm_eval_headloc.intervention.components import ComponentSpecError, Head, Neuron
 from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
 from lm_eval_headloc.method.head_types import HEAD_TYPES
 from lm_eval_headloc.method.ranking import (
@@ -408,7 +407,7 @@ def recorded_harmless(path: Path) -> set[str]:
     a measured or estimated ``effect`` that leaves the score as it was or improves it. A
     top-k lists such components when fewer hurt; their places say nothing of the task.
     (An entry with no effect recorded is not among them.)"""
-    data = json.loads(path.read_text())
+    data = read_json(path, ComponentSpecError)
     higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
     entries = data.get("heads", []) if isinstance(data, dict) else []
     return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))

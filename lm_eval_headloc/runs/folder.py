@@ -35,7 +35,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.common.files import PARTIAL, _finite_or_none, strict_json, write_atomically
+from lm_eval_headloc.common.files import (
+    PARTIAL,
+    _finite_or_none,
+    read_json,
+    strict_json,
+    write_atomically,
+)
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "enclosing_run", "option_words", "package_versions",
@@ -304,12 +310,7 @@ class RunFolder:
         path = self.file(self.CONFIG)
         if not path.is_file():
             raise RunFolderError(f"{self.path} is not a run folder (no {self.CONFIG})")
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise RunFolderError(f"{path} is unreadable ({str(err).splitlines()[0]}); it was "
-                                 "not written by headloc-harness, which writes it atomically") \
-                from None
+        config = read_json(path, RunFolderError)
         if not (isinstance(config, dict) and isinstance(config.get("command"), str)
                 and isinstance(config.get("identity"), dict)):
             raise RunFolderError(f"{path} is not a headloc-harness run configuration")

@@ -20,7 +20,6 @@ Each refusal is one ``RunFolderError`` line naming the file and what disagrees.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -247,11 +246,9 @@ class _Run:
 
 
 def _json(folder: RunFolder, name: str) -> Any:
-    path = folder.file(name)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise RunFolderError(f"{path} is unreadable ({str(err).splitlines()[0]})") from None
+    from lm_eval_headloc.common.files import read_json
+
+    return read_json(folder.file(name), RunFolderError)
 
 
 def _design_shape(path: Path) -> tuple[int, ...]:

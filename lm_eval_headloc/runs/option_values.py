@@ -157,7 +157,7 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
 
             try:
                 parsed = json.loads(text)
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:
                 raise UsageError(f"--gen-kwargs {value!r}: not a JSON object ({err})") \
                     from None
         else:

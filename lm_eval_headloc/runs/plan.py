@@ -9,19 +9,20 @@ measuring command runs.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.files import read_json
 from lm_eval_headloc.common.timing import timed
 from lm_eval_headloc.intervention.ablation import (
     AblationError,
 )
 from lm_eval_headloc.measurement.store import PlanEntry, _knockout_of, run_plan
 from lm_eval_headloc.runs.folder import RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.option_values import parse_examples_part, parse_gen_kwargs
 from lm_eval_headloc.runs.record import RunRecord, measured_on, start_run
 from lm_eval_headloc.runs.setup import Setup, prepare
@@ -199,7 +200,7 @@ def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
     if output_path is None:
         return True
     index = folder.file(LM_EVAL_FILES)
-    written = json.loads(index.read_text()) if index.is_file() else {}
+    written = read_json(index, RunFolderError) if index.is_file() else {}
     return all(_files_written(written.get(entry[0]), output_path, log_samples)
                for entry in plan)
 
@@ -240,7 +241,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
 
     spec = setup.spec
     index_path = folder.file(LM_EVAL_FILES)
-    written = json.loads(index_path.read_text()) if index_path.is_file() else {}
+    written = read_json(index_path, RunFolderError) if index_path.is_file() else {}
     manager = make_task_manager(list(spec.include_path))
     window = ({"samples": measure.subset} if measure.subset is not None
               else {"limit": measure.limit})

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.files import read_json
 from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.intervention.model_args import model_identity, same_model
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
@@ -340,7 +341,7 @@ def stored_priors(folder: RunFolder) -> dict[str, dict[str, np.ndarray]]:
     if not path.is_file():
         raise RunFolderError(f"{folder.path} is incomplete (no prior.json, which its fit "
                              "uses); rerun the locate command to finish it")
-    data = json.loads(path.read_text())
+    data = read_json(path, RunFolderError)
     priors: dict[str, dict[str, np.ndarray]] = {}
     for task, entry in data["tasks"].items():
         points = entry["points"] if "points" in entry else [entry]
@@ -426,7 +427,7 @@ def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     head_types = read_types(folder)
     rankings = {}
     for path in files:
-        data = json.loads(path.read_text())
+        data = read_json(path, RunFolderError)
         rankings[data["task"]] = ranking_from_json(data, columns, head_types)
     return rankings
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -49,4 +48,6 @@ def read_types(folder: RunFolder | str | Path) -> HeadTypes | None:
     path = folder.file(TYPES_FILE)
     if not path.is_file():
         return None
-    return HeadTypes(json.loads(path.read_text()))
+    from lm_eval_headloc.common.files import read_json
+
+    return HeadTypes(read_json(path, RunFolderError))
