@@ -357,3 +357,27 @@ def test_a_head_file_too_deep_or_with_too_long_a_number_is_one_line(tmp_path, te
     with pytest.raises(ComponentSpecError, match="heads.json") as info:
         read_heads_file(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "null", "1e308", '"0.5"', "true"])
+def test_a_measurement_whose_score_is_not_a_number_is_named_not_fitted(runs, tmp_path,
+                                                                       capsys, value):
+    """NaN, an infinity, null (the package writes a NaN so), 1e308, a string or a bool as a
+    score ended refit in sklearn tracebacks, or was fitted as a number (true as 1.0): the
+    measurement is named in the log, skipped, and the run is said to be incomplete, with
+    what finishes it."""
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    record = json.loads(lines[3])
+    task, score = next(iter(record["scores"].items()))
+    lines[3] = json.dumps(record).replace(f'"scores": {{"{task}": {json.dumps(score)}',
+                                          f'"scores": {{"{task}": {value}', 1)
+    assert lines[3] != json.dumps(record)
+    (folder / "measurements.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert_names(error, "error:", "incomplete", record["key"], "rerun the locate command")
+    assert_names(warning, "warning:", "line 4", record["key"], repr(task),
+                 "not a finite number", "measures it again")

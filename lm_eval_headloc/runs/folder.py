@@ -25,6 +25,7 @@ import fcntl
 import fnmatch
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -122,6 +123,29 @@ def _json_or_none(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too many digits
         return None
+
+
+#: The largest score a measurement may hold: any metric's (a perplexity of e^300 aside),
+#: and small enough that a fit's sums of squares stay finite.
+_LARGEST_SCORE = 1e150
+
+
+def _unusable_score(record: Mapping[str, Any]) -> str | None:
+    """What makes a measurement's scores (and log-likelihoods) unusable by a fit: a value
+    that is not a finite number (NaN, written as null, an infinity, a string, true), or
+    one too large to fit; None where each is usable."""
+    for field in ("scores", "logprob"):
+        values = record.get(field) or {}
+        if not isinstance(values, Mapping):
+            return f"its {field} are not a mapping of tasks"
+        for task, value in values.items():
+            if field == "logprob" and value is None:
+                continue  # no log-likelihood recorded for this task: the metric is used
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or abs(value) > _LARGEST_SCORE):
+                what = "score" if field == "scores" else "log-likelihood"
+                return f"the {what} of task {task!r} is {value!r}, not a finite number"
+    return None
 
 
 def _is_measurement(record: Any) -> bool:
@@ -588,11 +612,18 @@ class RunFolder:
         records = []
         for number, raw in enumerate(lines, start=1):
             record = _json_or_none(raw)
-            if not _is_measurement(record):
+            problem = (None if not _is_measurement(record) else _unusable_score(record))
+            if not _is_measurement(record) or problem:
                 if (str(path.resolve()), number, raw) not in _SAID_SKIPPED:  # once a run
                     _SAID_SKIPPED.add((str(path.resolve()), number, raw))
-                    log.warning("%s line %d is not a measurement record; skipped (left in "
-                                "the file)", path, number)
+                    if problem:
+                        log.warning("%s line %d (%s): %s; skipped (left in the file): "
+                                    "`headloc-harness locate` on this folder measures it "
+                                    "again, or remove the line", path, number,
+                                    record["key"], problem)
+                    else:
+                        log.warning("%s line %d is not a measurement record; skipped "
+                                    "(left in the file)", path, number)
                 continue
             records.append(record)
         return records
