@@ -273,3 +273,17 @@ def test_a_long_inline_head_list_is_heads_not_a_file_name(tmp_path, monkeypatch)
     assert head_list("keep.txt", 30, 9, "--never-ablate") == [Head(0, 1), Head(2, 3)]
     with raises_naming(UsageError, "--never-ablate", "L40H0", "0..29"):
         head_list("+".join([*names, "L40H0"]), 30, 9, "--never-ablate")
+
+
+@pytest.mark.parametrize("name, text", [
+    ("heads.txt", "L0H1\nL1H2\nL0H1\n"),
+    ("plus.txt", "L0H1+L1H2+L0H1\n"),
+    ("ranking.json", json.dumps({"heads": [{"head": "L0H1"}, {"head": "L1H2"},
+                                           {"head": "L0H1"}]})),
+])
+def test_a_head_named_twice_is_refused(tmp_path, name, text):
+    """overlap read a file naming a head twice and gave a rate of 1.0 where it was 0.8."""
+    path = tmp_path / name
+    path.write_text(text)
+    with raises_naming(ComponentSpecError, str(path), "L0H1 twice", "1 and 3"):
+        read_heads_file(path)

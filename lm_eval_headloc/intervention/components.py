@@ -468,6 +468,12 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
             if line:
                 _checked_entry(line, path, f"line {number}")
                 names.extend(part.strip() for part in line.split("+"))
+    first: dict[str, int] = {}
+    for place, name in enumerate(names, start=1):
+        if name in first:  # overlap counted it twice (a rate of 1.0 where it was 0.8)
+            raise ComponentSpecError(f"{path} names {name} twice (its names {first[name]} and "
+                                     f"{place}); a list of heads names each once")
+        first[name] = place
     if top is not None:
         if top > len(names):
             raise ComponentSpecError(
