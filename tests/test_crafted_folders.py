@@ -381,3 +381,29 @@ def test_a_measurement_whose_score_is_not_a_number_is_named_not_fitted(runs, tmp
     assert_names(error, "error:", "incomplete", record["key"], "rerun the locate command")
     assert_names(warning, "warning:", "line 4", record["key"], repr(task),
                  "not a finite number", "measures it again")
+
+
+@pytest.mark.parametrize("alter", [
+    lambda d: d.update(heads=[]),
+    lambda d: d.pop("heads"),
+    lambda d: d.update(largest_single_help={"head": "L0H1", "change": "x"}),
+    lambda d: d.update(certificate={"certified": True, "forged": 1}),
+    lambda d: d["heads"][0].update(effect="abc"),
+], ids=["no heads", "heads missing", "help not a number", "certificate forged",
+        "effect text"])
+def test_read_rankings_of_an_altered_ranking_file_is_one_line(runs, tmp_path, alter):
+    """read_rankings raised TypeError: CertificateRecord.__init__() got an unexpected
+    keyword argument on a tampered file, and others ended in tracebacks."""
+    from lm_eval_headloc import read_rankings
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    path = folder / "heads-tiny_choice.json"
+    data = json.loads(path.read_text())
+    data.setdefault("certificate", None)
+    alter(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(RunFolderError) as info:
+        read_rankings(folder)
+    assert "\n" not in str(info.value) and "heads-tiny_choice.json" in str(info.value)

@@ -412,6 +412,27 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
     return files
 
 
+def _check_ranking_data(data: Any) -> None:
+    """What a ranking's reader takes on trust, checked (ValueError): a non-empty ``heads``
+    list of entries each naming its component with a number (or null) as its effect, and
+    a ``largest_single_help`` with a number as its change."""
+    def number(value: Any) -> bool:
+        return value is None or (isinstance(value, (int, float))
+                                 and not isinstance(value, bool))
+
+    heads = data.get("heads") if isinstance(data, dict) else None
+    if not isinstance(heads, list) or not heads:
+        raise ValueError("its 'heads' is not a non-empty list")
+    for place, entry in enumerate(heads, start=1):
+        if not (isinstance(entry, dict) and number(entry.get("effect")) and any(
+                isinstance(entry.get(key), str) for key in ("head", "neuron", "group"))):
+            raise ValueError(f"its entry {place} of 'heads' names no component with a "
+                             "number as its effect")
+    help_ = data.get("largest_single_help")
+    if help_ is not None and not (isinstance(help_, dict) and number(help_.get("change"))):
+        raise ValueError("its 'largest_single_help' has no number as its change")
+
+
 def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
     as ``Ranking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
@@ -428,7 +449,15 @@ def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     rankings = {}
     for path in files:
         data = read_json(path, RunFolderError)
-        rankings[data["task"]] = ranking_from_json(data, columns, head_types)
+        try:
+            _check_ranking_data(data)
+            rankings[data["task"]] = ranking_from_json(data, columns, head_types)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
+            # A file altered by hand (a field renamed, a number that is text): where the
+            # ranking's reader stopped, in one line, not its traceback.
+            raise RunFolderError(f"{path} is not a ranking file as headloc-harness writes "
+                                 f"one ({type(err).__name__}: {str(err).splitlines()[0]})"
+                                 "; refit the run to write it again") from None
     return rankings
 
 
