@@ -201,3 +201,31 @@ def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
                          progress=False)
     assert by_spec["tiny_copy"].order == by_keywords["tiny_copy"].order
     assert RunSpec.from_config(strict_json(tmp_path / "a" / "config.json")).masks == 4
+
+
+def test_the_python_api_refuses_bad_arguments_in_its_own_words(tmp_path):
+    """RunSpec.validate() accepted tasks=[None], [5], bytes and masks="4" (then an
+    AttributeError in set-up); locate(None) was pathlib's TypeError; a MemoryStore of
+    records without keys a KeyError later; design_matrix of 10^6 x 10^6 numpy's
+    MemoryError (931 GiB) instead of a size check."""
+    from lm_eval_headloc.common.errors import UserError
+    from lm_eval_headloc.measurement.store import MemoryStore
+    from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    cases = [
+        (lambda: RunSpec(tasks=[None]).validate(), "tasks="),
+        (lambda: RunSpec(tasks=[5]).validate(), "tasks="),
+        (lambda: RunSpec(tasks=b"gsm8k").validate(), "tasks="),
+        (lambda: RunSpec(masks="4").validate(), "masks='4'"),
+        (lambda: locate(None), "not None"),
+        (lambda: MemoryStore([{"key": "baseline"}]), "records[0]"),
+        (lambda: MemoryStore([{"key": "baseline", "mask": "", "scores": {"t": None}}]),
+         "records[0] (baseline)"),
+        (lambda: design_matrix("bernoulli", 10**6, 10**6, 0.1, 0), "931.3 GiB"),
+    ]
+    for call, said in cases:
+        with pytest.raises(UserError) as info:
+            call()
+        assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert RunSpec(masks="auto").validate().masks == "auto"

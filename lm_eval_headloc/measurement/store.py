@@ -9,6 +9,7 @@ resumed on the same store measures nothing twice and makes the same decisions.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,8 +21,8 @@ from lm_eval_headloc.intervention.components import Head, format_heads
 if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
-__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "StoreError", "phase_bar",
-           "run_plan"]
+__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "StoreError", "is_measurement",
+           "phase_bar", "run_plan", "unusable_score"]
 
 
 class StoreError(UserError):
@@ -43,12 +44,48 @@ class MeasurementStore(Protocol):
     def append_measurement(self, record: Mapping[str, Any]) -> None: ...
 
 
+#: The largest score a measurement may hold: any metric's (a perplexity of e^300 aside),
+#: and small enough that a fit's sums of squares stay finite.
+_LARGEST_SCORE = 1e150
+
+
+def unusable_score(record: Mapping[str, Any]) -> str | None:
+    """What makes a measurement's scores (and log-likelihoods) unusable by a fit: a value
+    that is not a finite number (NaN, written as null, an infinity, a string, true), or
+    one too large to fit; None where each is usable."""
+    for field in ("scores", "logprob"):
+        values = record.get(field) or {}
+        if not isinstance(values, Mapping):
+            return f"its {field} are not a mapping of tasks"
+        for task, value in values.items():
+            if field == "logprob" and value is None:
+                continue  # no log-likelihood recorded for this task: the metric is used
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or abs(value) > _LARGEST_SCORE):
+                what = "score" if field == "scores" else "log-likelihood"
+                return f"the {what} of task {task!r} is {value!r}, not a finite number"
+    return None
+
+
+def is_measurement(record: Any) -> bool:
+    """Whether ``record`` has a measurement's shape: a ``key`` and a ``mask`` that are
+    text, ``scores`` by task."""
+    return (isinstance(record, dict) and isinstance(record.get("key"), str)
+            and isinstance(record.get("mask"), str) and isinstance(record.get("scores"), dict))
+
+
 class MemoryStore:
     """A ``MeasurementStore`` in memory: a notebook's run, kept as long as the object."""
 
     path = "the in-memory store"
 
     def __init__(self, records: Sequence[Mapping[str, Any]] = ()) -> None:
+        for number, record in enumerate(records, start=1):
+            if not is_measurement(record):
+                raise StoreError(f"records[{number - 1}] is not a measurement record (a "
+                                 "'key' and a 'mask' that are text, 'scores' by task)")
+            if (problem := unusable_score(record)) is not None:
+                raise StoreError(f"records[{number - 1}] ({record['key']}): {problem}")
         self.records: list[dict[str, Any]] = [dict(r) for r in records]
 
     def measurements(self) -> list[dict[str, Any]]:

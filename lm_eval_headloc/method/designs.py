@@ -13,11 +13,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from lm_eval_headloc.common.checks import check_number
+from lm_eval_headloc.common.checks import UsageError, check_number
 from lm_eval_headloc.common.options import DESIGNS
 
-__all__ = ["column_counts", "design_matrix", "head_column_mask", "knockouts_per_mask",
-           "same_masks"]
+__all__ = ["MAX_DESIGN_BYTES", "column_counts", "design_matrix", "head_column_mask",
+           "knockouts_per_mask", "same_masks"]
 
 
 def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.ndarray:
@@ -63,6 +63,11 @@ def knockouts_per_mask(sparsity: float, num_eligible: int) -> int:
     return max(1, int(round(sparsity * num_eligible)))
 
 
+#: A design matrix is held in memory and saved as one bool array (a byte an entry): the
+#: most entries one may have.
+MAX_DESIGN_BYTES = 256 * 2**20
+
+
 def design_matrix(
     kind: str,
     num_masks: int,
@@ -89,6 +94,11 @@ def design_matrix(
     num_masks = check_number(num_masks, "num_masks", whole=True, min_val=1)
     total_heads = check_number(total_heads, "total_heads", whole=True, min_val=1)
     seed = check_number(seed, "seed", whole=True, min_val=0)
+    if num_masks * total_heads > MAX_DESIGN_BYTES:  # before numpy asks for the memory
+        raise UsageError(f"num_masks={num_masks} x total_heads={total_heads}: the design "
+                         f"would take {num_masks * total_heads / 2**30:.1f} GiB; at most "
+                         f"{max(1, MAX_DESIGN_BYTES // total_heads)} masks of "
+                         f"{total_heads} heads fit its {MAX_DESIGN_BYTES // 2**20} MiB")
     # The fraction of heads knocked out per mask: 0 would measure nothing, 1 everything.
     sparsity = check_number(sparsity, "sparsity", min_val=0, max_val=1,
                             include_boundaries="neither")

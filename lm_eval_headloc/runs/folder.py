@@ -25,7 +25,6 @@ import fcntl
 import fnmatch
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -43,6 +42,7 @@ from lm_eval_headloc.common.files import (
     strict_json,
     write_atomically,
 )
+from lm_eval_headloc.measurement.store import is_measurement, unusable_score
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "enclosing_run", "option_words", "package_versions",
@@ -123,34 +123,6 @@ def _json_or_none(raw: bytes) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, too deep, too many digits
         return None
-
-
-#: The largest score a measurement may hold: any metric's (a perplexity of e^300 aside),
-#: and small enough that a fit's sums of squares stay finite.
-_LARGEST_SCORE = 1e150
-
-
-def _unusable_score(record: Mapping[str, Any]) -> str | None:
-    """What makes a measurement's scores (and log-likelihoods) unusable by a fit: a value
-    that is not a finite number (NaN, written as null, an infinity, a string, true), or
-    one too large to fit; None where each is usable."""
-    for field in ("scores", "logprob"):
-        values = record.get(field) or {}
-        if not isinstance(values, Mapping):
-            return f"its {field} are not a mapping of tasks"
-        for task, value in values.items():
-            if field == "logprob" and value is None:
-                continue  # no log-likelihood recorded for this task: the metric is used
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or abs(value) > _LARGEST_SCORE):
-                what = "score" if field == "scores" else "log-likelihood"
-                return f"the {what} of task {task!r} is {value!r}, not a finite number"
-    return None
-
-
-def _is_measurement(record: Any) -> bool:
-    return (isinstance(record, dict) and isinstance(record.get("key"), str)
-            and isinstance(record.get("mask"), str) and isinstance(record.get("scores"), dict))
 
 
 #: What the commands write in a run folder, by name or fnmatch pattern: ``--force`` clears
@@ -286,6 +258,8 @@ class RunFolder:
     LOCK = ".lock"
 
     def __init__(self, path: str | Path) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+            raise RunFolderError(f"a run folder is a path (e.g. 'runs/x'), not {path!r}")
         self.path = Path(path)
         self._lock_fd: int | None = None
 
@@ -597,7 +571,7 @@ class RunFolder:
         data = path.read_bytes()
         lines = data.split(b"\n")
         torn = lines.pop()  # b"" when the file ends with a newline
-        if torn and _is_measurement(_json_or_none(torn)):
+        if torn and is_measurement(_json_or_none(torn)):
             # Whole, only its newline missing: kept (the lock's holder adds the newline,
             # so the next append starts a line of its own).
             lines.append(torn)
@@ -612,8 +586,8 @@ class RunFolder:
         records = []
         for number, raw in enumerate(lines, start=1):
             record = _json_or_none(raw)
-            problem = (None if not _is_measurement(record) else _unusable_score(record))
-            if not _is_measurement(record) or problem:
+            problem = (None if not is_measurement(record) else unusable_score(record))
+            if not is_measurement(record) or problem:
                 if (str(path.resolve()), number, raw) not in _SAID_SKIPPED:  # once a run
                     _SAID_SKIPPED.add((str(path.resolve()), number, raw))
                     if problem:

@@ -52,6 +52,7 @@ from lm_eval_headloc.measurement.metrics import (
 )
 from lm_eval_headloc.measurement.signals import check_gold_answers
 from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.designs import MAX_DESIGN_BYTES
 from lm_eval_headloc.runs.option_values import parse_gen_kwargs, path_list
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import check_task_names, load_failure, make_task_manager
@@ -61,8 +62,6 @@ __all__ = ["NoEffectError", "Setup", "check_candidates", "check_design_budget",
 
 log = logging.getLogger("lm_eval_headloc")
 
-# A design matrix is held in memory and saved as one bool array; refuse budgets past this.
-MAX_DESIGN_BYTES = 256 * 2**20
 
 
 @dataclass

@@ -443,6 +443,15 @@ class RunSpec:
             raise UsageError(f"progress={self.progress!r}: must be True or False")
         if not self.tasks:
             raise UsageError("--tasks is empty; name at least one task (e.g. gsm8k)")
+        if isinstance(self.tasks, (str, bytes)) or not all(
+                isinstance(task, str) and task.strip() for task in self.tasks):
+            raise UsageError(f"tasks={self.tasks!r}: must be a list of task names "
+                             "(e.g. ['gsm8k'])")
+        for name in ("masks", "max_measurements", "candidates", "sparsity", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip().startswith("auto"):
+                # The CLI reads its flags' text; from Python a number is given as one.
+                raise UsageError(f"{name}={value!r}: give a number, not its text, or 'auto'")
         if self.general is not None and not self.general:
             raise UsageError("--general is empty; name at least one task or leave it out")
         if self.batch_size is not None:
