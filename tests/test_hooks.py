@@ -371,3 +371,23 @@ def test_knocking_out_names_are_checked_against_the_model_and_expanded(tiny_mode
             assert torch.equal(model(INPUT_IDS).logits, whole_layer)
     with raises_naming(ComponentSpecError, f"L{LAYERS}H0", f"0..{LAYERS - 1}"):
         knockout.knocking_out(f"L{LAYERS}H0")
+
+
+def test_a_runs_top_k_with_heads_that_do_not_hurt_says_so_when_knocked_out(tiny_model_dir,
+                                                                           tmp_path, caplog):
+    """ablate_file=heads.json knocked out the top-5 though the report said three of them
+    were heads that do not hurt: the log line says which."""
+    import json
+
+    ranked = tmp_path / "heads.json"
+    effects = {"L1H3": -0.3, "L0H2": 0.0, "L0H0": 0.05, "L1H1": 0.1}  # higher is better
+    ranked.write_text(json.dumps({"task": "tiny_copy", "higher_is_better": True,
+                                  "top_k": list(effects)[:3],
+                                  "heads": [{"rank": i + 1, "head": h, "effect": e}
+                                            for i, (h, e) in enumerate(effects.items())]}))
+    caplog.set_level("INFO", logger="lm_eval.models.hf_headablate")
+    lm = load_ablate(tiny_model_dir("llama"), ablate_file=str(ranked))
+    assert [str(h) for h in lm.knocked_out] == ["L0H0", "L0H2", "L1H3"]
+    [line] = [m for m in caplog.messages if m.startswith("knocking out")]
+    assert line.endswith("; of them L0H2+L0H0 did not hurt the task in the run (its "
+                         "ranking records no harm)")

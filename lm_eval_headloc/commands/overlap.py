@@ -40,10 +40,11 @@ from lm_eval_headloc.common.files import read_json, strict_json, write_atomicall
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     read_heads_file,
+    recorded_harmless,
     shown_name,
 )
 from lm_eval_headloc.intervention.model_args import same_model
-from lm_eval_headloc.report.pages import beyond_spread, recorded_harmless
+from lm_eval_headloc.report.pages import beyond_spread
 from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into
 from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
 
@@ -69,7 +70,7 @@ class RankingFile:
     names: list[str]
     tied: frozenset[str]  # names whose evidence equals that of the name above them
     effects: list[float | None] | None  # None: the file records no effects
-    harmless: frozenset[str] = frozenset()  # recorded to do no harm (report.recorded_harmless)
+    harmless: frozenset[str] = frozenset()  # recorded to do no harm (components.recorded_harmless)
     higher_is_better: bool = True
     largest_help: Mapping[str, Any] | None = None  # its largest_single_help, if recorded
 

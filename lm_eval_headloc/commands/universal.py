@@ -48,7 +48,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     """Heads in the top-k of rankings of at least ``min_tasks`` distinct tasks (two runs
     of one task, on other examples say, are one task) -> ``out`` (JSON); a
     head counts for a task only where its ranking does not record it as harmless
-    (``report.pages.recorded_harmless``).
+    (``intervention.components.recorded_harmless``).
 
     Rankings are labelled by their run folder's full path and task; every run must be
     of the same model (``model_args.same_model``: the same ``model_args`` but for where it ran).

@@ -36,6 +36,7 @@ __all__ = [
     "parse_heads",
     "ranked_task",
     "read_heads_file",
+    "recorded_harmless",
     "validate_heads",
 ]
 
@@ -342,6 +343,22 @@ def ranked_task(path: str | Path) -> str | None:
     or None for a plain list of heads or a file that does not say."""
     task = (_json_object(path) or {}).get("task")
     return task if isinstance(task, str) else None
+
+
+def recorded_harmless(path: str | Path) -> set[str]:
+    """The components a ranking file (heads-<task>.json) records as not hurting the task:
+    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
+    top-k lists such components when fewer hurt; their places say nothing of the task.
+    (An entry with no effect recorded is not among them.)"""
+    from lm_eval_headloc.common.files import read_json
+
+    data = read_json(path, ComponentSpecError)
+    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
+    entries = data.get("heads", []) if isinstance(data, dict) else []
+    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
+            and not (-entry["effect"] if higher else entry["effect"]) > 0}
 
 
 def ranking_top_k(path: str | Path) -> int | None:

@@ -19,6 +19,7 @@ from lm_eval_headloc.intervention.components import (
     ranked_task,
     ranking_top_k,
     read_heads_file,
+    recorded_harmless,
 )
 from lm_eval_headloc.intervention.embedded import (
     local_pretrained,
@@ -215,11 +216,17 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
         # Which heads a ranking file came to is said: a run's heads.json is its first
         # task's, which may not be the task evaluated.
         task = ranked_task(ablate_file)
-        log.info("knocking out %s: %s of %s%s", "+".join(map(str, from_file)),
+        # A top-k fills its places with heads that do no harm where fewer hurt: said, so
+        # that a knockout of them is not read as the task's heads.
+        harmless = ([name for name in from_file if name in recorded_harmless(ablate_file)]
+                    if task else [])
+        log.info("knocking out %s: %s of %s%s%s", "+".join(map(str, from_file)),
                  f"the top {ablate_top}" if ablate_top is not None else
                  f"the run's top-{run_top} (ablate_top=K for another count)"
                  if run_top is not None else "every entry",
-                 ablate_file, f" (ranked for task {task})" if task else "")
+                 ablate_file, f" (ranked for task {task})" if task else "",
+                 f"; of them {'+'.join(harmless)} did not hurt the task in the run (its "
+                 "ranking records no harm)" if harmless else "")
     check_component_names(names)
     return names
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.files import read_json, write_atomically
-from lm_eval_headloc.intervention.components import ComponentSpecError, Head, Neuron
+from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
 from lm_eval_headloc.method.head_types import HEAD_TYPES
 from lm_eval_headloc.method.ranking import (
@@ -28,7 +28,7 @@ from lm_eval_headloc.method.ranking import (
 from lm_eval_headloc.method.recovery import STABLE, harm
 from lm_eval_headloc.runs.folder import RunFolder
 
-__all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap", "recorded_harmless",
+__all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap",
            "tie_words", "within_spread", "write_ranking"]
 
 
@@ -400,20 +400,6 @@ def equal_change_words(ranking: Ranking, top_k: int, all_measured: bool = False
                       f"log-likelihood decided which of them are in the top-{len(top)}")
     return [f"The same measured change, ordered by the gold answers' log-likelihood change "
             f"(the larger drop first): {'; '.join(shown)}.", ""]
-
-
-def recorded_harmless(path: Path) -> set[str]:
-    """The components a ranking file (heads-<task>.json) records as not hurting the task:
-    a measured or estimated ``effect`` that leaves the score as it was or improves it. A
-    top-k lists such components when fewer hurt; their places say nothing of the task.
-    (An entry with no effect recorded is not among them.)"""
-    data = read_json(path, ComponentSpecError)
-    higher = bool(data.get("higher_is_better", True)) if isinstance(data, dict) else True
-    entries = data.get("heads", []) if isinstance(data, dict) else []
-    return {str(entry.get("head") or entry.get("neuron") or entry.get("group"))
-            for entry in entries
-            if isinstance(entry, dict) and isinstance(entry.get("effect"), (int, float))
-            and not (-entry["effect"] if higher else entry["effect"]) > 0}
 
 
 def _all_tied(ranking: Ranking, top_k: int) -> bool:
