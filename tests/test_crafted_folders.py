@@ -407,3 +407,33 @@ def test_read_rankings_of_an_altered_ranking_file_is_one_line(runs, tmp_path, al
     with pytest.raises(RunFolderError) as info:
         read_rankings(folder)
     assert "\n" not in str(info.value) and "heads-tiny_choice.json" in str(info.value)
+
+
+def test_a_design_that_no_longer_matches_its_measurements_is_refused(runs, tmp_path, capsys):
+    """design_matrix.npy whose rows no longer match the recorded masks was fitted (rc 0, a
+    different top-3): the measurements are the record."""
+    import numpy as np
+
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    design = np.load(folder / "design_matrix.npy")
+    design[2] = ~design[2]
+    np.save(folder / "design_matrix.npy", design)
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert_names(error_line(capsys), "design_matrix.npy", "row 2", "mask-0002", "altered")
+
+
+def test_a_key_measured_twice_with_other_scores_is_refused(runs, tmp_path, capsys):
+    """A duplicated key with another score: the later won, and 27 heads became "ruled
+    out"."""
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    record = json.loads(lines[3])
+    record["scores"] = {task: 0.0 for task in record["scores"]}
+    lines.append(json.dumps(record))
+    (folder / "measurements.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert_names(error_line(capsys), "measurements.jsonl", record["key"], "twice")

@@ -323,9 +323,43 @@ class LocateRun(RunRecord):
             raise RunFolderError(f"{folder.path} is incomplete (no {path.name}: its design "
                                  "was never made); rerun the locate command to finish it")
         self.design = np.load(path)
-        self.records = {record["key"]: record for record in folder.measurements()}
+        self.records = _measurements_by_key(folder)
+        self._check_design_against_records(folder)
         self.priors = column_prior(stored_priors(folder), self.columns, self.heads_per_layer,
                                    self.neurons_per_layer) if self.uses_prior else None
+
+
+    def _check_design_against_records(self, folder: RunFolder) -> None:
+        """The records are the truth: each design row a measurement stands for knocks out
+        what that measurement did (its ``mask``), else the matrix was altered."""
+        design = self.design
+        if design is None or design.ndim != 2:
+            return
+        columns = self.columns
+        for index, (row, key) in enumerate(zip(design, self.keys(), strict=False)):
+            record = self.records.get(key)
+            if record is None:
+                continue
+            knocked = {str(m) for i in np.flatnonzero(row) for m in columns.members(int(i))}
+            if knocked != {name for name in record["mask"].split("+") if name}:
+                raise RunFolderError(
+                    f"{folder.file('design_matrix.npy')}: row {index} knocks out "
+                    f"{len(knocked)} components, not those its measurement {key} knocked "
+                    "out; the matrix was altered (the measurements are the record)")
+
+
+def _measurements_by_key(folder: RunFolder) -> dict[str, dict[str, Any]]:
+    """``folder``'s measurements by key; a key measured twice with different scores is
+    refused (which one the fit would take could not be told)."""
+    records: dict[str, dict[str, Any]] = {}
+    for record in folder.measurements():
+        key = record["key"]
+        if key in records and records[key].get("scores") != record.get("scores"):
+            raise RunFolderError(f"{folder.file('measurements.jsonl')} holds {key} twice "
+                                 f"with different scores ({records[key]['scores']} and "
+                                 f"{record['scores']}); remove the one that is wrong")
+        records.setdefault(key, record)
+    return records
 
 
 #: prior.json's key of each kind's estimates at a path point.
