@@ -437,3 +437,32 @@ def test_a_key_measured_twice_with_other_scores_is_refused(runs, tmp_path, capsy
     capsys.readouterr()
     assert harness("refit", str(folder)) == 2
     assert_names(error_line(capsys), "measurements.jsonl", record["key"], "twice")
+
+
+def test_a_measurement_that_flips_the_tasks_direction_is_refused(runs, tmp_path, capsys):
+    """A per-line flip of higher_is_better was fitted silently."""
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    lines = (folder / "measurements.jsonl").read_text().splitlines()
+    record = json.loads(lines[3])
+    task = next(iter(record["higher_is_better"]))
+    record["higher_is_better"][task] = not record["higher_is_better"][task]
+    lines[3] = json.dumps(record)
+    (folder / "measurements.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert_names(error_line(capsys), record["key"], "higher_is_better", repr(task))
+
+
+@pytest.mark.parametrize("keys", [lambda n: ["mask-0000"] * n, lambda n: ["mask-0000"]],
+                         ids=["all equal", "short"])
+def test_row_keys_that_do_not_name_a_measurement_a_row_are_refused(runs, tmp_path, capsys,
+                                                                   keys):
+    folder = tmp_path / "copy"
+    shutil.copytree(runs["locate"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["row_keys"] = keys(config["masks_used"])
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert harness("refit", str(folder)) == 2
+    assert_names(error_line(capsys), "row_keys", "config.json")

@@ -335,6 +335,14 @@ class LocateRun(RunRecord):
         design = self.design
         if design is None or design.ndim != 2:
             return
+        if self.row_keys is not None:
+            keys = list(self.row_keys)
+            if len(set(keys)) != len(keys) or len(keys) < min(len(design),
+                                                            self.masks_used or 0):
+                raise RunFolderError(f"{folder.file('config.json')}: its row_keys name "
+                                     f"{len(set(keys))} distinct measurements for "
+                                     f"{self.masks_used or len(design)} masks; each design "
+                                     "row has a measurement of its own")
         columns = self.columns
         for index, (row, key) in enumerate(zip(design, self.keys(), strict=False)):
             record = self.records.get(key)
@@ -352,8 +360,15 @@ def _measurements_by_key(folder: RunFolder) -> dict[str, dict[str, Any]]:
     """``folder``'s measurements by key; a key measured twice with different scores is
     refused (which one the fit would take could not be told)."""
     records: dict[str, dict[str, Any]] = {}
+    direction: dict[str, Any] = {}  # each task's higher_is_better, as first recorded
     for record in folder.measurements():
         key = record["key"]
+        for task, higher in (record.get("higher_is_better") or {}).items():
+            if direction.setdefault(task, higher) != higher:
+                raise RunFolderError(f"{folder.file('measurements.jsonl')}: {key} says "
+                                     f"higher_is_better={higher!r} for {task!r}, the "
+                                     f"measurements before it {direction[task]!r}; a "
+                                     "task's direction is the same in every measurement")
         if key in records and records[key].get("scores") != record.get("scores"):
             raise RunFolderError(f"{folder.file('measurements.jsonl')} holds {key} twice "
                                  f"with different scores ({records[key]['scores']} and "
