@@ -447,7 +447,9 @@ def _masks_words(run: LocateRun) -> str:
 def write_results(folder: RunFolder, run: LocateRun) -> None:
     """The run's ranking files and report (``write_ranking``), from ``run`` alone."""
     sparsity = run.spec.sparsity if run.pilot is None else run.pilot["sparsity"]
-    alone = len(run.confirm["heads"]) if run.confirm else 0
+    # Every head measured alone: the confirmation's and those the group tests narrowed
+    # down to (the heatmap boxes the same).
+    alone = max((len(r.facts.confirmed or []) for r in run.rankings.values()), default=0)
     units = UNITS[run.spec.components]
     write_ranking(folder, run.rankings, run.spec.top_k,
                   title=(f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
