@@ -6,6 +6,7 @@ internal planning documents (which a user of the package cannot see)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import unicodedata
 from pathlib import Path
@@ -259,3 +260,25 @@ def test_the_main_job_installs_no_test_extras_and_the_test_command_does() -> Non
                              capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
                                                                   "HEADLOC_VENV": "/nonexistent"})
     assert refused.returncode == 2 and "'--tests'" in refused.stderr
+
+
+def test_run_folder_docs_certificate_is_the_committed_default_runs(committed_benchmarks
+                                                                   ) -> None:
+    """docs/run-folder.md's example heads.json of "the default run" held certificate
+    numbers a default run no longer gave (ruled_out 60 vs 123, group_size 4 vs 16): its
+    numbers are those of the committed default run (the benchmark's certified run of
+    headloc_induction, design seed 0: the main job's task, design and examples)."""
+    text = (ROOT / "docs" / "run-folder.md").read_text()
+    example = text[text.index('  "certificate": {'):text.index('"prior_top_k"')]
+    shown = {key: json.loads(value) for key, value in
+             re.findall(r'"(\w+)": (-?[0-9.]+|true|false|null)', example)}
+    run = committed_benchmarks / "recovery-runs" / "headloc_induction" / "certified" / "seed0"
+    certificate = json.loads((run / "heads.json").read_text())["certificate"]
+    compared = {key: value for key, value in shown.items() if key in certificate}
+    assert len(compared) >= 15  # the group test's own "change" and "se" aside
+    for key, value in compared.items():
+        actual = certificate[key]
+        if isinstance(value, float):
+            assert actual == pytest.approx(value, abs=5e-4), key
+        else:
+            assert actual == value, key

@@ -59,3 +59,39 @@ def test_presence_rules():
 def test_no_confirmation_differs_from_one_that_confirmed_nothing(confirmed):
     facts = RankingFacts.from_json(RankingFacts(confirmed=confirmed).to_json())
     assert facts.confirmed == confirmed
+
+
+def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks):
+    """heads.json held 112 `"effect": -0.0` and `"bound": 0.16999999999999998`; heads.csv's
+    `selected` read as int64 on one run and float64 on another. Today's writers, given the
+    committed rankings (which hold such numbers), write neither."""
+    import io
+    import re
+
+    import pandas as pd
+
+    from lm_eval_headloc import read_rankings
+    from lm_eval_headloc.common.files import strict_json
+    from lm_eval_headloc.method.ranking import ranked_heads_json, tidy_numbers
+    from lm_eval_headloc.report.pages import heads_table
+
+    assert tidy_numbers({"e": -0.0, "b": 0.48 - 0.31, "x": [0.1 + 0.2, 1e-300, 7]}) == \
+        {"e": 0.0, "b": 0.17, "x": [0.3, 1e-300, 7]}
+    assert str(tidy_numbers(-0.0)) == "0.0"
+    folders = [committed_benchmarks / "exhaustive",
+               *sorted((committed_benchmarks / "recovery-runs").glob("*/certified/seed0"))]
+    noisy = 0
+    for folder in folders:
+        for task, ranking in read_rankings(folder).items():
+            before = (folder / f"heads-{task}.json").read_text()
+            noisy += bool(re.search(r"-0\.0(?![0-9])|\d\.\d*(?:0{7}|9{7})\d\b", before))
+            text = strict_json(ranked_heads_json(ranking, 5))
+            assert not re.search(r"-0\.0(?![0-9])", text), (folder, task)
+            assert not re.search(r"\d\.\d*(?:0{7}|9{7})\d\b", text), (folder, task)
+            heads = pd.DataFrame(json.loads(text)["heads"])  # as docs/run-folder.md reads it
+            assert len(heads) == len(ranking.order)
+            table = pd.read_csv(io.StringIO(heads_table(ranking)))
+            for column in ("effect", "selected", "effect_low", "effect_high"):
+                if column in table and table[column].notna().any():
+                    assert table[column].dtype == "float64", (folder, column)
+    assert noisy  # the committed files hold such numbers: the writers were tried on them

@@ -277,7 +277,7 @@ def ranked_heads_json(ranking: Ranking, top_k: int) -> dict[str, Any]:
     stability = {} if ranking.stability is None else {
         "bootstrap": {"resamples": ranking.stability.resamples, "stable_at": STABLE,
                       "unstable_in_top_k": [str(h) for h in ranking.unstable(top_k)]}}
-    return {
+    return tidy_numbers({
         "task": ranking.task, "metric": ranking.metric,
         "higher_is_better": ranking.higher_is_better, "baseline": ranking.baseline,
         "heads_per_layer": ranking.heads_per_layer,
@@ -292,7 +292,22 @@ def ranked_heads_json(ranking: Ranking, top_k: int) -> dict[str, Any]:
              **_evidence_fields(ranking, head)}
             for rank, head in enumerate(ranking.top(len(ranking.order)), start=1)
         ],
-    }
+    })
+
+
+def tidy_numbers(data: Any) -> Any:
+    """``data`` with each float as a reader expects it: 12 significant digits (a
+    difference of two scores reads 0.17 and 0.004, not 0.16999999999999998 and
+    0.004000000000000059: the last digits are the subtraction's rounding; nothing measured
+    or fitted is known to more) and no negative zero (an effect of -0.0 is an effect of
+    0)."""
+    if isinstance(data, float):
+        return float(f"{data:.12g}") + 0.0 if np.isfinite(data) else data
+    if isinstance(data, Mapping):
+        return {k: tidy_numbers(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [tidy_numbers(v) for v in data]
+    return data
 
 #: heads.json's keys that are not a ranking's ``facts`` (``ranked_heads_json``).
 _RANKING_KEYS = ("task", "metric", "higher_is_better", "baseline", "heads_per_layer", "top_k",
