@@ -105,8 +105,13 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
     lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
                         ablate_file=str(out / "heads.json"), ablate_top=3)
     assert [str(h) for h in lm.knocked_out] == sorted(heads["top_k"])
+    # A top head the ranking records as doing no harm (effect >= 0) is said to be one.
+    harmless = [e["head"] for e in heads["heads"][:3]
+                if e["effect"] is not None and e["effect"] >= 0]
     assert (f"knocking out {'+'.join(heads['top_k'])}: the top 3 of {out / 'heads.json'} "
-            "(ranked for task tiny_copy)") in caplog.messages
+            "(ranked for task tiny_copy)"
+            + (f"; of them {'+'.join(harmless)} did not hurt the task in the run (its "
+               "ranking records no harm)" if harmless else "")) in caplog.messages
     # Without ablate_top, the run's own top-k (3), not all 8 heads it ranks.
     lm = HFHeadAblateLM(pretrained=str(folder), dtype="float32", device="cpu",
                         ablate_file=str(out / "heads.json"))

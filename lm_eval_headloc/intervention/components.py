@@ -403,7 +403,7 @@ def _heads_in_json(data: object, path: Path) -> list[str]:
 
 #: What a head file's entry must look like to be echoed in an error: a name that may be
 #: misspelt (L0H99, L3h1, L2H1 + L0H3), not arbitrary text.
-_NAME_ATTEMPT = re.compile(r"L[0-9][0-9A-Za-z*+ ]{0,60}", re.ASCII)
+_NAME_ATTEMPT = re.compile(r"L[0-9][0-9A-Za-z*+ ]*", re.ASCII)
 
 
 def _checked_entry(entry: str, path: Path, where: str) -> str:

@@ -287,7 +287,8 @@ class RunFolder:
                 path.resolve().parent != self.path.resolve():
             raise RunFolderError(f"{path} is a link to {path.resolve()}, outside the run "
                                  "folder; a run folder's files are its own")
-        if name != self.LOCK and os.path.lexists(path) and not path.is_file():
+        if name != self.LOCK and os.path.lexists(path) and not (path.is_file()
+                                                                or path.is_dir()):
             # A FIFO or a device would block the reader or the writer for ever.
             raise RunFolderError(f"{path} is not a regular file; a run folder's files are "
                                  "the ones its commands write")
