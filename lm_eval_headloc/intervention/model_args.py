@@ -218,8 +218,8 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
         task = ranked_task(ablate_file)
         # A top-k fills its places with heads that do no harm where fewer hurt: said, so
         # that a knockout of them is not read as the task's heads.
-        harmless = ([name for name in from_file if name in recorded_harmless(ablate_file)]
-                    if task else [])
+        recorded = recorded_harmless(ablate_file) if task else set()  # read once
+        harmless = [name for name in from_file if name in recorded]
         log.info("knocking out %s: %s of %s%s%s", "+".join(map(str, from_file)),
                  f"the top {ablate_top}" if ablate_top is not None else
                  f"the run's top-{run_top} (ablate_top=K for another count)"
