@@ -695,7 +695,9 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
         f"## Certified by default: measured until no other head can be in the top-{TOP}", "",
         "The default run (`headloc-harness locate --tasks TASK --design-seed S`, every other "
         "option its default) goes on after its masks and the heads it measures alone with "
-        "group tests of the heads no one measured alone, until each head is measured alone "
+        "group tests of the heads no one measured alone (a set that is not clearly under "
+        "the bar halved, one that helps the task split into its likeliest helper and the "
+        "rest), until each head is measured alone "
         "or ruled out by a set clearly under the top-5's entry bar (one-sided 95 %, the "
         "paired standard error of the set's change) — certified — or its cap "
         "(`--max-measurements auto`: half the heads). Cells over the design seeds run so far "

@@ -38,6 +38,7 @@ from lm_eval_headloc.method.group_tests import (
     group_testing,
     halves,
     next_size,
+    peeled,
     read_sets,
     status,
     tied_at_k,
@@ -201,6 +202,50 @@ def test_a_helpful_member_does_not_hide_a_harmful_one():
     known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
     result = group_testing(range(2, 10), known, additive(harms)[0], 30, size=4, top_k=2)
     assert (5,) in result.sets and result.harms[(5,)]["t"].value == pytest.approx(0.4)
+
+
+def test_peeled_takes_the_likeliest_unsettled_helper_apart():
+    helpers = {3: 0.2, 5: 1.0, 9: 0.5}
+    assert peeled((1, 3, 5, 7), helpers) == ((5,), (1, 3, 7))
+    assert peeled((1, 3, 5, 7), helpers, skip=[5]) == ((3,), (1, 5, 7))
+    assert peeled((1, 2, 4, 7), helpers) is None  # no member is predicted to help
+    assert peeled((3, 5), helpers) is None  # two members: the halves are the same
+    assert peeled((1, 3, 7), {3: 0.0}) is None  # a predicted 0 is no help
+
+
+def test_a_helping_group_is_split_into_its_likeliest_helper_and_the_rest():
+    harms = np.full(18, 0.005)
+    harms[[0, 1]] = [0.5, 0.3]  # measured alone before: the bar (k=2) is 0.3
+    harms[9] = -0.4  # helps: group (2..17) measures 15 * 0.005 - 0.4 = -0.325
+    known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
+    order = list(range(2, 18))
+    peel, asked = additive(harms, lambda s: 0.02)
+    result = group_testing(order, known, peel, math.inf, size=16, top_k=2,
+                           helpers={9: 1.0, 4: 0.1})
+    # By hand: the group helps (-0.325 < -1.645 * 0.02); its likeliest helper, 9, alone
+    # and the other 15 (0.075 + 0.033 < 0.3: ruled out): three measurements in all.
+    assert result.sets == [tuple(order), (9,), tuple(h for h in order if h != 9)]
+    assert asked == result.sets
+    halve, _ = additive(harms, lambda s: 0.02)
+    halved = group_testing(order, known, halve, math.inf, size=16, top_k=2)
+    # Halving narrows down to 9 a level at a time: 1 + 2 + 2 + 2 + 2 sets.
+    assert len(halved.sets) == 9 and (9,) in halved.sets
+
+
+def test_a_wrong_helper_prediction_still_settles_every_column():
+    harms = np.full(18, 0.005)
+    harms[[0, 1]] = [0.5, 0.3]
+    harms[9] = -0.6  # the real helper: the group measures 0.07 - 0.6 + 0.35 = -0.18
+    harms[12] = 0.35  # a hidden head that enters the top-2, under the help
+    known = {(0,): {"t": 0.5}, (1,): {"t": 0.3}}
+    result = group_testing(range(2, 18), known, additive(harms, lambda s: 0.02)[0],
+                           math.inf, size=16, top_k=2, helpers={4: 1.0})
+    assert result.sets[1] == (4,)  # the predicted helper first: wrong
+    alone = {0: 0.5, 1: 0.3, **{s[0]: v["t"] for s, v in result.harms.items()
+                                  if len(s) == 1}}
+    groups = [(s, v["t"]) for s, v in result.harms.items() if len(s) > 1]
+    cert = certificate(range(18), np.zeros((0, 18), dtype=bool), [], alone, groups, 2)
+    assert cert.complete and {9, 12} <= set(cert.alone)
 
 
 def test_a_larger_budget_extends_the_same_tests():
@@ -587,6 +632,28 @@ def test_a_tasks_group_plan_knows_every_measured_set_and_leaves_out_the_measured
     lower = plan_groups(design, scores, 1.0, False, {}, alpha=0.01, penalty_weights=None,
                         top_k=2)
     assert all(harm.value < 0 for harm in lower.known.values())
+
+
+def test_a_group_plan_predicts_the_helpers_by_the_prior_else_by_the_fit():
+    from lm_eval_headloc.method.locate_loop import plan_groups, predicted_help
+
+    # The prior's estimates are the logprob's change: positive = the knockout helps.
+    assert predicted_help(np.array([-0.5, 0.2, 0.4, 0.0]), True) == {1: 0.5, 2: 1.0}
+    # A lower-is-better metric's fall is a help.
+    assert predicted_help(np.array([0.3, -0.1]), False) == {1: 1.0}
+    assert predicted_help(np.array([-0.5, 0.0]), True) == {}
+    design = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1],
+                       [1, 0, 1, 0], [0, 1, 0, 1]], dtype=bool)
+    # Head 1 raises the score wherever knocked out, head 0 lowers it: the fit's helper is 1.
+    scores = 1.0 - 0.4 * design[:, 0] + 0.2 * design[:, 1]
+    plan = plan_groups(design, scores, 1.0, True, {}, alpha=0.001, penalty_weights=None,
+                       top_k=1)
+    assert set(plan.helpers) == {1}
+    prior = np.array([[0.1, -0.3, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    with_prior = plan_groups(design, scores, 1.0, True, {2: -0.1}, alpha=0.001,
+                             penalty_weights=None, top_k=1, prior=prior)
+    # The prior's clean point decides; head 2 is measured alone, so not a group's helper.
+    assert with_prior.helpers == {0: pytest.approx(1 / 3)}
 
 
 def test_ties_read_the_paired_error_of_two_heads_where_given():

@@ -10,6 +10,8 @@ under the *entry bar* — the harm of the k-th strongest component measured alon
 hidden one needs to enter the top-k — rules out its members; one that does not is halved
 and each half measured (binary splitting, Hwang 1972; the likelier half first), down to
 components measured alone, which then rank by their measurement like the confirmation's.
+One that helps the task is split into its likeliest helper alone and the rest
+(``peeled``): the help is often one member's.
 A run is *certified* when every component it ranks was measured alone or ruled out.
 
 The rule behind "rules out": **knocking out more components never lessens the harm** (a
@@ -48,7 +50,7 @@ import numpy as np
 __all__ = ["CONFIDENCE", "HELPS", "MAX_GROUP", "OVER", "ROUND", "UNCLEAR", "UNDER", "VIOLATES",
            "Certificate", "GroupTesting", "Harm", "Reading", "Z", "background_harm",
            "certificate", "entry_bar", "group_key", "group_order", "group_size",
-           "group_testing", "halves", "read_sets", "status", "tied_at_k"]
+           "group_testing", "halves", "peeled", "read_sets", "status", "tied_at_k"]
 
 #: Sets measured per round: halves of the last round's sets that did not rule out their
 #: members first, then new groups. Small, so that a round's results steer the next.
@@ -280,6 +282,22 @@ def halves(members: Members, position: Mapping[int, int]) -> tuple[Members, Memb
     return tuple(sorted(ranked[:middle])), tuple(sorted(ranked[middle:]))
 
 
+def peeled(members: Members, helpers: Mapping[int, float], skip: Iterable[int] = ()
+           ) -> tuple[Members, Members] | None:
+    """A helping set's two parts: its likeliest helper alone (the member with the largest
+    predicted help in ``helpers``, column -> predicted help > 0; ``skip``: members settled
+    already) and the rest; None where no member is predicted to help. A set that helps
+    the task owes it to its helpful members, often one: the rest without it is then
+    likely to rule its members out at once, where halving would narrow down to the helper
+    at two measurements a level."""
+    settled = {int(h) for h in skip}
+    likely = [h for h in members if helpers.get(h, 0.0) > 0 and h not in settled]
+    if len(members) < 3 or not likely:
+        return None
+    helper = max(likely, key=lambda h: (helpers[h], -h))
+    return (helper,), tuple(h for h in members if h != helper)
+
+
 @dataclass(frozen=True)
 class GroupTesting:
     """What ``group_testing`` did: the sets measured in each round, in order, the group
@@ -301,7 +319,8 @@ Measured = Mapping[Members, Mapping[str, Harm | float]]
 def group_testing(order: Sequence[int], known: Measured,
                   measure: Callable[[list[Members]], Measured], budget: int | float,
                   *, size: int, top_k: int, round_size: int = ROUND, z: float = Z,
-                  largest: int = LARGEST_GROUP) -> GroupTesting:
+                  largest: int = LARGEST_GROUP,
+                  helpers: Mapping[int, float] | None = None) -> GroupTesting:
     """Spend up to ``budget`` measurements (``math.inf``: until every column of ``order``
     is measured alone or ruled out) on group tests of ``order``'s columns (the likeliest
     first), ``round_size`` sets per round.
@@ -315,7 +334,10 @@ def group_testing(order: Sequence[int], known: Measured,
     deepest first, then new groups of ``size`` columns not done and in no group yet; a
     1-set is a component measured alone, and is not split. Halves with no column left to
     settle (the risen bar ruled their parent out, or their members were settled
-    otherwise) are dropped; a half measured before is read, not measured again."""
+    otherwise) are dropped; a half measured before is read, not measured again.
+    ``helpers``: column -> predicted help (> 0: its knockout is predicted to improve a
+    task, e.g. by the prior); a set that helps some task is split into its likeliest
+    helper alone and the rest (``peeled``) rather than halved."""
     order = [int(h) for h in order]
     position = {h: i for i, h in enumerate(order)}
     tested: dict[Members, dict[str, Harm]] = {}
@@ -343,6 +365,12 @@ def group_testing(order: Sequence[int], known: Measured,
         return (len(members) > 1 and any(h not in done for h in members)
                 and any(r.statuses.get(members) != UNDER for r in read.values()))
 
+    def parts(members: Members, read: Mapping[str, Reading], done: set[int]
+              ) -> tuple[Members, Members]:
+        helping = any(r.statuses.get(members) == HELPS for r in read.values())
+        peel = peeled(members, helpers, done) if helping and helpers else None
+        return peel or halves(members, position)
+
     read = readings()
     done = settled(read)
     sizes: list[int] = []
@@ -357,7 +385,7 @@ def group_testing(order: Sequence[int], known: Measured,
                 continue  # nothing left in it to settle
             if half in seen:  # measured before (a mask, a component alone): read it
                 if to_split(half, read, done):
-                    pending[:0] = list(halves(half, position))
+                    pending[:0] = list(parts(half, read, done))
                 continue
             batch.append(half)
         queue = [h for h in queue if h not in done and h not in grouped]
@@ -368,7 +396,7 @@ def group_testing(order: Sequence[int], known: Measured,
             grouped.update(group)
             if group in seen:
                 if to_split(group, read, done):
-                    pending[:0] = list(halves(group, position))
+                    pending[:0] = list(parts(group, read, done))
                 continue
             batch.append(group)
             fresh.append(group)
@@ -387,7 +415,7 @@ def group_testing(order: Sequence[int], known: Measured,
                                       for g in fresh], smallest=size, largest=largest)
         # Each unsettled set's halves go first, the round's first set's first.
         pending = [half for members in batch if to_split(members, read, done)
-                   for half in halves(members, position)] + pending
+                   for half in parts(members, read, done)] + pending
     return GroupTesting(rounds, size, tested, sizes)
 
 

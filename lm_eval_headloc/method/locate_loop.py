@@ -66,7 +66,7 @@ from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.method.recovery import harm
 
 __all__ = ["GroupPlan", "LocateState", "LoopSettings", "auto_rounds", "fit_with",
-           "locate_components", "locate_loop", "plan_groups"]
+           "locate_components", "locate_loop", "plan_groups", "predicted_help"]
 
 #: --masks auto: masks in the first round, and each round's growth (a share of the masks
 #: measured so far, at least ROUND_MIN), so a run checks its stability ~log(M) times.
@@ -322,13 +322,26 @@ class GroupPlan(NamedTuple):
     order: list[int]  # the columns to test in groups, in turn
     size: int  # the groups' size
     known: dict[tuple[int, ...], Harm]  # each set measured already (masks, alone): harm
+    helpers: dict[int, float]  # column -> predicted help, the largest 1 (``predicted_help``)
+
+
+def predicted_help(effects: np.ndarray, higher: bool) -> dict[int, float]:
+    """The columns whose knockout ``effects`` (a prior's estimated changes, or a fit's)
+    predict a help, each with its predicted help over the largest (so that tasks with
+    other units compare): what a helping group's ``peeled`` takes out first."""
+    helps = np.nan_to_num(-harm(np.asarray(effects, dtype=np.float64), higher))
+    largest = float(helps.max()) if helps.size else 0.0
+    if largest <= 0:
+        return {}
+    return {int(h): float(helps[h] / largest) for h in np.flatnonzero(helps > 0)}
 
 
 def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher: bool,
                 alone: Mapping[int, float], *, alpha: float,
                 penalty_weights: np.ndarray | None, top_k: int, skip: Iterable[int] = (),
                 mask_se: Sequence[float] | None = None,
-                alone_se: Mapping[int, float] | None = None) -> GroupPlan:
+                alone_se: Mapping[int, float] | None = None,
+                prior: np.ndarray | None = None) -> GroupPlan:
     """One task's group stage from its masks' ``scores`` and the columns measured
     ``alone`` (column -> measured change): the screen refitted with those changes held
     fixed orders the rest, those it implicates first (``group_tests.group_order``); the
@@ -336,7 +349,9 @@ def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher:
     bar leaves above the noise (``group_size``, the margin ``Z`` times the median
     standard error of the sets measured); each set measured already, a mask or a column
     alone, is known by its harm and its standard error (``mask_se``, ``alone_se``; 0
-    where not given). ``skip``: columns never knocked out or excluded."""
+    where not given). ``skip``: columns never knocked out or excluded. The columns
+    predicted to help (``helpers``): by the ``prior``'s estimates of the logprob's change
+    (``(points, heads)``: the clean run's point), else by the fit."""
     skip = sorted({int(h) for h in skip})
     alone_se = alone_se or {}
     alone_harms = {h: Harm(float(harm(change, higher)), float(alone_se.get(h, 0.0)))
@@ -353,7 +368,11 @@ def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher:
     margin = Z * float(np.median([h.se for h in known.values()])) if known else 0.0
     size = group_size(entry_bar(alone_harms, top_k),
                       background_harm(design, mask_harms, alone_harms), margin)
-    return GroupPlan(order, size, known)
+    helpers = (predicted_help(np.atleast_2d(prior)[0], True) if prior is not None
+               else predicted_help(fit.effects, higher))
+    left_out = {*skip, *alone}
+    return GroupPlan(order, size, known,
+                     {h: v for h, v in helpers.items() if h not in left_out})
 
 
 def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
@@ -387,13 +406,18 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
                             mask_se=[measured_harm(records[k], baseline, t).se
                                      for k in keys],
                             alone_se={h: measured_harm(records[alone_keys[h]], baseline,
-                                                       t).se for h in alone[t]})
+                                                       t).se for h in alone[t]},
+                            prior=None if priors is None else priors[t])
              for t in tasks}
     known = {members: {t: plans[t].known[members] for t in tasks}
              for members in plans[tasks[0]].known}
     orders = [plans[t].order for t in tasks]
     size = min(MAX_GROUP, *(plans[t].size for t in tasks))
     order = alternated(orders, sum(len(o) for o in orders))
+    helpers: dict[int, float] = {}  # a column's largest predicted help over the tasks
+    for t in tasks:
+        for h, value in plans[t].helpers.items():
+            helpers[h] = max(value, helpers.get(h, 0.0))
 
     def key_of(members: tuple[int, ...]) -> str:
         if len(members) == 1:
@@ -412,7 +436,7 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
     else:
         with phase_bar("group tests", budget, min(stored, budget), settings.progress) as bar:
             tested = group_testing(order, known, measured, budget, size=size,
-                                   top_k=settings.top_k)
+                                   top_k=settings.top_k, helpers=helpers)
     names = columns.names
     return {"budget": budget, "size": tested.size,
             "rounds": [[names(s) for s in batch] for batch in tested.rounds],

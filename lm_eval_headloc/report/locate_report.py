@@ -341,7 +341,8 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
                  f"new groups all ruled theirs out (up to {largest})")
         lines.append(f"- group tests ({cert.group_tests_run} measurements: {len(groups)} "
                      f"sets {sizes}, halved where they were not "
-                     f"clearly under the bar, and the {unit}s that halving narrowed down "
+                     f"clearly under the bar (a set that helped: its likeliest helper "
+                     f"apart), and the {unit}s that splitting narrowed down "
                      f"to, measured alone): {shown}"
                      + (f"; and {len(groups) - 8} more (heads.json)" if len(groups) > 8
                         else ""))
