@@ -16,6 +16,12 @@ tensors hands back a copy of the last such parse of the unchanged file. And it m
 names by building gguf's ``TensorNameMap`` of the architecture once per module of the model
 (397 times for SmolLM2, ~9 s); the map depends on the architecture and layer count only and
 is read, never changed, so one is built per pair.
+
+None of the three has a public setting, so each is patched, relying on how transformers
+5.24 calls them: ``gguf.GGUFReader(path)``, ``gguf.get_tensor_name_map`` and
+``modeling_gguf_pytorch_utils.load_gguf_checkpoint(path, return_tensors=...)``, each
+looked up at the call. ``tests/test_patched_internals.py`` checks that surface; a
+``load_gguf_checkpoint`` of another signature is left unpatched (only slower).
 """
 
 from __future__ import annotations
@@ -111,6 +117,12 @@ def _patch_transformers(gguf: Any) -> None:
     except ImportError:
         return
     load = loading.load_gguf_checkpoint
+    name_map = getattr(gguf, "get_tensor_name_map", None)
+    if name_map is not None:
+        _PATCHED.append((gguf, "get_tensor_name_map", name_map))
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    if not takes_path_then_return_tensors(load):
+        return  # what load_once passes on would mean something else
 
     @functools.wraps(load)
     def load_once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
@@ -122,9 +134,20 @@ def _patch_transformers(gguf: Any) -> None:
             _METADATA[key] = load(path, False)
         return copy.deepcopy(_METADATA[key])  # the caller's to change
 
-    name_map = getattr(gguf, "get_tensor_name_map", None)
     _PATCHED.append((loading, "load_gguf_checkpoint", load))
     loading.load_gguf_checkpoint = load_once
-    if name_map is not None:
-        _PATCHED.append((gguf, "get_tensor_name_map", name_map))
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+
+
+def takes_path_then_return_tensors(function: Any) -> bool:
+    """Whether ``function`` takes ``(path, return_tensors=False, ...)``, both positional or
+    keyword, as transformers 5.24's ``load_gguf_checkpoint`` does: ``load_once`` reads
+    its first two arguments so."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (len(parameters) >= 2 and parameters[1].name == "return_tensors"
+            and parameters[1].default is False
+            and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters[:2]))

@@ -1,15 +1,20 @@
 """Make ``hf-headablate`` and our task folder known to lm-eval, lazily.
 
-lm-eval 0.4.13 has no plugin discovery (no entry point for models or tasks), so the
-package installs a start-up hook (``_lm_eval_headloc_startup.py`` via a ``.pth`` file) that
-calls ``imported`` right after ``lm_eval.models`` and ``lm_eval.tasks.manager`` are
-imported: the first gets ``register`` (the model), the second ``register_tasks`` (every
-``TaskManager`` then indexes our ``task_configs`` next to lm-eval's built-ins, so
-``lm_eval --tasks headloc_induction`` needs no ``--include_path``). ``import
-lm_eval_headloc`` does the same through ``register_when_imported``, which loads that hook
-where Python did not (a checkout used without installing). Neither imports lm-eval: a
-program that never uses lm-eval does not pay for it. Only a "module:Class" placeholder is
-registered: torch and transformers load when the model is first asked for.
+lm-eval 0.4.13 reads no plugin entry points (the ``lm_eval.models`` and ``lm_eval.tasks``
+ones in pyproject.toml are for an lm-eval that will), so the package installs a start-up
+hook (``_lm_eval_headloc_startup.py`` via a ``.pth`` file) that calls ``imported`` right
+after ``lm_eval.models`` and ``lm_eval.tasks.manager`` are imported: the first gets
+``register`` (the model), the second ``register_tasks`` (every ``TaskManager`` then
+indexes our ``task_configs`` next to lm-eval's built-ins, so ``lm_eval --tasks
+headloc_induction`` needs no ``--include_path``). ``import lm_eval_headloc`` does the same
+through ``register_when_imported``, which loads that hook where Python did not (a checkout
+used without installing). Neither imports lm-eval: a program that never uses lm-eval does
+not pay for it. Only a "module:Class" placeholder is registered: torch and transformers
+load when the model is first asked for.
+
+``register_tasks`` replaces ``TaskManager.__init__``, a private surface of lm-eval (no
+public setting adds a folder to the stock command's managers):
+``tests/test_patched_internals.py`` checks what it relies on.
 
 ``register`` also gives the stock ``lm_eval`` command one line, not a traceback, for a
 mistake in our model's arguments (a bad head list, ablation kind or reference set); only
@@ -19,6 +24,7 @@ keeps its traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import sys
@@ -60,7 +66,6 @@ def register_tasks() -> None:
     ``include_path`` names our folder already gets it once. Its ``include_path`` attribute
     stays what it was given.
     """
-    import functools
     import inspect
 
     from lm_eval.tasks import manager
@@ -71,7 +76,7 @@ def register_tasks() -> None:
         return
     signature = inspect.signature(original)
     if not {"include_path", "include_defaults"} <= set(signature.parameters):
-        log.debug("lm-eval's TaskManager takes no include_path: our tasks are not added")
+        _say_tasks_not_added()
         return
 
     @functools.wraps(original)
@@ -91,6 +96,15 @@ def register_tasks() -> None:
 
     __init__._headloc_tasks = True  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+@functools.cache
+def _say_tasks_not_added() -> None:
+    """Once a process: an lm-eval unlike the one ``register_tasks`` was checked on is said,
+    rather than our task names left unknown without a word (our own commands pass the
+    folder themselves)."""
+    log.warning("lm-eval-headloc: this lm-eval's TaskManager takes no include_path or "
+                "include_defaults: its tasks are not added to lm-eval's own")
 
 
 #: What ``imported`` does after each lm-eval module the start-up hook watches (its
