@@ -314,7 +314,7 @@ def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...
         "settings": spec.settings("locate"), "spec": spec.as_config(),
         "layers": LAYERS, "heads_per_layer": HEADS,
         **({"neurons_per_layer": MLP_WIDTH, "candidates": neurons} if neurons else {})}))
-    (folder / f"heads-{task}.json").write_text(json.dumps({"heads": [
+    (folder / f"heads-{task}.json").write_text(json.dumps({"higher_is_better": True, "heads": [
         {"rank": r, "neuron" if isinstance(c, Neuron) else "head": name}
         for r, (name, c) in enumerate(zip(heads, ranked, strict=True), start=1)]}))
     return folder
@@ -344,6 +344,33 @@ def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m"
          "heads": [{"head": h, "effect": e} | ({"tied_with_above": True} if h in tied else {})
                    for h, e in zip(heads, effects, strict=True)]}))
     return folder
+
+
+#: Ranking files altered by hand, as ``tamper(path)`` does them, each with what its refusal
+#: names: one check reads them all (``read_ranking_file``, read_rankings' own), where
+#: overlap and universal counted a head named twice twice (an overlap of 1.0 where it was
+#: 0.8), took an effect "abc" and a higher_is_better "no" on trust, and ended a help of "x"
+#: in a traceback. A ranking ranks every component the run did not exclude, so an empty
+#: ``heads`` is no ranking either (refused, not read as ranking nothing).
+TAMPERED_RANKINGS = {
+    "a head twice": (lambda data: data["heads"][4].update(head=data["heads"][0]["head"]),
+                     ("twice",)),  # its 5th named as its 1st
+    "heads missing": (lambda data: data.pop("heads"), ("heads",)),
+    "effect text": (lambda data: data["heads"][0].update(effect="abc"), ("effect",)),
+    "higher_is_better text": (lambda data: data.update(higher_is_better="no"),
+                              ("higher_is_better", "'no'")),
+    "help text": (lambda data: data.update(largest_single_help={"head": "L0H1",
+                                                                "change": "x"}),
+                  ("largest_single_help", "change")),
+    "heads empty": (lambda data: data.update(heads=[]), ("heads",)),
+}
+
+
+def tamper(path: Path, how: str) -> None:
+    """Alter the ranking file at ``path`` as ``TAMPERED_RANKINGS[how]`` says."""
+    data = json.loads(path.read_text())
+    TAMPERED_RANKINGS[how][0](data)
+    path.write_text(json.dumps(data))
 
 
 #: A 2-layer x 3-head ranking (``ranking``'s), most harmful first (higher is better: a

@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import RANKED, RANKED_HEADS_PER_LAYER, assert_names, ranking
 
@@ -193,28 +194,30 @@ def head_scores(graph: dict) -> dict[str, float]:
             if "score" in node}
 
 
+#: float32's smallest step above 0 (a subnormal): 2**-149.
+TINY = 2.0 ** -149
+
+
 @pytest.mark.parametrize("higher", [True, False])
 def test_equal_falls_are_told_apart_by_the_next_evidence(higher):
     graph = mib_graph(evidenced(higher), n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
     # By hand. Falls: 0.5 (L0H0, L0H1), 0 (L0H2, L1H0, L1H1), -0.25 (L1H2).
-    # Log-likelihood falls at 0.5: 1 and 2. Nothing above, so the room is a third of the
-    # gap below, (0.5 - 0) / 3 = 1/6, which the largest (2) takes: L0H1 0.5 + 1/6,
-    # L0H0 0.5 + 1/12. At 0 none was measured alone: unmoved.
-    # Contrast falls at 0 (higher is better: -contrast): .02, -.01, .02. Up: a third of
-    # (7/12 - 0) = 7/36, taken by .02: L0H2 and L1H1 7/36. Down: a third of (0 + 1/4) =
-    # 1/12, scaled by -.01 / .02: L1H0 -1/24.
-    # Prior falls at 7/36 (L0H2 .3, L1H1 .1): up a third of (7/12 - 7/36) = 7/54, taken by
-    # .3: L0H2 7/36 + 7/54 = 35/108; L1H1 7/36 + 7/54 / 3 = 77/324.
-    expected = {"L0H0": 0.5 + 1 / 12, "L0H1": 0.5 + 1 / 6, "L0H2": 35 / 108,
-                "L1H0": -1 / 24, "L1H1": 77 / 324, "L1H2": -0.25}
-    scores = head_scores(graph)
-    assert scores == pytest.approx(expected, rel=1e-12)
-    assert scores["L1H2"] == -0.25  # alone at its fall: unmoved, exactly
+    # At 0.5 both were measured alone: the one whose log-likelihood fell less (1, L0H0)
+    # keeps 0.5; L0H1 (2) is one float32 step above it (0.5 = 2**-1: a step is 2**-24).
+    # At 0 none was measured. Contrast falls (higher is better: -contrast): .02 (L0H2,
+    # L1H1), -.01 (L1H0); then the prior's falls: .3 (L0H2), .1 (L1H1). From 0, one float32
+    # step a head: L1H1 1, L0H2 2 above; L1H0 1 below.
+    expected = {"L0H0": 0.5, "L0H1": 0.5 + 2.0 ** -24, "L0H2": 2 * TINY, "L1H0": -TINY,
+                "L1H1": TINY, "L1H2": -0.25}
+    scores = head_scores(json.loads(json.dumps(graph)))  # as the file holds them
+    assert scores == expected
+    assert {name: float(np.float32(score)) for name, score in scores.items()} == expected
     order = graph[MARKER]["order"]
-    assert order["tie_broken_by"] == {"logprob_change": ["L0H0", "L0H1"],
+    # L0H0 kept its measured fall: only L0H1 was moved by the log-likelihood.
+    assert order["tie_broken_by"] == {"logprob_change": ["L0H1"],
                                       "contrast": ["L0H2", "L1H0", "L1H1"],
                                       "prior": ["L0H2", "L1H1"]}
-    assert order["ties"] == []
+    assert order["ties"] == [] and order["made_room"] == []
     assert len(order["by"]) == 4 and "prior" in order["by"][-1]
     check_mib(graph)
 
@@ -223,16 +226,116 @@ def test_heads_equal_in_all_evidence_share_a_score_and_the_file_says_so():
     graph = mib_graph(evidenced(tied_prior=True), n_layers=LAYERS, n_heads=HEADS,
                       d_model=WIDTH)
     scores = head_scores(graph)
-    assert scores["L0H2"] == scores["L1H1"] == pytest.approx(7 / 36, rel=1e-12)
+    # L0H2 and L1H1: contrast .02 and prior .3 both; one float32 step above 0 together.
+    assert scores["L0H2"] == scores["L1H1"] == TINY and scores["L1H0"] == -TINY
     assert len(set(scores.values())) == 5
     assert graph[MARKER]["order"]["ties"] == [{
-        "heads": ["L0H2", "L1H1"], "score": scores["L0H2"],
+        "heads": ["L0H2", "L1H1"], "score": TINY,
         "why": "the same fitted effect, marginal contrast and prior estimates"}]
     # Without a prior or anything else recorded, the file says what it lacks.
     bare = ranking(entries=[{"head": h, "effect": 0.0} for h in ("L0H0", "L0H1")])
     ties = mib_graph(bare, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)[MARKER]["order"]
     assert ties["ties"][0]["heads"] == ["L0H0", "L0H1"]
     assert "records nothing else of them" in ties["ties"][0]["why"]
+
+
+def crowded(higher_is_better: bool = True) -> dict:
+    """A 3 x 4 ranking whose tie-breaks float32 would lose: two heads measured alone that
+    lost 0.25 (told apart by the log-likelihood they lost) and an estimate 1e-8 above them
+    (a float32 step there is 2**-25, 3e-8); at 0, four estimates (two alike in all their
+    evidence) and a measurement; a measured -0.125 and an estimated 0.1, each alone at its
+    fall."""
+    sign = 1 if higher_is_better else -1
+    rows = [("L0H0", -0.25, {"logprob_change": -1.0}),
+            ("L0H1", -0.25, {"logprob_change": -2.0}),
+            ("L0H2", -0.25000001, {"contrast": -0.01}),
+            ("L0H3", 0.0, {"contrast": -0.02, "prior": [-0.3]}),
+            ("L1H0", 0.0, {"contrast": -0.02, "prior": [-0.1]}),
+            ("L1H1", 0.0, {"contrast": 0.01, "prior": [-0.1]}),
+            ("L1H2", 0.0, {"logprob_change": 0.5}),
+            ("L1H3", 0.0, {"contrast": -0.02, "prior": [-0.3]}),
+            ("L2H0", 0.125, {"logprob_change": 0.3}),
+            ("L2H1", -0.1, {"contrast": -0.05})]
+    entries = [{"head": name, "effect": sign * effect,
+                "measured_alone": "logprob_change" in fields,
+                **{key: sign * value if key == "contrast" else value
+                   for key, value in fields.items()}} for name, effect, fields in rows]
+    data = ranking(higher_is_better=higher_is_better, entries=entries)
+    return {**data, "heads_per_layer": 4,
+            "confirmed": [e["head"] for e in entries if e["measured_alone"]]}
+
+
+def export_key(entry: dict, higher: bool, points: int) -> tuple:
+    """A ranking entry's evidence as the export orders heads by it, read here from the
+    file on its own: its fall; an estimate's further falls (log-likelihood, contrast,
+    prior; 0 where absent), zeros for a head measured alone, which keeps its fall; a
+    measurement's further falls, zeros for an estimate; 1 for a measurement, 0 for an
+    estimate."""
+    sign = -1 if higher else 1
+    prior = [*entry.get("prior", []), *[0.0] * (points - len(entry.get("prior", [])))]
+    further = (-entry.get("logprob_change", 0.0), sign * entry.get("contrast", 0.0),
+               *(-p for p in prior))
+    none = (0.0,) * len(further)
+    alone = entry.get("measured_alone") is True
+    return (sign * entry["effect"], *(none if alone else further),
+            *(further if alone else none), 1.0 if alone else 0.0)
+
+
+def assert_float32_keeps_the_order(data: dict, scores: dict[str, float],
+                                   ties: list[dict]) -> None:
+    """Read as MIB reads them (float32), the scores order the heads as their evidence does
+    (``export_key``): higher where it is larger, equal exactly where it is equal; and the
+    export's record of its ties is those equal scores."""
+    higher = data["higher_is_better"]
+    points = max(len(e.get("prior", [])) for e in data["heads"])
+    keys = {e["head"]: export_key(e, higher, points) for e in data["heads"]
+            if e["effect"] is not None}
+    as_read = {name: np.float32(score) for name, score in scores.items()}
+    assert as_read.keys() == keys.keys()
+    for a in keys:
+        for b in keys:
+            assert (keys[a] > keys[b]) == (as_read[a] > as_read[b]), (a, b)
+            assert (keys[a] == keys[b]) == (as_read[a] == as_read[b]), (a, b)
+    groups: dict[tuple, list[str]] = {}
+    for name, key in keys.items():
+        groups.setdefault(key, []).append(name)
+    assert (sorted(sorted(t["heads"]) for t in ties)
+            == sorted(sorted(g) for g in groups.values() if len(g) > 1))
+    for tie in ties:
+        assert {as_read[name] for name in tie["heads"]} == {np.float32(tie["score"])}
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_tie_breaks_survive_float32_and_measured_falls_stay(higher):
+    """Tie-breaks of a fraction of the gap to the next score (1e-19 on a default run)
+    vanished when MIB loaded the scores as float32, and the file's own list of ties was
+    not what MIB saw; heads measured alone were moved off what they measured (L1H4 0.2083
+    where it measured 0.1875)."""
+    data = crowded(higher)
+    graph = json.loads(json.dumps(mib_graph(data, n_layers=3, n_heads=4, d_model=WIDTH)))
+    scores = head_scores(graph)
+    order = graph[MARKER]["order"]
+    assert_float32_keeps_the_order(data, scores, order["ties"])
+    # A measured head's score is its measured fall, exactly: alone at its fall (L2H0), the
+    # only measurement of its fall (L1H2), the one of two nearest to no further evidence
+    # (L0H0). L0H1, which the log-likelihood tells from it, is one float32 step above.
+    assert (scores["L0H0"], scores["L1H2"], scores["L2H0"]) == (0.25, 0.0, -0.125)
+    assert scores["L0H1"] == 0.25 + 2.0 ** -25
+    # An estimate alone at its fall keeps it; L0H2's 0.25000001 reads as 0.25 in float32,
+    # so it makes room, one step above L0H1: the estimate moves, not the measurements.
+    assert scores["L2H1"] == 0.1
+    assert scores["L0H2"] == 0.25 + 2.0 ** -24 and order["made_room"] == ["L0H2"]
+    # At 0: the estimates step from the measurement by contrast, then prior; the sign is
+    # their contrast's.
+    assert (scores["L0H3"], scores["L1H3"], scores["L1H0"], scores["L1H1"]) == (
+        2 * TINY, 2 * TINY, TINY, -TINY)
+    assert order["ties"] == [{"heads": ["L0H3", "L1H3"], "score": 2 * TINY,
+                              "why": "the same fitted effect, marginal contrast and "
+                                     "prior estimates"}]
+    assert order["tie_broken_by"] == {"logprob_change": ["L0H1"],
+                                      "contrast": ["L0H3", "L1H0", "L1H1", "L1H3"],
+                                      "prior": ["L0H3", "L1H0", "L1H3"]}
+    check_mib(graph)
 
 
 def test_evidence_that_is_not_a_number_is_refused():
@@ -245,14 +348,6 @@ def test_evidence_that_is_not_a_number_is_refused():
         assert_names(one_line_error(err), "L0H2", field)
 
 
-
-
-def falls_of(entry: dict, higher: bool) -> tuple:
-    """A ranking entry's evidence as falls, read here from the file on its own: the score's,
-    the measured log-likelihood's, the contrast's, the prior's (0 where absent)."""
-    sign = -1 if higher else 1
-    return (sign * entry["effect"], -entry.get("logprob_change", 0.0),
-            sign * entry.get("contrast", 0.0), *(-p for p in entry.get("prior", [])))
 
 
 @pytest.mark.parametrize("name", [
@@ -270,24 +365,22 @@ def test_a_committed_lasso_run_orders_every_head(name, tmp_path, committed_bench
     graph = json.loads(write_mib(run, tmp_path / "x.json", d_model=576,
                                  parallel_attn_mlp=False).read_text())
     scores = head_scores_wide(graph)
-    evidence = {e["head"]: falls_of(e, higher) for e in data["heads"]}
+    points = max(len(e.get("prior", [])) for e in data["heads"])
+    evidence = {e["head"]: export_key(e, higher, points) for e in data["heads"]}
     assert len(scores) == len(evidence) == 270
-    # Ordered as the evidence, level by level: by the fall first, the rest among equals.
-    heads = sorted(evidence)
-    for a in heads:
-        for b in heads:
-            if evidence[a] > evidence[b]:
-                assert scores[a] > scores[b], (a, b, evidence[a], evidence[b])
-            elif evidence[a] == evidence[b]:
-                assert scores[a] == scores[b], (a, b)
-    # Equal scores are exactly the groups of equal evidence, and the file names them.
+    # Ordered as the evidence, level by level, as MIB reads the scores (float32); equal
+    # scores are exactly the groups of equal evidence, and the file names them.
+    ties = graph[MARKER]["order"]["ties"]
+    assert_float32_keeps_the_order(data, scores, ties)
     groups: dict[tuple, list[str]] = {}
     for head in (e["head"] for e in data["heads"]):
         groups.setdefault(evidence[head], []).append(head)
     tied = sorted(sorted(g) for g in groups.values() if len(g) > 1)
-    ties = graph[MARKER]["order"]["ties"]
-    assert sorted(sorted(t["heads"]) for t in ties) == tied
-    assert len(set(scores.values())) == 270 - sum(len(g) - 1 for g in tied)
+    assert len({np.float32(s) for s in scores.values()}) == 270 - sum(len(g) - 1 for g in tied)
+    # A head measured alone, the only one measured to its fall, scores that fall exactly.
+    measured = [e for e in data["heads"] if e.get("measured_alone")]
+    assert all(scores[e["head"]] == (-1 if higher else 1) * e["effect"] for e in measured
+               if sum(m["effect"] == e["effect"] for m in measured) == 1)
     if "prior" in data["heads"][0]:  # every head has its own estimates: nothing ties
         assert tied == [] and len({tuple(e["prior"]) for e in data["heads"]}) == 270
     else:

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-from helpers import TASKS, assert_names, error_line, harness
+from helpers import TAMPERED_RANKINGS, TASKS, assert_names, error_line, harness, tamper
 
 from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
@@ -23,7 +23,8 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
               include_path: tuple[str, ...] = (),
               largest_help: dict[str, dict] | None = None) -> Path:
     """A finished-looking run folder: config.json and one heads-<task>.json per task, as
-    locate writes them (``tied_with_above`` both as the list and per entry)."""
+    locate writes them (``tied_with_above`` both as the list and per entry; higher is
+    better: a negative effect hurts)."""
     folder.mkdir(parents=True)
     spec = RunSpec(model_args=model_args, tasks=tuple(rankings), top_k=top_k, seed=seed,
                    include_path=include_path)
@@ -37,7 +38,8 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
         values = (effects or {}).get(task) or [-1.0 / (i + 1) for i in range(len(names))]
         helps = {"largest_single_help": largest_help[task]} if task in (largest_help or {}) else {}
         (folder / f"heads-{task}.json").write_text(json.dumps({
-            "task": task, "top_k": names[:top_k], "tied_with_above": sorted(ties), **helps,
+            "task": task, "higher_is_better": True, "top_k": names[:top_k],
+            "tied_with_above": sorted(ties), **helps,
             "heads": [{"rank": r, "head": n, "effect": e, "tied_with_above": n in ties}
                       for r, (n, e) in enumerate(zip(names, values, strict=True), start=1)]}))
     return folder
@@ -322,6 +324,26 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "'m'" in (line := error_line(capsys)) and "'another'" in line
     harness("overlap", str(a), str(other_task), *out)
     assert ": t;" in (line := error_line(capsys)) and ": u)" in line
+
+
+@pytest.mark.parametrize("how", list(TAMPERED_RANKINGS))
+def test_a_tampered_ranking_file_is_one_line_and_exit_2(tmp_path, capsys, how):
+    """Each altered ranking file (``TAMPERED_RANKINGS``) is refused in one line naming the
+    file and the field, for either run, and nothing is written: never a traceback, never an
+    overlap counted from it."""
+    names = ["L0H0", "L0H1", "L0H2", "L0H3", "L0H4", "L1H0"]
+    a = write_run(tmp_path / "a", {"t": names})
+    b = write_run(tmp_path / "b", {"t": [*names[:4], "L1H1", "L1H2"]})
+    # Untouched, 4 of the top-5 are shared (L0H0-L0H3): 0.8. A's 5th renamed L0H0 made it
+    # 1.0 (every name of A's top-5 is in B's).
+    assert overlap(a, b, top_k=5)["tasks"]["t"]["overlap_rate_a"] == pytest.approx(0.8)
+    tamper(a / "heads-t.json", how)
+    out = tmp_path / "o.json"
+    capsys.readouterr()
+    for runs in ((a, b), (b, a)):
+        assert harness("overlap", *map(str, runs), "--top-k", "5", "--out", str(out)) == 2
+        assert_names(error_line(capsys), str(a), "heads-t.json", *TAMPERED_RANKINGS[how][1])
+    assert not out.exists() and not out.with_suffix(".md").exists()
 
 
 def test_out_never_overwrites_a_file_that_is_not_ours(tmp_path, capsys):

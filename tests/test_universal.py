@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import json
 
-from helpers import assert_names, harness, last_error, strict_json, write_heads
+import pytest
+from helpers import (
+    TAMPERED_RANKINGS,
+    assert_names,
+    error_line,
+    harness,
+    last_error,
+    strict_json,
+    tamper,
+    write_heads,
+)
 
 from lm_eval_headloc.intervention.components import read_heads_file
 
@@ -153,3 +163,21 @@ def test_universal_marks_a_head_within_a_rankings_spread(tmp_path):
     table = universal_table(result)
     assert "| L0H1 | 2 | 2* | 2 |" in table
     assert "*: in that ranking the head hurts the task by no more than a single knockout" in table
+
+
+@pytest.mark.parametrize("how", list(TAMPERED_RANKINGS))
+def test_a_tampered_ranking_file_is_one_line_and_exit_2(tmp_path, capsys, how):
+    """Each altered ranking file (``TAMPERED_RANKINGS``) is refused in one line naming the
+    file and the field, and no file is written: never a traceback, never a head counted
+    from it."""
+    heads = ["L0H0", "L0H1", "L0H2", "L0H3", "L0H4"]
+    runs = [write_heads(tmp_path / "r1", "a", heads),
+            write_heads(tmp_path / "r2", "b", heads[::-1])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--out", str(out)) == 0  # untouched: read
+    out.unlink()
+    tamper(runs[0] / "heads-a.json", how)
+    capsys.readouterr()
+    assert harness("universal", *map(str, runs), "--out", str(out)) == 2
+    assert_names(error_line(capsys), str(runs[0]), "heads-a.json", *TAMPERED_RANKINGS[how][1])
+    assert not out.exists()

@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import read_json, strict_json, write_atomically
+from lm_eval_headloc.common.files import strict_json, write_atomically
 from lm_eval_headloc.intervention.components import (
-    ComponentSpecError,
     read_heads_file,
     recorded_harmless,
     shown_name,
@@ -46,7 +45,12 @@ from lm_eval_headloc.intervention.components import (
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.report.pages import beyond_spread
 from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into
-from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
+from lm_eval_headloc.runs.record import (
+    RunRecord,
+    load_run,
+    ranking_files,
+    read_ranking_file,
+)
 
 __all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
 
@@ -76,19 +80,20 @@ class RankingFile:
 
     @classmethod
     def read(cls, path: Path) -> RankingFile:
-        names = read_heads_file(path)  # the one reader of ranking files
-        data = read_json(path, ComponentSpecError)
-        entries = data.get("heads", []) if isinstance(data, dict) else data
-        records = [e for e in entries if isinstance(e, dict)]
-        if isinstance(data, dict) and "tied_with_above" in data:
+        """``path``'s ranking, read through the package's one check of a ranking file
+        (``read_ranking_file``, as ``read_rankings``): a tampered file is one line naming it
+        and its field, never a traceback or an overlap counted from it."""
+        data = read_ranking_file(path)
+        names = read_heads_file(path)  # its names, as every reader of a head list reads them
+        entries = data["heads"]
+        if data.get("tied_with_above") is not None:
             tied = frozenset(data["tied_with_above"])
         else:
-            tied = frozenset(e.get("head") for e in records if e.get("tied_with_above"))
-        has_effects = len(records) == len(names) and all("effect" in e for e in records)
-        meta = data if isinstance(data, dict) else {}
-        return cls(path, names, tied, [e["effect"] for e in records] if has_effects else None,
-                   frozenset(recorded_harmless(path)),
-                   bool(meta.get("higher_is_better", True)), meta.get("largest_single_help"))
+            tied = frozenset(e.get("head") for e in entries if e.get("tied_with_above"))
+        has_effects = all("effect" in e for e in entries)
+        return cls(path, names, tied, [e["effect"] for e in entries] if has_effects else None,
+                   frozenset(recorded_harmless(path)), data["higher_is_better"],
+                   data.get("largest_single_help"))
 
     def within_spread(self, k: int) -> list[str]:
         """The top-k names that hurt the task by no more than the ranking's largest single

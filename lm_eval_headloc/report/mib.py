@@ -39,16 +39,18 @@ units (``-effect`` where higher is better, ``effect`` where lower is better): po
 the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
 estimate, as the run's ranking says; heads of equal fall (a Lasso's many zeros) are told
 apart by the run's further evidence, as its ranking file records it (``_ordered``), since
-MIB's top-n ranks by score alone. A head with no effect (``null``), excluded, or missing
-from the ranking has no ``score``; so do ``input`` and the MLPs, which a heads run never
-knocks out — MIB keeps unscored nodes in every circuit, as the run kept them. ``in_graph``
-is false for every node but ``logits`` (the file holds scores, not one circuit); ``edges``
-is empty (nothing is measured per edge). The key ``headloc_export`` records the run, the
-task, the sign, what was left unscored, how the scores were ordered (``order``: which heads
-each evidence moved, which still share a score and why) and what the ranking says of its
-own evidence (ties, shared masks, heads measured alone, the spread of single knockouts);
-MIB's loader ignores it, and it marks the file as ours: an existing file without it is
-never overwritten.
+MIB's top-n ranks by score alone, by float32's smallest steps (MIB loads the scores as
+float32). A head measured alone keeps its measured fall exactly unless another head measured
+to that fall is told apart from it (one of them keeps it). A head with no effect (``null``),
+excluded, or missing from the ranking has no ``score``; so do ``input`` and the MLPs, which
+a heads run never knocks out — MIB keeps unscored nodes in every circuit, as the run kept
+them. ``in_graph`` is false for every node but ``logits`` (the file holds scores, not one
+circuit); ``edges`` is empty (nothing is measured per edge). The key ``headloc_export``
+records the run, the task, the sign, what was left unscored, how the scores were ordered
+(``order``: which heads each evidence moved, which moved to make room, which share a score
+as MIB reads it, in float32, and why) and what the ranking says of its own evidence (ties,
+shared masks, heads measured alone, the spread of single knockouts); MIB's loader ignores
+it, and it marks the file as ours: an existing file without it is never overwritten.
 
 MLP neurons (``L3N12``) have no place in the format (see above), so a run that ranks
 neurons is refused.
@@ -56,6 +58,7 @@ neurons is refused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -122,13 +125,19 @@ _EVIDENCE_WORDS = ("a score's fall is measured for the heads in 'confirmed' (all
                    "the spread of single knockouts")
 _ORDER_WORDS = ("every scored head is ordered by its evidence, compared in the order of "
                 "'by': a score is the head's fall, unless other heads have the same fall; "
-                "then the next evidence moves each of them in proportion to its own fall "
-                "there, by at most a third of the gap to the nearest other score, so no "
-                "score passes another and the sign still says help or harm (a group with "
-                "no other score beside it moves by those falls as they are). "
-                "tie_broken_by lists the heads each evidence moved (their falls are "
-                "heads-<task>.json's effects); ties lists the heads that still share a "
-                "score, and why: the only equal scores")
+                "then one of them keeps it (a head measured alone where one is, else one "
+                "with no further evidence) and the others step away from it by float32's "
+                "smallest steps (MIB loads the scores as float32: a smaller step vanishes), "
+                "above where their evidence says they help more, below where less, so no "
+                "score passes another and the sign still says help or harm. A head measured "
+                "alone keeps its fall: the estimates of that fall are placed around it by "
+                "their own evidence, and only another measurement of that fall, told apart "
+                "by its own, steps off it. tie_broken_by lists the heads each evidence moved "
+                "(their falls are heads-<task>.json's effects; measured_alone: an estimate "
+                "placed after a measurement that nothing else tells it from); made_room the "
+                "heads moved, as little as float32 allows, only so that no two scores meet; "
+                "ties lists the heads whose scores MIB reads as equal (float32), and why: the "
+                "only equal scores")
 
 
 # --- the graph ---------------------------------------------------------------------------
@@ -158,9 +167,9 @@ _LEVELS = {
     "contrast": "the masks' marginal contrast (the fit's own tie-break)",
     "prior": "the attribution prior's estimates of the log-likelihood change",
 }
-#: How far a tied score may move toward the next distinct score on either side: a third of
-#: the gap, so two groups moving toward each other stay apart and no score passes another.
-_ROOM = 1 / 3
+#: The directions of float32's smallest steps (``np.nextafter``): MIB loads the scores as
+#: float32, so a score moved by less than one of them would meet the one it was moved from.
+_UP, _DOWN = np.float32(np.inf), np.float32(-np.inf)
 
 
 def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
@@ -190,38 +199,116 @@ def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
             *(-value for value in estimates))
 
 
-def _ordered(keys: list[tuple[float, ...]]) -> tuple[list[float], list[set[int]]]:
-    """Scores that order heads by their evidence ``keys`` (``_evidence``), compared level
-    by level, and for each head the levels that moved its score.
+def _placed(keys: list[tuple[float, ...]], measured: list[bool]) -> list[tuple[float, ...]]:
+    """Each head's evidence (``_evidence``) as the export compares it (``_ordered``): its
+    fall; an estimate's further evidence; a measurement's; 1 for a head measured alone, 0
+    for an estimate. A head measured alone keeps its fall, so it has none of an estimate's:
+    the estimates of its fall are placed around it by their own evidence, and it is told
+    from the other measurements of its fall by its own."""
+    placed = []
+    for key, alone in zip(keys, measured, strict=True):
+        further, none = tuple(key[1:]), (0.0,) * (len(key) - 1)
+        placed.append((key[0], *(none if alone else further), *(further if alone else none),
+                       1.0 if alone else 0.0))
+    return placed
 
-    A head keeps its first level (its fall) unless another head has the same: then each
-    level in turn moves the heads still equal by their value there, in proportion to it
-    (the group's largest value by ``_ROOM`` of the gap to the next distinct score on its
-    side, 0 not at all), so a score's sign still says help or harm (MIB's CMD ranks by
-    the absolute score). A group with no other score beside it (every head alike) is
-    moved by its values as they are. Heads equal at every level keep one score."""
-    values = np.array(keys, dtype=np.float64).reshape(len(keys), -1)
-    scores = values[:, 0].copy()
-    moved: list[set[int]] = [set() for _ in keys]
-    for level in range(1, values.shape[1]):
-        distinct = np.unique(scores)
-        new = scores.copy()
-        for place, value in enumerate(distinct):
-            group = np.flatnonzero(scores == value)
-            evidence = values[group, level]
-            if group.size < 2 or np.all(evidence == evidence[0]):
-                continue
-            up = (distinct[place + 1] - value) * _ROOM if place + 1 < distinct.size else None
-            down = (value - distinct[place - 1]) * _ROOM if place > 0 else None
-            up, down = (up if up is not None else down), (down if down is not None else up)
-            largest = float(np.max(np.abs(evidence)))
-            shift = (evidence if up is None else
-                     np.where(evidence > 0, evidence * up, evidence * down) / largest)
-            new[group] = value + shift
-            for head in group[shift != 0]:
-                moved[head].add(level)
-        scores = new
-    return [float(score) + 0.0 for score in scores], moved
+
+def _first_difference(a: tuple[float, ...], b: tuple[float, ...]) -> int:
+    return next(level for level, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+
+
+def _squeezed(values: list[np.float32], high: np.float32, low: np.float32
+              ) -> list[np.float32]:
+    """``values`` (best first) made strictly decreasing float32 numbers between ``high`` and
+    ``low`` (both excluded), each moved as little as the others let it; where no float32
+    number is left between them, equal (a tie), never passing one another."""
+    out, ceiling = [], high
+    for value in values:
+        out.append(value if value < ceiling else np.nextafter(ceiling, _DOWN))
+        ceiling = out[-1]
+    floor = low
+    for place in reversed(range(len(out))):
+        if out[place] <= floor:
+            out[place] = np.nextafter(floor, _UP)
+        floor = out[place]
+    ceiling = high
+    for place, value in enumerate(out):
+        out[place] = ceiling = min(value, ceiling)
+    return out
+
+
+def _ordered(placed: list[tuple[float, ...]]
+             ) -> tuple[list[float], list[set[int]], set[int]]:
+    """Scores that order heads as their evidence ``placed`` (``_placed``) does, compared
+    level by level, as MIB reads them (float32); for each head the levels that moved its
+    score off its fall; and the heads moved only so that no float32 score meets another.
+
+    A head keeps its fall unless another has the same. Then one of them keeps it (the
+    pivot: the measurement nearest to where no further evidence puts a head, else the head
+    with none) and the others step away from it by float32's smallest steps, one a head,
+    above where their evidence says more, below where less (a step of less than float32's
+    would vanish: MIB loads the scores as float32); with no pivot the fall itself is the
+    point they step from, so the sign still says help or harm. Heads equal at every level
+    keep one score. Where steps reach another fall's score, the heads that do not keep a
+    measured fall make room (``_squeezed``): a head that keeps its measured fall never
+    moves."""
+    classes = sorted(set(placed), reverse=True)
+    score: dict[tuple[float, ...], float] = {}
+    levels: dict[tuple[float, ...], set[int]] = {}
+    pinned: set[tuple[float, ...]] = set()
+    for fall, group in itertools.groupby(classes, key=lambda key: key[0]):
+        group = list(group)
+        if len(group) == 1:
+            score[group[0]] = fall
+            pinned.update(key for key in group if key[-1])
+            continue
+        point = (fall, *(0.0,) * (len(group[0]) - 1))  # no further evidence: an estimate's
+        ours = [key for key in group if key[-1]]  # measured alone
+        if ours:  # the measurement nearest the point: the lowest above it, else the highest
+            pivot = min((key for key in ours if key > point), default=max(ours))
+            pinned.add(pivot)
+        else:
+            pivot = point if point in group else None
+        if pivot is not None:
+            score[pivot] = fall
+        centre = point if pivot is None else pivot
+        above, below = [k for k in group if k > centre], [k for k in group if k < centre]
+        for side, direction in ((above[::-1], _UP), (below, _DOWN)):
+            value = np.float32(fall)
+            for key in side:
+                value = np.nextafter(value, direction)
+                score[key] = float(value)
+        # What moved each: what tells it from the head that kept the fall (or the fall's
+        # point) and from the heads beside it.
+        line = sorted({*group, centre}, reverse=True)
+        for place, key in enumerate(line):
+            if key != centre:
+                beside = (*line[max(place - 1, 0):place], *line[place + 1:place + 2])
+                levels[key] = {_first_difference(key, other) for other in (centre, *beside)}
+    made_room: set[tuple[float, ...]] = set()
+    values = [np.float32(score[key]) for key in classes]
+    start = 0
+    while start < len(classes):  # each run of movable scores between two measured falls
+        if classes[start] in pinned:
+            start += 1
+            continue
+        end = start
+        while end + 1 < len(classes) and classes[end + 1] not in pinned:
+            end += 1
+        high = values[start - 1] if start else _UP
+        low = values[end + 1] if end + 1 < len(classes) else _DOWN
+        for place, value in enumerate(_squeezed(values[start:end + 1], high, low), start):
+            if value != values[place]:
+                score[classes[place]], values[place] = float(value), value
+                made_room.add(classes[place])
+        start = end + 1
+    width = (len(placed[0]) - 2) // 2 if placed else 0  # further levels of one kind
+    def raw(level: int) -> int:  # a placed level as ``_evidence``'s (one past: measured)
+        return level if level <= width else level - width
+
+    return ([score[key] + 0.0 for key in placed],
+            [{raw(level) for level in levels.get(key, ())} for key in placed],
+            {head for head, key in enumerate(placed) if key in made_room})
 
 
 def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
@@ -249,31 +336,39 @@ def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
 
 def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float],
             higher_is_better: bool) -> tuple[dict[Head, float], dict[str, Any]]:
-    """Each scored head's score (``_ordered`` over its ``_evidence``), from its ranking
-    entry and its fall, and our record of the order: the evidence compared, in order; the
-    heads each moved; the heads that still share a score, and why."""
+    """Each scored head's score (``_ordered`` over its ``_placed`` evidence), from its
+    ranking entry and its fall, and our record of the order: the evidence compared, in
+    order; the heads each moved; the heads moved to make room; the heads whose scores
+    MIB reads as equal (float32), and why."""
     points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
                  default=0)
-    keys = {head: _evidence(entry, falls[head], higher_is_better, points)
-            for head, entry in scored.items()}
-    ordered, moved = _ordered(list(keys.values()))
+    evidence = [_evidence(entry, falls[head], higher_is_better, points)
+                for head, entry in scored.items()]
+    alone = [entry.get("measured_alone") is True for entry in scored.values()]
+    keys = dict(zip(scored, _placed(evidence, alone), strict=True))
+    ordered, moved, made_room = _ordered(list(keys.values()))
     scores = dict(zip(scored, ordered, strict=True))
-    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points)]
+    level_names = [*list(_LEVELS)[:-1], *(["prior"] * points), "measured_alone"]
     tie_broken: dict[str, list[str]] = {}
     for head, levels in zip(scored, moved, strict=True):
         for name in dict.fromkeys(level_names[level] for level in sorted(levels)):
             tie_broken.setdefault(name, []).append(str(head))
     sharing: dict[float, list[Head]] = {}
     for head, score in scores.items():
-        sharing.setdefault(score, []).append(head)
-    ties = [{"heads": [str(h) for h in heads], "score": score,
+        sharing.setdefault(float(np.float32(score)), []).append(head)
+    ties = [{"heads": [str(h) for h in heads],
+             "score": (scores[heads[0]] if len({scores[h] for h in heads}) == 1 else value),
              "why": (_tie_words([scored[h] for h in heads], points)
                      if len({keys[h] for h in heads}) == 1 else
-                     "evidence that differs by less than a float can tell apart")}
-            for score, heads in sharing.items() if len(heads) > 1]
+                     "evidence that tells them apart, but no float32 number is left between "
+                     "their neighbours' scores (MIB reads scores as float32)")}
+            for value, heads in sharing.items() if len(heads) > 1]
     return scores, {"by": [words for name, words in _LEVELS.items()
                            if name != "prior" or points],
-                    "words": _ORDER_WORDS, "tie_broken_by": tie_broken, "ties": ties}
+                    "words": _ORDER_WORDS, "tie_broken_by": tie_broken,
+                    "made_room": [str(head) for place, head in enumerate(scored)
+                                  if place in made_room],
+                    "ties": ties}
 
 
 def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
@@ -283,8 +378,8 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
 
     Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
     (``-effect`` where higher is better, ``effect`` where lower is better), heads of equal
-    fall moved apart by the further evidence their entries record (``_scores``, said in
-    our record's ``order``); a head with no
+    fall moved apart, by float32 steps, by the further evidence their entries record
+    (``_scores``, said in our record's ``order``); a head with no
     effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
     nodes in every circuit. ``in_graph`` is false but for ``logits``; ``edges`` is empty
     (see the module's docstring). Neuron entries are refused: the format has no place

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from lm_eval_headloc.runs.setup import Setup
 
 __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
-           "load_run", "measured_on", "model_facts", "ranking_files", "read_rankings", "start_run",
-           "stored_prior", "stored_priors"]
+           "load_run", "measured_on", "model_facts", "ranking_files", "read_ranking_file",
+           "read_rankings", "start_run", "stored_prior", "stored_priors"]
 
 
 log = logging.getLogger("lm_eval_headloc")
@@ -463,8 +464,10 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
 
 def _check_ranking_data(data: Any) -> None:
     """What a ranking's reader takes on trust, checked (ValueError): a non-empty ``heads``
-    list of entries each naming its component with a number (or null) as its effect, and
-    a ``largest_single_help`` with a number as its change."""
+    list of entries each naming its component, once (a name twice counts twice in an
+    overlap), with a number (or null) as its effect; ``higher_is_better`` true or false
+    (without it no effect's sign can be read); a ``largest_single_help`` with a finite
+    number as its change; a ``tied_with_above`` that is a list of names."""
     def number(value: Any) -> bool:
         return value is None or (isinstance(value, (int, float))
                                  and not isinstance(value, bool))
@@ -472,14 +475,50 @@ def _check_ranking_data(data: Any) -> None:
     heads = data.get("heads") if isinstance(data, dict) else None
     if not isinstance(heads, list) or not heads:
         raise ValueError("its 'heads' is not a non-empty list")
+    first: dict[str, int] = {}
     for place, entry in enumerate(heads, start=1):
-        if not (isinstance(entry, dict) and number(entry.get("effect")) and any(
-                isinstance(entry.get(key), str) for key in ("head", "neuron", "group"))):
+        name = (entry.get("head") or entry.get("neuron") or entry.get("group")
+                if isinstance(entry, dict) else None)
+        if not (isinstance(name, str) and number(entry.get("effect"))):
             raise ValueError(f"its entry {place} of 'heads' names no component with a "
                              "number as its effect")
+        if name in first:
+            raise ValueError(f"its 'heads' names {name} twice (entries {first[name]} and "
+                             f"{place})")
+        first[name] = place
+    higher = data.get("higher_is_better")
+    if not isinstance(higher, bool):
+        raise ValueError(f"its 'higher_is_better' is {higher!r}, not true or false")
     help_ = data.get("largest_single_help")
-    if help_ is not None and not (isinstance(help_, dict) and number(help_.get("change"))):
+    change = help_.get("change") if isinstance(help_, dict) else None
+    if help_ is not None and not (number(change) and change is not None
+                                  and math.isfinite(change)):
         raise ValueError("its 'largest_single_help' has no number as its change")
+    tied = data.get("tied_with_above")
+    if tied is not None and not (isinstance(tied, list)
+                                 and all(isinstance(name, str) for name in tied)):
+        raise ValueError("its 'tied_with_above' is not a list of names")
+
+
+def _not_a_ranking(path: Path, err: Exception) -> RunFolderError:
+    """A ranking file altered by hand (a field renamed, a number that is text): where its
+    reader stopped, in one line, not its traceback."""
+    return RunFolderError(f"{path} is not a ranking file as headloc-harness writes one "
+                          f"({type(err).__name__}: {str(err).splitlines()[0]}); refit the "
+                          "run to write it again")
+
+
+def read_ranking_file(path: Path) -> dict[str, Any]:
+    """A ranking file's (heads-<task>.json's) content, checked (``_check_ranking_data``):
+    what every reader of a ranking reads it through (``read_rankings``, ``overlap``,
+    ``universal``), so a tampered file is one ``RunFolderError`` naming it and the field,
+    never a traceback or a number computed from it."""
+    data = read_json(path, RunFolderError)
+    try:
+        _check_ranking_data(data)
+    except ValueError as err:
+        raise _not_a_ranking(path, err) from None
+    return data
 
 
 def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
@@ -497,16 +536,11 @@ def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     head_types = read_types(folder)
     rankings = {}
     for path in files:
-        data = read_json(path, RunFolderError)
+        data = read_ranking_file(path)
         try:
-            _check_ranking_data(data)
             rankings[data["task"]] = ranking_from_json(data, columns, head_types)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
-            # A file altered by hand (a field renamed, a number that is text): where the
-            # ranking's reader stopped, in one line, not its traceback.
-            raise RunFolderError(f"{path} is not a ranking file as headloc-harness writes "
-                                 f"one ({type(err).__name__}: {str(err).splitlines()[0]})"
-                                 "; refit the run to write it again") from None
+            raise _not_a_ranking(path, err) from None
     return rankings
 
 
