@@ -1,6 +1,7 @@
 """The locate loop without a run folder: a notebook's measurement and a ``MemoryStore``."""
 
 import numpy as np
+import pytest
 from helpers import TASKS
 
 
@@ -80,3 +81,70 @@ def test_a_store_whose_measurement_is_another_mask_is_refused(tiny_model_dir):
         locate_components(measure, setup.spec, store=store)
     assert "'mask-0000'" in str(refused.value) and "L1H3" in str(refused.value)
     assert len(store.measurements()) == 1  # nothing measured into a store it refused
+
+
+class _Scores:
+    """A measurement of an 8-head model with one task, ``t``, whose ``bad``-th
+    measurement scores ``bad_value``: a notebook's measure whose metric failed once."""
+
+    tasks = [("t", None)]
+
+    def __init__(self, bad: int, bad_value) -> None:
+        from types import SimpleNamespace
+
+        self.lm = SimpleNamespace(knockout=SimpleNamespace(
+            num_layers=2, heads_per_layer=4, layers_with_heads=[0, 1]))
+        self.bad, self.bad_value, self.made = bad, bad_value, 0
+
+    def auto_masks_per_pass(self) -> int:
+        return 1
+
+    def measure_chunks(self, chunks, masks_per_pass=None, scale=None):
+        from lm_eval_headloc.measurement.metrics import TaskScore
+
+        for index, chunk in enumerate(chunks):
+            scores = []
+            for heads in chunk:
+                value = self.bad_value if self.made == self.bad else 1.0 - 0.1 * len(heads)
+                self.made += 1
+                scores.append({"t": TaskScore("t", "acc,none", value, True)})
+            yield index, scores, 0.0
+
+
+
+@pytest.mark.parametrize("bad_value", [float("nan"), None, "0.5"])
+def test_a_measurement_that_is_no_number_is_refused_naming_it(bad_value):
+    """NaN reached the Lasso (scikit-learn's "Input y contains NaN", naming no
+    measurement) and "0.5" was fitted as a number: either is now one line of the
+    package's own naming the measurement, its mask and its task, and is not kept."""
+    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
+    from lm_eval_headloc.intervention.components import format_heads
+    from lm_eval_headloc.measurement.metrics import MetricError
+    from lm_eval_headloc.method.designs import design_matrix
+
+    spec = RunSpec(masks=12, sparsity=0.25, confirm=0, group_tests=0, prior="none",
+                   bootstrap=5, progress=False).validate()
+    store = MemoryStore()
+    # The 4th measurement: the baseline, then the design's rows 0, 1 and 2.
+    with pytest.raises(MetricError) as refused:
+        locate_components(_Scores(3, bad_value), spec, store=store)
+    message = str(refused.value)
+    row = design_matrix("stratified", 12, 8, 0.25, 0, [])[2]
+    mask = format_heads([f"L{i // 4}H{i % 4}" for i in np.flatnonzero(row)])
+    for named in ("'mask-0002'", mask, "'t'", repr(bad_value), "--signal logprob"):
+        assert named in message, (named, message)
+    assert len(message.splitlines()) == 1
+    assert [r["key"] for r in store.measurements()] == ["baseline", "mask-0000", "mask-0001"]
+
+
+def test_a_measurement_of_numpy_numbers_is_kept_as_plain_numbers():
+    """A notebook's measurement may return numpy scores: they are numbers, kept as
+    Python's own (the record's JSON takes them), not refused as "not a finite number"."""
+    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
+
+    spec = RunSpec(masks=12, sparsity=0.25, confirm=0, group_tests=0, prior="none",
+                   bootstrap=5, progress=False).validate()
+    store = MemoryStore()
+    locate_components(_Scores(3, np.float32(0.75)), spec, store=store)
+    record = next(r for r in store.measurements() if r["key"] == "mask-0002")
+    assert type(record["scores"]["t"]) is float and record["scores"]["t"] == 0.75

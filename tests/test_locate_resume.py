@@ -197,3 +197,47 @@ def test_more_masks_extend_a_run_and_refit_can_take_fewer(tiny_model_dir, tmp_pa
     assert harness("refit", str(grown), "--masks", "12") == 2
     error = last_error(capsys)
     assert "--masks 12" in error and "10 masks" in error  # asked; the run has
+
+
+def test_a_rerun_with_a_smaller_budget_fits_from_disk_as_a_fresh_run_with_it(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """Fewer group tests, confirmations or masks than a finished run measured: every
+    measurement is on disk, yet the rerun loaded the model (6.8 s here, minutes at 8B).
+    It now measures nothing, loads nothing, and ranks as a run made with that budget
+    from the start (made here, with the model, to compare)."""
+    import shutil
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy_ppl",
+            "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", "--prior", "atp",
+            "--top-k", "2", "--max-measurements", "60"]
+    big = tmp_path / "big"
+    assert harness(*base, "--masks", "12", "--confirm", "3", "--group-tests", "6",
+                   "--out", str(big)) == 0
+    groups = strict_json(big / "config.json")["confirm"]["groups"]
+    assert sum(map(len, groups["rounds"])) > 2  # the group tests measured something
+    smaller = {"group tests": ["--masks", "12", "--confirm", "3", "--group-tests", "2"],
+               "confirmations": ["--masks", "12", "--confirm", "2", "--group-tests", "0"],
+               "masks": ["--masks", "8", "--confirm", "0", "--group-tests", "0"]}
+    for name, budget in smaller.items():
+        assert harness(*base, *budget, "--out", str(tmp_path / f"fresh {name}")) == 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
+    monkeypatch.setattr(HFHeadAblateLM, "__init__", refuse)
+    measured = (big / "measurements.jsonl").read_bytes()
+    for name, budget in smaller.items():
+        fresh, again = tmp_path / f"fresh {name}", tmp_path / f"again {name}"
+        shutil.copytree(big, again)
+        assert harness(*base, *budget, "--out", str(again)) == 0, name
+        assert (again / "measurements.jsonl").read_bytes() == measured, name
+        assert (again / "heads.json").read_text().replace(str(again), str(fresh)) == (
+            fresh / "heads.json").read_text(), name
+        replayed, made = (strict_json(folder / "config.json") for folder in (again, fresh))
+        for field in ("spec", "masks_used", "row_keys", "confirm"):
+            assert replayed.get(field) == made.get(field), (name, field)
+        np.testing.assert_array_equal(np.load(again / "design_matrix.npy"),
+                                      np.load(fresh / "design_matrix.npy"))

@@ -29,6 +29,7 @@ from lm_eval_headloc.intervention.components import (
     validate_heads,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
+from lm_eval_headloc.measurement.store import ReplayStore
 from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
@@ -156,6 +157,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                      out)
             assert isinstance(done.layers, int) and isinstance(done.heads_per_layer, int)
             return _refit_stored(folder, done, spec, _excluded(spec, done))
+        replayed = None if force or measure is not None else _replayed(stored, folder, spec,
+                                                                        setup)
+        if replayed is not None:
+            return replayed
         if measure is None:
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
@@ -213,13 +218,18 @@ def _fit(run: LocateRun, exclude: Sequence[Component], rows: int) -> dict[str, R
     prior and its confirmation."""
     spec = run.spec
     assert run.design is not None and isinstance(run.heads_per_layer, int)
-    assert isinstance(run.layers, int)
-    never = head_list(spec.never_ablate, run.layers, run.heads_per_layer, "--never-ablate",
-                      neurons="neurons" in spec.components,
-                      neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
     return fit_with(spec, run.design[:rows], run.records, run.tasks, run.columns,
-                    run.keys(rows), priors=run.priors, confirmed=run.confirm, never=never,
-                    exclude=exclude, heads_per_layer=run.heads_per_layer)
+                    run.keys(rows), priors=run.priors, confirmed=run.confirm,
+                    never=_never(spec, run), exclude=exclude,
+                    heads_per_layer=run.heads_per_layer)
+
+
+def _never(spec: RunSpec, run: LocateRun) -> list[Component]:
+    """--never-ablate's components in a stored run (MLP neurons where it locates them)."""
+    assert isinstance(run.layers, int) and isinstance(run.heads_per_layer, int)
+    return head_list(spec.never_ablate, run.layers, run.heads_per_layer, "--never-ablate",
+                     neurons="neurons" in spec.components,
+                     neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
 
 
 def _candidates(spec: RunSpec, setup: Setup, run: LocateRun,
@@ -350,18 +360,41 @@ def _stored_run(folder: RunFolder) -> LocateRun | None:
     return stored if isinstance(stored, LocateRun) else None
 
 
+def _measures_alike(stored: LocateRun | None, folder: RunFolder, spec: RunSpec,
+                    free: frozenset[str]) -> bool:
+    """Whether ``stored``, the finished run ``folder`` holds, was measured as ``spec``
+    measures, but for the settings in ``free`` (and those that never change a measurement):
+    then each measurement ``spec`` asks for that the folder holds is the one it would
+    make. Its data is read (``read_data``); False where it cannot be, or when unsure."""
+    if stored is None or stored.masks_used is None or not spec.budget_given:
+        return False
+    measuring = {f: v for f, v in spec.as_config().items()
+                 if f not in free and f not in RunSpec.runtime_fields()}
+    if {f: stored.spec.as_config().get(f) for f in measuring} != measuring:
+        return False
+    if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
+        return False  # a run made before head types: the model writes them
+    if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):
+        return False
+    try:
+        if stored.design is None:
+            stored.read_data(folder)
+    except (OSError, ValueError, RunFolderError):
+        return False
+    return stored.design is not None
+
+
 def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> LocateRun | None:
     """``stored``, the run ``folder`` holds, when it measured everything ``spec`` asks for
-    (the same measuring settings, its masks and confirmations done, its head types
-    written): resuming it then only fits again (``refit``'s settings may differ), so the
-    model need not load. None otherwise, or when unsure."""
-    if stored is None or stored.masks_used is None or not spec.budget_given:
-        return None
+    (the same measuring settings and budget, its masks and confirmations done, its head
+    types written): resuming it then only fits again (``refit``'s settings may differ), so
+    the model need not load. None otherwise, or when unsure."""
+    # Another --masks, --max-masks, --confirm or --group-tests: measured, or replayed from
+    # disk (_replayed).
     ranking = RunSpec.refittable("locate") - {"masks", "max_masks", "confirm", "group_tests"}
-    measuring = {f: v for f, v in spec.as_config().items()
-                 if f not in ranking and f not in RunSpec.runtime_fields()}
-    if {f: stored.spec.as_config().get(f) for f in measuring} != measuring:
+    if not _measures_alike(stored, folder, spec, ranking):
         return None
+    assert stored is not None
     if spec.confirm and stored.confirm is None:
         return None
     if (spec.group_tests, spec.max_measurements) != (stored.spec.group_tests,
@@ -369,17 +402,79 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
         return None  # its group tests had a different budget: measured (or looked up)
     if spec.confirm and "groups" not in stored.confirm and stored.spec.group_tests != 0:
         return None  # killed before its group tests finished
-    if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
-        return None  # a run made before head types: the model writes them
-    if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):
-        return None
-    try:
-        stored.read_data(folder)
-    except (OSError, ValueError, RunFolderError):
-        return None
-    if stored.design is None or _missing(stored, stored.masks_used - stored.unfitted):
+    assert stored.masks_used is not None
+    if _missing(stored, stored.masks_used - stored.unfitted):
         return None  # a measurement lost or cut short: measured again with the model
     return stored
+
+
+class _ModelNeeded(Exception):
+    """A measurement a replay asks for is not on disk: the model must make it."""
+
+
+class _NoModel:
+    """A replay's measurement: there is no model, so anything left to measure ends it."""
+
+    def auto_masks_per_pass(self) -> int:
+        return 1
+
+    def measure_chunks(self, chunks: Sequence[Sequence[Any]], masks_per_pass: int | None = None,
+                       scale: float | None = None) -> Any:
+        raise _ModelNeeded(f"{sum(len(chunk) for chunk in chunks)} measurements to make")
+
+
+def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup: Setup
+              ) -> dict[str, Ranking] | None:
+    """The rankings of a rerun of the finished run ``folder`` holds with another budget
+    (fewer masks, confirmations or group tests) whose measurements are all on disk, its
+    files written: the loop run again on them (``ReplayStore``: each given as the loop
+    asks for it, as if measured then), so it decides and fits what a run made with this
+    budget from the start would, without the model. What a smaller budget decides is not
+    always a part of what the stored run decided (fewer masks change the screen, and so
+    the confirmation's picks; fewer confirmations, the group tests' sets; fewer group
+    tests are their first ones), so only a replay tells whether anything is missing. None
+    where something is (the model measures it), or when unsure."""
+    if not _measures_alike(stored, folder, spec, RunSpec.refittable("locate")):
+        return None
+    assert stored is not None and stored.masks_used is not None
+    assert isinstance(stored.heads_per_layer, int)
+    if spec.masks == "auto":
+        # The stored run stopped at its --max-masks: a larger one measures more.
+        more = (stored.spec.masks == "auto" and spec.max_masks > stored.spec.max_masks
+                and stored.masks_used >= stored.spec.max_masks)
+    else:
+        more = int(spec.masks) > stored.masks_used
+    if more:
+        return None  # a replay would fit its first rounds for nothing
+    method = stored.prior_kind
+    allowance = PRIOR_ALLOWANCE[method] if method else 0
+    spec.check_cap(allowance)
+    never, exclude = _never(spec, stored), _excluded(spec, stored)  # checked, as refit's
+    store = ReplayStore(folder.path, stored.records)
+    try:
+        state = locate_loop(_NoModel(), store, stored.columns, setup.task_names,
+                            spec.replace(progress=False), priors=stored.priors, never=never,
+                            exclude=exclude, heads_per_layer=stored.heads_per_layer,
+                            allowance=allowance)
+    except _ModelNeeded:
+        return None
+    log.info("%s: every measurement this budget needs is on disk; fitted without the model",
+             folder.path)
+    for record in store.new:  # a twin's copy, as a measured run writes it
+        folder.append_measurement(record)
+    design = state.design
+    assert design is not None
+    if stored.design is None or not np.array_equal(design, stored.design):
+        write_atomically(folder.file("design_matrix.npy"),
+                         lambda partial: _save_array(partial, design))
+    stored.design, stored.records = design, {r["key"]: r for r in store.measurements()}
+    stored.pilot, stored.row_keys = state.pilot, state.row_keys
+    stored.masks_used, stored.confirm = state.masks_used, state.confirm
+    stored.spec, stored.settings = spec, spec.settings("locate")
+    stored.rankings = state.rankings
+    stored.save(folder)
+    write_results(folder, stored)
+    return stored.rankings
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:

@@ -64,7 +64,8 @@ EXAMPLES_TOLERANCE = 1e-9
 
 
 class MetricError(UserError):
-    """A task or metric the results do not have (a user mistake, reported in one line)."""
+    """A task or metric the results do not have, or a score that is no finite number
+    (a user mistake, reported in one line)."""
 
 
 @dataclass(frozen=True)

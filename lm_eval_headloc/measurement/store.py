@@ -14,15 +14,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.timing import timed
 from lm_eval_headloc.intervention.components import Head, format_heads
+from lm_eval_headloc.measurement.metrics import MetricError
 
 if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
-__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "StoreError", "is_measurement",
-           "phase_bar", "run_plan", "unusable_score"]
+__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "ReplayStore", "StoreError",
+           "is_measurement", "phase_bar", "run_plan", "unusable_score"]
 
 
 class StoreError(UserError):
@@ -95,6 +98,34 @@ class MemoryStore:
         self.records.append(dict(record))
 
 
+class ReplayStore:
+    """A ``MeasurementStore`` over a run folder's measurements (``records``, by key) that
+    gives each as ``run_plan`` asks for it (``recall``), as if measured then: its
+    ``measurements()`` are those asked for so far, as a fresh run's store holds them, so
+    a loop run on it decides what a fresh run decides, with no model (a finished run
+    rerun with a smaller budget: ``commands.locate``). What it lacks is left to
+    ``run_plan``'s measurement; what is appended (a twin's copy) is kept in ``new``."""
+
+    def __init__(self, path: str | Path, records: Mapping[str, Mapping[str, Any]]) -> None:
+        self.path = path
+        self._held = {key: dict(record) for key, record in records.items()}
+        self._given: dict[str, dict[str, Any]] = {}
+        self.new: list[dict[str, Any]] = []
+
+    def measurements(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._given.values()]
+
+    def append_measurement(self, record: Mapping[str, Any]) -> None:
+        self._given[record["key"]] = dict(record)
+        self.new.append(dict(record))
+
+    def recall(self, key: str) -> dict[str, Any] | None:
+        """``key``'s record, given from here on; None where the folder has none."""
+        if key in self._held:
+            self._given.setdefault(key, dict(self._held[key]))
+        return self._given.get(key)
+
+
 def _scale_words(scale: float | None) -> str:
     return "the run's scale" if scale is None else f"scale {scale:g}"
 
@@ -139,14 +170,22 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     measurement's own scale, which the run's identity fixes. A record's last key,
     ``examples``, holds each score's per-example values (``TaskScore.examples`` as lists;
     only the tasks that have them, the key left out where none does). A stored record
-    whose mask or scale differs from the plan's refuses the store (``StoreError``). A run
-    folder's config.json is not touched: a distributed measurement's workers go into the
-    command's record with its next phase (``RunRecord.save``). ``bar``: the phase's
-    (``phase_bar``), advanced by what this call measures; None: a bar of this plan's own
-    (``desc``, shown unless ``progress`` is False).
+    whose mask or scale differs from the plan's refuses the store (``StoreError``); a
+    measurement whose score is no finite number is refused (``MetricError``) before it is
+    kept, as a stored one is skipped (``unusable_score``). A store that can ``recall`` a
+    measurement it holds (``ReplayStore``) gives it when the plan asks: it is not
+    measured. A run folder's config.json is not touched: a distributed measurement's
+    workers go into the command's record with its next phase (``RunRecord.save``).
+    ``bar``: the phase's (``phase_bar``), advanced by what this call measures; None: a bar
+    of this plan's own (``desc``, shown unless ``progress`` is False).
     """
     entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
     done = {r["key"]: r for r in store.measurements()}
+    recall = getattr(store, "recall", None)  # a ReplayStore: what it holds is measured
+    if recall is not None:
+        for key, _, _ in entries:
+            if key not in done and (record := recall(key)) is not None:
+                done[key] = record
     for key, heads, scale in entries:
         if key not in done:
             continue
@@ -217,7 +256,7 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                     record = {
                         "key": key, "mask": format_heads(heads), "num_knocked_out": len(heads),
                         **at,
-                        "scores": {name: s.value for name, s in scores.items()},
+                        "scores": {name: _plain(s.value) for name, s in scores.items()},
                         "metrics": {name: s.metric for name, s in scores.items()},
                         "higher_is_better": {name: s.higher_is_better
                                              for name, s in scores.items()},
@@ -233,12 +272,35 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                                 for name, s in scores.items() if s.examples is not None}
                     if examples:
                         record["examples"] = examples
+                    _check_usable(store, record)
                     store.append_measurement(record)
                     done[key] = record
                     bar.update(1)
                     copy_twins()
         copy_twins(final=True)
     return {key: done[key] for key, _, _ in entries}
+
+
+def _plain(value: Any) -> Any:
+    """A numpy number (a notebook's measurement may return one) as Python's own, which
+    the record's JSON and ``unusable_score`` take; anything else as it is."""
+    if isinstance(value, (np.floating, np.integer)) and not isinstance(value, np.bool_):
+        return value.item()
+    return value
+
+
+def _check_usable(store: MeasurementStore, record: Mapping[str, Any]) -> None:
+    """Refuse a measurement just made whose score is no finite number (NaN, None, text):
+    a fit cannot use it, and, unlike a stored one (skipped, then measured again), it
+    would come back the same if measured again. Kept out of the store."""
+    problem = unusable_score(record)
+    if problem is not None:
+        raise MetricError(
+            f"{store.path}: measurement {record['key']!r} (knocked out "
+            f"{record['mask'] or 'nothing'}): {problem}; a fit needs a number from every "
+            "measurement: score that task by a metric that always gives one (--tasks "
+            "TASK:METRIC) or by --signal logprob, or, for a NaN from the model itself, load "
+            "it with dtype=float32 in --model-args")
 
 
 def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
