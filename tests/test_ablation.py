@@ -284,6 +284,10 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     (dict(ablation="resample", ablation_data="ONE"), ("ablation=resample", "two", "has 1")),
     (dict(ablation="resample", ablation_data="JSONL", resample_seed=-1),
      ("resample_seed=-1", ">= 0")),
+    # `lm-eval run --model_args resample_seed=-1` types a signed number a float: told as
+    # written, not as -1.0.
+    (dict(ablation="resample", ablation_data="JSONL", resample_seed=-1.0),
+     ("resample_seed=-1:", ">= 0")),
     (dict(ablation="mean", ablation_data="no_such_file_or_task"),
      ("ablation_data='no_such_file_or_task'",)),
     (dict(ablation="mean", ablation_data="EMPTY"), ("ablation_data='{EMPTY}'",)),

@@ -146,6 +146,24 @@ def test_ablate_top_is_a_whole_number_from_one(top, tmp_path):
     assert check_top(3) == 3
 
 
+@pytest.mark.parametrize("written, refused", [("-3", True), ("-1", True), ("0", True),
+                                               ("+2", False), ("2", False)])
+def test_ablate_top_from_lm_evals_command_line_is_told_as_written(written, refused):
+    """``lm-eval run --model_args ablate_top=-3`` reached the model as -3.0 (lm-eval's
+    command line types a signed number as a float), and the error said ablate_top=-3.0;
+    ``+2`` was refused as 2.0."""
+    from lm_eval._cli.utils import key_val_to_dict  # what `lm-eval run` gives the model
+
+    given = key_val_to_dict(f"ablate_top={written}")["ablate_top"]
+    if not refused:
+        assert check_top(given) == int(written)
+        return
+    with raises_naming(ComponentSpecError, f"ablate_top={int(written)}:", ">= 1",
+                       "whole number") as caught:
+        check_top(given)
+    assert ".0" not in str(caught.value)
+
+
 @pytest.mark.parametrize("per_layer", [1, 3, 4])
 def test_flat_index_is_layer_major_for_every_head(per_layer):
     # The design's columns, written out: layer 0's heads, then layer 1's, ...

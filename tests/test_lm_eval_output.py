@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -625,3 +627,47 @@ def test_lm_evals_prints_go_to_the_log_not_the_output(lm, model_dir, task_manage
     assert "bootstrapping" not in capsys.readouterr().out
     assert any("bootstrapping for stddev: perplexity" in r.getMessage()
                for r in caplog.records)
+
+
+def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=cwd, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_outside_a_git_checkout_git_says_nothing_and_inside_it_records_the_commit(
+        lm, model_dir, task_manager, tmp_path, monkeypatch, capfd):
+    """lm-eval's simple_evaluate runs ``git describe`` with the process's stderr to record
+    a commit: outside a git checkout every --output-path evaluation (verify's, cross's)
+    printed git's "fatal: not a git repository". Captured at the file descriptor, where
+    git writes."""
+    import os
+
+    outside, checkout = tmp_path / "outside", tmp_path / "checkout"
+    outside.mkdir()
+    checkout.mkdir()
+    # Nothing above tmp_path is looked at: outside stays outside any checkout.
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    assert _git("init", "-q", cwd=checkout).returncode == 0
+    assert _git("commit", "-q", "--allow-empty", "-m", "x", cwd=checkout).returncode == 0
+    commit = _git("rev-parse", "--short", "HEAD", cwd=checkout).stdout.strip()
+    complaint = _git("describe", "--always", cwd=outside).stderr
+    assert "not a git repository" in complaint  # what used to reach the terminal
+
+    def evaluate(cwd: Path) -> tuple[dict, str]:
+        monkeypatch.chdir(cwd)
+        capfd.readouterr()
+        results = evaluate_knockout(lm, [TASK], task_manager=task_manager,
+                                    knocked_out=KNOCKOUT, model_args=_model_args(model_dir),
+                                    bootstrap_iters=0)
+        os.write(2, b"stderr is the terminal's again\n")
+        return results, capfd.readouterr().err
+
+    results, err = evaluate(outside)
+    assert "not a git repository" not in err and "fatal" not in err
+    assert "Running loglikelihood requests" in err  # lm-eval's own progress still shown
+    assert err.endswith("stderr is the terminal's again\n")
+    assert results["git_hash"] is None  # lm-eval's own answer there: no commit
+    results, err = evaluate(checkout)
+    assert results["git_hash"] == commit
+    assert err.endswith("stderr is the terminal's again\n")

@@ -101,6 +101,8 @@ class HFHeadAblateLM(HFLM):
             raise ComponentSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
                                 "e.g. mlp_out=model.layers.*.mlp.down_proj")
         self._requested = requested  # checked against the config before the weights load
+        if isinstance(resample_seed, float) and resample_seed.is_integer():
+            resample_seed = int(resample_seed)  # lm-eval's command line types "-1" a float
         if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
                 resample_seed, int) or resample_seed < 0):
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "

@@ -31,8 +31,11 @@ import io
 import logging
 import os
 import re
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +294,89 @@ def _live_ablation(lm: Any, args: Mapping[str, Any]) -> dict[str, Any]:
     return live
 
 
+#: lm-eval's ``simple_evaluate`` records the commit of the working directory's git checkout
+#: with this command, its stderr the process's own.
+_GIT_HASH_COMMAND = ("git", "describe", "--always")
+
+
+def _gits_complaint() -> list[bytes]:
+    """The lines ``_GIT_HASH_COMMAND`` writes to stderr here and now, where it fails (outside
+    a git checkout: "fatal: not a git repository ..."); none where it succeeds or git is
+    not installed (lm-eval's call is then silent)."""
+    try:
+        probe = subprocess.run(_GIT_HASH_COMMAND, capture_output=True, timeout=30,
+                               check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if probe.returncode == 0:
+        return []
+    return [line for line in probe.stderr.splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def _without_gits_complaint() -> Iterator[None]:
+    """Inside, the lines git would write to stderr for lm-eval's commit lookup
+    (``_gits_complaint``) are kept off the terminal, and all else written there passes
+    live (lm-eval's progress bars, its log). lm-eval runs git with the process's stderr,
+    so outside a git checkout each evaluation printed "fatal: not a git repository", an
+    error of nothing the user did. Only where git fails: inside a checkout stderr is not
+    touched."""
+    complaint = _gits_complaint()
+    if not complaint:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        terminal = os.dup(2)
+    except (OSError, ValueError):  # no stderr to speak of: nothing to keep off it
+        yield
+        return
+    source, sink = os.pipe()
+    os.dup2(sink, 2)
+    os.close(sink)
+    relay = threading.Thread(target=_relay, args=(source, terminal, complaint), daemon=True,
+                             name="stderr without git's complaint")
+    relay.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(terminal, 2)  # the pipe's last writer here: the relay reads to its end
+        relay.join(timeout=5)
+        if not relay.is_alive():  # else a process started inside still holds the pipe
+            os.close(source)
+            os.close(terminal)
+
+
+def _relay(source: int, target: int, dropped: Sequence[bytes]) -> None:
+    """Copy ``source`` to ``target`` as it comes, less the whole lines in ``dropped``: a
+    line's start that may be one of them is held until its line ends."""
+    held = b""
+    mid_line = False  # the current line's start was passed on: none of ``dropped``
+    while chunk := os.read(source, 1 << 16):
+        data, start, out = held + chunk, 0, []
+        while (end := data.find(b"\n", start)) != -1:
+            line = data[start:end + 1]
+            if mid_line or line.rstrip(b"\r\n") not in dropped:
+                out.append(line)
+            mid_line, start = False, end + 1
+        held = data[start:]
+        if held and (mid_line or not any(line.startswith(held) for line in dropped)):
+            out.append(held)  # a progress bar's "\r" update: passed on at once
+            held, mid_line = b"", True
+        if out:
+            _write_all(target, b"".join(out))
+    if held and held.rstrip(b"\r\n") not in dropped:
+        _write_all(target, held)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data):]
+
+
 def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
                       knocked_out: Sequence[str | Component] | str,
                       limit: int | float | None = None, log_samples: bool = False,
@@ -332,7 +418,7 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     # for stddev: perplexity", 18 lines a verify): into the log (--verbose), not the run's
     # output.
     with at_scale(lm, scale), lm.knocking_out(knocked_out), \
-            contextlib.redirect_stdout(printed):
+            contextlib.redirect_stdout(printed), _without_gits_complaint():
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks),
                                           task_manager=task_manager, limit=limit,
                                           log_samples=log_samples, evaluation_tracker=tracker,
