@@ -190,7 +190,8 @@ def grouped_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     heads not measured alone (``method.locate_loop``'s group stage on one task):
     ``confirm`` heads measured alone as :func:`confirming_run` picks them, then
     ``group_tests.group_testing`` over the screen's implicated heads and the least covered
-    (``group_tests.group_order``), groups sized by ``group_tests.group_size``; a group is
+    (``group_tests.group_order``), groups sized by ``group_tests.group_size``, every set
+    that is not ruled out halved (no predicted helper is taken apart: ``peeled``); a group is
     measured on ``world``'s documents (``noise="documents"`` only: a set's score is then a
     function of the set, as on a real model), a head it narrows down to reads ``changes``.
     The ranking: every head measured alone by its change, then the screen's."""
