@@ -1,6 +1,9 @@
 """lm-eval-headloc: find the few attention heads a capability lives in, through lm-eval.
 
-The public API, re-exported here (the code lives in the layer folders; docs/development.md)::
+The public API is ``__all__``, each name listed in docs/python-api.md: the commands as
+functions, a run's options and results, the estimator, the model class, the head notation
+and the error base class. Everything else stays importable from the module that defines
+it (the layer folders: docs/development.md) and is no promise of this package's top::
 
     from lm_eval_headloc import RunSpec, locate, verify, read_rankings
     rankings = locate("runs/smol", tasks=["headloc_induction"], masks=100)
@@ -8,14 +11,13 @@ The public API, re-exported here (the code lives in the layer folders; docs/deve
     read_rankings("runs/smol")["headloc_induction"].top(5)
 
     from lm_eval_headloc import HeadLasso, design_matrix  # the method, on your own arrays
-    from lm_eval_headloc import locate_components  # the loop, on a measurement, in memory
 
 ``import lm_eval_headloc`` registers the ``hf-headablate`` model with lm-eval, so
 ``lm_eval.simple_evaluate(model="hf-headablate", model_args="pretrained=...,ablate=L0H1")``
 works from Python. Lazily: importing the package imports neither lm-eval nor torch (the
-component notation and the other light modules stay free of them); each name below loads
-its module on first use, the model is registered when ``lm_eval.models`` is (or has been)
-imported, and torch loads when the model is built.
+component notation stays free of them); each other name loads its module on first use,
+the model is registered when ``lm_eval.models`` is (or has been) imported, and torch
+loads when the model is built.
 """
 
 from __future__ import annotations
@@ -23,45 +25,40 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lm_eval_headloc.intervention.components import (
-    ComponentSpecError,
-    Head,
-    Neuron,
-    format_heads,
-    parse_heads,
-    read_heads_file,
+from lm_eval_headloc.intervention.components import Head, parse_heads
+from lm_eval_headloc.intervention.registration import (
+    register_when_imported as _register_when_imported,
 )
-from lm_eval_headloc.intervention.registration import MODEL_NAME, register_when_imported
 
 __version__ = "0.1.0"
 
-register_when_imported()
+_register_when_imported()
 
-#: Public name -> the module that defines it, imported on first use (PEP 562).
+#: What this package promises at its top; docs/python-api.md says what each one is.
+__all__ = [
+    # the commands, one function per headloc-harness subcommand (export: write_mib)
+    "locate", "refit", "greedy", "verify", "universal", "overlap", "cross", "types", "sweep",
+    "write_mib",
+    # a run: its options, its record, its rankings
+    "RunSpec", "load_run", "read_rankings", "Ranking",
+    # the estimator, on plain arrays
+    "HeadLasso", "design_matrix",
+    # the model, the head notation, the error every deliberate failure is
+    "HFHeadAblateLM", "Head", "parse_heads", "HeadlocError",
+]
+
+#: Each lazily loaded public name -> the module that defines it, imported on first use
+#: (PEP 562), so that ``import lm_eval_headloc`` stays light.
 _LAZY = {
-    # the commands (each writes and resumes a run folder)
-    "locate": "commands.locate", "refit": "commands.locate", "verify": "commands.verify",
-    "greedy": "commands.greedy", "cross": "commands.cross", "sweep": "commands.sweep",
-    "universal": "commands.universal", "overlap": "commands.overlap",
-    "types": "commands.types", "write_mib": "report.mib", "read_mib": "report.mib_format",
-    # a run: its options, its folder, its results
-    "RunSpec": "runs.spec", "RunFolder": "runs.folder", "RunFolderError": "runs.folder_checks",
-    "load_run": "runs.record", "read_rankings": "runs.record", "read_types": "runs.types_file",
-    # the method, on plain arrays
-    "HeadLasso": "method.recovery", "bootstrap_stability": "method.recovery",
-    "design_matrix": "method.designs", "Ranking": "method.ranking",
-    "Columns": "method.columns", "fit_rankings": "method.fit",
-    # the locate loop on a measurement, without a run folder
-    "locate_components": "method.locate_loop", "locate_loop": "method.locate_loop",
-    "LocateState": "method.locate_loop", "MemoryStore": "measurement.store",
-    "HarnessMeasurement": "measurement.measure",
-    # the model and its errors
-    "HFHeadAblateLM": "intervention.model", "UsageError": "common.checks",
-    "UserError": "common.errors",
+    "locate": "commands.locate", "refit": "commands.locate", "greedy": "commands.greedy",
+    "verify": "commands.verify", "universal": "commands.universal",
+    "overlap": "commands.overlap", "cross": "commands.cross", "types": "commands.types",
+    "sweep": "commands.sweep", "write_mib": "report.mib",
+    "RunSpec": "runs.spec", "load_run": "runs.record", "read_rankings": "runs.record",
+    "Ranking": "method.ranking",
+    "HeadLasso": "method.recovery", "design_matrix": "method.designs",
+    "HFHeadAblateLM": "intervention.model", "HeadlocError": "common.errors",
 }
-
-__all__ = ["MODEL_NAME", "Head", "ComponentSpecError", "Neuron", "__version__", "format_heads",
-           "parse_heads", "read_heads_file", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

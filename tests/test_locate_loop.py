@@ -16,9 +16,11 @@ def _without_seconds(records):
 
 
 def test_the_loop_in_memory_measures_and_ranks_as_a_run_folder(tiny_model_dir, tmp_path):
-    from lm_eval_headloc import MemoryStore, RunSpec, locate, locate_components
+    from lm_eval_headloc import RunSpec, locate
     from lm_eval_headloc.intervention.components import format_heads
+    from lm_eval_headloc.measurement.store import MemoryStore
     from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.method.locate_loop import locate_components
     from lm_eval_headloc.runs.folder import RunFolder
     from lm_eval_headloc.runs.plan import load_model, open_measurement
     from lm_eval_headloc.runs.setup import prepare
@@ -68,8 +70,9 @@ def test_the_loop_in_memory_measures_and_ranks_as_a_run_folder(tiny_model_dir, t
 def test_a_store_whose_measurement_is_another_mask_is_refused(tiny_model_dir):
     import pytest
 
-    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
-    from lm_eval_headloc.measurement.store import StoreError
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.measurement.store import MemoryStore, StoreError
+    from lm_eval_headloc.method.locate_loop import locate_components
     from lm_eval_headloc.runs.plan import load_model, open_measurement
     from lm_eval_headloc.runs.setup import prepare
 
@@ -117,10 +120,12 @@ def test_a_measurement_that_is_no_number_is_refused_naming_it(bad_value):
     """NaN reached the Lasso (scikit-learn's "Input y contains NaN", naming no
     measurement) and "0.5" was fitted as a number: either is now one line of the
     package's own naming the measurement, its mask and its task, and is not kept."""
-    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
+    from lm_eval_headloc import RunSpec
     from lm_eval_headloc.intervention.components import format_heads
     from lm_eval_headloc.measurement.metrics import MetricError
+    from lm_eval_headloc.measurement.store import MemoryStore
     from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.method.locate_loop import locate_components
 
     spec = RunSpec(masks=12, sparsity=0.25, confirm=0, group_tests=0, prior="none",
                    bootstrap=5, progress=False).validate()
@@ -140,7 +145,9 @@ def test_a_measurement_that_is_no_number_is_refused_naming_it(bad_value):
 def test_a_measurement_of_numpy_numbers_is_kept_as_plain_numbers():
     """A notebook's measurement may return numpy scores: they are numbers, kept as
     Python's own (the record's JSON takes them), not refused as "not a finite number"."""
-    from lm_eval_headloc import MemoryStore, RunSpec, locate_components
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.measurement.store import MemoryStore
+    from lm_eval_headloc.method.locate_loop import locate_components
 
     spec = RunSpec(masks=12, sparsity=0.25, confirm=0, group_tests=0, prior="none",
                    bootstrap=5, progress=False).validate()

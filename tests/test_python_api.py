@@ -1,7 +1,10 @@
 """The Python API as a notebook calls it: what a command does not take is refused, not
-dropped; a failed switch leaves the model as it was; a removed knockout says so."""
+dropped; a failed switch leaves the model as it was; a removed knockout says so; the
+package's top offers the public API (docs/python-api.md) and nothing more."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -229,3 +232,68 @@ def test_the_python_api_refuses_bad_arguments_in_its_own_words(tmp_path):
             call()
         assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert RunSpec(masks="auto").validate().masks == "auto"
+
+
+# --- what the package's top promises -------------------------------------------------------
+
+#: The public API, written out here (not read from the package): a name added to or dropped
+#: from ``__all__`` is a change of promise, made in this test too.
+PUBLIC = {
+    "locate", "refit", "greedy", "verify", "universal", "overlap", "cross", "types", "sweep",
+    "write_mib",                                              # the commands
+    "RunSpec", "load_run", "read_rankings", "Ranking",        # a run's options and results
+    "HeadLasso", "design_matrix",                             # the estimator
+    "HFHeadAblateLM", "Head", "parse_heads", "HeadlocError",  # model, notation, errors
+}
+
+#: Internals that were once at the top: importable from their modules, not from the top.
+INTERNALS = {
+    "locate_loop": "method.locate_loop", "LocateState": "method.locate_loop",
+    "locate_components": "method.locate_loop", "MemoryStore": "measurement.store",
+    "Columns": "method.columns", "RunFolder": "runs.folder", "fit_rankings": "method.fit",
+    "HarnessMeasurement": "measurement.measure", "UserError": "common.errors",
+}
+
+
+def test_the_package_top_promises_the_public_api_and_no_more():
+    """Each name at the top is a promise: a short list of what users call, the rest
+    reached through its module so that it can change."""
+    import importlib
+
+    import lm_eval_headloc
+
+    public = lm_eval_headloc.__all__
+    assert len(public) == len(set(public)) <= 22
+    assert set(public) == PUBLIC
+    for name in public:
+        assert getattr(lm_eval_headloc, name) is not None, name
+    for name, module in INTERNALS.items():
+        assert hasattr(importlib.import_module(f"lm_eval_headloc.{module}"), name), name
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(lm_eval_headloc, name)
+
+
+def test_the_python_api_page_lists_exactly_the_public_names():
+    from pathlib import Path
+
+    import lm_eval_headloc
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
+    listed = re.findall(r"^- `(\w+)`", page.read_text(encoding="utf-8"), re.M)
+    assert len(listed) == len(set(listed))
+    assert set(listed) == set(lm_eval_headloc.__all__) == PUBLIC
+
+
+def test_importing_the_package_stays_light():
+    """The public names load their modules on first use: ``import lm_eval_headloc`` (which
+    the model's registration makes every lm-eval user pay) imports no heavy library."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lm_eval_headloc\n"
+            "print(sorted(m for m in ('torch', 'sklearn', 'numpy', 'lm_eval', 'transformers')"
+            " if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "[]"
