@@ -61,12 +61,13 @@ def test_no_confirmation_differs_from_one_that_confirmed_nothing(confirmed):
     assert facts.confirmed == confirmed
 
 
-def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks):
+def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks, tmp_path):
     """heads.json held 112 `"effect": -0.0` and `"bound": 0.16999999999999998`; heads.csv's
     `selected` read as int64 on one run and float64 on another. Today's writers, given the
-    committed rankings (which hold such numbers), write neither."""
+    committed rankings with such numbers planted in them, write neither."""
     import io
     import re
+    import shutil
 
     import pandas as pd
 
@@ -80,8 +81,21 @@ def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks):
     assert str(tidy_numbers(-0.0)) == "0.0"
     folders = [committed_benchmarks / "exhaustive",
                *sorted((committed_benchmarks / "recovery-runs").glob("*/certified/seed0"))]
+    planted = []
+    for number, source in enumerate(folders):
+        # A copy of each folder with the numbers an older writer left planted in it: a
+        # -0.0 effect, a difference of two means written as round-off, in every ranking.
+        folder = shutil.copytree(source, tmp_path / f"{number}-{source.name}")
+        for path in folder.glob("heads-*.json"):
+            data = json.loads(path.read_text())
+            data["heads"][-1]["effect"] = -0.0
+            data["heads"][0]["effect"] = 0.48 - 0.65  # -0.17000000000000004
+            if isinstance(data.get("certificate"), dict) and data["certificate"]["ruled_out"]:
+                data["certificate"]["bound"] = 0.48 - 0.31  # 0.16999999999999998
+            path.write_text(json.dumps(data))
+        planted.append(folder)
     noisy = 0
-    for folder in folders:
+    for folder in planted:
         for task, ranking in read_rankings(folder).items():
             before = (folder / f"heads-{task}.json").read_text()
             noisy += bool(re.search(r"-0\.0(?![0-9])|\d\.\d*(?:0{7}|9{7})\d\b", before))
@@ -94,4 +108,6 @@ def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks):
             for column in ("effect", "selected", "effect_low", "effect_high"):
                 if column in table and table[column].notna().any():
                     assert table[column].dtype == "float64", (folder, column)
-    assert noisy  # the committed files hold such numbers: the writers were tried on them
+    assert noisy  # the planted files hold such numbers: the writers were tried on them
+    doc = (Path(__file__).parents[1] / "docs" / "run-folder.md").read_text(encoding="utf-8")
+    assert 'pd.DataFrame(json.load(open("heads.json"))["heads"])' in doc
