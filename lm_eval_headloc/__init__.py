@@ -56,7 +56,7 @@ _LAZY = {
     "sweep": "commands.sweep", "write_mib": "report.mib",
     "RunSpec": "runs.spec", "load_run": "runs.record", "read_rankings": "runs.record",
     "Ranking": "method.ranking",
-    "HeadLasso": "method.recovery", "design_matrix": "method.designs",
+    "HeadLasso": "method.lasso", "design_matrix": "method.designs",
     "HFHeadAblateLM": "intervention.model", "HeadlocError": "common.errors",
 }
 

@@ -76,7 +76,7 @@ from lm_eval_headloc.measurement.store import run_plan  # noqa: E402
 from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE  # noqa: E402
 from lm_eval_headloc.method.confirm import alternated, prior_rankings  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
-from lm_eval_headloc.method.fit import fit_rankings, mask_keys  # noqa: E402
+from lm_eval_headloc.method.rank import fit_rankings, mask_keys  # noqa: E402
 from lm_eval_headloc.runs.folder import RunFolder  # noqa: E402
 from lm_eval_headloc.runs.plan import load_model, open_measurement  # noqa: E402
 from lm_eval_headloc.runs.record import load_run  # noqa: E402

@@ -21,18 +21,20 @@ from lm_eval_headloc.method.budget import (
 from lm_eval_headloc.method.confirm import (
     alternated,
     confirmation,
-    confirmed_order,
-    confirmed_top,
     marginal_contrast,
-    measured_changes,
     prior_penalty_weights,
     prior_rankings,
     prior_weights,
-    rank_measured,
     screen,
-    tied_with_above,
 )
 from lm_eval_headloc.method.designs import design_matrix
+from lm_eval_headloc.method.rank import (
+    confirmed_order,
+    confirmed_top,
+    measured_changes,
+    rank_measured,
+    tied_with_above,
+)
 
 
 def test_marginal_contrast_by_hand():
@@ -363,7 +365,7 @@ def test_the_prior_penalty_rule_lives_in_the_method_alone():
 def test_locate_ranks_an_implicated_head_above_one_measured_harmless():
     """fit_rankings hands the screen's estimates to the ranking: a head the masks show
     to hurt outranks a head measured alone to change nothing."""
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.rank import fit_rankings
 
     rng = np.random.default_rng(0)
     design = rng.random((30, 6)) < 0.3
@@ -398,7 +400,7 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
     to head 1. Head 1 was measured alone to do nothing: the run's screen (head 1 held at
     0) credits head 4, and so must the bootstrap refits whose interval is printed beside
     head 4's estimate (they credited head 1, giving head 4 the interval [0, 0])."""
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.rank import fit_rankings
 
     design = np.zeros((8, 6), dtype=bool)
     design[0, [1, 4]] = True
@@ -418,7 +420,7 @@ def test_a_confirming_runs_interval_is_the_spread_of_the_estimate_beside_it():
 
 
 def test_a_top_head_the_masks_cannot_tell_from_others_is_named_with_them():
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.rank import fit_rankings
     from lm_eval_headloc.report.locate_report import same_masks_words
 
     design = np.zeros((8, 6), dtype=bool)
@@ -453,7 +455,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
     from types import SimpleNamespace
 
     from lm_eval_headloc.cli import main as cli
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.rank import fit_rankings
 
     design = np.zeros((8, 6), dtype=bool)
     design[0, [1, 2, 4]] = True
@@ -478,9 +480,9 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
 
 
 def test_the_report_gives_the_held_out_r2_beside_the_in_sample_one():
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.lasso import HeadLasso, held_out_r2
+    from lm_eval_headloc.method.rank import fit_rankings
     from lm_eval_headloc.method.ranking import Ranking, RankingFacts
-    from lm_eval_headloc.method.recovery import HeadLasso, held_out_r2
     from lm_eval_headloc.report.locate_report import held_out_words
 
     design = np.random.default_rng(5).random((12, 6)) < 0.4
@@ -509,7 +511,7 @@ def test_a_head_another_tasks_picks_brought_is_as_stable_as_their_replay():
     resample of the masks 'b''s screen picks other heads, so 'a''s top-2 holds L1H0 only
     as often as the whole confirmation's replay picks it again: it was 100 % stable,
     always in 'a''s pool as a head 'a' did not pick, while 'a''s own picks were replayed."""
-    from lm_eval_headloc.method.fit import fit_rankings
+    from lm_eval_headloc.method.rank import fit_rankings
 
     rng = np.random.default_rng(0)
     design = rng.random((24, 6)) < 0.3
@@ -640,7 +642,7 @@ def test_confirm_with_the_prior_alternates_and_covers_small_models(tiny_model_di
                    "--masks", "8", "--sparsity", "0.25", "--num-samples", "4",
                    "--prior", "atp", "--confirm", "4", "--out", str(out)) == 0
     from lm_eval_headloc.method.confirm import prior_penalty_weights
-    from lm_eval_headloc.method.recovery import HeadLasso
+    from lm_eval_headloc.method.lasso import HeadLasso
 
     stored = strict_json(out / "prior.json")["tasks"]["tiny_choice"]["points"][0]
     prior = stored["ranking"]

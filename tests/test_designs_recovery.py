@@ -23,7 +23,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 from lm_eval_headloc.common.options import DESIGNS
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.designs import column_counts, design_matrix, knockouts_per_mask
-from lm_eval_headloc.method.recovery import HeadLasso, harm
+from lm_eval_headloc.method.lasso import HeadLasso, harm
 
 LAYERS, HEADS_PER_LAYER = 30, 9  # the embedded SmolLM2: 270 heads
 NUM_HEADS = LAYERS * HEADS_PER_LAYER
@@ -428,7 +428,7 @@ def test_recovery_errors_are_one_line_and_name_the_value(call, values):
 @pytest.mark.parametrize("value", ["False", None, 0, 1, "yes"])
 def test_higher_is_better_must_be_a_bool(value):
     # "False" (truthy) used to rank as higher-is-better; None as lower-is-better.
-    from lm_eval_headloc.method.recovery import bootstrap_stability
+    from lm_eval_headloc.method.lasso import bootstrap_stability
 
     model = _fitted()
     for call in (lambda: model.ranking(higher_is_better=value),
@@ -529,7 +529,7 @@ def _bootstrap_by_hand(knocked_out, scores, top_k, resamples, seed, alpha=0.01,
 
 
 def test_bootstrap_stability_equals_a_hand_written_bootstrap():
-    from lm_eval_headloc.method.recovery import bootstrap_stability
+    from lm_eval_headloc.method.lasso import bootstrap_stability
 
     world = simulated_world(3)
     knocked_out = design_matrix("stratified", 60, NUM_HEADS, 0.05, 3)
@@ -550,7 +550,7 @@ def test_bootstrap_of_a_pinned_fit_refits_pinned_to_its_baseline():
     # Unimportant heads that cost a little on average (net_harm) are what the intercept
     # absorbs and a pinned baseline must explain with head effects: the two models select
     # differently here, so a bootstrap that dropped the baseline could not pass.
-    from lm_eval_headloc.method.recovery import bootstrap_stability
+    from lm_eval_headloc.method.lasso import bootstrap_stability
 
     world = simulated_world(6, net_harm=0.02)
     knocked_out = design_matrix("stratified", 40, NUM_HEADS, 0.05, 6)
@@ -568,7 +568,7 @@ def test_bootstrap_of_a_pinned_fit_refits_pinned_to_its_baseline():
 
 
 def test_bootstrap_is_sure_of_strong_heads_and_unsure_with_few_measurements():
-    from lm_eval_headloc.method.recovery import bootstrap_stability
+    from lm_eval_headloc.method.lasso import bootstrap_stability
 
     world = simulated_world(5, noise=0.005, small=0.001, net_harm=0.0)
     strongest = sorted(world.planted, key=lambda j: world.effects[j])[:3]
@@ -585,7 +585,7 @@ def test_bootstrap_is_sure_of_strong_heads_and_unsure_with_few_measurements():
 
 
 def test_bootstrap_ranks_lower_is_better_scores_by_their_rise_and_skips_excluded():
-    from lm_eval_headloc.method.recovery import bootstrap_stability
+    from lm_eval_headloc.method.lasso import bootstrap_stability
 
     world = simulated_world(2, noise=0.005)
     knocked_out = design_matrix("stratified", 120, NUM_HEADS, 0.05, 2)
@@ -684,7 +684,7 @@ def test_held_out_r2_is_leave_one_out_by_hand():
     HeadLasso does), on what the fixed heads leave; R² of those predictions."""
     from sklearn.linear_model import Lasso
 
-    from lm_eval_headloc.method.recovery import held_out_r2
+    from lm_eval_headloc.method.lasso import held_out_r2
 
     world = simulated_world(9)
     knocked_out = design_matrix("stratified", 40, NUM_HEADS, 0.05, 9)

@@ -1,4 +1,4 @@
-"""greedy's ranking: the rule for heads measured alone (``confirm.rank_measured``), worked
+"""greedy's ranking: the rule for heads measured alone (``rank.rank_measured``), worked
 out by hand; and the command itself on a tiny model (one-shot, iterative, a rerun)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from helpers import harness, read_run, strict_json, tiny_args
 from lm_eval_headloc.commands.greedy import _rankings
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
-from lm_eval_headloc.method.confirm import confirmed_order
+from lm_eval_headloc.method.rank import confirmed_order
 from lm_eval_headloc.method.ranking import RankingFacts
 
 #: The columns of 6 and of 4 heads (2 layers of 3, of 2).

@@ -136,7 +136,7 @@ def test_no_import_cycle_anywhere_in_the_package_root_included():
 def test_the_public_api_is_importable_from_the_top():
     from lm_eval_headloc import HeadLasso, RunSpec, locate, verify
     from lm_eval_headloc.commands.locate import locate as defined_locate
-    from lm_eval_headloc.method.recovery import HeadLasso as defined_lasso
+    from lm_eval_headloc.method.lasso import HeadLasso as defined_lasso
 
     assert locate is defined_locate and HeadLasso is defined_lasso
     assert callable(verify) and RunSpec().tasks

@@ -224,7 +224,7 @@ def test_every_locate_run_carries_per_head_stability(tiny_locate_run, tmp_path,
     import csv
     import shutil
 
-    from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability
+    from lm_eval_headloc.method.lasso import HeadLasso, bootstrap_stability
 
     out = shutil.copytree(tiny_locate_run, tmp_path / "run")
     heads = strict_json(out / "heads.json")

@@ -158,7 +158,7 @@ def test_lm_eval_free_modules_do_not_import_lm_eval():
         "import sys\n"
         "import lm_eval_headloc, lm_eval_headloc.intervention.components\n"
         "import lm_eval_headloc.common.checks\n"
-        "import lm_eval_headloc.method.designs, lm_eval_headloc.method.recovery\n"
+        "import lm_eval_headloc.method.designs, lm_eval_headloc.method.lasso\n"
         "print(sorted(m for m in ('lm_eval', 'torch') if m in sys.modules))\n"
     )
     assert result.returncode == 0, result.stderr

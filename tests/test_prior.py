@@ -267,8 +267,8 @@ def test_prior_found_nothing_only_when_every_estimate_is_equal():
 
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):
     from lm_eval_headloc.method.confirm import prior_penalty_weights
-    from lm_eval_headloc.method.fit import fit_rankings
-    from lm_eval_headloc.method.recovery import HeadLasso
+    from lm_eval_headloc.method.lasso import HeadLasso
+    from lm_eval_headloc.method.rank import fit_rankings
 
     out = tmp_path / "prior"
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",

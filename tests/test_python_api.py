@@ -250,7 +250,7 @@ PUBLIC = {
 INTERNALS = {
     "locate_loop": "method.locate_loop", "LocateState": "method.locate_loop",
     "locate_components": "method.locate_loop", "MemoryStore": "measurement.store",
-    "Columns": "method.columns", "RunFolder": "runs.folder", "fit_rankings": "method.fit",
+    "Columns": "method.columns", "RunFolder": "runs.folder", "fit_rankings": "method.rank",
     "HarnessMeasurement": "measurement.measure", "UserError": "common.errors",
 }
 

@@ -202,7 +202,7 @@ def test_every_reference_to_the_package_resolves() -> None:
 def test_the_checker_reports_a_bad_reference_and_passes_a_good_one() -> None:
     text = "\n".join([
         "Good: ``method.confirm.ROUND``, `budget.budget_split()`, ``lm_eval_headloc.method``,",
-        "``runs.spec.RunSpec``, `lm_eval_headloc.method.fit.fit_rankings`.",
+        "``runs.spec.RunSpec``, `lm_eval_headloc.method.rank.fit_rankings`.",
         "Bad: ``method.confirm.no_such_function``, and `confirm.budget_split` (moved).",
         "Not code: `heads.json`, `report.md`, `lm_eval.models`, `torch.nn.Module`, ``x.y``.",
         "Ambiguous: ``options.anything``; not a module: ``lm_eval_headloc.nowhere.f``.",

@@ -17,8 +17,8 @@ def _legend(figure) -> str:
 def test_heatmap_hatches_unstable_top_heads(tmp_path):
     from matplotlib.patches import Rectangle
 
+    from lm_eval_headloc.method.lasso import Stability
     from lm_eval_headloc.method.ranking import Ranking
-    from lm_eval_headloc.method.recovery import Stability
     from lm_eval_headloc.report.pages import plot_heatmap
 
     selected = np.array([1.0, 0.5, 0.95, 0, 0, 0, 0, 0.55])
@@ -39,8 +39,8 @@ def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
     """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
     counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
     table says "does not hurt", and unstable_in_top_k leaves it out."""
+    from lm_eval_headloc.method.lasso import Stability
     from lm_eval_headloc.method.ranking import Ranking, ranked_heads_json
-    from lm_eval_headloc.method.recovery import Stability
     from lm_eval_headloc.report.pages import ranking_table
 
     effects = np.array([-0.3, -0.1, 0.0, 0.2])  # higher is better: the first two hurt
@@ -87,8 +87,8 @@ def test_several_tasks_panels_titles_and_legend_do_not_run_into_each_other(tmp_p
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from lm_eval_headloc.method.head_types import HeadTypes
+    from lm_eval_headloc.method.lasso import Stability
     from lm_eval_headloc.method.ranking import Ranking
-    from lm_eval_headloc.method.recovery import Stability
     from lm_eval_headloc.report.pages import plot_heatmap
 
     # Three tasks on a model of 30 layers x 9 heads, each with every mark a legend

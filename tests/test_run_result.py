@@ -106,7 +106,7 @@ def test_locate_bootstraps_only_the_fit_it_keeps(tiny_model_dir, tmp_path, monke
     """The bootstrap (its refits) runs once per task on the final fit; with --masks auto
     also once per round, for its stopping rule."""
     # The fit's module, where locate's fits call it.
-    module = importlib.import_module("lm_eval_headloc.method.fit")
+    module = importlib.import_module("lm_eval_headloc.method.rank")
     calls: list[int] = []
     original = module.bootstrap_stability
 

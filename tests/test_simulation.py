@@ -148,7 +148,7 @@ def test_noiseless_big_effects_are_recovered_exactly_by_a_generous_budget_only()
 def test_another_estimator_plugs_in_through_rank():
     """``rank`` scores a new method on the same worlds; the Lasso's own ranking passed as
     ``rank`` gives the default's hits, a ranking that ignores the data finds ~nothing."""
-    from lm_eval_headloc.method.recovery import HeadLasso
+    from lm_eval_headloc.method.lasso import HeadLasso
 
     def lasso(design, scores):
         return HeadLasso(alpha=0.01).fit(design, scores).ranking()

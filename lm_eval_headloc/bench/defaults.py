@@ -16,13 +16,13 @@ from lm_eval_headloc.method.confirm import (
     Screen,
     alternated,
     confirmation,
-    confirmed_order,
     prior_rankings,
     prior_weights,
     screen,
 )
 from lm_eval_headloc.method.group_tests import group_testing
 from lm_eval_headloc.method.locate_loop import plan_groups
+from lm_eval_headloc.method.rank import confirmed_order
 
 __all__ = ["METHODS", "METHOD_PRIOR", "PRIOR_POINTS", "confirmed_masks_needed", "confirmed_split",
            "confirming_run", "confirming_run_top", "exhaustive_top", "grouped_run_top",
@@ -125,7 +125,7 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     (``prior``: ``(points, N)`` estimates as :func:`simulated_prior` gives, or None;
     ``confirm.prior_rankings``) and the masks' screen (``confirm.screen``, its Lasso's
     penalty eased by the first point, ``confirm.prior_weights``), then ranked by measured
-    change ahead of the screen's order (``confirm.confirmed_order``).
+    change ahead of the screen's order (``rank.confirmed_order``).
 
     ``method="defaults"``: rounds of ``confirm.ROUND``, the screen refitted before each
     with the heads measured so far held fixed, and the final order's screen too.
@@ -133,7 +133,7 @@ def confirming_run_top(world: World, design: np.ndarray, scores: np.ndarray,
     held fixed) in turn (``confirm.alternated``), and the final order's screen the same
     plain fit. ``world`` is not used (kept for the callers). ``logprob_changes``: each
     head's measured change of the gold log-likelihood, which breaks ties of ``changes``
-    as a run's ranking does (``confirm.rank_measured``; None: no tie-break but the index).
+    as a run's ranking does (``rank.rank_measured``; None: no tie-break but the index).
     """
     return confirming_run(design, scores, prior, confirm, changes, method=method, top=top,
                           alpha=alpha, logprob_changes=logprob_changes)[1]

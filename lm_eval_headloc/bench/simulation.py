@@ -4,7 +4,7 @@ It stands in for "evaluate the model on ``n_examples`` documents with these head
 out", so that a design or an estimator can be compared on how many
 measurements it needs before it costs any model time. The package's own
 :func:`~lm_eval_headloc.method.designs.design_matrix` and
-:class:`~lm_eval_headloc.method.recovery.HeadLasso` do the work; this module supplies the world
+:class:`~lm_eval_headloc.method.lasso.HeadLasso` do the work; this module supplies the world
 and the bookkeeping, numpy in and out, ``np.random.default_rng`` randomness throughout
 (the same seed gives the same world, design, scores and answer).
 
@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lm_eval_headloc.method.designs import design_matrix, knockouts_per_mask
-from lm_eval_headloc.method.recovery import HeadLasso
+from lm_eval_headloc.method.lasso import HeadLasso
 
 __all__ = ["DEFAULT_BUDGETS", "NOISES", "SATURATIONS", "Documents", "NeededMasks", "Ranker",
            "SeedTrial", "World", "coverage_prediction", "hits_by_budget", "masks_needed",

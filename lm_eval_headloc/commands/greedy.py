@@ -15,7 +15,8 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.measurement.store import PlanEntry, run_plan
 from lm_eval_headloc.method.columns import Columns
-from lm_eval_headloc.method.confirm import Changes, measured_changes, rank_measured, tied_with_above
+from lm_eval_headloc.method.confirm import Changes
+from lm_eval_headloc.method.rank import measured_changes, rank_measured, tied_with_above
 from lm_eval_headloc.method.ranking import Ranking, RankingFacts, largest_single_help
 from lm_eval_headloc.report.pages import (
     equal_change_words,
@@ -45,7 +46,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     A head's effect is its score change in the last round it was measured in: for a
     winner, the round it won (later rounds keep it knocked out and do not measure it).
     Heads rank, and each round's winner is chosen, by the rule for heads measured alone
-    (``confirm.rank_measured``): the most harmful change of the metric first, equal ones
+    (``rank.rank_measured``): the most harmful change of the metric first, equal ones
     (with 100 examples, accuracy moves in steps of 0.01) by the drop of the gold answers'
     log-likelihood where it was measured along (loglikelihood tasks), then by head index.
     """
@@ -125,7 +126,7 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
               heads_per_layer: int, measurements: int,
               alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, Ranking]:
     """Each task's ranking: iterative greedy's winners first, in the order they won, then
-    every head measured by ``confirm.rank_measured`` (one-shot greedy: every head, ranked
+    every head measured by ``rank.rank_measured`` (one-shot greedy: every head, ranked
     as a confirmation that measured every head alone ranks them); heads never measured
     (skipped) are left out and their effect is NaN. A winner is tied with the one above
     where, in the round that one won, it measured the same (``alike``, per round)."""

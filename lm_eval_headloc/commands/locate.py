@@ -34,16 +34,16 @@ from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
 )
-from lm_eval_headloc.method.fit import (
-    _has,
-    alone_key,
-    group_sets,
-    mask_keys,
-)
 from lm_eval_headloc.method.group_tests import (
     group_key,
 )
-from lm_eval_headloc.method.locate_loop import fit_with, locate_loop
+from lm_eval_headloc.method.locate_loop import locate_loop
+from lm_eval_headloc.method.rank import (
+    alone_key,
+    fit_rankings,
+    group_sets,
+    mask_keys,
+)
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import write_results
 from lm_eval_headloc.runs.folder import RunFolder
@@ -214,14 +214,15 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 
 
 def _fit(run: LocateRun, exclude: Sequence[Component], rows: int) -> dict[str, Ranking]:
-    """``fit_with`` of a stored run's first ``rows`` design rows with its settings, its
-    prior and its confirmation."""
+    """``rank.fit_rankings`` of a stored run's first ``rows`` design rows with its
+    settings, its prior and its confirmation."""
     spec = run.spec
     assert run.design is not None and isinstance(run.heads_per_layer, int)
-    return fit_with(spec, run.design[:rows], run.records, run.tasks, run.columns,
-                    run.keys(rows), priors=run.priors, confirmed=run.confirm,
-                    never=_never(spec, run), exclude=exclude,
-                    heads_per_layer=run.heads_per_layer)
+    return fit_rankings(run.design[:rows], run.records, run.tasks, run.columns, spec.alpha,
+                        exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
+                        seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
+                        confirmed=run.confirm, never=_never(spec, run),
+                        heads_per_layer=run.heads_per_layer)
 
 
 def _never(spec: RunSpec, run: LocateRun) -> list[Component]:
@@ -295,7 +296,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
             raise UsageError(f"--top-k {spec.top_k}: the run ranks only {len(columns)} "
                              "components")
         excluded = _excluded(spec, run)
-        if sum(_has(columns, h) for h in excluded) >= len(columns):
+        if sum(h in columns for h in excluded) >= len(columns):
             raise UsageError(f"--exclude covers every component the run ranks "
                              f"({len(columns)}); nothing is left to rank")
         folder.lock()

@@ -12,8 +12,8 @@ from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.measurement.store import run_plan
+from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
-from lm_eval_headloc.method.recovery import harm
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import load_model, open_measurement

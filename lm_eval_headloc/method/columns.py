@@ -156,6 +156,14 @@ class Columns:
         except KeyError:
             raise KeyError(f"{component} is not one of the run's columns") from None
 
+    def __contains__(self, component: Column | str) -> bool:
+        """Whether ``component`` (or the column named so) is one of the run's columns."""
+        try:
+            self.index(component)
+        except KeyError:
+            return False
+        return True
+
     def indices(self, components: Iterable[Column]) -> list[int]:
         return [self.index(c) for c in components]
 

@@ -1,5 +1,5 @@
-"""Confirmation: the likeliest heads knocked out one at a time, in rounds, ranked by what
-they measured.
+"""Confirmation: which heads are knocked out alone, the likeliest first, in rounds (how
+what they measured ranks them: ``rank``).
 
 A random design (the *screen*) and the attribution prior each name likely heads, and each
 misses some: the Lasso on a few masks is noisy, and attribution patching misses heads
@@ -19,7 +19,7 @@ marginal contrast of the same residual, never by head index).
 A budget in measurement-equivalents is spent as the prior's allowance, masks and heads
 measured alone (``budget.budget_split``; the defaults' 54 as 8 + 12 + 34 with a prior,
 27 + 27 without one: ``budget.default_split``). Heads measured alone
-rank by one rule (``rank_measured``), whether a confirmation picked them or one-shot
+rank by one rule (``rank.rank_measured``), whether a confirmation picked them or one-shot
 greedy measured every head.
 
 The procedure (``confirmation``) is a pure function of its sources and of what each
@@ -32,15 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from lm_eval_headloc.method.recovery import HeadLasso, harm, less_fixed, round_off
+from lm_eval_headloc.method.lasso import HeadLasso, harm, less_fixed, round_off
 
-__all__ = ["PRIOR_EASE", "ROUND", "Confirmation", "alternated", "confirmation", "confirmed_order",
-           "confirmed_top", "marginal_contrast", "measured_changes", "prior_penalty_weights",
-           "prior_rankings", "prior_weights", "rank_measured", "screen", "tied_with_above"]
+__all__ = ["PRIOR_EASE", "ROUND", "Changes", "Confirmation", "Screen", "alternated",
+           "confirmation", "marginal_contrast", "prior_penalty_weights", "prior_rankings",
+           "prior_weights", "screen"]
 
 #: Heads measured alone per round: small, so that each round's measurements steer the
 #: next picks, and a whole number of masks-per-pass batches on a GPU.
@@ -232,73 +231,3 @@ def _next_pick(orders: Sequence[Sequence[int]], turns: dict[str, int], task: str
         if head is not None:
             return head
     return None
-
-
-def measured_changes(reference: Mapping[str, Any], measured: Mapping[int, Mapping[str, Any]],
-                     task: str) -> dict[int, tuple[float, float]]:
-    """head -> (score change, logprob change) of ``task`` in each head's measurement
-    record (a run folder's: ``scores`` and, where recorded, ``logprob`` by task) against
-    the ``reference`` record's; a logprob not recorded counts as 0."""
-    def logprob(record: Mapping[str, Any]) -> float:
-        return float(record.get("logprob", {}).get(task, 0.0))
-
-    return {int(head): (record["scores"][task] - reference["scores"][task],
-                        logprob(record) - logprob(reference))
-            for head, record in measured.items()}
-
-
-def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
-    """The ranking rule of heads measured (``changes[head] = (score change, logprob
-    change)``): the most harmful score change first; equal score changes (a metric over
-    100 examples moves in steps of 0.01) by the larger drop of the logprob; equal both,
-    by head index. That last order is no evidence: ``tied_with_above`` says which heads
-    it ordered."""
-    return sorted((int(h) for h in changes), key=lambda h: (
-        -float(harm(changes[h][0], higher_is_better)), float(changes[h][1]), h))
-
-
-def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
-                    exclude: Iterable[int] = (), screen_effects: np.ndarray | None = None
-                    ) -> list[int]:
-    """The ranking: heads measured alone that hurt, by ``rank_measured``; then the heads
-    not measured whose ``screen_effects`` estimate hurts, in ``screen_order``; then the
-    heads measured to do no harm; then the rest of ``screen_order``. A measurement that
-    shows no harm is stronger evidence than an estimate that shows some, so it does not
-    outrank one (without ``screen_effects`` no estimate counts as harm). Heads in
-    ``exclude`` are left out."""
-    excluded = set(exclude)
-    measured = rank_measured({h: c for h, c in alone.items() if h not in excluded},
-                             higher_is_better)
-    hurts = [h for h in measured if harm(alone[h][0], higher_is_better) > 0]
-    harmless = measured[len(hurts):]  # rank_measured puts every harmful change first
-    rest = [int(h) for h in screen_order if h not in alone and h not in excluded]
-    implicated = [] if screen_effects is None else [
-        h for h in rest if harm(screen_effects[h], higher_is_better) > 0]
-    shown = set(implicated)
-    return hurts + implicated + harmless + [h for h in rest if h not in shown]
-
-
-def confirmed_top(alone: Changes, pool: Iterable[int], top_k: int,
-                  higher_is_better: bool) -> list[int]:
-    """The ``top_k`` heads of ``pool`` (all measured alone) with a harmful measured change,
-    most harmful first: what a confirmation that had measured only ``pool`` would report."""
-    order = confirmed_order({h: alone[h] for h in pool}, (), higher_is_better)
-    return [h for h in order[:top_k] if harm(alone[h][0], higher_is_better) > 0]
-
-
-def tied_with_above(order: Sequence[int], alone: Changes, fit: Screen | None = None
-                    ) -> list[int]:
-    """The heads of ``order`` whose evidence equals the head ranked just above them: the
-    same measured changes (both measured alone), or the same fitted effect and marginal
-    contrast (neither measured; without a ``fit``, a head not measured alone ties with
-    none). Their order between them is the head index, which says nothing: a ranking
-    must call them ties."""
-    def evidence(head: int) -> tuple:
-        if head in alone:
-            return ("alone", *alone[head])
-        if fit is None:
-            return ("unmeasured", head)
-        return ("fit", float(fit.effects[head]), float(fit.contrast[head]))
-
-    return [int(below) for above, below in zip(order, order[1:], strict=False)
-            if evidence(above) == evidence(below)]

@@ -4,7 +4,7 @@ and a store of its measurements.
 ``locate_loop`` measures the task with random sets of components knocked out together
 (the pilot's masks with ``--sparsity auto``, then the design's; ``--masks auto`` in rounds
 until every top-k component is stable), measures the likeliest alone (``--confirm``) and
-the rest in groups (``--group-tests``), and fits the Lasso (``fit.fit_rankings``). Every
+the rest in groups (``--group-tests``), and fits the Lasso (``rank.fit_rankings``). Every
 measurement goes through ``measurement.store.run_plan``, so a store that already holds
 some (a resumed run folder) is measured only where it lacks them, and every decision
 follows from the seed and the measurements: a run resumed on the same store makes the
@@ -40,15 +40,6 @@ from lm_eval_headloc.method.confirm import (
     screen,
 )
 from lm_eval_headloc.method.designs import design_matrix
-from lm_eval_headloc.method.fit import (
-    _alone_changes,
-    _has,
-    _measured_alone,
-    alone_key,
-    fit_rankings,
-    mask_keys,
-    measured_harm,
-)
 from lm_eval_headloc.method.group_tests import (
     MAX_GROUP,
     GroupTesting,
@@ -61,11 +52,19 @@ from lm_eval_headloc.method.group_tests import (
     group_size,
     group_testing,
 )
+from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
+from lm_eval_headloc.method.rank import (
+    alone_changes,
+    alone_key,
+    fit_rankings,
+    mask_keys,
+    measured_alone,
+    measured_harm,
+)
 from lm_eval_headloc.method.ranking import Ranking
-from lm_eval_headloc.method.recovery import harm
 
-__all__ = ["GroupPlan", "LocateState", "LoopSettings", "auto_rounds", "fit_with",
+__all__ = ["GroupPlan", "LocateState", "LoopSettings", "auto_rounds",
            "locate_components", "locate_loop", "plan_groups", "predicted_help"]
 
 #: --masks auto: masks in the first round, and each round's growth (a share of the masks
@@ -165,8 +164,8 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     """
     state = LocateState() if state is None else state
     saved = checkpoint or (lambda phase: None)
-    never_columns = [columns.index(h) for h in never if _has(columns, h)]
-    excluded = [columns.index(h) for h in exclude if _has(columns, h)]
+    never_columns = [columns.index(h) for h in never if h in columns]
+    excluded = [columns.index(h) for h in exclude if h in columns]
     per_pass = settings.masks_per_pass
     sparsity, row_keys, rows, state.pilot = _pilot(store, measure, settings, tasks, columns,
                                                    never_columns)
@@ -185,9 +184,10 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
               else [len(matrix)])
 
     def fit(used: int, confirmed: Mapping[str, Any] | None) -> dict[str, Ranking]:
-        return fit_with(settings, matrix[:used], state.records, tasks, columns, keys[:used],
-                        priors=priors, confirmed=confirmed, never=never, exclude=exclude,
-                        heads_per_layer=heads_per_layer)
+        return fit_rankings(matrix[:used], state.records, tasks, columns, settings.alpha,
+                            exclude, top_k=settings.top_k, bootstrap=settings.bootstrap,
+                            seed=settings.masks_seed, priors=priors, keys=keys[:used],
+                            confirmed=confirmed, heads_per_layer=heads_per_layer, never=never)
 
     rankings = None
     stored = {r["key"] for r in store.measurements()}
@@ -227,21 +227,6 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     # --confirm: its last round's fit is that fit).
     state.rankings = fit(used, state.confirm) if rankings is None else rankings
     return state
-
-
-@timing.timed("fit and bootstrap")
-def fit_with(settings: LoopSettings, design: np.ndarray,
-             records: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], columns: Columns,
-             keys: Sequence[str], *, priors: Mapping[str, np.ndarray] | None = None,
-             confirmed: Mapping[str, Any] | None = None, never: Sequence[Component] = (),
-             exclude: Sequence[Component] = (), heads_per_layer: int | None = None
-             ) -> dict[str, Ranking]:
-    """``fit.fit_rankings`` of ``design``'s rows (measured as ``keys``) with ``settings``'
-    alpha, top-k, bootstrap and seed: the loop's fit, and ``refit``'s of a stored run."""
-    return fit_rankings(design, records, tasks, columns, settings.alpha, exclude,
-                        top_k=settings.top_k, bootstrap=settings.bootstrap,
-                        seed=settings.masks_seed, priors=priors, keys=keys,
-                        confirmed=confirmed, heads_per_layer=heads_per_layer, never=never)
 
 
 def _pilot(store: MeasurementStore, measure: Any, settings: LoopSettings,
@@ -287,12 +272,12 @@ def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
         done = run_plan(store, measure, [("baseline", [])] + [
             (alone_key(columns[i]), columns.members(i)) for i in heads],
             desc="confirm", masks_per_pass=settings.masks_per_pass, bar=bar)
-        return {t: _alone_changes(done, heads, t, columns) for t in tasks}
+        return {t: alone_changes(done, heads, t, columns) for t in tasks}
 
     def stored(heads: list[int]) -> dict[str, Changes]:
         records.update({r["key"]: r for r in store.measurements()})
         known = [h for h in heads if alone_key(columns[h]) in records]
-        return {t: _alone_changes(records, known, t, columns) for t in tasks}
+        return {t: alone_changes(records, known, t, columns) for t in tasks}
 
     sources = {t: prior_rankings(None if priors is None else priors[t]) for t in tasks}
     screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
@@ -391,7 +376,7 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
     baseline = records["baseline"]
     higher = {t: bool(baseline["higher_is_better"][t]) for t in tasks}
     scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
-    alone = {t: _measured_alone(confirmed, records, t, columns) for t in tasks}
+    alone = {t: measured_alone(confirmed, records, t, columns) for t in tasks}
     skip = {*never, *excluded}
     alone_keys = {h: alone_key(columns[h]) for t in tasks for h in alone[t]}
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from lm_eval_headloc.method.designs import design_matrix, knockouts_per_mask
-from lm_eval_headloc.method.recovery import harm
+from lm_eval_headloc.method.lasso import harm
 
 __all__ = ["FLOOR_KEY", "FLOOR_SPARSITY", "KEEP", "PILOT_MASKS", "PILOT_SPARSITIES", "UNFITTED",
            "choose_sparsity", "pilot_design"]

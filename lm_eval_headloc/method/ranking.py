@@ -21,7 +21,7 @@ from lm_eval_headloc.intervention.components import (
     format_heads,
 )
 from lm_eval_headloc.method.columns import Column, Columns, NeuronGroup
-from lm_eval_headloc.method.recovery import STABLE, Stability, harm
+from lm_eval_headloc.method.lasso import STABLE, Stability, harm
 
 __all__ = ["TIE_EVIDENCE", "CertificateRecord", "GroupTestRecord", "Ranking", "RankingFacts",
            "all_measured_alone", "largest_single_help", "ranked_heads_json", "ranking_from_json",
@@ -50,7 +50,7 @@ class GroupTestRecord:
 
 @dataclass(kw_only=True)
 class CertificateRecord:
-    """heads.json's ``certificate`` (``fit._certificate``, from ``group_tests.certificate``):
+    """heads.json's ``certificate`` (``rank._certificate``, from ``group_tests.certificate``):
     what a task's measurements rule out under ``rule`` and what they leave unchecked, in
     names. ``certified``: nothing is left unchecked. ``confidence``: the one-sided
     confidence each ruling-out holds at (None: the run recorded no per-example scores, and
@@ -113,7 +113,7 @@ class RankingFacts:
     ``never_knocked_out``); the confirmation (``confirmed`` measured alone, ``implicated``
     by the screen, ``next`` the round that would come next); the prior's own top-k
     (``prior_top_k``, ``prior_found_nothing``); the completeness ``certificate``
-    (``fit._certificate``); and ``largest_single_help`` (``{"head", "change"}``). ``other``:
+    (``rank._certificate``); and ``largest_single_help`` (``{"head", "change"}``). ``other``:
     keys a file holds that this version does not know, kept as read.
     """
 

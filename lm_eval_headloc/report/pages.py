@@ -20,12 +20,12 @@ from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
 from lm_eval_headloc.method.head_types import HEAD_TYPES
+from lm_eval_headloc.method.lasso import STABLE, harm
 from lm_eval_headloc.method.ranking import (
     Ranking,
     ranked_heads_json,
     type_fields,
 )
-from lm_eval_headloc.method.recovery import STABLE, harm
 from lm_eval_headloc.runs.folder import RunFolder
 
 __all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap",
@@ -362,7 +362,7 @@ def spread_words(ranking: Ranking, top_k: int, unit: str = "head") -> list[str]:
 def equal_change_words(ranking: Ranking, top_k: int, all_measured: bool = False
                        ) -> list[str]:
     """Top-k neighbours measured alike by the task's score but not tied, said as such:
-    ``confirm.rank_measured`` orders them by the gold answers' log-likelihood, which the
+    ``rank.rank_measured`` orders them by the gold answers' log-likelihood, which the
     table does not show. Where the k-th is measured alike with those ranked after it, the
     log-likelihood decided which of them is in the top-k: said too. ``all_measured``:
     every effect is a measurement (greedy)."""

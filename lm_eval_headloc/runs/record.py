@@ -32,8 +32,8 @@ from lm_eval_headloc.intervention.model_args import model_identity, same_model
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.measurement.metrics import parse_task_metric
 from lm_eval_headloc.method.columns import Columns
-from lm_eval_headloc.method.fit import mask_keys
 from lm_eval_headloc.method.pilot import UNFITTED
+from lm_eval_headloc.method.rank import mask_keys
 from lm_eval_headloc.method.ranking import Ranking, ranking_from_json
 from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError

@@ -1,36 +1,44 @@
-"""The fit: each task's ranking from a design and its measurements, as plain values.
+"""How a head is ranked: the rule, and the one fit that applies it to a run's measurements.
 
-``fit_rankings`` fits one Lasso per task over the measured masks (the measured-alone
-changes held fixed), bootstraps it, and records the evidence behind the order and the
-completeness certificate; it reads no run folder, so a notebook calls it on its own arrays
-(``locate`` and ``refit`` call it on a run's). Measurement keys are named here
-(``mask_keys``, ``alone_key``; the group tests' ``group_tests.group_key``).
+A component knocked out alone has its change *measured*; every other component has its
+change *estimated* by the Lasso over the masks (``lasso.HeadLasso``, refitted with the
+measured changes held fixed: ``confirm.screen``). The ranking (``confirmed_order``):
+
+1. the components measured alone that hurt, most harmful score change first
+   (``rank_measured``: equal score changes by the larger drop of the logprob, then by
+   index, which is no evidence: ``tied_with_above`` names such ties);
+2. then the components not measured whose estimate hurts, in the screen's order;
+3. then the components measured to do no harm; then the rest.
+
+``fit_rankings`` applies it to a design and its measurements, one task at a time: the
+screen, the order, the bootstrap's stability (each resample replays the confirmation,
+``confirmation_replay``, so a head is as stable as the choice that measured it), the
+evidence behind ties and the completeness certificate (``group_tests.certificate``). It
+reads no run folder, so a notebook calls it on its own arrays; ``locate`` and ``refit``
+call it on a run's. Measurement keys are named here (``mask_keys``, ``alone_key``; the
+group tests' ``group_tests.group_key``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from lm_eval_headloc.intervention.components import (
-    Component,
-)
+from lm_eval_headloc.common import timing
+from lm_eval_headloc.intervention.components import Component
 from lm_eval_headloc.measurement.noise import change_se, paired_se
 from lm_eval_headloc.method.columns import UNITS, Column, Columns, components_of
 from lm_eval_headloc.method.confirm import (
     Changes,
+    Screen,
     alternated,
     confirmation,
-    confirmed_order,
-    confirmed_top,
-    measured_changes,
     prior_found_nothing,
     prior_rankings,
     prior_weights,
     screen,
-    tied_with_above,
 )
 from lm_eval_headloc.method.designs import same_masks
 from lm_eval_headloc.method.group_tests import (
@@ -42,6 +50,7 @@ from lm_eval_headloc.method.group_tests import (
     group_key,
     group_size,
 )
+from lm_eval_headloc.method.lasso import HeadLasso, bootstrap_stability, harm, held_out_r2
 from lm_eval_headloc.method.ranking import (
     CertificateRecord,
     GroupTestRecord,
@@ -50,10 +59,86 @@ from lm_eval_headloc.method.ranking import (
     all_measured_alone,
     largest_single_help,
 )
-from lm_eval_headloc.method.recovery import HeadLasso, bootstrap_stability, harm, held_out_r2
 
-__all__ = ["CERTIFICATE_RULE", "alone_key", "fit_rankings", "group_sets", "mask_keys",
-           "measured_harm"]
+__all__ = ["CERTIFICATE_RULE", "alone_changes", "alone_key", "confirmation_replay",
+           "confirmed_order", "confirmed_top", "fit_rankings", "group_sets", "mask_keys",
+           "measured_alone", "measured_changes", "measured_harm", "rank_measured",
+           "tied_with_above"]
+
+
+# --- the rule --------------------------------------------------------------------------
+
+def measured_changes(reference: Mapping[str, Any], measured: Mapping[int, Mapping[str, Any]],
+                     task: str) -> dict[int, tuple[float, float]]:
+    """head -> (score change, logprob change) of ``task`` in each head's measurement
+    record (a run folder's: ``scores`` and, where recorded, ``logprob`` by task) against
+    the ``reference`` record's; a logprob not recorded counts as 0."""
+    def logprob(record: Mapping[str, Any]) -> float:
+        return float(record.get("logprob", {}).get(task, 0.0))
+
+    return {int(head): (record["scores"][task] - reference["scores"][task],
+                        logprob(record) - logprob(reference))
+            for head, record in measured.items()}
+
+
+def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
+    """The ranking rule of heads measured (``changes[head] = (score change, logprob
+    change)``): the most harmful score change first; equal score changes (a metric over
+    100 examples moves in steps of 0.01) by the larger drop of the logprob; equal both,
+    by head index. That last order is no evidence: ``tied_with_above`` says which heads
+    it ordered."""
+    return sorted((int(h) for h in changes), key=lambda h: (
+        -float(harm(changes[h][0], higher_is_better)), float(changes[h][1]), h))
+
+
+def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
+                    exclude: Iterable[int] = (), screen_effects: np.ndarray | None = None
+                    ) -> list[int]:
+    """The ranking: heads measured alone that hurt, by ``rank_measured``; then the heads
+    not measured whose ``screen_effects`` estimate hurts, in ``screen_order``; then the
+    heads measured to do no harm; then the rest of ``screen_order``. A measurement that
+    shows no harm is stronger evidence than an estimate that shows some, so it does not
+    outrank one (without ``screen_effects`` no estimate counts as harm). Heads in
+    ``exclude`` are left out."""
+    excluded = set(exclude)
+    measured = rank_measured({h: c for h, c in alone.items() if h not in excluded},
+                             higher_is_better)
+    hurts = [h for h in measured if harm(alone[h][0], higher_is_better) > 0]
+    harmless = measured[len(hurts):]  # rank_measured puts every harmful change first
+    rest = [int(h) for h in screen_order if h not in alone and h not in excluded]
+    implicated = [] if screen_effects is None else [
+        h for h in rest if harm(screen_effects[h], higher_is_better) > 0]
+    shown = set(implicated)
+    return hurts + implicated + harmless + [h for h in rest if h not in shown]
+
+
+def confirmed_top(alone: Changes, pool: Iterable[int], top_k: int,
+                  higher_is_better: bool) -> list[int]:
+    """The ``top_k`` heads of ``pool`` (all measured alone) with a harmful measured change,
+    most harmful first: what a confirmation that had measured only ``pool`` would report."""
+    order = confirmed_order({h: alone[h] for h in pool}, (), higher_is_better)
+    return [h for h in order[:top_k] if harm(alone[h][0], higher_is_better) > 0]
+
+
+def tied_with_above(order: Sequence[int], alone: Changes, fit: Screen | None = None
+                    ) -> list[int]:
+    """The heads of ``order`` whose evidence equals the head ranked just above them: the
+    same measured changes (both measured alone), or the same fitted effect and marginal
+    contrast (neither measured; without a ``fit``, a head not measured alone ties with
+    none). Their order between them is the head index, which says nothing: a ranking
+    must call them ties."""
+    def evidence(head: int) -> tuple:
+        if head in alone:
+            return ("alone", *alone[head])
+        if fit is None:
+            return ("unmeasured", head)
+        return ("fit", float(fit.effects[head]), float(fit.contrast[head]))
+
+    return [int(below) for above, below in zip(order, order[1:], strict=False)
+            if evidence(above) == evidence(below)]
+
+
+# --- the fit ---------------------------------------------------------------------------
 
 
 def _columns(columns: Columns | int, design: np.ndarray) -> Columns:
@@ -68,6 +153,7 @@ def alone_key(head: Column | str) -> str:
     return f"alone-{head}"
 
 
+@timing.timed("fit and bootstrap")
 def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  tasks: Sequence[str], columns: Columns | int, alpha: float,
                  exclude: Sequence[Component] = (), *, top_k: int = 5,
@@ -86,7 +172,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
     ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
     measured alone to hurt rank first, by their measured change, then the heads the screen
-    implicates, then those measured to do no harm (``confirm.confirmed_order``); the
+    implicates, then those measured to do no harm (``confirmed_order``); the
     screen is refitted with those changes held fixed (``confirm.screen``); the
     bootstrap asks which of them a replay of the confirmation on a resample of the masks
     would have confirmed into the top-k. ``never``: the components no mask knocked out
@@ -100,8 +186,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         grid = columns.heads_grid
         heads_per_layer = grid[1] if grid is not None else 1
     baseline = records["baseline"]
-    excluded = sorted({columns.index(h) for h in exclude if _has(columns, h)})
-    unmeasured = sorted({columns.index(h) for h in never if _has(columns, h)} - {*excluded})
+    excluded = sorted({columns.index(h) for h in exclude if h in columns})
+    unmeasured = sorted({columns.index(h) for h in never if h in columns} - {*excluded})
     left_out = sorted({*excluded, *unmeasured})
     rankings = {}
     known: dict[str, _TaskFit] = {}
@@ -113,7 +199,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                 np.array([records[key]["scores"][task] for key in keys]),
                 bool(baseline["higher_is_better"][task]), estimates,
                 prior_weights(estimates), prior_rankings(estimates),
-                {} if confirmed is None else _measured_alone(confirmed, records, task,
+                {} if confirmed is None else measured_alone(confirmed, records, task,
                                                              columns))
         return known[task]
 
@@ -130,7 +216,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
         select = None
         if confirmed is not None:
-            select = _confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
+            select = confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
                                           left_out, columns, replays)
         # The refits are the screen's model (the measured changes held fixed), so each
         # interval is the spread of the estimate reported beside it.
@@ -270,7 +356,7 @@ class _TaskFit(NamedTuple):
     alone: Changes
 
 
-def _confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
+def confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
                          task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
                          excluded: Sequence[int], columns: Columns,
                          replays: dict[tuple[tuple[str, ...], bytes], list[int]]
@@ -338,21 +424,14 @@ def _same_masks(design: np.ndarray, top: Sequence[int], alone: Changes, columns:
     return {str(columns[head]): columns.names(alike) for head, alike in found.items()}
 
 
-def _measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
+def measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
                     task: str, columns: Columns) -> dict[int, tuple[float, float]]:
     """column -> (score change, logprob change) of every component the run measured
     alone."""
     names = [*confirmed["heads"], *((confirmed.get("groups") or {}).get("alone") or [])]
     heads = list(dict.fromkeys(columns.named(name) for name in names))
-    return _alone_changes(records, heads, task, columns)
+    return alone_changes(records, heads, task, columns)
 
-
-def _has(columns: Columns, component: Column) -> bool:
-    try:
-        columns.index(component)
-    except KeyError:
-        return False
-    return True
 
 
 def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
@@ -363,7 +442,7 @@ def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
             if len(members) > 1]
 
 
-def _alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
+def alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,
                    columns: Columns) -> dict[int, tuple[float, float]]:
     """column -> (score change, logprob change) of each component knocked out alone."""
     return measured_changes(records["baseline"], {
