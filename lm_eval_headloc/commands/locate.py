@@ -41,7 +41,6 @@ from lm_eval_headloc.method.locate_loop import locate_loop
 from lm_eval_headloc.method.rank import (
     alone_key,
     fit_rankings,
-    group_sets,
     mask_keys,
 )
 from lm_eval_headloc.method.ranking import Ranking
@@ -342,10 +341,9 @@ def _missing(run: LocateRun, rows: int) -> list[str]:
     on disk (``run.read_data`` first)."""
     # --confirm: the heads the run measured alone stay what they were (refit measures
     # nothing); the screen's fit, and so each head's stability, follows the settings.
-    alone = [alone_key(name) for name in [
-        *run.confirm["heads"], *((run.confirm.get("groups") or {}).get("alone") or [])]
-             ] if run.confirm else []
-    groups = [group_key(members) for members in group_sets(run.confirm)]
+    confirmed = run.confirm
+    alone = [] if confirmed is None else [alone_key(name) for name in confirmed.alone]
+    groups = [] if confirmed is None else [group_key(m) for m in confirmed.group_sets]
     return [k for k in ["baseline", *run.keys(rows), *alone, *groups] if k not in run.records]
 
 
@@ -401,7 +399,7 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
     if (spec.group_tests, spec.max_measurements) != (stored.spec.group_tests,
                                                      stored.spec.max_measurements):
         return None  # its group tests had a different budget: measured (or looked up)
-    if spec.confirm and "groups" not in stored.confirm and stored.spec.group_tests != 0:
+    if spec.confirm and stored.confirm.groups is None and stored.spec.group_tests != 0:
         return None  # killed before its group tests finished
     assert stored.masks_used is not None
     if _missing(stored, stored.masks_used - stored.unfitted):

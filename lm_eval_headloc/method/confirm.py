@@ -31,13 +31,15 @@ Everything works on flat head indices.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
 from lm_eval_headloc.method.lasso import HeadLasso, harm, less_fixed, round_off
 
-__all__ = ["PRIOR_EASE", "ROUND", "Changes", "Confirmation", "Screen", "alternated",
+__all__ = ["PRIOR_EASE", "ROUND", "Changes", "ConfirmRecord", "Confirmation", "GroupStage",
+           "Screen", "alternated",
            "confirmation", "marginal_contrast", "prior_penalty_weights", "prior_rankings",
            "prior_weights", "screen"]
 
@@ -231,3 +233,109 @@ def _next_pick(orders: Sequence[Sequence[int]], turns: dict[str, int], task: str
         if head is not None:
             return head
     return None
+
+
+# --- what a run records of it (config.json's "confirm") -------------------------------
+
+
+@dataclass
+class GroupStage:
+    """What the group tests did (``confirm["groups"]``): the sets measured, round by
+    round (each set by its members' names; a set of one is a component measured alone),
+    the components they narrowed down to (``alone``), the groups' ``size``, the tests'
+    ``budget``, and the cap on the run's measurements with what was spent before the
+    group tests (``cap``, ``spent_before``; None in runs from before the cap)."""
+
+    rounds: list[list[list[str]]] = field(default_factory=list)
+    alone: list[str] = field(default_factory=list)
+    size: int | None = None
+    budget: int | None = None
+    cap: int | None = None
+    spent_before: int | None = None
+    other: dict[str, Any] = field(default_factory=dict)  # keys a later version adds
+
+    _ORDER: ClassVar[tuple[str, ...]] = ("cap", "spent_before", "budget", "size", "rounds",
+                                         "alone")
+
+    @property
+    def sets(self) -> list[list[str]]:
+        """The sets of two or more components, in the order measured."""
+        return [members for batch in self.rounds for members in batch if len(members) > 1]
+
+    @property
+    def tested(self) -> int:
+        """How many sets the group tests measured."""
+        return sum(len(batch) for batch in self.rounds)
+
+    def to_json(self) -> dict[str, Any]:
+        return _json_of(self, self._ORDER)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GroupStage:
+        return _from_json(cls, data, cls._ORDER)
+
+
+@dataclass
+class ConfirmRecord:
+    """What a run records of its confirmation (config.json's ``confirm``): the components
+    measured alone (``heads``, names, in the order picked), by round (``rounds``,
+    ``round_size``) and by the task whose sources picked them (``picked_by``); the round
+    a larger ``--confirm`` would measure next (``next``, per task); the columns no mask
+    knocked out (``never``); and the group tests that followed (``groups``). Runs from
+    before some of these leave them out (None)."""
+
+    heads: list[str]
+    never: list[int] = field(default_factory=list)
+    round_size: int | None = None
+    rounds: list[list[str]] | None = None
+    picked_by: dict[str, list[str]] | None = None
+    next: dict[str, list[str]] | None = None
+    groups: GroupStage | None = None
+    other: dict[str, Any] = field(default_factory=dict)  # keys a later version adds
+
+    _ORDER: ClassVar[tuple[str, ...]] = ("heads", "round_size", "rounds", "picked_by",
+                                         "next", "never", "groups")
+
+    @property
+    def alone(self) -> list[str]:
+        """Every component measured alone: the confirmation's, then those the group tests
+        narrowed down to."""
+        found = [] if self.groups is None else self.groups.alone
+        return list(dict.fromkeys([*self.heads, *found]))
+
+    @property
+    def group_sets(self) -> list[list[str]]:
+        """The group tests' sets of two or more components (none without group tests)."""
+        return [] if self.groups is None else self.groups.sets
+
+    def to_json(self) -> dict[str, Any]:
+        return _json_of(self, self._ORDER)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ConfirmRecord:
+        return _from_json(cls, data, cls._ORDER)
+
+    @classmethod
+    def of(cls, value: ConfirmRecord | Mapping[str, Any] | None) -> ConfirmRecord | None:
+        """``value`` as a record: a record as it is, config.json's dict read, None kept."""
+        if value is None or isinstance(value, ConfirmRecord):
+            return value
+        return cls.from_json(value)
+
+
+def _json_of(record: Any, order: Sequence[str]) -> dict[str, Any]:
+    """A record's JSON: its keys in the order written since they existed, a field a run
+    did not record left out, the keys a later version added kept."""
+    data: dict[str, Any] = {}
+    for key in order:
+        value = getattr(record, key)
+        if value is not None:
+            data[key] = value.to_json() if hasattr(value, "to_json") else value
+    return {**data, **record.other}
+
+
+def _from_json(cls: Any, data: Mapping[str, Any], order: Sequence[str]) -> Any:
+    values = {key: data[key] for key in order if key in data}
+    if isinstance(values.get("groups"), Mapping):
+        values["groups"] = GroupStage.from_json(values["groups"])
+    return cls(**values, other={k: v for k, v in data.items() if k not in order})

@@ -33,6 +33,8 @@ from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import (
     ROUND,
     Changes,
+    ConfirmRecord,
+    GroupStage,
     alternated,
     confirmation,
     prior_rankings,
@@ -110,7 +112,7 @@ class LocateState:
     row_keys: list[str] | None = None
     records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     masks_used: int | None = None
-    confirm: dict[str, Any] | None = None
+    confirm: ConfirmRecord | None = None
     rankings: dict[str, Ranking] = field(default_factory=dict)
 
 
@@ -183,7 +185,7 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     checks = ([len(rows) + n for n in auto_rounds(main)] if settings.masks == "auto"
               else [len(matrix)])
 
-    def fit(used: int, confirmed: Mapping[str, Any] | None) -> dict[str, Ranking]:
+    def fit(used: int, confirmed: ConfirmRecord | None) -> dict[str, Ranking]:
         return fit_rankings(matrix[:used], state.records, tasks, columns, settings.alpha,
                             exclude, top_k=settings.top_k, bootstrap=settings.bootstrap,
                             seed=settings.masks_seed, priors=priors, keys=keys[:used],
@@ -210,16 +212,15 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     if settings.confirm:
         state.confirm = _confirm(store, measure, settings, tasks, columns, matrix[:used],
                                  keys[:used], priors, never_columns, excluded)
-        spent_before = allowance + state.masks_used + len(state.confirm["heads"])
+        spent_before = allowance + state.masks_used + len(state.confirm.heads)
         cap = settings.measurement_cap(len(columns))
         budget = max(0, cap - spent_before)
         if settings.group_tests is not None:
             budget = min(budget, int(settings.group_tests))
-        state.confirm["groups"] = {
-            "cap": cap, "spent_before": spent_before,
-            **_group_test(store, measure, settings, tasks, columns, matrix[:used],
-                          keys[:used], priors, never_columns, excluded, state.confirm,
-                          budget)}
+        state.confirm.groups = _group_test(store, measure, settings, tasks, columns,
+                                           matrix[:used], keys[:used], priors, never_columns,
+                                           excluded, state.confirm, budget)
+        state.confirm.groups.cap, state.confirm.groups.spent_before = cap, spent_before
         state.records = {r["key"]: r for r in store.measurements()}
         rankings = None  # the masks' fit alone was --masks auto's stopping rule
     saved("measured")
@@ -251,7 +252,7 @@ def _pilot(store: MeasurementStore, measure: Any, settings: LoopSettings,
 def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
              tasks: Sequence[str], columns: Columns, design: np.ndarray, keys: Sequence[str],
              priors: Mapping[str, np.ndarray] | None, never: Sequence[int],
-             excluded: Sequence[int]) -> dict[str, Any]:
+             excluded: Sequence[int]) -> ConfirmRecord:
     """Measure ``--confirm`` components alone in rounds (``confirm.confirmation``): the
     prior's rankings and the screen, refitted after each round with what it measured;
     returns what the run's record keeps of it (``fit_rankings``' ``confirmed``).
@@ -294,11 +295,11 @@ def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
         ahead = confirmation(sources, screens, stored, budget + ROUND, skip=skip)
 
     names = columns.names
-    return {"heads": names(done.heads), "round_size": ROUND,
-            "rounds": [names(r) for r in done.rounds],
-            "picked_by": {t: names(done.picked_by[t]) for t in tasks},
-            "next": {t: names(ahead.picked_by[t][len(done.picked_by[t]):]) for t in tasks},
-            "never": sorted(int(h) for h in never)}
+    return ConfirmRecord(
+        heads=names(done.heads), round_size=ROUND, rounds=[names(r) for r in done.rounds],
+        picked_by={t: names(done.picked_by[t]) for t in tasks},
+        next={t: names(ahead.picked_by[t][len(done.picked_by[t]):]) for t in tasks},
+        never=sorted(int(h) for h in never))
 
 
 class GroupPlan(NamedTuple):
@@ -364,12 +365,12 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
                 tasks: Sequence[str], columns: Columns, design: np.ndarray,
                 keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
                 never: Sequence[int], excluded: Sequence[int],
-                confirmed: Mapping[str, Any], budget: int) -> dict[str, Any]:
+                confirmed: ConfirmRecord, budget: int) -> GroupStage:
     """Spend up to ``budget`` measurements on the components not measured alone, knocked
     out together in groups (``group_tests.group_testing``): each task's those its screen
     implicates first, then those the masks covered least, the tasks in turn; it stops
     earlier once every component is measured alone or ruled out for every task. Returns
-    what the record keeps (``confirm["groups"]``). A group is keyed by its members, a
+    what the record keeps (``ConfirmRecord.groups``). A group is keyed by its members, a
     component it narrows down to is measured as the confirmation's are (``alone_key``),
     so a resumed run looks every earlier set up and makes the same tests."""
     records = {r["key"]: r for r in store.measurements()}
@@ -423,6 +424,6 @@ def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
             tested = group_testing(order, known, measured, budget, size=size,
                                    top_k=settings.top_k, helpers=helpers)
     names = columns.names
-    return {"budget": budget, "size": tested.size,
-            "rounds": [[names(s) for s in batch] for batch in tested.rounds],
-            "alone": names(s[0] for s in tested.sets if len(s) == 1)}
+    return GroupStage(budget=budget, size=tested.size,
+                      rounds=[[names(s) for s in batch] for batch in tested.rounds],
+                      alone=names(s[0] for s in tested.sets if len(s) == 1))

@@ -32,6 +32,7 @@ from lm_eval_headloc.measurement.noise import change_se, paired_se
 from lm_eval_headloc.method.columns import UNITS, Column, Columns, components_of
 from lm_eval_headloc.method.confirm import (
     Changes,
+    ConfirmRecord,
     Screen,
     alternated,
     confirmation,
@@ -61,7 +62,7 @@ from lm_eval_headloc.method.ranking import (
 )
 
 __all__ = ["CERTIFICATE_RULE", "alone_changes", "alone_key", "confirmation_replay",
-           "confirmed_order", "confirmed_top", "fit_rankings", "group_sets", "mask_keys",
+           "confirmed_order", "confirmed_top", "fit_rankings", "mask_keys",
            "measured_alone", "measured_changes", "measured_harm", "rank_measured",
            "tied_with_above"]
 
@@ -160,7 +161,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                  bootstrap: int | None = 200, seed: int = 0,
                  priors: Mapping[str, Any] | None = None,
                  keys: Sequence[str] | None = None,
-                 confirmed: Mapping[str, Any] | None = None,
+                 confirmed: ConfirmRecord | Mapping[str, Any] | None = None,
                  heads_per_layer: int | None = None,
                  never: Sequence[Component] = ()) -> dict[str, Ranking]:
     """One Lasso per task over the stored measurements (rows in design order), with each
@@ -170,15 +171,17 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     ``priors``: task -> attribution estimates of the logprob signal's change per head and
     path point (prior.json); the first point eases the penalty of likely heads
     (``prior_penalty_weights``). ``keys``: the measurement of each design row (default
-    ``mask-0000``, ...). ``confirmed``: config.json's ``confirm`` (``_confirm``): the heads
-    measured alone to hurt rank first, by their measured change, then the heads the screen
-    implicates, then those measured to do no harm (``confirmed_order``); the
-    screen is refitted with those changes held fixed (``confirm.screen``); the
-    bootstrap asks which of them a replay of the confirmation on a resample of the masks
-    would have confirmed into the top-k. ``never``: the components no mask knocked out
-    (--never-ablate): no measurement says anything of them, so they are left out of the
-    ranking, their effect unknown (NaN), as ``exclude``'s are left out."""
+    ``mask-0000``, ...). ``confirmed``: the run's ``ConfirmRecord`` (or config.json's
+    ``confirm``, read as one): the heads measured alone to hurt rank first, by their
+    measured change, then the heads the screen implicates, then those measured to do no
+    harm (``confirmed_order``); the screen is refitted with those changes held fixed
+    (``confirm.screen``); the bootstrap asks which of them a replay of the confirmation
+    on a resample of the masks would have confirmed into the top-k. ``never``: the
+    components no mask knocked out (--never-ablate): no measurement says anything of them,
+    so they are left out of the ranking, their effect unknown (NaN), as ``exclude``'s are
+    left out."""
     keys = mask_keys(len(design)) if keys is None else list(keys)
+    confirmed = ConfirmRecord.of(confirmed)
     if isinstance(columns, int):
         heads_per_layer = columns
     columns = _columns(columns, design)
@@ -259,7 +262,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                     "confirmed": columns.names(alone),
                     "implicated": columns.names(h for h in fit.order
                                                 if harm(fit.effects[h], higher) > 0),
-                    "next": list(confirmed.get("next", {}).get(task, []))}),
+                    "next": list((confirmed.next or {}).get(task, []))}),
                 prior_top_k=None if priors is None else columns.names(
                     alternated(prior_rankings(estimates), top_k)),
                 prior_found_nothing=prior_found_nothing(estimates)),
@@ -293,7 +296,7 @@ def measured_harm(record: Mapping[str, Any], baseline: Mapping[str, Any], task: 
 
 def _certificate(design: np.ndarray, keys: Sequence[str],
                  records: Mapping[str, Mapping[str, Any]], task: str, alone: Changes,
-                 confirmed: Mapping[str, Any] | None, columns: Columns,
+                 confirmed: ConfirmRecord | None, columns: Columns,
                  candidates: Sequence[int], top_k: int) -> CertificateRecord:
     """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
     measurements rule out for ``task`` and what they leave unchecked, in names
@@ -304,7 +307,7 @@ def _certificate(design: np.ndarray, keys: Sequence[str],
                   for h in alone}
     groups = [(tuple(columns.named(n) for n in members),
                measured_harm(records[group_key(members)], baseline, task))
-              for members in group_sets(confirmed)]
+              for members in ([] if confirmed is None else confirmed.group_sets)]
     mask_harms = [measured_harm(records[key], baseline, task) for key in keys]
     def se_between(a: int, b: int) -> float | None:  # two columns measured alone
         first, second = records[alone_key(columns[a])], records[alone_key(columns[b])]
@@ -313,16 +316,16 @@ def _certificate(design: np.ndarray, keys: Sequence[str],
 
     cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k,
                        se_between=se_between)
-    recorded = (confirmed or {}).get("groups") or {}
+    stage = None if confirmed is None else confirmed.groups
     margin = Z * float(np.median([h.se for h in [*mask_harms, *alone_harm.values()]])
                        ) if mask_harms or alone_harm else 0.0
-    size = recorded.get("size") or group_size(
+    size = (stage and stage.size) or group_size(
         cert.bar, background_harm(design, [h.value for h in mask_harms], alone_harm), margin)
     sign = 1.0 if not higher else -1.0  # a harm back to a change of the score
     coverage = [cert.coverage[h] for h in cert.unchecked]
-    tested = sum(len(batch) for batch in recorded.get("rounds", []))
-    spent = (int(recorded["spent_before"]) + tested if "spent_before" in recorded
-             else None)
+    tested = 0 if stage is None else stage.tested
+    spent = (None if stage is None or stage.spent_before is None
+             else int(stage.spent_before) + tested)
     to_cover = -(-len(cert.unchecked) // int(size))
     return CertificateRecord(
         certified=cert.complete, rule=CERTIFICATE_RULE,
@@ -339,7 +342,7 @@ def _certificate(design: np.ndarray, keys: Sequence[str],
                                      value.se if cert.noise else None)
                      for m, value in cert.groups],
         group_tests_to_cover=to_cover, measurements_spent=spent,
-        max_measurements=recorded.get("cap"),
+        max_measurements=None if stage is None else stage.cap,
         max_measurements_to_finish=(None if cert.complete or spent is None
                                     else spent + to_cover))
 
@@ -356,7 +359,7 @@ class _TaskFit(NamedTuple):
     alone: Changes
 
 
-def confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndarray,
+def confirmation_replay(confirmed: ConfirmRecord, task: str, design: np.ndarray,
                          task_fit: Callable[[str], _TaskFit], alpha: float, top_k: int,
                          excluded: Sequence[int], columns: Columns,
                          replays: dict[tuple[tuple[str, ...], bytes], list[int]]
@@ -371,14 +374,15 @@ def confirmation_replay(confirmed: Mapping[str, Any], task: str, design: np.ndar
     implicates, so such a head is as stable as that screen says. ``replays`` keeps each
     resample's picks for the other tasks' rankings (the bootstrap draws the same rows for
     every task)."""
-    picked_by = confirmed.get("picked_by") or {task: confirmed["heads"]}
+    picked_by = confirmed.picked_by or {task: confirmed.heads}
     replayed = list(picked_by)
     budget = sum(len(heads) for heads in picked_by.values())
-    skip = sorted({*confirmed["never"], *excluded})
-    round_size = int(confirmed.get("round_size", budget or 1))
+    skip = sorted({*confirmed.never, *excluded})
+    round_size = int(confirmed.round_size or budget or 1)
     y, higher, _, weights, _, alone = task_fit(task)
     found_by_groups = {columns.named(n) for n in
-                       (confirmed.get("groups") or {}).get("alone") or []} & set(alone)
+                       ([] if confirmed.groups is None else confirmed.groups.alone)
+                       } & set(alone)
 
     def replay(rows: np.ndarray) -> list[int]:
         def screen_of(name: str) -> Callable[[Changes], list[int]]:
@@ -424,22 +428,12 @@ def _same_masks(design: np.ndarray, top: Sequence[int], alone: Changes, columns:
     return {str(columns[head]): columns.names(alike) for head, alike in found.items()}
 
 
-def measured_alone(confirmed: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]],
+def measured_alone(confirmed: ConfirmRecord, records: Mapping[str, Mapping[str, Any]],
                     task: str, columns: Columns) -> dict[int, tuple[float, float]]:
     """column -> (score change, logprob change) of every component the run measured
     alone."""
-    names = [*confirmed["heads"], *((confirmed.get("groups") or {}).get("alone") or [])]
-    heads = list(dict.fromkeys(columns.named(name) for name in names))
+    heads = [columns.named(name) for name in confirmed.alone]
     return alone_changes(records, heads, task, columns)
-
-
-
-def group_sets(confirmed: Mapping[str, Any] | None) -> list[list[str]]:
-    """The group tests' sets of two or more components, in the order measured (a run's
-    ``confirm["groups"]``; none where it made none)."""
-    groups = (confirmed or {}).get("groups") or {}
-    return [members for batch in groups.get("rounds", []) for members in batch
-            if len(members) > 1]
 
 
 def alone_changes(records: Mapping[str, Mapping[str, Any]], heads: Sequence[int], task: str,

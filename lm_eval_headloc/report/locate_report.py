@@ -231,9 +231,9 @@ def _confirm_words(run: LocateRun) -> str:
     confirmed = run.confirm
     if not confirmed:
         return f"none (every {UNIT[run.spec.components]} ranked by the Lasso's estimate)"
-    rounds = _rounds_words(confirmed.get("rounds"), confirmed.get("round_size"))
+    rounds = _rounds_words(confirmed.rounds, confirmed.round_size)
     units = UNITS[run.spec.components]
-    return (f"{len(confirmed['heads'])} {units} knocked out one at a "
+    return (f"{len(confirmed.heads)} {units} knocked out one at a "
             f"time{rounds}, "
             + ("the attribution prior's rankings and the masks' fit's likeliest in turn"
                if run.uses_prior else "the masks' fit's likeliest")

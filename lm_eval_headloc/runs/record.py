@@ -32,6 +32,7 @@ from lm_eval_headloc.intervention.model_args import model_identity, same_model
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.measurement.metrics import parse_task_metric
 from lm_eval_headloc.method.columns import Columns
+from lm_eval_headloc.method.confirm import ConfirmRecord
 from lm_eval_headloc.method.pilot import UNFITTED
 from lm_eval_headloc.method.rank import mask_keys
 from lm_eval_headloc.method.ranking import Ranking, ranking_from_json
@@ -190,6 +191,8 @@ class RunRecord:
         config: dict[str, Any] = {"schema": CONFIG_SCHEMA}
         for key in self.KEYS:
             value = self.spec.as_config() if key == "spec" else getattr(self, key)
+            if hasattr(value, "to_json"):  # a typed part of the record (``confirm``)
+                value = value.to_json()
             if value is not None or key in self._nulls:
                 config[key] = value
         return {**config, **{k: v for k, v in self.other.items() if k not in config}}
@@ -237,7 +240,7 @@ class LocateRun(RunRecord):
     prior_method: str | None = None  # a PRIOR_POINTS key, or None without a prior
     prior_skipped: str | None = None  # why --prior auto computed none
     masks_used: int | None = None  # measurements of masks (the pilot's included)
-    confirm: dict[str, Any] | None = None  # --confirm: the heads measured alone
+    confirm: ConfirmRecord | None = None  # --confirm: the heads measured alone, the groups
     # Held here, written to files of their own: design_matrix.npy, prior.json,
     # measurements.jsonl, heads*.json / report.md.
     design: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -250,6 +253,9 @@ class LocateRun(RunRecord):
         *RunRecord.KEYS[:-1], "candidates", "never_neurons", "pilot", "row_keys",
         "prior_used", "prior_method", "prior_skipped", "masks_used", "confirm",
         RunRecord.KEYS[-1])
+
+    def __post_init__(self) -> None:
+        self.confirm = ConfirmRecord.of(self.confirm)  # config.json's dict, typed
 
     def set_prior(self, priors: dict[str, np.ndarray] | None, method: str | None,
                   skipped: str | None = None) -> None:
