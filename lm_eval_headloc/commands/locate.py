@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,12 +67,15 @@ from lm_eval_headloc.runs.spec import (
 )
 from lm_eval_headloc.runs.types_file import ensure_types
 
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
+
 log = logging.getLogger(__name__)
 
 __all__ = ["locate", "mask_keys", "refit", "stored_prior"]
 
 
-def prior_method(spec: RunSpec, measure: Any) -> str | None:
+def prior_method(spec: RunSpec, measure: Measurement) -> str | None:
     """The attribution prior the run computes (a ``PRIOR_POINTS`` key), or None: ``auto``
     is ``atp-path`` where the measurement can (``HarnessMeasurement.attributable``)."""
     if spec.prior == "auto":
@@ -81,7 +84,7 @@ def prior_method(spec: RunSpec, measure: Any) -> str | None:
 
 
 @timing.timed("prior")
-def attribution_prior(folder: RunFolder, measure: Any, method: str,
+def attribution_prior(folder: RunFolder, measure: Measurement, method: str,
                       kinds: Sequence[str] = ("heads",)) -> dict[str, dict[str, np.ndarray]]:
     """The run's attribution prior, task -> kind -> ``(points, units)``: prior.json when
     a resumed run made it, else computed for each of ``kinds`` ("heads", "neurons";
@@ -122,7 +125,7 @@ def attribution_prior(folder: RunFolder, measure: Any, method: str,
 
 @timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
-           setup: Setup | None = None, measure: Any = None, **options: Any
+           setup: Setup | None = None, measure: Measurement | None = None, **options: Any
            ) -> dict[str, Ranking]:
     """Compressed-sensing localization; returns each task's ranking.
 

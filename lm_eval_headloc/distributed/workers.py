@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.options import RAY_TIMEOUT
@@ -53,6 +53,9 @@ START_SECONDS = float(os.environ.get("HEADLOC_WORKER_START_SECONDS", 3600))
 #: Unablated scores of a worker and of the driver may differ by float rounding at most
 #: (other thread counts or devices sum in another order): relative, then absolute.
 BASELINE_TOLERANCE = (1e-4, 1e-6)
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
 
 
 class WorkerError(UsageError):
@@ -177,7 +180,7 @@ def worker_spec(spec: Any) -> Any:
                         gpus_per_worker=None, model_args=model_args)
 
 
-def measurement_fingerprint(measure: Any) -> str:
+def measurement_fingerprint(measure: Measurement) -> str:
     """A digest of what a measurement asks the model: the example subset and every
     request lm-eval built for it (few-shot contexts, chat templates and all)."""
     instances = measure.recorded_instances()

@@ -67,6 +67,17 @@ class Measurement(Protocol):
     lm: Any
     signal: str
     tasks: list[tuple[str, str | None]]
+    leaves_of: dict[str, list[str]]  # task -> its leaf tasks (a group's members)
+    subset: dict[str, list[int]] | None  # leaf -> the documents measured (None: --limit)
+    limit: float | None
+    chat_template: dict[str, bool]  # task -> asked through the chat template
+
+    @property
+    def examples_used(self) -> dict[str, int]: ...
+
+    def recorded_instances(self) -> list[Any]:
+        """lm-eval's requests for the subset, the same for every mask."""
+        ...
 
     def __call__(self, heads: Iterable[Head | str]) -> Scores: ...
 

@@ -41,7 +41,7 @@ is then one that no probe of that size would call clearly not of its type.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "EXAMPLES",
            "HeadTypes", "attention_patterns", "borderline", "dominant_type", "encode_texts",
            "head_type_scores", "head_types_of", "probe_type_scores", "repeated_probe",
            "type_scores_from_patterns", "type_thresholds"]
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
 
 
 #: The scores, in the order every result lists them.
@@ -488,7 +491,7 @@ class HeadTypes:
                        head_layers=self.head_layers)
 
 
-def run_texts(measure: Any) -> list[str]:
+def run_texts(measure: Measurement) -> list[str]:
     """The run's own examples as the model reads them: each request's context (with its
     continuation for a log-likelihood request), distinct, the first ``EXAMPLES``."""
     seen: dict[str, None] = {}

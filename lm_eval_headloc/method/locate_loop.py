@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -65,6 +65,9 @@ from lm_eval_headloc.method.rank import (
     measured_harm,
 )
 from lm_eval_headloc.method.ranking import Ranking
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
 
 __all__ = ["GroupPlan", "LocateState", "LoopSettings", "auto_rounds",
            "locate_components", "locate_loop", "plan_groups", "predicted_help"]
@@ -125,7 +128,7 @@ def auto_rounds(max_masks: int) -> list[int]:
     return counts
 
 
-def locate_components(measure: Any, settings: LoopSettings, columns: Columns | None = None,
+def locate_components(measure: Measurement, settings: LoopSettings, columns: Columns | None = None,
                       *, store: MeasurementStore | None = None,
                       priors: Mapping[str, np.ndarray] | None = None,
                       never: Sequence[Component] = (), exclude: Sequence[Component] = (),
@@ -146,7 +149,7 @@ def locate_components(measure: Any, settings: LoopSettings, columns: Columns | N
     return state.rankings
 
 
-def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
+def locate_loop(measure: Measurement, store: MeasurementStore, columns: Columns,
                 tasks: Sequence[str], settings: LoopSettings, *,
                 priors: Mapping[str, np.ndarray] | None = None,
                 never: Sequence[Component] = (), exclude: Sequence[Component] = (),
@@ -230,7 +233,7 @@ def locate_loop(measure: Any, store: MeasurementStore, columns: Columns,
     return state
 
 
-def _pilot(store: MeasurementStore, measure: Any, settings: LoopSettings,
+def _pilot(store: MeasurementStore, measure: Measurement, settings: LoopSettings,
            tasks: Sequence[str], columns: Columns, never: Sequence[int]
            ) -> tuple[float, list[str], np.ndarray, dict[str, Any] | None]:
     """(sparsity, pilot row keys, pilot rows, what the run records of the pilot): with
@@ -249,7 +252,7 @@ def _pilot(store: MeasurementStore, measure: Any, settings: LoopSettings,
     return sparsity, keys[:-UNFITTED], pilot[:-UNFITTED], chosen
 
 
-def _confirm(store: MeasurementStore, measure: Any, settings: LoopSettings,
+def _confirm(store: MeasurementStore, measure: Measurement, settings: LoopSettings,
              tasks: Sequence[str], columns: Columns, design: np.ndarray, keys: Sequence[str],
              priors: Mapping[str, np.ndarray] | None, never: Sequence[int],
              excluded: Sequence[int]) -> ConfirmRecord:
@@ -361,7 +364,7 @@ def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher:
                      {h: v for h, v in helpers.items() if h not in left_out})
 
 
-def _group_test(store: MeasurementStore, measure: Any, settings: LoopSettings,
+def _group_test(store: MeasurementStore, measure: Measurement, settings: LoopSettings,
                 tasks: Sequence[str], columns: Columns, design: np.ndarray,
                 keys: Sequence[str], priors: Mapping[str, np.ndarray] | None,
                 never: Sequence[int], excluded: Sequence[int],

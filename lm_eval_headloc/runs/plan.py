@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import read_json
@@ -28,6 +28,9 @@ from lm_eval_headloc.runs.record import RunRecord, measured_on, start_run
 from lm_eval_headloc.runs.setup import Setup, prepare
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import make_task_manager
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
 
 __all__ = ["DEFAULT_BATCH_SIZE", "LM_EVAL_FILES", "chat_settings", "generation_batch",
            "load_model", "measured_plan", "nothing_left", "open_measurement", "set_ablation",
@@ -136,7 +139,7 @@ def set_ablation(setup: Setup, lm: Any, subset: Mapping[str, list[int]] | None,
     return used
 
 
-def _say_short_tasks(measure: Any, num_samples: int | None) -> None:
+def _say_short_tasks(measure: Measurement, num_samples: int | None) -> None:
     """Say when a task has fewer documents than ``num_samples`` asked for."""
     if num_samples is None:
         return
@@ -228,7 +231,7 @@ def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
 
 
 @timed("lm-eval results files")
-def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
+def write_lm_eval_results(folder: RunFolder, measure: Measurement, setup: Setup,
                           plan: Sequence[PlanEntry]) -> None:
     """``--output-path``: each knockout of ``plan`` evaluated again by lm-eval itself, on the
     same examples and prompts, and saved as lm-eval's CLI saves its results
@@ -275,7 +278,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Any, setup: Setup,
         folder.write_json(LM_EVAL_FILES, written)
 
 
-def chat_settings(measure: Any, names: Sequence[str]) -> dict[bool, list[str]]:
+def chat_settings(measure: Measurement, names: Sequence[str]) -> dict[bool, list[str]]:
     """``names`` (the measurement's tasks) by whether it asks them through the chat
     template, the setting lm-eval is given for each (no template first)."""
     chat_of = {name: any(measure.chat_template[leaf] for leaf in measure.leaves_of[name])

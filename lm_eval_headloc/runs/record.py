@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from typing import Self
 
     from lm_eval_headloc.intervention.geometry import Geometry
+    from lm_eval_headloc.measurement.measure import Measurement
     from lm_eval_headloc.runs.setup import Setup
 
 __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
@@ -54,7 +55,7 @@ __all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "colum
 log = logging.getLogger("lm_eval_headloc")
 
 
-def measured_on(setup: Setup, measure: Any) -> dict[str, Any]:
+def measured_on(setup: Setup, measure: Measurement) -> dict[str, Any]:
     """What config.json records of a measurement once the model is loaded: the example
     subset and the examples used per task, which tasks it asks through the chat template
     (decided from the tokenizer when --apply-chat-template is left out), the model
@@ -172,7 +173,7 @@ class RunRecord:
 
     # --- phases --------------------------------------------------------------------
 
-    def measured_with(self, setup: Setup, measure: Any) -> None:
+    def measured_with(self, setup: Setup, measure: Measurement) -> None:
         """Take what the measurement was made on (``measured_on``)."""
         self._set(**measured_on(setup, measure))
 
@@ -197,7 +198,7 @@ class RunRecord:
                 config[key] = value
         return {**config, **{k: v for k, v in self.other.items() if k not in config}}
 
-    def save(self, folder: RunFolder, measure: Any = None) -> bool:
+    def save(self, folder: RunFolder, measure: Measurement | None = None) -> bool:
         """Write config.json from this record: one phase's one write. With a distributed
         ``measure`` (``--workers``) its workers' shares so far are recorded too, and for a
         run going on in this process (``started``) its timings so far. A record equal to

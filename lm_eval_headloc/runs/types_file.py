@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.options import PROBE_ROWS
 from lm_eval_headloc.method.head_types import HeadTypes, head_types_of, run_texts
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
+
+if TYPE_CHECKING:
+    from lm_eval_headloc.measurement.measure import Measurement
 
 __all__ = ["TYPES_FILE", "ensure_types", "read_types"]
 
@@ -22,7 +25,7 @@ TYPES_FILE = "types.json"
 
 
 @timing.timed("head types")
-def ensure_types(folder: RunFolder, measure: Any, probe_rows: int = PROBE_ROWS
+def ensure_types(folder: RunFolder, measure: Measurement, probe_rows: int = PROBE_ROWS
                  ) -> HeadTypes | None:
     """The run's head types: ``types.json`` when a resumed run made it, else computed on
     the measurement's model and written. A model whose attention weights cannot be read
