@@ -157,7 +157,6 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if done is not None:
             log.info("%s: every measurement is on disk; fitting again without the model",
                      out)
-            assert isinstance(done.layers, int) and isinstance(done.heads_per_layer, int)
             return _refit_stored(folder, done, spec, _excluded(spec, done))
         replayed = None if force or measure is not None else _replayed(stored, folder, spec,
                                                                         setup)
@@ -219,18 +218,17 @@ def _fit(run: LocateRun, exclude: Sequence[Component], rows: int) -> dict[str, R
     """``rank.fit_rankings`` of a stored run's first ``rows`` design rows with its
     settings, its prior and its confirmation."""
     spec = run.spec
-    assert run.design is not None and isinstance(run.heads_per_layer, int)
+    assert run.design is not None
     return fit_rankings(run.design[:rows], run.records, run.tasks, run.columns, spec.alpha,
                         exclude, top_k=spec.top_k, bootstrap=spec.bootstrap,
                         seed=spec.masks_seed, priors=run.priors, keys=run.keys(rows),
                         confirmed=run.confirm, never=_never(spec, run),
-                        heads_per_layer=run.heads_per_layer)
+                        heads_per_layer=run.grid[1])
 
 
 def _never(spec: RunSpec, run: LocateRun) -> list[Component]:
     """--never-ablate's components in a stored run (MLP neurons where it locates them)."""
-    assert isinstance(run.layers, int) and isinstance(run.heads_per_layer, int)
-    return head_list(spec.never_ablate, run.layers, run.heads_per_layer, "--never-ablate",
+    return head_list(spec.never_ablate, *run.grid, "--never-ablate",
                      neurons="neurons" in spec.components,
                      neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
 
@@ -263,8 +261,7 @@ def _never_neurons(setup: Setup, neurons_per_layer: int) -> list[str]:
 
 def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
     """--exclude's components in a stored run (MLP neurons where it locates them)."""
-    assert isinstance(run.layers, int) and isinstance(run.heads_per_layer, int)
-    return head_list(spec.exclude, run.layers, run.heads_per_layer, "--exclude",
+    return head_list(spec.exclude, *run.grid, "--exclude",
                      neurons="neurons" in spec.components,
                      neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
 
@@ -376,7 +373,7 @@ def _measures_alike(stored: LocateRun | None, folder: RunFolder, spec: RunSpec,
         return False
     if ("heads" in spec.components.split("+") and not folder.file("types.json").is_file()):
         return False  # a run made before head types: the model writes them
-    if not (isinstance(stored.layers, int) and isinstance(stored.heads_per_layer, int)):
+    if not stored.has_geometry:
         return False
     try:
         if stored.design is None:
@@ -439,7 +436,6 @@ def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup:
     if not _measures_alike(stored, folder, spec, RunSpec.refittable("locate")):
         return None
     assert stored is not None and stored.masks_used is not None
-    assert isinstance(stored.heads_per_layer, int)
     if spec.masks == "auto":
         # The stored run stopped at its --max-masks: a larger one measures more.
         more = (stored.spec.masks == "auto" and spec.max_masks > stored.spec.max_masks
@@ -456,7 +452,7 @@ def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup:
     try:
         state = locate_loop(_NoModel(), store, stored.columns, setup.task_names,
                             spec.replace(progress=False), priors=stored.priors, never=never,
-                            exclude=exclude, heads_per_layer=stored.heads_per_layer,
+                            exclude=exclude, heads_per_layer=stored.grid[1],
                             allowance=allowance)
     except _ModelNeeded:
         return None

@@ -166,6 +166,20 @@ class RunRecord:
         return record
 
     @property
+    def has_geometry(self) -> bool:
+        """Whether the measuring phase has recorded the model's layers and heads per layer
+        (a run killed before its model loaded has not)."""
+        return isinstance(self.layers, int) and isinstance(self.heads_per_layer, int)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(layers, heads per layer): the model's geometry as recorded (ValueError for a run
+        that has not recorded it: ``has_geometry``)."""
+        if not self.has_geometry:
+            raise ValueError("the run records no model geometry (its model never loaded)")
+        return int(self.layers), int(self.heads_per_layer)  # type: ignore[arg-type]
+
+    @property
     def tasks(self) -> list[str]:
         """The run's task names (its ``--tasks`` without metrics): what its files are
         keyed by (a greedy run's ranking files too)."""
@@ -276,9 +290,8 @@ class LocateRun(RunRecord):
         """The component of each design column: every head (a heads run, and every run
         from before neurons), then the neuron candidates when the run locates neurons,
         then the groups of the other neurons (``--neuron-groups``)."""
-        if not (isinstance(self.layers, int) and isinstance(self.heads_per_layer, int)):
-            raise ValueError("columns need the model's geometry (the measuring phase)")
-        return Columns.of(self.spec.components, self.layers, self.heads_per_layer,
+        layers, heads_per_layer = self.grid
+        return Columns.of(self.spec.components, layers, heads_per_layer,
                           self.candidates or (), self.spec.neuron_groups,
                           self.neurons_per_layer, self.never_neurons or (), self.head_layers)
 
@@ -536,10 +549,10 @@ def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     record = load_run(folder)
     files = ranking_files(folder, record)
-    if not (isinstance(record.layers, int) and isinstance(record.heads_per_layer, int)):
+    if not record.has_geometry:
         raise RunFolderError(f"{folder.path} records no model geometry; finish the run first")
     columns = record.columns if isinstance(record, LocateRun) else Columns.heads(
-        record.layers, record.heads_per_layer, record.head_layers)
+        *record.grid, record.head_layers)
     head_types = read_types(folder)
     rankings = {}
     for path in files:
