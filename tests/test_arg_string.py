@@ -51,3 +51,18 @@ def test_no_other_module_parses_model_args():
                      if "simple_parse_args_string(" in path.read_text()
                      or "model_args.split(" in path.read_text())
     assert parsing == ["intervention/arg_string.py"]
+
+
+def test_a_whole_float_reads_back_as_the_number_written():
+    """``lm-eval run``'s command line types ``-3`` as -3.0: ``as_written`` gives the int
+    back, and leaves everything else (2.5, True, "3", None) as it is for the checks to
+    refuse or take."""
+    from lm_eval._cli.utils import handle_cli_value_string
+
+    from lm_eval_headloc.intervention.arg_string import as_written
+
+    typed = [handle_cli_value_string(text) for text in ("-3", "+4")]
+    assert [type(v) for v in typed] == [float, float]  # why as_written exists
+    assert [(as_written(v), type(as_written(v))) for v in typed] == [(-3, int), (4, int)]
+    for kept in (2.5, True, "3", None, 7):
+        assert as_written(kept) is kept

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ModelArgs"]
+__all__ = ["ModelArgs", "as_written"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,15 @@ class ModelArgs:
         """The text less the parts that give ``names`` (and less empty parts)."""
         return ",".join(part for part in self.parts if part.strip()
                         and part.split("=", 1)[0].strip() not in names)
+
+
+def as_written(value: Any) -> Any:
+    """A whole-number argument as the user wrote it: lm-eval's parser types a signed
+    ``-3`` or ``+3`` as a float (``-3.0``, ``3.0``), so a whole float is the int it was
+    written as (and an error message names ``-3``, not ``-3.0``); anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 @functools.lru_cache(maxsize=256)

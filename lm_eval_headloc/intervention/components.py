@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.intervention.arg_string import as_written
 
 __all__ = [
     "Component",
@@ -438,18 +439,15 @@ def shown_name(name: str) -> str:
 def check_top(top: object) -> int:
     """``ablate_top`` as an int >= 1, else ComponentSpecError (True, 0, 2.5 and "3" are refused).
 
-    A whole float is the whole number: lm-eval's command line (``lm-eval run``'s
-    ``--model_args``) types a signed ``-3`` or ``+3`` as a float, so ``ablate_top=-3`` is
-    refused as ``ablate_top=-3``, as written, not as ``-3.0``, and ``+3`` is 3."""
+    A whole float is the whole number (``arg_string.as_written``: lm-eval's command line
+    types a signed ``-3`` or ``+3`` as a float)."""
     from lm_eval_headloc.common.checks import (  # sklearn: only imported when needed
         UsageError,
         check_number,
     )
 
-    if isinstance(top, float) and top.is_integer():
-        top = int(top)
     try:
-        return check_number(top, "ablate_top", whole=True, min_val=1)
+        return check_number(as_written(top), "ablate_top", whole=True, min_val=1)
     except UsageError as err:
         raise ComponentSpecError(str(err)) from None
 

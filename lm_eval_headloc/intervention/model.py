@@ -44,7 +44,7 @@ from lm_eval_headloc.intervention.ablation import (
     head_means,
     reference_texts,
 )
-from lm_eval_headloc.intervention.arg_string import ModelArgs
+from lm_eval_headloc.intervention.arg_string import ModelArgs, as_written
 from lm_eval_headloc.intervention.components import (
     Component,
     ComponentSpecError,
@@ -101,8 +101,7 @@ class HFHeadAblateLM(HFLM):
             raise ComponentSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
                                 "e.g. mlp_out=model.layers.*.mlp.down_proj")
         self._requested = requested  # checked against the config before the weights load
-        if isinstance(resample_seed, float) and resample_seed.is_integer():
-            resample_seed = int(resample_seed)  # lm-eval's command line types "-1" a float
+        resample_seed = as_written(resample_seed)
         if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
                 resample_seed, int) or resample_seed < 0):
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
