@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,8 +24,8 @@ from lm_eval_headloc.measurement.metrics import MetricError
 if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
-__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "ReplayStore", "StoreError",
-           "is_measurement", "phase_bar", "run_plan", "unusable_score"]
+__all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "RecallingStore", "ReplayStore",
+           "StoreError", "is_measurement", "phase_bar", "run_plan", "unusable_score"]
 
 
 class StoreError(UserError):
@@ -45,6 +45,17 @@ class MeasurementStore(Protocol):
     def measurements(self) -> list[dict[str, Any]]: ...
 
     def append_measurement(self, record: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RecallingStore(MeasurementStore, Protocol):
+    """A store that holds more than its ``measurements()`` and gives a held record when a
+    plan asks for it (``ReplayStore``): ``run_plan`` takes it as measured then."""
+
+    def recall(self, key: str) -> dict[str, Any] | None:
+        """``key``'s record, counted among the measurements from here on; None where the
+        store holds none."""
+        ...
 
 
 #: The largest score a measurement may hold: any metric's (a perplexity of e^300 aside),
@@ -181,10 +192,9 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     """
     entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
     done = {r["key"]: r for r in store.measurements()}
-    recall = getattr(store, "recall", None)  # a ReplayStore: what it holds is measured
-    if recall is not None:
+    if isinstance(store, RecallingStore):  # what it holds counts as measured
         for key, _, _ in entries:
-            if key not in done and (record := recall(key)) is not None:
+            if key not in done and (record := store.recall(key)) is not None:
                 done[key] = record
     for key, heads, scale in entries:
         if key not in done:
