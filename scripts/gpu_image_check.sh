@@ -46,7 +46,7 @@ echo "== the install step (gpu_wheels.sh install)"
 "${clean[@]}" GPU_SITE="$work/site" GPU_WHEELS_PYTHON=3.11 bash scripts/gpu_wheels.sh install
 echo "== the benchmark, a toy shape on the CPU"
 cp BENCH.md "$work/BENCH.md"
-"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 scripts/bench_measure.py \
+"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 benchmarks/bench_measure.py \
     --config tiny-llama --device cpu --dtype float32 --num-samples 4 --repeats 1 \
     --reference-repeats 1 --reference-gen-docs 2 --max-gen-toks 4 --max-masks-per-pass 2 \
     --sweep-masks 2 --batch-size 2 --out "$work/BENCH.md" > "$work/bench.log" 2>&1 \
@@ -54,7 +54,7 @@ cp BENCH.md "$work/BENCH.md"
 grep -q "<!-- bench_measure tiny-llama: start -->" "$work/BENCH.md" \
     || { echo "gpu_image_check.sh: the benchmark wrote no section into $work/BENCH.md" >&2; exit 1; }
 echo "== the generation benchmark (bench_gpu.sh gen8b/gen1b), a toy shape on the CPU"
-"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 scripts/bench_generation.py \
+"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 benchmarks/bench_generation.py \
     --config tiny-llama --device cpu --num-samples 4 --max-gen-toks 4 --ks 2 --locate \
     --out "$work/BENCH.md" > "$work/bench-gen.log" 2>&1 \
     || { tail -30 "$work/bench-gen.log" >&2; echo "gpu_image_check.sh: the generation benchmark failed (log: $work/bench-gen.log)" >&2; exit 1; }

@@ -38,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def committed_benchmarks(tmp_path_factory) -> Path:
     """benchmarks/'s committed run folders, unpacked once a session into a temporary folder
     laid out as benchmarks/ was (``exhaustive/``, ``recovery-runs/<task>/...``; see
-    ``scripts/bench_store.py``). Read them there; copy a folder before changing it."""
+    ``benchmarks/bench_store.py``). Read them there; copy a folder before changing it."""
     store = script_module("bench_store")
     if not store.archives():
         pytest.skip("not a checkout with the committed runs")

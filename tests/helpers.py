@@ -28,6 +28,8 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 32, 2, 4, 2, 300
 MLP_WIDTH = 64  # the llama-style families' intermediate_size: their MLP neurons per layer
 TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the tests
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+#: The benchmarks: their code is the package ``headloc_bench`` in this folder (not installed).
+BENCHMARKS = SCRIPTS.parent / "benchmarks"
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))
@@ -189,15 +191,30 @@ def raises_naming(error: type[BaseException], *values: str):
     assert_names(str(caught.value), *values)
 
 
-def script_module(name: str):
-    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+def _imported(folder: Path, name: str):
+    """Module ``name`` imported with ``folder`` on sys.path for the import alone."""
     import importlib
 
-    sys.path.insert(0, str(SCRIPTS))
+    sys.path.insert(0, str(folder))
     try:
         return importlib.import_module(name)
     finally:
-        sys.path.remove(str(SCRIPTS))
+        sys.path.remove(str(folder))
+
+
+def bench_module(name: str = ""):
+    """The benchmarks' module ``headloc_bench.<name>`` (benchmarks/headloc_bench/<name>.py),
+    or without a name the package itself. Once the package is imported, its modules import
+    by name through it."""
+    return _imported(BENCHMARKS, ".".join(filter(None, ("headloc_bench", name))))
+
+
+def script_module(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package), or a
+    benchmark's (``bench_store``, ``refit_committed``): its ``bench_module``."""
+    if (BENCHMARKS / "headloc_bench" / f"{name}.py").is_file():
+        return bench_module(name)
+    return _imported(SCRIPTS, name)
 
 
 #: Seconds a stopped run pauses after each measurement it writes (``stopped_part_way``).

@@ -1,21 +1,24 @@
 """A default run measures until it is certified: every head measured alone or ruled out.
 
 The locate loop itself (``method.locate_loop``, every default of ``RunSpec``) runs on a
-simulated world whose documents are fixed (``bench.simulated_run``): a mask's score is the
-share of documents right, each document's outcome its per-example value, so the noise rule
-sees what it sees on a model. The world's exhaustive ranking (every head knocked out alone
-on the same documents) is computed here from the world, independently of the run.
+simulated world whose documents are fixed (``headloc_bench.simulated_run``, the benchmarks'
+code): a mask's score is the share of documents right, each document's outcome its
+per-example value, so the noise rule sees what it sees on a model. The world's exhaustive
+ranking (every head knocked out alone on the same documents) is computed here from the
+world, independently of the run.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import bench_module
 
-from lm_eval_headloc.bench.defaults import simulated_prior
-from lm_eval_headloc.bench.simulated_run import simulated_locate
-from lm_eval_headloc.bench.simulation import planted_world
 from lm_eval_headloc.runs.spec import RunSpec
+
+simulated_prior = bench_module("defaults").simulated_prior
+simulated_locate = bench_module("simulated_run").simulated_locate
+planted_world = bench_module("simulation").planted_world
 
 
 def _hidden_world():

@@ -218,6 +218,7 @@ def test_sources_do_not_cite_planning_documents() -> None:
     the sources say what they mean instead."""
     hits = []
     sources = [*(ROOT / "lm_eval_headloc").rglob("*"), *(ROOT / "scripts").rglob("*"),
+               *(p for p in (ROOT / "benchmarks").rglob("*") if p.suffix in (".py", ".sh")),
                *(p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py")]
     for path in sorted(sources):
         if not path.is_file() or "__pycache__" in path.parts:

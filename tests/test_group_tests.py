@@ -504,23 +504,6 @@ def test_bad_group_tests_are_one_line_refusals(given, fragment, tmp_path, capsys
     assert not (tmp_path / "r").exists()
 
 
-def test_grouped_run_without_group_tests_is_the_confirming_run():
-    from lm_eval_headloc.bench.defaults import (
-        confirming_run_top,
-        grouped_run_top,
-        measured_alone,
-        simulated_prior,
-    )
-    from lm_eval_headloc.bench.simulation import seed_trial
-
-    trial = seed_trial(120, 0.1, 3, 12, world_options={"noise": "documents"})
-    changes = measured_alone(trial.world, 5)[1]
-    prior = simulated_prior(trial.world, np.random.default_rng(1), points=2)
-    plain = confirming_run_top(trial.world, trial.design, trial.scores, prior, 15, changes)
-    grouped = grouped_run_top(trial.world, trial.design, trial.scores, prior, 15, 0, changes)
-    assert list(grouped) == list(plain)
-
-
 def test_a_rerun_keeps_its_group_tests_and_a_larger_budget_measures_only_new_ones(
         tiny_model_dir, tmp_path):
     base = ["locate", *tiny_args(tiny_model_dir("llama")), *GROUPED[:-2]]

@@ -1,14 +1,18 @@
-"""The package's structure: folders that are its layers, imports pointing down, no cycle.
+"""The package's structure: folders that are its layers, imports pointing down, no cycle;
+and the benchmarks' package beside it (benchmarks/headloc_bench), which imports the
+package and is never imported by it.
 
 The contracts live in pyproject.toml ([tool.importlinter]); these tests run them, show
-they catch what they are for (a planted back-import, a planted cycle), and check what
-they do not say: no cycle through the package root, and the public API importable from
-the top. (A module's length is no measure of its idea: no ceiling.)
+they catch what they are for (a planted back-import, a planted cycle, the package planted
+importing the benchmarks), and check what they do not say: no cycle through a package's
+root, and the public API importable from the top. (A module's length is no measure of its
+idea: no ceiling.)
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+from helpers import BENCHMARKS, bench_module
 
 import lm_eval_headloc
 
@@ -23,21 +28,24 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lm_eval_headloc"
 
 
-def lint_imports(package_parent: Path) -> subprocess.CompletedProcess:
-    """import-linter over the package found in ``package_parent``, with our pyproject's
-    contracts (a fresh process: grimp finds the package by import)."""
+def lint_imports(package_parent: Path, bench_parent: Path = BENCHMARKS
+                 ) -> subprocess.CompletedProcess:
+    """import-linter over the package found in ``package_parent`` and the benchmarks'
+    package found in ``bench_parent``, with our pyproject's contracts (a fresh process:
+    grimp finds the packages by import)."""
     return subprocess.run(
         [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command;"
          " sys.exit(lint_imports_command())", "--no-cache",
          "--config", str(ROOT / "pyproject.toml")],
         cwd=package_parent, capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": str(package_parent), "PATH": "/usr/bin:/bin"})
+        env={"PYTHONPATH": os.pathsep.join([str(package_parent), str(bench_parent)]),
+             "PATH": "/usr/bin:/bin"})
 
 
 def test_the_layer_contracts_hold():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout
+    assert "3 kept, 0 broken" in result.stdout
 
 
 @pytest.fixture()
@@ -72,6 +80,30 @@ def test_a_cycle_inside_a_layer_breaks_the_acyclic_contract(package_copy):
     assert result.returncode != 0
     assert "no cycles among the modules of any folder BROKEN" in result.stdout
     assert "layers: imports point down KEPT" in result.stdout
+
+
+def test_the_package_importing_the_benchmarks_breaks_their_contract(package_copy):
+    # The simulator is research code outside the wheel: a module of the package reaching
+    # for it would fail on every installed copy.
+    _plant(package_copy, "lm_eval_headloc.method.confirm",
+           "from headloc_bench.simulation import planted_world  # noqa: F401")
+    result = lint_imports(package_copy)
+    assert result.returncode != 0
+    assert "the package never imports the benchmarks BROKEN" in result.stdout
+    assert "lm_eval_headloc.method.confirm -> headloc_bench.simulation" in result.stdout
+
+
+def test_a_cycle_among_the_benchmarks_breaks_the_acyclic_contract(tmp_path):
+    # bench_measure imports bench_scale (its --config); bench_scale importing bench_measure
+    # back (what both time with lives in measuring) closes a cycle.
+    shutil.copytree(BENCHMARKS / "headloc_bench", tmp_path / "headloc_bench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    _plant(tmp_path, "headloc_bench.bench_scale",
+           "from headloc_bench.bench_measure import render  # noqa: F401")
+    result = lint_imports(ROOT, bench_parent=tmp_path)
+    assert result.returncode != 0
+    assert "no cycles among the modules of any folder BROKEN" in result.stdout
+    assert "the package never imports the benchmarks KEPT" in result.stdout
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -122,9 +154,11 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 
 def test_no_import_cycle_anywhere_in_the_package_root_included():
     """The acyclic contract compares siblings; a module importing the package root (whose
-    names import the commands) would close a cycle through the root it cannot see."""
+    names import the commands) would close a cycle through the root it cannot see. The
+    benchmarks' package is in the graph too (found by import: imported first)."""
+    bench_module("measuring")
+    assert _cycles(grimp.build_graph("lm_eval_headloc", "headloc_bench", cache_dir=None)) == []
     graph = grimp.build_graph("lm_eval_headloc", cache_dir=None)
-    assert _cycles(graph) == []
     # The finder finds one: the root (which imports the notation, and it the errors)
     # imported back by the errors.
     graph.add_import(importer="lm_eval_headloc.common.errors", imported="lm_eval_headloc")

@@ -1,5 +1,6 @@
-"""A normal (non-editable) install ships the task configs and the start-up hook, and the
-package finds its own task configs, never a stray folder of that name."""
+"""A normal (non-editable) install ships the task configs and the start-up hook and none
+of the benchmarks' code, the package finds its own task configs, never a stray folder of
+that name, and nothing of the package imports the benchmarks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The benchmarks' package (not installed, not in the wheel).
+BENCH = ROOT / "benchmarks" / "headloc_bench"
 
 
 @pytest.mark.slow
@@ -29,6 +32,14 @@ def test_wheel_ships_tasks_and_startup_hook(tmp_path, tiny_model_dir):
                      "lm_eval_headloc/task_configs/headloc_induction/headloc_induction.jsonl",
                      "lm_eval_headloc/task_configs/headloc_ioi/utils.py"]:
         assert required in names, required
+    # No benchmark code: no lm_eval_headloc/bench, no headloc_bench, and no module of it
+    # under any other folder.
+    bench_files = {p.name for p in BENCH.glob("*.py")} - {"__init__.py"}
+    assert len(bench_files) > 10
+    shipped = [n for n in names if n.startswith(("lm_eval_headloc/bench/", "headloc_bench/",
+                                                  "benchmarks/"))
+               or n.rsplit("/", 1)[-1] in bench_files]
+    assert shipped == []
 
     # Installed as a plain package (not from this checkout), our tasks are found.
     site = tmp_path / "site"
@@ -74,6 +85,30 @@ def test_wheel_ships_tasks_and_startup_hook(tmp_path, tiny_model_dir):
     source = saved["configs"]["headloc_induction"]["metadata"]["config_source"]
     assert source.startswith(str(site / "lm_eval_headloc" / "task_configs")), source
     assert saved["config"]["model_args"]["ablate"] == "L0H1"
+
+
+def test_no_module_of_the_package_imports_the_benchmarks():
+    """``import lm_eval_headloc``, then every module of the package, in a fresh process
+    that could import the benchmarks (benchmarks/ on its path): none of them pulls in
+    ``headloc_bench``."""
+    package = ROOT / "lm_eval_headloc"
+    modules = sorted(
+        ".".join(("lm_eval_headloc", *path.relative_to(package).with_suffix("").parts))
+        .removesuffix(".__init__") for path in package.rglob("*.py"))
+    assert {"lm_eval_headloc", "lm_eval_headloc.intervention.model",
+            "lm_eval_headloc.method.confirm", "lm_eval_headloc.cli.main",
+            "lm_eval_headloc.commands.locate"} <= set(modules)
+    loaded = "sorted(m for m in sys.modules if m.split('.')[0] == 'headloc_bench')"
+    done = subprocess.run(
+        [sys.executable, "-c",
+         f"import sys\nsys.path.append({str(BENCH.parent)!r})\n"
+         "import importlib.util\nassert importlib.util.find_spec('headloc_bench')\n"
+         f"import lm_eval_headloc\nprint({loaded})\n"
+         f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+         f"print({loaded})\n"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "[]"]
 
 
 def test_every_subcommand_is_a_function_of_the_python_api():

@@ -1,17 +1,18 @@
-"""The prose names code that exists: every dotted reference to this package's code in the
-docs, the READMEs, the top-level guides and the docstrings of the package and of scripts/
-resolves to a module and an attribute of it.
+"""The prose names code that exists: every dotted reference to this package's code or to
+the benchmarks' (``headloc_bench``, benchmarks/headloc_bench) in the docs, the READMEs,
+the top-level guides and the docstrings of both packages, of scripts/ and of the
+benchmarks' entry points (benchmarks/*.py) resolves to a module and an attribute of it.
 
 A *reference* is a code span (single or double backquotes, as Markdown and reST write
 them), holding nothing but a dotted Python name (an optional trailing ``()`` allowed),
-whose first component is ``lm_eval_headloc`` or the last component of one of the
-package's modules or subpackages (``method``, ``runs``, ``confirm``, ``budget``, …), so
+whose first component is ``lm_eval_headloc``, ``headloc_bench`` or the last component of
+one of their modules or subpackages (``method``, ``runs``, ``confirm``, ``simulation``, …), so
 ``method.budget.budget_split``, ``runs.folder.CONFIG_SCHEMA`` and ``confirm.ROUND`` are
 references and ``lm_eval.models`` or ``torch.nn.Module`` are not. Not references either:
 a file name (``report.md``, ``types_file.py``: the last component is a file extension)
 and the few names in ``NOT_CODE``, where a module's name is also a variable's.
 
-A reference resolves when, after its longest prefix that names a module of the package
+A reference resolves when, after its longest prefix that names a module of either package
 (``lm_eval_headloc.method.confirm``; a short form's prefix the last components of exactly
 one module's name), the rest are attributes of that module, one after another (a class's
 annotated fields count as its attributes, of their annotated type). Where a reference
@@ -38,11 +39,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import bench_module
 
 import lm_eval_headloc
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = lm_eval_headloc.__name__
+#: The benchmarks' package (benchmarks/headloc_bench; imported here, its modules then
+#: import by name).
+BENCH = bench_module()
 
 #: A code span holding only a dotted name: the same number of backquotes on each side.
 _SPAN = re.compile(r"(?<!`)(`{1,2})([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?\1(?!`)")
@@ -68,15 +73,17 @@ NOT_CODE: dict[str, str] = {
 
 
 def package_modules() -> list[str]:
-    """Every module and subpackage of the package, by its full dotted name."""
-    found = [PACKAGE]
-    for info in pkgutil.walk_packages(lm_eval_headloc.__path__, prefix=f"{PACKAGE}."):
-        found.append(info.name)
+    """Every module and subpackage of the package and of the benchmarks' package, by its
+    full dotted name."""
+    found = [PACKAGE, BENCH.__name__]
+    for package in (lm_eval_headloc, BENCH):
+        for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}."):
+            found.append(info.name)
     return sorted(found)
 
 
 MODULES = package_modules()
-#: The first components a reference may have: the package's and its modules' last names.
+#: The first components a reference may have: the packages' and their modules' last names.
 ROOTS = frozenset(name.rsplit(".", 1)[-1] for name in MODULES)
 
 
@@ -112,7 +119,7 @@ def _member(owner: object, name: str) -> object:
 
 def _modules_named(parts: list[str]) -> list[str]:
     """The package's modules whose dotted name is parts or ends with them."""
-    if parts[0] == PACKAGE:
+    if parts[0] in (PACKAGE, BENCH.__name__):
         name = ".".join(parts)
         return [name] if name in MODULES else []
     return [m for m in MODULES if m.split(".")[-len(parts):] == parts]
@@ -134,7 +141,7 @@ def problem(reference: str) -> str | None:
             except AttributeError:
                 return f"{modules[0]} has no {'.'.join(parts[size:depth + 1])}"
         return None
-    return "no module of the package by that name"
+    return "no module of either package by that name"
 
 
 def unresolved(sources: Iterable[tuple[str, int, str]]) -> tuple[list[str], int]:
@@ -181,14 +188,14 @@ def python_prose(path: Path) -> list[tuple[str, int, str]]:
 
 @functools.cache
 def docstring_sources() -> list[tuple[str, int, str]]:
-    """The prose of every module of the package (found as Python finds them) and of the
-    scripts in scripts/."""
+    """The prose of every module of both packages (found as Python finds them), of the
+    scripts in scripts/ and of the benchmarks' entry points (benchmarks/*.py)."""
     paths = []
     for name in MODULES:
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.origin is not None, name
         paths.append(Path(spec.origin))
-    paths += sorted((ROOT / "scripts").glob("*.py"))
+    paths += sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
     return [source for path in paths for source in python_prose(path)]
 
 

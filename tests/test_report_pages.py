@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 from helpers import SCRIPTS, assert_names, raises_naming, script_module
@@ -12,7 +11,6 @@ from helpers import SCRIPTS, assert_names, raises_naming, script_module
 from lm_eval_headloc.common.files import page_refusal, write_page
 
 ROOT = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))  # bench_measure/bench_workers import bench_sections
 
 THEIRS = "# My own notes\n\nnot a report\n"
 

@@ -192,7 +192,7 @@ def test_refit_of_a_committed_run_gives_its_committed_ranking(name, tmp_path,
     for file in ("heads.json", "heads.csv", "report.md"):  # another CPU's BLAS: last bits
         assert same((source / file).read_text(), (run / file).read_text()), file
     # config.json keeps every key and value it had (the committed one is in today's
-    # layout: scripts/refit_committed.py wrote it; an older layout: below).
+    # layout: benchmarks/refit_committed.py wrote it; an older layout: below).
     assert json.loads((run / "config.json").read_text()) == \
         json.loads((source / "config.json").read_text())
     assert contents(source) == committed  # refit worked on the copy alone
@@ -212,7 +212,7 @@ def test_round_off_is_no_change_but_anything_else_is():
 
 def test_refit_committed_finds_the_tracked_runs_and_what_is_stale(tmp_path, no_model_loading,
                                                                   committed_benchmarks):
-    """scripts/refit_committed.py: the run folders benchmarks/'s archives hold (never an
+    """benchmarks/refit_committed.py: the run folders benchmarks/'s archives hold (never an
     ignored runs/), and a ranking file whose text today's refit writes differently."""
     refit_committed = script_module("refit_committed")
     found = refit_committed.committed_runs(committed_benchmarks)

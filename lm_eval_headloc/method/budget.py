@@ -30,7 +30,7 @@ DEFAULT_BUDGET = 54
 #: every candidate, and a screen of 12 masks is too weak to name them: half the budget on
 #: masks finds more of the exhaustive top-5 at the default budget than the prior's share,
 #: on the embedded model's stored measurements and in the simulator at 1,024 heads
-#: (docs/budget_split.md, ``python scripts/budget_split.py``).
+#: (docs/budget_split.md, ``python benchmarks/budget_split.py``).
 MASK_SHARE: dict[bool, float] = {True: 12 / 46, False: 1 / 2}
 
 
