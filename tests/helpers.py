@@ -10,6 +10,8 @@ imports another.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -221,35 +223,167 @@ def script_module(name: str):
 PAUSE = 0.25
 
 
-def stopped_part_way(args: list[str], out: Path, after: int, stop, seconds: float = 120
-                     ) -> int:
-    """Run ``headloc-harness args --out out`` in a subprocess, ``stop`` it (kill, or send
-    SIGINT) once ``after`` measurements are on disk; the measurements it left."""
-    # SIGINT as a terminal user's process has it: a child inherits an ignored or blocked
-    # SIGINT from this process (a library earlier in the suite may leave it so), and then
-    # a SIGINT stop would do nothing.
+def stopped_part_way(args: list[str], out: Path, after: int, stop: int,
+                     seconds: float = 120, fresh: bool = False) -> int:
+    """Run ``headloc-harness args --out out`` in a child process, send it the signal
+    ``stop`` (SIGKILL, SIGINT) once ``after`` measurements are on disk; the measurements it
+    left. The child is a fork of this process, which has imported what the command needs
+    (a new interpreter spends seconds on it), or a new interpreter: with ``fresh`` (a fork
+    of a process that runs Ray would share its connections), and where this process runs
+    torch on several threads (a forked child hangs in the OpenMP pool it inherits; torch
+    on one thread never enters it, and xdist's workers run on one, conftest.py)."""
+    import torch
+
     # Each measurement's line is followed by a pause, so that the stop lands before the next
     # one: a tiny model measures in milliseconds, faster than this loop looks (it once
     # finished the run before the kill).
-    code = ("import signal, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
-            "from lm_eval_headloc.runs.folder import RunFolder; "
-            "append = RunFolder.append_measurement; "
-            "RunFolder.append_measurement = lambda self, record: "
-            f"(append(self, record), time.sleep({PAUSE})); "
-            "from lm_eval_headloc.cli.main import main; "
-            f"sys.exit(main({args!r} + sys.argv[1:]))")
-    process = subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = out / "measurements.jsonl"
+    fork = not fresh and torch.get_num_threads() == 1
+    child = _forked_child(args, out) if fork else _fresh_child(args, out)
     deadline = time.time() + seconds
-    while time.time() < deadline and process.poll() is None:
+    while time.time() < deadline and child.poll() is None:
         if log.is_file() and len(log.read_text().splitlines()) >= after:
-            stop(process)
+            child.send_signal(stop)
             break
         time.sleep(0.02)
-    process.wait(timeout=seconds)
+    child.wait(timeout=seconds)
     return len(log.read_text().splitlines())
+
+
+# SIGINT as a terminal user's process has it: a child inherits an ignored or blocked SIGINT
+# from this process (a library earlier in the suite may leave it so), and then a SIGINT
+# stop would do nothing.
+_PAUSED_RUN = ("import signal, sys, time; "
+               "signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+               "from lm_eval_headloc.runs.folder import RunFolder; "
+               "append = RunFolder.append_measurement; "
+               "RunFolder.append_measurement = lambda self, record: "
+               f"(append(self, record), time.sleep({PAUSE})); "
+               "from lm_eval_headloc.cli.main import main; ")
+
+
+def _fresh_child(args: list[str], out: Path) -> subprocess.Popen:
+    code = _PAUSED_RUN + f"sys.exit(main({args!r} + sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class _ForkedChild:
+    """A forked child, waited for as ``subprocess.Popen`` waits."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                raise subprocess.TimeoutExpired(f"fork {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _forked_child(args: list[str], out: Path) -> _ForkedChild:
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return _ForkedChild(pid)
+    code = 1
+    try:  # the child: its output goes nowhere, and it leaves without pytest's clean-up
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+        from tqdm import tqdm
+        from tqdm.std import TqdmDefaultWriteLock
+
+        # tqdm's monitor thread (not forked) may have held the bars' lock at the fork.
+        tqdm.set_lock(TqdmDefaultWriteLock())
+        scope = {"__name__": "stopped_part_way"}
+        exec(_PAUSED_RUN, scope)
+        code = scope["main"]([*args, "--out", str(out)])
+    except BaseException:  # SystemExit and KeyboardInterrupt included
+        pass
+    finally:
+        os._exit(code if isinstance(code, int) else 1)
+
+
+# --- a model several tests share -----------------------------------------------------------
+
+#: The prompt a shared model's answers are compared on (``as_loaded``, ``put_back``).
+PROBE_PROMPT = "When Mary and John went to the store, John gave a drink to"
+
+
+def last_logits(lm):
+    """The next-token logits of hf-headablate ``lm`` after PROBE_PROMPT."""
+    import torch
+
+    with torch.no_grad():
+        return lm._model_call(lm.tok_batch_encode([PROBE_PROMPT])[0])[0, -1]
+
+
+def _settings(lm) -> dict:
+    """What a test can change on hf-headablate ``lm`` other than its weights. The hooks
+    counted are neither its own knockout's (installed once, the MLP's at the first neuron)
+    nor transformers' (which records attention weights through hooks it installs at the
+    first ``output_attentions=True`` and keeps): both are idle outside the passes that use
+    them."""
+    model = lm.model
+    own = sum(len(site.handles) for site in lm.knockout._sites.values())
+    hooks = [hook for m in model.modules()
+             for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+    theirs = sum(getattr(hook, "__module__", "").startswith("transformers.") for hook in hooks)
+    return {"knocked out": lm.knocked_out, "override": lm._override is not None,
+            "ablation": lm.ablation, "scale": lm.scale, "batch size": lm.batch_size,
+            "response cache": lm._cache_db is not None, "training": model.training,
+            "attention": model.config._attn_implementation,
+            "hooks": len(hooks) - own - theirs}
+
+
+def as_loaded(lm) -> dict:
+    """hf-headablate ``lm`` as it is now (its weights copied), for ``put_back``."""
+    return {"settings": _settings(lm), "logits": last_logits(lm),
+            "weights": {name: t.detach().clone() for name, t in lm.model.state_dict().items()}}
+
+
+def put_back(lm, loaded: dict) -> list[str]:
+    """Put ``lm`` back as ``loaded`` (``as_loaded``'s) was: no head or neuron knocked out,
+    its ablation kind, scale and batch size, eval mode, the weights as loaded (where a test
+    edited them by hand). Returns what still differs: settings, hooks left on its modules,
+    or answers to PROBE_PROMPT other than the loaded model's (empty: as loaded)."""
+    import torch
+
+    settings = loaded["settings"]
+    lm.set_heads([])
+    if lm.ablation != settings["ablation"]:
+        lm.set_ablation(settings["ablation"])
+    lm.scale, lm.batch_size_per_gpu = settings["scale"], settings["batch size"]
+    lm.model.train(settings["training"])
+    with torch.no_grad():
+        for name, tensor in lm.model.state_dict().items():
+            if not torch.equal(tensor, loaded["weights"][name]):
+                tensor.copy_(loaded["weights"][name])
+    now = _settings(lm)
+    differ = [f"{name}: {now[name]!r}, loaded {value!r}" for name, value in settings.items()
+              if now[name] != value]
+    if not torch.equal(last_logits(lm), loaded["logits"]):
+        differ.append(f"its answer to {PROBE_PROMPT!r} is not the loaded model's")
+    return differ
 
 
 # --- what a run writes ----------------------------------------------------------------------

@@ -266,12 +266,16 @@ def test_chance_levels_by_hand_and_unknown_task_is_refused():
 @pytest.fixture(scope="module")
 def task_dict():
     """The headloc tasks loaded by lm-eval from another working directory."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
+
+    from lm_eval_headloc.tasks import make_task_manager
 
     cwd = os.getcwd()
     os.chdir(REPO.parent)  # the data must be found without relying on the working dir
     try:
-        manager = TaskManager(include_path=str(TASK_CONFIGS))
+        # lm-eval's TaskManager over the built-ins (their index read from the package's
+        # cache, not parsed again) and TASK_CONFIGS, the package's own task folder.
+        manager = make_task_manager()
         return get_task_dict(TASKS, manager), manager
     finally:
         os.chdir(cwd)
@@ -360,19 +364,9 @@ def test_stock_cli_runs_every_task(smollm2, tmp_path):
         assert results[task][METRIC] == pytest.approx(sum(right) / len(right)), task
 
 
-@pytest.fixture(scope="module")
-def smollm2_lm(smollm2):
-    from lm_eval_headloc.intervention.model import HFHeadAblateLM
-
-    folder, gguf = smollm2
-    return HFHeadAblateLM(
-        pretrained=folder, gguf_file=gguf, dtype="float32", device="cpu", batch_size=64
-    )
-
-
 @pytest.mark.slow
-def test_words_and_names_are_single_tokens_for_smollm2(smollm2_lm):
-    tokenizer = smollm2_lm.tokenizer
+def test_words_and_names_are_single_tokens_for_smollm2(embedded_lm):
+    tokenizer = embedded_lm.tokenizer
     items = tuple(item for _, seq, _ in SUCCESSOR_SEQUENCES.values() for item in seq)
     words = COMMON_WORDS + FIRST_NAMES + HELDOUT_NAMES + items
     multi = [w for w in words if len(tokenizer.tokenize(" " + w)) != 1]
@@ -380,13 +374,13 @@ def test_words_and_names_are_single_tokens_for_smollm2(smollm2_lm):
 
 
 @pytest.mark.slow
-def test_smollm2_baselines_are_clearly_above_chance(smollm2_lm, task_dict):
+def test_smollm2_baselines_are_clearly_above_chance(embedded_lm, task_dict):
     from lm_eval.evaluator import evaluate
 
     tasks, _ = task_dict
-    smollm2_lm.set_heads([])
+    assert embedded_lm.batch_size == 64 and not embedded_lm.knocked_out
     results = evaluate(
-        lm=smollm2_lm, task_dict=tasks, limit=BASELINE_LIMIT, bootstrap_iters=0,
+        lm=embedded_lm, task_dict=tasks, limit=BASELINE_LIMIT, bootstrap_iters=0,
         log_samples=False, verbosity="ERROR",
     )["results"]
     for task in TASKS:

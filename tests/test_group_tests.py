@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import signal
 
 import numpy as np
 import pytest
@@ -477,7 +477,7 @@ def test_a_kill_mid_group_tests_resumes_to_the_same_tests_ranking_and_certificat
     assert len(records) == first_group + sum(map(len, rounds))
     killed = tmp_path / "killed"
     inside = first_group + len(rounds[0]) + 1  # one set of the second round measured
-    partial = stopped_part_way(args, killed, after=inside, stop=subprocess.Popen.kill)
+    partial = stopped_part_way(args, killed, after=inside, stop=signal.SIGKILL)
     assert partial == inside, "not stopped inside the second round"
     assert harness(*args, "--out", str(killed)) == 0
     assert_same_run(killed, full)

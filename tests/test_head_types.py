@@ -4,8 +4,6 @@ forced by hand-set weights), the labelling rule, the probe, and the embedded Smo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -530,11 +528,8 @@ def test_the_probes_standard_error_is_the_spread_of_its_rows():
 
 
 @pytest.mark.slow
-def test_smollm2_has_induction_heads_on_the_probe(smollm2):
-    from transformers import AutoModelForCausalLM
-
-    folder, gguf = smollm2
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+def test_smollm2_has_induction_heads_on_the_probe(embedded_lm):
+    model = embedded_lm.model  # transformers' model of the GGUF file, float32
     probe = repeated_probe(model.config.vocab_size, length=24, batch=2,
                            first_token=model.config.bos_token_id)
     scores = head_type_scores(model, probe)
@@ -553,19 +548,16 @@ def test_smollm2_has_induction_heads_on_the_probe(smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_labels_hold_across_probe_seeds(smollm2, monkeypatch):
+def test_smollm2_labels_hold_across_probe_seeds(embedded_lm, monkeypatch):
     """On the 4-row probe, labels moved with the probe's seed (on a 20-row probe
     7 of 33 fell below the threshold). With the default probe, no head labelled with a type
     by one seed is clearly not of it by another: where a seed labels it, every other seed
     labels it too or says it is too near that threshold to tell (borderline)."""
     import importlib
 
-    from helpers import load_lm
-
     # The module that holds the probe and computes types.json's content.
     types_module = importlib.import_module("lm_eval_headloc.method.head_types")
-    folder, gguf = smollm2
-    lm = load_lm(Path(folder), gguf_file=gguf, batch_size=8)
+    lm = embedded_lm
     seeds = (0, 1, 2)
     runs = []
     for seed in seeds:

@@ -4,7 +4,7 @@ masks and the confirmation search them as they search heads, and every file says
 from __future__ import annotations
 
 import json
-import subprocess
+import signal
 
 import numpy as np
 import pytest
@@ -165,7 +165,7 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     killed = tmp_path / "killed"
     # Killed after the 13th measurement (in confirmation), with 8 left for the kill to
     # land in before the run ends (a tiny model's measurements take milliseconds).
-    partial = stopped_part_way(args, killed, after=13, stop=subprocess.Popen.kill)
+    partial = stopped_part_way(args, killed, after=13, stop=signal.SIGKILL)
     assert 13 <= partial < measured, "the run was not interrupted part-way"
     assert harness(*args, "--out", str(killed)) == 0
     assert_same_run(killed, full)

@@ -5,7 +5,7 @@ the run an unbroken one makes, measuring only what is missing."""
 from __future__ import annotations
 
 import json
-import subprocess
+import signal
 
 import numpy as np
 import pytest
@@ -50,7 +50,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
             "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", *options]
     killed = tmp_path / "killed"
-    partial = stopped_part_way(args, killed, after=6, stop=subprocess.Popen.kill)
+    partial = stopped_part_way(args, killed, after=6, stop=signal.SIGKILL)
     assert 6 <= partial < 41, "the run was not interrupted part-way"
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"
@@ -67,7 +67,7 @@ def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_p
             "--prior", "atp-path", "--confirm", "7"]
     killed = tmp_path / "killed"
     # baseline + 10 masks + round 1's 5 heads + 1 of round 2
-    partial = stopped_part_way(args, killed, after=17, stop=subprocess.Popen.kill)
+    partial = stopped_part_way(args, killed, after=17, stop=signal.SIGKILL)
     assert 17 <= partial < 18, "the run was not stopped inside round 2"
     assert harness(*args, "--out", str(killed)) == 0
     full = tmp_path / "full"

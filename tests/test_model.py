@@ -440,12 +440,49 @@ def test_response_cache_never_crosses_masks(tiny_model_dir, tmp_path):
         assert len(db) == 8  # 4 questions x 2 choices
 
 
-@pytest.mark.slow
-def test_embedded_smollm2_gguf(smollm2):
-    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+def test_a_shared_model_is_put_back_as_loaded(tiny_model_dir):
+    """What conftest's embedded_lm does after each test that shares the embedded model,
+    here on a tiny one: it puts back what a test changed (knockouts, the ablation, scale,
+    batch size, weights edited by hand, training mode) and says what it cannot put back
+    (a hook left on a module; anything else that changes the model's answers)."""
+    from helpers import as_loaded, last_logits, load_lm, put_back
 
-    folder, gguf = smollm2
-    lm = HFHeadAblateLM(pretrained=folder, gguf_file=gguf, device="cpu", dtype="float32")
+    from lm_eval_headloc.method.head_types import attention_patterns
+
+    lm = load_lm(tiny_model_dir("llama"))
+    loaded = as_loaded(lm)
+    assert put_back(lm, loaded) == []
+    # The hooks transformers installs to return attention weights, and keeps, are idle.
+    attention_patterns(lm.model, torch.tensor([[1, 5, 6, 7]]))
+    assert any(m._forward_hooks for m in lm.model.modules())
+    assert put_back(lm, loaded) == []
+    lm.set_heads("L0H1+L1N3")
+    lm.set_ablation("resample", ["the cat sat on the mat", "one two three four"])
+    lm.scale, lm.batch_size_per_gpu = 0.5, 7
+    with torch.no_grad():
+        lm.model.model.layers[0].self_attn.o_proj.weight[:, :8] = 0
+    lm.model.train()
+    assert not torch.equal(last_logits(lm), loaded["logits"])
+    assert put_back(lm, loaded) == []
+    assert (lm.knocked_out, lm.ablation, lm.scale, lm.batch_size, lm.model.training) == (
+        (), "zero", 0.0, 4, False)
+    assert torch.equal(last_logits(lm), loaded["logits"])
+    handle = lm.model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    assert put_back(lm, loaded) == ["hooks: 1, loaded 0", "its answer to "
+                                    "'When Mary and John went to the store, John gave a "
+                                    "drink to' is not the loaded model's"]
+    handle.remove()
+    rotary = lm.model.model.rotary_emb.inv_freq  # a buffer, not among the weights
+    rotary.mul_(2)
+    assert put_back(lm, loaded) == ["its answer to 'When Mary and John went to the store, "
+                                    "John gave a drink to' is not the loaded model's"]
+    rotary.div_(2)
+    assert put_back(lm, loaded) == []
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_gguf(embedded_lm):
+    lm = embedded_lm  # hf-headablate on the GGUF file, float32 on the CPU
     assert (lm.num_layers, lm.heads_per_layer) == (30, 9)
     ids = lm.tok_batch_encode(["When Mary and John went to the store, John gave a drink to"])[0]
     with torch.no_grad():

@@ -253,9 +253,8 @@ def test_mlp_out_override_and_refusals(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_neurons_equal_hand_zeroed(smollm2):
-    folder, gguf = smollm2
-    lm = HFHeadAblateLM(pretrained=folder, gguf_file=gguf, device="cpu", dtype="float32")
+def test_embedded_smollm2_neurons_equal_hand_zeroed(embedded_lm):
+    lm = embedded_lm  # hf-headablate on the GGUF file, float32 on the CPU
     assert lm.neurons_per_layer == 1536
     ids = lm.tok_batch_encode(["When Mary and John went to the store, John gave a drink to"])[0]
     layers = lm.model.model.layers
@@ -306,12 +305,15 @@ def test_stock_cli_knocks_out_heads_and_neurons(tiny_model_dir, tmp_path):
     cli_ll = [float(r[0]) for line in next(out.rglob("samples_tiny_choice_*.jsonl"))
               .read_text().splitlines() for r in json.loads(line)["filtered_resps"]]
 
-    def per_sample(model_args: str) -> list[float]:
-        from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager
 
+    # The test tasks alone: indexing lm-eval's own thousands of YAMLs takes seconds.
+    tasks = TaskManager(include_path=TASKS, include_defaults=False)
+
+    def per_sample(model_args: str) -> list[float]:
         results = lm_eval.simple_evaluate(model="hf", model_args=model_args, device="cpu",
                                           tasks=["tiny_choice"], log_samples=True,
-                                          task_manager=TaskManager(include_path=TASKS))
+                                          task_manager=tasks)
         return [float(r[0]) for s in results["samples"]["tiny_choice"]
                 for r in s["filtered_resps"]]
 

@@ -149,8 +149,8 @@ def test_interrupted_driver_resumes_to_the_same_run(local_ray, tiny_model_dir, t
     args = ["locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
             "--masks-per-pass", "1"]
     out = tmp_path / "interrupted"
-    partial = stopped_part_way(args, out, after=4, seconds=300,
-                               stop=lambda process: process.send_signal(signal.SIGINT))
+    partial = stopped_part_way(args, out, after=4, seconds=300, stop=signal.SIGINT,
+                               fresh=True)
     assert 4 <= partial < len(measurements_by_key(one_process_run)), "not interrupted part-way"
     assert harness(*args, "--out", str(out)) == 0
     assert_same_run_by_key(out, one_process_run)

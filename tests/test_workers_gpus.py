@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                        "'lm-eval-headloc[ray]')")
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def ray_with_four_gpus():
     import ray
 
