@@ -27,9 +27,9 @@ from helpers import (  # noqa: E402
     hybrid_config,
     put_back,
     save_tiny_tokenizer,
-    script_module,
     tiny_args,
     tiny_config,
+    unpacked_benchmarks,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,10 +59,7 @@ def committed_benchmarks(tmp_path_factory) -> Path:
     """benchmarks/'s committed run folders, unpacked once a session into a temporary folder
     laid out as benchmarks/ was (``exhaustive/``, ``recovery-runs/<task>/...``; see
     ``benchmarks/bench_store.py``). Read them there; copy a folder before changing it."""
-    store = script_module("bench_store")
-    if not store.archives():
-        pytest.skip("not a checkout with the committed runs")
-    return store.unpack(tmp_path_factory.mktemp("committed") / "benchmarks")
+    return unpacked_benchmarks(tmp_path_factory.mktemp("committed") / "benchmarks")
 
 
 @pytest.fixture(scope="session")

@@ -211,6 +211,18 @@ def bench_module(name: str = ""):
     return _imported(BENCHMARKS, ".".join(filter(None, ("headloc_bench", name))))
 
 
+def unpacked_benchmarks(folder: Path) -> Path:
+    """The committed run folders (benchmarks/'s archives) unpacked into ``folder``
+    (``bench_store.unpack``), laid out as ``bench_store`` names them (``exhaustive/``,
+    ``recovery-runs/<task>/...``); the test is skipped where there are no archives."""
+    import pytest
+
+    store = bench_module("bench_store")
+    if not store.archives():
+        pytest.skip("not a checkout with the committed runs")
+    return store.unpack(folder)
+
+
 def script_module(name: str):
     """``scripts/<name>.py`` imported as a module (the scripts are not a package), or a
     benchmark's (``bench_store``, ``refit_committed``): its ``bench_module``."""

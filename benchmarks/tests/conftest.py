@@ -19,9 +19,7 @@ for folder in (ROOT / "tests", ROOT / "benchmarks"):
 # helpers.py's asserts are reported as a test module's are (it is imported below).
 pytest.register_assert_rewrite("helpers")
 
-from helpers import save_tiny_tokenizer, tiny_config  # noqa: E402
-
-from headloc_bench import bench_store  # noqa: E402
+from helpers import save_tiny_tokenizer, tiny_config, unpacked_benchmarks  # noqa: E402
 
 for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(variable, "1")
@@ -32,9 +30,7 @@ def committed_benchmarks(tmp_path_factory) -> Path:
     """The committed run folders (benchmarks/'s archives) unpacked once a session into a
     temporary folder, laid out as ``bench_store`` names them (``exhaustive/``,
     ``recovery-runs/<task>/...``). Read them there; copy a folder before changing it."""
-    if not bench_store.archives():
-        pytest.skip("benchmarks/ holds no archives here")
-    return bench_store.unpack(tmp_path_factory.mktemp("store") / "benchmarks")
+    return unpacked_benchmarks(tmp_path_factory.mktemp("store") / "benchmarks")
 
 
 @pytest.fixture(scope="session")
