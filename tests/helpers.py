@@ -459,8 +459,8 @@ def finished_run(folder: Path, model_dir: Path, task: str, heads: tuple[str, ...
     no model needed to make it), for verify and cross to read. ``heads`` may name MLP
     neurons (L1N5): the run then located them (``--components``), and its ranking holds
     ``{"neuron": …}`` records, as locate writes them."""
-    from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.intervention.components import Neuron, parse_components
+    from lm_eval_headloc.runs.spec import RunSpec
 
     ranked = [parse_components([name])[0] for name in heads]  # best first
     kinds = {isinstance(c, Neuron) for c in ranked}
@@ -494,7 +494,7 @@ def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m"
                 effects: list[float] | None = None, tied: tuple[str, ...] = ()) -> Path:
     """A run folder of ``task``'s ranking alone (config.json and heads-<task>.json), for
     the commands that compare rankings (universal, overlap)."""
-    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.runs.spec import RunSpec
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = RunSpec(model_args=model_args, tasks=(task,))

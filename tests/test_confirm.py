@@ -287,7 +287,7 @@ def test_budget_split_by_hand():
 
 
 def test_the_defaults_split_the_default_budget_by_whether_the_run_has_a_prior():
-    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.runs.spec import RunSpec
 
     # Left out, --masks and --confirm are decided by the run's prior.
     assert (RunSpec().masks, RunSpec().confirm) == (None, None)

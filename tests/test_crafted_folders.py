@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import TASKS, assert_names, error_line, finished_run, harness, raises_naming
 
-from lm_eval_headloc.commands import read_rankings
 from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.record import read_rankings
 
 TASK = "tiny_choice"
 OTHER_TASK = "tiny_copy"  # a task that exists too: the disagreeing folder names it

@@ -39,7 +39,7 @@ def make_run(folder: Path, *, command: str = "locate", tasks: tuple[str, ...] = 
              components: str = "heads", ranked: bool = True,
              model_args: str = "pretrained=/nowhere,dtype=float32,device=cpu") -> Path:
     """A finished-looking run folder written by hand: config.json and heads-<task>.json."""
-    from lm_eval_headloc.commands import RunSpec
+    from lm_eval_headloc.runs.spec import RunSpec
 
     spec = RunSpec(model_args=model_args, tasks=tasks, components=components)
     folder.mkdir(parents=True)

@@ -472,8 +472,8 @@ def test_lfm2s_neurons_are_as_wide_as_the_mlp_it_builds(options):
 
 
 def test_a_hybrid_runs_rankings_read_back_to_the_files_they_were_written_as(hybrid_run):
-    from lm_eval_headloc.commands import read_rankings
     from lm_eval_headloc.method.ranking import ranked_heads_json
+    from lm_eval_headloc.runs.record import read_rankings
 
     ranking = read_rankings(hybrid_run)["tiny_copy"]
     written = json.loads((hybrid_run / "heads-tiny_copy.json").read_text())

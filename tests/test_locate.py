@@ -18,9 +18,9 @@ from helpers import (
     tiny_args,
 )
 
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.runs import plan
 from lm_eval_headloc.runs import setup as engine
+from lm_eval_headloc.runs.spec import RunSpec
 
 
 def test_a_fit_that_tells_no_heads_apart_says_so(tiny_model_dir, tmp_path, capsys):

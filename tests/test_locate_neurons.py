@@ -416,8 +416,8 @@ def test_groups_need_neurons(tiny_model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("which", ["neuron_run", "group_run"])
 def test_a_neuron_runs_rankings_read_back_to_the_files_they_were_written_as(which, request):
-    from lm_eval_headloc.commands import read_rankings
     from lm_eval_headloc.method.ranking import ranked_heads_json
+    from lm_eval_headloc.runs.record import read_rankings
 
     out, _ = request.getfixturevalue(which)
     rankings = read_rankings(out)

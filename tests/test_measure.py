@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import TASKS, Request, load_lm
 
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.intervention.multimask import RecordingLM, ReplayLM, loglikelihoods_for_masks
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
 from lm_eval_headloc.runs import setup as engine
+from lm_eval_headloc.runs.spec import RunSpec
 
 BOTH = ["tiny_copy_ppl", "tiny_choice"]
 DOCS = {"tiny_choice": 4, "tiny_copy_ppl": 12}  # as tests/tasks/*/utils.py define them

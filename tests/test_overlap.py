@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import TAMPERED_RANKINGS, TASKS, assert_names, error_line, harness, tamper
 
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.overlap import MADE_BY, overlap, overlap_markdown
+from lm_eval_headloc.runs.spec import RunSpec
 
 
 def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str = "m",

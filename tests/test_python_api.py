@@ -10,12 +10,13 @@ import pytest
 import torch
 from helpers import TASKS, load_lm, raises_naming, strict_json
 
-from lm_eval_headloc.commands import RunSpec, cross, greedy, locate, sweep, types, universal
+from lm_eval_headloc.commands import cross, greedy, locate, sweep, types, universal
 from lm_eval_headloc.commands.verify import verify
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.intervention.ablation import AblationError
 from lm_eval_headloc.intervention.hooks import ComponentKnockout, Intervention
 from lm_eval_headloc.runs.folder_checks import RunFolderError
+from lm_eval_headloc.runs.spec import RunSpec
 
 
 @pytest.mark.parametrize("command, call, ignored", [

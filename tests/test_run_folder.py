@@ -25,7 +25,7 @@ from helpers import (
     write_heads,
 )
 
-from lm_eval_headloc.commands import RunSpec
+from lm_eval_headloc.runs.spec import RunSpec
 
 
 def test_force_never_clears_a_folder_that_is_not_a_run(tiny_model_dir, tmp_path, capsys,
@@ -105,14 +105,14 @@ def test_lm_eval_files_never_go_into_a_run_the_command_reads(tiny_model_dir, tmp
 
 def test_a_second_process_on_the_same_folder_is_refused(tiny_model_dir, tmp_path, capsys,
                                                         no_model_loading):
-    from lm_eval_headloc.commands import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     out = tmp_path / "run"
     spec = RunSpec(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
                    tasks=("tiny_copy",), include_path=(TASKS,))
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from lm_eval_headloc.commands import RunFolder\n"
+         "import sys, time; from lm_eval_headloc.runs.folder import RunFolder\n"
          "f = RunFolder(sys.argv[1]); f.start('locate', {}, {}); print('held', flush=True)\n"
          "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
     try:
@@ -129,7 +129,8 @@ def test_a_second_process_on_the_same_folder_is_refused(tiny_model_dir, tmp_path
 
 
 def test_changing_any_identity_field_refuses_the_folder(tmp_path):
-    from lm_eval_headloc.commands import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
     from lm_eval_headloc.runs.spec import RESULT, SETTING
 
     base = RunSpec()
@@ -187,7 +188,7 @@ def test_changing_any_identity_field_refuses_the_folder(tmp_path):
 
 
 def test_measurement_log_keeps_every_good_line(tmp_path, caplog):
-    from lm_eval_headloc.commands import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     folder = RunFolder(tmp_path)
     records = [{"key": f"mask-{i:04d}", "mask": f"L0H{i}", "scores": {"t": i / 10}}
@@ -212,7 +213,7 @@ def test_measurement_log_keeps_every_good_line(tmp_path, caplog):
 
 def test_run_folder_json_puts_a_list_of_numbers_on_one_line_and_reads_back_exactly(
         tmp_path):
-    from lm_eval_headloc.commands import RunFolder
+    from lm_eval_headloc.runs.folder import RunFolder
 
     awkward = [1e-300, -0.0, 0.1 + 0.2, 5e-324, 2**70, -(10**30), 1.7976931348623157e308,
                True, 0, float("nan"), float("inf")]
@@ -434,7 +435,8 @@ def test_an_empty_out_is_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_a_run_resumes_with_its_model_args_in_another_order(tmp_path):
-    from lm_eval_headloc.commands import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
     from lm_eval_headloc.runs.record import start_run
 
     first = RunSpec(model_args="pretrained=m,dtype=float32,device=cuda", tasks=("t",))
@@ -452,7 +454,8 @@ def test_a_run_resumes_with_its_model_args_in_another_order(tmp_path):
 
 
 def test_a_folder_made_before_an_option_existed_resumes_as_it_was_made(tmp_path):
-    from lm_eval_headloc.commands import RunFolder, RunFolderError
+    from lm_eval_headloc.runs.folder import RunFolder
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
 
     # A folder made before --signal, --prior and --confirm existed: it measured the task
     # metric with no prior and confirmed nothing, which is not what today's defaults do.

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 from helpers import HEADS, HIDDEN, LAYERS, MLP_WIDTH, TASKS, assert_names, harness, ranking
 
-from lm_eval_headloc.commands import RunFolder
 from lm_eval_headloc.intervention.embedded import EMBEDDED, recorded_model_args
 from lm_eval_headloc.intervention.model_args import (
     model_fingerprint,
     resolve_model_args,
     same_model,
 )
-from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder
 from lm_eval_headloc.runs.record import load_run
 from lm_eval_headloc.runs.spec import RunSpec
 

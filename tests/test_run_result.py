@@ -19,10 +19,10 @@ from helpers import (
     strict_json,
 )
 
-from lm_eval_headloc.commands import RunFolder, RunFolderError
 from lm_eval_headloc.commands.locate import refit
 from lm_eval_headloc.method.locate_loop import auto_rounds
-from lm_eval_headloc.runs.folder import CONFIG_SCHEMA
+from lm_eval_headloc.runs.folder import CONFIG_SCHEMA, RunFolder
+from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.record import LocateRun, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,8 +313,9 @@ def test_config_from_a_newer_version_or_an_unfinished_confirmation_is_refused(
 
 def test_rankings_read_back_to_the_files_they_were_written_as(tiny_locate_run, tiny_model_dir,
                                                              tmp_path, no_model_loading):
-    from lm_eval_headloc.commands import RunFolderError, read_rankings
     from lm_eval_headloc.method.ranking import ranked_heads_json
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+    from lm_eval_headloc.runs.record import read_rankings
 
     before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
     ranking = read_rankings(tiny_locate_run)["tiny_choice"]

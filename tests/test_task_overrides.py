@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import TASKS, assert_names, harness, last_error, raises_naming, tiny_args
 
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.runs.option_values import parse_gen_kwargs
+from lm_eval_headloc.runs.spec import RunSpec
 
 TASK_LIST = "tiny_copy,tiny_generate"  # a loglikelihood task and a generation task
 INSTRUCTION = "Copy the words."

@@ -271,10 +271,11 @@ def test_refit_masks_auto_of_a_fixed_run_says_how_many_masks_not_auto(
 
 def test_a_run_that_ranks_nothing_is_named_by_its_kind(tiny_locate_run, tmp_path):  # noqa: F811
     """A types (or sweep) run given to overlap or universal used to be told to finish."""
-    from lm_eval_headloc.commands import RunFolder, RunSpec
     from lm_eval_headloc.commands.overlap import overlap
     from lm_eval_headloc.commands.universal import universal
+    from lm_eval_headloc.runs.folder import RunFolder
     from lm_eval_headloc.runs.folder_checks import RunFolderError
+    from lm_eval_headloc.runs.spec import RunSpec
 
     spec = RunSpec()
     for command, hint in (("types", ()), ("sweep", ("cell folders",))):  # what to give
@@ -351,8 +352,8 @@ def test_a_worker_measures_as_one_process_whatever_the_drivers_ray_options():
     """A worker rebuilds the driver's spec; the driver's --ray-address and --ray-timeout
     (checked there) must not reach the worker's own checks, which would refuse a
     timeout without an address in every worker."""
-    from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import check_workers, worker_spec
+    from lm_eval_headloc.runs.spec import RunSpec
 
     driver = RunSpec(workers=4, ray_address="head:6379", ray_timeout=30.0,
                      gpus_per_worker=1.0)
@@ -369,9 +370,9 @@ def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
     means nothing to a worker, which sees only the GPUs Ray gave it, from cuda:0, or none:
     a CPU driver's device=cpu kept GPU workers on their CPUs, and cuda:1 was refused in a
     one-GPU worker. A worker drops it and chooses as a run without one does."""
-    from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import worker_spec
     from lm_eval_headloc.intervention.model_args import resolve_model_args
+    from lm_eval_headloc.runs.spec import RunSpec
 
     driver = RunSpec(model_args=f"pretrained=/m,device={device},dtype=bfloat16", workers=2)
     worker = worker_spec(RunSpec(**driver.as_config()))

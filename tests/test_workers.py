@@ -124,10 +124,10 @@ def test_a_worker_that_measures_something_else_is_refused(local_ray, tiny_model_
                                                           change, named):
     import platform
 
-    from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.distributed.workers import WorkerError, start_workers
     from lm_eval_headloc.runs.plan import load_model, open_measurement, worker_measurement
     from lm_eval_headloc.runs.setup import prepare
+    from lm_eval_headloc.runs.spec import RunSpec
 
     args = dict(model_args=f"pretrained={tiny_model_dir('llama')},dtype=float32",
                 tasks=("tiny_copy_ppl",), include_path=(TASKS,),

@@ -42,7 +42,6 @@ import numpy as np
 
 from headloc_bench import ROOT
 from headloc_bench.bench_store import WORK_TREE, store_work, work_tree
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.commands.verify import random_sets
 from lm_eval_headloc.common.checks import UsageError
@@ -53,6 +52,7 @@ from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.runs.plan import load_model, measured_plan, open_measurement
 from lm_eval_headloc.runs.setup import prepare
+from lm_eval_headloc.runs.spec import RunSpec
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: How the page begins (the model's name follows): --out writes only over such a page.

@@ -61,7 +61,6 @@ import numpy as np
 from headloc_bench import ROOT
 from headloc_bench.bench_store import WORK_TREE, store_work, work_tree
 from headloc_bench.defaults import confirmed_split
-from lm_eval_headloc.commands import RunSpec
 from lm_eval_headloc.commands.greedy import greedy
 from lm_eval_headloc.commands.locate import attribution_prior, locate, refit
 from lm_eval_headloc.common.files import page_refusal, write_page
@@ -77,6 +76,7 @@ from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.plan import load_model, open_measurement
 from lm_eval_headloc.runs.record import load_run
 from lm_eval_headloc.runs.setup import prepare
+from lm_eval_headloc.runs.spec import RunSpec
 
 TASKS = ("headloc_induction", "headloc_ioi", "headloc_arith")
 #: Tasks no default was chosen on: reported apart, with their own ground truth.

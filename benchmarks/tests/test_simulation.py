@@ -536,8 +536,8 @@ def test_the_simulated_defaults_are_the_packages_defaults():
     another method than the package runs."""
     from headloc_bench import bench_recovery as bench
     from headloc_bench.defaults import METHOD_PRIOR, confirmed_split
-    from lm_eval_headloc.commands import RunSpec
     from lm_eval_headloc.method.budget import DEFAULT_BUDGET, PRIOR_ALLOWANCE, budget_split
+    from lm_eval_headloc.runs.spec import RunSpec
 
     assert RunSpec().prior == "auto" and METHOD_PRIOR == {"defaults": "atp-path",
                                                           "before": "atp"}
