@@ -331,6 +331,7 @@ def test_bad_ablation_input_is_one_line_before_any_weights_load(args, values, tm
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_stock_cli_runs_mean_and_resample_and_refuses_a_bad_kind(tiny_model_dir, reference_file,
                                                              tmp_path):
     folder = tiny_model_dir("llama")

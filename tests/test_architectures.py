@@ -44,8 +44,11 @@ def _knocked(model, heads: str, **kwargs) -> torch.Tensor:
 def test_gemma4_heads_are_as_wide_as_their_layers_heads():
     """Gemma 4's full-attention layers have wider heads than its sliding ones (reading one
     head_dim from its config raised transformers' per-layer error in every entry point)."""
+    # The per-layer input embedding small too: its default vocabulary (262,144 x 1,024) is
+    # a quarter of a billion weights.
     config = transformers.Gemma4TextConfig(**SMALL, num_hidden_layers=4, head_dim=8,
-                                           global_head_dim=24)
+                                           global_head_dim=24, vocab_size_per_layer_input=128,
+                                           hidden_size_per_layer_input=16)
     widths = [config.per_layer_config[i].head_dim for i in range(4)]
     assert widths == [8, 8, 8, 24]  # the last layer is full attention
     geometry = Geometry.from_config(config)

@@ -156,6 +156,7 @@ def test_cross_checks_its_arguments_before_loading(tiny_model_dir, tmp_path, cap
     assert not Path(out).exists() and sorted(p.name for p in a.iterdir()) == before
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
 def test_cross_on_workers_equals_one_process(matrix, tmp_path):

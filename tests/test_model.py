@@ -263,6 +263,7 @@ def test_head_ranges_are_checked_after_the_weights_load(no_weight_loading):
         HFHeadAblateLM(pretrained="never-loaded", ablate="L99H0+L3H*")
 
 
+@pytest.mark.slow
 def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("llama")
     args = f"pretrained={folder},dtype=float32"
@@ -287,6 +288,7 @@ def test_stock_cli_applies_the_mask(tiny_model_dir, tmp_path):
     assert config["model_args"]["ablate"] == "L0H1+L1H2"
 
 
+@pytest.mark.slow
 def test_stock_cli_finds_our_tasks_by_name_next_to_the_built_ins(tiny_model_dir, tmp_path):
     """With the package installed, `lm_eval --tasks headloc_induction` needs no
     --include_path: the start-up hook adds our task folder to lm-eval's TaskManager, after
@@ -358,6 +360,7 @@ def stock_cli_errors(tiny_model_dir) -> dict[str, tuple[int, str]]:
     return {bad: (running[bad].returncode, stderr) for bad, stderr in errors.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", STOCK_CLI)
 def test_stock_cli_bad_heads_one_line_nonzero_exit(stock_cli_errors, bad):
     import re

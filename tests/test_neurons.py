@@ -276,6 +276,7 @@ def test_embedded_smollm2_neurons_equal_hand_zeroed(embedded_lm):
     assert torch.equal(restored, plain)
 
 
+@pytest.mark.slow
 def test_stock_cli_knocks_out_heads_and_neurons(tiny_model_dir, tmp_path):
     """``lm_eval --model hf-headablate --model_args ...,ablate=L1N5+L0H1`` answers as the
     plain ``hf`` model does on a copy whose columns were zeroed by hand and saved."""

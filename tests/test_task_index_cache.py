@@ -227,6 +227,7 @@ def test_only_the_most_recently_used_indexes_are_kept_and_nothing_else_removed(
     assert not pickled.exists()
 
 
+@pytest.mark.slow
 def test_a_task_manager_with_the_cached_builtins_equals_lm_evals_own(
         tmp_path, monkeypatch, caplog):
     """The whole built-in index, then the user's folder overriding a built-in name as

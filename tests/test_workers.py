@@ -25,9 +25,11 @@ from helpers import (
 )
 from helpers import WORKERS_LOCATE as LOCATE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is not installed (pip install "
-                                       "'lm-eval-headloc[ray]')")
+# Slow: each test starts a Ray cluster and its worker processes.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="Ray is not installed (pip install "
+                                        "'lm-eval-headloc[ray]')")]
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,11 @@ import pytest
 from helpers import WORKERS_LOCATE as LOCATE
 from helpers import assert_names, assert_same_run_by_key, harness, last_error, tiny_args
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is not installed (pip install "
-                                       "'lm-eval-headloc[ray]')")
+# Slow: each test starts a Ray cluster and its worker processes.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="Ray is not installed (pip install "
+                                        "'lm-eval-headloc[ray]')")]
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from helpers import TASKS
 
 from headloc_bench import bench_first_run as bench
 
 
+@pytest.mark.slow
 def test_a_first_and_a_later_run_are_timed_phase_by_phase(tiny_llama_dir, tmp_path,
                                                           monkeypatch):
     seen = []

@@ -147,6 +147,7 @@ def test_the_sweep_measures_the_automatic_k_beyond_its_largest_doubling():
     assert rows[-1].masks == 26 and rows[-1].seconds_per_mask is not None
 
 
+@pytest.mark.slow
 def test_the_whole_benchmark_writes_its_section_on_a_toy_shape(tmp_path):
     out = tmp_path / "BENCH.md"
     out.write_text("# Measurement throughput: head\n\n<!-- bench_workers: start -->\n\nkept\n\n"
