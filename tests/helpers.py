@@ -9,6 +9,7 @@ imports another.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -32,6 +33,10 @@ TASKS = str(Path(__file__).parent / "tasks")  # tiny lm-eval task YAMLs for the 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 #: The benchmarks: their code is the package ``headloc_bench`` in this folder (not installed).
 BENCHMARKS = SCRIPTS.parent / "benchmarks"
+
+#: Tests that start Ray workers: skipped where Ray (an optional extra) is not installed.
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
 
 # family -> (config class name, config kwargs, path of layer l's output projection,
 #            whether that projection is a GPT-2 Conv1D with weight (in, out))

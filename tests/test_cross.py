@@ -3,13 +3,20 @@ tiny random Llama (2 layers x 4 heads) and two continuous tasks (perplexities)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
-from helpers import TASKS, assert_names, error_line, finished_run, harness, last_error
+from helpers import (
+    TASKS,
+    assert_names,
+    error_line,
+    finished_run,
+    harness,
+    last_error,
+    needs_ray,
+)
 from helpers import measurement_lines as lines
 
 from lm_eval_headloc.method.ranking import relative_drop
@@ -157,8 +164,7 @@ def test_cross_checks_its_arguments_before_loading(tiny_model_dir, tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
+@needs_ray
 def test_cross_on_workers_equals_one_process(matrix, tmp_path):
     """The erase entries' own scale reaches the workers' models (run_plan hands it on)."""
     import ray

@@ -3,7 +3,6 @@ without gold answers given a log-likelihood signal or prior."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -11,16 +10,21 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import TASKS, assert_names, harness, last_error, raises_naming, tiny_args
+from helpers import (
+    TASKS,
+    assert_names,
+    harness,
+    last_error,
+    needs_ray,
+    raises_naming,
+    tiny_args,
+)
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.options import RAY_TIMEOUT
 from lm_eval_headloc.distributed.workers import WorkerError, check_ray_address
 from lm_eval_headloc.runs import setup as engine
 from lm_eval_headloc.runs.spec import RunSpec
-
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="Ray is not installed (pip install 'lm-eval-headloc[ray]')")
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from helpers import (
     last_error,
     measurement_lines,
     measurements_by_key,
+    needs_ray,
     raises_naming,
     stopped_part_way,
     tiny_args,
@@ -26,10 +27,7 @@ from helpers import (
 from helpers import WORKERS_LOCATE as LOCATE
 
 # Slow: each test starts a Ray cluster and its worker processes.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                 reason="Ray is not installed (pip install "
-                                        "'lm-eval-headloc[ray]')")]
+pytestmark = [pytest.mark.slow, needs_ray]
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,21 @@ Its own module, because it needs a Ray with other resources than test_workers.py
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from helpers import WORKERS_LOCATE as LOCATE
-from helpers import assert_names, assert_same_run_by_key, harness, last_error, tiny_args
+from helpers import (
+    assert_names,
+    assert_same_run_by_key,
+    harness,
+    last_error,
+    needs_ray,
+    tiny_args,
+)
 
 # Slow: each test starts a Ray cluster and its worker processes.
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                 reason="Ray is not installed (pip install "
-                                        "'lm-eval-headloc[ray]')")]
+pytestmark = [pytest.mark.slow, needs_ray]
 
 
 @pytest.fixture(scope="module")
