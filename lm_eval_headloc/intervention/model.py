@@ -57,6 +57,12 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, Intervention
 from lm_eval_headloc.intervention.model_args import _check_device, _requested_heads
+from lm_eval_headloc.intervention.prompt_start import (
+    cache_argument,
+    laid_out,
+    plain_cache,
+    shared_start,
+)
 from lm_eval_headloc.intervention.registration import MODEL_NAME
 
 __all__ = ["HFHeadAblateLM", "check_against_config"]
@@ -72,6 +78,10 @@ log = logging.getLogger("lm_eval.models.hf_headablate")
 class HFHeadAblateLM(HFLM):
     """An ``HFLM`` whose attention heads and MLP neurons can be knocked out, switchable on
     the live object."""
+
+    #: Whether ``generate`` calls compute their prompts' common start once per mask
+    #: (``prompt_start``); off for a model whose key/value cache cannot be copied by rows.
+    shares_prompt_start = True
 
     def __init__(
         self,
@@ -384,8 +394,8 @@ class HFHeadAblateLM(HFLM):
         with self.forward_pass(context, generation_kwargs.get("attention_mask"),
                                width) as active, stopping:
             if active is None or active.donors is None:
-                return super()._model_generate(context, max_length, stop,
-                                               **generation_kwargs)
+                return self._generate_after_shared_start(context, max_length, stop,
+                                                         generation_kwargs)
             seen = [0]
 
             def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
@@ -401,6 +411,41 @@ class HFHeadAblateLM(HFLM):
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
             finally:
                 handle.remove()
+
+    def _generate_after_shared_start(self, context: Any, max_length: int, stop: list[str],
+                                     generation_kwargs: dict[str, Any]) -> Any:
+        """HFLM's ``_model_generate`` with the prompts' common start computed once per
+        distinct mask (``prompt_start``): the same tokens, in every column. Resample
+        ablation's donors, aligned to the left-padded columns, never come here."""
+        import torch
+
+        attention = generation_kwargs.get("attention_mask")
+        start = shared_start(context, attention) if self.shares_prompt_start else 0
+        name = cache_argument(self.model) if start else None
+        intervention = self.intervention
+        if intervention.row_masks is None:
+            distinct, which = None, torch.zeros(len(context), dtype=torch.long)
+        else:
+            distinct, which = torch.unique(torch.as_tensor(intervention.row_masks), dim=0,
+                                           return_inverse=True)
+        copies = 1 if distinct is None else len(distinct)
+        if name is None or name in generation_kwargs or copies >= len(context):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        ids, mask = laid_out(context, attention, start)
+        once = intervention if distinct is None else intervention.replace(row_masks=distinct)
+        with torch.no_grad(), self.knockout.applied(once), torch.autocast(
+                device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None):
+            cache = getattr(self.model(input_ids=ids[:1, :start].expand(copies, -1),
+                                       use_cache=True), name)
+        if not plain_cache(cache):
+            self.shares_prompt_start = False  # the same for every later call
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        cache.batch_select_indices(which.to(ids.device))
+        generated = super()._model_generate(
+            ids, max_length, stop, **{**generation_kwargs, "attention_mask": mask, name: cache})
+        generated[:, :context.shape[1]] = context  # the prompt columns as they came
+        return generated
 
     @property
     def num_layers(self) -> int:
