@@ -68,6 +68,9 @@ def test_locate_writes_a_run_folder_hf_headablate_can_read(tiny_model_dir, tmp_p
         f"Results in {out}/ (report.md, heatmap.png, heads-<task>.json for each task; "
         "heads.json is tiny_copy's)")
     assert printed[-1].startswith("Time: ")  # where the time went, last
+    # The automatic masks per pass (one on a CPU for log-likelihoods), as recorded.
+    assert printed[-3] == "Masks per pass: 1 (automatic; --masks-per-pass sets it)"
+    assert strict_json(out / "config.json")["masks_per_pass"] == 1
     for name in ["config.json", "design_matrix.npy", "measurements.jsonl", "heads.json",
                  "heads.csv", "heads-tiny_choice.json", "heatmap.png", "report.md"]:
         assert (out / name).is_file(), name

@@ -10,7 +10,12 @@ from helpers import ARCHITECTURES, load_lm
 import lm_eval_headloc.intervention.multigen as multigen
 from lm_eval_headloc.intervention.components import parse_heads
 from lm_eval_headloc.measurement.measure import HarnessMeasurement
-from lm_eval_headloc.measurement.sizing import GENERATION_MEMORY_SHARE, generation_masks_for_memory
+from lm_eval_headloc.measurement.sizing import (
+    CPU_GENERATION_ROWS,
+    CPU_MEMORY_SHARE,
+    GENERATION_MEMORY_SHARE,
+    generation_masks_for_memory,
+)
 
 TASK = "tiny_generate_stops"  # stops ["J", "V", "ry"]: rows end after different steps
 MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
@@ -351,14 +356,9 @@ def test_only_tokens_that_can_end_a_stop_string_are_looked_at(tiny_model_dir):
         assert multigen.could_end(tokenizer, stops, frozenset()).all()
 
 
-def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, task_manager,
-                                                              monkeypatch):
-    from lm_eval_headloc.runs.plan import generation_batch
-    from lm_eval_headloc.runs.spec import RunSpec
-
-    lm = load_lm(tiny_model_dir("llama"))  # batch size 4
-    measure = open_measurement(task_manager, lm)
-    assert measure.auto_masks_per_pass() == 1  # a CPU
+def generating_bytes_per_mask(lm, measure) -> int:
+    """The memory one mask's copy of a generate call of the tiny Llama takes, as
+    ``generation_masks_for_memory`` counts it, worked out by hand."""
     width = max(len(lm.tok_encode(i.args[0])) for i in measure.generating_instances())
     # Per mask copy of 4 rows of the tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads, 2 K/V
     # heads of 8, vocab 300, float32), prompts `width` wide, 12 new tokens (the task's):
@@ -366,7 +366,38 @@ def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, ta
     rows, logits = 4, 4 * 300 * (4 + 8)
     prompt_pass = rows * width * (256 + 1536) + rows * 4 * width * width * 4 + logits
     last_step = rows * (width + 12) * 256 + rows * (1536 + 4 * 4) + logits
-    per_copy = max(prompt_pass, last_step)
+    return max(prompt_pass, last_step)
+
+
+def test_the_automatic_k_of_a_generation_measurement_on_a_cpu(tiny_model_dir, task_manager,
+                                                              monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+
+    lm = load_lm(tiny_model_dir("llama"))  # batch size 4
+    measure = open_measurement(task_manager, lm)
+    assert measure.rows_per_generate() == 4
+    # Masks fill a call to CPU_GENERATION_ROWS rows; the run records the choice.
+    assert measure.chosen_masks_per_pass is None
+    assert measure.auto_masks_per_pass() == CPU_GENERATION_ROWS // 4 == 32
+    assert measure.chosen_masks_per_pass == 32
+    # Where the available memory holds fewer copies (at CPU_MEMORY_SHARE), that many.
+    per_copy = generating_bytes_per_mask(lm, measure)
+    available = int(3.5 * per_copy / CPU_MEMORY_SHARE)
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=available))
+    assert measure.auto_masks_per_pass() == 3
+
+
+def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, task_manager,
+                                                              monkeypatch):
+    from lm_eval_headloc.runs.plan import generation_batch
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    lm = load_lm(tiny_model_dir("llama"))  # batch size 4
+    measure = open_measurement(task_manager, lm)
+    per_copy = generating_bytes_per_mask(lm, measure)
     monkeypatch.setattr(lm, "_device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * per_copy, 0))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
@@ -377,3 +408,25 @@ def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, ta
     assert generation_batch(RunSpec(batch_size=32), lm) is None
     monkeypatch.setattr(lm, "_device", torch.device("cpu"))
     assert generation_batch(RunSpec(), lm) is None
+
+
+def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp_path,
+                                                             capsys):
+    from helpers import LASSO_ONLY, harness, strict_json, tiny_args
+
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", TASK,
+                   *LASSO_ONLY, "--masks", "6", "--num-samples", "8",
+                   "--out", str(out)) == 0
+    # 8 requests, fewer than a batch (32 rows): 8 rows per mask, 128 / 8 masks per call.
+    assert strict_json(out / "config.json")["masks_per_pass"] == CPU_GENERATION_ROWS // 8
+    printed = capsys.readouterr().out.splitlines()
+    assert "Masks per pass: 16 (automatic; --masks-per-pass sets it)" in printed
+    # Asked for: recorded in the spec only.
+    again = tmp_path / "asked"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", TASK,
+                   *LASSO_ONLY, "--masks", "6", "--num-samples", "8", "--masks-per-pass", "2",
+                   "--out", str(again)) == 0
+    config = strict_json(again / "config.json")
+    assert "masks_per_pass" not in config and config["spec"]["masks_per_pass"] == 2
+    assert "Masks per pass" not in capsys.readouterr().out

@@ -219,7 +219,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
-    top_k = load_run(out).spec.top_k
+    record = load_run(out)
+    top_k = record.spec.top_k
     for task, ranking in rankings.items():
         print(f"{task} ({ranking.metric}): baseline {ranking.baseline:.4f}"
               + fit_summary(ranking, top_k))
@@ -252,6 +253,9 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
         first = next(iter(rankings))
         files = (f"report.md, heatmap.png, heads-<task>.json for each task; heads.json is "
                  f"{first}'s")
+    if isinstance(record.masks_per_pass, int):  # as the run recorded it
+        print(f"Masks per pass: {record.masks_per_pass} (automatic; --masks-per-pass "
+              "sets it)")
     print(f"Results in {out}/ ({files})")
 
 

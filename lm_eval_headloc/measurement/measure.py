@@ -185,6 +185,8 @@ class HarnessMeasurement:
             raise ValueError(f"generation_batch {generation_batch!r}: None or 'auto'")
         self.generation_batch_size = generation_batch
         self._generates_together: bool | None = None  # settled on first use
+        # The automatic masks per pass last chosen (``auto_masks_per_pass``); None: none yet.
+        self.chosen_masks_per_pass: int | None = None
         # Masks per pass since one more ran out of GPU memory (measure_many); None: no cap.
         self.most_masks_per_pass: int | None = None
 
@@ -436,14 +438,19 @@ class HarnessMeasurement:
 
     def auto_masks_per_pass(self) -> int:
         """Masks per forward pass (per ``generate`` call for generation tasks) when none is
-        asked for (``sizing.masks_per_pass``, ``sizing.generation_masks_per_pass``)."""
+        asked for (``sizing.masks_per_pass``, ``sizing.generation_masks_per_pass``), chosen
+        for each batch of measurements; the last is kept in ``chosen_masks_per_pass``,
+        which config.json records."""
         from lm_eval_headloc.measurement.sizing import generation_masks_per_pass, masks_per_pass
 
         if self.generates_together:
-            return generation_masks_per_pass(self.lm, self.generating_instances(),
-                                             self.rows_per_generate())
-        return masks_per_pass(self.lm, self.requests, self.resolved_batch_size,
-                              self.scored_positions)
+            chosen = generation_masks_per_pass(self.lm, self.generating_instances(),
+                                               self.rows_per_generate())
+        else:
+            chosen = masks_per_pass(self.lm, self.requests, self.resolved_batch_size,
+                                    self.scored_positions)
+        self.chosen_masks_per_pass = chosen
+        return chosen
 
     def rows_per_generate(self) -> int:
         """Rows per mask of each ``generate`` call (``generation_rows``, else the model's

@@ -12,7 +12,8 @@ from typing import Any
 
 from lm_eval_headloc.intervention.geometry import Geometry, text_config
 
-__all__ = ["MOST_MASKS_PER_PASS", "auto_batch_size", "batch_size", "generation_batch_size",
+__all__ = ["CPU_GENERATION_ROWS", "MOST_MASKS_PER_PASS", "auto_batch_size", "batch_size",
+           "generation_batch_size",
            "generation_masks_for_memory", "generation_masks_per_pass", "is_out_of_memory",
            "masks_per_pass", "masks_per_pass_for_memory"]
 
@@ -21,6 +22,14 @@ MOST_MASKS_PER_PASS = 64
 #: The share of free GPU memory the automatic K fills with generating rows: their key/value
 #: cache is counted exactly, so less is held back than for loglikelihood passes (half).
 GENERATION_MEMORY_SHARE = 0.85
+#: The rows a ``generate`` call on a CPU is filled to with masks (K = this over the rows per
+#: mask). A decoding step's cost grows far less than its rows up to about a hundred rows:
+#: on the embedded SmolLM2 (BENCH.md, 2 cores), K = 4-8 masks per call took 1.9-2.0x less
+#: time per mask than K = 1 on rhyme (32 rows per mask), swear (16) and rhyme_heldout (32),
+#: and doubling the rows from 128 to 256 gained 1-4 %.
+CPU_GENERATION_ROWS = 128
+#: The share of the available CPU memory the automatic K's generating rows may fill.
+CPU_MEMORY_SHARE = 0.5
 #: How CUDA errors that are not ``torch.OutOfMemoryError`` say they ran out of memory.
 OUT_OF_MEMORY_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
@@ -118,20 +127,33 @@ def generation_batch_size(lm: Any, instances: Sequence[Any]) -> int | None:
 
 
 def generation_masks_per_pass(lm: Any, instances: Sequence[Any], rows: int) -> int:
-    """Masks per ``generate`` call when none is asked for: 1 on a CPU (BENCH.md), and on a
-    GPU as many as ``GENERATION_MEMORY_SHARE`` of the free memory holds with ``rows`` rows
-    per mask, each generating the most tokens any request may from the widest prompt
-    (``generation_masks_for_memory``)."""
+    """Masks per ``generate`` call when none is asked for. On a GPU, as many as
+    ``GENERATION_MEMORY_SHARE`` of the free memory holds with ``rows`` rows per mask, each
+    generating the most tokens any request may from the widest prompt
+    (``generation_masks_for_memory``); on a CPU, enough to fill a call to
+    ``CPU_GENERATION_ROWS`` rows, at most what ``CPU_MEMORY_SHARE`` of the available
+    memory holds."""
     import torch
 
     device = torch.device(lm.device)
     shape = _generation_shape(lm, instances)
-    if device.type != "cuda" or shape is None:
+    if shape is None:
         return 1
     prompt, longest = shape
+    model = lm.model
+    if device.type != "cuda":
+        import psutil
+
+        fits = generation_masks_for_memory(
+            int(psutil.virtual_memory().available * CPU_MEMORY_SHARE
+                / GENERATION_MEMORY_SHARE), rows, len(prompt), longest, model.config,
+            torch.finfo(model.dtype).bits // 8)
+        # A call's rows per mask: the batch, or every request where there are fewer.
+        per_mask = max(1, min(rows, sum(i.request_type == "generate_until"
+                                        for i in instances)))
+        return max(1, min(fits, CPU_GENERATION_ROWS // per_mask))
     free, _ = torch.cuda.mem_get_info(device)
     free += max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    model = lm.model
     return generation_masks_for_memory(free, rows, len(prompt), longest, model.config,
                                        torch.finfo(model.dtype).bits // 8)
 

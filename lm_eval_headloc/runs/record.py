@@ -115,6 +115,9 @@ class RunRecord:
     # Each session's phase timings (``timing.PhaseClock.snapshot``; a resumed run adds one).
     timings: list[dict[str, Any]] | None = None
     workers: list[dict[str, Any]] | None = None  # --workers: each worker's share
+    # The masks per pass (per generate call) the measurement chose where --masks-per-pass
+    # was left automatic (``auto_masks_per_pass``); None: asked for, or not chosen here.
+    masks_per_pass: int | None = None
     other: dict[str, Any] = field(default_factory=dict)
     # The config last written or read: a phase that changed nothing writes nothing.
     _written: dict[str, Any] | None = field(default=None, init=False, repr=False,
@@ -131,7 +134,7 @@ class RunRecord:
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
         "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
         "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
-        "ablation", "timings", "workers")
+        "ablation", "timings", "workers", "masks_per_pass")
 
     # --- reading -------------------------------------------------------------------
 
@@ -221,6 +224,9 @@ class RunRecord:
         workers = None if measure is None else measure.workers_config()
         if workers is not None:  # measured on workers: where, and their shares
             self.workers = workers
+        chosen = getattr(measure, "chosen_masks_per_pass", None)
+        if chosen is not None and self.spec.masks_per_pass is None:
+            self.masks_per_pass = chosen
         clock = timing.current()
         if self._earlier_timings is not None and clock is not None:
             self.timings = [*self._earlier_timings, clock.snapshot()]
