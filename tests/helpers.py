@@ -614,3 +614,64 @@ def tiny_task_docs(task: str) -> list[dict]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return list(module.load_docs()["test"])
+
+
+GENERATION_TASK = "tiny_generate_stops"  # stops ["J", "V", "ry"]: rows end after different steps
+GENERATION_MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
+
+
+def open_generation_measurement(manager, lm, tasks=(GENERATION_TASK,), **kwargs):
+    """Every test document of ``tasks`` (tiny_generate_stops by default) measured."""
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    return HarnessMeasurement(lm, [(name, None) for name in tasks],
+                              {name: manager.load([name]) for name in tasks},
+                              num_samples=None, **kwargs)
+
+
+def lm_evals_own(lm, instances, heads, rows, monkeypatch):
+    """lm-eval's ``generate_until`` with ``heads`` knocked out, its own stopping criteria
+    (``MultiTokenEOSCriteria``: a batch ends when one stop string is in every row) and
+    ``rows`` requests per batch: what one mask alone gets from the stock harness."""
+    from lm_eval.models.huggingface import HFLM
+
+    import lm_eval_headloc.intervention.multigen as multigen
+
+    with monkeypatch.context() as patch:
+        patch.setattr(multigen, "stops_per_row", lambda *_: False)
+        patch.setattr(lm, "batch_size_per_gpu", rows)
+        with lm.knocking_out(heads):
+            return HFLM.generate_until(lm, list(instances), disable_tqdm=True)
+
+
+def with_stops_that_end_rows(lm, instances, monkeypatch, every_row=False):
+    """``instances`` generating until strings that this random model writes in some rows,
+    after a different number of tokens (what each family writes differs, so the stop
+    strings are read off its own answers): leaving a row or more to run to max_gen_toks
+    where the answers allow, or (``every_row``) ending every row, no one string in all."""
+    from lm_eval.api.instance import Instance
+
+    def until(stops):
+        return [Instance("generate_until", doc=i.doc, idx=i.idx,
+                         arguments=(i.args[0], {**i.args[1], "until": stops}))
+                for i in instances]
+
+    texts = lm_evals_own(lm, until([]), [], len(instances), monkeypatch)
+    rows_with: dict[str, set[int]] = {}
+    for row, text in enumerate(texts):
+        for start in range(len(text)):
+            for end in range(start + 1, min(len(text), start + 4) + 1):
+                if "\ufffd" not in text[start:end]:  # a byte left over, not a character
+                    rows_with.setdefault(text[start:end], set()).add(row)
+    everyone = set(range(len(texts)))
+    most = len(texts) if every_row else len(texts) - 1  # rows the stops may cover
+    stops, covered = [], set()
+    for stop, rows in sorted(rows_with.items(), key=lambda item: (-len(item[1]), item[0])):
+        if len(stops) < 6 and rows != everyone and rows - covered \
+                and len(covered | rows) <= most:
+            stops.append(stop)
+            covered |= rows
+    if not stops:  # the same string in every answer: it ends them at different steps
+        stops = [min(rows_with, key=lambda stop: (-len(rows_with[stop]), stop))]
+    assert not every_row or covered == everyone, (texts, stops)
+    return until(stops)

@@ -467,7 +467,7 @@ def test_the_terminal_marks_top_heads_the_masks_cannot_tell_apart_or_that_do_not
     rankings = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=4,
                             confirmed={"heads": ["L0H0", "L1H0"], "never": []})
     monkeypatch.setattr(cli, "load_run", lambda out: SimpleNamespace(
-        spec=SimpleNamespace(top_k=4)))
+        spec=SimpleNamespace(top_k=4), masks_per_pass=None))
     cli._print_rankings(rankings, "out")
     lines = capsys.readouterr().out.splitlines()[1:5]
     ranking = rankings["t"]

@@ -5,72 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHITECTURES, load_lm
+from helpers import (
+    ARCHITECTURES,
+    GENERATION_MASKS,
+    GENERATION_TASK,
+    lm_evals_own,
+    load_lm,
+    open_generation_measurement,
+    with_stops_that_end_rows,
+)
 
 import lm_eval_headloc.intervention.multigen as multigen
 from lm_eval_headloc.intervention.components import parse_heads
-from lm_eval_headloc.measurement.measure import HarnessMeasurement
 from lm_eval_headloc.measurement.sizing import (
     CPU_GENERATION_ROWS,
     CPU_MEMORY_SHARE,
     GENERATION_MEMORY_SHARE,
     generation_masks_for_memory,
 )
-
-TASK = "tiny_generate_stops"  # stops ["J", "V", "ry"]: rows end after different steps
-MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
-
-
-def open_measurement(manager, lm, tasks=(TASK,), **kwargs):
-    return HarnessMeasurement(lm, [(name, None) for name in tasks],
-                              {name: manager.load([name]) for name in tasks},
-                              num_samples=None, **kwargs)
-
-
-def lm_evals_own(lm, instances, heads, rows, monkeypatch):
-    """lm-eval's ``generate_until`` with ``heads`` knocked out, its own stopping criteria
-    (``MultiTokenEOSCriteria``: a batch ends when one stop string is in every row) and
-    ``rows`` requests per batch: what one mask alone gets from the stock harness."""
-    from lm_eval.models.huggingface import HFLM
-
-    with monkeypatch.context() as patch:
-        patch.setattr(multigen, "stops_per_row", lambda *_: False)
-        patch.setattr(lm, "batch_size_per_gpu", rows)
-        with lm.knocking_out(heads):
-            return HFLM.generate_until(lm, list(instances), disable_tqdm=True)
-
-
-def with_stops_that_end_rows(lm, instances, monkeypatch, every_row=False):
-    """``instances`` generating until strings that this random model writes in some rows,
-    after a different number of tokens (what each family writes differs, so the stop
-    strings are read off its own answers): leaving a row or more to run to max_gen_toks
-    where the answers allow, or (``every_row``) ending every row, no one string in all."""
-    from lm_eval.api.instance import Instance
-
-    def until(stops):
-        return [Instance("generate_until", doc=i.doc, idx=i.idx,
-                         arguments=(i.args[0], {**i.args[1], "until": stops}))
-                for i in instances]
-
-    texts = lm_evals_own(lm, until([]), [], len(instances), monkeypatch)
-    rows_with: dict[str, set[int]] = {}
-    for row, text in enumerate(texts):
-        for start in range(len(text)):
-            for end in range(start + 1, min(len(text), start + 4) + 1):
-                if "\ufffd" not in text[start:end]:  # a byte left over, not a character
-                    rows_with.setdefault(text[start:end], set()).add(row)
-    everyone = set(range(len(texts)))
-    most = len(texts) if every_row else len(texts) - 1  # rows the stops may cover
-    stops, covered = [], set()
-    for stop, rows in sorted(rows_with.items(), key=lambda item: (-len(item[1]), item[0])):
-        if len(stops) < 6 and rows != everyone and rows - covered \
-                and len(covered | rows) <= most:
-            stops.append(stop)
-            covered |= rows
-    if not stops:  # the same string in every answer: it ends them at different steps
-        stops = [min(rows_with, key=lambda stop: (-len(rows_with[stop]), stop))]
-    assert not every_row or covered == everyone, (texts, stops)
-    return until(stops)
 
 
 def made_criteria(monkeypatch):
@@ -91,8 +43,8 @@ def test_each_mask_gets_lm_evals_own_answers(tiny_model_dir, task_manager, famil
                                              monkeypatch):
     lm = load_lm(tiny_model_dir(family))
     instances = with_stops_that_end_rows(
-        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch)
-    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
     made = made_criteria(monkeypatch)
     together = multigen.generations_for_masks(lm, instances, masks, rows=5)
     # The test means something: three batches of 5 x 5 rows (12 requests), rows ending at
@@ -109,7 +61,7 @@ def test_a_hybrid_model_keeps_each_rows_mask_through_its_recurrent_layers(
         tiny_hybrid_dir, task_manager, monkeypatch):
     lm = load_lm(tiny_hybrid_dir)
     instances = with_stops_that_end_rows(
-        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch)
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch)
     masks = [[], parse_heads("L1H0+L3H2", 4, 4), parse_heads("L3H*", 4, 4)]
     together = multigen.generations_for_masks(lm, instances, masks, rows=4)
     for heads, answers in zip(masks, together, strict=True):
@@ -134,7 +86,7 @@ def test_rows_stop_on_their_own_and_the_batch_ends_with_its_last(tiny_model_dir,
     batch with its last, with the same answers."""
     lm = load_lm(tiny_model_dir("llama"))
     instances = with_stops_that_end_rows(
-        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch,
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch,
         every_row=True)
     made = made_criteria(monkeypatch)
     steps = count_steps(lm)
@@ -165,9 +117,9 @@ def test_rows_ended_by_an_eos_token_answer_as_alone(tiny_model_dir, task_manager
                                                     monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
     ending_rows_early(lm)
-    instances = open_measurement(task_manager, lm).generating_instances()
+    instances = open_generation_measurement(task_manager, lm).generating_instances()
     made = made_criteria(monkeypatch)
-    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
     together = multigen.generations_for_masks(lm, instances, masks, rows=6)
     assert together == [lm_evals_own(lm, instances, heads, 6, monkeypatch) for heads in masks]
     ends = [end for c in made for end in c.finished_at]
@@ -182,7 +134,7 @@ def test_a_pad_token_that_is_a_word_keeps_lm_evals_own_stopping(tiny_model_dir,
     ending_rows_early(lm)
     lm.tokenizer.pad_token = lm.tokenizer.convert_ids_to_tokens(260)  # not special
     padding = lm.tokenizer.decode([260]) * 2
-    measure = open_measurement(task_manager, lm)
+    measure = open_generation_measurement(task_manager, lm)
     assert not multigen.stops_per_row(lm, {"do_sample": False})
     assert not measure.generates_together
     lm.batch_size_per_gpu = 6
@@ -194,10 +146,10 @@ def test_a_pad_token_that_is_a_word_keeps_lm_evals_own_stopping(tiny_model_dir,
 def test_sampled_or_thinking_generation_is_not_shared_nor_stopped_early(tiny_model_dir,
                                                                        task_manager):
     lm = load_lm(tiny_model_dir("llama"))
-    greedy = open_measurement(task_manager, lm).generating_instances()
+    greedy = open_generation_measurement(task_manager, lm).generating_instances()
     assert multigen.shares_generate(lm, greedy)
     for gen_kwargs in ({"do_sample": True, "temperature": 0.7}, {"num_beams": 2}):
-        sampled = open_measurement(task_manager, lm, gen_kwargs=gen_kwargs)
+        sampled = open_generation_measurement(task_manager, lm, gen_kwargs=gen_kwargs)
         assert not multigen.shares_generate(lm, sampled.generating_instances()), gen_kwargs
         assert not sampled.generates_together
     assert not multigen.stops_per_row(lm, {"do_sample": True})
@@ -214,14 +166,14 @@ def test_sampled_or_thinking_generation_is_not_shared_nor_stopped_early(tiny_mod
     assert not multigen.shares_generate(lm, greedy)
 
 
-@pytest.mark.parametrize("tasks", [(TASK,), (TASK, "tiny_choice")],
+@pytest.mark.parametrize("tasks", [(GENERATION_TASK,), (GENERATION_TASK, "tiny_choice")],
                          ids=["generation", "generation and multiple choice"])
 def test_a_measurement_of_k_masks_per_generate_scores_as_one_at_a_time(
         tiny_model_dir, task_manager, tasks, monkeypatch):
     lm = load_lm(tiny_model_dir("qwen2"))
-    measure = open_measurement(task_manager, lm, tasks)
+    measure = open_generation_measurement(task_manager, lm, tasks)
     assert measure.generates_together and not measure.scored_positions
-    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
     calls = []
     real = multigen.generations_for_masks
     monkeypatch.setattr(multigen, "generations_for_masks",
@@ -234,7 +186,7 @@ def test_a_measurement_of_k_masks_per_generate_scores_as_one_at_a_time(
         alone = [measure.measure_with_model(heads) for heads in masks]
     assert [{t: s.value for t, s in scores.items()} for scores in together] == \
         [{t: s.value for t, s in scores.items()} for scores in alone]
-    assert len({scores[TASK].value for scores in alone}) > 1  # the masks answer differently
+    assert len({scores[GENERATION_TASK].value for scores in alone}) > 1  # masks differ
 
 
 def test_a_rolling_loglikelihood_task_beside_a_generation_task_is_measured_by_the_model(
@@ -244,7 +196,7 @@ def test_a_rolling_loglikelihood_task_beside_a_generation_task_is_measured_by_th
     task's score is what the model's own evaluation gives (it used to fail: 'no documents
     recorded for tiny_rolling')."""
     lm = load_lm(tiny_model_dir("llama"))
-    measure = open_measurement(task_manager, lm, (TASK, "tiny_rolling"))
+    measure = open_generation_measurement(task_manager, lm, (GENERATION_TASK, "tiny_rolling"))
     kinds = {i.request_type for i in measure.recorded_instances()}
     assert kinds == {"generate_until", "loglikelihood_rolling"}
     assert not multigen.shares_generate(lm, measure.recorded_instances())
@@ -259,7 +211,7 @@ def test_a_rolling_loglikelihood_task_beside_a_generation_task_is_measured_by_th
 def test_sampled_generation_is_measured_one_mask_at_a_time(tiny_model_dir, task_manager,
                                                            monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
-    measure = open_measurement(task_manager, lm,
+    measure = open_generation_measurement(task_manager, lm,
                                gen_kwargs={"do_sample": True, "temperature": 0.7})
 
     def refuse(*_):
@@ -300,9 +252,9 @@ def test_the_automatic_k_for_generation_counts_each_rows_key_value_cache():
 def test_a_generate_call_that_runs_out_of_gpu_memory_is_retried_at_half_the_masks(
         tiny_model_dir, task_manager, monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
-    measure = open_measurement(task_manager, lm)
-    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS[:4]]
-    want = [s[TASK].value for s in measure.measure_many(masks, masks_per_pass=1)]
+    measure = open_generation_measurement(task_manager, lm)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS[:4]]
+    want = [s[GENERATION_TASK].value for s in measure.measure_many(masks, masks_per_pass=1)]
     real, tried = multigen.generations_for_masks, []
 
     def small_gpu(lm, instances, group, rows):
@@ -312,7 +264,7 @@ def test_a_generate_call_that_runs_out_of_gpu_memory_is_retried_at_half_the_mask
         return real(lm, instances, group, rows)
 
     monkeypatch.setattr(multigen, "generations_for_masks", small_gpu)
-    got = [s[TASK].value for s in measure.measure_many(masks, masks_per_pass=4)]
+    got = [s[GENERATION_TASK].value for s in measure.measure_many(masks, masks_per_pass=4)]
     assert tried == [4, 2, 2] and measure.most_masks_per_pass == 2
     assert got == want
 
@@ -376,7 +328,7 @@ def test_the_automatic_k_of_a_generation_measurement_on_a_cpu(tiny_model_dir, ta
     import psutil
 
     lm = load_lm(tiny_model_dir("llama"))  # batch size 4
-    measure = open_measurement(task_manager, lm)
+    measure = open_generation_measurement(task_manager, lm)
     assert measure.rows_per_generate() == 4
     # Masks fill a call to CPU_GENERATION_ROWS rows; the run records the choice.
     assert measure.chosen_masks_per_pass is None
@@ -396,7 +348,7 @@ def test_the_automatic_k_of_a_generation_measurement_on_a_gpu(tiny_model_dir, ta
     from lm_eval_headloc.runs.spec import RunSpec
 
     lm = load_lm(tiny_model_dir("llama"))  # batch size 4
-    measure = open_measurement(task_manager, lm)
+    measure = open_generation_measurement(task_manager, lm)
     per_copy = generating_bytes_per_mask(lm, measure)
     monkeypatch.setattr(lm, "_device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * per_copy, 0))
@@ -415,7 +367,7 @@ def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp
     from helpers import LASSO_ONLY, harness, strict_json, tiny_args
 
     out = tmp_path / "run"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", TASK,
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", GENERATION_TASK,
                    *LASSO_ONLY, "--masks", "6", "--num-samples", "8",
                    "--out", str(out)) == 0
     # 8 requests, fewer than a batch (32 rows): 8 rows per mask, 128 / 8 masks per call.
@@ -424,7 +376,7 @@ def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp
     assert "Masks per pass: 16 (automatic; --masks-per-pass sets it)" in printed
     # Asked for: recorded in the spec only.
     again = tmp_path / "asked"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", TASK,
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", GENERATION_TASK,
                    *LASSO_ONLY, "--masks", "6", "--num-samples", "8", "--masks-per-pass", "2",
                    "--out", str(again)) == 0
     config = strict_json(again / "config.json")

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHITECTURES, load_lm
-from test_multigen import MASKS, open_measurement, with_stops_that_end_rows
+from helpers import (
+    ARCHITECTURES,
+    GENERATION_MASKS,
+    load_lm,
+    open_generation_measurement,
+    with_stops_that_end_rows,
+)
 
 import lm_eval_headloc.intervention.multigen as multigen
 from lm_eval_headloc.intervention.components import parse_heads
@@ -84,8 +89,8 @@ def test_the_same_answers_as_the_whole_prompts(tiny_model_dir, task_manager, fam
                                                monkeypatch):
     lm = load_lm(tiny_model_dir(family))
     instances = with_a_common_start(with_stops_that_end_rows(
-        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch))
-    masks = [parse_heads(m, 2, 4) if m else [] for m in MASKS]
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch))
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
     computed = tokens_computed(lm)
     whole = answers(lm, instances, masks, 5, shared=False)
     computed_whole, computed[0] = computed[0], 0
@@ -109,7 +114,7 @@ def test_a_model_with_recurrent_layers_is_computed_whole(tiny_hybrid_dir, task_m
                                                          monkeypatch):
     lm = load_lm(tiny_hybrid_dir)
     instances = with_a_common_start(with_stops_that_end_rows(
-        lm, open_measurement(task_manager, lm).generating_instances(), monkeypatch))
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch))
     masks = [[], parse_heads("L1H0+L3H2", 4, 4), parse_heads("L3H*", 4, 4)]
     whole = answers(lm, instances, masks, 4, shared=False)
     assert answers(lm, instances, masks, 4, shared=True) == whole

@@ -55,7 +55,8 @@ STARTED = {"schema", "command", "identity", "settings", "spec", "versions", "cre
 MEASURING = {"example_subset", "examples_used", "chat_template", "layers", "heads_per_layer",
              "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
              "ablation"}
-DESIGNED = {"pilot", "row_keys", "prior_used", "prior_method"}  # pilot: --sparsity auto
+# pilot: --sparsity auto; masks_per_pass: the automatic K, chosen by the pilot's first pass
+DESIGNED = {"pilot", "row_keys", "prior_used", "prior_method", "masks_per_pass"}
 MEASURED = {"masks_used", "confirm"}  # confirm: --confirm
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from headloc_bench import bench_generation as bench
+from lm_eval_headloc.measurement.sizing import CPU_GENERATION_ROWS
 
 
 def test_the_generation_benchmark_writes_its_section(tmp_path):
@@ -16,8 +17,10 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
     assert "<!-- bench_generation tiny-llama: start -->" in text
     rows = re.findall(r"^\| (\d+)[^|]* \| (\d+) \| (\d+) \| ([\d.]+) \|.*\| (yes|\*\*no\*\*) \|$",
                       text, flags=re.MULTILINE)
-    # K = 1 (the automatic K on a CPU) and 2: 3 and 6 rows in one call each, the same scores.
-    assert [(k, rows_, calls) for k, rows_, calls, _, _ in rows] == [("1", "3", "1"),
-                                                                   ("2", "6", "1")]
+    # K = 1, 2 and the automatic K on a CPU, as many masks as fill a call to
+    # CPU_GENERATION_ROWS rows (a tiny model's memory is no bound): 3 rows per mask.
+    auto = CPU_GENERATION_ROWS // 3
+    assert [(k, rows_, calls) for k, rows_, calls, _, _ in rows] == [
+        ("1", "3", "1"), ("2", "6", "1"), (str(auto), str(3 * auto), "1")]
     assert all(same == "yes" for *_, same in rows)
-    assert "The automatic K = 1" in text and "A whole default `locate`" not in text
+    assert f"The automatic K = {auto}" in text and "A whole default `locate`" not in text
