@@ -14,8 +14,9 @@ all 256, the worst case) or the embedded SmolLM2 (``--embedded``, e.g. ``--task 
     python benchmarks/bench_generation.py --config llama-3.1-8b --device cuda --locate
     python benchmarks/bench_generation.py --embedded --task rhyme --num-samples 16 --ks 4
 
-Writes its own section of ``BENCH.md`` (``bench_generation <model> <device>``) after each
-stage, so a run cut short keeps what it measured.
+Writes its own section of ``BENCH.md`` (``bench_generation <model> <device>``, the embedded
+model's ``bench_generation SmolLM2-135M-Instruct <task>``) after each stage, so a run cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -246,7 +247,9 @@ def render(report: Report, args: argparse.Namespace, command: str, total: float)
              "`generate` call (each row its own mask, rows stopping on their own), lm-eval "
              "scores each mask; timed once per K, in seconds per mask",
              "- **bare generate**: `model.generate` on the very prompts of ours' calls for "
-             "the tokens they generated: no harness, no knockout, no stopping criteria", ""]
+             "the tokens they generated: no harness, no knockout, no stopping criteria, "
+             "every prompt computed whole (ours computes the prompts' common start once "
+             "per mask: `intervention/prompt_start.py`)", ""]
     timed = [r for r in report.ks if r.seconds_per_mask is not None]
     one = next((r for r in timed if r.per_call == 1), None)
     best = min(timed, key=lambda r: r.seconds_per_mask) if timed else None
@@ -351,7 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_shapes.write_tasks(Path(include), docs=args.num_samples,
                                  max_gen_toks=args.max_gen_toks, seed=args.seed)
         model_args = f"pretrained={model_dir},dtype={args.dtype},device={args.device}"
-    section = section_name(f"bench_generation {name}", args.device)
+    # The embedded model's tasks each have a section of their own.
+    section = section_name(f"bench_generation {name}" + (f" {task}" if args.embedded else ""),
+                           args.device)
     report = Report(name, task, args.num_samples)
 
     def emit() -> None:

@@ -277,8 +277,10 @@ class RunSpec:
         RUNTIME, parse=parse_batch_size, metavar="N")
     masks_per_pass: int | None = _option(
         None, "masks evaluated together in one forward pass, or one generate call for "
-              "greedy generation (default: 1 on CPU, from free memory on a GPU; halved for "
-              "the rest of the run if a pass runs out of GPU memory)", RUNTIME, parse=int,
+              "greedy generation (default: from free memory on a GPU, halved for the rest of "
+              "the run if a pass runs out of it; on a CPU 1 per forward pass and enough per "
+              "generate call to fill it to 128 rows; config.json records it)", RUNTIME,
+        parse=int,
         metavar="K", whole=True, min_val=1)
     workers: int = _option(
         1, "measure on N Ray workers, each loading the model once (a local Ray unless "
