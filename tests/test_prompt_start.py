@@ -119,3 +119,50 @@ def test_a_model_with_recurrent_layers_is_computed_whole(tiny_hybrid_dir, task_m
     whole = answers(lm, instances, masks, 4, shared=False)
     assert answers(lm, instances, masks, 4, shared=True) == whole
     assert not lm.shares_prompt_start  # its cache holds recurrent states: not copied
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("share", [0.01, None])  # a pause at every row's end; the default
+def test_finished_rows_leave_the_batch_with_the_same_answers(tiny_model_dir, task_manager,
+                                                            family, share, monkeypatch):
+    import lm_eval_headloc.intervention.leaving_rows as leaving_rows
+    import lm_eval_headloc.intervention.model as model
+
+    if share is not None:
+        monkeypatch.setattr(leaving_rows, "LEAVE_SHARE", share)
+    calls = []  # per generate call, the rows of each of its segments
+    real_call, real_segment = model.generate_leaving_rows, leaving_rows._Rows.__init__
+
+    def call(*args, **kwargs):
+        calls.append([])
+        return real_call(*args, **kwargs)
+
+    def segment(self, stops, rows, *args):
+        calls[-1].append(len(rows))
+        real_segment(self, stops, rows, *args)
+
+    monkeypatch.setattr(model, "generate_leaving_rows", call)
+    monkeypatch.setattr(leaving_rows._Rows, "__init__", segment)
+    lm = load_lm(tiny_model_dir(family))
+    instances = with_a_common_start(with_stops_that_end_rows(
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch))
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
+    computed = tokens_computed(lm)
+    lm.finished_rows_leave = False
+    staying = answers(lm, instances, masks, 5, shared=True)
+    computed_staying, computed[0] = computed[0], 0
+    assert not calls
+    lm.finished_rows_leave = True
+    assert answers(lm, instances, masks, 5, shared=True) == staying
+    if family in SLIDING_WINDOW:  # computed whole, in one call: nothing leaves
+        assert not calls and computed[0] == computed_staying
+        return
+    # Rows left: some call went on with fewer rows than it began with, and fewer tokens
+    # were computed in all.
+    assert calls and any(len(rows) > 1 and rows[-1] < rows[0] for rows in calls), calls
+    assert computed[0] < computed_staying, (computed[0], computed_staying)
+    # One mask at a time, as lm-eval's own generate_until asks, rows leaving too.
+    lm.batch_size_per_gpu = 5
+    for heads, mask_answers in zip(masks, staying, strict=True):
+        with lm.knocking_out(heads):
+            assert lm.generate_until(list(instances), disable_tqdm=True) == mask_answers

@@ -56,6 +56,7 @@ from lm_eval_headloc.intervention.embedded import local_pretrained
 from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, Intervention
+from lm_eval_headloc.intervention.leaving_rows import generate_leaving_rows
 from lm_eval_headloc.intervention.model_args import _check_device, _requested_heads
 from lm_eval_headloc.intervention.prompt_start import (
     cache_argument,
@@ -82,6 +83,9 @@ class HFHeadAblateLM(HFLM):
     #: Whether ``generate`` calls compute their prompts' common start once per mask
     #: (``prompt_start``); off for a model whose key/value cache cannot be copied by rows.
     shares_prompt_start = True
+    #: Whether greedy rows that finished leave a ``generate`` call's batch on a CPU
+    #: (``leaving_rows``); on a GPU a step costs about as much for fewer rows.
+    finished_rows_leave = True
 
     def __init__(
         self,
@@ -419,6 +423,8 @@ class HFHeadAblateLM(HFLM):
         ablation's donors, aligned to the left-padded columns, never come here."""
         import torch
 
+        from lm_eval_headloc.intervention.multigen import stopping_per_row
+
         attention = generation_kwargs.get("attention_mask")
         start = shared_start(context, attention) if self.shares_prompt_start else 0
         name = cache_argument(self.model) if start else None
@@ -442,10 +448,48 @@ class HFHeadAblateLM(HFLM):
             self.shares_prompt_start = False  # the same for every later call
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         cache.batch_select_indices(which.to(ids.device))
-        generated = super()._model_generate(
-            ids, max_length, stop, **{**generation_kwargs, "attention_mask": mask, name: cache})
+        if self.finished_rows_leave and self.device.type == "cpu" and stopping_per_row():
+            generated = self._generate_leaving_rows(ids, mask, cache, name, max_length, stop,
+                                                    generation_kwargs)
+        else:
+            generated = super()._model_generate(
+                ids, max_length, stop,
+                **{**generation_kwargs, "attention_mask": mask, name: cache})
         generated[:, :context.shape[1]] = context  # the prompt columns as they came
         return generated
+
+    def _generate_leaving_rows(self, ids: Any, mask: Any, cache: Any, name: str,
+                               max_length: int, stop: list[str],
+                               generation_kwargs: dict[str, Any]) -> Any:
+        """HFLM's greedy ``_model_generate`` of ``ids`` from ``cache``, its rows leaving
+        the batch as they finish (``leaving_rows``). Greedy: ``multigen.stops_per_row``
+        held, so HFLM would pass ``do_sample=False`` and no temperature."""
+        import torch
+        from lm_eval.models import huggingface
+
+        # The stopping criteria HFLM makes for the call: RowStops (multigen), one per row.
+        stops = huggingface.stop_sequences_criteria(self.tokenizer, stop, ids.shape[1],
+                                                   ids.shape[0])[0]
+        options = {key: value for key, value in generation_kwargs.items()
+                   if key not in ("attention_mask", "temperature", "do_sample")}
+        row_masks = self.intervention.row_masks
+
+        def rows_of(rows: Any) -> Any:
+            if row_masks is None:
+                return contextlib.nullcontext()
+            return self.knockout.applied(self.intervention.replace(
+                row_masks=torch.as_tensor(row_masks)[rows.cpu()]))
+
+        def generate(inputs: Any, attention_mask: Any, criteria: Any) -> Any:
+            with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                enabled=self.mixed_precision_dtype is not None):
+                return self.model.generate(
+                    input_ids=inputs, attention_mask=attention_mask, max_length=max_length,
+                    stopping_criteria=criteria, pad_token_id=self.tokenizer.pad_token_id,
+                    use_cache=True, do_sample=False, **{**options, name: cache})
+
+        return generate_leaving_rows(generate, ids, mask, cache, stops,
+                                     self.tokenizer.pad_token_id, max_length, rows_of)
 
     @property
     def num_layers(self) -> int:

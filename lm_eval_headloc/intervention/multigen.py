@@ -32,7 +32,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from lm_eval_headloc.intervention.components import Head
 
 __all__ = ["RowStops", "could_end", "generations_for_masks", "rows_stop_on_their_own",
-           "shares_generate", "stops_per_row"]
+           "shares_generate", "stopping_per_row", "stops_per_row"]
 
 
 class RowStops(StoppingCriteria):
@@ -147,6 +147,14 @@ def _padding_is_silent(tokenizer: Any) -> bool:
     # As lm-eval decodes an answer (``tok_decode``): what its tokenizer skips, not what the
     # tokenizer lists as special (a pad token set by hand is listed, and decoded).
     return pad is None or tokenizer.decode([pad], skip_special_tokens=True) == ""
+
+
+def stopping_per_row() -> bool:
+    """Whether HFLM's ``generate`` calls stop each row on its own now (inside
+    ``rows_stop_on_their_own``)."""
+    from lm_eval.models import huggingface
+
+    return getattr(huggingface.stop_sequences_criteria, "made", None) is not None
 
 
 @contextlib.contextmanager
