@@ -687,6 +687,7 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
            and all(run["certified"] and run["exact"] for run in r["certified"].values())
            and np.median([run["spent"] for run in r["certified"].values()])
            <= CERTIFIED_GOAL]
+    missing = any(s not in r["certified"] for r in results for s in seeds)
     return [
         f"## Certified by default: measured until no other head can be in the top-{TOP}", "",
         "The default run (`headloc-harness locate --tasks TASK --design-seed S`, every other "
@@ -696,8 +697,9 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
         "rest), until each head is measured alone "
         "or ruled out by a set clearly under the top-5's entry bar (one-sided 95 %, the "
         "paired standard error of the set's change) — certified — or its cap "
-        "(`--max-measurements auto`: half the heads). Cells over the design seeds run so far "
-        "(a task's five seeds take 1-2 hours on 2 CPU cores; the rest are not run yet): runs "
+        "(`--max-measurements auto`: half the heads). Cells over the design seeds run "
+        "(a task's five seeds take 1-2 hours on 2 CPU cores"
+        + ("; the rest are not run yet" if missing else "") + "): runs "
         f"that ended certified; whose top-{TOP} is the exhaustive top-{TOP} as a set "
         "(exact) and in its order; the measurement-equivalents spent (the prior's allowance, "
         "masks, heads alone, group tests; median, range) of the cap; runs whose certificate "
@@ -814,7 +816,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"- date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC; whole run "
         f"{time.time() - start:.0f} s (run folders already on disk are reused)",
         f"- machine: {platform.processor() or platform.machine()}, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads",
+        f"{torch.__version__}, {torch.get_num_threads()} "
+        + ("thread" if torch.get_num_threads() == 1 else "threads"),
         "- model: the embedded SmolLM2-135M-Instruct (270 heads); 100 examples per task, "
         "the same subset (seed 0) in every measurement and in the ground truth",
         f"- ground truth: `{GROUND_TRUTH_COMMAND}` (benchmarks/exhaustive), the tasks the "
