@@ -24,9 +24,9 @@ MOST_MASKS_PER_PASS = 64
 GENERATION_MEMORY_SHARE = 0.85
 #: The rows a ``generate`` call on a CPU is filled to with masks (K = this over the rows per
 #: mask). A decoding step's cost grows far less than its rows up to about a hundred rows:
-#: on the embedded SmolLM2 (BENCH.md, 2 cores), 128 rows per call took 1.7-1.8x less time
-#: per mask than K = 1 on rhyme (32 rows per mask), swear (16) and rhyme_heldout (32), within
-#: 1.04x of the best measured K (64 to 256 rows).
+#: on the embedded SmolLM2 (BENCH.md, 2 cores), 128 rows per call took 1.4-2.1x less time
+#: per mask than K = 1 on rhyme (32 rows per mask), swear (16) and rhyme_heldout (32); 256
+#: rows took 6-14 % less than 128 on rhyme and rhyme_heldout and 16 % more on swear.
 CPU_GENERATION_ROWS = 128
 #: The share of the available CPU memory the automatic K's generating rows may fill.
 CPU_MEMORY_SHARE = 0.5
