@@ -590,12 +590,12 @@ def simple_evaluate(model_args: str | None = None, model=None, **kwargs) -> dict
 MASKS = ["L0H1", "", "L0H0+L1H3", "L1H*", "L0H2+L1H1", "L0H3"]
 
 
-def open_measurement(manager, lm, tasks, num_samples=10):
+def open_measurement(manager, lm, tasks, num_samples=10, **kwargs):
     from lm_eval_headloc.measurement.measure import HarnessMeasurement
 
     return HarnessMeasurement(lm, tasks=[(name, None) for name in tasks],
                               loaded_tasks={name: manager.load([name]) for name in tasks},
-                              num_samples=num_samples, seed=0)
+                              num_samples=num_samples, seed=0, **kwargs)
 
 
 class Request:  # what HFLM.loglikelihood reads of lm-eval's Instance
@@ -622,11 +622,7 @@ GENERATION_MASKS = ["", "L0H1", "L0H0+L1H3", "L1H*", "L0H2+L1H1"]
 
 def open_generation_measurement(manager, lm, tasks=(GENERATION_TASK,), **kwargs):
     """Every test document of ``tasks`` (tiny_generate_stops by default) measured."""
-    from lm_eval_headloc.measurement.measure import HarnessMeasurement
-
-    return HarnessMeasurement(lm, [(name, None) for name in tasks],
-                              {name: manager.load([name]) for name in tasks},
-                              num_samples=None, **kwargs)
+    return open_measurement(manager, lm, tasks, num_samples=None, **kwargs)
 
 
 def lm_evals_own(lm, instances, heads, rows, monkeypatch):

@@ -73,7 +73,7 @@ def generate_leaving_rows(generate: Callable[..., torch.Tensor], ids: torch.Tens
                         dtype=ids.dtype, device=ids.device)
     tokens[:, :ids.shape[1]] = ids
     rows = torch.arange(total, device=ids.device)
-    inputs, mask, width = ids, attention_mask, ids.shape[1]
+    inputs, mask = ids, attention_mask
     while True:
         criterion = _Rows(stops, rows, tokens, max(1, math.ceil(share * len(rows))))
         with rows_of(rows):

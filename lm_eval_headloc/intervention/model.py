@@ -439,9 +439,7 @@ class HFHeadAblateLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         ids, mask = laid_out(context, attention, start)
         once = intervention if distinct is None else intervention.replace(row_masks=distinct)
-        with torch.no_grad(), self.knockout.applied(once), torch.autocast(
-                device_type=self.device.type, dtype=self.mixed_precision_dtype,
-                enabled=self.mixed_precision_dtype is not None):
+        with torch.no_grad(), self.knockout.applied(once), self._autocast():
             cache = getattr(self.model(input_ids=ids[:1, :start].expand(copies, -1),
                                        use_cache=True), name)
         if not plain_cache(cache):
@@ -457,6 +455,13 @@ class HFHeadAblateLM(HFLM):
                 **{**generation_kwargs, "attention_mask": mask, name: cache})
         generated[:, :context.shape[1]] = context  # the prompt columns as they came
         return generated
+
+    def _autocast(self) -> Any:
+        """HFLM's mixed precision for the model's own calls (``mixed_precision_dtype``)."""
+        import torch
+
+        return torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                              enabled=self.mixed_precision_dtype is not None)
 
     def _generate_leaving_rows(self, ids: Any, mask: Any, cache: Any, name: str,
                                max_length: int, stop: list[str],
@@ -481,8 +486,7 @@ class HFHeadAblateLM(HFLM):
                 row_masks=torch.as_tensor(row_masks)[rows.cpu()]))
 
         def generate(inputs: Any, attention_mask: Any, criteria: Any) -> Any:
-            with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
-                                enabled=self.mixed_precision_dtype is not None):
+            with self._autocast():
                 return self.model.generate(
                     input_ids=inputs, attention_mask=attention_mask, max_length=max_length,
                     stopping_criteria=criteria, pad_token_id=self.tokenizer.pad_token_id,
