@@ -458,6 +458,8 @@ def certified_runs(task: str, seeds: Sequence[int], setup: Any, measure: Reused,
                        "certified": cert.certified, "spent": cert.measurements_spent,
                        "cap": cert.max_measurements, "unchecked": len(cert.unchecked),
                        "tied_at_k": cert.tied_at_k, "helps": cert.helps,
+                       # Where the spent went past the prior's allowance and the masks.
+                       "alone": cert.measured_alone, "group_sets": len(cert.group_tests),
                        "violations": cert.violations,
                        # Every session's whole time (a resumed run adds one).
                        "minutes": sum(t.get("whole", 0.0) for t in config.get("timings", []))
@@ -670,7 +672,7 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
         # A benchmark made over several sessions: the seeds run so far, said as such.
         runs = [r["certified"][s] for s in seeds if s in r["certified"]]
         if not runs:
-            rows.append(f"| {_task_label(r['task'])} | 0/{len(seeds)} | | | | | | |")
+            rows.append(f"| {_task_label(r['task'])} | 0/{len(seeds)} | | | | | | | |")
             continue
         spent = [run["spent"] for run in runs]
         tied = [run for run in runs if run["tied_at_k"]]
@@ -679,14 +681,16 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
             f"{_share(runs, 'certified')} | "
             f"{_share(runs, 'exact')} | {_share(runs, 'in_order')} | "
             f"{np.median(spent):.0f} ({min(spent)}–{max(spent)}) of {runs[0]['cap']} | "
+            f"{_medians(runs, 'alone', 'group_sets')} | "
             + (f"{len(tied)}/{len(runs)} (e.g. {', '.join(tied[0]['tied_at_k'])})" if tied
                else "none")
-            + f" | {np.median([run['helps'] for run in runs]):.0f} / "
-              f"{np.median([run['violations'] for run in runs]):.0f} |")
+            + f" | {_medians(runs, 'helps', 'violations')} |")
     met = [r["task"] for r in results if all(s in r["certified"] for s in seeds)
            and all(run["certified"] and run["exact"] for run in r["certified"].values())
            and np.median([run["spent"] for run in r["certified"].values()])
            <= CERTIFIED_GOAL]
+    over = [f"{r['task']} ({np.median([run['spent'] for run in r['certified'].values()]):.0f})"
+            for r in results if r["task"] not in met and all(s in r["certified"] for s in seeds)]
     missing = any(s not in r["certified"] for r in results for s in seeds)
     return [
         f"## Certified by default: measured until no other head can be in the top-{TOP}", "",
@@ -702,16 +706,28 @@ def certified_section(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]
         + ("; the rest are not run yet" if missing else "") + "): runs "
         f"that ended certified; whose top-{TOP} is the exhaustive top-{TOP} as a set "
         "(exact) and in its order; the measurement-equivalents spent (the prior's allowance, "
-        "masks, heads alone, group tests; median, range) of the cap; runs whose certificate "
+        "masks, heads alone, group tests; median, range) of the cap; where they went past "
+        "the prior's allowance and the masks (the median number of heads measured alone, "
+        "the confirmation's and those the splitting narrowed down to, and of sets of two or "
+        "more measured); runs whose certificate "
         "found heads at the 5th place the noise cannot tell apart (ties); and the median "
         "number of measured sets that ruled nothing out because they helped the task "
         "beyond the noise / harmed it clearly less than a measured part of them.", "",
-        "| task | seeds run | certified | exact top-5 | in order | measurements | ties at "
-        "the 5th place | helps / violations |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+        "| task | seeds run | certified | exact top-5 | in order | measurements | heads alone "
+        "/ sets | ties at the 5th place | helps / violations |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
         f"Certified with the exact top-{TOP} in every seed, at a median of at most "
         f"{CERTIFIED_GOAL} measurements (a third of 270): "
-        + (", ".join(met) if met else "none") + ".", ""]
+        + (", ".join(met) if met else "none") + "."
+        + (f" Not: {', '.join(over)}." if over else ""), ""]
+
+
+def _medians(runs: Sequence[Mapping[str, Any]], *keys: str) -> str:
+    """The runs' medians of ``keys``, as "a / b" (blank where a run from before a key lacks
+    it)."""
+    if not all(key in run for run in runs for key in keys):
+        return ""
+    return " / ".join(f"{np.median([run[key] for run in runs]):.0f}" for key in keys)
 
 
 def _share(runs: Sequence[Mapping[str, Any]], key: str) -> str:
