@@ -436,13 +436,13 @@ CERTIFIED = "certified"
 
 
 def certified_runs(task: str, seeds: Sequence[int], setup: Any, measure: Reused,
-                   new_runs: bool = True) -> dict[int, dict[str, Any]]:
+                   new_runs: bool = True, work: Path = WORK) -> dict[int, dict[str, Any]]:
     """The default run, measured until certified (or its cap), per design seed: what its
     certificate says, what it spent and its top-5 (run folders in
-    ``WORK/<task>/certified/seed<S>``; without ``new_runs``, only those on disk)."""
+    ``<work>/<task>/certified/seed<S>``; without ``new_runs``, only those on disk)."""
     found = {}
     for seed in seeds:
-        out = WORK / task / CERTIFIED / f"seed{seed}"
+        out = work / task / CERTIFIED / f"seed{seed}"
         if not new_runs and not (out / "heads.json").is_file():
             continue
         spec = setup.spec.replace(masks=None, confirm=None, group_tests=None,

@@ -49,3 +49,19 @@ def test_runs_from_before_the_breakdown_leave_its_cell_blank_and_unrun_tasks_are
     verdict = next(line for line in lines if line.startswith("Certified with the exact"))
     # Neither task has every seed run: none met, none judged as missing the goal.
     assert verdict.endswith("(a third of 270): none.")
+
+
+def test_compare_certified_lines_put_each_seed_beside_the_committed_run():
+    from headloc_bench.compare_certified import comparison_lines
+
+    truth = ["L1H4", "L16H0", "L11H5", "L18H6", "L11H4", "L1H3"]
+    today = {0: {**run(80, 36, 24), "top": truth[:5]},
+             1: {**run(90, 40, 30), "top": [*truth[:4], "L1H3"], "certified": False},
+             2: {**run(70, 34, 20), "top": truth[:5]}}
+    committed = {0: {"spent": 85}, 1: {"spent": 95}}
+    lines = comparison_lines("headloc_induction", today, committed, truth)
+    assert lines[1].split()[1:] == ["0", "80", "85", "yes", "yes"]
+    assert lines[2].split()[1:] == ["1", "90", "95", "no", "no"]  # L1H3 is the 6th
+    assert lines[3].split()[1:] == ["2", "70", "-", "yes", "yes"]  # no committed seed 2
+    # Medians over the seeds both have (0 and 1), by hand: (80 + 90) / 2, (85 + 95) / 2.
+    assert lines[4].endswith("median over seeds 0, 1: 85 today, 90 committed")
