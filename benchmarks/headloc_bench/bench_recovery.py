@@ -490,6 +490,13 @@ def timed_prior(path: Path, kind: str, measure: Reused, identity: Mapping[str, A
                 json.loads(folder.file("timing.json").read_text())["measurement_seconds"])
 
 
+def joint_identity(spec: RunSpec) -> dict[str, Any]:
+    """What a task's joint measurements depend on (its ``joint`` folder's identity): the
+    model, the task and its examples."""
+    return {k: v for k, v in spec.identity("locate").items()
+            if k in ("model_args", "tasks", "num_samples", "seed", "apply_chat_template")}
+
+
 def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
                budgets: Sequence[int], lm: Any, confirm_budgets: Sequence[int],
                new_runs: bool = True, certified: bool = True
@@ -504,9 +511,7 @@ def bench_task(task: str, methods: Sequence[Method], seeds: Sequence[int],
     spec = setup.spec
     per_layer = setup.heads_per_layer
     truth_config = json.loads((truth_folder(task) / "config.json").read_text())
-    # What the joint measurements depend on: the model, the task and its examples.
-    identity = {k: v for k, v in spec.identity("locate").items()
-                if k in ("model_args", "tasks", "num_samples", "seed", "apply_chat_template")}
+    identity = joint_identity(spec)
     with RunFolder(WORK / task / "joint") as joint:
         joint.start("bench-joint", identity, {}, spec.as_config())
         measure = open_measurement(setup, lm, joint, spec.num_samples)

@@ -40,6 +40,7 @@ from headloc_bench.bench_recovery import (
     Reused,
     certified_runs,
     ground_truth,
+    joint_identity,
     timed_prior,
     truth_folder,
 )
@@ -91,8 +92,7 @@ def compare_task(task: str, seeds: Sequence[int], out: Path, lm: Any) -> tuple[l
     """Today's certified runs of ``task`` into ``out/<task>``, beside the committed ones."""
     setup = prepare(RunSpec(tasks=(task,), progress=False))
     lm = lm or load_model(setup)
-    identity = {k: v for k, v in setup.spec.identity("locate").items()
-                if k in ("model_args", "tasks", "num_samples", "seed", "apply_chat_template")}
+    identity = joint_identity(setup.spec)
     truth = ground_truth(task)["top_k"]
     prior_dir = out / task / f"prior-{PRIOR}"
     if not prior_dir.exists():
@@ -117,10 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", type=lambda s: [t for t in s.split(",") if t],
                         default=[*TASKS, *HELD_OUT])
     parser.add_argument("--seeds", type=int, default=5, help="design seeds 0..N-1")
-    parser.add_argument("--out", type=Path, required=True,
+    parser.add_argument("--out", type=str, required=True,
                         help="where today's runs go (a folder of this script's; never "
                              "bench-work/)")
     args = parser.parse_args(argv)
+    if not args.tasks:
+        parser.error(f"--tasks: give one or more of {', '.join((*TASKS, *HELD_OUT))}")
+    if not args.out.strip() or (Path(args.out).exists() and not Path(args.out).is_dir()):
+        parser.error(f"--out {args.out!r}: must name a folder (new, or of this script's)")
+    args.out = Path(args.out)
     unknown = [t for t in args.tasks if t not in (*TASKS, *HELD_OUT)]
     if unknown:
         parser.error(f"--tasks: unknown task {unknown[0]!r}; known: "
