@@ -101,6 +101,29 @@ def test_rows_stop_on_their_own_and_the_batch_ends_with_its_last(tiny_model_dir,
     assert steps[0] == 12  # no one stop string is in every row: to max_gen_toks
 
 
+def test_rows_stop_on_their_own_without_replacing_lm_evals_criteria(tiny_model_dir,
+                                                                   task_manager):
+    """Our rows end on their own through our model's own ``generate`` call: lm-eval's
+    ``stop_sequences_criteria`` stays lm-eval's for every other model in the process, and
+    a plain ``hf`` model beside ours keeps lm-eval's batch-level stopping."""
+    from lm_eval.models import huggingface
+
+    lm = load_lm(tiny_model_dir("llama"))
+    original = huggingface.stop_sequences_criteria
+    seen = []
+    lm.model.register_forward_pre_hook(
+        lambda *_: seen.append(huggingface.stop_sequences_criteria is original))
+    instances = open_generation_measurement(task_manager, lm).generating_instances()
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
+    with multigen.rows_stop_on_their_own(lm) as made:
+        multigen.generations_for_masks(lm, instances, masks, rows=6)
+        plain = huggingface.stop_sequences_criteria(lm.tokenizer, ["\n"], 3, 2)
+    assert seen and all(seen)
+    assert made and all(isinstance(c, multigen.RowStops) for c in made)
+    assert not any(isinstance(c, multigen.RowStops) for c in plain)
+    assert lm.row_stops is None and not multigen.stopping_per_row(lm)
+
+
 def ending_rows_early(lm):
     """``lm``'s model, generating greedily, ends many rows on its end-of-sequence token."""
     from collections import Counter

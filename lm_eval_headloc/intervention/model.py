@@ -57,7 +57,7 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, Intervention
 from lm_eval_headloc.intervention.leaving_rows import generate_leaving_rows
-from lm_eval_headloc.intervention.model_args import _check_device, _requested_heads
+from lm_eval_headloc.intervention.model_args import check_device, requested_components
 from lm_eval_headloc.intervention.prompt_start import (
     cache_argument,
     laid_out,
@@ -86,6 +86,9 @@ class HFHeadAblateLM(HFLM):
     #: Whether greedy rows that finished leave a ``generate`` call's batch on a CPU
     #: (``leaving_rows``); on a GPU a step costs about as much for fewer rows.
     finished_rows_leave = True
+    #: The ``RowStops`` made inside ``multigen.rows_stop_on_their_own``, one per ``generate``
+    #: call (None outside it: lm-eval's own stopping criteria).
+    row_stops: list | None = None
 
     def __init__(
         self,
@@ -107,7 +110,7 @@ class HFHeadAblateLM(HFLM):
         # Read and parse the head list and the reference set before loading weights, so
         # a missing file or a malformed name fails fast; the layer/head ranges are
         # checked once the model is loaded.
-        requested = _requested_heads(ablate, ablate_file, ablate_top)
+        requested = requested_components(ablate, ablate_file, ablate_top)
         if attn_out is not None and not isinstance(attn_out, str):
             raise ComponentSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
                                 "e.g. attn_out=model.layers.*.self_attn.o_proj")
@@ -135,7 +138,7 @@ class HFHeadAblateLM(HFLM):
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
                         kwargs.get("gguf_file"))
         if not kwargs.get("parallelize"):
-            _check_device(kwargs.get("device"))
+            check_device(kwargs.get("device"))
         try:
             with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
                 super().__init__(pretrained=pretrained, **kwargs)
@@ -412,9 +415,36 @@ class HFHeadAblateLM(HFLM):
 
             handle = self.model.register_forward_pre_hook(track_columns, with_kwargs=True)
             try:
-                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+                return self._generate(context, max_length, stop, generation_kwargs)
             finally:
                 handle.remove()
+
+    def _generate(self, context: Any, max_length: int, stop: list[str],
+                  generation_kwargs: dict[str, Any]) -> Any:
+        """HFLM's ``_model_generate``; inside ``multigen.rows_stop_on_their_own`` the same
+        greedy call (``stops_per_row`` held) with each row ending on its own."""
+        from lm_eval_headloc.intervention.multigen import row_stops_for, stopping_per_row
+
+        if not stopping_per_row(self):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        from transformers import StoppingCriteriaList
+
+        stops = row_stops_for(self, stop, context.shape[1], context.shape[0])
+        return self._greedy_generate(context, max_length, StoppingCriteriaList([stops]),
+                                     generation_kwargs)
+
+    def _greedy_generate(self, ids: Any, max_length: int, criteria: Any,
+                         generation_kwargs: dict[str, Any]) -> Any:
+        """The model's ``generate`` as HFLM's ``_model_generate`` calls it for a greedy
+        request (``do_sample=False``, no temperature), stopped by ``criteria`` (a
+        ``StoppingCriteriaList``)."""
+        options = {key: value for key, value in generation_kwargs.items()
+                   if key not in ("temperature", "do_sample")}
+        with self._autocast():
+            return self.model.generate(
+                input_ids=ids, max_length=max_length, stopping_criteria=criteria,
+                pad_token_id=self.tokenizer.pad_token_id, use_cache=True, do_sample=False,
+                **options)
 
     def _generate_after_shared_start(self, context: Any, max_length: int, stop: list[str],
                                      generation_kwargs: dict[str, Any]) -> Any:
@@ -436,7 +466,7 @@ class HFHeadAblateLM(HFLM):
                                            return_inverse=True)
         copies = 1 if distinct is None else len(distinct)
         if name is None or name in generation_kwargs or copies >= len(context):
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            return self._generate(context, max_length, stop, generation_kwargs)
         ids, mask = laid_out(context, attention, start)
         once = intervention if distinct is None else intervention.replace(row_masks=distinct)
         with torch.no_grad(), self.knockout.applied(once), self._autocast():
@@ -444,15 +474,14 @@ class HFHeadAblateLM(HFLM):
                                        use_cache=True), name)
         if not plain_cache(cache):
             self.shares_prompt_start = False  # the same for every later call
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            return self._generate(context, max_length, stop, generation_kwargs)
         cache.batch_select_indices(which.to(ids.device))
-        if self.finished_rows_leave and self.device.type == "cpu" and stopping_per_row():
+        if self.finished_rows_leave and self.device.type == "cpu" and stopping_per_row(self):
             generated = self._generate_leaving_rows(ids, mask, cache, name, max_length, stop,
                                                     generation_kwargs)
         else:
-            generated = super()._model_generate(
-                ids, max_length, stop,
-                **{**generation_kwargs, "attention_mask": mask, name: cache})
+            generated = self._generate(ids, max_length, stop,
+                                       {**generation_kwargs, "attention_mask": mask, name: cache})
         generated[:, :context.shape[1]] = context  # the prompt columns as they came
         return generated
 
@@ -467,16 +496,15 @@ class HFHeadAblateLM(HFLM):
                                max_length: int, stop: list[str],
                                generation_kwargs: dict[str, Any]) -> Any:
         """HFLM's greedy ``_model_generate`` of ``ids`` from ``cache``, its rows leaving
-        the batch as they finish (``leaving_rows``). Greedy: ``multigen.stops_per_row``
-        held, so HFLM would pass ``do_sample=False`` and no temperature."""
+        the batch as they finish (``leaving_rows``), inside ``multigen.
+        rows_stop_on_their_own``."""
         import torch
-        from lm_eval.models import huggingface
 
-        # The stopping criteria HFLM makes for the call: RowStops (multigen), one per row.
-        stops = huggingface.stop_sequences_criteria(self.tokenizer, stop, ids.shape[1],
-                                                   ids.shape[0])[0]
+        from lm_eval_headloc.intervention.multigen import row_stops_for
+
+        stops = row_stops_for(self, stop, ids.shape[1], ids.shape[0])
         options = {key: value for key, value in generation_kwargs.items()
-                   if key not in ("attention_mask", "temperature", "do_sample")}
+                   if key != "attention_mask"}
         row_masks = self.intervention.row_masks
 
         def rows_of(rows: Any) -> Any:
@@ -486,11 +514,9 @@ class HFHeadAblateLM(HFLM):
                 row_masks=torch.as_tensor(row_masks)[rows.cpu()]))
 
         def generate(inputs: Any, attention_mask: Any, criteria: Any) -> Any:
-            with self._autocast():
-                return self.model.generate(
-                    input_ids=inputs, attention_mask=attention_mask, max_length=max_length,
-                    stopping_criteria=criteria, pad_token_id=self.tokenizer.pad_token_id,
-                    use_cache=True, do_sample=False, **{**options, name: cache})
+            return self._greedy_generate(
+                inputs, max_length, criteria,
+                {**options, "attention_mask": attention_mask, name: cache})
 
         return generate_leaving_rows(generate, ids, mask, cache, stops,
                                      self.tokenizer.pad_token_id, max_length, rows_of)

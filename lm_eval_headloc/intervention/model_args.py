@@ -28,9 +28,9 @@ from lm_eval_headloc.intervention.embedded import (
 )
 from lm_eval_headloc.intervention.geometry import Geometry, UnsupportedGeometry
 
-__all__ = ["PLACEMENT_MODEL_ARGS", "check_chat_template", "config_geometry", "context_length",
-           "model_config", "model_fingerprint", "model_identity", "resolve_model_args",
-           "same_model"]
+__all__ = ["PLACEMENT_MODEL_ARGS", "check_chat_template", "check_device", "config_geometry",
+           "context_length", "model_config", "model_fingerprint", "model_identity",
+           "requested_components", "resolve_model_args", "same_model"]
 
 log = logging.getLogger("lm_eval.models.hf_headablate")  # the model's, as in intervention.model
 
@@ -175,8 +175,9 @@ def same_model(a: str | None, b: str | None) -> bool:
     return model_identity(a) == model_identity(b)
 
 
-def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) -> list[str]:
-    """The head names asked for, checked for syntax (not yet against the model).
+def requested_components(ablate: object, ablate_file: object, ablate_top: object) -> list[str]:
+    """The component names (heads, neurons) ``ablate=``, ``ablate_file=`` and
+    ``ablate_top=`` ask for, checked for syntax (not yet against the model).
 
     lm-eval's model_args parser turns ``ablate=1`` into an int and ``ablate=True`` into a
     bool, hence the type checks: they give one line instead of a TypeError deep inside.
@@ -231,7 +232,7 @@ def _requested_heads(ablate: object, ablate_file: object, ablate_top: object) ->
     return names
 
 
-def _check_device(device: object) -> None:
+def check_device(device: object) -> None:
     """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
     without one and quietly takes another device for ``cuda:7`` (said only in its log).
     Refused, except lm-eval's own default, ``cuda:0``, which falls back to the CPU."""

@@ -27,12 +27,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria
 
 from lm_eval_headloc.intervention.components import Head
 
-__all__ = ["RowStops", "could_end", "generations_for_masks", "rows_stop_on_their_own",
-           "shares_generate", "stopping_per_row", "stops_per_row"]
+__all__ = ["RowStops", "could_end", "generations_for_masks", "row_stops_for",
+           "rows_stop_on_their_own", "shares_generate", "stopping_per_row", "stops_per_row"]
 
 
 class RowStops(StoppingCriteria):
@@ -149,41 +149,36 @@ def _padding_is_silent(tokenizer: Any) -> bool:
     return pad is None or tokenizer.decode([pad], skip_special_tokens=True) == ""
 
 
-def stopping_per_row() -> bool:
-    """Whether HFLM's ``generate`` calls stop each row on its own now (inside
+def stopping_per_row(lm: Any) -> bool:
+    """Whether ``lm``'s ``generate`` calls stop each row on its own now (inside
     ``rows_stop_on_their_own``)."""
-    from lm_eval.models import huggingface
-
-    return getattr(huggingface.stop_sequences_criteria, "made", None) is not None
+    return getattr(lm, "row_stops", None) is not None
 
 
 @contextlib.contextmanager
 def rows_stop_on_their_own(lm: Any) -> Iterator[list[RowStops]]:
-    """Inside, HFLM's ``_model_generate`` stops each row on its own (``RowStops`` in place
-    of lm-eval's ``stop_sequences_criteria``); yields the list of the criteria made, one per
-    call. Nested, the outer list gets them."""
-    from lm_eval.models import huggingface
-
-    current = huggingface.stop_sequences_criteria
-    made = getattr(current, "made", None)
+    """Inside, ``lm``'s ``_model_generate`` (``HFHeadAblateLM``) stops each row on its own:
+    ``RowStops`` (``row_stops_for``) in place of the criteria lm-eval's own
+    ``_model_generate`` makes; yields the list of the criteria made, one per call. Nested,
+    the outer list gets them."""
+    made = getattr(lm, "row_stops", None)
     if made is not None:  # already inside: the outer one collects
         yield made
         return
     made = []
-    eos_ids = _eos_ids(lm)
-
-    def per_row(tokenizer: Any, stops: list[str], prompt_width: int, rows: int
-                ) -> StoppingCriteriaList:
-        criteria = RowStops(tokenizer, stops, prompt_width, rows, eos_ids)
-        made.append(criteria)
-        return StoppingCriteriaList([criteria])
-
-    per_row.made = made  # type: ignore[attr-defined]
-    huggingface.stop_sequences_criteria = per_row
+    lm.row_stops = made
     try:
         yield made
     finally:
-        huggingface.stop_sequences_criteria = current
+        lm.row_stops = None
+
+
+def row_stops_for(lm: Any, stops: Sequence[str], prompt_width: int, rows: int) -> RowStops:
+    """The ``RowStops`` of one ``generate`` call of ``lm`` inside ``rows_stop_on_their_own``
+    (``rows`` rows, prompts ``prompt_width`` wide), kept in its list."""
+    criteria = RowStops(lm.tokenizer, stops, prompt_width, rows, _eos_ids(lm))
+    lm.row_stops.append(criteria)
+    return criteria
 
 
 def shares_generate(lm: Any, instances: Sequence[Any]) -> bool:
