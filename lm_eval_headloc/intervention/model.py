@@ -423,12 +423,12 @@ class HFHeadAblateLM(HFLM):
                   generation_kwargs: dict[str, Any]) -> Any:
         """HFLM's ``_model_generate``; inside ``multigen.rows_stop_on_their_own`` the same
         greedy call (``stops_per_row`` held) with each row ending on its own."""
+        from transformers import StoppingCriteriaList
+
         from lm_eval_headloc.intervention.multigen import row_stops_for, stopping_per_row
 
         if not stopping_per_row(self):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        from transformers import StoppingCriteriaList
-
         stops = row_stops_for(self, stop, context.shape[1], context.shape[0])
         return self._greedy_generate(context, max_length, StoppingCriteriaList([stops]),
                                      generation_kwargs)
