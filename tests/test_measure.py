@@ -234,6 +234,29 @@ def test_each_prompt_template_is_compiled_once_across_measurements(task_manager,
     assert len(compiled) > 4 * len(masks) * len(templates)
 
 
+def test_a_measurement_shows_none_of_lm_evals_progress_bars_unless_verbose(
+        task_manager, llama_lm, capsys):
+    """lm-eval draws a bar per measurement while it builds the requests, tokenizes and
+    scores them (hundreds in a run): a quiet measurement draws none and puts lm-eval's
+    own ``tqdm`` back after; a verbose one shows them."""
+    import importlib
+
+    from lm_eval_headloc.measurement.harness import _HARNESS_TQDM_MODULES
+
+    modules = [importlib.import_module(name) for name in _HARNESS_TQDM_MODULES]
+    before = [module.tqdm for module in modules]
+    masks = [parse_heads("L0H1")]
+    capsys.readouterr()
+    open_measurement(task_manager, llama_lm, tasks=["tiny_choice"]).measure_many(masks)
+    quiet = capsys.readouterr().err
+    assert "it/s]" not in quiet and "%|" not in quiet, quiet
+    assert [module.tqdm for module in modules] == before
+    open_measurement(task_manager, llama_lm, tasks=["tiny_choice"],
+                     verbose=True).measure_many(masks)
+    shown = capsys.readouterr().err
+    assert "%|" in shown  # the same measurement, lm-eval's bars drawn
+
+
 # --- the chat template --------------------------------------------------------------------
 
 def test_chat_template_goes_to_generation_tasks_when_the_model_has_one(tiny_model_dir):

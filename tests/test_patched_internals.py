@@ -32,6 +32,11 @@ TASK_INDEX_PATCH = ("index_cache.builtin_index_cached (lm_eval_headloc/tasks/ind
 GGUF_PATCH = ("gguf_reads.cached_gguf_reads (lm_eval_headloc/intervention/gguf_reads.py: "
               "replaces gguf.GGUFReader, gguf.get_tensor_name_map and transformers' "
               "load_gguf_checkpoint)")
+TEMPLATE_PATCH = ("harness.templates_compiled_once (lm_eval_headloc/measurement/harness.py: "
+                  "replaces lm_eval.utils.apply_template during a measurement)")
+TQDM_PATCH = ("harness.quiet_harness (lm_eval_headloc/measurement/harness.py: replaces the "
+              "module-level tqdm of lm_eval.api.task, lm_eval.api.model and "
+              "lm_eval.models.huggingface during a measurement)")
 HOOK = ("the start-up hook (startup/_lm_eval_headloc_startup.py, loaded by "
         "lm_eval_headloc_startup.pth)")
 
@@ -425,3 +430,49 @@ def test_the_tasks_entry_point_gives_our_task_folder():
     folder = Path(entry.load()())
     assert folder == task_configs_dir() and folder.is_dir()
     assert (folder / "headloc_induction" / "headloc_induction.yaml").is_file()
+
+
+# --- lm_eval.utils.apply_template and lm-eval's tqdm, replaced during a measurement --------
+
+def test_tasks_render_through_utils_apply_template_looked_up_at_each_call(task_manager,
+                                                                          monkeypatch):
+    """Checked on lm_eval 0.4.13: a task renders its Jinja fields with
+    ``lm_eval.utils.apply_template(template, doc)``, looked up in ``lm_eval.utils`` at each
+    call, as ``env.from_string(template).render(**doc)``: what ``_apply_template`` does
+    with one compiled copy per template."""
+    from lm_eval import utils
+
+    from lm_eval_headloc.measurement.harness import _apply_template
+
+    parameters = list(inspect.signature(utils.apply_template).parameters)
+    assert parameters == ["template", "doc"], broken(
+        TEMPLATE_PATCH, f"apply_template takes {parameters}, not (template, doc)", "lm_eval")
+    doc = {"question": "2 + 2 =", "choices": ["3", "4"], "answer": 1}
+    template = "Q: {{question | trim}} {{choices[answer]}}"
+    assert _apply_template(template, doc) == utils.apply_template(template, doc), broken(
+        TEMPLATE_PATCH, "lm_eval.utils.apply_template renders otherwise than "
+        "utils.env.from_string(template).render(**doc)", "lm_eval")
+    task = task_manager.load(["tiny_choice"])["tasks"]["tiny_choice"]
+    monkeypatch.setattr(utils, "apply_template", stand_in)
+    with pytest.raises(Looked):
+        task.doc_to_text(doc)
+        pytest.fail(broken(TEMPLATE_PATCH, "a task's doc_to_text no longer looks "
+                           "lm_eval.utils.apply_template up at the call", "lm_eval"))
+
+
+def test_lm_evals_bars_are_drawn_by_each_modules_own_tqdm():
+    """Checked on lm_eval 0.4.13: the bars of a measurement (building the requests,
+    tokenizing, scoring) are drawn by the ``tqdm`` each of these modules imports by name,
+    looked up in the module at the call: what ``quiet_harness`` swaps."""
+    import importlib
+
+    from tqdm import tqdm
+
+    from lm_eval_headloc.measurement.harness import _HARNESS_TQDM_MODULES
+
+    for name in _HARNESS_TQDM_MODULES:
+        module = importlib.import_module(name)
+        assert getattr(module, "tqdm", None) is tqdm, broken(
+            TQDM_PATCH, f"{name} has no module-level tqdm", "lm_eval")
+        assert "tqdm(" in inspect.getsource(module), broken(
+            TQDM_PATCH, f"{name} draws no bar with its tqdm", "lm_eval")
