@@ -1,18 +1,22 @@
-"""benchmarks/bench_generation.py on a toy shape: what a GPU machine runs (bench_gpu.sh gen8b)."""
+"""benchmarks/bench_generation.py on a toy shape: what a GPU machine runs (bench_gpu.sh gen8b),
+its whole default locate included."""
 
 from __future__ import annotations
 
 import re
 
 from headloc_bench import bench_generation as bench
+from headloc_bench.bench_shapes import SHAPES
 from lm_eval_headloc.measurement.sizing import CPU_GENERATION_ROWS
+from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS
 
 
 def test_the_generation_benchmark_writes_its_section(tmp_path):
     out = tmp_path / "BENCH.md"
     assert bench.main(["--config", "tiny-llama", "--device", "cpu", "--num-samples", "3",
-                       "--max-gen-toks", "3", "--ks", "2", "--bare", "1,2",
-                       "--model-dir", str(tmp_path / "model"), "--out", str(out)]) == 0
+                       "--max-gen-toks", "3", "--ks", "2", "--bare", "1,2", "--locate",
+                       "--locate-timeout", "300", "--model-dir", str(tmp_path / "model"),
+                       "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     assert "<!-- bench_generation tiny-llama: start -->" in text
     rows = re.findall(r"^\| (\d+)[^|]* \| (\d+) \| (\d+) \| ([\d.]+) \|.*\| (yes|\*\*no\*\*) \|$",
@@ -23,4 +27,16 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
     assert [(k, rows_, calls) for k, rows_, calls, _, _ in rows] == [
         ("1", "3", "1"), ("2", "6", "1"), (str(auto), str(3 * auto), "1")]
     assert all(same == "yes" for *_, same in rows)
-    assert f"The automatic K = {auto}" in text and "A whole default `locate`" not in text
+    assert f"The automatic K = {auto}" in text
+    # The default locate a GPU stage ends with, in a process of its own: the baseline, the
+    # default masks and, with fewer heads than the default --confirm, every head measured
+    # alone (nothing left for group tests: certified).
+    shape = SHAPES["tiny-llama"]
+    heads = shape["num_hidden_layers"] * shape["num_attention_heads"]
+    assert heads < DEFAULT_ALONE
+    locate = text[text.index("### A whole default `locate`"):]
+    assert "it failed" not in locate and "--tasks scale_gen" in locate
+    (wall, measurements), = re.findall(r"^\| ([\d.]+) s \([\d.]+ min\) \| (\d+) \|", locate,
+                                       flags=re.MULTILINE)
+    assert int(measurements) == 1 + DEFAULT_MASKS + heads and float(wall) > 0
+    assert "Its phases, as the run recorded them" in locate
