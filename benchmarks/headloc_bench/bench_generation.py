@@ -4,15 +4,18 @@ For a generation task measured by its metric (``multigen``: K masks share each `
 call, every row stopping on its own), it times ``measure_many`` at K = 1, the ``--ks`` and the
 automatic K (``measure.HarnessMeasurement.auto_masks_per_pass``), seconds per mask, against the bare
 ``model.generate`` of the very calls ours made (the same rows and new tokens, no harness, no
-hooks); then, with ``--locate``, a whole default ``headloc-harness locate`` of the task in a
-process of its own, timed from its start (imports and model load included) to its end.
+hooks); with ``--step-profile STEPS``, where a decoding step's time goes (``step_profile``:
+the automatic K's largest call bare, with the knockout, with the row stops, and ours); then,
+with ``--locate``, a whole default ``headloc-harness locate`` of the task in a process of its
+own, timed from its start (imports and model load included) to its end.
 
 On a random-weight model of a published shape (``--config llama-3.1-8b``, ``bench_shapes``:
 the gsm8k-shaped task, 100 documents, up to 256 tokens; the random model always generates
 all 256, the worst case) or the embedded SmolLM2 (``--embedded``, e.g. ``--task rhyme``)::
 
     python benchmarks/bench_generation.py --config llama-3.1-8b --device cuda --locate
-    python benchmarks/bench_generation.py --embedded --task rhyme --num-samples 16 --ks 4
+    python benchmarks/bench_generation.py --embedded --task rhyme --num-samples 16 --ks 4 \
+        --step-profile 12
 
 Writes its own section of ``BENCH.md`` (``bench_generation <model> <device>``, the embedded
 model's ``bench_generation SmolLM2-135M-Instruct <task>``) after each stage, so a run cut
@@ -66,11 +69,30 @@ from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
 
 @dataclass
 class Call:
-    """One ``generate`` call ours made: its prompts and how many tokens it generated."""
+    """One ``generate`` call ours made: its prompts, how many tokens it generated, and the
+    stop strings it was given."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     new_tokens: int
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepRow:
+    """One way of running the largest call of the automatic K (``step_profile``): its
+    generated steps and seconds (the fastest of the repeats)."""
+
+    name: str
+    steps: int
+    seconds: float
+    rows: int = 0
+    changed_rows: int | None = None  # knockout: the rows whose tokens differ from the bare's
+    same_tokens: bool | None = None  # row stops: its tokens are the knockout's
+
+    @property
+    def per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
 
 
 @dataclass
@@ -83,6 +105,7 @@ class KRow:
     calls: int = 0
     peak_gib: float | None = None
     scores: list[float] = field(default_factory=list)
+    largest: Call | None = None  # its largest generate call (``step_profile``)
 
 
 @dataclass
@@ -107,6 +130,7 @@ class Report:
     setup_seconds: float = 0.0
     ks: list[KRow] = field(default_factory=list)
     locate: LocateRun | None = None
+    steps: list[StepRow] = field(default_factory=list)  # --step-profile
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,7 +143,7 @@ def record_calls(lm: Any, calls: list[Call]) -> Callable[[], None]:
              ) -> torch.Tensor:
         out = real(context, max_length, stop, **kwargs)
         mask = kwargs.get("attention_mask")
-        calls.append(Call(context, mask, int(out.shape[1] - context.shape[1])))
+        calls.append(Call(context, mask, int(out.shape[1] - context.shape[1]), list(stop)))
         return out
 
     lm._model_generate = keep
@@ -140,6 +164,81 @@ def bare_generate(lm: Any, calls: Sequence[Call], device: str) -> float:
                           use_cache=True)
     sync(device)
     return time.perf_counter() - start
+
+
+@torch.no_grad()
+def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: str,
+                 steps: int, repeats: int = 3) -> list[StepRow]:
+    """Where a decoding step's time goes: ``call`` (the automatic K's largest ``generate``
+    call, one row per prompt and mask, the ``masks`` in turn), for its first ``steps``
+    new tokens at most, run four ways, in turn ``repeats`` times (each time starting one
+    way further on, so that none always runs first), the fastest of each kept. **bare**:
+    ``model.generate`` for those tokens, nothing else. **knockout**: the same with every
+    layer's hook applying each row's mask (``knocking_out`` with per-row masks, inside
+    ``forward_pass``). **row stops**: that, with the criteria that end each row on its own
+    (``multigen.RowStops``) looking at every step. **ours**: ours' own call
+    (``_model_generate``, as ``measure_many`` made it: also the prompts' common start once
+    per mask and, on a CPU, finished rows leaving the batch), which ends early where every
+    row stopped. The first three generate as many tokens, so their differences per step
+    are the knockout's and the stop checks' cost."""
+    from transformers import StoppingCriteriaList
+
+    from lm_eval_headloc.intervention.multigen import row_stops_for, rows_stop_on_their_own
+
+    ids, attention, new = call.input_ids, call.attention_mask, min(call.new_tokens, steps)
+    rows, width = int(ids.shape[0]), int(ids.shape[1]) + new
+    per_mask = lm.knockout.row_masks(masks).repeat_interleave(rows // len(masks), dim=0)
+    fixed = {"input_ids": ids, "attention_mask": attention, "max_new_tokens": new,
+             "min_new_tokens": new, "do_sample": False, "use_cache": True,
+             "pad_token_id": lm.tokenizer.pad_token_id}
+
+    def bare() -> torch.Tensor:
+        return lm.model.generate(**fixed)
+
+    ended: list[list[int | None]] = []  # the row stops' finishing widths, per run
+
+    def knockout(stopping: bool = False) -> torch.Tensor:
+        with lm.knocking_out(row_masks=per_mask), lm.forward_pass(ids, attention, width), \
+                rows_stop_on_their_own(lm):
+            criteria = [row_stops_for(lm, call.stop, int(ids.shape[1]), rows)] if stopping \
+                else []
+            out = lm.model.generate(**fixed, stopping_criteria=StoppingCriteriaList(criteria))
+        if stopping:
+            ended.append(criteria[0].finished_at)
+        return out
+
+    def ours() -> torch.Tensor:
+        with lm.knocking_out(row_masks=per_mask):
+            return lm._model_generate(ids, width, call.stop, attention_mask=attention)
+
+    ways: dict[str, Callable[[], torch.Tensor]] = {
+        "bare": bare, "knockout": knockout, "row stops": lambda: knockout(True), "ours": ours}
+    best: dict[str, StepRow] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    names = list(ways)
+    for turn in range(repeats):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            run = ways[name]
+            sync(device)
+            start = time.perf_counter()
+            out = run()
+            sync(device)
+            seconds = time.perf_counter() - start
+            tokens[name] = out
+            if name not in best or seconds < best[name].seconds:
+                best[name] = StepRow(name, int(out.shape[1]) - int(ids.shape[1]), seconds,
+                                     rows)
+    # The knockout timed is applied (the rows whose tokens it changed from the bare's), and
+    # the row stops only end rows: each row's tokens are the knockout's up to its end (after
+    # it, generate pads it).
+    changed = (tokens["knockout"] != tokens["bare"]).any(dim=1)
+    best["knockout"].changed_rows = int(changed.sum())
+    stopped, full = tokens["row stops"], tokens["knockout"]
+    best["row stops"].same_tokens = all(
+        torch.equal(stopped[row, :end], full[row, :end])
+        for row, end in enumerate(int(e) if e is not None else stopped.shape[1]
+                                  for e in ended[-1]))
+    return [best[name] for name in ways]
 
 
 def premap(share: float = 0.9) -> None:
@@ -182,6 +281,7 @@ def time_k(measure: Any, masks: Sequence[Sequence[Head]], k: int, device: str,
     row.seconds_per_mask = seconds / k
     row.calls = len(calls)
     row.rows_per_call = max(int(c.input_ids.shape[0]) for c in calls)
+    row.largest = max(calls, key=lambda c: int(c.input_ids.numel()))
     row.scores = [s[measure.tasks[0][0]].value for s in scores]
     if device.startswith("cuda"):
         row.peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -234,6 +334,41 @@ def _cell(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def step_lines(report: Report) -> list[str]:
+    """The step profile's table (``step_profile``): each way's steps and time a step, and
+    what it adds to the way before it."""
+    rows = {step.name: step for step in report.steps}
+    bare = rows["bare"]
+    lines = ["### One `generate` call taken apart", "",
+             f"The automatic K's largest `generate` call ({bare.rows} rows: {report.auto} "
+             f"masks' {bare.rows // max(report.auto, 1)} prompts each) for its first "
+             f"{bare.steps} new tokens, run four ways in turn, three times (each time "
+             "starting one way further on), the fastest of each kept: **bare** "
+             "`model.generate` for them; **knockout**: the same with every layer's hook "
+             "applying each row's mask; **row stops**: that, with the criteria ending each "
+             "row on its own looking at every step; **ours**: ours' own call (also the "
+             "prompts' common start once per mask and, on a CPU, finished rows leaving the "
+             "batch; it ends early where every row stopped). The first three generate as "
+             "many tokens.", "",
+             "| way | steps | seconds | ms a step | ms a step over the way before | "
+             "ms a step over the bare |", "|---|---|---|---|---|---|"]
+    before = None
+    for step in report.steps:
+        over_before = "" if before is None else \
+            f"{(step.per_step - before.per_step) * 1000:+.2f}"
+        lines.append(f"| {step.name} | {step.steps} | {step.seconds:.3f} | "
+                     f"{step.per_step * 1000:.2f} | {over_before} | "
+                     f"{(step.per_step - bare.per_step) * 1000:+.2f} |")
+        before = step
+    knockout, stops = rows["knockout"], rows["row stops"]
+    lines += ["", f"The knockout changed the tokens of {knockout.changed_rows} of the call's "
+              f"{knockout.rows} rows from the bare's (so it is applied); the row stops' tokens "
+              f"are the knockout's up to each row's end: "
+              f"{'yes' if stops.same_tokens else '**no**'}. Each step's "
+              "time includes its share of the prompts' pass."]
+    return lines
+
+
 def render(report: Report, args: argparse.Namespace, command: str, total: float) -> str:
     device = "GPU" if args.device == "cuda" else "CPU"
     lines = [f"# Generation: several masks per `generate` call ({report.model}, {device})", "",
@@ -275,6 +410,8 @@ def render(report: Report, args: argparse.Namespace, command: str, total: float)
         lines += ["", f"The automatic K = {auto.per_call} takes "
                   f"{auto.seconds_per_mask / best.seconds_per_mask:.2f}× the seconds per mask "
                   f"of the best measured K = {best.per_call} (the bar: within 1.10×)."]
+    if report.steps:
+        lines += ["", *step_lines(report)]
     if report.locate is not None:
         run = report.locate
         lines += ["", "### A whole default `locate`", "",
@@ -310,6 +447,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "automatic K (default 4,8)")
     parser.add_argument("--bare", default="1,auto",
                         help="the K values whose bare generate is timed too (default 1,auto)")
+    parser.add_argument("--step-profile", type=int, default=0, metavar="STEPS",
+                        help="take the automatic K's largest generate call apart for its "
+                             "first STEPS new tokens: bare, with the knockout, with the row "
+                             "stops, ours (step_profile; default 0: not)")
     parser.add_argument("--locate", action="store_true", help="time a whole default locate")
     parser.add_argument("--locate-timeout", type=float, default=480.0)
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -323,6 +464,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--ks {args.ks!r}: whole numbers separated by commas")
     if any(k < 1 for k in args.k_values) or args.num_samples < 1:
         parser.error("--ks and --num-samples: whole numbers >= 1")
+    if args.step_profile < 0:
+        parser.error(f"--step-profile {args.step_profile}: a number of steps >= 1 (0: not)")
     problem = bench_refusal(args.out)
     if problem is not None:
         parser.error(problem)
@@ -402,6 +545,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                    f", bare {row.bare_per_mask:.3f}"),
                   flush=True)
         report.ks.append(row)
+        emit()
+    largest = next((r.largest for r in report.ks if r.auto and r.largest is not None), None)
+    if args.step_profile and largest is not None:
+        print(f"one call of K = {auto} taken apart ...", flush=True)
+        report.steps = step_profile(lm, largest, masks[:auto], args.device,
+                                    args.step_profile)
+        for step in report.steps:
+            print(f"  {step.name}: {step.steps} steps, {step.per_step * 1000:.2f} ms a step",
+                  flush=True)
         emit()
     del lm, measure
     gc.collect()

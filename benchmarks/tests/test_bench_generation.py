@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from headloc_bench import bench_generation as bench
 from headloc_bench.bench_shapes import SHAPES
 from lm_eval_headloc.measurement.sizing import CPU_GENERATION_ROWS
@@ -14,9 +16,9 @@ from lm_eval_headloc.method.budget import DEFAULT_ALONE, DEFAULT_MASKS
 def test_the_generation_benchmark_writes_its_section(tmp_path):
     out = tmp_path / "BENCH.md"
     assert bench.main(["--config", "tiny-llama", "--device", "cpu", "--num-samples", "3",
-                       "--max-gen-toks", "3", "--ks", "2", "--bare", "1,2", "--locate",
-                       "--locate-timeout", "300", "--model-dir", str(tmp_path / "model"),
-                       "--out", str(out)]) == 0
+                       "--max-gen-toks", "3", "--ks", "2", "--bare", "1,2", "--step-profile",
+                       "2", "--locate", "--locate-timeout", "300",
+                       "--model-dir", str(tmp_path / "model"), "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     assert "<!-- bench_generation tiny-llama: start -->" in text
     rows = re.findall(r"^\| (\d+)[^|]* \| (\d+) \| (\d+) \| ([\d.]+) \|.*\| (yes|\*\*no\*\*) \|$",
@@ -28,6 +30,17 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
         ("1", "3", "1"), ("2", "6", "1"), (str(auto), str(3 * auto), "1")]
     assert all(same == "yes" for *_, same in rows)
     assert f"The automatic K = {auto}" in text
+    # The automatic K's call taken apart for its first 2 steps of 3: four ways, each 2 tokens
+    # a row (the random model never stops early), the knockout applied, the stops only looking.
+    ways = re.findall(r"^\| (bare|knockout|row stops|ours) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|",
+                      text, flags=re.MULTILINE)
+    assert [(way, steps) for way, steps, _, _ in ways] == [
+        ("bare", "2"), ("knockout", "2"), ("row stops", "2"), ("ours", "2")]
+    for _, steps, seconds, per_step in ways:  # seconds to 3 places, ms a step to 2
+        assert float(per_step) == pytest.approx(1000 * float(seconds) / int(steps),
+                                                abs=0.5 / int(steps) + 0.005)
+    assert re.search(rf"changed the tokens of ([1-9]\d*) of the call's {3 * auto} rows", text)
+    assert "the row stops' tokens are the knockout's up to each row's end: yes" in text
     # The default locate a GPU stage ends with, in a process of its own: the baseline, the
     # default masks and, with fewer heads than the default --confirm, every head measured
     # alone (nothing left for group tests: certified).
