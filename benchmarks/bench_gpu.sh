@@ -76,12 +76,13 @@ if [ "$stage" = 8b ] || [ "$stage" = all ]; then
 fi
 # Generation at K masks per generate call (bench_generation.py): K = 1, 4, 8 and the
 # automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
-# automatic K, the automatic K's largest call taken apart for 32 of its 256 steps (bare, with
-# the knockout, with the row stops, ours: 12 runs of an eighth of a call, 1.5 calls'
-# time), then a whole default locate in a process of its own (timed out at 300 s at 8B so
-# that the stage, 481 s with a 330 s timeout and no step profile, ends within 10 minutes).
+# automatic K, the automatic K's largest call taken apart for its first steps (bare, with
+# the knockout, with the row stops, ours: 12 runs; 16 of 256 steps at 8B, about 0.75 of a
+# call's time, ~45 s on an H200; 32 at 1B), then a whole default locate in a process of its
+# own (timed out at 300 s at 8B so that the stage, 481 s with a 330 s timeout and no step
+# profile, ends within 10 minutes).
 if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
-    run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --step-profile 32 --locate \
+    run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --step-profile 16 --locate \
         --locate-timeout 300
 fi
 if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
