@@ -29,6 +29,11 @@ def test_anything_else_is_refused_in_one_line_naming_the_path(tmp_path):
     why = page_refusal(theirs, "# Title")
     assert why is not None and str(theirs) in why and "'# Title'" in why and "\n" not in why
     assert_names(page_refusal(tmp_path, "# Title"), str(tmp_path), str(tmp_path / "page.md"))
+    # In a folder that is not there (or is a file): refused before any work, not at its end.
+    assert_names(page_refusal(tmp_path / "missing" / "page.md", "# Title"),
+                 str(tmp_path / "missing"))
+    assert_names(page_refusal(theirs / "page.md", "# Title"), str(theirs))
+    assert (tmp_path / "theirs.md").read_text() == THEIRS and not (tmp_path / "missing").exists()
     # A longer beginning than the file: a prefix of the title is not the title.
     (tmp_path / "short.md").write_text("# Ti")
     assert page_refusal(tmp_path / "short.md", "# Title") is not None

@@ -58,11 +58,15 @@ def _shown(begins: tuple[Beginning, ...]) -> str:
 def page_refusal(path: str | os.PathLike,
                  begins: Beginning | tuple[Beginning, ...]) -> str | None:
     """Why a page that begins with ``begins`` (or one of them) may not be written to
-    ``path``; None when it may: ``path`` does not exist, or it is a regular file that is
-    empty (nothing in it to lose) or begins that way (a page of the same writer)."""
+    ``path``; None when it may: ``path`` does not exist (in a folder that does: a long
+    run would otherwise lose its page at the end), or it is a regular file that is empty
+    (nothing in it to lose) or begins that way (a page of the same writer)."""
     path = Path(path)
     begins = begins if isinstance(begins, tuple) else (begins,)
     if not path.exists():
+        if not path.parent.is_dir():
+            return (f"{path.parent} is not a folder, so {path} cannot be written; name a "
+                    "file in an existing folder")
         return None
     if not path.is_file():
         return f"{path} is not a regular file; name a file (e.g. {path / 'page.md'})"
