@@ -3,10 +3,14 @@
 # in bfloat16 (benchmarks/bench_measure.py --config; headloc_bench/bench_scale.py says what
 # is measured).
 #
-#   bash benchmarks/bench_gpu.sh 1b|8b|gen1b|gen8b|all [OUT_DIR]
+#   bash benchmarks/bench_gpu.sh 1b|8b|gen1b|gen8b|first1b|ratio|all [OUT_DIR]
 #
 # gen1b and gen8b time a generation task's measurement at K masks per generate call and a
-# whole default generating locate (benchmarks/bench_generation.py).
+# whole generating locate (benchmarks/bench_generation.py). first1b times a first run
+# against a later one at 1B (benchmarks/bench_first_run.py); ratio, at 1B and 8B, only the
+# automatic K against the bare generate and its call taken apart. first1b on a freshly
+# started machine, then ratio, take about 8 minutes together on an H200 (estimated from the
+# stages' earlier parts): the short pass; ratio's sections replace gen1b's and gen8b's.
 # Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
 # this BENCH.md itself) and its log into OUT_DIR/bench-<stage>.log. Run on another GPU
 # machine (docs/development.md, "Benchmarks on a GPU") with an empty OUT_DIR, then bring
@@ -19,13 +23,15 @@ cd "$(dirname "$0")/.."
 stage="${1:-}"
 out="${2:-}"
 case "$stage" in
-    1b|8b|gen1b|gen8b|all) ;;
-    *) echo "bench_gpu.sh: stage '$stage': expected 1b, 8b, gen1b, gen8b or all" >&2; exit 2 ;;
+    1b|8b|gen1b|gen8b|first1b|ratio|all) ;;
+    *) echo "bench_gpu.sh: stage '$stage': expected 1b, 8b, gen1b, gen8b, first1b, ratio or all" >&2
+       exit 2 ;;
 esac
 if [ -n "$out" ]; then
     [ -d "$out" ] || { echo "bench_gpu.sh: OUT_DIR '$out' is not a folder" >&2; exit 2; }
     # Never over what is not ours: an OUT_DIR already holding these files is refused.
-    for name in BENCH.md bench-1b.log bench-8b.log bench-gen1b.log bench-gen8b.log; do
+    for name in BENCH.md bench-1b.log bench-8b.log bench-gen1b.log bench-gen8b.log \
+            bench-first1b.log bench-ratio1b.log bench-ratio8b.log; do
         [ ! -e "$out/$name" ] || { echo "bench_gpu.sh: '$out/$name' exists; name an empty OUT_DIR" >&2; exit 2; }
     done
     cp BENCH.md "$out/BENCH.md"
@@ -48,9 +54,18 @@ run() {  # stage, the benchmark's entry point in benchmarks/, then its options
     local name="$1" script="$2"
     shift 2
     set -o pipefail
-    "$python" "benchmarks/$script" --device cuda --dtype bfloat16 "$@" --out "$bench" \
+    # --out before the options: bench_first_run.py's end with `-- <locate arguments>`.
+    "$python" "benchmarks/$script" --device cuda --dtype bfloat16 --out "$bench" "$@" \
         2>&1 | tee "$logs/bench-$name.log"
 }
+
+# A first run against a later one, first on a freshly started machine (its file cache empty
+# of the libraries and the model); capped at the default run's measurements before its
+# group tests: what a first run adds does not depend on how many it measures.
+if [ "$stage" = first1b ] || [ "$stage" = all ]; then
+    run first1b bench_first_run.py --config llama-3.2-1b --task scale_choice -- \
+        --max-measurements 54
+fi
 
 # Sized so that each stage ends within 10 minutes on one H100 or H200 (the timings are in
 # docs/development.md, "Benchmarks on a GPU"): the generation task's measurements are ~40 s
@@ -78,14 +93,23 @@ fi
 # automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
 # automatic K, the automatic K's largest call taken apart for its first steps (bare, with
 # the knockout, with the row stops, ours: 12 runs; 16 of 256 steps at 8B, about 0.75 of a
-# call's time, ~45 s on an H200; 32 at 1B), then a whole default locate in a process of its
-# own (timed out at 300 s at 8B so that the stage, 481 s with a 330 s timeout and no step
-# profile, ends within 10 minutes).
+# call's time, ~45 s on an H200; 32 at 1B), then a whole locate in a process of its own,
+# capped at the default run's 54 measurements before its group tests (a certified run of
+# 512 or 1,024 random heads would spend up to half an evaluation per head; 47 measurements
+# took 225 s at 8B, timed out at 300 s so that the stage, 481 s with a 330 s timeout and no
+# step profile, ends within 10 minutes).
 if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
     run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --step-profile 16 --locate \
-        --locate-timeout 300
+        --locate-timeout 300 --locate-max-measurements 54
 fi
 if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
     run gen1b bench_generation.py --config llama-3.2-1b --ks 4,8,16 --step-profile 32 --locate \
-        --locate-timeout 240
+        --locate-timeout 240 --locate-max-measurements 54
+fi
+# Only the ratio to the bare generate, at both sizes: K = 1 and the automatic K (its bare
+# generate timed), its largest call taken apart for 16 steps at 1B and 8 at 8B; no sweep, no
+# locate (estimated from the 2026-11-27 stages' parts: about 2 minutes at 1B, 4 at 8B).
+if [ "$stage" = ratio ]; then
+    run ratio1b bench_generation.py --config llama-3.2-1b --ks "" --bare auto --step-profile 16
+    run ratio8b bench_generation.py --config llama-3.1-8b --ks "" --bare auto --step-profile 8
 fi

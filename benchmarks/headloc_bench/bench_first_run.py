@@ -94,8 +94,9 @@ def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
         f"`{later['last_line']}`.", ""])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This script's options, and the ``locate`` arguments after ``--``."""
+    argv = list(argv)
     locate_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -113,6 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = bench_refusal(args.out)
     if problem is not None:
         parser.error(problem)
+    return args, locate_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, locate_args = parse_args(argv)
     command = "python benchmarks/bench_first_run.py " + shlex.join(argv)
     work = Path(tempfile.mkdtemp(prefix="headloc-first-"))
     try:

@@ -7,7 +7,8 @@ automatic K (``measure.HarnessMeasurement.auto_masks_per_pass``), seconds per ma
 hooks); with ``--step-profile STEPS``, where a decoding step's time goes (``step_profile``:
 the automatic K's largest call bare, with the knockout, with the row stops, and ours); then,
 with ``--locate``, a whole default ``headloc-harness locate`` of the task in a process of its
-own, timed from its start (imports and model load included) to its end.
+own, timed from its start (imports and model load included) to its end
+(``--locate-max-measurements N``: with that ``--max-measurements``).
 
 On a random-weight model of a published shape (``--config llama-3.1-8b``, ``bench_shapes``:
 the gsm8k-shaped task, 100 documents, up to 256 tokens; the random model always generates
@@ -291,11 +292,17 @@ def time_k(measure: Any, masks: Sequence[Sequence[Head]], k: int, device: str,
 
 
 def run_locate(model_args: str, task: str, include: str | None, seed: int, out: Path,
-               timeout: float) -> LocateRun:
-    """A default ``locate`` of ``task`` as a user starts it: a new process."""
+               timeout: float, max_measurements: int | None = None) -> LocateRun:
+    """A default ``locate`` of ``task`` as a user starts it: a new process; with
+    ``max_measurements``, its ``--max-measurements`` (54: the default run before its group
+    tests, which a certified run of a random-weight model's hundreds of heads would spend
+    up to half an evaluation per head on)."""
     argv = [sys.executable, "-c", "from lm_eval_headloc.cli.console import main; "
             "raise SystemExit(main())", "locate", "--model-args", model_args,
             "--tasks", task, "--seed", str(seed), "--out", str(out)]
+    if max_measurements is not None:
+        argv[argv.index("--out"):argv.index("--out")] = [
+            "--max-measurements", str(max_measurements)]
     if include:
         argv[argv.index("--tasks"):argv.index("--tasks")] = ["--include-path", include]
     # Said without this machine's temporary folders.
@@ -414,7 +421,9 @@ def render(report: Report, args: argparse.Namespace, command: str, total: float)
         lines += ["", *step_lines(report)]
     if report.locate is not None:
         run = report.locate
-        lines += ["", "### A whole default `locate`", "",
+        capped = "" if args.locate_max_measurements is None else \
+            f" with `--max-measurements {args.locate_max_measurements}`"
+        lines += ["", f"### A whole default `locate`{capped}", "",
                   f"`{run.command}`: a new process, timed from its start (imports and the "
                   "model load included) to its end" + ("" if run.ok else " — **it failed**") +
                   ".", "",
@@ -453,6 +462,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "stops, ours (step_profile; default 0: not)")
     parser.add_argument("--locate", action="store_true", help="time a whole default locate")
     parser.add_argument("--locate-timeout", type=float, default=480.0)
+    parser.add_argument("--locate-max-measurements", type=int, default=None, metavar="N",
+                        help="with --locate: the locate's --max-measurements (default: "
+                             "none given, the default certified run)")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "BENCH.md")
@@ -464,6 +476,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--ks {args.ks!r}: whole numbers separated by commas")
     if any(k < 1 for k in args.k_values) or args.num_samples < 1:
         parser.error("--ks and --num-samples: whole numbers >= 1")
+    if args.locate_max_measurements is not None and (
+            not args.locate or args.locate_max_measurements < 1):
+        parser.error(f"--locate-max-measurements {args.locate_max_measurements}: a whole "
+                     "number >= 1, with --locate")
     if args.step_profile < 0:
         parser.error(f"--step-profile {args.step_profile}: a number of steps >= 1 (0: not)")
     problem = bench_refusal(args.out)
@@ -563,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     if args.locate:
         report.locate = run_locate(model_args, task, include, args.seed, work / "locate",
-                                   args.locate_timeout)
+                                   args.locate_timeout, args.locate_max_measurements)
         emit()
     shutil.rmtree(work, ignore_errors=True)  # our own temporary folder
     print(f"wrote {args.out} ({time.perf_counter() - started:.0f} s in all)", flush=True)

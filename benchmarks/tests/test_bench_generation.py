@@ -53,3 +53,40 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
                                        flags=re.MULTILINE)
     assert int(measurements) == 1 + DEFAULT_MASKS + heads and float(wall) > 0
     assert "Its phases, as the run recorded them" in locate
+
+
+def test_a_capped_locate_passes_its_cap_and_says_it(tmp_path, monkeypatch):
+    # A certified default run of a random-weight model's hundreds of heads outlasts a GPU
+    # stage: the stages cap it at the run before its group tests, and the section says so.
+    import subprocess
+
+    seen = []
+
+    def started(argv, **_):
+        seen.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", started)
+    run = bench.run_locate("pretrained=m", "scale_gen", None, 0, tmp_path / "locate", 60.0,
+                           max_measurements=54)
+    argv = seen[0]
+    assert argv[argv.index("--max-measurements") + 1] == "54"
+    assert argv[-2:] == ["--out", str(tmp_path / "locate")]
+    assert "--max-measurements 54" in run.command
+    bench.run_locate("pretrained=m", "scale_gen", None, 0, tmp_path / "locate", 60.0)
+    assert "--max-measurements" not in seen[1]
+    args = bench.parse_args(["--config", "tiny-llama", "--locate",
+                             "--locate-max-measurements", "54", "--out", str(tmp_path / "B.md")])
+    report = bench.Report("tiny-llama", "scale_gen", 3, locate=run)
+    assert "### A whole default `locate` with `--max-measurements 54`" in bench.render(
+        report, args, "python benchmarks/bench_generation.py", 1.0)
+
+
+@pytest.mark.parametrize("argv", [["--locate-max-measurements", "54"],
+                                  ["--locate", "--locate-max-measurements", "0"],
+                                  ["--locate", "--locate-max-measurements", "nan"]])
+def test_a_bad_locate_cap_is_one_line_before_any_model(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.parse_args(["--config", "tiny-llama", *argv, "--out", str(tmp_path / "B.md")])
+    assert stopped.value.code == 2
+    assert "--locate-max-measurements" in capsys.readouterr().err.splitlines()[-1]

@@ -12,6 +12,7 @@ import pytest
 from helpers import BENCHMARKS, raises_naming
 
 from headloc_bench import (
+    bench_first_run,
     bench_generation,
     bench_measure,
     bench_scale,
@@ -279,20 +280,35 @@ def test_ways_are_timed_round_robin_every_other_round_backwards():
 
 def test_bench_gpu_stages_pass_options_their_scripts_accept():
     # A typo in bench_gpu.sh's options would show only on the GPU: parse each stage's
-    # `run <stage> <script> ...` line (continuations joined) with that script's own parser.
+    # `run <stage> <script> ...` line (continuations joined) with that script's own parser,
+    # the options as run() passes them (--out before the stage's own).
     import re
     import shlex
-
 
     script = (BENCHMARKS / "bench_gpu.sh").read_text().replace("\\\n", " ")
     stages = {stage: (name, options) for stage, name, options in re.findall(
         r"^\s*run (\w+) (\w+)\.py (--config .*)$", script, flags=re.MULTILINE)}
-    assert sorted(stages) == ["1b", "8b", "gen1b", "gen8b"]
+    assert sorted(stages) == ["1b", "8b", "first1b", "gen1b", "gen8b", "ratio1b", "ratio8b"]
     parsers = {"bench_measure": bench_measure.parse_args,
-               "bench_generation": bench_generation.parse_args}
+               "bench_generation": bench_generation.parse_args,
+               "bench_first_run": lambda argv: bench_first_run.parse_args(argv)[0]}
+    parsed = {}
     for stage, (name, options) in stages.items():
-        args = parsers[name](["--device", "cpu", "--dtype", "bfloat16",
-                              *shlex.split(options), "--out", "unused.md"])
-        assert args.config == {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}[
-            stage.removeprefix("gen")]
-        assert args.locate, stage  # each stage times a default run (or its parts)
+        parsed[stage] = args = parsers[name]([
+            "--device", "cpu", "--dtype", "bfloat16", "--out", "unused.md",
+            *shlex.split(options)])
+        size = re.search(r"\d+b$", stage).group()
+        assert args.config == {"1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}[size]
+    for stage in ("1b", "8b", "gen1b", "gen8b"):  # each times a run (or its parts)
+        assert parsed[stage].locate, stage
+    # A generating locate and a first run are capped at the default run's measurements
+    # before its group tests: certifying hundreds of random heads outlasts a stage.
+    for stage in ("gen1b", "gen8b"):
+        assert parsed[stage].locate_max_measurements == 54
+    _, locate_args = bench_first_run.parse_args(shlex.split(stages["first1b"][1]))
+    assert locate_args == ["--max-measurements", "54"]
+    # The short pass: the automatic K and K = 1, the bare generate at the automatic K only.
+    for stage in ("ratio1b", "ratio8b"):
+        args = parsed[stage]
+        assert args.k_values == [1] and args.bare_values == {"auto"}
+        assert args.step_profile > 0 and not args.locate
