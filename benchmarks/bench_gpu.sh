@@ -91,25 +91,27 @@ if [ "$stage" = 8b ] || [ "$stage" = all ]; then
 fi
 # Generation at K masks per generate call (bench_generation.py): K = 1, 4, 8 and the
 # automatic K on the gsm8k-shaped task, the bare generate of the same calls at K = 1 and the
-# automatic K, the automatic K's largest call taken apart for its first steps (bare, with
-# the knockout, with the row stops, ours: 12 runs; 16 of 256 steps at 8B, about 0.75 of a
-# call's time, ~45 s on an H200; 32 at 1B), then a whole locate in a process of its own,
-# capped at the default run's 54 measurements before its group tests (a certified run of
-# 512 or 1,024 random heads would spend up to half an evaluation per head; 47 measurements
-# took 225 s at 8B, timed out at 300 s so that the stage, 481 s with a 330 s timeout and no
-# step profile, ends within 10 minutes).
+# automatic K, at 1B the automatic K's largest call taken apart for its first 16 steps
+# (bare, with the knockout, with the row stops, ours: 12 runs, each with the call's whole
+# prompts' pass: 3,700 rows of ~250 tokens at 1B, about 2.4 PFLOP; 1,500 rows at 8B, about
+# 6 PFLOP, where the 12 runs would take 2-3 minutes more than the stage has), then a whole
+# locate in a
+# process of its own, capped at the default run's 54 measurements before its group tests (a
+# certified run of 512 or 1,024 random heads would spend up to half an evaluation per head;
+# 47 measurements took 225 s at 8B, timed out at 300 s so that the stage, 481 s with a
+# 330 s timeout, ends within 10 minutes).
 if [ "$stage" = gen8b ] || [ "$stage" = all ]; then
-    run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --step-profile 16 --locate \
+    run gen8b bench_generation.py --config llama-3.1-8b --ks 4,8 --locate \
         --locate-timeout 300 --locate-max-measurements 54
 fi
 if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
-    run gen1b bench_generation.py --config llama-3.2-1b --ks 4,8,16 --step-profile 32 --locate \
+    run gen1b bench_generation.py --config llama-3.2-1b --ks 4,8,16 --step-profile 16 --locate \
         --locate-timeout 240 --locate-max-measurements 54
 fi
 # Only the ratio to the bare generate, at both sizes: K = 1 and the automatic K (its bare
-# generate timed), its largest call taken apart for 16 steps at 1B and 8 at 8B; no sweep, no
-# locate (estimated from the 2026-11-27 stages' parts: about 2 minutes at 1B, 4 at 8B).
+# generate timed), at 1B its largest call taken apart for 16 steps; no sweep, no locate
+# (estimated from the 2026-11-27 stages' parts: about 3 minutes each).
 if [ "$stage" = ratio ]; then
     run ratio1b bench_generation.py --config llama-3.2-1b --ks "" --bare auto --step-profile 16
-    run ratio8b bench_generation.py --config llama-3.1-8b --ks "" --bare auto --step-profile 8
+    run ratio8b bench_generation.py --config llama-3.1-8b --ks "" --bare auto
 fi

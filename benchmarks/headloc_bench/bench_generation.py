@@ -34,6 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -44,12 +45,13 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from transformers import StoppingCriteria  # noqa: E402
 
 from headloc_bench import ROOT, bench_shapes  # noqa: E402
 from headloc_bench.bench_sections import (  # noqa: E402
@@ -82,7 +84,8 @@ class Call:
 @dataclass
 class StepRow:
     """One way of running the largest call of the automatic K (``step_profile``): its
-    generated steps and seconds (the fastest of the repeats)."""
+    generated steps and seconds (the fastest of the repeats), and when each step ended
+    (``StepClock``)."""
 
     name: str
     steps: int
@@ -90,10 +93,58 @@ class StepRow:
     rows: int = 0
     changed_rows: int | None = None  # knockout: the rows whose tokens differ from the bare's
     same_tokens: bool | None = None  # row stops: its tokens are the knockout's
+    step_ends: list[float] = field(default_factory=list)  # seconds from the call's start
+
+    @property
+    def prompt_seconds(self) -> float:
+        """The prompts' pass and the first token: up to the first step's end."""
+        return self.step_ends[0] if self.step_ends else self.seconds
 
     @property
     def per_step(self) -> float:
-        return self.seconds / max(self.steps, 1)
+        """Seconds a decoding step after the first token (the prompts' pass apart); with
+        one step, the call's seconds."""
+        if len(self.step_ends) < 2:
+            return self.seconds / max(self.steps, 1)
+        return (self.step_ends[-1] - self.step_ends[0]) / (len(self.step_ends) - 1)
+
+
+class StepClock(StoppingCriteria):
+    """Stops no row: notes when each step of a ``generate`` call ended (the device
+    synchronised first; ``generate`` itself waits for the device once a step, to know
+    whether every row has finished, so this adds no wait of its own), so that the prompts'
+    pass and the decoding steps are timed apart."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.ends: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        sync(self.device)
+        self.ends.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def clocked(model: Any, clock: StepClock) -> Iterator[None]:
+    """Inside, every ``model.generate`` call also has ``clock`` among its stopping criteria
+    (ours' own call included, which makes its criteria itself)."""
+    from transformers import StoppingCriteriaList
+
+    real, own = model.generate, vars(model).get("generate")
+
+    def generate(*args: Any, stopping_criteria: Any = None, **kwargs: Any) -> Any:
+        criteria = StoppingCriteriaList([*(stopping_criteria or ()), clock])
+        return real(*args, stopping_criteria=criteria, **kwargs)
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate  # the class's own again
+        else:
+            model.generate = own
 
 
 @dataclass
@@ -181,7 +232,9 @@ def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: s
     (``_model_generate``, as ``measure_many`` made it: also the prompts' common start once
     per mask and, on a CPU, finished rows leaving the batch), which ends early where every
     row stopped. The first three generate as many tokens, so their differences per step
-    are the knockout's and the stop checks' cost."""
+    are the knockout's and the stop checks' cost. Each step's end is noted (``StepClock``),
+    so a step's time is told apart from the prompts' pass, which ours computes otherwise
+    and which, over a few steps of a large call, is most of the time."""
     from transformers import StoppingCriteriaList
 
     from lm_eval_headloc.intervention.multigen import row_stops_for, rows_stop_on_their_own
@@ -219,16 +272,17 @@ def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: s
     names = list(ways)
     for turn in range(repeats):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
-            run = ways[name]
-            sync(device)
-            start = time.perf_counter()
-            out = run()
-            sync(device)
-            seconds = time.perf_counter() - start
+            run, clock = ways[name], StepClock(device)
+            with clocked(lm.model, clock):
+                sync(device)
+                start = time.perf_counter()
+                out = run()
+                sync(device)
+                seconds = time.perf_counter() - start
             tokens[name] = out
             if name not in best or seconds < best[name].seconds:
                 best[name] = StepRow(name, int(out.shape[1]) - int(ids.shape[1]), seconds,
-                                     rows)
+                                     rows, step_ends=[end - start for end in clock.ends])
     # The knockout timed is applied (the rows whose tokens it changed from the bare's), and
     # the row stops only end rows: each row's tokens are the knockout's up to its end (after
     # it, generate pads it).
@@ -356,23 +410,26 @@ def step_lines(report: Report) -> list[str]:
              "row on its own looking at every step; **ours**: ours' own call (also the "
              "prompts' common start once per mask and, on a CPU, finished rows leaving the "
              "batch; it ends early where every row stopped). The first three generate as "
-             "many tokens.", "",
-             "| way | steps | seconds | ms a step | ms a step over the way before | "
-             "ms a step over the bare |", "|---|---|---|---|---|---|"]
+             "many tokens. Each step's end is noted as it happens (the device waited for "
+             "first, as `generate` waits for it once a step anyway): **the prompts' pass** "
+             "is the call's start to its first token's end, **ms a step** the mean of the "
+             "steps after it.", "",
+             "| way | steps | seconds | the prompts' pass (s) | ms a step | "
+             "ms a step over the way before | ms a step over the bare |",
+             "|---|---|---|---|---|---|---|"]
     before = None
     for step in report.steps:
         over_before = "" if before is None else \
             f"{(step.per_step - before.per_step) * 1000:+.2f}"
         lines.append(f"| {step.name} | {step.steps} | {step.seconds:.3f} | "
-                     f"{step.per_step * 1000:.2f} | {over_before} | "
+                     f"{step.prompt_seconds:.3f} | {step.per_step * 1000:.2f} | {over_before} | "
                      f"{(step.per_step - bare.per_step) * 1000:+.2f} |")
         before = step
     knockout, stops = rows["knockout"], rows["row stops"]
     lines += ["", f"The knockout changed the tokens of {knockout.changed_rows} of the call's "
               f"{knockout.rows} rows from the bare's (so it is applied); the row stops' tokens "
               f"are the knockout's up to each row's end: "
-              f"{'yes' if stops.same_tokens else '**no**'}. Each step's "
-              "time includes its share of the prompts' pass."]
+              f"{'yes' if stops.same_tokens else '**no**'}."]
     return lines
 
 
@@ -568,7 +625,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.steps = step_profile(lm, largest, masks[:auto], args.device,
                                     args.step_profile)
         for step in report.steps:
-            print(f"  {step.name}: {step.steps} steps, {step.per_step * 1000:.2f} ms a step",
+            print(f"  {step.name}: {step.steps} steps, the prompts' pass "
+                  f"{step.prompt_seconds:.3f} s, {step.per_step * 1000:.2f} ms a step",
                   flush=True)
         emit()
     del lm, measure

@@ -32,13 +32,14 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
     assert f"The automatic K = {auto}" in text
     # The automatic K's call taken apart for its first 2 steps of 3: four ways, each 2 tokens
     # a row (the random model never stops early), the knockout applied, the stops only looking.
-    ways = re.findall(r"^\| (bare|knockout|row stops|ours) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|",
-                      text, flags=re.MULTILINE)
-    assert [(way, steps) for way, steps, _, _ in ways] == [
+    ways = re.findall(r"^\| (bare|knockout|row stops|ours) \| (\d+) \| ([\d.]+) \| "
+                      r"([\d.]+) \| ([\d.]+) \|", text, flags=re.MULTILINE)
+    assert [(way, steps) for way, steps, *_ in ways] == [
         ("bare", "2"), ("knockout", "2"), ("row stops", "2"), ("ours", "2")]
-    for _, steps, seconds, per_step in ways:  # seconds to 3 places, ms a step to 2
-        assert float(per_step) == pytest.approx(1000 * float(seconds) / int(steps),
-                                                abs=0.5 / int(steps) + 0.005)
+    for _, _, seconds, prompts, per_step in ways:  # seconds to 3 places, ms a step to 2
+        # The prompts' pass, then the one step after the first token: within the call.
+        assert 0 < float(prompts) <= float(seconds)
+        assert 0 < float(prompts) + float(per_step) / 1000 <= float(seconds) + 0.002
     assert re.search(rf"changed the tokens of ([1-9]\d*) of the call's {3 * auto} rows", text)
     assert "the row stops' tokens are the knockout's up to each row's end: yes" in text
     # The default locate a GPU stage ends with, in a process of its own: the baseline, the
@@ -90,3 +91,31 @@ def test_a_bad_locate_cap_is_one_line_before_any_model(argv, tmp_path, capsys):
         bench.parse_args(["--config", "tiny-llama", *argv, "--out", str(tmp_path / "B.md")])
     assert stopped.value.code == 2
     assert "--locate-max-measurements" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_the_step_clock_notes_each_step_and_puts_generate_back(tmp_path):
+    # A step's time is told apart from the prompts' pass: one end a generated token, in
+    # order, within the call; and the model's generate is its class's own again after.
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from headloc_bench.bench_shapes import build_random_model
+
+    folder, _, _ = build_random_model("tiny-llama", tmp_path / "m", "float32")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    clock = bench.StepClock("cpu")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    start = time.perf_counter()
+    with bench.clocked(model, clock):
+        out = model.generate(input_ids=ids, max_new_tokens=5, min_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 3 + 5)
+    assert len(clock.ends) == 5 and clock.ends == sorted(clock.ends)
+    assert start < clock.ends[0] and clock.ends[-1] < time.perf_counter()
+    assert "generate" not in vars(model)
+    row = bench.StepRow("bare", 5, clock.ends[-1] - start,
+                        step_ends=[end - start for end in clock.ends])
+    assert row.prompt_seconds == clock.ends[0] - start
+    assert row.per_step == pytest.approx((clock.ends[-1] - clock.ends[0]) / 4)

@@ -311,4 +311,5 @@ def test_bench_gpu_stages_pass_options_their_scripts_accept():
     for stage in ("ratio1b", "ratio8b"):
         args = parsed[stage]
         assert args.k_values == [1] and args.bare_values == {"auto"}
-        assert args.step_profile > 0 and not args.locate
+        assert not args.locate
+    assert parsed["ratio1b"].step_profile > 0 and parsed["gen1b"].step_profile > 0
