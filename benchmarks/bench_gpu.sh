@@ -61,7 +61,9 @@ run() {  # stage, the benchmark's entry point in benchmarks/, then its options
 
 # A first run against a later one, first on a freshly started machine (its file cache empty
 # of the libraries and the model); capped at the default run's measurements before its
-# group tests: what a first run adds does not depend on how many it measures.
+# group tests: what a first run adds does not depend on how many it measures. Carried
+# wheels should be whole (scripts/gpu_wheels.sh --no-slim): a first run indexes lm-eval's
+# ~14,000 task configs, which the slimmed wheel leaves out (the section says how many).
 if [ "$stage" = first1b ] || [ "$stage" = all ]; then
     run first1b bench_first_run.py --config llama-3.2-1b --task scale_choice -- \
         --max-measurements 54

@@ -65,8 +65,20 @@ def timed_run(arguments: Sequence[str], out: Path, environment: Mapping[str, str
             "last_line": done.stdout.strip().splitlines()[-1]}
 
 
+def lm_eval_task_configs() -> int:
+    """The YAML files of lm-eval's own tasks in this environment: what its task index, which a
+    first run builds, reads (about 14,000 in a whole install; a wheel slimmed for a machine
+    without network has none)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or spec.origin is None:
+        return 0
+    return sum(1 for _ in (Path(spec.origin).parent / "tasks").rglob("*.yaml"))
+
+
 def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
-           device: str) -> str:
+           device: str, task_configs: int | None = None) -> str:
     def seconds(run: Mapping[str, Any], name: str) -> float:
         recorded = run["recorded"]
         return recorded["other"] if name == "other" else recorded["phases"].get(name, 0.0)
@@ -80,7 +92,10 @@ def render(first: Mapping[str, Any], later: Mapping[str, Any], command: str,
         f"`{command}`: the same `headloc-harness locate` twice, each in a process of its own, "
         "the first with empty caches (our task index, Hugging Face datasets' prepared data, "
         "matplotlib's fonts), the second with them filled; seconds per phase from each "
-        "run's config.json (`timings`), the whole wall clock from outside the process.", "",
+        "run's config.json (`timings`), the whole wall clock from outside the process."
+        + ("" if task_configs is None else
+           f" lm-eval's own task configs here, which the first run's task index reads: "
+           f"{task_configs:,} YAML files (a whole install has about 14,000)."), "",
         "| phase | first run (s) | later run (s) | first − later (s) |",
         "| --- | --- | --- | --- |", *rows,
         f"| **whole (recorded)** | **{first['recorded']['whole']:.2f}** | "
@@ -139,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         later = timed_run(locate_args, work / "later", environment)
         print(f"later run: {later['last_line']}", flush=True)
         write_section(args.out, section_name("first run", args.device),
-                      render(first, later, command, args.device))
+                      render(first, later, command, args.device, lm_eval_task_configs()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"written to {args.out}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,11 @@ def test_a_first_and_a_later_run_are_timed_phase_by_phase(tiny_llama_dir, tmp_pa
         assert result["last_line"].startswith("Time: ")
     text = out.read_text()
     assert text.startswith("<!-- first run: start -->")
+    # What the first run's task index read is said: the test environment's lm-eval is a
+    # whole install, with its thousands of task configs.
+    said = int(re.search(r"task configs here, which the first run's task index reads: "
+                         r"([\d,]+) YAML files", text).group(1).replace(",", ""))
+    assert said > 5000
     row = next(line for line in text.splitlines() if line.startswith("| measurements |"))
     cells = [float(cell) for cell in row.strip("|").split("|")[1:]]
     assert cells[0] == round(first["recorded"]["phases"]["measurements"], 2)
