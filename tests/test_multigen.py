@@ -405,3 +405,107 @@ def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp
     config = strict_json(again / "config.json")
     assert "masks_per_pass" not in config and config["spec"]["masks_per_pass"] == 2
     assert "Masks per pass" not in capsys.readouterr().out
+
+
+def test_ids_past_the_tokenizer_that_decode_to_nothing_are_not_looked_at(tiny_model_dir):
+    # A model's vocabulary padded past its tokenizer's (every id of a random-weight model of
+    # a published shape with the byte tokenizer): a fast tokenizer decodes those ids to
+    # nothing, so they cannot end a stop string; looking at every row that generated one
+    # cost 1,500 rows ~18 ms a step on a CPU.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    size = len(tokenizer)
+    assert tokenizer.decode([size + 5]) == ""
+    table = multigen.could_end(tokenizer, ("Question:",), frozenset({2}), size + 100)
+    assert len(table) == size + 100 and not table[size:].any()
+    assert table[:size].tolist() == multigen.could_end(tokenizer, ("Question:",),
+                                                       frozenset({2})).tolist()
+
+    class Refusing:  # a tokenizer that cannot decode an id past its own, as a slow one
+        def __len__(self):
+            return size
+
+        def batch_decode(self, ids):
+            if any(i >= size for row in ids for i in row):
+                raise IndexError("piece id is out of range")
+            return tokenizer.batch_decode(ids)
+
+    table = multigen.could_end(Refusing(), ("Question:",), frozenset({2}), size + 100)
+    assert len(table) == size  # the ids past it: looked at, as past the table
+
+
+def test_rows_end_where_they_did_when_every_id_past_the_tokenizer_was_looked_at(
+        tiny_model_dir):
+    # Random rows of ids in and past the tokenizer's, a stop string written into some: the
+    # table over the model's vocabulary ends each row where looking at every row past the
+    # tokenizer did, and decodes fewer rows.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    size, vocab, rows, prompt = len(tokenizer), len(tokenizer) * 4, 64, 5
+    stop = tokenizer.encode(" cat:", add_special_tokens=False)
+    generator = torch.Generator().manual_seed(0)
+    steps = torch.randint(0, vocab, (rows, 40), generator=generator)
+    for row in range(0, rows, 3):  # the stop string after a different number of tokens
+        at = 4 + row % 30
+        steps[row, at:at + len(stop)] = torch.tensor(stop)
+    ids = torch.randint(3, size, (rows, prompt), generator=generator)
+    decoded = {"old": 0, "new": 0}
+    ends = {}
+    for name, padded in (("old", 0), ("new", vocab)):
+        stops = multigen.RowStops(tokenizer, ["cat:"], prompt, rows, [2], padded)
+        multigen.could_end(tokenizer, ("cat:",), frozenset({2}), padded)  # made: not counted
+        real = tokenizer.batch_decode
+
+        def counting(tails, name=name, real=real):
+            decoded[name] += len(tails)
+            return real(tails)
+
+        tokenizer.batch_decode = counting
+        try:
+            for step in range(steps.shape[1]):
+                stops(torch.cat([ids, steps[:, :step + 1]], dim=1), None)
+        finally:
+            del tokenizer.batch_decode
+        ends[name] = stops.finished_at
+    assert ends["new"] == ends["old"]
+    assert sum(end is not None for end in ends["new"]) >= rows // 3
+    assert decoded["new"] < decoded["old"] / 4, decoded
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_gets_lm_evals_own_answers(
+        tmp_path, task_manager, monkeypatch):
+    # Half the ids this random model generates are past its tokenizer's (decoded to
+    # nothing), as every id of a random-weight model of a published shape is.
+    from helpers import save_tiny_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.vocab_size *= 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    lm = load_lm(tmp_path)
+    assert lm.model.get_output_embeddings().weight.shape[0] == 2 * len(lm.tokenizer)
+    instances = with_stops_that_end_rows(
+        lm, open_generation_measurement(task_manager, lm).generating_instances(), monkeypatch)
+    masks = [parse_heads(m, 2, 4) if m else [] for m in GENERATION_MASKS]
+    made, generated = made_criteria(monkeypatch), []
+    real = lm.model.generate
+    monkeypatch.setattr(lm.model, "generate",
+                        lambda *a, **k: generated.append(real(*a, **k)) or generated[-1])
+    together = multigen.generations_for_masks(lm, instances, masks, rows=5)
+    monkeypatch.undo()
+    # The prompts are the tokenizer's ids: those past it were generated, a good share.
+    past = sum(int((out >= len(lm.tokenizer)).sum()) for out in generated)
+    assert past > sum(out.numel() for out in generated) / 10
+    assert len(made[0]._could_end) == 2 * len(lm.tokenizer)
+    ends = [end for c in made for end in c.finished_at]
+    assert len({end for end in ends if end is not None}) > 2, ends
+    for heads, answers in zip(masks, together, strict=True):
+        assert answers == lm_evals_own(lm, instances, heads, 5, monkeypatch), heads

@@ -48,8 +48,9 @@ class RowStops(StoppingCriteria):
     """
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_width: int, rows: int,
-                 eos_ids: Iterable[int] = ()) -> None:
+                 eos_ids: Iterable[int] = (), vocab_size: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's: its ids past the tokenizer's are looked up
         self.stops = tuple(stop for stop in stops if stop)
         self.lookback = max((len(tokenizer.encode(stop, add_special_tokens=False)) + 2
                              for stop in self.stops), default=1)
@@ -65,11 +66,11 @@ class RowStops(StoppingCriteria):
         if self._open is None:
             self._open = torch.ones(len(self.finished_at), dtype=torch.bool,
                                     device=input_ids.device)
-            self._could_end = could_end(self.tokenizer, self.stops,
-                                        self.eos_ids).to(input_ids.device)
+            self._could_end = could_end(self.tokenizer, self.stops, self.eos_ids,
+                                        self.vocab_size).to(input_ids.device)
         table = self._could_end
         last = input_ids[:, -1]
-        # Ids past the tokenizer's (a model's padded vocabulary) are looked at too.
+        # Ids past the table (past the tokenizer's and the model's vocabulary) are looked at.
         could = torch.where(last < len(table), table[last.clamp(max=len(table) - 1)], True)
         # One copy to the host per step: the rows to look at (few), then their tails.
         candidates = (self._open & could).nonzero().flatten().tolist()
@@ -93,14 +94,22 @@ class RowStops(StoppingCriteria):
 
 
 @functools.lru_cache(maxsize=8)
-def could_end(tokenizer: Any, stops: tuple[str, ...], eos_ids: frozenset[int]
-              ) -> torch.Tensor:
+def could_end(tokenizer: Any, stops: tuple[str, ...], eos_ids: frozenset[int],
+              vocab_size: int = 0) -> torch.Tensor:
     """Per token id, whether a step that generates it may complete one of ``stops`` (or
     end the row: ``eos_ids``). A stop string newly in the decoded tail must end in the new
     token's text, so its last character is there — where that character stands alone in a
     token's own decoding (ASCII, not a space, which SentencePiece drops at a token's
-    start); for other stop strings every token may."""
+    start); for other stop strings every token may. The ids are the tokenizer's and, up to
+    ``vocab_size``, a model's past them (a padded vocabulary; every id of a random-weight
+    model), which a fast tokenizer decodes to nothing: looking at every row that generated
+    one cost a 1,500-row batch milliseconds a step. Where the tokenizer cannot decode them
+    one by one, they are looked at."""
     decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    try:
+        decoded += tokenizer.batch_decode([[i] for i in range(len(decoded), vocab_size)])
+    except Exception:  # noqa: BLE001 - a tokenizer's own error: those ids stay looked at
+        pass
     table = torch.zeros(len(decoded), dtype=torch.bool)
     for stop in stops:
         last = stop[-1]
@@ -120,6 +129,13 @@ def _eos_ids(lm: Any) -> list[int]:
     if eos is None:
         eos = lm.tokenizer.eos_token_id
     return [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+
+
+def _vocab_size(model: Any) -> int:
+    """The ids ``model`` can generate: its output embedding's rows (0 if not told)."""
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(output, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else 0
 
 
 def stops_per_row(lm: Any, generation_kwargs: dict[str, Any]) -> bool:
@@ -176,7 +192,8 @@ def rows_stop_on_their_own(lm: Any) -> Iterator[list[RowStops]]:
 def row_stops_for(lm: Any, stops: Sequence[str], prompt_width: int, rows: int) -> RowStops:
     """The ``RowStops`` of one ``generate`` call of ``lm`` inside ``rows_stop_on_their_own``
     (``rows`` rows, prompts ``prompt_width`` wide), kept in its list."""
-    criteria = RowStops(lm.tokenizer, stops, prompt_width, rows, _eos_ids(lm))
+    criteria = RowStops(lm.tokenizer, stops, prompt_width, rows, _eos_ids(lm),
+                        _vocab_size(lm.model))
     lm.row_stops.append(criteria)
     return criteria
 
