@@ -31,7 +31,7 @@ if [ -n "$out" ]; then
     [ -d "$out" ] || { echo "bench_gpu.sh: OUT_DIR '$out' is not a folder" >&2; exit 2; }
     # Never over what is not ours: an OUT_DIR already holding these files is refused.
     for name in BENCH.md bench-1b.log bench-8b.log bench-gen1b.log bench-gen8b.log \
-            bench-first1b.log bench-ratio1b.log bench-ratio8b.log; do
+            bench-first1b.log bench-stops.log bench-ratio1b.log bench-ratio8b.log; do
         [ ! -e "$out/$name" ] || { echo "bench_gpu.sh: '$out/$name' exists; name an empty OUT_DIR" >&2; exit 2; }
     done
     cp BENCH.md "$out/BENCH.md"
@@ -112,8 +112,11 @@ if [ "$stage" = gen1b ] || [ "$stage" = all ]; then
 fi
 # Only the ratio to the bare generate, at both sizes: K = 1 and the automatic K (its bare
 # generate timed), at 1B its largest call taken apart for 16 steps; no sweep, no locate
-# (estimated from the 2026-11-27 stages' parts: about 3 minutes each).
+# (estimated from the 2026-11-27 stages' parts: about 3 minutes each); first the row stops'
+# cost a step at those calls' rows, with the ids on the GPU (bench_stop_checks.py, ~20 s).
 if [ "$stage" = ratio ]; then
+    "$python" benchmarks/bench_stop_checks.py --device cuda --rows 1500,3700 --out "$bench" \
+        2>&1 | tee "$logs/bench-stops.log"
     run ratio1b bench_generation.py --config llama-3.2-1b --ks "" --bare auto --step-profile 16
     run ratio8b bench_generation.py --config llama-3.1-8b --ks "" --bare auto
 fi

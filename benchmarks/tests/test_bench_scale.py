@@ -17,6 +17,7 @@ from headloc_bench import (
     bench_measure,
     bench_scale,
     bench_shapes,
+    bench_stop_checks,
     bench_workers,
     measuring,
 )
@@ -313,3 +314,8 @@ def test_bench_gpu_stages_pass_options_their_scripts_accept():
         assert args.k_values == [1] and args.bare_values == {"auto"}
         assert not args.locate
     assert parsed["ratio1b"].step_profile > 0 and parsed["gen1b"].step_profile > 0
+    # The row stops' cost a step, at the rows of both sizes' calls, with the ids on the GPU.
+    stops = re.search(r"^\s*\"\$python\" benchmarks/bench_stop_checks\.py (.*) --out ", script,
+                      flags=re.MULTILINE)
+    args = bench_stop_checks.parse_args(shlex.split(stops.group(1)))
+    assert args.device == "cuda" and args.row_counts == [1500, 3700]

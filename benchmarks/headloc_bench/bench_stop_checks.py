@@ -1,0 +1,121 @@
+"""What ending each row on its own costs a decoding step (``multigen.RowStops``), at the
+rows of a GPU's generating call.
+
+Rows of random ids, as the random-weight models of the GPU benchmarks generate them: ids
+drawn from Llama-3's 128,256, of which the byte tokenizer those models are saved with knows
+258; the gsm8k-shaped task's stop strings (``Question:`` and the end-of-text token's).
+Each step appends a column and asks the criteria about it, two ways: the ids looked up in
+the table over the model's vocabulary (``could_end`` with ``vocab_size``: an id past the
+tokenizer decodes to nothing and ends no stop string), and every row whose id is past the
+tokenizer's table decoded, as a table over the tokenizer alone does. Rows decoded a step and
+milliseconds a step, the fastest of ``--repeats``::
+
+    python benchmarks/bench_stop_checks.py --rows 1500,3700
+
+Writes its section of ``BENCH.md`` (``bench_stop_checks``; with ``--device cuda``,
+``bench_stop_checks cuda``: the ids on the GPU, its copies to the host included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from headloc_bench import ROOT, bench_shapes
+from headloc_bench.bench_sections import bench_refusal, section_name, shown_command, write_section
+from headloc_bench.measuring import machine_lines, sync
+from lm_eval_headloc.intervention.multigen import RowStops
+
+#: Llama-3's vocabulary: the random-weight 1B and 8B generate any of these ids.
+MODEL_VOCABULARY = 128_256
+PROMPT_WIDTH = 250  # the gsm8k-shaped task's prompts, about
+WAYS = {"the model's vocabulary": MODEL_VOCABULARY, "the tokenizer's only": 0}
+
+
+def time_stop_checks(rows: int, vocab_size: int, steps: int, device: str, seed: int = 0
+                     ) -> tuple[float, float]:
+    """Seconds a step and rows decoded a step of ``RowStops`` over ``steps`` random columns
+    of ``rows`` rows (its table over ``vocab_size`` ids; 0: the tokenizer's)."""
+    tokenizer = bench_shapes.byte_tokenizer()
+    stops = ["Question:", bench_shapes.EOS]
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, bench_shapes.BYTE_TOKENS, (rows, PROMPT_WIDTH), generator=generator)
+    columns = torch.randint(0, MODEL_VOCABULARY, (rows, steps), generator=generator)
+    ids = torch.cat([ids, columns], dim=1).to(device)
+    criteria = RowStops(tokenizer, stops, PROMPT_WIDTH, rows,
+                        [bench_shapes.BYTE_TOKENS], vocab_size)
+    criteria(ids[:, :PROMPT_WIDTH + 1], None)  # its table made once a process: not timed
+    decoded = 0
+    real = tokenizer.batch_decode
+
+    def counting(tails: list[list[int]]) -> list[str]:
+        nonlocal decoded
+        decoded += len(tails)
+        return real(tails)
+
+    tokenizer.batch_decode = counting
+    sync(device)
+    start = time.perf_counter()
+    for step in range(2, steps + 1):
+        criteria(ids[:, :PROMPT_WIDTH + step], None)
+    sync(device)
+    return (time.perf_counter() - start) / (steps - 1), decoded / (steps - 1)
+
+
+def render(results: list[tuple[int, str, float, float]], command: str, device: str) -> str:
+    lines = ["## Ending each row on its own: the stop checks a decoding step", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}`.",
+             "", *machine_lines(device), "",
+             "`multigen.RowStops` asked about each new column of rows of random ids (the "
+             f"random-weight models' ids: {MODEL_VOCABULARY:,}, of which the byte tokenizer "
+             f"knows {bench_shapes.BYTE_TOKENS + 2}), the gsm8k-shaped task's stop strings: "
+             "with its table over the model's vocabulary, and over the tokenizer's only "
+             "(every row whose id is past it decoded).", "",
+             "| rows | table over | rows decoded a step | ms a step |", "|---|---|---|---|"]
+    lines += [f"| {rows} | {way} | {decoded:.1f} | {seconds * 1000:.2f} |"
+              for rows, way, seconds, decoded in results]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1500,3700", help="row counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCH.md")
+    args = parser.parse_args(argv)
+    try:
+        args.row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows {args.rows!r}: whole numbers separated by commas")
+    if min(args.row_counts) < 1 or args.steps < 2 or args.repeats < 1:
+        parser.error("--rows >= 1 each, --steps >= 2, --repeats >= 1")
+    problem = bench_refusal(args.out)
+    if problem is not None:
+        parser.error(problem)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shown_command("python benchmarks/bench_stop_checks.py",
+                            list(argv) if argv is not None else sys.argv[1:])
+    results = []
+    for rows in args.row_counts:
+        for way, vocab_size in WAYS.items():
+            runs = [time_stop_checks(rows, vocab_size, args.steps, args.device)
+                    for _ in range(args.repeats)]
+            seconds, decoded = min(runs)
+            print(f"{rows} rows, table over {way}: {decoded:.1f} rows decoded a step, "
+                  f"{seconds * 1000:.2f} ms a step", flush=True)
+            results.append((rows, way, seconds, decoded))
+    write_section(args.out, section_name("bench_stop_checks", args.device),
+                  render(results, command, args.device))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,36 @@
+"""benchmarks/bench_stop_checks.py: the row stops' cost a step, its section."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from headloc_bench import bench_stop_checks as bench
+
+
+def test_the_stop_checks_section_counts_the_rows_each_table_decodes(tmp_path):
+    out = tmp_path / "BENCH.md"
+    assert bench.main(["--rows", "40,80", "--steps", "4", "--repeats", "1",
+                       "--out", str(out)]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!-- bench_stop_checks: start -->")
+    rows = re.findall(r"^\| (\d+) \| (the [^|]+) \| ([\d.]+) \| ([\d.]+) \|$", text,
+                      flags=re.MULTILINE)
+    assert [(r, way) for r, way, _, _ in rows] == [
+        ("40", "the model's vocabulary"), ("40", "the tokenizer's only"),
+        ("80", "the model's vocabulary"), ("80", "the tokenizer's only")]
+    # Random ids over 128,256 of which the tokenizer knows 258 (0.2 %): over the
+    # tokenizer's table nearly every row is decoded a step, over the model's nearly none.
+    for count, way, decoded, per_step in rows:
+        share = float(decoded) / int(count)
+        assert share >= 0.95 if way == "the tokenizer's only" else share <= 0.05
+        assert float(per_step) > 0
+
+
+@pytest.mark.parametrize("argv", [["--rows", "x"], ["--rows", "0"], ["--steps", "1"]])
+def test_bad_options_are_one_line(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main([*argv, "--out", str(tmp_path / "B.md")])
+    assert stopped.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()[-1]) < 200
