@@ -135,7 +135,8 @@ def _vocab_size(model: Any) -> int:
     """The ids ``model`` can generate: its output embedding's rows (0 if not told)."""
     output = getattr(model, "get_output_embeddings", lambda: None)()
     weight = getattr(output, "weight", None)
-    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else 0
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+        else 0
 
 
 def stops_per_row(lm: Any, generation_kwargs: dict[str, Any]) -> bool:
