@@ -94,8 +94,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.row_counts = [int(r) for r in args.rows.split(",")]
     except ValueError:
         parser.error(f"--rows {args.rows!r}: whole numbers separated by commas")
-    if min(args.row_counts) < 1 or args.steps < 2 or args.repeats < 1:
-        parser.error("--rows >= 1 each, --steps >= 2, --repeats >= 1")
+    # The ids are made whole up front: bounds that keep them within memory.
+    if not 1 <= min(args.row_counts) <= max(args.row_counts) <= 100_000 \
+            or not 2 <= args.steps <= 4096 or args.repeats < 1:
+        parser.error(f"--rows {args.rows} --steps {args.steps} --repeats {args.repeats}: "
+                     "rows 1 to 100000 each, steps 2 to 4096, repeats >= 1")
     problem = bench_refusal(args.out)
     if problem is not None:
         parser.error(problem)

@@ -28,7 +28,8 @@ def test_the_stop_checks_section_counts_the_rows_each_table_decodes(tmp_path):
         assert float(per_step) > 0
 
 
-@pytest.mark.parametrize("argv", [["--rows", "x"], ["--rows", "0"], ["--steps", "1"]])
+@pytest.mark.parametrize("argv", [["--rows", "x"], ["--rows", "0"], ["--steps", "1"],
+                                  ["--rows", "1000000000"], ["--steps", "nan"]])
 def test_bad_options_are_one_line(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         bench.main([*argv, "--out", str(tmp_path / "B.md")])
