@@ -94,6 +94,7 @@ class StepRow:
     changed_rows: int | None = None  # knockout: the rows whose tokens differ from the bare's
     same_tokens: bool | None = None  # row stops: its tokens are the knockout's
     step_ends: list[float] = field(default_factory=list)  # seconds from the call's start
+    peak_gib: float | None = None  # on a GPU: the most memory allocated during the call
 
     @property
     def prompt_seconds(self) -> float:
@@ -273,6 +274,9 @@ def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: s
     for turn in range(repeats):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             run, clock = ways[name], StepClock(device)
+            on_gpu = device.startswith("cuda")
+            if on_gpu:  # a way that holds more memory may make the allocator work a step
+                torch.cuda.reset_peak_memory_stats()
             with clocked(lm.model, clock):
                 sync(device)
                 start = time.perf_counter()
@@ -281,8 +285,10 @@ def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: s
                 seconds = time.perf_counter() - start
             tokens[name] = out
             if name not in best or seconds < best[name].seconds:
-                best[name] = StepRow(name, int(out.shape[1]) - int(ids.shape[1]), seconds,
-                                     rows, step_ends=[end - start for end in clock.ends])
+                best[name] = StepRow(
+                    name, int(out.shape[1]) - int(ids.shape[1]), seconds, rows,
+                    step_ends=[end - start for end in clock.ends],
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None)
     # The knockout timed is applied (the rows whose tokens it changed from the bare's), and
     # the row stops only end rows: each row's tokens are the knockout's up to its end (after
     # it, generate pads it).
@@ -413,17 +419,18 @@ def step_lines(report: Report) -> list[str]:
              "many tokens. Each step's end is noted as it happens (the device waited for "
              "first, as `generate` waits for it once a step anyway): **the prompts' pass** "
              "is the call's start to its first token's end, **ms a step** the mean of the "
-             "steps after it.", "",
+             "steps after it; **peak GiB**, on a GPU, the most memory the call held.", "",
              "| way | steps | seconds | the prompts' pass (s) | ms a step | "
-             "ms a step over the way before | ms a step over the bare |",
-             "|---|---|---|---|---|---|---|"]
+             "ms a step over the way before | ms a step over the bare | peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     before = None
     for step in report.steps:
         over_before = "" if before is None else \
             f"{(step.per_step - before.per_step) * 1000:+.2f}"
         lines.append(f"| {step.name} | {step.steps} | {step.seconds:.3f} | "
                      f"{step.prompt_seconds:.3f} | {step.per_step * 1000:.2f} | {over_before} | "
-                     f"{(step.per_step - bare.per_step) * 1000:+.2f} |")
+                     f"{(step.per_step - bare.per_step) * 1000:+.2f} | "
+                     f"{_cell(step.peak_gib, 1)} |")
         before = step
     knockout, stops = rows["knockout"], rows["row stops"]
     lines += ["", f"The knockout changed the tokens of {knockout.changed_rows} of the call's "

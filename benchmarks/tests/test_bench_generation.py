@@ -36,6 +36,9 @@ def test_the_generation_benchmark_writes_its_section(tmp_path):
                       r"([\d.]+) \| ([\d.]+) \|", text, flags=re.MULTILINE)
     assert [(way, steps) for way, steps, *_ in ways] == [
         ("bare", "2"), ("knockout", "2"), ("row stops", "2"), ("ours", "2")]
+    # The memory each way held: a GPU's, none on a CPU.
+    assert all(line.endswith("| — |") for line in text.splitlines()
+               if re.match(r"\| (bare|knockout|row stops|ours) \|", line))
     for _, _, seconds, prompts, per_step in ways:  # seconds to 3 places, ms a step to 2
         # The prompts' pass, then the one step after the first token: within the call.
         assert 0 < float(prompts) <= float(seconds)
