@@ -270,11 +270,10 @@ def step_profile(lm: Any, call: Call, masks: Sequence[Sequence[Head]], device: s
         "bare": bare, "knockout": knockout, "row stops": lambda: knockout(True), "ours": ours}
     best: dict[str, StepRow] = {}
     tokens: dict[str, torch.Tensor] = {}
-    names = list(ways)
+    names, on_gpu = list(ways), device.startswith("cuda")
     for turn in range(repeats):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             run, clock = ways[name], StepClock(device)
-            on_gpu = device.startswith("cuda")
             if on_gpu:  # a way that holds more memory may make the allocator work a step
                 torch.cuda.reset_peak_memory_stats()
             with clocked(lm.model, clock):

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,11 +38,12 @@ PROMPT_WIDTH = 250  # the gsm8k-shaped task's prompts, about
 WAYS = {"the model's vocabulary": MODEL_VOCABULARY, "the tokenizer's only": 0}
 
 
-def time_stop_checks(rows: int, vocab_size: int, steps: int, device: str, seed: int = 0
-                     ) -> tuple[float, float]:
-    """Seconds a step and rows decoded a step of ``RowStops`` over ``steps`` random columns
-    of ``rows`` rows (its table over ``vocab_size`` ids; 0: the tokenizer's)."""
-    tokenizer = bench_shapes.byte_tokenizer()
+def time_stop_checks(tokenizer: Any, rows: int, vocab_size: int, steps: int, device: str,
+                     seed: int = 0) -> tuple[float, float]:
+    """Seconds a step and rows decoded a step of ``RowStops`` with ``tokenizer`` (the byte
+    tokenizer, one for every call: ``could_end``'s table is made once per tokenizer) over
+    ``steps`` random columns of ``rows`` rows (its table over ``vocab_size`` ids; 0: the
+    tokenizer's)."""
     stops = ["Question:", bench_shapes.EOS]
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, bench_shapes.BYTE_TOKENS, (rows, PROMPT_WIDTH), generator=generator)
@@ -59,12 +61,16 @@ def time_stop_checks(rows: int, vocab_size: int, steps: int, device: str, seed: 
         return real(tails)
 
     tokenizer.batch_decode = counting
-    sync(device)
-    start = time.perf_counter()
-    for step in range(2, steps + 1):
-        criteria(ids[:, :PROMPT_WIDTH + step], None)
-    sync(device)
-    return (time.perf_counter() - start) / (steps - 1), decoded / (steps - 1)
+    try:
+        sync(device)
+        start = time.perf_counter()
+        for step in range(2, steps + 1):
+            criteria(ids[:, :PROMPT_WIDTH + step], None)
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        del tokenizer.batch_decode  # its class's own again
+    return seconds / (steps - 1), decoded / (steps - 1)
 
 
 def render(results: list[tuple[int, str, float, float]], command: str, device: str) -> str:
@@ -109,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     command = shown_command("python benchmarks/bench_stop_checks.py",
                             list(argv) if argv is not None else sys.argv[1:])
-    results = []
+    results, tokenizer = [], bench_shapes.byte_tokenizer()
     for rows in args.row_counts:
         for way, vocab_size in WAYS.items():
-            runs = [time_stop_checks(rows, vocab_size, args.steps, args.device)
+            runs = [time_stop_checks(tokenizer, rows, vocab_size, args.steps, args.device)
                     for _ in range(args.repeats)]
             seconds, decoded = min(runs)
             print(f"{rows} rows, table over {way}: {decoded:.1f} rows decoded a step, "
