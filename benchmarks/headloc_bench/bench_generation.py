@@ -61,10 +61,12 @@ from headloc_bench.bench_sections import (  # noqa: E402
     write_section,
 )
 from headloc_bench.measuring import machine_lines, sync  # noqa: E402
+from lm_eval_headloc.common.checks import UsageError  # noqa: E402
 from lm_eval_headloc.intervention.components import Head  # noqa: E402
 from lm_eval_headloc.intervention.embedded import smollm2_model_args  # noqa: E402
 from lm_eval_headloc.measurement.sizing import is_out_of_memory  # noqa: E402
 from lm_eval_headloc.method.designs import design_matrix  # noqa: E402
+from lm_eval_headloc.runs.option_values import parse_max_measurements  # noqa: E402
 from lm_eval_headloc.runs.plan import load_model, open_measurement  # noqa: E402
 from lm_eval_headloc.runs.setup import prepare  # noqa: E402
 from lm_eval_headloc.runs.spec import RunSpec  # noqa: E402
@@ -351,7 +353,7 @@ def time_k(measure: Any, masks: Sequence[Sequence[Head]], k: int, device: str,
 
 
 def run_locate(model_args: str, task: str, include: str | None, seed: int, out: Path,
-               timeout: float, max_measurements: int | None = None) -> LocateRun:
+               timeout: float, max_measurements: int | str | None = None) -> LocateRun:
     """A default ``locate`` of ``task`` as a user starts it: a new process; with
     ``max_measurements``, its ``--max-measurements`` (54: the default run before its group
     tests, which a certified run of a random-weight model's hundreds of heads would spend
@@ -502,6 +504,15 @@ def render(report: Report, args: argparse.Namespace, command: str, total: float)
     return "\n".join(lines)
 
 
+def locate_cap(text: str) -> int | str:
+    """``--locate-max-measurements``: what locate's ``--max-measurements`` takes, checked
+    before the benchmark's minutes rather than by the locate after them."""
+    try:
+        return parse_max_measurements(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
@@ -525,7 +536,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "stops, ours (step_profile; default 0: not)")
     parser.add_argument("--locate", action="store_true", help="time a whole default locate")
     parser.add_argument("--locate-timeout", type=float, default=480.0)
-    parser.add_argument("--locate-max-measurements", type=int, default=None, metavar="N",
+    parser.add_argument("--locate-max-measurements", type=locate_cap, default=None,
+                        metavar="N",
                         help="with --locate: the locate's --max-measurements (default: "
                              "none given, the default certified run)")
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -539,10 +551,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--ks {args.ks!r}: whole numbers separated by commas")
     if any(k < 1 for k in args.k_values) or args.num_samples < 1:
         parser.error("--ks and --num-samples: whole numbers >= 1")
-    if args.locate_max_measurements is not None and (
-            not args.locate or args.locate_max_measurements < 1):
-        parser.error(f"--locate-max-measurements {args.locate_max_measurements}: a whole "
-                     "number >= 1, with --locate")
+    if args.locate_max_measurements is not None and not args.locate:
+        parser.error(f"--locate-max-measurements {args.locate_max_measurements}: only "
+                     "with --locate")
     if args.step_profile < 0:
         parser.error(f"--step-profile {args.step_profile}: a number of steps >= 1 (0: not)")
     problem = bench_refusal(args.out)

@@ -88,7 +88,9 @@ def test_a_capped_locate_passes_its_cap_and_says_it(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv", [["--locate-max-measurements", "54"],
                                   ["--locate", "--locate-max-measurements", "0"],
-                                  ["--locate", "--locate-max-measurements", "nan"]])
+                                  ["--locate", "--locate-max-measurements", "nan"],
+                                  ["--locate", "--locate-max-measurements",
+                                   "99999999999999999999"]])
 def test_a_bad_locate_cap_is_one_line_before_any_model(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         bench.parse_args(["--config", "tiny-llama", *argv, "--out", str(tmp_path / "B.md")])
