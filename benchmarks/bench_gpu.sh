@@ -8,7 +8,7 @@
 # gen1b and gen8b time a generation task's measurement at K masks per generate call and a
 # whole generating locate (benchmarks/bench_generation.py). first1b times a first run
 # against a later one at 1B (benchmarks/bench_first_run.py); ratio, at 1B and 8B, only the
-# automatic K against the bare generate and its call taken apart. first1b on a freshly
+# automatic K against the bare generate (at 1B its call taken apart). first1b on a freshly
 # started machine, then ratio, take about 8 minutes together on an H200 (estimated from the
 # stages' earlier parts): the short pass; ratio's sections replace gen1b's and gen8b's.
 # Each stage writes its section into OUT_DIR/BENCH.md (a copy of this BENCH.md; default:
@@ -97,8 +97,7 @@ fi
 # (bare, with the knockout, with the row stops, ours: 12 runs, each with the call's whole
 # prompts' pass: 3,700 rows of ~250 tokens at 1B, about 2.4 PFLOP; 1,500 rows at 8B, about
 # 6 PFLOP, where the 12 runs would take 2-3 minutes more than the stage has), then a whole
-# locate in a
-# process of its own, capped at the default run's 54 measurements before its group tests (a
+# locate in a process of its own, capped at the default run's 54 measurements before its group tests (a
 # certified run of 512 or 1,024 random heads would spend up to half an evaluation per head;
 # 47 measurements took 225 s at 8B, timed out at 300 s so that the stage, 481 s with a
 # 330 s timeout, ends within 10 minutes).
@@ -113,7 +112,7 @@ fi
 # Only the ratio to the bare generate, at both sizes: K = 1 and the automatic K (its bare
 # generate timed), at 1B its largest call taken apart for 16 steps; no sweep, no locate
 # (estimated from the 2026-11-27 stages' parts: about 3 minutes each); first the row stops'
-# cost a step at those calls' rows, with the ids on the GPU (bench_stop_checks.py, ~20 s).
+# cost a step at those calls' rows, with the ids on the GPU (bench_stop_checks.py, ~10 s).
 if [ "$stage" = ratio ]; then
     "$python" benchmarks/bench_stop_checks.py --device cuda --rows 1500,3700 --out "$bench" \
         2>&1 | tee "$logs/bench-stops.log"
