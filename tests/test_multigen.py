@@ -408,10 +408,10 @@ def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp
 
 
 def test_ids_past_the_tokenizer_that_decode_to_nothing_are_not_looked_at(tiny_model_dir):
-    # A model's vocabulary padded past its tokenizer's (every id of a random-weight model of
-    # a published shape with the byte tokenizer): a fast tokenizer decodes those ids to
-    # nothing, so they cannot end a stop string; looking at every row that generated one
-    # cost 1,500 rows ~18 ms a step on a CPU.
+    # A model's vocabulary padded past its tokenizer's (an untrained model generates those
+    # ids as readily as any other): a fast tokenizer decodes those ids to nothing, so they
+    # cannot end a stop string; looking at every row that generated one cost 1,500 rows
+    # ~18 ms a step on a CPU.
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
@@ -477,7 +477,7 @@ def test_rows_end_where_they_did_when_every_id_past_the_tokenizer_was_looked_at(
 def test_a_vocabulary_padded_past_the_tokenizer_gets_lm_evals_own_answers(
         tmp_path, task_manager, monkeypatch):
     # Half the ids this random model generates are past its tokenizer's (decoded to
-    # nothing), as every id of a random-weight model of a published shape is.
+    # nothing), as a model with a vocabulary padded past its tokenizer's may generate.
     from helpers import save_tiny_tokenizer, tiny_config
     from transformers import AutoModelForCausalLM
 

@@ -1,14 +1,18 @@
 """What ending each row on its own costs a decoding step (``multigen.RowStops``), at the
 rows of a GPU's generating call.
 
-Rows of random ids, as the random-weight models of the GPU benchmarks generate them: ids
-drawn from Llama-3's 128,256, of which the byte tokenizer those models are saved with knows
-258; the gsm8k-shaped task's stop strings (``Question:`` and the end-of-text token's).
-Each step appends a column and asks the criteria about it, two ways: the ids looked up in
-the table over the model's vocabulary (``could_end`` with ``vocab_size``: an id past the
-tokenizer decodes to nothing and ends no stop string), and every row whose id is past the
-tokenizer's table decoded, as a table over the tokenizer alone does. Rows decoded a step and
-milliseconds a step, the fastest of ``--repeats``::
+Rows of random ids, the gsm8k-shaped task's stop strings (``Question:`` and the end-of-text
+token's); each step appends a column and asks the criteria about it. Two kinds of ids:
+
+- **byte ids**, what the GPU benchmarks' random-weight models generate (``bench_shapes``
+  zeroes their output rows past the byte tokens, so greedy decoding stays on them): the
+  stop checks of those benchmarks' calls;
+- **any of 128,256 ids**, a model that generates ids past its tokenizer's (a vocabulary
+  padded past it): looked up in the table over the model's vocabulary (``could_end`` with
+  ``vocab_size``: such an id decodes to nothing and ends no stop string), and over the
+  tokenizer's only, where every row whose id is past it is decoded.
+
+Rows decoded a step and milliseconds a step, the fastest of ``--repeats``::
 
     python benchmarks/bench_stop_checks.py --rows 1500,3700
 
@@ -32,22 +36,27 @@ from headloc_bench.bench_sections import bench_refusal, section_name, shown_comm
 from headloc_bench.measuring import machine_lines, sync
 from lm_eval_headloc.intervention.multigen import RowStops
 
-#: Llama-3's vocabulary: the random-weight 1B and 8B generate any of these ids.
+#: Llama-3's vocabulary, the random-weight 1B's and 8B's output width.
 MODEL_VOCABULARY = 128_256
 PROMPT_WIDTH = 250  # the gsm8k-shaped task's prompts, about
-WAYS = {"the model's vocabulary": MODEL_VOCABULARY, "the tokenizer's only": 0}
+#: (the ids drawn, how many there are to draw from, the table's vocabulary: 0 = the
+#: tokenizer's only).
+WAYS = (("byte ids", bench_shapes.BYTE_TOKENS, MODEL_VOCABULARY),
+        ("any of 128,256 ids", MODEL_VOCABULARY, MODEL_VOCABULARY),
+        ("any of 128,256 ids", MODEL_VOCABULARY, 0))
+TABLES = {MODEL_VOCABULARY: "the model's vocabulary", 0: "the tokenizer's only"}
 
 
-def time_stop_checks(tokenizer: Any, rows: int, vocab_size: int, steps: int, device: str,
-                     seed: int = 0) -> tuple[float, float]:
+def time_stop_checks(tokenizer: Any, rows: int, drawn_from: int, vocab_size: int,
+                     steps: int, device: str, seed: int = 0) -> tuple[float, float]:
     """Seconds a step and rows decoded a step of ``RowStops`` with ``tokenizer`` (the byte
     tokenizer, one for every call: ``could_end``'s table is made once per tokenizer) over
-    ``steps`` random columns of ``rows`` rows (its table over ``vocab_size`` ids; 0: the
-    tokenizer's)."""
+    ``steps`` columns of ``rows`` rows of ids drawn from ``range(drawn_from)`` (its table
+    over ``vocab_size`` ids; 0: the tokenizer's)."""
     stops = ["Question:", bench_shapes.EOS]
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, bench_shapes.BYTE_TOKENS, (rows, PROMPT_WIDTH), generator=generator)
-    columns = torch.randint(0, MODEL_VOCABULARY, (rows, steps), generator=generator)
+    columns = torch.randint(0, drawn_from, (rows, steps), generator=generator)
     ids = torch.cat([ids, columns], dim=1).to(device)
     criteria = RowStops(tokenizer, stops, PROMPT_WIDTH, rows,
                         [bench_shapes.BYTE_TOKENS], vocab_size)
@@ -73,18 +82,23 @@ def time_stop_checks(tokenizer: Any, rows: int, vocab_size: int, steps: int, dev
     return seconds / (steps - 1), decoded / (steps - 1)
 
 
-def render(results: list[tuple[int, str, float, float]], command: str, device: str) -> str:
+def render(results: list[tuple[int, str, str, float, float]], command: str,
+           device: str) -> str:
     lines = ["## Ending each row on its own: the stop checks a decoding step", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}`.",
              "", *machine_lines(device), "",
-             "`multigen.RowStops` asked about each new column of rows of random ids (the "
-             f"random-weight models' ids: {MODEL_VOCABULARY:,}, of which the byte tokenizer "
-             f"knows {bench_shapes.BYTE_TOKENS + 2}), the gsm8k-shaped task's stop strings: "
-             "with its table over the model's vocabulary, and over the tokenizer's only "
-             "(every row whose id is past it decoded).", "",
-             "| rows | table over | rows decoded a step | ms a step |", "|---|---|---|---|"]
-    lines += [f"| {rows} | {way} | {decoded:.1f} | {seconds * 1000:.2f} |"
-              for rows, way, seconds, decoded in results]
+             "`multigen.RowStops` asked about each new column of rows of random ids, the "
+             "gsm8k-shaped task's stop strings. **byte ids**: what the GPU benchmarks' "
+             "random-weight models generate (their output rows past the byte tokens are "
+             "zeroed), so these are those calls' stop checks. **any of 128,256 ids**: a "
+             f"model generating ids past its tokenizer's (the byte tokenizer knows "
+             f"{bench_shapes.BYTE_TOKENS + 2}), looked up in the table over the model's "
+             "vocabulary, and over the tokenizer's only (every row whose id is past it "
+             "decoded).", "",
+             "| rows | ids | table over | rows decoded a step | ms a step |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {rows} | {ids} | {table} | {decoded:.1f} | {seconds * 1000:.2f} |"
+              for rows, ids, table, seconds, decoded in results]
     return "\n".join(lines)
 
 
@@ -117,13 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                             list(argv) if argv is not None else sys.argv[1:])
     results, tokenizer = [], bench_shapes.byte_tokenizer()
     for rows in args.row_counts:
-        for way, vocab_size in WAYS.items():
-            runs = [time_stop_checks(tokenizer, rows, vocab_size, args.steps, args.device)
-                    for _ in range(args.repeats)]
+        for ids, drawn_from, vocab_size in WAYS:
+            runs = [time_stop_checks(tokenizer, rows, drawn_from, vocab_size, args.steps,
+                                     args.device) for _ in range(args.repeats)]
             seconds, decoded = min(runs)
-            print(f"{rows} rows, table over {way}: {decoded:.1f} rows decoded a step, "
-                  f"{seconds * 1000:.2f} ms a step", flush=True)
-            results.append((rows, way, seconds, decoded))
+            table = TABLES[vocab_size]
+            print(f"{rows} rows of {ids}, table over {table}: {decoded:.1f} rows decoded a "
+                  f"step, {seconds * 1000:.2f} ms a step", flush=True)
+            results.append((rows, ids, table, seconds, decoded))
     write_section(args.out, section_name("bench_stop_checks", args.device),
                   render(results, command, args.device))
     print(f"wrote {args.out}")

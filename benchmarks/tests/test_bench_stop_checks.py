@@ -15,16 +15,19 @@ def test_the_stop_checks_section_counts_the_rows_each_table_decodes(tmp_path):
                        "--out", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     assert text.startswith("<!-- bench_stop_checks: start -->")
-    rows = re.findall(r"^\| (\d+) \| (the [^|]+) \| ([\d.]+) \| ([\d.]+) \|$", text,
-                      flags=re.MULTILINE)
-    assert [(r, way) for r, way, _, _ in rows] == [
-        ("40", "the model's vocabulary"), ("40", "the tokenizer's only"),
-        ("80", "the model's vocabulary"), ("80", "the tokenizer's only")]
-    # Random ids over 128,256 of which the tokenizer knows 258 (0.2 %): over the
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \| (the [^|]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                      text, flags=re.MULTILINE)
+    ways = [("byte ids", "the model's vocabulary"),
+            ("any of 128,256 ids", "the model's vocabulary"),
+            ("any of 128,256 ids", "the tokenizer's only")]
+    assert [(r, ids, table) for r, ids, table, _, _ in rows] == [
+        (count, *way) for count in ("40", "80") for way in ways]
+    # Byte ids: a row is looked at when its new byte is the stop string's last character
+    # (1 of 256). Ids over 128,256 of which the tokenizer knows 258 (0.2 %): over the
     # tokenizer's table nearly every row is decoded a step, over the model's nearly none.
-    for count, way, decoded, per_step in rows:
+    for count, _ids, table, decoded, per_step in rows:
         share = float(decoded) / int(count)
-        assert share >= 0.95 if way == "the tokenizer's only" else share <= 0.05
+        assert share >= 0.95 if table == "the tokenizer's only" else share <= 0.05
         assert float(per_step) > 0
 
 

@@ -101,10 +101,10 @@ def could_end(tokenizer: Any, stops: tuple[str, ...], eos_ids: frozenset[int],
     token's text, so its last character is there — where that character stands alone in a
     token's own decoding (ASCII, not a space, which SentencePiece drops at a token's
     start); for other stop strings every token may. The ids are the tokenizer's and, up to
-    ``vocab_size``, a model's past them (a padded vocabulary; every id of a random-weight
-    model), which a fast tokenizer decodes to nothing: looking at every row that generated
-    one cost a 1,500-row batch milliseconds a step. Where the tokenizer cannot decode them
-    one by one, they are looked at."""
+    ``vocab_size``, a model's past them (a vocabulary padded past the tokenizer's, which
+    an untrained model generates from as readily as any), which a fast tokenizer decodes to
+    nothing: looking at every row that generated one cost a 1,500-row batch milliseconds a
+    step. Where the tokenizer cannot decode them one by one, they are looked at."""
     decoded = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     try:
         decoded += tokenizer.batch_decode([[i] for i in range(len(decoded), vocab_size)])
