@@ -158,3 +158,35 @@ def test_the_heatmap_can_be_read_as_the_readme_reads_it(tmp_path):
                    if isinstance(p, Rectangle) and p.get_gid() == "measured")
     assert boxes == [(0, 0), (4, 1), (6, 18)]  # (head, layer) of each measured alone
     assert "boxed: measured alone" in _legend(figure)
+
+
+@pytest.mark.parametrize(("n", "said"), [
+    (1, "1st"), (2, "2nd"), (3, "3rd"), (4, "4th"), (5, "5th"), (10, "10th"), (11, "11th"),
+    (12, "12th"), (13, "13th"), (21, "21st"), (22, "22nd"), (23, "23rd"), (101, "101st"),
+    (111, "111th"), (112, "112th"), (113, "113th")])
+def test_ordinals_are_english(n, said):
+    from lm_eval_headloc.report.locate_report import ordinal
+
+    assert ordinal(n) == said
+
+
+@pytest.mark.parametrize(("top_k", "said"), [(3, "3rd"), (1, "1st"), (22, "22nd")])
+def test_the_certificate_says_the_kth_place_as_an_ordinal(top_k, said):
+    """``--top-k 3`` printed 'tied at the 3th place'."""
+    from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
+    from lm_eval_headloc.report.locate_report import certificate_line, certificate_words
+
+    cert = CertificateRecord(
+        certified=True, rule="r", confidence=0.95, entry_bar=0.2, top_k=top_k,
+        measured_alone=4, ruled_out=4, bound=0.1, unchecked=[], unchecked_never_in_a_mask=0,
+        unchecked_in_one_mask=0, unchecked_beside_measured=[], tied_at_k=["L0H1", "L1H2"],
+        group_size=2, group_tests_run=2, group_tests=[], group_tests_to_cover=0)
+    effects = -np.linspace(0.5, 0.1, 8)
+    ranking = Ranking("t", "acc", True, 0.5, effects, list(range(8)), 4,
+                      facts=RankingFacts(certificate=cert))
+    line = certificate_line(ranking)
+    words = " ".join(certificate_words(ranking))
+    assert f"tied at the {said} place within the noise: L0H1, L1H2" in line
+    assert f"tied at the {said} place: L0H1, L1H2" in words
+    assert f"(the {said} largest measured alone)" in words
+    assert f"{top_k}th" not in line + words or said.endswith("th")

@@ -33,7 +33,7 @@ from lm_eval_headloc.runs.record import (
 )
 
 __all__ = ["BELOW_ZERO", "certificate_line", "certificate_words", "fit_summary", "held_out_words",
-           "locate_report", "same_masks_words", "write_results"]
+           "locate_report", "ordinal", "same_masks_words", "write_results"]
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
@@ -291,6 +291,12 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
                                       if len(names) > most else "")
 
 
+def ordinal(n: int) -> str:
+    """``n`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st, ..."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> list[str]:
     """report.md's certificate (``facts.certificate``): certified or not, the rule and the
     confidence it holds at, what the run measured alone, what a measured set ruled out and
@@ -309,7 +315,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              f"{cert.confidence:.0%} confidence)" if cert.confidence is not None else
              "(the run recorded no per-example scores: each harm is taken as measured, and "
              "no confidence is stated)")
-    entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {k}th "
+    entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {ordinal(k)} "
              f"largest measured alone), {noise}," if bar > 0 else
              f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
              f"it, so any harm would enter the top-{k}),")
@@ -351,9 +357,9 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
                      f"the task beyond the noise, {cert.violations} harmed it clearly less "
                      f"than a measured part of them (violations of the rule, observed)")
     if cert.tied_at_k:
-        lines.append(f"- tied at the {k}th place: {', '.join(cert.tied_at_k)} — their "
-                     f"measured harms are within the noise of each other, so which of them "
-                     f"make the top-{k} is the measurement's order, not a finding")
+        lines.append(f"- tied at the {ordinal(k)} place: {', '.join(cert.tied_at_k)} — "
+                     "their measured harms are within the noise of each other, so which of "
+                     f"them make the top-{k} is the measurement's order, not a finding")
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      "(the prior's allowance, masks, heads measured alone and group tests)"
@@ -416,7 +422,7 @@ def certificate_line(ranking: Ranking) -> str | None:
                 if cert.bound is not None and cert.bound > 0 else
                 "(none of them hurts alone)") if cert.ruled_out else "")
     checked = f"{cert.measured_alone} measured alone{ruled}"
-    tied = (f"\n  tied at the {cert.top_k}th place within the noise: "
+    tied = (f"\n  tied at the {ordinal(cert.top_k)} place within the noise: "
             + ", ".join(cert.tied_at_k) if cert.tied_at_k else "")
     if cert.certified:
         return f"  certified: {checked}{tied}"
