@@ -190,3 +190,6 @@ def test_the_certificate_says_the_kth_place_as_an_ordinal(top_k, said):
     assert f"tied at the {said} place: L0H1, L1H2" in words
     assert f"(the {said} largest measured alone)" in words
     assert f"{top_k}th" not in line + words or said.endswith("th")
+    # The table shows the top-k, not every component measured alone: the file that does.
+    assert "- measured alone: 4 heads (the table shows the top-" in words
+    assert "`heads-t.csv`, `measured_alone` 1" in words and "the table's measured" not in words

@@ -324,8 +324,9 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              f"measurements: a set whose change helps beyond the noise, or harms clearly "
              f"less than a measured part of it, rules out nothing — a measured set whose "
              f"harm {entry} rules out each of its members.", "",
-             f"- measured alone: {cert.measured_alone} {unit}s (the table's measured "
-             "changes)"]
+             f"- measured alone: {cert.measured_alone} {unit}s (the table shows the top-{k}; "
+             f"each one's measured change is in `heads-{ranking.task}.csv`, `measured_alone` "
+             "1)"]
     if cert.ruled_out:
         lines.append(f"- ruled out by a mask or group test: {cert.ruled_out} {unit}s; "
                      + (f"none of them alone harms the task by more than {cert.bound:.4g} "
@@ -369,7 +370,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
                   f"the rule{', at that confidence,' if cert.confidence is not None else ''}"
-                  f" no {unit} outside the table's measured ones would enter the top-{k}.",
+                  f" no {unit} but those measured alone would enter the top-{k}.",
                   ""]
         return lines
     beside = cert.unchecked_beside_measured
