@@ -128,3 +128,14 @@ def test_refit_and_universal_check_their_numbers(tiny_locate_run, tmp_path, caps
     ]:
         assert harness(*args) == 2, args
         assert_names(last_error(capsys), " error: ", *values)
+
+
+@pytest.mark.parametrize(("out", "said"), [("runs/x", "runs/x/"), ("runs/x/", "runs/x/"),
+                                           ("runs/x//", "runs/x/")])
+def test_the_last_line_names_the_run_folder_with_one_slash(out, said):
+    """``--out runs/x/`` printed 'Results in runs/x// (...)'."""
+    from pathlib import Path
+
+    from lm_eval_headloc.cli.main import _folder_words
+
+    assert _folder_words(out) == said and _folder_words(Path(out)) == said

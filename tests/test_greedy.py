@@ -71,15 +71,19 @@ def test_equal_measured_changes_are_marked_and_reported_as_ties():
     assert ranking.facts.tied_with_above == ["L1H2"]
     listed = ranked_heads_json(ranking, 4)["heads"]
     assert [h["tied_with_above"] for h in listed[:4]] == [False, False, False, True]
-    assert tie_words(ranking, 4, "why") == [
+    assert tie_words(ranking, 4) == [
         "Tied (the same evidence; listed in head order): L0H0 = L1H2.", ""]
     # Nothing measured tells any head apart: no order is claimed.
     flat = _rankings({"acc": {h: (0.0, 0.0) for h in range(6)}}, [], BASELINE, 1, SIX, 3,
                      6)["acc"]
     assert flat.facts.tied_with_above == [str(Head.from_flat_index(h, 3))
                                              for h in range(1, 6)]
-    assert tie_words(flat, 3, "all alike")[0].startswith(
-        "No head stands out: all 3 listed heads have the same evidence (all alike)")
+    # Greedy measured each head alone: no fit is to blame (the terminal's line says it too).
+    assert tie_words(flat, 3)[0].startswith(
+        "No head stands out: all 3 listed heads have the same evidence (every head measured "
+        "alone changed the score and log-likelihood alike)")
+    flat.facts.method = "compressed sensing (Lasso)"
+    assert "(the fit found no effect that tells the heads apart)" in tie_words(flat, 3)[0]
 
 
 def test_an_iterative_winner_picked_by_head_index_is_tied_with_the_one_above():

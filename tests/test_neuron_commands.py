@@ -168,7 +168,7 @@ def test_verify_enhances_and_erases_neurons(tiny_model_dir, tmp_path):
     assert _kinds(drawn) == (0, 2) and not set(drawn) & {"L1N5", "L0N3"}
     enhance = random["ablations"][1]["draws"][0]["score"]
     assert enhance == pytest.approx(_evaluate(model, "+".join(drawn), task, scale=2.0))
-    assert "## Against random MLP neurons: 1 sets of 2 per task (seed 3)" in \
+    assert "## Against random MLP neurons: 1 set of 2 per task (seed 3)" in \
         (out / "verify.md").read_text()
 
 

@@ -165,7 +165,7 @@ def test_the_heatmap_can_be_read_as_the_readme_reads_it(tmp_path):
     (12, "12th"), (13, "13th"), (21, "21st"), (22, "22nd"), (23, "23rd"), (101, "101st"),
     (111, "111th"), (112, "112th"), (113, "113th")])
 def test_ordinals_are_english(n, said):
-    from lm_eval_headloc.report.locate_report import ordinal
+    from lm_eval_headloc.report.words import ordinal
 
     assert ordinal(n) == said
 
@@ -193,3 +193,59 @@ def test_the_certificate_says_the_kth_place_as_an_ordinal(top_k, said):
     # The table shows the top-k, not every component measured alone: the file that does.
     assert "- measured alone: 4 heads (the table shows the top-" in words
     assert "`heads-t.csv`, `measured_alone` 1" in words and "the table's measured" not in words
+
+
+def test_counts_of_one_are_said_in_the_singular():
+    """A run left with one head unchecked printed 'not certified: 1 heads unchecked', and
+    '--confirm 3' 'in 1 rounds of 5 (the last of 3)'."""
+    from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
+    from lm_eval_headloc.report.locate_report import (
+        _rounds_words,
+        certificate_line,
+        certificate_words,
+        fit_summary,
+    )
+    from lm_eval_headloc.report.words import counted
+
+    assert [counted(n, "head") for n in (0, 1, 2)] == ["0 heads", "1 head", "2 heads"]
+    assert counted(1, "MLP neuron", "MLP neurons") == "1 MLP neuron"
+    cert = CertificateRecord(
+        certified=False, rule="r", confidence=0.95, entry_bar=0.0, top_k=1,
+        measured_alone=1, ruled_out=1, bound=0.1, unchecked=["L1H3"],
+        unchecked_never_in_a_mask=1, unchecked_in_one_mask=0, unchecked_beside_measured=[],
+        group_size=2, group_tests_run=1, group_tests=[], group_tests_to_cover=1,
+        max_measurements=10, max_measurements_to_finish=12)
+    effects = -np.linspace(0.5, 0.1, 8)
+    ranking = Ranking("t", "acc", True, 0.5, effects, list(range(8)), 4,
+                      facts=RankingFacts(certificate=cert, confirmed=["L0H0"], r2=0.5))
+    line = certificate_line(ranking)
+    words = " ".join(certificate_words(ranking))
+    assert line.startswith("  not certified: 1 head unchecked (1 measured alone, 1 ruled out")
+    assert "- measured alone: 1 head (" in words
+    assert "- ruled out by a mask or group test: 1 head;" in words
+    assert "- **not checked: 1 head**: L1H3. Of them, 1 was never knocked out" in words
+    assert "(no head measured alone hurts it, so any harm would enter the top-1)" in words
+    assert " 1 heads" not in line + words and "fewer than 1" not in words
+    assert fit_summary(ranking, 1) == ("; the top one measured alone: its place is measured, "
+                                       "not fitted (the masks' fit: report.md)")
+    assert _rounds_words([["L0H0", "L0H1", "L0H2"]], 5) == " in one round"
+    assert _rounds_words([["L0H0"] * 5, ["L0H1"] * 3], 5) == " in 2 rounds of 5 (the last of 3)"
+
+
+def test_sparsity_auto_says_when_no_level_kept_enough():
+    """Where no pilot level kept the share, the smallest is chosen: the report said 'the
+    largest whose pilot masks kept ≥ 50%' beside shares all under 50 %."""
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.report.locate_report import _sparsity_words
+
+    def run(kept):
+        return SimpleNamespace(spec=SimpleNamespace(sparsity="auto", components="heads"),
+                               pilot={"sparsity": 0.02, "keep_at_least": 0.5, "kept": kept})
+
+    none_kept = _sparsity_words(run({"0.02": {"t": 0.3}, "0.05": {"t": 0.2}}))
+    assert none_kept.startswith("auto: 0.02, the smallest tried: no level's pilot masks kept "
+                                "50% of the score's distance to a mask of half the heads")
+    assert none_kept.endswith("(p=0.02: 30%; p=0.05: 20%)")
+    kept = _sparsity_words(run({"0.02": {"t": 0.7}, "0.05": {"t": 0.2}}))
+    assert kept.startswith("auto: 0.02, the largest whose pilot masks kept ≥ 50% ")

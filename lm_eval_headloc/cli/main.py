@@ -34,7 +34,12 @@ from lm_eval_headloc.common.errors import UserError, one_line
 from lm_eval_headloc.method.columns import column_label
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
-from lm_eval_headloc.report.pages import FLOOR_HINT, at_floor, within_spread
+from lm_eval_headloc.report.pages import (
+    FLOOR_HINT,
+    at_floor,
+    why_nothing_stands_out,
+    within_spread,
+)
 from lm_eval_headloc.report.type_pages import types_summary
 from lm_eval_headloc.runs.record import load_run
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
@@ -211,11 +216,17 @@ def run(args: argparse.Namespace) -> None:
         print(f"Written to {path}")
     elif command == "types":
         print(types_summary(types(args.out, RunSpec.from_namespace(args), force=args.force)))
-        print(f"Results in {args.out}/ (types.json, types.csv)")
+        print(f"Results in {_folder_words(args.out)} (types.json, types.csv)")
     elif command == "sweep":
         result = sweep(args.out, args.masks_grid, args.sparsity_grid,
                        RunSpec.from_namespace(args), force=args.force)
         print(sweep_table(result))
+
+
+def _folder_words(out: str | os.PathLike[str]) -> str:
+    """A run folder as the last line names it: with one trailing slash (``--out runs/x/``
+    printed ``runs/x//``)."""
+    return str(out).rstrip("/") + "/"
 
 
 def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
@@ -230,7 +241,7 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
         tied = set(ranking.facts.tied_with_above or [])
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):
-            print("  no head stands out: the fit found no effect that tells the heads apart")
+            print(f"  no head stands out: {why_nothing_stands_out(ranking)}")
             if checked:
                 print(checked)
             continue
@@ -256,7 +267,7 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
     if isinstance(record.masks_per_pass, int):  # as the run recorded it
         print(f"Masks per pass: {record.masks_per_pass} (automatic; --masks-per-pass "
               "sets it)")
-    print(f"Results in {out}/ ({files})")
+    print(f"Results in {_folder_words(out)} ({files})")
 
 
 class _OneLineWarnings(logging.Handler):

@@ -27,6 +27,7 @@ from lm_eval_headloc.report.pages import (
     tie_words,
     write_ranking,
 )
+from lm_eval_headloc.report.words import counted
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
 from lm_eval_headloc.runs.record import start_run
@@ -61,7 +62,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     candidates = [head for head in columns if head not in skipped]
     if spec.rounds > len(candidates) or spec.top_k > len(candidates):
         raise UsageError(f"--rounds {spec.rounds} / --top-k {spec.top_k}: only "
-                         f"{len(candidates)} heads can be knocked out")
+                         f"{counted(len(candidates), 'head')} can be knocked out")
     names = setup.task_names
     with RunFolder(out) as folder:
         # config.json's phases: started, measuring, and (--workers) measured: their shares.
@@ -170,8 +171,7 @@ def _report(rankings: Mapping[str, Ranking], top_k: int,
                   f"Baseline: {ranking.baseline:.4f}; {ranking.facts.measurements} "
                   "measurements.", "",
                   *floor_words(ranking),
-                  *tie_words(ranking, top_k, "every head measured alone changed the score "
-                             "and log-likelihood alike"),
+                  *tie_words(ranking, top_k),
                   *harmless_words(ranking, top_k, all_measured=True),
                   *spread_words(ranking, top_k),
                   *equal_change_words(ranking, top_k, all_measured=True),

@@ -35,6 +35,7 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.method.ranking import relative_drop
+from lm_eval_headloc.report.words import counted
 from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
@@ -62,8 +63,9 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     ranked = read_heads_file(path)
     if len(ranked) < top_k:
-        raise UsageError(f"--top-k {top_k}: {path.name} ranks only {len(ranked)} "
-                         f"{kind_words(ranked)}")
+        kind = kind_words(ranked)
+        raise UsageError(f"--top-k {top_k}: {path.name} ranks only "
+                         f"{counted(len(ranked), kind[:-1], kind)}")
     return ranked[:top_k]
 
 
@@ -450,8 +452,8 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         sizes = sorted({len(drawn) for entry in random.values() for drawn in entry["sets"]})
         size = (f"{sizes[0]:,}" if len(sizes) == 1 else
                 "as many as each task's top-k knocks out")
-        lines += ["", f"## Against random {word}: {table['random_draws']} sets of "
-                      f"{size} per task (seed {first['seed']})", "",
+        lines += ["", f"## Against random {word}: {counted(table['random_draws'], 'set')} "
+                      f"of {size} per task (seed {first['seed']})", "",
                   "| task | ablation | top-k Task drop | random mean ± sd | random min – max "
                   "| top-k moves it more than | top-k Gen drop | random Gen drop (mean) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -27,13 +27,14 @@ from lm_eval_headloc.report.pages import (
     tie_words,
     write_ranking,
 )
+from lm_eval_headloc.report.words import counted, ordinal
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.record import (
     LocateRun,
 )
 
 __all__ = ["BELOW_ZERO", "certificate_line", "certificate_words", "fit_summary", "held_out_words",
-           "locate_report", "ordinal", "same_masks_words", "write_results"]
+           "locate_report", "same_masks_words", "write_results"]
 
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
@@ -93,7 +94,7 @@ def locate_report(run: LocateRun) -> str:
                            if ranking.facts.confirmed is not None
                            else "estimated change on knockout"), "",
             *floor_words(ranking),
-            *tie_words(ranking, top_k, "the fit found no effect that tells them apart"),
+            *tie_words(ranking, top_k),
             *harmless_words(ranking, top_k, UNIT[spec.components]),
             *spread_words(ranking, top_k, UNIT[spec.components]),
             *equal_change_words(ranking, top_k),
@@ -152,8 +153,10 @@ def fit_summary(ranking: Ranking, top_k: int) -> str:
         return ""
     top = ranking.top(top_k)
     if top and all(ranking.measured_alone(c) for c in top):
-        return (f"; the top {len(top)} measured alone: their order is measured, not "
-                "fitted (the masks' fit: report.md)")
+        return ("; the top one measured alone: its place is measured, not fitted"
+                if len(top) == 1 else
+                f"; the top {len(top)} measured alone: their order is measured, not fitted"
+                ) + " (the masks' fit: report.md)"
     words = f", fit R² {r2:.3f} in-sample"
     if held_out is not None:
         words += f", {held_out:.2f} held out" + (f" ({BELOW_ZERO})" if held_out < 0 else "")
@@ -220,6 +223,8 @@ def _rounds_words(rounds: list[list[str]] | None, size: int | None) -> str:
     if not rounds:
         return ""
     sizes = [len(r) for r in rounds]
+    if len(sizes) == 1:
+        return " in one round"
     if all(n == size for n in sizes):
         return f" in {len(sizes)} rounds of {size}"
     if all(n == size for n in sizes[:-1]):
@@ -233,7 +238,8 @@ def _confirm_words(run: LocateRun) -> str:
         return f"none (every {UNIT[run.spec.components]} ranked by the Lasso's estimate)"
     rounds = _rounds_words(confirmed.rounds, confirmed.round_size)
     units = UNITS[run.spec.components]
-    return (f"{len(confirmed.heads)} {units} knocked out one at a "
+    return (f"{counted(len(confirmed.heads), UNIT[run.spec.components], units)} knocked "
+            "out one at a "
             f"time{rounds}, "
             + ("the attribution prior's rankings and the masks' fit's likeliest in turn"
                if run.uses_prior else "the masks' fit's likeliest")
@@ -291,12 +297,6 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
                                       if len(names) > most else "")
 
 
-def ordinal(n: int) -> str:
-    """``n`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st, ..."""
-    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
 def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> list[str]:
     """report.md's certificate (``facts.certificate``): certified or not, the rule and the
     confidence it holds at, what the run measured alone, what a measured set ruled out and
@@ -317,18 +317,21 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              "no confidence is stated)")
     entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {ordinal(k)} "
              f"largest measured alone), {noise}," if bar > 0 else
-             f"does not hurt the task at all (fewer than {k} {unit}s measured alone hurt "
-             f"it, so any harm would enter the top-{k}),")
+             "does not hurt the task at all ("
+             + (f"no {unit} measured alone hurts it" if k == 1 else
+                f"fewer than {k} {unit}s measured alone hurt it")
+             + f", so any harm would enter the top-{k}),")
     lines = [head, "", *([scope, ""] if scope else []),
              f"Under the rule that {cert.rule} — an assumption, checked against the "
              f"measurements: a set whose change helps beyond the noise, or harms clearly "
              f"less than a measured part of it, rules out nothing — a measured set whose "
              f"harm {entry} rules out each of its members.", "",
-             f"- measured alone: {cert.measured_alone} {unit}s (the table shows the top-{k}; "
+             f"- measured alone: {counted(cert.measured_alone, unit)} (the table shows the "
+             f"top-{k}; "
              f"each one's measured change is in `heads-{ranking.task}.csv`, `measured_alone` "
              "1)"]
     if cert.ruled_out:
-        lines.append(f"- ruled out by a mask or group test: {cert.ruled_out} {unit}s; "
+        lines.append(f"- ruled out by a mask or group test: {counted(cert.ruled_out, unit)}; "
                      + (f"none of them alone harms the task by more than {cert.bound:.4g} "
                         "(the harm of the set that ruled it out"
                         + (", plus its margin)" if cert.confidence is not None else ")")
@@ -375,8 +378,9 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
         return lines
     beside = cert.unchecked_beside_measured
     more = len(unchecked) - cert.unchecked_never_in_a_mask - cert.unchecked_in_one_mask
-    lines += [f"- **not checked: {len(unchecked)} {unit}s**: {_listed(unchecked)}. Of "
-              f"them, {cert.unchecked_never_in_a_mask} were never knocked out by a mask, "
+    never = cert.unchecked_never_in_a_mask
+    lines += [f"- **not checked: {counted(len(unchecked), unit)}**: {_listed(unchecked)}. Of "
+              f"them, {never} {'was' if never == 1 else 'were'} never knocked out by a mask, "
               f"{cert.unchecked_in_one_mask} by one mask only and {more} by two or more"
               + (f"; {len(beside)} of the {len(unchecked)} (whatever their masks' count) "
                  f"only in masks beside a {unit} measured to reach the bar"
@@ -430,7 +434,7 @@ def certificate_line(ranking: Ranking) -> str | None:
     finish = (f"; --max-measurements {cert.max_measurements_to_finish} or more would test "
               "them" if cert.max_measurements_to_finish is not None
               and ranking.facts.confirmed is not None else "")
-    return (f"  not certified: {len(cert.unchecked)} {unit}s unchecked ({checked}"
+    return (f"  not certified: {counted(len(cert.unchecked), unit)} unchecked ({checked}"
             f"{finish}; report.md says which){tied}")
 
 
@@ -438,9 +442,14 @@ def _sparsity_words(run: LocateRun) -> str:
     if run.spec.sparsity != "auto" or run.pilot is None:
         return f"{run.spec.sparsity}"
     pilot = run.pilot
-    return (f"auto: {pilot['sparsity']:g}, the largest whose pilot masks kept ≥ "
+    # pilot.choose_sparsity: the largest level that keeps enough, else the smallest tried.
+    kept_enough = any(all(share >= pilot["keep_at_least"] for share in shares.values())
+                      for shares in pilot["kept"].values())
+    chosen = ("the largest whose pilot masks kept ≥" if kept_enough else
+              "the smallest tried: no level's pilot masks kept")
+    return (f"auto: {pilot['sparsity']:g}, {chosen} "
             f"{pilot['keep_at_least']:.0%} of the score's distance to a mask of half the "
-            "heads (" + "; ".join(f"p={level}: " + ", ".join(
+            f"{UNITS[run.spec.components]} (" + "; ".join(f"p={level}: " + ", ".join(
                 f"{share:.0%}" for share in shares.values())
                 for level, shares in pilot["kept"].items()) + ")")
 
@@ -449,7 +458,7 @@ def _masks_words(run: LocateRun) -> str:
     if run.spec.masks != "auto":
         return f"{run.spec.masks} masks"
     return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
-            f"head was stable, at most {run.spec.max_masks})")
+            f"{UNIT[run.spec.components]} was stable, at most {run.spec.max_masks})")
 
 
 def write_results(folder: RunFolder, run: LocateRun) -> None:

@@ -426,14 +426,22 @@ def floor_words(ranking: Ranking) -> list[str]:
             f"{FLOOR_HINT}.", ""]
 
 
-def tie_words(ranking: Ranking, top_k: int, why_none: str) -> list[str]:
+def why_nothing_stands_out(ranking: Ranking) -> str:
+    """Why every top head has the same evidence, in words: a greedy ranking measured each
+    head alone; a locate ranking's fit found no effect."""
+    if "greedy" in (ranking.facts.method or ""):
+        return "every head measured alone changed the score and log-likelihood alike"
+    return "the fit found no effect that tells the heads apart"
+
+
+def tie_words(ranking: Ranking, top_k: int) -> list[str]:
     """Ties in the top-k (``ranking.facts.tied_with_above``) said as such: equal
-    evidence is no order. ``why_none``: why no head would stand out, in words."""
+    evidence is no order."""
     tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
     if _all_tied(ranking, top_k):
         return [f"No head stands out: all {len(top)} listed heads have the same evidence "
-                f"({why_none}); their order is the head index.", ""]
+                f"({why_nothing_stands_out(ranking)}); their order is the head index.", ""]
     groups: list[list[str]] = []
     for head in top:
         if head in tied and groups:
