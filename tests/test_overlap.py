@@ -233,7 +233,11 @@ def test_a_ranking_that_found_nothing_is_said(tmp_path):
     d = write_run(tmp_path / "d", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
                   effects={"t": [0.0, 0.0, 0.0, 0.02]})
     assert overlap(c, d, top_k=3)["tasks"]["t"]["b"]["nothing_found"] == (
-        "nothing found (none of its top 3 hurts the task: each is recorded to do no harm)")
+        "none of its top 3 hurts the task (each is recorded to do no harm)")
+    # Said after "found nothing", without saying it twice.
+    table = overlap_markdown(overlap(c, d, top_k=3))
+    assert "B found nothing: none of its top 3 hurts the task" in table
+    assert "nothing found" not in table
 
 
 
@@ -245,8 +249,15 @@ def test_top_k_places_filled_by_harmless_components_are_said(tmp_path):
     entry = overlap(a, b, top_k=3)["tasks"]["t"]
     assert entry["a"]["harmless"] == ["L0H2"] and entry["b"]["harmless"] == []
     table = overlap_markdown(overlap(a, b, top_k=3))
-    assert "A's top-3 holds 1 its ranking records as doing no harm (L0H2)" in table
+    assert ("A's top-3 holds 1 that its ranking records as doing no harm (L0H2): a place "
+            "filled because fewer hurt, not a find; it counts above as listed.") in table
     assert "B's top-3 holds" not in table
+    # Two: the plural.
+    two = write_run(tmp_path / "two", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                    effects={"t": [-0.3, 0.0, 0.0, 0.0]})
+    assert ("A's top-3 holds 2 that its ranking records as doing no harm (L0H1, L0H2): "
+            "places filled because fewer hurt, not finds; they count above as listed."
+            ) in overlap_markdown(overlap(two, b, top_k=3))
 
 def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
     # A's L0H1 and L0H2 lose less than L0H3's knockout gains (+0.03): noise, not finds;
@@ -259,13 +270,17 @@ def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
     assert entry["a"]["within_spread"] == ["L0H1", "L0H2"] and entry["b"]["within_spread"] == []
     table = overlap_markdown(overlap(a, b, top_k=3))
     assert ("A's top-3 holds 2 that hurt the task by no more than a single knockout helps it "
-            "in that run (L0H1, L0H2)") in table
+            "in that run (L0H1, L0H2): within the spread of single knockouts, no evidence the "
+            "task needs them; they count above as listed.") in table
     assert "B's top-3 holds 2" not in table
     # A loss equal to the help up to round-off is within it too; one beyond it is not.
     c = write_run(tmp_path / "c", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
                   effects={"t": [-0.3, (13 / 24 - 14 / 24), -0.05, 1 / 24]},
                   largest_help={"t": {"head": "L0H3", "change": 15 / 24 - 14 / 24}})
     assert overlap(c, b, top_k=3)["tasks"]["t"]["a"]["within_spread"] == ["L0H1"]
+    assert ("A's top-3 holds 1 that hurts the task by no more than a single knockout helps "
+            "it in that run (L0H1): within the spread of single knockouts, no evidence the "
+            "task needs it; it counts above as listed.") in overlap_markdown(overlap(c, b, top_k=3))
 
 
 def test_verify_and_cross_notes_carry_what_the_ranking_says_of_its_top_k(tmp_path):

@@ -130,8 +130,8 @@ class RankingFile:
         if self.effects is not None and all(not e for e in self.effects):
             return "no effect found (every effect in the ranking is 0 or unknown)"
         if top and all(name in self.harmless for name in top):
-            return (f"nothing found (none of its top {k} hurts the task: each is recorded to "
-                    "do no harm)")
+            return (f"none of its top {k} hurts the task (each is recorded to do no "
+                    "harm)")
         return None
 
 
@@ -375,16 +375,10 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
     notes = [f"{label} found nothing: {side['nothing_found']}."
              for label, side in (("A", a), ("B", b)) if side["nothing_found"]]
     notes += [_tie_words(label, side) for label, side in (("A", a), ("B", b)) if side["tie"]]
-    notes += [f"{label}'s top-{side['k']} holds {len(side['harmless'])} its ranking records "
-              f"as doing no harm ({', '.join(map(shown_name, side['harmless']))}): places "
-              "filled because fewer hurt, not finds; they count above as listed."
-              for label, side in (("A", a), ("B", b))
+    notes += [_harmless_words(label, side) for label, side in (("A", a), ("B", b))
               if side.get("harmless") and not side["nothing_found"]]
-    notes += [f"{label}'s top-{side['k']} holds {len(side['within_spread'])} that hurt the task "
-              f"by no more than a single knockout helps it in that run "
-              f"({', '.join(map(shown_name, side['within_spread']))}): within the spread of "
-              "single knockouts, no evidence the task needs them; they count above as listed."
-              for label, side in (("A", a), ("B", b)) if side.get("within_spread")]
+    notes += [_within_spread_words(label, side) for label, side in (("A", a), ("B", b))
+              if side.get("within_spread")]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else [])]
     lines += ["| k | shared | share | IoU | ties |", "| --- | --- | --- | --- | --- |"]
     for point in entry["curve"]:
@@ -394,6 +388,24 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
         lines.append(f"| {k} | {_span(low, high, '{}')} | {_span(low / k, high / k)} | "
                      f"{_span(_iou(low, k, k), _iou(high, k, k))} | {tied} |")
     return [*lines, ""]
+
+
+def _harmless_words(label: str, side: dict[str, Any]) -> str:
+    names, one = side["harmless"], len(side["harmless"]) == 1
+    return (f"{label}'s top-{side['k']} holds {len(names)} that its ranking records as "
+            f"doing no harm ({', '.join(map(shown_name, names))}): "
+            + ("a place filled because fewer hurt, not a find; it counts" if one else
+               "places filled because fewer hurt, not finds; they count")
+            + " above as listed.")
+
+
+def _within_spread_words(label: str, side: dict[str, Any]) -> str:
+    names, one = side["within_spread"], len(side["within_spread"]) == 1
+    return (f"{label}'s top-{side['k']} holds {len(names)} that hurt{'s' if one else ''} "
+            "the task by no more than a single knockout helps it in that run "
+            f"({', '.join(map(shown_name, names))}): within the spread of single knockouts, "
+            f"no evidence the task needs {'it; it counts' if one else 'them; they count'} "
+            "above as listed.")
 
 
 def overlap_markdown(result: Mapping[str, Any]) -> str:
