@@ -249,3 +249,26 @@ def test_sparsity_auto_says_when_no_level_kept_enough():
     assert none_kept.endswith("(p=0.02: 30%; p=0.05: 20%)")
     kept = _sparsity_words(run({"0.02": {"t": 0.7}, "0.05": {"t": 0.2}}))
     assert kept.startswith("auto: 0.02, the largest whose pilot masks kept ≥ 50% ")
+
+
+def test_a_neuron_runs_words_and_legend_name_neurons_only(tmp_path):
+    """A neurons run said 'No head stands out: all 3 listed heads' and its bar legend named
+    blue heads it did not have."""
+    from lm_eval_headloc.intervention.components import Neuron
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
+    from lm_eval_headloc.report.pages import plot_heatmap, tie_words
+
+    neurons = [Neuron(layer, n) for layer in range(2) for n in range(3)]
+    columns = Columns(tuple(neurons))
+    names = [str(c) for c in neurons]
+    ranking = Ranking("t", "acc", True, 0.5, np.zeros(6), list(range(6)), 4,
+                      facts=RankingFacts(tied_with_above=names[1:],
+                                         method="compressed sensing (Lasso)"),
+                      columns=columns)
+    [said, _] = tie_words(ranking, 3)
+    assert said == ("No neuron stands out: all 3 listed MLP neurons have the same evidence "
+                    "(the fit found no effect that tells the MLP neurons apart); their order "
+                    "is the index.")
+    legend = _legend(plot_heatmap([ranking], 3, tmp_path / "heatmap.png"))
+    assert "red, MLP neurons" in legend and "heads" not in legend

@@ -76,3 +76,19 @@ def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
         assert cell["drop"] == pytest.approx(base - check["scores"]["tiny_choice"])
     assert result["best"]["drop"] == max(c["drop"] for c in result["cells"])
     assert "Best: --masks" in capsys.readouterr().out
+
+
+def test_the_sweep_table_names_what_its_cells_knock_out():
+    """A neuron sweep's table said its cells' 'heads'."""
+    from lm_eval_headloc.commands.sweep import sweep_table
+
+    def result(best):
+        return {"task": "t", "baseline": 0.5, "top_k": 2, "best": {
+            "masks": 10, "sparsity": 0.1, "heads": best, "drop": -0.2},
+            "cells": [{"masks": 10, "sparsity": 0.1, "drop": -0.2}]}
+
+    heads = sweep_table(result(["L0H1", "L1H0"]))
+    assert "when the top-2 heads of each cell" in heads and "(heads L0H1+L1H0, " in heads
+    neurons = sweep_table(result(["L0N1", "L1N7"]))
+    assert "when the top-2 MLP neurons of each cell" in neurons
+    assert "(MLP neurons L0N1+L1N7, drop -0.2000)" in neurons and "heads" not in neurons

@@ -31,7 +31,7 @@ from lm_eval_headloc.commands.universal import universal, universal_table
 from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
-from lm_eval_headloc.method.columns import column_label
+from lm_eval_headloc.method.columns import UNIT, column_label, components_of
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
 from lm_eval_headloc.report.pages import (
@@ -241,7 +241,8 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
         tied = set(ranking.facts.tied_with_above or [])
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):
-            print(f"  no head stands out: {why_nothing_stands_out(ranking)}")
+            print(f"  no {UNIT[components_of(ranking.columns)]} stands out: "
+                  f"{why_nothing_stands_out(ranking)}")
             if checked:
                 print(checked)
             continue

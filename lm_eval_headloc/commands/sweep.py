@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.commands.locate import locate
+from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.measurement.store import run_plan
@@ -112,15 +113,16 @@ def sweep_table(result: Mapping[str, Any]) -> str:
     sparsities = sorted({c["sparsity"] for c in result["cells"]})
     masks = sorted({c["masks"] for c in result["cells"]})
     by_cell = {(c["masks"], c["sparsity"]): c for c in result["cells"]}
+    best = result["best"]
+    kind = kind_words(best["heads"])  # a neuron run's cells knock out neurons
     lines = [f"Drop of {result['task']} (baseline {result['baseline']:.4f}) when the "
-             f"top-{result['top_k']} heads of each cell are knocked out:", "",
+             f"top-{result['top_k']} {kind} of each cell are knocked out:", "",
              "| masks \\ sparsity | " + " | ".join(f"{p:g}" for p in sparsities) + " |",
              "| --- |" + " --- |" * len(sparsities)]
     for m in masks:
         lines.append(f"| {m} | " + " | ".join(
             f"{by_cell[(m, p)]['drop']:+.4f}" if (m, p) in by_cell else ""
             for p in sparsities) + " |")
-    best = result["best"]
     lines += ["", f"Best: --masks {best['masks']} --sparsity {best['sparsity']:g} "
-              f"(heads {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"]
+              f"({kind} {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"]
     return "\n".join(lines)

@@ -18,7 +18,14 @@ import numpy as np
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import Head, Neuron
-from lm_eval_headloc.method.columns import Column, NeuronGroup, column_label
+from lm_eval_headloc.method.columns import (
+    UNIT,
+    UNITS,
+    Column,
+    NeuronGroup,
+    column_label,
+    components_of,
+)
 from lm_eval_headloc.method.head_types import HEAD_TYPES
 from lm_eval_headloc.method.lasso import STABLE, harm
 from lm_eval_headloc.method.ranking import (
@@ -219,8 +226,12 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("harm on knockout (how much worse the score gets)")
     ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}", fontsize=9)
-    return [f"bars: dark, top-{top_k}; red, MLP neurons; blue, heads"
-            + ("; orange, neuron groups" if ranking.columns.has_groups else "")
+    # Only the kinds the bars show: a neuron run's legend named blue heads it has not.
+    kinds = {type(c) for c in shown}
+    colours = "".join(f"; {_COLOUR[kind][4:]}, {words}" for kind, words in (
+        (Neuron, "MLP neurons"), (Head, "heads"), (NeuronGroup, "neuron groups"))
+        if kind in kinds)
+    return [f"bars: dark, top-{top_k}{colours}"
             + ("; hatched, unstable" if unstable else "")]
 
 
@@ -427,11 +438,12 @@ def floor_words(ranking: Ranking) -> list[str]:
 
 
 def why_nothing_stands_out(ranking: Ranking) -> str:
-    """Why every top head has the same evidence, in words: a greedy ranking measured each
-    head alone; a locate ranking's fit found no effect."""
+    """Why every top component has the same evidence, in words: a greedy ranking measured
+    each head alone; a locate ranking's fit found no effect."""
     if "greedy" in (ranking.facts.method or ""):
         return "every head measured alone changed the score and log-likelihood alike"
-    return "the fit found no effect that tells the heads apart"
+    return (f"the fit found no effect that tells the "
+            f"{UNITS[components_of(ranking.columns)]} apart")
 
 
 def tie_words(ranking: Ranking, top_k: int) -> list[str]:
@@ -440,8 +452,10 @@ def tie_words(ranking: Ranking, top_k: int) -> list[str]:
     tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
     if _all_tied(ranking, top_k):
-        return [f"No head stands out: all {len(top)} listed heads have the same evidence "
-                f"({why_nothing_stands_out(ranking)}); their order is the head index.", ""]
+        components = components_of(ranking.columns)
+        return [f"No {UNIT[components]} stands out: all {len(top)} listed {UNITS[components]} "
+                f"have the same evidence ({why_nothing_stands_out(ranking)}); their order is "
+                "the index.", ""]
     groups: list[list[str]] = []
     for head in top:
         if head in tied and groups:
