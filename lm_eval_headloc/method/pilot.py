@@ -22,7 +22,7 @@ from lm_eval_headloc.method.designs import design_matrix, knockouts_per_mask
 from lm_eval_headloc.method.lasso import harm
 
 __all__ = ["FLOOR_KEY", "FLOOR_SPARSITY", "KEEP", "PILOT_MASKS", "PILOT_SPARSITIES", "UNFITTED",
-           "choose_sparsity", "pilot_design"]
+           "choose_sparsity", "levels_kept", "pilot_design"]
 
 PILOT_SPARSITIES: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
 PILOT_MASKS = 2  # per sparsity
@@ -80,7 +80,13 @@ def choose_sparsity(levels: Sequence[float], keys: Sequence[str],
             # No drop at the floor mask: nothing saturates, every level keeps it all.
             share = 1.0 if floor_harm <= 0 else 1.0 - mean_harm / floor_harm
             kept.setdefault(f"{level:g}", {})[task] = share
-    informative = [float(level) for level, shares in kept.items()
-                   if all(share >= KEEP for share in shares.values())]
+    informative = levels_kept(kept, KEEP)
     chosen = max(informative) if informative else min(float(level) for level in kept)
     return chosen, kept
+
+
+def levels_kept(kept: Mapping[str, Mapping[str, float]], keep: float) -> list[float]:
+    """The pilot levels whose masks kept ``keep`` of every task's distance (``kept``: per
+    level, per task, the share kept): those ``choose_sparsity`` picks the largest of."""
+    return [float(level) for level, shares in kept.items()
+            if all(share >= keep for share in shares.values())]

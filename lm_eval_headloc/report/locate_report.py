@@ -12,6 +12,7 @@ from lm_eval_headloc.method.columns import (
     NeuronGroup,
     components_of,
 )
+from lm_eval_headloc.method.pilot import levels_kept
 from lm_eval_headloc.method.ranking import (
     CertificateRecord,
     Ranking,
@@ -443,9 +444,8 @@ def _sparsity_words(run: LocateRun) -> str:
         return f"{run.spec.sparsity}"
     pilot = run.pilot
     # pilot.choose_sparsity: the largest level that keeps enough, else the smallest tried.
-    kept_enough = any(all(share >= pilot["keep_at_least"] for share in shares.values())
-                      for shares in pilot["kept"].values())
-    chosen = ("the largest whose pilot masks kept ≥" if kept_enough else
+    chosen = ("the largest whose pilot masks kept ≥"
+              if levels_kept(pilot["kept"], pilot["keep_at_least"]) else
               "the smallest tried: no level's pilot masks kept")
     return (f"auto: {pilot['sparsity']:g}, {chosen} "
             f"{pilot['keep_at_least']:.0%} of the score's distance to a mask of half the "
