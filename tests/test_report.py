@@ -222,7 +222,8 @@ def test_counts_of_one_are_said_in_the_singular():
     words = " ".join(certificate_words(ranking))
     assert line.startswith("  not certified: 1 head unchecked (1 measured alone, 1 ruled out")
     assert "- measured alone: 1 head (" in words
-    assert "- ruled out by a mask or group test: 1 head;" in words
+    assert ("- ruled out by a mask or group test: 1 head; alone it harms the task by no more "
+            "than 0.1 (the harm of the set that ruled it out, plus its margin)") in words
     assert "- **not checked: 1 head**: L1H3. Of them, 1 was never knocked out" in words
     assert "(no head measured alone hurts it, so any harm would enter the top-1)" in words
     assert " 1 heads" not in line + words and "fewer than 1" not in words
@@ -270,5 +271,10 @@ def test_a_neuron_runs_words_and_legend_name_neurons_only(tmp_path):
     assert said == ("No neuron stands out: all 3 listed MLP neurons have the same evidence "
                     "(the fit found no effect that tells the MLP neurons apart); their order "
                     "is the index.")
+    # A tie across the last place: with the neurons below it, listed in neuron order.
+    ranking.facts.tied_with_above = [names[3]]
+    assert tie_words(ranking, 3)[0] == (
+        "Tied (the same evidence; listed in neuron order): L0N2 = L1N0 (the last place is "
+        "shared with MLP neurons below it).")
     legend = _legend(plot_heatmap([ranking], 3, tmp_path / "heatmap.png"))
     assert "red, MLP neurons" in legend and "heads" not in legend

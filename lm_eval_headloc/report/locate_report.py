@@ -333,11 +333,14 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              "1)"]
     if cert.ruled_out:
         lines.append(f"- ruled out by a mask or group test: {counted(cert.ruled_out, unit)}; "
-                     + (f"none of them alone harms the task by more than {cert.bound:.4g} "
+                     + (("alone it harms the task by no more than" if cert.ruled_out == 1
+                         else "none of them alone harms the task by more than")
+                        + f" {cert.bound:.4g} "
                         "(the harm of the set that ruled it out"
                         + (", plus its margin)" if cert.confidence is not None else ")")
                         if cert.bound is not None and cert.bound > 0 else
-                        "none of them alone hurts the task"))
+                        ("it does not hurt the task alone" if cert.ruled_out == 1 else
+                         "none of them alone hurts the task")))
     else:
         lines.append(f"- ruled out by a mask or group test: none (no measured set with an "
                      f"unmeasured {unit} in it stayed clearly under the bar)")

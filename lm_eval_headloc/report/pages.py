@@ -451,8 +451,8 @@ def tie_words(ranking: Ranking, top_k: int) -> list[str]:
     evidence is no order."""
     tied = set(ranking.facts.tied_with_above or [])
     top = [str(h) for h in ranking.top(top_k)]
+    components = components_of(ranking.columns)
     if _all_tied(ranking, top_k):
-        components = components_of(ranking.columns)
         return [f"No {UNIT[components]} stands out: all {len(top)} listed {UNITS[components]} "
                 f"have the same evidence ({why_nothing_stands_out(ranking)}); their order is "
                 "the index.", ""]
@@ -465,7 +465,8 @@ def tie_words(ranking: Ranking, top_k: int) -> list[str]:
     ties = [" = ".join(group) for group in groups if len(group) > 1]
     below = ranking.top(top_k + 1)
     if len(below) > top_k and str(below[top_k]) in tied:
-        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with heads "
-                    "below it)")
-    return [f"Tied (the same evidence; listed in head order): {'; '.join(ties)}.", ""] \
+        ties.append(f"{top[-1]} = {below[top_k]} (the last place is shared with "
+                    f"{UNITS[components]} below it)")
+    return [f"Tied (the same evidence; listed in {UNIT[components]} order): "
+            f"{'; '.join(ties)}.", ""] \
         if ties else []
