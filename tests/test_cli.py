@@ -35,6 +35,8 @@ LOCATE_BAD = [
      ("--max-measurements 53", "54", "12 masks", "34 heads")),
     (["--masks", "10", "--confirm", "5", "--prior", "none", "--max-measurements", "14"],
      ("--max-measurements 14", "15")),
+    (["--masks", "10", "--confirm", "1", "--prior", "none", "--max-measurements", "10"],
+     ("--max-measurements 10", "10 masks and 1 head measured alone take 11")),
     (["--masks", "auto", "--max-masks", "100000000"], ("--max-masks 100000000", "33554432")),
     (["--masks", "1000000000"], ("--masks 1000000000", "33554432", "256 MiB")),
     (["--masks", "100000000"], ("--masks 100000000", "8 heads", "33554432")),

@@ -165,7 +165,7 @@ def test_the_heatmap_can_be_read_as_the_readme_reads_it(tmp_path):
     (12, "12th"), (13, "13th"), (21, "21st"), (22, "22nd"), (23, "23rd"), (101, "101st"),
     (111, "111th"), (112, "112th"), (113, "113th")])
 def test_ordinals_are_english(n, said):
-    from lm_eval_headloc.report.words import ordinal
+    from lm_eval_headloc.common.words import ordinal
 
     assert ordinal(n) == said
 
@@ -198,6 +198,7 @@ def test_the_certificate_says_the_kth_place_as_an_ordinal(top_k, said):
 def test_counts_of_one_are_said_in_the_singular():
     """A run left with one head unchecked printed 'not certified: 1 heads unchecked', and
     '--confirm 3' 'in 1 rounds of 5 (the last of 3)'."""
+    from lm_eval_headloc.common.words import counted
     from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
     from lm_eval_headloc.report.locate_report import (
         _rounds_words,
@@ -205,7 +206,6 @@ def test_counts_of_one_are_said_in_the_singular():
         certificate_words,
         fit_summary,
     )
-    from lm_eval_headloc.report.words import counted
 
     assert [counted(n, "head") for n in (0, 1, 2)] == ["0 heads", "1 head", "2 heads"]
     assert counted(1, "MLP neuron", "MLP neurons") == "1 MLP neuron"

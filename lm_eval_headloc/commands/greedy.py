@@ -12,6 +12,7 @@ import numpy as np
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.measurement.store import PlanEntry, run_plan
 from lm_eval_headloc.method.columns import Columns
@@ -27,7 +28,6 @@ from lm_eval_headloc.report.pages import (
     tie_words,
     write_ranking,
 )
-from lm_eval_headloc.report.words import counted
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
 from lm_eval_headloc.runs.record import start_run

@@ -20,6 +20,7 @@ import numpy as np
 from lm_eval_headloc.commands.overlap import RankingFile
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import (
     Head,
@@ -35,7 +36,6 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.method.ranking import relative_drop
-from lm_eval_headloc.report.words import counted
 from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from lm_eval_headloc.common import words
+
 __all__ = ["AUTO_CAP_SHARE", "DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE",
            "PRIOR_ALLOWANCE", "budget_split", "cap_refusal", "default_split", "measurement_cap"]
 
@@ -82,7 +84,8 @@ def cap_refusal(cap: int, masks: int | str | None, confirm: int, allowance: int,
     fixed = allowance + counted + int(confirm)
     if cap >= fixed:
         return None
-    parts = (f"{counted} masks and {confirm} heads measured alone"
+    parts = (f"{words.counted(counted, 'mask')} and {words.counted(int(confirm), 'head')} "
+             "measured alone"
              + (f" with the prior's {allowance}" if allowance else "")
              + ("" if prior_known else " (and the prior's allowance, if it has one)"))
     return (f"--max-measurements {cap}: the run's {parts} take {fixed}; give at least "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lm_eval_headloc.common import timing
+from lm_eval_headloc.common.words import counted, ordinal
 from lm_eval_headloc.method.columns import (
     UNIT,
     UNITS,
@@ -28,7 +29,6 @@ from lm_eval_headloc.report.pages import (
     tie_words,
     write_ranking,
 )
-from lm_eval_headloc.report.words import counted, ordinal
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.record import (
     LocateRun,
@@ -353,8 +353,8 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
         sizes = (f"of up to {cert.group_size} {unit}s" if largest <= cert.group_size else
                  f"of {cert.group_size} {unit}s at first, twice as many after a round whose "
                  f"new groups all ruled theirs out (up to {largest})")
-        lines.append(f"- group tests ({cert.group_tests_run} measurements: {len(groups)} "
-                     f"sets {sizes}, halved where they were not "
+        lines.append(f"- group tests ({counted(cert.group_tests_run, 'measurement')}: "
+                     f"{counted(len(groups), 'set')} {sizes}, halved where they were not "
                      f"clearly under the bar (a set that helped: its likeliest helper "
                      f"apart), and the {unit}s that splitting narrowed down "
                      f"to, measured alone): {shown}"
