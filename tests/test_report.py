@@ -276,5 +276,13 @@ def test_a_neuron_runs_words_and_legend_name_neurons_only(tmp_path):
     assert tie_words(ranking, 3)[0] == (
         "Tied (the same evidence; listed in neuron order): L0N2 = L1N0 (the last place is "
         "shared with MLP neurons below it).")
-    legend = _legend(plot_heatmap([ranking], 3, tmp_path / "heatmap.png"))
+    figure = plot_heatmap([ranking], 3, tmp_path / "heatmap.png")
+    legend = _legend(figure)
     assert "red, MLP neurons" in legend and "heads" not in legend
+    # The bars are the colour the legend names.
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    bars = {to_rgb(p.get_facecolor()) for ax in figure.axes for p in ax.patches
+            if isinstance(p, Rectangle)}
+    assert bars == {to_rgb("tab:red")}

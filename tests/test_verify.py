@@ -12,6 +12,7 @@ from helpers import (
     TASKS,
     assert_names,
     fake_run,
+    finished_run,
     harness,
     last_error,
     strict_json,
@@ -140,3 +141,21 @@ def test_verify_defaults_to_offline_general_tasks_for_the_embedded_model(tiny_mo
     run = fake_run(tmp_path / "run", tiny_model_dir("llama"))
     assert harness("verify", str(run)) == 2
     assert_names(last_error(capsys), "cannot load task 'hellaswag'", "headloc_ioi")
+
+
+@pytest.mark.parametrize(("heads", "said"), [
+    (("L1H2",), "ranks only 1 head"),
+    (("L1N5",), "ranks only 1 MLP neuron"),
+    (("L1H2", "L1N5"), "ranks only 2 components"),
+])
+def test_a_top_k_past_the_ranking_names_its_count_and_kind(heads, said, tmp_path):
+    """The refusal counts what the ranking holds in its own words ('ranks only 1 heads'
+    was the plural cut by hand); no model is loaded to say it."""
+    from lm_eval_headloc.commands.verify import located_heads
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    run = finished_run(tmp_path / "run", tmp_path / "no-model", "tiny_copy", heads)
+    with pytest.raises(UsageError) as refused:
+        located_heads(RunFolder(run), "tiny_copy", top_k=3)
+    assert str(refused.value) == f"--top-k 3: heads-tiny_copy.json {said}"

@@ -63,9 +63,8 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     ranked = read_heads_file(path)
     if len(ranked) < top_k:
-        kind = kind_words(ranked)
-        raise UsageError(f"--top-k {top_k}: {path.name} ranks only "
-                         f"{counted(len(ranked), kind[:-1], kind)}")
+        ranks = counted(len(ranked), kind_words(ranked, plural=False), kind_words(ranked))
+        raise UsageError(f"--top-k {top_k}: {path.name} ranks only {ranks}")
     return ranked[:top_k]
 
 
@@ -95,11 +94,13 @@ def ranking_notes(folder: RunFolder, task: str, top_k: int) -> list[str]:
     return notes
 
 
-def kind_words(names: Iterable[str]) -> str:
+def kind_words(names: Iterable[str], plural: bool = True) -> str:
     """What a set of component names is, in the tables' words: ``heads``, ``MLP neurons``
-    or, mixed, ``components`` (so a table of heads reads as it always has)."""
+    or, mixed, ``components`` (so a table of heads reads as it always has); with
+    ``plural=False`` what one of them is (``head``, ...)."""
     kinds = {isinstance(c, Neuron) for c in parse_components(list(names))}
-    return "components" if len(kinds) > 1 else "MLP neurons" if True in kinds else "heads"
+    word = "component" if len(kinds) > 1 else "MLP neuron" if True in kinds else "head"
+    return word + "s" if plural else word
 
 
 class Ablation(NamedTuple):

@@ -201,7 +201,10 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
     return fig
 
 
-_COLOUR = {Head: "tab:blue", Neuron: "tab:red", NeuronGroup: "tab:orange"}
+#: Each kind's bar colour (matplotlib's name) and the legend's words for it, in the
+#: legend's order.
+_BARS = {Neuron: ("tab:red", "red, MLP neurons"), Head: ("tab:blue", "blue, heads"),
+         NeuronGroup: ("tab:orange", "orange, neuron groups")}
 
 #: Components a top list shows (a run with neurons has no layers x heads picture).
 TOP_LIST = 30
@@ -218,7 +221,7 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     positions = np.arange(len(shown))[::-1]
     for position, component, value, rank in zip(positions, shown, harms, range(len(shown)),
                                                  strict=True):
-        ax.barh(position, value, color=_COLOUR[type(component)],
+        ax.barh(position, value, color=_BARS[type(component)][0],
                 alpha=1.0 if rank < top_k else 0.45,
                 hatch="////" if str(component) in unstable else None, edgecolor="black",
                 linewidth=0.3)
@@ -228,9 +231,7 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}", fontsize=9)
     # Only the kinds the bars show: a neuron run's legend named blue heads it has not.
     kinds = {type(c) for c in shown}
-    colours = "".join(f"; {_COLOUR[kind][4:]}, {words}" for kind, words in (
-        (Neuron, "MLP neurons"), (Head, "heads"), (NeuronGroup, "neuron groups"))
-        if kind in kinds)
+    colours = "".join(f"; {words}" for kind, (_, words) in _BARS.items() if kind in kinds)
     return [f"bars: dark, top-{top_k}{colours}"
             + ("; hatched, unstable" if unstable else "")]
 
