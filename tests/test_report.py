@@ -233,6 +233,42 @@ def test_counts_of_one_are_said_in_the_singular():
     assert _rounds_words([["L0H0"] * 5, ["L0H1"] * 3], 5) == " in 2 rounds of 5 (the last of 3)"
 
 
+def test_group_test_line_counts_every_set_apart_from_their_sizes():
+    """A default run's certificate read '21 sets of 16 heads at first, twice as many
+    after ...' where 5 sets had 16 heads and the 21 counted the halves and the doubled ones
+    too."""
+    from lm_eval_headloc.method.ranking import (
+        CertificateRecord,
+        GroupTestRecord,
+        Ranking,
+        RankingFacts,
+    )
+    from lm_eval_headloc.report.locate_report import certificate_words
+
+    def group_line(sizes: list[int], run: int) -> str:
+        groups = [GroupTestRecord([f"L{i}H{j}" for j in range(size)], -0.01)
+                  for i, size in enumerate(sizes)]
+        cert = CertificateRecord(
+            certified=True, rule="r", confidence=0.95, entry_bar=0.2, top_k=2,
+            measured_alone=2, ruled_out=6, bound=0.1, unchecked=[],
+            unchecked_never_in_a_mask=0, unchecked_in_one_mask=0,
+            unchecked_beside_measured=[], group_size=16, group_tests_run=run,
+            group_tests=groups, group_tests_to_cover=0)
+        ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
+                          4, facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
+        [line] = [w for w in certificate_words(ranking) if w.startswith("- group tests")]
+        return line
+
+    doubled = group_line([16, 16, 8, 32, 4], run=6)
+    assert doubled.startswith(
+        "- group tests (6 measurements: 5 sets, of 16 heads at first and of twice as many "
+        "after a round whose new groups all ruled theirs out (up to 32), halved where ")
+    assert group_line([16, 8], run=2).startswith(
+        "- group tests (2 measurements: 2 sets, of up to 16 heads, halved where ")
+    assert group_line([16], run=1).startswith(
+        "- group tests (1 measurement: 1 set, of up to 16 heads, halved where ")
+
+
 def test_sparsity_auto_says_when_no_level_kept_enough():
     """Where no pilot level kept the share, the smallest is chosen: the report said 'the
     largest whose pilot masks kept ≥ 50%' beside shares all under 50 %."""

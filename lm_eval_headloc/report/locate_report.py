@@ -350,11 +350,13 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
                           + (f"+{len(g.components) - 4} more" if len(g.components) > 4
                              else "") + f" {g.change:+.4f}" for g in groups[:8])
         largest = max(len(g.components) for g in groups)
+        # The count is of every set; the sizes are of the sets a round starts with
+        # ("21 sets of 16 heads at first" read as 21 sets of that size).
         sizes = (f"of up to {cert.group_size} {unit}s" if largest <= cert.group_size else
-                 f"of {cert.group_size} {unit}s at first, twice as many after a round whose "
-                 f"new groups all ruled theirs out (up to {largest})")
+                 f"of {cert.group_size} {unit}s at first and of twice as many after a "
+                 f"round whose new groups all ruled theirs out (up to {largest})")
         lines.append(f"- group tests ({counted(cert.group_tests_run, 'measurement')}: "
-                     f"{counted(len(groups), 'set')} {sizes}, halved where they were not "
+                     f"{counted(len(groups), 'set')}, {sizes}, halved where they were not "
                      f"clearly under the bar (a set that helped: its likeliest helper "
                      f"apart), and the {unit}s that splitting narrowed down "
                      f"to, measured alone): {shown}"
