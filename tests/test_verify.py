@@ -34,6 +34,11 @@ def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
     assert rows[0]["task_drop"] == (pytest.approx(drop) if drop is not None else None)
     assert "| k | heads | score | Task drop | Gen drop | tiny_copy |" in (
         out / "verify.md").read_text()
+    # Its first row is what each drop is from, the general tasks' baselines too (they were
+    # in verify.json only).
+    general = table["baseline"]["tiny_copy"]
+    assert (f"| 0 | none (baseline) | {base:.4f} | – | – | {general:.4f} |\n"
+            f"| 1 | {rows[0]['heads'][0]} |") in (out / "verify.md").read_text()
     assert table["located_by"] == "metric"
     assert "log-likelihood" not in (out / "verify.md").read_text()
     # What the run's ranking says of these heads travels with them (the run's own file).

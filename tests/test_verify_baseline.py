@@ -127,6 +127,9 @@ def test_verify_draws_random_sets_and_measures_them_erased_and_enhanced(tiny_mod
         _evaluate(model, random["sets"][0], 0.0, task))
     text = (out / "verify.md").read_text()
     assert "| k | heads | erase (×0) score | Task drop | Gen drop | enhance (×2) score |" in text
+    # k = 0: the measured baseline, for both ways of knocking out.
+    unablated = base["scores"][task]
+    assert f"| 0 | none (baseline) | {unablated:.4f} | – | – | {unablated:.4f} | – | – |" in text
     assert "## Against random heads: 3 sets of 2 per task (seed 3)" in text
     assert f"| {task} | enhance (×2) |" in text and f"| {task} | erase (×0) |" in text
 

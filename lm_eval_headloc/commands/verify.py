@@ -414,10 +414,15 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         lines += [f"## {task} ({table['metrics'][task]}), baseline "
                   f"{table['baseline'][task]:.4f}", ""]
         column = kind_words(rows[-1]["heads"])
+        # k = 0, nothing knocked out: the scores each column's drop is from (the general
+        # tasks' baselines were in verify.json only).
+        base = table["baseline"][task]
         if len(kinds) == 1:
             lines += [f"| k | {column} | score | Task drop | Gen drop |"
                       + "".join(f" {g} |" for g in general),
-                      "| --- | --- | --- | --- | --- |" + " --- |" * len(general)]
+                      "| --- | --- | --- | --- | --- |" + " --- |" * len(general),
+                      f"| 0 | none (baseline) | {base:.4f} | – | – |"
+                      + "".join(f" {table['baseline'][g]:.4f} |" for g in general)]
             for row in rows:
                 lines.append(f"| {row['k']} | {'+'.join(map(shown_name, row['heads']))} | "
                              f"{row['score']:.4f} | "
@@ -427,7 +432,8 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
             named = [f"{a.name} (×{a.scale:g})" for a in kinds]
             lines += [f"| k | {column} |" + "".join(f" {n} score | Task drop | Gen drop |"
                                                 for n in named),
-                      "| --- | --- |" + " --- | --- | --- |" * len(kinds)]
+                      "| --- | --- |" + " --- | --- | --- |" * len(kinds),
+                      "| 0 | none (baseline) |" + f" {base:.4f} | – | – |" * len(kinds)]
             for row in rows:
                 cells = "".join(f" {e['score']:.4f} | {percent(e['task_drop'])} | "
                                 f"{percent(e['gen_drop'])} |" for e in (row["erase"], row))
@@ -441,7 +447,7 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         lines += ["The run located these by the gold answers' log-likelihood (--signal "
                   "logprob); verification scores each task by its metric, which can stay "
                   "where the log-likelihood moved.", ""]
-    lines.append("Drops are relative to the baseline (positive = worse; n/a where the "
+    lines.append("Drops are relative to the baseline (k = 0; positive = worse; n/a where the "
                  "baseline is 0); Gen is the mean over the general tasks: "
                  + (", ".join(general) or "none")
                  + ("" if len(kinds) == 1 else " (each general task's scores: verify.json)")
