@@ -305,3 +305,20 @@ def test_a_head_named_twice_is_refused(tmp_path, name, text):
     path.write_text(text)
     with raises_naming(ComponentSpecError, str(path), "L0H1 twice", "1 and 3"):
         read_heads_file(path)
+
+
+@pytest.mark.parametrize(("name", "size", "said"), [
+    ("L1H0", (1, 9, 4), "layer 1 not in 0..0 (1 layer)"),
+    ("L0H1", (30, 1, 4), "head 1 not in 0..0 (1 head per layer)"),
+    ("L0N1", (30, 9, 1), "neuron 1 not in 0..0 (1 MLP neuron per layer)"),
+    ("L30H0", (30, 9, 4), "layer 30 not in 0..29 (30 layers)"),
+    ("L0H9", (30, 9, 4), "head 9 not in 0..8 (9 heads per layer)"),
+    ("L0N4", (30, 9, 4), "neuron 4 not in 0..3 (4 MLP neurons per layer)"),
+])
+def test_outside_the_model_counts_its_size_in_words(name, size, said):
+    """A one-layer toy model read 'layer 1 not in 0..0 (1 layers)'."""
+    from lm_eval_headloc.intervention.components import validate_heads
+
+    with pytest.raises(ComponentSpecError) as refused:
+        validate_heads(parse_components([name]), *size)
+    assert str(refused.value).endswith(f"is outside the model: {said}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lm_eval_headloc.common.errors import UserError
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.arg_string import as_written
 
 __all__ = [
@@ -155,17 +156,17 @@ def validate_heads(heads: Iterable[Component], num_layers: int | None,
     where given (None: unknown); layers and indices are always zero-based."""
     for component in heads:
         is_neuron = isinstance(component, Neuron)
-        what, count, per = (("neuron", neurons_per_layer, "MLP neurons per layer") if is_neuron
-                            else ("head", heads_per_layer, "heads per layer"))
+        what, count, per = (("neuron", neurons_per_layer, "MLP neuron") if is_neuron
+                            else ("head", heads_per_layer, "head"))
         if num_layers is not None and not 0 <= component.layer < num_layers:
             raise ComponentSpecError(
                 f"{what} {component} is outside the model: layer {component.layer} not in "
-                f"0..{num_layers - 1} ({num_layers} layers)"
+                f"0..{num_layers - 1} ({counted(num_layers, 'layer')})"
             )
         if count is not None and not 0 <= component[1] < count:
             raise ComponentSpecError(
                 f"{what} {component} is outside the model: {what} {component[1]} not in "
-                f"0..{count - 1} ({count} {per})"
+                f"0..{count - 1} ({counted(count, per)} per layer)"
             )
         if component.layer < 0 or component[1] < 0:
             raise ComponentSpecError(f"bad {what} {component}: layer {component.layer} and {what} "
