@@ -379,6 +379,7 @@ def test_a_measurement_whose_score_is_not_a_number_is_named_not_fitted(runs, tmp
     assert harness("refit", str(folder)) == 2
     warning, error = capsys.readouterr().err.strip().splitlines()
     assert_names(error, "error:", "incomplete", record["key"], "rerun the locate command")
+    assert "(1 measurement missing, e.g." in error  # not '1 measurements'
     assert_names(warning, "warning:", "line 4", record["key"], repr(task),
                  "not a finite number", "measures it again")
 

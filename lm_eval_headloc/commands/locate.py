@@ -20,6 +20,7 @@ import numpy as np
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import (
     Component,
     ComponentSpecError,
@@ -327,7 +328,8 @@ def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
         spec = spec.replace(masks=used)
     missing = _missing(run, rows)
     if missing:
-        raise RunFolderError(f"{out} is incomplete ({len(missing)} measurements missing, "
+        raise RunFolderError(f"{out} is incomplete ({counted(len(missing), 'measurement')} "
+                             "missing, "
                              f"e.g. {missing[0]}); rerun the locate command to finish it")
     run.spec, run.settings = spec, spec.settings("locate")
     run.rankings = _fit(run, excluded, rows)
