@@ -583,3 +583,18 @@ def test_smollm2_labels_hold_across_probe_seeds(embedded_lm, monkeypatch):
     assert {("L16H0", "previous_token"), ("L18H6", "induction")} <= labels
     assert all(label != "attention_sink" for _, _, label in found)
     assert runs[0]["probe"]["batch"] >= 32  # the default probe, not the 4 rows of before
+
+
+def test_the_types_summary_counts_the_heads_that_stand_out():
+    """'1 head(s) stand out': one head stands out, two heads stand out, none: 0 heads."""
+    from lm_eval_headloc.method.head_types import HEAD_TYPES, HeadTypes
+    from lm_eval_headloc.report.type_pages import types_summary
+
+    scores = {t: [[0.9, 0.8, 0.1]] for t in HEAD_TYPES}
+    dominant = [["previous_token", "previous_token", "induction"]]
+    head_types = HeadTypes({"scores": scores, "dominant": dominant,
+                            "thresholds": {t: 0.5 for t in HEAD_TYPES}})
+    said = types_summary(head_types)
+    assert "  previous-token: 2 heads stand out (threshold 0.50)" in said
+    assert "  induction: 1 head stands out (threshold 0.50)" in said
+    assert "  duplicate-token: 0 heads stand out (threshold 0.50)" in said

@@ -81,8 +81,12 @@ def test_read_heads_file_errors(tmp_path):
         read_heads_file(tmp_path / "missing.json")
     path = tmp_path / "h.txt"
     path.write_text("L0H1\nL0H2\n")
-    with raises_naming(ComponentSpecError, "ablate_top=3", str(path), "2"):
+    with raises_naming(ComponentSpecError, "ablate_top=3", str(path), "lists only 2 entries"):
         read_heads_file(path, top=3)
+    path.write_text("L0H1\n")  # a file of one
+    with raises_naming(ComponentSpecError, "ablate_top=3", "lists only 1 entry"):
+        read_heads_file(path, top=3)
+    path.write_text("L0H1\nL0H2\n")
     with pytest.raises(ComponentSpecError, match="ablate_top=0"):
         read_heads_file(path, top=0)
     bad = tmp_path / "bad.json"

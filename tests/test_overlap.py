@@ -102,7 +102,7 @@ def test_neuron_names_and_each_runs_own_top_k(tmp_path):
     # Examples 2 and 3 are in both subsets.
     assert result["examples"]["status"] == "overlapping"
     assert result["examples"]["tasks"]["t"] == {"a": 4, "b": 3, "shared": 2}
-    assert "**overlapping**: 2 example(s) shared" in overlap_markdown(result)
+    assert "**overlapping**: 2 examples shared" in overlap_markdown(result)
     assert not list(tmp_path.glob("*.json"))
 
 

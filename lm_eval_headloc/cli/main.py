@@ -31,6 +31,7 @@ from lm_eval_headloc.commands.universal import universal, universal_table
 from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.method.columns import UNIT, column_label, components_of
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> None:
         result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)
         print(universal_table(result))
         undecided = len(result["undecided"])
-        print(f"\n{len(result['heads'])} universal head(s) written to {args.out}"
+        print(f"\n{counted(len(result['heads']), 'universal head')} written to {args.out}"
               + (f"; {undecided} more undecided: ties at a ranking's top-{args.top_k} "
                  "boundary decide whether they reach --min-tasks" if undecided else ""))
     elif command == "overlap":

@@ -37,6 +37,7 @@ from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
 from lm_eval_headloc.common.files import strict_json, write_atomically
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import (
     read_heads_file,
     recorded_harmless,
@@ -341,7 +342,8 @@ def _examples_words(examples: Mapping[str, Any]) -> str:
     if examples["status"] == "disjoint":
         return f"disjoint ({counts} shared), as CNL's check needs."
     if examples["status"] == "overlapping":
-        return (f"**overlapping**: {examples['shared']} example(s) shared ({counts}). CNL's "
+        shared = counted(examples["shared"], "example")
+        return (f"**overlapping**: {shared} shared ({counts}). CNL's "
                 "check needs disjoint subsets; shared examples make the runs agree more "
                 "(--seed draws each run's subset on its own, so two seeds may share some).")
     return (f"**unknown**: {examples['why']}" + (f" ({counts} indices shared)" if tasks else "")

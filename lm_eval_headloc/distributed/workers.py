@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.options import RAY_TIMEOUT
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_components
 from lm_eval_headloc.measurement.metrics import TaskScore
@@ -274,8 +275,8 @@ class DistributedMeasurement:
                                                  masks_per_pass, scale)
                 running[ref] = (actor, index, time.perf_counter())
             if not running:
-                raise WorkerError(f"every worker has died ({len(pending)} chunk(s) of masks "
-                                  "left); what was measured is on disk: rerun to resume")
+                raise WorkerError(f"every worker has died ({counted(len(pending), 'chunk')} "
+                                  "of masks left); what was measured is on disk: rerun to resume")
             (ref,), _ = ray.wait(list(running), num_returns=1)
             actor, index, started = running.pop(ref)
             try:

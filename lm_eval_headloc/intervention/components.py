@@ -499,7 +499,7 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     if top is not None:
         if top > len(names):
             raise ComponentSpecError(
-                f"ablate_top={top} but {path} lists only {len(names)} head(s)"
+                f"ablate_top={top} but {path} lists only {counted(len(names), 'entry', 'entries')}"
             )
         names = names[:top]
     if not names:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     describe_layers,
@@ -160,7 +161,7 @@ def find_attention_outputs(model: nn.Module, attn_out: str | None = None) -> lis
             which = (f"decoder layer ({num_layers})" if geometry.head_layers is None else
                      f"attention layer (layers {describe_layers(with_heads)})")
             raise AttentionOutputNotFound(
-                f"attn_out={attn_out!r} matches {len(named)} module(s); it must match "
+                f"attn_out={attn_out!r} matches {counted(len(named), 'module')}; it must match "
                 f"exactly one per {which}"
             )
     else:
@@ -362,8 +363,8 @@ def find_mlp_outputs(model: nn.Module, mlp_out: str | None = None) -> list[nn.Mo
                  if fnmatch.fnmatchcase(name, mlp_out)]
         if len(named) != geometry.num_layers:
             raise MLPOutputNotFound(
-                f"mlp_out={mlp_out!r} matches {len(named)} module(s); it must match exactly "
-                f"one per decoder layer ({geometry.num_layers})")
+                f"mlp_out={mlp_out!r} matches {counted(len(named), 'module')}; it must match "
+                f"exactly one per decoder layer ({geometry.num_layers})")
     else:
         named = []
         for index, layer in enumerate(_decoder_layers(model, geometry.num_layers)):

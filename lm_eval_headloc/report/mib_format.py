@@ -11,6 +11,7 @@ from typing import Any
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.files import read_json
+from lm_eval_headloc.common.words import counted
 
 __all__ = ["ExportError", "MibFormatError", "check_mib", "is_mib_edge", "mib_node_names",
            "read_mib"]
@@ -158,7 +159,7 @@ def check_mib(obj: object, *, complete: bool = True, node_scores: bool = True) -
     if complete:
         absent = [name for name in mib_node_names(layers, heads)[:-1] if name not in nodes]
         if absent:
-            raise MibFormatError(f"{len(absent)} node(s) missing, first {absent[0]!r}: "
+            raise MibFormatError(f"{counted(len(absent), 'node')} missing, first {absent[0]!r}: "
                                  "Graph.to_json writes every node of the graph")
     if node_scores and not scored:
         raise MibFormatError("no node has a score; MIB's node-level evaluation needs node "

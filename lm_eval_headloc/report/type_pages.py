@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 
+from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.method.head_types import (
     HEAD_TYPES,
     LABELLED_TYPES,
@@ -51,7 +52,8 @@ def types_summary(head_types: HeadTypes | None, shown: int = 3) -> str:
         order = np.argsort(-np.nan_to_num(values, nan=-np.inf), axis=None, kind="stable")
         best = [np.unravel_index(i, values.shape) for i in order[:shown]]
         if name in LABELLED_TYPES or name in thresholds:  # an older file labelled by all
-            said = (f"{labelled} head(s) stand out (threshold {thresholds[name]:.2f}"
+            said = (f"{counted(labelled, 'head stands', 'heads stand')} out "
+                    f"(threshold {thresholds[name]:.2f}"
                     + (f"; {near.count(name)} too near it to say" if near.count(name) else "")
                     + ")")
         else:
