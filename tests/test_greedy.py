@@ -307,6 +307,14 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     assert heads["heads"][0]["types"]["induction"] == pytest.approx(
         types["scores"]["induction"][layer][index], abs=1e-6)
     assert "type" in (one / "heads.csv").read_text().splitlines()[0].split(",")
+    # report.md opens with its title (the time line stood above it), then the model and
+    # the time, then a section per task.
+    report = (one / "report.md").read_text().splitlines()
+    assert report[0] == "# Head localization by one-shot greedy"
+    assert report[2] == f"- model: `{strict_json(one / 'config.json')['spec']['model_args']}`"
+    assert report[3].startswith("- time: ") and report[3].endswith("(config.json's timings)")
+    assert [line for line in report if line.startswith("#")] == [report[0],
+                                                                 "## tiny_copy (acc,none)"]
 
     it = tmp_path / "iterative"
     assert harness("greedy", *tiny_args(folder), "--tasks", "tiny_copy", "--num-samples", "12",
@@ -325,6 +333,7 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
                                             - by_key[f"round1-{winner}"])
     assert [h["head"] for h in heads["heads"][:2]] == heads["winners"]
     assert "nan" not in (it / "heads.csv").read_text().lower()
+    assert (it / "report.md").read_text().startswith("# Head localization by iterative greedy")
 
 
 def test_a_finished_greedy_run_reruns_without_loading_the_model(tiny_model_dir, tmp_path,

@@ -118,7 +118,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.facts.method} (each head's score change in its "
                             "last measured round)",
-                      report=lambda: _report(rankings, spec.top_k, run.timings))
+                      report=lambda: _report(rankings, spec.top_k, run.timings,
+                                             spec.model_args))
     return rankings
 
 
@@ -163,11 +164,19 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
 
 
 def _report(rankings: Mapping[str, Ranking], top_k: int,
-            timings: list[dict[str, Any]] | None = None) -> str:
-    lines = [f"Time: {timing.timings_line(timings)} (config.json's timings).", ""] \
-        if timings else []
+            timings: list[dict[str, Any]] | None = None, model_args: str | None = None) -> str:
+    """report.md: the title, the model and the time, then a section per task (the time
+    stood above the title, and each task was a title of its own)."""
+    method = next(iter(rankings.values())).facts.method
+    lines = [f"# Head localization by {method}", ""]
+    if model_args is not None:
+        lines.append(f"- model: `{model_args}`")
+    if timings:
+        lines.append(f"- time: {timing.timings_line(timings)} (config.json's timings)")
+    if len(lines) > 2:
+        lines.append("")
     for name, ranking in rankings.items():
-        lines += [f"# {ranking.facts.method}: {name} ({ranking.metric})", "",
+        lines += [f"## {name} ({ranking.metric})", "",
                   f"Baseline: {ranking.baseline:.4f}; {ranking.facts.measurements} "
                   "measurements.", "",
                   *floor_words(ranking),
