@@ -75,7 +75,16 @@ def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
         assert check["mask"] == "+".join(sorted(top))
         assert cell["drop"] == pytest.approx(base - check["scores"]["tiny_choice"])
     assert result["best"]["drop"] == max(c["drop"] for c in result["cells"])
-    assert "Best: --masks" in capsys.readouterr().out
+    # The verdict, from the drops recomputed above: a best cell, a tie, or nothing found.
+    drops = [base - records[f"m{c['masks']}-p{c['sparsity']:g}-top2"]["scores"]["tiny_choice"]
+             for c in result["cells"]]
+    printed = capsys.readouterr().out
+    if max(drops) <= 0:
+        assert "Nothing found: no cell's top-2 heads hurt tiny_choice" in printed
+    elif drops.count(max(drops)) > 1:
+        assert f"Best, tied: {drops.count(max(drops))} cells drop it by" in printed
+    else:
+        assert "Best: --masks" in printed
 
 
 def test_the_sweep_table_names_what_its_cells_knock_out():
@@ -84,11 +93,45 @@ def test_the_sweep_table_names_what_its_cells_knock_out():
 
     def result(best):
         return {"task": "t", "baseline": 0.5, "top_k": 2, "best": {
-            "masks": 10, "sparsity": 0.1, "heads": best, "drop": -0.2},
-            "cells": [{"masks": 10, "sparsity": 0.1, "drop": -0.2}]}
+            "masks": 10, "sparsity": 0.1, "heads": best, "drop": 0.2},
+            "cells": [{"masks": 10, "sparsity": 0.1, "heads": best, "drop": 0.2}]}
 
     heads = sweep_table(result(["L0H1", "L1H0"]))
     assert "when the top-2 heads of each cell" in heads and "(heads L0H1+L1H0, " in heads
     neurons = sweep_table(result(["L0N1", "L1N7"]))
     assert "when the top-2 MLP neurons of each cell" in neurons
-    assert "(MLP neurons L0N1+L1N7, drop -0.2000)" in neurons and "heads" not in neurons
+    assert "(MLP neurons L0N1+L1N7, drop +0.2000)" in neurons and "heads" not in neurons
+
+
+def _grid(drops: list[float], baseline: float = 0.5) -> dict:
+    cells = [{"masks": m, "sparsity": 0.1, "heads": [f"L0H{i}", "L1H0"], "drop": d}
+             for i, (m, d) in enumerate(zip((10, 20, 30), drops, strict=False))]
+    return {"task": "t", "baseline": baseline, "higher_is_better": True, "top_k": 2,
+            "cells": cells, "best": max(cells, key=lambda c: c["drop"])}
+
+
+def test_the_sweep_says_a_tie_at_the_best_drop_and_a_grid_that_found_nothing():
+    """A grid whose cells all dropped the task by 0 printed 'Best: --masks 4 --sparsity
+    0.2 (..., drop -0.0000)': the first cell, as if chosen, and a negative zero."""
+    from lm_eval_headloc.commands.sweep import sweep_table
+
+    assert sweep_table(_grid([0.1, 0.3, 0.2])).endswith(
+        "Best: --masks 20 --sparsity 0.1 (heads L0H1+L1H0, drop +0.3000)")
+    assert sweep_table(_grid([0.3, 0.1, 0.3])).endswith(
+        "Best, tied: 2 cells drop it by +0.3000: --masks 10 --sparsity 0.1 (heads "
+        "L0H0+L1H0); --masks 30 --sparsity 0.1 (heads L0H2+L1H0).")
+    nothing = sweep_table(_grid([0.0, -0.1, 0.0]))
+    assert nothing.endswith("Nothing found: no cell's top-2 heads hurt t (the largest drop: "
+                            "+0.0000), so no cell is best.")
+    assert "Best" not in nothing
+    floor = sweep_table(_grid([0.0, 0.0, 0.0], baseline=0.0))
+    assert "t scores 0 with nothing knocked out" in floor and "--signal logprob" in floor
+    assert "-0.0000" not in floor
+
+
+def test_no_harm_is_zero_not_negative_zero():
+    from lm_eval_headloc.method.lasso import harm
+
+    assert np.signbit(harm(0.0, True)) == np.False_
+    assert not np.signbit(harm([0.0, -0.0], False)).any()
+    assert harm([-0.2, 0.1], True).tolist() == [0.2, -0.1]

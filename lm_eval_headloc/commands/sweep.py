@@ -15,6 +15,7 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
+from lm_eval_headloc.report.pages import FLOOR_HINT
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import load_model, open_measurement
@@ -88,8 +89,9 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                 "r2": rankings[task].facts.r2})
         # Cells are compared by the absolute harm (defined even for a zero baseline).
         best = max(results, key=lambda c: c["drop"])
-        result = {"task": task, "baseline": baseline["scores"][task], "top_k": spec.top_k,
-                  "cells": results, "best": best}
+        result = {"task": task, "baseline": baseline["scores"][task],
+                  "higher_is_better": higher, "top_k": spec.top_k, "cells": results,
+                  "best": best}
         run.save(folder, measure)  # the workers' shares and the timings so far
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
@@ -123,6 +125,27 @@ def sweep_table(result: Mapping[str, Any]) -> str:
         lines.append(f"| {m} | " + " | ".join(
             f"{by_cell[(m, p)]['drop']:+.4f}" if (m, p) in by_cell else ""
             for p in sparsities) + " |")
-    lines += ["", f"Best: --masks {best['masks']} --sparsity {best['sparsity']:g} "
-              f"({kind} {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", _best_words(result, kind)])
+
+
+def _best_words(result: Mapping[str, Any], kind: str) -> str:
+    """The grid's verdict: its best cell, or the cells tied at the best drop, or that no
+    cell's top-k hurts the task (a ranking is a claim: the first of equal cells, or a
+    drop of 0, is no best)."""
+    best, task = result["best"], result["task"]
+
+    def cell(c: Mapping[str, Any]) -> str:
+        return f"--masks {c['masks']} --sparsity {c['sparsity']:g}"
+
+    if best["drop"] <= 0:
+        floor = (result.get("higher_is_better") and result["baseline"] == 0.0)
+        return (f"Nothing found: no cell's top-{result['top_k']} {kind} hurt {task} (the "
+                f"largest drop: {best['drop']:+.4f}), so no cell is best"
+                + (f"; {task} scores 0 with nothing knocked out, so no knockout can lower "
+                   f"it: {FLOOR_HINT}" if floor else "") + ".")
+    tied = [c for c in result["cells"] if c["drop"] == best["drop"]]
+    if len(tied) > 1:
+        return (f"Best, tied: {len(tied)} cells drop it by {best['drop']:+.4f}: "
+                + "; ".join(f"{cell(c)} ({kind} {'+'.join(c['heads'])})" for c in tied)
+                + ".")
+    return f"Best: {cell(best)} ({kind} {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"
