@@ -269,6 +269,34 @@ def test_group_test_line_counts_every_set_apart_from_their_sizes():
         "- group tests (1 measurement: 1 set, of up to 16 heads, halved where ")
 
 
+def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
+    """On a model of 8 heads the auto cap is 4 while the prior, the masks and the heads
+    measured alone take 28: the report read '28 measurement-equivalents ... of
+    --max-measurements 4'."""
+    from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
+    from lm_eval_headloc.report.locate_report import certificate_words
+
+    def spent_line(spent: int, cap: int) -> str:
+        cert = CertificateRecord(
+            certified=True, rule="r", confidence=0.95, entry_bar=0.2, top_k=2,
+            measured_alone=8, ruled_out=0, bound=None, unchecked=[],
+            unchecked_never_in_a_mask=0, unchecked_in_one_mask=0,
+            unchecked_beside_measured=[], group_size=16, group_tests_run=0, group_tests=[],
+            group_tests_to_cover=0, measurements_spent=spent, max_measurements=cap)
+        ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
+                          4, facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
+        [line] = [w for w in certificate_words(ranking) if w.startswith("- measurements:")]
+        return line
+
+    over = spent_line(28, 4)
+    assert "28 measurement-equivalents" in over and " of `--max-measurements 4`" not in over
+    assert over.endswith(", more than `--max-measurements 4`: the prior, the masks and the "
+                         "heads measured alone are spent whatever the cap, which stops only "
+                         "the group tests")
+    assert spent_line(77, 135).endswith(" of `--max-measurements 135`")
+    assert spent_line(135, 135).endswith(" of `--max-measurements 135`")
+
+
 def test_sparsity_auto_says_when_no_level_kept_enough():
     """Where no pilot level kept the share, the smallest is chosen: the report said 'the
     largest whose pilot masks kept ≥ 50%' beside shares all under 50 %."""

@@ -373,8 +373,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      "(the prior's allowance, masks, heads measured alone and group tests)"
-                     + (f" of `--max-measurements {cert.max_measurements}`"
-                        if cert.max_measurements is not None else ""))
+                     + _of_the_cap(cert.measurements_spent, cert.max_measurements, unit))
     unchecked = cert.unchecked
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
@@ -418,6 +417,20 @@ def _finish_advice(ranking: Ranking, cert: CertificateRecord) -> str:
     return (f"`--group-tests {cert.group_tests_run + cert.group_tests_to_cover}` would knock "
             f"each of them out in at least one group of {cert.group_size} (more tests where "
             "a group is split); a larger `--confirm` measures the likeliest alone")
+
+
+def _of_the_cap(spent: int, cap: int | None, unit: str) -> str:
+    """How the spent measurements stand to ``--max-measurements``: the masks, the prior and
+    the heads measured alone are spent whatever the cap (auto, half the units, is below
+    them where a model has few), which stops only the group tests ('28 of
+    --max-measurements 4' read as a cap broken)."""
+    if cap is None:
+        return ""
+    if spent <= cap:
+        return f" of `--max-measurements {cap}`"
+    return (f", more than `--max-measurements {cap}`: the prior, the masks and the "
+            f"{unit}s measured alone are spent whatever the cap, which stops only the group "
+            "tests")
 
 
 def certificate_line(ranking: Ranking) -> str | None:

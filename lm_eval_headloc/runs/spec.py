@@ -238,8 +238,9 @@ class RunSpec:
             "the heads measured alone and the group tests (the baseline aside); the group "
             "tests stop there if the run is not certified by then, and the report says "
             "what is left unchecked (default auto: half the heads the run ranks, "
-            f"{AUTO_CAP_SHARE:.0%} of one-shot greedy's cost; rerun with more to go on; a "
-            "resumed run keeps its own)",
+            f"{AUTO_CAP_SHARE:.0%} of one-shot greedy's cost, or on a model with few heads "
+            "what the prior, masks and heads measured alone take, with no group test; rerun "
+            "with more to go on; a resumed run keeps its own)",
         parse=parse_max_measurements, metavar="M")
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
