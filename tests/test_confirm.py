@@ -733,3 +733,27 @@ def test_the_confirmation_record_reads_and_writes_config_json_as_it_was():
     earliest = {"heads": ["L0H0"], "never": []}
     assert ConfirmRecord.of(earliest).to_json() == earliest
     assert ConfirmRecord.of(earliest).group_sets == [] and ConfirmRecord.of(None) is None
+
+
+def test_the_terminal_says_nothing_found_where_no_top_head_hurts(monkeypatch, capsys):
+    """report.md said 'Nothing found: none of the top-5 heads hurts the task' while the
+    terminal listed five heads, each '(does not hurt)', and no such line."""
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.cli import main as cli
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
+
+    monkeypatch.setattr(cli, "load_run", lambda out: SimpleNamespace(
+        spec=SimpleNamespace(top_k=3), masks_per_pass=None))
+    effects = np.array([0.0, 0.02, 0.01, 0.0, 0.03, 0.0])  # accuracy never falls
+    helps = Ranking("t", "acc", True, 0.5, effects, [4, 1, 2, 0, 3, 5], 3,
+                    facts=RankingFacts(method="one-shot greedy"))
+    cli._print_rankings({"t": helps}, "out")
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == ("  nothing found: none of the top-3 heads hurts the task; their "
+                          "order is no evidence of a role in it")
+    assert all(line.endswith("(does not hurt)") for line in printed[2:5])
+    # One head that hurts: no such line.
+    effects[4] = -0.2
+    cli._print_rankings({"t": helps}, "out")
+    assert "nothing found" not in capsys.readouterr().out

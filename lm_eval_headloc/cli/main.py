@@ -249,6 +249,10 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
             continue
         alike = ranking.facts.same_masks or {}
         harmless = set(ranking.harmless(top_k))
+        if harmless and len(harmless) == len(top):  # report.md's "Nothing found", here too
+            print(f"  nothing found: none of the top-{len(top)} "
+                  f"{UNIT[components_of(ranking.columns)]}s hurts the task; their order is "
+                  "no evidence of a role in it")
         noise = set(within_spread(ranking, top_k))
         for rank, head in enumerate(top, start=1):
             print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"
