@@ -129,9 +129,10 @@ def test_the_sweep_says_a_tie_at_the_best_drop_and_a_grid_that_found_nothing():
     assert "-0.0000" not in floor
 
 
-def test_no_harm_is_zero_not_negative_zero():
-    from lm_eval_headloc.method.lasso import harm
+def test_a_score_that_held_drops_by_zero_not_negative_zero():
+    from lm_eval_headloc.commands.sweep import drop
 
-    assert np.signbit(harm(0.0, True)) == np.False_
-    assert not np.signbit(harm([0.0, -0.0], False)).any()
-    assert harm([-0.2, 0.1], True).tolist() == [0.2, -0.1]
+    assert not np.signbit(drop(0.5, 0.5, True)) and not np.signbit(drop(0.5, 0.5, False))
+    assert f"{drop(0.0, 0.0, True):+.4f}" == "+0.0000"
+    assert drop(0.3, 0.5, True) == pytest.approx(0.2)  # accuracy fell: worse
+    assert drop(0.3, 0.5, False) == pytest.approx(-0.2)  # perplexity fell: better

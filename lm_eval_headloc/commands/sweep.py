@@ -84,7 +84,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
             results.append({
                 "masks": cell.masks, "sparsity": cell.sparsity, "heads": [str(h) for h in top],
                 "score": score,
-                "drop": float(harm(score - baseline["scores"][task], higher)),
+                "drop": drop(score, baseline["scores"][task], higher),
                 "relative_drop": relative_drop(baseline["scores"][task], score, higher),
                 "r2": rankings[task].facts.r2})
         # Cells are compared by the absolute harm (defined even for a zero baseline).
@@ -96,6 +96,12 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result
+
+
+def drop(score: float, baseline: float, higher_is_better: bool) -> float:
+    """How much worse ``score`` is than ``baseline`` (positive = worse); a score that held
+    drops by 0, not -0.0 (the table printed "-0.0000")."""
+    return float(harm(score - baseline, higher_is_better)) + 0.0
 
 
 def _stored_confirm(folder: RunFolder) -> int | None:

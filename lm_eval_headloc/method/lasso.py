@@ -332,8 +332,7 @@ def harm(effects: object, higher_is_better: bool) -> np.ndarray:
     """How much knocking out each head hurts (positive = worse), whichever way the
     score points: ``-effects`` for higher-is-better scores, ``effects`` otherwise."""
     effects = np.asarray(effects, dtype=np.float64)
-    # + 0.0: no harm is 0, not -0.0 (a table printed "-0.0000" for a score that held).
-    return (-effects if higher_is_better else effects) + 0.0
+    return -effects if higher_is_better else effects
 
 
 @dataclass(frozen=True)
