@@ -225,7 +225,9 @@ def test_counts_of_one_are_said_in_the_singular():
     assert ("- ruled out by a mask or group test: 1 head; alone it harms the task by no more "
             "than 0.1 (the harm of the set that ruled it out, plus its margin)") in words
     assert "- **not checked: 1 head**: L1H3. Of them, 1 was never knocked out" in words
-    assert "(no head measured alone hurts it, so any harm would enter the top-1)" in words
+    assert ("a measured set that does not hurt the task at all (no head measured alone "
+            "hurts it, so any harm would enter the top-1), rules out") in words
+    assert "whose harm does not hurt" not in words
     assert " 1 heads" not in line + words and "fewer than 1" not in words
     assert fit_summary(ranking, 1) == ("; the top one measured alone: its place is measured, "
                                        "not fitted (the masks' fit: report.md)")
@@ -245,7 +247,7 @@ def test_group_test_line_counts_every_set_apart_from_their_sizes():
     )
     from lm_eval_headloc.report.locate_report import certificate_words
 
-    def group_line(sizes: list[int], run: int) -> str:
+    def ranking_of(sizes: list[int], run: int = 1) -> Ranking:
         groups = [GroupTestRecord([f"L{i}H{j}" for j in range(size)], -0.01)
                   for i, size in enumerate(sizes)]
         cert = CertificateRecord(
@@ -254,12 +256,17 @@ def test_group_test_line_counts_every_set_apart_from_their_sizes():
             unchecked_never_in_a_mask=0, unchecked_in_one_mask=0,
             unchecked_beside_measured=[], group_size=16, group_tests_run=run,
             group_tests=groups, group_tests_to_cover=0)
-        ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
-                          4, facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
-        [line] = [w for w in certificate_words(ranking) if w.startswith("- group tests")]
+        return Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)), 4,
+                       facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
+
+    def group_line(sizes: list[int], run: int) -> str:
+        [line] = [w for w in certificate_words(ranking_of(sizes, run))
+                  if w.startswith("- group tests")]
         return line
 
     doubled = group_line([16, 16, 8, 32, 4], run=6)
+    [rule] = [w for w in certificate_words(ranking_of([16])) if w.startswith("Under the rule")]
+    assert "a measured set whose harm stays under the top-2's entry bar, a harm of 0.2" in rule
     assert doubled.startswith(
         "- group tests (6 measurements: 5 sets, of 16 heads at first and of twice as many "
         "after a round whose new groups all ruled theirs out (up to 32), halved where ")

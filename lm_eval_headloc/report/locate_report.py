@@ -316,17 +316,18 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              f"{cert.confidence:.0%} confidence)" if cert.confidence is not None else
              "(the run recorded no per-example scores: each harm is taken as measured, and "
              "no confidence is stated)")
-    entry = (f"stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the {ordinal(k)} "
-             f"largest measured alone), {noise}," if bar > 0 else
-             "does not hurt the task at all ("
+    # "a measured set whose harm does not hurt the task" read as a harm that hurts.
+    entry = (f"whose harm stays under the top-{k}'s entry bar, a harm of {bar:.4g} (the "
+             f"{ordinal(k)} largest measured alone), {noise}," if bar > 0 else
+             "that does not hurt the task at all ("
              + (f"no {unit} measured alone hurts it" if k == 1 else
                 f"fewer than {k} {unit}s measured alone hurt it")
              + f", so any harm would enter the top-{k}),")
     lines = [head, "", *([scope, ""] if scope else []),
              f"Under the rule that {cert.rule} — an assumption, checked against the "
              f"measurements: a set whose change helps beyond the noise, or harms clearly "
-             f"less than a measured part of it, rules out nothing — a measured set whose "
-             f"harm {entry} rules out each of its members.", "",
+             f"less than a measured part of it, rules out nothing — a measured set "
+             f"{entry} rules out each of its members.", "",
              f"- measured alone: {counted(cert.measured_alone, unit)} (the table shows the "
              f"top-{k}; "
              f"each one's measured change is in `heads-{ranking.task}.csv`, `measured_alone` "
