@@ -38,6 +38,7 @@ from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
 from lm_eval_headloc.report.pages import (
     FLOOR_HINT,
     at_floor,
+    none_hurts_words,
     why_nothing_stands_out,
     within_spread,
 )
@@ -250,9 +251,8 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
         alike = ranking.facts.same_masks or {}
         harmless = set(ranking.harmless(top_k))
         if harmless and len(harmless) == len(top):  # report.md's "Nothing found", here too
-            print(f"  nothing found: none of the top-{len(top)} "
-                  f"{UNIT[components_of(ranking.columns)]}s hurts the task; their order is "
-                  "no evidence of a role in it")
+            print("  nothing found: "
+                  + none_hurts_words(len(top), UNIT[components_of(ranking.columns)]))
         noise = set(within_spread(ranking, top_k))
         for rank, head in enumerate(top, start=1):
             print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"

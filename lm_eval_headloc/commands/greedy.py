@@ -172,7 +172,7 @@ def _report(rankings: Mapping[str, Ranking], top_k: int,
     if model_args is not None:
         lines.append(f"- model: `{model_args}`")
     if timings:
-        lines.append(f"- time: {timing.timings_line(timings)} (config.json's timings)")
+        lines.append(timing.timings_item(timings))
     if len(lines) > 2:
         lines.append("")
     for name, ranking in rankings.items():

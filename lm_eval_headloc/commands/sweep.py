@@ -15,7 +15,7 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
-from lm_eval_headloc.report.pages import FLOOR_HINT
+from lm_eval_headloc.report.pages import FLOOR_HINT, scores_at_floor
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import load_model, open_measurement
@@ -144,7 +144,7 @@ def _best_words(result: Mapping[str, Any], kind: str) -> str:
         return f"--masks {c['masks']} --sparsity {c['sparsity']:g}"
 
     if best["drop"] <= 0:
-        floor = (result.get("higher_is_better") and result["baseline"] == 0.0)
+        floor = scores_at_floor(result["baseline"], result.get("higher_is_better"))
         return (f"Nothing found: no cell's top-{result['top_k']} {kind} hurt {task} (the "
                 f"largest drop: {best['drop']:+.4f}), so no cell is best"
                 + (f"; {task} scores 0 with nothing knocked out, so no knockout can lower "

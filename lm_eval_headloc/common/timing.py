@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["STARTUP", "PhaseClock", "current", "on_clock", "phase", "process_age", "run_clock",
-           "timed", "timings_line"]
+           "timed", "timings_item", "timings_line"]
 
 #: The phase a clock started at the process's start is in until its first named phase.
 STARTUP = "start-up and imports"
@@ -167,6 +167,11 @@ def _seconds(value: float) -> str:
     if value >= 90:
         return f"{value / 60:.1f} min"
     return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
+
+
+def timings_item(sessions: Sequence[Mapping[str, Any]]) -> str:
+    """A report's time line: ``timings_line`` as a list item naming where it is kept."""
+    return f"- time: {timings_line(sessions)} (config.json's timings)"
 
 
 def timings_line(sessions: Sequence[Mapping[str, Any]]) -> str:

@@ -78,8 +78,7 @@ def locate_report(run: LocateRun) -> str:
         f"- never knocked out: {spec.never_ablate or 'none'}"
         + (" (not ranked: no measurement knocked them out)" if spec.never_ablate else ""),
         f"- excluded from the ranking: {spec.exclude or 'none'}",
-        *([f"- time: {timing.timings_line(run.timings)} (config.json's timings)"]
-          if run.timings else []), "",
+        *([timing.timings_item(run.timings)] if run.timings else []), "",
     ]
     for task, ranking in run.rankings.items():
         lines += [

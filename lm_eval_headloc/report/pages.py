@@ -35,7 +35,7 @@ from lm_eval_headloc.method.ranking import (
 )
 from lm_eval_headloc.runs.folder import RunFolder
 
-__all__ = ["beyond_spread", "harmless_words", "heads_table", "plot_heatmap",
+__all__ = ["beyond_spread", "harmless_words", "heads_table", "none_hurts_words", "plot_heatmap",
            "tie_words", "within_spread", "write_ranking"]
 
 
@@ -320,11 +320,17 @@ def harmless_words(ranking: Ranking, top_k: int, unit: str = "head",
         * bool(estimated))
     hurt = len(top) - len(harmless)
     if not hurt:
-        return [f"Nothing found: none of the top-{len(top)} {unit}s hurts the task ({how}); "
-                "their order is no evidence of a role in it.", ""]
+        return [f"Nothing found: {none_hurts_words(len(top), unit, f' ({how})')}.", ""]
     return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
             f"the task; the other places are filled by {unit}s that do not ({how}). "
             f"`ablate_top={hurt}` knocks out only what hurts.", ""]
+
+
+def none_hurts_words(k: int, unit: str, how: str = "") -> str:
+    """What a top-k of which no component hurts the task is (report.md and the terminal):
+    ``how``, said after "hurts the task", is why each is known not to."""
+    return (f"none of the top-{k} {unit}s hurts the task{how}; their order is no evidence "
+            "of a role in it")
 
 
 def beyond_spread(change: float, largest_help: Mapping[str, Any], higher_is_better: bool
@@ -423,7 +429,14 @@ def _all_tied(ranking: Ranking, top_k: int) -> bool:
 def at_floor(ranking: Ranking) -> bool:
     """Whether the task scores 0 by a higher-is-better metric with nothing knocked out
     (accuracy 0): no knockout can lower it, so a ranking by the metric finds nothing."""
-    return ranking.higher_is_better and ranking.baseline == 0.0 and ranking.metric != "logprob"
+    return scores_at_floor(ranking.baseline, ranking.higher_is_better, ranking.metric)
+
+
+def scores_at_floor(baseline: float, higher_is_better: bool | None,
+                    metric: str | None = None) -> bool:
+    """``at_floor`` for a bare baseline (a sweep's): 0 by a higher-is-better metric, not
+    the log-likelihood."""
+    return bool(higher_is_better) and baseline == 0.0 and metric != "logprob"
 
 
 FLOOR_HINT = ("--signal logprob (the gold answers' log-likelihood, where the task has "
