@@ -119,6 +119,8 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
     (["--gen-kwargs", "tempreature=0"], ("did you mean temperature?",)),  # the suggestion
     (["--gen-kwargs", "max_length=40"], ("--gen-kwargs max_length", "max_gen_toks")),
     (["--gen-kwargs", "max_gen_toks=0"], ("--gen-kwargs max_gen_toks=0", ">= 1")),
+    # lm-eval's parser reads -1 as -1.0: the refusal shows what was written.
+    (["--gen-kwargs", "temperature=0,max_gen_toks=-1"], ("--gen-kwargs max_gen_toks=-1:",)),
     (["--gen-kwargs", "max_gen_toks"], ("--gen-kwargs 'max_gen_toks'", "key=value")),
     (["--gen-kwargs", "{max_gen_toks: 3}"], ("--gen-kwargs '{max_gen_toks: 3}'", "JSON")),
     (["--gen-kwargs", "until=3"], ("--gen-kwargs until=3",)),

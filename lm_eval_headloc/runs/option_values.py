@@ -8,6 +8,7 @@ argparse types (``cli.options``): each value has one parser, whichever way it co
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
@@ -177,11 +178,13 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
                          "(e.g. max_gen_toks=256)")
     tokens = parsed.get("max_gen_toks", 1)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise UsageError(f"--gen-kwargs max_gen_toks={tokens!r}: must be a whole number >= 1")
+        raise UsageError(f"--gen-kwargs max_gen_toks={_as_written(value, 'max_gen_toks', tokens)}"
+                         ": must be a whole number >= 1")
     for key, item in parsed.items():
         number = isinstance(item, (int, float)) and not isinstance(item, bool)
         if number and not math.isfinite(item):
-            raise UsageError(f"--gen-kwargs {key}={item!r}: must be a finite number")
+            raise UsageError(f"--gen-kwargs {key}={_as_written(value, key, item)}: must be a "
+                             "finite number")
         parsed[key] = _generate_number(key, item)
     if "do_sample" in parsed and not isinstance(parsed["do_sample"], bool):
         raise UsageError(f"--gen-kwargs do_sample={parsed['do_sample']!r}: must be true or "
@@ -194,6 +197,17 @@ def parse_gen_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any] | 
     if isinstance(until, str):  # lm-eval's generate_until reads one string as [it]
         parsed["until"] = [until]
     return parsed
+
+
+def _as_written(value: Any, key: str, item: Any) -> str:
+    """``key``'s value as the user wrote it in ``key=value,...`` text (lm-eval's parser
+    reads ``-1`` as ``-1.0``, which an error must not show); otherwise its ``repr``."""
+    if isinstance(value, str) and not value.strip().startswith("{"):
+        written = re.search(rf"(?:^|,)\s*{re.escape(key)}\s*=\s*(.*?)\s*"
+                            r"(?=,\s*[A-Za-z_][\w.]*\s*=|$)", value.strip())
+        if written:
+            return written.group(1)
+    return repr(item)
 
 
 def canonical_gen_kwargs(value: Any) -> Any:
