@@ -357,3 +357,30 @@ def test_a_neuron_runs_words_and_legend_name_neurons_only(tmp_path):
     bars = {to_rgb(p.get_facecolor()) for ax in figure.axes for p in ax.patches
             if isinstance(p, Rectangle)}
     assert bars == {to_rgb("tab:red")}
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    (-0.0, "+0.0000"), (0.0, "+0.0000"), (-4e-6, "+0.0000"), (4e-6, "+0.0000"),
+    (-0.00005001, "-0.0001"), (0.125, "+0.1250"), (-1.5, "-1.5000")])
+def test_signed_numbers_never_read_minus_zero(value, said):
+    from lm_eval_headloc.common.words import signed
+
+    assert signed(value) == said
+
+
+def test_a_fits_signed_zeros_read_as_zero_in_the_table():
+    """A Lasso's zero is -0.0 where the sign is flipped: refit printed 103 lines of
+    'L6H7  -0.0000  (does not hurt)', report.md '[-0.0000, +0.0000]' intervals, and
+    one bootstrap refit was 'in 1 bootstrap refits'."""
+    from lm_eval_headloc.method.lasso import Stability
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.report.pages import ranking_table
+
+    effects = np.array([-0.3, -0.0, -0.0, -1e-7])
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 2, 3], 2,
+                      stability=Stability(np.array([1.0, 0, 0, 0]), np.array([-0.4, -0.0,
+                                          -2e-6, -0.0]), np.array([-0.2, 0.0, -0.0, 0.0]), 1))
+    assert str(ranking.effects[1]) == "0.0"  # the ranking keeps no signed zero
+    table = "\n".join(ranking_table(ranking, 4, "change"))
+    assert "-0.0000" not in table and table.count("[+0.0000, +0.0000]") == 3
+    assert "in top-4, hurting, in 1 bootstrap refit |" in table

@@ -31,7 +31,7 @@ from lm_eval_headloc.commands.universal import universal, universal_table
 from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
-from lm_eval_headloc.common.words import counted
+from lm_eval_headloc.common.words import counted, signed
 from lm_eval_headloc.method.columns import UNIT, column_label, components_of
 from lm_eval_headloc.method.ranking import Ranking
 from lm_eval_headloc.report.locate_report import certificate_line, fit_summary
@@ -255,7 +255,7 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
                   + none_hurts_words(len(top), UNIT[components_of(ranking.columns)]))
         noise = set(within_spread(ranking, top_k))
         for rank, head in enumerate(top, start=1):
-            print(f"  {rank}. {column_label(head)}  {ranking.effect(head):+.4f}"
+            print(f"  {rank}. {column_label(head)}  {signed(ranking.effect(head))}"
                   + ("  (tied with the head above)" if str(head) in tied else "")
                   + ("  (does not hurt)" if head in harmless else "")
                   + ("  (within the spread of single knockouts: see report.md)"

@@ -12,6 +12,7 @@ from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.words import signed
 from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
@@ -129,7 +130,7 @@ def sweep_table(result: Mapping[str, Any]) -> str:
              "| --- |" + " --- |" * len(sparsities)]
     for m in masks:
         lines.append(f"| {m} | " + " | ".join(
-            f"{by_cell[(m, p)]['drop']:+.4f}" if (m, p) in by_cell else ""
+            f"{signed(by_cell[(m, p)]['drop'])}" if (m, p) in by_cell else ""
             for p in sparsities) + " |")
     return "\n".join([*lines, "", _best_words(result, kind)])
 
@@ -146,12 +147,12 @@ def _best_words(result: Mapping[str, Any], kind: str) -> str:
     if best["drop"] <= 0:
         floor = scores_at_floor(result["baseline"], result.get("higher_is_better"))
         return (f"Nothing found: no cell's top-{result['top_k']} {kind} hurt {task} (the "
-                f"largest drop: {best['drop']:+.4f}), so no cell is best"
+                f"largest drop: {signed(best['drop'])}), so no cell is best"
                 + (f"; {task} scores 0 with nothing knocked out, so no knockout can lower "
                    f"it: {FLOOR_HINT}" if floor else "") + ".")
     tied = [c for c in result["cells"] if c["drop"] == best["drop"]]
     if len(tied) > 1:
-        return (f"Best, tied: {len(tied)} cells drop it by {best['drop']:+.4f}: "
+        return (f"Best, tied: {len(tied)} cells drop it by {signed(best['drop'])}: "
                 + "; ".join(f"{cell(c)} ({kind} {'+'.join(c['heads'])})" for c in tied)
                 + ".")
-    return f"Best: {cell(best)} ({kind} {'+'.join(best['heads'])}, drop {best['drop']:+.4f})"
+    return f"Best: {cell(best)} ({kind} {'+'.join(best['heads'])}, drop {signed(best['drop'])})"

@@ -355,6 +355,10 @@ class Stability:
     high: np.ndarray
     resamples: int
 
+    def __post_init__(self) -> None:
+        for name in ("low", "high"):  # + 0.0: a zero estimate is 0, never "-0.0000"
+            object.__setattr__(self, name, np.asarray(getattr(self, name), float) + 0.0)
+
 
 def _paired(design_matrix: object, scores: object) -> tuple[np.ndarray, np.ndarray]:
     """The design and its scores as float arrays, one score per row (for the refitting

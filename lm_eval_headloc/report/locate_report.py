@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.words import counted, ordinal
+from lm_eval_headloc.common.words import counted, ordinal, signed
 from lm_eval_headloc.method.columns import (
     UNIT,
     UNITS,
@@ -348,7 +348,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
     if groups:
         shown = "; ".join(f"{'+'.join(g.components[:4])}"
                           + (f"+{len(g.components) - 4} more" if len(g.components) > 4
-                             else "") + f" {g.change:+.4f}" for g in groups[:8])
+                             else "") + f" {signed(g.change)}" for g in groups[:8])
         largest = max(len(g.components) for g in groups)
         # The count is of every set; the sizes are of the sets a round starts with
         # ("21 sets of 16 heads at first" read as 21 sets of that size).

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from lm_eval_headloc.common import timing
+from lm_eval_headloc.common import timing, words
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.method.columns import (
@@ -169,7 +169,7 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
         notes[f"circled: top-{top_k}"] = None
         if unstable:
             notes[f"hatched: top-{top_k} in < {STABLE:.0%} of "
-                  f"{ranking.stability.resamples} bootstrap refits"] = None
+                  f"{words.counted(ranking.stability.resamples, 'bootstrap refit')}"] = None
         hybrid = len({c.layer for c in ranking.columns}) < shown.shape[0]
         unknown = not np.isfinite(ranking.effects).all()
         if hybrid or unknown:
@@ -231,7 +231,7 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     ax.set_title(f"{ranking.task} ({ranking.metric}): top {len(shown)}", fontsize=9)
     # Only the kinds the bars show: a neuron run's legend named blue heads it has not.
     kinds = {type(c) for c in shown}
-    colours = "".join(f"; {words}" for kind, (_, words) in _BARS.items() if kind in kinds)
+    colours = "".join(f"; {said}" for kind, (_, said) in _BARS.items() if kind in kinds)
     return [f"bars: dark, top-{top_k}{colours}"
             + ("; hatched, unstable" if unstable else "")]
 
@@ -271,12 +271,12 @@ def ranking_table(ranking: Ranking, top_k: int, effect_label: str) -> list[str]:
     if ranking.stability is None:
         lines = [f"| rank | {unit} | {effect_label} |{type_head}",
                  f"| --- | --- | --- |{type_rule}"]
-        return lines + [f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} |"
+        return lines + [f"| {rank} | {column_label(head)} | {words.signed(ranking.effect(head))} |"
                         f"{type_cell(head)}"
                         for rank, head in enumerate(ranking.top(top_k), start=1)
                         ] + _near_type_words(ranking, top_k)
     lines = [f"| rank | {unit} | {effect_label} | 95 % interval | in top-{top_k}, hurting, "
-             f"in {ranking.stability.resamples} bootstrap refits |{type_head}",
+             f"in {words.counted(ranking.stability.resamples, 'bootstrap refit')} |{type_head}",
              f"| --- | --- | --- | --- | --- |{type_rule}"]
     harmless = set(ranking.harmless(top_k))
     unstable = set(ranking.unstable(top_k))
@@ -284,10 +284,10 @@ def ranking_table(ranking: Ranking, top_k: int, effect_label: str) -> list[str]:
         confidence = ranking.confidence(head)
         interval = confidence["effect_interval"]
         shown = "measured alone" if interval is None else (
-            f"[{interval[0]:+.4f}, {interval[1]:+.4f}]")
+            f"[{words.signed(interval[0])}, {words.signed(interval[1])}]")
         selected = ("— (does not hurt)" if head in harmless else
                     f"{confidence['selected']:.0%}" + (" (unstable)" if head in unstable else ""))
-        lines.append(f"| {rank} | {column_label(head)} | {ranking.effect(head):+.4f} | "
+        lines.append(f"| {rank} | {column_label(head)} | {words.signed(ranking.effect(head))} | "
                      f"{shown} | {selected} |{type_cell(head)}")
     return lines + _near_type_words(ranking, top_k)
 
@@ -367,7 +367,7 @@ def spread_words(ranking: Ranking, top_k: int, unit: str = "head") -> list[str]:
     beyond = [column_label(c) for c in ranking.top(top_k) if np.isfinite(ranking.effect(c))
               and harm(ranking.effect(c), ranking.higher_is_better) > 0 and c not in within]
     against = (f"knocking out one {unit} alone helps it ({recorded['head']}: "
-               f"{recorded['change']:+.4f})")
+               f"{words.signed(recorded['change'])})")
     if not beyond:
         return [f"Nothing beyond the spread of single knockouts: no top-{top_k} {unit} hurts "
                 f"the task by more than {against}; their order may reflect which examples "
@@ -409,7 +409,7 @@ def equal_change_words(ranking: Ranking, top_k: int, all_measured: bool = False
         groups.append([top[-1]])
     if not groups:
         return []
-    shown = [f"{', '.join(map(column_label, group))} ({ranking.effect(group[0]):+.4f})"
+    shown = [f"{', '.join(map(column_label, group))} ({words.signed(ranking.effect(group[0]))})"
              for group in groups]
     if left_out:
         names = ", ".join(map(column_label, left_out[:5])) + (
