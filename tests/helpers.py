@@ -496,13 +496,14 @@ def fake_run(folder: Path, model_dir: Path) -> Path:
 
 
 def write_heads(folder: Path, task: str, heads: list[str], model_args: str = "m",
-                effects: list[float] | None = None, tied: tuple[str, ...] = ()) -> Path:
+                effects: list[float] | None = None, tied: tuple[str, ...] = (),
+                components: str = "heads") -> Path:
     """A run folder of ``task``'s ranking alone (config.json and heads-<task>.json), for
     the commands that compare rankings (universal, overlap)."""
     from lm_eval_headloc.runs.spec import RunSpec
 
     folder.mkdir(parents=True, exist_ok=True)
-    spec = RunSpec(model_args=model_args, tasks=(task,))
+    spec = RunSpec(model_args=model_args, tasks=(task,), components=components)
     (folder / "config.json").write_text(json.dumps({
         "command": "locate", "identity": spec.identity("locate"), "spec": spec.as_config(),
         "settings": {}}))

@@ -37,7 +37,7 @@ def test_universal_heads_by_hand(tmp_path, capsys):
     assert len(result["rankings"]) == 3
     assert all(str(tmp_path) in label for label in result["rankings"])
     # Rerunning overwrites our own file; a foreign file or a folder is refused.
-    assert harness("universal", *map(str, runs), "--out", str(out)) == 0
+    assert harness("universal", *map(str, runs), "--top-k", "3", "--out", str(out)) == 0
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": true}')
     for target, values in [(foreign, (str(foreign),)),
@@ -80,7 +80,9 @@ def test_universal_does_not_count_a_tie_broken_by_name(tmp_path, capsys):
     # --never-ablate / ablate_file read the universal heads only.
     assert read_heads_file(out) == ["L0H1", "L2H0"]
     # A ranking shorter than the top-k is its whole self (a greedy run ranks a few heads).
-    assert harness("universal", *map(str, runs), "--top-k", "5", "--out", str(out)) == 0
+    longer = write_heads(tmp_path / "r4", "d", ["L5H0", "L5H1", "L5H2", "L5H3", "L5H4"])
+    assert harness("universal", *map(str, runs), str(longer), "--top-k", "5", "--out",
+                   str(out)) == 0
     assert [h["head"] for h in strict_json(out)["heads"]] == ["L0H1", "L2H0", "L3H3", "L1H1"]
 
 
@@ -98,8 +100,8 @@ def test_runs_of_one_model_are_one_model_whatever_the_order_and_device(tmp_path,
                         model_args="pretrained=m,dtype=float32,device=cpu"),
             write_heads(tmp_path / "b", "t", ["L1H0", "L0H1"],
                         model_args="dtype=float32,pretrained=m,device=cuda,batch_size=4")]
-    assert harness("universal", *map(str, runs), "--min-tasks", "1", "--out",
-                   str(tmp_path / "u.json")) == 0
+    assert harness("universal", *map(str, runs), "--min-tasks", "1", "--top-k", "2",
+                   "--out", str(tmp_path / "u.json")) == 0
     assert harness("overlap", *map(str, runs), "--top-k", "2", "--out",
                    str(tmp_path / "o.json")) == 0
     other = write_heads(tmp_path / "c", "t", ["L0H1"], model_args="pretrained=m,dtype=bfloat16")
@@ -180,4 +182,24 @@ def test_a_tampered_ranking_file_is_one_line_and_exit_2(tmp_path, capsys, how):
     capsys.readouterr()
     assert harness("universal", *map(str, runs), "--out", str(out)) == 2
     assert_names(error_line(capsys), str(runs[0]), "heads-a.json", *TAMPERED_RANKINGS[how][1])
+    assert not out.exists()
+
+
+def test_universal_refuses_a_top_k_past_a_ranking_and_runs_of_other_components(tmp_path,
+                                                                               capsys):
+    """Both were taken: --top-k 100000 over rankings of 4 heads wrote top_k 100000, and a
+    heads run beside a neurons run wrote '0 universal heads' (a head is never a neuron)."""
+    runs = [write_heads(tmp_path / "r1", "a", ["L0H1", "L2H0", "L1H1", "L3H3"]),
+            write_heads(tmp_path / "r2", "b", ["L2H0", "L3H3", "L0H1"])]
+    out = tmp_path / "u.json"
+    assert harness("universal", *map(str, runs), "--top-k", "5", "--out", str(out)) == 2
+    assert_names(last_error(capsys), "--top-k 5", "the longest ranking", "heads-a.json",
+                 str(runs[0]), "ranks only 4 components")
+    assert harness("universal", *map(str, runs), "--top-k", "4", "--out", str(out)) == 0
+    out.unlink()
+    neurons = write_heads(tmp_path / "r3", "b", ["L0N1", "L1N2", "L0N3", "L1N0"],
+                          components="neurons")
+    assert harness("universal", str(runs[0]), str(neurons), "--out", str(out)) == 2
+    assert_names(last_error(capsys), str(runs[0]), "heads", str(neurons), "neurons",
+                 "--components")
     assert not out.exists()

@@ -96,6 +96,17 @@ class RankingFile:
                    frozenset(recorded_harmless(path)), data["higher_is_better"],
                    data.get("largest_single_help"))
 
+    def check_top_k(self, k: int, run: str | Path, own: bool = False,
+                    longest: bool = False) -> None:
+        """Refuse a top-k past the ranking's end (``own``: the run's own --top-k;
+        ``longest``: the ranking is the longest of several)."""
+        if k > len(self.names):
+            whose = " (the run's own)" if own else ""
+            named = f"{self.file.name} of {run}"
+            named = f"the longest ranking, {named}," if longest else named
+            raise UsageError(f"--top-k {k}{whose}: {named} ranks only "
+                             f"{counted(len(self.names), 'component')}")
+
     def within_spread(self, k: int) -> list[str]:
         """The top-k names that hurt the task by no more than the ranking's largest single
         help (``report.pages.within_spread``, from the file): no evidence the task needs them."""
@@ -202,10 +213,7 @@ def _examples(a: RunRecord, b: RunRecord) -> dict[str, Any]:
 
 
 def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
-    if k > len(ranking.names):
-        whose = " (the run's own)" if own else ""
-        raise UsageError(f"--top-k {k}{whose}: {ranking.file.name} of {run} ranks only "
-                         f"{len(ranking.names)} components")
+    ranking.check_top_k(k, run, own)
     _, group, places = ranking.cut(k)
     return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
             "tie": {"group": group, "places": places} if group else None,

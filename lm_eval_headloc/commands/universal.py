@@ -63,6 +63,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     rankings: dict[str, RankingFile] = {}
     task_of: dict[str, str] = {}  # ranking label -> its task
     models: dict[str, str] = {}
+    kinds: dict[str, str] = {}  # run -> its --components
+    run_of: dict[str, str] = {}  # ranking label -> its run, as given
     for run in runs:
         folder = RunFolder(run)
         record = load_run(folder)
@@ -72,21 +74,33 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
         if path in models:
             raise UsageError(f"run folder {run} is given twice")
         models[path] = model_args or ""
+        kinds[str(run)] = record.spec.components
         for file in files:
             task = file.stem.removeprefix("heads-")
             label = f"{path}:{task}"
             task_of[label], rankings[label] = task, RankingFile.read(file)
+            run_of[label] = str(run)
     first, *_ = models
     other = next((p for p in models if not same_model(models[p], models[first])), None)
     if other is not None:
         raise UsageError(f"the runs are of different models ({first}: {models[first]!r}; "
                          f"{other}: {models[other]!r}); universal heads compare one model's "
                          "runs")
+    first_run, first_kind = next(iter(kinds.items()))
+    unlike = next((run for run, kind in kinds.items() if kind != first_kind), None)
+    if unlike is not None:  # a head is never a neuron: a count of 0 shared would say nothing
+        raise UsageError(f"the runs locate different components ({first_run}: {first_kind}; "
+                         f"{unlike}: {kinds[unlike]}); universal compares runs of the same "
+                         "--components")
     distinct = len(set(task_of.values()))
     if min_tasks > distinct:
         raise UsageError(f"--min-tasks {min_tasks}: the runs rank only {distinct} distinct "
                          f"task{'s' if distinct != 1 else ''} (a task ranked by several runs "
                          "counts once)")
+    # A ranking shorter than the top-k counts whole (a greedy run may rank a few heads),
+    # but a top-k past every ranking would be recorded as a top-k no ranking has.
+    longest = max(rankings, key=lambda label: len(rankings[label].names))
+    rankings[longest].check_top_k(top_k, run_of[longest], longest=True)
     ranks: dict[str, dict[str, int]] = {}  # head -> {ranking: rank}, surely in its top-k
     ties: dict[str, dict[str, Any]] = {}  # ranking -> the tie group across its k-th place
     noise: dict[str, list[str]] = {}  # head -> rankings where it is within their spread
