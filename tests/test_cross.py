@@ -261,3 +261,27 @@ def test_a_knockout_two_sets_share_is_measured_and_written_once(tiny_model_dir, 
     assert harness("cross", str(runs[1]), "--tasks", "tiny_copy_ppl,tiny_rolling",
                    "--top-k", "2", "--num-samples", "4", "--out", str(alone)) == 0
     assert {r["key"]: r for r in lines(alone)}["set1"]["scores"] == records["set2"]["scores"]
+
+
+def test_a_set_is_not_called_specific_with_no_other_task_measured():
+    """With its own task the only one measured, cross said 'specific: hurts no other task
+    as much as its own' of a set that was never measured on another task."""
+    from lm_eval_headloc.commands.cross import _verdict
+
+    matrix = {"drops": {"r:a": {"a": 0.5, "b": 0.1}}, "hurts_others": {"r:a": []}}
+    only = _verdict({"label": "r:a", "task": "a"}, matrix, ["a"])
+    assert "specific" not in only.replace("whether it is specific", "")
+    assert "no other task is measured" in only and "50.0 %" in only
+    assert "specific: hurts no other task" in _verdict({"label": "r:a", "task": "a"},
+                                                        matrix, ["a", "b"])
+
+
+def test_a_score_that_held_drops_by_zero_not_minus_zero():
+    """cross.json recorded a drop of -0.0 (a higher-is-better score that held)."""
+    import json
+
+    from lm_eval_headloc.method.ranking import relative_drop
+
+    for higher in (True, False):
+        assert json.dumps(relative_drop(0.5, 0.5, higher)) == "0.0"
+    assert relative_drop(0.5, 0.25, True) == 0.5 and relative_drop(0.5, 0.75, False) == 0.5

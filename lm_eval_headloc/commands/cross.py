@@ -194,6 +194,9 @@ def _verdict(s: Mapping[str, Any], matrix: Mapping[str, Any], tasks: list[str]) 
     if label not in matrix["hurts_others"]:
         return f"{label}: does not hurt its own task ({percent(own)})."
     others = matrix["hurts_others"][label]
+    if tasks == [task]:  # nothing to be specific against
+        return (f"{label}: hurts its own task ({percent(own)}); no other task is measured, "
+                "so nothing says whether it is specific.")
     if not others:
         return f"{label}: specific: hurts no other task as much as its own ({percent(own)})."
     said = ", ".join(f"{t} ({percent(matrix['drops'][label][t])})" for t in others)

@@ -260,7 +260,8 @@ def relative_drop(baseline: float, score: float, higher_is_better: bool) -> floa
     """How much of the baseline a knockout removed (positive = worse); NaN at a zero
     baseline, where a relative drop is undefined."""
     change = float(harm(score - baseline, higher_is_better))
-    return change / abs(baseline) if baseline else float("nan")
+    # + 0.0: a score that held drops by 0, not -0.0 (cross.json recorded "-0.0")
+    return change / abs(baseline) + 0.0 if baseline else float("nan")
 
 
 def ranked_heads_json(ranking: Ranking, top_k: int) -> dict[str, Any]:
