@@ -630,6 +630,40 @@ def test_penalty_weights_solve_the_weighted_lasso():
         HeadLasso(penalty_weights=np.zeros(NUM_HEADS)).fit(knocked_out, scores)
 
 
+@pytest.mark.parametrize("baseline", [None, 1.0])
+def test_a_penalty_past_every_effect_fits_zeros_silently_as_sklearn_would(baseline):
+    """``refit --alpha 1e308`` printed about 3,200 lines of sklearn's ConvergenceWarning
+    (a duality gap of nan). At or above the penalty that zeroes every coefficient the fit
+    is known without the solver: the same fit as sklearn's just above that penalty, and
+    sklearn's own just below it."""
+    import warnings
+
+    from sklearn.linear_model import Lasso
+
+    world = simulated_world(4)
+    knocked_out = design_matrix("stratified", 60, NUM_HEADS, 0.05, 2)
+    scores = world.measure(knocked_out)
+    weights = np.random.default_rng(1).uniform(0.5, 2.0, NUM_HEADS)
+    target = (scores - (0.0 if baseline is None else baseline)) / scores.std()
+    x = knocked_out / weights
+    centred = (x - x.mean(axis=0), target - target.mean()) if baseline is None else (x, target)
+    # The zeroing penalty, derived here from the optimality condition at 0.
+    zeroing = np.max(np.abs(centred[0].T @ centred[1])) / len(scores)
+    for alpha in (zeroing * 1.000001, 10.0 * zeroing, 1e308):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning of any kind
+            fit = HeadLasso(alpha=alpha, penalty_weights=weights, baseline=baseline).fit(
+                knocked_out, scores)
+        assert not fit.coef_.any() and fit.r2_ <= 1e-12
+        assert fit.intercept_ == pytest.approx(scores.mean() if baseline is None else baseline)
+    below = zeroing * 0.98
+    fit = HeadLasso(alpha=below, penalty_weights=weights, baseline=baseline).fit(
+        knocked_out, scores)
+    plain = Lasso(alpha=below, fit_intercept=baseline is None, max_iter=10000).fit(x, target)
+    assert 1 <= np.count_nonzero(fit.coef_)
+    np.testing.assert_allclose(fit.coef_, plain.coef_ / weights * scores.std(), atol=1e-9)
+
+
 # ------------------------------------------------------------------ fixed effects
 
 def test_fixed_effects_fit_the_rest_on_what_the_fixed_heads_leave():

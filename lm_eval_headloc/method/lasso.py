@@ -217,10 +217,11 @@ class HeadLasso(RegressorMixin, BaseEstimator):
         coef = np.zeros(total)
         coef[held] = [fixed[h] for h in held]
         intercept, n_iter = float(np.mean(y - offset)) if baseline is None else 0.0, 0
-        if free.size:
+        # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
+        weighted, target = knocked_out[:, free] / weights[free], (y - offset) / scale
+        if free.size and alpha < _alpha_max(weighted, target, baseline is None):
             lasso = Lasso(alpha=alpha, fit_intercept=baseline is None, max_iter=max_iter)
-            # A penalty w_j * |b_j| is the plain Lasso on the column divided by w_j.
-            lasso.fit(knocked_out[:, free] / weights[free], (y - offset) / scale)
+            lasso.fit(weighted, target)
             fitted_free = np.asarray(lasso.coef_, dtype=np.float64) / weights[free] * scale
             # An effect of round-off size is no effect: left as it is, it "hurts" the task by
             # 1e-19 and is ranked, bootstrapped and reported as a head that matters.
@@ -358,6 +359,18 @@ class Stability:
     def __post_init__(self) -> None:
         for name in ("low", "high"):  # + 0.0: a zero estimate is 0, never "-0.0000"
             object.__setattr__(self, name, np.asarray(getattr(self, name), float) + 0.0)
+
+
+def _alpha_max(design_matrix: np.ndarray, y: np.ndarray, intercept: bool) -> float:
+    """The smallest penalty at which the Lasso's every coefficient is 0 (its optimality
+    condition at 0: ``|X^T (y - mean)| / n <= alpha``). At or above it the fit is known
+    without sklearn, whose solver overflows at an alpha near float's largest (a flood of
+    ConvergenceWarnings with a duality gap of nan)."""
+    if not design_matrix.size:
+        return 0.0
+    centred_x = design_matrix - design_matrix.mean(axis=0) if intercept else design_matrix
+    centred_y = y - y.mean() if intercept else y
+    return float(np.max(np.abs(centred_x.T @ centred_y)) / len(y))
 
 
 def _paired(design_matrix: object, scores: object) -> tuple[np.ndarray, np.ndarray]:

@@ -193,8 +193,10 @@ class Ranking:
     evidence: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # + 0.0: a fit's zero (or a measured 0 with the sign flipped) is 0, never "-0.0000"
-        self.effects = np.asarray(self.effects, dtype=float) + 0.0
+        # A fit's zero (or a measured 0 with the sign flipped) is 0, never "-0.0000".
+        self.effects = np.asarray(self.effects, dtype=float)
+        if np.signbit(self.effects[self.effects == 0]).any():
+            self.effects = self.effects + 0.0
         if self.columns is None:
             layers = max(1, len(self.effects) // self.heads_per_layer)
             self.columns = Columns.heads(layers, self.heads_per_layer)
