@@ -757,3 +757,26 @@ def test_the_terminal_says_nothing_found_where_no_top_head_hurts(monkeypatch, ca
     effects[4] = -0.2
     cli._print_rankings({"t": helps}, "out")
     assert "nothing found" not in capsys.readouterr().out
+
+
+def test_the_next_round_leaves_out_what_the_group_tests_measured_alone():
+    """'A larger --confirm would measure next: L1H2, ...' named components the group tests
+    had since measured alone (one of them ranked 4th, 'measured alone', in the same table):
+    the next round was chosen before the group tests and never updated."""
+    from lm_eval_headloc.method.rank import fit_rankings
+    from lm_eval_headloc.report.locate_report import _unconfirmed_words
+
+    design = np.random.default_rng(5).random((10, 6)) < 0.3
+    scores = 0.9 - 0.4 * design[:, 4]
+    records = _confirming_records(design, scores, {"L1H0": 0.0, "L0H2": -0.1})
+    confirmed = {"heads": ["L1H0"], "round_size": 5, "rounds": [["L1H0"]],
+                 "picked_by": {"t": ["L1H0"]}, "next": {"t": ["L0H2", "L1H1"]}, "never": [],
+                 "groups": {"cap": 40, "spent_before": 6, "budget": 20, "size": 2,
+                            "rounds": [], "alone": ["L0H2"],
+                            "later": 0}}
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, bootstrap=None, top_k=2,
+                           confirmed=confirmed)["t"]
+    assert ranking.measured_alone(Head(0, 2))  # by the group tests' halving
+    assert ranking.facts.next == ["L1H1"]
+    words = " ".join(_unconfirmed_words(ranking.facts, "head"))
+    assert "would measure next: L1H1." in words

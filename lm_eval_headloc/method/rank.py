@@ -262,7 +262,10 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                     "confirmed": columns.names(alone),
                     "implicated": columns.names(h for h in fit.order
                                                 if harm(fit.effects[h], higher) > 0),
-                    "next": list((confirmed.next or {}).get(task, []))}),
+                    # The confirmation's next round, less what the group tests have
+                    # measured alone since it was chosen.
+                    "next": [name for name in (confirmed.next or {}).get(task, [])
+                             if name not in set(columns.names(alone))]}),
                 prior_top_k=None if priors is None else columns.names(
                     alternated(prior_rankings(estimates), top_k)),
                 prior_found_nothing=prior_found_nothing(estimates)),
