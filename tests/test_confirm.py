@@ -780,3 +780,22 @@ def test_the_next_round_leaves_out_what_the_group_tests_measured_alone():
     assert ranking.facts.next == ["L1H1"]
     words = " ".join(_unconfirmed_words(ranking.facts, "head"))
     assert "would measure next: L1H1." in words
+
+
+def test_the_terminal_says_a_tie_in_the_runs_own_unit(monkeypatch, capsys):
+    """A neuron run printed '5. L1N6  +0.0000  (tied with the head above)'."""
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.cli import main as cli
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
+
+    monkeypatch.setattr(cli, "load_run", lambda out: SimpleNamespace(
+        spec=SimpleNamespace(top_k=3), masks_per_pass=None))
+    columns = Columns.of("neurons", 2, 4, candidates=["L0N1", "L0N2", "L1N3", "L1N4"])
+    ranking = Ranking("t", "acc", True, 0.5, np.array([-0.2, -0.1, -0.1, 0.0]), [0, 1, 2, 3],
+                      4, columns=columns, facts=RankingFacts(tied_with_above=["L1N3"]))
+    cli._print_rankings({"t": ranking}, "out")
+    printed = capsys.readouterr().out
+    assert "3. L1N3  -0.1000  (tied with the neuron above)" in printed
+    assert "head" not in printed.replace("heads.json", "")

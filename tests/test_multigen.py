@@ -397,6 +397,9 @@ def test_a_generating_run_records_and_prints_its_automatic_k(tiny_model_dir, tmp
     assert strict_json(out / "config.json")["masks_per_pass"] == CPU_GENERATION_ROWS // 8
     printed = capsys.readouterr().out.splitlines()
     assert "Masks per pass: 16 (automatic; --masks-per-pass sets it)" in printed
+    # refit measures nothing: no pass, no line.
+    assert harness("refit", str(out)) == 0
+    assert "Masks per pass" not in capsys.readouterr().out
     # Asked for: recorded in the spec only.
     again = tmp_path / "asked"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", GENERATION_TASK,

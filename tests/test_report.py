@@ -283,7 +283,7 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
     from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
     from lm_eval_headloc.report.locate_report import certificate_words
 
-    def spent_line(spent: int, cap: int) -> str:
+    def spent_line(spent: int, cap: int, unit: str = "head") -> str:
         cert = CertificateRecord(
             certified=True, rule="r", confidence=0.95, entry_bar=0.2, top_k=2,
             measured_alone=8, ruled_out=0, bound=None, unchecked=[],
@@ -292,14 +292,20 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
             group_tests_to_cover=0, measurements_spent=spent, max_measurements=cap)
         ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
                           4, facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
-        [line] = [w for w in certificate_words(ranking) if w.startswith("- measurements:")]
+        [line] = [w for w in certificate_words(ranking, unit)
+                  if w.startswith("- measurements:")]
         return line
 
     over = spent_line(28, 4)
     assert "28 measurement-equivalents" in over and " of `--max-measurements 4`" not in over
-    assert over.endswith(", more than `--max-measurements 4`: the prior, the masks and the "
-                         "heads measured alone are spent whatever the cap, which stops only "
-                         "the group tests")
+    # The cap may be the automatic one: not said as an option the user gave.
+    assert over.endswith(", more than the run's cap of 4 (`--max-measurements`; by default "
+                         "half the heads it ranks): the prior, the masks and the heads "
+                         "measured alone are spent whatever the cap, which stops only the "
+                         "group tests")
+    assert "(the prior's allowance, masks, heads measured alone and group tests)" in over
+    neurons = spent_line(28, 4, "neuron")
+    assert "heads" not in neurons and "neurons measured alone and group tests" in neurons
     assert spent_line(77, 135).endswith(" of `--max-measurements 135`")
     assert spent_line(135, 135).endswith(" of `--max-measurements 135`")
 

@@ -187,7 +187,8 @@ def run(args: argparse.Namespace) -> None:
                         args.out)
     elif command == "refit":
         _print_rankings(refit(args.run, **{name: getattr(args, name)
-                                           for name in COMMAND_OPTIONS["refit"]}), args.run)
+                                           for name in COMMAND_OPTIONS["refit"]}), args.run,
+                        measured=False)
     elif command == "greedy":
         _print_rankings(greedy(args.out, RunSpec.from_namespace(args), force=args.force),
                         args.out)
@@ -231,7 +232,10 @@ def _folder_words(out: str | os.PathLike[str]) -> str:
     return str(out).rstrip("/") + "/"
 
 
-def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
+def _print_rankings(rankings: Mapping[str, Ranking], out: str, measured: bool = True
+                    ) -> None:
+    """Each task's top-k in the terminal; ``measured``: the command measured (refit does
+    not: how many masks a pass took is none of its business)."""
     record = load_run(out)
     top_k = record.spec.top_k
     for task, ranking in rankings.items():
@@ -254,9 +258,10 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
             print("  nothing found: "
                   + none_hurts_words(len(top), UNIT[components_of(ranking.columns)]))
         noise = set(within_spread(ranking, top_k))
+        unit = UNIT[components_of(ranking.columns)]
         for rank, head in enumerate(top, start=1):
             print(f"  {rank}. {column_label(head)}  {signed(ranking.effect(head))}"
-                  + ("  (tied with the head above)" if str(head) in tied else "")
+                  + (f"  (tied with the {unit} above)" if str(head) in tied else "")
                   + ("  (does not hurt)" if head in harmless else "")
                   + ("  (within the spread of single knockouts: see report.md)"
                      if head in noise else "")
@@ -270,7 +275,7 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str) -> None:
         first = next(iter(rankings))
         files = (f"report.md, heatmap.png, heads-<task>.json for each task; heads.json is "
                  f"{first}'s")
-    if isinstance(record.masks_per_pass, int):  # as the run recorded it
+    if measured and isinstance(record.masks_per_pass, int):  # as the run recorded it
         print(f"Masks per pass: {record.masks_per_pass} (automatic; --masks-per-pass "
               "sets it)")
     print(f"Results in {_folder_words(out)} ({files})")

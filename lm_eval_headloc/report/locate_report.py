@@ -372,7 +372,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
                      f"them make the top-{k} is the measurement's order, not a finding")
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
-                     "(the prior's allowance, masks, heads measured alone and group tests)"
+                     f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
                      + _of_the_cap(cert.measurements_spent, cert.max_measurements, unit))
     unchecked = cert.unchecked
     if not unchecked:
@@ -428,9 +428,11 @@ def _of_the_cap(spent: int, cap: int | None, unit: str) -> str:
         return ""
     if spent <= cap:
         return f" of `--max-measurements {cap}`"
-    return (f", more than `--max-measurements {cap}`: the prior, the masks and the "
-            f"{unit}s measured alone are spent whatever the cap, which stops only the group "
-            "tests")
+    # The cap may be the automatic one: "more than `--max-measurements 8`" read as an
+    # option the user never gave.
+    return (f", more than the run's cap of {cap} (`--max-measurements`; by default half the "
+            f"{unit}s it ranks): the prior, the masks and the {unit}s measured alone are spent "
+            "whatever the cap, which stops only the group tests")
 
 
 def certificate_line(ranking: Ranking) -> str | None:
