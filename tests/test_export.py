@@ -241,14 +241,14 @@ def test_heads_equal_in_all_evidence_share_a_score_and_the_file_says_so():
 
 def crowded(higher_is_better: bool = True) -> dict:
     """A 3 x 4 ranking whose tie-breaks float32 would lose: two heads measured alone that
-    lost 0.25 (told apart by the log-likelihood they lost) and an estimate 1e-8 above them
-    (a float32 step there is 2**-25, 3e-8); at 0, four estimates (two alike in all their
-    evidence) and a measurement; a measured -0.125 and an estimated 0.1, each alone at its
+    lost 0.25 (told apart by the log-likelihood they lost); at 0, four estimates (two
+    alike in all their evidence) and a measurement; a measured -0.125 and an estimate
+    5e-9 under it (a float32 step there is 2**-26, 1.5e-8); an estimated 0.1, alone at its
     fall."""
     sign = 1 if higher_is_better else -1
     rows = [("L0H0", -0.25, {"logprob_change": -1.0}),
             ("L0H1", -0.25, {"logprob_change": -2.0}),
-            ("L0H2", -0.25000001, {"contrast": -0.01}),
+            ("L0H2", 0.125000005, {"contrast": -0.01}),
             ("L0H3", 0.0, {"contrast": -0.02, "prior": [-0.3]}),
             ("L1H0", 0.0, {"contrast": -0.02, "prior": [-0.1]}),
             ("L1H1", 0.0, {"contrast": 0.01, "prior": [-0.1]}),
@@ -265,9 +265,29 @@ def crowded(higher_is_better: bool = True) -> dict:
             "confirmed": [e["head"] for e in entries if e["measured_alone"]]}
 
 
-def export_key(entry: dict, higher: bool, points: int) -> tuple:
+def capped_fall(entry: dict, data: dict) -> float:
+    """An entry's fall as the export scores it, read here from the ranking file on its
+    own: measured alone, its fall; an estimate's, no more than the harm of a group test
+    that knocked it out, and a harm no more than just under (float32) the least harm
+    measured alone, which the ranking puts first."""
+    sign = -1 if data["higher_is_better"] else 1
+    fall = sign * entry["effect"]
+    if entry.get("measured_alone") is True:
+        return fall
+    for test in (data.get("certificate") or {}).get("group_tests", []):
+        if entry["head"] in test["components"]:
+            fall = min(fall, sign * test["change"] + 0.0)
+    hurting = [sign * e["effect"] for e in data["heads"] if e.get("measured_alone") is True
+               and e["effect"] is not None and sign * e["effect"] > 0]
+    if hurting and fall > 0:
+        fall = min(fall, float(np.nextafter(np.float32(min(hurting)), np.float32(-np.inf))))
+    return fall
+
+
+def export_key(entry: dict, higher: bool, points: int, data: dict | None = None) -> tuple:
     """A ranking entry's evidence as the export orders heads by it, read here from the
-    file on its own: its fall; an estimate's further falls (log-likelihood, contrast,
+    file on its own: its fall (``capped_fall`` where the whole ranking ``data`` is
+    given); an estimate's further falls (log-likelihood, contrast,
     prior; 0 where absent), zeros for a head measured alone, which keeps its fall; a
     measurement's further falls, zeros for an estimate; 1 for a measurement, 0 for an
     estimate."""
@@ -277,8 +297,9 @@ def export_key(entry: dict, higher: bool, points: int) -> tuple:
                *(-p for p in prior))
     none = (0.0,) * len(further)
     alone = entry.get("measured_alone") is True
-    return (sign * entry["effect"], *(none if alone else further),
-            *(further if alone else none), 1.0 if alone else 0.0)
+    fall = sign * entry["effect"] if data is None else capped_fall(entry, data)
+    return (fall, *(none if alone else further), *(further if alone else none),
+            1.0 if alone else 0.0)
 
 
 def assert_float32_keeps_the_order(data: dict, scores: dict[str, float],
@@ -288,7 +309,7 @@ def assert_float32_keeps_the_order(data: dict, scores: dict[str, float],
     export's record of its ties is those equal scores."""
     higher = data["higher_is_better"]
     points = max(len(e.get("prior", [])) for e in data["heads"])
-    keys = {e["head"]: export_key(e, higher, points) for e in data["heads"]
+    keys = {e["head"]: export_key(e, higher, points, data) for e in data["heads"]
             if e["effect"] is not None}
     as_read = {name: np.float32(score) for name, score in scores.items()}
     assert as_read.keys() == keys.keys()
@@ -321,10 +342,12 @@ def test_tie_breaks_survive_float32_and_measured_falls_stay(higher):
     # (L0H0). L0H1, which the log-likelihood tells from it, is one float32 step above.
     assert (scores["L0H0"], scores["L1H2"], scores["L2H0"]) == (0.25, 0.0, -0.125)
     assert scores["L0H1"] == 0.25 + 2.0 ** -25
-    # An estimate alone at its fall keeps it; L0H2's 0.25000001 reads as 0.25 in float32,
-    # so it makes room, one step above L0H1: the estimate moves, not the measurements.
+    # An estimate alone at its fall keeps it; L0H2's -0.125000005 reads as -0.125 in
+    # float32, so it makes room, one step under L2H0: the estimate moves, not the
+    # measurement. No estimate is above a harm measured alone: nothing is capped.
     assert scores["L2H1"] == 0.1
-    assert scores["L0H2"] == 0.25 + 2.0 ** -24 and order["made_room"] == ["L0H2"]
+    assert scores["L0H2"] == -0.125 - 2.0 ** -26 and order["made_room"] == ["L0H2"]
+    assert order["capped"] == {}
     # At 0: the estimates step from the measurement by contrast, then prior; the sign is
     # their contrast's.
     assert (scores["L0H3"], scores["L1H3"], scores["L1H0"], scores["L1H1"]) == (
@@ -348,6 +371,21 @@ def test_evidence_that_is_not_a_number_is_refused():
         assert_names(one_line_error(err), "L0H2", field)
 
 
+def test_an_effect_past_float32_is_refused_without_a_warning():
+    """A forged effect of 1e308 was written (MIB reads it as inf) after two numpy overflow
+    warnings."""
+    import warnings
+
+    for value in (1e308, -1e39):
+        data = evidenced()
+        data["heads"][2]["effect"] = value
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ExportError) as err:
+                mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+        assert_names(one_line_error(err), "L0H2", repr(value), "float32")
+
+
 
 
 @pytest.mark.parametrize("name", [
@@ -366,7 +404,7 @@ def test_a_committed_lasso_run_orders_every_head(name, tmp_path, committed_bench
                                  parallel_attn_mlp=False).read_text())
     scores = head_scores_wide(graph)
     points = max(len(e.get("prior", [])) for e in data["heads"])
-    evidence = {e["head"]: export_key(e, higher, points) for e in data["heads"]}
+    evidence = {e["head"]: export_key(e, higher, points, data) for e in data["heads"]}
     assert len(scores) == len(evidence) == 270
     # Ordered as the evidence, level by level, as MIB reads the scores (float32); equal
     # scores are exactly the groups of equal evidence, and the file names them.
@@ -627,3 +665,31 @@ def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert len(error) == 1 and error[0].startswith(
         f"headloc-harness: error: cannot write {a_file / 'importances.json'}: ")
     assert a_file.read_text() == "mine\n"
+
+
+def test_mibs_top_n_is_the_runs_and_a_group_test_caps_an_estimate(tmp_path,
+                                                                  committed_benchmarks):
+    """A certified run's export scored L17H7 (the fit's estimate, a fall of 0.138) above
+    its top head (L1H5, 0.08 measured alone), though the group test that knocked out
+    L17H7 with L3H4 changed the score by 0: MIB's top-3 were heads the run had cleared."""
+    run = committed_benchmarks / "recovery-runs" / "headloc_ioi" / "certified" / "seed0"
+    data = json.loads((run / "heads-headloc_ioi.json").read_text())
+    graph = json.loads(write_mib(run, tmp_path / "x.json", d_model=576,
+                                 parallel_attn_mlp=False).read_text())
+    scores = head_scores_wide(graph)
+    by_score = sorted(scores, key=lambda head: -np.float32(scores[head]))
+    # The run's top-5 is MIB's, as a set (two of them measured the same fall, 0.05).
+    assert set(by_score[:5]) == set(data["top_k"])
+    entry = {e["head"]: e for e in data["heads"]}
+    [test] = [t for t in data["certificate"]["group_tests"]
+              if set(t["components"]) == {"L3H4", "L17H7"}]
+    assert test["change"] == 0.0 and -entry["L17H7"]["effect"] > 0.13
+    capped = graph[MARKER]["order"]["capped"]
+    assert capped["L17H7"] == {"estimate": -entry["L17H7"]["effect"], "cap": 0.0,
+                               "by": "group test L3H4+L17H7"}
+    assert scores["L17H7"] <= 0.0 + 1e-6
+    # No estimate outranks a harm measured alone.
+    least = min(-e["effect"] for e in data["heads"]
+                if e.get("measured_alone") and -e["effect"] > 0)
+    assert all(np.float32(scores[h]) < np.float32(least) for h in scores
+               if not entry[h].get("measured_alone"))

@@ -37,7 +37,10 @@ What the export writes: every node of the model's graph, in ``Graph.from_model``
 A head's ``score`` is the task score's fall when the head is knocked out, in the metric's
 units (``-effect`` where higher is better, ``effect`` where lower is better): positive =
 the head helps, MIB's sign. It is measured (a head knocked out alone) or the Lasso's
-estimate, as the run's ranking says; heads of equal fall (a Lasso's many zeros) are told
+estimate, as the run's ranking says, an estimate capped by what the run measured of it
+(``_capped``: no larger than the harm of a group test that knocked it out, and a harm just
+under the least measured alone, which the ranking puts first), so MIB's top-n is the run's;
+heads of equal fall (a Lasso's many zeros) are told
 apart by the run's further evidence, as its ranking file records it (``_ordered``), since
 MIB's top-n ranks by score alone, by float32's smallest steps (MIB loads the scores as
 float32). A head measured alone keeps its measured fall exactly unless another head measured
@@ -109,8 +112,9 @@ MIB_CELLS: frozenset[str] = frozenset({
 
 _SCORE = ("the task score's fall when the head is knocked out, in the metric's units "
           "(-effect where higher is better, +effect where lower is better): positive = the "
-          "head helps the task, as MIB's own node scores; heads of equal fall told apart "
-          "by the evidence in 'order'")
+          "head helps the task, as MIB's own node scores; an estimate capped by what the run "
+          "measured (order.capped); heads of equal fall told apart by the evidence in "
+          "'order'")
 _COMMANDS = ("locate", "greedy")
 #: What the ranking records of its own evidence, carried into our record as it is: which
 #: heads tie with the one above, share their masks, were measured alone, and the largest
@@ -156,6 +160,9 @@ def _score(entry: Mapping[str, Any], higher_is_better: bool) -> float | None:
         raise ExportError(f"head {entry.get('head')}: effect {effect!r} is not a number")
     if not math.isfinite(effect):
         return None  # undefined: as the run's own files write it (null)
+    if abs(effect) > float(np.finfo(np.float32).max):  # MIB would read it as inf
+        raise ExportError(f"head {entry.get('head')}: effect {effect!r} is past float32's "
+                          "range, in which MIB loads the scores")
     return (-effect if higher_is_better else effect) + 0.0  # + 0.0: no "-0.0" in the file
 
 
@@ -371,13 +378,58 @@ def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float
                     "ties": ties}
 
 
+def _capped(falls: dict[Head, float], scored: Mapping[Head, Mapping[str, Any]],
+            heads_json: Mapping[str, Any], n_layers: int, n_heads: int,
+            higher_is_better: bool) -> dict[str, dict[str, Any]]:
+    """Cap (in place) each estimated fall at what the run measured of it, so that MIB's
+    top-n is the run's: a fall no larger than the harm of any group test the head was
+    knocked out in (the certificate's rule: knocking out more never lessens the harm), and
+    a harm no larger than the least measured alone to hurt, which the ranking puts first
+    (just under it, in float32). A fit's estimate of 0.14 for a head whose group test
+    changed the score by 0 outranked every measured head. Returns head -> its estimated
+    fall, the cap and what set it."""
+    capped: dict[str, dict[str, Any]] = {}
+    alone = {head for head, entry in scored.items() if entry.get("measured_alone") is True}
+
+    def cap(head: Head, value: float, by: str) -> None:
+        if value < falls[head]:
+            capped.setdefault(str(head), {"estimate": falls[head]})
+            capped[str(head)].update(cap=value, by=by)
+            falls[head] = value
+
+    certificate = heads_json.get("certificate")
+    tests = certificate.get("group_tests") if isinstance(certificate, Mapping) else None
+    for test in tests if isinstance(tests, list) else ():
+        if not (isinstance(test, Mapping) and _is_number(test.get("change"))
+                and math.isfinite(test["change"]) and isinstance(test.get("components"), list)):
+            raise ExportError(f"the certificate's group test {test!r} is not a set of heads "
+                              "with a finite change")
+        try:
+            members = parse_heads(test["components"], n_layers, n_heads)
+        except ComponentSpecError as err:
+            raise ExportError(f"the certificate's group test {test['components']!r}: "
+                              f"{err}") from None
+        harm = (-test["change"] if higher_is_better else test["change"]) + 0.0
+        for head in members:
+            if head in falls and head not in alone:
+                cap(head, harm, "group test " + "+".join(map(str, members)))
+    hurting = [falls[head] for head in alone if falls[head] > 0]
+    if hurting:
+        below = float(np.nextafter(np.float32(min(hurting)), _DOWN))
+        for head in falls:
+            if head not in alone and falls[head] > 0:
+                cap(head, below, "the ranking: the heads measured alone to hurt rank first")
+    return capped
+
+
 def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_model: int,
               parallel_attn_mlp: bool = False) -> dict[str, Any]:
     """MIB's node-level importance graph of a ranking (a ``heads-<task>.json``'s content)
     for a model of ``n_layers`` layers of ``n_heads`` heads, ``d_model`` wide.
 
     Each ranked head's node gets ``score`` = the task score's fall when it is knocked out
-    (``-effect`` where higher is better, ``effect`` where lower is better), heads of equal
+    (``-effect`` where higher is better, ``effect`` where lower is better; an estimate
+    capped by what the run measured of it, ``_capped``), heads of equal
     fall moved apart, by float32 steps, by the further evidence their entries record
     (``_scores``, said in our record's ``order``); a head with no
     effect, and ``input`` and the MLPs (never knocked out), get none: MIB keeps unscored
@@ -420,7 +472,9 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
         falls[head] = fall = _score(entry, higher)
         if fall is not None:
             scored[head], known[head] = entry, fall
+    capped = _capped(known, scored, heads_json, n_layers, n_heads, higher)
     scores, order = _scores(scored, known, higher)
+    order["capped"] = capped
     nodes: dict[str, dict[str, Any]] = {}
     for name in mib_node_names(n_layers, n_heads):
         nodes[name] = {"in_graph": name == "logits"}
