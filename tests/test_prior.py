@@ -263,6 +263,10 @@ def test_prior_found_nothing_only_when_every_estimate_is_equal():
     assert not prior_found_nothing(np.array([[0.0, 0.0, 0.0, -1e-6]]))
     assert not prior_found_nothing(np.array([[0.0] * 4, [0.0, -0.2, 0.0, 0.0]]))
     assert not prior_found_nothing(None)
+    # Neuron groups have no estimate (+inf): a prior that told the neurons apart found
+    # something (--neuron-groups read as 'the same change for every neuron').
+    assert not prior_found_nothing(np.array([[-0.2, 0.1, np.inf, np.inf]] * 2))
+    assert prior_found_nothing(np.array([[0.0, 0.0, np.inf, np.inf]]))
 
 
 def test_prior_atp_is_saved_ranked_and_eases_the_penalty(tiny_model_dir, tmp_path):

@@ -91,11 +91,15 @@ def prior_rankings(estimates: np.ndarray | None) -> list[list[int]]:
 def prior_found_nothing(estimates: np.ndarray | None) -> bool:
     """Whether every point of the prior estimated the same change for every head (up to
     round-off: e.g. all 0 where no head's output reaches the answer): its rankings are
-    then the head index, not an order. False without a prior."""
+    then the head index, not an order. A column with no estimate (+inf: a neuron group)
+    is no evidence either way. False without a prior."""
     if estimates is None:
         return False
-    points = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
-    return bool(np.all(np.ptp(points, axis=1) <= round_off(points)))
+    for point in np.atleast_2d(np.asarray(estimates, dtype=np.float64)):
+        known = point[np.isfinite(point)]
+        if known.size and np.ptp(known) > round_off(known):
+            return False
+    return True
 
 
 def marginal_contrast(design_matrix: np.ndarray, scores: np.ndarray) -> np.ndarray:
