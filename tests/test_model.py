@@ -255,6 +255,34 @@ def test_head_arguments_fail_before_the_weights_load(no_weight_loading, tmp_path
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kwargs, said", [
+    # What lm-eval's model_args parser makes of batch_size=-1 (-1.0), =abc, =0, ...: lm-eval
+    # stopped on a bare AssertionError or ValueError, or took 0.
+    (dict(batch_size=-1.0), "batch_size=-1:"), (dict(batch_size="abc"), "batch_size=abc:"),
+    (dict(batch_size=0), "batch_size=0:"), (dict(batch_size="auto:0"), "batch_size=auto:0:"),
+    (dict(batch_size=2.5), "batch_size=2.5:"), (dict(max_batch_size="auto"),
+                                                "max_batch_size=auto:"),
+    (dict(max_batch_size=-3), "max_batch_size=-3:"),
+])
+def test_a_bad_batch_size_is_one_line_before_the_weights_load(no_weight_loading, kwargs,
+                                                              said):
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    with raises_naming(UsageError, said, "whole number >= 1") as info:
+        HFHeadAblateLM(pretrained="never-loaded", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_a_good_batch_size_reaches_the_load(no_weight_loading):
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    for kwargs in (dict(batch_size=4), dict(batch_size="auto"), dict(batch_size="auto:2"),
+                   dict(batch_size="8", max_batch_size=16)):
+        with pytest.raises(AssertionError, match="weights are loading"):
+            HFHeadAblateLM(pretrained="never-loaded", **kwargs)
+
+
 def test_head_ranges_are_checked_after_the_weights_load(no_weight_loading):
     # L99H0 is well-formed: only the loaded model can say it is out of range.
     from lm_eval_headloc.intervention.model import HFHeadAblateLM

@@ -73,6 +73,32 @@ def check_number(value: object, name: str, whole: bool = False, *,
     return int(value) if whole else float(value)
 
 
+def check_batch_size(value: object, name: str) -> int | str:
+    """A batch size as lm-eval takes it: a whole number >= 1, ``auto`` or ``auto:N`` (N >=
+    1: recomputed N times); ``name`` is how the user gave it (``--batch-size``,
+    ``batch_size``). lm-eval's own ``batch_size=-1`` ended in a bare AssertionError."""
+    def refusal(value: object) -> UsageError:
+        # A model argument is said as written (batch_size=-1, which lm-eval's parser makes
+        # -1.0), an option as --batch-size -1.
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        said = f"{name}{shown}" if name.endswith("=") else f"{name} {shown!r}"
+        return UsageError(f"{said}: must be a whole number >= 1, 'auto' or 'auto:N' (N >= 1)")
+
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto" or (text.startswith("auto:") and text[5:].isdigit()
+                              and int(text[5:]) > 0):
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise refusal(value) from None
+    try:
+        return check_number(value, name, whole=True, min_val=1)
+    except UsageError:  # said with the words that are allowed too
+        raise refusal(value) from None
+
+
 def _local_path(value: object) -> bool:
     """Whether a model argument is written as a local path (absolute, ``./``, ``../``,
     ``~``), not a Hub id."""

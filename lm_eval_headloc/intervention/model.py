@@ -33,7 +33,7 @@ from typing import Any
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from lm_eval_headloc.common.checks import UsageError, check_load_args
+from lm_eval_headloc.common.checks import UsageError, check_batch_size, check_load_args
 from lm_eval_headloc.intervention.ablation import (
     AblationError,
     Resampler,
@@ -137,6 +137,12 @@ class HFHeadAblateLM(HFLM):
         named, pretrained = pretrained, local_pretrained(pretrained)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
                         kwargs.get("gguf_file"))
+        for name in ("batch_size", "max_batch_size"):  # lm-eval's: a bare assert, or none
+            if kwargs.get(name) is not None:
+                kwargs[name] = check_batch_size(kwargs[name], f"{name}=")
+                if name == "max_batch_size" and isinstance(kwargs[name], str):
+                    raise UsageError(f"max_batch_size={kwargs[name]}: must be a whole number "
+                                     ">= 1")
         if not kwargs.get("parallelize"):
             check_device(kwargs.get("device"))
         try:

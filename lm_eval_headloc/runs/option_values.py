@@ -14,7 +14,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.common.checks import UsageError, check_batch_size, check_number
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 
 #: A RunSpec field's role (``RunSpec``'s docstring): what is measured, how it is ranked, or
@@ -65,11 +65,7 @@ def _number_or_word(value: float | str, flag: str, is_word: Any, allowed: str, *
 
 def parse_batch_size(value: int | str) -> int | str:
     """A whole number >= 1, ``auto`` or ``auto:N`` (lm-eval's forms)."""
-    return _number_or_word(
-        value, "--batch-size",
-        # auto:N recomputes the batch size N times; lm-eval divides by N.
-        lambda t: t == "auto" or (t.startswith("auto:") and t[5:].isdigit() and int(t[5:]) > 0),
-        "a whole number >= 1, 'auto' or 'auto:N' (N >= 1)", whole=True, min_val=1)
+    return check_batch_size(value, "--batch-size")
 
 
 def parse_masks(value: int | str) -> int | str:
