@@ -112,8 +112,14 @@ def test_locate_mean_by_default_on_the_runs_examples_with_k_masks_per_pass(
     assert config["ablation"]["reference_examples"] == 6  # the subset, not every document
     means = config["ablation"]["means_file"]
     assert means.startswith(str(tmp_path / "one" / "means"))
+    # report.md says what a knockout did (it said nothing: mean read as zeroed heads).
+    assert ("- knockout: mean ablation: a knocked-out head's output is replaced by its mean "
+            "over the reference set, the run's tasks on its example subset (--ablation mean, "
+            "--scale 0)") in (tmp_path / "one" / "report.md").read_text()
     # Mean ablation is not zero ablation: the same masks score otherwise.
     assert harness(*args[:-2], "--out", str(tmp_path / "zero")) == 0
+    assert ("- knockout: a knocked-out head's output is zeroed (--ablation zero, --scale 0)"
+            in (tmp_path / "zero" / "report.md").read_text())
     zero = _records(tmp_path / "zero")
     assert any(abs(zero[k]["scores"]["tiny_copy_ppl"] - one[k]["scores"]["tiny_copy_ppl"])
                > 1e-4 for k in one if k != "baseline")

@@ -390,3 +390,23 @@ def test_a_fits_signed_zeros_read_as_zero_in_the_table():
     table = "\n".join(ranking_table(ranking, 4, "change"))
     assert "-0.0000" not in table and table.count("[+0.0000, +0.0000]") == 3
     assert "in top-4, hurting, in 1 bootstrap refit |" in table
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({}, "output is zeroed (--ablation zero, --scale 0)"),
+    ({"scale": 2.0}, "output is multiplied by 2 (--ablation zero, --scale 2)"),
+    ({"ablation": "mean", "scale": 2.0},
+     "mean ablation: a knocked-out neuron's output z becomes r + 2·(z − r), r its mean over "
+     "the reference set, the run's tasks on its example subset (--ablation mean, --scale 2)"),
+    ({"ablation": "resample", "ablation_data": "ref.jsonl", "ablation_field": "body"},
+     "resample ablation: a knocked-out neuron's output is replaced by its output on another "
+     "example of the reference set, `ref.jsonl`'s field body (--ablation resample, --scale 0)"),
+])
+def test_the_report_says_what_a_knockout_did(settings, said):
+    """locate's report.md named neither --ablation nor --scale: a run by mean ablation at
+    scale 2 read as one of zeroed heads."""
+    from lm_eval_headloc.report.locate_report import knockout_words
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    line = knockout_words(RunSpec(**settings), "neuron")
+    assert line.startswith("- knockout: ") and line.endswith(said)

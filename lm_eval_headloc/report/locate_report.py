@@ -4,6 +4,7 @@ the report and the terminal share (the fit, the certificate, the prior)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.words import counted, ordinal, signed
@@ -42,6 +43,28 @@ _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
                  "logprob": "the gold answers' mean log-likelihood (logprob)"}
 
 
+def knockout_words(spec: Any, unit: str) -> str:
+    """What knocking a ``unit`` out did in the run (``--ablation``, ``--scale``): the report
+    said nothing of it, so a run by mean ablation at scale 2 read as zeroed heads."""
+    kind, scale = spec.ablation, float(spec.scale)
+    flags = f"(--ablation {kind}, --scale {scale:g})"
+    if kind == "zero":
+        done = ("zeroed" if scale == 0 else "left as it is" if scale == 1 else
+                f"multiplied by {scale:g}")
+        return f"- knockout: a knocked-out {unit}'s output is {done} {flags}"
+    source = (f"`{spec.ablation_data}`" + (f"'s field {spec.ablation_field}"
+                                            if spec.ablation_field else "")
+              if spec.ablation_data else "the run's tasks on its example subset")
+    reference = {"mean": f"its mean over the reference set, {source}",
+                 "resample": f"its output on another example of the reference set, {source}"
+                 }.get(kind, f"its {kind} value")
+    if scale == 0:
+        return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output is replaced by "
+                f"{reference} {flags}")
+    return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output z becomes "
+            f"r + {scale:g}·(z − r), r {reference} {flags}")
+
+
 def locate_report(run: LocateRun) -> str:
     """report.md of a fitted locate run (``run.rankings``), from its record alone."""
     spec, top_k = run.spec, run.spec.top_k
@@ -55,6 +78,7 @@ def locate_report(run: LocateRun) -> str:
            + _group_words(run)]
           if "neurons" in spec.components and run.neurons_per_layer else []),
         f"- signal: {_SIGNAL_WORDS[spec.signal]}",
+        knockout_words(spec, UNIT[spec.components]),
         *([f"- chat template: {_chat_words(run.chat_template)}"]
           if run.chat_template is not None else []),
         *([f"- few-shot examples per prompt: {spec.num_fewshot} (--num-fewshot; a task "
