@@ -298,7 +298,9 @@ def test_verify_and_cross_notes_carry_what_the_ranking_says_of_its_top_k(tmp_pat
     assert ranking_notes(RunFolder(run), "t", 4) == [
         "L0H3, L1H0 have the same evidence across the top-4's last place: it holds 1 of them "
         "by index, not by evidence",
-        "L0H2: recorded to do no harm, listed because fewer hurt",
+        # L0H2 is ranked above L0H3, which hurts: not a place filled because fewer hurt.
+        "L0H2: recorded to do no harm, yet ranked above L0H3, which hurts the task: listed "
+        "for its place in that order, not because fewer hurt",
         "L0H1, L0H3: hurt the task by no more than a single knockout helps it (within the "
         "spread of single knockouts)"]
     assert ranking_notes(RunFolder(run), "u", 3) == [

@@ -164,3 +164,31 @@ def test_a_top_k_past_the_ranking_names_its_count_and_kind(heads, said, tmp_path
     with pytest.raises(UsageError) as refused:
         located_heads(RunFolder(run), "tiny_copy", top_k=3)
     assert str(refused.value) == f"--top-k 3: heads-tiny_copy.json {said}"
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_notes_say_why_a_harmless_head_is_listed_by_where_it_stands(tmp_path,
+                                                                    higher_is_better):
+    """A head recorded to do no harm ranked above one that hurts was said to be "listed
+    because fewer hurt", as if the harmless ones sat at the end of the top-k; only those
+    after the last that hurts are. Lower is better: a rise hurts."""
+    from lm_eval_headloc.commands.verify import ranking_notes
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    sign = 1 if higher_is_better else -1
+    run = tmp_path / "run"
+    run.mkdir()
+    effects = {"L0H0": -0.2, "L0H1": 0.0, "L0H2": 0.01, "L0H3": -0.1, "L1H0": 0.0}
+    (run / "heads-t.json").write_text(json.dumps({
+        "task": "t", "higher_is_better": higher_is_better,
+        "heads": [{"rank": r, "head": h, "effect": sign * e}
+                  for r, (h, e) in enumerate(effects.items(), start=1)]}))
+    assert ranking_notes(RunFolder(run), "t", 5) == [
+        "L0H1: recorded to do no harm, yet ranked above L0H3, which hurts the task: listed "
+        "for its place in that order, not because fewer hurt",
+        "L0H2: recorded to do no harm, yet ranked above L0H3, which hurts the task: listed "
+        "for its place in that order, not because fewer hurt",
+        "L1H0: recorded to do no harm, listed because fewer hurt"]
+    # The top-3 has no head that hurts after them: places filled because fewer hurt.
+    assert ranking_notes(RunFolder(run), "t", 3) == [
+        "L0H1, L0H2: recorded to do no harm, listed because fewer hurt"]

@@ -55,6 +55,34 @@ def test_random_sets_are_seeded_per_task_and_more_draws_keep_the_first():
     assert random_sets(located, GEOMETRY, 0, 5, "some_task") == []
 
 
+def test_more_draws_than_distinct_random_sets_are_refused_before_any_is_drawn():
+    """2 of the tiny model's 8 heads located: C(6, 2) = 15 distinct sets of 2 are left.
+    More draws only repeat them; a billion was a verify that never ended."""
+    from math import comb
+
+    from lm_eval_headloc.common.checks import UsageError
+
+    located = list(LOCATED[:2])
+    assert comb(HEADS * LAYERS - 2, 2) == 15
+    assert len(random_sets(located, GEOMETRY, 15, 5, "some_task")) == 15
+    with pytest.raises(UsageError) as refused:
+        random_sets(located, GEOMETRY, 16, 5, "some_task")
+    assert str(refused.value) == (
+        "--random-draws 16: only 15 distinct random sets can be drawn (2 heads of the 6 "
+        "outside the located set, --exclude and --never-ablate); give at most 15 (0 turns "
+        "the baseline off)")
+    # What is kept out shrinks the pool: C(5, 2) = 10; a mixed set multiplies its kinds'
+    # counts: C(7, 1) * C(2 * 64 - 2, 2) (64 MLP neurons a layer).
+    with raises_naming(UsageError, "--random-draws 11", "only 10 distinct", "at most 10"):
+        random_sets(located, GEOMETRY, 11, 5, "some_task", avoid=["L0H1"])
+    mixed = Geometry(LAYERS, HEADS, None, 64)
+    distinct = 7 * comb(126, 2)
+    assert len(random_sets(["L0H0", "L0N1", "L1N2"], mixed, 3, 5, "t")) == 3
+    with raises_naming(UsageError, f"only {distinct:,} distinct", "1 head of the 7",
+                       "2 MLP neurons of the 126", f"at most {distinct}"):
+        random_sets(["L0H0", "L0N1", "L1N2"], mixed, distinct + 1, 5, "t")
+
+
 # --- verify on a tiny model ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -172,6 +200,11 @@ def test_a_record_measured_at_another_scale_refuses_the_folder(tiny_model_dir, t
     (["--top-k", "5", "--random-draws", "1"],
      "--random-draws 1: 5 heads located or kept out leave 3 of the model's 8, fewer than a "
      "random set of 5 (0 turns the baseline off)"),
+    # An audit's: accepted, then drawing a billion sets of the 15 there are never ended.
+    (["--top-k", "2", "--random-draws", "1000000000"],
+     "--random-draws 1000000000: only 15 distinct random sets can be drawn (2 heads of the "
+     "6 outside the located set, --exclude and --never-ablate); give at most 15 (0 turns "
+     "the baseline off)"),
 ])
 def test_verify_checks_the_random_draws_before_loading(tiny_model_dir, tmp_path, capsys,
                                                        no_model_loading, extra, message):

@@ -90,6 +90,9 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # Per task, the heads each round measured as its winner did: its winner was then
         # picked among them by head index (a tie, not evidence).
         alike: list[dict[str, set[int]]] = []
+        # Per task, each head's changes knocked out alone: round 1's (the earlier winners
+        # stay knocked out in later rounds, so theirs are no single knockouts).
+        alone: dict[str, dict[int, tuple[float, float]]] = {}
         winners: list[Head] = []
         previous = baseline
         for round_number in range(1, spec.rounds + 1):
@@ -101,6 +104,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             measured = {columns.index(heads[-1]): records[key] for key, heads in plan}
             for name in names:
                 changes[name].update(measured_changes(previous, measured, name))
+            if round_number == 1:
+                alone = {name: dict(changes[name]) for name in names}
             # The round's winner: the first task's most harmful head of this round, by the
             # rule that ranks heads measured alone.
             task = names[0]
@@ -113,7 +118,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if measure is not None:  # a rerun that loaded nothing keeps the record on disk
             run.save(folder, measure)  # the workers' shares, the timings the report says
         rankings = _rankings(changes, winners, baseline, spec.rounds, columns,
-                             setup.heads_per_layer, len(folder.measurements()), alike)
+                             setup.heads_per_layer, len(folder.measurements()), alike,
+                             alone)
         first = next(iter(rankings.values()))
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.facts.method} (each head's score change in its "
@@ -126,12 +132,18 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
 def _rankings(changes: Mapping[str, Changes], winners: list[Head],
               baseline: Mapping[str, Any], rounds: int, columns: Columns,
               heads_per_layer: int, measurements: int,
-              alike: Sequence[Mapping[str, set[int]]] = ()) -> dict[str, Ranking]:
+              alike: Sequence[Mapping[str, set[int]]] = (),
+              alone: Mapping[str, Changes] | None = None) -> dict[str, Ranking]:
     """Each task's ranking: iterative greedy's winners first, in the order they won, then
     every head measured by ``rank.rank_measured`` (one-shot greedy: every head, ranked
     as a confirmation that measured every head alone ranks them); heads never measured
     (skipped) are left out and their effect is NaN. A winner is tied with the one above
-    where, in the round that one won, it measured the same (``alike``, per round)."""
+    where, in the round that one won, it measured the same (``alike``, per round).
+
+    ``alone``: per task, each head's changes knocked out alone (round 1's); the largest
+    help among them is the run's ``largest_single_help``. One-shot greedy's ``changes``
+    are these; iterative greedy's are not (a head's last round keeps the winners before
+    it knocked out), so without ``alone`` it records none."""
     rankings = {}
     lead = columns.indices(winners) if rounds > 1 else []
     for name, task_changes in changes.items():
@@ -157,7 +169,10 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
                 rounds=rounds, winners=[str(w) for w in winners], measurements=measurements,
                 tied_with_above=columns.names(tied)),
             evidence={"logprob_change": logprob_change})
-        recorded = largest_single_help(rankings[name], all_measured=True)
+        single = (alone or {}).get(name, task_changes if rounds == 1 else None)
+        recorded = None if single is None else largest_single_help(
+            rankings[name],
+            alone={columns[h]: change for h, (change, _) in sorted(single.items())})
         if recorded is not None:
             rankings[name].facts.largest_single_help = recorded
     return rankings

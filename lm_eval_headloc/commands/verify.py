@@ -39,7 +39,7 @@ from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
-from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.record import load_run, read_ranking_file
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
 
@@ -83,14 +83,39 @@ def ranking_notes(folder: RunFolder, task: str, top_k: int) -> list[str]:
         notes.append(f"{', '.join(map(shown_name, group))} have the same evidence across the "
                      f"top-{top_k}'s last place: it holds {places} of them by index, not by "
                      "evidence")
-    harmless = [n for n in ranking.names[:top_k] if n in ranking.harmless]
-    if harmless:
-        notes.append(f"{', '.join(map(shown_name, harmless))}: recorded to do no harm, "
-                     "listed because fewer hurt")
+    notes += _harmless_notes(ranking, top_k, read_ranking_file(
+        folder.ranking_file(task)).get("method"))
     within = ranking.within_spread(top_k)
     if within:
         notes.append(f"{', '.join(map(shown_name, within))}: hurt the task by no more than a "
                      "single knockout helps it (within the spread of single knockouts)")
+    return notes
+
+
+def _harmless_notes(ranking: RankingFile, top_k: int, method: object = None) -> list[str]:
+    """What the top-k's components recorded to do no harm are there for: after the last
+    that hurts, places filled because fewer hurt; before one that hurts (iterative greedy
+    ranks heads in the order they won its rounds, not by harm), their place in the order.
+    ``method``: the ranking file's."""
+    top = ranking.names[:top_k]
+    effects = ranking.effects or [None] * len(ranking.names)
+    hurting = [i for i, (name, e) in enumerate(zip(top, effects, strict=False))
+               if isinstance(e, (int, float)) and (-e if ranking.higher_is_better else e) > 0]
+    last = max(hurting, default=-1)
+    after = [n for i, n in enumerate(top) if i > last and n in ranking.harmless]
+    why = (" (iterative greedy ranks heads in the order they won its rounds, each measured "
+           "with the earlier winners knocked out)" if method == "iterative greedy" else "")
+    notes = []
+    for i, name in enumerate(top[:last]):
+        if name in ranking.harmless:
+            below = [shown_name(top[j]) for j in hurting if j > i]
+            notes.append(f"{shown_name(name)}: recorded to do no harm, yet ranked above "
+                         f"{', '.join(below)}, which hurt{'s' if len(below) == 1 else ''} the "
+                         f"task{why}: listed for its place in that order, not because fewer "
+                         "hurt")
+    if after:
+        notes.append(f"{', '.join(map(shown_name, after))}: recorded to do no harm, "
+                     "listed because fewer hurt")
     return notes
 
 
@@ -168,23 +193,19 @@ def percent(value: float | None) -> str:
 # layer in a Geometry)
 _KINDS: tuple[tuple[type[Head] | type[Neuron], str, str], ...] = (
     (Head, "heads", "heads_per_layer"), (Neuron, "MLP neurons", "neurons_per_layer"))
+#: What one and several of each kind are called (``counted``'s nouns).
+_KIND_WORDS: dict[type, tuple[str, str]] = {Head: ("head", "heads"),
+                                             Neuron: ("MLP neuron", "MLP neurons")}
 
 
-def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Generator,
-                avoid: Iterable[str] = ()) -> list[str]:
-    """As many components of each kind as ``located`` has (heads, MLP neurons), drawn
-    uniformly without replacement from the model's (``geometry``, read from its config:
-    no weights needed), none of them in ``located`` or ``avoid``; their names, sorted.
-
-    The random baseline asks whether the located set matters more than any other set of
-    its size and make-up, so it never shares a component with it. Each kind is drawn from
-    its own pool, heads first (a set of heads draws what it drew before neurons existed).
-    Raises ``ValueError`` when too few components of a kind are left to draw from, or
-    neurons are wanted and the MLP's width is unknown (None in ``geometry``).
-    """
+def _pools(located: Sequence[str], geometry: Geometry, avoid: Iterable[str] = ()
+           ) -> list[tuple[type[Head] | type[Neuron], int, np.ndarray, int]]:
+    """Per kind ``located`` has, heads first: ``(kind, its count per layer, the pool of
+    flat indices a random set draws from, how many it draws)``. Raises ``ValueError`` as
+    ``random_like`` says."""
     components = parse_components(list(located))
     barred_all = [*components, *parse_components(list(avoid))]
-    drawn: list[Head | Neuron] = []
+    pools = []
     for kind, what, count_field in _KINDS:
         wanted = sum(isinstance(c, kind) for c in components)
         if not wanted:
@@ -202,6 +223,24 @@ def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Gener
         if len(pool) < wanted:
             raise ValueError(f"{len(barred)} {what} located or kept out leave {len(pool)} of "
                              f"the model's {len(every)}, fewer than a random set of {wanted}")
+        pools.append((kind, per_layer, pool, wanted))
+    return pools
+
+
+def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Generator,
+                avoid: Iterable[str] = ()) -> list[str]:
+    """As many components of each kind as ``located`` has (heads, MLP neurons), drawn
+    uniformly without replacement from the model's (``geometry``, read from its config:
+    no weights needed), none of them in ``located`` or ``avoid``; their names, sorted.
+
+    The random baseline asks whether the located set matters more than any other set of
+    its size and make-up, so it never shares a component with it. Each kind is drawn from
+    its own pool, heads first (a set of heads draws what it drew before neurons existed).
+    Raises ``ValueError`` when too few components of a kind are left to draw from, or
+    neurons are wanted and the MLP's width is unknown (None in ``geometry``).
+    """
+    drawn: list[Head | Neuron] = []
+    for kind, per_layer, pool, wanted in _pools(located, geometry, avoid):
         picked = rng.choice(pool, size=wanted, replace=False)
         drawn += [kind(*divmod(int(i), per_layer)) for i in picked]
     return [str(c) for c in sorted(drawn, key=component_key)]
@@ -212,14 +251,28 @@ def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: in
     """``draws`` sets ``random_like(located)``, drawn in turn from one generator seeded
     by (``seed``, ``task``) — ``np.random.default_rng([seed, zlib.crc32(task)])``, as the
     example subsets are — so another task's draws do not change these, and more draws
-    keep the first ones."""
+    keep the first ones. More draws than there are distinct sets (per kind, the ways to
+    choose as many as ``located`` has from the pool ``random_like`` draws from,
+    multiplied) are refused before any is drawn: the draws repeat sets from there on, and
+    a billion draws was a run that never ended."""
     rng = np.random.default_rng([seed, zlib.crc32(task.encode())])
     avoid = list(avoid)
     try:
-        return [random_like(located, geometry, rng, avoid) for _ in range(draws)]
+        pools = _pools(located, geometry, avoid) if draws else []
+        distinct = math.prod(math.comb(len(pool), wanted) for _, _, pool, wanted in pools)
+        sets = [] if draws > distinct else [random_like(located, geometry, rng, avoid)
+                                            for _ in range(draws)]
     except ValueError as err:
         raise UsageError(f"--random-draws {draws}: {err} (0 turns the baseline off)") \
             from None
+    if draws > distinct:
+        made_of = " and ".join(f"{counted(wanted, *_KIND_WORDS[kind])} of the {len(pool):,}"
+                               for kind, _, pool, wanted in pools)
+        raise UsageError(f"--random-draws {draws}: only {distinct:,} distinct random sets can "
+                         f"be drawn ({made_of} outside the located set, --exclude and "
+                         f"--never-ablate); give at most {distinct} (0 turns the baseline "
+                         "off)")
+    return sets
 
 
 def _pretrained(model_args: str) -> str:

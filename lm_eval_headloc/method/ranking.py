@@ -397,26 +397,35 @@ def _alone_field(ranking: Ranking, head: Component) -> dict[str, bool]:
     return {} if alone is None else {"measured_alone": alone}
 
 
-def largest_single_help(ranking: Ranking, all_measured: bool = False
+def largest_single_help(ranking: Ranking, all_measured: bool = False,
+                        alone: Mapping[Column, float] | None = None
                         ) -> dict[str, Any] | None:
     """The single knockout that helps the task most, as heads.json records it
     (``largest_single_help``): ``{"head": name, "change": score change}``. Knocking out one
     component flips a few examples either way, and such a help shows how large those flips
-    come (``within_spread``). ``all_measured``: every effect is a measurement (greedy);
-    otherwise only those measured alone (``--confirm``) count. None where fewer than two
-    were measured or none helps."""
+    come (``within_spread``). ``all_measured``: every effect is a measurement of its
+    component knocked out alone (one-shot greedy); otherwise only those measured alone
+    (``--confirm``) count. ``alone``: each component's score change knocked out alone,
+    where the ranking's effects are not that (iterative greedy: a head's effect is its
+    change in its last round, on top of the earlier winners); only these count then.
+    None where fewer than two were measured or none helps."""
     higher = ranking.higher_is_better
     # One component's knockout: a neuron group's (--neuron-groups) knocks out many, so
     # its help is no measure of what one flips.
-    columns = [c for c in ranking.columns if np.isfinite(ranking.effect(c))
-               and (all_measured or ranking.measured_alone(c))
-               and not isinstance(c, NeuronGroup)]
-    if len(columns) < 2:
+    if alone is not None:
+        changes = {c: float(change) for c, change in alone.items()
+                   if np.isfinite(change) and not isinstance(c, NeuronGroup)}
+    else:
+        changes = {c: ranking.effect(c) for c in ranking.columns
+                   if np.isfinite(ranking.effect(c))
+                   and (all_measured or ranking.measured_alone(c))
+                   and not isinstance(c, NeuronGroup)}
+    if len(changes) < 2:
         return None
-    helper = max(columns, key=lambda c: -harm(ranking.effect(c), higher))
-    if not -harm(ranking.effect(helper), higher) > 0:
+    helper = max(changes, key=lambda c: -harm(changes[c], higher))
+    if not -harm(changes[helper], higher) > 0:
         return None  # nothing measured helps: no spread to compare with
-    return {"head": str(helper), "change": ranking.effect(helper)}
+    return {"head": str(helper), "change": changes[helper]}
 
 
 def all_measured_alone(ranking: Ranking) -> bool:

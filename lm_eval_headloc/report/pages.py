@@ -318,12 +318,31 @@ def harmless_words(ranking: Ranking, top_k: int, unit: str = "head",
         [f"{', '.join(measured)}: measured {'' if all_measured else 'alone '}to do no harm"]
         * bool(measured) + [f"{', '.join(estimated)}: no harm in the fit's estimate"]
         * bool(estimated))
-    hurt = len(top) - len(harmless)
+    hurting = [c for c in top if c not in harmless]
+    hurt = len(hurting)
     if not hurt:
         return [f"Nothing found: {none_hurts_words(len(top), unit, f' ({how})')}.", ""]
     return [f"Only {hurt} of the top-{len(top)} {unit}s hurt{'s' if hurt == 1 else ''} "
             f"the task; the other places are filled by {unit}s that do not ({how}). "
-            f"`ablate_top={hurt}` knocks out only what hurts.", ""]
+            f"{_only_what_hurts(top, hurting)}", ""]
+
+
+def _only_what_hurts(top: Sequence[Column], hurting: Sequence[Column]) -> str:
+    """How to knock out only the top-k's ``hurting`` components: ``ablate_top=K`` where
+    they are its first K; else (iterative greedy ranks heads in the order they won its
+    rounds, so one that does not hurt may come before one that does) by name, ``ablate=``
+    joined by ``+`` as hf-headablate reads it."""
+    if list(top[:len(hurting)]) == list(hurting):
+        return f"`ablate_top={len(hurting)}` knocks out only what hurts."
+    first = [str(c) for c in top[:len(hurting)] if c not in hurting]
+    not_first = (f"not `ablate_top={len(hurting)}`, whose first {len(hurting)} include "
+                 f"{', '.join(first)}")
+    if any(isinstance(c, NeuronGroup) for c in hurting):  # a group's name is its run's own
+        return (f"Knock out only what hurts by name ({', '.join(map(column_label, hurting))}, "
+                f"a group as the neurons heads.json lists for it) with `ablate=`; "
+                f"{not_first}.")
+    return (f"`ablate={'+'.join(map(str, hurting))}` knocks out only what hurts "
+            f"({not_first}).")
 
 
 def none_hurts_words(k: int, unit: str, how: str = "") -> str:
