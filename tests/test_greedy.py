@@ -312,7 +312,11 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     report = (one / "report.md").read_text().splitlines()
     assert report[0] == "# Head localization by one-shot greedy"
     assert report[2] == f"- model: `{strict_json(one / 'config.json')['spec']['model_args']}`"
-    assert report[3].startswith("- time: ") and report[3].endswith("(config.json's timings)")
+    assert report[3] == ("- knockout: a knocked-out head's output is zeroed (--ablation zero, "
+                         "--scale 0)")
+    assert report[4].startswith("- time: ") and report[4].endswith("(config.json's timings)")
+    # The ranking files record it: hf-headablate reads them.
+    assert heads["knockout"] == {"ablation": "zero", "scale": 0.0}
     assert [line for line in report if line.startswith("#")] == [report[0],
                                                                  "## tiny_copy (acc,none)"]
 

@@ -534,3 +534,30 @@ def test_embedded_smollm2_gguf(embedded_lm):
     # The model answers the IOI prompt with the indirect object.
     mary, john = (lm.tok_encode(" Mary")[0], lm.tok_encode(" John")[0])
     assert plain[mary] > plain[john]
+
+
+def test_a_ranking_knocked_out_otherwise_than_it_was_ranked_is_said(
+        no_weight_loading, tmp_path, caplog):
+    """A run by mean ablation at scale 2 records it in heads.json (``knockout``);
+    ablate_file= knocked its heads out by zeroing, silently."""
+    import json
+    import logging
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    ranked = tmp_path / "heads.json"
+    ranked.write_text(json.dumps({"task": "t", "knockout": {"ablation": "mean", "scale": 2.0},
+                                  "heads": [{"head": "L0H1"}, {"head": "L1H0"}]}))
+    with caplog.at_level(logging.WARNING, logger="lm_eval.models.hf_headablate"):
+        with pytest.raises(AssertionError, match="weights are loading"):
+            HFHeadAblateLM(pretrained="never-loaded", ablate_file=str(ranked))
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [f"{ranked} was ranked with --ablation mean --scale 2; these knock its "
+                    "components out by ablation=zero,scale=0 (give ablation=mean,scale=2 "
+                    "for the run's)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lm_eval.models.hf_headablate"):
+        with pytest.raises(AssertionError, match="weights are loading"):
+            HFHeadAblateLM(pretrained="never-loaded", ablate_file=str(ranked), scale=2,
+                           ablation="mean", ablation_data=str(ranked))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -405,7 +405,7 @@ def test_a_fits_signed_zeros_read_as_zero_in_the_table():
 def test_the_report_says_what_a_knockout_did(settings, said):
     """locate's report.md named neither --ablation nor --scale: a run by mean ablation at
     scale 2 read as one of zeroed heads."""
-    from lm_eval_headloc.report.locate_report import knockout_words
+    from lm_eval_headloc.report.pages import knockout_words
     from lm_eval_headloc.runs.spec import RunSpec
 
     line = knockout_words(RunSpec(**settings), "neuron")

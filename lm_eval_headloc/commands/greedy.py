@@ -23,7 +23,9 @@ from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
     harmless_words,
+    knockout_words,
     ranking_table,
+    recorded_knockout,
     spread_words,
     tie_words,
     write_ranking,
@@ -125,7 +127,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                       title=f"{first.facts.method} (each head's score change in its "
                             "last measured round)",
                       report=lambda: _report(rankings, spec.top_k, run.timings,
-                                             spec.model_args))
+                                             spec.model_args, spec),
+                      knockout=recorded_knockout(spec))
     return rankings
 
 
@@ -179,13 +182,16 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
 
 
 def _report(rankings: Mapping[str, Ranking], top_k: int,
-            timings: list[dict[str, Any]] | None = None, model_args: str | None = None) -> str:
-    """report.md: the title, the model and the time, then a section per task (the time
-    stood above the title, and each task was a title of its own)."""
+            timings: list[dict[str, Any]] | None = None, model_args: str | None = None,
+            spec: RunSpec | None = None) -> str:
+    """report.md: the title, the model, what a knockout did and the time, then a section
+    per task (the time stood above the title, and each task was a title of its own)."""
     method = next(iter(rankings.values())).facts.method
     lines = [f"# Head localization by {method}", ""]
     if model_args is not None:
         lines.append(f"- model: `{model_args}`")
+    if spec is not None:
+        lines.append(knockout_words(spec, "head"))
     if timings:
         lines.append(timing.timings_item(timings))
     if len(lines) > 2:

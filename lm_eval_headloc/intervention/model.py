@@ -57,7 +57,11 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.gguf_reads import cached_gguf_reads
 from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, Intervention
 from lm_eval_headloc.intervention.leaving_rows import generate_leaving_rows
-from lm_eval_headloc.intervention.model_args import check_device, requested_components
+from lm_eval_headloc.intervention.model_args import (
+    check_device,
+    other_knockout,
+    requested_components,
+)
 from lm_eval_headloc.intervention.prompt_start import (
     cache_argument,
     laid_out,
@@ -124,6 +128,10 @@ class HFHeadAblateLM(HFLM):
             raise AblationError(f"resample_seed={resample_seed!r}: must be a whole number "
                                 ">= 0")
         self.ablation, self.scale = check_ablation(ablation), check_scale(scale)
+        if ablate_file is not None:
+            differs = other_knockout(ablate_file, self.ablation, self.scale)
+            if differs:
+                log.warning(differs)
         # Settings another kind would take and ignore: a silent no-op is refused instead.
         if resample_seed is not None and self.ablation != "resample":
             raise AblationError(f"resample_seed={resample_seed}: only ablation=resample draws "

@@ -232,6 +232,28 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
     return names
 
 
+def other_knockout(ablate_file: object, ablation: str, scale: float) -> str | None:
+    """Why a ranking file's components are knocked out otherwise than the run that ranked
+    them did (its ``knockout``: ``--ablation``, ``--scale``), in words; None where the
+    file records none or the same. A run by mean ablation was knocked out by zeroing,
+    silently."""
+    import json
+
+    try:
+        data = json.loads(Path(os.fspath(ablate_file)).read_text())
+    except (OSError, TypeError, ValueError, RecursionError):
+        return None  # a list or a text file of heads: no run's record
+    recorded = data.get("knockout") if isinstance(data, dict) else None
+    if not isinstance(recorded, dict):
+        return None
+    kind, ranked_scale = recorded.get("ablation"), recorded.get("scale")
+    if (kind, ranked_scale) == (ablation, float(scale)) or not isinstance(kind, str):
+        return None
+    return (f"{ablate_file} was ranked with --ablation {kind} --scale {ranked_scale:g}; "
+            f"these knock its components out by ablation={ablation},scale={float(scale):g} "
+            f"(give ablation={kind},scale={ranked_scale:g} for the run's)")
+
+
 def check_device(device: object) -> None:
     """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
     without one and quietly takes another device for ``cuda:7`` (said only in its log).

@@ -105,7 +105,8 @@ class RankingFacts:
     """What a ranking says of itself beside each column's effect: heads.json's keys between
     ``top_k`` and ``heads``, typed, each None where the ranking does not record it.
 
-    The method and its size (``method``, ``measurements``); greedy's ``rounds`` and
+    The method and its size (``method``, ``measurements``); what a knockout did
+    (``knockout``: ``{"ablation": "zero", "scale": 0.0}`` by default); greedy's ``rounds`` and
     ``winners``; the Lasso's diagnostics (``alpha``, and with it ``r2`` and ``r2_held_out``,
     null where they say nothing: every change measured alone); the order's caveats
     (``tied_with_above``: components whose evidence equals the one ranked above;
@@ -118,6 +119,7 @@ class RankingFacts:
     """
 
     method: str | None = None
+    knockout: dict[str, Any] | None = None  # {"ablation", "scale"}: what a knockout did
     rounds: int | None = None
     winners: list[str] | None = None
     r2: float | None = None

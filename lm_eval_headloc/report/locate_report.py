@@ -4,7 +4,6 @@ the report and the terminal share (the fit, the certificate, the prior)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.words import counted, ordinal, signed
@@ -25,7 +24,9 @@ from lm_eval_headloc.report.pages import (
     equal_change_words,
     floor_words,
     harmless_words,
+    knockout_words,
     ranking_table,
+    recorded_knockout,
     spread_words,
     tie_words,
     write_ranking,
@@ -41,28 +42,6 @@ __all__ = ["BELOW_ZERO", "certificate_line", "certificate_words", "fit_summary",
 
 _SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
                  "logprob": "the gold answers' mean log-likelihood (logprob)"}
-
-
-def knockout_words(spec: Any, unit: str) -> str:
-    """What knocking a ``unit`` out did in the run (``--ablation``, ``--scale``): the report
-    said nothing of it, so a run by mean ablation at scale 2 read as zeroed heads."""
-    kind, scale = spec.ablation, float(spec.scale)
-    flags = f"(--ablation {kind}, --scale {scale:g})"
-    if kind == "zero":
-        done = ("zeroed" if scale == 0 else "left as it is" if scale == 1 else
-                f"multiplied by {scale:g}")
-        return f"- knockout: a knocked-out {unit}'s output is {done} {flags}"
-    source = (f"`{spec.ablation_data}`" + (f"'s field {spec.ablation_field}"
-                                            if spec.ablation_field else "")
-              if spec.ablation_data else "the run's tasks on its example subset")
-    reference = {"mean": f"its mean over the reference set, {source}",
-                 "resample": f"its output on another example of the reference set, {source}"
-                 }.get(kind, f"its {kind} value")
-    if scale == 0:
-        return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output is replaced by "
-                f"{reference} {flags}")
-    return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output z becomes "
-            f"r + {scale:g}·(z − r), r {reference} {flags}")
 
 
 def locate_report(run: LocateRun) -> str:
@@ -516,4 +495,4 @@ def write_results(folder: RunFolder, run: LocateRun) -> None:
                   title=(f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
                          + (f"; {alone} {units} measured alone" if alone else ""))
                         .replace(" (", "\n("),
-                  report=lambda: locate_report(run))
+                  report=lambda: locate_report(run), knockout=recorded_knockout(run.spec))

@@ -35,7 +35,8 @@ from lm_eval_headloc.method.ranking import (
 )
 from lm_eval_headloc.runs.folder import RunFolder
 
-__all__ = ["beyond_spread", "harmless_words", "heads_table", "none_hurts_words", "plot_heatmap",
+__all__ = ["beyond_spread", "harmless_words", "heads_table", "knockout_words", "none_hurts_words",
+           "plot_heatmap", "recorded_knockout",
            "tie_words", "within_spread", "write_ranking"]
 
 
@@ -237,17 +238,48 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
 
 
 @timing.timed("report")
+def recorded_knockout(spec: Any) -> dict[str, Any]:
+    """What a knockout did in the run, as its ranking files record it (``knockout``)."""
+    return {"ablation": spec.ablation, "scale": float(spec.scale)}
+
+
+def knockout_words(spec: Any, unit: str) -> str:
+    """What knocking a ``unit`` out did in the run (``--ablation``, ``--scale``): the report
+    said nothing of it, so a run by mean ablation at scale 2 read as zeroed heads."""
+    kind, scale = spec.ablation, float(spec.scale)
+    flags = f"(--ablation {kind}, --scale {scale:g})"
+    if kind == "zero":
+        done = ("zeroed" if scale == 0 else "left as it is" if scale == 1 else
+                f"multiplied by {scale:g}")
+        return f"- knockout: a knocked-out {unit}'s output is {done} {flags}"
+    source = (f"`{spec.ablation_data}`" + (f"'s field {spec.ablation_field}"
+                                            if spec.ablation_field else "")
+              if spec.ablation_data else "the run's tasks on its example subset")
+    reference = {"mean": f"its mean over the reference set, {source}",
+                 "resample": f"its output on another example of the reference set, {source}"
+                 }.get(kind, f"its {kind} value")
+    if scale == 0:
+        return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output is replaced by "
+                f"{reference} {flags}")
+    return (f"- knockout: {kind} ablation: a knocked-out {unit}'s output z becomes "
+            f"r + {scale:g}·(z − r), r {reference} {flags}")
+
+
 def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int,
-                  title: str, report: Callable[[], str]) -> None:
+                  title: str, report: Callable[[], str],
+                  knockout: Mapping[str, Any] | None = None) -> None:
     """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
     ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
     with the folder's head types (types.json) each head's scores and type, in every one
-    of them."""
+    of them; ``knockout``: the run's ``{"ablation", "scale"}``, recorded in each ranking
+    file (``hf-headablate`` says so where it knocks the heads out otherwise)."""
     from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(folder)
     for ranking in rankings.values():
         ranking.head_types = head_types
+        if knockout is not None:
+            ranking.facts.knockout = dict(knockout)
     for task, ranking in rankings.items():
         folder.write_json(folder.ranking_file(task).name, ranked_heads_json(ranking, top_k))
         folder.write_text(folder.ranking_file(task, ".csv").name, heads_table(ranking))
