@@ -237,7 +237,6 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
             + ("; hatched, unstable" if unstable else "")]
 
 
-@timing.timed("report")
 def recorded_knockout(spec: Any) -> dict[str, Any]:
     """What a knockout did in the run, as its ranking files record it (``knockout``)."""
     return {"ablation": spec.ablation, "scale": float(spec.scale)}
@@ -265,6 +264,7 @@ def knockout_words(spec: Any, unit: str) -> str:
             f"r + {scale:g}·(z − r), r {reference} {flags}")
 
 
+@timing.timed("report")
 def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int,
                   title: str, report: Callable[[], str],
                   knockout: Mapping[str, Any] | None = None) -> None:
