@@ -410,3 +410,31 @@ def test_the_report_says_what_a_knockout_did(settings, said):
 
     line = knockout_words(RunSpec(**settings), "neuron")
     assert line.startswith("- knockout: ") and line.endswith(said)
+
+
+def test_bars_of_estimates_are_outlined_beside_measured_ones(tmp_path):
+    """A run's top list drew a fit's estimates (0.24) as filled bars longer than heads
+    measured alone (0.20): they read as measurements."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    from lm_eval_headloc.intervention.components import Head, Neuron
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    columns = Columns((Head(0, 0), Head(0, 1), Neuron(0, 3), Neuron(1, 2)))
+    ranking = Ranking("t", "acc", True, 0.5, np.array([-0.2, -0.24, -0.1, -0.05]),
+                      [0, 1, 2, 3], 2, columns=columns,
+                      facts=RankingFacts(confirmed=["L0H0", "L0N3"]))
+    figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
+    bars = [p for ax in figure.axes for p in ax.patches if isinstance(p, Rectangle)
+            and p.get_width() > 0]
+    fills = {round(p.get_width(), 2): to_rgb(p.get_facecolor()) for p in bars}
+    assert fills[0.2] == to_rgb("tab:blue") and fills[0.1] == to_rgb("tab:red")
+    assert fills[0.24] == fills[0.05] == (1.0, 1.0, 1.0)  # the estimates: outlined
+    assert "outlined, the fit's estimate (not measured alone)" in _legend(figure)
+    # Nothing measured alone: no bar is outlined, and the legend says nothing of it.
+    ranking.facts.confirmed = None
+    figure = plot_heatmap([ranking], 2, tmp_path / "heatmap.png")
+    assert "outlined" not in _legend(figure)

@@ -219,13 +219,20 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     effects = np.array([ranking.effect(c) for c in shown], dtype=np.float64)
     harms = np.nan_to_num(harm(effects, ranking.higher_is_better))
     unstable = {str(c) for c in ranking.unstable(top_k)}
+    # Where the run measured some alone, the others' bars are the fit's estimates: drawn
+    # outlined, so an estimate longer than a measurement does not read as one.
+    estimated = set() if ranking.facts.confirmed is None else {
+        str(c) for c in shown if not ranking.measured_alone(c)}
     positions = np.arange(len(shown))[::-1]
     for position, component, value, rank in zip(positions, shown, harms, range(len(shown)),
                                                  strict=True):
-        ax.barh(position, value, color=_BARS[type(component)][0],
+        colour = _BARS[type(component)][0]
+        outlined = str(component) in estimated
+        ax.barh(position, value, color="white" if outlined else colour,
                 alpha=1.0 if rank < top_k else 0.45,
-                hatch="////" if str(component) in unstable else None, edgecolor="black",
-                linewidth=0.3)
+                hatch="////" if str(component) in unstable else None,
+                edgecolor=colour if outlined else "black",
+                linewidth=1.0 if outlined else 0.3)
     ax.set_yticks(positions, [column_label(c) for c in shown], fontsize=7)
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("harm on knockout (how much worse the score gets)")
@@ -234,7 +241,8 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
     kinds = {type(c) for c in shown}
     colours = "".join(f"; {said}" for kind, (_, said) in _BARS.items() if kind in kinds)
     return [f"bars: dark, top-{top_k}{colours}"
-            + ("; hatched, unstable" if unstable else "")]
+            + ("; hatched, unstable" if unstable else "")
+            + ("; outlined, the fit's estimate (not measured alone)" if estimated else "")]
 
 
 def recorded_knockout(spec: Any) -> dict[str, Any]:
