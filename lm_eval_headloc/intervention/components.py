@@ -33,6 +33,7 @@ __all__ = [
     "component_key",
     "describe_layers",
     "format_heads",
+    "names_a_file",
     "names_neurons",
     "parse_components",
     "parse_heads",
@@ -108,6 +109,10 @@ def component_key(component: Component) -> tuple[int, int, int]:
     return (component.layer, isinstance(component, Neuron), component[1])
 
 
+#: A head where only MLP neurons are taken (``heads=False``).
+_ONLY_NEURONS = ("{token} is an attention head; only MLP neurons are accepted here "
+                 "(L{{layer}}N{{neuron}}, e.g. L3N1234)")
+
 _NAMES = {
     False: "L{layer}H{head} with zero-based non-negative integers (e.g. L0H29) or "
            "L{layer}H* for a whole layer",
@@ -117,8 +122,8 @@ _NAMES = {
 
 
 def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int | None,
-                 neurons: bool, head_layers: Collection[int] | None = None
-                 ) -> list[Component]:
+                 neurons: bool, head_layers: Collection[int] | None = None,
+                 heads: bool = True) -> list[Component]:
     token = token.strip()
     if not token:
         what = "component" if neurons else "head"
@@ -134,6 +139,8 @@ def _parse_token(token: str, heads_per_layer: int | None, neurons_per_layer: int
     if kind == "N" and not neurons:
         raise ComponentSpecError(f"{token!r} is an MLP neuron; only attention heads are accepted "
                             "here (L{layer}H{head}, e.g. L0H29)")
+    if kind == "H" and not heads:
+        raise ComponentSpecError(_ONLY_NEURONS.format(token=repr(token)))
     unit, count, what = ((Head, heads_per_layer, "head") if kind == "H"
                          else (Neuron, neurons_per_layer, "MLP neuron"))
     if index == "*":
@@ -207,25 +214,27 @@ def parse_components(
     *,
     neurons: bool = True,
     head_layers: Collection[int] | None = None,
+    heads: bool = True,
 ) -> list[Component]:
     """Parse ``"L0H29+L3N1234"`` (or a list of names, Heads, Neurons or (layer, head)
     pairs) into sorted, unique components.
 
     Every component is checked against each of ``num_layers``/``heads_per_layer`` given
     (neurons against ``neurons_per_layer`` when given) and ``L{l}H*``/``L{l}N*`` expand
-    to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``).
+    to the whole layer/MLP. ``neurons=False`` refuses neurons (``parse_heads``),
+    ``heads=False`` heads (a run that locates MLP neurons only).
     ``head_layers``: a hybrid model's layers with heads (``Geometry.head_layers``); a
     head elsewhere is refused.
     """
     return _parse(spec, num_layers, heads_per_layer, neurons_per_layer, neurons=neurons,
-                  head_layers=head_layers)
+                  head_layers=head_layers, heads=heads)
 
 
 def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
            num_layers: int | None, heads_per_layer: int | None,
            neurons_per_layer: int | None, *, neurons: bool,
-           head_layers: Collection[int] | None = None, ranges: bool = True
-           ) -> list[Component]:
+           head_layers: Collection[int] | None = None, ranges: bool = True,
+           heads: bool = True) -> list[Component]:
     # ranges=False: the counts only expand L{l}H*/L{l}N* (names checked without a model).
     if not isinstance(spec, (str, Iterable)):  # None, 5: not a list of names at all
         raise ComponentSpecError(f"components {spec!r}: give names such as 'L0H29+L1H31' (or a "
@@ -240,7 +249,7 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
     for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):
             parsed = _parse_token(token, heads_per_layer, neurons_per_layer, neurons,
-                                  head_layers)
+                                  head_layers, heads)
         elif isinstance(token, Neuron):
             if not neurons:
                 raise ComponentSpecError(f"{token} is an MLP neuron; only attention heads are "
@@ -248,6 +257,8 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
             parsed = [token]
         else:
             parsed = [_head_from_pair(token)]
+            if not heads:
+                raise ComponentSpecError(_ONLY_NEURONS.format(token=parsed[0]))
         found.update((component_key(c), c) for c in parsed)
     components = list(found.values())
     if ranges:
@@ -291,9 +302,22 @@ def names_neurons(spec: str | Iterable[str | Component | tuple[int, int]]) -> bo
                                          is not None and m.group(2) == "N") for t in tokens)
 
 
-def check_component_names(spec: str | Iterable[str | Component | tuple[int, int]]) -> None:
-    """``check_head_names`` for heads and neurons (``L3N*`` passes)."""
-    _parse(spec, None, 1, 1, neurons=True, ranges=False)
+def check_component_names(spec: str | Iterable[str | Component | tuple[int, int]], *,
+                          heads: bool = True) -> None:
+    """``check_head_names`` for heads and neurons (``L3N*`` passes); ``heads=False``: MLP
+    neurons only (a head is refused, naming it)."""
+    _parse(spec, None, 1, 1, neurons=True, ranges=False, heads=heads)
+
+
+def names_a_file(spec: str) -> bool:
+    """Whether ``spec`` (an --exclude or --never-ablate) names a head file rather than
+    heads: an existing path, a .json or .txt name, or one with a folder in it."""
+    path = Path(spec)
+    try:
+        exists = path.exists()
+    except OSError:  # a list of hundreds of heads is too long to be a file's name
+        exists = False
+    return exists or path.suffix.lower() in (".json", ".txt") or "/" in spec
 
 
 def _head_from_pair(token: object) -> Head:

@@ -258,6 +258,7 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
             chunks = [group[start:start + masks_per_pass]
                       for start in range(0, len(group), masks_per_pass)]
             at = {} if scale is None else {"scale": float(scale)}
+            numbers = _numbers_of(measure, scale)  # what a refusal below names
             # Chunks may complete in any order (--workers); each is written as it arrives.
             results = measure.measure_chunks([[h for _, h, _ in c] for c in chunks],
                                              masks_per_pass, **at)
@@ -282,7 +283,7 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                                 for name, s in scores.items() if s.examples is not None}
                     if examples:
                         record["examples"] = examples
-                    _check_usable(store, record)
+                    _check_usable(store, record, *numbers)
                     store.append_measurement(record)
                     done[key] = record
                     bar.update(1)
@@ -299,18 +300,48 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _check_usable(store: MeasurementStore, record: Mapping[str, Any]) -> None:
+def _numbers_of(measure: Any, scale: float | None) -> tuple[float | None, str | None]:
+    """The scale a plan entry's knockouts are made at (its own, else the model's) and the
+    dtype the model computes in (``"float32"``), each None where ``measure`` does not
+    say (a notebook's measurement without an ``HFHeadAblateLM``)."""
+    lm = getattr(measure, "lm", None)
+    if scale is None:
+        scale = getattr(lm, "scale", None)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        scale = None
+    # A torch.dtype, read by its name (``torch.float32``) without importing torch here;
+    # HFLM's autocast (``mixed_precision_dtype``), where set, is what the layers run in.
+    names = [str(dtype) for dtype in (getattr(lm, "mixed_precision_dtype", None),
+                                      getattr(getattr(lm, "model", None), "dtype", None))]
+    name = next((n.removeprefix("torch.") for n in names if n.startswith("torch.")), None)
+    return (None if scale is None else float(scale)), name
+
+
+def _check_usable(store: MeasurementStore, record: Mapping[str, Any],
+                  scale: float | None = None, dtype: str | None = None) -> None:
     """Refuse a measurement just made whose score is no finite number (NaN, None, text):
     a fit cannot use it, and, unlike a stored one (skipped, then measured again), it
-    would come back the same if measured again. Kept out of the store."""
+    would come back the same if measured again. Kept out of the store. ``scale``: what
+    its knockout was made at (a scale other than 0 and 1 multiplies the knocked-out
+    outputs, which may overflow, and is named first); ``dtype``: the model's (a model
+    in float32 or float64 is not told to load in float32); each None where unknown."""
     problem = unusable_score(record)
-    if problem is not None:
-        raise MetricError(
-            f"{store.path}: measurement {record['key']!r} (knocked out "
-            f"{record['mask'] or 'nothing'}): {problem}; a fit needs a number from every "
-            "measurement: score that task by a metric that always gives one (--tasks "
-            "TASK:METRIC) or by --signal logprob, or, for a NaN from the model itself, load "
-            "it with dtype=float32 in --model-args")
+    if problem is None:
+        return
+    causes = []
+    if record["mask"] and scale is not None and scale not in (0.0, 1.0):
+        causes.append(f"it was knocked out at --scale {scale:g}, which multiplies each "
+                      "knocked-out output and can overflow the model's numbers to inf or "
+                      "NaN: give a smaller --scale")
+    causes.append("score that task by a metric that always gives one (--tasks TASK:METRIC) "
+                  "or by --signal logprob")
+    if dtype not in ("float32", "float64"):
+        causes.append("for a NaN from the model itself, load it with dtype=float32 in "
+                      f"--model-args{'' if dtype is None else f' (it computes in {dtype})'}")
+    raise MetricError(
+        f"{store.path}: measurement {record['key']!r} (knocked out "
+        f"{record['mask'] or 'nothing'}): {problem}; a fit needs a number from every "
+        f"measurement: {', or '.join(causes)}")
 
 
 def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:

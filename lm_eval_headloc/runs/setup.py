@@ -28,6 +28,7 @@ from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     Head,
     Neuron,
+    names_a_file,
     parse_components,
     parse_heads,
     read_heads_file,
@@ -58,7 +59,7 @@ from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import check_task_names, load_failure, make_task_manager
 
 __all__ = ["NoEffectError", "Setup", "check_candidates", "check_design_budget",
-           "check_task_overrides", "head_list", "prepare"]
+           "check_scale_fits", "check_task_overrides", "head_list", "prepare"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -132,7 +133,7 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
         return []
     names: Any = spec
     try:
-        if _names_a_file(spec):
+        if names_a_file(spec):
             names = read_heads_file(Path(spec))  # a path: "not found", not "bad name"
         if not neurons:
             return list(parse_heads(names, num_layers, heads_per_layer,
@@ -144,17 +145,6 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
             " (neurons are kept out by a locate or sweep that locates them: --components "
             "neurons or heads+neurons)")
         raise UsageError(f"{what}: {err}{hint}") from None
-
-
-def _names_a_file(spec: str) -> bool:
-    """Whether ``spec`` names a head file rather than heads: an existing path, a .json or
-    .txt name, or one with a folder in it."""
-    path = Path(spec)
-    try:
-        exists = path.exists()
-    except OSError:  # a list of hundreds of heads is too long to be a file's name
-        exists = False
-    return exists or path.suffix.lower() in (".json", ".txt") or "/" in spec
 
 
 def _names_a_neuron(names: Any) -> bool:
@@ -240,19 +230,24 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
     # read (a GGUF file's takes seconds).
     try:
         manager = make_task_manager(list(spec.include_path))
-        joined = _join_metric_filters([*spec.tasks, *extra_tasks], manager.all_tasks)
+        # Each list joined on its own: a filter after --tasks' last TASK:METRIC is not the
+        # first of --general's tasks, nor the other way round.
+        own_joined = _join_metric_filters(spec.tasks, manager.all_tasks)
+        extra_joined = _join_metric_filters(extra_tasks, manager.all_tasks)
+        joined = [*own_joined, *extra_joined]
         specs = [parse_task_metric(t) for t in joined]
         check_task_names(manager, [name for name, _ in specs])
     except ValueError as err:
         raise UsageError(str(err)) from None
+    _check_named_once(own_joined, [name for name, _ in specs[:len(own_joined)]],
+                      extra_joined, [name for name, _ in specs[len(own_joined):]])
     model_args = resolve_model_args(spec.model_args)
     config = model_config(model_args)
+    check_scale_fits(spec.scale, model_args, config)
     if spec.apply_chat_template:
         check_chat_template(model_args)
     geometry = config_geometry(config)
     num_layers, heads_per_layer = geometry.num_layers, geometry.heads_per_layer
-    if len({name for name, _ in specs}) != len(specs):
-        raise UsageError(f"--tasks {','.join(joined)}: a task is named twice")
     from lm_eval_headloc.measurement.harness import seed_as_lm_eval
 
     loaded = {}
@@ -298,8 +293,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             raise UsageError(f"task {name!r} executes model-written code; rerun with "
                              "--confirm-run-unsafe-code if you accept that")
     check_task_overrides(spec, loaded, context_length(model_args, config))
-    own = joined[:len(joined) - len(extra_tasks)] if extra_tasks else joined
-    resolved = spec.replace(model_args=model_args, tasks=tuple(own),
+    resolved = spec.replace(model_args=model_args, tasks=tuple(own_joined),
                             include_path=tuple(path_list(spec.include_path)))
     total = geometry.total_heads
     columns = _column_count(spec, geometry)
@@ -347,6 +341,65 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
             raise UsageError(f"--ablation-data: {err}") from None
     return Setup(resolved, specs, geometry, loaded, exclude, never, reference,
                  model_fingerprint(model_args))
+
+
+#: The least number that is inf as a float32: float32's largest (2^128 - 2^104) plus half
+#: its last unit. A knockout computes ``scale * output`` (``hooks``) in the activations'
+#: dtype, whose arithmetic is float32's at most for float16, bfloat16 and float32: a scale
+#: this large is inf there (float16's product overflows all the same), so every nonzero
+#: knocked-out output becomes inf and the measurement NaN. Only float64 holds it.
+FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
+
+def _dtype_name(dtype: object) -> str | None:
+    """``torch.float64``, ``"float64"``, ``"torch.float64"`` -> ``"float64"`` (None: none
+    said, or ``"auto"``)."""
+    if dtype is None or dtype == "auto":
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return {"double": "float64", "float": "float32", "half": "float16"}.get(name, name)
+
+
+def check_scale_fits(scale: float, model_args: str, config: Any) -> None:
+    """Refuse a --scale that is inf as a float32 (``FLOAT32_OVERFLOW``) unless the model
+    computes in float64 (``dtype=float64`` in ``model_args``, or ``auto`` with a float64
+    config, and no ``mixed_precision_dtype``): in any other dtype every knockout would be
+    inf or NaN, found only once the model has loaded and measured."""
+    if abs(scale) < FLOAT32_OVERFLOW:
+        return
+    from lm_eval_headloc.intervention.arg_string import ModelArgs
+
+    args = ModelArgs.parse(model_args)
+    dtype = _dtype_name(args.get("dtype")) or _dtype_name(
+        getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    mixed = _dtype_name(args.get("mixed_precision_dtype"))
+    if dtype == "float64" and mixed in (None, "float64"):
+        return
+    runs_in = mixed or dtype or "float32"
+    raise UsageError(f"--scale {scale:g}: beyond float32's range (from "
+                     f"{FLOAT32_OVERFLOW:.7g} on, a float32 is inf); in the model's "
+                     f"{runs_in} arithmetic every nonzero knocked-out output times it is "
+                     "inf, so every measurement that knocks anything out would be NaN; give "
+                     "a smaller --scale (or load the model with dtype=float64 in "
+                     "--model-args)")
+
+
+def _check_named_once(own: Sequence[str], own_names: Sequence[str], extra: Sequence[str],
+                      extra_names: Sequence[str]) -> None:
+    """Refuse a task named twice, naming the option it was given in: twice in --tasks
+    (``own``, as TASK[:METRIC]; ``own_names``, their task names), twice in --general
+    (``extra``: verify's general tasks), or in --general as one of the run's own."""
+    def twice(names: Sequence[str]) -> str | None:
+        return next((name for at, name in enumerate(names) if name in names[:at]), None)
+
+    if (name := twice(own_names)) is not None:
+        raise UsageError(f"--tasks {','.join(own)}: task {name!r} is named twice")
+    if (name := twice(extra_names)) is not None:
+        raise UsageError(f"--general {','.join(extra)}: task {name!r} is named twice")
+    if (name := next((n for n in extra_names if n in own_names), None)) is not None:
+        raise UsageError(f"--general {','.join(extra)}: task {name!r} is one of the run's "
+                         f"own tasks (--tasks {','.join(own)}), measured already; name "
+                         "another")
 
 
 #: GenerationConfig fields --gen-kwargs refuses, and why: lm-eval's HF model passes some

@@ -516,6 +516,10 @@ class RunSpec:
             if value is not None and not value.strip():
                 raise UsageError(f"{flag_of(name)} '': give components (L0H1+L2H3) "
                                  "or a head file, or leave it out for none")
+        if "heads" not in self.components.split("+"):
+            for name in ("exclude", "never_ablate"):
+                if getattr(self, name) is not None:
+                    self._refuse_heads(name)
         if self.model_args is not None:
             check_model_args(self.model_args)
         if self.system_instruction is not None and not self.system_instruction.strip():
@@ -527,6 +531,34 @@ class RunSpec:
         if any(not str(folder).strip() for folder in self.include_path):
             raise UsageError("--include-path '': give a folder of task YAMLs")
         return self
+
+    def _refuse_heads(self, name: str) -> None:
+        """Refuse an attention head in ``name``'s components (--exclude, --never-ablate) of
+        a run that locates MLP neurons only: no mask knocks a head out and none is ranked,
+        so the head would be silently ignored (a heads run refuses a neuron the same way,
+        ``setup.head_list``). Names that are malformed, or a head file that cannot be
+        read, are left to ``head_list``, which says why with the model's ranges."""
+        from lm_eval_headloc.intervention.components import (
+            ComponentSpecError,
+            check_component_names,
+            names_a_file,
+            read_heads_file,
+        )
+
+        value = getattr(self, name)
+        flag = flag_of(name)
+        try:
+            names = read_heads_file(Path(value)) if names_a_file(value) else value
+            check_component_names(names)
+        except ComponentSpecError:
+            return
+        try:
+            check_component_names(names, heads=False)
+        except ComponentSpecError as err:
+            raise UsageError(f"{flag} {value}: {err}: the run's --components "
+                             f"{self.components} locates MLP neurons only, where no head is "
+                             "knocked out or ranked (heads are kept out by a run with "
+                             "--components heads or heads+neurons)") from None
 
     # --- identity ----------------------------------------------------------------------
 
