@@ -409,8 +409,8 @@ def test_no_file_command_writes_into_another_run_folder(tmp_path, capsys, tiny_l
     assert_names(last_error(capsys), str(tmp_path / "table.md"))
     # A heads-x.json that is not one of the run's tasks is not read as a ranking.
     (other / "heads-planted.json").write_text(json.dumps(["L9H9"]))
-    assert harness("universal", str(other), str(runs[0]), "--min-tasks", "1", "--out",
-                   str(tmp_path / "u.json")) == 0
+    assert harness("universal", str(other), str(runs[0]), "--min-tasks", "1", "--top-k",
+                   "2", "--out", str(tmp_path / "u.json")) == 0
     assert not any("planted" in label for label in strict_json(tmp_path / "u.json")["rankings"])
 
 
