@@ -561,3 +561,30 @@ def test_a_ranking_knocked_out_otherwise_than_it_was_ranked_is_said(
             HFHeadAblateLM(pretrained="never-loaded", ablate_file=str(ranked), scale=2,
                            ablation="mean", ablation_data=str(ranked))
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_ranking_of_a_model_with_other_heads_per_layer_is_refused(tiny_model_dir,
+                                                                    tmp_path):
+    """A heads.json ranked on a model of 9 heads per layer named L1H3 and L0H2, which fall
+    inside a 4-heads-per-layer model: they were knocked out there, other heads, silently."""
+    import json
+
+    from helpers import HEADS
+
+    from lm_eval_headloc.intervention.components import ComponentSpecError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"task": "t", "heads_per_layer": HEADS + 5,
+                                 "top_k": ["L1H3", "L0H2"],
+                                 "heads": [{"head": "L1H3"}, {"head": "L0H2"}]}))
+    with raises_naming(ComponentSpecError, str(other), f"{HEADS + 5} heads per layer",
+                       f"this one has {HEADS}"):
+        HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
+                       ablate_file=str(other))
+    mine = tmp_path / "mine.json"
+    mine.write_text(other.read_text().replace(f'"heads_per_layer": {HEADS + 5}',
+                                              f'"heads_per_layer": {HEADS}'))
+    lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
+                        ablate_file=str(mine))
+    assert [str(h) for h in lm.knocked_out] == ["L0H2", "L1H3"]

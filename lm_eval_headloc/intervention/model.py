@@ -59,6 +59,7 @@ from lm_eval_headloc.intervention.hooks import ActivePass, ComponentKnockout, In
 from lm_eval_headloc.intervention.leaving_rows import generate_leaving_rows
 from lm_eval_headloc.intervention.model_args import (
     check_device,
+    check_ranked_geometry,
     other_knockout,
     requested_components,
 )
@@ -122,6 +123,7 @@ class HFHeadAblateLM(HFLM):
             raise ComponentSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
                                 "e.g. mlp_out=model.layers.*.mlp.down_proj")
         self._requested = requested  # checked against the config before the weights load
+        self._ablate_file = ablate_file  # its model's geometry too, where it records one
         resample_seed = as_written(resample_seed)
         if resample_seed is not None and (isinstance(resample_seed, bool) or not isinstance(
                 resample_seed, int) or resample_seed < 0):
@@ -215,6 +217,12 @@ class HFHeadAblateLM(HFLM):
         # HFLM reads the config first: the requested components are checked against it
         # here, before the weights load (a neuron past the MLP's width fails in seconds).
         check_against_config(self._requested, self._config)
+        if self._ablate_file is not None:
+            try:
+                per_layer = Geometry.from_config(self._config).heads_per_layer
+            except AttributeError:
+                per_layer = None  # no head counts in the config: nothing to compare
+            check_ranked_geometry(self._ablate_file, per_layer)
         super()._create_model(*args, **kwargs)
 
     def set_ablation(self, kind: str, texts: list[str] | None = None,

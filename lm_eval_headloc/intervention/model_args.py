@@ -232,18 +232,34 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
     return names
 
 
-def other_knockout(ablate_file: object, ablation: str, scale: float) -> str | None:
-    """Why a ranking file's components are knocked out otherwise than the run that ranked
-    them did (its ``knockout``: ``--ablation``, ``--scale``), in words; None where the
-    file records none or the same. A run by mean ablation was knocked out by zeroing,
-    silently."""
+def _ranking_json(ablate_file: object) -> dict[str, Any] | None:
+    """A ranking file's JSON object, or None for a list or a text file of names."""
     import json
 
     try:
         data = json.loads(Path(os.fspath(ablate_file)).read_text())
     except (OSError, TypeError, ValueError, RecursionError):
-        return None  # a list or a text file of heads: no run's record
-    recorded = data.get("knockout") if isinstance(data, dict) else None
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_ranked_geometry(ablate_file: object, heads_per_layer: int | None) -> None:
+    """Refuse a run's ranking file made on a model with another number of heads per layer
+    (its ``heads_per_layer``): its names would knock out other heads here, silently, as
+    long as they fall inside this model."""
+    ranked = (_ranking_json(ablate_file) or {}).get("heads_per_layer")
+    if isinstance(ranked, int) and heads_per_layer is not None and ranked != heads_per_layer:
+        raise ComponentSpecError(f"ablate_file={ablate_file}: ranked a model of {ranked} heads "
+                                 f"per layer; this one has {heads_per_layer}, so its names "
+                                 "would be other heads here: give a ranking of this model")
+
+
+def other_knockout(ablate_file: object, ablation: str, scale: float) -> str | None:
+    """Why a ranking file's components are knocked out otherwise than the run that ranked
+    them did (its ``knockout``: ``--ablation``, ``--scale``), in words; None where the
+    file records none or the same. A run by mean ablation was knocked out by zeroing,
+    silently."""
+    recorded = (_ranking_json(ablate_file) or {}).get("knockout")
     if not isinstance(recorded, dict):
         return None
     kind, ranked_scale = recorded.get("ablation"), recorded.get("scale")
