@@ -190,7 +190,7 @@ def test_bad_heads_and_files_are_one_line_errors(tiny_model_dir, tmp_path):
         ("L0H9", ("L0H9", "0..3")),
         ("X1", ("'X1'",)),
         ("L-1H0", ("'L-1H0'",)),
-        ("L0H1++L0H2", ("empty component name",)),  # no value to name
+        ("L0H1++L0H2", ("empty component name", "'L0H1++L0H2'")),
     ]:
         with raises_naming(ComponentSpecError, *values) as info:
             lm.set_heads(spec)

@@ -229,7 +229,8 @@ def no_weight_loading(monkeypatch):
     (dict(ablate="X1"), ("'X1'",)),
     (dict(ablate="l0h0"), ("'l0h0'",)),
     (dict(ablate="L*H1"), ("'L*H1'",)),
-    (dict(ablate="L0H1++L1H2"), ("empty component name",)),  # no value to name
+    (dict(ablate="L0H1++L1H2"), ("empty component name", "ablate=L0H1++L1H2:")),
+    (dict(ablate="L0H0+"), ("empty component name", "ablate=L0H0+:")),  # named: it was not
     # What lm-eval's model_args parser makes of ablate=1 and ablate=True.
     (dict(ablate=1), ("ablate=1", "ablate=L0H29+L1H31")),
     (dict(ablate=True), ("ablate=True", "ablate=L0H29+L1H31")),

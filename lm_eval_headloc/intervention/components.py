@@ -245,6 +245,11 @@ def _parse(spec: str | Iterable[str | Component | tuple[int, int]],
             "e.g. L0H29+L1H31"
         )
     tokens = component_tokens(spec)
+    if isinstance(spec, str) and any(isinstance(t, str) and not t.strip() for t in tokens):
+        what = "component" if neurons else "head"
+        raise ComponentSpecError(  # named: 'empty name' alone did not say where
+            f"{spec!r}: an empty {what} name (two '+' in a row, or a '+' at an end); write "
+            "heads as L{layer}H{head} joined by '+', e.g. L0H29+L1H31")
     found: dict[tuple[int, int, int], Component] = {}  # by component_key: Head(0, 1) and
     for token in tokens:                                 # Neuron(0, 1) are equal tuples
         if isinstance(token, str):

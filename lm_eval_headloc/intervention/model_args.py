@@ -190,6 +190,10 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
                     "ablate= is empty; give heads like ablate=L0H29+L1H31 (or neurons like "
                     "L3N1234), or leave it out"
                 )
+            if any(not part.strip() for part in ablate.split("+")):
+                raise ComponentSpecError(
+                    f"ablate={ablate}: an empty component name (two '+' in a row, or a '+' "
+                    "at an end); give heads like ablate=L0H29+L1H31")
             names.extend(ablate.split("+"))
         elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
             names.extend(ablate)
