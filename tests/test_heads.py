@@ -74,6 +74,12 @@ def test_read_heads_file_json_ranked_and_text(tmp_path):
     text = tmp_path / "heads.txt"
     text.write_text("# universal heads\nL0H8\n\nL1H8+L1H7  # a pair\n")
     assert read_heads_file(text) == ["L0H8", "L1H8", "L1H7"]
+    # A head named again inside a "+"-joined JSON entry (kept whole: a group's neurons)
+    # passed in JSON, where the same list as text lines was refused.
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text('["L0H1+L1H2", "L0H1"]')
+    with raises_naming(ComponentSpecError, str(pairs), "L0H1 twice"):
+        read_heads_file(pairs)
 
 
 def test_read_heads_file_errors(tmp_path):

@@ -511,7 +511,7 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
         from lm_eval_headloc.common.files import parse_json
 
         data = parse_json(text, path, ComponentSpecError)
-        names = _heads_in_json(data, path)
+        names = _heads_in_json(data, path)  # a group's "+"-joined neurons: one entry
     else:
         names = []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -520,11 +520,13 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
                 _checked_entry(line, path, f"line {number}")
                 names.extend(part.strip() for part in line.split("+"))
     first: dict[str, int] = {}
-    for place, name in enumerate(names, start=1):
-        if name in first:  # overlap counted it twice (a rate of 1.0 where it was 0.8)
-            raise ComponentSpecError(f"{path} names {name} twice (its names {first[name]} and "
-                                     f"{place}); a list of heads names each once")
-        first[name] = place
+    for place, entry in enumerate(names, start=1):
+        for name in (part.strip() for part in entry.split("+")):  # inside a pair too
+            if name in first:  # overlap counted it twice (a rate of 1.0 where it was 0.8)
+                raise ComponentSpecError(f"{path} names {name} twice (its entries "
+                                         f"{first[name]} and {place}); a list of heads names "
+                                         "each once")
+            first[name] = place
     if top is not None:
         if top > len(names):
             raise ComponentSpecError(
