@@ -144,8 +144,9 @@ class RunSpec:
         choices=SIGNALS)
     never_ablate: str | None = _option(
         None, "heads kept out of every mask, and so out of the ranking (L0H1+L2H3 or a head "
-              "file, e.g. universal.json); a run that locates MLP neurons takes neurons too "
-              "(L3N12, L3N*), which are then no candidate and in no group",
+              "file, e.g. universal.json); a run of --components heads+neurons takes neurons "
+              "too, one of --components neurons neurons only (L3N12, L3N*), which are then "
+              "no candidate and in no group",
         metavar="HEADS|FILE")
     ablation: str = _option(
         "zero", "what a knocked-out head's output becomes: zero; mean, its mean over the "
@@ -248,8 +249,9 @@ class RunSpec:
     top_k: int = _option(5, "heads reported (and knocked out by verify and cross)", SETTING,
                          parse=int, metavar="K", whole=True, min_val=1)
     exclude: str | None = _option(
-        None, "heads kept out of the ranking (L0H1+L2H3 or a head file); a run that locates "
-              "MLP neurons takes neurons too (L3N12)", SETTING, metavar="HEADS|FILE")
+        None, "heads kept out of the ranking (L0H1+L2H3 or a head file); a run of "
+              "--components heads+neurons takes neurons too, one of --components neurons "
+              "neurons only (L3N12)", SETTING, metavar="HEADS|FILE")
     bootstrap: int = _option(
         200, "refits on resampled measurements that give each head's stability (how "
              "often it makes the top-k) and its effect's 95 % interval", SETTING,
