@@ -160,7 +160,7 @@ def test_the_bound_is_where_a_scale_is_inf_as_a_float32():
     import numpy as np
     import torch
 
-    from lm_eval_headloc.runs.setup import FLOAT32_OVERFLOW
+    from lm_eval_headloc.intervention.ablation import FLOAT32_OVERFLOW
 
     assert FLOAT32_OVERFLOW == TOO_LARGE and FLOAT32_MAX == torch.finfo(torch.float32).max
     with np.errstate(over="ignore"):
@@ -298,3 +298,30 @@ def test_a_float64_model_at_a_huge_scale_says_the_scale(tiny_model_dir, tmp_path
     message = last_error(capsys)  # after the model's and the measurement's bars
     assert_names(message, "--scale 1e+308", "not a finite number", "L1H2")
     assert "dtype=float32" not in message
+
+
+def test_hf_headablate_refuses_a_scale_past_float32_before_the_load(tiny_model_dir,
+                                                                    monkeypatch):
+    """lm_eval --model hf-headablate with scale=1e308 scored the NaN logits as answers
+    (acc 0.75 against 0.25): the model's own path had no bound."""
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_headloc.intervention.ablation import AblationError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights are loading")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    folder = str(tiny_model_dir("llama"))
+    for scale, dtype in ((1e308, "float32"), (-1e39, "bfloat16")):
+        with pytest.raises(AblationError) as err:
+            HFHeadAblateLM(pretrained=folder, device="cpu", dtype=dtype, ablate="L0H1",
+                           scale=scale)
+        said = str(err.value)
+        assert f"scale={scale:g}" in said and dtype in said and "\n" not in said
+    # float64 arithmetic holds it; a scale below the bound is not refused: the load follows.
+    for scale, dtype in ((1e308, "float64"), (1e30, "float32")):
+        with pytest.raises(AssertionError, match="weights are loading"):
+            HFHeadAblateLM(pretrained=folder, device="cpu", dtype=dtype, ablate="L0H1",
+                           scale=scale)

@@ -47,9 +47,9 @@ from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.common.files import cache_root, write_atomically
 from lm_eval_headloc.common.options import ABLATIONS
 
-__all__ = ["AblationError", "Resampler", "cached_head_means", "check_ablation",
+__all__ = ["FLOAT32_OVERFLOW", "AblationError", "Resampler", "cached_head_means", "check_ablation",
            "check_reference_set", "check_scale", "default_cache_dir", "head_means", "head_outputs",
-           "pick_donor", "reference_texts", "task_texts"]
+           "pick_donor", "reference_texts", "scale_overflow", "task_texts"]
 
 
 class AblationError(UserError):
@@ -75,6 +75,39 @@ def check_scale(value: object) -> float:
     if not math.isfinite(scale):
         raise AblationError(f"scale={value!r}: must be a finite number, e.g. scale=0 or 2")
     return scale
+
+
+#: The least number that is inf as a float32: float32's largest (2^128 - 2^104) plus half
+#: its last unit. A knockout computes ``scale * output`` (``hooks``) in the activations'
+#: dtype, whose arithmetic is float32's at most for float16, bfloat16 and float32: a scale
+#: this large is inf there (float16's product overflows all the same), so every nonzero
+#: knocked-out output becomes inf and the measurement NaN. Only float64 holds it.
+FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
+
+def _dtype_name(dtype: object) -> str | None:
+    """``torch.float64``, ``"float64"``, ``"torch.float64"`` -> ``"float64"`` (None: none
+    said, or ``"auto"``)."""
+    if dtype is None or dtype == "auto":
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return {"double": "float64", "float": "float32", "half": "float16"}.get(name, name)
+
+
+def scale_overflow(scale: float, dtype: object, config: Any = None,
+                   mixed_precision_dtype: object = None) -> str | None:
+    """The dtype a model computes in (``dtype``, as a model argument; ``auto`` or None: its
+    ``config``'s; ``mixed_precision_dtype`` where set) where ``scale`` overflows it, or None
+    where it fits: a scale that is inf as a float32 (``FLOAT32_OVERFLOW``) fits float64
+    arithmetic only."""
+    if abs(scale) < FLOAT32_OVERFLOW:
+        return None
+    runs_in = _dtype_name(dtype) or _dtype_name(
+        getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    mixed = _dtype_name(mixed_precision_dtype)
+    if runs_in == "float64" and mixed in (None, "float64"):
+        return None
+    return mixed or runs_in or "float32"
 
 
 def reference_texts(source: object, field: str | None = None,

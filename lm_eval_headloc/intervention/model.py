@@ -35,6 +35,7 @@ from lm_eval.models.huggingface import HFLM
 
 from lm_eval_headloc.common.checks import UsageError, check_batch_size, check_load_args
 from lm_eval_headloc.intervention.ablation import (
+    FLOAT32_OVERFLOW,
     AblationError,
     Resampler,
     cached_head_means,
@@ -43,6 +44,7 @@ from lm_eval_headloc.intervention.ablation import (
     check_scale,
     head_means,
     reference_texts,
+    scale_overflow,
 )
 from lm_eval_headloc.intervention.arg_string import ModelArgs, as_written
 from lm_eval_headloc.intervention.components import (
@@ -217,6 +219,16 @@ class HFHeadAblateLM(HFLM):
         # HFLM reads the config first: the requested components are checked against it
         # here, before the weights load (a neuron past the MLP's width fails in seconds).
         check_against_config(self._requested, self._config)
+        # A scale past the model's arithmetic made every knocked-out logit NaN, which
+        # lm-eval then scored as answers (acc 0.75 against 0.25): refused before the load.
+        runs_in = scale_overflow(self.scale, kwargs.get("dtype"), self._config,
+                                 getattr(self, "mixed_precision_dtype", None))
+        if runs_in is not None:
+            raise AblationError(f"scale={self.scale:g}: beyond float32's range (from "
+                                f"{FLOAT32_OVERFLOW:.7g} on, a float32 is inf); in the "
+                                f"model's {runs_in} arithmetic every knocked-out output "
+                                "would be inf and every score NaN: give a smaller scale= (or "
+                                "dtype=float64)")
         if self._ablate_file is not None:
             try:
                 per_layer = Geometry.from_config(self._config).heads_per_layer

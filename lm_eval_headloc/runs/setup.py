@@ -19,9 +19,11 @@ from lm_eval_headloc.common.errors import one_line
 from lm_eval_headloc.common.timing import timed
 from lm_eval_headloc.distributed.workers import check_workers
 from lm_eval_headloc.intervention.ablation import (
+    FLOAT32_OVERFLOW,
     AblationError,
     check_reference_set,
     reference_texts,
+    scale_overflow,
 )
 from lm_eval_headloc.intervention.components import (
     Component,
@@ -343,45 +345,21 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                  model_fingerprint(model_args))
 
 
-#: The least number that is inf as a float32: float32's largest (2^128 - 2^104) plus half
-#: its last unit. A knockout computes ``scale * output`` (``hooks``) in the activations'
-#: dtype, whose arithmetic is float32's at most for float16, bfloat16 and float32: a scale
-#: this large is inf there (float16's product overflows all the same), so every nonzero
-#: knocked-out output becomes inf and the measurement NaN. Only float64 holds it.
-FLOAT32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
-
-
-def _dtype_name(dtype: object) -> str | None:
-    """``torch.float64``, ``"float64"``, ``"torch.float64"`` -> ``"float64"`` (None: none
-    said, or ``"auto"``)."""
-    if dtype is None or dtype == "auto":
-        return None
-    name = str(dtype).removeprefix("torch.")
-    return {"double": "float64", "float": "float32", "half": "float16"}.get(name, name)
-
-
 def check_scale_fits(scale: float, model_args: str, config: Any) -> None:
-    """Refuse a --scale that is inf as a float32 (``FLOAT32_OVERFLOW``) unless the model
-    computes in float64 (``dtype=float64`` in ``model_args``, or ``auto`` with a float64
-    config, and no ``mixed_precision_dtype``): in any other dtype every knockout would be
-    inf or NaN, found only once the model has loaded and measured."""
-    if abs(scale) < FLOAT32_OVERFLOW:
-        return
+    """Refuse a --scale that overflows the model's arithmetic (``ablation.scale_overflow``:
+    inf as a float32 unless the model computes in float64): every knockout would be inf or
+    NaN, found only once the model has loaded and measured."""
     from lm_eval_headloc.intervention.arg_string import ModelArgs
 
     args = ModelArgs.parse(model_args)
-    dtype = _dtype_name(args.get("dtype")) or _dtype_name(
-        getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    mixed = _dtype_name(args.get("mixed_precision_dtype"))
-    if dtype == "float64" and mixed in (None, "float64"):
-        return
-    runs_in = mixed or dtype or "float32"
-    raise UsageError(f"--scale {scale:g}: beyond float32's range (from "
-                     f"{FLOAT32_OVERFLOW:.7g} on, a float32 is inf); in the model's "
-                     f"{runs_in} arithmetic every nonzero knocked-out output times it is "
-                     "inf, so every measurement that knocks anything out would be NaN; give "
-                     "a smaller --scale (or load the model with dtype=float64 in "
-                     "--model-args)")
+    runs_in = scale_overflow(scale, args.get("dtype"), config, args.get("mixed_precision_dtype"))
+    if runs_in is not None:
+        raise UsageError(f"--scale {scale:g}: beyond float32's range (from "
+                         f"{FLOAT32_OVERFLOW:.7g} on, a float32 is inf); in the model's "
+                         f"{runs_in} arithmetic every nonzero knocked-out output times it is "
+                         "inf, so every measurement that knocks anything out would be NaN; "
+                         "give a smaller --scale (or load the model with dtype=float64 in "
+                         "--model-args)")
 
 
 def _check_named_once(own: Sequence[str], own_names: Sequence[str], extra: Sequence[str],
