@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import capped_fall
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "locate_types_verify_export.py"
 TASK = "headloc_induction"
@@ -114,12 +115,17 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
     assert len((verify_dir / "measurements.jsonl").read_text().splitlines()) == 1 + 3 + 2
     assert json.loads(measured[0])["key"] == "baseline"
 
-    # Export: every head's node score is its fall in score, -effect (higher is better),
-    # derived here from heads.json alone, where no other head has the same fall; heads of
-    # equal fall are moved apart (headloc_export.order) without passing a head of another
-    # fall. Input and the MLPs are unscored.
-    expected = {f"a{e['layer']}.h{e['head_in_layer']}": -e["effect"] for e in heads["heads"]
+    # Export: every head's node score is its fall in score, -effect (higher is better), an
+    # estimate capped by what the run measured of it (helpers.capped_fall), derived here from
+    # heads.json alone, where no other head has the same fall; heads of equal fall are moved
+    # apart (headloc_export.order) without passing a head of another fall. Input and the
+    # MLPs are unscored.
+    expected = {f"a{e['layer']}.h{e['head_in_layer']}": capped_fall(e, heads)
+                for e in heads["heads"]
                 if e["effect"] is not None and math.isfinite(e["effect"])}
+    capped = graph["headloc_export"]["order"]["capped"]
+    assert {name for name, e in by_head.items() if e["effect"] is not None
+            and math.isfinite(e["effect"]) and capped_fall(e, heads) < -e["effect"]} == set(capped)
     scores = {name: node["score"] for name, node in graph["nodes"].items() if "score" in node}
     assert scores.keys() == expected.keys()
     falls = list(expected.values())

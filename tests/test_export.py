@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RANKED, RANKED_HEADS_PER_LAYER, assert_names, ranking
+from helpers import RANKED, RANKED_HEADS_PER_LAYER, assert_names, capped_fall, ranking
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.report.mib import MARKER, MIB_MODELS, mib_graph, write_mib
@@ -263,25 +263,6 @@ def crowded(higher_is_better: bool = True) -> dict:
     data = ranking(higher_is_better=higher_is_better, entries=entries)
     return {**data, "heads_per_layer": 4,
             "confirmed": [e["head"] for e in entries if e["measured_alone"]]}
-
-
-def capped_fall(entry: dict, data: dict) -> float:
-    """An entry's fall as the export scores it, read here from the ranking file on its
-    own: measured alone, its fall; an estimate's, no more than the harm of a group test
-    that knocked it out, and a harm no more than just under (float32) the least harm
-    measured alone, which the ranking puts first."""
-    sign = -1 if data["higher_is_better"] else 1
-    fall = sign * entry["effect"]
-    if entry.get("measured_alone") is True:
-        return fall
-    for test in (data.get("certificate") or {}).get("group_tests", []):
-        if entry["head"] in test["components"]:
-            fall = min(fall, sign * test["change"] + 0.0)
-    hurting = [sign * e["effect"] for e in data["heads"] if e.get("measured_alone") is True
-               and e["effect"] is not None and sign * e["effect"] > 0]
-    if hurting and fall > 0:
-        fall = min(fall, float(np.nextafter(np.float32(min(hurting)), np.float32(-np.inf))))
-    return fall
 
 
 def export_key(entry: dict, higher: bool, points: int, data: dict | None = None) -> tuple:
