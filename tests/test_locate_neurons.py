@@ -4,6 +4,7 @@ masks and the confirmation search them as they search heads, and every file says
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import numpy as np
@@ -343,6 +344,11 @@ def test_a_group_run_knocks_out_whole_groups(group_run):
     assert grouped == 2 * 64 - 6 - len(never)
     assert (f"over the 10 components the design searched: the prior's 6 likeliest MLP "
             f"neurons, {grouped} more in groups") in report
+    # It counts them as components, each group one ("every one of the 10 neurons
+    # checked" counted the 4 groups of the layers' other neurons as neurons).
+    assert ("### Certified: every one of the 10 components checked" in report
+            or re.search(r"^### Not certified: \d+ of 10 components unchecked$", report, re.M))
+    assert "10 neurons" not in report
     # No measurement knocked out a never-ablated neuron (the confirmation's included).
     assert all(not set(parse_components(r["mask"])) & set(never)
                for r in records if r["mask"])

@@ -29,8 +29,8 @@ from lm_eval_headloc.intervention.components import (
     parse_components,
 )
 
-__all__ = ["UNIT", "UNITS", "Column", "Columns", "NeuronGroup", "column_key", "column_label",
-           "components_of", "neuron_candidates", "neuron_groups"]
+__all__ = ["UNIT", "UNITS", "Column", "Columns", "NeuronGroup", "certificate_unit", "column_key",
+           "column_label", "components_of", "neuron_candidates", "neuron_groups"]
 
 
 class NeuronGroup(NamedTuple):
@@ -246,6 +246,15 @@ def components_of(columns: Columns) -> str:
     """The ``--components`` value whose columns these are."""
     heads = sum(isinstance(c, Head) for c in columns)
     return "heads" if heads == len(columns) else "neurons" if not heads else "heads+neurons"
+
+
+def certificate_unit(columns: Columns) -> str:
+    """What a certificate counts these columns as, one of them: ``UNIT``'s word, or
+    "component" where neuron groups (each checked as one) stand beside neurons ("every one
+    of the 10 neurons checked" counted 4 groups of 30 as neurons)."""
+    if any(isinstance(c, NeuronGroup) for c in columns):
+        return "component"
+    return UNIT[components_of(columns)]
 
 
 #: What a run locates, in words (``--components``): all of them, one of them, the title.

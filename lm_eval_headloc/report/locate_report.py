@@ -11,7 +11,7 @@ from lm_eval_headloc.method.columns import (
     UNIT,
     UNITS,
     NeuronGroup,
-    components_of,
+    certificate_unit,
 )
 from lm_eval_headloc.method.pilot import levels_kept
 from lm_eval_headloc.method.ranking import (
@@ -103,7 +103,8 @@ def locate_report(run: LocateRun) -> str:
             *equal_change_words(ranking, top_k),
             *same_masks_words(ranking.facts, UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.facts, UNIT[spec.components]),
-            *certificate_words(ranking, UNIT[spec.components], _searched_words(run)),
+            *certificate_words(ranking, certificate_unit(ranking.columns),
+                              _searched_words(run)),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -444,7 +445,7 @@ def certificate_line(ranking: Ranking) -> str | None:
     cert = ranking.facts.certificate
     if not cert:
         return None
-    unit = UNIT[components_of(ranking.columns)]
+    unit = certificate_unit(ranking.columns)
     confidence = f", {cert.confidence:.0%}" if cert.confidence is not None else ""
     ruled = (f", {cert.ruled_out} ruled out by sets under the top-{cert.top_k}'s bar "
              + (f"(each ≤ {cert.bound:.4g} alone{confidence})"
