@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -560,10 +561,19 @@ def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_d
             if not self.disable:  # shown (close() disables it later)
                 bars.append(self)
 
+    real = tqdm_module.tqdm
     monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--masks", "6", "--sparsity", "0.25", "--num-samples", "6",
-                   "--prior", "none", "--confirm", "7", "--out", str(tmp_path / "run")) == 0
+    try:
+        assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                       "--masks", "6", "--sparsity", "0.25", "--num-samples", "6",
+                       "--prior", "none", "--confirm", "7", "--out",
+                       str(tmp_path / "run")) == 0
+    finally:
+        # A module first imported during the run bound Recorded as its tqdm: later tests
+        # in this process drew lm-eval's bars into a StringIO (test_measure's verbose one).
+        for module in list(sys.modules.values()):
+            if getattr(module, "tqdm", None) is Recorded:
+                module.tqdm = real
     shown = [(bar.desc, bar.n, bar.total) for bar in bars]
     assert shown == [("locate", 7, 7), ("confirm", 7, 7)], shown
     rounds = strict_json(tmp_path / "run" / "config.json")["confirm"]["rounds"]
