@@ -310,6 +310,32 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
     assert spent_line(135, 135).endswith(" of `--max-measurements 135`")
 
 
+def test_a_run_that_measured_nothing_alone_does_not_point_to_measured_changes():
+    """With --confirm 0 the certificate said 'measured alone: 0 heads (the table shows the
+    top-3; each one's measured change is in heads-t.csv, measured_alone 1)'."""
+    from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
+    from lm_eval_headloc.report.locate_report import certificate_words
+
+    def alone_line(measured_alone: int, confirmed: list[str] | None) -> str:
+        unchecked = [f"L0H{i}" for i in range(measured_alone, 8)]
+        cert = CertificateRecord(
+            certified=False, rule="r", confidence=0.95, entry_bar=0.0, top_k=3,
+            measured_alone=measured_alone, ruled_out=0, bound=None, unchecked=unchecked,
+            unchecked_never_in_a_mask=0, unchecked_in_one_mask=0,
+            unchecked_beside_measured=[], group_size=2, group_tests_run=0, group_tests=[],
+            group_tests_to_cover=4)
+        ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
+                          4, facts=RankingFacts(certificate=cert, confirmed=confirmed))
+        [line] = [w for w in certificate_words(ranking) if w.startswith("- measured alone")]
+        return line
+
+    assert alone_line(0, None) == ("- measured alone: none (`--confirm 0`: every head ranks "
+                                   "by the masks' fit)")
+    assert alone_line(2, ["L0H0", "L0H1"]).startswith(
+        "- measured alone: 2 heads (the table shows the top-3; each one's measured change "
+        "is in `heads-t.csv`")
+
+
 def test_sparsity_auto_says_when_no_level_kept_enough():
     """Where no pilot level kept the share, the smallest is chosen: the report said 'the
     largest whose pilot masks kept ≥ 50%' beside shares all under 50 %."""

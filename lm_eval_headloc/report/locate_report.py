@@ -334,7 +334,10 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
              f"- measured alone: {counted(cert.measured_alone, unit)} (the table shows the "
              f"top-{k}; "
              f"each one's measured change is in `heads-{ranking.task}.csv`, `measured_alone` "
-             "1)"]
+             "1)" if cert.measured_alone else
+             # "0 heads (... each one's measured change is in ...)" read as a promise.
+             "- measured alone: none" + (f" (`--confirm 0`: every {unit} ranks by the masks' "
+                                         "fit)" if ranking.facts.confirmed is None else "")]
     if cert.ruled_out:
         lines.append(f"- ruled out by a mask or group test: {counted(cert.ruled_out, unit)}; "
                      + (("alone it harms the task by no more than" if cert.ruled_out == 1
