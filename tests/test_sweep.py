@@ -136,3 +136,26 @@ def test_a_score_that_held_drops_by_zero_not_negative_zero():
     assert f"{drop(0.0, 0.0, True):+.4f}" == "+0.0000"
     assert drop(0.3, 0.5, True) == pytest.approx(0.2)  # accuracy fell: worse
     assert drop(0.3, 0.5, False) == pytest.approx(-0.2)  # perplexity fell: better
+
+
+@pytest.mark.parametrize("grid, named", [
+    (["--masks", "4,4"], ["--masks 4,4", "4 given twice"]),
+    (["--sparsity", "0.1,0.10"], ["--sparsity 0.1,0.1", "0.1 given twice"]),
+    (["--sparsity", "0.12345671,0.12345672"],
+     ["0.12345671 and 0.12345672", "p0.123457"]),
+    (["--masks", "1,4"], ["--masks 1", ">= 2"]),
+    (["--sparsity", "0"], ["--sparsity 0:", "strictly between 0 and 1"]),
+])
+def test_a_grid_value_no_cell_can_take_is_refused_before_the_load(
+        grid, named, tiny_model_dir, tmp_path, capsys, no_model_loading):
+    """'--masks 4,4' ran one cell and recorded a grid of two; '--masks 1' was refused as
+    "a whole number >= 2 or 'auto'", which a grid does not take, and '--sparsity 0' was
+    said as '0.0'."""
+    out = tmp_path / "sweep"
+    capsys.readouterr()
+    assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   *grid, "--out", str(out)) == 2
+    error = last_error(capsys)
+    assert_names(error, *named)
+    assert "auto" not in error and "0.0" not in error
+    assert not out.exists()

@@ -4,6 +4,7 @@ out its top-k hurts the (first) task."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                        for value in (masks, sparsity))
     if not masks or not sparsity:
         raise UsageError("--masks and --sparsity each need at least one value")
+    _check_grid(masks, sparsity)
     setup = prepare(spec)
     spec = setup.spec
     # A cell is compared by what its masks (and confirmation) found: no group tests, which
@@ -97,6 +99,32 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result
+
+
+def _check_grid(masks: Sequence[int], sparsity: Sequence[float]) -> None:
+    """Refuse a grid value no cell can take, or two values that make one cell (its folder
+    ``m{M}-p{P:g}``): '--masks 4,4' ran one cell and recorded two; the cells' own checks
+    said "or 'auto'", which a grid does not take."""
+    for m in masks:
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 2:
+            raise UsageError(f"--masks {m}: each value of the grid must be a whole number "
+                             ">= 2")
+    for p in sparsity:
+        number = isinstance(p, numbers.Real) and not isinstance(p, bool)
+        if not (number and 0 < p < 1):
+            raise UsageError(f"--sparsity {format(p, 'g') if number else repr(p)}: each "
+                             "value of the grid must be a number strictly between 0 and 1")
+    for flag, values, cell in (("--masks", masks, "m{}"), ("--sparsity", sparsity, "p{:g}")):
+        given = ",".join(map(str, values))
+        for name in {cell.format(v) for v in values}:
+            same = [v for v in values if cell.format(v) == name]
+            if len(set(same)) > 1:  # a folder name keeps 6 digits of a sparsity
+                raise UsageError(f"{flag} {given}: {' and '.join(map(str, same))} make one "
+                                 f"cell ({name} in its folder's name); give values that "
+                                 "differ in the first 6 digits")
+            if len(same) > 1:
+                raise UsageError(f"{flag} {given}: {same[0]} given twice (each value is "
+                                 "one cell of the grid)")
 
 
 def drop(score: float, baseline: float, higher_is_better: bool) -> float:
