@@ -207,6 +207,29 @@ def test_the_python_api_takes_a_spec_or_keywords(tiny_model_dir, tmp_path):
     assert RunSpec.from_config(strict_json(tmp_path / "a" / "config.json")).masks == 4
 
 
+def test_numpys_numbers_are_taken_as_pythons(tiny_model_dir, tmp_path):
+    """A notebook's np.int64/np.float32 options loaded the model and then failed writing
+    config.json ('Object of type int64 is not JSON serializable'); a sweep's grid from
+    np.arange too."""
+    import numpy as np
+
+    model_args = f"pretrained={tiny_model_dir('llama')},dtype=float32"
+    spec = RunSpec(model_args=model_args, tasks=("tiny_copy",), include_path=(TASKS,),
+                   masks=np.int64(4), sparsity=np.float32(0.25), num_samples=np.int64(4),
+                   top_k=np.int64(2), alpha=np.float64(0.01), progress=False)
+    assert [type(v) for v in (spec.masks, spec.sparsity, spec.num_samples, spec.top_k,
+                              spec.alpha)] == [int, float, int, int, float]
+    by_numpy = locate(tmp_path / "a", spec)
+    plain = locate(tmp_path / "b", spec.replace(masks=4, sparsity=0.25, num_samples=4,
+                                                top_k=2, alpha=0.01))
+    assert by_numpy["tiny_copy"].order == plain["tiny_copy"].order
+    assert strict_json(tmp_path / "a" / "config.json")["spec"]["masks"] == 4
+    result = sweep(tmp_path / "s", masks=np.arange(3, 5), sparsity=np.float64(0.25),
+                   spec=spec.replace(confirm=0, prior="none"))
+    assert [(c["masks"], c["sparsity"]) for c in result["cells"]] == [(3, 0.25), (4, 0.25)]
+    assert strict_json(tmp_path / "s" / "config.json")["identity"]["masks"] == [3, 4]
+
+
 def test_the_python_api_refuses_bad_arguments_in_its_own_words(tmp_path):
     """RunSpec.validate() accepted tasks=[None], [5], bytes and masks="4" (then an
     AttributeError in set-up); locate(None) was pathlib's TypeError; a MemoryStore of

@@ -42,11 +42,13 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     """
     spec = command_spec("sweep", spec, options)
     # One value is a grid of one (a notebook's sweep(out, masks=100)).
-    masks, sparsity = ([value] if isinstance(value, (int, float)) else list(value)
+    masks, sparsity = ([value] if isinstance(value, numbers.Real) else list(value)
                        for value in (masks, sparsity))
     if not masks or not sparsity:
         raise UsageError("--masks and --sparsity each need at least one value")
     _check_grid(masks, sparsity)
+    # Plain numbers: numpy's (a notebook's np.arange) failed in config.json's writing.
+    masks, sparsity = [int(m) for m in masks], [float(p) for p in sparsity]
     setup = prepare(spec)
     spec = setup.spec
     # A cell is compared by what its masks (and confirmation) found: no group tests, which

@@ -316,6 +316,12 @@ class RunSpec:
     progress: bool = _option(True, "show progress bars", RUNTIME)  # Python API only
 
     def __post_init__(self) -> None:
+        # numpy's numbers (a notebook's np.int64(100)) as Python's: config.json's writing
+        # failed on them after the model had loaded.
+        for spec_field in fields(self):
+            value = getattr(self, spec_field.name)
+            if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+                object.__setattr__(self, spec_field.name, value.item())
         # Sequences become tuples, so a spec is hashable and compares by value; a string
         # is a comma-separated list (one folder for include_path).
         for name in ("tasks", "include_path", "general"):
