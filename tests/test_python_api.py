@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import TASKS, load_lm, raises_naming, strict_json
+from helpers import HIDDEN, TASKS, load_lm, raises_naming, strict_json
 
 from lm_eval_headloc.commands import cross, greedy, locate, sweep, types, universal
 from lm_eval_headloc.commands.verify import verify
@@ -228,6 +228,11 @@ def test_numpys_numbers_are_taken_as_pythons(tiny_model_dir, tmp_path):
                    spec=spec.replace(confirm=0, prior="none"))
     assert [(c["masks"], c["sparsity"]) for c in result["cells"]] == [(3, 0.25), (4, 0.25)]
     assert strict_json(tmp_path / "s" / "config.json")["identity"]["masks"] == [3, 4]
+    from lm_eval_headloc import write_mib
+
+    graph = strict_json(write_mib(tmp_path / "a", tmp_path / "mib" / "importances.json",
+                                  d_model=np.int64(HIDDEN)))
+    assert graph["cfg"]["d_model"] == HIDDEN
 
 
 def test_the_python_api_refuses_bad_arguments_in_its_own_words(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.checks import UsageError, as_python
 from lm_eval_headloc.common.words import signed
 from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.lasso import harm
@@ -42,13 +42,12 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     """
     spec = command_spec("sweep", spec, options)
     # One value is a grid of one (a notebook's sweep(out, masks=100)).
-    masks, sparsity = ([value] if isinstance(value, numbers.Real) else list(value)
-                       for value in (masks, sparsity))
+    # Python's numbers: numpy's (a notebook's np.arange) failed in config.json's writing.
+    masks, sparsity = ([as_python(value)] if isinstance(value, numbers.Real) else
+                       list(map(as_python, value)) for value in (masks, sparsity))
     if not masks or not sparsity:
         raise UsageError("--masks and --sparsity each need at least one value")
     _check_grid(masks, sparsity)
-    # Plain numbers: numpy's (a notebook's np.arange) failed in config.json's writing.
-    masks, sparsity = [int(m) for m in masks], [float(p) for p in sparsity]
     setup = prepare(spec)
     spec = setup.spec
     # A cell is compared by what its masks (and confirmation) found: no group tests, which

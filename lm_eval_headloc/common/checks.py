@@ -15,11 +15,19 @@ import numpy as np
 
 from lm_eval_headloc.common.errors import UserError
 
-__all__ = ["UsageError", "check_load_args", "check_number"]
+__all__ = ["UsageError", "as_python", "check_load_args", "check_number"]
 
 
 class UsageError(UserError):
     """A bad argument (reported by the CLI in one line, exit status 2)."""
+
+
+def as_python(value: object) -> object:
+    """A numpy scalar (a notebook's ``np.int64(100)``, ``np.arange``'s items) as Python's
+    number, anything else as it is: the run's JSON files take Python's alone."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    return value
 
 
 def _shown(name: str, value: object) -> str:

@@ -70,6 +70,7 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_headloc.common.checks import as_python
 from lm_eval_headloc.common.files import read_json, write_atomically
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
@@ -577,6 +578,7 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     from lm_eval_headloc.runs.record import load_run  # torch and sklearn: only imported when needed
 
     run_folder, out = Path(run_folder), Path(out)
+    d_model = as_python(d_model)  # a notebook's np.int64 is a width too
     record = load_run(run_folder)
     if record.command not in _COMMANDS:
         hint = (" (a sweep: export one of its cell folders, m<M>-p<P>/)"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.common.checks import UsageError, as_python, check_number
 from lm_eval_headloc.common.options import (
     ABLATIONS,
     COMPONENTS,
@@ -319,9 +319,7 @@ class RunSpec:
         # numpy's numbers (a notebook's np.int64(100)) as Python's: config.json's writing
         # failed on them after the model had loaded.
         for spec_field in fields(self):
-            value = getattr(self, spec_field.name)
-            if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-                object.__setattr__(self, spec_field.name, value.item())
+            object.__setattr__(self, spec_field.name, as_python(getattr(self, spec_field.name)))
         # Sequences become tuples, so a spec is hashable and compares by value; a string
         # is a comma-separated list (one folder for include_path).
         for name in ("tasks", "include_path", "general"):
