@@ -159,3 +159,18 @@ def test_a_grid_value_no_cell_can_take_is_refused_before_the_load(
     assert_names(error, *named)
     assert "auto" not in error and "0.0" not in error
     assert not out.exists()
+
+
+def test_verify_and_cross_of_a_sweeps_folder_name_its_cells(tiny_model_dir, tmp_path, capsys):
+    """verify said a finished sweep 'has no heads-tiny_choice.json; finish the run first'."""
+    out = tmp_path / "sweep"
+    args = tiny_args(tiny_model_dir("llama"))
+    assert harness("sweep", *args, "--tasks", "tiny_choice", "--masks", "3", "--sparsity",
+                   "0.25", "--num-samples", "3", "--top-k", "1", "--out", str(out)) == 0
+    for command in (["verify", str(out), "--general", "tiny_copy"],
+                    ["cross", str(out), str(out / "m3-p0.25")]):
+        capsys.readouterr()
+        assert harness(*command, "--out", str(tmp_path / command[0])) == 2
+        error = last_error(capsys)
+        assert_names(error, str(out), "sweep run", "m<M>-p<P>/")
+        assert "finish the run" not in error

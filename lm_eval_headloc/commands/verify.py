@@ -39,7 +39,7 @@ from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
-from lm_eval_headloc.runs.record import load_run, read_ranking_file
+from lm_eval_headloc.runs.record import load_run, ranking_files, read_ranking_file
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
 
@@ -60,6 +60,7 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
     fewer."""
     path = folder.ranking_file(task)
     if not path.is_file():
+        ranking_files(folder)  # a sweep's folder said as a sweep, not as unfinished
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     ranked = read_heads_file(path)
     if len(ranked) < top_k:
