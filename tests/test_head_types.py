@@ -598,3 +598,10 @@ def test_the_types_summary_counts_the_heads_that_stand_out():
     assert "  previous-token: 2 heads stand out (threshold 0.50)" in said
     assert "  induction: 1 head stands out (threshold 0.50)" in said
     assert "  duplicate-token: 0 heads stand out (threshold 0.50)" in said
+    # Attention to the first position labels no head, and is not said to be what this
+    # model's typical head does where its median head barely does it.
+    sink = {**{t: [[0.9, 0.8, 0.1]] for t in HEAD_TYPES}, "attention_sink": [[0.1, 0.06, 0.02]]}
+    said = types_summary(HeadTypes({"scores": sink, "dominant": dominant,
+                                    "thresholds": {t: 0.5 for t in HEAD_TYPES[:3]}}))
+    assert ("  attention-sink: labels no head (in most language models the typical head does "
+            "it; median here 0.06); highest L0H0 0.10, L0H1 0.06, L0H2 0.02") in said

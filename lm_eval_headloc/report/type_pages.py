@@ -57,8 +57,9 @@ def types_summary(head_types: HeadTypes | None, shown: int = 3) -> str:
                     + (f"; {near.count(name)} too near it to say" if near.count(name) else "")
                     + ")")
         else:
-            said = (f"labels no head (the typical head does it: median "
-                    f"{float(np.nanmedian(values)):.2f})")
+            # "the typical head does it: median 0.06" said of a model whose heads barely do.
+            said = (f"labels no head (in most language models the typical head does it; "
+                    f"median here {float(np.nanmedian(values)):.2f})")
         lines.append(f"  {name.replace('_', '-')}: {said}; highest "
                      + ", ".join(f"L{layer}H{head} {values[layer, head]:.2f}"
                                  for layer, head in best))
