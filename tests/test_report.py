@@ -160,6 +160,28 @@ def test_the_heatmap_can_be_read_as_the_readme_reads_it(tmp_path):
     assert "boxed: measured alone" in _legend(figure)
 
 
+def test_the_heatmap_does_not_circle_a_harmless_top_k_head_as_a_find(tmp_path):
+    """A top-3 whose 3rd head does no harm (the report: 'the other places are filled by
+    heads that do not') circled it like the others, and, never hatched, it read as a
+    stable find."""
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.report.pages import plot_heatmap
+
+    effects = np.zeros(8)
+    effects[5], effects[1] = -0.3, -0.1  # L1H1 and L0H1 hurt; the rest do nothing
+    ranking = Ranking("t", "acc,none", True, 0.5, effects, [5, 1, 2, 0, 3, 4, 6, 7], 4)
+    assert [str(h) for h in ranking.harmless(3)] == ["L0H2"]
+    figure = plot_heatmap([ranking], 3, tmp_path / "heatmap.png")
+    marks: dict[str, list] = {}
+    for mark in figure.axes[0].collections:
+        marks.setdefault(mark.get_gid(), []).extend(
+            tuple(map(int, xy)) for xy in mark.get_offsets())
+    assert sorted(marks["top"]) == [(1, 0), (1, 1)]  # (head, layer) of L0H1 and L1H1
+    assert marks["harmless"] == [(2, 0)]
+    assert "dashed circle: a top-3 place filled by a head that does not hurt" in _legend(
+        figure)
+
+
 @pytest.mark.parametrize(("n", "said"), [
     (1, "1st"), (2, "2nd"), (3, "3rd"), (4, "4th"), (5, "5th"), (10, "10th"), (11, "11th"),
     (12, "12th"), (13, "13th"), (21, "21st"), (22, "22nd"), (23, "23rd"), (101, "101st"),

@@ -141,9 +141,15 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
                                        fill=False, edgecolor="0.35", linewidth=0.6,
                                        gid="measured"))
             notes["boxed: measured alone (the other cells: the masks' fit's estimate)"] = None
+        # A top-k place filled by a head that does not hurt is no find (harmless_words):
+        # dashed and grey, not circled as one (it is never hatched either).
+        harmless = ranking.harmless(top_k)
         for head in ranking.top(top_k):
-            ax.scatter(head.head, head.layer, s=80, facecolors="none", edgecolors="black",
-                       linewidths=1.5)
+            filler = head in harmless
+            ax.scatter(head.head, head.layer, s=80, facecolors="none",
+                       edgecolors="0.45" if filler else "black", linewidths=1.5,
+                       linestyles=(0, (2, 1.5)) if filler else "solid",
+                       gid="harmless" if filler else "top")
         typed = ranking.head_types is not None
         if typed:  # each head a type stands out in, by its letter
             for layer, row in enumerate(ranking.head_types.labels):
@@ -168,6 +174,9 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
                                    else MaxNLocator(integer=True))
             axis.set_tick_params(labelsize=7 if count > 16 else 9)
         notes[f"circled: top-{top_k}"] = None
+        if harmless:
+            notes[f"dashed circle: a top-{top_k} place filled by a head that does not hurt "
+                  "the task"] = None
         if unstable:
             notes[f"hatched: top-{top_k} in < {STABLE:.0%} of "
                   f"{words.counted(ranking.stability.resamples, 'bootstrap refit')}"] = None
