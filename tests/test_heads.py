@@ -101,6 +101,22 @@ def test_read_heads_file_errors(tmp_path):
         read_heads_file(bad)
 
 
+def test_a_run_folder_given_as_a_head_file_is_told_its_ranking(tmp_path):
+    """ablate_file=runs/smol said only 'is a folder, not a head file'."""
+    run, sweep, other = tmp_path / "run", tmp_path / "sweep", tmp_path / "other"
+    for folder in (run, sweep / "m4-p0.1", other):
+        folder.mkdir(parents=True)
+    for ranking in (run / "heads.json", run / "heads-t.json", sweep / "m4-p0.1" / "heads.json"):
+        ranking.write_text('{"heads": ["L0H1"]}')
+    with raises_naming(ComponentSpecError, f"{run} is a folder", f"e.g. {run / 'heads.json'}"):
+        read_heads_file(run)
+    with raises_naming(ComponentSpecError, f"e.g. {sweep / 'm4-p0.1' / 'heads.json'}"):
+        read_heads_file(sweep)
+    with pytest.raises(ComponentSpecError) as refused:
+        read_heads_file(other)
+    assert str(refused.value) == f"{other} is a folder, not a head file"
+
+
 def test_a_head_file_that_is_not_one_is_refused_without_printing_its_text(tmp_path):
     """--exclude /etc/shadow printed the file's first line in its error ("bad component
     name 'root:*:...'"): the file and the line are named, not its text; a misspelt head

@@ -497,7 +497,11 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
         raise ComponentSpecError(f"head file {path!r}: give a path")
     path = Path(path)
     if path.is_dir():
-        raise ComponentSpecError(f"{path} is a folder, not a head file")
+        # A run folder (a sweep's: its cells'): name a ranking in it.
+        ranked = [found for pattern in ("heads.json", "heads-*.json", "*/heads.json")
+                  for found in sorted(path.glob(pattern))]
+        raise ComponentSpecError(f"{path} is a folder, not a head file" + (
+            f"; give a ranking file in it, e.g. {ranked[0]}" if ranked else ""))
     if not path.is_file():
         raise ComponentSpecError(f"head file not found: {path}")
     try:
