@@ -258,6 +258,16 @@ def test_top_k_places_filled_by_harmless_components_are_said(tmp_path):
     assert ("A's top-3 holds 2 that its ranking records as doing no harm (L0H1, L0H2): "
             "places filled because fewer hurt, not finds; they count above as listed."
             ) in overlap_markdown(overlap(two, b, top_k=3))
+    # Iterative greedy's order: a harmless round winner above one that hurts fills no
+    # place "because fewer hurt" (it was said so).
+    order = write_run(tmp_path / "order", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                      effects={"t": [-0.3, 0.0, -0.1, 0.0]})
+    entry = overlap(order, b, top_k=3)["tasks"]["t"]["a"]
+    assert entry["harmless"] == [] and entry["harmless_above_hurting"] == {"L0H1": ["L0H2"]}
+    table = overlap_markdown(overlap(order, b, top_k=3))
+    assert ("A's top-3 ranks L0H1 above L0H2, though its ranking records it as doing no "
+            "harm and the ones below as hurting: a place in the run's order") in table
+    assert "because fewer hurt" not in table
 
 def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
     # A's L0H1 and L0H2 lose less than L0H3's knockout gains (+0.03): noise, not finds;

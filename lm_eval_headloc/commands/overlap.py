@@ -116,6 +116,21 @@ class RankingFile:
                 if isinstance(effect, (int, float)) and name not in self.harmless
                 and not beyond_spread(effect, self.largest_help, self.higher_is_better)]
 
+    def harmless_places(self, k: int) -> tuple[list[str], dict[str, list[str]]]:
+        """The top-k's names recorded to do no harm: those after the last that hurts
+        (places filled because fewer hurt), and those ranked above one that hurts, each
+        with the ones below it that hurt (iterative greedy ranks by the order its rounds
+        were won, not by harm)."""
+        top = self.names[:k]
+        effects = self.effects or [None] * len(self.names)
+        hurting = [i for i, (name, e) in enumerate(zip(top, effects, strict=False))
+                   if isinstance(e, (int, float)) and (-e if self.higher_is_better else e) > 0]
+        last = max(hurting, default=-1)
+        after = [n for i, n in enumerate(top) if i > last and n in self.harmless]
+        above = {name: [top[j] for j in hurting if j > i]
+                 for i, name in enumerate(top[:last]) if name in self.harmless}
+        return after, above
+
     def tied_at(self, k: int) -> bool:
         """Whether the k-th and (k+1)-th share their evidence: no top-k set is defined."""
         return k < len(self.names) and self.names[k] in self.tied
@@ -218,7 +233,9 @@ def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
     return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
             "tie": {"group": group, "places": places} if group else None,
             "nothing_found": ranking.nothing_found(k),
-            "harmless": [n for n in ranking.names[:k] if n in ranking.harmless],
+            # Recorded to do no harm: after the last that hurts; above one that hurts.
+            "harmless": ranking.harmless_places(k)[0],
+            "harmless_above_hurting": ranking.harmless_places(k)[1],
             "within_spread": ranking.within_spread(k)}
 
 
@@ -387,6 +404,8 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
     notes += [_tie_words(label, side) for label, side in (("A", a), ("B", b)) if side["tie"]]
     notes += [_harmless_words(label, side) for label, side in (("A", a), ("B", b))
               if side.get("harmless") and not side["nothing_found"]]
+    notes += [_harmless_above_words(label, side) for label, side in (("A", a), ("B", b))
+              if side.get("harmless_above_hurting") and not side["nothing_found"]]
     notes += [_within_spread_words(label, side) for label, side in (("A", a), ("B", b))
               if side.get("within_spread")]
     lines += [*(f"- {note}" for note in notes), *([""] if notes else [])]
@@ -407,6 +426,17 @@ def _harmless_words(label: str, side: dict[str, Any]) -> str:
             + ("a place filled because fewer hurt, not a find; it counts" if one else
                "places filled because fewer hurt, not finds; they count")
             + " above as listed.")
+
+
+def _harmless_above_words(label: str, side: dict[str, Any]) -> str:
+    above = side["harmless_above_hurting"]
+    return (f"{label}'s top-{side['k']} ranks "
+            + "; ".join(f"{shown_name(name)} above {', '.join(map(shown_name, below))}"
+                        for name, below in above.items())
+            + f", though its ranking records {'it' if len(above) == 1 else 'them'} as doing "
+            "no harm and the ones below as hurting: a place in the run's order (iterative "
+            "greedy ranks by the round won), not a find; "
+            + ("it counts" if len(above) == 1 else "they count") + " above as listed.")
 
 
 def _within_spread_words(label: str, side: dict[str, Any]) -> str:

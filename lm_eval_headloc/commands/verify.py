@@ -98,22 +98,15 @@ def _harmless_notes(ranking: RankingFile, top_k: int, method: object = None) -> 
     that hurts, places filled because fewer hurt; before one that hurts (iterative greedy
     ranks heads in the order they won its rounds, not by harm), their place in the order.
     ``method``: the ranking file's."""
-    top = ranking.names[:top_k]
-    effects = ranking.effects or [None] * len(ranking.names)
-    hurting = [i for i, (name, e) in enumerate(zip(top, effects, strict=False))
-               if isinstance(e, (int, float)) and (-e if ranking.higher_is_better else e) > 0]
-    last = max(hurting, default=-1)
-    after = [n for i, n in enumerate(top) if i > last and n in ranking.harmless]
+    after, above = ranking.harmless_places(top_k)
     why = (" (iterative greedy ranks heads in the order they won its rounds, each measured "
            "with the earlier winners knocked out)" if method == "iterative greedy" else "")
     notes = []
-    for i, name in enumerate(top[:last]):
-        if name in ranking.harmless:
-            below = [shown_name(top[j]) for j in hurting if j > i]
-            notes.append(f"{shown_name(name)}: recorded to do no harm, yet ranked above "
-                         f"{', '.join(below)}, which hurt{'s' if len(below) == 1 else ''} the "
-                         f"task{why}: listed for its place in that order, not because fewer "
-                         "hurt")
+    for name, below in above.items():
+        notes.append(f"{shown_name(name)}: recorded to do no harm, yet ranked above "
+                     f"{', '.join(map(shown_name, below))}, which hurt"
+                     f"{'s' if len(below) == 1 else ''} the task{why}: listed for its place "
+                     "in that order, not because fewer hurt")
     if after:
         notes.append(f"{', '.join(map(shown_name, after))}: recorded to do no harm, "
                      "listed because fewer hurt")
