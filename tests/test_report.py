@@ -305,7 +305,7 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
     from lm_eval_headloc.method.ranking import CertificateRecord, Ranking, RankingFacts
     from lm_eval_headloc.report.locate_report import certificate_words
 
-    def spent_line(spent: int, cap: int, unit: str = "head") -> str:
+    def spent_line(spent: int, cap: int, unit: str = "head", given: bool = False) -> str:
         cert = CertificateRecord(
             certified=True, rule="r", confidence=0.95, entry_bar=0.2, top_k=2,
             measured_alone=8, ruled_out=0, bound=None, unchecked=[],
@@ -314,7 +314,7 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
             group_tests_to_cover=0, measurements_spent=spent, max_measurements=cap)
         ranking = Ranking("t", "acc", True, 0.5, -np.linspace(0.5, 0.1, 8), list(range(8)),
                           4, facts=RankingFacts(certificate=cert, confirmed=["L0H0"]))
-        [line] = [w for w in certificate_words(ranking, unit)
+        [line] = [w for w in certificate_words(ranking, unit, cap_given=given)
                   if w.startswith("- measurements:")]
         return line
 
@@ -328,8 +328,11 @@ def test_the_spent_measurements_beside_a_cap_below_the_fixed_part():
     assert "(the prior's allowance, masks, heads measured alone and group tests)" in over
     neurons = spent_line(28, 4, "neuron")
     assert "heads" not in neurons and "neurons measured alone and group tests" in neurons
-    assert spent_line(77, 135).endswith(" of `--max-measurements 135`")
-    assert spent_line(135, 135).endswith(" of `--max-measurements 135`")
+    assert spent_line(77, 135, given=True).endswith(" of `--max-measurements 135`")
+    assert spent_line(135, 135, given=True).endswith(" of `--max-measurements 135`")
+    # Under the automatic cap: not said as '--max-measurements 135', which no one gave.
+    assert spent_line(77, 135).endswith(" of the run's automatic cap of 135 "
+                                        "(`--max-measurements auto`: half the heads it ranks)")
 
 
 def test_a_run_that_measured_nothing_alone_does_not_point_to_measured_changes():

@@ -104,7 +104,8 @@ def locate_report(run: LocateRun) -> str:
             *same_masks_words(ranking.facts, UNIT[spec.components], run.uses_prior),
             *_unconfirmed_words(ranking.facts, UNIT[spec.components]),
             *certificate_words(ranking, certificate_unit(ranking.columns),
-                              _searched_words(run)),
+                              _searched_words(run),
+                              cap_given=spec.max_measurements not in (None, "auto")),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -301,12 +302,14 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
                                       if len(names) > most else "")
 
 
-def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> list[str]:
+def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
+                      cap_given: bool = False) -> list[str]:
     """report.md's certificate (``facts.certificate``): certified or not, the rule and the
     confidence it holds at, what the run measured alone, what a measured set ruled out and
     by how much at most, what the group tests measured, the sets that ruled nothing out,
     the ties at the k-th place, and what nothing checked, with the flag that would check
-    it. ``scope``: a sentence on what the run searched (a neuron run: its candidates)."""
+    it. ``scope``: a sentence on what the run searched (a neuron run: its candidates);
+    ``cap_given``: the user gave ``--max-measurements`` a number (else it is automatic)."""
     cert = ranking.facts.certificate
     if not cert:
         return []
@@ -380,7 +383,8 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "") -> 
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
-                     + _of_the_cap(cert.measurements_spent, cert.max_measurements, unit))
+                     + _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
+                                   cap_given))
     unchecked = cert.unchecked
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
@@ -426,15 +430,18 @@ def _finish_advice(ranking: Ranking, cert: CertificateRecord) -> str:
             "a group is split); a larger `--confirm` measures the likeliest alone")
 
 
-def _of_the_cap(spent: int, cap: int | None, unit: str) -> str:
+def _of_the_cap(spent: int, cap: int | None, unit: str, given: bool = False) -> str:
     """How the spent measurements stand to ``--max-measurements``: the masks, the prior and
     the heads measured alone are spent whatever the cap (auto, half the units, is below
     them where a model has few), which stops only the group tests ('28 of
-    --max-measurements 4' read as a cap broken)."""
+    --max-measurements 4' read as a cap broken). ``given``: the cap is the user's number,
+    said as the option; else it is the automatic one."""
     if cap is None:
         return ""
     if spent <= cap:
-        return f" of `--max-measurements {cap}`"
+        return (f" of `--max-measurements {cap}`" if given else
+                f" of the run's automatic cap of {cap} (`--max-measurements auto`: half the "
+                f"{unit}s it ranks)")
     # The cap may be the automatic one: "more than `--max-measurements 8`" read as an
     # option the user never gave.
     return (f", more than the run's cap of {cap} (`--max-measurements`; by default half the "
