@@ -312,9 +312,16 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
     report = (one / "report.md").read_text().splitlines()
     assert report[0] == "# Head localization by one-shot greedy"
     assert report[2] == f"- model: `{strict_json(one / 'config.json')['spec']['model_args']}`"
-    assert report[3] == ("- knockout: a knocked-out head's output is zeroed (--ablation zero, "
+    # What was scored and on which examples, as locate's report says it (it had no line
+    # on either).
+    assert report[3] == "- signal: each task's metric, as lm-eval reports it"
+    assert report[4] == ("- knockout: a knocked-out head's output is zeroed (--ablation zero, "
                          "--scale 0)")
-    assert report[4].startswith("- time: ") and report[4].endswith("(config.json's timings)")
+    config = strict_json(one / "config.json")
+    assert report[5] == (f"- examples per task: {config['spec']['num_samples']} asked, used "
+                         f"tiny_copy {config['examples_used']['tiny_copy']} (the same subset "
+                         "in every measurement)")
+    assert report[6].startswith("- time: ") and report[6].endswith("(config.json's timings)")
     # The ranking files record it: hf-headablate reads them.
     assert heads["knockout"] == {"ablation": "zero", "scale": 0.0}
     assert [line for line in report if line.startswith("#")] == [report[0],
@@ -349,13 +356,15 @@ def test_a_finished_greedy_run_reruns_without_loading_the_model(tiny_model_dir, 
             "--num-samples", "12", "--rounds", "2", "--top-k", "3", "--out", str(out)]
     assert harness(*args) == 0
     files = {name: (out / name).read_bytes() for name in
-             ("heads.json", "heads.csv", "types.json", "config.json", "measurements.jsonl")}
+             ("heads.json", "heads.csv", "types.json", "config.json", "measurements.jsonl",
+              "report.md")}  # report.md: a rerun dropped its time and examples lines
     original = HFHeadAblateLM.__init__
     loads = []
     monkeypatch.setattr(HFHeadAblateLM, "__init__",
                         lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
     assert harness(*args) == 0
     assert loads == [] and {n: (out / n).read_bytes() for n in files} == files
+    assert "- examples per task: 12 asked, used tiny_copy 12" in files["report.md"].decode()
     # The last round's last measurement lost: the model loads to measure it again.
     lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
     (out / "measurements.jsonl").write_text("".join(lines[:-1]))

@@ -21,18 +21,20 @@ from lm_eval_headloc.method.rank import measured_changes, rank_measured, tied_wi
 from lm_eval_headloc.method.ranking import Ranking, RankingFacts, largest_single_help
 from lm_eval_headloc.report.pages import (
     equal_change_words,
+    examples_words,
     floor_words,
     harmless_words,
     knockout_words,
     ranking_table,
     recorded_knockout,
+    signal_words,
     spread_words,
     tie_words,
     write_ranking,
 )
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
-from lm_eval_headloc.runs.record import start_run
+from lm_eval_headloc.runs.record import load_run, start_run
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
 from lm_eval_headloc.runs.types_file import ensure_types, read_types
@@ -123,11 +125,14 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                              setup.heads_per_layer, len(folder.measurements()), alike,
                              alone)
         first = next(iter(rankings.values()))
+        # A rerun that measured nothing reports what the run recorded: its own record
+        # holds no timings or examples (it dropped report.md's time and examples lines).
+        said = run if measure is not None else load_run(folder)
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.facts.method} (each head's score change in its "
                             "last measured round)",
-                      report=lambda: _report(rankings, spec.top_k, run.timings,
-                                             spec.model_args, spec),
+                      report=lambda: _report(rankings, spec.top_k, said.timings,
+                                             spec.model_args, spec, said.examples_used),
                       knockout=recorded_knockout(spec))
     return rankings
 
@@ -183,15 +188,18 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
 
 def _report(rankings: Mapping[str, Ranking], top_k: int,
             timings: list[dict[str, Any]] | None = None, model_args: str | None = None,
-            spec: RunSpec | None = None) -> str:
-    """report.md: the title, the model, what a knockout did and the time, then a section
-    per task (the time stood above the title, and each task was a title of its own)."""
+            spec: RunSpec | None = None, examples_used: Mapping[str, int] | None = None
+            ) -> str:
+    """report.md: the title, the model, what was scored, what a knockout did, the examples
+    and the time, then a section per task (the time stood above the title, and each task
+    was a title of its own)."""
     method = next(iter(rankings.values())).facts.method
     lines = [f"# Head localization by {method}", ""]
     if model_args is not None:
         lines.append(f"- model: `{model_args}`")
-    if spec is not None:
-        lines.append(knockout_words(spec, "head"))
+    if spec is not None:  # what locate's report says of the same (it had no signal line)
+        lines += [signal_words(spec), knockout_words(spec, "head"),
+                  examples_words(spec, examples_used)]
     if timings:
         lines.append(timing.timings_item(timings))
     if len(lines) > 2:

@@ -22,11 +22,13 @@ from lm_eval_headloc.method.ranking import (
 )
 from lm_eval_headloc.report.pages import (
     equal_change_words,
+    examples_words,
     floor_words,
     harmless_words,
     knockout_words,
     ranking_table,
     recorded_knockout,
+    signal_words,
     spread_words,
     tie_words,
     write_ranking,
@@ -38,10 +40,6 @@ from lm_eval_headloc.runs.record import (
 
 __all__ = ["BELOW_ZERO", "certificate_line", "certificate_words", "fit_summary", "held_out_words",
            "locate_report", "same_masks_words", "write_results"]
-
-
-_SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
-                 "logprob": "the gold answers' mean log-likelihood (logprob)"}
 
 
 def locate_report(run: LocateRun) -> str:
@@ -56,7 +54,7 @@ def locate_report(run: LocateRun) -> str:
            f"{run.layers * run.neurons_per_layer:,} MLP neurons (--candidates)"
            + _group_words(run)]
           if "neurons" in spec.components and run.neurons_per_layer else []),
-        f"- signal: {_SIGNAL_WORDS[spec.signal]}",
+        signal_words(spec),
         knockout_words(spec, UNIT[spec.components]),
         *([f"- chat template: {_chat_words(run.chat_template)}"]
           if run.chat_template is not None else []),
@@ -70,9 +68,7 @@ def locate_report(run: LocateRun) -> str:
         f"{_sparsity_words(run)}, seed {spec.seed}"
         + (f", masks drawn with seed {spec.design_seed}"
            if spec.design_seed is not None else ""),
-        f"- examples per task: {spec.num_samples} asked, used "
-        + ", ".join(f"{t} {n}" for t, n in (run.examples_used or {}).items())
-        + " (the same subset in every measurement)",
+        examples_words(spec, run.examples_used),
         f"- attribution prior: {_prior_words(run)}"
         + (f" (--prior {spec.prior}" + (f": {run.prior_skipped})" if run.prior_skipped
                                         else ")") if spec.prior == "auto" else ""),

@@ -35,8 +35,8 @@ from lm_eval_headloc.method.ranking import (
 )
 from lm_eval_headloc.runs.folder import RunFolder
 
-__all__ = ["beyond_spread", "harmless_words", "heads_table", "knockout_words", "none_hurts_words",
-           "plot_heatmap", "recorded_knockout",
+__all__ = ["beyond_spread", "examples_words", "harmless_words", "heads_table", "knockout_words",
+           "none_hurts_words", "plot_heatmap", "recorded_knockout", "signal_words",
            "tie_words", "within_spread", "write_ranking"]
 
 
@@ -257,6 +257,23 @@ def _plot_top_list(ax: Any, ranking: Ranking, top_k: int) -> list[str]:
 def recorded_knockout(spec: Any) -> dict[str, Any]:
     """What a knockout did in the run, as its ranking files record it (``knockout``)."""
     return {"ablation": spec.ablation, "scale": float(spec.scale)}
+
+
+_SIGNAL_WORDS = {"metric": "each task's metric, as lm-eval reports it",
+                 "logprob": "the gold answers' mean log-likelihood (logprob)"}
+
+
+def signal_words(spec: Any) -> str:
+    """report.md's line on what each measurement scored (locate's and greedy's)."""
+    return f"- signal: {_SIGNAL_WORDS[spec.signal]}"
+
+
+def examples_words(spec: Any, examples_used: Mapping[str, int] | None) -> str:
+    """report.md's line on the examples each measurement scored (locate's and greedy's)."""
+    return (f"- examples per task: {spec.num_samples} asked"
+            + (", used " + ", ".join(f"{t} {n}" for t, n in examples_used.items())
+               if examples_used else "")
+            + " (the same subset in every measurement)")
 
 
 def knockout_words(spec: Any, unit: str) -> str:
