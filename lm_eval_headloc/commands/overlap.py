@@ -230,12 +230,12 @@ def _examples(a: RunRecord, b: RunRecord) -> dict[str, Any]:
 def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
     ranking.check_top_k(k, run, own)
     _, group, places = ranking.cut(k)
+    # Recorded to do no harm: after the last that hurts; above one that hurts.
+    after, above = ranking.harmless_places(k)
     return {"file": str(ranking.file.resolve()), "k": k, "top_k": ranking.names[:k],
             "tie": {"group": group, "places": places} if group else None,
             "nothing_found": ranking.nothing_found(k),
-            # Recorded to do no harm: after the last that hurts; above one that hurts.
-            "harmless": ranking.harmless_places(k)[0],
-            "harmless_above_hurting": ranking.harmless_places(k)[1],
+            "harmless": after, "harmless_above_hurting": above,
             "within_spread": ranking.within_spread(k)}
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from lm_eval_headloc.commands.locate import locate
 from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
-from lm_eval_headloc.common.checks import UsageError, as_python
+from lm_eval_headloc.common.checks import UsageError, as_python, check_number
 from lm_eval_headloc.common.words import signed
 from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.lasso import harm
@@ -106,10 +106,8 @@ def _check_grid(masks: Sequence[int], sparsity: Sequence[float]) -> None:
     """Refuse a grid value no cell can take, or two values that make one cell (its folder
     ``m{M}-p{P:g}``): '--masks 4,4' ran one cell and recorded two; the cells' own checks
     said "or 'auto'", which a grid does not take."""
-    for m in masks:
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 2:
-            raise UsageError(f"--masks {m}: each value of the grid must be a whole number "
-                             ">= 2")
+    for m in masks:  # the package's one scalar check, without RunSpec's "or 'auto'"
+        check_number(m, "--masks", whole=True, min_val=2)
     for p in sparsity:
         number = isinstance(p, numbers.Real) and not isinstance(p, bool)
         if not (number and 0 < p < 1):
