@@ -58,8 +58,17 @@ echo "== the generation benchmark (bench_gpu.sh gen8b/gen1b), a toy shape on the
     --config tiny-llama --device cpu --num-samples 4 --max-gen-toks 4 --ks 2 --locate \
     --out "$work/BENCH.md" > "$work/bench-gen.log" 2>&1 \
     || { tail -30 "$work/bench-gen.log" >&2; echo "gpu_image_check.sh: the generation benchmark failed (log: $work/bench-gen.log)" >&2; exit 1; }
-grep -q "<!-- bench_generation tiny-llama: start -->" "$work/BENCH.md" && grep -q "| 2 (" "$work/BENCH.md" \
+grep -q "<!-- bench_generation tiny-llama: start -->" "$work/BENCH.md" && grep -q "^| 2 | " "$work/BENCH.md" \
     && ! grep -q "it failed" "$work/BENCH.md" \
     || { echo "gpu_image_check.sh: the generation benchmark's section is missing or says a failure ($work/BENCH.md)" >&2; exit 1; }
+echo "== the first-run benchmark (bench_gpu.sh first1b), a toy shape on the CPU"
+"${clean[@]}" PYTHONPATH="$work/site:$work/tree" python3 benchmarks/bench_first_run.py \
+    --config tiny-llama --task scale_choice --dtype float32 --out "$work/BENCH.md" \
+    -- --max-measurements 54 > "$work/bench-first.log" 2>&1 \
+    || { tail -30 "$work/bench-first.log" >&2; echo "gpu_image_check.sh: the first-run benchmark failed (log: $work/bench-first.log)" >&2; exit 1; }
+# BENCH.md already holds a "first run" section: the new one names the toy shape's command.
+awk '/<!-- first run: start -->/,/<!-- first run: end -->/' "$work/BENCH.md" \
+    | grep -q -- "--config tiny-llama --task scale_choice" \
+    || { echo "gpu_image_check.sh: the first-run benchmark wrote no section into $work/BENCH.md" >&2; exit 1; }
 cd "$root"
 echo "ok: the GPU machine's packages + the carried wheels install, import and run the benchmark ($work)"

