@@ -327,6 +327,33 @@ def test_the_measurement_cap_is_half_the_ranked_columns_unless_given():
     assert RunSpec(max_measurements=80).measurement_cap(270) == 80
 
 
+def test_a_default_run_measures_every_head_alone_where_half_the_heads_is_below_the_plan():
+    """Up to 108 heads the automatic cap (half of them, rounded up) does not exceed the
+    default plan's 54 measurement-equivalents, so that plan ends with no group test and
+    uncertified: a default run there measures each head alone after the 2 masks the fit
+    takes. Derived here from the rule's arithmetic, not from the module's constants."""
+    import math
+
+    from lm_eval_headloc.method.budget import ALL_ALONE_UP_TO, measures_all_alone
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    assert [n for n in range(1, 400) if measures_all_alone(n)] == [
+        n for n in range(1, 400) if math.ceil(n / 2) <= 54]
+    assert ALL_ALONE_UP_TO == 108 and measures_all_alone(48) and not measures_all_alone(109)
+    assert RunSpec().measuring_all_alone(48) == RunSpec(masks=2, confirm=48)
+    assert RunSpec().measuring_all_alone(108) == RunSpec(masks=2, confirm=108)
+    assert RunSpec().measuring_all_alone(109) == RunSpec()  # the default plan, then groups
+    # Any budget option given keeps its meaning; so does --sparsity auto (its pilot takes
+    # more masks than 2) and a run that ranks neurons.
+    for given in (dict(masks=12), dict(confirm=5), dict(group_tests=3),
+                  dict(max_measurements=60), dict(masks="auto"), dict(sparsity="auto"),
+                  dict(components="heads+neurons")):
+        assert RunSpec(**given).measuring_all_alone(48) == RunSpec(**given), given
+    # The options that do not touch the budget do not stop it.
+    assert RunSpec(prior="atp").measuring_all_alone(8) == RunSpec(prior="atp", masks=2,
+                                                                   confirm=8)
+
+
 @pytest.mark.parametrize("options, least", [
     (dict(masks=12, confirm=34, prior="atp-path"), 54),  # the prior's 8 named outright
     (dict(masks=12, confirm=34, prior="none"), 46),
@@ -809,3 +836,46 @@ def test_the_terminal_says_a_tie_in_the_runs_own_unit(monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "3. L1N3  -0.1000  (tied with the neuron above)" in printed
     assert "head" not in printed.replace("heads.json", "")
+
+
+def test_a_default_run_on_a_small_model_measures_every_head_alone(tiny_model_dir, tmp_path):
+    """The tiny model's 8 heads (7 ranked with one excluded): a default run spent the
+    prior's 8, 12 masks and measured at most 34 heads alone (28 measurements for 8 heads);
+    it now measures the 2 masks the fit takes and each ranked head alone, computes no
+    prior, is certified, and its ranking is the one-at-a-time ranking."""
+    out = tmp_path / "default"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--exclude", "L1H3",
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
+    assert config["prior_used"] is False and not (out / "prior.json").exists()
+    assert "every head is measured alone" in config["prior_skipped"]
+    records, heads = read_run(out)
+    keys = [r["key"] for r in records]
+    assert sorted(keys) == sorted(["baseline", "mask-0000", "mask-0001",
+                                   *(f"alone-L{h // 4}H{h % 4}" for h in range(7))])
+    assert heads["certificate"]["certified"] is True
+    base = next(r for r in records if r["key"] == "baseline")["scores"]["tiny_copy"]
+    changes = {r["key"][len("alone-"):]: r["scores"]["tiny_copy"] - base
+               for r in records if r["key"].startswith("alone-")}
+    ranked = [e["head"] for e in heads["heads"] if e["head"] in changes]
+    assert [changes[h] for h in ranked] == sorted(changes.values())  # higher is better
+    report = (out / "report.md").read_text()
+    assert "then every head measured alone (2 masks: the fewest the fit takes)" in report
+    # Spent: 2 masks and 7 heads, no prior; no cap is said to be passed.
+    assert ("- measurements: 9 measurement-equivalents (the prior's allowance, masks, heads "
+            "measured alone and group tests): 2 masks and every head alone") in report
+    assert "more than the run's cap" not in report
+    # A bare rerun keeps the run's budget and measures nothing more.
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--exclude", "L1H3",
+                   "--out", str(out)) == 0
+    assert [r["key"] for r in read_run(out)[0]] == keys
+    # With a budget option given the default plan is kept: the prior and its masks.
+    given = tmp_path / "given"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--masks", "4",
+                   "--out", str(given)) == 0
+    config = strict_json(given / "config.json")
+    assert config["spec"]["masks"] == 4 and config["prior_used"] is True

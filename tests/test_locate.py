@@ -141,8 +141,11 @@ def test_the_default_budget_is_split_by_whether_the_run_has_a_prior(tiny_model_d
     """--masks and --confirm left out: 54 measurement-equivalents, 8 for atp-path's prior
     then 12 masks + 34 alone; without a prior (--prior none, or auto on a task without gold
     answers) 27 masks + 27 alone. The tiny model has 8 heads, so every head is measured
-    alone either way."""
-    common = [*tiny_args(tiny_model_dir("llama")), "--sparsity", "0.25", "--num-samples", "4"]
+    alone either way. (`--group-tests 0`, which changes nothing on 8 heads all measured
+    alone, keeps the default plan: with no budget option given a model this small
+    measures every head alone after 2 masks instead, test_confirm checks.)"""
+    common = [*tiny_args(tiny_model_dir("llama")), "--sparsity", "0.25", "--num-samples", "4",
+              "--group-tests", "0"]
     runs = {"prior": ["--tasks", "tiny_choice"],
             "none": ["--tasks", "tiny_choice", "--prior", "none"],
             "auto-none": ["--tasks", "tiny_rolling"]}

@@ -41,6 +41,20 @@ def test_resume_recomputes_only_a_corrupted_measurement(tiny_model_dir, tmp_path
         lost["key"], lost["mask"], lost["scores"])
 
 
+def killed_then_resumed(args: list[str], tmp_path, after: int, below: int):
+    """``args`` run killed (-9) after ``after`` measurements (it must have stored fewer
+    than ``below``) and resumed into ``killed``, and run unbroken into ``full``:
+    (killed, full)."""
+    killed = tmp_path / "killed"
+    partial = stopped_part_way(args, killed, after=after, stop=signal.SIGKILL)
+    assert after <= partial < below, "the run was not interrupted where meant"
+    assert harness(*args, "--out", str(killed)) == 0
+    full = tmp_path / "full"
+    assert harness(*args, "--out", str(full)) == 0
+    assert_same_run(killed, full)
+    return killed, full
+
+
 @pytest.mark.parametrize("options", [[], ["--signal", "logprob"],
                                      ["--masks", "auto", "--max-masks", "40", "--top-k", "2"],
                                      ["--sparsity", "auto"], ["--ablation", "mean"],
@@ -49,14 +63,8 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny_model_dir, tmp_pat
     folder = tiny_model_dir("llama")
     args = ["locate", *tiny_args(folder), "--tasks", "tiny_copy", "--masks", "40",
             "--sparsity", "0.25", "--num-samples", "12", "--seed", "3", *options]
-    killed = tmp_path / "killed"
-    partial = stopped_part_way(args, killed, after=6, stop=signal.SIGKILL)
-    assert 6 <= partial < 41, "the run was not interrupted part-way"
-    assert harness(*args, "--out", str(killed)) == 0
-    full = tmp_path / "full"
-    assert harness(*args, "--out", str(full)) == 0
+    _, full = killed_then_resumed(args, tmp_path, after=6, below=41)
     assert len(read_run(full)[0]) >= 21
-    assert_same_run(killed, full)
 
 
 def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_path):
@@ -65,15 +73,9 @@ def test_a_kill_mid_confirmation_resumes_to_the_same_picks(tiny_model_dir, tmp_p
     args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
             "--masks", "10", "--sparsity", "0.25", "--num-samples", "12", "--seed", "3",
             "--prior", "atp-path", "--confirm", "7"]
-    killed = tmp_path / "killed"
     # baseline + 10 masks + round 1's 5 heads + 1 of round 2
-    partial = stopped_part_way(args, killed, after=17, stop=signal.SIGKILL)
-    assert 17 <= partial < 18, "the run was not stopped inside round 2"
-    assert harness(*args, "--out", str(killed)) == 0
-    full = tmp_path / "full"
-    assert harness(*args, "--out", str(full)) == 0
+    killed, full = killed_then_resumed(args, tmp_path, after=17, below=18)
     assert len(read_run(full)[0]) == 1 + 10 + 7
-    assert_same_run(killed, full)
     assert strict_json(killed / "config.json")["confirm"] == \
         strict_json(full / "config.json")["confirm"]
 
@@ -241,3 +243,34 @@ def test_a_rerun_with_a_smaller_budget_fits_from_disk_as_a_fresh_run_with_it(
             assert replayed.get(field) == made.get(field), (name, field)
         np.testing.assert_array_equal(np.load(again / "design_matrix.npy"),
                                       np.load(fresh / "design_matrix.npy"))
+
+
+def test_a_killed_default_run_that_measures_every_head_alone_resumes_to_the_same(
+        tiny_model_dir, tmp_path):
+    """A default run on the tiny model's 8 heads measures them all alone after 2 masks,
+    with no prior: killed among its heads, a bare rerun decides the same plan (not the
+    budget it kept plus a prior) and ends as an unbroken run."""
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "12", "--seed", "3"]
+    killed, full = killed_then_resumed(args, tmp_path, after=6, below=11)
+    assert len(read_run(full)[0]) == 1 + 2 + 8
+    for run in (killed, full):
+        config = strict_json(run / "config.json")
+        assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 8)
+        assert config["prior_used"] is False and not (run / "prior.json").exists()
+
+
+def test_a_small_models_run_with_a_prior_keeps_its_plan_when_resumed(tiny_model_dir,
+                                                                      tmp_path):
+    """A run on 8 heads made with the default plan's budget and a prior (as runs were
+    before a default run measured every head alone there): a bare rerun keeps its masks,
+    its confirmation and its prior rather than switching plans, and measures nothing."""
+    common = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+              "--num-samples", "6", "--signal", "logprob", "--out", str(tmp_path / "run")]
+    assert harness(*common, "--masks", "12", "--confirm", "34") == 0
+    before = read_run(tmp_path / "run")
+    assert strict_json(tmp_path / "run" / "config.json")["prior_used"] is True
+    assert harness(*common) == 0
+    config = strict_json(tmp_path / "run" / "config.json")
+    assert (config["spec"]["masks"], config["spec"]["confirm"]) == (12, 34)
+    assert config["prior_used"] is True and read_run(tmp_path / "run") == before

@@ -76,11 +76,18 @@ log = logging.getLogger(__name__)
 __all__ = ["locate", "mask_keys", "refit", "stored_prior"]
 
 
-def prior_method(spec: RunSpec, measure: Measurement) -> str | None:
+#: Why --prior auto computes none in a run that measures every head alone.
+ALL_ALONE_NO_PRIOR = "every head is measured alone, so no ranking has to choose which"
+
+
+def prior_method(spec: RunSpec, measure: Measurement, all_alone: bool = False
+                 ) -> str | None:
     """The attribution prior the run computes (a ``PRIOR_POINTS`` key), or None: ``auto``
-    is ``atp-path`` where the measurement can (``HarnessMeasurement.attributable``)."""
+    is ``atp-path`` where the measurement can (``HarnessMeasurement.attributable``) and
+    the run is not a default run measuring every head alone (``all_alone``: the prior
+    would only order them)."""
     if spec.prior == "auto":
-        return "atp-path" if measure.attributable else None
+        return "atp-path" if measure.attributable and not all_alone else None
     return None if spec.prior == "none" else spec.prior
 
 
@@ -142,6 +149,12 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         stored = None if force else _stored_run(folder)
+        # A default run on a model of few heads measures every head alone, with no prior
+        # under --prior auto (budget.measures_all_alone): decided from the options given,
+        # so that a resumed run decides as it did; a run resumed that split its budget
+        # otherwise, or has a prior, keeps its own.
+        planned = spec.measuring_all_alone(setup.rankable_heads)
+        all_alone = planned != spec and not (stored is not None and stored.prior_used)
         if stored is not None:
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
@@ -151,6 +164,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
                              f"measures {spec.masks or 'the default budget of'} masks")
+        all_alone = all_alone and (spec.masks, spec.confirm) in (
+            (None, None), (planned.masks, planned.confirm))
+        if all_alone:
+            spec = spec.replace(masks=planned.masks, confirm=planned.confirm)
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
@@ -174,7 +191,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             run.never_neurons = _never_neurons(setup, run.neurons_per_layer) or None
         run.save(folder, measure)  # phase: measuring
         # The prior comes first: a run with neurons gives columns to the neurons it names.
-        method = prior_method(spec, measure)
+        method = prior_method(spec, measure, all_alone)
         if "neurons" in kinds and method is None:
             raise UsageError(f"--components {spec.components}: the attribution prior, which "
                              "names the neurons the masks search, cannot run here ("
@@ -193,8 +210,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         columns = run.columns
         run.set_prior(None if estimates is None else column_prior(
                           estimates, columns, setup.heads_per_layer, run.neurons_per_layer),
-                      method, measure.no_prior_reason() if spec.prior == "auto" and not method
-                      else None)
+                      method, (ALL_ALONE_NO_PRIOR if all_alone else measure.no_prior_reason())
+                      if spec.prior == "auto" and not method else None)
 
         def checkpoint(phase: str) -> None:  # designed, then measured
             if phase == "designed":

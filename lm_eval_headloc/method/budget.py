@@ -8,8 +8,9 @@ import math
 
 from lm_eval_headloc.common import words
 
-__all__ = ["AUTO_CAP_SHARE", "DEFAULT_ALONE", "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE",
-           "PRIOR_ALLOWANCE", "budget_split", "cap_refusal", "default_split", "measurement_cap"]
+__all__ = ["ALL_ALONE_MASKS", "ALL_ALONE_UP_TO", "AUTO_CAP_SHARE", "DEFAULT_ALONE",
+           "DEFAULT_BUDGET", "DEFAULT_MASKS", "MASK_SHARE", "PRIOR_ALLOWANCE", "budget_split",
+           "cap_refusal", "default_split", "measurement_cap", "measures_all_alone"]
 
 
 #: Measurement-equivalents (one measurement: a forward pass over the example subset) set
@@ -72,6 +73,25 @@ def measurement_cap(max_measurements: int | str | None, columns: int) -> int:
     if max_measurements in (None, "auto"):
         return max(1, math.ceil(columns * AUTO_CAP_SHARE))
     return int(max_measurements)
+
+
+#: The masks of a default run that measures every head alone: the fewest the fit takes.
+ALL_ALONE_MASKS = 2
+
+
+def measures_all_alone(heads: int) -> bool:
+    """Whether a default run ranking ``heads`` heads measures each one alone: where the
+    automatic cap (``AUTO_CAP_SHARE`` of them) does not exceed the default plan's
+    ``DEFAULT_BUDGET`` (up to 108 heads), that plan ends with no group test and not
+    certified — simulated with the cap raised to the heads' count, none of 10 default runs
+    was certified at 96 or 108 heads, at 48 each needed at least 55, and 4-8 of 10 had the
+    exhaustive top-5 (SIMULATION.md, "certified") — while measuring every head alone costs
+    the heads' count and ``ALL_ALONE_MASKS``: certified, and the exhaustive top-5 itself."""
+    return measurement_cap(None, heads) <= DEFAULT_BUDGET
+
+
+#: The most heads on which a default run measures every head alone (108).
+ALL_ALONE_UP_TO = max(n for n in range(1, 4 * DEFAULT_BUDGET) if measures_all_alone(n))
 
 
 def cap_refusal(cap: int, masks: int | str | None, confirm: int, allowance: int,

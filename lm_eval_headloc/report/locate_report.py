@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.words import counted, ordinal, signed
+from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, DEFAULT_BUDGET
 from lm_eval_headloc.method.columns import (
     UNIT,
     UNITS,
@@ -67,7 +68,7 @@ def locate_report(run: LocateRun) -> str:
         f"- design: {spec.design}, {_masks_words(run)}, sparsity "
         f"{_sparsity_words(run)}, seed {spec.seed}"
         + (f", masks drawn with seed {spec.design_seed}"
-           if spec.design_seed is not None else ""),
+           if spec.design_seed is not None else "") + _all_alone_words(run),
         examples_words(spec, run.examples_used),
         f"- attribution prior: {_prior_words(run)}"
         + (f" (--prior {spec.prior}" + (f": {run.prior_skipped})" if run.prior_skipped
@@ -101,7 +102,8 @@ def locate_report(run: LocateRun) -> str:
             *_unconfirmed_words(ranking.facts, UNIT[spec.components]),
             *certificate_words(ranking, certificate_unit(ranking.columns),
                               _searched_words(run),
-                              cap_given=spec.max_measurements not in (None, "auto")),
+                              cap_given=spec.max_measurements not in (None, "auto"),
+                              all_alone=bool(_all_alone_words(run))),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -299,13 +301,15 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
 
 
 def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
-                      cap_given: bool = False) -> list[str]:
+                      cap_given: bool = False, all_alone: bool = False) -> list[str]:
     """report.md's certificate (``facts.certificate``): certified or not, the rule and the
     confidence it holds at, what the run measured alone, what a measured set ruled out and
     by how much at most, what the group tests measured, the sets that ruled nothing out,
     the ties at the k-th place, and what nothing checked, with the flag that would check
     it. ``scope``: a sentence on what the run searched (a neuron run: its candidates);
-    ``cap_given``: the user gave ``--max-measurements`` a number (else it is automatic)."""
+    ``cap_given``: the user gave ``--max-measurements`` a number (else it is automatic);
+    ``all_alone``: the run measured every head alone after the fewest masks
+    (``_all_alone_words``), which no cap stops."""
     cert = ranking.facts.certificate
     if not cert:
         return []
@@ -379,8 +383,11 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
-                     + _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
-                                   cap_given))
+                     + (f": {ALL_ALONE_MASKS} masks and every {unit} alone, a default "
+                        f"run's plan where half the {unit}s (the automatic cap) would not "
+                        f"cover the default plan's {DEFAULT_BUDGET}" if all_alone else
+                        _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
+                                    cap_given)))
     unchecked = cert.unchecked
     if not unchecked:
         lines += ["", f"Every {unit} the run ranks was measured alone or ruled out: under "
@@ -489,6 +496,20 @@ def _masks_words(run: LocateRun) -> str:
         return f"{run.spec.masks} masks"
     return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
             f"{UNIT[run.spec.components]} was stable, at most {run.spec.max_masks})")
+
+
+def _all_alone_words(run: LocateRun) -> str:
+    """The design line's note on a heads run that measured every head alone after the
+    fewest masks the fit takes: a default run's plan on a model of few heads
+    (``budget.measures_all_alone``), or the same options given."""
+    if (run.spec.components != "heads" or run.spec.masks != ALL_ALONE_MASKS
+            or not run.rankings
+            or not all(all_measured_alone(r) for r in run.rankings.values())):
+        return ""
+    return (f"; then every head measured alone ({ALL_ALONE_MASKS} masks: the fewest the fit "
+            "takes), a default run's plan on a model whose automatic cap, half its heads, "
+            f"would not cover the default plan's {DEFAULT_BUDGET} measurement-equivalents: "
+            "its top-k is the one-at-a-time top-k itself")
 
 
 def write_results(folder: RunFolder, run: LocateRun) -> None:

@@ -96,6 +96,13 @@ class Setup:
     def total_heads(self) -> int:
         return self.geometry.total_heads
 
+    @property
+    def rankable_heads(self) -> int:
+        """The heads a heads run ranks: every head but those --exclude and --never-ablate
+        name."""
+        skipped = {h for h in (*self.exclude, *self.never_ablate) if isinstance(h, Head)}
+        return self.total_heads - len(skipped)
+
     def checked(self, names: Iterable[str | Component]) -> list[Component]:
         """``names`` (heads and MLP neurons) checked against the model's config before the
         weights load: a set from another model fails in seconds. Neurons are checked

@@ -37,6 +37,8 @@ from lm_eval_headloc.common.options import (
     SIGNALS,
 )
 from lm_eval_headloc.method.budget import (
+    ALL_ALONE_MASKS,
+    ALL_ALONE_UP_TO,
     AUTO_CAP_SHARE,
     DEFAULT_ALONE,
     DEFAULT_MASKS,
@@ -44,6 +46,7 @@ from lm_eval_headloc.method.budget import (
     cap_refusal,
     default_split,
     measurement_cap,
+    measures_all_alone,
 )
 from lm_eval_headloc.runs.option_values import (
     ABLATION_FLAGS,
@@ -192,8 +195,9 @@ class RunSpec:
         "measurements (masks) in the design; rerun with more to extend a run, refit "
             "with fewer to see it shorter; auto: measure in rounds until every top-k head "
             "is stable in the bootstrap (or --max-masks) (default: "
-            f"{DEFAULT_MASKS} with an attribution prior, {NO_PRIOR_MASKS} without one; a "
-            "resumed run keeps its own)", parse=parse_masks, metavar="M")
+            f"{DEFAULT_MASKS} with an attribution prior, {NO_PRIOR_MASKS} without one, "
+            f"{ALL_ALONE_MASKS} where a default run measures every head alone (see "
+            "--confirm); a resumed run keeps its own)", parse=parse_masks, metavar="M")
     max_masks: int = _option(DEFAULT_MAX_MASKS, "with --masks auto: the most masks measured",
                              parse=int, metavar="M", whole=True, min_val=1)
     sparsity: float | str = _option(
@@ -211,7 +215,7 @@ class RunSpec:
                 "averaged over 8 points of the path to every head ablated (8 passes); "
                 "saved as prior.json and ranked in the report; "
                 "auto: atp-path where the tasks have gold answers and the model is "
-                "decoder-only, else none",
+                "decoder-only, else none; none too where every head is measured alone",
         choices=PRIORS, legacy="none")
     confirm: int | None = _option(
         None,
@@ -220,7 +224,11 @@ class RunSpec:
             "measured heads held fixed) name one each in turn; those that hurt rank first, "
             "by what they measured (0: rank by the fit alone; rerun with more to measure "
             f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
-            "without one; a resumed run keeps its own)",
+            "without one; on a model of up to "
+            f"{ALL_ALONE_UP_TO} heads, with none of --masks, --group-tests and "
+            "--max-measurements given, every head, after "
+            f"{ALL_ALONE_MASKS} masks: the default plan could not be certified under the "
+            "automatic cap there; a resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, max_val=MAX_COUNT, legacy=0)
     group_tests: int | None = _option(
         None,
@@ -239,9 +247,11 @@ class RunSpec:
             "the heads measured alone and the group tests (the baseline aside); the group "
             "tests stop there if the run is not certified by then, and the report says "
             "what is left unchecked (default auto: half the heads the run ranks, "
-            f"{AUTO_CAP_SHARE:.0%} of one-shot greedy's cost, or on a model with few heads "
-            "what the prior, masks and heads measured alone take, with no group test; rerun "
-            "with more to go on; a resumed run keeps its own)",
+            f"{AUTO_CAP_SHARE:.0%} of one-shot greedy's cost; on a model of up to "
+            f"{ALL_ALONE_UP_TO} heads a default run measures every head alone instead (see "
+            "--confirm), and one given --masks or --confirm spends what the prior, masks "
+            "and heads measured alone take, with no group test; rerun with more to go on; "
+            "a resumed run keeps its own)",
         parse=parse_max_measurements, metavar="M")
     # --- ranking -----------------------------------------------------------------------
     alpha: float = _option(0.01, "Lasso penalty (on standardised scores)", SETTING,
@@ -403,6 +413,20 @@ class RunSpec:
         masks, alone = default_split(prior)
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
                             confirm=alone if spec.confirm is None else spec.confirm)
+
+    def measuring_all_alone(self, heads: int) -> RunSpec:
+        """This spec measuring each of the ``heads`` it ranks alone, after the fewest masks
+        the fit takes, where it is a default run that should (``budget.measures_all_alone``:
+        models of up to 108 heads): a heads run with none of --masks, --confirm,
+        --group-tests and --max-measurements given (nor kept from the run resumed) and a
+        fixed --sparsity (auto's pilot takes more masks); else this spec."""
+        if (self.components != "heads" or self.sparsity == "auto"
+                or any(value is not None for value in (self.masks, self.confirm,
+                                                       self.group_tests,
+                                                       self.max_measurements))
+                or not measures_all_alone(heads)):
+            return self
+        return self.replace(masks=ALL_ALONE_MASKS, confirm=heads)
 
     def measurement_cap(self, columns: int) -> int:
         """``max_measurements`` as a number, for a run ranking ``columns`` components."""
