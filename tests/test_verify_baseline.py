@@ -213,3 +213,31 @@ def test_verify_checks_the_random_draws_before_loading(tiny_model_dir, tmp_path,
     assert harness("verify", str(run), "--general", "tiny_choice", *extra) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (run / "verify").exists()
+
+
+def test_moves_it_more_than_counts_by_the_scores_and_is_defined_at_a_zero_baseline():
+    """'top-k moves it more than' counts the random sets whose score moved less than the
+    top-k's, as verify.md says: at a baseline of 0 (an accuracy no knockout can lower) the
+    relative drops it was counted by are undefined, and it said n/a of sets that a knockout
+    raised by 0.1, 0.3 and not at all against the top-k's 0.2."""
+    from types import SimpleNamespace
+
+    from lm_eval_headloc.commands.verify import _against_random, ablations
+
+    def record(score: float) -> dict:
+        return {"scores": {"t": score}, "higher_is_better": {"t": True}}
+
+    spec = SimpleNamespace(top_k=2, random_draws=3)
+    for base, located, drawn, expected in [
+            (0.0, 0.2, [0.1, 0.3, 0.0], 2),  # moved 0.1 and 0: less than 0.2
+            (0.5, 0.3, [0.45, 0.1, 0.6], 2),  # moved 0.05, 0.4, 0.1 against 0.2
+    ]:
+        records = {"t-top2": record(located),
+                   **{f"t-random{i + 1}": record(s) for i, s in enumerate(drawn)}}
+        [own] = ablations(0.0)
+        entry = _against_random(records, record(base), "t", [], spec, own)
+        assert entry["beaten"] == expected, base
+        if base:  # where relative drops are defined, the same count as theirs
+            drops = [relative_drop(base, s, True) for s in drawn]
+            mine = relative_drop(base, located, True)
+            assert entry["beaten"] == sum(abs(d) < abs(mine) for d in drops)

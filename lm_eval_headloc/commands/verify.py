@@ -308,12 +308,16 @@ def _spread(values: Iterable[float | None]) -> dict[str, float | None]:
             "min": float(min(defined)), "max": float(max(defined))}
 
 
-def _beaten(located: float, drawn: Iterable[float]) -> int | None:
-    """Random sets that moved the task's score less (in absolute relative change) than
-    the located set: erased or enhanced, what matters is how much a set moves it."""
-    if not math.isfinite(located):
+def _beaten(baseline: float, located: float, drawn: Iterable[float]) -> int | None:
+    """Random sets that moved the task's score (``drawn``, from ``baseline``) less in
+    absolute change than the located set's score (``located``): erased or enhanced, what
+    matters is how much a set moves it. By the scores, not the relative drops: the same
+    count where the baseline is not 0, and defined where it is (a drop relative to 0 is
+    not)."""
+    if not math.isfinite(located) or not math.isfinite(baseline):
         return None
-    return sum(1 for d in drawn if math.isfinite(d) and abs(d) < abs(located))
+    moved = abs(located - baseline)
+    return sum(1 for d in drawn if math.isfinite(d) and abs(d - baseline) < moved)
 
 
 # --- verify ------------------------------------------------------------------------------
@@ -446,7 +450,8 @@ def _against_random(records: Mapping[str, Mapping[str, Any]], base: Mapping[str,
                       for d in draws],
             "task_drop": _spread(d["task_drop"] for d in draws),
             "gen_drop": _spread(d["gen_drop"] for d in draws),
-            "beaten": _beaten(located["task_drop"], [d["task_drop"] for d in draws])}
+            "beaten": _beaten(base["scores"][task], located["score"],
+                              [d["score"] for d in draws])}
 
 
 def verification_markdown(table: Mapping[str, Any]) -> str:
