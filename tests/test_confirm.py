@@ -343,6 +343,11 @@ def test_a_default_run_measures_every_head_alone_where_half_the_heads_is_below_t
     assert RunSpec().measuring_all_alone(48) == RunSpec(masks=2, confirm=48)
     assert RunSpec().measuring_all_alone(108) == RunSpec(masks=2, confirm=108)
     assert RunSpec().measuring_all_alone(109) == RunSpec()  # the default plan, then groups
+    # The rule reads the model's heads (the automatic cap is half of those); the heads
+    # measured alone are those it ranks: 10 of 48 excluded leaves 38; 200 of 270 excluded
+    # (the cap still 135) keeps the default plan, which has group tests there.
+    assert RunSpec().measuring_all_alone(48, 38) == RunSpec(masks=2, confirm=38)
+    assert RunSpec().measuring_all_alone(270, 70) == RunSpec()
     # Any budget option given keeps its meaning; so does --sparsity auto (its pilot takes
     # more masks than 2) and a run that ranks neurons.
     for given in (dict(masks=12), dict(confirm=5), dict(group_tests=3),

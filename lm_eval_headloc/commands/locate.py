@@ -153,7 +153,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # under --prior auto (budget.measures_all_alone): decided from the options given,
         # so that a resumed run decides as it did; a run resumed that split its budget
         # otherwise, or has a prior, keeps its own.
-        planned = spec.measuring_all_alone(setup.rankable_heads)
+        planned = spec.measuring_all_alone(setup.total_heads, setup.rankable_heads)
         all_alone = planned != spec and not (stored is not None and stored.prior_used)
         if stored is not None:
             # --masks and --confirm left out: a resumed run keeps what it was made with

@@ -226,7 +226,7 @@ class RunSpec:
             f"more) (default: {DEFAULT_ALONE} with an attribution prior, {NO_PRIOR_ALONE} "
             "without one; on a model of up to "
             f"{ALL_ALONE_UP_TO} heads, with none of --masks, --group-tests and "
-            "--max-measurements given, every head, after "
+            "--max-measurements given, every head it ranks, after "
             f"{ALL_ALONE_MASKS} masks: the default plan could not be certified under the "
             "automatic cap there; a resumed run keeps its own)",
         parse=int, metavar="N", whole=True, min_val=0, max_val=MAX_COUNT, legacy=0)
@@ -414,19 +414,20 @@ class RunSpec:
         return spec.replace(masks=masks if spec.masks is None else spec.masks,
                             confirm=alone if spec.confirm is None else spec.confirm)
 
-    def measuring_all_alone(self, heads: int) -> RunSpec:
-        """This spec measuring each of the ``heads`` it ranks alone, after the fewest masks
-        the fit takes, where it is a default run that should (``budget.measures_all_alone``:
-        models of up to 108 heads): a heads run with none of --masks, --confirm,
-        --group-tests and --max-measurements given (nor kept from the run resumed) and a
-        fixed --sparsity (auto's pilot takes more masks); else this spec."""
+    def measuring_all_alone(self, heads: int, ranked: int | None = None) -> RunSpec:
+        """This spec measuring each of the ``ranked`` heads (default: all ``heads``, the
+        model's, whose half is the automatic cap) alone after the fewest masks the fit
+        takes, where it is a default run that should (``budget.measures_all_alone``: models
+        of up to 108 heads): a heads run with none of --masks, --confirm, --group-tests and
+        --max-measurements given and a fixed --sparsity (auto's pilot takes more masks);
+        else this spec."""
         if (self.components != "heads" or self.sparsity == "auto"
                 or any(value is not None for value in (self.masks, self.confirm,
                                                        self.group_tests,
                                                        self.max_measurements))
                 or not measures_all_alone(heads)):
             return self
-        return self.replace(masks=ALL_ALONE_MASKS, confirm=heads)
+        return self.replace(masks=ALL_ALONE_MASKS, confirm=heads if ranked is None else ranked)
 
     def measurement_cap(self, columns: int) -> int:
         """``max_measurements`` as a number, for a run ranking ``columns`` components."""
