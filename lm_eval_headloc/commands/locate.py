@@ -149,12 +149,6 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         stored = None if force else _stored_run(folder)
-        # A default run on a model of few heads measures every head alone, with no prior
-        # under --prior auto (budget.measures_all_alone): decided from the options given,
-        # so that a resumed run decides as it did; a run resumed that split its budget
-        # otherwise, or has a prior, keeps its own.
-        planned = spec.measuring_all_alone(setup.total_heads, setup.rankable_heads)
-        all_alone = planned != spec and not (stored is not None and stored.prior_used)
         if stored is not None:
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
@@ -164,10 +158,17 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
                              f"measures {spec.masks or 'the default budget of'} masks")
-        all_alone = all_alone and (spec.masks, spec.confirm) in (
-            (None, None), (planned.masks, planned.confirm))
+        # A default run on a model of few heads measures every head alone, with no prior
+        # under --prior auto (budget.measures_all_alone); a run resumed keeps that plan,
+        # and one made with another budget or a prior keeps its own.
+        planned = spec.replace(masks=None, confirm=None).measuring_all_alone(
+            setup.total_heads, setup.rankable_heads)
+        all_alone = (planned.masks is not None
+                     and (spec.masks, spec.confirm) in ((None, None),
+                                                        (planned.masks, planned.confirm))
+                     and not (stored is not None and stored.prior_used))
         if all_alone:
-            spec = spec.replace(masks=planned.masks, confirm=planned.confirm)
+            spec = planned
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
