@@ -867,10 +867,11 @@ def test_a_default_run_on_a_small_model_measures_every_head_alone(tiny_model_dir
     ranked = [e["head"] for e in heads["heads"] if e["head"] in changes]
     assert [changes[h] for h in ranked] == sorted(changes.values())  # higher is better
     report = (out / "report.md").read_text()
-    assert "then every head measured alone (2 masks: the fewest the fit takes)" in report
+    assert ("2 masks, sparsity 0.1, seed 0; the fewest masks the fit takes, then every "
+            "head it ranks measured alone") in report
     # Spent: 2 masks and 7 heads, no prior; no cap is said to be passed.
     assert ("- measurements: 9 measurement-equivalents (the prior's allowance, masks, heads "
-            "measured alone and group tests): 2 masks and every head alone") in report
+            "measured alone and group tests): 2 masks and every head it ranks alone") in report
     assert "more than the run's cap" not in report
     # A bare rerun keeps the run's budget and measures nothing more.
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",

@@ -383,9 +383,9 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
-                     + (f": {ALL_ALONE_MASKS} masks and every {unit} alone, a default "
-                        f"run's plan where half the {unit}s (the automatic cap) would not "
-                        f"cover the default plan's {DEFAULT_BUDGET}" if all_alone else
+                     + (f": {ALL_ALONE_MASKS} masks and every {unit} it ranks alone, a "
+                        f"default run's plan where half the {unit}s (the automatic cap) "
+                        f"would not cover the default plan's {DEFAULT_BUDGET}" if all_alone else
                         _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
                                     cap_given)))
     unchecked = cert.unchecked
@@ -506,10 +506,10 @@ def _all_alone_words(run: LocateRun) -> str:
             or not run.rankings
             or not all(all_measured_alone(r) for r in run.rankings.values())):
         return ""
-    return (f"; then every head measured alone ({ALL_ALONE_MASKS} masks: the fewest the fit "
-            "takes), a default run's plan on a model whose automatic cap, half its heads, "
-            f"would not cover the default plan's {DEFAULT_BUDGET} measurement-equivalents: "
-            "its top-k is the one-at-a-time top-k itself")
+    return (f"; the fewest masks the fit takes, then every head it ranks measured alone: a "
+            "default run's plan on a model whose automatic cap, half its heads, would not "
+            f"cover the default plan's {DEFAULT_BUDGET} measurement-equivalents; its top-k "
+            "is the one-at-a-time top-k itself")
 
 
 def write_results(folder: RunFolder, run: LocateRun) -> None:
