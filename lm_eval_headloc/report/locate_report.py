@@ -46,6 +46,7 @@ __all__ = ["BELOW_ZERO", "certificate_line", "certificate_words", "fit_summary",
 def locate_report(run: LocateRun) -> str:
     """report.md of a fitted locate run (``run.rankings``), from its record alone."""
     spec, top_k = run.spec, run.spec.top_k
+    all_alone = _measured_all_alone(run)
     units = UNITS[spec.components]
     lines = [
         f"# {_TITLES[spec.components]} by compressed sensing", "",
@@ -68,7 +69,7 @@ def locate_report(run: LocateRun) -> str:
         f"- design: {spec.design}, {_masks_words(run)}, sparsity "
         f"{_sparsity_words(run)}, seed {spec.seed}"
         + (f", masks drawn with seed {spec.design_seed}"
-           if spec.design_seed is not None else "") + _all_alone_words(run),
+           if spec.design_seed is not None else "") + _all_alone_words(all_alone),
         examples_words(spec, run.examples_used),
         f"- attribution prior: {_prior_words(run)}"
         + (f" (--prior {spec.prior}" + (f": {run.prior_skipped})" if run.prior_skipped
@@ -103,7 +104,7 @@ def locate_report(run: LocateRun) -> str:
             *certificate_words(ranking, certificate_unit(ranking.columns),
                               _searched_words(run),
                               cap_given=spec.max_measurements not in (None, "auto"),
-                              all_alone=bool(_all_alone_words(run))),
+                              all_alone=all_alone),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -309,7 +310,7 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     it. ``scope``: a sentence on what the run searched (a neuron run: its candidates);
     ``cap_given``: the user gave ``--max-measurements`` a number (else it is automatic);
     ``all_alone``: the run measured every head alone after the fewest masks
-    (``_all_alone_words``), which no cap stops."""
+    (``_measured_all_alone``), which no cap stops."""
     cert = ranking.facts.certificate
     if not cert:
         return []
@@ -383,9 +384,8 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
-                     + (f": {ALL_ALONE_MASKS} masks and every {unit} it ranks alone, a "
-                        f"default run's plan where half the {unit}s (the automatic cap) "
-                        f"would not cover the default plan's {DEFAULT_BUDGET}" if all_alone else
+                     + (f": {ALL_ALONE_MASKS} masks and every {unit} it ranks alone, "
+                        "which no cap stops (the design line says why)" if all_alone else
                         _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
                                     cap_given)))
     unchecked = cert.unchecked
@@ -498,13 +498,18 @@ def _masks_words(run: LocateRun) -> str:
             f"{UNIT[run.spec.components]} was stable, at most {run.spec.max_masks})")
 
 
-def _all_alone_words(run: LocateRun) -> str:
-    """The design line's note on a heads run that measured every head alone after the
-    fewest masks the fit takes: a default run's plan on a model of few heads
-    (``budget.measures_all_alone``), or the same options given."""
-    if (run.spec.components != "heads" or run.spec.masks != ALL_ALONE_MASKS
-            or not run.rankings
-            or not all(all_measured_alone(r) for r in run.rankings.values())):
+def _measured_all_alone(run: LocateRun) -> bool:
+    """Whether a heads run measured every head alone after the fewest masks the fit takes:
+    a default run's plan on a model of few heads (``budget.measures_all_alone``), or the
+    same options given."""
+    return (run.spec.components == "heads" and run.spec.masks == ALL_ALONE_MASKS
+            and bool(run.rankings)
+            and all(all_measured_alone(r) for r in run.rankings.values()))
+
+
+def _all_alone_words(all_alone: bool) -> str:
+    """The design line's note on such a run (``_measured_all_alone``): why it is so."""
+    if not all_alone:
         return ""
     return (f"; the fewest masks the fit takes, then every head it ranks measured alone: a "
             "default run's plan on a model whose automatic cap, half its heads, would not "
