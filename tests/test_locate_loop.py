@@ -155,3 +155,64 @@ def test_a_measurement_of_numpy_numbers_is_kept_as_plain_numbers():
     locate_components(_Scores(3, np.float32(0.75)), spec, store=store)
     record = next(r for r in store.measurements() if r["key"] == "mask-0002")
     assert type(record["scores"]["t"]) is float and record["scores"]["t"] == 0.75
+
+
+class _Planted:
+    """A measurement of an 8-head model (2 layers of 4) with one task, ``t``, whose score
+    falls by each knocked-out head's planted harm; it counts the knockouts it made."""
+
+    tasks = [("t", None)]
+    harms = {"L0H0": 0.30, "L0H3": 0.20, "L1H1": 0.12, "L1H2": 0.08, "L0H1": 0.05}
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.lm = SimpleNamespace(knockout=SimpleNamespace(
+            num_layers=2, heads_per_layer=4, layers_with_heads=[0, 1]))
+        self.made: list[str] = []
+
+    def auto_masks_per_pass(self) -> int:
+        return 1
+
+    def measure_chunks(self, chunks, masks_per_pass=None, scale=None):
+        from lm_eval_headloc.intervention.components import format_heads
+        from lm_eval_headloc.measurement.metrics import TaskScore
+
+        for index, chunk in enumerate(chunks):
+            scores = []
+            for heads in chunk:
+                self.made.append(format_heads(heads))
+                value = 1.0 - sum(self.harms.get(str(h), 0.0) for h in heads)
+                scores.append({"t": TaskScore("t", "acc,none", value, True)})
+            yield index, scores, 0.0
+
+
+def test_masks_of_one_head_leave_their_heads_to_the_group_stage_and_are_not_remeasured():
+    """On 8 heads at sparsity 0.1 every mask knocks out one head. The group stage took such
+    a mask for its head measured alone (it planned nothing for it) while the certificate did
+    not (the head stayed unchecked): the run ended "not certified, 4 unchecked", advising a
+    --max-measurements that, given, measured nothing new. Now the group stage measures those
+    heads alone, and a head alone whose knockout a mask made is that mask's record copied."""
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.measurement.store import MemoryStore
+    from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.method.locate_loop import locate_components
+
+    design = design_matrix("stratified", 12, 8, 0.1, 0, [])
+    assert (design.sum(axis=1) == 1).all()  # the case: masks of one head each
+    spec = RunSpec(masks=12, sparsity=0.1, confirm=4, prior="none", max_measurements=40,
+                   bootstrap=5, progress=False).validate()
+    measure, store = _Planted(), MemoryStore()
+    (ranking,) = locate_components(measure, spec, store=store).values()
+    cert = ranking.facts.certificate
+    assert cert is not None and cert.certified and not cert.unchecked, cert
+    assert cert.measured_alone + cert.ruled_out == 8
+    # Each knockout made once: the baseline, each mask's one head, and the group tests.
+    assert len(measure.made) == len(set(measure.made))
+    records = {r["key"]: r for r in store.measurements()}
+    for key, record in records.items():
+        if key.startswith("alone-") and record["mask"] in {
+                records[f"mask-{i:04d}"]["mask"] for i in range(12)}:
+            assert record["same_as"].startswith("mask-"), key
+    # The top-5 is the planted one, each measured alone.
+    assert [str(h) for h in ranking.top(5)] == list(_Planted.harms)

@@ -213,12 +213,12 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                 f"{_scale_words(wanted)}; the folder was made with other arguments (use "
                 "another --out or --force)")
     # A knockout planned twice (two tasks' top-k that are the same heads, a set two runs
-    # found) is measured once: a measurement is deterministic, so the second key's record
-    # is the first's, said by "same_as".
+    # found, a head alone that a mask of one knocked out) is measured once: a measurement
+    # is deterministic, so the second key's record is the first's, said by "same_as".
+    # The first may be any record on disk, not only this plan's.
     first_of: dict[tuple[str, float | None], str] = {}
-    for key, heads, scale in entries:
-        if key in done:
-            first_of.setdefault(_knockout_of(heads, scale), key)
+    for key, record in done.items():
+        first_of.setdefault((record["mask"], record.get("scale")), key)
     todo, waiting = [], []  # waiting: (twin's key, its first's key), in plan order
     for key, heads, scale in entries:
         if key in done:

@@ -351,8 +351,12 @@ def plan_groups(design: np.ndarray, scores: np.ndarray, baseline: float, higher:
     order = group_order(fit.order, implicated, design, skip={*skip, *alone})
     mask_harms = harm(np.asarray(scores, dtype=np.float64) - baseline, higher)
     ses = np.zeros(len(mask_harms)) if mask_se is None else np.asarray(mask_se, dtype=float)
+    # A mask of one component is not that component measured alone, which ranks it and
+    # settles it in the certificate: left to the group stage, which measures it alone
+    # (run_plan copies the mask's record, measuring nothing).
     known = {tuple(int(h) for h in np.flatnonzero(row)): Harm(float(value), float(se))
-             for row, value, se in zip(design, mask_harms, ses, strict=True)}
+             for row, value, se in zip(design, mask_harms, ses, strict=True)
+             if np.count_nonzero(row) > 1}
     known.update({(h,): value for h, value in alone_harms.items()})
     margin = Z * float(np.median([h.se for h in known.values()])) if known else 0.0
     size = group_size(entry_bar(alone_harms, top_k),
