@@ -885,3 +885,20 @@ def test_a_default_run_on_a_small_model_measures_every_head_alone(tiny_model_dir
                    "--out", str(given)) == 0
     config = strict_json(given / "config.json")
     assert config["spec"]["masks"] == 4 and config["prior_used"] is True
+
+
+def test_a_default_small_model_run_with_a_never_ablated_head_says_it_measured_all_alone(
+        tiny_model_dir, tmp_path):
+    """--never-ablate L1H1 leaves 7 heads to rank, each measured alone, as --exclude L1H1
+    does; its report claimed a fit (its R², "more than the run's cap of 4") and no word of
+    the plan, as the never-ablated head was counted among those left unmeasured."""
+    out = tmp_path / "never"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--never-ablate", "L1H1",
+                   "--out", str(out)) == 0
+    config = strict_json(out / "config.json")
+    assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
+    report = (out / "report.md").read_text()
+    assert "the fewest masks the fit takes, then every head it ranks measured alone" in report
+    assert "left to estimate (no R²)" in report and "Fit R²" not in report
+    assert "more than the run's cap" not in report

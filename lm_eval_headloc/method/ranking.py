@@ -436,5 +436,7 @@ def all_measured_alone(ranking: Ranking) -> bool:
     confirmed = ranking.facts.confirmed
     if not confirmed:
         return False
-    ranked = len(ranking.effects) - len(ranking.facts.excluded or ())
+    facts = ranking.facts
+    ranked = (len(ranking.effects) - len(facts.excluded or ())
+              - len(facts.never_knocked_out or ()))
     return len(set(confirmed)) >= ranked
