@@ -48,6 +48,9 @@ LOCATE_BAD = [
     (["--masks-per-pass", "0"], ("--masks-per-pass 0", ">= 1")),
     (["--batch-size", "big"], ("--batch-size 'big'", ">= 1", "'auto'")),
     (["--top-k", "9"], ("--top-k 9", "8 heads")),
+    # A top-5 of the 4 heads left used to run, its report speaking of a top-5.
+    (["--exclude", "L0H*"], ("--top-k 5", "only 4 heads", "less 4")),
+    (["--exclude", "L0H0+L0H1", "--never-ablate", "L1H0+L1H1"], ("--top-k 5", "only 4 heads")),
     (["--exclude", "L29H8"], ("--exclude", "L29H8", "0..1")),
     (["--never-ablate", "L0H5"], ("--never-ablate", "L0H5", "0..3")),
     (["--exclude", "L0H*+L1H*"], ("--exclude", "(8)")),

@@ -274,3 +274,36 @@ def test_a_small_models_run_with_a_prior_keeps_its_plan_when_resumed(tiny_model_
     config = strict_json(tmp_path / "run" / "config.json")
     assert (config["spec"]["masks"], config["spec"]["confirm"]) == (12, 34)
     assert config["prior_used"] is True and read_run(tmp_path / "run") == before
+
+
+def test_a_run_measuring_every_head_alone_keeps_that_plan_when_its_exclude_changes(
+        tiny_model_dir, tmp_path):
+    """A default run on 8 heads with 2 excluded measures the other 6 alone. Rerun without
+    the --exclude, it kept masks 2 and confirm 6, took the default plan's prior and cap
+    (4) and ended "not certified", advising a --max-measurements it then refused; killed
+    and resumed with an --exclude added, it computed a prior. Now the rerun measures the
+    heads it now ranks alone, as a fresh run with those options does, with no prior."""
+    common = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+              "--num-samples", "6", "--signal", "logprob"]
+    run = tmp_path / "run"
+    assert harness(*common, "--exclude", "L0H0+L1H1", "--out", str(run)) == 0
+    assert strict_json(run / "heads.json")["certificate"]["measured_alone"] == 6
+    assert harness(*common, "--out", str(run)) == 0
+    fresh = tmp_path / "fresh"
+    assert harness(*common, "--out", str(fresh)) == 0
+    for folder in (run, fresh):
+        config = strict_json(folder / "config.json")
+        assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 8)
+        assert config["prior_used"] is False and not (folder / "prior.json").exists()
+    heads, fresh_heads = (strict_json(f / "heads.json") for f in (run, fresh))
+    assert heads["certificate"]["certified"] and heads["certificate"]["measured_alone"] == 8
+    assert heads["top_k"] == fresh_heads["top_k"]
+    assert [h["effect"] for h in heads["heads"]] == [h["effect"] for h in fresh_heads["heads"]]
+    # Killed among its heads and resumed with an --exclude added: no prior, 7 heads alone.
+    killed = tmp_path / "killed"
+    stopped_part_way([*common, "--seed", "3"], killed, after=6, stop=signal.SIGKILL)
+    assert harness(*common, "--seed", "3", "--exclude", "L0H1", "--out", str(killed)) == 0
+    config = strict_json(killed / "config.json")
+    assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
+    assert config["prior_used"] is False and not (killed / "prior.json").exists()
+    assert strict_json(killed / "heads.json")["certificate"]["certified"]

@@ -31,7 +31,7 @@ from lm_eval_headloc.intervention.components import (
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.measurement.store import ReplayStore
-from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
+from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
 )
@@ -149,6 +149,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         stored = None if force else _stored_run(folder)
+        given = (spec.masks, spec.confirm)
         if stored is not None:
             # --masks and --confirm left out: a resumed run keeps what it was made with
             # (one of them only, where it stopped before the budget was split).
@@ -159,14 +160,17 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
                              f"measures {spec.masks or 'the default budget of'} masks")
         # A default run on a model of few heads measures every head alone, with no prior
-        # under --prior auto (budget.measures_all_alone); a run resumed keeps that plan,
-        # and one made with another budget or a prior keeps its own.
+        # under --prior auto (budget.measures_all_alone); a run resumed keeps that plan
+        # (every head it now ranks: its --exclude may have changed), and one made with
+        # another budget or a prior keeps its own.
         planned = spec.replace(masks=None, confirm=None).measuring_all_alone(
             setup.total_heads, setup.rankable_heads)
         all_alone = (planned.masks is not None
-                     and (spec.masks, spec.confirm) in ((None, None),
-                                                        (planned.masks, planned.confirm))
-                     and not (stored is not None and stored.prior_used))
+                     and not (stored is not None and stored.prior_used)
+                     and ((spec.masks, spec.confirm) in ((None, None),
+                                                         (planned.masks, planned.confirm))
+                          or (given == (None, None) and stored is not None
+                              and _planned_all_alone(stored.spec, setup))))
         if all_alone:
             spec = planned
         done = None if force or measure is not None else _finished(stored, folder, spec)
@@ -276,6 +280,17 @@ def _never_neurons(setup: Setup, neurons_per_layer: int) -> list[str]:
         except ComponentSpecError as err:
             raise UsageError(f"{flag}: {err}") from None
     return [str(c) for c in setup.never_ablate if isinstance(c, Neuron)]
+
+
+def _planned_all_alone(stored: RunSpec, setup: Setup) -> bool:
+    """Whether a stored run's plan measures every head it ranks alone after the fewest
+    masks (``RunSpec.measuring_all_alone``'s), under the --exclude it was made with."""
+    if stored.masks != ALL_ALONE_MASKS or stored.confirm is None:
+        return False
+    try:
+        return stored.confirm == setup.heads_ranked_with(stored.exclude)
+    except UsageError:  # its --exclude file is gone: its plan cannot be told
+        return False
 
 
 def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:

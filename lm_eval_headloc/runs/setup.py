@@ -100,7 +100,16 @@ class Setup:
     def rankable_heads(self) -> int:
         """The heads a heads run ranks: every head but those --exclude and --never-ablate
         name."""
-        skipped = {h for h in (*self.exclude, *self.never_ablate) if isinstance(h, Head)}
+        return self.heads_ranked_with(self.exclude)
+
+    def heads_ranked_with(self, exclude: str | Sequence[Component] | None) -> int:
+        """The heads a heads run with this --never-ablate ranks under another --exclude
+        (a stored run's: names, or a head file, read as ``head_list`` reads it)."""
+        if exclude is None or isinstance(exclude, str):
+            g = self.geometry
+            exclude = head_list(exclude, g.num_layers, g.heads_per_layer, "--exclude",
+                                head_layers=g.head_layers)
+        skipped = {h for h in (*exclude, *self.never_ablate) if isinstance(h, Head)}
         return self.total_heads - len(skipped)
 
     def checked(self, names: Iterable[str | Component]) -> list[Component]:
@@ -323,6 +332,12 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                  if len(excluded_heads) >= total else
                  "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
+    ranked = total - len(excluded_heads | never_heads)
+    if spec.components == "heads" and spec.top_k > ranked:
+        # A top-5 of 4 heads ran, and its report spoke of a top-5.
+        raise UsageError(f"--top-k {spec.top_k}: the run ranks only {ranked} heads (the "
+                         f"model's {total} less {total - ranked} in --exclude and "
+                         "--never-ablate)")
     if "neurons" in spec.components:
         check_candidates(_candidate_count(spec, geometry), geometry.total_neurons,
                          sum(isinstance(c, Neuron) for c in never))
