@@ -284,6 +284,32 @@ def test_force_deletes_only_what_the_commands_wrote(tiny_model_dir, tmp_path, ca
     assert strict_json(run / "config.json")["identity"]["seed"] == 1
 
 
+def test_force_deletes_only_what_this_run_wrote(tiny_model_dir, tmp_path, capsys):
+    """--force deleted a user's heads-mine.json and heads-notes.csv (named like a ranking,
+    of no task of the run) and a copy of another run put inside the folder (a run folder of
+    ours, not this run's). Only the run's own tasks' rankings and its own nested runs (its
+    verify/, a sweep's cells) are its to delete."""
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out", str(run)]
+    assert harness(*args) == 0
+    shutil.copytree(run, tmp_path / "backup")
+    shutil.copytree(tmp_path / "backup", run / "backup")
+    (run / "heads-mine.json").write_text("[]")
+    (run / "heads-notes.csv").write_text("mine")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert harness(*args, "--seed", "1", "--force") == 2
+    assert_names(last_error(capsys), "--force", str(run), "backup", "heads-mine.json",
+                 "heads-notes.csv")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    shutil.rmtree(run / "backup")
+    (run / "heads-mine.json").unlink()
+    (run / "heads-notes.csv").unlink()
+    assert (run / "heads-tiny_copy.json").is_file()  # the run's own: cleared
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert strict_json(run / "config.json")["identity"]["seed"] == 1
+
+
 def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_dir, tmp_path):
     """A kill between writing config.json's partial file and its rename left a folder of
     .lock and .config.json.<pid>.partial, refused for ever ("not a run folder")."""

@@ -174,3 +174,22 @@ def test_verify_and_cross_of_a_sweeps_folder_name_its_cells(tiny_model_dir, tmp_
         error = last_error(capsys)
         assert_names(error, str(out), "sweep run", "m<M>-p<P>/")
         assert "finish the run" not in error
+
+
+def test_force_on_a_sweep_clears_its_cells_and_nothing_else(tiny_model_dir, tmp_path,
+                                                            capsys):
+    """A sweep's cells are its own run folders, cleared by --force; a run folder of ours
+    named like no cell of its grid (a copy of another run) is not its to delete."""
+    out = tmp_path / "sweep"
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "3,4", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--confirm", "2", "--out", str(out)]
+    assert harness(*args) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["m3-p0.25", "m4-p0.25"]
+    shutil.copytree(out / "m3-p0.25", out / "m3-copy")
+    assert harness(*args, "--seed", "1", "--force") == 2
+    assert_names(last_error(capsys), "--force", "m3-copy")
+    assert (out / "m4-p0.25" / "heads.json").is_file()
+    shutil.rmtree(out / "m3-copy")
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert strict_json(out / "m3-p0.25" / "config.json")["identity"]["seed"] == 1

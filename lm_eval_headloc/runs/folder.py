@@ -171,16 +171,40 @@ def _ours(entry: Path) -> bool:
         or _is_partial(inner, pattern.fullmatch) for inner in entry.iterdir())
 
 
-def _nested_run(entry: Path) -> RunFolder | None:
-    """``entry`` as a run folder of ours (a verify's, a sweep's cell), or None."""
+def _nested_run(entry: Path, config: Mapping[str, Any]) -> RunFolder | None:
+    """``entry`` as a run folder that the run ``config`` records made, or None: its
+    ``verify`` (verify's default --out) or, in a sweep's folder, one of its cells. Another
+    run folder put here (a copy of another run) is not this run's to delete."""
     if not entry.is_dir() or entry.is_symlink() or not (entry / RunFolder.CONFIG).is_file():
         return None
     run = RunFolder(entry)
     try:
-        run.read_config()
+        command = run.read_config()["command"]
     except RunFolderError:
         return None
-    return run
+    identity = config.get("identity")
+    cells: set[str] = set()
+    if config.get("command") == "sweep" and isinstance(identity, dict):
+        grid = [identity.get("masks"), identity.get("sparsity")]
+        if all(isinstance(values, list) for values in grid):
+            cells = {f"m{m}-p{p:g}" for m in grid[0] for p in grid[1]
+                     if isinstance(m, int) and isinstance(p, (int, float))}
+    if (entry.name, command) == ("verify", "verify") or (
+            entry.name in cells and command == "locate"):
+        return run
+    return None
+
+
+def _own_rankings(config: Mapping[str, Any]) -> set[str]:
+    """The ranking files (``heads-<task>.json`` and ``.csv``) the run ``config`` records
+    writes: its tasks'. Another file of that pattern is not the run's to delete."""
+    from lm_eval_headloc.measurement.metrics import parse_task_metric
+
+    spec = config.get("spec")
+    tasks = spec.get("tasks") if isinstance(spec, dict) else None
+    names = [parse_task_metric(task)[0] for task in (tasks if isinstance(tasks, list) else [])
+             if isinstance(task, str)]
+    return {f"heads-{name}{suffix}" for name in names for suffix in (".json", ".csv")}
 
 
 def _within(path: str | Path, folder: str | Path) -> bool:
@@ -415,10 +439,11 @@ class RunFolder:
         foreign = self._foreign()
         if foreign:
             shown = ", ".join(sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise RunFolderError(f"--force: {self.path} holds what headloc-harness did not "
-                                 f"write ({shown}); it deletes only its own files, so move "
+            raise RunFolderError(f"--force: {self.path} holds what its run did not write "
+                                 f"({shown}); it deletes only the run's own files, so move "
                                  "those out or choose another --out")
-        nested = [run for entry in self._entries() if (run := _nested_run(entry))]
+        config = self.read_config()
+        nested = [run for entry in self._entries() if (run := _nested_run(entry, config))]
         try:
             for run in nested:
                 run._acquire()  # refuses a run another process is working in
@@ -432,13 +457,18 @@ class RunFolder:
                 run.release()
 
     def _foreign(self) -> list[str]:
-        """What is here that no command writes, nested runs' included (names)."""
+        """What is here that this folder's run did not write, nested runs' included
+        (names): a file no command writes, a ranking file of no task of the run, a run
+        folder that is not one of its own."""
+        config = self.read_config()
+        rankings = _own_rankings(config)
         found = []
         for entry in self._entries():
-            run = _nested_run(entry)
+            run = _nested_run(entry, config)
             if run is not None:
                 found += [f"{entry.name}/{name}" for name in run._foreign()]
-            elif not _ours(entry):
+            elif not _ours(entry) or (fnmatch.fnmatchcase(entry.name, "heads-*")
+                                      and entry.name not in rankings):
                 found.append(entry.name)
         return found
 
