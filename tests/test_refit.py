@@ -6,7 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from helpers import harness, strict_json
+import pytest
+from helpers import harness, measurement_lines, strict_json, tiny_args
 
 
 def test_the_summary_line_does_not_show_a_bare_negative_r2(tmp_path, capsys,
@@ -60,3 +61,30 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
     heads = strict_json(out / "heads.json")
     assert heads["excluded"] == [] and len(heads["heads"]) == 8
     assert strict_json(out / "config.json")["settings"]["exclude"] is None
+
+
+def test_refit_exclude_leaves_the_excluded_out_of_the_certificate(tiny_model_dir, tmp_path):
+    """refit --exclude of heads measured alone left them in heads.json's `confirmed` and
+    `tied_at_k` (the top line "tied at the 5th place: L1H1, ..." named an excluded head)
+    and let their harm set the top-k's entry bar. Derived here from the measurements: the
+    bar is the 5th largest harm of the heads still ranked."""
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "8", "--signal", "logprob", "--prior", "none",
+                   "--out", str(out)) == 0
+    records = {r["key"]: r for r in measurement_lines(out)}
+    base = records["baseline"]["scores"]["tiny_copy"]
+    harms = {key[len("alone-"):]: base - r["scores"]["tiny_copy"]
+             for key, r in records.items() if key.startswith("alone-")}
+    assert len(harms) == 8
+    strongest = max(harms, key=harms.get)
+    assert harms[strongest] > 0  # it set the top-1's bar before
+    assert harness("refit", str(out), "--exclude", strongest, "--top-k", "1") == 0
+    heads = strict_json(out / "heads.json")
+    cert = heads["certificate"]
+    named = {*heads["confirmed"], *cert["tied_at_k"], *(h["head"] for h in heads["heads"])}
+    assert strongest not in named
+    # entry_bar: the k-th largest harm measured alone, 0 where it does not hurt.
+    second = max(v for h, v in harms.items() if h != strongest)
+    assert cert["entry_bar"] == pytest.approx(max(second, 0.0), abs=1e-9)
+    assert cert["measured_alone"] == 7 and cert["certified"]

@@ -384,8 +384,10 @@ def _group_test(store: MeasurementStore, measure: Measurement, settings: LoopSet
     baseline = records["baseline"]
     higher = {t: bool(baseline["higher_is_better"][t]) for t in tasks}
     scores = {t: np.array([records[k]["scores"][t] for k in keys]) for t in tasks}
-    alone = {t: measured_alone(confirmed, records, t, columns) for t in tasks}
     skip = {*never, *excluded}
+    # A head measured alone and --exclude'd since (a resumed run) sets no entry bar.
+    alone = {t: {h: v for h, v in measured_alone(confirmed, records, t, columns).items()
+                 if h not in skip} for t in tasks}
     alone_keys = {h: alone_key(columns[h]) for t in tasks for h in alone[t]}
 
     def harms(record: Mapping[str, Any]) -> dict[str, Harm]:

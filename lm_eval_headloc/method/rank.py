@@ -217,6 +217,10 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         fit = screen(design, y, higher, alpha=alpha, penalty_weights=weights, fixed=fixed,
                      exclude=left_out)
         order = confirmed_order(alone, fit.order, higher, left_out, fit.effects)
+        # What the ranking says of the heads measured alone is of those it ranks: a head
+        # --exclude'd after it was measured (refit, a resumed run) sets no entry bar and
+        # ties with none (its measured change still holds its column in the fit).
+        ranked_alone = {h: v for h, v in alone.items() if h not in set(left_out)}
         select = None
         if confirmed is not None:
             select = confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,
@@ -259,19 +263,19 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
                 excluded=columns.names(excluded),
                 never_knocked_out=columns.names(unmeasured) if unmeasured else None,
                 **({} if confirmed is None else {
-                    "confirmed": columns.names(alone),
+                    "confirmed": columns.names(ranked_alone),
                     "implicated": columns.names(h for h in fit.order
                                                 if harm(fit.effects[h], higher) > 0),
                     # The confirmation's next round, less what the group tests have
                     # measured alone since it was chosen.
                     "next": [name for name in (confirmed.next or {}).get(task, [])
-                             if name not in set(columns.names(alone))]}),
+                             if name not in set(columns.names(ranked_alone))]}),
                 prior_top_k=None if priors is None else columns.names(
                     alternated(prior_rankings(estimates), top_k)),
                 prior_found_nothing=prior_found_nothing(estimates)),
             stability=stability, evidence=evidence)
         rankings[task].facts.certificate = _certificate(
-            design, keys, records, task, alone, confirmed, columns,
+            design, keys, records, task, ranked_alone, confirmed, columns,
             [h for h in order if h not in set(left_out)], top_k)
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
