@@ -48,6 +48,7 @@ LOCATE_BAD = [
     (["--masks-per-pass", "0"], ("--masks-per-pass 0", ">= 1")),
     (["--batch-size", "big"], ("--batch-size 'big'", ">= 1", "'auto'")),
     (["--top-k", "9"], ("--top-k 9", "8 heads")),
+    (["--scale", "1"], ("--scale 1", "as it is")),  # ran, every measurement the baseline
     # A top-5 of the 4 heads left used to run, its report speaking of a top-5.
     (["--exclude", "L0H*"], ("--top-k 5", "only 4 heads", "less 4")),
     (["--exclude", "L0H0+L0H1", "--never-ablate", "L1H0+L1H1"], ("--top-k 5", "only 4 heads")),

@@ -261,6 +261,10 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                       extra_joined, [name for name, _ in specs[len(own_joined):]])
     model_args = resolve_model_args(spec.model_args)
     config = model_config(model_args)
+    if spec.scale == 1:  # replacement + 1 x (output - replacement): the output itself
+        raise UsageError("--scale 1: a knocked-out head's output would stay as it is, so no "
+                         "measurement could move the task; give 0 to knock heads out, or "
+                         "another value to scale them")
     check_scale_fits(spec.scale, model_args, config)
     if spec.apply_chat_template:
         check_chat_template(model_args)

@@ -157,8 +157,9 @@ class RunSpec:
                 "reference set", choices=ABLATIONS)
     scale: float = _option(
         0.0, "knocked-out heads' outputs become replacement + S x (output - replacement): 0 "
-             "replaces them, 1 leaves them as they are, 2 amplifies (with --ablation zero: "
-             "the output doubled)", parse=float, metavar="S", whole=False)
+             "replaces them, 2 amplifies (with --ablation zero: the output doubled); 1, "
+             "which leaves them as they are, is refused", parse=float, metavar="S",
+        whole=False)
     ablation_data: str | None = _option(
         None, "reference set of --ablation mean or resample: a text file (one example per "
               "line), a JSONL file (its text field) or an lm-eval task (default: the run's "
