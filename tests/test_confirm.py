@@ -902,3 +902,21 @@ def test_a_default_small_model_run_with_a_never_ablated_head_says_it_measured_al
     assert "the fewest masks the fit takes, then every head it ranks measured alone" in report
     assert "left to estimate (no R²)" in report and "Fit R²" not in report
     assert "more than the run's cap" not in report
+
+
+def test_a_small_model_run_given_a_prior_counts_it_in_its_spent_line(tiny_model_dir,
+                                                                     tmp_path):
+    """--prior atp-path on 8 heads: every head alone after 2 masks, and the prior. The
+    spent line read "18 ...: 2 masks and every head it ranks alone", 8 short of its sum."""
+    from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
+
+    out = tmp_path / "prior"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", "--prior", "atp-path",
+                   "--out", str(out)) == 0
+    allowance = PRIOR_ALLOWANCE["atp-path"]
+    spent = allowance + 2 + 8
+    assert strict_json(out / "heads.json")["certificate"]["measurements_spent"] == spent
+    assert (f"- measurements: {spent} measurement-equivalents (the prior's allowance, masks, "
+            f"heads measured alone and group tests): the prior's {allowance}, 2 masks and "
+            "every head it ranks alone") in (out / "report.md").read_text()

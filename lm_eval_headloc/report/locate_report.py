@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.words import counted, ordinal, signed
-from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, DEFAULT_BUDGET
+from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, DEFAULT_BUDGET, PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     UNIT,
     UNITS,
@@ -104,7 +104,9 @@ def locate_report(run: LocateRun) -> str:
             *certificate_words(ranking, certificate_unit(ranking.columns),
                               _searched_words(run),
                               cap_given=spec.max_measurements not in (None, "auto"),
-                              all_alone=all_alone),
+                              all_alone=all_alone,
+                              prior_allowance=PRIOR_ALLOWANCE.get(run.prior_method or "", 0)
+                              if run.prior_used else 0),
             *_prior_top_words(ranking.facts, top_k, run.prior_kind, UNIT[spec.components])]
     lines.append(f"Check the {units} with `headloc-harness verify` (knocks them out for "
                  "real).")
@@ -302,7 +304,8 @@ def _listed(names: Sequence[str], most: int = 10) -> str:
 
 
 def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
-                      cap_given: bool = False, all_alone: bool = False) -> list[str]:
+                      cap_given: bool = False, all_alone: bool = False,
+                      prior_allowance: int = 0) -> list[str]:
     """report.md's certificate (``facts.certificate``): certified or not, the rule and the
     confidence it holds at, what the run measured alone, what a measured set ruled out and
     by how much at most, what the group tests measured, the sets that ruled nothing out,
@@ -310,7 +313,8 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     it. ``scope``: a sentence on what the run searched (a neuron run: its candidates);
     ``cap_given``: the user gave ``--max-measurements`` a number (else it is automatic);
     ``all_alone``: the run measured every head alone after the fewest masks
-    (``_measured_all_alone``), which no cap stops."""
+    (``_measured_all_alone``), which no cap stops; ``prior_allowance``: what its prior
+    counts (a prior given with that plan)."""
     cert = ranking.facts.certificate
     if not cert:
         return []
@@ -384,7 +388,9 @@ def certificate_words(ranking: Ranking, unit: str = "head", scope: str = "",
     if cert.measurements_spent is not None:
         lines.append(f"- measurements: {cert.measurements_spent} measurement-equivalents "
                      f"(the prior's allowance, masks, {unit}s measured alone and group tests)"
-                     + (f": {ALL_ALONE_MASKS} masks and every {unit} it ranks alone, "
+                     + (": " + (f"the prior's {prior_allowance}, " if prior_allowance
+                                else "")
+                        + f"{ALL_ALONE_MASKS} masks and every {unit} it ranks alone, "
                         "which no cap stops (the design line says why)" if all_alone else
                         _of_the_cap(cert.measurements_spent, cert.max_measurements, unit,
                                     cap_given)))
