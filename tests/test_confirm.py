@@ -843,16 +843,22 @@ def test_the_terminal_says_a_tie_in_the_runs_own_unit(monkeypatch, capsys):
     assert "head" not in printed.replace("heads.json", "")
 
 
+def _small_default_run(tiny_model_dir, out, *options: str) -> dict:
+    """A default locate on the tiny model's 8 heads (logprob, 6 examples) into ``out``, with
+    ``options``; its config.json."""
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "6", "--signal", "logprob", *options,
+                   "--out", str(out)) == 0
+    return strict_json(out / "config.json")
+
+
 def test_a_default_run_on_a_small_model_measures_every_head_alone(tiny_model_dir, tmp_path):
     """The tiny model's 8 heads (7 ranked with one excluded): a default run spent the
     prior's 8, 12 masks and measured at most 34 heads alone (28 measurements for 8 heads);
     it now measures the 2 masks the fit takes and each ranked head alone, computes no
     prior, is certified, and its ranking is the one-at-a-time ranking."""
     out = tmp_path / "default"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--num-samples", "6", "--signal", "logprob", "--exclude", "L1H3",
-                   "--out", str(out)) == 0
-    config = strict_json(out / "config.json")
+    config = _small_default_run(tiny_model_dir, out, "--exclude", "L1H3")
     assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
     assert config["prior_used"] is False and not (out / "prior.json").exists()
     assert "every head is measured alone" in config["prior_skipped"]
@@ -893,10 +899,7 @@ def test_a_default_small_model_run_with_a_never_ablated_head_says_it_measured_al
     does; its report claimed a fit (its R², "more than the run's cap of 4") and no word of
     the plan, as the never-ablated head was counted among those left unmeasured."""
     out = tmp_path / "never"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--num-samples", "6", "--signal", "logprob", "--never-ablate", "L1H1",
-                   "--out", str(out)) == 0
-    config = strict_json(out / "config.json")
+    config = _small_default_run(tiny_model_dir, out, "--never-ablate", "L1H1")
     assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
     report = (out / "report.md").read_text()
     assert "the fewest masks the fit takes, then every head it ranks measured alone" in report
@@ -911,9 +914,7 @@ def test_a_small_model_run_given_a_prior_counts_it_in_its_spent_line(tiny_model_
     from lm_eval_headloc.method.budget import PRIOR_ALLOWANCE
 
     out = tmp_path / "prior"
-    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--num-samples", "6", "--signal", "logprob", "--prior", "atp-path",
-                   "--out", str(out)) == 0
+    _small_default_run(tiny_model_dir, out, "--prior", "atp-path")
     allowance = PRIOR_ALLOWANCE["atp-path"]
     spent = allowance + 2 + 8
     assert strict_json(out / "heads.json")["certificate"]["measurements_spent"] == spent

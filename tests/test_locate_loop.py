@@ -157,22 +157,15 @@ def test_a_measurement_of_numpy_numbers_is_kept_as_plain_numbers():
     assert type(record["scores"]["t"]) is float and record["scores"]["t"] == 0.75
 
 
-class _Planted:
-    """A measurement of an 8-head model (2 layers of 4) with one task, ``t``, whose score
-    falls by each knocked-out head's planted harm; it counts the knockouts it made."""
+class _Planted(_Scores):
+    """``_Scores``' 8-head model whose score falls by each knocked-out head's planted harm;
+    it lists the knockouts it made."""
 
-    tasks = [("t", None)]
     harms = {"L0H0": 0.30, "L0H3": 0.20, "L1H1": 0.12, "L1H2": 0.08, "L0H1": 0.05}
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        self.lm = SimpleNamespace(knockout=SimpleNamespace(
-            num_layers=2, heads_per_layer=4, layers_with_heads=[0, 1]))
+        super().__init__(-1, None)
         self.made: list[str] = []
-
-    def auto_masks_per_pass(self) -> int:
-        return 1
 
     def measure_chunks(self, chunks, masks_per_pass=None, scale=None):
         from lm_eval_headloc.intervention.components import format_heads
