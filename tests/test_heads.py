@@ -74,6 +74,11 @@ def test_read_heads_file_json_ranked_and_text(tmp_path):
     text = tmp_path / "heads.txt"
     text.write_text("# universal heads\nL0H8\n\nL1H8+L1H7  # a pair\n")
     assert read_heads_file(text) == ["L0H8", "L1H8", "L1H7"]
+    # A byte-order mark (Windows Notepad's UTF-8) was read as part of the first name.
+    text.write_bytes(b"\xef\xbb\xbfL0H8\r\nL1H8\r\n")
+    assert read_heads_file(text) == ["L0H8", "L1H8"]
+    plain.write_bytes(b'\xef\xbb\xbf["L1H1"]')
+    assert read_heads_file(plain) == ["L1H1"]
     # A head named again inside a "+"-joined JSON entry (kept whole: a group's neurons)
     # passed in JSON, where the same list as text lines was refused.
     pairs = tmp_path / "pairs.json"

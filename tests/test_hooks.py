@@ -213,6 +213,31 @@ def test_ablate_file_with_top_k_and_union_with_ablate(tiny_model_dir, tmp_path):
     assert lm.get_model_info()["ablate"] == "L0H2+L1H0+L1H3"
 
 
+def test_the_log_names_what_ablate_adds_to_the_file(tiny_model_dir, tmp_path, caplog):
+    """The log said "knocking out L1H3+L0H2: the top 2 of FILE" while L1H0 of ablate= was
+    knocked out too."""
+    ranked = tmp_path / "heads.json"
+    ranked.write_text('{"heads": [{"head": "L1H3"}, {"head": "L0H2"}, {"head": "L0H0"}]}')
+    caplog.set_level("INFO", logger="lm_eval.models.hf_headablate")
+    load_ablate(tiny_model_dir("llama"), ablate_file=str(ranked), ablate_top=2,
+                ablate="L1H0+L0N3")
+    assert (f"knocking out L1H3+L0H2: the top 2 of {ranked}; and L1H0+L0N3, from ablate="
+            in caplog.messages)
+
+
+def test_knocking_out_refuses_names_beside_row_masks(tiny_model_dir):
+    """knocking_out("L0H1", row_masks=M) knocked out M's rows only, L0H1 silently dropped."""
+    import numpy as np
+
+    lm = load_ablate(tiny_model_dir("llama"))
+    masks = np.zeros((2, 8), dtype=bool)
+    with raises_naming(ComponentSpecError, "'L0H1'", "row_masks", "not both"):
+        with lm.knocking_out("L0H1", row_masks=masks):
+            pass
+    with lm.knocking_out(row_masks=masks) as intervention:  # either alone is fine
+        assert intervention.row_masks is not None
+
+
 def test_a_runs_ranking_without_ablate_top_knocks_out_its_top_k(tiny_model_dir, tmp_path,
                                                                caplog):
     """A run's heads.json ranks every head; naming it means the heads the run located (its

@@ -424,6 +424,35 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
     assert re.search(BAD_HEADS[bad], stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("args, message", [
+    # HFLM's TypeError (a missing argument), and a Hub error for '' (a $MODEL unset)
+    # after the head file was read.
+    ("dtype=float32,ablate=L0H1", r"hf-headablate: error: pretrained=: give a model"),
+    ("pretrained=,ablate_file=/no/such/heads.json",
+     r"hf-headablate: error: pretrained='': give a model"),
+    ("pretrained={folder},ablate_file=", r"hf-headablate: error: ablate_file= is empty"),
+])
+def test_a_missing_model_or_head_file_is_one_line_through_the_cli_hook(
+        tiny_model_dir, args, message, monkeypatch, capsys):
+    import re
+
+    from lm_eval_headloc.intervention import registration
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    registration._install_cli_excepthook()
+    try:
+        HFHeadAblateLM.create_from_arg_string(args.format(folder=tiny_model_dir("llama")),
+                                              {"device": "cpu"})
+    except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
+        sys.excepthook(*sys.exc_info())
+    else:
+        pytest.fail(f"{args} was accepted")
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert re.search(message, stderr.strip().splitlines()[-1])
+
+
 def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
 

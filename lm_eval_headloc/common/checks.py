@@ -128,6 +128,10 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
     ``AttributeError``."""
     import os
 
+    if pretrained is None or (isinstance(pretrained, str) and not pretrained.strip()):
+        # HFLM's own: a TypeError for a missing argument, a Hub error for ''.
+        raise UsageError(f"pretrained={'' if pretrained is None else repr(pretrained)}: give "
+                         "a model, a Hub name or a local folder (pretrained=<name or folder>)")
     for name, value, what in (("peft", peft, "PEFT adapter"), ("gguf_file", gguf_file,
                                                                   "GGUF file")):
         if isinstance(value, str) and not value.strip():  # HF reads '' as "none": a typo

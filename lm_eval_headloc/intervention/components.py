@@ -505,7 +505,7 @@ def read_heads_file(path: str | Path, top: int | None = None) -> list[str]:
     if not path.is_file():
         raise ComponentSpecError(f"head file not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a Windows editor's BOM is no text
     except UnicodeDecodeError:
         raise ComponentSpecError(f"{path} is not a head file: not UTF-8 text (expected JSON or "
                             "one head per line)") from None

@@ -99,7 +99,7 @@ class HFHeadAblateLM(HFLM):
 
     def __init__(
         self,
-        pretrained: Any,
+        pretrained: Any = None,
         ablate: str | Iterable[str | Component | tuple[int, int]] | None = None,
         ablate_file: str | os.PathLike | None = None,
         ablate_top: int | None = None,
@@ -117,6 +117,10 @@ class HFHeadAblateLM(HFLM):
         # Read and parse the head list and the reference set before loading weights, so
         # a missing file or a malformed name fails fast; the layer/head ranges are
         # checked once the model is loaded.
+        # The embedded model's name (a run's record) is the folder it lies in here.
+        named, pretrained = pretrained, local_pretrained(pretrained)
+        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
+                        kwargs.get("gguf_file"))
         requested = requested_components(ablate, ablate_file, ablate_top)
         if attn_out is not None and not isinstance(attn_out, str):
             raise ComponentSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
@@ -145,10 +149,6 @@ class HFHeadAblateLM(HFLM):
                                 f"caches statistics; ablation={self.ablation} keeps none")
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
-        # The embedded model's name (a run's record) is the folder it lies in here.
-        named, pretrained = pretrained, local_pretrained(pretrained)
-        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
-                        kwargs.get("gguf_file"))
         for name in ("batch_size", "max_batch_size"):  # lm-eval's: a bare assert, or none
             if kwargs.get(name) is not None:
                 kwargs[name] = check_batch_size(kwargs[name], f"{name}=")
@@ -344,6 +344,10 @@ class HFHeadAblateLM(HFLM):
         with ``row_masks`` ((rows, components) booleans over the flat index, see
         ``hooks.Intervention``), a different mask in each batch row) instead of its own
         ``set_heads``; on exit, as before, whatever happened inside."""
+        if row_masks is not None and (heads if isinstance(heads, str) else list(heads)):
+            # The row masks say every row's components: heads beside them were dropped.
+            raise ComponentSpecError(f"knocking_out({heads!r}, row_masks=...): give the "
+                                     "components either as names or as row masks, not both")
         parsed = () if row_masks is not None else self._parsed(heads)
         saved, self._override = self._override, self._intervention(parsed, row_masks)
         # Per-row masks are forward passes of our own (multimask, once per batch), never

@@ -208,6 +208,10 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
         if ablate_file is None:
             raise ComponentSpecError(f"ablate_top={ablate_top} needs ablate_file=PATH")
     if ablate_file is not None:
+        if isinstance(ablate_file, str) and not ablate_file.strip():
+            raise ComponentSpecError("ablate_file= is empty; give a head file (a headloc-harness "
+                                     "heads.json, a JSON list, or one head per line) or leave "
+                                     "it out")
         if not isinstance(ablate_file, (str, os.PathLike)):
             raise ComponentSpecError(
                 f"ablate_file={ablate_file!r}: expected the path of a head file (a "
@@ -225,13 +229,15 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
         # that a knockout of them is not read as the task's heads.
         recorded = recorded_harmless(ablate_file) if task else set()  # read once
         harmless = [name for name in from_file if name in recorded]
-        log.info("knocking out %s: %s of %s%s%s", "+".join(map(str, from_file)),
+        given = names[:-len(from_file)]  # ablate='s, before the file's
+        log.info("knocking out %s: %s of %s%s%s%s", "+".join(map(str, from_file)),
                  f"the top {ablate_top}" if ablate_top is not None else
                  f"the run's top-{run_top} (ablate_top=K for another count)"
                  if run_top is not None else "every entry",
                  ablate_file, f" (ranked for task {task})" if task else "",
                  f"; of them {'+'.join(harmless)} did not hurt the task in the run (its "
-                 "ranking records no harm)" if harmless else "")
+                 "ranking records no harm)" if harmless else "",
+                 f"; and {'+'.join(map(str, given))}, from ablate=" if given else "")
     check_component_names(names)
     return names
 
