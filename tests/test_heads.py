@@ -303,7 +303,7 @@ def test_read_heads_file_keeps_groups_whole_layers_and_neurons(tmp_path):
     assert read_heads_file(text) == ["L3H*", "L0H1", "L2N5"]
     # ablate_top counts as docs/model.md says: a text line's heads one by one, a JSON
     # item whole.
-    assert read_heads_file(text, top=2) == ["L3H*", "L0H1"]
+    assert read_heads_file(text, top=2) == ["L3H*", "L0H1"]  # a whole layer: one entry
     assert read_heads_file(ranked, top=2) == ["L2N7", "L3N1+L3N4"]
 
 
