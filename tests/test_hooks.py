@@ -236,6 +236,9 @@ def test_knocking_out_refuses_names_beside_row_masks(tiny_model_dir):
             pass
     with lm.knocking_out(row_masks=masks) as intervention:  # either alone is fine
         assert intervention.row_masks is not None
+    for bad in (5, None):  # set_heads(5) was "'int' object is not iterable"
+        with raises_naming(ComponentSpecError, repr(bad), "L0H29+L1H31"):
+            lm.set_heads(bad)
 
 
 def test_a_runs_ranking_without_ablate_top_knocks_out_its_top_k(tiny_model_dir, tmp_path,

@@ -255,6 +255,10 @@ def test_the_python_api_refuses_bad_arguments_in_its_own_words(tmp_path):
         (lambda: MemoryStore([{"key": "baseline", "mask": "", "scores": {"t": None}}]),
          "records[0] (baseline)"),
         (lambda: design_matrix("bernoulli", 10**6, 10**6, 0.1, 0), "931.3 GiB"),
+        # A bare ValueError beside the same function's UsageErrors.
+        (lambda: design_matrix("foo", 4, 8, 0.1, 0), "'foo'"),
+        (lambda: design_matrix("stratified", 4, 8, 0.1, 0, [12]), "index 12"),
+        (lambda: design_matrix("stratified", 4, 8, 0.1, 0, range(8)), "all 8 heads"),
     ]
     for call, said in cases:
         with pytest.raises(UserError) as info:

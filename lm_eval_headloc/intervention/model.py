@@ -581,6 +581,9 @@ class HFHeadAblateLM(HFLM):
                 ) -> tuple[Component, ...]:
         if isinstance(components, str) and not components.strip():
             return ()
+        if not isinstance(components, (str, Iterable)):  # set_heads(5): not iterable
+            raise ComponentSpecError(f"{components!r}: give heads like 'L0H29+L1H31' or a "
+                                     "list of names, Heads, Neurons or (layer, head) pairs")
         width = self.neurons_per_layer if names_neurons(components) else None
         return tuple(parse_components(components, self.num_layers, self.heads_per_layer,
                                       width, head_layers=self.knockout.geometry.head_layers))

@@ -27,7 +27,7 @@ def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.
     indices came from) goes into the error.
     """
     if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
-        raise ValueError(f"{name}={indices!r}: must be a list of head column indices "
+        raise UsageError(f"{name}={indices!r}: must be a list of head column indices "
                          f"(whole numbers in 0..{total_heads - 1})")
     mask = np.zeros(total_heads, dtype=bool)
     for index in indices:
@@ -36,7 +36,7 @@ def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.
             or not isinstance(index, numbers.Integral)
             or not 0 <= index < total_heads
         ):
-            raise ValueError(
+            raise UsageError(
                 f"{name} index {index!r} is not a head column: must be a whole "
                 f"number in 0..{total_heads - 1} ({total_heads} heads)"
             )
@@ -47,7 +47,7 @@ def head_column_mask(indices: Iterable[int], total_heads: int, name: str) -> np.
 def _eligible_columns(total_heads: int, never_ablate: Sequence[int]) -> np.ndarray:
     eligible = np.flatnonzero(~head_column_mask(never_ablate, total_heads, "never_ablate"))
     if eligible.size == 0:
-        raise ValueError(
+        raise UsageError(
             f"never_ablate lists all {total_heads} heads: at least one head must be eligible "
             "for knockout"
         )
@@ -90,7 +90,7 @@ def design_matrix(
     ``k``. Only ``np.random.default_rng(seed)`` supplies randomness.
     """
     if not isinstance(kind, str) or kind not in DESIGNS:
-        raise ValueError(f"unknown design kind {kind!r}: allowed kinds are {', '.join(DESIGNS)}")
+        raise UsageError(f"unknown design kind {kind!r}: allowed kinds are {', '.join(DESIGNS)}")
     num_masks = check_number(num_masks, "num_masks", whole=True, min_val=1)
     total_heads = check_number(total_heads, "total_heads", whole=True, min_val=1)
     seed = check_number(seed, "seed", whole=True, min_val=0)
