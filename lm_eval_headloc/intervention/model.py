@@ -114,13 +114,14 @@ class HFHeadAblateLM(HFLM):
         resample_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        # Read and parse the head list and the reference set before loading weights, so
-        # a missing file or a malformed name fails fast; the layer/head ranges are
-        # checked once the model is loaded.
-        # The embedded model's name (a run's record) is the folder it lies in here.
+        # The embedded model's name (a run's record) is the folder it lies in here; what
+        # HF would refuse only on loading (no pretrained= at all, say) is refused first.
         named, pretrained = pretrained, local_pretrained(pretrained)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
                         kwargs.get("gguf_file"))
+        # Read and parse the head list and the reference set before loading weights, so
+        # a missing file or a malformed name fails fast; the layer/head ranges are
+        # checked once the model is loaded.
         requested = requested_components(ablate, ablate_file, ablate_top)
         if attn_out is not None and not isinstance(attn_out, str):
             raise ComponentSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
