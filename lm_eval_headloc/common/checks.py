@@ -119,7 +119,8 @@ def _local_path(value: object) -> bool:
 def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
                     gguf_file: object = None) -> None:
     """What Hugging Face would report in other words (or after the weights load),
-    checked before anything loads: a ``pretrained=`` or ``peft=`` written as a local path
+    checked before anything loads: no ``pretrained=`` (None) or an empty one; a
+    ``pretrained=`` or ``peft=`` written as a local path
     that does not exist, which HF reads as a malformed Hub id, or beginning with ``~``,
     which nothing expands; a ``pretrained=`` that is a GGUF file (HF takes its folder and
     ``gguf_file=``); a ``gguf_file=`` missing from a local ``pretrained=`` folder; a
