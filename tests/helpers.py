@@ -677,15 +677,20 @@ def with_stops_that_end_rows(lm, instances, monkeypatch, every_row=False):
 def capped_fall(entry: dict, data: dict) -> float:
     """An entry's fall as the export scores it, read here from the ranking file on its
     own: measured alone, its fall; an estimate's, no more than the harm of a group test
-    that knocked it out, and a harm no more than just under (float32) the least harm
-    measured alone, which the ranking puts first."""
+    that knocked it out, or 0 where that test did not hurt (one that helped by more than
+    the one-sided 95 % noise margin caps nothing), and a harm no more than just under
+    (float32) the least harm measured alone, which the ranking puts first."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.95)
     sign = -1 if data["higher_is_better"] else 1
     fall = sign * entry["effect"]
     if entry.get("measured_alone") is True:
         return fall
     for test in (data.get("certificate") or {}).get("group_tests", []):
-        if entry["head"] in test["components"]:
-            fall = min(fall, sign * test["change"] + 0.0)
+        harm = sign * test["change"] + 0.0
+        if entry["head"] in test["components"] and not harm < -z * (test.get("se") or 0.0):
+            fall = min(fall, max(harm, 0.0))
     hurting = [sign * e["effect"] for e in data["heads"] if e.get("measured_alone") is True
                and e["effect"] is not None and sign * e["effect"] > 0]
     if hurting and fall > 0:

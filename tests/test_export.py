@@ -648,6 +648,34 @@ def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
     assert a_file.read_text() == "mine\n"
 
 
+def test_a_group_test_that_helped_caps_no_estimate(tmp_path, committed_benchmarks):
+    """A group test that helped the task beyond the noise rules out nothing (the
+    certificate's rule: a helpful member may hide a harmful one), yet it capped each of its
+    unmeasured members at its help: on the induction run 15 heads nobody measured alone
+    scored as helping by 0.10, next to the largest help measured alone. Now it caps
+    nothing, and a test that did not hurt caps its members at no harm, never at a help."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.95)
+    run = committed_benchmarks / "recovery-runs" / "headloc_induction" / "certified" / "seed0"
+    data = json.loads((run / "heads-headloc_induction.json").read_text())
+    sign = -1 if data["higher_is_better"] else 1
+    alone = {e["head"] for e in data["heads"] if e.get("measured_alone")}
+    helping = ["+".join(t["components"]) for t in data["certificate"]["group_tests"]
+               if sign * t["change"] < -z * t["se"] and set(t["components"]) - alone]
+    assert helping  # the case: sets that helped, with members not measured alone
+    graph = json.loads(write_mib(run, tmp_path / "x.json", d_model=576,
+                                 parallel_attn_mlp=False).read_text())
+    capped = graph[MARKER]["order"]["capped"]
+    assert not {c["by"].removeprefix("group test ") for c in capped.values()} & set(helping)
+    assert all(c["cap"] >= 0 for c in capped.values() if c["by"].startswith("group test"))
+    scores = head_scores_wide(graph)
+    entry = {e["head"]: e for e in data["heads"]}
+    for head, score in scores.items():  # as capped_fall reads the file on its own
+        if head not in alone and entry[head]["effect"] is not None:
+            assert score == pytest.approx(capped_fall(entry[head], data), abs=1e-6), head
+
+
 def test_mibs_top_n_is_the_runs_and_a_group_test_caps_an_estimate(tmp_path,
                                                                   committed_benchmarks):
     """A certified run's export scored L17H7 (the fit's estimate, a fall of 0.138) above

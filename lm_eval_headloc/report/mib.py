@@ -78,6 +78,7 @@ from lm_eval_headloc.intervention.components import (
     describe_layers,
     parse_heads,
 )
+from lm_eval_headloc.method.group_tests import HELPS, Harm, status
 from lm_eval_headloc.report.mib_format import (
     _HEAD_NODE,
     ExportError,
@@ -384,7 +385,8 @@ def _capped(falls: dict[Head, float], scored: Mapping[Head, Mapping[str, Any]],
             higher_is_better: bool) -> dict[str, dict[str, Any]]:
     """Cap (in place) each estimated fall at what the run measured of it, so that MIB's
     top-n is the run's: a fall no larger than the harm of any group test the head was
-    knocked out in (the certificate's rule: knocking out more never lessens the harm), and
+    knocked out in (the certificate's rule: knocking out more never lessens the harm; a
+    test that helps beyond the noise caps nothing, one that does not hurt caps at 0), and
     a harm no larger than the least measured alone to hurt, which the ranking puts first
     (just under it, in float32). A fit's estimate of 0.14 for a head whose group test
     changed the score by 0 outranked every measured head. Returns head -> its estimated
@@ -411,9 +413,14 @@ def _capped(falls: dict[Head, float], scored: Mapping[Head, Mapping[str, Any]],
             raise ExportError(f"the certificate's group test {test['components']!r}: "
                               f"{err}") from None
         harm = (-test["change"] if higher_is_better else test["change"]) + 0.0
+        se = test.get("se")
+        se = float(se) if _is_number(se) and math.isfinite(se) else 0.0
+        if status(Harm(harm, se), bar=0.0) == HELPS:
+            continue  # a helpful member may hide a harmful one: it caps nothing
         for head in members:
             if head in falls and head not in alone:
-                cap(head, harm, "group test " + "+".join(map(str, members)))
+                # At most no harm: the rule bounds a member's harm, not its help.
+                cap(head, max(harm, 0.0), "group test " + "+".join(map(str, members)))
     hurting = [falls[head] for head in alone if falls[head] > 0]
     if hurting:
         below = float(np.nextafter(np.float32(min(hurting)), _DOWN))
