@@ -467,3 +467,46 @@ def test_row_keys_that_do_not_name_a_measurement_a_row_are_refused(runs, tmp_pat
     capsys.readouterr()
     assert harness("refit", str(folder)) == 2
     assert_names(error_line(capsys), "row_keys", "config.json")
+
+
+def _recording(runs, tmp_path, **recorded) -> Path:
+    """A copy of the locate run whose config.json records ``recorded`` (spec and
+    identity), with a task folder inside it whose utils.py would leave a mark if run."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    shutil.copytree(Path(TASKS) / TASK, folder / "tasks" / TASK)
+    (folder / "tasks" / TASK / "utils.py").write_text(
+        f"open({str(tmp_path / 'marked')!r}, 'w').write('ran')\n"
+        + (Path(TASKS) / TASK / "utils.py").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    for part in ("spec", "identity"):
+        config[part].update(recorded)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["verify", "cross"])
+@pytest.mark.parametrize("craft, said", [
+    ("relative", ("include_path 'tasks'", "relative")),
+    ("inside", ("include_path", "inside the run folder")),
+    ("remote code", ("trust_remote_code=True",)),
+])
+def test_a_run_folders_record_names_no_code_to_run(runs, tmp_path, capsys, no_model_loading,
+                                                   command, craft, said):
+    """verify and cross took a run's recorded include_path (a task folder shipped inside
+    the run folder, whose utils.py then ran) and its model_args' trust_remote_code=True
+    (the model's own code) as given: a run folder is data. Refused in one line, before
+    any task or model loads."""
+    copy = tmp_path / "copy" / "run"
+    recorded = {"relative": {"include_path": ["tasks"]},
+                "inside": {"include_path": [str(copy / "tasks")]},
+                "remote code": {"model_args": f"pretrained={runs['model']},dtype=float32,"
+                                              "device=cpu,trust_remote_code=True"}}[craft]
+    folder = _recording(runs, tmp_path, **recorded)
+    out = tmp_path / "out"
+    args = {"verify": ["verify", str(folder), "--general", OTHER_TASK, "--out", str(out)],
+            "cross": ["cross", str(folder), "--out", str(out)]}[command]
+    capsys.readouterr()
+    assert harness(*args) == 2
+    assert_names(error_line(capsys), str(folder / "config.json"), *said)
+    assert not (tmp_path / "marked").exists() and not out.exists()

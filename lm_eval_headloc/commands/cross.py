@@ -34,7 +34,13 @@ from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.measurement.store import PlanEntry
-from lm_eval_headloc.runs.folder import RunFolder, option_words, refuse_output_path_into, run_list
+from lm_eval_headloc.runs.folder import (
+    RunFolder,
+    option_words,
+    refuse_output_path_into,
+    refuse_recorded_code,
+    run_list,
+)
 from lm_eval_headloc.runs.option_values import flag_of
 from lm_eval_headloc.runs.plan import measured_plan
 from lm_eval_headloc.runs.record import load_run
@@ -75,6 +81,9 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
             raise UsageError(f"run folder {run} is given twice")
         seen.add(path)
         stored[run] = load_run(run).spec
+        refuse_recorded_code(run, stored[run].include_path, stored[run].model_args,
+                             "cross cannot measure such a model; verify each run, giving "
+                             "verify --model-args with trust_remote_code=True")
     first = runs[0]
     for run in runs[1:]:
         if not same_model(stored[run].model_args, stored[first].model_args):

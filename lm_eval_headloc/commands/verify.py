@@ -36,7 +36,11 @@ from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.method.ranking import relative_drop
-from lm_eval_headloc.runs.folder import RunFolder, refuse_output_path_into
+from lm_eval_headloc.runs.folder import (
+    RunFolder,
+    refuse_output_path_into,
+    refuse_recorded_code,
+)
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
 from lm_eval_headloc.runs.record import load_run, ranking_files, read_ranking_file
@@ -354,6 +358,9 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         **kind)
     if own.model_args is not None:  # the run's model where it is now
         spec = spec.replace(model_args=own.model_args)
+    refuse_recorded_code(run, stored.spec.include_path,
+                         None if own.model_args is not None else stored.spec.model_args,
+                         "give --model-args with trust_remote_code=True to run it")
     spec.validate()
     refuse_output_path_into(spec.output_path, [run], out)
     heads_by_task = {name: located_heads(source, name, spec.top_k)

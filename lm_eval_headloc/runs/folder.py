@@ -46,7 +46,7 @@ from lm_eval_headloc.measurement.store import is_measurement, unusable_score
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 __all__ = ["CONFIG_SCHEMA", "RunFolder", "enclosing_run", "option_words", "package_versions",
-           "refuse_writing_into"]
+           "refuse_recorded_code", "refuse_writing_into"]
 
 log = logging.getLogger("lm_eval_headloc")
 
@@ -211,6 +211,30 @@ def _within(path: str | Path, folder: str | Path) -> bool:
     """Whether ``path`` is ``folder`` or inside it (links resolved)."""
     path, folder = Path(path).resolve(), Path(folder).resolve()
     return path == folder or folder in path.parents
+
+
+def refuse_recorded_code(run: str | Path, include_path: Iterable[str], model_args: str | None,
+                         remedy: str) -> None:
+    """Refuse what a run's record (``config.json``) would have a command run as code: a
+    task folder (``include_path``, whose YAMLs may name Python functions) that is not an
+    absolute path outside the run folder (a run records its folders absolute: a relative
+    one, or one shipped inside the folder, is the record's own doing), and a model that
+    runs its own code (``trust_remote_code``). A run folder is data: the user names code
+    to run on the command line (``remedy``: how, for this command)."""
+    from lm_eval_headloc.intervention.arg_string import ModelArgs
+
+    config = Path(run) / RunFolder.CONFIG
+    for folder in include_path:
+        if not Path(folder).is_absolute() or _within(folder, run):
+            raise RunFolderError(f"{config}: include_path {folder!r} is "
+                                 + ("relative" if not Path(folder).is_absolute() else
+                                    "inside the run folder")
+                                 + "; a run folder's record names no task code to run (keep "
+                                   "task folders outside run folders)")
+    trust = ModelArgs.parse(model_args).get("trust_remote_code") if model_args else None
+    if str(trust).strip().lower() in ("true", "1"):
+        raise RunFolderError(f"{config}: its model_args say trust_remote_code=True; a run "
+                             f"folder's record runs no model's own code ({remedy})")
 
 
 def refuse_writing_into(out: str | Path, runs: Iterable[str | Path]) -> None:
