@@ -49,6 +49,9 @@ LOCATE_BAD = [
     (["--batch-size", "big"], ("--batch-size 'big'", ">= 1", "'auto'")),
     (["--top-k", "9"], ("--top-k 9", "8 heads")),
     (["--scale", "1"], ("--scale 1", "as it is")),  # ran, every measurement the baseline
+    # tiny_choice's 4 documents: part 5 of 8 held none, and a run took them all.
+    (["--examples-part", "5/8"], ("--examples-part 5/8", "'tiny_choice' has 4 documents",
+                                  "holds none")),
     # A top-5 of the 4 heads left used to run, its report speaking of a top-5.
     (["--exclude", "L0H*"], ("--top-k 5", "only 4 heads", "less 4")),
     (["--exclude", "L0H0+L0H1", "--never-ablate", "L1H0+L1H1"], ("--top-k 5", "only 4 heads")),
@@ -68,6 +71,7 @@ LOCATE_BAD = [
 
 
 GREEDY_BAD = [
+    (["--examples-part", "5/8"], ("--examples-part 5/8", "holds none")),
     (["--seed", "-1"], ("--seed -1", ">= 0")),
     (["--rounds", "0"], ("--rounds 0", ">= 1")),
     (["--rounds", "9"], ("--rounds 9", "--top-k 5", "8 heads")),

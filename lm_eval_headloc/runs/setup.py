@@ -45,6 +45,7 @@ from lm_eval_headloc.intervention.model_args import (
     resolve_model_args,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
+from lm_eval_headloc.measurement.harness import choose_subset
 from lm_eval_headloc.measurement.metrics import (
     TASK_METRICS,
     MetricError,
@@ -56,7 +57,7 @@ from lm_eval_headloc.measurement.metrics import (
 from lm_eval_headloc.measurement.signals import check_gold_answers
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.designs import MAX_DESIGN_BYTES
-from lm_eval_headloc.runs.option_values import parse_gen_kwargs, path_list
+from lm_eval_headloc.runs.option_values import parse_examples_part, parse_gen_kwargs, path_list
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import check_task_names, load_failure, make_task_manager
 
@@ -427,12 +428,23 @@ class NoEffectError(UsageError):
 
 def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
                          context: int | None = None) -> None:
-    """Refuse --num-fewshot and --gen-kwargs where they would change nothing or fail once
+    """Refuse an --examples-part with no document of a task (it measured them all), and
+    --num-fewshot and --gen-kwargs where they would change nothing or fail once
     the model is loaded (more few-shot examples than a task can draw, more new tokens than
     the model's ``context``), and generation arguments no model's ``generate`` takes —
     before any weights load (``loaded``: each task name -> what ``TaskManager.load``
     built)."""
     leaves = {leaf: task for entry in loaded.values() for leaf, task in entry["tasks"].items()}
+    part = parse_examples_part(spec.examples_part)
+    if part is not None:  # the subset each measurement takes, as it will take it
+        counts = {leaf: len(task.eval_docs) for leaf, task in leaves.items()}
+        subset = choose_subset(counts, spec.num_samples, spec.seed, part) or {}
+        for leaf, picked in sorted(subset.items()):
+            if not picked:  # read as "every document": the whole task, and runs on other
+                # parts called disjoint
+                raise UsageError(f"--examples-part {spec.examples_part}: task {leaf!r} has "
+                                 f"{counts[leaf]} documents, so part {part[0]} of {part[1]} "
+                                 f"holds none; give at most {counts[leaf]} parts")
     if spec.num_fewshot is not None:
         fixed = sorted(leaf for leaf, task in leaves.items()
                        if task.get_config("num_fewshot") == 0)
