@@ -166,6 +166,32 @@ def test_verify_refuses_another_model_for_the_run(made_and_moved, tiny_model_dir
     assert_names(error[0], f"--model-args pretrained={other},dtype=float32")
 
 
+@pytest.mark.parametrize("command", ["locate", "verify", "cross"])
+def test_a_model_rewritten_at_the_runs_place_is_not_the_runs(tiny_model_dir, tmp_path,
+                                                            capsys, request, command):
+    """Other weights saved where the run's model was: the fingerprint was checked only
+    where --model-args named another place, so a resumed locate, verify and cross
+    measured the other model as the run's. Refused in one line before it loads."""
+    from safetensors.torch import load_file, save_file
+
+    model = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "model"))
+    run = tmp_path / "run"
+    assert harness(*locate_args(model, run)) == 0
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    last = sorted(tensors)[-1]
+    save_file({**tensors, last: tensors[last] + 1}, weights, metadata={"format": "pt"})
+    request.getfixturevalue("no_model_loading")  # from here on, loading fails the test
+    args = {"locate": locate_args(model, run),
+            "verify": ["verify", str(run), "--general", "tiny_copy"],
+            "cross": ["cross", str(run), "--out", str(tmp_path / "cross")]}[command]
+    capsys.readouterr()
+    assert harness(*args) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1
+    assert_names(error[0], str(run), "not the one it was made with")
+
+
 # --- folders recorded before ------------------------------------------------------------
 
 def old_layout(folder: Path, model_args: str, *, layers: int = LAYERS,

@@ -43,7 +43,7 @@ from lm_eval_headloc.runs.folder import (
 )
 from lm_eval_headloc.runs.option_values import flag_of
 from lm_eval_headloc.runs.plan import measured_plan
-from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.record import check_model_files, load_run
 from lm_eval_headloc.runs.setup import NoEffectError, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
 
@@ -74,13 +74,14 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         raise UsageError("cross needs at least one run folder")
     own = command_spec("cross", spec, options, ("tasks", *PROMPT_OPTIONS),
                        RunSpec(tasks=None))
-    stored, seen = {}, set()
+    stored, seen, fingerprints = {}, set(), {}
     for run in runs:
         path = RunFolder(run).path.resolve()
         if path in seen:
             raise UsageError(f"run folder {run} is given twice")
         seen.add(path)
-        stored[run] = load_run(run).spec
+        record = load_run(run)
+        stored[run], fingerprints[run] = record.spec, record.model_fingerprint
         refuse_recorded_code(run, stored[run].include_path, stored[run].model_args,
                              "cross cannot measure such a model; verify each run, giving "
                              "verify --model-args with trust_remote_code=True")
@@ -121,6 +122,9 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
                 raise
             log.warning("cross: leaving out the runs' %s (%s)", flag_of(name), err)
             spec = spec.replace(**{name: None})
+    for run in runs:
+        check_model_files(fingerprints[run], setup.model_fingerprint, run,
+                          "cross measures the model the runs were made with")
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
         plan += [(f"set{i}{ablation.suffix}", setup.checked(s.heads), ablation.entry)

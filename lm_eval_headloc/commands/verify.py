@@ -43,7 +43,12 @@ from lm_eval_headloc.runs.folder import (
 )
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
-from lm_eval_headloc.runs.record import load_run, ranking_files, read_ranking_file
+from lm_eval_headloc.runs.record import (
+    check_model_files,
+    load_run,
+    ranking_files,
+    read_ranking_file,
+)
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec, command_spec
 
@@ -379,6 +384,9 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     setup = prepare(spec, extra_tasks=general)
     if not same_model(setup.spec.model_args, stored.spec.model_args):
         _check_moved_model(stored, setup.model_fingerprint, own.model_args)
+    else:
+        check_model_files(stored.model_fingerprint, setup.model_fingerprint, run,
+                          "if it moved, give its new place with --model-args")
     for names in heads_by_task.values():
         setup.checked(names)  # a ranking of another model fails before the weights load
     # The model's components from its config (prepare's): the draws need no weights. A

@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
     from lm_eval_headloc.runs.setup import Setup
 
-__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "column_prior",
-           "load_run", "measured_on", "model_facts", "ranking_files", "read_ranking_file",
-           "read_rankings", "start_run", "stored_prior", "stored_priors"]
+__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "check_model_files",
+           "column_prior", "load_run", "measured_on", "model_facts", "ranking_files",
+           "read_ranking_file", "read_rankings", "start_run", "stored_prior", "stored_priors"]
 
 
 log = logging.getLogger("lm_eval_headloc")
@@ -582,7 +582,11 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     elsewhere, named by ``--model-args`` there, when its files are the ones the run
     recorded; the run then names the new place."""
     identity = spec.identity(command) if identity is None else identity
-    moved = fingerprint is not None and _stored_fingerprint(folder) == fingerprint
+    stored = _stored_fingerprint(folder)
+    moved = fingerprint is not None and stored == fingerprint
+    if not force and same_model(_stored_model_args(folder), identity.get("model_args")):
+        # Its model's place, other files: another model (other args are another run).
+        check_model_files(stored, fingerprint, folder.path)
     folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
                  protect=protect, assumed=RunSpec.assumed_for_old_runs(),
                  same={"model_args": _same_files if moved else same_model})
@@ -594,6 +598,28 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
         record.identity = {**record.identity, "model_args": given}
         record.save(folder)
     return record
+
+
+def check_model_files(recorded: str | None, fingerprint: str | None, run: str | Path,
+                      remedy: str = "use another --out or --force for a new run of this "
+                                    "model") -> None:
+    """Refuse a model whose files are not the ones run ``run`` recorded (``recorded``,
+    its ``model_fingerprint``), where both are known: another model left at the run's
+    path (a folder rewritten since) would be measured as the run's."""
+    if recorded is not None and fingerprint is not None and recorded != fingerprint:
+        raise RunFolderError(f"{run}: the model its args name now is not the one it was made "
+                             "with (the files at that place differ from those it recorded); "
+                             f"{remedy}")
+
+
+def _stored_model_args(folder: RunFolder) -> str | None:
+    """The model args ``folder``'s config.json records, if any."""
+    try:
+        identity = folder.read_config().get("identity") if folder.exists() else None
+    except RunFolderError:
+        return None
+    value = identity.get("model_args") if isinstance(identity, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _stored_fingerprint(folder: RunFolder) -> str | None:
