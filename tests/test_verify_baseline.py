@@ -48,7 +48,10 @@ def test_random_like_draws_other_heads_of_the_model():
 def test_random_sets_are_seeded_per_task_and_more_draws_keep_the_first():
     located = list(LOCATED[:2])
     rng = np.random.default_rng([5, zlib.crc32(b"some_task")])
-    by_hand = [random_like(located, GEOMETRY, rng) for _ in range(4)]
+    by_hand: list[list[str]] = []  # in turn, a set drawn before skipped
+    while len(by_hand) < 4:
+        drawn = random_like(located, GEOMETRY, rng)
+        by_hand += [drawn] if drawn not in by_hand else []
     assert random_sets(located, GEOMETRY, 4, 5, "some_task") == by_hand
     assert random_sets(located, GEOMETRY, 2, 5, "some_task") == by_hand[:2]
     assert random_sets(located, GEOMETRY, 4, 6, "some_task") != by_hand
@@ -64,7 +67,10 @@ def test_more_draws_than_distinct_random_sets_are_refused_before_any_is_drawn():
 
     located = list(LOCATED[:2])
     assert comb(HEADS * LAYERS - 2, 2) == 15
-    assert len(random_sets(located, GEOMETRY, 15, 5, "some_task")) == 15
+    # All 15, each once (drawn with replacement, 15 draws held 10 distinct sets).
+    every = random_sets(located, GEOMETRY, 15, 5, "some_task")
+    assert len(every) == 15 and len({tuple(s) for s in every}) == 15
+    assert every[:4] == random_sets(located, GEOMETRY, 4, 5, "some_task")
     with pytest.raises(UsageError) as refused:
         random_sets(located, GEOMETRY, 16, 5, "some_task")
     assert str(refused.value) == (

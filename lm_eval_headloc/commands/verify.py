@@ -251,7 +251,8 @@ def random_like(located: Sequence[str], geometry: Geometry, rng: np.random.Gener
 
 def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: int,
                 task: str, avoid: Iterable[str] = ()) -> list[list[str]]:
-    """``draws`` sets ``random_like(located)``, drawn in turn from one generator seeded
+    """``draws`` distinct sets ``random_like(located)`` (a set drawn again is drawn
+    anew: repeats counted twice in the spread), drawn in turn from one generator seeded
     by (``seed``, ``task``) — ``np.random.default_rng([seed, zlib.crc32(task)])``, as the
     example subsets are — so another task's draws do not change these, and more draws
     keep the first ones. More draws than there are distinct sets (per kind, the ways to
@@ -263,8 +264,11 @@ def random_sets(located: Sequence[str], geometry: Geometry, draws: int, seed: in
     try:
         pools = _pools(located, geometry, avoid) if draws else []
         distinct = math.prod(math.comb(len(pool), wanted) for _, _, pool, wanted in pools)
-        sets = [] if draws > distinct else [random_like(located, geometry, rng, avoid)
-                                            for _ in range(draws)]
+        sets: list[list[str]] = []
+        while len(sets) < draws <= distinct:  # distinct sets: a repeat is drawn again
+            drawn = random_like(located, geometry, rng, avoid)
+            if drawn not in sets:
+                sets.append(drawn)
     except ValueError as err:
         raise UsageError(f"--random-draws {draws}: {err} (0 turns the baseline off)") \
             from None

@@ -279,7 +279,7 @@ class RunSpec:
     limit: int | None = _option(None, "examples per task (default: full datasets)",
                                 parse=int, metavar="N", whole=True, min_val=1)
     random_draws: int = _option(
-        5, "random sets as large as each task's top-k, of the same kind, drawn (seeded by "
+        5, "distinct random sets as large as each task's top-k, of the same kind, drawn (seeded by "
            "the run's --seed) from the components outside it and outside --exclude and "
            "--never-ablate, each knocked out like it: what its drop is compared with (0: "
            "none; rerun with more to add draws)", parse=int, metavar="R", whole=True,
