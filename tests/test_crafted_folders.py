@@ -106,11 +106,23 @@ def disagreeing(source: Path, root: Path) -> Path:
     return renamed_copy(source, root / "copy" / "run", OTHER_TASK, prior=False)
 
 
+def count_as_text(source: Path, root: Path) -> Path:
+    """config.json whose --top-k is the text '3' (overlap's TypeError; export, universal
+    and cross took it)."""
+    folder = root / "copy" / "run"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["spec"]["top_k"] = "3"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 CRAFTS = {"path-named task": path_named, "huge geometry": huge,
-          "files that disagree": disagreeing}
+          "files that disagree": disagreeing, "a count as text": count_as_text}
 #: The values each refusal names (the crafted value, and the limit where there is one).
 SAID = {"path-named task": (repr(PATH_TASK),), "huge geometry": (f"{2**19} layers", "1,048,576"),
-        "files that disagree": ("prior.json", "'tiny_copy'")}
+        "files that disagree": ("prior.json", "'tiny_copy'"),
+        "a count as text": ("top_k '3'", "whole number")}
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -268,6 +268,10 @@ def test_top_k_places_filled_by_harmless_components_are_said(tmp_path):
     assert ("A's top-3 ranks L0H1 above L0H2, though its ranking records it as doing no "
             "harm and the ones below as hurting: a place in the run's order") in table
     assert "because fewer hurt" not in table
+    # Nothing hurts: nothing is ranked above one that hurts (top[:-1] listed L0H0, L0H1).
+    none = write_run(tmp_path / "none", {"t": ["L0H0", "L0H1", "L0H2", "L0H3"]},
+                     effects={"t": [0.0, 0.0, 0.0, 0.0]})
+    assert overlap(none, b, top_k=3)["tasks"]["t"]["a"]["harmless_above_hurting"] == {}
 
 def test_top_k_harms_within_the_spread_of_single_knockouts_are_said(tmp_path):
     # A's L0H1 and L0H2 lose less than L0H3's knockout gains (+0.03): noise, not finds;

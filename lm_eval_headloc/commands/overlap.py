@@ -128,7 +128,7 @@ class RankingFile:
         last = max(hurting, default=-1)
         after = [n for i, n in enumerate(top) if i > last and n in self.harmless]
         above = {name: [top[j] for j in hurting if j > i]
-                 for i, name in enumerate(top[:last]) if name in self.harmless}
+                 for i, name in enumerate(top[:max(last, 0)]) if name in self.harmless}
         return after, above
 
     def tied_at(self, k: int) -> bool:

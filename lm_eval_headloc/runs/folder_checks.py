@@ -166,6 +166,8 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
         raise RunFolderError(f"{path}: components {spec.get('components')!r} is not one of "
                              f"{', '.join(COMPONENTS)}")
     _whole(spec, "neuron_groups", path, low=0)
+    for key in ("top_k", "num_samples", "seed"):  # counts every reader takes as numbers
+        _whole(spec, key, path, low=0 if key == "seed" else 1)
     for key in ("candidates", "never_neurons", "row_keys"):
         names = config.get(key)
         if names is not None and not (isinstance(names, list)
