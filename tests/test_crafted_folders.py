@@ -341,6 +341,28 @@ def test_a_forged_width_is_refused_not_copied_into_the_mib_export(runs, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("effect", float("nan"), "number as its effect"), ("baseline", "x", "'baseline' is 'x'")])
+def test_an_altered_ranking_is_refused_by_the_mib_export(runs, tmp_path, capsys, field,
+                                                        value, said):
+    """The export read the ranking file unchecked: a NaN effect left a head measured alone
+    unscored, a baseline of "x" was copied into the export."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    path = folder / "heads-tiny_choice.json"
+    data = json.loads(path.read_text())
+    if field == "effect":
+        data["heads"][0]["effect"] = value
+    else:
+        data[field] = value
+    path.write_text(json.dumps(data))
+    out = tmp_path / "mib.json"
+    capsys.readouterr()
+    assert harness("export", str(folder), "--out", str(out)) == 2
+    assert_names(error_line(capsys), str(path), said)
+    assert not out.exists()
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG = '{"n": ' + "9" * 5000 + "}"
 
@@ -402,8 +424,11 @@ def test_a_measurement_whose_score_is_not_a_number_is_named_not_fitted(runs, tmp
     lambda d: d.update(largest_single_help={"head": "L0H1", "change": "x"}),
     lambda d: d.update(certificate={"certified": True, "forged": 1}),
     lambda d: d["heads"][0].update(effect="abc"),
+    # NaN read as "recorded to do no harm", a measured head left unscored in the export.
+    lambda d: d["heads"][0].update(effect=float("nan")),
+    lambda d: d.update(baseline="x"),  # copied into the MIB export
 ], ids=["no heads", "heads missing", "help not a number", "certificate forged",
-        "effect text"])
+        "effect text", "effect NaN", "baseline text"])
 def test_read_rankings_of_an_altered_ranking_file_is_one_line(runs, tmp_path, alter):
     """read_rankings raised TypeError: CertificateRecord.__init__() got an unexpected
     keyword argument on a tampered file, and others ended in tracebacks."""

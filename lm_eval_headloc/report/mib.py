@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval_headloc.common.checks import as_python
-from lm_eval_headloc.common.files import read_json, write_atomically
+from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     Head,
@@ -582,7 +582,11 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     """
     from lm_eval_headloc.measurement.metrics import parse_task_metric
     from lm_eval_headloc.runs.folder import RunFolder, enclosing_run
-    from lm_eval_headloc.runs.record import load_run  # torch and sklearn: only imported when needed
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+    from lm_eval_headloc.runs.record import (  # torch and sklearn: only imported when needed
+        load_run,
+        read_ranking_file,
+    )
 
     run_folder, out = Path(run_folder), Path(out)
     d_model = as_python(d_model)  # a notebook's np.int64 is a width too
@@ -653,7 +657,10 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
         width, parallel = _model_shape(record, run_folder, model_args)
         d_model = width if d_model is None else d_model
         parallel_attn_mlp = parallel if parallel_attn_mlp is None else parallel_attn_mlp
-    data = read_json(ranking, ExportError)
+    try:  # checked as every reader of a ranking checks it
+        data = read_ranking_file(ranking)
+    except RunFolderError as err:
+        raise ExportError(str(err)) from None
     try:
         graph = mib_graph(data, n_layers=layers, n_heads=heads, d_model=d_model,
                           parallel_attn_mlp=parallel_attn_mlp)

@@ -491,12 +491,13 @@ def ranking_files(folder: RunFolder, record: RunRecord | None = None) -> list[Pa
 def _check_ranking_data(data: Any) -> None:
     """What a ranking's reader takes on trust, checked (ValueError): a non-empty ``heads``
     list of entries each naming its component, once (a name twice counts twice in an
-    overlap), with a number (or null) as its effect; ``higher_is_better`` true or false
+    overlap), with a finite number (or null) as its effect and its ``baseline``;
+    ``higher_is_better`` true or false
     (without it no effect's sign can be read); a ``largest_single_help`` with a finite
     number as its change; a ``tied_with_above`` that is a list of names."""
-    def number(value: Any) -> bool:
+    def number(value: Any) -> bool:  # the package writes an unknown one as null
         return value is None or (isinstance(value, (int, float))
-                                 and not isinstance(value, bool))
+                                 and not isinstance(value, bool) and math.isfinite(value))
 
     heads = data.get("heads") if isinstance(data, dict) else None
     if not isinstance(heads, list) or not heads:
@@ -512,6 +513,8 @@ def _check_ranking_data(data: Any) -> None:
             raise ValueError(f"its 'heads' names {name} twice (entries {first[name]} and "
                              f"{place})")
         first[name] = place
+    if not number(data.get("baseline")):
+        raise ValueError(f"its 'baseline' is {data.get('baseline')!r}, not a finite number")
     higher = data.get("higher_is_better")
     if not isinstance(higher, bool):
         raise ValueError(f"its 'higher_is_better' is {higher!r}, not true or false")
