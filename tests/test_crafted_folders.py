@@ -547,3 +547,21 @@ def test_a_run_folders_record_names_no_code_to_run(runs, tmp_path, capsys, no_mo
     assert harness(*args) == 2
     assert_names(error_line(capsys), str(folder / "config.json"), *said)
     assert not (tmp_path / "marked").exists() and not out.exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "cross"])
+def test_a_record_of_no_ranking_command_is_refused_by_verify_and_cross(
+        runs, tmp_path, capsys, no_model_loading, command):
+    """config.json saying command "rm -rf /" was refused by refit, export, overlap and
+    universal, but verify and cross read its heads and measured them."""
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["command"] = "rm -rf /"
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert harness(command, str(folder), *(["--general", OTHER_TASK] if command == "verify"
+                                           else []), "--out", str(out)) == 2
+    assert_names(error_line(capsys), str(folder), "rm -rf / run", "locate or greedy")
+    assert not out.exists()

@@ -68,9 +68,11 @@ def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
     ``folder`` (``heads-<task>.json``); a one-line error when there is none or it ranks
     fewer."""
     path = folder.ranking_file(task)
-    if not path.is_file():
-        ranking_files(folder)  # a sweep's folder said as a sweep, not as unfinished
+    # A locate or greedy run's (a sweep's folder said as a sweep, not as unfinished; a
+    # config.json naming another command refused), checked as every reader checks it.
+    if path not in ranking_files(folder):
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
+    read_ranking_file(path)
     ranked = read_heads_file(path)
     if len(ranked) < top_k:
         ranks = counted(len(ranked), kind_words(ranked, plural=False), kind_words(ranked))
