@@ -193,3 +193,33 @@ def test_force_on_a_sweep_clears_its_cells_and_nothing_else(tiny_model_dir, tmp_
     shutil.rmtree(out / "m3-copy")
     assert harness(*args, "--seed", "1", "--force") == 0
     assert strict_json(out / "m3-p0.25" / "config.json")["identity"]["seed"] == 1
+
+
+def test_cells_the_noise_cannot_tell_from_the_best_are_no_best():
+    """A sweep on a 4 x 16-head model said "Best: --masks 6" where the two cells' drops
+    differed by 0.00006 (both shown as +0.0066). Derived here: the paired standard error
+    of two checks' difference is the spread of the per-example differences over sqrt(n)."""
+    from statistics import NormalDist
+
+    from lm_eval_headloc.commands.sweep import sweep_table, within_noise_of_best
+
+    z = NormalDist().inv_cdf(0.95)
+    base = [0.1 * i for i in range(8)]
+    best = [v - 0.5 for v in base]  # drop 0.5
+    near = [v - 0.5 + (0.02 if i % 2 else -0.01) for i, v in enumerate(base)]
+    far = [v - 0.2 for v in base]  # drop 0.2, the same difference on every example: se 0
+    cells = [{"masks": m, "sparsity": 0.1, "heads": [h], "drop": d}
+             for m, h, d in ((6, "L0H1", 0.5), (10, "L1H0", 0.5 - 0.005), (14, "L1H2", 0.2))]
+    diffs = [a - b for a, b in zip(best, near, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5
+    assert 0.005 <= z * se  # the case: the second cell is within the noise
+    flags = within_noise_of_best(cells, [[best], [near], [far]])
+    assert flags == [False, True, False]
+    assert within_noise_of_best(cells, [[best], None, [far]]) == [False, False, False]
+    result = {"task": "t", "baseline": 1.0, "top_k": 1, "higher_is_better": True,
+              "best": cells[0], "cells": [{**c, "within_noise_of_best": f}
+                                          for c, f in zip(cells, flags, strict=True)]}
+    verdict = sweep_table(result).splitlines()[-1]
+    assert verdict.startswith("Best, within the noise: 2 cells") and "none is best" in verdict
+    assert "--masks 10" in verdict and "--masks 14" not in verdict

@@ -14,7 +14,9 @@ from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError, as_python, check_number
 from lm_eval_headloc.common.words import signed
+from lm_eval_headloc.measurement.noise import paired_se
 from lm_eval_headloc.measurement.store import run_plan
+from lm_eval_headloc.method.group_tests import CONFIDENCE, Z
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.report.pages import FLOOR_HINT, scores_at_floor
@@ -25,7 +27,7 @@ from lm_eval_headloc.runs.record import start_run
 from lm_eval_headloc.runs.setup import check_design_budget, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
 
-__all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table"]
+__all__ = ["SWEEP_MASKS", "SWEEP_SPARSITY", "sweep", "sweep_table", "within_noise_of_best"]
 
 SWEEP_MASKS = (100, 200)
 SWEEP_SPARSITY = (0.01, 0.02, 0.05)
@@ -73,7 +75,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
                             progress=spec.progress)["baseline"]
         higher = bool(baseline["higher_is_better"][task])
-        results = []
+        results, examples = [], []
         for name, cell in cells.items():
             with timing.run_clock():  # the cell's own timings; the sweep's add them up
                 rankings = locate(folder.path / name, cell, force=force, setup=setup,
@@ -85,6 +87,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                              desc=f"check {name}",
                              progress=False)[key]
             score = check["scores"][task]
+            examples.append(check.get("examples", {}).get(task))
             results.append({
                 "masks": cell.masks, "sparsity": cell.sparsity, "heads": [str(h) for h in top],
                 "score": score,
@@ -93,6 +96,8 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                 "r2": rankings[task].facts.r2})
         # Cells are compared by the absolute harm (defined even for a zero baseline).
         best = max(results, key=lambda c: c["drop"])
+        for cell, near in zip(results, within_noise_of_best(results, examples), strict=True):
+            cell["within_noise_of_best"] = near
         result = {"task": task, "baseline": baseline["scores"][task],
                   "higher_is_better": higher, "top_k": spec.top_k, "cells": results,
                   "best": best}
@@ -145,6 +150,18 @@ def _stored_confirm(folder: RunFolder) -> int | None:
     return confirm if isinstance(confirm, int) else None
 
 
+def within_noise_of_best(cells: Sequence[Mapping[str, Any]],
+                         examples: Sequence[Any]) -> list[bool]:
+    """For each cell (its ``drop``) whether it is not the best (the first of the largest
+    drop) and the noise cannot tell it from the best: their drops differ by at most ``Z``
+    paired standard errors of their checks' difference, from the per-example scores
+    (``examples``, each check's record's ``examples[task]``; a cell without them: False)."""
+    first = max(range(len(cells)), key=lambda i: (cells[i]["drop"], -i))
+    return [i != first and (se := paired_se(examples[first], values)) is not None
+            and cells[first]["drop"] - cells[i]["drop"] <= Z * se
+            for i, values in enumerate(examples)]
+
+
 def sweep_table(result: Mapping[str, Any]) -> str:
     sparsities = sorted({c["sparsity"] for c in result["cells"]})
     masks = sorted({c["masks"] for c in result["cells"]})
@@ -182,4 +199,10 @@ def _best_words(result: Mapping[str, Any], kind: str) -> str:
         return (f"Best, tied: {len(tied)} cells drop it by {signed(best['drop'])}: "
                 + "; ".join(f"{cell(c)} ({kind} {'+'.join(c['heads'])})" for c in tied)
                 + ".")
+    close = [best, *(c for c in result["cells"] if c.get("within_noise_of_best"))]
+    if len(close) > 1:
+        return (f"Best, within the noise: {len(close)} cells' drops are within one-sided "
+                f"{CONFIDENCE:.0%} noise of the largest, so none is best: "
+                + "; ".join(f"{cell(c)} ({kind} {'+'.join(c['heads'])}, drop "
+                            f"{signed(c['drop'])})" for c in close) + ".")
     return f"Best: {cell(best)} ({kind} {'+'.join(best['heads'])}, drop {signed(best['drop'])})"
