@@ -434,3 +434,21 @@ def test_two_locate_runs_with_other_seeds(tiny_model_dir, tmp_path, capsys):
     assert entry["overlap_rate_a"] == pytest.approx(len(shared) / 3)
     assert result["differs_in"] == ["seed"]
     assert "Written to" in capsys.readouterr().out
+
+
+def test_a_certificates_tie_at_the_kth_place_leaves_the_top_k_undefined(tmp_path):
+    """Two runs whose certificates list every head as tied within the noise at the k-th
+    place were compared as well-defined top-k sets: only equal evidence counted as a tie.
+    At the run's own top-k a noise tie is one too; at another k it says nothing."""
+    names = ["L0H0", "L0H1", "L0H2", "L0H3"]
+    a = write_run(tmp_path / "a", {"t": names}, top_k=2)
+    path = a / "heads-t.json"
+    data = json.loads(path.read_text())
+    data["certificate"] = {"top_k": 2, "tied_at_k": ["L0H1", "L0H2"]}
+    path.write_text(json.dumps(data))
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L0H2", "L0H1", "L0H3"]}, top_k=2)
+    entry = overlap(a, b)["tasks"]["t"]
+    assert entry["a"]["tie"] == {"group": ["L0H1", "L0H2"], "places": 1}
+    assert entry["well_defined"] is False  # 1 or 2 shared, as the tie is broken
+    assert "measured harms within the noise" in overlap_markdown(overlap(a, b))
+    assert overlap(a, b, top_k=3)["tasks"]["t"]["a"]["tie"] is None

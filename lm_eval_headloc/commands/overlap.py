@@ -22,7 +22,8 @@ located sets (96.42 % and 95.95 % on GSM8K). With A and B the two runs' top-k:
 
 Component names are compared as strings (heads ``L0H29``, neurons ``L3N1234``): nothing
 here depends on what kind of component a ranking ranks. Ties are not an order: where the
-k-th and (k+1)-th of a ranking have the same evidence (``tied_with_above``), its top-k is
+k-th and (k+1)-th of a ranking have the same evidence (``tied_with_above``), or at the run's
+own top-k measured harms within the noise (its certificate's ``tied_at_k``), its top-k is
 not well defined; the output says so and gives the fewest and most components the runs
 can share over every way of breaking the ties.
 """
@@ -78,6 +79,10 @@ class RankingFile:
     harmless: frozenset[str] = frozenset()  # recorded to do no harm (components.recorded_harmless)
     higher_is_better: bool = True
     largest_help: Mapping[str, Any] | None = None  # its largest_single_help, if recorded
+    # Its certificate's tie at its own top-k's edge (``tied_at_k``: measured harms within
+    # the noise of the k-th), and that k.
+    noise_tied: frozenset[str] = frozenset()
+    noise_k: int | None = None
 
     @classmethod
     def read(cls, path: Path) -> RankingFile:
@@ -92,9 +97,15 @@ class RankingFile:
         else:
             tied = frozenset(e.get("head") for e in entries if e.get("tied_with_above"))
         has_effects = all("effect" in e for e in entries)
+        cert = data.get("certificate")
+        noise = cert.get("tied_at_k") if isinstance(cert, Mapping) else None
+        noise_k = cert.get("top_k") if isinstance(cert, Mapping) else None
         return cls(path, names, tied, [e["effect"] for e in entries] if has_effects else None,
                    frozenset(recorded_harmless(path)), data["higher_is_better"],
-                   data.get("largest_single_help"))
+                   data.get("largest_single_help"),
+                   frozenset(n for n in noise if isinstance(n, str))
+                   if isinstance(noise, list) else frozenset(),
+                   noise_k if type(noise_k) is int else None)
 
     def check_top_k(self, k: int, run: str | Path, own: bool = False,
                     longest: bool = False) -> None:
@@ -131,9 +142,16 @@ class RankingFile:
                  for i, name in enumerate(top[:max(last, 0)]) if name in self.harmless}
         return after, above
 
+    def _joined(self, i: int, k: int) -> bool:
+        """Whether the ``i``-th name (0-based) is tied with the one above it: the same
+        evidence, or (at the run's own top-k) measured harms within the noise of each
+        other (the certificate's ``tied_at_k``)."""
+        noise = self.noise_tied if k == self.noise_k else frozenset()
+        return self.names[i] in self.tied or {self.names[i - 1], self.names[i]} <= noise
+
     def tied_at(self, k: int) -> bool:
-        """Whether the k-th and (k+1)-th share their evidence: no top-k set is defined."""
-        return k < len(self.names) and self.names[k] in self.tied
+        """Whether the k-th and (k+1)-th are tied (``_joined``): no top-k set is defined."""
+        return 0 < k < len(self.names) and self._joined(k, k)
 
     def cut(self, k: int) -> tuple[list[str], list[str], int]:
         """The top-k as ``(sure, group, places)``: the names above the tie group that
@@ -142,9 +160,9 @@ class RankingFile:
         if not self.tied_at(k):
             return self.names[:k], [], 0
         start, end = k - 1, k + 1
-        while start > 0 and self.names[start] in self.tied:
+        while start > 0 and self._joined(start, k):
             start -= 1
-        while end < len(self.names) and self.names[end] in self.tied:
+        while end < len(self.names) and self._joined(end, k):
             end += 1
         return self.names[:start], self.names[start:end], k - start
 
@@ -378,8 +396,9 @@ def _examples_words(examples: Mapping[str, Any]) -> str:
 def _tie_words(label: str, side: Mapping[str, Any]) -> str:
     tie, k = side["tie"], side["k"]
     return (f"{label}'s top-{k} is not well defined: its ranks {k} and {k + 1} have the "
-            f"same evidence (tied: {', '.join(tie['group'])}; the top-{k} holds "
-            f"{tie['places']} of these {len(tie['group'])}, listed in index order).")
+            f"same evidence or measured harms within the noise of each other (tied: "
+            f"{', '.join(tie['group'])}; the top-{k} holds {tie['places']} of these "
+            f"{len(tie['group'])}, listed in the ranking's order).")
 
 
 def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
