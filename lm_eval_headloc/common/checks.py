@@ -15,7 +15,7 @@ import numpy as np
 
 from lm_eval_headloc.common.errors import UserError
 
-__all__ = ["UsageError", "as_python", "check_load_args", "check_number"]
+__all__ = ["UsageError", "as_python", "check_load_args", "check_number", "check_pretrained_given"]
 
 
 class UsageError(UserError):
@@ -116,6 +116,14 @@ def _local_path(value: object) -> bool:
                                        or value.startswith(("./", "../", "~")))
 
 
+def check_pretrained_given(pretrained: object) -> None:
+    """Refuse no ``pretrained=`` (None) or an empty one, which HFLM reports as a
+    TypeError for a missing argument or a Hub error for ''."""
+    if pretrained is None or (isinstance(pretrained, str) and not pretrained.strip()):
+        raise UsageError(f"pretrained={'' if pretrained is None else repr(pretrained)}: give "
+                         "a model, a Hub name or a local folder (pretrained=<name or folder>)")
+
+
 def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
                     gguf_file: object = None) -> None:
     """What Hugging Face would report in other words (or after the weights load),
@@ -129,10 +137,7 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
     ``AttributeError``."""
     import os
 
-    if pretrained is None or (isinstance(pretrained, str) and not pretrained.strip()):
-        # HFLM's own: a TypeError for a missing argument, a Hub error for ''.
-        raise UsageError(f"pretrained={'' if pretrained is None else repr(pretrained)}: give "
-                         "a model, a Hub name or a local folder (pretrained=<name or folder>)")
+    check_pretrained_given(pretrained)
     for name, value, what in (("peft", peft, "PEFT adapter"), ("gguf_file", gguf_file,
                                                                   "GGUF file")):
         if isinstance(value, str) and not value.strip():  # HF reads '' as "none": a typo

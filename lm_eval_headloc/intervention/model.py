@@ -33,7 +33,12 @@ from typing import Any
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from lm_eval_headloc.common.checks import UsageError, check_batch_size, check_load_args
+from lm_eval_headloc.common.checks import (
+    UsageError,
+    check_batch_size,
+    check_load_args,
+    check_pretrained_given,
+)
 from lm_eval_headloc.intervention.ablation import (
     FLOAT32_OVERFLOW,
     AblationError,
@@ -114,11 +119,7 @@ class HFHeadAblateLM(HFLM):
         resample_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        # The embedded model's name (a run's record) is the folder it lies in here; what
-        # HF would refuse only on loading (no pretrained= at all, say) is refused first.
-        named, pretrained = pretrained, local_pretrained(pretrained)
-        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
-                        kwargs.get("gguf_file"))
+        check_pretrained_given(pretrained)  # before any file is read for nothing
         # Read and parse the head list and the reference set before loading weights, so
         # a missing file or a malformed name fails fast; the layer/head ranges are
         # checked once the model is loaded.
@@ -150,6 +151,10 @@ class HFHeadAblateLM(HFLM):
                                 f"caches statistics; ablation={self.ablation} keeps none")
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
+        # The embedded model's name (a run's record) is the folder it lies in here.
+        named, pretrained = pretrained, local_pretrained(pretrained)
+        check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
+                        kwargs.get("gguf_file"))
         for name in ("batch_size", "max_batch_size"):  # lm-eval's: a bare assert, or none
             if kwargs.get(name) is not None:
                 kwargs[name] = check_batch_size(kwargs[name], f"{name}=")
