@@ -405,6 +405,13 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
                                                                   monkeypatch, capsys):
     """What the stock CLI does with the model's error (``lm_eval`` builds the model from
     its --model_args; the start-up hook's excepthook prints a UserError in one line)."""
+    _assert_one_line_through_the_hook(f"pretrained={tiny_model_dir('llama')},{bad}",
+                                      BAD_HEADS[bad], monkeypatch, capsys)
+
+
+def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, capsys) -> None:
+    """``HFHeadAblateLM`` built from ``args`` as lm_eval builds it fails, and the start-up
+    hook's excepthook prints one line matching ``message``, no traceback."""
     import re
 
     from lm_eval_headloc.intervention import registration
@@ -412,16 +419,15 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
 
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     registration._install_cli_excepthook()
-    folder = tiny_model_dir("llama")
     try:
-        HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},{bad}", {"device": "cpu"})
+        HFHeadAblateLM.create_from_arg_string(args, {"device": "cpu"})
     except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
         sys.excepthook(*sys.exc_info())
     else:
-        pytest.fail(f"{bad} was accepted")
+        pytest.fail(f"{args} was accepted")
     stderr = capsys.readouterr().err
     assert "Traceback" not in stderr
-    assert re.search(BAD_HEADS[bad], stderr.strip().splitlines()[-1])
+    assert re.search(message, stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -434,23 +440,8 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
 ])
 def test_a_missing_model_or_head_file_is_one_line_through_the_cli_hook(
         tiny_model_dir, args, message, monkeypatch, capsys):
-    import re
-
-    from lm_eval_headloc.intervention import registration
-    from lm_eval_headloc.intervention.model import HFHeadAblateLM
-
-    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    registration._install_cli_excepthook()
-    try:
-        HFHeadAblateLM.create_from_arg_string(args.format(folder=tiny_model_dir("llama")),
-                                              {"device": "cpu"})
-    except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
-        sys.excepthook(*sys.exc_info())
-    else:
-        pytest.fail(f"{args} was accepted")
-    stderr = capsys.readouterr().err
-    assert "Traceback" not in stderr
-    assert re.search(message, stderr.strip().splitlines()[-1])
+    _assert_one_line_through_the_hook(args.format(folder=tiny_model_dir("llama")), message,
+                                      monkeypatch, capsys)
 
 
 def test_simple_evaluate_by_name_and_live_switching(tiny_model_dir):
