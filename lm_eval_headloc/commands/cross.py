@@ -74,14 +74,14 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
         raise UsageError("cross needs at least one run folder")
     own = command_spec("cross", spec, options, ("tasks", *PROMPT_OPTIONS),
                        RunSpec(tasks=None))
-    stored, seen, fingerprints = {}, set(), {}
+    stored, seen, records = {}, set(), {}
     for run in runs:
         path = RunFolder(run).path.resolve()
         if path in seen:
             raise UsageError(f"run folder {run} is given twice")
         seen.add(path)
-        record = load_run(run)
-        stored[run], fingerprints[run] = record.spec, record.model_fingerprint
+        records[run] = load_run(run)
+        stored[run] = records[run].spec
         refuse_recorded_code(run, stored[run].include_path, stored[run].model_args,
                              "cross cannot measure such a model; verify each run, giving "
                              "verify --model-args with trust_remote_code=True")
@@ -107,7 +107,7 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
     RunFolder(out).refuse_inside(runs)  # before anything slow: a plain mistake
     refuse_output_path_into(spec.output_path, runs, out)
     sets = [_Set(f"{run}:{task}", str(Path(run).resolve()), task,
-                 located_heads(RunFolder(run), task, spec.top_k))
+                 located_heads(RunFolder(run), task, spec.top_k, records[run]))
             for run in runs for task in (t.split(":")[0] for t in stored[run].tasks)]
     while True:
         try:
@@ -123,7 +123,7 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
             log.warning("cross: leaving out the runs' %s (%s)", flag_of(name), err)
             spec = spec.replace(**{name: None})
     for run in runs:
-        check_model_files(fingerprints[run], setup.model_fingerprint, run,
+        check_model_files(records[run].model_fingerprint, setup.model_fingerprint, run,
                           "cross measures the model the runs were made with")
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):

@@ -44,6 +44,7 @@ from lm_eval_headloc.runs.folder import (
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.plan import measured_plan
 from lm_eval_headloc.runs.record import (
+    RunRecord,
     check_model_files,
     load_run,
     ranking_files,
@@ -63,14 +64,15 @@ OFFLINE_GENERAL = ("headloc_induction", "headloc_ioi", "headloc_arith")
 
 # --- what verify and cross share ----------------------------------------------------------
 
-def located_heads(folder: RunFolder, task: str, top_k: int) -> list[str]:
+def located_heads(folder: RunFolder, task: str, top_k: int,
+                  record: RunRecord | None = None) -> list[str]:
     """The first ``top_k`` components (heads, MLP neurons) of ``task``'s ranking in the run
-    ``folder`` (``heads-<task>.json``); a one-line error when there is none or it ranks
-    fewer."""
+    ``folder`` (``heads-<task>.json``; ``record``: the run's, where loaded already); a
+    one-line error when there is none or it ranks fewer."""
     path = folder.ranking_file(task)
     # A locate or greedy run's (a sweep's folder said as a sweep, not as unfinished; a
     # config.json naming another command refused), checked as every reader checks it.
-    if path not in ranking_files(folder):
+    if path not in ranking_files(folder, record):
         raise RunFolderError(f"{folder.path} has no {path.name}; finish the run first")
     read_ranking_file(path)
     ranked = read_heads_file(path)
@@ -374,7 +376,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                          "give --model-args with trust_remote_code=True to run it")
     spec.validate()
     refuse_output_path_into(spec.output_path, [run], out)
-    heads_by_task = {name: located_heads(source, name, spec.top_k)
+    heads_by_task = {name: located_heads(source, name, spec.top_k, stored)
                      for name in (t.split(":")[0] for t in spec.tasks)}
     general = spec.general if spec.general is not None else (
         OFFLINE_GENERAL if is_embedded(spec.model_args) else DEFAULT_GENERAL)

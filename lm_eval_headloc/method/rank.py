@@ -192,6 +192,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
     excluded = sorted({columns.index(h) for h in exclude if h in columns})
     unmeasured = sorted({columns.index(h) for h in never if h in columns} - {*excluded})
     left_out = sorted({*excluded, *unmeasured})
+    left_set = set(left_out)
     rankings = {}
     known: dict[str, _TaskFit] = {}
 
@@ -220,7 +221,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         # What the ranking says of the heads measured alone is of those it ranks: a head
         # --exclude'd after it was measured (refit, a resumed run) sets no entry bar and
         # ties with none (its measured change still holds its column in the fit).
-        ranked_alone = {h: v for h, v in alone.items() if h not in set(left_out)}
+        ranked_alone = {h: v for h, v in alone.items() if h not in left_set}
         select = None
         if confirmed is not None:
             select = confirmation_replay(confirmed, task, design, task_fit, alpha, top_k,

@@ -585,9 +585,9 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     elsewhere, named by ``--model-args`` there, when its files are the ones the run
     recorded; the run then names the new place."""
     identity = spec.identity(command) if identity is None else identity
-    stored = _stored_fingerprint(folder)
+    stored, stored_args = _stored_model(folder)
     moved = fingerprint is not None and stored == fingerprint
-    if not force and same_model(_stored_model_args(folder), identity.get("model_args")):
+    if not force and same_model(stored_args, identity.get("model_args")):
         # Its model's place, other files: another model (other args are another run).
         check_model_files(stored, fingerprint, folder.path)
     folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
@@ -615,22 +615,16 @@ def check_model_files(recorded: str | None, fingerprint: str | None, run: str | 
                              f"{remedy}")
 
 
-def _stored_model_args(folder: RunFolder) -> str | None:
-    """The model args ``folder``'s config.json records, if any."""
+def _stored_model(folder: RunFolder) -> tuple[str | None, str | None]:
+    """The model fingerprint and model args ``folder``'s config.json records, each None
+    where it records none (or there is none to read)."""
     try:
-        identity = folder.read_config().get("identity") if folder.exists() else None
+        config = folder.read_config() if folder.exists() else {}
     except RunFolderError:
-        return None
-    value = identity.get("model_args") if isinstance(identity, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def _stored_fingerprint(folder: RunFolder) -> str | None:
-    """The model fingerprint ``folder``'s config.json records, if any."""
-    try:
-        return folder.read_config().get("model_fingerprint") if folder.exists() else None
-    except RunFolderError:
-        return None
+        return None, None
+    identity = config.get("identity")
+    args = identity.get("model_args") if isinstance(identity, dict) else None
+    return config.get("model_fingerprint"), args if isinstance(args, str) else None
 
 
 def _same_files(given: str | None, stored: str | None) -> bool:

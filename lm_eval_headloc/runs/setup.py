@@ -110,8 +110,7 @@ class Setup:
             g = self.geometry
             exclude = head_list(exclude, g.num_layers, g.heads_per_layer, "--exclude",
                                 head_layers=g.head_layers)
-        skipped = {h for h in (*exclude, *self.never_ablate) if isinstance(h, Head)}
-        return self.total_heads - len(skipped)
+        return _heads_ranked(self.total_heads, exclude, self.never_ablate)
 
     def checked(self, names: Iterable[str | Component]) -> list[Component]:
         """``names`` (heads and MLP neurons) checked against the model's config before the
@@ -139,6 +138,13 @@ class Setup:
             return self.reference
         return [text for name in self.run_task_names
                 for text in task_texts(self.loaded[name]["tasks"], subset)]
+
+
+def _heads_ranked(total: int, exclude: Iterable[Component], never: Iterable[Component]
+                  ) -> int:
+    """The heads of a model of ``total`` that a heads run ranks: all but those --exclude
+    and --never-ablate name (their neurons aside)."""
+    return total - len({h for h in (*exclude, *never) if isinstance(h, Head)})
 
 
 def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str, *,
@@ -337,7 +343,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                  if len(excluded_heads) >= total else
                  "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
-    ranked = total - len(excluded_heads | never_heads)
+    ranked = _heads_ranked(total, exclude, never)
     if spec.components == "heads" and spec.top_k > ranked:
         # A top-5 of 4 heads ran, and its report spoke of a top-5.
         raise UsageError(f"--top-k {spec.top_k}: the run ranks only {ranked} heads (the "
