@@ -609,3 +609,35 @@ def test_a_ranking_of_a_model_with_other_heads_per_layer_is_refused(tiny_model_d
     lm = HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
                         ablate_file=str(mine))
     assert [str(h) for h in lm.knocked_out] == ["L0H2", "L1H3"]
+
+
+def test_a_knockout_setting_with_nothing_named_says_the_answers_are_the_plain_models(
+        tiny_model_dir, caplog):
+    """ablation=/scale= without ablate= evaluated the plain model without a word, and the
+    results file was then read as a knockout's."""
+    import logging
+
+    from helpers import last_logits, load_lm
+
+    folder = tiny_model_dir("llama")
+    plain = last_logits(load_lm(folder))
+
+    def warnings(lm, passes) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lm_eval.models.hf_headablate"):
+            for run_pass in passes:
+                run_pass(lm)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    scaled = load_lm(folder, scale=2)
+    said = warnings(scaled, [last_logits, last_logits])
+    assert len(said) == 1 and "scale=2 with no heads or neurons named" in said[0]
+    assert torch.equal(last_logits(scaled), plain)  # what it says is so
+    # A knockout of the product's own (knocking_out), heads named, or the defaults: silent.
+    def inside_knockout(lm) -> None:
+        with lm.knocking_out([]):
+            last_logits(lm)
+
+    assert warnings(load_lm(folder, scale=2), [inside_knockout]) == []
+    assert warnings(load_lm(folder, scale=2, ablate="L0H1"), [last_logits]) == []
+    assert warnings(load_lm(folder), [last_logits]) == []

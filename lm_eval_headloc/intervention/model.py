@@ -181,6 +181,7 @@ class HFHeadAblateLM(HFLM):
         self._means_dir: str | os.PathLike | None = None
         self._standing = Intervention(scale=self.scale)
         self._override: Intervention | None = None
+        self._said_plain = False  # forward_pass's warning, once
         self.ablation_data: str | None = None  # set_ablation's source and field
         self.ablation_field: str | None = None
         self.resample_seed = 0 if resample_seed is None else resample_seed
@@ -379,6 +380,14 @@ class HFHeadAblateLM(HFLM):
         left-padded as ``attention_mask`` says) when a head is knocked out, or
         ``always_donors``. Nothing stays applied after it."""
         intervention = self.intervention
+        if self._override is None and not self._said_plain and not intervention.components \
+                and (self.ablation, self.scale) != ("zero", 0.0):
+            # ablation=/scale= asked for a knockout, no head was named: the passes are the
+            # plain model's, which a results file would otherwise pass off as a knockout's.
+            self._said_plain = True
+            log.warning("ablation=%s,scale=%g with no heads or neurons named (ablate=, "
+                        "ablate_file=): nothing is knocked out; these are the plain "
+                        "model's answers", self.ablation, self.scale)
         donors = None
         if self.resampler is not None and (always_donors or intervention.any_knocked_out):
             donors = self._donors(input_ids, attention_mask, columns,
