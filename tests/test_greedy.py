@@ -10,6 +10,7 @@ import pytest
 from helpers import harness, read_run, strict_json, tiny_args
 
 from lm_eval_headloc.commands.greedy import _rankings
+from lm_eval_headloc.common import timing
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.rank import confirmed_order
@@ -322,6 +323,9 @@ def test_greedy_one_shot_and_iterative(tiny_model_dir, tmp_path):
                          f"tiny_copy {config['examples_used']['tiny_copy']} (the same subset "
                          "in every measurement)")
     assert report[6].startswith("- time: ") and report[6].endswith("(config.json's timings)")
+    # The timings it says, the report's own among them, are config.json's.
+    assert config["timings"][-1]["phases"]["report"] > 0
+    assert report[6] == timing.timings_item(config["timings"])
     # The ranking files record it: hf-headablate reads them.
     assert heads["knockout"] == {"ablation": "zero", "scale": 0.0}
     assert [line for line in report if line.startswith("#")] == [report[0],

@@ -68,10 +68,11 @@ def test_locate_writes_config_once_per_phase(tiny_model_dir, tmp_path, config_wr
     writes = config_writes[out]
     # started, measuring (the model loaded), designed (pilot, design, prior: all fixed
     # before the masks are measured), measured (the masks and the confirmation), fitted
-    # (the fit's time: the timings the report says). Every write after the first carries
-    # the session's timings so far.
+    # (the fit's time), reported (as report.md is written: the timings it says). Every
+    # write after the first carries the session's timings so far.
     timed = STARTED | MEASURING | {"timings"}
     assert [set(w) for w in writes] == [STARTED, timed, timed | DESIGNED,
+                                        timed | DESIGNED | MEASURED,
                                         timed | DESIGNED | MEASURED,
                                         timed | DESIGNED | MEASURED]
     # Each write extends the one before: nothing but the timings so far is rewritten
@@ -80,7 +81,9 @@ def test_locate_writes_config_once_per_phase(tiny_model_dir, tmp_path, config_wr
         assert {k: after[k] for k in before if k != "timings"} == \
             {k: v for k, v in before.items() if k != "timings"}
     fitting = [w["timings"][0]["phases"].get("fit and bootstrap", 0.0) for w in writes[1:]]
-    assert fitting[-1] > fitting[-2]  # the last write has the final fit's time
+    assert fitting[-2] > fitting[-3]  # the fitted write has the final fit's time
+    assert "report" not in writes[-2]["timings"][0]["phases"]
+    assert writes[-1]["timings"][0]["phases"]["report"] > 0  # and the last, the report's
     on_disk = json.loads((out / "config.json").read_text())
     assert on_disk == writes[-1]
     records = [json.loads(line) for line in (out / "measurements.jsonl").read_text()
@@ -92,11 +95,11 @@ def test_locate_writes_config_once_per_phase(tiny_model_dir, tmp_path, config_wr
     # A rerun (measuring nothing: it is all on disk) starts from the stored config, with
     # this run's settings, and only fits again: no model, no phase decided again.
     assert harness(*args) == 0
-    assert [set(w) for w in config_writes[out][5:]] == [set(on_disk)]
+    assert [set(w) for w in config_writes[out][6:]] == [set(on_disk)]
     assert json.loads((out / "config.json").read_text()) == on_disk
     # refit writes once: the settings its files were fitted with.
     assert harness("refit", str(out), "--alpha", "0.02") == 0
-    assert len(config_writes[out]) == 5 + 1 + 1
+    assert len(config_writes[out]) == 6 + 1 + 1
     refitted = json.loads((out / "config.json").read_text())
     assert refitted["settings"]["alpha"] == refitted["spec"]["alpha"] == 0.02
     assert {k: v for k, v in refitted.items() if k not in ("settings", "spec")} == \

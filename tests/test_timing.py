@@ -101,12 +101,14 @@ def test_a_locate_run_records_each_phase_and_says_them(tiny_model_dir, tmp_path,
     phases = session["phases"]
     assert set(phases) == {"start-up and imports", "tasks and checks", "model load",
                            "measurement set-up", "prior", "head types", "design",
-                           "measurements", "fit and bootstrap"}
+                           "measurements", "fit and bootstrap", "report"}
     assert all(seconds >= 0 for seconds in phases.values())
     # The phases and the rest add up to the whole (each rounded to 0.01 s).
     assert sum(phases.values()) + session["other"] == pytest.approx(session["whole"],
                                                                     abs=0.06)
     report = (out / "report.md").read_text()
+    # The report's own time is in what it says (recorded as report.md is written).
+    assert phases["report"] > 0
     assert f"- time: {timing.timings_line([session])} (config.json's timings)" in report
     # The last line: the same phases, the whole command (its report written) included.
     assert printed[-1].startswith("Time: ")

@@ -133,7 +133,9 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                             "last measured round)",
                       report=lambda: _report(rankings, spec.top_k, said.timings,
                                              spec.model_args, spec, said.examples_used),
-                      knockout=recorded_knockout(spec))
+                      knockout=recorded_knockout(spec),
+                      # The timings report.md says then hold the report's own.
+                      before_report=None if measure is None else lambda: run.save(folder))
     return rankings
 
 

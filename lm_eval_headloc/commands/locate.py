@@ -232,8 +232,9 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                     never=setup.never_ablate, exclude=setup.exclude,
                     heads_per_layer=run.heads_per_layer, state=run, checkpoint=checkpoint,
                     allowance=allowance)
-        run.save(folder, measure)  # phase: fitted (the timings the report says)
-        write_results(folder, run)
+        run.save(folder, measure)  # phase: fitted
+        # Saved again as report.md is written: its timings then hold the report's own.
+        write_results(folder, run, before_report=lambda: run.save(folder))
     return run.rankings
 
 

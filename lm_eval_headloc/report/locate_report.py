@@ -3,7 +3,8 @@ the report and the terminal share (the fit, the certificate, the prior)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.words import counted, ordinal, signed
@@ -523,8 +524,10 @@ def _all_alone_words(all_alone: bool) -> str:
             "is the one-at-a-time top-k itself")
 
 
-def write_results(folder: RunFolder, run: LocateRun) -> None:
-    """The run's ranking files and report (``write_ranking``), from ``run`` alone."""
+def write_results(folder: RunFolder, run: LocateRun,
+                  before_report: Callable[[], Any] | None = None) -> None:
+    """The run's ranking files and report (``write_ranking``, its ``before_report``), from
+    ``run`` alone."""
     sparsity = run.spec.sparsity if run.pilot is None else run.pilot["sparsity"]
     # Every head measured alone: the confirmation's and those the group tests narrowed
     # down to (the heatmap boxes the same).
@@ -534,4 +537,5 @@ def write_results(folder: RunFolder, run: LocateRun) -> None:
                   title=(f"{run.spec.design} design, {_masks_words(run)}, p={sparsity}"
                          + (f"; {alone} {units} measured alone" if alone else ""))
                         .replace(" (", "\n("),
-                  report=lambda: locate_report(run), knockout=recorded_knockout(run.spec))
+                  report=lambda: locate_report(run), knockout=recorded_knockout(run.spec),
+                  before_report=before_report)

@@ -301,12 +301,15 @@ def knockout_words(spec: Any, unit: str) -> str:
 @timing.timed("report")
 def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int,
                   title: str, report: Callable[[], str],
-                  knockout: Mapping[str, Any] | None = None) -> None:
+                  knockout: Mapping[str, Any] | None = None,
+                  before_report: Callable[[], Any] | None = None) -> None:
     """heads-<task>.json/.csv for every task, heads.json/.csv (the first task's, for
     ``ablate_file=runs/x/heads.json``), heatmap.png and report.md (``report()``'s text);
     with the folder's head types (types.json) each head's scores and type, in every one
     of them; ``knockout``: the run's ``{"ablation", "scale"}``, recorded in each ranking
-    file (``hf-headablate`` says so where it knocks the heads out otherwise)."""
+    file (``hf-headablate`` says so where it knocks the heads out otherwise).
+    ``before_report``: called just before report.md is written (a run saving its record,
+    so that the timings report.md says hold this phase's own)."""
     from lm_eval_headloc.runs.types_file import read_types
 
     head_types = read_types(folder)
@@ -321,6 +324,8 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int
     folder.write_json("heads.json", ranked_heads_json(first, top_k))
     folder.write_text("heads.csv", heads_table(first))
     plot_heatmap(list(rankings.values()), top_k, folder.file("heatmap.png"), title=title)
+    if before_report is not None:
+        before_report()
     folder.write_text("report.md", report())
 
 
