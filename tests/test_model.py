@@ -641,3 +641,18 @@ def test_a_knockout_setting_with_nothing_named_says_the_answers_are_the_plain_mo
     assert warnings(load_lm(folder, scale=2), [inside_knockout]) == []
     assert warnings(load_lm(folder, scale=2, ablate="L0H1"), [last_logits]) == []
     assert warnings(load_lm(folder), [last_logits]) == []
+
+
+@pytest.mark.parametrize("device, named", [
+    ("gpu", "takes cpu, cuda, cuda:N or mps"), ("cpu:0", "takes cpu, cuda, cuda:N or mps"),
+    ("mps:1", "device=mps (or mps:0)"),
+    *([] if torch.backends.mps.is_available() else [("mps", "no MPS")])])
+def test_a_device_hflm_would_swap_or_fail_on_late_is_refused_before_the_load(
+        no_weight_loading, tiny_model_dir, device, named):
+    """HFLM ran device=gpu or cpu:0 on cuda or the CPU (said only in its log), and device=mps
+    without MPS failed after the weights loaded."""
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    with raises_naming(UsageError, f"device={device}", named):
+        HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device=device)

@@ -281,13 +281,31 @@ def other_knockout(ablate_file: object, ablation: str, scale: float) -> str | No
 
 
 def check_device(device: object) -> None:
-    """A CUDA device this machine lacks: HFLM fails deep inside for ``cuda`` on a machine
-    without one and quietly takes another device for ``cuda:7`` (said only in its log).
-    Refused, except lm-eval's own default, ``cuda:0``, which falls back to the CPU."""
-    if not isinstance(device, str) or not device.startswith("cuda"):
+    """A device HFLM would not run on as asked, refused before the load: a CUDA device this
+    machine lacks (HFLM fails deep inside for ``cuda`` on a machine without one and quietly
+    takes another device for ``cuda:7``, said only in its log), except lm-eval's own
+    default, ``cuda:0``, which falls back to the CPU; ``mps`` where torch has none (it
+    failed after the weights loaded); and a name outside HFLM's list (``gpu``, ``cpu:0``),
+    which it quietly replaces by ``cuda`` or ``cpu``."""
+    if not isinstance(device, str):
         return
     import torch
 
+    kind = device.partition(":")[0]
+    if kind == "mps":
+        if device not in ("mps", "mps:0"):
+            raise UsageError(f"device={device}: the Apple GPU is device=mps (or mps:0)")
+        if not torch.backends.mps.is_available():
+            raise UsageError(f"device={device}: this machine's torch has no MPS (Apple GPU) "
+                             "device; use device=cpu")
+        return
+    if kind != "cuda":
+        # HFLM's other names (npu:N, xpu:N, hpu:N) it checks itself.
+        if device != "cpu" and kind not in ("npu", "xpu", "hpu"):
+            raise UsageError(f"device={device}: lm-eval's hf model takes cpu, cuda, cuda:N "
+                             "or mps (another name it replaces by cuda or cpu without a "
+                             "word)")
+        return
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = device.partition(":")[2]
     if count == 0 and device != "cuda:0":
