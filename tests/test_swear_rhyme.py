@@ -316,3 +316,15 @@ def test_rhyme_cli(stock_cli_run: Path) -> None:
         assert sample["rhyme_acc"] == int(_rhymes_by_hand(word, answer)), answer
     accuracy = sum(sample["rhyme_acc"] for sample in samples) / len(samples)
     assert out["results"]["rhyme_acc,none"] == pytest.approx(accuracy)
+
+
+def test_rhyme_and_swear_have_no_gold_answer(task_dict) -> None:
+    """rhyme's target was the word to rhyme with: --signal logprob and the attribution
+    prior scored how likely the model repeats it, the one answer that never rhymes."""
+    from lm_eval_headloc.measurement.signals import no_gold_reason
+
+    for name in ("rhyme", "rhyme_heldout", "swear"):
+        reason = no_gold_reason(task_dict[name], name)
+        assert reason is not None and "has no gold answer" in reason, name
+    doc = next(iter(task_dict["rhyme"].test_docs()))
+    assert doc["word"] not in str(task_dict["rhyme"].doc_to_target(doc))
