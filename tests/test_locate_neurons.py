@@ -454,3 +454,31 @@ def test_a_neuron_runs_report_speaks_of_neurons(neuron_run):
     path = _prior_words(SimpleNamespace(prior_kind="atp-path",
                                         spec=SimpleNamespace(components="neurons")))
     assert path.endswith("with every neuron half ablated, each ranking the MLP neurons")
+
+
+def test_an_excluded_neuron_leaves_its_group_out_of_the_ranking(group_run, tmp_path):
+    """--exclude of a neuron inside a group left the group ranked: ablate_file=, verify and
+    cross knocked the "excluded" neuron out with it, and `refit --exclude L1N20` changed
+    nothing."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(group_run[0], out)
+    entries = {e.get("group", e.get("neuron")): e for e in strict_json(out / "heads.json")
+               ["heads"]}
+    inside = parse_components(entries["L1G0"]["neurons"])[3]  # a neuron of L1G0 only
+    assert harness("refit", str(out), "--exclude", str(inside)) == 0
+    heads = strict_json(out / "heads.json")
+    assert heads["excluded"] == ["L1G0"]
+    assert "L1G0" not in heads["top_k"]
+    ranked = {e.get("group", e.get("neuron")): e for e in heads["heads"]}
+    assert "L1G0" not in ranked  # left out, as an excluded neuron is
+    assert all(ranked[name]["effect"] is not None for name in ("L0G0", "L0G1", "L1G1"))
+    assert (f"- excluded from the ranking: {inside} (and the neuron groups holding one of "
+            f"them: L1G0 ({len(entries['L1G0']['neurons'].split('+')):,} neurons))"
+            in (out / "report.md").read_text())
+    # A whole layer's neurons: both its groups, and the candidates of that layer.
+    assert harness("refit", str(out), "--exclude", "L1N*") == 0
+    excluded = strict_json(out / "heads.json")["excluded"]
+    assert {"L1G0", "L1G1"} <= set(excluded)
+    assert all(name.startswith("L1") for name in excluded)

@@ -330,7 +330,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
             raise UsageError(f"--top-k {spec.top_k}: the run ranks only {len(columns)} "
                              "components")
         excluded = _excluded(spec, run)
-        if sum(h in columns for h in excluded) >= len(columns):
+        if len(columns.holding(excluded)) >= len(columns):
             raise UsageError(f"--exclude covers every component the run ranks "
                              f"({len(columns)}); nothing is left to rank")
         folder.lock()

@@ -177,6 +177,14 @@ class Columns:
     def names(self, indices: Iterable[int]) -> list[str]:
         return [str(self[i]) for i in indices]
 
+    def holding(self, components: Iterable[Component]) -> list[int]:
+        """The columns that knock out any of ``components``: a head's or neuron's own, and
+        a neuron group holding one (--exclude'd neurons inside a group leave it out of the
+        ranking, else its knockout would knock them out)."""
+        keys = {component_key(c) for c in components}
+        return [i for i in range(len(self))
+                if any(component_key(m) in keys for m in self.members(i))]
+
     def members(self, index: int) -> list[Component]:
         """What knocking out column ``index`` knocks out: its head or neuron, or every
         neuron of its group."""

@@ -170,7 +170,7 @@ def locate_loop(measure: Measurement, store: MeasurementStore, columns: Columns,
     state = LocateState() if state is None else state
     saved = checkpoint or (lambda phase: None)
     never_columns = [columns.index(h) for h in never if h in columns]
-    excluded = [columns.index(h) for h in exclude if h in columns]
+    excluded = columns.holding(exclude)
     per_pass = settings.masks_per_pass
     sparsity, row_keys, rows, state.pilot = _pilot(store, measure, settings, tasks, columns,
                                                    never_columns)

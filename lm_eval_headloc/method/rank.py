@@ -189,7 +189,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         grid = columns.heads_grid
         heads_per_layer = grid[1] if grid is not None else 1
     baseline = records["baseline"]
-    excluded = sorted({columns.index(h) for h in exclude if h in columns})
+    excluded = columns.holding(exclude)
     unmeasured = sorted({columns.index(h) for h in never if h in columns} - {*excluded})
     left_out = sorted({*excluded, *unmeasured})
     left_set = set(left_out)

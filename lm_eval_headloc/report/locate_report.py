@@ -14,6 +14,7 @@ from lm_eval_headloc.method.columns import (
     UNITS,
     NeuronGroup,
     certificate_unit,
+    column_label,
 )
 from lm_eval_headloc.method.pilot import levels_kept
 from lm_eval_headloc.method.ranking import (
@@ -79,7 +80,7 @@ def locate_report(run: LocateRun) -> str:
         f"- Lasso alpha: {spec.alpha}",
         f"- never knocked out: {spec.never_ablate or 'none'}"
         + (" (not ranked: no measurement knocked them out)" if spec.never_ablate else ""),
-        f"- excluded from the ranking: {spec.exclude or 'none'}",
+        f"- excluded from the ranking: {_excluded_words(run)}",
         *([timing.timings_item(run.timings)] if run.timings else []), "",
     ]
     for task, ranking in run.rankings.items():
@@ -522,6 +523,20 @@ def _all_alone_words(all_alone: bool) -> str:
             "default run's plan on a model whose automatic cap, half its heads, would not "
             f"cover the default plan's {DEFAULT_BUDGET} measurement-equivalents; its top-k "
             "is the one-at-a-time top-k itself")
+
+
+def _excluded_words(run: LocateRun) -> str:
+    """--exclude as given, and the neuron groups left out with it: a group holding an
+    excluded neuron would knock it out."""
+    if not run.spec.exclude:
+        return "none"
+    first = next(iter(run.rankings.values()), None)
+    left_out = set() if first is None else set(first.facts.excluded or ())
+    groups = [] if first is None else [c for c in first.columns if
+                                       isinstance(c, NeuronGroup) and str(c) in left_out]
+    return run.spec.exclude + (
+        f" (and the neuron groups holding one of them: "
+        f"{', '.join(map(column_label, groups))})" if groups else "")
 
 
 def write_results(folder: RunFolder, run: LocateRun,
