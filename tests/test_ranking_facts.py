@@ -84,12 +84,17 @@ def test_ranking_files_write_numbers_as_a_reader_expects(committed_benchmarks, t
     planted = []
     for number, source in enumerate(folders):
         # A copy of each folder with the numbers an older writer left planted in it: a
-        # -0.0 effect, a difference of two means written as round-off, in every ranking.
+        # -0.0 effect, a difference of two means written as round-off, in every ranking,
+        # each where it keeps the ranking's order (a reader refuses a file out of order):
+        # the -0.0 for an effect of 0, the round-off beyond the first (most harmful) one.
         folder = shutil.copytree(source, tmp_path / f"{number}-{source.name}")
         for path in folder.glob("heads-*.json"):
             data = json.loads(path.read_text())
-            data["heads"][-1]["effect"] = -0.0
-            data["heads"][0]["effect"] = 0.48 - 0.65  # -0.17000000000000004
+            for entry in data["heads"]:
+                if entry["effect"] == 0:
+                    entry["effect"] = -0.0
+            if data["heads"][0]["effect"] is not None:  # -0.32 is -0.320000000000001
+                data["heads"][0]["effect"] -= 1e-15 if data["higher_is_better"] else -1e-15
             if isinstance(data.get("certificate"), dict) and data["certificate"]["ruled_out"]:
                 data["certificate"]["bound"] = 0.48 - 0.31  # 0.16999999999999998
             path.write_text(json.dumps(data))

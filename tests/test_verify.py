@@ -5,7 +5,9 @@ verify or cross rerun without loading the model."""
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 from helpers import (
     LASSO_ONLY,
@@ -15,9 +17,12 @@ from helpers import (
     finished_run,
     harness,
     last_error,
+    raises_naming,
     strict_json,
     tiny_args,
 )
+
+from lm_eval_headloc.intervention.components import Head
 
 
 def test_verify_table(tiny_model_dir, tiny_locate_run, tmp_path, capsys):
@@ -192,3 +197,82 @@ def test_notes_say_why_a_harmless_head_is_listed_by_where_it_stands(tmp_path,
     # The top-3 has no head that hurts after them: places filled because fewer hurt.
     assert ranking_notes(RunFolder(run), "t", 3) == [
         "L0H1, L0H2: recorded to do no harm, listed because fewer hurt"]
+
+
+def _reversed(data: dict) -> None:
+    """Its list reversed, its ranks and top_k made to agree: an order the run never gave."""
+    heads = [{**entry, "rank": rank}
+             for rank, entry in enumerate(reversed(data["heads"]), start=1)]
+    data.update(heads=heads, top_k=[entry["head"] for entry in heads[:len(data["top_k"])]])
+
+
+#: A run's ranking file altered out of the order its writer gives it, each with what the
+#: refusal names: verify knocked out the altered list's first heads as the run's top-k.
+OUT_OF_ORDER = {
+    "reversed": (_reversed, ("not in ranked order", "harms the task more")),
+    "top_k not its first heads": (
+        lambda data: data.update(top_k=[e["head"] for e in data["heads"][-2:]]),
+        ("'top_k'", "not the first 2")),
+    "rank not its place": (lambda data: data["heads"][0].update(rank=2), ("rank 2",)),
+}
+
+
+@pytest.mark.parametrize("how", list(OUT_OF_ORDER))
+def test_verify_refuses_a_ranking_out_of_its_order_before_the_model_loads(
+        how, tiny_locate_run, tmp_path, capsys, no_model_loading):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_locate_run, run)
+    path = run / "heads-tiny_choice.json"
+    data = json.loads(path.read_text())
+    assert len({entry["effect"] for entry in data["heads"]}) > 1  # an order to alter
+    OUT_OF_ORDER[how][0](data)
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert harness("verify", str(run), "--top-k", "2", "--general", "tiny_copy",
+                   "--out", str(tmp_path / "verify")) == 2
+    assert_names(last_error(capsys), "heads-tiny_choice.json", *OUT_OF_ORDER[how][1])
+
+
+def test_the_orders_the_rankers_write_are_read_and_a_swap_within_one_is_not(tmp_path):
+    """Not every ranking is in harm order from top to bottom: locate's estimates that hurt
+    come after the heads measured alone that hurt, however large; iterative greedy's
+    winners lead in the order they won. Each kind of evidence is in harm order within."""
+    from lm_eval_headloc.commands.greedy import _rankings
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.rank import confirmed_order
+    from lm_eval_headloc.method.ranking import Ranking, RankingFacts, ranked_heads_json
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+    from lm_eval_headloc.runs.record import read_ranking_file
+
+    four = Columns.heads(2, 2)
+    # Measured alone: L0H0 hurts by 0.1, L1H1 not at all; estimated: L0H1 hurts by 0.5.
+    effects = np.array([-0.1, -0.5, 0.02, 0.0])
+    order = confirmed_order({0: (-0.1, 0.0), 3: (0.0, 0.0)}, [1, 2], True,
+                            screen_effects=effects)
+    assert order == [0, 1, 3, 2]
+    located = Ranking("t", "acc", True, 0.5, effects, order, 2, columns=four,
+                      facts=RankingFacts(method="compressed sensing (Lasso), the likeliest "
+                                                "heads measured alone",
+                                         confirmed=["L0H0", "L1H1"]))
+    # Iterative greedy: L0H1 won round 2 measuring -0.01, above L0H0's -0.20.
+    baseline = {"scores": {"acc": 0.6}, "metrics": {"acc": "acc"},
+                "higher_is_better": {"acc": True}}
+    changes = {"acc": {2: (-0.30, 0.0), 1: (-0.01, 0.0), 0: (-0.20, 0.0), 3: (-0.05, 0.0)}}
+    won = _rankings(changes, [Head(1, 0), Head(0, 1)], baseline, 2, four, 2, 9)["acc"]
+    assert won.order == [2, 1, 0, 3]
+    for name, ranking in (("located", located), ("won", won)):
+        path = tmp_path / f"heads-{name}.json"
+        path.write_text(json.dumps(ranked_heads_json(ranking, 2)))
+        assert [e["head"] for e in read_ranking_file(path)["heads"]] == [
+            str(four[h]) for h in ranking.order]
+    # Within one kind of evidence the order is harm's: L0H0 and L1H1 (both measured
+    # alone) swapped, or iterative greedy's L0H0 and L1H1 after its winners.
+    for name, (i, j) in (("located", (0, 2)), ("won", (2, 3))):
+        path = tmp_path / f"heads-{name}.json"
+        data = json.loads(path.read_text())
+        heads = data["heads"]
+        heads[i], heads[j] = ({**heads[j], "rank": i + 1}, {**heads[i], "rank": j + 1})
+        data["top_k"] = [e["head"] for e in heads[:2]]
+        path.write_text(json.dumps(data))
+        with raises_naming(RunFolderError, path.name, "not in ranked order"):
+            read_ranking_file(path)

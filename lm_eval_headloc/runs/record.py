@@ -494,7 +494,9 @@ def _check_ranking_data(data: Any) -> None:
     overlap), with a finite number (or null) as its effect and its ``baseline``;
     ``higher_is_better`` true or false
     (without it no effect's sign can be read); a ``largest_single_help`` with a finite
-    number as its change; a ``tied_with_above`` that is a list of names."""
+    number as its change; a ``tied_with_above`` that is a list of names; the order its
+    writer gives the entries (``_check_order``: a list reversed or a ``top_k`` that is not
+    its head, verify knocked out as the run's top-k)."""
     def number(value: Any) -> bool:  # the package writes an unknown one as null
         return value is None or (isinstance(value, (int, float))
                                  and not isinstance(value, bool) and math.isfinite(value))
@@ -527,6 +529,56 @@ def _check_ranking_data(data: Any) -> None:
     if tied is not None and not (isinstance(tied, list)
                                  and all(isinstance(name, str) for name in tied)):
         raise ValueError("its 'tied_with_above' is not a list of names")
+    _check_order(data, list(first))
+
+
+#: The ``method``s (their starts) whose ranking files order their entries by harm
+#: (``_check_order``): locate's and refit's, and greedy's.
+_BY_HARM = ("compressed sensing", "one-shot greedy", "iterative greedy")
+
+
+def _check_order(data: Mapping[str, Any], names: list[str]) -> None:
+    """The order ``ranked_heads_json`` writes, checked where it is sound to (ValueError):
+    each entry's ``rank`` is its place; ``top_k`` is the first names of ``heads``; and
+    where ``method`` says the order is by harm, no entry harms the task more than one
+    ranked above it that has the same kind of evidence. Not the whole list: locate ranks
+    the components measured alone that hurt, then the estimates that hurt, then those
+    measured to do no harm, then the other estimates (``rank.confirmed_order``), so its
+    measured (``measured_alone``) and its estimated entries are each in harm order but
+    not together; iterative greedy ranks its winners first, by the round they won, not by
+    harm (``greedy._rankings``). Equal harms (ties) pass; an entry without an effect is
+    compared with none; a file that names no method (or one this version does not know)
+    has no order to check."""
+    for place, entry in enumerate(data["heads"], start=1):
+        rank = entry.get("rank", place)
+        if type(rank) is not int or rank != place:
+            raise ValueError(f"its entry {place} of 'heads' ({names[place - 1]}) says rank "
+                             f"{rank!r}")
+    top = data.get("top_k")
+    if top is not None and not (isinstance(top, list) and top and names[:len(top)] == top):
+        first = names[:len(top)] if isinstance(top, list) and top else names[:1]
+        raise ValueError(f"its 'top_k' {top!r} is not the first {len(first)} of its "
+                         f"'heads' ({', '.join(first)})")
+    method = data.get("method")
+    if not (isinstance(method, str) and method.startswith(_BY_HARM)):
+        return
+    winners = data.get("winners") if method == "iterative greedy" else None
+    skip = {w for w in winners if isinstance(w, str)} if isinstance(winners, list) else set()
+    sign = -1.0 if data["higher_is_better"] else 1.0  # harm: positive = worse
+    above: dict[bool, tuple[str, float]] = {}  # per kind of evidence, the last entry seen
+    for name, entry in zip(names, data["heads"], strict=True):
+        effect = entry.get("effect")
+        if name in skip or effect is None:
+            continue
+        kind = method.startswith("compressed") and entry.get("measured_alone") is True
+        if kind in above and sign * effect > sign * above[kind][1]:
+            worse = "lower" if data["higher_is_better"] else "higher"
+            raise ValueError(
+                f"its 'heads' is not in ranked order: {name} (effect {effect:g}) is ranked "
+                f"below {above[kind][0]} (effect {above[kind][1]:g}), though it harms the "
+                f"task more ({worse} is worse: higher_is_better is "
+                f"{str(data['higher_is_better']).lower()})")
+        above[kind] = (name, effect)
 
 
 def _not_a_ranking(path: Path, err: Exception) -> RunFolderError:
