@@ -239,6 +239,30 @@ def test_cross_asks_the_tasks_as_the_runs_located_them(tiny_model_dir, tmp_path,
             "tasks generates") in capsys.readouterr().err
 
 
+def test_cross_says_which_runs_ranked_by_the_logprob_signal(tiny_model_dir, tmp_path, capsys):
+    """cross scores every task by its metric, whatever its runs ranked by: a set a run found
+    by the gold answers' log-likelihood (--signal logprob) read as no drop where the metric
+    held, and nothing said the matrix measured by another signal (verify.md says it)."""
+    model = tiny_model_dir("llama")
+    a = _located_with(finished_run(tmp_path / "a", model, "tiny_copy_ppl", PPL),
+                      signal="logprob")
+    b = finished_run(tmp_path / "b", model, "tiny_rolling", ROLLING)
+    out = tmp_path / "cross"
+    capsys.readouterr()
+    assert harness("cross", str(a), str(b), "--top-k", "1", "--num-samples", "4",
+                   "--out", str(out)) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "logprob" in line]
+    assert said == [f"Run {a} ranked its sets by the gold answers' log-likelihood (--signal "
+                    "logprob); this matrix scores every task by its metric, which can stay "
+                    "where the log-likelihood moved."]
+    table = json.loads((out / "cross.json").read_text())
+    assert table["located_by"] == {str(a): "logprob", str(b): "metric"}
+    from lm_eval_headloc.commands.cross import cross_markdown
+
+    table["located_by"][str(a)] = "metric"  # runs ranked by the metric: nothing to say
+    assert "logprob" not in cross_markdown(table)
+
+
 def test_a_knockout_two_sets_share_is_measured_and_written_once(tiny_model_dir, tmp_path):
     """Two runs that found the same top heads: their sets are one knockout, measured once
     (the second record a copy, said by same_as) and written to one lm-eval file."""

@@ -135,6 +135,9 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
                        protect=runs, force=force, num_samples=spec.num_samples
                        ) as (folder, records):
         table = _cross_table(records, sets, setup.task_names, setup.spec)
+        # The matrix scores by the tasks' metrics (signal="metric" above) whatever each run
+        # ranked by: cross.md says where that differs, as verify.md does.
+        table["located_by"] = {run: stored[run].signal for run in runs}
         table["ranking_notes"] = {
             s.label: notes for s in sets
             if (notes := ranking_notes(RunFolder(s.run), s.task, spec.top_k))}
@@ -221,6 +224,21 @@ def _sets_word(table: Mapping[str, Any]) -> str:
     return kind_words(name for s in table["sets"] for name in s["heads"])
 
 
+def _signal_words(table: Mapping[str, Any]) -> list[str]:
+    """The line saying which runs ranked their sets by the logprob signal, which the
+    matrix does not score ([] where none did): a set that moved the gold answers'
+    log-likelihood can leave a task's metric where it was, and read as no drop."""
+    runs = [run for run, signal in (table.get("located_by") or {}).items()
+            if signal == "logprob"]
+    if not runs:
+        return []
+    whose = f"Run {runs[0]} ranked its" if len(runs) == 1 else (
+        f"Runs {', '.join(runs)} ranked their")
+    return [f"{whose} sets by the gold answers' log-likelihood (--signal logprob); this "
+            "matrix scores every task by its metric, which can stay where the "
+            "log-likelihood moved.", ""]
+
+
 def cross_markdown(table: Mapping[str, Any]) -> str:
     """cross.md: one task x task table per ablation, and which sets are specific."""
     tasks = table["tasks"]
@@ -230,7 +248,8 @@ def cross_markdown(table: Mapping[str, Any]) -> str:
              f"Model: `{table['model_args']}`. Rows: the set knocked out (RUN:task, that "
              f"task's top {word} in that run); columns: the task measured; cells: its drop "
              "relative to the unablated baseline (positive = worse; n/a where the baseline "
-             "is 0), the set's own task in bold.", "", *ablation_words(table.get("ablation"))]
+             "is 0), the set's own task in bold.", "", *_signal_words(table),
+             *ablation_words(table.get("ablation"))]
     for matrix in table["ablations"]:
         lines += [f"## {matrix['name']} (×{matrix['scale']:g})", "",
                   f"| set knocked out | {word} |" + "".join(f" {t} |" for t in tasks),
