@@ -42,6 +42,48 @@ def test_a_sweep_rerun_without_confirm_keeps_the_sweeps_own(tiny_model_dir, tmp_
     assert strict_json(out / "m3-p0.25" / "config.json")["spec"]["confirm"] == 2
 
 
+def test_a_finished_sweep_rerun_prints_its_table_without_loading_the_model(
+        tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A rerun of a finished sweep (its folder, its grid) loaded the model and refitted its
+    cells through it: every cell is finished, so it fits them from disk, as a finished
+    locate rerun does, and prints the same table. A check lost is measured again."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    out = tmp_path / "sweep"
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "3,4", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+            "--confirm", "2", "--out", str(out)]
+
+    def table() -> list[str]:  # what the command printed, less the time it took
+        return [line for line in capsys.readouterr().out.splitlines()
+                if not line.startswith("Time:")]
+
+    capsys.readouterr()
+    assert harness(*args) == 0
+    printed, made = table(), (out / "sweep.json").read_text()
+    assert any(line.startswith("| 3 |") for line in printed)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(HFHeadAblateLM, "create_from_arg_string", classmethod(refuse))
+        patched.setattr(HFHeadAblateLM, "__init__", refuse)
+        assert harness(*args) == 0
+    assert table() == printed
+    assert (out / "sweep.json").read_text() == made
+    # A cell's check lost: the model loads to measure it again (once), the table the same.
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    loads = []
+    original = HFHeadAblateLM.__init__
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    assert harness(*args) == 0
+    assert loads == [1] and table() == printed
+    assert (out / "sweep.json").read_text() == made
+
+
 def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):
     args = tiny_args(tiny_model_dir("llama"))
     universal = tmp_path / "universal.json"

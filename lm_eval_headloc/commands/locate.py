@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["locate", "mask_keys", "refit", "stored_prior"]
+__all__ = ["fits_from_disk", "locate", "mask_keys", "refit", "stored_prior"]
 
 
 #: Why --prior auto computes none in a run that measures every head alone.
@@ -148,31 +148,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec = setup.spec
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
-        stored = None if force else _stored_run(folder)
-        given = (spec.masks, spec.confirm)
-        if stored is not None:
-            # --masks and --confirm left out: a resumed run keeps what it was made with
-            # (one of them only, where it stopped before the budget was split).
-            spec = spec.keeping_budget(stored.spec)
-            spec.check_group_tests()  # a --confirm 0 kept from the run: refused as given
-        if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
-            # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
-            raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
-                             f"measures {spec.masks or 'the default budget of'} masks")
-        # A default run on a model of few heads measures every head alone, with no prior
-        # under --prior auto (budget.measures_all_alone); a run resumed keeps that plan
-        # (every head it now ranks: its --exclude may have changed), and one made with
-        # another budget or a prior keeps its own.
-        planned = spec.replace(masks=None, confirm=None).measuring_all_alone(
-            setup.total_heads, setup.rankable_heads)
-        all_alone = (planned.masks is not None
-                     and not (stored is not None and stored.prior_used)
-                     and ((spec.masks, spec.confirm) in ((None, None),
-                                                         (planned.masks, planned.confirm))
-                          or (given == (None, None) and stored is not None
-                              and _planned_all_alone(stored.spec, setup))))
-        if all_alone:
-            spec = planned
+        stored, spec, all_alone = _resumed(folder, spec, setup, force)
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
@@ -236,6 +212,46 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # Saved again as report.md is written: its timings then hold the report's own.
         write_results(folder, run, before_report=lambda: run.save(folder))
     return run.rankings
+
+
+def _resumed(folder: RunFolder, spec: RunSpec, setup: Setup, force: bool = False
+             ) -> tuple[LocateRun | None, RunSpec, bool]:
+    """The run ``folder`` holds (None: none, or ``force``), ``spec`` as a rerun there
+    resumes it, and whether it measures every head alone (a default run on a model of few
+    heads)."""
+    stored = None if force else _stored_run(folder)
+    given = (spec.masks, spec.confirm)
+    if stored is not None:
+        # --masks and --confirm left out: a resumed run keeps what it was made with
+        # (one of them only, where it stopped before the budget was split).
+        spec = spec.keeping_budget(stored.spec)
+        spec.check_group_tests()  # a --confirm 0 kept from the run: refused as given
+    if spec.masks != "auto" and spec.max_masks != DEFAULT_MAX_MASKS:
+        # Only --masks auto stops at --max-masks; a fixed count would silently ignore it.
+        raise UsageError(f"--max-masks {spec.max_masks}: is for --masks auto; this run "
+                         f"measures {spec.masks or 'the default budget of'} masks")
+    # A default run on a model of few heads measures every head alone, with no prior
+    # under --prior auto (budget.measures_all_alone); a run resumed keeps that plan
+    # (every head it now ranks: its --exclude may have changed), and one made with
+    # another budget or a prior keeps its own.
+    planned = spec.replace(masks=None, confirm=None).measuring_all_alone(
+        setup.total_heads, setup.rankable_heads)
+    all_alone = (planned.masks is not None
+                 and not (stored is not None and stored.prior_used)
+                 and ((spec.masks, spec.confirm) in ((None, None),
+                                                     (planned.masks, planned.confirm))
+                      or (given == (None, None) and stored is not None
+                          and _planned_all_alone(stored.spec, setup))))
+    return stored, planned if all_alone else spec, all_alone
+
+
+def fits_from_disk(out: str | Path, spec: RunSpec, setup: Setup) -> bool:
+    """Whether ``locate(out, spec, setup=setup)`` would only fit again: the run ``out``
+    holds measured everything ``spec`` asks for, so the model need not load (``sweep``
+    asks it of each cell before it loads the model its cells share)."""
+    folder = RunFolder(out)
+    stored, spec, _ = _resumed(folder, spec, setup)
+    return _finished(stored, folder, spec) is not None
 
 
 def _fit(run: LocateRun, exclude: Sequence[Component], rows: int) -> dict[str, Ranking]:

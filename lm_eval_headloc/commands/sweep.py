@@ -9,20 +9,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.commands.locate import locate
+from lm_eval_headloc.commands.locate import fits_from_disk, locate
 from lm_eval_headloc.commands.verify import kind_words
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError, as_python, check_number
 from lm_eval_headloc.common.words import signed
 from lm_eval_headloc.measurement.noise import paired_se
-from lm_eval_headloc.measurement.store import run_plan
+from lm_eval_headloc.measurement.store import PlanEntry, run_plan
 from lm_eval_headloc.method.group_tests import CONFIDENCE, Z
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.report.pages import FLOOR_HINT, scores_at_floor
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
-from lm_eval_headloc.runs.plan import load_model, open_measurement
+from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
 from lm_eval_headloc.runs.record import start_run
 from lm_eval_headloc.runs.setup import check_design_budget, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
@@ -69,11 +69,25 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         run = start_run(folder, "sweep", spec, force=force, identity={
             **spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
             fingerprint=setup.model_fingerprint)
-        measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
-                                   run=run)
-        run.save(folder, measure)
-        baseline = run_plan(folder, measure, [("baseline", [])], desc="baseline",
-                            progress=spec.progress)["baseline"]
+        measure = None  # loaded once something needs the model
+
+        def measuring(plan: Sequence[PlanEntry] = ()) -> Any:
+            """The measurement for ``plan``: None while all of it is on disk, else the
+            model loaded once (greedy's rule: a finished run rerun never loads it)."""
+            nonlocal measure
+            if measure is None and (not plan or not nothing_left(folder, plan)):
+                measure = open_measurement(setup, load_model(setup), folder,
+                                           spec.num_samples, run=run)
+                run.save(folder, measure)
+            return measure
+
+        # A cell with something left to measure loads the model its cells share; a rerun
+        # whose every cell is finished fits them again from disk (locate's own rerun).
+        if force or not all(fits_from_disk(folder.path / name, cell, setup)
+                            for name, cell in cells.items()):
+            measuring()
+        baseline = run_plan(folder, measuring([("baseline", [])]), [("baseline", [])],
+                            desc="baseline", progress=spec.progress)["baseline"]
         higher = bool(baseline["higher_is_better"][task])
         results, examples = [], []
         for name, cell in cells.items():
@@ -82,9 +96,8 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
                                   measure=measure)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
-            check = run_plan(folder, measure,
-                             [(key, rankings[task].top_knocked_out(spec.top_k))],
-                             desc=f"check {name}",
+            plan: list[PlanEntry] = [(key, rankings[task].top_knocked_out(spec.top_k))]
+            check = run_plan(folder, measuring(plan), plan, desc=f"check {name}",
                              progress=False)[key]
             score = check["scores"][task]
             examples.append(check.get("examples", {}).get(task))
@@ -101,7 +114,8 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         result = {"task": task, "baseline": baseline["scores"][task],
                   "higher_is_better": higher, "top_k": spec.top_k, "cells": results,
                   "best": best}
-        run.save(folder, measure)  # the workers' shares and the timings so far
+        if measure is not None:  # a rerun that loaded nothing keeps the record on disk
+            run.save(folder, measure)  # the workers' shares and the timings so far
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result
