@@ -187,6 +187,9 @@ def test_a_score_that_held_drops_by_zero_not_negative_zero():
      ["0.12345671 and 0.12345672", "p0.123457"]),
     (["--masks", "1,4"], ["--masks 1", ">= 2"]),
     (["--sparsity", "0"], ["--sparsity 0:", "strictly between 0 and 1"]),
+    # An empty entry was dropped: '4,,8' ran the cells of 4,8.
+    (["--masks", "4,,8"], ["--masks", "'4,,8'", "empty entry"]),
+    (["--sparsity", "0.1,"], ["--sparsity", "'0.1,'", "empty entry"]),
 ])
 def test_a_grid_value_no_cell_can_take_is_refused_before_the_load(
         grid, named, tiny_model_dir, tmp_path, capsys, no_model_loading):

@@ -256,12 +256,20 @@ def test_candidates_without_neurons_is_refused(tmp_path, capsys):
 
 
 def test_refit_masks_auto_of_a_fixed_run_says_how_many_masks_not_auto(
-        tiny_locate_run, tmp_path):  # noqa: F811
+        tiny_locate_run, tmp_path, capsys):  # noqa: F811
+    """refit measures nothing, so --masks auto (measure until the top-k is stable) cannot
+    apply to a run of a fixed budget: it fits all the run measured, and says so in one line
+    (it said nothing: auto read as all)."""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(tiny_locate_run, run)
+    capsys.readouterr()
     assert harness("refit", str(run), "--masks", "auto") == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
+        f"headloc-harness: warning: --masks auto: {run} measured a fixed 12 masks, not until "
+        "its top-k was stable, and refit measures nothing; fitted all 12 (as without "
+        "--masks)"]
     config = json.loads((run / "config.json").read_text())
     assert config["spec"]["masks"] == 12  # all the fixed run measured
     report = (run / "report.md").read_text()

@@ -56,8 +56,14 @@ USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
 
 def _list_of(convert: type) -> object:
     def parse(text: str) -> list:
+        parts = text.split(",")
+        if not all(part.strip() for part in parts):
+            # An empty entry is a typo, not a value: '4,,8' was read as 4,8.
+            what = "is empty" if not text.strip() else "has an empty entry"
+            raise argparse.ArgumentTypeError(f"{text!r} {what}; give comma-separated "
+                                             "values, none of them empty")
         try:
-            return [convert(part) for part in text.split(",") if part.strip()]
+            return [convert(part) for part in parts]
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a comma-separated list of "

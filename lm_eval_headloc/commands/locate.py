@@ -374,7 +374,11 @@ def _refit_stored(folder: RunFolder, run: LocateRun, spec: RunSpec,
     rows = used - spent  # the run as if it had stopped after `used` masks
     if spec.masks == "auto" and run.spec.masks != "auto":
         # A fixed-budget run refitted on all it measured is that many masks, not a run
-        # that measured until its top-k was stable (which the report would then say).
+        # that measured until its top-k was stable (which the report would then say);
+        # refit measures nothing, so it cannot do what auto asks: said, not silently read.
+        log.warning("--masks auto: %s measured a fixed %d masks, not until its top-k was "
+                    "stable, and refit measures nothing; fitted all %d (as without --masks)",
+                    out, used, used)
         spec = spec.replace(masks=used)
     missing = _missing(run, rows)
     if missing:
