@@ -33,6 +33,7 @@ from lm_eval_headloc.method.designs import design_matrix
 from lm_eval_headloc.method.rank import (
     confirmed_order,
     confirmed_top,
+    logprob_changes,
     measured_changes,
     rank_measured,
     tied_with_above,
@@ -234,6 +235,39 @@ def test_rank_measured_by_hand():
     assert rank_measured({}, True) == []
     # The measured part of confirmed_order is this rule.
     assert confirmed_order(changes, [7, 0], True)[:5] == rank_measured(changes, True)
+
+
+def test_the_logprob_change_is_the_scores_under_the_logprob_signal_and_none_unrecorded():
+    """heads.json's logprob_change was 0.0 for every head of a --signal logprob run (and of
+    a task without gold answers): the log-likelihood is the score there, or unknown."""
+    def record(score: float, metric: str, logprob: float | None = None) -> dict:
+        return {"scores": {"t": score}, "metrics": {"t": metric},
+                **({} if logprob is None else {"logprob": {"t": logprob}})}
+
+    by_logprob = measured_changes(record(-2.0, "logprob"), {4: record(-2.5, "logprob")}, "t")
+    assert by_logprob == {4: (-0.5, -0.5)}
+    by_metric = measured_changes(record(0.5, "acc,none", -1.0),
+                                 {4: record(0.25, "acc,none", -1.75)}, "t")
+    assert by_metric == {4: (-0.25, -0.75)}
+    no_gold = measured_changes(record(1.0, "rhyme_acc,none"),
+                               {4: record(0.0, "rhyme_acc,none"),
+                                2: record(1.0, "rhyme_acc,none")}, "t")
+    assert no_gold == {4: (-1.0, None), 2: (0.0, None)}
+    assert rank_measured(no_gold, True) == [4, 2]  # ordered without it
+    assert np.isnan(logprob_changes(no_gold, 5)).all()
+    assert logprob_changes(by_metric, 5)[4] == -0.75
+
+
+def test_the_logprob_change_a_logprob_run_writes_is_each_heads_measured_change(
+        tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--signal", "logprob", "--num-samples", "6", "--out", str(out)) == 0
+    entries = strict_json(out / "heads.json")["heads"]
+    alone = [e for e in entries if e.get("measured_alone")]
+    assert len(alone) == 8  # a tiny model's default: every head alone
+    assert all(e["logprob_change"] == pytest.approx(e["effect"], abs=1e-9) for e in alone)
+    assert any(e["logprob_change"] != 0 for e in alone)
 
 
 def test_rank_measured_is_greedys_old_rule_on_ties():

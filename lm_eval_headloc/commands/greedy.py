@@ -17,7 +17,12 @@ from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.measurement.store import PlanEntry, run_plan
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes
-from lm_eval_headloc.method.rank import measured_changes, rank_measured, tied_with_above
+from lm_eval_headloc.method.rank import (
+    logprob_changes,
+    measured_changes,
+    rank_measured,
+    tied_with_above,
+)
 from lm_eval_headloc.method.ranking import Ranking, RankingFacts, largest_single_help
 from lm_eval_headloc.report.pages import (
     equal_change_words,
@@ -160,8 +165,7 @@ def _rankings(changes: Mapping[str, Changes], winners: list[Head],
         higher = bool(baseline["higher_is_better"][name])
         effects = np.full(len(columns), np.nan)
         effects[list(task_changes)] = [change for change, _ in task_changes.values()]
-        logprob_change = np.full(len(columns), np.nan)  # rank_measured's tie-break
-        logprob_change[list(task_changes)] = [lp for _, lp in task_changes.values()]
+        logprob_change = logprob_changes(task_changes, len(columns))  # the tie-break
         rest = [h for h in rank_measured(task_changes, higher) if h not in lead]
         # Equal measured changes are ties. An iterative winner is ranked by its round,
         # below the one before it unless that one's round measured the two alike.

@@ -48,7 +48,7 @@ __all__ = ["PRIOR_EASE", "ROUND", "Changes", "ConfirmRecord", "Confirmation", "G
 ROUND = 5
 
 #: What a head measured alone changed, per task: (score change, logprob change).
-Changes = Mapping[int, tuple[float, float]]
+Changes = Mapping[int, tuple[float, float | None]]
 
 # --- the prior's part: its rankings and the screen's penalty weights ---------------------
 

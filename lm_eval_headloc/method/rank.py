@@ -62,24 +62,42 @@ from lm_eval_headloc.method.ranking import (
 )
 
 __all__ = ["CERTIFICATE_RULE", "alone_changes", "alone_key", "confirmation_replay",
-           "confirmed_order", "confirmed_top", "fit_rankings", "mask_keys",
-           "measured_alone", "measured_changes", "measured_harm", "rank_measured",
-           "tied_with_above"]
+           "confirmed_order", "confirmed_top", "fit_rankings", "logprob_changes",
+           "mask_keys", "measured_alone", "measured_changes", "measured_harm",
+           "rank_measured", "tied_with_above"]
 
 
 # --- the rule --------------------------------------------------------------------------
 
 def measured_changes(reference: Mapping[str, Any], measured: Mapping[int, Mapping[str, Any]],
-                     task: str) -> dict[int, tuple[float, float]]:
+                     task: str) -> dict[int, tuple[float, float | None]]:
     """head -> (score change, logprob change) of ``task`` in each head's measurement
     record (a run folder's: ``scores`` and, where recorded, ``logprob`` by task) against
-    the ``reference`` record's; a logprob not recorded counts as 0."""
-    def logprob(record: Mapping[str, Any]) -> float:
-        return float(record.get("logprob", {}).get(task, 0.0))
+    the ``reference`` record's. Scored by the logprob signal, the logprob change is the
+    score's; recorded nowhere (a task without gold answers), it is None (not 0: heads.json
+    said every head left the log-likelihood as it was)."""
+    def logprob(record: Mapping[str, Any]) -> float | None:
+        if record.get("metrics", {}).get(task) == "logprob":
+            return float(record["scores"][task])
+        value = record.get("logprob", {}).get(task)
+        return None if value is None else float(value)
 
-    return {int(head): (record["scores"][task] - reference["scores"][task],
-                        logprob(record) - logprob(reference))
+    def change(record: Mapping[str, Any]) -> float | None:
+        now, before = logprob(record), logprob(reference)
+        return None if now is None or before is None else now - before
+
+    return {int(head): (record["scores"][task] - reference["scores"][task], change(record))
             for head, record in measured.items()}
+
+
+def logprob_changes(changes: Changes, size: int) -> np.ndarray:
+    """The logprob changes of ``changes`` (column -> (score change, logprob change)) as
+    one value per column of ``size``: NaN where none was measured."""
+    values = np.full(size, np.nan)
+    for column, (_, logprob) in changes.items():
+        if logprob is not None:
+            values[column] = logprob
+    return values
 
 
 def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
@@ -89,7 +107,8 @@ def rank_measured(changes: Changes, higher_is_better: bool) -> list[int]:
     by head index. That last order is no evidence: ``tied_with_above`` says which heads
     it ordered."""
     return sorted((int(h) for h in changes), key=lambda h: (
-        -float(harm(changes[h][0], higher_is_better)), float(changes[h][1]), h))
+        -float(harm(changes[h][0], higher_is_better)),
+        0.0 if changes[h][1] is None else float(changes[h][1]), h))
 
 
 def confirmed_order(alone: Changes, screen_order: Sequence[int], higher_is_better: bool,
@@ -240,8 +259,7 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
         effects = fit.effects.copy()
         effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
         # What the ranking ordered equal effects by, kept for orders that need it (export).
-        logprob_change = np.full(len(effects), np.nan)
-        logprob_change[list(alone)] = [lp for _, lp in alone.values()]
+        logprob_change = logprob_changes(alone, len(effects))
         contrast = fit.contrast.copy()
         contrast[[*alone, *unmeasured]] = np.nan
         evidence = {"logprob_change": logprob_change, "contrast": contrast}
