@@ -482,3 +482,22 @@ def test_an_excluded_neuron_leaves_its_group_out_of_the_ranking(group_run, tmp_p
     excluded = strict_json(out / "heads.json")["excluded"]
     assert {"L1G0", "L1G1"} <= set(excluded)
     assert all(name.startswith("L1") for name in excluded)
+
+
+def test_the_terminal_says_a_neuron_certificate_covers_only_what_was_searched(
+        neuron_run, tmp_path, capsys):
+    """The terminal said "certified: 8 measured alone" of a run that searched 8 of 128
+    neurons; report.md said the rest was not searched, the terminal did not."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(neuron_run[0], out)
+    config = strict_json(out / "config.json")
+    searched = len(config["candidates"])
+    rest = config["layers"] * config["neurons_per_layer"] - searched
+    capsys.readouterr()
+    assert harness("refit", str(out)) == 0  # prints as locate does, without the model
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if "certified" in line)
+    assert (f"certified (of the {searched} components searched; the model's other {rest} "
+            "neurons were not): ") in line

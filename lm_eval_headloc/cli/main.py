@@ -43,7 +43,7 @@ from lm_eval_headloc.report.pages import (
     within_spread,
 )
 from lm_eval_headloc.report.type_pages import types_summary
-from lm_eval_headloc.runs.record import load_run
+from lm_eval_headloc.runs.record import LocateRun, load_run
 from lm_eval_headloc.runs.spec import ABLATION_FLAGS, COMMAND_OPTIONS, RunSpec
 
 __all__ = ["build_parser", "main"]
@@ -249,7 +249,7 @@ def _print_rankings(rankings: Mapping[str, Ranking], out: str, measured: bool = 
               + fit_summary(ranking, top_k))
         if at_floor(ranking):
             print(f"  no knockout can lower a score of 0; {FLOOR_HINT}")
-        checked = certificate_line(ranking)
+        checked = certificate_line(ranking, record if isinstance(record, LocateRun) else None)
         tied = set(ranking.facts.tied_with_above or [])
         top = ranking.top(top_k)
         if len(top) > 1 and all(str(h) in tied for h in top[1:]):

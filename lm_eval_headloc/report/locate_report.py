@@ -171,15 +171,23 @@ def fit_summary(ranking: Ranking, top_k: int) -> str:
     return words
 
 
+def _unsearched(run: LocateRun) -> tuple[int, int, int] | None:
+    """A run locating MLP neurons: (candidates, neurons in groups, the model's neurons it
+    did not search); None for a heads run, which searches every head."""
+    if "neurons" not in run.spec.components or not run.neurons_per_layer:
+        return None
+    searched = len(run.candidates or ())
+    grouped = sum(len(c.neurons) for c in run.columns if isinstance(c, NeuronGroup))
+    return searched, grouped, run.layers * run.neurons_per_layer - searched - grouped
+
+
 def _searched_words(run: LocateRun) -> str:
     """What a run that locates MLP neurons searched, for its certificate: the candidates
     (and groups), not the model's other neurons."""
-    if "neurons" not in run.spec.components or not run.neurons_per_layer:
+    counts = _unsearched(run)
+    if counts is None:
         return ""
-    total = run.layers * run.neurons_per_layer
-    searched = len(run.candidates or ())
-    grouped = sum(len(c.neurons) for c in run.columns if isinstance(c, NeuronGroup))
-    rest = total - searched - grouped
+    searched, grouped, rest = counts
     return (f"The certificate is over the {len(run.columns):,} components the design "
             f"searched: the prior's {searched:,} likeliest MLP neurons"
             + (f", {grouped:,} more in groups (a group is ruled out or measured as one)"
@@ -460,12 +468,16 @@ def _of_the_cap(spent: int, cap: int | None, unit: str, given: bool = False) -> 
             "whatever the cap, which stops only the group tests")
 
 
-def certificate_line(ranking: Ranking) -> str | None:
+def certificate_line(ranking: Ranking, run: LocateRun | None = None) -> str | None:
     """The terminal's line on the certificate (and one on the ties at the k-th place, where
-    it found any), or None without one."""
+    it found any), or None without one; for ``run``'s MLP neurons, what it searched."""
     cert = ranking.facts.certificate
     if not cert:
         return None
+    counts = None if run is None else _unsearched(run)
+    scope = "" if counts is None or counts[2] <= 0 else (
+        f" (of the {len(ranking.columns):,} components searched; the model's other "
+        f"{counts[2]:,} neurons were not)")
     unit = certificate_unit(ranking.columns)
     confidence = f", {cert.confidence:.0%}" if cert.confidence is not None else ""
     ruled = (f", {cert.ruled_out} ruled out by sets under the top-{cert.top_k}'s bar "
@@ -476,11 +488,11 @@ def certificate_line(ranking: Ranking) -> str | None:
     tied = (f"\n  tied at the {ordinal(cert.top_k)} place within the noise: "
             + ", ".join(cert.tied_at_k) if cert.tied_at_k else "")
     if cert.certified:
-        return f"  certified: {checked}{tied}"
+        return f"  certified{scope}: {checked}{tied}"
     finish = (f"; --max-measurements {cert.max_measurements_to_finish} or more would test "
               "them" if cert.max_measurements_to_finish is not None
               and ranking.facts.confirmed is not None else "")
-    return (f"  not certified: {counted(len(cert.unchecked), unit)} unchecked ({checked}"
+    return (f"  not certified{scope}: {counted(len(cert.unchecked), unit)} unchecked ({checked}"
             f"{finish}; report.md says which){tied}")
 
 
