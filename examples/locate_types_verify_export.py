@@ -64,7 +64,7 @@ print("certified" if cert.certified else f"not certified: {len(cert.unchecked)} 
 head_types = read_types(RUN)
 print(types_summary(head_types))
 best = ranking.top(1)[0]
-print(f"{best}'s scores:", {t: round(s, 3) for t, s in head_types.of(*best).items()})
+print(f"{best}'s scores:", {t: round(s, 3) for t, s in head_types.of(best).items()})
 
 # %% Verify: knock out the top 1, 2, 3 heads for real, on the task and two others.
 # Look at: "Task drop" should grow with k and beat the random sets of 3 heads; "Gen drop"

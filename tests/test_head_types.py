@@ -605,3 +605,27 @@ def test_the_types_summary_counts_the_heads_that_stand_out():
                                     "thresholds": {t: 0.5 for t in HEAD_TYPES[:3]}}))
     assert ("  attention-sink: labels no head (in most language models the typical head does "
             "it; median here 0.06); highest L0H0 0.10, L0H1 0.06, L0H2 0.02") in said
+
+
+def test_a_heads_types_are_read_by_its_name_and_a_neurons_are_refused():
+    """of(*neuron) read L1N1's types as L1H1's: a Neuron unpacks to the same two numbers.
+    One component is taken whole now, and a neuron is refused."""
+    from helpers import raises_naming
+
+    from lm_eval_headloc.intervention.components import ComponentSpecError, Head, Neuron
+    from lm_eval_headloc.method.head_types import HEAD_TYPES, HeadTypes
+
+    scores = {t: [[0.1, 0.2], [0.3, 0.4 + i]] for i, t in enumerate(HEAD_TYPES)}
+    types = HeadTypes({"scores": scores, "dominant": [[None, None], [None, "induction"]],
+                       "borderline": {"L1H1": ["previous_token"]}})
+    assert types.of(Head(1, 1)) == types.of("L1H1") == types.of(1, 1) == {
+        t: 0.4 + i for i, t in enumerate(HEAD_TYPES)}
+    assert types.label("L1H1") == "induction" and types.borderline(Head(1, 1)) == [
+        "previous_token"]
+    for neuron in (Neuron(1, 1), "L1N1"):
+        with raises_naming(ComponentSpecError, "L1N1", "MLP neuron"):
+            types.of(neuron)
+    with raises_naming(ComponentSpecError, "L1H0+L1H1", "one head"):
+        types.label("L1H0+L1H1")
+    with raises_naming(ComponentSpecError, "L2H0"):
+        types.of("L2H0")

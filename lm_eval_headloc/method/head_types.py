@@ -47,7 +47,13 @@ import numpy as np
 import torch
 
 from lm_eval_headloc.common.options import PROBE_ROWS
-from lm_eval_headloc.intervention.components import Head, validate_heads
+from lm_eval_headloc.intervention.components import (
+    Component,
+    ComponentSpecError,
+    Head,
+    parse_components,
+    validate_heads,
+)
 
 __all__ = ["DOMINANT_FLOOR", "DOMINANT_MADS", "DOMINANT_MIN_MARGIN", "EXAMPLES", "HEAD_TYPES",
            "LABELLED_TYPES", "LABEL_MARGIN", "MAD_TO_SD", "PER_PASS", "PROBE", "PROBE_FIRST_ID",
@@ -468,27 +474,39 @@ class HeadTypes:
         self.head_layers: tuple[int, ...] = tuple(data.get("head_layers")
                                                   or range(len(self.labels)))
 
-    def of(self, layer: int, head: int) -> dict[str, float]:
-        """One head's four probe scores."""
-        self._check(layer, head)
+    def of(self, layer: int | str | Component, head: int | None = None) -> dict[str, float]:
+        """One head's four probe scores: ``of(head)`` (a ``Head`` or its name, ``"L3H1"``)
+        or ``of(layer, head)``."""
+        layer, head = self._check(layer, head)
         return {t: float(self.scores[t][layer, head]) for t in HEAD_TYPES}
 
-    def label(self, layer: int, head: int) -> str | None:
-        """One head's dominant type, or None."""
-        self._check(layer, head)
+    def label(self, layer: int | str | Component, head: int | None = None) -> str | None:
+        """One head's dominant type, or None (arguments as ``of``'s)."""
+        layer, head = self._check(layer, head)
         return self.labels[layer][head]
 
-    def borderline(self, layer: int, head: int) -> list[str]:
+    def borderline(self, layer: int | str | Component, head: int | None = None) -> list[str]:
         """The types one head's probe score is within ``LABEL_MARGIN`` standard errors of
-        the threshold of: another probe seed may put it either side."""
-        self._check(layer, head)
-        return list(self.near.get(str(Head(int(layer), int(head))), []))
+        the threshold of: another probe seed may put it either side (arguments as
+        ``of``'s)."""
+        layer, head = self._check(layer, head)
+        return list(self.near.get(str(Head(layer, head)), []))
 
-    def _check(self, layer: int, head: int) -> None:
+    def _check(self, layer: int | str | Component, head: int | None) -> tuple[int, int]:
+        if head is None:  # one component: a neuron has no attention pattern to type
+            parsed = parse_components([layer])
+            if len(parsed) != 1:
+                raise ComponentSpecError(f"{layer}: one head, e.g. 'L3H1' (or layer, head)")
+            component = parsed[0]
+            if not isinstance(component, Head):
+                raise ComponentSpecError(f"{component} is an MLP neuron: head types are "
+                                         "read off attention patterns, of heads only")
+            layer, head = component
         # numpy would wrap a negative index round to another head, or raise IndexError.
         validate_heads([Head(int(layer), int(head))], len(self.labels),
                        len(self.labels[0]) if self.labels else 0,
                        head_layers=self.head_layers)
+        return int(layer), int(head)
 
 
 def run_texts(measure: Measurement) -> list[str]:
