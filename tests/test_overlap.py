@@ -21,17 +21,20 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
               tied: dict[str, set[str]] | None = None,
               effects: dict[str, list[float]] | None = None,
               include_path: tuple[str, ...] = (),
-              largest_help: dict[str, dict] | None = None) -> Path:
+              largest_help: dict[str, dict] | None = None, components: str = "heads",
+              candidates: list[str] | None = None) -> Path:
     """A finished-looking run folder: config.json and one heads-<task>.json per task, as
     locate writes them (``tied_with_above`` both as the list and per entry; higher is
-    better: a negative effect hurts)."""
+    better: a negative effect hurts); ``candidates``: a neuron run's candidate neurons."""
     folder.mkdir(parents=True)
     spec = RunSpec(model_args=model_args, tasks=tuple(rankings), top_k=top_k, seed=seed,
-                   include_path=include_path)
+                   include_path=include_path, components=components)
     config = {"command": "locate", "identity": spec.identity("locate"),
               "settings": spec.settings("locate"), "spec": spec.as_config()}
     if subset is not None:
         config["example_subset"] = subset
+    if candidates is not None:
+        config["candidates"] = candidates
     (folder / "config.json").write_text(json.dumps(config))
     for task, names in rankings.items():
         ties = (tied or {}).get(task, set())
@@ -104,6 +107,40 @@ def test_neuron_names_and_each_runs_own_top_k(tmp_path):
     assert result["examples"]["tasks"]["t"] == {"a": 4, "b": 3, "shared": 2}
     assert "**overlapping**: 2 examples shared" in overlap_markdown(result)
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_neurons_the_other_run_never_searched_are_said(tmp_path):
+    """A neuron run searches only its candidates (its prior's picks on its own examples):
+    A's top-3 holds L0N2 and L0N3, never candidates of B, and B's holds L1N7, never one of
+    A's. The overlap of 1 in 3 said nothing of it, so it read as unstable localization."""
+    a = write_run(tmp_path / "a", {"t": ["L0N1", "L0N2", "L0N3", "L1N5"]}, top_k=3,
+                  components="neurons", candidates=["L0N1", "L0N2", "L0N3", "L1N5"])
+    b = write_run(tmp_path / "b", {"t": ["L0N1", "L1N7", "L1N5", "L1N6"]}, top_k=3,
+                  components="neurons", candidates=["L0N1", "L1N5", "L1N6", "L1N7"])
+    result = overlap(a, b)
+    entry = result["tasks"]["t"]
+    assert entry["shared"] == ["L0N1"]  # the overlap itself is unchanged
+    assert entry["a"]["not_searched_by_other"] == ["L0N2", "L0N3"]
+    assert entry["b"]["not_searched_by_other"] == ["L1N7"]
+    assert result["runs"]["a"]["candidate_neurons"] == result["runs"]["b"]["candidate_neurons"] == 4
+    table = overlap_markdown(result)
+    assert ("2 of A's top-3 (L0N2, L0N3) were never searched by B: not among B's 4 candidate "
+            "neurons") in table
+    assert "1 of B's top-3 (L1N7) was never searched by A" in table
+    assert "that part of the gap is which candidates each run's prior picked" in table
+    # A run that records no candidates (an older folder): unknown, said so.
+    old = write_run(tmp_path / "old", {"t": ["L0N1", "L1N7", "L1N5"]}, top_k=3,
+                    components="neurons")
+    result = overlap(a, old)
+    assert result["tasks"]["t"]["a"]["not_searched_by_other"] is None
+    assert "B records no candidate neurons" in overlap_markdown(result)
+    # Heads runs search every head: nothing to say.
+    heads = [write_run(tmp_path / name, {"t": ["L0H1", "L0H2", "L1H0"]}, top_k=2)
+             for name in ("h1", "h2")]
+    result = overlap(*heads)
+    assert result["tasks"]["t"]["a"]["not_searched_by_other"] == []
+    assert result["runs"]["a"]["candidate_neurons"] is None
+    assert "never searched" not in overlap_markdown(result)
 
 
 def test_tasks_are_compared_where_both_runs_rank_them(tmp_path):

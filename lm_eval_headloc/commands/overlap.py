@@ -26,11 +26,18 @@ k-th and (k+1)-th of a ranking have the same evidence (``tied_with_above``), or 
 own top-k measured harms within the noise (its certificate's ``tied_at_k``), its top-k is
 not well defined; the output says so and gives the fewest and most components the runs
 can share over every way of breaking the ties.
+
+A run locating neurons searches only its candidate neurons (the prior's picks on its own
+examples; config.json's ``candidates``): a neuron of A's top-k that B never had among its
+candidates could not be in B's top-k at all. The output says, per task, which of each
+run's top-k the other never searched, so an overlap lost that way reads as the candidate
+choice, not as a localization that the other examples do not reproduce.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +61,12 @@ from lm_eval_headloc.runs.record import (
     read_ranking_file,
 )
 
-__all__ = ["MADE_BY", "RankingFile", "markdown_path", "overlap", "overlap_markdown"]
+__all__ = ["MADE_BY", "RankingFile", "candidate_neurons", "markdown_path", "never_searched",
+           "overlap", "overlap_markdown"]
 
 MADE_BY = "headloc-harness overlap"  # marks a file of ours: the only kind we overwrite
 _MARK = f"<!-- written by {MADE_BY}; rerunning it overwrites this file -->"
+_NEURON = re.compile(r"L\d+N\d+", re.ASCII)  # one neuron's name (a group is LxGy)
 
 DEFINITIONS = {
     "overlap_rate": "|A ∩ B| / |A|: the share of one run's top-k found in the other's "
@@ -212,6 +221,29 @@ def _shared_range(a: tuple[list[str], list[str], int],
     return low, high
 
 
+def candidate_neurons(record: RunRecord) -> list[str] | None:
+    """The neurons ``record``'s run searched: its candidates, the only neurons with a design
+    column. None for a run that locates no neurons, or one whose config.json records no
+    candidates (a folder from before they were recorded)."""
+    if "neurons" not in record.spec.components.split("+"):
+        return None
+    candidates = getattr(record, "candidates", None)  # a LocateRun's (greedy ranks heads)
+    return list(candidates) if isinstance(candidates, list) else None
+
+
+def never_searched(names: Sequence[str], record: RunRecord) -> list[str] | None:
+    """The neurons among ``names`` that ``record``'s run never searched (not among its
+    candidates, so it could not rank them); [] for a run that locates no neurons (it
+    searches every head); None where it locates neurons but records no candidates."""
+    if "neurons" not in record.spec.components.split("+"):
+        return []
+    candidates = candidate_neurons(record)
+    if candidates is None:
+        return None
+    searched = set(candidates)
+    return [name for name in names if _NEURON.fullmatch(name) and name not in searched]
+
+
 def _iou(shared: int, size_a: int, size_b: int) -> float:
     return shared / (size_a + size_b - shared)
 
@@ -258,8 +290,11 @@ def _side(ranking: RankingFile, k: int, run: str, own: bool) -> dict[str, Any]:
 
 
 def _compare(a: RankingFile, b: RankingFile, k_a: int, k_b: int, runs: Sequence[str],
-             own: bool) -> dict[str, Any]:
+             own: bool, records: Sequence[RunRecord]) -> dict[str, Any]:
     side_a, side_b = _side(a, k_a, runs[0], own), _side(b, k_b, runs[1], own)
+    # A neuron the other run never searched could not be shared: said apart (module doc).
+    side_a["not_searched_by_other"] = never_searched(side_a["top_k"], records[1])
+    side_b["not_searched_by_other"] = never_searched(side_b["top_k"], records[0])
     in_b = set(b.names[:k_b])
     shared = [name for name in a.names[:k_a] if name in in_b]
     low, high = _shared_range(a.cut(k_a), b.cut(k_b))
@@ -348,16 +383,19 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
     result = {
         "made_by": MADE_BY, "model_args": models[0], "definitions": DEFINITIONS,
         "runs": {label: {"path": str(path), "top_k": k, "seed": record.spec.seed,
-                         "num_samples": record.spec.num_samples}
-                 for label, path, k, record in zip("ab", paths, (k_a, k_b), records,
-                                                   strict=True)},
+                         "num_samples": record.spec.num_samples,
+                         "candidate_neurons": None if cands is None else len(cands)}
+                 for label, path, k, record, cands in zip("ab", paths, (k_a, k_b), records,
+                                                          map(candidate_neurons, records),
+                                                          strict=True)},
         "differs_in": sorted(key for key in {*identities[0], *identities[1]}
                              if identities[0].get(key) != identities[1].get(key)),
         "examples": _examples(*records),
         "only_in_a": [task for task in rankings[0] if task not in rankings[1]],
         "only_in_b": [task for task in rankings[1] if task not in rankings[0]],
         "tasks": {task: _compare(rankings[0][task], rankings[1][task], k_a, k_b,
-                                 (str(run_a), str(run_b)), own=top_k is None)
+                                 (str(run_a), str(run_b)), own=top_k is None,
+                                 records=records)
                   for task in tasks},
     }
     if out is not None:
@@ -401,7 +439,34 @@ def _tie_words(label: str, side: Mapping[str, Any]) -> str:
             f"{len(tie['group'])}, listed in the ranking's order).")
 
 
-def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
+def _not_searched_words(entry: Mapping[str, Any], runs: Mapping[str, Any]) -> list[str]:
+    """What each run's top-k holds that the other run never searched (neuron runs only:
+    each searches its own candidates), and how to read the overlap rate then."""
+    notes, lost = [], False
+    for label, other in (("a", "b"), ("b", "a")):
+        side, mine, theirs = entry[label], label.upper(), other.upper()
+        names = side.get("not_searched_by_other", [])  # absent: an older overlap.json
+        count = runs[other].get("candidate_neurons")
+        if names is None:
+            notes.append(f"{theirs} records no candidate neurons (a run folder from an older "
+                         f"version): whether it searched {mine}'s top-{side['k']} is unknown.")
+        elif names:
+            lost, one = True, len(names) == 1
+            notes.append(f"{len(names)} of {mine}'s top-{side['k']} "
+                         f"({', '.join(map(shown_name, names))}) {'was' if one else 'were'} "
+                         f"never searched by {theirs}: not among {theirs}'s {count} "
+                         f"candidate neurons (its prior's picks on {theirs}'s own examples; "
+                         f"it searched no other), so {theirs} could not rank "
+                         f"{'it' if one else 'them'}.")
+    if lost:
+        notes.append("The overlap rate and IoU count those as not shared: that part of the "
+                     "gap is which candidates each run's prior picked, not a localization the "
+                     "other examples fail to reproduce (more --candidates make the two "
+                     "searches share more neurons).")
+    return notes
+
+
+def _task_lines(task: str, entry: Mapping[str, Any], runs: Mapping[str, Any]) -> list[str]:
     """One task's section: where a tie straddles a boundary, every figure is the range
     the tie-breaks leave it in (the files' order, which is the index, is said apart)."""
     a, b = entry["a"], entry["b"]
@@ -420,6 +485,7 @@ def _task_lines(task: str, entry: Mapping[str, Any]) -> list[str]:
              + f"; IoU {_span(_iou(low, k_a, k_b), _iou(high, k_a, k_b))}.", ""]
     notes = [f"{label} found nothing: {side['nothing_found']}."
              for label, side in (("A", a), ("B", b)) if side["nothing_found"]]
+    notes += _not_searched_words(entry, runs)
     notes += [_tie_words(label, side) for label, side in (("A", a), ("B", b)) if side["tie"]]
     notes += [_harmless_words(label, side) for label, side in (("A", a), ("B", b))
               if side.get("harmless") and not side["nothing_found"]]
@@ -487,5 +553,5 @@ def overlap_markdown(result: Mapping[str, Any]) -> str:
     lines += ["", "Overlap rate = |A ∩ B| / |A| (per run); IoU = |A ∩ B| / |A ∪ B|; the "
               "curve's share at k = |A_k ∩ B_k| / k.", ""]
     for task, entry in result["tasks"].items():
-        lines += _task_lines(task, entry)
+        lines += _task_lines(task, entry, runs)
     return "\n".join(lines).rstrip("\n")
