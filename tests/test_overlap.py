@@ -22,19 +22,23 @@ def write_run(folder: Path, rankings: dict[str, list[str]], *, model_args: str =
               effects: dict[str, list[float]] | None = None,
               include_path: tuple[str, ...] = (),
               largest_help: dict[str, dict] | None = None, components: str = "heads",
-              candidates: list[str] | None = None) -> Path:
+              candidates: list[str] | None = None, used: dict[str, int] | None = None,
+              **options: object) -> Path:
     """A finished-looking run folder: config.json and one heads-<task>.json per task, as
     locate writes them (``tied_with_above`` both as the list and per entry; higher is
-    better: a negative effect hurts); ``candidates``: a neuron run's candidate neurons."""
+    better: a negative effect hurts); ``candidates``: a neuron run's candidate neurons;
+    ``used``: its examples_used; ``options``: other RunSpec fields."""
     folder.mkdir(parents=True)
     spec = RunSpec(model_args=model_args, tasks=tuple(rankings), top_k=top_k, seed=seed,
-                   include_path=include_path, components=components)
+                   include_path=include_path, components=components, **options)
     config = {"command": "locate", "identity": spec.identity("locate"),
               "settings": spec.settings("locate"), "spec": spec.as_config()}
     if subset is not None:
         config["example_subset"] = subset
     if candidates is not None:
         config["candidates"] = candidates
+    if used is not None:
+        config["examples_used"] = used
     (folder / "config.json").write_text(json.dumps(config))
     for task, names in rankings.items():
         ties = (tied or {}).get(task, set())
@@ -153,6 +157,33 @@ def test_tasks_are_compared_where_both_runs_rank_them(tmp_path):
     # Neither recorded its example subset: whether they are disjoint is unknown.
     assert result["examples"]["status"] == "unknown"
     assert "recorded no example subset" in result["examples"]["why"]
+
+
+def test_differs_in_holds_the_ranking_settings_and_the_header_the_examples_used(tmp_path):
+    """differs_in compared the identity alone, which leaves out what refit may change: a run
+    and a refit of it with --exclude L1H* differed in nothing. And the header said '10
+    examples per task' where each run used 6 (--num-samples 10 --examples-part 1/2 of a
+    12-document task)."""
+    halves = dict(num_samples=10, used={"t": 6})
+    a = write_run(tmp_path / "a", {"t": ["L1H0", "L0H0", "L0H1"]}, examples_part="1/2",
+                  subset={"t": [0, 1, 2, 3, 4, 5]}, **halves)
+    refit = write_run(tmp_path / "refit", {"t": ["L0H0", "L0H1"]}, examples_part="1/2",
+                      subset={"t": [0, 1, 2, 3, 4, 5]}, exclude="L1H*", **halves)
+    assert overlap(a, refit, top_k=2)["differs_in"] == ["exclude"]
+    b = write_run(tmp_path / "b", {"t": ["L0H0", "L1H0", "L0H1"]}, examples_part="2/2",
+                  subset={"t": [6, 7, 8, 9, 10, 11]}, alpha=0.05, top_k=3, **halves)
+    result = overlap(a, b, top_k=2)
+    assert result["differs_in"] == ["alpha", "examples_part", "top_k"]
+    assert result["runs"]["a"]["examples_used"] == {"t": 6}
+    table = overlap_markdown(result)
+    assert "10 examples per task" not in table
+    assert (f"- A: `{a.resolve()}`: seed 0, top-2; examples used: t 6 (--num-samples 10, "
+            "--examples-part 1/2)") in table
+    assert "- The runs' settings differ in: alpha, examples_part, top_k." in table
+    # A folder from before examples_used was recorded: what it asked, said as such.
+    old = write_run(tmp_path / "old", {"t": ["L0H0", "L1H0"]}, num_samples=10)
+    assert ("10 examples per task asked (--num-samples 10; used: not recorded)"
+            in overlap_markdown(overlap(a, old, top_k=2)))
 
 
 def test_subsets_of_tasks_from_different_folders_are_unknown(tmp_path):

@@ -379,11 +379,17 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
         out = Path(out)
         _check_out(out, paths)
     k_a, k_b = (top_k or record.spec.top_k for record in records)
-    identities = [record.identity for record in records]
+    # What the runs differ in: what they measured (identity), and what ranked it (the
+    # settings refit may change: --exclude, --alpha, the run's own --top-k…), so a run and
+    # a refit of it with --exclude do not read as the same settings.
+    identities = [{**record.identity, **record.spec.settings(record.command)}
+                  for record in records]
     result = {
         "made_by": MADE_BY, "model_args": models[0], "definitions": DEFINITIONS,
         "runs": {label: {"path": str(path), "top_k": k, "seed": record.spec.seed,
                          "num_samples": record.spec.num_samples,
+                         "examples_part": record.spec.examples_part,
+                         "examples_used": record.examples_used,
                          "candidate_neurons": None if cands is None else len(cands)}
                  for label, path, k, record, cands in zip("ab", paths, (k_a, k_b), records,
                                                           map(candidate_neurons, records),
@@ -414,6 +420,20 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
 def _span(low: float, high: float, fmt: str = "{:.1%}") -> str:
     """One value, or the range a tie-break leaves it in."""
     return fmt.format(low) if low == high else f"{fmt.format(low)}–{fmt.format(high)}"
+
+
+def _examples_used_words(run: Mapping[str, Any]) -> str:
+    """The examples a run measured: --num-samples is what it asked, and a task with fewer
+    documents (or the part --examples-part leaves) gives fewer (config.json's
+    examples_used)."""
+    part = run.get("examples_part")
+    asked = f"--num-samples {run['num_samples']}" + (f", --examples-part {part}" if part
+                                                     else "")
+    used = run.get("examples_used")
+    if not used:  # a run folder from before examples_used was recorded
+        return f"{run['num_samples']} examples per task asked ({asked}; used: not recorded)"
+    return ("examples used: " + ", ".join(f"{task} {n}" for task, n in used.items())
+            + f" ({asked})")
 
 
 def _examples_words(examples: Mapping[str, Any]) -> str:
@@ -540,8 +560,8 @@ def overlap_markdown(result: Mapping[str, Any]) -> str:
     lines = ["# Overlap of two runs' located components", ""]
     for label in "ab":
         run = runs[label]
-        lines.append(f"- {label.upper()}: `{run['path']}` (seed {run['seed']}, "
-                     f"{run['num_samples']} examples per task, top-{run['top_k']})")
+        lines.append(f"- {label.upper()}: `{run['path']}`: seed {run['seed']}, "
+                     f"top-{run['top_k']}; {_examples_used_words(run)}")
     lines += [f"- Model: `{result['model_args']}`",
               f"- Example subsets: {_examples_words(result['examples'])}"]
     if result["differs_in"]:
