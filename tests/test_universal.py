@@ -203,3 +203,68 @@ def test_universal_refuses_a_top_k_past_a_ranking_and_runs_of_other_components(t
     assert_names(last_error(capsys), str(runs[0]), "heads", str(neurons), "neurons",
                  "--components")
     assert not out.exists()
+
+
+def test_universal_table_labels_rankings_by_run_number_and_task(tmp_path, capsys):
+    """The table's columns were headed by each ranking's full run path and task (unreadable
+    beside a head's rank): they are the run's number and the task, the folders below."""
+    runs = [write_heads(tmp_path / "some" / "long" / "path" / "r1", "a", ["L0H1", "L2H0"]),
+            write_heads(tmp_path / "some" / "long" / "path" / "r2", "b", ["L0H1", "L3H3"])]
+    assert harness("universal", *map(str, runs), "--top-k", "2", "--out",
+                   str(tmp_path / "u.json")) == 0
+    printed = capsys.readouterr().out
+    assert ("| head | tasks | 1:a | 2:b |\n| --- | --- | --- | --- |\n| L0H1 | 2 | 1 | 1 |"
+            in printed)
+    assert f"Runs: 1 = {runs[0].resolve()}; 2 = {runs[1].resolve()}" in printed
+    assert "1 universal head written" in printed
+    # The file keeps the full labels (FOLDER:task).
+    assert strict_json(tmp_path / "u.json")["rankings"] == [f"{runs[0].resolve()}:a",
+                                                             f"{runs[1].resolve()}:b"]
+
+
+def _neuron_run(folder, task: str, neurons: list[str]):
+    """A neuron run whose candidates are the neurons it ranks (all it searched)."""
+    write_heads(folder, task, neurons, components="neurons")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "candidates": neurons}))
+    return folder
+
+
+def test_universal_neurons_say_what_each_run_never_searched(tmp_path, capsys):
+    """Neuron runs printed an empty table and '0 universal heads': each run searches only
+    its candidates (its prior's picks on its own task), so a neuron in one task's top-k
+    that the other run never searched could not count there, and nothing said so."""
+    n1 = _neuron_run(tmp_path / "n1", "a", ["L0N1", "L0N2", "L0N3"])
+    n2 = _neuron_run(tmp_path / "n2", "b", ["L1N1", "L1N2", "L1N3"])
+    out = tmp_path / "u.json"
+    assert harness("universal", str(n1), str(n2), "--top-k", "2", "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "| neuron |" not in printed and "| head |" not in printed  # no empty table
+    assert "No neuron is in the top-2 of the rankings of 2 or more tasks (--min-tasks 2)." \
+        in printed
+    assert ("4 of the 4 neurons in a ranking's top-2 were never searched by the run of "
+            "another ranking (not among its candidate neurons)") in printed
+    assert "0 universal neurons written" in printed
+    result = strict_json(out)
+    assert result["components"] == "neurons"
+    assert result["not_searched"] == {"L0N1": [f"{n2.resolve()}:b"],
+                                      "L0N2": [f"{n2.resolve()}:b"],
+                                      "L1N1": [f"{n1.resolve()}:a"],
+                                      "L1N2": [f"{n1.resolve()}:a"]}
+    # A third run that searched both: L0N1 and L1N1 are universal, and where a run never
+    # searched one its cell says so (–), not an empty cell (not in its top-k).
+    n3 = _neuron_run(tmp_path / "n3", "c", ["L0N1", "L1N1", "L0N9"])
+    assert harness("universal", str(n1), str(n2), str(n3), "--top-k", "2", "--out",
+                   str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "| neuron | tasks | 1:a | 2:b | 3:c |" in printed
+    assert "| L0N1 | 2 | 1 | – | 1 |" in printed and "| L1N1 | 2 | – | 1 | 2 |" in printed
+    assert "–: that ranking's run never searched the neuron." in printed
+    assert "2 universal neurons written" in printed
+    assert strict_json(out)["heads"][0]["not_searched_in"] == [f"{n2.resolve()}:b"]
+    # Heads runs search every head: nothing of the kind is recorded or said.
+    heads = [write_heads(tmp_path / f"h{i}", task, ["L0H1", "L1H0"])
+             for i, task in enumerate("ab")]
+    assert harness("universal", *map(str, heads), "--top-k", "1", "--out", str(out)) == 0
+    assert "never searched" not in capsys.readouterr().out
+    assert "not_searched" not in strict_json(out)

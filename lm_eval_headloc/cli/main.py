@@ -27,7 +27,7 @@ from lm_eval_headloc.commands.locate import locate, refit
 from lm_eval_headloc.commands.overlap import markdown_path, overlap, overlap_markdown
 from lm_eval_headloc.commands.sweep import SWEEP_MASKS, SWEEP_SPARSITY, sweep, sweep_table
 from lm_eval_headloc.commands.types import types
-from lm_eval_headloc.commands.universal import universal, universal_table
+from lm_eval_headloc.commands.universal import component_word, universal, universal_table
 from lm_eval_headloc.commands.verify import verification_markdown, verify
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.errors import UserError, one_line
@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> None:
         result = universal(args.runs, args.out, top_k=args.top_k, min_tasks=args.min_tasks)
         print(universal_table(result))
         undecided = len(result["undecided"])
-        print(f"\n{counted(len(result['heads']), 'universal head')} written to {args.out}"
+        word = component_word(result["components"])  # a neuron run's are neurons
+        print(f"\n{counted(len(result['heads']), f'universal {word}')} written to {args.out}"
               + (f"; {undecided} more undecided: ties at a ranking's top-{args.top_k} "
                  "boundary decide whether they reach --min-tasks" if undecided else ""))
     elif command == "overlap":

@@ -6,7 +6,14 @@ order: where a ranking's k-th and (k+1)-th have the same evidence, the members o
 group are in its top-k by name order only, so they count for no task; a head that would
 reach ``min_tasks`` with them is listed as undecided, not as universal. A head that hurts
 a task by no more than a single knockout helps it there (``report.pages.within_spread``) counts
-as listed, marked ``within_spread_in`` with those rankings: noise, not evidence."""
+as listed, marked ``within_spread_in`` with those rankings: noise, not evidence.
+
+A neuron run searches only its candidate neurons (the prior's picks on its own tasks), so
+a neuron missing from a task's top-k may never have been searched there: it counts only
+where it was, and the output says where it was not (``not_searched``), so that few or no
+universal neurons read as the runs' candidate choice where it is. The table labels each
+ranking by its run's number and task (the legend gives the folders; the file keeps the
+full ``FOLDER:task`` labels)."""
 
 from __future__ import annotations
 
@@ -15,17 +22,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.commands.overlap import RankingFile
+from lm_eval_headloc.commands.overlap import RankingFile, candidate_neurons, never_searched
 from lm_eval_headloc.common.checks import UsageError, check_number
 from lm_eval_headloc.common.files import strict_json, write_atomically
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list
-from lm_eval_headloc.runs.record import load_run, ranking_files
+from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
 from lm_eval_headloc.runs.spec import RunSpec
 
-__all__ = ["MADE_BY", "universal", "universal_table"]
+__all__ = ["MADE_BY", "component_word", "universal", "universal_table"]
 
 MADE_BY = "headloc-harness universal"  # marks a file of ours: the only kind we overwrite
+_WORDS = {"heads": "head", "neurons": "neuron"}  # what a run's --components ranks
+
+
+def component_word(components: str | None) -> str:
+    """What the rankings rank, for the output's words: head, neuron, or component (both)."""
+    return _WORDS.get(components or "heads", "component")
 
 
 def _check_out(out: Path, runs: Sequence[str | Path]) -> None:
@@ -65,6 +78,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     models: dict[str, str] = {}
     kinds: dict[str, str] = {}  # run -> its --components
     run_of: dict[str, str] = {}  # ranking label -> its run, as given
+    record_of: dict[str, RunRecord] = {}  # ranking label -> its run's record
     for run in runs:
         folder = RunFolder(run)
         record = load_run(folder)
@@ -79,7 +93,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
             task = file.stem.removeprefix("heads-")
             label = f"{path}:{task}"
             task_of[label], rankings[label] = task, RankingFile.read(file)
-            run_of[label] = str(run)
+            run_of[label], record_of[label] = str(run), record
     first, *_ = models
     other = next((p for p in models if not same_model(models[p], models[first])), None)
     if other is not None:
@@ -126,17 +140,33 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     chosen = sorted((h for h in ranks if tasks(ranks[h]) >= min_tasks), key=order)
     undecided = sorted((h for h in maybe if tasks(ranks.get(h, {})) < min_tasks
                         <= tasks([*ranks.get(h, {}), *maybe[h]])), key=order)
+    # The rankings whose run never searched a neuron (not among its candidates): it counts
+    # for no task there, as no ranking could hold it (a heads run searches every head).
+    listed = sorted({*ranks, *maybe})
+    unsearched: dict[str, list[str]] = {}
+    unknown = [label for label in rankings  # neuron runs from before candidates were recorded
+               if "neurons" in first_kind and candidate_neurons(record_of[label]) is None]
+    for label in rankings:
+        for name in never_searched(listed, record_of[label]) or []:
+            unsearched.setdefault(name, []).append(label)
+    searches = ({"not_searched": unsearched, "candidates_unknown": unknown}
+                if "neurons" in first_kind else {})
+
+    def marks(h: str) -> dict[str, list[str]]:
+        return {**({"within_spread_in": noise[h]} if h in noise else {}),
+                **({"not_searched_in": unsearched[h]} if h in unsearched else {})}
+
     result = {"made_by": MADE_BY, "model_args": next(iter(models.values())), "top_k": top_k,
-              "min_tasks": min_tasks, "rankings": list(rankings),
-              "heads": [{"head": h, "tasks": tasks(ranks[h]), "ranks": ranks[h],
-                         **({"within_spread_in": noise[h]} if h in noise else {})}
+              "min_tasks": min_tasks, "components": first_kind,
+              "runs": list(models), "rankings": list(rankings),
+              "heads": [{"head": h, "tasks": tasks(ranks[h]), "ranks": ranks[h], **marks(h)}
                         for h in chosen],
               "undecided": [{"head": h, "tasks": tasks(ranks.get(h, {})),
                              "tasks_at_most": tasks([*ranks.get(h, {}), *maybe[h]]),
-                             "ranks": ranks.get(h, {}), "tied_in": maybe[h],
-                             **({"within_spread_in": noise[h]} if h in noise else {})}
+                             "ranks": ranks.get(h, {}), "tied_in": maybe[h], **marks(h)}
                             for h in undecided],
-              "ties": ties, "candidates": {h: ranks[h] for h in sorted(ranks)}}
+              "ties": ties, "candidates": {h: ranks[h] for h in sorted(ranks)},
+              **searches}
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         text = strict_json(result)
@@ -146,14 +176,38 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     return result
 
 
+def _short_labels(result: Mapping[str, Any]) -> dict[str, str]:
+    """Each ranking's column label: its run's number (``runs``' order) and its task, as
+    ``1:gsm8k``; the full ``FOLDER:task`` where the file names no runs (an older file)."""
+    # The longest folder first: one folder's path may begin another's.
+    runs = sorted(enumerate(result.get("runs", []), start=1), key=lambda run: -len(run[1]))
+    short = {}
+    for label in result["rankings"]:
+        short[label] = next((f"{n}:{label[len(path) + 1:]}" for n, path in runs
+                             if label.startswith(f"{path}:")), label)
+    return short
+
+
 def universal_table(result: Mapping[str, Any]) -> str:
-    """The universal (and undecided) heads by ranking: a rank, or ``tie`` where the head
-    is in the tie group across that ranking's k-th place."""
-    labels = result["rankings"]
-    lines = ["| head | tasks | " + " | ".join(labels) + " |",
-             "| --- | --- |" + " --- |" * len(labels)]
+    """The universal (and undecided) heads by ranking: a rank, ``tie`` where the head is in
+    the tie group across that ranking's k-th place, ``–`` where the ranking's run never
+    searched it (a neuron not among its candidates); rankings by short label, with the
+    legend of run folders below, and one line instead of a table where none is listed."""
+    labels, word = result["rankings"], component_word(result.get("components"))
+    short = _short_labels(result)
+    entries = [*result["heads"], *result.get("undecided", [])]
+    k, min_tasks = result["top_k"], result["min_tasks"]
+    if entries:
+        lines = [f"| {word} | tasks | " + " | ".join(short[lbl] for lbl in labels) + " |",
+                 "| --- | --- |" + " --- |" * len(labels)]
+    else:
+        lines = [f"No {word} is in the top-{k} of the rankings of {min_tasks} or more tasks "
+                 f"(--min-tasks {min_tasks})." if min_tasks > 1 else
+                 f"No {word} is in a ranking's top-{k}."]
 
     def cell(entry: Mapping[str, Any], label: str, empty: str = "") -> str:
+        if label in entry.get("not_searched_in", ()):
+            return "–"
         shown = str(entry["ranks"].get(label, empty))
         return f"{shown}*" if shown and label in entry.get("within_spread_in", ()) else shown
 
@@ -164,13 +218,42 @@ def universal_table(result: Mapping[str, Any]) -> str:
         cells = [cell(entry, lbl, "tie" if lbl in entry["tied_in"] else "") for lbl in labels]
         lines.append(f"| {entry['head']} (undecided) | {entry['tasks']}-"
                      f"{entry['tasks_at_most']} | " + " | ".join(cells) + " |")
-    if any("within_spread_in" in e for e in (*result["heads"], *result.get("undecided", []))):
-        lines.append("\n*: in that ranking the head hurts the task by no more than a single "
+    if result.get("runs") and any(short[lbl] != lbl for lbl in labels):
+        lines.append("\nRuns: " + "; ".join(f"{n} = {path}"
+                                            for n, path in enumerate(result["runs"], start=1)))
+    if any("within_spread_in" in e for e in entries):
+        lines.append(f"\n*: in that ranking the {word} hurts the task by no more than a single "
                      "knockout helps it (within the spread of single knockouts): no evidence "
                      "that the task needs it, though it counts as listed")
+    lines += _not_searched_lines(result, short,
+                                 any("not_searched_in" in e for e in entries))
     for label, tie in result.get("ties", {}).items():
-        lines.append(f"\n{label}: ranks {tie['from_rank']}-"
+        lines.append(f"\n{short[label]}: ranks {tie['from_rank']}-"
                      f"{tie['from_rank'] + len(tie['group']) - 1} ({', '.join(tie['group'])}) "
-                     f"have the same evidence; its top-{result['top_k']} holds "
-                     f"{tie['places']} of them, so none counts there")
+                     "have the same evidence or measured harms within the noise of each "
+                     f"other; its top-{k} holds {tie['places']} of them, so none counts there")
     return "\n".join(lines)
+
+
+def _not_searched_lines(result: Mapping[str, Any], short: Mapping[str, str],
+                        marked: bool) -> list[str]:
+    """What the neuron runs never searched: neurons in some ranking's top-k that another
+    ranking's run never had among its candidates, so could not count there (``marked``:
+    the table shows some as ``–``)."""
+    unsearched, lines = result.get("not_searched") or {}, []
+    if unsearched:
+        listed = {*result.get("candidates", {}),
+                  *(h for tie in result.get("ties", {}).values() for h in tie["group"])}
+        word, one = component_word(result.get("components")), len(unsearched) == 1
+        legend = "–: that ranking's run never searched the neuron. " if marked else ""
+        lines.append(f"\n{legend}{len(unsearched)} of the {len(listed)} {word}s in a "
+                     f"ranking's top-{result['top_k']} {'was' if one else 'were'} never "
+                     "searched by the run of another ranking (not among its candidate "
+                     "neurons), so could not count there: few universal neurons then "
+                     "reflect which candidates each run's prior picked on its own tasks, not "
+                     "that the tasks need other neurons (more --candidates make the runs "
+                     "search more of the same neurons)")
+    for label in result.get("candidates_unknown", []):
+        lines.append(f"\n{short[label]}: its run records no candidate neurons (a run folder "
+                     "from an older version), so which neurons it never searched is unknown")
+    return lines
