@@ -384,9 +384,13 @@ def test_a_groups_entry_is_one_entry_of_an_ablate_file(group_run, tiny_model_dir
 def test_verify_knocks_out_a_groups_neurons(group_run, tmp_path):
     out, _ = group_run
     heads = strict_json(out / "heads.json")
-    # Put a group first, as a run where the masks implicate one would.
+    # Put a group first, as a run where the masks implicate one would (ranks and top-k
+    # as the writer would give them: verify refuses a file out of its own order).
     group = next(e for e in heads["heads"] if "group" in e)
     heads["heads"] = [group] + [e for e in heads["heads"] if e is not group]
+    for rank, entry in enumerate(heads["heads"], start=1):
+        entry["rank"] = rank
+    heads["top_k"] = [e.get("group", e.get("neuron")) for e in heads["heads"]][:3]
     ranking = out / "heads-tiny_copy.json"
     written = ranking.read_bytes()
     ranking.write_text(json.dumps(heads))
