@@ -20,12 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the embedded model and our tasks
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from lm_eval_headloc import RunSpec, locate, verify
-from lm_eval_headloc.commands.verify import verification_markdown
-from lm_eval_headloc.report.mib import write_mib
-from lm_eval_headloc.report.mib_format import read_mib
-from lm_eval_headloc.report.type_pages import types_summary
-from lm_eval_headloc.runs.types_file import read_types
+from collections import Counter
+
+from lm_eval_headloc import RunSpec, locate, read_mib, read_types, verify, write_mib
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example")
 RUN = OUT / "locate"  # a run folder of its own: verify and the export write beside it
@@ -47,7 +44,7 @@ ranking = locate(RUN, spec)[TASK]
 print(f"{TASK} ({ranking.metric}): baseline {ranking.baseline:.4f}")
 for rank, head in enumerate(ranking.top(5), start=1):
     how = "measured" if ranking.measured_alone(head) else "estimated"
-    kind = ranking.head_types.label(head.layer, head.head) if ranking.head_types else None
+    kind = ranking.head_types.label(head) if ranking.head_types else None
     print(f"  {rank}. {head}  effect {ranking.effect(head):+.4f} ({how})  type {kind or '-'}")
 # Look at: certified means every head was measured alone or ruled out by a measured set
 # clearly under the 5th's harm; a small budget leaves heads unchecked, and says so.
@@ -62,7 +59,8 @@ print("certified" if cert.certified else f"not certified: {len(cert.unchecked)} 
 # (lm_eval_headloc.commands.types) computes the same for a model alone, loading it again;
 # here it would add nothing, so the example reads the run's file instead.
 head_types = read_types(RUN)
-print(types_summary(head_types))
+print("heads labelled:", dict(Counter(label for row in head_types.labels for label in row
+                                      if label)))
 best = ranking.top(1)[0]
 print(f"{best}'s scores:", {t: round(s, 3) for t, s in head_types.of(best).items()})
 
@@ -73,7 +71,7 @@ print(f"{best}'s scores:", {t: round(s, 3) for t, s in head_types.of(best).items
 # takes each task's first 8 documents, not the run's seeded subset: the baseline differs.
 table = verify(RUN, OUT / "verify", top_k=3, general=["headloc_ioi", "headloc_arith"],
                limit=8, random_draws=2)
-print(verification_markdown(table))
+print((OUT / "verify" / "verify.md").read_text())  # the table as verify writes it
 
 # %% Export: the ranking as MIB's node-importance file, and read back with MIB's checks.
 # A head's score is the task score's fall when it is knocked out (-effect here, where higher

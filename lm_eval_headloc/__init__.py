@@ -39,8 +39,8 @@ __all__ = [
     # the commands, one function per headloc-harness subcommand (export: write_mib)
     "locate", "refit", "greedy", "verify", "universal", "overlap", "cross", "types", "sweep",
     "write_mib",
-    # a run: its options, its record, its rankings
-    "RunSpec", "load_run", "read_rankings", "Ranking",
+    # a run: its options, its record, its rankings, its head types; an exported MIB file
+    "RunSpec", "load_run", "read_rankings", "Ranking", "read_types", "read_mib",
     # the estimator, on plain arrays
     "HeadLasso", "design_matrix",
     # the model, the head notation, the error every deliberate failure is
@@ -55,7 +55,8 @@ _LAZY = {
     "overlap": "commands.overlap", "cross": "commands.cross", "types": "commands.types",
     "sweep": "commands.sweep", "write_mib": "report.mib",
     "RunSpec": "runs.spec", "load_run": "runs.record", "read_rankings": "runs.record",
-    "Ranking": "method.ranking",
+    "Ranking": "method.ranking", "read_types": "runs.types_file",
+    "read_mib": "report.mib_format",
     "HeadLasso": "method.lasso", "design_matrix": "method.designs",
     "HFHeadAblateLM": "intervention.model", "HeadlocError": "common.errors",
 }

@@ -3,6 +3,7 @@ the files it writes, the files agree with each other, and a rerun resumes."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -101,7 +102,13 @@ def test_locate_types_verify_export_example(smollm2, tmp_path):
         h for h in groups["alone"] if h not in config["confirm"]["heads"]]
     assert len(config["confirm"]["heads"]) == 4
     assert heads["higher_is_better"] is True and by_head[top[0]]["effect"] < 0  # harmful
-    assert "Head types (scores on the repeated-token probe" in first.stdout
+    # The labelled heads counted by type, as types.json's dominant types count them.
+    labelled: dict[str, int] = {}
+    for row in types["dominant"]:
+        for label in filter(None, row):
+            labelled[label] = labelled.get(label, 0) + 1
+    said = re.search(r"^heads labelled: (\{.*\})$", first.stdout, re.M)
+    assert said and ast.literal_eval(said[1]) == labelled
 
     # Verify: the run's top 1..3 knocked out cumulatively, on the general tasks asked for,
     # against 2 random sets of 3 heads outside the top 3.
