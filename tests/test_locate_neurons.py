@@ -189,6 +189,12 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
      "--candidates 100: --never-ablate keeps 64 of the model's 128 MLP neurons out, "
      "leaving 64"),
     (["--exclude", "L0N1"], "--exclude: 'L0N1' is an MLP neuron; only attention heads"),
+    # Every neuron a candidate: the groups had nothing to hold and were ignored silently.
+    (["--components", "neurons", "--candidates", "128", "--neuron-groups", "2"],
+     "--neuron-groups 2: --candidates 128 take every one of the model's 128 MLP neurons"),
+    (["--components", "neurons", "--candidates", "64", "--never-ablate", "L1N*",
+      "--neuron-groups", "2"], "--neuron-groups 2: --candidates 64 and --never-ablate's 64 "
+     "take every one of the model's 128 MLP neurons"),
 ])
 def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, options, message):
     out = tmp_path / "bad"

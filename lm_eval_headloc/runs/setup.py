@@ -350,8 +350,15 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                          f"model's {total} less {total - ranked} in --exclude and "
                          "--never-ablate)")
     if "neurons" in spec.components:
-        check_candidates(_candidate_count(spec, geometry), geometry.total_neurons,
-                         sum(isinstance(c, Neuron) for c in never))
+        count, kept_out = _candidate_count(spec, geometry), sum(isinstance(c, Neuron)
+                                                                 for c in never)
+        check_candidates(count, geometry.total_neurons, kept_out)
+        if spec.neuron_groups and geometry.total_neurons == count + kept_out:
+            # Every neuron is a candidate (or never knocked out): the groups were ignored.
+            raise UsageError(f"--neuron-groups {spec.neuron_groups}: --candidates {count} "
+                             + (f"and --never-ablate's {kept_out} " if kept_out else "")
+                             + f"take every one of the model's {geometry.total_neurons} MLP "
+                             "neurons, leaving none to group; leave --neuron-groups out")
     # --masks left out is the default budget's split, which both checks below pass.
     if spec.masks is not None:
         check_design_budget(spec.design_rows, columns,
