@@ -702,3 +702,27 @@ def test_mibs_top_n_is_the_runs_and_a_group_test_caps_an_estimate(tmp_path,
                 if e.get("measured_alone") and -e["effect"] > 0)
     assert all(np.float32(scores[h]) < np.float32(least) for h in scores
                if not entry[h].get("measured_alone"))
+
+
+@pytest.mark.parametrize("baseline, said", [(0.0, "whose baseline is 0"), (0.75, "")])
+def test_an_export_where_no_knockout_moved_the_task_says_it_ranks_nothing(
+        tmp_path, caplog, baseline, said):
+    """An all-zero file was written with 'Written to' alone, and reads in MIB as a ranking."""
+    import logging
+
+    run = make_run(tmp_path / "run")
+    flat = ranking()
+    flat["baseline"] = baseline
+    for entry in flat["heads"]:
+        entry["effect"] = None if entry["effect"] is None else 0.0
+    (run / "heads-toy.json").write_text(json.dumps(flat))
+    with caplog.at_level(logging.WARNING, logger="lm_eval_headloc.report.mib"):
+        graph = export(run, tmp_path / "flat.json")
+    assert not any(head_scores(graph).values())
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "every head scores 0 (no knockout moved toy" in warning
+    assert ("whose baseline is 0" in warning) == bool(said)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lm_eval_headloc.report.mib"):
+        export(make_run(tmp_path / "moved"), tmp_path / "moved.json")  # the usual run
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,6 +89,8 @@ from lm_eval_headloc.report.mib_format import (
 )
 
 __all__ = ["MARKER", "MIB_CELLS", "MIB_FORMAT_VERSION", "MIB_MODELS", "mib_graph", "write_mib"]
+
+log = logging.getLogger(__name__)
 
 #: The format followed: MIB's circuit-localization track, node-level importance JSON as
 #: EAP-IG's ``Graph.to_json`` writes it and ``Graph.from_json`` reads it, at these commits.
@@ -670,6 +673,12 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
                             "model_args": record.spec.model_args,
                             "ablation": record.spec.ablation}
     check_mib(graph)  # what we write, MIB's loader reads
+    if not any(node.get("score") for node in graph["nodes"].values()):
+        # An all-zero file reads in MIB as a ranking; "nothing found" is said as such.
+        log.warning(
+            "%s: every head scores 0 (no knockout moved %s%s): the file ranks nothing",
+            out, task, ", whose baseline is 0, so none could lower it"
+            if data.get("baseline") == 0 and data.get("higher_is_better") else "")
     text = json.dumps(graph, allow_nan=False) + "\n"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
