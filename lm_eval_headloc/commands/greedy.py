@@ -14,7 +14,7 @@ from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import Head
-from lm_eval_headloc.measurement.store import PlanEntry, run_plan
+from lm_eval_headloc.measurement.store import run_plan
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.confirm import Changes
 from lm_eval_headloc.method.rank import (
@@ -38,7 +38,7 @@ from lm_eval_headloc.report.pages import (
     write_ranking,
 )
 from lm_eval_headloc.runs.folder import RunFolder
-from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
+from lm_eval_headloc.runs.plan import OnDemand
 from lm_eval_headloc.runs.record import load_run, start_run
 from lm_eval_headloc.runs.setup import prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
@@ -77,17 +77,7 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # config.json's phases: started, measuring, and (--workers) measured: their shares.
         run = start_run(folder, "greedy", spec, force=force,
                         fingerprint=setup.model_fingerprint)
-        measure = None  # loaded once something needs the model
-
-        def measuring(plan: Sequence[PlanEntry] = ()) -> Any:
-            """The measurement for ``plan``: None while all of it is on disk (a rerun of a
-            finished run never loads the model), else the model loaded once."""
-            nonlocal measure
-            if measure is None and (not plan or not nothing_left(folder, plan)):
-                measure = open_measurement(setup, load_model(setup), folder,
-                                           spec.num_samples, run=run)
-                run.save(folder, measure)
-            return measure
+        measuring = OnDemand(setup, folder, run, spec.num_samples)  # the model when needed
 
         if read_types(folder) is None:  # what kind of head each is: the ranking files say
             ensure_types(folder, measuring(), spec.probe_rows)
@@ -124,15 +114,15 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                           for name in names})
             previous = records[f"round{round_number}-{winner}"]
             winners.append(winner)
-        if measure is not None:  # a rerun that loaded nothing keeps the record on disk
-            run.save(folder, measure)  # the workers' shares, the timings the report says
+        if measuring.measure is not None:  # a rerun that loaded nothing keeps its record
+            run.save(folder, measuring.measure)  # the workers' shares, the timings the report says
         rankings = _rankings(changes, winners, baseline, spec.rounds, columns,
                              setup.heads_per_layer, len(folder.measurements()), alike,
                              alone)
         first = next(iter(rankings.values()))
         # A rerun that measured nothing reports what the run recorded: its own record
         # holds no timings or examples (it dropped report.md's time and examples lines).
-        said = run if measure is not None else load_run(folder)
+        said = run if measuring.measure is not None else load_run(folder)
         write_ranking(folder, rankings, spec.top_k,
                       title=f"{first.facts.method} (each head's score change in its "
                             "last measured round)",
@@ -140,7 +130,8 @@ def greedy(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                              spec.model_args, spec, said.examples_used),
                       knockout=recorded_knockout(spec),
                       # The timings report.md says then hold the report's own.
-                      before_report=None if measure is None else lambda: run.save(folder))
+                      before_report=None if measuring.measure is None
+                      else lambda: run.save(folder))
     return rankings
 
 

@@ -22,7 +22,7 @@ from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.report.pages import FLOOR_HINT, scores_at_floor
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
-from lm_eval_headloc.runs.plan import load_model, nothing_left, open_measurement
+from lm_eval_headloc.runs.plan import OnDemand
 from lm_eval_headloc.runs.record import start_run
 from lm_eval_headloc.runs.setup import check_design_budget, prepare
 from lm_eval_headloc.runs.spec import RunSpec, command_spec
@@ -69,17 +69,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         run = start_run(folder, "sweep", spec, force=force, identity={
             **spec.identity("sweep"), "masks": masks, "sparsity": sparsity},
             fingerprint=setup.model_fingerprint)
-        measure = None  # loaded once something needs the model
-
-        def measuring(plan: Sequence[PlanEntry] = ()) -> Any:
-            """The measurement for ``plan``: None while all of it is on disk, else the
-            model loaded once (greedy's rule: a finished run rerun never loads it)."""
-            nonlocal measure
-            if measure is None and (not plan or not nothing_left(folder, plan)):
-                measure = open_measurement(setup, load_model(setup), folder,
-                                           spec.num_samples, run=run)
-                run.save(folder, measure)
-            return measure
+        measuring = OnDemand(setup, folder, run, spec.num_samples)  # the model when needed
 
         # A cell with something left to measure loads the model its cells share; a rerun
         # whose every cell is finished fits them again from disk (locate's own rerun).
@@ -93,7 +83,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         for name, cell in cells.items():
             with timing.run_clock():  # the cell's own timings; the sweep's add them up
                 rankings = locate(folder.path / name, cell, force=force, setup=setup,
-                                  measure=measure)
+                                  measure=measuring.measure)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
             plan: list[PlanEntry] = [(key, rankings[task].top_knocked_out(spec.top_k))]
@@ -114,8 +104,8 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         result = {"task": task, "baseline": baseline["scores"][task],
                   "higher_is_better": higher, "top_k": spec.top_k, "cells": results,
                   "best": best}
-        if measure is not None:  # a rerun that loaded nothing keeps the record on disk
-            run.save(folder, measure)  # the workers' shares and the timings so far
+        if measuring.measure is not None:  # a rerun that loaded nothing keeps its record
+            run.save(folder, measuring.measure)  # the workers' shares and the timings so far
         folder.write_json("sweep.json", result)
         folder.write_text("sweep.md", sweep_table(result) + "\n")
     return result

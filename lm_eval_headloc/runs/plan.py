@@ -32,7 +32,8 @@ from lm_eval_headloc.tasks import make_task_manager
 if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
-__all__ = ["DEFAULT_BATCH_SIZE", "LM_EVAL_FILES", "chat_settings", "generation_batch",
+__all__ = ["DEFAULT_BATCH_SIZE", "LM_EVAL_FILES", "OnDemand", "chat_settings",
+           "generation_batch",
            "load_model", "measured_plan", "nothing_left", "open_measurement", "set_ablation",
            "worker_measurement", "write_lm_eval_results"]
 
@@ -206,6 +207,25 @@ def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
     written = read_json(index, RunFolderError) if index.is_file() else {}
     return all(_files_written(written.get(entry[0]), output_path, log_samples)
                for entry in plan)
+
+
+class OnDemand:
+    """The measurement a command's plans need, its model loaded at the first plan not all
+    on disk (and recorded in ``run``), once: a rerun of a finished run never loads it.
+    ``measure`` stays None until then."""
+
+    def __init__(self, setup: Setup, folder: RunFolder, run: RunRecord,
+                 num_samples: int | None) -> None:
+        self.setup, self.folder, self.run, self.num_samples = setup, folder, run, num_samples
+        self.measure: Measurement | None = None
+
+    def __call__(self, plan: Sequence[PlanEntry] = ()) -> Measurement | None:
+        """The measurement for ``plan`` (None while all of it is on disk); no plan: load."""
+        if self.measure is None and (not plan or not nothing_left(self.folder, plan)):
+            self.measure = open_measurement(self.setup, load_model(self.setup), self.folder,
+                                            self.num_samples, run=self.run)
+            self.run.save(self.folder, self.measure)
+        return self.measure
 
 
 def _files_written(entry: Any, output_path: str, log_samples: bool) -> bool:
