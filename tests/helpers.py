@@ -122,6 +122,21 @@ def hybrid_config():
         tie_word_embeddings=False)
 
 
+def lose_last_measurement_and_count_loads(out: Path, monkeypatch) -> list[int]:
+    """Drop the last record of run folder ``out`` and count the model loads from now on
+    (one entry per ``HFHeadAblateLM`` built): a rerun must load the model to measure it
+    again, once."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
+    loads: list[int] = []
+    original = HFHeadAblateLM.__init__
+    monkeypatch.setattr(HFHeadAblateLM, "__init__",
+                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    return loads
+
+
 def load_lm(folder: Path, **model_args):
     """hf-headablate on a tiny model folder, float32 on the CPU, batch size 4."""
     from lm_eval_headloc.intervention.model import HFHeadAblateLM

@@ -8,7 +8,14 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import assert_names, harness, last_error, strict_json, tiny_args
+from helpers import (
+    assert_names,
+    harness,
+    last_error,
+    lose_last_measurement_and_count_loads,
+    strict_json,
+    tiny_args,
+)
 
 
 def test_sweep_refuses_a_folder_made_with_another_chat_template_setting(
@@ -73,12 +80,7 @@ def test_a_finished_sweep_rerun_prints_its_table_without_loading_the_model(
     assert table() == printed
     assert (out / "sweep.json").read_text() == made
     # A cell's check lost: the model loads to measure it again (once), the table the same.
-    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
-    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
-    loads = []
-    original = HFHeadAblateLM.__init__
-    monkeypatch.setattr(HFHeadAblateLM, "__init__",
-                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    loads = lose_last_measurement_and_count_loads(out, monkeypatch)
     assert harness(*args) == 0
     assert loads == [1] and table() == printed
     assert (out / "sweep.json").read_text() == made

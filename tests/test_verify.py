@@ -17,6 +17,7 @@ from helpers import (
     finished_run,
     harness,
     last_error,
+    lose_last_measurement_and_count_loads,
     raises_naming,
     strict_json,
     tiny_args,
@@ -127,12 +128,7 @@ def test_a_finished_verify_or_cross_reruns_without_loading_the_model(
         assert harness(*verify_args) == 0 and harness(*cross_args) == 0
     assert {path: path.read_text() for path in tables} == tables
     # A measurement lost: measured again, so the model loads (and the table is the same).
-    lines = (out / "measurements.jsonl").read_text().splitlines(keepends=True)
-    (out / "measurements.jsonl").write_text("".join(lines[:-1]))
-    loads = []
-    original = HFHeadAblateLM.__init__
-    monkeypatch.setattr(HFHeadAblateLM, "__init__",
-                        lambda self, *a, **k: loads.append(1) or original(self, *a, **k))
+    loads = lose_last_measurement_and_count_loads(out, monkeypatch)
     assert harness(*verify_args) == 0
     assert loads == [1]
     assert (out / "verify.json").read_text() == tables[out / "verify.json"]
