@@ -289,9 +289,10 @@ def test_measured_changes_against_a_reference_record():
     reference = {"scores": {"a": 0.5, "b": 2.0}, "logprob": {"a": -1.0}}
     measured = {4: {"scores": {"a": 0.25, "b": 3.0}, "logprob": {"a": -1.5}},
                 2: {"scores": {"a": 0.75, "b": 2.0}}}
-    assert measured_changes(reference, measured, "a") == {4: (-0.25, -0.5), 2: (0.25, 1.0)}
-    # b has no logprob anywhere: 0 - 0.
-    assert measured_changes(reference, measured, "b") == {4: (1.0, 0.0), 2: (0.0, 0.0)}
+    # 2 records no logprob: its change is unknown (it was read as 0, a change of +1.0).
+    assert measured_changes(reference, measured, "a") == {4: (-0.25, -0.5), 2: (0.25, None)}
+    # b has no logprob anywhere: unknown (it was 0 - 0, "the log-likelihood did not move").
+    assert measured_changes(reference, measured, "b") == {4: (1.0, None), 2: (0.0, None)}
 
 
 def test_alternated_takes_turns_and_skips_what_is_taken():
