@@ -307,3 +307,54 @@ def test_a_run_measuring_every_head_alone_keeps_that_plan_when_its_exclude_chang
     assert (config["spec"]["masks"], config["spec"]["confirm"]) == (2, 7)
     assert config["prior_used"] is False and not (killed / "prior.json").exists()
     assert strict_json(killed / "heads.json")["certificate"]["certified"]
+
+
+def test_a_resumed_run_whose_tasks_or_reference_set_changed_is_refused(tiny_model_dir,
+                                                                      tmp_path, capsys):
+    """A run resumed after its task's prompt (or --ablation-data's file) changed mixed the
+    stored measurements with ones of the new requests, silently: a baseline of the old
+    prompt against masks of the new one."""
+    import shutil
+
+    from helpers import TASKS
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(f"{TASKS}/tiny_copy", tasks / "tiny_copy")
+    yaml = tasks / "tiny_copy" / "tiny_copy.yaml"
+    reference = tmp_path / "reference.txt"
+    reference.write_text("the cat sat on the mat\none two three four five\n")
+    out = tmp_path / "run"
+
+    def locate(masks: int) -> int:
+        return harness("locate", "--model-args",
+                       f"pretrained={tiny_model_dir('llama')},dtype=float32",
+                       "--include-path", str(tasks), "--tasks", "tiny_copy", "--signal",
+                       "logprob", "--masks", str(masks), "--sparsity", "0.25",
+                       "--num-samples", "6", "--ablation", "mean", "--ablation-data",
+                       str(reference), *LASSO_ONLY, "--out", str(out))
+
+    def measured() -> list[str]:
+        return [json.loads(line)["key"] for line in
+                (out / "measurements.jsonl").read_text().splitlines()]
+
+    assert locate(3) == 0
+    before = measured()
+    assert len(strict_json(out / "config.json")["requests_fingerprint"]) == 64
+    template = yaml.read_text()
+    yaml.write_text(template.replace('doc_to_text: "{{context}}"',
+                                     'doc_to_text: "Copy: {{context}}"'))
+    assert locate(5) == 2
+    error = last_error(capsys)
+    assert str(out) in error and "other requests than those its measurements" in error
+    assert measured() == before  # nothing of the new prompt was stored
+    yaml.write_text(template)
+    with reference.open("a") as more:
+        more.write("a third reference line\n")
+    assert locate(5) == 2
+    error = last_error(capsys)
+    assert str(out) in error and "reference examples are not those" in error
+    assert measured() == before
+    # The same requests and reference set as measured: the run resumes.
+    reference.write_text("the cat sat on the mat\none two three four five\n")
+    assert locate(5) == 0
+    assert measured()[:len(before)] == before and len(measured()) == len(before) + 2

@@ -52,7 +52,8 @@ def config_writes(monkeypatch) -> dict[Path, list[dict]]:
 # What each phase of a locate run adds to config.json, written out here rather than
 # taken from the code under test.
 STARTED = {"schema", "command", "identity", "settings", "spec", "versions", "created"}
-MEASURING = {"example_subset", "examples_used", "chat_template", "layers", "heads_per_layer",
+MEASURING = {"example_subset", "examples_used", "chat_template", "requests_fingerprint",
+             "layers", "heads_per_layer",
              "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
              "ablation"}
 # pilot: --sparsity auto; masks_per_pass: the automatic K, chosen by the pilot's first pass

@@ -165,7 +165,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             measure = open_measurement(setup, load_model(setup), folder, spec.num_samples,
                                        run=run)
         else:  # sweep's measurement, shared by its cells: recorded here too
-            run.measured_with(setup, measure)
+            run.measured_with(setup, measure, folder.path)
         kinds = spec.components.split("+")
         if "neurons" in kinds:
             run.neurons_per_layer = measure.lm.neurons_per_layer
@@ -458,6 +458,10 @@ def _finished(stored: LocateRun | None, folder: RunFolder, spec: RunSpec) -> Loc
     if spec.confirm and stored.confirm.groups is None and stored.spec.group_tests != 0:
         return None  # killed before its group tests finished
     assert stored.masks_used is not None
+    if isinstance(spec.masks, int) and spec.masks > stored.masks_used:
+        # config.json's spec is the last session's, written as it started: one stopped
+        # before its masks (killed in the model load, or refused) measured fewer.
+        return None
     if _missing(stored, stored.masks_used - stored.unfitted):
         return None  # a measurement lost or cut short: measured again with the model
     return stored

@@ -16,9 +16,7 @@ was measured kept on disk, only when no worker is left.
 from __future__ import annotations
 
 import collections
-import hashlib
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -34,6 +32,7 @@ from lm_eval_headloc.common.options import RAY_TIMEOUT
 from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import Head, format_heads, parse_components
+from lm_eval_headloc.measurement.measure import measurement_fingerprint
 from lm_eval_headloc.measurement.metrics import TaskScore
 
 __all__ = ["RAY_EXTRA", "DistributedMeasurement", "MeasurementWorker", "WorkerError",
@@ -56,7 +55,7 @@ START_SECONDS = float(os.environ.get("HEADLOC_WORKER_START_SECONDS", 3600))
 BASELINE_TOLERANCE = (1e-4, 1e-6)
 
 if TYPE_CHECKING:
-    from lm_eval_headloc.measurement.measure import Measurement
+    pass
 
 
 class WorkerError(UsageError):
@@ -179,18 +178,6 @@ def worker_spec(spec: Any) -> Any:
         model_args = ModelArgs.parse(model_args).without("device")
     return spec.replace(workers=1, ray_address=None, ray_timeout=RAY_TIMEOUT,
                         gpus_per_worker=None, model_args=model_args)
-
-
-def measurement_fingerprint(measure: Measurement) -> str:
-    """A digest of what a measurement asks the model: the example subset and every
-    request lm-eval built for it (few-shot contexts, chat templates and all)."""
-    instances = measure.recorded_instances()
-    text = json.dumps({"subset": measure.subset, "limit": measure.limit,
-                       "signal": measure.signal,
-                       "requests": [[i.request_type, i.task_name, i.doc_id, i.idx,
-                                     list(map(str, i.args))] for i in instances]},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _scores_as_values(scores: Mapping[str, TaskScore]) -> dict[str, float]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
 import math
 import time
@@ -42,7 +44,7 @@ from lm_eval_headloc.measurement.signals import (
     no_logprob_reason,
 )
 
-__all__ = ["HarnessMeasurement", "Measurement"]
+__all__ = ["HarnessMeasurement", "Measurement", "measurement_fingerprint"]
 
 _UNSETTLED = object()
 log = logging.getLogger(__name__)
@@ -549,3 +551,17 @@ class HarnessMeasurement:
         texts = generations_for_masks(self.lm, generating, group, self.rows_per_generate())
         return [(answers, list(zip(generating, mask_texts, strict=True)))
                 for answers, mask_texts in zip(lls, texts, strict=True)]
+
+
+def measurement_fingerprint(measure: Measurement) -> str:
+    """A digest of what a measurement asks the model: the example subset and every
+    request lm-eval built for it (documents, prompts, few-shot contexts, chat templates
+    and all). Workers compare theirs with the driver's; a resumed run with the one it
+    recorded (``runs.record``), so that no run mixes measurements of other requests."""
+    instances = measure.recorded_instances()
+    text = json.dumps({"subset": measure.subset, "limit": measure.limit,
+                       "signal": measure.signal,
+                       "requests": [[i.request_type, i.task_name, i.doc_id, i.idx,
+                                     list(map(str, i.args))] for i in instances]},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

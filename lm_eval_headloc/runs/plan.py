@@ -74,7 +74,7 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
     _say_short_tasks(measure, num_samples)
     measure.ablation_config = set_ablation(setup, lm, measure.subset, folder)
     if run is not None:
-        run.measured_with(setup, measure)
+        run.measured_with(setup, measure, None if folder is None else folder.path)
     elif folder is not None:
         folder.update_config(**measured_on(setup, measure))
     if spec.workers > 1:

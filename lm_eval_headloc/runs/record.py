@@ -60,8 +60,11 @@ def measured_on(setup: Setup, measure: Measurement) -> dict[str, Any]:
     subset and the examples used per task, which tasks it asks through the chat template
     (decided from the tokenizer when --apply-chat-template is left out), the model
     (``model_facts``), and the ablation (``None`` for a measurement that sets none)."""
+    from lm_eval_headloc.measurement.measure import measurement_fingerprint
+
     return {"example_subset": measure.subset, "examples_used": dict(measure.examples_used),
             "chat_template": dict(sorted(measure.chat_template.items())),
+            "requests_fingerprint": measurement_fingerprint(measure),
             **model_facts(setup.geometry, setup.model_fingerprint),
             "ablation": getattr(measure, "ablation_config", None)}
 
@@ -101,6 +104,9 @@ class RunRecord:
     example_subset: dict[str, list[int]] | None = None
     examples_used: dict[str, int] | None = None
     chat_template: dict[str, bool] | None = None  # leaf task -> asked through it
+    # A digest of every request the measurements ask (``measurement_fingerprint``): a
+    # resumed run whose tasks' documents or prompts changed is refused (``measured_with``).
+    requests_fingerprint: str | None = None
     layers: int | None = None
     heads_per_layer: int | None = None
     head_layers: list[int] | None = None  # a hybrid model's layers with heads (else all)
@@ -132,7 +138,8 @@ class RunRecord:
     #: The keys of config.json this class owns, in the order they are written.
     KEYS: ClassVar[tuple[str, ...]] = (
         "command", "identity", "settings", "spec", "versions", "created", "example_subset",
-        "examples_used", "chat_template", "layers", "heads_per_layer", "head_layers",
+        "examples_used", "chat_template", "requests_fingerprint", "layers",
+        "heads_per_layer", "head_layers",
         "neurons_per_layer", "d_model", "parallel_attn_mlp", "model_fingerprint",
         "ablation", "timings", "workers", "masks_per_pass")
 
@@ -190,9 +197,29 @@ class RunRecord:
 
     # --- phases --------------------------------------------------------------------
 
-    def measured_with(self, setup: Setup, measure: Measurement) -> None:
-        """Take what the measurement was made on (``measured_on``)."""
-        self._set(**measured_on(setup, measure))
+    def measured_with(self, setup: Setup, measure: Measurement,
+                      where: str | Path | None = None) -> None:
+        """Take what the measurement was made on (``measured_on``), refusing (a
+        RunFolderError naming ``where``, the run folder) a resumed run's whose requests or
+        mean/resample reference set are not the ones its stored measurements were made on:
+        they would be mixed with the new ones, silently."""
+        values = measured_on(setup, measure)
+        stored = self._written or {}
+        run = where if where is not None else "the run"
+        if None not in (stored.get("requests_fingerprint"), values["requests_fingerprint"]) \
+                and stored["requests_fingerprint"] != values["requests_fingerprint"]:
+            raise RunFolderError(
+                f"{run}: its tasks ask other requests than those its measurements were made "
+                "on (a task's documents, prompt template or few-shot examples changed "
+                "since); --force starts it over, or give another --out")
+        before = (stored.get("ablation") or {}).get("reference_digest")
+        now = (values["ablation"] or {}).get("reference_digest")
+        if None not in (before, now) and before != now:
+            raise RunFolderError(
+                f"{run}: the ablation's reference examples are not those its measurements "
+                "were made with (the --ablation-data file or task changed since); --force "
+                "starts it over, or give another --out")
+        self._set(**values)
 
     def _set(self, **values: Any) -> None:
         """Record ``values``; a None among them is recorded as null."""
