@@ -956,3 +956,23 @@ def test_a_small_model_run_given_a_prior_counts_it_in_its_spent_line(tiny_model_
     assert (f"- measurements: {spent} measurement-equivalents (the prior's allowance, masks, "
             f"heads measured alone and group tests): the prior's {allowance}, 2 masks and "
             "every head it ranks alone") in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("options, least", [
+    ([], 54),  # the default budget: 8 + 12 + 34 with atp-path, 27 + 27 without a prior
+    (["--prior", "atp"], 50),  # 4 + 12 + 34
+    (["--masks", "6", "--confirm", "4"], 10),  # auto may compute no prior: 6 + 4 at least
+])
+def test_a_cap_below_the_default_split_is_refused_before_the_model_loads(
+        tiny_model_dir, tmp_path, capsys, no_model_loading, options, least):
+    """--max-measurements below the default budget's split was refused only after the
+    weights had loaded, once --prior auto had decided its prior: both its choices split
+    one budget, so the cap fails either way."""
+    from helpers import assert_names, last_error
+
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy", "--signal",
+            "logprob", *options]
+    assert harness(*args, "--max-measurements", str(least - 1), "--out",
+                   str(tmp_path / "low")) == 2
+    assert_names(last_error(capsys), f"--max-measurements {least - 1}",
+                 f"give at least {least}")

@@ -149,6 +149,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     # else: the caller (sweep) passes a spec derived from setup.spec, already resolved.
     with RunFolder(out) as folder:
         stored, spec, all_alone = _resumed(folder, spec, setup, force)
+        if not all_alone:
+            _check_cap_before_load(spec)
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
@@ -243,6 +245,24 @@ def _resumed(folder: RunFolder, spec: RunSpec, setup: Setup, force: bool = False
                       or (given == (None, None) and stored is not None
                           and _planned_all_alone(stored.spec, setup))))
     return stored, planned if all_alone else spec, all_alone
+
+
+def _check_cap_before_load(spec: RunSpec) -> None:
+    """A --max-measurements below the run's fixed part, refused before the model loads:
+    --prior auto decides its prior once the model has loaded (``prior_method``), but it
+    only picks between the default budget's splits, so the cap fails either way or not."""
+    methods = ["atp-path", None] if spec.prior == "auto" else [
+        None if spec.prior == "none" else spec.prior]
+    refusal = None
+    for method in methods:
+        try:
+            spec.budgeted(method).check_cap(PRIOR_ALLOWANCE[method] if method else 0)
+        except UsageError as err:
+            refusal = refusal or err
+        else:
+            return
+    assert refusal is not None
+    raise refusal
 
 
 def fits_from_disk(out: str | Path, spec: RunSpec, setup: Setup) -> bool:
