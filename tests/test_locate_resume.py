@@ -358,3 +358,36 @@ def test_a_resumed_run_whose_tasks_or_reference_set_changed_is_refused(tiny_mode
     reference.write_text("the cat sat on the mat\none two three four five\n")
     assert locate(5) == 0
     assert measured()[:len(before)] == before and len(measured()) == len(before) + 2
+
+
+def test_a_session_stopped_by_ctrl_c_keeps_the_time_it_spent(tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    """A session interrupted between its phases' saves lost its time: the report of a run
+    interrupted twice said 42 s of about 75. Ctrl-C writes the session's timings so far,
+    and nothing else it had not saved."""
+    import importlib
+    import time
+
+    locate_module = importlib.import_module("lm_eval_headloc.commands.locate")
+    real = locate_module.ensure_types
+
+    saved = []
+
+    def slow_then_stopped(*args, **kwargs):
+        saved.append(strict_json(run / "config.json")["timings"][-1]["whole"])
+        time.sleep(1.5)  # time spent after the last save, before the Ctrl-C
+        raise KeyboardInterrupt
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--prior", "none", "--masks", "5", "--out", str(run)]
+    monkeypatch.setattr(locate_module, "ensure_types", slow_then_stopped)
+    assert harness(*args) == 130
+    config = strict_json(run / "config.json")
+    [session] = config["timings"]
+    assert session["whole"] >= saved[0] + 1.5  # the time after the last phase's save
+    assert "masks_used" not in config and not (run / "design_matrix.npy").exists()
+    monkeypatch.setattr(locate_module, "ensure_types", real)
+    assert harness(*args) == 0
+    first, second = strict_json(run / "config.json")["timings"]
+    assert first == session and second["whole"] > 0

@@ -314,8 +314,18 @@ class RunFolder:
     def __enter__(self) -> RunFolder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if kind is not None and issubclass(kind, KeyboardInterrupt):
+                for callback in getattr(self, "_on_interrupt", ()):
+                    callback()  # under the lock still
+        finally:
+            self.release()
+
+    def on_interrupt(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` when the ``with`` block this folder is open in ends by Ctrl-C,
+        before its lock is released (a run's record saves the session's time there)."""
+        self._on_interrupt = [*getattr(self, "_on_interrupt", ()), callback]
 
     def file(self, name: str) -> Path:
         """The path of the folder's file ``name``, which must be a plain name

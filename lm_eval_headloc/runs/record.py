@@ -242,6 +242,17 @@ class RunRecord:
                 config[key] = value
         return {**config, **{k: v for k, v in self.other.items() if k not in config}}
 
+    def save_timings(self, folder: RunFolder) -> None:
+        """Only this session's timings so far into config.json, the rest as on disk: a
+        session interrupted (Ctrl-C) between its phases' saves keeps the time it spent,
+        while what it had half-decided stays unwritten."""
+        clock = timing.current()
+        if self._earlier_timings is None or clock is None or not folder.exists():
+            return
+        config = folder.read_config()
+        config["timings"] = [*self._earlier_timings, clock.snapshot()]
+        folder.write_config(config)
+
     def save(self, folder: RunFolder, measure: Measurement | None = None) -> bool:
         """Write config.json from this record: one phase's one write. With a distributed
         ``measure`` (``--workers``) its workers' shares so far are recorded too, and for a
@@ -673,6 +684,7 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
                  protect=protect, assumed=RunSpec.assumed_for_old_runs(),
                  same={"model_args": _same_files if moved else same_model})
     record = _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
+    folder.on_interrupt(lambda: record.save_timings(folder))  # Ctrl-C keeps the time spent
     given = json.loads(json.dumps(identity)).get("model_args")
     if moved and record.identity.get("model_args") != given:
         log.info("%s: its model's files are at %s now (the same files as recorded); the run "
