@@ -361,7 +361,7 @@ def test_a_resumed_run_whose_tasks_or_reference_set_changed_is_refused(tiny_mode
 
 
 def test_a_session_stopped_by_ctrl_c_keeps_the_time_it_spent(tiny_model_dir, tmp_path,
-                                                            monkeypatch):
+                                                            monkeypatch, capsys):
     """A session interrupted between its phases' saves lost its time: the report of a run
     interrupted twice said 42 s of about 75. Ctrl-C writes the session's timings so far,
     and nothing else it had not saved."""
@@ -383,6 +383,7 @@ def test_a_session_stopped_by_ctrl_c_keeps_the_time_it_spent(tiny_model_dir, tmp
             "--num-samples", "4", "--prior", "none", "--masks", "5", "--out", str(run)]
     monkeypatch.setattr(locate_module, "ensure_types", slow_then_stopped)
     assert harness(*args) == 130
+    assert last_error(capsys).endswith("interrupted; rerun the same command to continue")
     config = strict_json(run / "config.json")
     [session] = config["timings"]
     assert session["whole"] >= saved[0] + 1.5  # the time after the last phase's save
@@ -391,3 +392,23 @@ def test_a_session_stopped_by_ctrl_c_keeps_the_time_it_spent(tiny_model_dir, tmp
     assert harness(*args) == 0
     first, second = strict_json(run / "config.json")["timings"]
     assert first == session and second["whole"] > 0
+
+
+def test_ctrl_c_before_the_run_folder_is_made_says_nothing_is_kept(tiny_model_dir, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A Ctrl-C in the task checks, before the run folder existed, said "rerun the same
+    command to continue": there was nothing to continue."""
+    import importlib
+
+    locate_module = importlib.import_module("lm_eval_headloc.commands.locate")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(locate_module, "prepare", stopped)
+    run = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--out", str(run)) == 130
+    assert last_error(capsys).endswith(
+        "interrupted; it had not started its run folder, so nothing is kept")
+    assert not run.exists()

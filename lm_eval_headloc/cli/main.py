@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from lm_eval_headloc import __version__
@@ -317,8 +318,12 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
             if args.command in MEASURING:
                 print(f"Time: {timing.timings_line([clock.snapshot()])}")
     except KeyboardInterrupt:
-        print("\nheadloc-harness: interrupted; rerun the same command to continue",
-              file=sys.stderr)
+        out = getattr(args, "out", None)
+        started_run = args.command not in MEASURING or (
+            out is not None and Path(out, "config.json").is_file())
+        print("\nheadloc-harness: interrupted; " + (
+            "rerun the same command to continue" if started_run else
+            "it had not started its run folder, so nothing is kept"), file=sys.stderr)
         return 130
     except USER_ERRORS as err:
         print(f"headloc-harness: error: {one_line(err)}", file=sys.stderr)
