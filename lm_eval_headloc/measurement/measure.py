@@ -558,10 +558,12 @@ def measurement_fingerprint(measure: Measurement) -> str:
     request lm-eval built for it (documents, prompts, few-shot contexts, chat templates
     and all). Workers compare theirs with the driver's; a resumed run with the one it
     recorded (``runs.record``), so that no run mixes measurements of other requests."""
-    instances = measure.recorded_instances()
-    text = json.dumps({"subset": measure.subset, "limit": measure.limit,
-                       "signal": measure.signal,
-                       "requests": [[i.request_type, i.task_name, i.doc_id, i.idx,
-                                     list(map(str, i.args))] for i in instances]},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(
+        {"subset": measure.subset, "limit": measure.limit, "signal": measure.signal},
+        sort_keys=True, default=str).encode())
+    # One request at a time: a whole benchmark's requests (MMLU's 56,000) as one string
+    # would hold them all in memory twice over.
+    for i in measure.recorded_instances():
+        digest.update(json.dumps([i.request_type, i.task_name, i.doc_id, i.idx,
+                                  list(map(str, i.args))], default=str).encode())
+    return digest.hexdigest()
