@@ -557,7 +557,12 @@ def measurement_fingerprint(measure: Measurement) -> str:
     """A digest of what a measurement asks the model: the example subset and every
     request lm-eval built for it (documents, prompts, few-shot contexts, chat templates
     and all). Workers compare theirs with the driver's; a resumed run with the one it
-    recorded (``runs.record``), so that no run mixes measurements of other requests."""
+    recorded (``runs.record``), so that no run mixes measurements of other requests.
+    Computed once per measurement (its requests are fixed when it is made): a sweep's
+    cells and the workers' check ask again."""
+    known = getattr(measure, "_requests_fingerprint", None)
+    if known is not None:
+        return known
     digest = hashlib.sha256(json.dumps(
         {"subset": measure.subset, "limit": measure.limit, "signal": measure.signal},
         sort_keys=True, default=str).encode())
@@ -566,4 +571,5 @@ def measurement_fingerprint(measure: Measurement) -> str:
     for i in measure.recorded_instances():
         digest.update(json.dumps([i.request_type, i.task_name, i.doc_id, i.idx,
                                   list(map(str, i.args))], default=str).encode())
-    return digest.hexdigest()
+    measure._requests_fingerprint = digest.hexdigest()
+    return measure._requests_fingerprint

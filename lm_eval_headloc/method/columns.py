@@ -182,6 +182,8 @@ class Columns:
         a neuron group holding one (--exclude'd neurons inside a group leave it out of the
         ranking, else its knockout would knock them out)."""
         keys = {component_key(c) for c in components}
+        if not keys:  # the usual run excludes nothing: no group's members to walk
+            return []
         return [i for i in range(len(self))
                 if any(component_key(m) in keys for m in self.members(i))]
 

@@ -310,6 +310,7 @@ class RunFolder:
             raise RunFolderError(f"a run folder is a path (e.g. 'runs/x'), not {path!r}")
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._on_interrupt: list[Callable[[], object]] = []  # ``on_interrupt``'s
 
     def __enter__(self) -> RunFolder:
         return self
@@ -317,7 +318,7 @@ class RunFolder:
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
             if kind is not None and issubclass(kind, KeyboardInterrupt):
-                for callback in getattr(self, "_on_interrupt", ()):
+                for callback in self._on_interrupt:
                     callback()  # under the lock still
         finally:
             self.release()
@@ -325,7 +326,7 @@ class RunFolder:
     def on_interrupt(self, callback: Callable[[], object]) -> None:
         """Call ``callback`` when the ``with`` block this folder is open in ends by Ctrl-C,
         before its lock is released (a run's record saves the session's time there)."""
-        self._on_interrupt = [*getattr(self, "_on_interrupt", ()), callback]
+        self._on_interrupt.append(callback)
 
     def file(self, name: str) -> Path:
         """The path of the folder's file ``name``, which must be a plain name
