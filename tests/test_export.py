@@ -704,6 +704,26 @@ def test_mibs_top_n_is_the_runs_and_a_group_test_caps_an_estimate(tmp_path,
                if not entry[h].get("measured_alone"))
 
 
+def test_estimates_capped_under_the_measured_keep_the_rankings_order(tmp_path,
+                                                                    committed_benchmarks):
+    """The estimates above the least harm measured alone were all capped to one score just
+    under it, then told apart by their marginal contrast: L27H6 (the fit's 0.018, ranked
+    29th) was scored above L15H2 (0.093, ranked 24th), so MIB's top-24 was not the run's.
+    They keep the ranking's order, by the estimate."""
+    run = (committed_benchmarks / "recovery-runs" / "heldout_kv_recall"
+           / "stratified-p0.1-atp-path" / "m54-seed0")
+    data = json.loads((run / "heads-heldout_kv_recall.json").read_text())
+    graph = json.loads(write_mib(run, tmp_path / "x.json").read_text())
+    scores = head_scores_wide(graph)
+    capped = graph[MARKER]["order"]["capped"]
+    by_ranking = [e["head"] for e in data["heads"] if e["effect"] is not None
+                  and -e["effect"] > 0]
+    assert {"L15H2", "L27H6"} <= {h for h, c in capped.items() if c["by"].startswith(
+        "the ranking")}
+    by_score = sorted(scores, key=lambda head: -np.float32(scores[head]))
+    assert by_score[:len(by_ranking)] == by_ranking
+
+
 @pytest.mark.parametrize("baseline, said", [(0.0, "whose baseline is 0"), (0.75, "")])
 def test_an_export_where_no_knockout_moved_the_task_says_it_ranks_nothing(
         tmp_path, caplog, baseline, said):

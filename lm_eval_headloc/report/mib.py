@@ -175,6 +175,8 @@ def _score(entry: Mapping[str, Any], higher_is_better: bool) -> float | None:
 #: the fall it points to (larger = knocking the head out hurts more) and in words.
 _LEVELS = {
     "effect": "score change on knockout (measured alone, or else the fit's estimate)",
+    "estimate": "the fit's estimate before it was capped (order.capped), by how much it "
+                "was above its cap",
     "logprob_change": "the gold answers' log-likelihood change, measured alone",
     "contrast": "the masks' marginal contrast (the fit's own tie-break)",
     "prior": "the attribution prior's estimates of the log-likelihood change",
@@ -185,10 +187,12 @@ _UP, _DOWN = np.float32(np.inf), np.float32(-np.inf)
 
 
 def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
-              points: int) -> tuple[float, ...]:
+              points: int, estimate: float | None = None) -> tuple[float, ...]:
     """A head's evidence as falls (MIB's sign: positive = the head helps the task), in
     ``_LEVELS``' order, one per prior point for the prior: its score's fall (``fall``),
-    its measured log-likelihood's, the fit's marginal contrast's, the prior's estimated
+    how far its ``estimate`` was above that fall before ``_capped`` (the heads capped to
+    one value keep the ranking's order, which is by the estimate), its measured
+    log-likelihood's, the fit's marginal contrast's, the prior's estimated
     log-likelihood's; 0 for what the ranking does not record of it."""
     def number(name: str, value: object) -> float:
         if not (_is_number(value) and math.isfinite(value)):
@@ -204,7 +208,7 @@ def _evidence(entry: Mapping[str, Any], fall: float, higher_is_better: bool,
                           f"at most {points} numbers")
     estimates = [number("prior", value) for value in prior or ()]
     estimates += [0.0] * (points - len(estimates))
-    return (fall,
+    return (fall, 0.0 if estimate is None else estimate - fall,
             0.0 if logprob is None else -number("logprob_change", logprob),
             0.0 if contrast is None else (-1 if higher_is_better else 1)
             * number("contrast", contrast),
@@ -347,15 +351,18 @@ def _tie_words(entries: list[Mapping[str, Any]], points: int) -> str:
 
 
 def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float],
-            higher_is_better: bool) -> tuple[dict[Head, float], dict[str, Any]]:
+            higher_is_better: bool, estimates: Mapping[Head, float] | None = None
+            ) -> tuple[dict[Head, float], dict[str, Any]]:
     """Each scored head's score (``_ordered`` over its ``_placed`` evidence), from its
-    ranking entry and its fall, and our record of the order: the evidence compared, in
-    order; the heads each moved; the heads moved to make room; the heads whose scores
-    MIB reads as equal (float32), and why."""
+    ranking entry, its fall and its fall before ``_capped`` (``estimates``), and our
+    record of the order: the evidence compared, in order; the heads each moved; the
+    heads moved to make room; the heads whose scores MIB reads as equal (float32), and
+    why."""
     points = max((len(e["prior"]) for e in scored.values() if isinstance(e.get("prior"), list)),
                  default=0)
-    evidence = [_evidence(entry, falls[head], higher_is_better, points)
-                for head, entry in scored.items()]
+    estimates = estimates or {}
+    evidence = [_evidence(entry, falls[head], higher_is_better, points,
+                          estimates.get(head)) for head, entry in scored.items()]
     alone = [entry.get("measured_alone") is True for entry in scored.values()]
     keys = dict(zip(scored, _placed(evidence, alone), strict=True))
     ordered, moved, made_room = _ordered(list(keys.values()))
@@ -375,8 +382,9 @@ def _scores(scored: Mapping[Head, Mapping[str, Any]], falls: Mapping[Head, float
                      "evidence that tells them apart, but no float32 number is left between "
                      "their neighbours' scores (MIB reads scores as float32)")}
             for value, heads in sharing.items() if len(heads) > 1]
+    capped = any(falls[head] != estimates.get(head, falls[head]) for head in scored)
     return scores, {"by": [words for name, words in _LEVELS.items()
-                           if name != "prior" or points],
+                           if (name != "prior" or points) and (name != "estimate" or capped)],
                     "words": _ORDER_WORDS, "tie_broken_by": tie_broken,
                     "made_room": [str(head) for place, head in enumerate(scored)
                                   if place in made_room],
@@ -483,8 +491,9 @@ def mib_graph(heads_json: Mapping[str, Any], *, n_layers: int, n_heads: int, d_m
         falls[head] = fall = _score(entry, higher)
         if fall is not None:
             scored[head], known[head] = entry, fall
+    estimates = dict(known)
     capped = _capped(known, scored, heads_json, n_layers, n_heads, higher)
-    scores, order = _scores(scored, known, higher)
+    scores, order = _scores(scored, known, higher, estimates)
     order["capped"] = capped
     nodes: dict[str, dict[str, Any]] = {}
     for name in mib_node_names(n_layers, n_heads):
