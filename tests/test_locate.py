@@ -303,6 +303,23 @@ def test_masks_auto_stops_at_the_first_stable_round(tiny_model_dir, tmp_path):
         assert not settled(strict_json(out / "heads.json"))
 
 
+def test_masks_auto_stopped_by_max_masks_is_not_said_stable(tiny_model_dir, tmp_path):
+    """A --masks auto run that reached --max-masks with a top-k head unstable was said to
+    have "measured until every top-k head was stable"."""
+    out = tmp_path / "auto"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--signal", "logprob", "--sparsity", "0.25", "--num-samples", "12",
+                   "--bootstrap", "20", "--masks", "auto", "--max-masks", "20", *LASSO_ONLY,
+                   "--out", str(out)) == 0
+    assert strict_json(out / "config.json")["masks_used"] == 20
+    heads = strict_json(out / "heads.json")
+    assert not all(h["selected"] >= heads["bootstrap"]["stable_at"]
+                   for h in heads["heads"][:5])
+    report = (out / "report.md").read_text()
+    assert "measured until every top-k head was stable" not in report
+    assert "20 masks (--masks auto: stopped at --max-masks 20" in report
+
+
 @pytest.mark.parametrize("options", [
     ["--signal", "logprob"],
     ["--masks", "auto", "--max-masks", "30", "--top-k", "2"],

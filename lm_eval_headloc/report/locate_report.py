@@ -514,8 +514,15 @@ def _sparsity_words(run: LocateRun) -> str:
 def _masks_words(run: LocateRun) -> str:
     if run.spec.masks != "auto":
         return f"{run.spec.masks} masks"
+    unit = UNIT[run.spec.components]
+    if run.masks_used is not None and run.masks_used >= run.spec.max_masks:
+        # Stopped by the cap, stable or not: "measured until every top-k head was stable"
+        # read as a promise where a top-k head was still unstable.
+        return (f"{run.masks_used} masks (--masks auto: stopped at --max-masks "
+                f"{run.spec.max_masks}, its most; it stops sooner once every top-k {unit} "
+                "is stable)")
     return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
-            f"{UNIT[run.spec.components]} was stable, at most {run.spec.max_masks})")
+            f"{unit} was stable, at most {run.spec.max_masks})")
 
 
 def _measured_all_alone(run: LocateRun) -> bool:
