@@ -127,6 +127,20 @@ def test_ties_at_the_kth_place_are_those_the_noise_cannot_tell_apart():
     assert tied_at_k({0: 0.3, 1: 0.2}, 2) == []  # no one outside the top-k
 
 
+def test_no_tie_at_the_kth_place_where_the_kth_does_not_hurt():
+    """With fewer than k measured alone to hurt, the k-th measured alone is a place filler:
+    a neuron run's report listed 30 harmless neurons as "tied at the 5th place ... which
+    of them make the top-5 is the measurement's order", none of them in its top-5 (the
+    fit's estimates filled those places first)."""
+    alone = {0: Harm(0.06, 0.02), 1: Harm(0.02, 0.02), 2: Harm(0.0, 0.02),
+             3: Harm(0.0, 0.02), 4: Harm(-0.01, 0.02)}
+    assert tied_at_k(alone, 3) == []
+    assert tied_at_k({0: 0.3, 1: 0.0, 2: 0.0}, 2) == []
+    # The k-th hurts: one that does not may still be within the noise of it.
+    assert tied_at_k({0: Harm(0.3, 0.02), 1: Harm(0.02, 0.02), 2: Harm(0.0, 0.02)}, 2) \
+        == [1, 2]
+
+
 def test_group_size_keeps_a_groups_background_under_half_the_room_above_the_noise():
     # bar 0.08, 0.005 per member: 0.04 / 0.005 = 8 members.
     assert group_size(0.08, 0.005) == 8

@@ -189,7 +189,10 @@ def tied_at_k(alone: Mapping[int, Harm | float], top_k: int, z: float = Z,
               se_between: Callable[[int, int], float | None] | None = None) -> list[int]:
     """The columns measured alone whose harm the noise cannot tell from the k-th largest's
     (within ``z`` standard errors of the difference), strongest first, where they straddle
-    the top-k's edge (some inside, some outside); [] where the edge is clear.
+    the top-k's edge (some inside, some outside); [] where the edge is clear, or where the
+    k-th does not hurt (fewer than k hurt: the places past them are filled by components
+    that do not, which no noise makes a finding, and the ranking may fill them with the
+    fit's estimates first).
     ``se_between(a, b)``: the paired standard error of two columns' difference (their
     measurements' per-example scores; None: not known), else the two errors combined as
     if independent."""
@@ -197,6 +200,8 @@ def tied_at_k(alone: Mapping[int, Harm | float], top_k: int, z: float = Z,
     if len(ranked) <= top_k:
         return []
     kth, kth_column = ranked[top_k - 1]
+    if kth.value <= 0:
+        return []
 
     def error(harm: Harm, column: int) -> float:
         paired = None if se_between is None else se_between(column, kth_column)
