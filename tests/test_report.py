@@ -35,6 +35,21 @@ def test_heatmap_hatches_unstable_top_heads(tmp_path):
         assert len(ticks) and all(float(t).is_integer() for t in ticks)
 
 
+def test_an_unstable_heads_share_is_not_rounded_up_to_the_bar():
+    """179 of 200 refits (89.5 %, under the 90 % bar) read "90% (unstable)"."""
+    from lm_eval_headloc.method.lasso import Stability
+    from lm_eval_headloc.method.ranking import Ranking
+    from lm_eval_headloc.report.pages import ranking_table
+
+    effects = np.array([-0.3, -0.1, 0.0, 0.2])
+    selected = np.array([1.0, 179 / 200, 0.0, 0.0])
+    ranking = Ranking("t", "acc", True, 0.5, effects, [0, 1, 2, 3], 2,
+                      stability=Stability(selected, effects - 0.1, effects + 0.1, 200))
+    assert [str(h) for h in ranking.unstable(2)] == ["L0H1"]
+    rows = ranking_table(ranking, 2, "change")
+    assert rows[2].endswith("| 100% |") and rows[3].endswith("| 89.5% (unstable) |")
+
+
 def test_a_top_head_that_does_not_hurt_is_not_also_called_unstable():
     """A top-k place filled by a head that does not hurt: no refit counts it (``selected``
     counts refits with the head in the top-k *hurting*), so its 0 % is no instability: the
