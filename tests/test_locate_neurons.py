@@ -458,9 +458,12 @@ def test_a_neuron_runs_report_speaks_of_neurons(neuron_run):
     method = strict_json(out / "heads.json")["method"]
     assert method.endswith(", the likeliest MLP neurons measured alone"), method
     # Its certificate is over its 16 candidates: the model's other 2 x 64 - 16 neurons
-    # were not searched, and the report says so.
-    assert ("over the 16 components the design searched: the prior's 16 likeliest MLP "
-            "neurons. The model's other 112 neurons were not searched") in report
+    # were not searched, and the report says so (the module's run may have one neuron
+    # --exclude'd by then: test_a_rerun_measures_nothing_and_refit_reads_it).
+    assert re.search(r"over the (16 components the design searched|15 components the run "
+                     r"ranks, of the 16 the design searched \(1 left out of the ranking\)): "
+                     r"the prior's 16 likeliest MLP neurons\. The model's other 112 neurons "
+                     r"were not searched", report)
     path = _prior_words(SimpleNamespace(prior_kind="atp-path",
                                         spec=SimpleNamespace(components="neurons")))
     assert path.endswith("with every neuron half ablated, each ranking the MLP neurons")
@@ -487,6 +490,14 @@ def test_an_excluded_neuron_leaves_its_group_out_of_the_ranking(group_run, tmp_p
     assert (f"- excluded from the ranking: {inside} (and the neuron groups holding one of "
             f"them: L1G0 ({len(entries['L1G0']['neurons'].split('+')):,} neurons))"
             in (out / "report.md").read_text())
+    # The certificate covers what the run ranks: its count and the scope line's agree
+    # ("every one of the 9 components checked" beside "over the 10 ... searched").
+    report = (out / "report.md").read_text()
+    total = re.search(r"^### (?:Certified: every one of the (\d+)|Not certified: \d+ of "
+                      r"(\d+)) components", report, re.M)
+    assert "9" in total.groups()
+    assert ("over the 9 components the run ranks, of the 10 the design searched (1 left "
+            "out of the ranking)") in report
     # A whole layer's neurons: both its groups, and the candidates of that layer.
     assert harness("refit", str(out), "--exclude", "L1N*") == 0
     excluded = strict_json(out / "heads.json")["excluded"]

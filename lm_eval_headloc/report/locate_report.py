@@ -188,8 +188,16 @@ def _searched_words(run: LocateRun) -> str:
     if counts is None:
         return ""
     searched, grouped, rest = counts
-    return (f"The certificate is over the {len(run.columns):,} components the design "
-            f"searched: the prior's {searched:,} likeliest MLP neurons"
+    # What --exclude (or --never-ablate) left out is not ranked, so not in the certificate:
+    # "every one of the 30 components checked" beside "over the 32 ... searched" disagreed.
+    first = next(iter(run.rankings.values()), None)
+    left_out = 0 if first is None else (len(first.facts.excluded or ())
+                                        + len(first.facts.never_knocked_out or ()))
+    over = (f"the {len(run.columns) - left_out:,} components the run ranks, of the "
+            f"{len(run.columns):,} the design searched ({left_out:,} left out of the "
+            "ranking)" if left_out else
+            f"the {len(run.columns):,} components the design searched")
+    return (f"The certificate is over {over}: the prior's {searched:,} likeliest MLP neurons"
             + (f", {grouped:,} more in groups (a group is ruled out or measured as one)"
                if grouped else "")
             + (", and the heads" if "heads" in run.spec.components else "")
