@@ -565,3 +565,27 @@ def test_a_record_of_no_ranking_command_is_refused_by_verify_and_cross(
                                            else []), "--out", str(out)) == 2
     assert_names(error_line(capsys), str(folder), "rm -rf / run", "locate or greedy")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "cross"])
+def test_a_task_recorded_as_a_yaml_file_runs_no_code_from_the_working_directory(
+        runs, tmp_path, capsys, monkeypatch, no_model_loading, command):
+    """A task recorded as 'evil.yaml' (a plain name: no '/') was read by verify and cross
+    as a task file's path, relative to the working directory: run from inside the copy,
+    its YAML and the Python function it names, shipped in the folder, ran. Refused in
+    one line, before any task loads."""
+    folder = renamed_copy(runs["locate"], tmp_path / "copy" / "run", "evil.yaml")
+    yaml = (Path(TASKS) / TASK / f"{TASK}.yaml").read_text()
+    (folder / "evil.yaml").write_text(yaml.replace(f"task: {TASK}", "task: evil.yaml"))
+    (folder / "utils.py").write_text(
+        f"open({str(tmp_path / 'marked')!r}, 'w').write('ran')\n"
+        + (Path(TASKS) / TASK / "utils.py").read_text())
+    out = tmp_path / "out"
+    monkeypatch.chdir(folder)
+    args = {"verify": ["verify", ".", "--general", OTHER_TASK, "--random-draws", "0",
+                       "--out", str(out)],
+            "cross": ["cross", ".", "--out", str(out)]}[command]
+    capsys.readouterr()
+    assert harness(*args) == 2
+    assert_names(error_line(capsys), "'evil.yaml'", "task file")
+    assert not (tmp_path / "marked").exists() and not out.exists()

@@ -31,7 +31,7 @@ from lm_eval_headloc.common.options import COMPONENTS
 from lm_eval_headloc.measurement.store import StoreError
 
 __all__ = ["MAX_HEADS", "MAX_NAME", "MAX_NEURONS", "MAX_WIDTH", "RunFolderError", "check_config",
-           "check_files", "plain_name", "run_tasks"]
+           "check_files", "names_task_file", "plain_name", "run_tasks"]
 
 
 class RunFolderError(StoreError):
@@ -81,6 +81,12 @@ def plain_name(value: Any, what: str, source: str | Path) -> str:
     return value
 
 
+def names_task_file(task: str) -> bool:
+    """Whether ``task`` (``TASK`` or ``TASK:METRIC``) names a task YAML's path, as
+    ``--tasks`` reads one (``setup.tasks_from_files``) rather than a task's name."""
+    return task.partition(":")[0].strip().lower().endswith((".yaml", ".yml"))
+
+
 def _whole(config: Mapping[str, Any], key: str, path: Path, low: int = 1) -> int | None:
     value = config.get(key)
     if value is None:
@@ -105,6 +111,11 @@ def run_tasks(config: Mapping[str, Any], path: Path | None = None) -> list[str]:
         for task in tasks or ():
             if not isinstance(task, str):
                 raise RunFolderError(f"{path}: task {task!r} is not a name (a string)")
+            if path is not None and names_task_file(task):
+                # A run records the task a YAML defines, never the file: read as a path
+                # (relative to the working directory), its folder's code would run.
+                raise RunFolderError(f"{path}: task {task!r} names a task file, not a task; "
+                                     "a name read from a file is never a path")
             try:
                 name = parse_task_metric(task)[0]
             except MetricError as err:

@@ -57,6 +57,7 @@ from lm_eval_headloc.measurement.metrics import (
 from lm_eval_headloc.measurement.signals import check_gold_answers
 from lm_eval_headloc.method.columns import Columns
 from lm_eval_headloc.method.designs import MAX_DESIGN_BYTES
+from lm_eval_headloc.runs.folder_checks import names_task_file
 from lm_eval_headloc.runs.option_values import parse_examples_part, parse_gen_kwargs, path_list
 from lm_eval_headloc.runs.spec import RunSpec
 from lm_eval_headloc.tasks import check_task_names, load_failure, make_task_manager
@@ -221,7 +222,7 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
     names, folders = [], []
     for task in tasks:
         path_part, sep, metric = task.partition(":")
-        if not path_part.strip().lower().endswith((".yaml", ".yml")):
+        if not names_task_file(task):
             names.append(task)
             continue
         path = Path(path_part.strip())
