@@ -16,7 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import RANKED, RANKED_HEADS_PER_LAYER, assert_names, capped_fall, ranking
+from helpers import (
+    RANKED,
+    RANKED_HEADS_PER_LAYER,
+    assert_names,
+    capped_fall,
+    raises_naming,
+    ranking,
+)
 
 from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.report.mib import MARKER, MIB_MODELS, mib_graph, write_mib
@@ -159,6 +166,26 @@ def test_width_and_parallel_blocks_from_the_models_config(tmp_path):
         assert write_mib(run, tmp_path / f"{name}.json") == tmp_path / f"{name}.json"
         data = read_mib(tmp_path / f"{name}.json")
         assert (data["cfg"]["d_model"], data["cfg"]["parallel_attn_mlp"]) == (width, parallel)
+
+
+def test_a_recorded_trust_remote_code_runs_no_model_code(tmp_path):
+    """A run recording no width read its recorded model's config with the record's
+    trust_remote_code=True: the model folder's (or a Hub repository's) configuration code
+    ran. Refused in one line; --model-args naming it, the user's choice, reads it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "marked", "auto_map": {"AutoConfig": "configuration_marked.Marked"},
+        "n_embd": 16, "n_layer": LAYERS, "n_head": HEADS}))
+    (model / "configuration_marked.py").write_text(
+        f"open({str(tmp_path / 'marked')!r}, 'w').write('ran')\n"
+        "from transformers import GPT2Config\n\n\n"
+        "class Marked(GPT2Config):\n    model_type = 'marked'\n")
+    run = make_run(tmp_path / "run", model_args=f"pretrained={model},trust_remote_code=True")
+    with raises_naming(ExportError, "trust_remote_code=True", "--model-args") as error:
+        write_mib(run, tmp_path / "x.json")
+    one_line_error(error)
+    assert not (tmp_path / "marked").exists() and not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("model", sorted(MIB_MODELS))

@@ -552,6 +552,17 @@ def _model_shape(record: Any, run_folder: Path, model_args: str | None
     if model_args is None and isinstance(recorded[0], int) and isinstance(recorded[1], bool):
         return recorded[0], recorded[1]
     given = model_args is not None
+    if not given:
+        # The record's model args are data: read as given, trust_remote_code=True would
+        # run the code of whatever model they name (a Hub name: downloaded first).
+        from lm_eval_headloc.runs.folder import refuse_recorded_code
+        from lm_eval_headloc.runs.folder_checks import RunFolderError
+
+        try:
+            refuse_recorded_code(run_folder, (), record.spec.model_args,
+                                 "give --model-args with it, or --mib-model")
+        except RunFolderError as err:
+            raise ExportError(str(err)) from None
     try:
         geometry = config_geometry(model_config(resolve_model_args(
             model_args if given else record.spec.model_args)))
