@@ -275,3 +275,36 @@ def test_no_committed_file_names_the_machine_it_was_made_on(committed_benchmarks
     pattern = re.compile(rb"site-packages|pretrained=/")
     named = [str(f) for f in files + packed if f.is_file() and pattern.search(f.read_bytes())]
     assert named == []
+
+
+def test_a_head_file_is_recorded_by_its_heads_not_its_path(tiny_model_dir, tmp_path,
+                                                          monkeypatch, capsys):
+    """--exclude and --never-ablate given as a head file were recorded as its path,
+    relative to where the run was made: refit from another folder said "--exclude: head
+    file not found" (an option it was never given), or read another file of that name.
+    A run records the file's heads; one that recorded a path still resumes with it."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    (here / "lists").mkdir(parents=True)
+    there.mkdir()
+    (here / "lists" / "out.txt").write_text("L1H3\n")
+    (here / "lists" / "never.json").write_text(json.dumps({"heads": [{"head": "L0H0"}]}))
+    run = here / "run"
+    heads = ["--exclude", "lists/out.txt", "--never-ablate", "lists/never.json"]
+    monkeypatch.chdir(here)
+    made = locate_args(tiny_model_dir("llama"), run)
+    assert harness(*made, *heads) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert (config["spec"]["exclude"], config["identity"]["never_ablate"]) == ("L1H3", "L0H0")
+    ranked = json.loads((run / "heads.json").read_text())
+    monkeypatch.chdir(there)
+    (there / "lists").mkdir()
+    (there / "lists" / "out.txt").write_text("L0H1\n")  # another file of that name
+    assert harness("refit", str(run)) == 0
+    assert json.loads((run / "heads.json").read_text())["excluded"] == ranked["excluded"]
+    # A folder that recorded the paths (as runs did) resumes where they lead to its lists.
+    for part in ("spec", "identity"):
+        config[part].update(exclude="lists/out.txt", never_ablate="lists/never.json")
+    (run / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    assert harness(*made, *heads) == 0, capsys.readouterr().err

@@ -58,7 +58,13 @@ from lm_eval_headloc.runs.record import (
     stored_prior,
     stored_priors,
 )
-from lm_eval_headloc.runs.setup import Setup, check_candidates, head_list, prepare
+from lm_eval_headloc.runs.setup import (
+    Setup,
+    check_candidates,
+    head_list,
+    prepare,
+    recorded_components,
+)
 from lm_eval_headloc.runs.spec import (
     COMMAND_OPTIONS,
     DEFAULT_MAX_MASKS,
@@ -366,6 +372,7 @@ def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
             raise UsageError(f"--top-k {spec.top_k}: the run ranks only {len(columns)} "
                              "components")
         excluded = _excluded(spec, run)
+        spec = spec.replace(exclude=recorded_components(spec.exclude))
         if len(columns.holding(excluded)) >= len(columns):
             raise UsageError(f"--exclude covers every component the run ranks "
                              f"({len(columns)}); nothing is left to rank")

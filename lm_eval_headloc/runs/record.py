@@ -674,6 +674,8 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     a run whose model was loaded from a local folder resumes with the model moved
     elsewhere, named by ``--model-args`` there, when its files are the ones the run
     recorded; the run then names the new place."""
+    from lm_eval_headloc.runs.setup import same_components  # the model's libraries: here
+
     identity = spec.identity(command) if identity is None else identity
     stored, stored_args = _stored_model(folder)
     moved = fingerprint is not None and stored == fingerprint
@@ -682,7 +684,8 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
         check_model_files(stored, fingerprint, folder.path)
     folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
                  protect=protect, assumed=RunSpec.assumed_for_old_runs(),
-                 same={"model_args": _same_files if moved else same_model})
+                 same={"model_args": _same_files if moved else same_model,
+                       "exclude": same_components, "never_ablate": same_components})
     record = _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
     folder.on_interrupt(lambda: record.save_timings(folder))  # Ctrl-C keeps the time spent
     given = json.loads(json.dumps(identity)).get("model_args")

@@ -173,6 +173,30 @@ def head_list(spec: str | None, num_layers: int, heads_per_layer: int, what: str
         raise UsageError(f"{what}: {err}{hint}") from None
 
 
+def recorded_components(value: str | None) -> str | None:
+    """What a run records of ``--exclude`` or ``--never-ablate`` ``value`` (``head_list``
+    has read it): a head file's names as it lists them, not its path, which read from
+    another working directory or machine (a refit, a resume, a verify) names another file
+    or none; components given by name as given."""
+    if value and names_a_file(value):
+        return "+".join(read_heads_file(Path(value)))
+    return value
+
+
+def same_components(given: Any, stored: Any) -> bool:
+    """Whether a run that recorded ``--exclude`` or ``--never-ablate`` as ``stored`` (a
+    head file's path, as runs did before ``recorded_components``) kept out ``given``
+    (names): the file, read as the run read it, lists them."""
+    if given == stored:
+        return True
+    if not (isinstance(given, str) and isinstance(stored, str) and names_a_file(stored)):
+        return False
+    try:
+        return recorded_components(stored) == given
+    except ComponentSpecError:
+        return False
+
+
 def _names_a_neuron(names: Any) -> bool:
     try:
         return any(isinstance(c, Neuron) for c in parse_components(names))
@@ -337,6 +361,8 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                                 head_layers=geometry.head_layers)
                       for value, flag in ((spec.exclude, "--exclude"),
                                           (spec.never_ablate, "--never-ablate")))
+    resolved = resolved.replace(exclude=recorded_components(spec.exclude),
+                                never_ablate=recorded_components(spec.never_ablate))
     excluded_heads = {h for h in exclude if isinstance(h, Head)}
     never_heads = {h for h in never if isinstance(h, Head)}
     if "heads" in spec.components.split("+") and len(excluded_heads | never_heads) >= total:
