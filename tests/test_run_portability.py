@@ -308,3 +308,38 @@ def test_a_head_file_is_recorded_by_its_heads_not_its_path(tiny_model_dir, tmp_p
     monkeypatch.chdir(here)
     capsys.readouterr()
     assert harness(*made, *heads) == 0, capsys.readouterr().err
+
+
+def test_a_relative_model_folder_read_from_elsewhere_is_named_not_taken_for_a_hub_id(
+        tiny_model_dir, tmp_path, monkeypatch, capsys, request):
+    """A run made with ``pretrained=model`` (a folder, relative to where it was made),
+    verified or crossed from another working directory: the name then led nowhere and
+    went to Hugging Face as a Hub id ("couldn't connect", or online the Hub's model of
+    that name, measured as the run's: a Hub model has no fingerprint to check). Refused
+    in one line naming the folder and the option that points at it."""
+    from lm_eval_headloc.runs.folder_checks import RunFolderError
+    from lm_eval_headloc.runs.record import check_model_files
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    shutil.copytree(tiny_model_dir("llama"), here / "model")
+    monkeypatch.chdir(here)
+    assert harness(*locate_args(Path("model"), Path("run"))) == 0
+    recorded = json.loads((here / "run" / "config.json").read_text())
+    assert recorded["identity"]["model_args"].startswith("pretrained=model,")
+    assert recorded["model_fingerprint"]
+    monkeypatch.chdir(there)
+    request.getfixturevalue("no_model_loading")  # from here on, loading fails the test
+    capsys.readouterr()
+    assert harness("verify", str(here / "run"), "--general", "tiny_copy") == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1, error
+    assert_names(error[0], "pretrained=model is not there", str(there), "--model-args")
+    # Where the name did lead somewhere without files of a folder (a Hub id): refused,
+    # not measured as the run's model.
+    with pytest.raises(RunFolderError, match=r"made with a model loaded from a local folder, "
+                       r"and its model args name none here \('model' from .*--model-args"):
+        check_model_files(recorded["model_fingerprint"], None, "run",
+                          model_args="pretrained=model,dtype=float32")
+    check_model_files(None, None, "run")  # a Hub model's run, resumed as one: nothing to say

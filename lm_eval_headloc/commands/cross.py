@@ -124,7 +124,8 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
             spec = spec.replace(**{name: None})
     for run in runs:
         check_model_files(records[run].model_fingerprint, setup.model_fingerprint, run,
-                          "cross measures the model the runs were made with")
+                          "cross measures the model the runs were made with",
+                          model_args=setup.spec.model_args)
     plan: list[PlanEntry] = [("baseline", [])]
     for ablation in ablations(spec.scale):
         plan += [(f"set{i}{ablation.suffix}", setup.checked(s.heads), ablation.entry)

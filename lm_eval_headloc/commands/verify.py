@@ -31,7 +31,7 @@ from lm_eval_headloc.intervention.components import (
     read_heads_file,
     shown_name,
 )
-from lm_eval_headloc.intervention.embedded import is_embedded
+from lm_eval_headloc.intervention.embedded import is_embedded, local_pretrained
 from lm_eval_headloc.intervention.geometry import Geometry
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.measurement.store import PlanEntry
@@ -291,14 +291,20 @@ def _pretrained(model_args: str) -> str:
     return f"pretrained={ModelArgs.parse(model_args).args['pretrained']}"
 
 
-def _refuse_moved_model(model_args: str | None) -> None:
-    """A run's model loaded from a folder that is not there (moved, or the run folder
-    came from another machine): say how to name its new place, before anything loads."""
+def _refuse_moved_model(model_args: str | None, fingerprint: str | None) -> None:
+    """A run's model loaded from a folder that is not there (moved, the run folder came
+    from another machine, or a relative ``pretrained=`` read from another working
+    directory): say how to name its new place, before anything loads. ``fingerprint``:
+    the run's recorded ``model_fingerprint``, which says its model was a local folder
+    (else a relative name is a Hub id)."""
     pretrained = ModelArgs.parse(model_args).get("pretrained")
-    if isinstance(pretrained, str) and Path(pretrained).is_absolute() \
-            and not Path(pretrained).exists():
-        raise UsageError(f"the run's model pretrained={pretrained} is not there; if it has "
-                         "moved, give its new place with --model-args "
+    if not isinstance(pretrained, str):
+        return
+    path = Path(str(local_pretrained(pretrained)))
+    if (path.is_absolute() or fingerprint is not None) and not path.exists():
+        here = "" if path.is_absolute() else f" (from {Path.cwd()})"
+        raise UsageError(f"the run's model pretrained={pretrained} is not there{here}; if "
+                         "it has moved, give its new place with --model-args "
                          "pretrained=<folder>,... (the run's other model args as they were)")
 
 
@@ -388,13 +394,14 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                          "out)")
     spec = spec.replace(general=general)
     if own.model_args is None:
-        _refuse_moved_model(spec.model_args)
+        _refuse_moved_model(spec.model_args, stored.model_fingerprint)
     setup = prepare(spec, extra_tasks=general)
     if not same_model(setup.spec.model_args, stored.spec.model_args):
         _check_moved_model(stored, setup.model_fingerprint, own.model_args)
     else:
         check_model_files(stored.model_fingerprint, setup.model_fingerprint, run,
-                          "if it moved, give its new place with --model-args")
+                          "if it moved, give its new place with --model-args",
+                          model_args=setup.spec.model_args)
     for names in heads_by_task.values():
         setup.checked(names)  # a ranking of another model fails before the weights load
     # The model's components from its config (prepare's): the draws need no weights. A

@@ -27,6 +27,7 @@ import numpy as np
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.files import read_json
+from lm_eval_headloc.intervention.arg_string import ModelArgs
 from lm_eval_headloc.intervention.components import Head, Neuron
 from lm_eval_headloc.intervention.model_args import model_identity, same_model
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
@@ -681,7 +682,7 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     moved = fingerprint is not None and stored == fingerprint
     if not force and same_model(stored_args, identity.get("model_args")):
         # Its model's place, other files: another model (other args are another run).
-        check_model_files(stored, fingerprint, folder.path)
+        check_model_files(stored, fingerprint, folder.path, model_args=spec.model_args)
     folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
                  protect=protect, assumed=RunSpec.assumed_for_old_runs(),
                  same={"model_args": _same_files if moved else same_model,
@@ -699,14 +700,23 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
 
 def check_model_files(recorded: str | None, fingerprint: str | None, run: str | Path,
                       remedy: str = "use another --out or --force for a new run of this "
-                                    "model") -> None:
+                                    "model", model_args: str | None = None) -> None:
     """Refuse a model whose files are not the ones run ``run`` recorded (``recorded``,
-    its ``model_fingerprint``), where both are known: another model left at the run's
-    path (a folder rewritten since) would be measured as the run's."""
+    its ``model_fingerprint``): another model left at the run's path (a folder rewritten
+    since) would be measured as the run's; and a run made of a local folder's files whose
+    ``model_args`` name no folder now (a relative path read from another working
+    directory, which Hugging Face then takes for a Hub id)."""
     if recorded is not None and fingerprint is not None and recorded != fingerprint:
         raise RunFolderError(f"{run}: the model its args name now is not the one it was made "
                              "with (the files at that place differ from those it recorded); "
                              f"{remedy}")
+    if recorded is not None and fingerprint is None:
+        named = "" if model_args is None else \
+            f" ({ModelArgs.parse(model_args).get('pretrained')!r} from {Path.cwd()})"
+        raise RunFolderError(f"{run}: it was made with a model loaded from a local folder, "
+                             f"and its model args name none here{named}; give the folder's "
+                             "place with --model-args pretrained=<folder>,... (the run's "
+                             "other model args as they were)")
 
 
 def _stored_model(folder: RunFolder) -> tuple[str | None, str | None]:
