@@ -159,6 +159,37 @@ def test_verify_checks_heads_under_another_kind(tiny_model_dir, tmp_path, capsys
                for a, b in zip(zero["rows"][rows], mean["rows"][rows], strict=True))
 
 
+def test_verify_refuses_another_reference_set_of_the_runs_name(tiny_model_dir, tmp_path,
+                                                                monkeypatch, capsys):
+    """A run made with --ablation-data ref.txt (relative) verified from a folder whose
+    ref.txt holds other examples: verify knocked the heads out against those, silently,
+    as if they were the run's reference set. Refused; where the file is the run's, or
+    verify is given its own, it measures."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    (here / "ref.txt").write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    (there / "ref.txt").write_text("\n".join(reversed(TEXTS[1:])) + "\n", encoding="utf-8")
+    folder, run = tiny_model_dir("llama"), tmp_path / "run"
+    monkeypatch.chdir(here)
+    assert harness("locate", *tiny_args(folder), "--tasks", "tiny_copy_ppl", "--masks", "6",
+                   "--sparsity", "0.25", "--num-samples", "4", "--ablation", "mean",
+                   "--ablation-data", "ref.txt", "--confirm", "0", "--prior", "none",
+                   "--out", str(run)) == 0
+    verify = ["verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+              "--random-draws", "0", "--limit", "2"]
+    monkeypatch.chdir(there)
+    capsys.readouterr()
+    assert harness(*verify, "--out", str(tmp_path / "v-there")) == 2
+    assert_names(last_error(capsys), str(run), "--ablation-data ref.txt",
+                 "not those the run was made with")
+    assert not (tmp_path / "v-there" / "verify.json").exists()
+    assert harness(*verify, "--ablation-data", "ref.txt",  # its own: measured as asked
+                   "--out", str(tmp_path / "v-own")) == 0
+    monkeypatch.chdir(here)
+    assert harness(*verify, "--out", str(tmp_path / "v-here")) == 0
+
+
 @pytest.mark.parametrize("extra, values", [  # the values each refusal names
     (["--ablation", "median"], ("'median'", "'zero', 'mean', 'resample'")),
     (["--scale", "inf"], ("--scale inf",)),

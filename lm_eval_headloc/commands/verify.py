@@ -430,8 +430,12 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                       ablation.entry) for i, other in enumerate(drawn[task], start=1)]
     identity = {**spec.identity("verify"), "run": str(Path(run).resolve()),
                 "heads": {t: "+".join(h) for t, h in heads_by_task.items()}}
+    inherited = spec.ablation != "zero" and not {"ablation", "ablation_data"} & set(kind)
+    digest = (stored.ablation or {}).get("reference_digest") if inherited else None
     with measured_plan(out, "verify", spec, setup, plan, identity=identity, protect=[run],
-                       force=force, limit=spec.limit) as (folder, records):
+                       force=force, limit=spec.limit,
+                       reference_of=None if digest is None else (run, digest)
+                       ) as (folder, records):
         table = _verification_table(records, heads_by_task, list(general), spec, drawn)
         table["located_by"] = stored.spec.signal  # verify scores by the tasks' metrics
         table["ranking_notes"] = {task: ranking_notes(source, task, spec.top_k)

@@ -155,12 +155,15 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
                   plan: Sequence[PlanEntry], *, identity: Mapping[str, Any],
                   protect: Sequence[str | Path] = (), force: bool = False,
                   num_samples: int | None = None, limit: int | None = None,
-                  desc: str | None = None
+                  desc: str | None = None,
+                  reference_of: tuple[str | Path, str] | None = None
                   ) -> Iterator[tuple[RunFolder, dict[str, dict[str, Any]]]]:
     """Start (or resume) ``command``'s run folder ``out``, load the model once, measure
     ``plan`` (``run_plan``) and hold the folder's lock while the caller writes its
     tables from the records: ``with measured_plan(...) as (folder, records):``. The
-    commands that knock out given sets (verify, cross) share this."""
+    commands that knock out given sets (verify, cross) share this. ``reference_of``: (a
+    run, its mean/resample reference set's digest) where the sets are knocked out as that
+    run knocked them out: other reference examples are refused, not measured."""
     if spec.output_path is not None:
         from lm_eval_headloc.measurement.lm_eval_output import (
             check_output_folder,
@@ -181,6 +184,8 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
             return
         measure = open_measurement(setup, load_model(setup), folder, num_samples=num_samples,
                                    limit=limit, run=record)
+        if reference_of is not None:
+            _check_reference(measure, spec, *reference_of)
         record.save(folder, measure)
         records = run_plan(folder, measure, plan, desc=desc or command,
                            progress=spec.progress)
@@ -188,6 +193,21 @@ def measured_plan(out: str | Path, command: str, spec: RunSpec, setup: Setup,
             write_lm_eval_results(folder, measure, setup, plan)
         record.save(folder, measure)  # the workers' shares and the timings so far
         yield folder, records
+
+
+def _check_reference(measure: Measurement, spec: RunSpec, run: str | Path,
+                     digest: str) -> None:
+    """Refuse a reference set whose examples are not run ``run``'s (``digest``): its
+    ``--ablation-data`` file, read from another working directory or machine, is another
+    file of that name, or was changed since."""
+    now = (getattr(measure, "ablation_config", None) or {}).get("reference_digest")
+    if now is not None and now != digest:
+        source = (f"--ablation-data {spec.ablation_data}" if spec.ablation_data else
+                  "its tasks' examples")
+        raise RunFolderError(f"{run}: the {spec.ablation} ablation's reference examples "
+                             f"({source}, read from here) are not those the run was made "
+                             "with; give --ablation-data the run's reference set, or "
+                             "--ablation zero")
 
 
 #: The run folder's index of the lm-eval results files ``--output-path`` wrote.
