@@ -42,6 +42,7 @@ from lm_eval_headloc.method.group_tests import (
     read_sets,
     status,
     tied_at_k,
+    unmasked,
 )
 
 
@@ -96,6 +97,27 @@ def test_status_sees_a_violation_of_the_rule_in_a_measured_part():
     # 0.07 vs 0.05: 0.02 < 1.645 * hypot(0.02, 0.01) = 0.0368, within the noise.
     assert status(Harm(0.05, 0.01), 0.1, [Harm(0.07, 0.02)]) == UNDER
     assert status(0.05, 0.1, [0.06]) == VIOLATES  # exact numbers: any excess
+
+
+def test_a_helper_measured_alone_gives_its_help_back_to_the_sets_it_is_in():
+    """A mask knocking out a strong head (0.2) beside one measured alone to help (-0.15)
+    harms 0.05, under the bar of 0.1: it ruled the strong head out ("at most 0.05 alone"),
+    though it would be 2nd. The helper breaks the rule inside the set: its help is added
+    back, 0.2, over the bar."""
+    assert unmasked(Harm(0.05, 0.01), [Harm(-0.15, 0.02)]) == pytest.approx(
+        Harm(0.2, math.hypot(0.01, 0.02)))
+    assert unmasked(Harm(0.05, 0.01), [Harm(-0.01, 0.01)]) == Harm(0.05, 0.01)  # in noise
+    assert status(0.05, 0.1, [-0.15], alone=[-0.15]) == OVER
+    design = np.zeros((2, 7), dtype=bool)
+    design[0, [0, 1, 2]] = True
+    design[1, [0, 5, 6]] = True  # 0.01 with the helper: 0.16 without it
+    cert = certificate(range(7), design, [0.05, 0.01], {0: -0.15, 3: 0.25, 4: 0.1}, [], 2)
+    assert cert.bar == pytest.approx(0.1)
+    assert cert.unchecked == [1, 2, 5, 6] and not cert.ruled_out
+    # Under a bar of 0.25 both rule their members out, each at most its harm given back.
+    cert = certificate(range(7), design, [0.05, 0.01], {0: -0.15, 3: 0.3, 4: 0.25}, [], 2)
+    assert cert.complete and cert.ruled_out == pytest.approx({1: 0.2, 2: 0.2, 5: 0.16,
+                                                              6: 0.16})
 
 
 def test_read_sets_rules_out_with_the_upper_bound_and_counts_what_it_cannot_use():

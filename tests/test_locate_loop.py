@@ -209,3 +209,50 @@ def test_masks_of_one_head_leave_their_heads_to_the_group_stage_and_are_not_reme
             assert record["same_as"].startswith("mask-"), key
     # The top-5 is the planted one, each measured alone.
     assert [str(h) for h in ranking.top(5)] == list(_Planted.harms)
+
+
+class _Helped(_Scores):
+    """A 32-head model (4 layers of 8) whose score falls by each knocked-out head's planted
+    harm; two heads help. With the design of seed 2, mask-0006 knocks out L3H2 (0.15, the
+    4th) beside L2H7 (-0.15): the mask's change is 0."""
+
+    harms = {"L2H0": 0.3, "L3H4": 0.25, "L0H7": 0.2, "L3H2": 0.15, "L1H2": 0.1,
+             "L2H4": -0.2, "L2H7": -0.15}
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        super().__init__(-1, None)
+        self.lm = SimpleNamespace(knockout=SimpleNamespace(
+            num_layers=4, heads_per_layer=8, layers_with_heads=[0, 1, 2, 3]))
+
+    def measure_chunks(self, chunks, masks_per_pass=None, scale=None):
+        from lm_eval_headloc.measurement.metrics import TaskScore
+
+        for index, chunk in enumerate(chunks):
+            yield index, [{"t": TaskScore("t", "acc,none", 0.8 - sum(
+                self.harms.get(str(h), 0.0) for h in heads), True)} for heads in chunk], 0.0
+
+
+def test_a_mask_holding_a_head_measured_to_help_rules_out_none_of_its_heads():
+    """The prior's five likeliest, L2H7 among them, are measured alone: L2H7 helps by
+    0.15. The mask knocking it out beside L3H2 changed nothing, and ruled L3H2 out: the
+    run was certified with L3H2 (truly 4th) 6th and a head of no harm 5th, by its
+    estimate. The helper's help is added back to the mask (0.15, over the bar): L3H2 is
+    group tested and measured alone."""
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.method.designs import design_matrix
+    from lm_eval_headloc.method.locate_loop import locate_components
+
+    mask = design_matrix("stratified", 12, 32, 0.1, 2)[6]
+    assert {f"L{i // 8}H{i % 8}" for i in np.flatnonzero(mask)} >= {"L3H2", "L2H7"}
+    prior = np.zeros(32)
+    for rank, name in enumerate(["L2H0", "L3H4", "L0H7", "L1H2", "L2H7"]):
+        prior[int(name[1]) * 8 + int(name[3])] = rank - 5.0  # most negative: likeliest
+    spec = RunSpec(masks=12, sparsity=0.1, confirm=5, prior="none", max_measurements=32,
+                   bootstrap=5, seed=2, progress=False).validate()
+    (ranking,) = locate_components(_Helped(), spec, priors={"t": prior}).values()
+    cert = ranking.facts.certificate
+    assert cert.certified
+    assert [str(h) for h in ranking.top(5)] == ["L2H0", "L3H4", "L0H7", "L3H2", "L1H2"]
+    assert ranking.measured_alone("L3H2")

@@ -19,7 +19,10 @@ component's harm alone is at most that of any set it is in). It is an assumption
 measurements are checked against it: a set whose change is a help larger than its noise
 (a helpful member can hide a harmful one), or whose harm is clearly below that of a
 measured part of it (a violation of the rule, observed), rules out nothing, and the
-certificate counts them.
+certificate counts them. A member measured alone to help beyond its noise breaks the rule
+inside any set it is in (its knockout lessened the harm of knocking out nothing), so its
+help may hide as much harm of the others: the set's harm is read with that help added back
+(``unmasked``: a knockout lessens the harm by at most its help alone).
 
 A measurement is a sample of n examples, so each set's harm comes with the paired standard
 error of its change (``Harm.se``: per-example differences against the baseline, on the same
@@ -50,7 +53,8 @@ import numpy as np
 __all__ = ["CONFIDENCE", "HELPS", "MAX_GROUP", "OVER", "ROUND", "UNCLEAR", "UNDER", "VIOLATES",
            "Certificate", "GroupTesting", "Harm", "Reading", "Z", "background_harm",
            "certificate", "entry_bar", "group_key", "group_order", "group_size",
-           "group_testing", "halves", "peeled", "read_sets", "status", "tied_at_k"]
+           "group_testing", "halves", "peeled", "read_sets", "status", "tied_at_k",
+           "unmasked"]
 
 #: Sets measured per round: halves of the last round's sets that did not rule out their
 #: members first, then new groups. Small, so that a round's results steer the next.
@@ -116,15 +120,30 @@ def entry_bar(alone: Mapping[int, Harm | float], top_k: int) -> float:
     return harms[top_k - 1]
 
 
+def unmasked(harm: Harm | float, alone: Iterable[Harm | float] = (), z: float = Z) -> Harm:
+    """A set's ``harm`` with the help of its members measured ``alone`` to help beyond
+    ``z`` standard errors added back (their errors combined with its own): what its other
+    members may harm together, a helper's help hiding it (a strong head beside a helper
+    measures 0.2 - 0.15 = 0.05)."""
+    harm = _harm(harm)
+    helpers = [part for part in map(_harm, alone) if part.value < -z * part.se - _TOL]
+    if not helpers:
+        return harm
+    return Harm(harm.value - sum(part.value for part in helpers),
+                math.hypot(harm.se, *(part.se for part in helpers)))
+
+
 def status(harm: Harm | float, bar: float, inside: Iterable[Harm | float] = (),
-           z: float = Z) -> str:
+           z: float = Z, alone: Iterable[Harm | float] = ()) -> str:
     """What a measured set with this ``harm`` says of its members, given the top-k's entry
-    ``bar`` and the harms of its parts measured too (``inside``: its members alone, smaller
-    sets of them): ``HELPS`` where its change is a help larger than ``z`` standard errors;
-    ``VIOLATES`` where a part's harm exceeds its own by more than ``z`` standard errors of
-    the difference; else ``UNDER`` where its harm plus ``z`` standard errors stays under the
-    bar (or at 0: it hurts nothing, and fewer than k hurt), ``OVER`` where its harm less
-    them reaches the bar, ``UNCLEAR`` in between. Only ``UNDER`` rules its members out."""
+    ``bar``, the harms of its parts measured too (``inside``: its members alone, smaller
+    sets of them) and those of its members measured alone (``alone``): ``HELPS`` where its
+    change is a help larger than ``z`` standard errors; ``VIOLATES`` where a part's harm
+    exceeds its own by more than ``z`` standard errors of the difference; else, its harm
+    read with its helpers' help added back (``unmasked``), ``UNDER`` where that harm plus
+    ``z`` standard errors stays under the bar (or at 0: it hurts nothing, and fewer than k
+    hurt), ``OVER`` where that harm less them reaches the bar, ``UNCLEAR`` in between. Only
+    ``UNDER`` rules its members out."""
     harm = _harm(harm)
     margin = z * harm.se
     if harm.value < -margin - _TOL:
@@ -132,6 +151,8 @@ def status(harm: Harm | float, bar: float, inside: Iterable[Harm | float] = (),
     for part in map(_harm, inside):
         if part.value - harm.value > z * math.hypot(part.se, harm.se) + _TOL:
             return VIOLATES
+    harm = unmasked(harm, alone, z)
+    margin = z * harm.se
     if harm.value + margin < bar - _TOL or harm.value + margin <= _TOL:
         return UNDER
     if harm.value - margin >= bar - _TOL:
@@ -155,7 +176,9 @@ def read_sets(measured: Mapping[Members, Harm | float], top_k: int, z: float = Z
     """One task's ``Reading`` of ``measured`` (members -> harm). ``alone``: the components
     measured alone, which set the bar and are never ruled out (they are measured); None:
     the 1-sets of ``measured`` are. A set's parts (``status``'s ``inside``) are its members
-    measured alone and the smaller measured sets inside it."""
+    measured alone and the smaller measured sets inside it; a ruled-out column's bound is
+    its ruling set's harm with its helpers' help added back (``unmasked``) plus the
+    margin."""
     sets = {tuple(members): _harm(value) for members, value in measured.items()}
     if alone is None:
         singles = {members[0]: value for members, value in sets.items() if len(members) == 1}
@@ -171,14 +194,15 @@ def read_sets(measured: Mapping[Members, Harm | float], top_k: int, z: float = Z
     ruled_out: dict[int, float] = {}
     for members in larger:
         harm, inner = sets[members], set(members)
-        parts = [singles[h] for h in members if h in singles and (h,) != members]
+        singly = [singles[h] for h in members if h in singles and (h,) != members]
         smaller = {other for h in members for other in containing[h]
                    if len(other) < len(members)}
-        parts += [sets[other] for other in smaller if inner.issuperset(other)]
-        statuses[members] = verdict = status(harm, bar, parts, z)
+        parts = singly + [sets[other] for other in smaller if inner.issuperset(other)]
+        statuses[members] = verdict = status(harm, bar, parts, z, singly)
         if verdict != UNDER:
             continue
-        bound = harm.value + z * harm.se
+        shown = unmasked(harm, singly, z)
+        bound = shown.value + z * shown.se
         for h in members:
             if h not in singles:
                 ruled_out[h] = min(ruled_out.get(h, bound), bound)

@@ -307,7 +307,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
 
 #: The rule under which a measured set rules out its members (``group_tests``).
 CERTIFICATE_RULE = ("a component's harm alone is at most the harm of any set it is "
-                    "knocked out in (knocking out more never lessens the harm)")
+                    "knocked out in (knocking out more never lessens the harm), with the "
+                    "help of a member measured alone to help added back")
 
 
 def measured_harm(record: Mapping[str, Any], baseline: Mapping[str, Any], task: str) -> Harm:
