@@ -62,6 +62,17 @@ def test_group_uses_the_harness_aggregate_when_reported_else_the_mean():
     assert perplexity.value == 10.0 and perplexity.higher_is_better is False
 
 
+def test_a_metric_whose_direction_lm_eval_does_not_know_is_refused():
+    """A YAML metric without higher_is_better (lm-eval records None) was taken as higher is
+    better: a loss or an error rate ranked the heads whose knockout helps as the task's."""
+    results = {"results": {"mine": {"alias": "mine", "err,none": 13.8}},
+               "higher_is_better": {"mine": {"err": None}}}
+    with raises_naming(MetricError, "'mine'", "'err'", "higher_is_better"):
+        task_score(results, "mine")
+    # Results that say nothing of the task (older or hand-made ones): higher, as before.
+    assert task_score({"results": results["results"]}, "mine").higher_is_better is True
+
+
 def test_unknown_task_falls_back_to_first_metric_and_harness_flag():
     score = task_score(RESULTS, "custom")
     assert (score.metric, score.higher_is_better) == ("brier_score,none", False)

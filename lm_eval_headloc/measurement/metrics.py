@@ -190,6 +190,15 @@ def task_score(results: Mapping[str, Any], task: str, metric: str | None = None,
     if known_flag is not None and metric == known_metric:
         flag = known_flag
     if flag is None:
+        name = metric.split(",")[0]
+        if name in results.get("higher_is_better", {}).get(task, {}):
+            # lm-eval's "higher_is_better not specified" (None): taken as higher, an error
+            # rate or a loss would rank the heads whose knockout helps as the task's heads.
+            raise MetricError(f"task {task!r}: lm-eval does not say whether a higher "
+                              f"{name!r} is better (the metric's metric_list entry in the "
+                              "task's YAML gives no higher_is_better, or a group's tasks "
+                              "give different ones); add higher_is_better: true or false "
+                              "there")
         flag = True
     return TaskScore(task, metric, value, flag, subtasks,
                      examples=checked_examples(examples, value))
