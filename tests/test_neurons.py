@@ -142,23 +142,24 @@ def _recorded_inputs(model, family: str, layer: int, ids: list[int]) -> torch.Te
             model(torch.tensor([ids]))
     finally:
         handle.remove()
-    return seen[0][0]  # (positions, width)
+    return seen[0].reshape(len(ids), -1)  # (positions, width); OPT's MLP sees them flat
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_neuron_mean_ablation_writes_its_mean(tiny_model_dir, family, tmp_path):
+# OPT's neuron 4 of layer 1 never fires (ReLU); its MLP sees the batch flattened.
+@pytest.mark.parametrize("family, neuron", [("llama", 4), ("gpt2", 4), ("opt", 6)])
+def test_neuron_mean_ablation_writes_its_mean(tiny_model_dir, family, neuron, tmp_path):
     folder = tiny_model_dir(family)
     reference = tmp_path / "reference.txt"
     texts = ["the cat sat on the mat", "Mary and John went to the store"]
     reference.write_text("\n".join(texts) + "\n", encoding="utf-8")
-    lm = load_ablate(folder, ablate="L1N4", ablation="mean", ablation_data=str(reference),
-                     ablation_cache=str(tmp_path / "cache"))
+    lm = load_ablate(folder, ablate=f"L1N{neuron}", ablation="mean",
+                     ablation_data=str(reference), ablation_cache=str(tmp_path / "cache"))
     plain = edited_copy(folder, family)
     # The mean over every real position of both reference texts, recorded independently.
     positions = torch.cat([_recorded_inputs(plain, family, 1, lm.tok_encode(t))
                            for t in texts])
-    mean = positions[:, 4].double().mean().float()
-    expected = _logits_with_feature(plain, family, 1, 4, mean)
+    mean = positions[:, neuron].double().mean().float()
+    expected = _logits_with_feature(plain, family, 1, neuron, mean)
     assert torch.allclose(logits(lm), expected, atol=1e-5)
     assert not torch.allclose(expected, logits(plain), atol=1e-5)
     assert lm.neuron_means_file is not None and lm.means_file is not None
@@ -166,10 +167,11 @@ def test_neuron_mean_ablation_writes_its_mean(tiny_model_dir, family, tmp_path):
     assert lm.get_model_info()["neuron_means_file"] == lm.neuron_means_file
 
 
-def test_neuron_resample_takes_the_donors_feature(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_neuron_resample_takes_the_donors_feature(tiny_model_dir, tmp_path, family):
     from lm_eval_headloc.intervention.ablation import pick_donor
 
-    family, folder = "llama", tiny_model_dir("llama")
+    folder = tiny_model_dir(family)
     reference = tmp_path / "reference.txt"
     texts = ["the cat sat on the mat when the dog sat", "Mary and John went to the store"]
     reference.write_text("\n".join(texts) + "\n", encoding="utf-8")
@@ -186,8 +188,10 @@ def test_neuron_resample_takes_the_donors_feature(tiny_model_dir, tmp_path):
     assert not torch.allclose(expected, logits(plain), atol=1e-5)
 
 
-def test_row_masks_over_heads_and_neurons(tiny_model_dir):
-    family, folder = "qwen2", tiny_model_dir("qwen2")
+# OPT's MLP sees its batch flattened (rows x positions, features).
+@pytest.mark.parametrize("family", ["qwen2", "opt"])
+def test_row_masks_over_heads_and_neurons(tiny_model_dir, family):
+    folder = tiny_model_dir(family)
     lm = load_ablate(folder)
     heads, width = LAYERS * 4, lm.neurons_per_layer
     masks = torch.zeros(3, heads + LAYERS * width, dtype=torch.bool)

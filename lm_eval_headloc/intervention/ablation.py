@@ -268,7 +268,8 @@ def _recorded(model: nn.Module, modules: Sequence[nn.Module],
                     pass
                 if any(hidden is None for hidden in inputs):
                     raise RuntimeError("an attention output projection was not called")
-                yield real, list(inputs)
+                # (rows, positions, features); OPT's MLP sees them flattened.
+                yield real, [hidden.reshape(*real.shape, -1) for hidden in inputs]
                 inputs[:] = [None] * len(modules)  # type: ignore[arg-type]
     finally:
         for handle in handles:

@@ -240,6 +240,13 @@ class ComponentKnockout:
             if mask is None:
                 return None
             hidden, *rest = args
+            # OPT's MLP sees its batch flattened, (rows × positions, features): per-row
+            # masks and resample's donors need the rows back.
+            rows = active.rows if active.rows is not None else (
+                None if active.donor_index is None else active.donor_index.shape[0])
+            flat = hidden.dim() == 2 and rows is not None
+            if flat and hidden.shape[0] % rows == 0:
+                hidden = hidden.unflatten(0, (rows, -1))
             if active.rows is not None and active.rows != hidden.shape[0]:
                 raise RuntimeError(f"per-row masks for {active.rows} rows, batch has "
                                    f"{hidden.shape[0]}")
@@ -248,7 +255,8 @@ class ComponentKnockout:
             # (..., units*width) -> (..., units, width)
             units = self._sites[kind].units
             per_unit = self._ablated(kind, layer, hidden.unflatten(-1, (units, -1)), mask)
-            return (per_unit.flatten(-2), *rest)
+            out = per_unit.flatten(-2)
+            return (out.flatten(0, 1) if flat else out, *rest)
 
         return knock_out
 
