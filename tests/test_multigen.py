@@ -189,6 +189,20 @@ def test_sampled_or_thinking_generation_is_not_shared_nor_stopped_early(tiny_mod
     assert not multigen.shares_generate(lm, greedy)
 
 
+def test_beams_of_the_models_generation_config_are_measured_one_mask_at_a_time(
+        tiny_model_dir, task_manager):
+    """A model whose generation config asks for beam search (a task that names no
+    num_beams) generates with beams under lm-eval: its masks share no generate call (it
+    failed: 'per-row masks for 60 rows, batch has 180')."""
+    lm = load_lm(tiny_model_dir("llama"))
+    lm.model.generation_config.num_beams = 3
+    measure = open_generation_measurement(task_manager, lm)
+    assert not multigen.shares_generate(lm, measure.generating_instances())
+    masks = [[], parse_heads("L0H1", 2, 4)]
+    assert measure.measure_many(masks, masks_per_pass=2) == \
+        [measure.measure_with_model(heads) for heads in masks]
+
+
 @pytest.mark.parametrize("tasks", [(GENERATION_TASK,), (GENERATION_TASK, "tiny_choice")],
                          ids=["generation", "generation and multiple choice"])
 def test_a_measurement_of_k_masks_per_generate_scores_as_one_at_a_time(

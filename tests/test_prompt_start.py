@@ -166,3 +166,19 @@ def test_finished_rows_leave_the_batch_with_the_same_answers(tiny_model_dir, tas
     for heads, mask_answers in zip(masks, staying, strict=True):
         with lm.knocking_out(heads):
             assert lm.generate_until(list(instances), disable_tqdm=True) == mask_answers
+
+
+def test_beam_search_of_prompts_with_a_common_start_is_the_models_own(tiny_model_dir):
+    """Beam search repeats each row (its cache too): the common start is not shared, and
+    the answers are the model's own beam search."""
+    lm = load_lm(tiny_model_dir("llama"))
+    ids, mask = left_padded([[5, 6, 7, 8, 9], [5, 6, 7, 11], [5, 6, 7, 8, 20, 21]])
+    assert shared_start(ids, mask) == 3
+    width = ids.shape[1] + 6
+    generated = lm._model_generate(ids, width, stop=[], attention_mask=mask, num_beams=3,
+                                   do_sample=False)
+    with torch.no_grad():
+        expected = lm.model.generate(input_ids=ids, attention_mask=mask, max_length=width,
+                                     num_beams=3, do_sample=False,
+                                     pad_token_id=lm.tokenizer.pad_token_id)
+    assert generated.tolist() == expected.tolist()

@@ -71,6 +71,7 @@ from lm_eval_headloc.intervention.model_args import (
     requested_components,
 )
 from lm_eval_headloc.intervention.prompt_start import (
+    beams,
     cache_argument,
     laid_out,
     plain_cache,
@@ -518,7 +519,9 @@ class HFHeadAblateLM(HFLM):
             distinct, which = torch.unique(torch.as_tensor(intervention.row_masks), dim=0,
                                            return_inverse=True)
         copies = 1 if distinct is None else len(distinct)
-        if name is None or name in generation_kwargs or copies >= len(context):
+        # Beam search repeats each row, its cache too: one made for the rows would not fit.
+        if name is None or name in generation_kwargs or copies >= len(context) \
+                or beams(self.model, generation_kwargs) > 1:
             return self._generate(context, max_length, stop, generation_kwargs)
         ids, mask = laid_out(context, attention, start)
         once = intervention if distinct is None else intervention.replace(row_masks=distinct)

@@ -30,6 +30,7 @@ import torch
 from transformers import StoppingCriteria
 
 from lm_eval_headloc.intervention.components import Head
+from lm_eval_headloc.intervention.prompt_start import beams
 
 __all__ = ["RowStops", "could_end", "generations_for_masks", "row_stops_for",
            "rows_stop_on_their_own", "shares_generate", "stopping_per_row", "stops_per_row"]
@@ -150,8 +151,8 @@ def stops_per_row(lm: Any, generation_kwargs: dict[str, Any]) -> bool:
     if do_sample is None:
         do_sample = (generation_kwargs.get("temperature", 0.0) != 0.0
                      and bool(getattr(config, "do_sample", False)))
-    beams = generation_kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-    return (not do_sample and int(beams) == 1 and getattr(lm, "think_end_token", None) is None
+    return (not do_sample and beams(lm.model, generation_kwargs) == 1
+            and getattr(lm, "think_end_token", None) is None
             and _padding_is_silent(lm.tokenizer))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cache_argument", "laid_out", "plain_cache", "shared_start"]
+__all__ = ["beams", "cache_argument", "laid_out", "plain_cache", "shared_start"]
 
 
 def shared_start(context: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
@@ -79,3 +79,14 @@ def cache_argument(model: Any) -> str | None:
     if "position_ids" not in parameters or getattr(model.config, "is_encoder_decoder", False):
         return None
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def beams(model: Any, generation_kwargs: dict[str, Any]) -> int:
+    """The beams of a ``generate`` call of ``model`` with ``generation_kwargs`` (where they
+    give none, or None, the model's generation config's): ``generate`` runs that many rows
+    per prompt, each row repeated in place, so a key/value cache or a per-row value made
+    for the prompts' rows must be repeated alike."""
+    given = generation_kwargs.get("num_beams")
+    if given is None:
+        given = getattr(getattr(model, "generation_config", None), "num_beams", None)
+    return int(given or 1)
