@@ -534,6 +534,28 @@ def test_resample_generation_uses_the_kv_cache_and_equals_patching_by_hand(
     assert generated[0].tolist() == ids
 
 
+def test_resample_beam_search_gives_each_row_its_own_donor(tiny_model_dir, reference_file):
+    """generate runs a row's beams as rows after it: each gets that row's donor, so a
+    batch's rows generate as each alone."""
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1+L1H2", ablation="resample",
+                 ablation_data=str(reference_file))
+    prompts = [lm.tok_encode(text) for text in (PROBE, "the cat", "Mary and John went")]
+    pad = lm.tokenizer.pad_token_id or 0
+
+    def generate(rows: list[list[int]]) -> list[list[int]]:
+        width = max(map(len, rows))
+        context = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        out = lm._model_generate(context, width + 5, stop=[], attention_mask=mask,
+                                 num_beams=3, do_sample=False)
+        return [row[width - len(r):].tolist() for row, r in zip(out, rows, strict=True)]
+
+    alone = [generate([prompt])[0] for prompt in prompts]
+    assert generate(prompts) == alone
+    with lm.knocking_out([]):  # the test means something: resample changes the answers
+        assert [generate([prompt])[0] for prompt in prompts] != alone
+
+
 def test_resample_refuses_a_seq2seq_model_in_one_line(tiny_model_dir, monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
     monkeypatch.setattr(lm, "backend", "seq2seq")  # as HFLM marks encoder-decoder models

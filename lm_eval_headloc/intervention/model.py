@@ -457,6 +457,9 @@ class HFHeadAblateLM(HFLM):
             if active is None or active.donors is None:
                 return self._generate_after_shared_start(context, max_length, stop,
                                                          generation_kwargs)
+            # Beam search runs each row's beams as rows after it: each gets the row's donor.
+            active.donor_index = active.donor_index.repeat_interleave(
+                beams(self.model, generation_kwargs), dim=0)
             seen = [0]
 
             def track_columns(_module: Any, args: tuple, kwargs: dict) -> None:
