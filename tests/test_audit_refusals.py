@@ -207,6 +207,24 @@ def test_a_scale_beyond_float32_is_refused_unless_the_model_runs_in_float64(
         check_scale_fits(scale, model_args, config)
 
 
+def test_hf_headablate_refuses_a_scale_beyond_its_mixed_precision_before_loading(
+        tiny_model_dir, monkeypatch):
+    """dtype=float64 holds the scale, but mixed_precision_dtype=bfloat16 computes in
+    bfloat16: every knocked-out output inf, every score NaN."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.ablation import AblationError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loading")
+
+    monkeypatch.setattr(HFLM, "_create_model", refuse)
+    with raises_naming(AblationError, "scale=1e+39", "bfloat16"):
+        HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu", ablate="L0H1",
+                       scale=1e39, dtype="float64", mixed_precision_dtype="bfloat16")
+
+
 def test_verify_refuses_a_scale_beyond_float32_before_loading(tiny_model_dir, tmp_path,
                                                               capsys, no_model_load):
     run = fake_run(tmp_path / "run", tiny_model_dir("llama"))

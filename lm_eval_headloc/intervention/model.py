@@ -164,6 +164,8 @@ class HFHeadAblateLM(HFLM):
                                      ">= 1")
         if not kwargs.get("parallelize"):
             check_device(kwargs.get("device"))
+        # HFLM sets its mixed_precision_dtype only after the load: _create_model reads it here.
+        self._mixed_precision = kwargs.get("mixed_precision_dtype")
         try:
             with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
                 super().__init__(pretrained=pretrained, **kwargs)
@@ -230,7 +232,7 @@ class HFHeadAblateLM(HFLM):
         # A scale past the model's arithmetic made every knocked-out logit NaN, which
         # lm-eval then scored as answers (acc 0.75 against 0.25): refused before the load.
         runs_in = scale_overflow(self.scale, kwargs.get("dtype"), self._config,
-                                 getattr(self, "mixed_precision_dtype", None))
+                                 self._mixed_precision)
         if runs_in is not None:
             raise AblationError(f"scale={self.scale:g}: beyond float32's range (from "
                                 f"{FLOAT32_OVERFLOW:.7g} on, a float32 is inf); in the "
