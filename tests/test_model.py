@@ -275,11 +275,30 @@ def test_a_bad_batch_size_is_one_line_before_the_weights_load(no_weight_loading,
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kwargs, said", [
+    # HFLM took max_length=0 as unset, stopped on a bare AssertionError for -5, and read
+    # softmax_dtype and mixed_precision_dtype after the load (an AttributeError).
+    (dict(max_length=0), "max_length=0:"), (dict(max_length=-5.0), "max_length=-5:"),
+    (dict(max_length="abc"), "max_length='abc':"), (dict(max_length=2.5), "max_length=2.5"),
+    (dict(softmax_dtype="float17"), "softmax_dtype=float17:"),
+    (dict(mixed_precision_dtype="bf16"), "mixed_precision_dtype=bf16:"),
+])
+def test_a_bad_length_or_dtype_is_one_line_before_the_weights_load(no_weight_loading,
+                                                                   kwargs, said):
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    with raises_naming(UsageError, said) as info:
+        HFHeadAblateLM(pretrained="never-loaded", **kwargs)
+    assert "\n" not in str(info.value)
+
+
 def test_a_good_batch_size_reaches_the_load(no_weight_loading):
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     for kwargs in (dict(batch_size=4), dict(batch_size="auto"), dict(batch_size="auto:2"),
-                   dict(batch_size="8", max_batch_size=16)):
+                   dict(batch_size="8", max_batch_size=16), dict(max_length=64),
+                   dict(softmax_dtype="float32", mixed_precision_dtype="bfloat16")):
         with pytest.raises(AssertionError, match="weights are loading"):
             HFHeadAblateLM(pretrained="never-loaded", **kwargs)
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from lm_eval_headloc.common.errors import UserError
 
-__all__ = ["UsageError", "as_python", "check_load_args", "check_number", "check_pretrained_given"]
+__all__ = ["UsageError", "as_python", "check_dtype", "check_load_args", "check_number",
+           "check_pretrained_given"]
 
 
 class UsageError(UserError):
@@ -167,9 +168,18 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
             and not os.path.isfile(os.path.join(peft, "adapter_config.json")):
         raise UsageError(f"peft={peft}: no adapter_config.json in it (a PEFT adapter folder "
                          "is what save_pretrained of a PEFT model writes)")
-    if isinstance(dtype, str) and dtype != "auto":
+    if dtype != "auto":
+        check_dtype(dtype, "dtype")
+
+
+def check_dtype(dtype: object, name: str) -> None:
+    """A dtype model argument (``dtype``, ``softmax_dtype``, ``mixed_precision_dtype``)
+    written as a name torch does not have, which lm-eval turns into an ``AttributeError``
+    (for the last two after the weights load)."""
+    if isinstance(dtype, str):
         import torch
 
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise UsageError(f"dtype={dtype}: not a torch dtype; use auto, float32, float16 "
+            auto = "auto, " if name == "dtype" else ""
+            raise UsageError(f"{name}={dtype}: not a torch dtype; use {auto}float32, float16 "
                              "or bfloat16")

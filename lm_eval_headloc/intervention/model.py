@@ -36,7 +36,9 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval_headloc.common.checks import (
     UsageError,
     check_batch_size,
+    check_dtype,
     check_load_args,
+    check_number,
     check_pretrained_given,
 )
 from lm_eval_headloc.intervention.ablation import (
@@ -156,6 +158,11 @@ class HFHeadAblateLM(HFLM):
         named, pretrained = pretrained, local_pretrained(pretrained)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
                         kwargs.get("gguf_file"))
+        for name in ("softmax_dtype", "mixed_precision_dtype"):  # read after the load
+            check_dtype(kwargs.get(name), name)
+        if kwargs.get("max_length") is not None:  # HFLM takes 0 as unset, asserts on -1
+            kwargs["max_length"] = check_number(as_written(kwargs["max_length"]),
+                                                "max_length", whole=True, min_val=1)
         for name in ("batch_size", "max_batch_size"):  # lm-eval's: a bare assert, or none
             if kwargs.get(name) is not None:
                 kwargs[name] = check_batch_size(kwargs[name], f"{name}=")
