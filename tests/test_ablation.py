@@ -556,6 +556,53 @@ def test_resample_beam_search_gives_each_row_its_own_donor(tiny_model_dir, refer
         assert [generate([prompt])[0] for prompt in prompts] != alone
 
 
+def test_a_prompt_tuning_adapters_means_are_over_the_texts_tokens(tiny_model_dir, tmp_path,
+                                                                   reference_file):
+    """A PEFT prompt-tuning model puts virtual tokens before each input: mean ablation
+    averages the texts' own positions, and resample (whose donors are aligned by position)
+    is refused in one line."""
+    from peft import PeftModel, PromptTuningConfig, get_peft_model
+
+    folder = tiny_model_dir("llama")
+    model, _ = _plain(folder)
+    torch.manual_seed(1)
+    tuned = get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM",
+                                                     num_virtual_tokens=4))
+    with torch.no_grad():
+        for parameter in tuned.parameters():
+            if parameter.requires_grad:
+                parameter.normal_(0, 0.5)
+    tuned.save_pretrained(tmp_path / "adapter")
+    lm = load_lm(folder, peft=str(tmp_path / "adapter"), ablate="L1H2", ablation="mean",
+                 ablation_data=str(reference_file), ablation_cache=str(tmp_path / "cache"))
+    plain = PeftModel.from_pretrained(_plain(folder)[0], tmp_path / "adapter").eval()
+    projection = plain.base_model.get_submodule(ARCHITECTURES["llama"][2].format(l=1))
+    seen = []
+    handle = projection.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        for text in TEXTS:
+            ids = lm.tok_encode(text)
+            plain(input_ids=torch.tensor([ids]))
+            seen[-1] = seen[-1][0, -len(ids):]  # the text's positions, after the virtual ones
+    handle.remove()
+    mean = torch.cat(seen).double().mean(0).float()[16:24]  # head 2 of 4, 8 wide
+
+    def write_mean(_module, args):
+        hidden = args[0].clone()
+        hidden[..., 16:24] = mean
+        return (hidden,)
+
+    handle = projection.register_forward_pre_hook(write_mean)
+    with torch.no_grad():
+        expected = plain(input_ids=torch.tensor([lm.tok_encode(PROBE)])).logits
+    handle.remove()
+    assert torch.allclose(_lm_logits(lm), expected, atol=1e-5)
+    with lm.knocking_out([]):  # the knockout changes the answers: the test means something
+        assert not torch.allclose(_lm_logits(lm), expected, atol=1e-4)
+    with raises_naming(AblationError, "ablation=resample", "mean"):
+        lm.set_ablation("resample", TEXTS)
+
+
 def test_resample_refuses_a_seq2seq_model_in_one_line(tiny_model_dir, monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
     monkeypatch.setattr(lm, "backend", "seq2seq")  # as HFLM marks encoder-decoder models

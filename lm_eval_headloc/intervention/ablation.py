@@ -268,8 +268,10 @@ def _recorded(model: nn.Module, modules: Sequence[nn.Module],
                     pass
                 if any(hidden is None for hidden in inputs):
                     raise RuntimeError("an attention output projection was not called")
-                # (rows, positions, features); OPT's MLP sees them flattened.
-                yield real, [hidden.reshape(*real.shape, -1) for hidden in inputs]
+                # (rows, positions, features): OPT's MLP sees them flattened, and a PEFT
+                # prompt-tuning model's virtual tokens come before the text's.
+                yield real, [hidden.reshape(len(real), -1, hidden.shape[-1])[:, -real.shape[1]:]
+                             for hidden in inputs]
                 inputs[:] = [None] * len(modules)  # type: ignore[arg-type]
     finally:
         for handle in handles:

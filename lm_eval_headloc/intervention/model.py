@@ -277,6 +277,10 @@ class HFHeadAblateLM(HFLM):
             if kind == "resample" and getattr(self, "backend", "causal") != "causal":
                 raise AblationError("ablation=resample needs a decoder-only model (its donors "
                                     "are aligned by position in one sequence); use mean")
+            if kind == "resample" and _prepends_virtual_tokens(self.model):
+                raise AblationError("ablation=resample: this PEFT adapter (prompt tuning, "
+                                    "P-tuning) puts virtual tokens before each input, which "
+                                    "the donors' positions do not allow for; use mean")
         saved = {name: getattr(self, name) for name in self._ABLATION_STATE
                  if hasattr(self, name)}
         try:
@@ -718,6 +722,14 @@ def _reference_set(ablation: str, data: Any, field: Any, include_path: Any = Non
     texts = reference_texts(data, field, task_manager=manager)
     check_reference_set(ablation, texts)
     return texts
+
+
+def _prepends_virtual_tokens(model: Any) -> bool:
+    """Whether ``model`` is a PEFT prompt-learning model whose virtual tokens come before
+    the input's (prompt tuning, P-tuning; prefix tuning's are keys and values only)."""
+    config = getattr(model, "active_peft_config", None)
+    return (bool(getattr(config, "is_prompt_learning", False))
+            and getattr(config, "peft_type", None) != "PREFIX_TUNING")  # a str enum
 
 
 def _weights_fingerprint(model: Any) -> str:
