@@ -43,7 +43,7 @@ def _grad_back_on():
     torch.set_grad_enabled(True)
 
 
-def _setup(tiny_model_dir, task_manager, tmp_path=None, **model_args):
+def _setup(tiny_model_dir, task_manager, tmp_path=None, family="llama", **model_args):
     """hf-headablate on the tiny llama in float64 (reference texts for mean and resample
     ablation under ``tmp_path``), and the logprob measurement of ``TASK`` on it."""
     if tmp_path is not None:
@@ -52,7 +52,7 @@ def _setup(tiny_model_dir, task_manager, tmp_path=None, **model_args):
         model_args["ablation_data"] = str(reference)
         if model_args.get("ablation") == "mean":
             model_args["ablation_cache"] = str(tmp_path / "cache")
-    lm = load_lm(tiny_model_dir("llama"), dtype="float64", softmax_dtype="float64",
+    lm = load_lm(tiny_model_dir(family), dtype="float64", softmax_dtype="float64",
                  **model_args)
     measure = HarnessMeasurement(lm, [(TASK, None)], {TASK: task_manager.load([TASK])},
                                  num_samples=None, signal="logprob")
@@ -172,13 +172,15 @@ def test_neuron_attribution_at_a_path_point_is_the_derivative_there(tiny_model_d
     assert np.abs(effects - clean).max() > 1e-3
 
 
-@pytest.mark.parametrize("ablation", ["zero", "mean", "resample"])
+@pytest.mark.parametrize("ablation, family", [
+    ("zero", "llama"), ("mean", "llama"), ("resample", "llama"),
+    ("resample", "opt")])  # OPT's MLP sees its batch flattened
 def test_estimate_is_the_knockouts_derivative_in_its_scale(tiny_model_dir, task_manager,
-                                                           tmp_path, ablation):
+                                                           tmp_path, ablation, family):
     """A neuron knocked out at scale 1 - d moves by d·(t - z): its estimate is the
     measured knockout's derivative in d at 0, whatever t is (resample's donors too)."""
     lm, measure = _setup(tiny_model_dir, task_manager,
-                         None if ablation == "zero" else tmp_path, ablation=ablation)
+                         None if ablation == "zero" else tmp_path, family, ablation=ablation)
     effects = measure.attribution((0.0,), kind="neurons")[TASK][0]
     width = lm.knockout.neurons_per_layer
     for neuron in _picked(effects, width)[:3]:

@@ -239,14 +239,8 @@ class ComponentKnockout:
             mask = None if masks is None else masks[layer]
             if mask is None:
                 return None
-            hidden, *rest = args
-            # OPT's MLP sees its batch flattened, (rows × positions, features): per-row
-            # masks and resample's donors need the rows back.
-            rows = active.rows if active.rows is not None else (
-                None if active.donor_index is None else active.donor_index.shape[0])
-            flat = hidden.dim() == 2 and rows is not None
-            if flat and hidden.shape[0] % rows == 0:
-                hidden = hidden.unflatten(0, (rows, -1))
+            hidden, flat = self.with_rows(args[0])
+            rest = args[1:]
             if active.rows is not None and active.rows != hidden.shape[0]:
                 raise RuntimeError(f"per-row masks for {active.rows} rows, batch has "
                                    f"{hidden.shape[0]}")
@@ -275,6 +269,18 @@ class ComponentKnockout:
         if scale == 0.0:
             return torch.where(mask, replacement, per_unit)
         return torch.where(mask, replacement + scale * (per_unit - replacement), per_unit)
+
+    def with_rows(self, hidden: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A hooked projection's input in the pass running now as (rows, positions,
+        features), and whether it came flattened: OPT's MLP sees its batch as (rows ×
+        positions, features), and per-row masks and resample's donors need the rows back
+        (the pass knows them where it has either)."""
+        active = self._active
+        rows = None if active is None else active.rows if active.donor_index is None \
+            else active.donor_index.shape[0]
+        if hidden.dim() != 2 or rows is None or hidden.shape[0] % rows:
+            return hidden, False
+        return hidden.unflatten(0, (rows, -1)), True
 
     @property
     def active(self) -> ActivePass | None:

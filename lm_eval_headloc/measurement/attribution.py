@@ -294,18 +294,19 @@ def path_point(lm: Any, at: float, captured: list[torch.Tensor] | None = None,
             active = knockout.active
             if active is None:  # outside a pass, or resample's clean pass for the donors
                 return None
-            z = args[0].unflatten(-1, (per_layer, -1))
+            hidden, flat = knockout.with_rows(args[0])  # OPT's MLP: its rows back
+            z = hidden.unflatten(-1, (per_layer, -1))
             # What a knocked-out slice becomes is r + s·(z − r) (hooks.py): r = 0 for
             # zero ablation, the mean, or the donor's; knocking out moves it (1 − s)(r − z).
             replacement = knockout.replacement(layer, z.detach(), kind)
             # Live, so that gradients reaching earlier layers pass through the point.
             moved = (1.0 - active.scale) * (-z if replacement is None else replacement - z)
-            point = (z + at * moved).flatten(-2) if at else args[0]
+            point = (z + at * moved).flatten(-2) if at else hidden
             if captured is not None:
                 captured.append(point)
             if moves is not None:
                 moves.append(moved.detach())
-            return (point, *args[1:])
+            return (point.flatten(0, 1) if flat else point, *args[1:])
         return to_path_point
 
     handles = [module.register_forward_pre_hook(hook_for(layer))
