@@ -603,6 +603,31 @@ def test_a_prompt_tuning_adapters_means_are_over_the_texts_tokens(tiny_model_dir
         lm.set_ablation("resample", TEXTS)
 
 
+def test_resample_gives_each_document_of_a_perplexity_task_its_own_donor(
+        tiny_model_dir, reference_file, task_manager, monkeypatch):
+    """A rolling window's context is the prefix token alone: the donor follows the whole
+    window, as a prompt's would (every document got reference 0)."""
+    import lm_eval
+
+    import lm_eval_headloc.intervention.ablation as ablation
+
+    picked = []  # (the row's tokens, its donor), at each pick
+    real = ablation.pick_donor
+
+    def pick_donor(tokens, references, seed=0):
+        picked.append((tuple(tokens), real(tokens, references, seed)))
+        return picked[-1][1]
+
+    monkeypatch.setattr(ablation, "pick_donor", pick_donor)
+    lm = load_lm(tiny_model_dir("llama"), ablate="L0H1", ablation="resample",
+                 ablation_data=str(reference_file))
+    lm_eval.simple_evaluate(model=lm, tasks=["tiny_rolling"], task_manager=task_manager)
+    windows = {tokens for tokens, _ in picked}
+    assert len(windows) == 12  # one per document, each its whole window
+    assert all(donor == real(tokens, lm.resampler.references) for tokens, donor in picked)
+    assert len({donor for _, donor in picked}) > 1
+
+
 def test_resample_refuses_a_seq2seq_model_in_one_line(tiny_model_dir, monkeypatch):
     lm = load_lm(tiny_model_dir("llama"))
     monkeypatch.setattr(lm, "backend", "seq2seq")  # as HFLM marks encoder-decoder models

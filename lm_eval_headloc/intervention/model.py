@@ -440,17 +440,25 @@ class HFHeadAblateLM(HFLM):
             if prompt is not None:
                 return row[:prompt]
         return row[:last]
-    def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]]) -> None:
+    def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]],
+                         whole: bool = False) -> None:
         """Note where the prompt ends in the model input of each (context, continuation)
-        token pair, built as HFLM builds it (resample picks donors by the prompt)."""
+        token pair, built as HFLM builds it (resample picks donors by the prompt);
+        ``whole``: the whole input is the prompt (a perplexity task's window)."""
         from lm_eval_headloc.intervention.multimask import model_input
 
         for context, continuation in encoded:
             row = model_input(context, continuation, self.max_length)
-            self._prompt_lengths[tuple(row)] = max(1, len(row) - len(continuation) + 1)
+            self._prompt_lengths[tuple(row)] = (len(row) if whole else
+                                                max(1, len(row) - len(continuation) + 1))
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
-        self.remember_prompts((context, continuation) for _, context, continuation in requests)
+        # A rolling window (loglikelihood_rolling's, keyed None) scores a whole text after a
+        # one-token context (the prefix token): by that context every document of a
+        # perplexity task got one and the same donor; the window's own tokens pick it.
+        for rolling in (False, True):
+            self.remember_prompts(((context, continuation) for key, context, continuation
+                                   in requests if (key is None) == rolling), whole=rolling)
         return super()._loglikelihood_tokens(requests, *args, **kwargs)
 
     def _model_call(self, inps: Any, attn_mask: Any = None, labels: Any = None) -> Any:
