@@ -692,8 +692,9 @@ def with_stops_that_end_rows(lm, instances, monkeypatch, every_row=False):
 def capped_fall(entry: dict, data: dict) -> float:
     """An entry's fall as the export scores it, read here from the ranking file on its
     own: measured alone, its fall; an estimate's, no more than the harm of a group test
-    that knocked it out, or 0 where that test did not hurt (one that helped by more than
-    the one-sided 95 % noise margin caps nothing), and a harm no more than just under
+    that knocked it out with the help of its members measured alone to help added back,
+    or 0 where that did not hurt (a test that helped by more than the one-sided 95 % noise
+    margin caps nothing), and a harm no more than just under
     (float32) the least harm measured alone, which the ranking puts first."""
     from statistics import NormalDist
 
@@ -702,10 +703,15 @@ def capped_fall(entry: dict, data: dict) -> float:
     fall = sign * entry["effect"]
     if entry.get("measured_alone") is True:
         return fall
+    # The falls of the heads measured alone: a member's help hides as much harm of the
+    # others, so a set's harm counts it back (the file keeps no error for them).
+    alone = {e["head"]: sign * e["effect"] for e in data["heads"]
+             if e.get("measured_alone") is True and e["effect"] is not None}
     for test in (data.get("certificate") or {}).get("group_tests", []):
         harm = sign * test["change"] + 0.0
         if entry["head"] in test["components"] and not harm < -z * (test.get("se") or 0.0):
-            fall = min(fall, max(harm, 0.0))
+            hidden = sum(-alone[h] for h in test["components"] if alone.get(h, 0.0) < 0)
+            fall = min(fall, max(harm + hidden, 0.0))
     hurting = [sign * e["effect"] for e in data["heads"] if e.get("measured_alone") is True
                and e["effect"] is not None and sign * e["effect"] > 0]
     if hurting and fall > 0:

@@ -773,3 +773,25 @@ def test_an_export_where_no_knockout_moved_the_task_says_it_ranks_nothing(
     with caplog.at_level(logging.WARNING, logger="lm_eval_headloc.report.mib"):
         export(make_run(tmp_path / "moved"), tmp_path / "moved.json")  # the usual run
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_helper_measured_alone_lifts_the_cap_of_a_group_test_it_is_in():
+    """A group test of L0H1 (measured alone to help: +0.25 where higher is better) and
+    L1H2 (an estimated harm of 0.3) fell by only 0.05: L0H1's help hides as much of the
+    others' harm, so, as the certificate reads the set, it caps L1H2 at 0.05 + 0.25, not
+    at 0.05 (which put it under heads the run never cleared)."""
+    entries = [{"head": name, "effect": effect, "measured_alone": effect is not None}
+               for name, effect in RANKED] + [
+        {"head": "L1H2", "effect": -0.3, "measured_alone": False}]
+    data = ranking(entries=entries)
+    data["certificate"] = {"group_tests": [
+        {"components": ["L0H1", "L1H2"], "change": -0.05, "se": 0.01}]}
+    graph = mib_graph(data, n_layers=LAYERS, n_heads=HEADS, d_model=WIDTH)
+    capped = graph[MARKER]["order"]["capped"]
+    # The group test's own cap (0.05 + 0.25 = 0.30) does not bind; the ranking's does:
+    # an estimate stays just under the least harm measured alone (L1H0's 0.125).
+    assert capped["L1H2"]["by"].startswith("the ranking"), capped
+    assert capped["L1H2"]["cap"] == pytest.approx(0.125, abs=1e-6)
+    entry = {e["head"]: e for e in entries}
+    assert graph["nodes"]["a1.h2"]["score"] == pytest.approx(
+        capped_fall(entry["L1H2"], data), abs=1e-6)

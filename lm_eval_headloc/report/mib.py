@@ -79,7 +79,7 @@ from lm_eval_headloc.intervention.components import (
     describe_layers,
     parse_heads,
 )
-from lm_eval_headloc.method.group_tests import HELPS, Harm, status
+from lm_eval_headloc.method.group_tests import HELPS, Harm, status, unmasked
 from lm_eval_headloc.report.mib_format import (
     _HEAD_NODE,
     ExportError,
@@ -397,7 +397,8 @@ def _capped(falls: dict[Head, float], scored: Mapping[Head, Mapping[str, Any]],
     """Cap (in place) each estimated fall at what the run measured of it, so that MIB's
     top-n is the run's: a fall no larger than the harm of any group test the head was
     knocked out in (the certificate's rule: knocking out more never lessens the harm; a
-    test that helps beyond the noise caps nothing, one that does not hurt caps at 0), and
+    test that helps beyond the noise caps nothing, one that does not hurt caps at 0, the
+    help of its members measured alone to help added back), and
     a harm no larger than the least measured alone to hurt, which the ranking puts first
     (just under it, in float32). A fit's estimate of 0.14 for a head whose group test
     changed the score by 0 outranked every measured head. Returns head -> its estimated
@@ -428,6 +429,10 @@ def _capped(falls: dict[Head, float], scored: Mapping[Head, Mapping[str, Any]],
         se = float(se) if _is_number(se) and math.isfinite(se) else 0.0
         if status(Harm(harm, se), bar=0.0) == HELPS:
             continue  # a helpful member may hide a harmful one: it caps nothing
+        # A member measured alone to help hides as much harm of the others: added back, as
+        # the certificate reads the set (the file keeps no error of a head alone: any help).
+        harm = unmasked(Harm(harm, se), [Harm(falls[head], 0.0) for head in members
+                                         if head in alone and head in falls]).value
         for head in members:
             if head in falls and head not in alone:
                 # At most no harm: the rule bounds a member's harm, not its help.
