@@ -131,8 +131,10 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
     (["--num-fewshot", "2", "--tasks", "tiny_zero_shot"],
      ("--num-fewshot 2", "tiny_zero_shot", "0")),
     # lm-eval would fail at the first measurement, after the load: said before it.
-    (["--num-fewshot", "12"], ("--num-fewshot 12", "'tiny_generate'", "12 documents", "11")),
-    (["--num-fewshot", "1000000000"], ("--num-fewshot 1000000000", "11")),
+    # tiny_generate draws its few-shot examples from the documents it asks, without the
+    # question itself: 12 can give 12 (the split asked is not its few-shot split), not 13.
+    (["--num-fewshot", "13"], ("--num-fewshot 13", "'tiny_generate'", "12 documents", "12")),
+    (["--num-fewshot", "1000000000"], ("--num-fewshot 1000000000", "12")),
     (["--gen-kwargs", "max_gen_toks=128"], ("--gen-kwargs max_gen_toks=128", "128 tokens")),
     # tiny_generate sets no temperature: lm-eval's 0.0, at which generate will not sample.
     (["--gen-kwargs", "do_sample=true"],
@@ -275,3 +277,54 @@ def test_an_empty_system_instruction_is_refused():
 
     with raises_naming(UsageError, "--system-instruction ''"):
         RunSpec(system_instruction=" ").validate()
+
+
+def _dev_split_task(folder: Path) -> None:
+    """An MMLU-shaped task: its few-shot examples are the first of a dev split of 5, the
+    questions a test split of 4 (lm-eval's ``first_n`` sampler, as MMLU's YAMLs)."""
+    folder.mkdir()
+    rows = [{"question": f"{w} sat on the", "choices": ["mat", "dog"], "answer": i % 2}
+            for i, w in enumerate(["the cat", "a dog", "Mary", "John", "the dog"])]
+    for split, part in (("dev", rows), ("test", rows[:4])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    (folder / "dev_split.yaml").write_text(f"""task: tiny_dev_split
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {folder / 'test.jsonl'}, dev: {folder / 'dev.jsonl'}}}}}
+test_split: test
+fewshot_split: dev
+fewshot_config: {{sampler: first_n}}
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list: [{{metric: acc}}]
+""")
+
+
+def test_as_many_shots_as_a_separate_few_shot_split_holds_are_taken(tiny_model_dir, tmp_path,
+                                                                   capsys):
+    # MMLU's --num-fewshot 5 from its 5 dev documents per subject: lm-eval draws exactly 5
+    # where the few-shot split is not the one asked, so the run measures it as lm-eval
+    # does; one more than the split holds is refused before the load.
+    import lm_eval
+
+    folder = tmp_path / "tasks"
+    _dev_split_task(folder)
+    model = tiny_model_dir("llama")
+    common = [*tiny_args(model), "--include-path", str(folder), "--tasks", "tiny_dev_split"]
+    out = tmp_path / "run"
+    assert harness("greedy", *common, "--num-fewshot", "5", "--out", str(out)) == 0
+    baseline = json.loads((out / "measurements.jsonl").read_text().splitlines()[0])
+    from lm_eval_headloc.tasks import make_task_manager
+
+    reference = lm_eval.simple_evaluate(
+        model="hf-headablate", model_args=f"pretrained={model},dtype=float32",
+        tasks=["tiny_dev_split"], task_manager=make_task_manager([str(folder)]), device="cpu",
+        num_fewshot=5, bootstrap_iters=0)
+    assert reference["n-shot"] == {"tiny_dev_split": 5}
+    assert baseline["scores"]["tiny_dev_split"] == pytest.approx(
+        reference["results"]["tiny_dev_split"]["acc,none"])
+    capsys.readouterr()
+    assert harness("greedy", *common, "--num-fewshot", "6", "--out", str(tmp_path / "r6")) == 2
+    assert_names(last_error(capsys), "--num-fewshot 6", "'tiny_dev_split'", "5 documents",
+                 "at most 5")

@@ -461,6 +461,18 @@ _HARNESS_GENERATION = {
 }
 
 
+def _fewshot_extra(task: Any) -> int:
+    """The documents lm-eval draws beyond the few-shot count: 1 where the task's few-shot
+    split is its test split, both unset included (``ConfigurableTask.fewshot_context`` then
+    hands the sampler the question, which draws one more to leave it out), else 0 (MMLU's
+    5 dev documents give its 5 shots). A task of another class: 1, as lm-eval's older
+    ``Task`` may draw."""
+    fewshot = getattr(task, "fewshot_cfg", None)
+    if fewshot is None or not hasattr(fewshot, "split"):
+        return 1
+    return int(fewshot.split == task.config.test_split)
+
+
 class NoEffectError(UsageError):
     """An option that would change nothing for the measured tasks (``cross`` leaves out
     such an option it took from its runs rather than refuse it)."""
@@ -496,14 +508,16 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
             log.warning("--num-fewshot %d: %s keep 0 few-shot examples (their YAML fixes it; "
                         "lm-eval keeps it)", spec.num_fewshot, ", ".join(fixed))
         for leaf, task in sorted(leaves.items()):
-            try:  # lm-eval draws n + 1 (the question itself may be among them)
+            try:
                 pool = len(task.fewshot_docs()) if leaf not in fixed else None
             except TypeError:  # a pool without a length: lm-eval's to judge
                 pool = None
-            if pool is not None and spec.num_fewshot + 1 > pool:
+            extra = _fewshot_extra(task)
+            if pool is not None and spec.num_fewshot + extra > pool:
+                why = ", and lm-eval draws one more than it uses here" if extra else ""
                 raise UsageError(f"--num-fewshot {spec.num_fewshot}: task {leaf!r} has "
-                                 f"{pool} documents to draw few-shot examples from, and "
-                                 f"lm-eval draws one more than it uses; at most {pool - 1}")
+                                 f"{pool} documents to draw few-shot examples from{why}; "
+                                 f"at most {pool - extra}")
     gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
     if gen_kwargs is None:
         return
