@@ -274,6 +274,34 @@ def test_reference_sets_from_jsonl_and_from_a_task(tmp_path, task_manager):
     assert reference_texts("tiny_copy", task_manager=task_manager) == _tiny_copy_contexts()
 
 
+def test_a_task_reference_set_is_the_text_the_model_reads(tmp_path, task_manager):
+    # A perplexity task's prompt is empty (wikitext's doc_to_text: ""): its text is its
+    # target, the one request lm-eval makes of each document.
+    assert reference_texts("tiny_rolling", task_manager=task_manager) == _tiny_copy_contexts()
+    # A multiple-input task's prompt is the gold choice's index (Winogrande's): its texts
+    # are the contexts it offers, not "0" and "1".
+    from lm_eval_headloc.tasks import make_task_manager
+
+    rows = [{"sentence": "Mary gave John a drink because _ was kind.", "option1": "Mary",
+             "option2": "John", "answer": "1"},
+            {"sentence": "the cat sat on the mat and _ slept.", "option1": "the cat",
+             "option2": "the mat", "answer": "2"}]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "wino.yaml").write_text(f"""task: tiny_wino
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {tmp_path / 'docs.jsonl'}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{ {{'1': 0, '2': 1}}[answer] }}}}"
+doc_to_choice: "{{% set s = sentence[:sentence.index('_')] %}}{{{{ [s + option1, s + option2] }}}}"
+doc_to_target: "{{{{ sentence[sentence.index('_') + 1:].strip() }}}}"
+metric_list: [{{metric: acc}}]
+""")
+    assert reference_texts("tiny_wino", task_manager=make_task_manager([str(tmp_path)])) == [
+        "Mary gave John a drink because Mary", "Mary gave John a drink because John",
+        "the cat sat on the mat and the cat", "the cat sat on the mat and the mat"]
+
+
 @pytest.mark.parametrize("args, values", [  # the bad value and what is allowed instead
     (dict(ablation="median"), ("ablation='median'", "zero, mean, resample")),
     (dict(ablation="mean"), ("ablation=mean", "ablation_data=")),

@@ -116,9 +116,9 @@ def reference_texts(source: object, field: str | None = None,
 
     A text file (one example per line, blank lines skipped), a JSONL file (the ``text``
     field of each object, or ``field``), or an lm-eval task or group name (each document's
-    prompt, ``doc_to_text``, over the documents the task evaluates). ``task_manager``: the
-    lm-eval TaskManager to look names up in (default: the built-ins and this package's
-    tasks).
+    prompt, ``doc_to_text``, over the documents the task evaluates; ``_document_texts``).
+    ``task_manager``: the lm-eval TaskManager to look names up in (default: the built-ins
+    and this package's tasks).
     """
     if not isinstance(source, (str, os.PathLike)) or not str(source).strip():
         raise AblationError(f"ablation_data={source!r}: expected a text or JSONL file, or "
@@ -198,17 +198,30 @@ def _task_texts(name: str, field: str | None, task_manager: Any) -> list[str]:
 
 def task_texts(tasks: dict[str, Any], subset: dict[str, list[int]] | None = None
                ) -> list[str]:
-    """Each document's prompt (``doc_to_text``) of lm-eval ``tasks`` (leaf name -> task),
-    over the documents ``subset`` names per leaf (default: every evaluated document)."""
+    """Each document's prompt (``doc_to_text``; ``_document_texts``) of lm-eval ``tasks``
+    (leaf name -> task), over the documents ``subset`` names per leaf (default: every
+    evaluated document)."""
     texts = []
     for leaf, task in tasks.items():
         docs = list(task.eval_docs)
         if subset is not None and leaf in subset:
             docs = [docs[i] for i in subset[leaf]]
         for doc in docs:
-            text = task.doc_to_text(doc)
-            texts.append(text if isinstance(text, str) else str(text))
+            texts.extend(_document_texts(task, doc))
     return texts
+
+
+def _document_texts(task: Any, doc: Any) -> list[str]:
+    """The text lm-eval has the model read for ``doc``, as it builds its requests: the
+    prompt; a perplexity task's (loglikelihood_rolling: wikitext's prompt is empty) whole
+    text, its target; a multiple-input task's (Winogrande's prompt is the gold choice's
+    index) contexts, its choices."""
+    if task.get_config("output_type") == "loglikelihood_rolling":
+        return [str(task.doc_to_target(doc))]
+    if getattr(task, "multiple_input", False):
+        return [str(choice) for choice in task.doc_to_choice(doc)]
+    text = task.doc_to_text(doc)
+    return [text if isinstance(text, str) else str(text)]
 
 
 def check_reference_set(kind: str, texts: Sequence[str]) -> None:
