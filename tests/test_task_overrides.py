@@ -136,6 +136,12 @@ def test_verify_writes_lm_eval_files_with_the_runs_overrides(tiny_model_dir, tmp
     (["--num-fewshot", "13"], ("--num-fewshot 13", "'tiny_generate'", "12 documents", "12")),
     (["--num-fewshot", "1000000000"], ("--num-fewshot 1000000000", "12")),
     (["--gen-kwargs", "max_gen_toks=128"], ("--gen-kwargs max_gen_toks=128", "128 tokens")),
+    # A task's own length, or lm-eval's 256 where it names none, against the tiny models'
+    # 128: lm-eval's HF model would assert at the first generation.
+    (["--tasks", "tiny_long_generate"],
+     ("'tiny_long_generate'", "256", "lm-eval's default", "128 tokens", "max_gen_toks=N")),
+    (["--tasks", "tiny_long_generate", "--gen-kwargs", "until=';'"],
+     ("'tiny_long_generate'", "256", "128 tokens")),
     # tiny_generate sets no temperature: lm-eval's 0.0, at which generate will not sample.
     (["--gen-kwargs", "do_sample=true"],
      ("'tiny_generate'", "do_sample=true", "temperature 0", "lm-eval's default")),
@@ -150,10 +156,33 @@ def test_overrides_that_change_nothing_or_would_crash_are_refused_before_the_loa
     (folder / "zero.yaml").write_text("include: " + str(Path(TASKS) / "tiny_copy" /
                                                         "tiny_copy.yaml")
                                       + "\ntask: tiny_zero_shot\nnum_fewshot: 0\n")
+    _long_generation_task(folder)
     tasks = [] if "--tasks" in extra else ["--tasks", "tiny_generate"]
     assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--include-path",
                    str(folder), *tasks, *extra, "--out", str(tmp_path / "run")) == 2
     assert_names(last_error(capsys), "headloc-harness: error: ", *values)
+
+
+def _long_generation_task(folder: Path) -> None:
+    """tiny_generate with no max_gen_toks: lm-eval's 256, beyond the tiny models' 128."""
+    (folder / "long.yaml").write_text("include: " + str(Path(TASKS) / "tiny_generate" /
+                                                        "tiny_generate.yaml")
+                                      + "\ntask: tiny_long_generate\n"
+                                      "generation_kwargs: {until: ['\\n'], do_sample: false}\n")
+
+
+def test_a_generation_longer_than_the_model_is_said_where_it_would_run(tiny_model_dir,
+                                                                       tmp_path):
+    # types generates nothing (it reads the prompts): the same task is no refusal there;
+    # a shorter generation is measured.
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    _long_generation_task(folder)
+    args = [*tiny_args(tiny_model_dir("llama")), "--include-path", str(folder), "--tasks",
+            "tiny_long_generate", "--num-samples", "2"]
+    assert harness("types", *args, "--out", str(tmp_path / "types")) == 0
+    assert harness("greedy", *args, "--gen-kwargs", "max_gen_toks=4",
+                   "--out", str(tmp_path / "greedy")) == 0
 
 
 def test_gen_kwargs_read_as_lm_eval_reads_them():

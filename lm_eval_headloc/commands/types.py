@@ -42,7 +42,7 @@ def types(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     from lm_eval_headloc.runs.setup import prepare
 
     spec = command_spec("types", spec, options)
-    setup = prepare(spec)
+    setup = prepare(spec, generates=False)  # it reads prompts, generates nothing
     spec = setup.spec
     with RunFolder(out) as folder:
         run = start_run(folder, "types", spec, force=force,

@@ -266,10 +266,12 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 @timed("tasks and checks")
-def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
+def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool = True
+            ) -> Setup:
     """Check the spec, the model (config only, no weights), the tasks (built once: names,
     metrics, whether they run model-written code) and every head list — all before any
-    weights load. ``extra_tasks`` are measured too (verify's general tasks)."""
+    weights load. ``extra_tasks`` are measured too (verify's general tasks); ``generates``:
+    whether the command runs the generation tasks (``types`` only reads their prompts)."""
     spec.validate()
     own, own_folders = tasks_from_files(spec.tasks)
     extra_tasks, extra_folders = tasks_from_files(extra_tasks)
@@ -346,7 +348,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = ()) -> Setup:
                                                     for t in leaves):
             raise UsageError(f"task {name!r} executes model-written code; rerun with "
                              "--confirm-run-unsafe-code if you accept that")
-    check_task_overrides(spec, loaded, context_length(model_args, config))
+    check_task_overrides(spec, loaded, context_length(model_args, config), generates)
     resolved = spec.replace(model_args=model_args, tasks=tuple(own_joined),
                             include_path=tuple(path_list(spec.include_path)))
     total = geometry.total_heads
@@ -479,7 +481,7 @@ class NoEffectError(UsageError):
 
 
 def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
-                         context: int | None = None) -> None:
+                         context: int | None = None, generates: bool = True) -> None:
     """Refuse an --examples-part with no document of a task (it measured them all), and
     --num-fewshot and --gen-kwargs where they would change nothing or fail once
     the model is loaded (more few-shot examples than a task can draw, more new tokens than
@@ -519,12 +521,14 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
                                  f"{pool} documents to draw few-shot examples from{why}; "
                                  f"at most {pool - extra}")
     gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
-    if gen_kwargs is None:
-        return
-    tokens = gen_kwargs.get("max_gen_toks")
+    tokens = (gen_kwargs or {}).get("max_gen_toks")
     if tokens is not None and context is not None and tokens >= context:
         raise UsageError(f"--gen-kwargs max_gen_toks={tokens}: the model takes {context} "
                          "tokens, prompt and generation together; give fewer")
+    if generates and spec.signal == "metric" and context is not None:
+        _check_generation_fits(leaves, gen_kwargs or {}, context)
+    if gen_kwargs is None:
+        return
     kinds = sorted({str(task.get_config("output_type")) for task in leaves.values()})
     if "generate_until" not in kinds:
         raise NoEffectError(f"--gen-kwargs: none of the tasks generates text (their output "
@@ -548,6 +552,37 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
                              f"GenerationConfig such as temperature, top_p, do_sample){hint}")
     if {"do_sample", "temperature"} & set(gen_kwargs):
         _check_sampling_temperature(gen_kwargs, leaves)
+
+
+#: The new tokens lm-eval's HF model generates where a task's generation arguments name
+#: none (``HFLM.max_gen_toks``), and the names it reads them under, first first
+#: (``normalize_gen_kwargs``).
+LM_EVAL_MAX_GEN_TOKS = 256
+_MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+def _check_generation_fits(leaves: Mapping[str, Any], gen_kwargs: Mapping[str, Any],
+                           context: int) -> None:
+    # lm-eval's HF model asserts that a generation leaves room for a prompt, at the first
+    # generation, after the load: a task's own max_gen_toks (or lm-eval's 256) on a model
+    # of a shorter context (GPT-2's 1024 and a task asking 1024) is said here instead.
+    for leaf, task in sorted(leaves.items()):
+        if task.get_config("output_type") != "generate_until":
+            continue
+        own = task.get_config("generation_kwargs") or {}
+        effective = {**own, **gen_kwargs}
+        key = next((k for k in _MAX_TOKEN_KEYS if effective.get(k) is not None), None)
+        try:
+            tokens = int(effective[key]) if key is not None else LM_EVAL_MAX_GEN_TOKS
+        except (TypeError, ValueError):  # the task's own value: lm-eval's to judge
+            continue
+        if tokens >= context:
+            source = ("--gen-kwargs'" if key in gen_kwargs else "its YAML's" if key
+                      else "lm-eval's default")
+            raise UsageError(f"task {leaf!r} generates up to {tokens} tokens ({source} "
+                             f"{key or 'max_gen_toks'}), and the model takes {context} "
+                             "tokens, prompt and generation together; give fewer with "
+                             f"--gen-kwargs max_gen_toks=N (N below {context})")
 
 
 def _check_sampling_temperature(gen_kwargs: Mapping[str, Any],
