@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     LASSO_ONLY,
     TASKS,
+    assert_names,
     harness,
     last_error,
     measurement_lines,
@@ -374,5 +375,24 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
                    "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
                    "--out", str(tmp_path / "run")) == 2
     line = last_error(capsys)  # names the task, each task's metric and the way to choose one
+    # No metric is produced by both: naming the tasks is the way, not mixed:METRIC (which
+    # no metric would pass).
     assert all(value in line for value in ("'mixed'", "mixed_acc: acc,none",
-                                           "mixed_ppl: perplexity,none", "mixed:METRIC")), line
+                                           "mixed_ppl: perplexity,none", "no metric in common",
+                                           "--tasks mixed_acc,mixed_ppl")), line
+    assert "mixed:METRIC" not in line
+    # A metric only one of them produces: the tag's mean has no value of the other, which
+    # was found after the model loaded and measured.
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", TASKS, "--include-path", str(tasks), "--tasks",
+                   "mixed:acc", "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "--tasks mixed:acc,none", "mixed_ppl", "no metric in common")
+    assert not (tmp_path / "run").exists()
+    # Where the tasks share a metric, it is what is offered.
+    (tasks / "mixed_ppl.yaml").write_text(
+        f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: mixed_ppl\ntag: mixed\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
+                   "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "give one they all produce (mixed:acc,none)")

@@ -27,7 +27,7 @@ from lm_eval_headloc.common.errors import UserError
 
 __all__ = ["EXAMPLES_TOLERANCE", "TASK_METRICS", "Examples", "MetricError", "TaskScore",
            "checked_examples", "default_metric", "mean_of_strata", "metrics_of_task",
-           "parse_task_metric", "reproduces", "tag_metric", "task_score"]
+           "parse_task_metric", "reproduces", "tag_advice", "tag_metric", "task_score"]
 
 # task -> (metric key as lm-eval reports it, higher is better).
 # Groups and tags not aggregated by the harness are the mean over their subtasks.
@@ -303,15 +303,30 @@ def _parts_examples(results: Mapping[str, Any], parts: Sequence[TaskScore]
     return tuple(p.examples[0] for p in parts if p.examples is not None)
 
 
-def tag_metric(task: str, metrics: Mapping[str, str]) -> str:
+def tag_metric(task: str, metrics: Mapping[str, str],
+               common: Sequence[str] | None = None) -> str:
     """The one metric a tag's tasks (``metrics``: each one's) are scored by, whose mean is
-    the tag's score; a MetricError naming them where they differ."""
+    the tag's score; a MetricError naming them where they differ (``common``: the metrics
+    every one of them produces, where known, the ones to offer)."""
     used = sorted(set(metrics.values()))
     if len(used) > 1:
         raise MetricError(f"task {task!r}: its tasks are scored by different metrics ("
                           + ", ".join(f"{t}: {m}" for t, m in metrics.items())
-                          + f"); give one ({task}:METRIC) or name the tasks")
+                          + f"); {tag_advice(task, common, list(metrics))}")
     return used[0]
+
+
+def tag_advice(task: str, common: Sequence[str] | None,
+               tasks: Sequence[str] = ()) -> str:
+    """How to measure a tag whose tasks' metrics do not agree: by a metric all of them
+    produce (``common``; None: not known), else by naming its tasks."""
+    if common is None:
+        return f"give one ({task}:METRIC) or name the tasks"
+    if common:
+        return ("give one they all produce (" + ", ".join(f"{task}:{m}" for m in common)
+                + ") or name the tasks")
+    named = f" (--tasks {','.join(tasks)})" if tasks else ""
+    return f"they produce no metric in common: name the tasks{named}"
 
 
 def default_metric(name: str, task: Any) -> str:

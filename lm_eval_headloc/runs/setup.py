@@ -52,6 +52,7 @@ from lm_eval_headloc.measurement.metrics import (
     default_metric,
     metrics_of_task,
     parse_task_metric,
+    tag_advice,
     tag_metric,
 )
 from lm_eval_headloc.measurement.signals import check_gold_answers
@@ -317,18 +318,28 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
                     and said.startswith("cannot load") else "")
             raise UsageError(f"{said}{hint}") from None
         leaves = loaded[name]["tasks"].values()
+        # A tag (no score of its own) is the mean of its tasks by one metric: one each of
+        # them produces.
+        tag = not loaded[name]["groups"] and len(leaves) > 1
+        produced_by = {leaf: set(metrics_of_task(task))
+                       for leaf, task in loaded[name]["tasks"].items()}
+        common = sorted(set.intersection(*produced_by.values())) if produced_by else []
         if metric is not None:
-            produced = sorted({key for task in leaves for key in metrics_of_task(task)})
+            produced = sorted(set().union(*produced_by.values()))
             if metric not in produced:
                 raise UsageError(f"task {name!r} produces no metric {metric!r}; it produces: "
                                  f"{', '.join(produced)}")
-        elif (spec.signal == "metric" and name not in TASK_METRICS
-              and not loaded[name]["groups"] and len(leaves) > 1):
-            # A tag (no score of its own): the mean of its tasks, by the one metric they
-            # are scored by, decided here (refused here where they differ).
+            lacking = sorted(leaf for leaf, keys in produced_by.items() if metric not in keys)
+            if tag and lacking:
+                raise UsageError(f"--tasks {name}:{metric}: {name!r} is scored by the mean "
+                                 f"of its tasks, and {', '.join(lacking)} "
+                                 f"{'produces' if len(lacking) == 1 else 'produce'} no "
+                                 f"{metric!r}; {tag_advice(name, common, sorted(produced_by))}")
+        elif spec.signal == "metric" and name not in TASK_METRICS and tag:
+            # The metric, decided here (refused here where the tasks' own differ).
             try:
                 chosen = tag_metric(name, {task: default_metric(task, built) for task, built
-                                           in loaded[name]["tasks"].items()})
+                                           in loaded[name]["tasks"].items()}, common)
             except MetricError as err:
                 raise UsageError(str(err)) from None
             specs[specs.index((name, None))] = (name, chosen)
