@@ -371,6 +371,7 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
             f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: {name}\ntag: mixed\n"
             f"metric_list:\n  - metric: {metric}\n    aggregation: {aggregation}\n"
             f"    higher_is_better: {higher}\n")
+    (tasks / "group.yaml").write_text("group: mixed_group\ntask: [mixed_acc, mixed_ppl]\n")
     assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
                    "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
                    "--out", str(tmp_path / "run")) == 2
@@ -388,6 +389,13 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
                    "mixed:acc", "--out", str(tmp_path / "run")) == 2
     assert_names(last_error(capsys), "--tasks mixed:acc,none", "mixed_ppl", "no metric in common")
     assert not (tmp_path / "run").exists()
+    # A group that aggregates nothing has no score of its own either: the same, before the
+    # load, not after the first measurement.
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", TASKS, "--include-path", str(tasks), "--tasks",
+                   "mixed_group", "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "'mixed_group'", "mixed_ppl: perplexity,none",
+                 "no metric in common")
     # Where the tasks share a metric, it is what is offered.
     (tasks / "mixed_ppl.yaml").write_text(
         f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: mixed_ppl\ntag: mixed\n"

@@ -318,9 +318,9 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
                     and said.startswith("cannot load") else "")
             raise UsageError(f"{said}{hint}") from None
         leaves = loaded[name]["tasks"].values()
-        # A tag (no score of its own) is the mean of its tasks by one metric: one each of
-        # them produces.
-        tag = not loaded[name]["groups"] and len(leaves) > 1
+        # A tag, or a group that aggregates nothing (no score of its own), is the mean of
+        # its tasks by one metric: one each of them produces.
+        tag = _mean_of_its_tasks(name, loaded[name])
         produced_by = {leaf: set(metrics_of_task(task))
                        for leaf, task in loaded[name]["tasks"].items()}
         common = sorted(set.intersection(*produced_by.values())) if produced_by else []
@@ -423,6 +423,18 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
             raise UsageError(f"--ablation-data: {err}") from None
     return Setup(resolved, specs, geometry, loaded, exclude, never, reference,
                  model_fingerprint(model_args))
+
+
+def _mean_of_its_tasks(name: str, entry: Mapping[str, Any]) -> bool:
+    """Whether lm-eval reports no score of ``name``'s own (``entry``: what
+    ``TaskManager.load`` built for it), so that it is measured as the mean of its tasks: a
+    tag of several, or a group of tasks with no ``aggregate_metric_list``."""
+    groups = entry["groups"]
+    if not groups:
+        return len(entry["tasks"]) > 1
+    group = groups.get(name)
+    return (group is not None and not group.aggregate_metric_list
+            and len(group.get_all_tasks(recursive=False)) == len(group))
 
 
 def check_scale_fits(scale: float, model_args: str, config: Any) -> None:
