@@ -272,3 +272,23 @@ def test_the_orders_the_rankers_write_are_read_and_a_swap_within_one_is_not(tmp_
         path.write_text(json.dumps(data))
         with raises_naming(RunFolderError, path.name, "not in ranked order"):
             read_ranking_file(path)
+
+
+def test_the_gen_drop_says_which_general_tasks_it_leaves_out():
+    # A general task at a zero baseline has no relative drop (n/a): Gen was the mean over
+    # the others while the note said it was over all of them.
+    from lm_eval_headloc.commands.verify import effect, verification_markdown
+
+    general = ["zero", "half"]
+    base = {"scores": {"task": 0.5, "zero": 0.0, "half": 0.5},
+            "higher_is_better": {"task": True, "zero": True, "half": True}}
+    row = effect(base, {"scores": {"task": 0.25, "zero": 0.25, "half": 0.25}}, "task", general)
+    assert row["gen_drop"] == pytest.approx(0.5)  # half's alone
+    table = {"general": general, "scale": 0.0, "ablation": "zero", "random_draws": 0,
+             "metrics": {"task": "acc,none"}, "baseline": base["scores"],
+             "rows": {"task": [{"k": 1, "heads": ["L0H0"], **row}]}}
+    text = verification_markdown(table)
+    assert "Gen is the mean over the general tasks: zero, half (less zero, whose baseline " \
+           "is 0)." in text
+    table["baseline"] = {**base["scores"], "zero": 0.1}
+    assert "Gen is the mean over the general tasks: zero, half." in verification_markdown(table)

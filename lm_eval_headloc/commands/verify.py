@@ -533,9 +533,13 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         lines += ["The run located these by the gold answers' log-likelihood (--signal "
                   "logprob); verification scores each task by its metric, which can stay "
                   "where the log-likelihood moved.", ""]
+    # A general task at a zero baseline has no drop: Gen is the mean over the others.
+    undefined = [g for g in general if not table["baseline"][g]]
     lines.append("Drops are relative to the baseline (k = 0; positive = worse; n/a where the "
                  "baseline is 0); Gen is the mean over the general tasks: "
                  + (", ".join(general) or "none")
+                 + (f" (less {', '.join(undefined)}, whose baseline is 0)" if undefined
+                    else "")
                  + ("" if len(kinds) == 1 else " (each general task's scores: verify.json)")
                  + ".")
     random = table.get("random")
