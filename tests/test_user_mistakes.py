@@ -174,6 +174,13 @@ def test_a_task_yaml_path_is_its_task_as_lm_eval_takes_it(tiny_model_dir, tmp_pa
     assert f"{TASKS}/tiny_copy" in [str(Path(p)) for p in spec["include_path"]]
     assert (out / "heads-tiny_copy.json").is_file()
     assert harness(*args, "--tasks", yaml) == 0  # the same command resumes the same run
+    # A group's file: its name is under group:, its task: lists its members.
+    (tmp_path / "group.yaml").write_text("group: tiny_pair\ntask: [tiny_copy, tiny_choice]\n"
+                                         "aggregate_metric_list: [{metric: acc}]\n")
+    assert harness(*args[:-2], "--out", str(tmp_path / "group"), "--include-path", TASKS,
+                   "--tasks", str(tmp_path / "group.yaml")) == 0
+    spec = json_module.loads((tmp_path / "group" / "config.json").read_text())["spec"]
+    assert spec["tasks"] == ["tiny_pair"]
     for task in (f"{tmp_path}/none.yaml", str(tmp_path / "empty.yaml")):  # none; no task
         (tmp_path / "empty.yaml").write_text("dataset_path: json\n")
         assert harness(*args[:-2], "--out", str(tmp_path / "x"), "--tasks", task) == 2

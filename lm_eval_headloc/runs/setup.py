@@ -257,7 +257,10 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
             config = load_yaml(str(path), resolve_func=False)
         except Exception as err:  # noqa: BLE001 — any unreadable YAML is the user's file
             raise UsageError(f"--tasks {task}: cannot read it ({one_line(err)})") from None
-        name = config.get("task") or config.get("group") if isinstance(config, dict) else None
+        # A task's file names it under task:; a group's under group: (its task: is the
+        # list of its members).
+        name = next((config[key] for key in ("task", "group") if isinstance(config, dict)
+                     and isinstance(config.get(key), str)), None)
         if not isinstance(name, str):
             raise UsageError(f"--tasks {task}: the file names no task (no 'task:' or "
                              "'group:' key holding one name)")
