@@ -255,6 +255,17 @@ def test_a_task_at_its_floor_is_said_to_be_and_the_signal_that_can_move_named():
     assert not at_floor(_rankings(flat, [], BASELINE, 1, FOUR, 2, 5)["acc"])  # 0.6: room
 
 
+def test_a_metric_that_goes_below_0_has_no_floor_at_0():
+    # A Matthews correlation of 0 (a model that answers one class every time) or a
+    # difference of scores (truthfulqa_gen's bleu_diff) can fall below 0: "no knockout can
+    # lower a score of 0" was said of them.
+    from lm_eval_headloc.report.pages import scores_at_floor
+
+    assert scores_at_floor(0.0, True, "acc,none") and scores_at_floor(0.0, True, "f1,none")
+    for metric in ("mcc,none", "bleu_diff,none", "rouge1_diff,none"):
+        assert not scores_at_floor(0.0, True, metric)
+
+
 def test_a_neuron_groups_help_is_not_the_spread_of_single_knockouts():
     """With --neuron-groups a group of many neurons is measured alone where the fit
     implicates it; its help is no measure of what knocking out one neuron flips, and it

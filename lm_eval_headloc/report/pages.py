@@ -536,8 +536,17 @@ def at_floor(ranking: Ranking) -> bool:
 def scores_at_floor(baseline: float, higher_is_better: bool | None,
                     metric: str | None = None) -> bool:
     """``at_floor`` for a bare baseline (a sweep's): 0 by a higher-is-better metric, not
-    the log-likelihood."""
-    return bool(higher_is_better) and baseline == 0.0 and metric != "logprob"
+    the log-likelihood nor one that goes below 0 (``signed_metric``)."""
+    return bool(higher_is_better) and baseline == 0.0 and metric != "logprob" \
+        and not signed_metric(metric)
+
+
+def signed_metric(metric: str | None) -> bool:
+    """Whether lm-eval's metric ``metric`` (``name,filter``) can be negative, so that 0 is
+    no floor: a correlation (mcc: 0 is a model that answers one class every time) or a
+    difference of two scores (truthfulqa_gen's bleu_diff, rouge1_diff ...)."""
+    name = (metric or "").split(",")[0]
+    return name == "mcc" or name.endswith("_diff")
 
 
 FLOOR_HINT = ("--signal logprob (the gold answers' log-likelihood, where the task has "
