@@ -157,6 +157,29 @@ def test_a_measurement_of_numpy_numbers_is_kept_as_plain_numbers():
     assert type(record["scores"]["t"]) is float and record["scores"]["t"] == 0.75
 
 
+def test_a_design_the_pilot_would_fill_is_refused_before_it_is_measured():
+    """locate_components with --sparsity auto and fewer masks than its pilot takes (which
+    prepare refuses for the CLI and locate()) measured the pilot, then failed with
+    "num_masks=-4: must be a whole number >= 1". Now the CLI's one line, nothing measured."""
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.measurement.store import MemoryStore
+    from lm_eval_headloc.method.locate_loop import locate_components
+    from lm_eval_headloc.method.pilot import pilot_design
+
+    pilot = len(pilot_design(8, 0)[0])
+    spec = RunSpec(masks=pilot, sparsity="auto", confirm=0, group_tests=0, prior="none",
+                   bootstrap=5, progress=False).validate()
+    store, measure = MemoryStore(), _Scores(-1, None)
+    with pytest.raises(UsageError, match=rf"^--masks {pilot}: --sparsity auto's pilot alone "
+                       rf"takes {pilot} measurements; give more$"):
+        locate_components(measure, spec, store=store)
+    assert measure.made == 0 and not list(store.measurements())
+    # One mask more than the pilot: measured whole.
+    locate_components(measure, spec.replace(masks=pilot + 1), store=store)
+    assert measure.made > pilot
+
+
 class _Planted(_Scores):
     """``_Scores``' 8-head model whose score falls by each knocked-out head's planted harm;
     it lists the knockouts it made."""

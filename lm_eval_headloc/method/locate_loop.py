@@ -55,7 +55,13 @@ from lm_eval_headloc.method.group_tests import (
     group_testing,
 )
 from lm_eval_headloc.method.lasso import harm
-from lm_eval_headloc.method.pilot import KEEP, UNFITTED, choose_sparsity, pilot_design
+from lm_eval_headloc.method.pilot import (
+    KEEP,
+    UNFITTED,
+    check_pilot_fits,
+    choose_sparsity,
+    pilot_design,
+)
 from lm_eval_headloc.method.rank import (
     alone_changes,
     alone_key,
@@ -242,6 +248,8 @@ def _pilot(store: MeasurementStore, measure: Measurement, settings: LoopSettings
     if settings.sparsity != "auto":
         return float(settings.sparsity), [], np.zeros((0, len(columns)), dtype=bool), None
     keys, levels, pilot = pilot_design(len(columns), settings.masks_seed, never)
+    if settings.masks is not None:  # checked by prepare too; locate_components is not
+        check_pilot_fits(settings.design_rows, len(keys), settings.masks)
     plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                  for key, row in zip(keys, pilot, strict=True)]
     records = run_plan(store, measure, plan, desc="pilot", progress=settings.progress,

@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.method.designs import design_matrix, knockouts_per_mask
 from lm_eval_headloc.method.lasso import harm
 
 __all__ = ["FLOOR_KEY", "FLOOR_SPARSITY", "KEEP", "PILOT_MASKS", "PILOT_SPARSITIES", "UNFITTED",
-           "choose_sparsity", "levels_kept", "pilot_design"]
+           "check_pilot_fits", "choose_sparsity", "levels_kept", "pilot_design"]
 
 PILOT_SPARSITIES: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2)
 PILOT_MASKS = 2  # per sparsity
@@ -60,6 +61,16 @@ def pilot_design(total_heads: int, seed: int, never_ablate: Sequence[int] = ()
     levels.append(FLOOR_SPARSITY)
     rows.append(floor[0])
     return keys, levels, np.array(rows, dtype=bool)
+
+
+def check_pilot_fits(design_rows: int, pilot: int, masks: int | str) -> None:
+    """Refuse a design of ``design_rows`` masks (``masks``: the --masks asked, a count or
+    auto, whose cap --max-masks is then) that the ``pilot`` measurements alone would fill:
+    before they are measured, not once the design is left none."""
+    if design_rows <= pilot:
+        flag = "--max-masks" if masks == "auto" else "--masks"
+        raise UsageError(f"{flag} {design_rows}: --sparsity auto's pilot alone takes "
+                         f"{pilot} measurements; give more")
 
 
 def choose_sparsity(levels: Sequence[float], keys: Sequence[str],

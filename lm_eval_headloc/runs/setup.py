@@ -407,15 +407,12 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
         check_design_budget(spec.design_rows, columns,
                             "--max-masks" if spec.masks == "auto" else "--masks")
     if spec.sparsity == "auto" and spec.components == "heads" and spec.masks is not None:
-        from lm_eval_headloc.method.pilot import pilot_design
+        from lm_eval_headloc.method.pilot import check_pilot_fits, pilot_design
 
         heads = Columns.heads(num_layers, heads_per_layer, geometry.head_layers)
         never_flat = [heads.index(h) for h in never]
-        pilot = len(pilot_design(total, spec.masks_seed, never_flat)[0])
-        if spec.design_rows <= pilot:
-            flag = "--max-masks" if spec.masks == "auto" else "--masks"
-            raise UsageError(f"{flag} {spec.design_rows}: --sparsity auto's pilot alone takes "
-                             f"{pilot} measurements; give more")
+        check_pilot_fits(spec.design_rows,
+                         len(pilot_design(total, spec.masks_seed, never_flat)[0]), spec.masks)
     reference = None
     if spec.ablation != "zero" and spec.ablation_data is not None:
         try:
