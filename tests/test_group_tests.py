@@ -120,6 +120,27 @@ def test_a_helper_measured_alone_gives_its_help_back_to_the_sets_it_is_in():
                                                               6: 0.16})
 
 
+def test_a_helper_left_out_of_the_ranking_still_gives_its_help_back():
+    """`refit --exclude` of the helper above (measured alone, then left out of the
+    ranking): it no longer set the bar, so the certificate passed only the ranked heads
+    as ``alone``, and its help stayed hidden in the mask, ruling the strong head out
+    again. Its measurement alone (a 1-set) still gives the help back."""
+    design = np.zeros((2, 7), dtype=bool)
+    design[0, [0, 1, 2]] = True
+    design[1, [0, 5, 6]] = True
+    # Column 0 measured alone (-0.15) but not ranked: a group test of its own 1-set.
+    before = certificate(range(1, 7), design, [0.05, 0.01], {3: 0.25, 4: 0.1}, [], 2)
+    assert before.ruled_out  # its help unknown here: the rule reads the mask as it is
+    cert = certificate(range(1, 7), design, [0.05, 0.01], {3: 0.25, 4: 0.1}, [], 2,
+                       left_out={0: -0.15})
+    assert cert.bar == pytest.approx(0.1)
+    assert cert.unchecked == [1, 2, 5, 6] and not cert.ruled_out
+    assert cert.helps == [] and 0 not in cert.alone  # its own measurement is no set tested
+    reading = read_sets({(0, 1, 2): Harm(0.05, 0.01), (0,): Harm(-0.15, 0.01)}, 1,
+                        alone={3: 0.1})
+    assert reading.statuses[(0, 1, 2)] == OVER and not set(reading.ruled_out) & {1, 2}
+
+
 def test_read_sets_rules_out_with_the_upper_bound_and_counts_what_it_cannot_use():
     measured = {(0,): Harm(0.3, 0.02), (1,): Harm(0.2, 0.02),  # bar (k=2) 0.2
                 (2, 3): Harm(0.05, 0.02),  # 0.05 + 0.0329 = 0.0829: under

@@ -279,3 +279,37 @@ def test_a_mask_holding_a_head_measured_to_help_rules_out_none_of_its_heads():
     assert cert.certified
     assert [str(h) for h in ranking.top(5)] == ["L2H0", "L3H4", "L0H7", "L3H2", "L1H2"]
     assert ranking.measured_alone("L3H2")
+
+
+def test_a_helper_excluded_after_it_was_measured_still_gives_its_help_back(monkeypatch):
+    """`refit --exclude L2H7` of the run above: the helper left the ranking, and with it
+    the certificate's heads measured alone, so the sets holding it were read without its
+    help (group_tests' own test has the head this rules out). The ranking hands the
+    certificate each head measured alone and left out, with its measured harm."""
+    from lm_eval_headloc import RunSpec
+    from lm_eval_headloc.intervention.components import parse_heads
+    from lm_eval_headloc.measurement.store import MemoryStore
+    from lm_eval_headloc.method import rank
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.locate_loop import locate_loop
+
+    prior = np.zeros(32)
+    for place, name in enumerate(["L2H0", "L3H4", "L0H7", "L1H2", "L2H7"]):
+        prior[int(name[1]) * 8 + int(name[3])] = place - 5.0
+    spec = RunSpec(masks=12, sparsity=0.1, confirm=5, prior="none", max_measurements=32,
+                   bootstrap=5, seed=2, progress=False).validate()
+    columns = Columns.heads(4, 8)
+    state = locate_loop(_Helped(), MemoryStore(), columns, ["t"], spec,
+                        priors={"t": prior}, heads_per_layer=8)
+    handed = []
+    real = rank.certificate
+    monkeypatch.setattr(rank, "certificate", lambda *args, **kwargs: (
+        handed.append(kwargs.get("left_out")), real(*args, **kwargs))[1])
+    for exclude in ("", "L2H7"):
+        rank.fit_rankings(state.design, state.records, ["t"], columns, spec.alpha,
+                          parse_heads(exclude, 4, 8) if exclude else (), top_k=5,
+                          bootstrap=None, keys=state.row_keys, confirmed=state.confirm,
+                          heads_per_layer=8)
+    helper = columns.index(parse_heads("L2H7", 4, 8)[0])
+    assert [dict(left) for left in handed] == [{}, {helper: pytest.approx(
+        rank.Harm(-0.15, 0.0))}]

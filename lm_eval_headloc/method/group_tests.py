@@ -176,9 +176,10 @@ def read_sets(measured: Mapping[Members, Harm | float], top_k: int, z: float = Z
     """One task's ``Reading`` of ``measured`` (members -> harm). ``alone``: the components
     measured alone, which set the bar and are never ruled out (they are measured); None:
     the 1-sets of ``measured`` are. A set's parts (``status``'s ``inside``) are its members
-    measured alone and the smaller measured sets inside it; a ruled-out column's bound is
-    its ruling set's harm with its helpers' help added back (``unmasked``) plus the
-    margin."""
+    measured alone and the smaller measured sets inside it; a set's harm is read with the
+    help of its members measured alone added back (``unmasked``: those of ``alone`` and
+    those whose 1-set is among ``measured``), and a ruled-out column's bound is that harm
+    plus the margin."""
     sets = {tuple(members): _harm(value) for members, value in measured.items()}
     if alone is None:
         singles = {members[0]: value for members, value in sets.items() if len(members) == 1}
@@ -198,10 +199,14 @@ def read_sets(measured: Mapping[Members, Harm | float], top_k: int, z: float = Z
         smaller = {other for h in members for other in containing[h]
                    if len(other) < len(members)}
         parts = singly + [sets[other] for other in smaller if inner.issuperset(other)]
-        statuses[members] = verdict = status(harm, bar, parts, z, singly)
+        # Every member measured alone gives its help back, a component left out of the
+        # ranking (its 1-set among the sets: --exclude'd once measured) too.
+        helpers = singly + [sets[(h,)] for h in members
+                            if h not in singles and (h,) in sets and (h,) != members]
+        statuses[members] = verdict = status(harm, bar, parts, z, helpers)
         if verdict != UNDER:
             continue
-        shown = unmasked(harm, singly, z)
+        shown = unmasked(harm, helpers, z)
         bound = shown.value + z * shown.se
         for h in members:
             if h not in singles:
@@ -490,19 +495,23 @@ class Certificate:
 def certificate(candidates: Iterable[int], design: np.ndarray,
                 mask_harms: Sequence[Harm | float], alone: Mapping[int, Harm | float],
                 groups: Sequence[tuple[Members, Harm | float]], top_k: int, z: float = Z,
-                se_between: Callable[[int, int], float | None] | None = None
-                ) -> Certificate:
+                se_between: Callable[[int, int], float | None] | None = None,
+                left_out: Mapping[int, Harm | float] | None = None) -> Certificate:
     """One task's certificate over its ranked ``candidates`` (columns): ``design``'s rows
     with their harms, the columns measured alone (``alone``: column -> harm) and the group
-    tests (members, harm), read by ``read_sets``; ``se_between``: ``tied_at_k``'s."""
+    tests (members, harm), read by ``read_sets``; ``se_between``: ``tied_at_k``'s.
+    ``left_out``: columns measured alone but left out of the ranking (``--exclude``d
+    since): they set no bar, and their help is still given back to the sets they are in."""
     knocked_out = np.asarray(design, dtype=bool)
     masks = [tuple(int(h) for h in np.flatnonzero(row)) for row in knocked_out]
     measured: dict[Members, Harm] = {}
     for members, value in [*zip(masks, mask_harms, strict=True),
-                           *((tuple(m), v) for m, v in groups)]:
+                           *((tuple(m), v) for m, v in groups),
+                           *(((int(h),), v) for h, v in (left_out or {}).items())]:
         if members and not (len(members) == 1 and members[0] in alone):
             measured.setdefault(members, _harm(value))
     reading = read_sets(measured, top_k, z, alone=alone)
+    alone_sets = {(int(h),) for h in left_out or {}}  # measurements alone, not sets tested
     pool = [int(h) for h in candidates]
     ranked = set(pool)
     ruled_out = {h: bound for h, bound in reading.ruled_out.items() if h in ranked}
@@ -521,6 +530,6 @@ def certificate(candidates: Iterable[int], design: np.ndarray,
     return Certificate(
         reading.bar, sorted(h for h in pool if h in alone), ruled_out, unchecked, coverage,
         shadowed, [(tuple(m), _harm(v)) for m, v in groups],
-        helps=[m for m, s in reading.statuses.items() if s == HELPS],
+        helps=[m for m, s in reading.statuses.items() if s == HELPS and m not in alone_sets],
         violations=[m for m, s in reading.statuses.items() if s == VIOLATES],
         tied=tied_at_k(alone, top_k, z, se_between), noise=noise, z=z)

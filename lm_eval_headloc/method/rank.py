@@ -295,7 +295,8 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             stability=stability, evidence=evidence)
         rankings[task].facts.certificate = _certificate(
             design, keys, records, task, ranked_alone, confirmed, columns,
-            [h for h in order if h not in set(left_out)], top_k)
+            [h for h in order if h not in set(left_out)], top_k,
+            [h for h in alone if h in left_set])
         recorded = largest_single_help(rankings[task])
         if recorded is not None:
             rankings[task].facts.largest_single_help = recorded
@@ -324,10 +325,13 @@ def measured_harm(record: Mapping[str, Any], baseline: Mapping[str, Any], task: 
 def _certificate(design: np.ndarray, keys: Sequence[str],
                  records: Mapping[str, Mapping[str, Any]], task: str, alone: Changes,
                  confirmed: ConfirmRecord | None, columns: Columns,
-                 candidates: Sequence[int], top_k: int) -> CertificateRecord:
+                 candidates: Sequence[int], top_k: int,
+                 left_out: Sequence[int] = ()) -> CertificateRecord:
     """heads.json's ``certificate`` (``group_tests.certificate``): what the run's
     measurements rule out for ``task`` and what they leave unchecked, in names
-    (``candidates`` in the ranking's order, so the unchecked come likeliest first)."""
+    (``candidates`` in the ranking's order, so the unchecked come likeliest first).
+    ``left_out``: columns measured alone and left out of the ranking since, whose help
+    the sets holding them still give back."""
     baseline = records["baseline"]
     higher = bool(baseline["higher_is_better"][task])
     alone_harm = {h: measured_harm(records[alone_key(columns[h])], baseline, task)
@@ -342,7 +346,9 @@ def _certificate(design: np.ndarray, keys: Sequence[str],
                          second.get("examples", {}).get(task))
 
     cert = certificate(candidates, design, mask_harms, alone_harm, groups, top_k,
-                       se_between=se_between)
+                       se_between=se_between,
+                       left_out={h: measured_harm(records[alone_key(columns[h])], baseline,
+                                                  task) for h in left_out})
     stage = None if confirmed is None else confirmed.groups
     margin = Z * float(np.median([h.se for h in [*mask_harms, *alone_harm.values()]])
                        ) if mask_harms or alone_harm else 0.0
