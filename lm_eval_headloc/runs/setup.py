@@ -578,10 +578,18 @@ def check_task_overrides(spec: RunSpec, loaded: Mapping[str, Any],
 
 
 #: The new tokens lm-eval's HF model generates where a task's generation arguments name
-#: none (``HFLM.max_gen_toks``), and the names it reads them under, first first
-#: (``normalize_gen_kwargs``).
+#: none (``HFLM.max_gen_toks``, a fixed property).
 LM_EVAL_MAX_GEN_TOKS = 256
-_MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+def _new_tokens(gen_kwargs: Mapping[str, Any], default: int) -> int:
+    """The new tokens ``gen_kwargs`` ask for, under whichever of its names lm-eval reads
+    (``normalize_gen_kwargs``: max_gen_toks, max_new_tokens, ...), else ``default``."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    # Only the lengths: the sampling arguments are _check_sampling_temperature's to judge.
+    lengths = {k: v for k, v in gen_kwargs.items() if k not in ("do_sample", "temperature")}
+    return int(normalize_gen_kwargs(lengths, default)["max_gen_toks"])
 
 
 def _check_generation_fits(leaves: Mapping[str, Any], gen_kwargs: Mapping[str, Any],
@@ -593,19 +601,17 @@ def _check_generation_fits(leaves: Mapping[str, Any], gen_kwargs: Mapping[str, A
         if task.get_config("output_type") != "generate_until":
             continue
         own = task.get_config("generation_kwargs") or {}
-        effective = {**own, **gen_kwargs}
-        key = next((k for k in _MAX_TOKEN_KEYS if effective.get(k) is not None), None)
         try:
-            tokens = int(effective[key]) if key is not None else LM_EVAL_MAX_GEN_TOKS
+            tokens = _new_tokens({**own, **gen_kwargs}, LM_EVAL_MAX_GEN_TOKS)
+            source = ("--gen-kwargs'" if _new_tokens(gen_kwargs, 0) else
+                      "its YAML's" if _new_tokens(own, 0) else "lm-eval's default")
         except (TypeError, ValueError):  # the task's own value: lm-eval's to judge
             continue
         if tokens >= context:
-            source = ("--gen-kwargs'" if key in gen_kwargs else "its YAML's" if key
-                      else "lm-eval's default")
             raise UsageError(f"task {leaf!r} generates up to {tokens} tokens ({source} "
-                             f"{key or 'max_gen_toks'}), and the model takes {context} "
-                             "tokens, prompt and generation together; give fewer with "
-                             f"--gen-kwargs max_gen_toks=N (N below {context})")
+                             f"length), and the model takes {context} tokens, prompt and "
+                             "generation together; give fewer with --gen-kwargs "
+                             f"max_gen_toks=N (N below {context})")
 
 
 def _check_sampling_temperature(gen_kwargs: Mapping[str, Any],
