@@ -275,10 +275,12 @@ class ComponentKnockout:
         features), and whether it came flattened: OPT's MLP sees its batch as (rows ×
         positions, features), and per-row masks and resample's donors need the rows back
         (the pass knows them where it has either)."""
+        if hidden.dim() != 2:  # every model but OPT's MLP: nothing else to read per call
+            return hidden, False
         active = self._active
         rows = None if active is None else active.rows if active.donor_index is None \
             else active.donor_index.shape[0]
-        if hidden.dim() != 2 or rows is None or hidden.shape[0] % rows:
+        if rows is None or hidden.shape[0] % rows:
             return hidden, False
         return hidden.unflatten(0, (rows, -1)), True
 
