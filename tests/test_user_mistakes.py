@@ -323,6 +323,24 @@ def test_a_task_yaml_lm_eval_skipped_is_named_with_why(tmp_path):
     assert str(tmp_path) not in str(plain.value)
 
 
+def test_a_task_yaml_added_to_a_folder_after_a_first_command_is_known(tmp_path):
+    """One process (a notebook) keeps a task manager per set of folders: a task written
+    into an --include-path folder after a first command read as an unknown task."""
+    from lm_eval_headloc.tasks import check_task_names, make_task_manager
+
+    copy = f"include: {TASKS}/tiny_copy/tiny_copy.yaml\n"
+    (tmp_path / "first.yaml").write_text(copy + "task: first_copy\n")
+    manager = make_task_manager(str(tmp_path))
+    check_task_names(manager, ["first_copy"])
+    assert make_task_manager(str(tmp_path)) is manager  # unchanged: the one kept
+    (tmp_path / "second.yaml").write_text(copy + "task: second_copy\n")
+    check_task_names(make_task_manager(str(tmp_path)), ["first_copy", "second_copy"])
+    # A task renamed in its file: the new name known, the old one no longer.
+    (tmp_path / "second.yaml").write_text(copy + "task: renamed_copy\n")
+    renamed = make_task_manager(str(tmp_path))
+    assert "renamed_copy" in renamed.all_tasks and "second_copy" not in renamed.all_tasks
+
+
 @pytest.mark.parametrize("argv", [["locate", "--masks", "abc"], ["refit"], ["nosuch"],
                                   ["locate", "--bogus"]])
 def test_an_argparse_mistake_is_one_line_not_the_usage(capsys, argv):

@@ -66,7 +66,8 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
     checkout used without installing has no hook).
 
     Indexing every task YAML takes seconds, so one manager per set of folders is kept for
-    the process (a notebook or sweep building runs over and over); its ``load`` builds
+    the process (a notebook or sweep building runs over and over) while their files are
+    unchanged: a YAML added, removed or edited since builds a new one; its ``load`` builds
     fresh task objects on every call. ``option``: how an error names the setting (''
     would be the current folder: refused).
     """
@@ -75,8 +76,18 @@ def make_task_manager(include_path: str | Sequence[str] | None = None,
         if not str(folder).strip() or not Path(folder).is_dir():
             raise UnknownTaskError(f"{option}{str(folder)!r} is not a folder (expected a "
                                    "folder of lm-eval task YAMLs)")
-    return _task_manager(tuple(map(str, with_own_tasks(
-        [str(Path(folder).resolve()) for folder in extra]))))
+    folders = tuple(map(str, with_own_tasks([str(Path(folder).resolve()) for folder in extra])))
+    return _task_manager(folders, _folders_state(folders))
+
+
+def _folders_state(folders: Sequence[str]) -> tuple[str, ...]:
+    """What the index of ``folders`` depends on (``index_digest``: each file's path, size
+    and modification time, under a millisecond for a task folder), so that a kept manager
+    is never one that misses a YAML written since: a notebook's second command took a task
+    added to its --include-path folder for an unknown one."""
+    from lm_eval_headloc.tasks.index_cache import index_digest
+
+    return tuple(index_digest(Path(folder)) for folder in folders)
 
 
 #: What lm-eval says on loading every task with a ``custom_dataset`` (ours all have one).
@@ -106,7 +117,8 @@ def _quiet_own_metadata_notice() -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _task_manager(folders: tuple[str, ...]) -> Any:
+def _task_manager(folders: tuple[str, ...], state: tuple[str, ...]) -> Any:
+    # ``state`` (``_folders_state``) is only the cache's key: a changed folder is a miss.
     from lm_eval.tasks import TaskManager
 
     from lm_eval_headloc.tasks.index_cache import builtin_index_cached
