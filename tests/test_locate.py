@@ -372,6 +372,7 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
             f"metric_list:\n  - metric: {metric}\n    aggregation: {aggregation}\n"
             f"    higher_is_better: {higher}\n")
     (tasks / "group.yaml").write_text("group: mixed_group\ntask: [mixed_acc, mixed_ppl]\n")
+    (tasks / "nested.yaml").write_text("group: nested_group\ntask: [mixed_group]\n")
     assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
                    "--include-path", TASKS, "--include-path", str(tasks), "--tasks", "mixed",
                    "--out", str(tmp_path / "run")) == 2
@@ -396,6 +397,14 @@ def test_a_tag_whose_tasks_score_by_different_metrics_is_refused_before_loading(
                    "mixed_group", "--out", str(tmp_path / "run")) == 2
     assert_names(last_error(capsys), "'mixed_group'", "mixed_ppl: perplexity,none",
                  "no metric in common")
+    # Nor has a group whose subgroup aggregates nothing: its score is the mean of the
+    # subgroup's mean of its tasks.
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", TASKS, "--include-path", str(tasks), "--tasks",
+                   "nested_group", "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "'nested_group'", "mixed_ppl: perplexity,none",
+                 "no metric in common", "--tasks mixed_acc,mixed_ppl")
+    assert not (tmp_path / "run").exists()
     # Where the tasks share a metric, it is what is offered.
     (tasks / "mixed_ppl.yaml").write_text(
         f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: mixed_ppl\ntag: mixed\n"

@@ -428,13 +428,14 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
 def _mean_of_its_tasks(name: str, entry: Mapping[str, Any]) -> bool:
     """Whether lm-eval reports no score of ``name``'s own (``entry``: what
     ``TaskManager.load`` built for it), so that it is measured as the mean of its tasks: a
-    tag of several, or a group of tasks with no ``aggregate_metric_list``."""
+    tag of several, or a group with no ``aggregate_metric_list`` whose subgroups, if any,
+    have none either (the mean of its subgroups' means of their tasks)."""
     groups = entry["groups"]
     if not groups:
         return len(entry["tasks"]) > 1
     group = groups.get(name)
-    return (group is not None and not group.aggregate_metric_list
-            and len(group.get_all_tasks(recursive=False)) == len(group))
+    return group is not None and not any(
+        g.aggregate_metric_list for g in [group, *group.get_all_groups()])
 
 
 def check_scale_fits(scale: float, model_args: str, config: Any) -> None:
