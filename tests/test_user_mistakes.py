@@ -341,6 +341,21 @@ def test_a_task_yaml_added_to_a_folder_after_a_first_command_is_known(tmp_path):
     assert "renamed_copy" in renamed.all_tasks and "second_copy" not in renamed.all_tasks
 
 
+def test_a_task_whose_answers_are_longer_than_the_model_is_one_line(tiny_model_dir, tmp_path,
+                                                                    capsys):
+    """lm-eval scores a continuation of 1 to max_length tokens: a task's longer answers
+    ended the run in a ValueError traceback at its first measurement."""
+    (tmp_path / "long.yaml").write_text(
+        f"include: {TASKS}/tiny_copy/tiny_copy.yaml\ntask: tiny_long_answer\n"
+        "doc_to_target: \"{{ target * 200 }}\"\n")
+    assert harness("locate", "--model-args", f"pretrained={tiny_model_dir('llama')}",
+                   "--include-path", str(tmp_path), "--tasks", "tiny_long_answer", "--masks",
+                   "3", "--sparsity", "0.25", "--num-samples", "4", *LASSO_ONLY,
+                   "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "headloc-harness: error: ", "continuation is",
+                 "max_length (128)")
+
+
 @pytest.mark.parametrize("argv", [["locate", "--masks", "abc"], ["refit"], ["nosuch"],
                                   ["locate", "--bogus"]])
 def test_an_argparse_mistake_is_one_line_not_the_usage(capsys, argv):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm_eval_headloc.common.errors import UserError
 from lm_eval_headloc.intervention.components import Head
 
 __all__ = ["LMProxy", "LoglikelihoodRequests", "RecordingLM", "ReplayLM", "ScoredBatch",
@@ -265,8 +266,9 @@ class LoglikelihoodRequests:
         self._encoded = encoded(lm, self.keys)
         for key, (_, continuation) in zip(self.keys, self._encoded, strict=True):
             # HFLM asserts both; scored here they would be (0, greedy) or wrapped positions.
+            # The task's answers, not the package, are at fault: one line, no traceback.
             if not continuation or len(continuation) > int(lm.max_length):
-                raise ValueError(
+                raise UserError(
                     f"loglikelihood request {key!r}: its continuation is "
                     f"{len(continuation)} tokens; lm-eval scores 1 to max_length "
                     f"({int(lm.max_length)})")
