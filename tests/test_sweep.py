@@ -270,3 +270,23 @@ def test_cells_the_noise_cannot_tell_from_the_best_are_no_best():
     verdict = sweep_table(result).splitlines()[-1]
     assert verdict.startswith("Best, within the noise: 2 cells") and "none is best" in verdict
     assert "--masks 10" in verdict and "--masks 14" not in verdict
+
+
+def test_a_sweep_of_a_metric_that_goes_below_0_has_no_floor_at_0(tiny_model_dir, tmp_path):
+    """The sweep said "scores 0 with nothing knocked out, so no knockout can lower it" of
+    a Matthews correlation or a *_diff metric at 0, which can fall below 0: it had no
+    metric to go on. sweep.json keeps the task's metric, and the verdict follows locate's
+    rule (``scores_at_floor``)."""
+    from lm_eval_headloc.commands.sweep import sweep_table
+
+    out = tmp_path / "sweep"
+    assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "3", "--sparsity", "0.25", "--num-samples", "3", "--top-k", "1",
+                   "--confirm", "2", "--out", str(out)) == 0
+    made = strict_json(out / "sweep.json")
+    base = json.loads((out / "measurements.jsonl").read_text().splitlines()[0])
+    assert made["metric"] == base["metrics"]["tiny_choice"] == "acc,none"
+    for metric, floor in (("acc,none", True), ("mcc,none", False), ("bleu_diff,none", False),
+                          ("logprob", False)):
+        verdict = sweep_table({**_grid([0.0, 0.0, 0.0], baseline=0.0), "metric": metric})
+        assert ("t scores 0 with nothing knocked out" in verdict) == floor, metric

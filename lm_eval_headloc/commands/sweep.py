@@ -101,9 +101,10 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         best = max(results, key=lambda c: c["drop"])
         for cell, near in zip(results, within_noise_of_best(results, examples), strict=True):
             cell["within_noise_of_best"] = near
-        result = {"task": task, "baseline": baseline["scores"][task],
-                  "higher_is_better": higher, "top_k": spec.top_k, "cells": results,
-                  "best": best}
+        # The metric decides, as for locate's ranking, whether a score of 0 is a floor.
+        result = {"task": task, "metric": baseline["metrics"][task],
+                  "baseline": baseline["scores"][task], "higher_is_better": higher,
+                  "top_k": spec.top_k, "cells": results, "best": best}
         if measuring.measure is not None:  # a rerun that loaded nothing keeps its record
             run.save(folder, measuring.measure)  # the workers' shares and the timings so far
         folder.write_json("sweep.json", result)
@@ -193,7 +194,8 @@ def _best_words(result: Mapping[str, Any], kind: str) -> str:
         return f"--masks {c['masks']} --sparsity {c['sparsity']:g}"
 
     if best["drop"] <= 0:
-        floor = scores_at_floor(result["baseline"], result.get("higher_is_better"))
+        floor = scores_at_floor(result["baseline"], result.get("higher_is_better"),
+                                result.get("metric"))
         return (f"Nothing found: no cell's top-{result['top_k']} {kind} hurt {task} (the "
                 f"largest drop: {signed(best['drop'])}), so no cell is best"
                 + (f"; {task} scores 0 with nothing knocked out, so no knockout can lower "
