@@ -171,6 +171,36 @@ def harness(*args: str) -> int:
         return exit_.code
 
 
+@contextmanager
+def shown_bars(monkeypatch):
+    """The progress bars a command run inside the block shows, as (desc, n, total) each
+    once it has closed (drawn into a StringIO, not the terminal)."""
+    import io
+
+    import tqdm as tqdm_module
+
+    bars: list = []
+
+    class Recorded(tqdm_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
+            if not self.disable:  # shown (close() disables it later)
+                bars.append(self)
+
+    real = tqdm_module.tqdm
+    shown: list[tuple[str, int, int | None]] = []
+    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
+    try:
+        yield shown
+    finally:
+        # A module first imported during the run bound Recorded as its tqdm: later tests
+        # in this process drew lm-eval's bars into a StringIO (test_measure's verbose one).
+        for module in list(sys.modules.values()):
+            if getattr(module, "tqdm", None) is Recorded:
+                module.tqdm = real
+        shown += [(bar.desc, bar.n, bar.total) for bar in bars]
+
+
 def tiny_args(folder) -> list[str]:
     """The model and task options of a command on the tiny model in ``folder``."""
     return ["--model-args", f"pretrained={folder},dtype=float32", "--include-path", TASKS]

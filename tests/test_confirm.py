@@ -3,14 +3,12 @@ locate --confirm on a tiny model."""
 
 from __future__ import annotations
 
-import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import harness, read_run, strict_json, tiny_args
+from helpers import harness, read_run, shown_bars, strict_json, tiny_args
 
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.budget import (
@@ -617,32 +615,14 @@ def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_d
                                                                      monkeypatch):
     """The default job drew a new bar for each of the confirmation's rounds. One
     bar per phase (as lm-eval draws one per request type): the masks, then the
-    confirmation's heads alone (7: rounds of 5 and 2), each bar filled once."""
-    import tqdm as tqdm_module
-
-    bars = []
-
-    class Recorded(tqdm_module.tqdm):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
-            if not self.disable:  # shown (close() disables it later)
-                bars.append(self)
-
-    real = tqdm_module.tqdm
-    monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
-    try:
+    confirmation's heads alone (7: rounds of 5 and 2), each bar filled once. The masks'
+    bar counts the 6 masks, not the baseline measured with them."""
+    with shown_bars(monkeypatch) as shown:
         assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
                        "--masks", "6", "--sparsity", "0.25", "--num-samples", "6",
                        "--prior", "none", "--confirm", "7", "--out",
                        str(tmp_path / "run")) == 0
-    finally:
-        # A module first imported during the run bound Recorded as its tqdm: later tests
-        # in this process drew lm-eval's bars into a StringIO (test_measure's verbose one).
-        for module in list(sys.modules.values()):
-            if getattr(module, "tqdm", None) is Recorded:
-                module.tqdm = real
-    shown = [(bar.desc, bar.n, bar.total) for bar in bars]
-    assert shown == [("locate", 7, 7), ("confirm", 7, 7)], shown
+    assert shown == [("locate", 6, 6), ("confirm", 7, 7)], shown
     rounds = strict_json(tmp_path / "run" / "config.json")["confirm"]["rounds"]
     assert [len(r) for r in rounds] == [5, 2]  # two rounds, one bar
 

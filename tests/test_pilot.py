@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LASSO_ONLY, harness, read_run, strict_json, tiny_args
+from helpers import LASSO_ONLY, harness, read_run, shown_bars, strict_json, tiny_args
 
 from lm_eval_headloc.method.pilot import (
     FLOOR_KEY,
@@ -81,3 +81,15 @@ def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path)
                                       "pilot-p0.2-1"]
     assert (matrix[4:].sum(axis=1) == knockouts_per_mask(chosen, 8)).all()
     assert "sparsity auto: " in (out / "report.md").read_text()
+
+
+def test_the_pilots_bar_and_the_masks_bar_count_the_masks_asked(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """--masks 8 drew "pilot 6/6" (the baseline with the pilot's 5) and "locate 8/8" (the
+    pilot's again with the baseline): each bar counts the masks it measures, together the 8
+    asked, the floor mask among them."""
+    with shown_bars(monkeypatch) as shown:
+        assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                       "--sparsity", "auto", "--masks", "8", "--num-samples", "4",
+                       *LASSO_ONLY, "--out", str(tmp_path / "pilot")) == 0
+    assert shown == [("pilot", 5, 5), ("locate", 3, 3)], shown

@@ -13,6 +13,7 @@ from helpers import (
     harness,
     last_error,
     lose_last_measurement_and_count_loads,
+    shown_bars,
     strict_json,
     tiny_args,
 )
@@ -290,3 +291,16 @@ def test_a_sweep_of_a_metric_that_goes_below_0_has_no_floor_at_0(tiny_model_dir,
                           ("logprob", False)):
         verdict = sweep_table({**_grid([0.0, 0.0, 0.0], baseline=0.0), "metric": metric})
         assert ("t scores 0 with nothing knocked out" in verdict) == floor, metric
+
+
+def test_a_cells_bar_counts_its_masks(tiny_model_dir, tmp_path, monkeypatch):
+    """Each cell's bar said "locate 4/4" for 3 masks: it counted the baseline measured
+    with them, which the sweep's own bar counts. A cell's bar counts its masks, as
+    locate's does."""
+    with shown_bars(monkeypatch) as shown:
+        assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks",
+                       "tiny_choice", "--masks", "3,5", "--sparsity", "0.25",
+                       "--num-samples", "3", "--top-k", "1", "--confirm", "2",
+                       "--out", str(tmp_path / "sweep")) == 0
+    assert shown == [("baseline", 1, 1), ("locate", 3, 3), ("confirm", 2, 2),
+                     ("locate", 5, 5), ("confirm", 2, 2)], shown

@@ -187,8 +187,10 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     measurement it holds (``ReplayStore``) gives it when the plan asks: it is not
     measured. A run folder's config.json is not touched: a distributed measurement's
     workers go into the command's record with its next phase (``RunRecord.save``).
-    ``bar``: the phase's (``phase_bar``), advanced by what this call measures; None: a bar
-    of this plan's own (``desc``, shown unless ``progress`` is False).
+    ``bar``: the phase's (``phase_bar``), advanced by each knockout this call measures (not
+    by the baseline, which a phase's plans carry for the records they return: the bar
+    counts what its phase names, the masks or the components alone); None: a bar of this
+    plan's own (``desc``, shown unless ``progress`` is False), counting every entry.
     """
     entries = [(key, heads, rest[0] if rest else None) for key, heads, *rest in plan]
     done = {r["key"]: r for r in store.measurements()}
@@ -239,17 +241,23 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
         while waiting and (final or position[waiting[0][0]] < horizon):
             key, first = waiting.pop(0)
             done[key] = _twin_record(store, key, done[first])
-            bar.update(1)
+            advance(key)
 
     if todo and measure is None:
         raise ValueError(f"run_plan: {len(todo)} measurements left and no measurement")
     if masks_per_pass is None:
         masks_per_pass = measure.auto_masks_per_pass() if todo else 1
-    if bar is None:
+    own = bar is None  # a bar of the plan's own counts the baseline too
+    if own:
         phase = phase_bar(desc, len(entries), sum(key in done for key, _, _ in entries),
                           progress)
     else:
         phase = contextlib.nullcontext(bar)
+
+    def advance(key: str) -> None:
+        if own or key != "baseline":
+            bar.update(1)
+
     with phase as bar:
         copy_twins()  # those planned before anything left to measure
         # One scale per call of measure_chunks: entries grouped by scale, in plan order.
@@ -286,7 +294,7 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                     _check_usable(store, record, *numbers)
                     store.append_measurement(record)
                     done[key] = record
-                    bar.update(1)
+                    advance(key)
                     copy_twins()
         copy_twins(final=True)
     return {key: done[key] for key, _, _ in entries}

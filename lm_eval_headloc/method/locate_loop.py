@@ -202,7 +202,9 @@ def locate_loop(measure: Measurement, store: MeasurementStore, columns: Columns,
 
     rankings = None
     stored = {r["key"] for r in store.measurements()}
-    phase = plan[:checks[-1] + 1]  # one bar for --masks auto's rounds
+    # One bar for --masks auto's rounds, counting the masks it measures: not the baseline
+    # the plan carries ("locate 5/5" was drawn for --masks 4), nor the pilot's own bar's.
+    phase = plan[1 + len(row_keys):checks[-1] + 1]
     with phase_bar("locate", len(phase), sum(key in stored for key, _ in phase),
                    settings.progress) as bar:
         for used in checks:
@@ -252,8 +254,11 @@ def _pilot(store: MeasurementStore, measure: Measurement, settings: LoopSettings
         check_pilot_fits(settings.design_rows, len(keys), settings.masks)
     plan = [("baseline", [])] + [(key, columns.knocked_out(row))
                                  for key, row in zip(keys, pilot, strict=True)]
-    records = run_plan(store, measure, plan, desc="pilot", progress=settings.progress,
-                       masks_per_pass=settings.masks_per_pass)
+    stored = {r["key"] for r in store.measurements()}
+    with phase_bar("pilot", len(keys), sum(key in stored for key in keys),
+                   settings.progress) as bar:  # the pilot's masks, as locate's bar counts
+        records = run_plan(store, measure, plan, desc="pilot",
+                           masks_per_pass=settings.masks_per_pass, bar=bar)
     sparsity, kept = choose_sparsity(levels, keys, records, tasks)
     chosen = {"sparsity": sparsity, "kept": kept, "measurements": len(keys),
               "keep_at_least": KEEP}
