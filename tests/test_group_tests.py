@@ -16,6 +16,7 @@ from helpers import (
     assert_same_run,
     harness,
     read_run,
+    shown_bars,
     stopped_part_way,
     strict_json,
     tiny_args,
@@ -463,6 +464,23 @@ def test_a_set_above_the_bar_rules_out_nothing_and_the_unchecked_say_where_they_
 GROUPED = ["--tasks", "tiny_choice", "--masks", "2", "--sparsity", "0.25", "--num-samples",
            "8", "--seed", "1", "--signal", "logprob", "--prior", "atp", "--confirm", "1",
            "--max-measurements", "100", "--group-tests", "8"]
+
+
+def test_the_group_tests_bar_counts_the_tests_and_names_its_cap(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """The stage's bar took the cap left (97) for its total: "10/97" was drawn for a
+    stage that stopped there, certified. How many it tests is not known ahead: the bar
+    counts them, with the cap in its name."""
+    out = tmp_path / "run"
+    with shown_bars(monkeypatch) as shown:
+        assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks",
+                       "tiny_choice", "--masks", "2", "--sparsity", "0.25", "--num-samples",
+                       "8", "--seed", "1", "--signal", "logprob", "--prior", "none",
+                       "--confirm", "1", "--max-measurements", "100", "--out", str(out)) == 0
+    groups = strict_json(out / "config.json")["confirm"]["groups"]
+    tested = sum(len(batch) for batch in groups["rounds"])
+    assert groups["budget"] == 97 and 0 < tested < 97
+    assert shown[-1] == ("group tests (at most 97)", tested, None), shown
 
 
 def test_a_locate_run_records_its_group_tests_and_its_certificate(tiny_model_dir, tmp_path,

@@ -147,19 +147,21 @@ PlanEntry = tuple[str, list[Head]] | tuple[str, list[Head], float | None]
 
 
 @contextlib.contextmanager
-def phase_bar(desc: str, total: int, done: int = 0, progress: bool = True) -> Iterator[Any]:
+def phase_bar(desc: str, total: int | None, done: int = 0, progress: bool = True
+              ) -> Iterator[Any]:
     """One progress bar for a phase that measures in several calls of ``run_plan`` (the
     confirmation's rounds, ``--masks auto``'s), as lm-eval draws one per request type:
     pass it as their ``bar``; each advances it by what it measures. ``done``: what the
     phase finds on disk (a resumed run). A phase that ends short of ``total`` (it
-    stopped early) ends at 100 % of what it measured."""
+    stopped early) ends at 100 % of what it measured; ``total`` None: a phase that cannot
+    know how many it will measure (the group tests) counts them, with no total."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=min(done, total), desc=desc, unit="meas",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=done if total is None else min(done, total), desc=desc,
+               unit="meas", disable=not progress, dynamic_ncols=True)
     try:
         yield bar
-        if bar.n < bar.total:
+        if bar.total is not None and bar.n < bar.total:
             bar.total = bar.n
             bar.refresh()
     finally:

@@ -442,7 +442,10 @@ def _group_test(store: MeasurementStore, measure: Measurement, settings: LoopSet
     if budget == 0:  # the cap taken by the masks and the heads alone: no bar to draw
         tested = GroupTesting([], size)
     else:
-        with phase_bar("group tests", budget, min(stored, budget), settings.progress) as bar:
+        # The stage stops once the run is certified, how soon no one knows: its bar counts
+        # the tests, its cap named ("12/118" was drawn for a stage that ended at 12).
+        with phase_bar(f"group tests (at most {budget})", None, min(stored, budget),
+                       settings.progress) as bar:
             tested = group_testing(order, known, measured, budget, size=size,
                                    top_k=settings.top_k, helpers=helpers)
     names = columns.names
