@@ -80,7 +80,13 @@ def test_sparsity_auto_runs_a_pilot_that_joins_the_fit(tiny_model_dir, tmp_path)
     assert config["row_keys"][:4] == ["pilot-p0.02-0", "pilot-p0.02-1", "pilot-p0.2-0",
                                       "pilot-p0.2-1"]
     assert (matrix[4:].sum(axis=1) == knockouts_per_mask(chosen, 8)).all()
-    assert "sparsity auto: " in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "sparsity auto: " in report
+    # The design's line said "16 masks" beside the fit's "over 15 measurements": it says
+    # which one the fit leaves out.
+    assert ("- design: stratified, 16 masks (15 of them fitted: the pilot's floor mask, half "
+            "the heads knocked out, only chooses the sparsity), sparsity auto: ") in report
+    assert "Fit R² = " in report and " over 15 measurements" in report
 
 
 def test_the_pilots_bar_and_the_masks_bar_count_the_masks_asked(tiny_model_dir, tmp_path,

@@ -521,16 +521,29 @@ def _sparsity_words(run: LocateRun) -> str:
 
 def _masks_words(run: LocateRun) -> str:
     if run.spec.masks != "auto":
-        return f"{run.spec.masks} masks"
+        floor = _floor_mask_words(run, run.spec.masks)
+        return f"{run.spec.masks} masks" + (f" ({floor})" if floor else "")
     unit = UNIT[run.spec.components]
+    floor = _floor_mask_words(run, run.masks_used)
+    floor += "; " if floor else ""
     if run.masks_used is not None and run.masks_used >= run.spec.max_masks:
         # Stopped by the cap, stable or not: "measured until every top-k head was stable"
         # read as a promise where a top-k head was still unstable.
-        return (f"{run.masks_used} masks (--masks auto: stopped at --max-masks "
+        return (f"{run.masks_used} masks ({floor}--masks auto: stopped at --max-masks "
                 f"{run.spec.max_masks}, its most; it stops sooner once every top-k {unit} "
                 "is stable)")
-    return (f"{run.masks_used} masks (--masks auto: measured until every top-k "
+    return (f"{run.masks_used} masks ({floor}--masks auto: measured until every top-k "
             f"{unit} was stable, at most {run.spec.max_masks})")
+
+
+def _floor_mask_words(run: LocateRun, masks: int | None) -> str:
+    """How many of ``masks`` the fit takes where --sparsity auto's floor mask is one of
+    them, measured and not fitted: "40 masks" stood beside the fit's "over 39
+    measurements"."""
+    if not run.unfitted or masks is None:
+        return ""
+    return (f"{masks - run.unfitted} of them fitted: the pilot's floor mask, half the "
+            f"{UNITS[run.spec.components]} knocked out, only chooses the sparsity")
 
 
 def _measured_all_alone(run: LocateRun) -> bool:
