@@ -157,8 +157,10 @@ def phase_bar(desc: str, total: int | None, done: int = 0, progress: bool = True
     know how many it will measure (the group tests) counts them, with no total."""
     from tqdm import tqdm
 
+    # Without a total tqdm writes the count and the unit as one word ("33meas").
     bar = tqdm(total=total, initial=done if total is None else min(done, total), desc=desc,
-               unit="meas", disable=not progress, dynamic_ncols=True)
+               unit="meas" if total is not None else " meas", disable=not progress,
+               dynamic_ncols=True)
     try:
         yield bar
         if bar.total is not None and bar.n < bar.total:
