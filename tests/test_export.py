@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -795,3 +796,31 @@ def test_a_helper_measured_alone_lifts_the_cap_of_a_group_test_it_is_in():
     entry = {e["head"]: e for e in entries}
     assert graph["nodes"]["a1.h2"]["score"] == pytest.approx(
         capped_fall(entry["L1H2"], data), abs=1e-6)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_as_out_is_refused_not_waited_on(tmp_path):
+    """A FIFO named as --out hung export for ever (reading it to see whether it is an
+    export of ours waits for a writer); refused in one line now."""
+    import threading
+
+    run, out = make_run(tmp_path / "run"), tmp_path / "importances.json"
+    os.mkfifo(out)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            export(run, out)
+        except BaseException as err:  # noqa: BLE001 (checked below, in the test's thread)
+            errors.append(err)
+
+    command = threading.Thread(target=call, daemon=True)
+    command.start()
+    command.join(timeout=20)
+    hung = command.is_alive()
+    if hung:  # let the blocked open go: a writer that closes at once
+        os.close(os.open(out, os.O_WRONLY | os.O_NONBLOCK))
+        command.join(timeout=20)
+    assert not hung, "export waited on a FIFO"
+    assert isinstance(errors[0], ExportError)
+    assert_names(str(errors[0]), f"{out} is a FIFO, not a regular file")

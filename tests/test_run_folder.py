@@ -578,3 +578,16 @@ def test_no_lock_is_left_behind_and_a_stale_one_is_taken_over(tmp_path):
             RunFolder(run).lock()  # held: a second holder is refused
         assert (run / ".lock").is_file()
     assert not (run / ".lock").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_in_place_of_a_runs_output_is_refused_when_it_resumes(tmp_path):
+    """A FIFO as report.md was refused only when the report was written, after every
+    measurement of the resumed run; it is refused as the run resumes now."""
+    from lm_eval_headloc.runs.folder import RunFolder, RunFolderError
+
+    run = _started_run(tmp_path / "run")
+    os.mkfifo(run / "report.md")
+    with RunFolder(run) as folder, pytest.raises(RunFolderError,
+                                                 match="report.md is a FIFO, not a regular"):
+        folder.start("locate", {"seed": 0}, {})

@@ -5,6 +5,7 @@ would spoil."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,41 @@ def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
     assert worker.model_args == "pretrained=/m,dtype=bfloat16"
     # Here, where a worker would see no GPU, it chooses the CPU.
     assert resolve_model_args(worker.model_args) == "pretrained=/m,dtype=bfloat16,device=cpu"
+
+
+def _refused_without_blocking(capsys, fifo: Path, *argv: str) -> str:
+    """The one-line refusal of ``argv``, run in a thread: a command that opens the FIFO
+    ``fifo`` blocks until a writer comes, and the test's opening of one lets it go."""
+    import threading
+
+    codes: list[int] = []
+    command = threading.Thread(target=lambda: codes.append(harness(*argv)), daemon=True)
+    command.start()
+    command.join(timeout=20)
+    hung = command.is_alive()
+    if hung:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        command.join(timeout=20)
+    assert not hung, f"{argv[0]} waited on the FIFO {fifo}"
+    assert codes == [2]
+    return error_line(capsys)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+@pytest.mark.parametrize("command,suffix", [("universal", ".json"), ("overlap", ".json"),
+                                            ("overlap", ".md")])
+def test_a_fifo_as_an_output_file_is_refused_not_waited_on(tmp_path, capsys, command, suffix):
+    """universal --out named a FIFO hung for ever: reading it to see whether it was a file
+    of ours waits for a writer. Refused in one line, before the rankings are read."""
+    import os
+
+    from helpers import write_heads
+
+    heads = ["L0H1", "L2H0", "L1H1", "L3H3", "L0H0", "L1H0"]
+    runs = [write_heads(tmp_path / f"r{n}", "a", heads) for n in (1, 2)]
+    out = tmp_path / "out.json"
+    fifo = out.with_suffix(suffix)
+    os.mkfifo(fifo)
+    line = _refused_without_blocking(capsys, fifo, command, *map(str, runs), "--out",
+                                     str(out))
+    assert_names(line, f"{fifo} is a FIFO, not a regular file")

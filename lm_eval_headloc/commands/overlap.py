@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import strict_json, write_atomically
+from lm_eval_headloc.common.files import not_a_file, strict_json, write_atomically
 from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import (
     read_heads_file,
@@ -338,6 +338,8 @@ def _check_out(out: Path, runs: Sequence[Path]) -> None:
         raise UsageError(f"--out: {markdown_path(out)} is a link; name files that are not "
                          "(the link would be replaced by a file)")
     for path in (out, markdown_path(out)):
+        if (what := not_a_file(path)) is not None:  # _ours would wait on a FIFO for ever
+            raise UsageError(f"--out: {what}; name a file")
         if path.exists() and not _ours(path):
             raise UsageError(f"--out: {path} exists and was not written by {MADE_BY}; "
                              "choose another file")

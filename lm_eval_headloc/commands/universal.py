@@ -24,7 +24,7 @@ from typing import Any
 
 from lm_eval_headloc.commands.overlap import RankingFile, candidate_neurons, never_searched
 from lm_eval_headloc.common.checks import UsageError, check_number
-from lm_eval_headloc.common.files import strict_json, write_atomically
+from lm_eval_headloc.common.files import not_a_file, strict_json, write_atomically
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list
 from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
@@ -46,6 +46,8 @@ def _check_out(out: Path, runs: Sequence[str | Path]) -> None:
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; universal writes one JSON file "
                          f"(e.g. {out / 'universal.json'})")
+    if (what := not_a_file(out)) is not None:  # reading a FIFO below would wait for ever
+        raise UsageError(f"--out {what}; name a file")
     if out.exists():
         try:
             ours = json.loads(out.read_text()).get("made_by") == MADE_BY

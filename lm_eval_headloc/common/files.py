@@ -7,12 +7,13 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTIAL", "Beginning", "cache_root", "page_refusal", "parse_json", "read_json",
-           "strict_json", "write_atomically", "write_page"]
+__all__ = ["PARTIAL", "Beginning", "cache_root", "not_a_file", "page_refusal", "parse_json",
+           "read_json", "strict_json", "write_atomically", "write_page"]
 
 #: How much of a file is read to see how it begins.
 _PEEK = 4096
@@ -42,6 +43,29 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -
         partial.unlink(missing_ok=True)
 
 
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """``"<path> is a FIFO, not a regular file"`` (a socket, a device, a broken link) where
+    ``path`` is there but is neither a regular file nor a folder; None else (not there, a
+    file, a folder: each writer says what it makes of a folder). The one check of an
+    output path a command writes or reads back before writing: a FIFO blocks whoever opens
+    it until the other end is opened, for ever; a caller adds what to do instead."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            return None
+        kind = "a broken link"
+    except (OSError, ValueError):  # unreadable, or a name no path can have: the writer says
+        return None
+    else:
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return None
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "something else")
+    return f"{path} is {kind}, not a regular file"
+
+
 #: How a page begins: its first characters, or a pattern its start matches (``re.match``).
 Beginning = str | re.Pattern[str]
 
@@ -68,6 +92,8 @@ def page_refusal(path: str | os.PathLike,
             return (f"{path.parent} is not a folder, so {path} cannot be written; name a "
                     "file in an existing folder")
         return None
+    if (what := not_a_file(path)) is not None:
+        return f"{what}; name a file"
     if not path.is_file():
         return f"{path} is not a regular file; name a file (e.g. {path / 'page.md'})"
     try:

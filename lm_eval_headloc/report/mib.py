@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval_headloc.common.checks import as_python
-from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.files import not_a_file, write_atomically
 from lm_eval_headloc.intervention.components import (
     ComponentSpecError,
     Head,
@@ -658,6 +658,8 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     if out.is_symlink():
         raise ExportError(f"{out} is a link; name the file itself (the link would be "
                           "replaced by a file)")
+    if (what := not_a_file(out)) is not None:  # _is_ours would wait on a FIFO for ever
+        raise ExportError(f"{what}; name a file")
     if out.exists() and not _is_ours(out):
         raise ExportError(f"{out} exists and is not an export of lm-eval-headloc; not "
                           "overwritten: choose another path or remove it")

@@ -38,6 +38,7 @@ from typing import Any
 from lm_eval_headloc.common.files import (
     PARTIAL,
     _finite_or_none,
+    not_a_file,
     read_json,
     strict_json,
     write_atomically,
@@ -346,11 +347,10 @@ class RunFolder:
                 path.resolve().parent != self.path.resolve():
             raise RunFolderError(f"{path} is a link to {path.resolve()}, outside the run "
                                  "folder; a run folder's files are its own")
-        if name != self.LOCK and os.path.lexists(path) and not (path.is_file()
-                                                                or path.is_dir()):
+        if name != self.LOCK and (what := not_a_file(path)) is not None:
             # A FIFO or a device would block the reader or the writer for ever.
-            raise RunFolderError(f"{path} is not a regular file; a run folder's files are "
-                                 "the ones its commands write")
+            raise RunFolderError(f"{what}; a run folder's files are the ones its commands "
+                                 "write")
         return path
 
     def ranking_file(self, task: str, suffix: str = ".json") -> Path:
@@ -440,6 +440,9 @@ class RunFolder:
         if config is not None:
             from lm_eval_headloc.runs.folder_checks import check_files
 
+            for entry in self._entries():  # a FIFO as report.md: refused now, not at the end
+                if _written(entry.name):
+                    self.file(entry.name)
             check_files(self, config)  # what the resumed run reads must agree with it
             config["settings"] = dict(settings)
             if spec is not None:
