@@ -466,3 +466,19 @@ def test_a_fifo_as_an_output_file_is_refused_not_waited_on(tmp_path, capsys, com
     line = _refused_without_blocking(capsys, fifo, command, *map(str, runs), "--out",
                                      str(out))
     assert_names(line, f"{fifo} is a FIFO, not a regular file")
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["locate", "--scale", "-inf"], ["--scale -inf", "finite"]),
+    (["locate", "--alpha", "-1e-3"], ["--alpha -0.001", "> 0"]),
+    (["sweep", "--sparsity", "-0.1,0.5"], ["--sparsity", "-0.1"]),
+    (["greedy", "--top-k", "-inf"], ["--top-k", "'-inf'", "whole number"])])
+def test_a_negative_or_undefined_number_reaches_the_options_own_check(tmp_path, capsys,
+                                                                       argv, names):
+    """``--scale -inf`` got argparse's "expected one argument" (it read -inf as an option),
+    where ``--scale=-inf`` got the option's own refusal; both get the option's own now."""
+    assert harness(*argv, "--out", str(tmp_path / "out")) == 2
+    line = last_error(capsys)
+    assert "expected one argument" not in line
+    assert_names(line, *names)
+    assert not (tmp_path / "out").exists()

@@ -92,6 +92,37 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h lists the options)\n")
 
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(
+            _numbers_as_values(sys.argv[1:] if args is None else args), namespace)
+
+
+def _numbers_as_values(args: Sequence[str]) -> list[str]:
+    """``--scale -inf`` read as ``--scale=-inf``: argparse takes a token that begins with
+    '-' for an option unless it looks like -1 or -.5, so -inf, -nan and -1e-3 got
+    "expected one argument" instead of the option's own check. A token ``float`` reads
+    (or a comma-separated list of such: sweep's grids) is never an option's name, so it
+    is the value of the option before it."""
+    out: list[str] = []
+    for token in args:
+        previous = out[-1] if out else ""
+        if (token.startswith("-") and previous.startswith("--") and "=" not in previous
+                and "--" not in out and all(map(_is_number, token.split(",")))):
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
