@@ -112,6 +112,10 @@ def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
                    "--out", str(out)) != 0
     assert "every worker has died" in last_error(capsys)
     assert len(measurements_by_key(out)) >= 2
+    # config.json says so: it said alive, 0 measurements each (as the workers started).
+    workers = json.loads((out / "config.json").read_text())["workers"]
+    assert [w["alive"] for w in workers] == [False, False]
+    assert sum(w["measurements"] for w in workers) >= 2
 
 
 # Each refusal names the worker (on this host: the cluster is local) and what differs: the

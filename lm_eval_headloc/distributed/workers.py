@@ -233,6 +233,9 @@ class DistributedMeasurement:
         self._described = {id(a): d for a, d in zip(actors, described, strict=True)}
         self._measured: collections.Counter[int] = collections.Counter()
         self._seconds: dict[int, float] = collections.defaultdict(float)
+        #: Called before "every worker has died" is raised (the run's record saves the
+        #: workers' shares and deaths: nothing else saves it on that error's way out).
+        self.on_all_dead: Callable[[], object] | None = None
         # The actors end with this object (a command's end), not with the Python session.
         weakref.finalize(self, _kill, ray, list(actors))
 
@@ -262,6 +265,8 @@ class DistributedMeasurement:
                                                  masks_per_pass, scale)
                 running[ref] = (actor, index, time.perf_counter())
             if not running:
+                if self.on_all_dead is not None:
+                    self.on_all_dead()
                 raise WorkerError(f"every worker has died ({counted(len(pending), 'chunk')} "
                                   "of masks left); what was measured is on disk: rerun to resume")
             (ref,), _ = ray.wait(list(running), num_returns=1)

@@ -80,9 +80,13 @@ def open_measurement(setup: Setup, lm: Any, folder: RunFolder | None = None,
     if spec.workers > 1:
         from lm_eval_headloc.distributed.workers import start_workers
 
-        measure = start_workers(setup, measure, worker_measurement, num_samples=num_samples,
+        workers = start_workers(setup, measure, worker_measurement, num_samples=num_samples,
                                 limit=limit,
                                 extra_tasks=setup.task_names[len(setup.run_task_names):])
+        if run is not None and folder is not None:
+            workers.on_all_dead = lambda: run.save_timings(
+                folder, workers=workers.workers_config())
+        return workers
     return measure
 
 

@@ -243,15 +243,17 @@ class RunRecord:
                 config[key] = value
         return {**config, **{k: v for k, v in self.other.items() if k not in config}}
 
-    def save_timings(self, folder: RunFolder) -> None:
-        """Only this session's timings so far into config.json, the rest as on disk: a
-        session interrupted (Ctrl-C) between its phases' saves keeps the time it spent,
-        while what it had half-decided stays unwritten."""
+    def save_timings(self, folder: RunFolder, **fields: Any) -> None:
+        """Only this session's timings so far (and ``fields``) into config.json, the rest
+        as on disk: a session interrupted (Ctrl-C, every worker dead) between its phases'
+        saves keeps the time it spent, while what it had half-decided stays unwritten."""
         clock = timing.current()
-        if self._earlier_timings is None or clock is None or not folder.exists():
+        if self._earlier_timings is not None and clock is not None:
+            fields["timings"] = [*self._earlier_timings, clock.snapshot()]
+        if not fields or not folder.exists():
             return
         config = folder.read_config()
-        config["timings"] = [*self._earlier_timings, clock.snapshot()]
+        config.update(fields)
         folder.write_config(config)
 
     def save(self, folder: RunFolder, measure: Measurement | None = None) -> bool:
