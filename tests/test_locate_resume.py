@@ -412,3 +412,25 @@ def test_ctrl_c_before_the_run_folder_is_made_says_nothing_is_kept(tiny_model_di
     assert last_error(capsys).endswith(
         "interrupted; it had not started its run folder, so nothing is kept")
     assert not run.exists()
+
+
+def test_a_chat_template_setting_given_as_the_run_decided_it_resumes(tiny_model_dir, tmp_path,
+                                                                     capsys):
+    """--apply-chat-template given to a run that left it out, whose tokenizer decided the
+    same (a generation task, a model with a template), was refused as a change; what it
+    asks is the run's. The other setting is a change, and is refused."""
+    from helpers import with_chat_template
+
+    model = with_chat_template(tiny_model_dir("llama"), tmp_path / "chat")
+    out = tmp_path / "run"
+    args = ["locate", *tiny_args(model), "--tasks", "tiny_generate", "--signal", "logprob",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", *LASSO_ONLY,
+            "--out", str(out)]
+    assert harness(*args) == 0
+    assert json.loads((out / "config.json").read_text())["chat_template"] == {
+        "tiny_generate": True}
+    lines = (out / "measurements.jsonl").read_text()
+    assert harness(*args, "--apply-chat-template") == 0
+    assert (out / "measurements.jsonl").read_text() == lines
+    assert harness(*args, "--no-apply-chat-template") == 2
+    assert "apply_chat_template" in last_error(capsys)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -680,7 +680,8 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     from lm_eval_headloc.runs.setup import same_components  # the model's libraries: here
 
     identity = spec.identity(command) if identity is None else identity
-    stored, stored_args = _stored_model(folder)
+    recorded = _stored_config(folder)
+    stored, stored_args = _stored_model(recorded)
     moved = fingerprint is not None and stored == fingerprint
     if not force and same_model(stored_args, identity.get("model_args")):
         # Its model's place, other files: another model (other args are another run).
@@ -688,7 +689,8 @@ def start_run(folder: RunFolder, command: str, spec: RunSpec, *, force: bool = F
     folder.start(command, identity, spec.settings(command), spec.as_config(), force=force,
                  protect=protect, assumed=RunSpec.assumed_for_old_runs(),
                  same={"model_args": _same_files if moved else same_model,
-                       "exclude": same_components, "never_ablate": same_components})
+                       "exclude": same_components, "never_ablate": same_components,
+                       "apply_chat_template": _same_chat(recorded)})
     record = _RECORDS.get(command, RunRecord).started(folder.read_config(), spec)
     folder.on_interrupt(lambda: record.save_timings(folder))  # Ctrl-C keeps the time spent
     given = json.loads(json.dumps(identity)).get("model_args")
@@ -721,16 +723,33 @@ def check_model_files(recorded: str | None, fingerprint: str | None, run: str | 
                              "other model args as they were)")
 
 
-def _stored_model(folder: RunFolder) -> tuple[str | None, str | None]:
-    """The model fingerprint and model args ``folder``'s config.json records, each None
-    where it records none (or there is none to read)."""
+def _stored_config(folder: RunFolder) -> dict[str, Any]:
+    """``folder``'s config.json; empty where there is none to read (``start`` says why)."""
     try:
-        config = folder.read_config() if folder.exists() else {}
+        return folder.read_config() if folder.exists() else {}
     except RunFolderError:
-        return None, None
+        return {}
+
+
+def _stored_model(config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The model fingerprint and model args a run's ``config`` records, each None where it
+    records none."""
     identity = config.get("identity")
     args = identity.get("model_args") if isinstance(identity, dict) else None
     return config.get("model_fingerprint"), args if isinstance(args, str) else None
+
+
+def _same_chat(config: Mapping[str, Any]) -> Callable[[Any, Any], bool]:
+    """Whether ``--apply-chat-template`` given (True or False) where the run ``config``
+    left it out asks every task as the run did: the tokenizer's decision it recorded
+    (``chat_template``, per task) was that value for each. (Left out where the run gave
+    it is another matter: the decision now is not known before the model loads.)"""
+    decided = config.get("chat_template")
+    values = set(decided.values()) if isinstance(decided, dict) else set()
+
+    def same(given: Any, stored: Any) -> bool:
+        return stored is None and isinstance(given, bool) and values == {given}
+    return same
 
 
 def _same_files(given: str | None, stored: str | None) -> bool:
