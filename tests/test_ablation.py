@@ -416,9 +416,9 @@ def _patched_by_donor(donor: list[torch.Tensor]):
     return patch
 
 
-# The first reference is PROBE's own beginning, so it is passed over and the second is
-# the donor whatever the hash: one shorter than PROBE (its last position repeats), one
-# longer (cut to PROBE's length).
+# The first reference is PROBE itself, its own document, so it is passed over and the
+# second is the donor whatever the hash: one shorter than PROBE (its last position
+# repeats), one longer (cut to PROBE's length).
 DONORS = {"short": "Mary and John went", "long": "Mary and John went to the store and the "
           "dog gave a drink to the cat when it sat down on the mat by the door"}
 
@@ -430,10 +430,7 @@ def test_resample_equals_donor_recorded_and_patched_by_hand(family, donor, tiny_
     folder = tiny_model_dir(family)
     model, tokenizer = _plain(folder)
     reference = tmp_path / "reference.txt"
-    reference.write_text(f"John gave the dog\n{DONORS[donor]}\n", encoding="utf-8")
-    probe_ids = tokenizer(PROBE, add_special_tokens=False).input_ids
-    own = tokenizer("John gave the dog", add_special_tokens=False).input_ids
-    assert probe_ids[:len(own)] == own  # else the test would not force the donor
+    reference.write_text(f"{PROBE}\n{DONORS[donor]}\n", encoding="utf-8")
     patch = _patched_by_donor(_recorded_by_hand(model, tokenizer, family, DONORS[donor]))
     out = [(1, 2), (0, 1), (0, 3)]
     expected = _logits_with(model, tokenizer, family, {h: patch for h in out})
@@ -531,7 +528,7 @@ def test_resample_generation_uses_the_kv_cache_and_equals_patching_by_hand(
     folder = tiny_model_dir("llama")
     model, tokenizer = _plain(folder)
     reference = tmp_path / "reference.txt"
-    reference.write_text(f"John gave the dog\n{DONORS['short']}\n", encoding="utf-8")
+    reference.write_text(f"{PROBE}\n{DONORS['short']}\n", encoding="utf-8")
     patch = _patched_by_donor(_recorded_by_hand(model, tokenizer, "llama", DONORS["short"]))
     heads = model.config.num_attention_heads
     hooks = []
@@ -642,8 +639,8 @@ def test_resample_gives_each_document_of_a_perplexity_task_its_own_donor(
     picked = []  # (the row's tokens, its donor), at each pick
     real = ablation.pick_donor
 
-    def pick_donor(tokens, references, seed=0):
-        picked.append((tuple(tokens), real(tokens, references, seed)))
+    def pick_donor(tokens, references, seed=0, own=None):
+        picked.append((tuple(tokens), real(tokens, references, seed, own)))
         return picked[-1][1]
 
     monkeypatch.setattr(ablation, "pick_donor", pick_donor)
@@ -674,3 +671,70 @@ def test_resample_finds_the_prompt_of_a_row_whose_tokens_end_in_id_0(tiny_model_
     assert lm._unpadded([5, 0, 0, 0]) == [5, 0]  # cutting the zeros gave [5]
     assert lm._unpadded([6, 4, 0, 0, 0]) == [6, 4]
     assert lm._unpadded([9, 9, 0]) == [9, 9]  # not a remembered input: the zeros are padding
+
+
+def _recorded_picks(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
+    """Every (row's tokens, donor) resample picks from now on, as it picks."""
+    import lm_eval_headloc.intervention.ablation as ablation
+
+    picked = []
+    real = ablation.pick_donor
+
+    def pick_donor(tokens, references, seed=0, *rest):
+        picked.append((tuple(tokens), real(tokens, references, seed, *rest)))
+        return picked[-1][1]
+
+    monkeypatch.setattr(ablation, "pick_donor", pick_donor)
+    return picked
+
+
+@pytest.mark.parametrize("task", ["tiny_shared_input", "tiny_rolling"])
+def test_resample_never_gives_a_row_its_own_document(tiny_model_dir, task_manager,
+                                                      monkeypatch, task):
+    """The reference set is the task's own documents. "the cat sat" + " on" and "the cat" +
+    " sat on" are one model input (one row): it took the prompt of the request seen last,
+    "the cat", and passed over only references it starts with, so "the cat sat" was its
+    donor under some seeds: that document's answer came from its own clean outputs. A
+    perplexity window (the prefix token, then the text) starts with no reference at all."""
+    import lm_eval
+
+    picked = _recorded_picks(monkeypatch)
+    for seed in range(4):
+        lm = load_lm(tiny_model_dir("llama"), ablate="L0H1", ablation="resample",
+                     ablation_data=task, ablation_include_path=TASKS, resample_seed=seed)
+        references = lm.resampler.references
+        shared = lm.tok_encode("the cat")
+        picked.clear()
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager)
+        assert picked
+        for tokens, donor in picked:
+            if task == "tiny_rolling":  # the window is the prefix token and the text
+                assert list(tokens[1:]) != references[donor][:-1]
+            elif list(tokens[:len(shared)]) == shared:  # the row of both "the cat" documents
+                assert references[donor] not in (lm.tok_encode("the cat sat"), shared)
+            else:
+                assert references[donor] != list(tokens)
+
+
+def test_resample_takes_a_donor_the_row_starts_with_when_it_is_another_document():
+    """Only the row's own document is passed over: a shorter prompt it starts with
+    ("Mary and John went" before "Mary and John went to the") is another document."""
+    from lm_eval_headloc.intervention.ablation import pick_donor
+
+    references = [[5, 6, 7], [5, 6, 7, 8, 9], [3, 4]]
+    donors = {pick_donor(references[1], references, seed) for seed in range(30)}
+    assert donors == {0, 2}
+    # Several documents sharing one row: none of them.
+    assert {pick_donor([5, 6, 7], references, seed, [[5, 6, 7], [5, 6, 7, 8, 9]])
+            for seed in range(30)} == {2}
+
+
+def test_resample_picks_a_shared_rows_donor_whatever_order_its_requests_came_in(
+        tiny_model_dir, reference_file):
+    lm = load_lm(tiny_model_dir("llama"), ablation="resample",
+                 ablation_data=str(reference_file))
+    lm.remember_prompts([([5, 6, 7], [8]), ([5, 6], [7, 8])])  # one model input, [5, 6, 7]
+    other = load_lm(tiny_model_dir("llama"), ablation="resample",
+                    ablation_data=str(reference_file))
+    other.remember_prompts([([5, 6], [7, 8]), ([5, 6, 7], [8])])
+    assert lm._unpadded([5, 6, 7, 0]) == other._unpadded([5, 6, 7, 0]) == [5, 6]

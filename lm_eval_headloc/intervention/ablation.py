@@ -14,8 +14,10 @@ says what that slice is replaced by:
 - ``resample``: the head's output on another input, activation patching from a donor
   (:class:`Resampler`). Each model input (a batch row) gets one donor from the reference
   set, picked by a seeded hash of the row's tokens, so the same example gets the same
-  donor in every measurement, whatever the batch; a donor that the row starts with (the
-  example itself) is passed over, so the set needs two examples at least. Positions are
+  donor in every measurement, whatever the batch; the row's own document (a reference
+  whose tokens are the row's context, or a perplexity window's whole text; every document
+  of a row several requests share) is passed over, so the set needs two examples at least.
+  Positions are
   aligned from the start: the row's i-th real token gets the donor's i-th token's output,
   and past the donor's end its last token's (a shorter donor's final state stands in for
   the rest). Donor outputs come from the unablated model and are kept in memory.
@@ -36,7 +38,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -329,20 +331,22 @@ def head_outputs(model: nn.Module, modules: Sequence[nn.Module],
     return outputs
 
 
-def pick_donor(tokens: Sequence[int], references: Sequence[Sequence[int]], seed: int = 0
-               ) -> int:
+def pick_donor(tokens: Sequence[int], references: Sequence[Sequence[int]], seed: int = 0,
+               own: Collection[Sequence[int]] | None = None) -> int:
     """The reference example whose outputs row ``tokens`` gets under resample: a seeded
-    hash of the tokens (independent of batching and order), moving on past any reference
-    the row starts with (the example itself, or its prompt)."""
+    hash of the tokens (independent of batching and order), moving on past the row's own
+    documents: ``own``, the token lists of every document the row is the model input of
+    (default: ``tokens`` itself). Only a reference equal to one of them is passed over: a
+    reference the row merely starts with is another document (prompts can share a start)."""
     text = json.dumps([int(seed), [int(t) for t in tokens]])
     first = int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) % len(references)
+    mine = {tuple(int(t) for t in document) for document in (own or [tokens])}
     for step in range(len(references)):
         index = (first + step) % len(references)
-        donor = references[index]
-        if list(tokens[:len(donor)]) != list(donor):
+        if tuple(references[index]) not in mine:
             return index
-    raise AblationError("ablation=resample: every reference example is a prefix of the "
-                        "model's input, so none can be a donor; use other reference data")
+    raise AblationError("ablation=resample: every reference example is the model input's "
+                        "own document, so none can be a donor; use other reference data")
 
 
 class Resampler:
@@ -359,15 +363,19 @@ class Resampler:
         self._cached_bytes = 0
 
     def donors(self, model: nn.Module, modules: Sequence[nn.Module],
-               rows: Sequence[Sequence[int]], starts: Sequence[int], columns: int
+               rows: Sequence[Sequence[int]], starts: Sequence[int], columns: int,
+               own: Sequence[Collection[Sequence[int]]] | None = None
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """For rows whose real tokens are ``rows[b]``, starting at column ``starts[b]`` of
         inputs ``columns`` wide: per layer the outputs of the distinct donors chosen
         (donors, donor width, H·d), and the (rows, columns) index of the donor position
         each column gets, into those outputs' first two dimensions flattened (donor ×
-        width + position). Several masks per pass repeat a batch's rows K times; their
+        width + position). ``own``: per row its documents (``pick_donor``; default: each
+        row is its own). Several masks per pass repeat a batch's rows K times; their
         donors are held once."""
-        chosen = [pick_donor(tokens, self.references, self.seed) for tokens in rows]
+        chosen = [pick_donor(tokens, self.references, self.seed,
+                             None if own is None else own[row])
+                  for row, tokens in enumerate(rows)]
         recorded = tuple(id(m) for m in modules)
         if recorded != getattr(self, "_recorded_modules", recorded):
             self._cache, self._cached_bytes = {}, 0  # outputs of other modules (kinds)

@@ -200,6 +200,8 @@ class HFHeadAblateLM(HFLM):
         self.reference_digest: str | None = None
         self.resampler: Resampler | None = None
         self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
+        # Model input -> the reference tokens of every document it is the input of.
+        self._documents: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
         # What cached means are keyed by besides their tokens.
         self._means_key = {
             "model": named if isinstance(named, (str, os.PathLike))
@@ -412,6 +414,7 @@ class HFHeadAblateLM(HFLM):
     def _donors(self, input_ids: Any, attention_mask: Any, columns: int | None,
                 kinds: list[str]) -> tuple:
         ids = input_ids.tolist()
+        own = None  # generation: the prompt is the row and its document
         if attention_mask is not None:  # generation: left padding; the prompt is the row
             starts = [len(row) - int(sum(mask)) for row, mask in
                       zip(ids, attention_mask.tolist(), strict=True)]
@@ -419,27 +422,32 @@ class HFHeadAblateLM(HFLM):
         else:  # loglikelihood batches: right padding
             starts = [0] * len(ids)
             rows = [self._unpadded(row) for row in ids]
+            inputs = [self._model_input(row) for row in ids]
+            own = [self._documents.get(key) or {tuple(prompt)}
+                   for key, prompt in zip(inputs, rows, strict=True)]
         knockout = self.knockout
         with knockout.applied(None):  # the donors' own clean pass
             return self.resampler.donors(
                 self.model, knockout.site_modules(kinds), rows, starts,
-                columns if columns is not None else input_ids.shape[1])
+                columns if columns is not None else input_ids.shape[1], own)
 
-    def _unpadded(self, row: list[int]) -> list[int]:
-        """A loglikelihood batch row without its right padding, up to its prompt's end.
-
-        The row is one of the model inputs ``remember_prompts`` saw, possibly followed by
-        padding: the longest remembered prefix is the row (token id 0 is a real token in
-        some vocabularies, e.g. GPT-2's ``!``, so trailing zeros cannot tell). The donor
-        follows the prompt, not the answer scored after it, so every choice of a
-        multiple-choice question gets the same donor.
-        """
+    def _model_input(self, row: list[int]) -> tuple[int, ...]:
+        """A loglikelihood batch row without its right padding: one of the model inputs
+        ``remember_prompts`` saw, possibly followed by padding, so the longest remembered
+        prefix is the row (token id 0 is a real token in some vocabularies, e.g. GPT-2's
+        ``!``, so trailing zeros cannot tell); else the row without its trailing zeros."""
         last = max((i + 1 for i, t in enumerate(row) if t != 0), default=1)
         for end in range(len(row), last - 1, -1):  # only the trailing zeros are in doubt
-            prompt = self._prompt_lengths.get(tuple(row[:end]))
-            if prompt is not None:
-                return row[:prompt]
-        return row[:last]
+            if tuple(row[:end]) in self._prompt_lengths:
+                return tuple(row[:end])
+        return tuple(row[:last])
+
+    def _unpadded(self, row: list[int]) -> list[int]:
+        """A loglikelihood batch row without its right padding (``_model_input``), up to
+        its prompt's end. The donor follows the prompt, not the answer scored after it, so
+        every choice of a multiple-choice question gets the same donor."""
+        key = self._model_input(row)
+        return list(key[:self._prompt_lengths.get(key, len(key))])
     def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]],
                          whole: bool = False) -> None:
         """Note where the prompt ends in the model input of each (context, continuation)
@@ -448,9 +456,33 @@ class HFHeadAblateLM(HFLM):
         from lm_eval_headloc.intervention.multimask import model_input
 
         for context, continuation in encoded:
-            row = model_input(context, continuation, self.max_length)
-            self._prompt_lengths[tuple(row)] = (len(row) if whole else
-                                                max(1, len(row) - len(continuation) + 1))
+            row = tuple(model_input(context, continuation, self.max_length))
+            prompt = len(row) if whole else max(1, len(row) - len(continuation) + 1)
+            # Requests of several documents can share one model input, split elsewhere
+            # ("the cat" + " sat on", "the cat sat" + " on"); HFLM and multimask answer them
+            # from one row, so one donor, that none of them may be. The shortest prompt
+            # picks it, whatever order the requests come in.
+            self._prompt_lengths[row] = min(prompt, self._prompt_lengths.get(row, prompt))
+            if not whole:  # a window's document is its whole text: loglikelihood_rolling
+                self._documents.setdefault(row, set()).add(tuple(context[-self.max_length:]))
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
+        if self.resampler is not None:
+            # Each window's document is the whole text it is cut from (as the reference
+            # set tokenizes it), which no window alone holds: noted per window's input.
+            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+            from lm_eval_headloc.intervention.multimask import model_input
+
+            for (text,) in (request.args for request in requests):
+                tokens = self.tok_encode(text)
+                document = tuple(tokens[-self.max_length:])
+                # The windows HFLM's loglikelihood_rolling cuts, as it cuts them.
+                for window in get_rolling_token_windows(tokens, self.prefix_token_id,
+                                                        self.max_length, context_len=1):
+                    row = tuple(model_input(*make_disjoint_window(window), self.max_length))
+                    self._documents.setdefault(row, set()).add(document)
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests: list, *args: Any, **kwargs: Any) -> list:
         # A rolling window (loglikelihood_rolling's, keyed None) scores a whole text after a
