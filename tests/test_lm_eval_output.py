@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_names, load_lm, raises_naming
 
+from lm_eval_headloc.intervention.ablation import reference_texts
 from lm_eval_headloc.measurement.lm_eval_output import (
     HASH_DIGITS,
     MAX_LISTED,
@@ -497,15 +498,58 @@ def test_output_path_names_a_mean_knockout_as_one(tiny_model_dir, tmp_path):
     assert names["zero"][0] != names["mean"][0] and names["zero"][1] != names["mean"][1]
 
 
-def test_evaluate_knockout_records_the_live_ablation(tiny_model_dir, task_manager):
+def test_evaluate_knockout_records_the_live_ablation(tiny_model_dir, task_manager, tmp_path):
     """From Python: a model whose ablation kind was switched on the live model (as a run
-    does, with its own examples) records that kind."""
+    does, with its own examples) records that kind, and the file of those examples as its
+    ablation_data (no model argument names texts handed over; without the file the
+    evaluation is refused before it runs)."""
+    from lm_eval_headloc.measurement.lm_eval_output import save_reference_set
+
     lm = load_lm(tiny_model_dir("llama"))
-    lm.set_ablation("mean", ["the cat sat on the mat", "Mary and John went to the store"])
+    texts = ["the cat sat on the mat", "Mary and John went to the store"]
+    lm.set_ablation("mean", texts)
+    with raises_naming(ValueError, "ablation=mean", "reference="):
+        evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1", limit=2)
+    reference = save_reference_set(tmp_path, texts)
     results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
-                                limit=2)
+                                limit=2, reference=reference)
     assert results["config"]["model_args"]["ablation"] == "mean"
+    assert results["config"]["model_args"]["ablation_data"] == str(reference)
     assert results["model_name"].endswith(",ablate=L0H1,ablation=mean")
+    assert reference_texts(str(reference)) == texts
+    # The same texts make the same file, written once.
+    assert save_reference_set(tmp_path, texts) == reference
+    assert [p.name for p in tmp_path.iterdir()] == [reference.name]
+
+
+@pytest.mark.parametrize("reference", [[], ["--ablation-data", "tiny_choice"]],
+                         ids=["the run's examples", "an include-path task"])
+def test_verify_records_model_args_that_load_its_mean_knockout(tiny_model_dir, tmp_path,
+                                                               reference):
+    """Under --ablation mean with the run's own examples as the reference set (handed to
+    the model as texts), or a task only the run's --include-path finds (the model is told
+    no include path), the results file's model_args could not load the knockout: `lm_eval
+    --model hf-headablate --model_args <them>` refused them. Read back through the model's
+    own argument parsing they now load the same knockout and reference set."""
+    from helpers import finished_run
+
+    from lm_eval_headloc.cli.main import main
+    from lm_eval_headloc.intervention.components import format_heads
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    model = tiny_model_dir("llama")
+    run = finished_run(tmp_path / "run", model, "tiny_copy", ("L1H2", "L0H0"))
+    out, results_dir = tmp_path / "verify", tmp_path / "lm-eval"
+    assert main(["verify", str(run), "--top-k", "1", "--general", "tiny_choice",
+                 "--random-draws", "0", "--ablation", "mean", *reference, "--out", str(out),
+                 "--output-path", str(results_dir)]) == 0
+    index = json.loads((out / "lm_eval_files.json").read_text())
+    config = json.loads(Path(index["tiny_copy-top1"]).read_text())["config"]
+    written = ",".join(f"{key}={value}" for key, value in config["model_args"].items())
+    lm = HFHeadAblateLM.create_from_arg_string(written)
+    assert (lm.ablation, format_heads(lm.knocked_out)) == ("mean", "L1H2")
+    assert lm.reference_digest == config["reference_digest"] is not None
+    assert lm.ablation_data == config["ablation_data"]
 
 
 def test_output_path_asks_each_task_as_the_measurement_did(tiny_model_dir, tmp_path):

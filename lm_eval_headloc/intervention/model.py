@@ -198,6 +198,7 @@ class HFHeadAblateLM(HFLM):
         self.means_file: str | None = None
         self.neuron_means_file: str | None = None
         self.reference_digest: str | None = None
+        self.reference_examples: list[str] | None = None  # set_ablation's texts
         self.resampler: Resampler | None = None
         self._prompt_lengths: dict[tuple[int, ...], int] = {}  # model input -> prompt tokens
         # Model input -> the reference tokens of every document it is the input of.
@@ -295,7 +296,7 @@ class HFHeadAblateLM(HFLM):
     #: What ``set_ablation`` changes (and puts back when the switch fails).
     _ABLATION_STATE = ("ablation_data", "ablation_field", "_means", "ablation", "resampler",
                        "means_file", "neuron_means_file", "reference_digest", "_standing",
-                       "_reference_tokens", "_means_dir")
+                       "_reference_tokens", "_means_dir", "reference_examples")
 
     def _switch_ablation(self, kind: str, texts: list[str] | None,
                          cache_dir: str | os.PathLike | None,
@@ -306,6 +307,7 @@ class HFHeadAblateLM(HFLM):
         self.ablation, self.resampler, self.means_file = kind, None, None
         self.neuron_means_file = None
         self.reference_digest = None
+        self.reference_examples = texts
         self._standing = self._intervention(self._standing.components)
         if texts is None:
             return

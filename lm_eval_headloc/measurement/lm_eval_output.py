@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -39,13 +40,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lm_eval_headloc.common.files import write_atomically
 from lm_eval_headloc.intervention.components import Component, component_tokens, format_heads
 from lm_eval_headloc.intervention.registration import MODEL_NAME
 
 log = logging.getLogger(__name__)
 
 __all__ = ["evaluate_knockout", "knockout_model_args", "knockout_model_name",
-           "check_output_folder", "make_output_folder", "save_lm_eval_results"]
+           "check_output_folder", "make_output_folder", "save_lm_eval_results",
+           "save_reference_set"]
 
 #: Longest component list a model name spells out; a longer one (a neuron group's
 #: hundreds of neurons) is cut to its first components, how many more, and a hash.
@@ -208,6 +211,21 @@ def make_output_folder(output_path: str | Path) -> Path:
     return folder
 
 
+def save_reference_set(output_path: str | Path, texts: Sequence[str]) -> Path:
+    """Write a reference set the model was handed as texts (a run's own examples, which
+    no model argument names) into ``output_path``'s results folder as a JSONL file, one
+    ``{"text": …}`` a line, named by a hash of its content, and return its absolute path:
+    the knockouts' recorded ``ablation_data=`` names it, so their model_args load the same
+    reference set. A file of that name holds these texts already and is left as it is."""
+    # ASCII escapes: a raw U+2028 would split a line where the reader splits lines.
+    body = "".join(json.dumps({"text": text}) + "\n" for text in texts)
+    digest = hashlib.sha256(body.encode()).hexdigest()[:HASH_DIGITS]
+    path = (results_folder(output_path) / f"headloc_reference_{digest}.jsonl").resolve()
+    if not path.is_file():
+        write_atomically(path, lambda partial: partial.write_text(body, encoding="utf-8"))
+    return path
+
+
 def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,
                          model_name: str | None = None,
                          model_args: str | Mapping[str, Any] | None = None,
@@ -276,19 +294,27 @@ def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,
     return written
 
 
-def _live_ablation(lm: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+def _live_ablation(lm: Any, args: Mapping[str, Any], reference: str | Path | None = None
+                   ) -> dict[str, Any]:
     """What the knocked-out components became on ``lm`` where ``args`` do not say it
     (``ablation=``, its ``ablation_data=`` and ``ablation_field=``, resample's seed): the
-    recorded model arguments and name must tell a mean knockout from a zero one. A
-    reference set handed over as texts (a run's own examples) has no argument;
-    ``config.reference_digest`` identifies it."""
+    recorded model arguments and name must tell a mean knockout from a zero one, and load
+    it. ``reference``: a JSONL file of the model's reference texts (``save_reference_set``)
+    named instead of its own ``ablation_data``, which a reference set handed over as
+    texts (a run's own examples) does not have."""
     if lm.ablation == "zero" or "ablation" in args:
         return {}
     live: dict[str, Any] = {"ablation": lm.ablation}
-    if lm.ablation_data is not None:
+    if reference is not None:
+        live["ablation_data"] = str(reference)
+    elif lm.ablation_data is not None:
         live["ablation_data"] = lm.ablation_data
-    if lm.ablation_field is not None:
-        live["ablation_field"] = lm.ablation_field
+        if lm.ablation_field is not None:
+            live["ablation_field"] = lm.ablation_field
+    else:  # lm_eval would refuse these arguments ("needs a reference set")
+        raise ValueError(f"ablation={lm.ablation}: the model's reference set was handed "
+                         "over as texts, which no model argument names: give reference=, "
+                         "the file that holds them (save_reference_set)")
     if lm.ablation == "resample" and lm.resample_seed:
         live["resample_seed"] = lm.resample_seed
     return live
@@ -382,6 +408,7 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
                       limit: int | float | None = None, log_samples: bool = False,
                       scale: float | None = None,
                       model_args: str | Mapping[str, Any] | None = None,
+                      reference: str | Path | None = None,
                       **kwargs: Any) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` of ``tasks`` on ``lm``, a loaded ``HFHeadAblateLM``,
     with ``knocked_out`` (heads and MLP neurons) knocked out for this evaluation only
@@ -393,8 +420,11 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     those arguments (``knockout_model_args`` of ``model_args``, default the model's
     ``pretrained=``); ``model_name`` (``knockout_model_name``) and the other fields
     lm-eval's tracker writes (``model_source``, ``chat_template`` …) are set too, for
-    ``save_lm_eval_results``. ``kwargs`` go to ``simple_evaluate`` (``samples``,
-    ``bootstrap_iters``, ``apply_chat_template`` …).
+    ``save_lm_eval_results``. ``reference``: the model's mean/resample reference set as a
+    JSONL file (``save_reference_set``), recorded as ``ablation_data=`` instead of the
+    model's own; required where the set was handed over as texts.
+    ``kwargs`` go to ``simple_evaluate`` (``samples``, ``bootstrap_iters``,
+    ``apply_chat_template`` …).
     """
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
@@ -406,6 +436,9 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
         pretrained = lm.pretrained if isinstance(lm.pretrained, (str, Path)) else \
             getattr(lm.config, "_name_or_path", type(lm.model).__name__)
         model_args = {"pretrained": str(pretrained)}
+    # Checked before the evaluation: its recorded arguments must load this knockout.
+    live = _live_ablation(lm, _as_dict(model_args), reference) \
+        if _component_list(knocked_out) else {}
     # Without an output path the tracker writes nothing: it records what simple_evaluate
     # tells it (the chat template, system instruction) for the results file.
     tracker = EvaluationTracker()
@@ -428,7 +461,9 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
         log.info("lm-eval: %s", line)
     args = knockout_model_args(model_args, done, used_scale)
     if done:
-        args.update(_live_ablation(lm, args))
+        args.update(live)
+        if "ablation_data" in live:  # as get_model_info says it for these arguments
+            results["config"]["ablation_data"] = live["ablation_data"]
     results["config"].update(model=MODEL_NAME, model_args=args)
     # simple_evaluate told the tracker of a "CUSTOM" model without arguments (it was
     # given a loaded one): tell it what the CLI would have, and the knockout's name.

@@ -284,7 +284,11 @@ def write_lm_eval_results(folder: RunFolder, measure: Measurement, setup: Setup,
     and others not, each knockout gets one file per setting, as two ``lm_eval`` runs would
     write. The folder's ``lm_eval_files.json`` says which file (or files) each knockout
     went to, so a resumed run writes only the ones not written yet."""
-    from lm_eval_headloc.measurement.lm_eval_output import evaluate_knockout, save_lm_eval_results
+    from lm_eval_headloc.measurement.lm_eval_output import (
+        evaluate_knockout,
+        save_lm_eval_results,
+        save_reference_set,
+    )
 
     spec = setup.spec
     index_path = folder.file(LM_EVAL_FILES)
@@ -295,6 +299,7 @@ def write_lm_eval_results(folder: RunFolder, measure: Measurement, setup: Setup,
     settings = chat_settings(measure, [name for name, _ in setup.tasks])
     gen_kwargs = parse_gen_kwargs(spec.gen_kwargs)
     files_of: dict[tuple[str, float | None], Any] = {}  # one evaluation a knockout
+    reference = None  # where the knockouts' model_args read a reference set given as texts
     for key, components, *scale in plan:
         knockout = _knockout_of(components, scale[0] if scale else None)
         if _files_written(written.get(key), str(spec.output_path), spec.log_samples):
@@ -304,13 +309,16 @@ def write_lm_eval_results(folder: RunFolder, measure: Measurement, setup: Setup,
             written[key] = files_of[knockout]
             folder.write_json(LM_EVAL_FILES, written)
             continue
+        if components and reference is None and _reference_unnamed(measure.lm, spec):
+            reference = save_reference_set(spec.output_path, measure.lm.reference_examples)
         paths = []
         for chat, names in settings.items():
             with measure.generation_batch():  # --batch-size auto: the measurement's batch
                 results = evaluate_knockout(
                     measure.lm, names, task_manager=manager,
                     knocked_out=list(components), scale=scale[0] if scale else None,
-                    model_args=spec.model_args, log_samples=spec.log_samples,
+                    model_args=spec.model_args, reference=reference,
+                    log_samples=spec.log_samples,
                     apply_chat_template=chat, fewshot_as_multiturn=chat,
                     num_fewshot=spec.num_fewshot, gen_kwargs=gen_kwargs,
                     system_instruction=spec.system_instruction,
@@ -320,6 +328,17 @@ def write_lm_eval_results(folder: RunFolder, measure: Measurement, setup: Setup,
             paths.append(str(path.resolve()))
         written[key] = files_of[knockout] = paths[0] if len(paths) == 1 else paths
         folder.write_json(LM_EVAL_FILES, written)
+
+
+def _reference_unnamed(lm: Any, spec: RunSpec) -> bool:
+    """Whether model arguments cannot load ``lm``'s mean/resample reference set from its
+    ``ablation_data``: a set handed over as texts (the run's own examples) has none, and a
+    task the run's --include-path may have found is not found by the model, which is told
+    no include path (the results files then name a file of the texts)."""
+    if lm.reference_examples is None:
+        return False
+    return lm.ablation_data is None or (bool(spec.include_path)
+                                        and not Path(lm.ablation_data).is_file())
 
 
 def chat_settings(measure: Measurement, names: Sequence[str]) -> dict[bool, list[str]]:
