@@ -715,3 +715,12 @@ def test_outside_a_git_checkout_git_says_nothing_and_inside_it_records_the_commi
     results, err = evaluate(checkout)
     assert results["git_hash"] == commit
     assert err.endswith("stderr is the terminal's again\n")
+
+
+def test_the_batch_size_is_recorded_as_lm_evals_cli_records_it(model_dir, task_manager):
+    """`lm_eval --batch_size auto:4` (the size detected again 4 times) records "auto:4";
+    HFLM keeps the 4 apart from its batch_size, "auto", which the file said."""
+    lm = load_lm(model_dir, batch_size="auto:4")
+    results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
+                                bootstrap_iters=0)
+    assert results["config"]["batch_size"] == "auto:4"

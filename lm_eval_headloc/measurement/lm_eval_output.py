@@ -294,6 +294,13 @@ def save_lm_eval_results(results: Mapping[str, Any], output_path: str | Path, *,
     return written
 
 
+def _batch_size_as_given(lm: Any) -> int | str:
+    """``lm``'s batch size as ``--batch_size`` says it: HFLM keeps ``auto:4``'s 4 (detect
+    again 4 times) apart as its ``batch_schedule``, and its ``batch_size`` is ``auto``."""
+    size, schedule = lm.batch_size, getattr(lm, "batch_schedule", 1)
+    return f"auto:{schedule:g}" if size == "auto" and schedule != 1 else size
+
+
 def _live_ablation(lm: Any, args: Mapping[str, Any], reference: str | Path | None = None
                    ) -> dict[str, Any]:
     """What the knocked-out components became on ``lm`` where ``args`` do not say it
@@ -443,9 +450,9 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     # tells it (the chat template, system instruction) for the results file.
     tracker = EvaluationTracker()
     # lm-eval records the batch size it is given to build a model; this one is built, so
-    # it is told the size the model batches by now (a number, or "auto" with what it
-    # detects in config.batch_sizes), as the CLI's results file says it.
-    kwargs.setdefault("batch_size", lm.batch_size)
+    # it is told the size the model batches by now (a number, or "auto"/"auto:N" with
+    # what it detects in config.batch_sizes), as the CLI's results file says it.
+    kwargs.setdefault("batch_size", _batch_size_as_given(lm))
     printed = io.StringIO()
     # lm-eval prints a line per metric it bootstraps a standard error for ("bootstrapping
     # for stddev: perplexity", 18 lines a verify): into the log (--verbose), not the run's
