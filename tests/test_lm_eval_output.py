@@ -724,3 +724,9 @@ def test_the_batch_size_is_recorded_as_lm_evals_cli_records_it(model_dir, task_m
     results = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="L0H1",
                                 bootstrap_iters=0)
     assert results["config"]["batch_size"] == "auto:4"
+
+
+def test_no_gen_kwargs_are_recorded_as_lm_evals_cli_records_them(knockout):
+    # lm_eval's CLI passes and records {} without --gen_kwargs (its EvaluatorConfig's
+    # default), where None was recorded.
+    assert knockout["config"]["gen_kwargs"] == {}

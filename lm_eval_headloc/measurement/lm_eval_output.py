@@ -453,6 +453,8 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     # it is told the size the model batches by now (a number, or "auto"/"auto:N" with
     # what it detects in config.batch_sizes), as the CLI's results file says it.
     kwargs.setdefault("batch_size", _batch_size_as_given(lm))
+    if kwargs.get("gen_kwargs") is None:
+        kwargs["gen_kwargs"] = {}  # what lm-eval's CLI passes (and records) without any
     printed = io.StringIO()
     # lm-eval prints a line per metric it bootstraps a standard error for ("bootstrapping
     # for stddev: perplexity", 18 lines a verify): into the log (--verbose), not the run's
