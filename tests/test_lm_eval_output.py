@@ -730,3 +730,21 @@ def test_no_gen_kwargs_are_recorded_as_lm_evals_cli_records_them(knockout):
     # lm_eval's CLI passes and records {} without --gen_kwargs (its EvaluatorConfig's
     # default), where None was recorded.
     assert knockout["config"]["gen_kwargs"] == {}
+
+
+@pytest.mark.parametrize("kind", ["mean", "resample"])
+def test_a_baselines_config_is_what_its_model_args_record(model_dir, task_manager, kind):
+    """With nothing knocked out no means or donors act, and the baseline's model_args
+    name no ablation: its config said the live model's kind and reference set (digest,
+    means file) all the same, which a rerun of those arguments does not record."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    lm = load_lm(model_dir)
+    lm.set_ablation(kind, ["the cat sat on the mat", "Mary and John went to the store"])
+    config = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="",
+                               limit=2, bootstrap_iters=0,
+                               model_args=_model_args(model_dir))["config"]
+    rerun = HFHeadAblateLM.create_from_arg_obj(config["model_args"]).get_model_info()
+    for key in ("ablate", "ablation", "ablation_data", "means_file", "reference_digest",
+                "neuron_means_file", "resample_seed"):
+        assert config.get(key) == rerun.get(key), key

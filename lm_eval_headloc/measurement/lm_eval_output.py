@@ -429,7 +429,9 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     lm-eval's tracker writes (``model_source``, ``chat_template`` …) are set too, for
     ``save_lm_eval_results``. ``reference``: the model's mean/resample reference set as a
     JSONL file (``save_reference_set``), recorded as ``ablation_data=`` instead of the
-    model's own; required where the set was handed over as texts.
+    model's own; required where the set was handed over as texts. With nothing knocked
+    out no kind or reference set acts, and the recorded arguments name none: ``config``
+    says so, as a rerun of them would.
     ``kwargs`` go to ``simple_evaluate`` (``samples``, ``bootstrap_iters``,
     ``apply_chat_template`` …).
     """
@@ -473,6 +475,11 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
         args.update(live)
         if "ablation_data" in live:  # as get_model_info says it for these arguments
             results["config"]["ablation_data"] = live["ablation_data"]
+    else:  # the plain model's: no means or donors were used
+        for key in ("neuron_means_file", "resample_seed"):
+            results["config"].pop(key, None)
+        results["config"].update(ablation="zero", ablation_data=None, means_file=None,
+                                 reference_digest=None)
     results["config"].update(model=MODEL_NAME, model_args=args)
     # simple_evaluate told the tracker of a "CUSTOM" model without arguments (it was
     # given a loaded one): tell it what the CLI would have, and the knockout's name.
