@@ -522,6 +522,30 @@ def test_evaluate_knockout_records_the_live_ablation(tiny_model_dir, task_manage
     assert [p.name for p in tmp_path.iterdir()] == [reference.name]
 
 
+def test_a_reference_file_of_that_name_not_ours_is_refused_not_named(tmp_path):
+    """A file in the output folder under the reference set's name that holds other texts
+    (or is a FIFO) is not the package's: refused, left as it is, and never named by a
+    results file as the reference set it does not hold."""
+    import os
+
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.measurement.lm_eval_output import save_reference_set
+
+    texts = ["the cat sat on the mat", "Mary and John went to the store"]
+    (tmp_path / "first").mkdir()
+    name = save_reference_set(tmp_path / "first", texts).name
+    (tmp_path / "forged").mkdir()
+    forged = tmp_path / "forged" / name
+    forged.write_text('{"text": "something else"}\n')
+    with raises_naming(UsageError, str(forged), "not overwritten"):
+        save_reference_set(tmp_path / "forged", texts)
+    assert forged.read_text() == '{"text": "something else"}\n'
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / name)
+    with raises_naming(UsageError, name, "not overwritten"):
+        save_reference_set(tmp_path / "fifo", texts)
+
+
 @pytest.mark.parametrize("reference", [[], ["--ablation-data", "tiny_choice"]],
                          ids=["the run's examples", "an include-path task"])
 def test_verify_records_model_args_that_load_its_mean_knockout(tiny_model_dir, tmp_path,

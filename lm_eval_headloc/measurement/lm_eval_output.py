@@ -40,7 +40,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.files import not_a_file, write_atomically
 from lm_eval_headloc.intervention.components import Component, component_tokens, format_heads
 from lm_eval_headloc.intervention.registration import MODEL_NAME
 
@@ -216,13 +216,20 @@ def save_reference_set(output_path: str | Path, texts: Sequence[str]) -> Path:
     no model argument names) into ``output_path``'s results folder as a JSONL file, one
     ``{"text": …}`` a line, named by a hash of its content, and return its absolute path:
     the knockouts' recorded ``ablation_data=`` names it, so their model_args load the same
-    reference set. A file of that name holds these texts already and is left as it is."""
+    reference set. A file of that name that holds these texts is left as it is; one that
+    holds anything else is not ours, and refused (a results file would name it)."""
+    from lm_eval_headloc.common.checks import UsageError
+
     # ASCII escapes: a raw U+2028 would split a line where the reader splits lines.
     body = "".join(json.dumps({"text": text}) + "\n" for text in texts)
     digest = hashlib.sha256(body.encode()).hexdigest()[:HASH_DIGITS]
-    path = (results_folder(output_path) / f"headloc_reference_{digest}.jsonl").resolve()
-    if not path.is_file():
+    path = (results_folder(output_path) / f"headloc_reference_{digest}.jsonl").absolute()
+    if not os.path.lexists(path):
         write_atomically(path, lambda partial: partial.write_text(body, encoding="utf-8"))
+    elif (path.is_symlink() or not_a_file(path) is not None or not path.is_file()
+          or path.read_bytes() != body.encode()):  # not_a_file first: a FIFO's read waits
+        raise UsageError(f"--output-path: {path} exists and is not the run's reference set "
+                         "as this package writes it; not overwritten: move it away")
     return path
 
 
