@@ -580,6 +580,32 @@ TAMPERED_RANKINGS = {
 }
 
 
+def without_waiting_on(fifo: Path, call, seconds: float = 20):
+    """What ``call()`` returns, or the exception it raises (returned, not raised), called in
+    a thread: a call that opens the FIFO ``fifo`` blocks until the other end is opened, so
+    one still running after ``seconds`` fails the test, once a writer that closes at once
+    has let it go."""
+    import threading
+
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:  # noqa: BLE001 (handed to the test's thread)
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    hung = thread.is_alive()
+    if hung:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=seconds)
+    assert not hung, f"{call} waited on the FIFO {fifo}"
+    return outcome[0]
+
+
 def tamper(path: Path, how: str) -> None:
     """Alter the ranking file at ``path`` as ``TAMPERED_RANKINGS[how]`` says."""
     data = json.loads(path.read_text())

@@ -24,6 +24,7 @@ from helpers import (
     capped_fall,
     raises_naming,
     ranking,
+    without_waiting_on,
 )
 
 from lm_eval_headloc.common.errors import UserError
@@ -802,25 +803,8 @@ def test_a_helper_measured_alone_lifts_the_cap_of_a_group_test_it_is_in():
 def test_a_fifo_as_out_is_refused_not_waited_on(tmp_path):
     """A FIFO named as --out hung export for ever (reading it to see whether it is an
     export of ours waits for a writer); refused in one line now."""
-    import threading
-
     run, out = make_run(tmp_path / "run"), tmp_path / "importances.json"
     os.mkfifo(out)
-    errors: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            export(run, out)
-        except BaseException as err:  # noqa: BLE001 (checked below, in the test's thread)
-            errors.append(err)
-
-    command = threading.Thread(target=call, daemon=True)
-    command.start()
-    command.join(timeout=20)
-    hung = command.is_alive()
-    if hung:  # let the blocked open go: a writer that closes at once
-        os.close(os.open(out, os.O_WRONLY | os.O_NONBLOCK))
-        command.join(timeout=20)
-    assert not hung, "export waited on a FIFO"
-    assert isinstance(errors[0], ExportError)
-    assert_names(str(errors[0]), f"{out} is a FIFO, not a regular file")
+    error = without_waiting_on(out, lambda: export(run, out))
+    assert isinstance(error, ExportError)
+    assert_names(str(error), f"{out} is a FIFO, not a regular file")

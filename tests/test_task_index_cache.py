@@ -165,23 +165,14 @@ def test_a_stored_index_naming_files_outside_the_folder_is_rebuilt(root, tmp_pat
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
 def test_a_fifo_under_the_caches_name_does_not_hang_the_reader(root, tmp_path, builds):
-    import threading
+    from helpers import without_waiting_on
 
     cache = tmp_path / "cache"
     cache.mkdir()
     fifo = _stored_name(root, cache)
     os.mkfifo(fifo)
-    found = []
-    reader = threading.Thread(target=lambda: found.append(index_cache.cached_index(root, cache)),
-                              daemon=True)
-    reader.start()
-    reader.join(timeout=30)
-    hung = reader.is_alive()
-    if hung:  # let the blocked open go: a writer that closes at once
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(timeout=30)
-    assert not hung, "reading a FIFO in the cache folder blocked"
-    assert set(found[0]) == NAMES
+    found = without_waiting_on(fifo, lambda: index_cache.cached_index(root, cache), 30)
+    assert set(found) == NAMES
 
 
 def test_without_a_home_folder_the_index_is_built_uncached(root, builds, monkeypatch):

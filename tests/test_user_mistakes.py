@@ -18,6 +18,7 @@ from helpers import (
     harness,
     last_error,
     raises_naming,
+    without_waiting_on,
 )
 
 from lm_eval_headloc.common.checks import UsageError, check_load_args
@@ -431,20 +432,8 @@ def test_a_worker_chooses_its_own_device_from_what_ray_gave_it(device):
 
 
 def _refused_without_blocking(capsys, fifo: Path, *argv: str) -> str:
-    """The one-line refusal of ``argv``, run in a thread: a command that opens the FIFO
-    ``fifo`` blocks until a writer comes, and the test's opening of one lets it go."""
-    import threading
-
-    codes: list[int] = []
-    command = threading.Thread(target=lambda: codes.append(harness(*argv)), daemon=True)
-    command.start()
-    command.join(timeout=20)
-    hung = command.is_alive()
-    if hung:
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        command.join(timeout=20)
-    assert not hung, f"{argv[0]} waited on the FIFO {fifo}"
-    assert codes == [2]
+    """The one-line refusal of ``argv``, which must not wait on the FIFO ``fifo``."""
+    assert without_waiting_on(fifo, lambda: harness(*argv)) == 2
     return error_line(capsys)
 
 
