@@ -5,6 +5,7 @@ verify or cross rerun without loading the model."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -292,3 +293,65 @@ def test_the_gen_drop_says_which_general_tasks_it_leaves_out():
            "is 0)." in text
     table["baseline"] = {**base["scores"], "zero": 0.1}
     assert "Gen is the mean over the general tasks: zero, half." in verification_markdown(table)
+
+
+def _verify_options() -> set[str]:
+    from lm_eval_headloc.cli.main import build_parser
+
+    parser = build_parser()
+    verify = next(a for a in parser._subparsers._group_actions).choices["verify"]
+    return {flag for action in verify._actions for flag in action.option_strings}
+
+
+def test_verify_of_a_logprob_run_shortens_a_generation_too_long_for_the_model(
+        tiny_model_dir, tmp_path, capsys):
+    """A logprob run on a task that generates lm-eval's 256 tokens where the tiny model
+    takes 128: locate generates nothing, verify scores the task's metric and so
+    generates. Its refusal names an option verify has, and verify --gen-kwargs shortens
+    the generation, recorded in what it writes (it had no --gen-kwargs: the run could
+    never be verified on its model)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "long.yaml").write_text(
+        f"include: {TASKS}/tiny_generate/tiny_generate.yaml\ntask: tiny_long_generate\n"
+        "generation_kwargs: {until: ['\\n'], do_sample: false}\n")
+    run = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--include-path",
+                   str(tasks), "--tasks", "tiny_long_generate", "--signal", "logprob",
+                   "--num-samples", "4", "--masks", "4", *LASSO_ONLY,
+                   "--out", str(run)) == 0
+    common = ["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+              "--random-draws", "0", "--limit", "2"]
+    capsys.readouterr()
+    assert harness(*common, "--out", str(tmp_path / "refused")) == 2
+    said = last_error(capsys)
+    assert_names(said, "'tiny_long_generate'", "256", "128 tokens", "--gen-kwargs max_gen_toks=N")
+    assert set(re.findall(r"--[a-z][a-z_-]*", said)) <= _verify_options()
+    out = tmp_path / "verify"
+    assert harness(*common, "--gen-kwargs", "max_gen_toks=4", "--out", str(out)) == 0
+    table = strict_json(out / "verify.json")
+    assert (table["gen_kwargs"], table["run_gen_kwargs"]) == ('{"max_gen_toks": 4}', None)
+    assert strict_json(out / "config.json")["spec"]["gen_kwargs"] == '{"max_gen_toks": 4}'
+    assert "`{\"max_gen_toks\": 4}` (verify's --gen-kwargs" in (out / "verify.md").read_text()
+
+
+def test_verify_generates_as_the_run_did_unless_given_other_gen_kwargs(tiny_model_dir,
+                                                                       tmp_path):
+    run = tmp_path / "run"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_generate",
+                   "--gen-kwargs", "max_gen_toks=2", "--num-samples", "4", "--masks", "4",
+                   *LASSO_ONLY, "--out", str(run)) == 0
+    common = ["verify", str(run), "--top-k", "1", "--general", "tiny_copy",
+              "--random-draws", "0", "--limit", "2"]
+    inherited = tmp_path / "inherited"
+    assert harness(*common, "--out", str(inherited)) == 0
+    table = strict_json(inherited / "verify.json")
+    assert table["gen_kwargs"] == '{"max_gen_toks": 2}' and "run_gen_kwargs" not in table
+    assert strict_json(inherited / "config.json")["spec"]["gen_kwargs"] == table["gen_kwargs"]
+    assert "(the run's --gen-kwargs" in (inherited / "verify.md").read_text()
+    other = tmp_path / "other"
+    assert harness(*common, "--gen_kwargs", "max_gen_toks=3", "--out", str(other)) == 0
+    table = strict_json(other / "verify.json")
+    assert (table["gen_kwargs"], table["run_gen_kwargs"]) == ('{"max_gen_toks": 3}',
+                                                              '{"max_gen_toks": 2}')
+    assert "not the run's (it gave `{\"max_gen_toks\": 2}`)" in (other / "verify.md").read_text()

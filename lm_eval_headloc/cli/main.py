@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_DIR")
     add_options(p, COMMAND_OPTIONS["verify"])
     add_options(p, ABLATION_FLAGS, keep_stored=True)  # default: the run's ablation
+    # Verify scores by the tasks' metrics, so it generates where the run may not have (a
+    # run located by --signal logprob): a generation too long for the model is shortened
+    # here, as lm-eval's --gen_kwargs (default: the run's).
+    add_options(p, ("gen_kwargs",), keep_stored=True)
     p.add_argument("--model-args", "--model_args", default=None, metavar="ARGS",
                    help="the run's model args with its model where it is now (a run whose "
                         "model folder has moved; its files must be the ones the run "

@@ -354,7 +354,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     give verify's own (top_k, general, limit, random_draws, batch_size, …). ``ablation``,
     ``scale`` and ``ablation_data`` keywords change the run's ablation for the
     verification; ``model_args`` names the run's model where it is now (a model folder
-    that moved: its files must be the ones the run recorded).
+    that moved: its files must be the ones the run recorded); ``gen_kwargs`` replaces the
+    run's generation arguments (verify generates where a logprob run did not).
     """
     # The ablation is the run's unless given (verify --ablation mean checks heads found
     # under one kind under another); zero ablation takes no reference set.
@@ -363,7 +364,7 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         kind.setdefault("ablation_data", None)
     if "ablation_data" in kind:  # the run's JSONL field belongs to the run's file
         kind.setdefault("ablation_field", None)
-    own = command_spec("verify", spec, options, (*ABLATION_FLAGS, "model_args"))
+    own = command_spec("verify", spec, options, (*ABLATION_FLAGS, "model_args", "gen_kwargs"))
     source = RunFolder(run)
     stored = load_run(source)
     out = Path(out) if out is not None else Path(run) / "verify"
@@ -377,6 +378,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
         **kind)
     if own.model_args is not None:  # the run's model where it is now
         spec = spec.replace(model_args=own.model_args)
+    if own.gen_kwargs is not None:  # else the run's: measured as it was located
+        spec = spec.replace(gen_kwargs=own.gen_kwargs)
     refuse_recorded_code(run, stored.spec.include_path,
                          None if own.model_args is not None else stored.spec.model_args,
                          "give --model-args with trust_remote_code=True to run it")
@@ -438,6 +441,10 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
                        ) as (folder, records):
         table = _verification_table(records, heads_by_task, list(general), spec, drawn)
         table["located_by"] = stored.spec.signal  # verify scores by the tasks' metrics
+        # What the generation tasks generated with, and the run's where verify's differ.
+        table["gen_kwargs"] = spec.gen_kwargs
+        if spec.gen_kwargs != stored.spec.gen_kwargs:
+            table["run_gen_kwargs"] = stored.spec.gen_kwargs
         table["ranking_notes"] = {task: ranking_notes(source, task, spec.top_k)
                                   for task in heads_by_task}
         folder.write_json("verify.json", table)
@@ -533,6 +540,7 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         lines += ["The run located these by the gold answers' log-likelihood (--signal "
                   "logprob); verification scores each task by its metric, which can stay "
                   "where the log-likelihood moved.", ""]
+    lines += _gen_kwargs_words(table)
     # A general task at a zero baseline has no drop: Gen is the mean over the others.
     undefined = [g for g in general if not table["baseline"][g]]
     lines.append("Drops are relative to the baseline (k = 0; positive = worse; n/a where the "
@@ -574,3 +582,17 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
                       "counts the random sets whose absolute change of the task's score is "
                       "smaller than the top-k's."]
     return "\n".join(lines) + "\n"
+
+
+def _gen_kwargs_words(table: Mapping[str, Any]) -> list[str]:
+    """verify.md's line on the generation arguments (--gen-kwargs) where any were given,
+    saying where they are not the run's."""
+    given = table.get("gen_kwargs")
+    if "run_gen_kwargs" not in table:
+        return [] if given is None else [
+            f"Generation arguments: `{given}` (the run's --gen-kwargs, over each generation "
+            "task's own).", ""]
+    run = table["run_gen_kwargs"]
+    theirs = "it gave none" if run is None else f"it gave `{run}`"
+    return [f"Generation arguments: `{given}` (verify's --gen-kwargs, over each generation "
+            f"task's own), not the run's ({theirs}).", ""]
