@@ -333,6 +333,9 @@ def test_model_args_as_the_cli_records_them():
     assert knockout_model_args(args, "L1H0", scale=0.5)["scale"] == 0.5
     assert knockout_model_args({"pretrained": "m", "scale": 2}, [], scale=0) == \
         {"pretrained": "m"}
+    # Nothing knocked out: no scale either (a rerun would warn of a knockout of nothing).
+    assert knockout_model_args({"pretrained": "m", "scale": 2}, []) == {"pretrained": "m"}
+    assert knockout_model_args({"pretrained": "m"}, [], scale=0.5) == {"pretrained": "m"}
 
 
 # --- verify --output_path / --log_samples ----------------------------------------------
@@ -772,3 +775,18 @@ def test_a_baselines_config_is_what_its_model_args_record(model_dir, task_manage
     for key in ("ablate", "ablation", "ablation_data", "means_file", "reference_digest",
                 "neuron_means_file", "resample_seed"):
         assert config.get(key) == rerun.get(key), key
+
+
+def test_a_baseline_at_a_scale_records_no_scale(model_dir, task_manager):
+    """A --scale run's baseline: no component is scaled, so its model_args name no scale
+    (a rerun of them warned "nothing is knocked out") and its config says the scale a
+    rerun of them records."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    lm = load_lm(model_dir)
+    config = evaluate_knockout(lm, [TASK], task_manager=task_manager, knocked_out="",
+                               scale=2, limit=2, bootstrap_iters=0,
+                               model_args={**_model_args(model_dir), "scale": 2})["config"]
+    assert "scale" not in config["model_args"]
+    rerun = HFHeadAblateLM.create_from_arg_obj(config["model_args"]).get_model_info()
+    assert config["scale"] == rerun["scale"] == 0.0

@@ -117,14 +117,16 @@ def knockout_model_args(model_args: str | Mapping[str, Any] | None,
     """``hf-headablate``'s model arguments for this knockout, as lm-eval's CLI records
     them (a dict): ``model_args`` with its ``ablate=``/``ablate_file=``/``ablate_top=``
     replaced by ``ablate=<knocked_out>`` (none when nothing is knocked out) and ``scale=``
-    by ``scale`` (None: as ``model_args`` say; left out at 0, the default)."""
+    by ``scale`` (None: as ``model_args`` say; left out at 0, the default, and with
+    nothing knocked out: a scale of no component would be warned of as a knockout that
+    knocks out nothing)."""
     args = _as_dict(model_args)
     scale = float(args.get("scale", 0.0)) if scale is None else float(scale)
     args = {key: value for key, value in args.items() if key not in _KNOCKOUT_ARGS}
     components = _component_list(knocked_out)
     if components:
         args["ablate"] = components
-    if scale != 0.0:
+    if components and scale != 0.0:
         args["scale"] = int(scale) if scale.is_integer() else scale
     return args
 
@@ -485,8 +487,8 @@ def evaluate_knockout(lm: Any, tasks: Iterable[str], *, task_manager: Any,
     else:  # the plain model's: no means or donors were used
         for key in ("neuron_means_file", "resample_seed"):
             results["config"].pop(key, None)
-        results["config"].update(ablation="zero", ablation_data=None, means_file=None,
-                                 reference_digest=None)
+        results["config"].update(ablation="zero", scale=0.0, ablation_data=None,
+                                 means_file=None, reference_digest=None)
     results["config"].update(model=MODEL_NAME, model_args=args)
     # simple_evaluate told the tracker of a "CUSTOM" model without arguments (it was
     # given a loaded one): tell it what the CLI would have, and the knockout's name.
