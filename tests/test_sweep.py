@@ -13,6 +13,7 @@ from helpers import (
     harness,
     last_error,
     lose_last_measurement_and_count_loads,
+    measurement_lines,
     shown_bars,
     strict_json,
     tiny_args,
@@ -304,3 +305,39 @@ def test_a_cells_bar_counts_its_masks(tiny_model_dir, tmp_path, monkeypatch):
                        "--out", str(tmp_path / "sweep")) == 0
     assert shown == [("baseline", 1, 1), ("locate", 3, 3), ("confirm", 2, 2),
                      ("locate", 5, 5), ("confirm", 2, 2)], shown
+
+
+def test_a_sweep_measures_its_baseline_once_for_every_cell(tiny_model_dir, tmp_path,
+                                                           monkeypatch):
+    """Each cell measured the baseline again in its own folder (3 baselines for 2 cells):
+    the same model, examples and nothing knocked out as the sweep's own. A cell keeps the
+    sweep's record as its copy (``same_as`` naming it), and stays a run folder of its own:
+    a rerun there fits it from disk."""
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    masks: list[str] = []  # each mask the model measured
+    original = HarnessMeasurement.measure_chunks
+
+    def counted(self, chunks, *args, **kwargs):
+        masks.extend("+".join(map(str, mask)) for chunk in chunks for mask in chunk)
+        return original(self, chunks, *args, **kwargs)
+
+    monkeypatch.setattr(HarnessMeasurement, "measure_chunks", counted)
+    out = tmp_path / "sweep"
+    assert harness("sweep", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "3,4", "--sparsity", "0.25", "--num-samples", "3",
+                   "--top-k", "1", "--confirm", "2", "--out", str(out)) == 0
+    assert masks.count("") == 1, masks
+    made = measurement_lines(out)[0]
+    for cell in ("m3-p0.25", "m4-p0.25"):
+        assert measurement_lines(out / cell)[0] == {**made, "same_as": "../baseline"}
+    # A cell is a run folder of its own: one that lost a measurement resumes there,
+    # measuring that one.
+    cell = out / "m3-p0.25"
+    lines = (cell / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (cell / "measurements.jsonl").write_text("".join(lines[:-1]))
+    masks.clear()
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+                   "--masks", "3", "--sparsity", "0.25", "--num-samples", "3",
+                   "--top-k", "1", "--confirm", "2", "--out", str(cell)) == 0
+    assert len(masks) == 1 and masks != [""], masks

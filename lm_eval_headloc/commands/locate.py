@@ -30,7 +30,7 @@ from lm_eval_headloc.intervention.components import (
     validate_heads,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
-from lm_eval_headloc.measurement.store import ReplayStore
+from lm_eval_headloc.measurement.store import ReplayStore, keep_copy
 from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
@@ -139,12 +139,14 @@ def attribution_prior(folder: RunFolder, measure: Measurement, method: str,
 
 @timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
-           setup: Setup | None = None, measure: Measurement | None = None, **options: Any
-           ) -> dict[str, Ranking]:
+           setup: Setup | None = None, measure: Measurement | None = None,
+           baseline: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Ranking]:
     """Compressed-sensing localization; returns each task's ranking.
 
     ``spec`` or keyword options (``locate("runs/x", tasks=["gsm8k"], masks=200)``) give
-    the run; ``setup``/``measure`` let ``sweep`` reuse a prepared run and loaded model.
+    the run; ``setup``/``measure`` let ``sweep`` reuse a prepared run and loaded model,
+    and ``baseline``, its baseline record measured with them, which the folder keeps as a
+    copy (``same_as`` ``../baseline``) rather than measuring it again.
     The run's record (``LocateRun``) writes config.json once per phase: started,
     measuring, designed, measured (see ``LocateRun``); the ranking files follow from it.
     """
@@ -174,6 +176,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                        run=run)
         else:  # sweep's measurement, shared by its cells: recorded here too
             run.measured_with(setup, measure, folder.path)
+        if baseline is not None:  # the sweep's, in the folder above: the same measurement
+            keep_copy(folder, baseline, same_as="../baseline")
         kinds = spec.components.split("+")
         if "neurons" in kinds:
             run.neurons_per_layer = measure.lm.neurons_per_layer

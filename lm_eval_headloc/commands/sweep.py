@@ -82,8 +82,10 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         results, examples = [], []
         for name, cell in cells.items():
             with timing.run_clock():  # the cell's own timings; the sweep's add them up
+                # Its baseline is the sweep's (the same model and examples, nothing
+                # knocked out), copied into its folder rather than measured again.
                 rankings = locate(folder.path / name, cell, force=force, setup=setup,
-                                  measure=measuring.measure)
+                                  measure=measuring.measure, baseline=baseline)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
             plan: list[PlanEntry] = [(key, rankings[task].top_knocked_out(spec.top_k))]

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
 __all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "RecallingStore", "ReplayStore",
-           "StoreError", "is_measurement", "phase_bar", "run_plan", "unusable_score"]
+           "StoreError", "is_measurement", "keep_copy", "phase_bar", "run_plan",
+           "unusable_score"]
 
 
 class StoreError(UserError):
@@ -359,6 +360,15 @@ def _check_usable(store: MeasurementStore, record: Mapping[str, Any],
 def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
     """What a plan entry measures: its mask and scale (None: the measurement's own)."""
     return format_heads(heads), None if scale is None else float(scale)
+
+
+def keep_copy(store: MeasurementStore, record: Mapping[str, Any], same_as: str) -> None:
+    """Keep ``record``, another store's measurement of a knockout on the same model and
+    examples (a sweep's baseline, which its cells' folders need), in ``store`` as a copy
+    under its key, ``same_as`` naming where it was made: it is not measured again. A
+    store that holds that key already keeps its own."""
+    if all(r["key"] != record["key"] for r in store.measurements()):
+        _twin_record(store, record["key"], {**record, "same_as": same_as})
 
 
 def _twin_record(store: MeasurementStore, key: str, measured: Mapping[str, Any]
