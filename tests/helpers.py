@@ -171,10 +171,17 @@ def harness(*args: str) -> int:
         return exit_.code
 
 
+class ShownBars(list):
+    """``shown_bars``' list of (desc, n, total), and ``drawn``: what each bar wrote."""
+
+    drawn: list[str]
+
+
 @contextmanager
 def shown_bars(monkeypatch):
     """The progress bars a command run inside the block shows, as (desc, n, total) each
-    once it has closed (drawn into a StringIO, not the terminal)."""
+    once it has closed (drawn into a StringIO, not the terminal; its text in the list's
+    ``drawn``, in the same order)."""
     import io
 
     import tqdm as tqdm_module
@@ -188,7 +195,7 @@ def shown_bars(monkeypatch):
                 bars.append(self)
 
     real = tqdm_module.tqdm
-    shown: list[tuple[str, int, int | None]] = []
+    shown = ShownBars()
     monkeypatch.setattr(tqdm_module, "tqdm", Recorded)
     try:
         yield shown
@@ -199,6 +206,7 @@ def shown_bars(monkeypatch):
             if getattr(module, "tqdm", None) is Recorded:
                 module.tqdm = real
         shown += [(bar.desc, bar.n, bar.total) for bar in bars]
+        shown.drawn = [bar.fp.getvalue() for bar in bars]
 
 
 def tiny_args(folder) -> list[str]:

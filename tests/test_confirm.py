@@ -627,6 +627,35 @@ def test_the_confirmation_draws_one_progress_bar_for_all_its_rounds(tiny_model_d
     assert [len(r) for r in rounds] == [5, 2]  # two rounds, one bar
 
 
+def test_the_confirmations_bar_counts_the_heads_it_can_measure(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """On an 8-head model --confirm 34 drew "confirm 0/34", then was cut to what it
+    measured: the bar's total is what the stage measures, at most the heads it can
+    measure (here 7: one is never knocked out)."""
+    with shown_bars(monkeypatch) as shown:
+        assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                       "--masks", "4", "--sparsity", "0.25", "--num-samples", "4",
+                       "--prior", "none", "--confirm", "34", "--never-ablate", "L0H1",
+                       "--out", str(tmp_path / "run")) == 0
+    assert shown[-1] == ("confirm", 7, 7), shown
+    drawn = shown.drawn[-1]
+    assert "0/7" in drawn and "/34" not in drawn, drawn
+    assert len(strict_json(tmp_path / "run" / "config.json")["confirm"]["heads"]) == 7
+
+
+def test_a_phase_cut_short_draws_its_last_line_once(monkeypatch):
+    """A phase that measured less than its total was cut to what it measured and drawn
+    twice: once cut, once as it closed."""
+    from lm_eval_headloc.measurement.store import phase_bar
+
+    with shown_bars(monkeypatch) as shown:
+        with phase_bar("confirm", 5) as bar:
+            bar.mininterval = float("inf")  # no drawing as it counts: only the last
+            bar.update(3)
+    assert shown == [("confirm", 3, 3)]
+    assert shown.drawn[0].count("3/3") == 1, shown.drawn
+
+
 def test_confirm_knocks_out_the_likeliest_heads_alone_and_ranks_them_first(
         tiny_model_dir, tmp_path):
     import csv

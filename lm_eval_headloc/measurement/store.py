@@ -154,8 +154,9 @@ def phase_bar(desc: str, total: int | None, done: int = 0, progress: bool = True
     confirmation's rounds, ``--masks auto``'s), as lm-eval draws one per request type:
     pass it as their ``bar``; each advances it by what it measures. ``done``: what the
     phase finds on disk (a resumed run). A phase that ends short of ``total`` (it
-    stopped early) ends at 100 % of what it measured; ``total`` None: a phase that cannot
-    know how many it will measure (the group tests) counts them, with no total."""
+    stopped early) ends at 100 % of what it measured, drawn once (as the bar closes);
+    ``total`` None: a phase that cannot know how many it will measure (the group tests)
+    counts them, with no total."""
     from tqdm import tqdm
 
     # Without a total tqdm writes the count and the unit as one word ("33meas").
@@ -165,8 +166,7 @@ def phase_bar(desc: str, total: int | None, done: int = 0, progress: bool = True
     try:
         yield bar
         if bar.total is not None and bar.n < bar.total:
-            bar.total = bar.n
-            bar.refresh()
+            bar.total = bar.n  # drawn by close(): a refresh here drew the line twice
     finally:
         bar.close()
 

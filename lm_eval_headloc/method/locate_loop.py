@@ -300,10 +300,13 @@ def _confirm(store: MeasurementStore, measure: Measurement, settings: LoopSettin
     screens = {t: screen_of(t) for t in tasks} if len(design) >= 2 else {}
     skip = sorted({*never, *excluded})
     budget = int(settings.confirm or 0)
-    # One bar for every round (a resumed run's picks are those stored: the same picks).
+    # One bar for every round (a resumed run's picks are those stored: the same picks),
+    # its total what the rounds measure: --confirm 34 on 8 heads drew "0/34".
     measured_before = sum(key.startswith(alone_key("")) for key in records)
+    candidates = len(columns) - len(skip)
     # The screens' refits between rounds are fits; the rounds' measurements, measurements.
-    with phase_bar("confirm", budget, measured_before, settings.progress) as bar, \
+    with phase_bar("confirm", min(budget, candidates), measured_before,
+                   settings.progress) as bar, \
             timing.phase("fit and bootstrap"):
         done = confirmation(sources, screens, measured, budget, skip=skip)
         # The round a larger --confirm would measure next: the same picks (they do not
