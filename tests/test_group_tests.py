@@ -483,6 +483,26 @@ def test_the_group_tests_bar_counts_the_tests_and_names_its_cap(tiny_model_dir, 
     assert shown[-1] == ("group tests (at most 97)", tested, None), shown
 
 
+def test_a_resumed_group_stages_bar_counts_what_it_had_measured(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """A run stopped by its cap in the group tests, resumed with a larger one: the bar
+    started at the groups on disk only, not the components the stage had narrowed down
+    to and measured alone, and so ended short of the tests the stage made."""
+    base = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_choice",
+            "--masks", "2", "--sparsity", "0.25", "--num-samples", "8", "--seed", "1",
+            "--signal", "logprob", "--prior", "none", "--confirm", "1",
+            "--out", str(tmp_path / "run")]
+    assert harness(*base, "--max-measurements", "9") == 0  # 2 masks, 1 alone, 6 tests
+    stopped = strict_json(tmp_path / "run" / "config.json")["confirm"]["groups"]["rounds"]
+    assert [len(m) for batch in stopped for m in batch].count(1) >= 1  # some alone
+    with shown_bars(monkeypatch) as shown:
+        assert harness(*base, "--max-measurements", "100") == 0
+    groups = strict_json(tmp_path / "run" / "config.json")["confirm"]["groups"]
+    tested = sum(len(batch) for batch in groups["rounds"])
+    assert tested > sum(len(batch) for batch in stopped)
+    assert shown[-1] == (f"group tests (at most {groups['budget']})", tested, None), shown
+
+
 def test_a_locate_run_records_its_group_tests_and_its_certificate(tiny_model_dir, tmp_path,
                                                                    capsys):
     out = tmp_path / "run"

@@ -441,7 +441,12 @@ def _group_test(store: MeasurementStore, measure: Measurement, settings: LoopSet
             desc="group tests", masks_per_pass=settings.masks_per_pass, bar=bar)
         return {s: harms(done[key_of(s)]) for s in sets}
 
-    stored = sum(key.startswith("group-") for key in records)
+    # What a resumed stage had measured: its groups and the components it measured alone
+    # (alone keys past the confirmation's), as its bar counted them.
+    confirmed_keys = {alone_key(name) for name in confirmed.heads}
+    stored = sum(key.startswith("group-") or (key.startswith(alone_key(""))
+                                              and key not in confirmed_keys)
+                 for key in records)
     if budget == 0:  # the cap taken by the masks and the heads alone: no bar to draw
         tested = GroupTesting([], size)
     else:
