@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -341,3 +342,105 @@ def test_a_sweep_measures_its_baseline_once_for_every_cell(tiny_model_dir, tmp_p
                    "--masks", "3", "--sparsity", "0.25", "--num-samples", "3",
                    "--top-k", "1", "--confirm", "2", "--out", str(cell)) == 0
     assert len(masks) == 1 and masks != [""], masks
+
+
+def count_what_the_model_is_asked(monkeypatch, stop_after: int | None = None
+                                  ) -> tuple[list[str], list[str]]:
+    """(each knockout the model measured, formatted; each attribution prior's kind it
+    computed), from now on; ``stop_after``: a Ctrl-C once it has measured that many."""
+    from lm_eval_headloc.intervention.components import format_heads
+    from lm_eval_headloc.measurement.measure import HarnessMeasurement
+
+    asked: list[str] = []
+    priors: list[str] = []
+    measure_chunks, attribution = (HarnessMeasurement.measure_chunks,
+                                   HarnessMeasurement.attribution)
+
+    def counted(self, chunks, *args, **kwargs):
+        for index, scores, seconds in measure_chunks(self, chunks, *args, **kwargs):
+            if stop_after is not None and len(asked) >= stop_after:
+                raise KeyboardInterrupt
+            asked.extend(format_heads(mask) for mask in chunks[index])
+            yield index, scores, seconds
+
+    def computed(self, *args, **kwargs):
+        priors.append(kwargs.get("kind", "heads"))
+        return attribution(self, *args, **kwargs)
+
+    monkeypatch.setattr(HarnessMeasurement, "measure_chunks", counted)
+    monkeypatch.setattr(HarnessMeasurement, "attribution", computed)
+    return asked, priors
+
+
+def stripped_records(folder) -> list[dict]:
+    """A run folder's measurements, but where each was made and what it took."""
+    return [{k: v for k, v in r.items() if k not in ("seconds", "same_as")}
+            for r in measurement_lines(folder)]
+
+
+#: A sweep whose cells of one sparsity share their first masks, measure some heads alone
+#: that an earlier cell did, and whose first cell's check is its last mask.
+SHARING = ["--tasks", "tiny_choice", "--num-samples", "4", "--top-k", "2", "--confirm", "3"]
+
+
+def test_a_sweep_asks_the_model_each_knockout_once(tiny_model_dir, tmp_path, monkeypatch):
+    """Each cell measured what the sweep had measured already: cells of one sparsity
+    draw the same first masks (the 6-mask cell measured the 3-mask cell's 3 again), cells
+    measured the same heads alone, and every cell computed the attribution prior again,
+    which depends on the model and examples alone. A cell takes a knockout (the prior)
+    the sweep or an earlier cell made as a copy naming where it was made; its
+    measurements and ranking are those of the cell run alone as a locate."""
+    asked, priors = count_what_the_model_is_asked(monkeypatch)
+    args = [*tiny_args(tiny_model_dir("llama")), *SHARING]
+    out = tmp_path / "sweep"
+    assert harness("sweep", *args, "--masks", "3,6", "--sparsity", "0.25,0.5",
+                   "--out", str(out)) == 0
+    twice = {mask: n for mask, n in Counter(asked).items() if n > 1}
+    assert not twice, twice
+    assert priors == ["heads"], priors  # the first cell's
+    cell = out / "m6-p0.25"
+    assert [r.get("same_as") for r in measurement_lines(cell)[:5]] == [
+        "../baseline", "../m3-p0.25/mask-0000", "../m3-p0.25/mask-0001",
+        "../m3-p0.25/mask-0002", None]
+    assert strict_json(cell / "prior.json")["same_as"] == "../m3-p0.25/prior.json"
+    assert measurement_lines(out)[1]["same_as"] == "m3-p0.25/mask-0002"  # the first check
+    alone = tmp_path / "alone"  # the cell run alone: its own masks, heads alone and prior
+    assert harness("locate", *args, "--masks", "6", "--sparsity", "0.25", "--group-tests",
+                   "0", "--out", str(alone)) == 0
+    assert stripped_records(cell) == stripped_records(alone)
+    assert strict_json(cell / "heads.json") == strict_json(alone / "heads.json")
+    # A cell is a run folder of its own: one that lost its copies resumes there, and
+    # refits, to the same ranking.
+    heads = strict_json(cell / "heads.json")
+    lines = (cell / "measurements.jsonl").read_text().splitlines(keepends=True)
+    (cell / "measurements.jsonl").write_text("".join(lines[:2]))
+    asked.clear()
+    assert harness("locate", *args, "--masks", "6", "--sparsity", "0.25", "--group-tests",
+                   "0", "--out", str(cell)) == 0
+    assert len(asked) == len(lines) - 2 and strict_json(cell / "heads.json") == heads
+    assert harness("refit", str(cell)) == 0
+    assert strict_json(cell / "heads.json") == heads
+
+
+def test_an_interrupted_sweep_rerun_measures_nothing_twice(tiny_model_dir, tmp_path,
+                                                           monkeypatch):
+    """A sweep stopped in its second cell and rerun takes, in each cell, what the cells
+    before it made, on disk: over both sessions each knockout is measured once, and the
+    cells end as those of a sweep never stopped."""
+    args = ["sweep", *tiny_args(tiny_model_dir("llama")), *SHARING, "--masks", "3,6",
+            "--sparsity", "0.25"]
+    whole = tmp_path / "whole"
+    assert harness(*args, "--out", str(whole)) == 0
+    out = tmp_path / "sweep"
+    with monkeypatch.context() as stopped:
+        first, _ = count_what_the_model_is_asked(stopped, stop_after=9)
+        assert harness(*args, "--out", str(out)) == 130
+    assert (out / "m6-p0.25" / "measurements.jsonl").is_file()  # stopped in the second
+    asked, priors = count_what_the_model_is_asked(monkeypatch)
+    assert harness(*args, "--out", str(out)) == 0
+    twice = {mask: n for mask, n in Counter(first + asked).items() if n > 1}
+    assert not twice and not priors, (twice, priors)
+    for name in ("m3-p0.25", "m6-p0.25"):
+        assert stripped_records(out / name) == stripped_records(whole / name)
+        assert strict_json(out / name / "heads.json") == strict_json(whole / name / "heads.json")
+    assert strict_json(out / "sweep.json") == strict_json(whole / "sweep.json")

@@ -19,7 +19,7 @@ import numpy as np
 
 from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError
-from lm_eval_headloc.common.files import write_atomically
+from lm_eval_headloc.common.files import read_json, write_atomically
 from lm_eval_headloc.common.words import counted
 from lm_eval_headloc.intervention.components import (
     Component,
@@ -30,7 +30,7 @@ from lm_eval_headloc.intervention.components import (
     validate_heads,
 )
 from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
-from lm_eval_headloc.measurement.store import ReplayStore, keep_copy
+from lm_eval_headloc.measurement.store import MeasurementStore, ReplayStore, SharingStore
 from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
     neuron_candidates,
@@ -99,12 +99,24 @@ def prior_method(spec: RunSpec, measure: Measurement, all_alone: bool = False
 
 @timing.timed("prior")
 def attribution_prior(folder: RunFolder, measure: Measurement, method: str,
-                      kinds: Sequence[str] = ("heads",)) -> dict[str, dict[str, np.ndarray]]:
+                      kinds: Sequence[str] = ("heads",), shared: SharingStore | None = None
+                      ) -> dict[str, dict[str, np.ndarray]]:
     """The run's attribution prior, task -> kind -> ``(points, units)``: prior.json when
     a resumed run made it, else computed for each of ``kinds`` ("heads", "neurons";
     ``HarnessMeasurement.attribution`` at ``method``'s path points) and written there
-    with its cost. A ranking is written for heads (a neuron's is its index order)."""
+    with its cost. A ranking is written for heads (a neuron's is its index order).
+    ``shared``: a sweep's cell's store, whose sweep has an earlier cell's prior of the
+    same method and kinds (a function of the model and examples alone): prior.json is a
+    copy of that one, ``same_as`` naming it, rather than computed again."""
+    made = (method, tuple(kinds))
     if folder.file("prior.json").is_file():
+        if shared is not None:  # a resumed cell's own, shared with the cells after it
+            data = read_json(folder.file("prior.json"), RunFolderError)
+            shared.wrote_file("prior.json", (data.get("prior"),
+                                             tuple(data.get("kinds", ["heads"]))), data)
+        return stored_priors(folder)
+    if shared is not None and (copy := shared.made_file("prior.json", made)) is not None:
+        folder.write_json("prior.json", copy)
         return stored_priors(folder)
     points = PRIOR_POINTS[method]
     start = time.perf_counter()
@@ -133,6 +145,9 @@ def attribution_prior(folder: RunFolder, measure: Measurement, method: str,
                           for kind in kinds},
              **({"ranking": ranking(effects["heads"][task][i])} if "heads" in kinds else {})}
             for i, at in enumerate(points)]} for task in tasks}})
+    if shared is not None:
+        shared.wrote_file("prior.json", made, read_json(folder.file("prior.json"),
+                                                        RunFolderError))
     return {task: {kind: np.atleast_2d(effects[kind][task]) for kind in kinds}
             for task in tasks}
 
@@ -140,13 +155,14 @@ def attribution_prior(folder: RunFolder, measure: Measurement, method: str,
 @timing.on_clock
 def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
            setup: Setup | None = None, measure: Measurement | None = None,
-           baseline: Mapping[str, Any] | None = None, **options: Any) -> dict[str, Ranking]:
+           shared: SharingStore | None = None, **options: Any) -> dict[str, Ranking]:
     """Compressed-sensing localization; returns each task's ranking.
 
     ``spec`` or keyword options (``locate("runs/x", tasks=["gsm8k"], masks=200)``) give
     the run; ``setup``/``measure`` let ``sweep`` reuse a prepared run and loaded model,
-    and ``baseline``, its baseline record measured with them, which the folder keeps as a
-    copy (``same_as`` ``../baseline``) rather than measuring it again.
+    and ``shared``, its folder's store, what the sweep and its earlier cells made with
+    them: a knockout (the prior) one of them made is kept here as a copy (``same_as``
+    naming it) rather than made again.
     The run's record (``LocateRun``) writes config.json once per phase: started,
     measuring, designed, measured (see ``LocateRun``); the ranking files follow from it.
     """
@@ -163,6 +179,10 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
         assert isinstance(run, LocateRun)
+        # A sweep's cell: what the sweep's other folders made with this measurement is
+        # taken from them (copies), and what this one holds and makes is shared with them.
+        sharing = None if shared is None else SharingStore(folder, shared)
+        store: MeasurementStore = folder if sharing is None else sharing
         if done is not None:
             log.info("%s: every measurement is on disk; fitting again without the model",
                      out)
@@ -176,8 +196,6 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                        run=run)
         else:  # sweep's measurement, shared by its cells: recorded here too
             run.measured_with(setup, measure, folder.path)
-        if baseline is not None:  # the sweep's, in the folder above: the same measurement
-            keep_copy(folder, baseline, same_as="../baseline")
         kinds = spec.components.split("+")
         if "neurons" in kinds:
             run.neurons_per_layer = measure.lm.neurons_per_layer
@@ -189,7 +207,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
             raise UsageError(f"--components {spec.components}: the attribution prior, which "
                              "names the neurons the masks search, cannot run here ("
                              f"{measure.no_prior_reason()})")
-        estimates = attribution_prior(folder, measure, method, kinds) if method else None
+        estimates = (attribution_prior(folder, measure, method, kinds, sharing) if method
+                     else None)
         # --masks and --confirm left out of a new run: the default budget's split for the
         # prior it has (budget.default_split).
         spec = run.spec = spec.budgeted(method)
@@ -216,7 +235,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                                      lambda partial: _save_array(partial, design))
             run.save(folder, measure)
 
-        locate_loop(measure, folder, columns, setup.task_names, spec, priors=run.priors,
+        locate_loop(measure, store, columns, setup.task_names, spec, priors=run.priors,
                     never=setup.never_ablate, exclude=setup.exclude,
                     heads_per_layer=run.heads_per_layer, state=run, checkpoint=checkpoint,
                     allowance=allowance)

@@ -15,7 +15,7 @@ from lm_eval_headloc.common import timing
 from lm_eval_headloc.common.checks import UsageError, as_python, check_number
 from lm_eval_headloc.common.words import signed
 from lm_eval_headloc.measurement.noise import paired_se
-from lm_eval_headloc.measurement.store import PlanEntry, run_plan
+from lm_eval_headloc.measurement.store import PlanEntry, SharingStore, run_plan
 from lm_eval_headloc.method.group_tests import CONFIDENCE, Z
 from lm_eval_headloc.method.lasso import harm
 from lm_eval_headloc.method.ranking import relative_drop
@@ -76,20 +76,22 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
         if force or not all(fits_from_disk(folder.path / name, cell, setup)
                             for name, cell in cells.items()):
             measuring()
-        baseline = run_plan(folder, measuring([("baseline", [])]), [("baseline", [])],
+        # What the sweep and each cell measure is shared by the cells after them (the same
+        # model and examples): a knockout (the prior) made once, kept in each folder that
+        # needs it as a copy naming where it was made.
+        shared = SharingStore(folder)
+        baseline = run_plan(shared, measuring([("baseline", [])]), [("baseline", [])],
                             desc="baseline", progress=spec.progress)["baseline"]
         higher = bool(baseline["higher_is_better"][task])
         results, examples = [], []
         for name, cell in cells.items():
             with timing.run_clock():  # the cell's own timings; the sweep's add them up
-                # Its baseline is the sweep's (the same model and examples, nothing
-                # knocked out), copied into its folder rather than measured again.
                 rankings = locate(folder.path / name, cell, force=force, setup=setup,
-                                  measure=measuring.measure, baseline=baseline)
+                                  measure=measuring.measure, shared=shared)
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
             plan: list[PlanEntry] = [(key, rankings[task].top_knocked_out(spec.top_k))]
-            check = run_plan(folder, measuring(plan), plan, desc=f"check {name}",
+            check = run_plan(shared, measuring(plan), plan, desc=f"check {name}",
                              progress=False)[key]
             score = check["scores"][task]
             examples.append(check.get("examples", {}).get(task))

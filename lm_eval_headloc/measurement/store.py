@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import os
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
 
 __all__ = ["MeasurementStore", "MemoryStore", "PlanEntry", "RecallingStore", "ReplayStore",
-           "StoreError", "is_measurement", "keep_copy", "phase_bar", "run_plan",
+           "SharingStore", "StoreError", "is_measurement", "phase_bar", "run_plan",
            "unusable_score"]
 
 
@@ -138,6 +139,80 @@ class ReplayStore:
         return self._given.get(key)
 
 
+#: What a record measured: its mask and scale (None: the measurement's own).
+Knockout = tuple[str, float | None]
+
+
+class SharingStore:
+    """A ``MeasurementStore`` (``store``) among others measured by one measurement (the
+    same model, examples and settings: a sweep's folder and its cells' folders, each a run
+    folder of its own), which shares with them what each made: ``run_plan`` takes a
+    knockout another store made rather than measuring it again (a measurement is
+    deterministic), kept here as a copy whose ``same_as`` names where it was made,
+    relative to this store's folder (``../m100-p0.01/mask-0003``, ``../baseline``), as a
+    twin's names its first. Files computed from the measurement alone (a cell's
+    prior.json) are shared likewise (``made_file``, ``wrote_file``). ``top``: the store
+    whose folder the others' are under (the sweep's), None for that store itself; each
+    store is opened once its folder is known to hold this run's (``start_run``): what it
+    holds then is shared from there on."""
+
+    def __init__(self, store: MeasurementStore, top: SharingStore | None = None) -> None:
+        self.store = store
+        self._top: str = str(store.path) if top is None else top._top
+        # By knockout (or file), where it was first made, relative to the top folder, and
+        # the record (file) as made there.
+        self._made: dict[Knockout, tuple[str, dict[str, Any]]] = (
+            {} if top is None else top._made)
+        self._files: dict[tuple[str, Hashable], tuple[str, dict[str, Any]]] = (
+            {} if top is None else top._files)
+        self._folder = os.path.relpath(store.path, self._top)
+        for record in store.measurements():
+            self._share(record)
+
+    @property
+    def path(self) -> str | Path:
+        return self.store.path
+
+    def measurements(self) -> list[dict[str, Any]]:
+        return self.store.measurements()
+
+    def append_measurement(self, record: Mapping[str, Any]) -> None:
+        self.store.append_measurement(record)
+        self._share(record)
+
+    def made_elsewhere(self, knockout: Knockout) -> dict[str, Any] | None:
+        """The record another store made of ``knockout``, as this one keeps a copy of it
+        (``same_as`` naming it); None where none has."""
+        if knockout not in self._made:
+            return None
+        where, record = self._made[knockout]
+        return {**record, "same_as": self._relative(where)}
+
+    def made_file(self, name: str, made: Hashable) -> dict[str, Any] | None:
+        """The JSON file ``name`` another store's folder holds of the computation ``made``
+        (the prior's method and kinds), ``same_as`` naming it; None where none does."""
+        if (name, made) not in self._files:
+            return None
+        where, data = self._files[(name, made)]
+        return {**data, "same_as": self._relative(where)}
+
+    def wrote_file(self, name: str, made: Hashable, data: Mapping[str, Any]) -> None:
+        """This store's folder holds ``data`` as its file ``name``, of ``made``."""
+        where = data.get("same_as", name)
+        self._files.setdefault((name, made), (self._at_top(where), dict(data)))
+
+    def _share(self, record: Mapping[str, Any]) -> None:
+        # A copy is shared as the record it copies: same_as names where it was made.
+        where = self._at_top(record.get("same_as", record["key"]))
+        self._made.setdefault((record["mask"], record.get("scale")), (where, dict(record)))
+
+    def _at_top(self, where: str) -> str:
+        return os.path.normpath(os.path.join(self._folder, where))
+
+    def _relative(self, where: str) -> str:
+        return Path(os.path.relpath(where, self._folder)).as_posix()
+
+
 def _scale_words(scale: float | None) -> str:
     return "the run's scale" if scale is None else f"scale {scale:g}"
 
@@ -190,8 +265,10 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     measurement whose score is no finite number is refused (``MetricError``) before it is
     kept, as a stored one is skipped (``unusable_score``). A store that can ``recall`` a
     measurement it holds (``ReplayStore``) gives it when the plan asks: it is not
-    measured. A run folder's config.json is not touched: a distributed measurement's
-    workers go into the command's record with its next phase (``RunRecord.save``).
+    measured; nor is a knockout another store of a ``SharingStore``'s measurement made (a
+    sweep's cell takes its sweep's and earlier cells' records, as copies). A run folder's
+    config.json is not touched: a distributed measurement's workers go into the command's
+    record with its next phase (``RunRecord.save``).
     ``bar``: the phase's (``phase_bar``), advanced by each knockout this call measures (not
     by the baseline, which a phase's plans carry for the records they return: the bar
     counts what its phase names, the masks or the components alone); None: a bar of this
@@ -223,15 +300,24 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
     # found, a head alone that a mask of one knocked out) is measured once: a measurement
     # is deterministic, so the second key's record is the first's, said by "same_as".
     # The first may be any record on disk, not only this plan's.
-    first_of: dict[tuple[str, float | None], str] = {}
+    # So is one another store of the same measurement made (``SharingStore``): its
+    # record is kept as a copy, "same_as" naming where it was made.
+    first_of: dict[Knockout, str] = {}
     for key, record in done.items():
         first_of.setdefault((record["mask"], record.get("scale")), key)
-    todo, waiting = [], []  # waiting: (twin's key, its first's key), in plan order
+    # waiting: (twin's key, its first's key or the record made elsewhere), in plan order
+    todo: list[tuple[str, list[Head], float | None]] = []
+    waiting: list[tuple[str, str | dict[str, Any]]] = []
     for key, heads, scale in entries:
         if key in done:
             continue
-        first = first_of.setdefault(_knockout_of(heads, scale), key)
-        if first == key:
+        knockout = _knockout_of(heads, scale)
+        made = (store.made_elsewhere(knockout)
+                if isinstance(store, SharingStore) and knockout not in first_of else None)
+        first = first_of.setdefault(knockout, key)
+        if made is not None:
+            waiting.append((key, made))
+        elif first == key:
             todo.append((key, heads, scale))
         else:
             waiting.append((key, first))
@@ -245,7 +331,8 @@ def run_plan(store: MeasurementStore, measure: Measurement | None, plan: Sequenc
                       default=len(entries))
         while waiting and (final or position[waiting[0][0]] < horizon):
             key, first = waiting.pop(0)
-            done[key] = _twin_record(store, key, done[first])
+            done[key] = _twin_record(store, key, done[first] if isinstance(first, str)
+                                     else first)
             advance(key)
 
     if todo and measure is None:
@@ -357,18 +444,9 @@ def _check_usable(store: MeasurementStore, record: Mapping[str, Any],
         f"measurement: {', or '.join(causes)}")
 
 
-def _knockout_of(heads: Sequence[Head], scale: float | None) -> tuple[str, float | None]:
+def _knockout_of(heads: Sequence[Head], scale: float | None) -> Knockout:
     """What a plan entry measures: its mask and scale (None: the measurement's own)."""
     return format_heads(heads), None if scale is None else float(scale)
-
-
-def keep_copy(store: MeasurementStore, record: Mapping[str, Any], same_as: str) -> None:
-    """Keep ``record``, another store's measurement of a knockout on the same model and
-    examples (a sweep's baseline, which its cells' folders need), in ``store`` as a copy
-    under its key, ``same_as`` naming where it was made: it is not measured again. A
-    store that holds that key already keeps its own."""
-    if all(r["key"] != record["key"] for r in store.measurements()):
-        _twin_record(store, record["key"], {**record, "same_as": same_as})
 
 
 def _twin_record(store: MeasurementStore, key: str, measured: Mapping[str, Any]
