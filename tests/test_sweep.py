@@ -390,7 +390,14 @@ def test_a_sweep_asks_the_model_each_knockout_once(tiny_model_dir, tmp_path, mon
     which depends on the model and examples alone. A cell takes a knockout (the prior)
     the sweep or an earlier cell made as a copy naming where it was made; its
     measurements and ranking are those of the cell run alone as a locate."""
+    from lm_eval_headloc.runs import types_file
+
     asked, priors = count_what_the_model_is_asked(monkeypatch)
+    typed: list[int] = []  # the head types computed (probe rows), a function of the same
+    head_types_of = types_file.head_types_of
+    monkeypatch.setattr(types_file, "head_types_of",
+                        lambda lm, texts, rows: typed.append(rows) or head_types_of(lm, texts,
+                                                                                    rows))
     args = [*tiny_args(tiny_model_dir("llama")), *SHARING]
     out = tmp_path / "sweep"
     assert harness("sweep", *args, "--masks", "3,6", "--sparsity", "0.25,0.5",
@@ -398,17 +405,21 @@ def test_a_sweep_asks_the_model_each_knockout_once(tiny_model_dir, tmp_path, mon
     twice = {mask: n for mask, n in Counter(asked).items() if n > 1}
     assert not twice, twice
     assert priors == ["heads"], priors  # the first cell's
+    assert len(typed) == 1, typed  # likewise the head types
     cell = out / "m6-p0.25"
     assert [r.get("same_as") for r in measurement_lines(cell)[:5]] == [
         "../baseline", "../m3-p0.25/mask-0000", "../m3-p0.25/mask-0001",
         "../m3-p0.25/mask-0002", None]
     assert strict_json(cell / "prior.json")["same_as"] == "../m3-p0.25/prior.json"
+    assert strict_json(cell / "types.json")["same_as"] == "../m3-p0.25/types.json"
     assert measurement_lines(out)[1]["same_as"] == "m3-p0.25/mask-0002"  # the first check
     alone = tmp_path / "alone"  # the cell run alone: its own masks, heads alone and prior
     assert harness("locate", *args, "--masks", "6", "--sparsity", "0.25", "--group-tests",
                    "0", "--out", str(alone)) == 0
     assert stripped_records(cell) == stripped_records(alone)
     assert strict_json(cell / "heads.json") == strict_json(alone / "heads.json")
+    assert ({**strict_json(cell / "types.json"), "same_as": None}
+            == {**strict_json(alone / "types.json"), "same_as": None})
     # A cell is a run folder of its own: one that lost its copies resumes there, and
     # refits, to the same ranking.
     heads = strict_json(cell / "heads.json")

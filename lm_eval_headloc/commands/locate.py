@@ -216,7 +216,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         spec.check_cap(allowance)
         run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
-            ensure_types(folder, measure, spec.probe_rows)
+            ensure_types(folder, measure, spec.probe_rows, sharing)
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns

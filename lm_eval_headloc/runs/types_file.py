@@ -14,6 +14,7 @@ from lm_eval_headloc.runs.folder_checks import RunFolderError
 
 if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
+    from lm_eval_headloc.measurement.store import SharingStore
 
 __all__ = ["TYPES_FILE", "ensure_types", "read_types"]
 
@@ -25,20 +26,30 @@ TYPES_FILE = "types.json"
 
 
 @timing.timed("head types")
-def ensure_types(folder: RunFolder, measure: Measurement, probe_rows: int = PROBE_ROWS
-                 ) -> HeadTypes | None:
+def ensure_types(folder: RunFolder, measure: Measurement, probe_rows: int = PROBE_ROWS,
+                 shared: SharingStore | None = None) -> HeadTypes | None:
     """The run's head types: ``types.json`` when a resumed run made it, else computed on
     the measurement's model and written. A model whose attention weights cannot be read
-    costs the run nothing: the reason is logged and the run goes on without types."""
+    costs the run nothing: the reason is logged and the run goes on without types.
+    ``shared``: a sweep's cell's store, whose sweep has an earlier cell's types of as many
+    probe rows (a function of the model, the examples and the probe alone): a copy of
+    that file, ``same_as`` naming it, rather than computed again."""
     stored = read_types(folder)
     if stored is not None:
+        if shared is not None:  # a resumed cell's own, shared with the cells after it
+            shared.wrote_file(TYPES_FILE, probe_rows, stored.data)
         return stored
+    if shared is not None and (copy := shared.made_file(TYPES_FILE, probe_rows)) is not None:
+        folder.write_json(TYPES_FILE, copy)
+        return HeadTypes(copy)
     try:
         data = head_types_of(measure.lm, run_texts(measure), probe_rows)
     except (RuntimeError, ValueError, TypeError, AttributeError, NotImplementedError) as err:
         log.warning("head types skipped: %s", err)
         return None
     folder.write_json(TYPES_FILE, data)
+    if shared is not None:
+        shared.wrote_file(TYPES_FILE, probe_rows, data)
     return HeadTypes(data)
 
 
