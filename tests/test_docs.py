@@ -242,6 +242,14 @@ def test_flags_that_keep_the_runs_value_say_so_not_the_fields_default() -> None:
     for dest in ("ablation_data", "ablation_field"):
         assert helps[dest].endswith("(default: the run's)"), helps[dest]
         assert helps[dest].count("default:") == 1
+    # Every refit option keeps the run's value; --masks' help said locate's default
+    # ("12 with an attribution prior, ..."), its nested parentheses not dropped.
+    refit = next(a for a in parser._subparsers._group_actions).choices["refit"]
+    options = [a for a in refit._actions if a.option_strings and a.dest != "help"]
+    assert "masks" in {a.dest for a in options}
+    for action in options:
+        assert action.help.endswith("(default: the run's)"), (action.dest, action.help)
+        assert action.help.count("default:") == 1, action.help
 
 
 def test_the_main_job_installs_no_test_extras_and_the_test_command_does() -> None:

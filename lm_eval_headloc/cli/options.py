@@ -41,7 +41,8 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
             ",".join(default) if isinstance(default, tuple) else default)
         text = meta["help"]
         if keep_stored:  # the field's own default is not what a stored run uses
-            text = re.sub(r" \(default: [^()]*\)", "", text)
+            # (one level of parentheses inside it: --masks' "(see --confirm)")
+            text = re.sub(r" \(default: (?:[^()]|\([^()]*\))*\)", "", text)
         say_default = shown is not None and shown != "" and "default:" not in text
         # argparse %-formats help texts.
         help_text = (text + (f" (default: {shown})" if say_default else "")).replace("%", "%%")
