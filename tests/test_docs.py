@@ -291,3 +291,16 @@ def test_run_folder_docs_certificate_is_the_committed_default_runs(committed_ben
             assert actual == pytest.approx(value, abs=5e-4), key
         else:
             assert actual == value, key
+
+
+def test_run_folder_docs_name_every_config_key() -> None:
+    """Every top-level key config.json is written with is named in run-folder.md's
+    config.json section (`masks_per_pass`, which --masks-per-pass's help says config.json
+    records, was not)."""
+    from lm_eval_headloc.runs.record import LocateRun, RunRecord
+
+    text = (ROOT / "docs" / "run-folder.md").read_text(encoding="utf-8")
+    section = text.split("\n## `config.json`\n", 1)[1].split("\n## ", 1)[0]
+    missing = [key for key in ("schema", *RunRecord.KEYS, *LocateRun.KEYS)
+               if f"`{key}`" not in section]
+    assert not missing, f"docs/run-folder.md's config.json section lacks {missing}"
