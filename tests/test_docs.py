@@ -196,6 +196,70 @@ def test_shown_commands_parse() -> None:
             pytest.fail(f"{path.relative_to(ROOT)}: `{line}` does not parse")
 
 
+_BENCH_COMMAND = re.compile(r"python benchmarks/(\w+)\.py((?:[ \t]+[^\s`\"'#)]+)*)")
+# A word that stands for a value the reader fills in (FROM, OUT_DIR, [NAME ...], <work>).
+_PLACEHOLDER = re.compile(r"^[A-Z_]{2,}$|^\[|[<>]")
+
+
+def shown_bench_commands() -> list[tuple[str, str, str]]:
+    """Every ``python benchmarks/NAME.py ARGS`` of the pages (code blocks and code spans)
+    and of the benchmarks' docstrings, continuation lines joined: (where, NAME, ARGS);
+    commands with a placeholder for the reader to fill in are left out."""
+    import ast
+
+    texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
+             for p in [*sorted(ROOT.glob("*.md")), *_markdown_files()[1:]]]
+    for path in sorted((ROOT / "benchmarks" / "headloc_bench").glob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        texts.append((str(path.relative_to(ROOT)), docstring or ""))
+    found = []
+    for where, text in texts:
+        for name, args in _BENCH_COMMAND.findall(re.sub(r"\\\n[ \t]*", " ", text)):
+            if not any(_PLACEHOLDER.search(word) for word in args.split()):
+                found.append((where, name, args.strip()))
+    return found
+
+
+def test_shown_benchmark_commands_parse(monkeypatch) -> None:
+    """A benchmark command a page or a benchmark's docstring shows is parsed by that
+    benchmark's own parser (compare_certified's docstring left out its required --out).
+    Parsing only: the parser's answer is caught before the benchmark does anything."""
+    import argparse
+    import contextlib
+    import io
+    import shlex
+
+    from helpers import bench_module
+
+    class Parsed(Exception):
+        pass
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    shown = shown_bench_commands()
+    assert len(shown) >= 30 and any(w.endswith(".py") for w, _, _ in shown)
+    failed = []
+    for where, name, args in shown:
+        main = bench_module(name).main
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                main(shlex.split(args))
+        except Parsed:
+            continue
+        except SystemExit as exit_:
+            if exit_.code == 0 and "--help" in args.split():
+                continue
+        failed.append(f"{where}: python benchmarks/{name}.py {args}: "
+                      f"{errors.getvalue().strip().splitlines()[-1:]}")
+    assert not failed, "\n".join(failed)
+
+
 # --- the README's first screen -----------------------------------------------------------
 
 def test_readme_first_screen_has_the_whole_first_use() -> None:

@@ -1,7 +1,8 @@
 """Certified default runs of today's code beside the committed ones, on the same examples.
 
     python benchmarks/compare_certified.py --tasks heldout_successor --out /tmp/variant
-    python benchmarks/compare_certified.py --tasks headloc_induction,headloc_ioi --seeds 3
+    python benchmarks/compare_certified.py --tasks headloc_induction,headloc_ioi --seeds 3 \
+        --out /tmp/variant
 
 A change to how the group tests choose their sets (``lm_eval_headloc.method.group_tests``)
 or to the defaults before them changes what a certified run measures; RECOVERY.md's
