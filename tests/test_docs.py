@@ -368,3 +368,16 @@ def test_run_folder_docs_name_every_config_key() -> None:
     missing = [key for key in ("schema", *RunRecord.KEYS, *LocateRun.KEYS)
                if f"`{key}`" not in section]
     assert not missing, f"docs/run-folder.md's config.json section lacks {missing}"
+
+
+def test_compare_certifieds_tasks_generate_nothing_as_its_docstring_says() -> None:
+    """compare_certified's docstring called headloc_arith a generating task: every task it
+    runs is scored by log-likelihood (a multiple choice included)."""
+    from helpers import bench_module
+
+    module = bench_module("compare_certified")
+    assert "none generates" in module.__doc__
+    for task in (*module.TASKS, *module.HELD_OUT):
+        config = (ROOT / "task_configs" / task / f"{task}.yaml").read_text(encoding="utf-8")
+        kind = re.search(r"^output_type: (\w+)$", config, re.M)
+        assert kind is not None and kind.group(1) in ("loglikelihood", "multiple_choice"), task

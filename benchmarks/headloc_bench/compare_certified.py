@@ -12,8 +12,8 @@ default run measured until certified (``bench_recovery.certified_runs``) into ``
 measurements beside the committed run's, with the medians. A set the committed certified
 runs (or the exhaustive folder, or an earlier run into ``--out``) measured is looked up,
 not measured again: a measurement is a function of its mask on the fixed examples, so only
-the sets today's code chooses anew cost model time (seconds each on a CPU for the
-log-likelihood tasks, more for a generating one such as headloc_arith). The attribution
+the sets today's code chooses anew cost model time (seconds each on a CPU: every task
+here is scored by log-likelihood, none generates). The attribution
 prior is the committed one, copied. Unchanged code reproduces the committed runs, every
 set looked up.
 
