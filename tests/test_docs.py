@@ -169,14 +169,28 @@ def test_github_slugs() -> None:
 
 def shown_commands(path: Path) -> list[str]:
     """Every ``headloc-harness …`` command line of a Markdown file's bash/sh code blocks,
-    continuation lines joined."""
+    continuation lines joined, and every one in a code span of its prose that has options
+    and no placeholder for the reader to fill in (``RUN``, ``TASK``, ``…``): a span of a
+    command's name alone names it."""
+    text = path.read_text(encoding="utf-8")
     commands = []
-    for block in re.findall(r"^ *```(?:bash|sh|shell)\n(.*?)^ *```", path.read_text(
-            encoding="utf-8"), re.M | re.S):
+    for block in re.findall(r"^ *```(?:bash|sh|shell)\n(.*?)^ *```", text, re.M | re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             if line.strip().startswith("headloc-harness "):
                 commands.append(line.strip())
+    for span in re.findall(r"(?<!`)`(headloc-harness [^`]+)`(?!`)", _FENCE.sub("", text)):
+        words = span.split()
+        if len(words) > 2 and not any(re.search(r"^[A-Z][A-Z_]*$|[<>\[…]", word)
+                                      for word in words):
+            commands.append(" ".join(words))
     return commands
+
+
+def _pages() -> list[Path]:
+    """Every Markdown page a reader copies commands from: the guide's, the top-level
+    results pages, docs/ and the benchmarks' and examples' READMEs."""
+    return [*sorted(ROOT.glob("*.md")), *_markdown_files()[1:],
+            ROOT / "examples" / "README.md"]
 
 
 def test_shown_commands_parse() -> None:
@@ -187,13 +201,15 @@ def test_shown_commands_parse() -> None:
     from lm_eval_headloc.cli.main import build_parser
 
     parser = build_parser()
-    shown = [(path, line) for path in _markdown_files() for line in shown_commands(path)]
-    assert len(shown) >= 10  # the README's and the docs' examples are found
+    shown = [(path, line) for path in _pages() for line in shown_commands(path)]
+    assert len(shown) >= 30  # the README's and the docs' examples are found
+    assert any(path.name == "RECOVERY.md" for path, _ in shown)  # code spans too
     for path, line in shown:
         try:
             parser.parse_args(shlex.split(line, comments=True)[1:])
-        except SystemExit:
-            pytest.fail(f"{path.relative_to(ROOT)}: `{line}` does not parse")
+        except SystemExit as exit_:
+            if exit_.code != 0:  # 0: --version, --help
+                pytest.fail(f"{path.relative_to(ROOT)}: `{line}` does not parse")
 
 
 _BENCH_COMMAND = re.compile(r"python benchmarks/(\w+)\.py((?:[ \t]+[^\s`\"'#)]+)*)")
