@@ -23,6 +23,13 @@ def _markdown_files() -> list[Path]:
             ROOT / "benchmarks" / "README.md"]
 
 
+def _pages() -> list[Path]:
+    """Every Markdown page a reader copies commands from: the guide's, the top-level
+    results pages, docs/ and the benchmarks' and examples' READMEs."""
+    return [*sorted(ROOT.glob("*.md")), *_markdown_files()[1:],
+            ROOT / "examples" / "README.md"]
+
+
 @pytest.fixture(scope="module")
 def gen_cli_docs() -> ModuleType:
     # scripts/ is not a package: load the generator from its file, as CI runs it.
@@ -133,7 +140,7 @@ def broken_links(path: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(path: Path) -> None:
     assert path.is_file()
     assert broken_links(path) == []
@@ -186,12 +193,6 @@ def shown_commands(path: Path) -> list[str]:
     return commands
 
 
-def _pages() -> list[Path]:
-    """Every Markdown page a reader copies commands from: the guide's, the top-level
-    results pages, docs/ and the benchmarks' and examples' READMEs."""
-    return [*sorted(ROOT.glob("*.md")), *_markdown_files()[1:],
-            ROOT / "examples" / "README.md"]
-
 
 def test_shown_commands_parse() -> None:
     """An example with an option the command does not have (renamed, removed) fails here,
@@ -224,7 +225,7 @@ def shown_bench_commands() -> list[tuple[str, str, str]]:
     import ast
 
     texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
-             for p in [*sorted(ROOT.glob("*.md")), *_markdown_files()[1:]]]
+             for p in _pages()]
     for path in sorted((ROOT / "benchmarks" / "headloc_bench").glob("*.py")):
         docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
         texts.append((str(path.relative_to(ROOT)), docstring or ""))
