@@ -398,3 +398,22 @@ def test_compare_certifieds_tasks_generate_nothing_as_its_docstring_says() -> No
         config = (ROOT / "task_configs" / task / f"{task}.yaml").read_text(encoding="utf-8")
         kind = re.search(r"^output_type: (\w+)$", config, re.M)
         assert kind is not None and kind.group(1) in ("loglikelihood", "multiple_choice"), task
+
+
+def test_run_folder_docs_name_every_option_a_resume_may_change() -> None:
+    """run-folder.md's list of the options a resumed locate, greedy or verify may change is
+    RunSpec's (``refittable``): it left out locate's --group-tests and --max-measurements,
+    which a rerun takes."""
+    from lm_eval_headloc.runs.option_values import flag_of
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    text = (ROOT / "docs" / "run-folder.md").read_text(encoding="utf-8")
+    sentence = " ".join(text.split("never matter; ", 1)[1].split(" (a larger number")[0]
+                        .split())
+    spans = {command: sentence.split(f"`{command}`", 1)[1] for command in
+             ("locate", "greedy", "verify")}
+    spans["locate"] = spans["locate"].split("`greedy`")[0]
+    spans["greedy"] = spans["greedy"].split("`verify`")[0]
+    for command, span in spans.items():
+        named = set(re.findall(r"`(--[a-z-]+)`", span))
+        assert named == {flag_of(name) for name in RunSpec().refittable(command)}, command
