@@ -417,3 +417,17 @@ def test_run_folder_docs_name_every_option_a_resume_may_change() -> None:
     for command, span in spans.items():
         named = set(re.findall(r"`(--[a-z-]+)`", span))
         assert named == {flag_of(name) for name in RunSpec().refittable(command)}, command
+
+
+def test_run_folder_docs_files_table_names_every_file_the_commands_write() -> None:
+    """run-folder.md's table of files names every entry of ``WRITTEN`` — what ``--force``
+    deletes as the commands' own: types.json, types.csv, lm_eval_files.json and timing.json
+    were missing, so a reader could not tell that --force deletes a file of that name."""
+    from lm_eval_headloc.runs.folder import WRITTEN
+
+    text = (ROOT / "docs" / "run-folder.md").read_text(encoding="utf-8")
+    table = text.split("\n## Files\n", 1)[1].strip().split("\n\n", 1)[0]
+    named = set(re.findall(r"`([^`]+)`", "\n".join(line.split(" | ")[0] for line in
+                                                   table.splitlines())))
+    shown = {name.replace("<task>", "*").rstrip("/") for name in named}
+    assert set(WRITTEN) <= shown, sorted(set(WRITTEN) - shown)
