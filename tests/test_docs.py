@@ -431,3 +431,25 @@ def test_run_folder_docs_files_table_names_every_file_the_commands_write() -> No
                                                    table.splitlines())))
     shown = {name.replace("<task>", "*").rstrip("/") for name in named}
     assert set(WRITTEN) <= shown, sorted(set(WRITTEN) - shown)
+
+
+def test_benchmarks_size_said_is_the_archives(committed_benchmarks) -> None:
+    """benchmarks/README.md and bench_store's docstring say how many files and megabytes the
+    archives unpack to (they said 2,000 files and 80 MB after the archives had grown to
+    2,270 and 92, and "under 7 MB" packed at 7.08): within a tenth of what they are."""
+    from helpers import bench_module
+
+    files = [p for p in committed_benchmarks.rglob("*") if p.is_file()]
+    megabytes = sum(p.stat().st_size for p in files) / 1e6
+    packed = sum(p.stat().st_size for p in (ROOT / "benchmarks").rglob("*.tar.xz")) / 1e6
+    for where, text in (("benchmarks/README.md",
+                         (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")),
+                        ("bench_store.py", bench_module("bench_store").__doc__)):
+        said = re.search(r"about ([\d,]+) files,? \(?(\d+) MB", text)
+        assert said is not None, where
+        count, size = int(said.group(1).replace(",", "")), int(said.group(2))
+        assert abs(count - len(files)) <= 0.1 * len(files), (where, count, len(files))
+        assert abs(size - megabytes) <= 0.1 * megabytes, (where, size, megabytes)
+        said = re.search(r"about (\d+) MB (?:packed|in all)", " ".join(text.split()))
+        assert said is not None, where
+        assert abs(int(said.group(1)) - packed) <= 0.1 * packed, (where, packed)

@@ -1,5 +1,5 @@
 """benchmarks/ keeps the committed run folders packed: a few xz-compressed tar archives
-instead of about 2,000 files (80 MB as files, under 7 MB packed). Scripts read and write
+instead of about 2,300 files (92 MB as files, about 7 MB packed). Scripts read and write
 the folders in an unpacked copy, ``bench-work/`` (ignored by git), never in the archives.
 
     python benchmarks/bench_store.py unpack       # bench-work/ up to date with benchmarks/
