@@ -453,3 +453,28 @@ def test_benchmarks_size_said_is_the_archives(committed_benchmarks) -> None:
         said = re.search(r"about (\d+) MB (?:packed|in all)", " ".join(text.split()))
         assert said is not None, where
         assert abs(int(said.group(1)) - packed) <= 0.1 * packed, (where, packed)
+
+
+def test_results_page_says_what_the_certified_simulation_shows() -> None:
+    """docs/results.md's summary of SIMULATION.md's `certified` section: its command is the
+    one the section records, and its counts of runs certified within the default cap are
+    the table's (it said 9 of 10 with the prior at 1,024 and 4,096 heads and none without
+    one, of an earlier render; the table says 10, 10, 9 and 9)."""
+    table = (ROOT / "SIMULATION.md").read_text(encoding="utf-8").split(
+        "<!-- certified: start -->", 1)[1]
+    command = re.search(r"by `(python benchmarks/simulate_certified\.py [^`]+)`", table)
+    text = " ".join((ROOT / "docs" / "results.md").read_text(encoding="utf-8").split())
+    assert command is not None and f"`{command.group(1)}`" in text
+
+    def within_cap(heads: str, prior: str) -> str:
+        row = re.search(rf"^\| {heads} \| {prior} \|(.*)$", table, re.M)
+        assert row is not None, (heads, prior)
+        return row.group(1).split("|")[4].strip().split("/")[0]  # certified ≤ N/2
+
+    said = re.search(r"With the prior, (\d+) of 10 runs at 1,024 and (\d+) of 10 at 4,096 "
+                     r"heads certify within the default cap, without one (\d+) of 10 and "
+                     r"(\d+) of 10", text)
+    assert said is not None
+    assert said.groups() == (within_cap("1,024", "atp-path"), within_cap("4,096", "atp-path"),
+                             within_cap("1,024", "none"), within_cap("4,096", "none"))
+    assert {within_cap("270", prior) for prior in ("atp-path", "none")} == {"0"}
