@@ -478,3 +478,29 @@ def test_results_page_says_what_the_certified_simulation_shows() -> None:
     assert said.groups() == (within_cap("1,024", "atp-path"), within_cap("4,096", "atp-path"),
                              within_cap("1,024", "none"), within_cap("4,096", "none"))
     assert {within_cap("270", prior) for prior in ("atp-path", "none")} == {"0"}
+
+
+def test_method_page_says_what_recoverys_certified_runs_spent() -> None:
+    """docs/method.md's account of where a certified run's measurements go is RECOVERY.md's
+    `heads alone / sets` column (it said 24-36 sets and one per 6.1 heads on the held-out
+    successor task, of an earlier render: the table says 38 sets there, one per 5.8)."""
+    recovery = (ROOT / "RECOVERY.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| (\w+)(?: \(held out\))? \| 5/5 \|.*?\| (\d+ / \d+) \|",
+                           recovery.split("## Certified by default", 1)[1], re.M))
+    assert len(rows) == 6
+    alone = {task: int(v.split(" / ")[0]) for task, v in rows.items()}
+    sets = {task: int(v.split(" / ")[1]) for task, v in rows.items()}
+    per_set = {task: (270 - alone[task]) / sets[task] for task in rows}
+    text = " ".join((ROOT / "docs" / "method.md").read_text(encoding="utf-8").split())
+    said = re.search(r"a median of (\d+)-(\d+) sets of two or more and (\d+)-(\d+) more heads "
+                     r"alone .*? \(([\d.]+) on the held-out successor task, ([\d.]+) on "
+                     r"kv_recall, ([\d.]+)-([\d.]+) on the other four\)", text)
+    assert said is not None
+    numbers = [float(value) for value in said.groups()]
+    assert numbers[:4] == [min(sets.values()), max(sets.values()),
+                           min(alone.values()) - 34, max(alone.values()) - 34]
+    others = [v for task, v in per_set.items()
+              if task not in ("heldout_successor", "heldout_kv_recall")]
+    assert numbers[4:] == pytest.approx([per_set["heldout_successor"],
+                                         per_set["heldout_kv_recall"], min(others),
+                                         max(others)], abs=0.06)
