@@ -534,3 +534,36 @@ def test_method_page_says_what_bench_generation_measured_on_the_cpu() -> None:
     low, high, less_low, less_high = map(float, said.groups())
     assert (low, high) == (round(min(automatic), 1), round(max(automatic), 1))
     assert (less_low, less_high) == (round(100 * min(less)), round(100 * max(less)))
+
+
+def test_package_docstring_examples_import_what_they_use() -> None:
+    """A ``::`` example in the package's docstrings that imports is copied whole: every name
+    it uses is imported or assigned in it (the commands package's used read_rankings
+    without importing it: a NameError on its last line)."""
+    import ast
+    import builtins
+    import textwrap
+
+    problems = []
+    for path in sorted((ROOT / "lm_eval_headloc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node) or ""
+            for block in re.findall(r"::\n\n((?:(?: {4}.*)?\n)+)", doc + "\n"):
+                code = textwrap.dedent(block)
+                if not re.search(r"^(?:from|import) ", code, re.M):
+                    continue  # a fragment, not an example to run
+                tree = ast.parse(code)
+                known = set(dir(builtins))
+                for item in ast.walk(tree):
+                    if isinstance(item, (ast.Import, ast.ImportFrom)):
+                        known |= {a.asname or a.name.split(".")[0] for a in item.names}
+                    elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store):
+                        known.add(item.id)
+                used = {item.id for item in ast.walk(tree)
+                        if isinstance(item, ast.Name) and isinstance(item.ctx, ast.Load)}
+                if used - known:
+                    problems.append(f"{path.relative_to(ROOT)}: {sorted(used - known)}")
+    assert not problems, problems

@@ -3,7 +3,7 @@
 Each subcommand takes a ``RunSpec`` (or the same options as keyword arguments), checks
 everything it can before any weights load, and writes a run folder it can resume::
 
-    from lm_eval_headloc import RunSpec, locate, verify, write_mib
+    from lm_eval_headloc import RunSpec, locate, read_rankings, verify, write_mib
     rankings = locate("runs/smol", tasks=["headloc_induction"], masks=100)
     table = verify("runs/smol", top_k=5)
     write_mib("runs/smol", "smol_mib.json")  # the ranking as a MIB circuit graph
