@@ -567,3 +567,28 @@ def test_package_docstring_examples_import_what_they_use() -> None:
                 if used - known:
                     problems.append(f"{path.relative_to(ROOT)}: {sorted(used - known)}")
     assert not problems, problems
+
+
+def test_run_folder_docs_example_is_the_committed_default_run(committed_benchmarks) -> None:
+    """The rest of docs/run-folder.md's example heads.json of "the default run" is that
+    run's too (its largest_single_help was L7H3 +0.02; the run's is L11H3 +0.12): the
+    scalars it shows, and the first names of the lists it abridges."""
+    text = (ROOT / "docs" / "run-folder.md").read_text()
+    example = text[text.index("```jsonc\n{"):text.index('  "certificate": {')]
+    example += text[text.index('"prior_top_k"'):text.index('  "bootstrap": {')]
+    run = committed_benchmarks / "recovery-runs" / "headloc_induction" / "certified" / "seed0"
+    heads = json.loads((run / "heads.json").read_text())
+    checked = 0
+    for key, value in re.findall(r'^ *"(\w+)": (.+?),? *(?://.*)?$', example, re.M):
+        if key not in heads or key in ("never_knocked_out", "prior_found_nothing"):
+            continue  # only when given / only where the prior found nothing
+        shown = json.loads(value.replace('"..."', "").replace(", ]", "]").rstrip(","))
+        actual = heads[key]
+        if isinstance(shown, list) and isinstance(actual, list):
+            actual = actual[:len(shown)]
+        if isinstance(shown, float):
+            assert actual == pytest.approx(shown, abs=0.1), key
+        else:
+            assert actual == shown, key
+        checked += 1
+    assert checked >= 12
