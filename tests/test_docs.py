@@ -592,3 +592,12 @@ def test_run_folder_docs_example_is_the_committed_default_run(committed_benchmar
             assert actual == shown, key
         checked += 1
     assert checked >= 12
+    # Its ranked entries: the first, measured alone, and an estimate (it showed rank 41 as
+    # L12H0, -0.0088, a head the run ranks 116th at 0.0).
+    entries = re.findall(r'\{"rank": (\d+), "head": "(\w+)".*?"effect": (-?[\d.]+)',
+                         text[text.index('  "heads": ['):], re.S)
+    assert len(entries) == 2
+    by_rank = {entry["rank"]: entry for entry in heads["heads"]}
+    for rank, head, effect in entries:
+        assert by_rank[int(rank)]["head"] == head
+        assert by_rank[int(rank)]["effect"] == pytest.approx(float(effect), abs=5e-4)
