@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import harness, read_run, shown_bars, strict_json, tiny_args
+from helpers import harness, measurement_lines, read_run, shown_bars, strict_json, tiny_args
 
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.budget import (
@@ -968,9 +968,13 @@ def test_a_small_model_run_given_a_prior_counts_it_in_its_spent_line(tiny_model_
 
 
 @pytest.mark.parametrize("options, least", [
-    ([], 54),  # the default budget: 8 + 12 + 34 with atp-path, 27 + 27 without a prior
-    (["--prior", "atp"], 50),  # 4 + 12 + 34
+    # The default budget's split, its --confirm at most the model's LAYERS x HEADS = 8
+    # heads (it measures no more alone; 34 was counted): 8 + 12 + 8 with atp-path, the
+    # smaller of that and 27 + 8 without a prior.
+    ([], 28),
+    (["--prior", "atp"], 24),  # 4 + 12 + 8
     (["--masks", "6", "--confirm", "4"], 10),  # auto may compute no prior: 6 + 4 at least
+    (["--masks", "6", "--prior", "none"], 14),  # 6 + the default 27's 8
 ])
 def test_a_cap_below_the_default_split_is_refused_before_the_model_loads(
         tiny_model_dir, tmp_path, capsys, no_model_loading, options, least):
@@ -985,3 +989,17 @@ def test_a_cap_below_the_default_split_is_refused_before_the_model_loads(
                    str(tmp_path / "low")) == 2
     assert_names(last_error(capsys), f"--max-measurements {least - 1}",
                  f"give at least {least}")
+
+
+def test_a_cap_that_holds_the_heads_a_small_model_has_runs(tiny_model_dir, tmp_path):
+    """--masks 6 --max-measurements 14 on LAYERS x HEADS = 8 heads: the default
+    --confirm 27 (no prior) measures the 8 heads alone, 6 + 8 = 14 in all. The cap was
+    refused as below "6 masks and 27 heads measured alone" (33), which the run never
+    measures."""
+    out = tmp_path / "capped"
+    assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--signal", "logprob", "--prior", "none", "--masks", "6",
+                   "--max-measurements", "14", "--out", str(out)) == 0
+    certificate = strict_json(out / "heads.json")["certificate"]
+    assert certificate["measurements_spent"] == 6 + 8
+    assert sum(r["key"].startswith("alone-") for r in measurement_lines(out)) == 8

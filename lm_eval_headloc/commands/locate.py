@@ -174,7 +174,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
     with RunFolder(out) as folder:
         stored, spec, all_alone = _resumed(folder, spec, setup, force)
         if not all_alone:
-            _check_cap_before_load(spec)
+            _check_cap_before_load(spec, setup)
         done = None if force or measure is not None else _finished(stored, folder, spec)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
@@ -213,7 +213,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         # prior it has (budget.default_split).
         spec = run.spec = spec.budgeted(method)
         allowance = PRIOR_ALLOWANCE[method] if method else 0
-        spec.check_cap(allowance)
+        spec.check_cap(allowance, alone_at_most=_alone_at_most(spec, setup))
         run.settings = spec.settings("locate")
         if "heads" in kinds:  # what kind of head each is: the ranking files carry it
             ensure_types(folder, measure, spec.probe_rows, sharing)
@@ -276,7 +276,7 @@ def _resumed(folder: RunFolder, spec: RunSpec, setup: Setup, force: bool = False
     return stored, planned if all_alone else spec, all_alone
 
 
-def _check_cap_before_load(spec: RunSpec) -> None:
+def _check_cap_before_load(spec: RunSpec, setup: Setup) -> None:
     """A --max-measurements below the run's fixed part, refused before the model loads:
     --prior auto decides its prior once the model has loaded (``prior_method``), but it
     only picks between the default budget's splits, so the cap fails either way or not."""
@@ -285,13 +285,21 @@ def _check_cap_before_load(spec: RunSpec) -> None:
     refusal = None
     for method in methods:
         try:
-            spec.budgeted(method).check_cap(PRIOR_ALLOWANCE[method] if method else 0)
+            spec.budgeted(method).check_cap(PRIOR_ALLOWANCE[method] if method else 0,
+                                            alone_at_most=_alone_at_most(spec, setup))
         except UsageError as err:
             refusal = refusal or err
         else:
             return
     assert refusal is not None
     raise refusal
+
+
+def _alone_at_most(spec: RunSpec, setup: Setup) -> int | None:
+    """The most components a run's confirmation can measure alone, where known before
+    the model loads: a heads run's ranked heads (the default --confirm 34 on a model of 8
+    heads measures 8). None for a run over neurons (its candidates come from its prior)."""
+    return setup.rankable_heads if spec.components == "heads" else None
 
 
 def fits_from_disk(out: str | Path, spec: RunSpec, setup: Setup) -> bool:
@@ -556,7 +564,7 @@ def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup:
         return None  # a replay would fit its first rounds for nothing
     method = stored.prior_kind
     allowance = PRIOR_ALLOWANCE[method] if method else 0
-    spec.check_cap(allowance)
+    spec.check_cap(allowance, alone_at_most=_alone_at_most(spec, setup))
     never, exclude = _never(spec, stored), _excluded(spec, stored)  # checked, as refit's
     store = ReplayStore(folder.path, stored.records)
     try:

@@ -434,13 +434,18 @@ class RunSpec:
         """``max_measurements`` as a number, for a run ranking ``columns`` components."""
         return measurement_cap(self.max_measurements, columns)
 
-    def check_cap(self, allowance: int, *, prior_known: bool = True) -> None:
+    def check_cap(self, allowance: int, *, prior_known: bool = True,
+                  alone_at_most: int | None = None) -> None:
         """Refuse a numeric ``max_measurements`` below the run's fixed part
-        (``budget.cap_refusal``; ``prior_known`` False: the prior not decided yet)."""
+        (``budget.cap_refusal``; ``prior_known`` False: the prior not decided yet).
+        ``alone_at_most``: the components the run can measure alone, where known (the
+        heads a heads run ranks): the confirmation measures no more than those."""
         if self.max_measurements in (None, "auto") or self.confirm is None:
             return
-        refusal = cap_refusal(int(self.max_measurements), self.masks, int(self.confirm),
-                              allowance, prior_known)
+        alone = int(self.confirm) if alone_at_most is None else min(int(self.confirm),
+                                                                     alone_at_most)
+        refusal = cap_refusal(int(self.max_measurements), self.masks, alone, allowance,
+                              prior_known)
         if refusal:
             raise UsageError(refusal)
 
