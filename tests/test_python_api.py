@@ -53,8 +53,8 @@ def test_progress_must_be_a_bool():
 
 def test_one_run_folder_given_alone_is_one_run_not_its_characters(tmp_path):
     run = tmp_path / "a"
-    # universal needs two; the count (not "would write into /") says what is wrong.
-    with raises_naming(UsageError, "universal", "2", "1"):
+    # The folder (not "would write into /") is what is wrong.
+    with raises_naming(RunFolderError, str(run)):
         universal(str(run), tmp_path / "u.json")
     with raises_naming(RunFolderError, str(run)):
         cross(str(run), tmp_path / "c")

@@ -53,6 +53,26 @@ def test_universal_heads_by_hand(tmp_path, capsys):
     assert_names(last_error(capsys), "'m'", "'another'")  # both models
 
 
+def test_one_run_of_several_tasks_is_enough(tmp_path, capsys):
+    """A run of several tasks (locate --tasks a,b) ranks each: its heads shared by both
+    are universal, as they are given two runs of one task each. One folder was refused
+    ("needs at least 2 run folders"), though its usage line takes one."""
+    run = write_heads(tmp_path / "both", "a", ["L0H1", "L2H0", "L1H1"])
+    write_heads(tmp_path / "b-alone", "b", ["L2H0", "L3H3", "L0H1"])
+    (run / "heads-b.json").write_text((tmp_path / "b-alone" / "heads-b.json").read_text())
+    config = strict_json(run / "config.json")
+    config["spec"]["tasks"] = config["identity"]["tasks"] = ["a", "b"]
+    (run / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "u.json"
+    assert harness("universal", str(run), "--top-k", "3", "--out", str(out)) == 0
+    # Both in the two tasks' top-3, L2H0 by ranks 2 + 1 before L0H1 by 1 + 3.
+    assert [h["head"] for h in strict_json(out)["heads"]] == ["L2H0", "L0H1"]
+    # One task alone has nothing to share: --min-tasks says so.
+    alone = tmp_path / "b-alone"
+    assert harness("universal", str(alone), "--out", str(tmp_path / "v.json")) == 2
+    assert_names(last_error(capsys), "--min-tasks 2", "only 1 distinct task")
+
+
 def test_universal_does_not_count_a_tie_broken_by_name(tmp_path, capsys):
     """Task a's 3rd and 4th (L3H3, L1H1) have the same evidence, so its top-3 holds one of
     them by file order only: L3H3 (2nd in b) is undecided, not universal; L1H1, in a's tie

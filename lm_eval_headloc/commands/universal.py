@@ -71,8 +71,8 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     runs = run_list(runs)
     top_k = RunSpec(top_k=top_k).validate().top_k  # --top-k's one check
     min_tasks = check_number(min_tasks, "--min-tasks", whole=True, min_val=1)
-    if len(runs) < 2:
-        raise UsageError(f"universal needs at least 2 run folders, got {len(runs)}")
+    if not runs:
+        raise UsageError("universal needs a run folder (one of several tasks, or several)")
     out = Path(out)
     _check_out(out, runs)
     rankings: dict[str, RankingFile] = {}
