@@ -506,6 +506,20 @@ def test_refuses_bad_outputs_and_unfinished_runs(tmp_path):
         export(tmp_path / "nowhere", tmp_path / "out.json")
 
 
+def test_options_of_the_wrong_kind_are_refused_not_taken_as_true(tmp_path):
+    """parallel_attn_mlp="no" exported a graph of parallel blocks (bool("no")); a
+    model_args that is not a string was an AttributeError."""
+    run = make_run(tmp_path / "run")
+    for options, named in (({"parallel_attn_mlp": "no"}, "parallel_attn_mlp='no'"),
+                           ({"parallel_attn_mlp": "no", "mib_model": "gpt2"},
+                            "parallel_attn_mlp='no'"),
+                           ({"d_model": None, "model_args": 5}, "model_args=5")):
+        with pytest.raises(ExportError) as err:
+            export(run, tmp_path / "out.json", **options)
+        assert_names(one_line_error(err), named)
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_refuses_rankings_that_do_not_fit_the_model():
     # Each names the value the ranking holds and, where there is one, what the model allows.
     cases = [

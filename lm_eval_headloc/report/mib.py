@@ -618,6 +618,13 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
 
     run_folder, out = Path(run_folder), Path(out)
     d_model = as_python(d_model)  # a notebook's np.int64 is a width too
+    if parallel_attn_mlp not in (None, True, False):
+        # mib_graph writes bool() of it: "no" would export a parallel model's graph.
+        raise ExportError(f"parallel_attn_mlp={parallel_attn_mlp!r}: must be True or False "
+                          "(or None: the run's model's)")
+    if model_args is not None and not isinstance(model_args, str):
+        raise ExportError(f"model_args={model_args!r}: must be a string, e.g. "
+                          "'pretrained=/models/x'")
     record = load_run(run_folder)
     if record.command not in _COMMANDS:
         hint = (" (a sweep: export one of its cell folders, m<M>-p<P>/)"
