@@ -211,6 +211,22 @@ def test_a_grid_value_no_cell_can_take_is_refused_before_the_load(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("grid, named", [
+    ({"masks": "100"}, "masks='100'"), ({"sparsity": "0.05"}, "sparsity='0.05'"),
+    ({"masks": None}, "masks=None")])
+def test_a_grid_given_from_python_as_text_is_refused_as_given(grid, named, tmp_path,
+                                                              no_model_loading):
+    """sweep(out, masks="100") was a grid of the characters "1", "0", "0", refused as
+    "--masks '1'"; masks=None was Python's "'NoneType' object is not iterable"."""
+    from lm_eval_headloc.commands.sweep import sweep
+    from lm_eval_headloc.common.checks import UsageError
+
+    with pytest.raises(UsageError) as error:
+        sweep(tmp_path / "sweep", tasks=("tiny_choice",), **grid)
+    assert_names(str(error.value), named)
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_verify_and_cross_of_a_sweeps_folder_name_its_cells(tiny_model_dir, tmp_path, capsys):
     """verify said a finished sweep 'has no heads-tiny_choice.json; finish the run first'."""
     out = tmp_path / "sweep"

@@ -5,7 +5,7 @@ out its top-k hurts the (first) task."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,12 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     model loads); its locate run goes to ``out/m{M}-p{P}``.
     """
     spec = command_spec("sweep", spec, options)
+    for name, value in (("masks", masks), ("sparsity", sparsity)):
+        value = as_python(value)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, Iterable)):
+            # Text would be a grid of its characters ("100": --masks '1' refused).
+            raise UsageError(f"{name}={value!r}: give a number or a list of numbers (the "
+                             "grid)")
     # One value is a grid of one (a notebook's sweep(out, masks=100)).
     # Python's numbers: numpy's (a notebook's np.arange) failed in config.json's writing.
     masks, sparsity = ([as_python(value)] if isinstance(value, numbers.Real) else
