@@ -46,6 +46,17 @@ def test_refit_refuses_what_its_command_line_does_not_change(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_force_must_be_a_bool_not_a_truthy_value(tiny_locate_run, no_model_loading):
+    """force="no" from Python is true: it cleared the run's measurements and started over
+    (here: loaded the model)."""
+    before = {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()}
+    spec = RunSpec.from_config(strict_json(tiny_locate_run / "config.json"))
+    with raises_naming(UsageError, "force='no'", "True or False"):
+        locate(tiny_locate_run, spec, force="no")
+    assert {p.name: p.read_bytes() for p in tiny_locate_run.iterdir() if p.is_file()
+            } == before
+
+
 def test_progress_must_be_a_bool():
     with raises_naming(UsageError, "progress='no'", "True or False"):
         RunSpec(progress="no").validate()

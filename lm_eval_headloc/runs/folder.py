@@ -35,6 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lm_eval_headloc.common.checks import UsageError
 from lm_eval_headloc.common.files import (
     PARTIAL,
     _finite_or_none,
@@ -410,6 +411,8 @@ class RunFolder:
         ``same``: for an identity key whose values may differ in form only (model args in
         another order), whether two are the same.
         """
+        if force not in (True, False):  # force="no" from Python is true: the run cleared
+            raise UsageError(f"force={force!r}: must be True or False")
         identity = json.loads(json.dumps(identity))  # as it will read back from disk
         self.refuse_inside(protect)
         ours = self._check_ownership()
