@@ -8,7 +8,15 @@ import re
 
 import pytest
 import torch
-from helpers import HIDDEN, TASKS, load_lm, raises_naming, strict_json
+from helpers import (
+    HIDDEN,
+    TASKS,
+    assert_names,
+    finished_run,
+    load_lm,
+    raises_naming,
+    strict_json,
+)
 
 from lm_eval_headloc.commands import cross, greedy, locate, sweep, types, universal
 from lm_eval_headloc.commands.verify import verify
@@ -69,6 +77,36 @@ def test_one_run_folder_given_alone_is_one_run_not_its_characters(tmp_path):
         universal(str(run), tmp_path / "u.json")
     with raises_naming(RunFolderError, str(run)):
         cross(str(run), tmp_path / "c")
+
+
+def test_a_path_argument_that_is_no_path_is_named(tmp_path):
+    """overlap(None, run), universal(None), verify(run, 5), write_mib(None, out) and
+    read_mib(None) were pathlib's "expected str, bytes or os.PathLike object, not
+    NoneType", naming neither the argument nor the value."""
+    from lm_eval_headloc.commands import overlap
+    from lm_eval_headloc.common.errors import UserError
+    from lm_eval_headloc.report.mib import write_mib
+    from lm_eval_headloc.report.mib_format import read_mib
+
+    run, other = (finished_run(tmp_path / name, tmp_path / "model", "tiny_copy", ("L0H1",))
+                  for name in ("a", "b"))
+    cases = [
+        (lambda: overlap(None, run), "run folder", "None"),
+        (lambda: overlap(run, other, out=5), "--out", "5"),
+        (lambda: universal(None, tmp_path / "u.json"), "run folders", "None"),
+        (lambda: universal([run, None], tmp_path / "u.json"), "run folder", "None"),
+        (lambda: universal([run, other], None), "--out", "None"),
+        (lambda: cross(None, tmp_path / "c"), "run folders", "None"),
+        (lambda: verify(run, 5), "--out", "5"),
+        (lambda: write_mib(None, tmp_path / "m.json"), "run folder", "None"),
+        (lambda: write_mib(run, None), "--out", "None"),
+        (lambda: read_mib(None), "MIB file", "None"),
+    ]
+    for call, *named in cases:
+        with pytest.raises(UserError) as info:
+            call()
+        assert_names(str(info.value), *named)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
 def test_sweep_takes_one_value_as_a_grid_of_one(tiny_model_dir, tmp_path, monkeypatch,

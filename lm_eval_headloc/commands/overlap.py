@@ -53,7 +53,7 @@ from lm_eval_headloc.intervention.components import (
 )
 from lm_eval_headloc.intervention.model_args import same_model
 from lm_eval_headloc.report.pages import beyond_spread
-from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into
+from lm_eval_headloc.runs.folder import RunFolder, checked_path, refuse_writing_into
 from lm_eval_headloc.runs.record import (
     RunRecord,
     load_run,
@@ -355,7 +355,7 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
     """
     if top_k is not None:
         top_k = check_number(top_k, "--top-k", whole=True, min_val=1)
-    paths = [Path(run_a).resolve(), Path(run_b).resolve()]
+    paths = [RunFolder(run_a).path.resolve(), RunFolder(run_b).path.resolve()]
     if paths[0] == paths[1]:
         raise UsageError(f"RUN_A and RUN_B are the same folder ({paths[0]}); overlap "
                          "compares two runs")
@@ -378,7 +378,7 @@ def overlap(run_a: str | Path, run_b: str | Path, top_k: int | None = None,
         raise UsageError(f"the runs rank no task in common ({run_a}: "
                          f"{', '.join(rankings[0])}; {run_b}: {', '.join(rankings[1])})")
     if out is not None:
-        out = Path(out)
+        out = checked_path(out, "--out", "overlap.json")
         _check_out(out, paths)
     k_a, k_b = (top_k or record.spec.top_k for record in records)
     # What the runs differ in: what they measured (identity), and what ranked it (the

@@ -26,7 +26,12 @@ from lm_eval_headloc.commands.overlap import RankingFile, candidate_neurons, nev
 from lm_eval_headloc.common.checks import UsageError, check_number
 from lm_eval_headloc.common.files import not_a_file, strict_json, write_atomically
 from lm_eval_headloc.intervention.model_args import same_model
-from lm_eval_headloc.runs.folder import RunFolder, refuse_writing_into, run_list
+from lm_eval_headloc.runs.folder import (
+    RunFolder,
+    checked_path,
+    refuse_writing_into,
+    run_list,
+)
 from lm_eval_headloc.runs.record import RunRecord, load_run, ranking_files
 from lm_eval_headloc.runs.spec import RunSpec
 
@@ -73,7 +78,7 @@ def universal(runs: Sequence[str | Path], out: str | Path, top_k: int = 5,
     min_tasks = check_number(min_tasks, "--min-tasks", whole=True, min_val=1)
     if not runs:
         raise UsageError("universal needs a run folder (one of several tasks, or several)")
-    out = Path(out)
+    out = checked_path(out, "--out", "universal.json")
     _check_out(out, runs)
     rankings: dict[str, RankingFile] = {}
     task_of: dict[str, str] = {}  # ranking label -> its task

@@ -38,6 +38,7 @@ from lm_eval_headloc.measurement.store import PlanEntry
 from lm_eval_headloc.method.ranking import relative_drop
 from lm_eval_headloc.runs.folder import (
     RunFolder,
+    checked_path,
     refuse_output_path_into,
     refuse_recorded_code,
 )
@@ -367,7 +368,8 @@ def verify(run: str | Path, out: str | Path | None = None, spec: RunSpec | None 
     own = command_spec("verify", spec, options, (*ABLATION_FLAGS, "model_args", "gen_kwargs"))
     source = RunFolder(run)
     stored = load_run(source)
-    out = Path(out) if out is not None else Path(run) / "verify"
+    out = (checked_path(out, "--out", "runs/x-verify") if out is not None
+           else source.path / "verify")
     RunFolder(out).refuse_inside([run])  # before anything slow: a plain mistake
     # Verification reports the tasks' own metrics, whatever signal the run ranked by, on
     # whole tasks or --limit's first documents: never the run's --examples-part (which

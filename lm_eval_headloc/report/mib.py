@@ -609,14 +609,15 @@ def write_mib(run_folder: str | Path, out: str | Path, task: str | None = None, 
     else is a one-line ``ExportError`` (a ``UserError``).
     """
     from lm_eval_headloc.measurement.metrics import parse_task_metric
-    from lm_eval_headloc.runs.folder import RunFolder, enclosing_run
+    from lm_eval_headloc.runs.folder import RunFolder, checked_path, enclosing_run
     from lm_eval_headloc.runs.folder_checks import RunFolderError
     from lm_eval_headloc.runs.record import (  # torch and sklearn: only imported when needed
         load_run,
         read_ranking_file,
     )
 
-    run_folder, out = Path(run_folder), Path(out)
+    run_folder, out = (checked_path(run_folder, "the run folder", "runs/x", ExportError),
+                       checked_path(out, "--out", "mib/importances.json", ExportError))
     d_model = as_python(d_model)  # a notebook's np.int64 is a width too
     if parallel_attn_mlp not in (None, True, False):
         # mib_graph writes bool() of it: "no" would export a parallel model's graph.

@@ -4,6 +4,7 @@ would accept, without MIB installed."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -179,6 +180,8 @@ def read_mib(path: str | Path, *, complete: bool = True, node_scores: bool = Tru
              ) -> dict[str, Any]:
     """A MIB importance file (``.json``), checked by ``check_mib``; errors name the
     file."""
+    if not isinstance(path, (str, os.PathLike)):  # pathlib's TypeError names no argument
+        raise MibFormatError(f"a MIB file is a path (e.g. 'importances.json'), not {path!r}")
     path = Path(path)
     if path.suffix != ".json":
         raise MibFormatError(f"{path}: MIB reads a graph from a .json (or .pt) file by its "

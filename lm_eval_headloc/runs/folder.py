@@ -272,10 +272,27 @@ def enclosing_run(path: str | Path) -> Path | None:
     return None
 
 
+def checked_path(value: object, what: str, example: str,
+                 error: type[Exception] = RunFolderError) -> Path:
+    """``value`` (an argument ``what`` names) as a Path; one line (``error``) naming it
+    where it is no path (pathlib's TypeError, "expected str, bytes or os.PathLike object",
+    names neither the argument nor the value)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise error(f"{what} is a path (e.g. {example!r}), not {value!r}")
+    return Path(value)
+
+
 def run_list(runs: str | Path | Iterable[str | Path]) -> list[str | Path]:
     """The run folders a command reads: a list of them; one folder given alone (a string
-    is not a list of folders, one a character)."""
-    return [runs] if isinstance(runs, (str, Path)) else list(runs)
+    is not a list of folders, one a character). Each is checked to be a path."""
+    if isinstance(runs, (str, os.PathLike)):
+        runs = [runs]
+    elif not isinstance(runs, Iterable):
+        raise RunFolderError(f"the run folders are a path or a list of paths, not {runs!r}")
+    listed = list(runs)
+    for run in listed:
+        checked_path(run, "a run folder", "runs/x")
+    return listed
 
 
 def refuse_output_path_into(output_path: str | Path | None, runs: Iterable[str | Path],
@@ -308,9 +325,7 @@ class RunFolder:
     LOCK = ".lock"
 
     def __init__(self, path: str | Path) -> None:
-        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
-            raise RunFolderError(f"a run folder is a path (e.g. 'runs/x'), not {path!r}")
-        self.path = Path(path)
+        self.path = checked_path(path, "a run folder", "runs/x")
         self._lock_fd: int | None = None
         self._on_interrupt: list[Callable[[], object]] = []  # ``on_interrupt``'s
 
