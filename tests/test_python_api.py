@@ -198,6 +198,9 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     assert [str(h) for h in ranking.top(2)] == ["L0H0", "L1H0"]
     with pytest.raises(ValueError, match="k=-1"):
         ranking.top(-1)  # was every head but the last
+    with pytest.raises(ValueError, match="k=-1"):
+        ranking.top_knocked_out(-1)  # was every head but the last, too
+    assert ranking.top_knocked_out(np.int64(2)) == ranking.top(2)
     columns = Columns.heads(2, 2)
     with raises_naming(ValueError, "(4)", "(3,)"):
         columns.knocked_out(np.array([True, False, True]))

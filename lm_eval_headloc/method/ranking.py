@@ -210,6 +210,7 @@ class Ranking:
 
     def top_knocked_out(self, k: int) -> list[Component]:
         """What knocking out the top ``k`` columns knocks out (a group: its neurons)."""
+        k = check_number(k, "k", whole=True, min_val=0)  # as top's: -1 was all but the last
         return [c for i in self.order[:k] for c in self.columns.members(i)]
 
     def effect(self, head: Component) -> float:
