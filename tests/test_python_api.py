@@ -220,6 +220,25 @@ def test_components_to_keep_out_may_be_a_list():
     assert spec == RunSpec(exclude="L0H1+L1H2", never_ablate="L3N5")  # the same run
 
 
+def test_paths_may_be_path_objects():
+    """verify(run, output_path=Path(...)) failed writing config.json ("Object of type
+    PosixPath is not JSON serializable", an empty --out left behind); include_path=Path(...)
+    was refused as no list of names; output_path=5 was pathlib's TypeError."""
+    import json
+    from pathlib import Path
+
+    given = RunSpec(output_path=Path("lm"), include_path=Path("tasks"),
+                    ablation_data=Path("texts.txt"), ablation="mean")
+    spec = given.validate()
+    assert spec == RunSpec(output_path="lm", include_path=("tasks",),
+                           ablation_data="texts.txt", ablation="mean")
+    assert RunSpec(include_path=[Path("a"), "b"]).include_path == ("a", "b")
+    json.dumps(spec.as_config())
+    json.dumps(spec.identity("verify"))
+    with raises_naming(UsageError, "--output-path 5"):
+        RunSpec(output_path=5).validate()
+
+
 def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
     from torch import nn
 

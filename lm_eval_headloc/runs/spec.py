@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -335,13 +336,19 @@ class RunSpec:
         # is a comma-separated list (one folder for include_path).
         for name in ("tasks", "include_path", "general"):
             value = getattr(self, name)
-            if isinstance(value, str):
-                value = (value,) if name == "include_path" else comma_list(value)
+            if name == "include_path" and isinstance(value, (str, os.PathLike)):
+                value = (value,)  # one folder
+            elif isinstance(value, str):
+                value = comma_list(value)
             elif value is not None and not isinstance(value, Iterable):  # tasks=5
                 raise UsageError(f"{flag_of(name)} {value!r}: give names, comma-separated "
                                  "or as a list")
             if value is not None:
-                object.__setattr__(self, name, tuple(value))
+                object.__setattr__(self, name, tuple(_text_of(v) for v in value))
+        # A notebook's Path objects as the text the command line gives: config.json's
+        # writing failed on them ("Object of type PosixPath is not JSON serializable").
+        for name in ("output_path", "ablation_data"):
+            object.__setattr__(self, name, _text_of(getattr(self, name)))
         object.__setattr__(self, "gen_kwargs", canonical_gen_kwargs(self.gen_kwargs))
         # Components given as a list (a notebook's ["L0H1", Head(2, 3)]) are the names the
         # command line would give: one '+'-joined string, as config.json records it.
@@ -522,6 +529,8 @@ class RunSpec:
                              "(--prior auto, atp, atp-path or ig): the masks, too few for every "
                              "neuron, search the ones it names first")
         if self.output_path is not None:
+            if not isinstance(self.output_path, str):
+                raise UsageError(f"--output-path {self.output_path!r}: must be a path")
             where = Path(self.output_path)
             if not str(self.output_path).strip():
                 raise UsageError("--output-path '': give a folder for lm-eval's results files")
@@ -626,6 +635,11 @@ class RunSpec:
     def as_config(self) -> dict[str, Any]:
         """Every field, for config.json (``from_config`` reads it back)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+
+def _text_of(value: Any) -> Any:
+    """A path (``os.PathLike``) as its text; anything else as it is."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 def _jsonable(value: Any) -> Any:
