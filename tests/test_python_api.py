@@ -179,6 +179,30 @@ def test_a_removed_knockout_refuses_rather_than_knocking_out_nothing(tiny_model_
             pass
 
 
+def test_a_failed_knockout_leaves_the_callers_model_without_hooks(tiny_model_dir):
+    """A model passed in is the caller's: a bad head name (HFHeadAblateLM(pretrained=model))
+    or a bad mlp_out= (ComponentKnockout) raised with hooks left on every layer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lm_eval_headloc.intervention.components import ComponentSpecError
+    from lm_eval_headloc.intervention.discovery import MLPOutputNotFound
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    folder = tiny_model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def hooks() -> int:
+        return sum(len(module._forward_pre_hooks) for module in model.modules())
+
+    with raises_naming(ComponentSpecError, "L0H9"):
+        HFHeadAblateLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(folder),
+                       ablate="L0H9", device="cpu")
+    assert hooks() == 0
+    with raises_naming(MLPOutputNotFound, "nope.*"):
+        ComponentKnockout(model, mlp_out="nope.*")
+    assert hooks() == 0
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "x", True])
 def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
     with raises_naming(AblationError, f"scale={scale!r}"):

@@ -177,7 +177,11 @@ class ComponentKnockout:
         self._add_site("heads", dict(zip(self.layers_with_heads, modules, strict=True)),
                        self.heads_per_layer)
         if neurons or mlp_out:
-            self.enable_neurons()
+            try:
+                self.enable_neurons()
+            except BaseException:  # a bad mlp_out= leaves the caller's model unhooked
+                self.remove()
+                raise
 
     def _add_site(self, kind: str, modules: Mapping[int, nn.Module], units: int) -> None:
         every = [modules.get(layer) for layer in range(self.num_layers)]

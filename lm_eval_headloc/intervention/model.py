@@ -211,11 +211,18 @@ class HFHeadAblateLM(HFLM):
             "dtype": str(self.model.dtype), "attn_out": attn_out,
         }
         self._mlp_out = mlp_out
-        if texts is not None:
-            self.set_ablation(self.ablation, texts, ablation_cache, ablation_data,
-                              ablation_field)
         self._cache_db = None
-        self.set_heads(requested)
+        try:
+            if texts is not None:
+                self.set_ablation(self.ablation, texts, ablation_cache, ablation_data,
+                                  ablation_field)
+            self.set_heads(requested)
+        except BaseException:
+            # A model passed in (pretrained=<model>) is the caller's: a constructor that
+            # fails here (a head past the model, a reference set too small) leaves it
+            # without hooks.
+            self.knockout.remove()
+            raise
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str,
