@@ -242,6 +242,10 @@ def test_components_to_keep_out_may_be_a_list():
     assert (spec.exclude, spec.never_ablate) == ("L0H1+L1H2", "L3N5")
     assert RunSpec(exclude=[]).exclude is None
     assert spec == RunSpec(exclude="L0H1+L1H2", never_ablate="L3N5")  # the same run
+    # A (layer, head) pair, as parse_heads and set_heads take one, was the name "(0, 1)".
+    assert RunSpec(exclude=[(0, 1), "L1H*"]).exclude == "L0H1+L1H*"
+    with raises_naming(UsageError, "--never-ablate", "bad head 5"):
+        RunSpec(never_ablate=[5])
 
 
 def test_paths_may_be_path_objects():

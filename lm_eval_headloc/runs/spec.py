@@ -355,7 +355,8 @@ class RunSpec:
         for name in ("exclude", "never_ablate"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
-                object.__setattr__(self, name, "+".join(map(str, value)) or None)
+                object.__setattr__(self, name, "+".join(
+                    _component_name(c, flag_of(name)) for c in value) or None)
 
     # --- construction ------------------------------------------------------------------
 
@@ -635,6 +636,20 @@ class RunSpec:
     def as_config(self) -> dict[str, Any]:
         """Every field, for config.json (``from_config`` reads it back)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+
+def _component_name(component: Any, flag: str) -> str:
+    """A listed component as its name: a name as given (``L3H*`` is one), a Head, a Neuron
+    or a (layer, head) pair as ``format_heads`` writes it; str() made a pair the name
+    "(0, 1)", refused later as a bad head name."""
+    if isinstance(component, str):
+        return component
+    from lm_eval_headloc.intervention.components import ComponentSpecError, format_heads
+
+    try:
+        return format_heads([component])
+    except ComponentSpecError as err:
+        raise UsageError(f"{flag}: {err}") from None
 
 
 def _text_of(value: Any) -> Any:
