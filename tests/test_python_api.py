@@ -288,6 +288,11 @@ def test_values_of_the_wrong_kind_are_named_not_tracebacks(tmp_path):
         RunSpec(tasks=5)
     with raises_naming(TypeError, "locate()", "spec={'tasks'"):
         locate(tmp_path / "l", {"tasks": ["tiny_copy"]})
+    # locate's order (out, spec) given to sweep, whose second argument is the masks grid:
+    # "'RunSpec' object is not iterable".
+    with raises_naming(TypeError, "sweep()", "masks=", "spec="):
+        sweep(tmp_path / "s", RunSpec(tasks=("tiny_copy",)))
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- a spec or keywords -------------------------------------------------------------------

@@ -44,6 +44,9 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     """
     spec = command_spec("sweep", spec, options)
     for name, value in (("masks", masks), ("sparsity", sparsity)):
+        if isinstance(value, RunSpec):  # locate(out, spec)'s order: sweep's spec is 4th
+            raise TypeError(f"sweep(): {name}= is a RunSpec; give it as spec= (sweep's "
+                            "second and third arguments are the masks and sparsity grids)")
         value = as_python(value)
         if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, Iterable)):
             # Text would be a grid of its characters ("100": --masks '1' refused).
