@@ -203,6 +203,28 @@ def test_a_failed_knockout_leaves_the_callers_model_without_hooks(tiny_model_dir
     assert hooks() == 0
 
 
+def test_heads_joined_by_a_comma_are_named_before_the_load(tiny_model_dir, monkeypatch):
+    """ablate=L0H1,L1H2 made L1H2 an argument of its own, refused after the load as one
+    neither HFLM nor the model takes, with the advice to leave it out (which drops the
+    head); an unknown name with a '.' or '*' was the model's own TypeError."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.components import ComponentSpecError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    folder = tiny_model_dir("llama")
+    with monkeypatch.context() as patched:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the model was loaded before the arguments were checked")
+
+        patched.setattr(HFLM, "__init__", refuse)
+        for heads, named in (("L0H1,L1H2", "L1H2"), ("L0H1,L1N*", "L1N*")):
+            with raises_naming(ComponentSpecError, f"model_args {named}", "'+'"):
+                HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},ablate={heads}")
+    with raises_naming(UsageError, "model_args foo.bar=1", "spelling"):
+        HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},device=cpu,foo.bar=1")
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "x", True])
 def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
     with raises_naming(AblationError, f"scale={scale!r}"):

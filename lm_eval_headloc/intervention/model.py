@@ -57,6 +57,7 @@ from lm_eval_headloc.intervention.arg_string import ModelArgs, as_written
 from lm_eval_headloc.intervention.components import (
     Component,
     ComponentSpecError,
+    check_component_names,
     format_heads,
     names_neurons,
     parse_components,
@@ -171,13 +172,19 @@ class HFHeadAblateLM(HFLM):
                                      ">= 1")
         if not kwargs.get("parallelize"):
             check_device(kwargs.get("device"))
+        # ablate=L0H1,L1H2: L1H2 would be an unknown argument, and "leave it out" drop it.
+        stray = next((name for name in kwargs if _is_component_name(name)), None)
+        if stray is not None:
+            raise ComponentSpecError(f"model_args {stray}: a head (or neuron) given as an "
+                                     "argument of its own; ',' separates model_args, '+' "
+                                     "joins the heads of one (ablate=L0H29+L1H31)")
         # HFLM sets its mixed_precision_dtype only after the load: _create_model reads it here.
         self._mixed_precision = kwargs.get("mixed_precision_dtype")
         try:
             with cached_gguf_reads():  # config, tokenizer and weights: one parse of a GGUF
                 super().__init__(pretrained=pretrained, **kwargs)
         except TypeError as err:  # HFLM passes what it does not know on to the model
-            unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            unknown = re.search(r"unexpected keyword argument '([^']+)'", str(err))
             if unknown is None or unknown[1] not in kwargs:
                 raise
             raise UsageError(f"model_args {unknown[1]}={kwargs[unknown[1]]!r}: neither "
@@ -725,6 +732,15 @@ class HFHeadAblateLM(HFLM):
         if self.ablation == "resample":
             info["resample_seed"] = self.resample_seed
         return info
+
+
+def _is_component_name(name: str) -> bool:
+    """Whether ``name`` (an argument's name) is a head or neuron name (``L1H2``, ``L3N*``)."""
+    try:
+        check_component_names(name)
+    except ComponentSpecError:
+        return False
+    return True
 
 
 def check_against_config(names: Iterable[str | Component | tuple[int, int]],
