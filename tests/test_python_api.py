@@ -225,6 +225,25 @@ def test_heads_joined_by_a_comma_are_named_before_the_load(tiny_model_dir, monke
         HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},device=cpu,foo.bar=1")
 
 
+def test_a_model_argument_given_twice_is_refused_not_overwritten(tiny_model_dir,
+                                                                 monkeypatch):
+    """lm-eval keeps the last of two: model_args 'ablate=L0H1,ablate=L1H2' knocked out
+    L1H2 alone, and '--model-args ...,dtype=float32,dtype=float16' ran in float16."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    folder = tiny_model_dir("llama")
+    with raises_naming(UsageError, "ablate= is given twice", "'+'"):
+        HFHeadAblateLM.create_from_arg_string(f"pretrained={folder},ablate=L0H1,ablate=L1H2")
+    with raises_naming(UsageError, "--model-args dtype= is given twice"):
+        RunSpec(model_args=f"pretrained={folder},dtype=float32, dtype=float16").validate()
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "x", True])
 def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
     with raises_naming(AblationError, f"scale={scale!r}"):

@@ -43,6 +43,17 @@ class ModelArgs:
         compare them)."""
         return frozenset(part.split("=", 1)[0].strip() for part in self.parts if part.strip())
 
+    def given_twice(self) -> str | None:
+        """The first argument the text gives more than once (lm-eval keeps the last, so
+        ``ablate=L0H1,ablate=L1H2`` would drop L0H1 without a word), or None."""
+        seen: set[str] = set()
+        for part in self.parts:
+            name = part.split("=", 1)[0].strip()
+            if name and name in seen:
+                return name
+            seen.add(name)
+        return None
+
     def get(self, name: str, default: Any = None) -> Any:
         return self.args.get(name, default)
 

@@ -235,7 +235,13 @@ class HFHeadAblateLM(HFLM):
     def create_from_arg_string(cls, arg_string: str,
                                additional_config: dict[str, Any] | None = None
                                ) -> HFHeadAblateLM:
-        return cls.create_from_arg_obj(dict(ModelArgs.parse(arg_string).args), additional_config)
+        parsed = ModelArgs.parse(arg_string)
+        twice = parsed.given_twice()
+        if twice is not None:
+            joined = " (its heads joined by '+': ablate=L0H29+L1H31)" if twice == "ablate" else ""
+            raise UsageError(f"model_args {twice}= is given twice ({arg_string}); lm-eval "
+                             f"keeps the last: give it once{joined}")
+        return cls.create_from_arg_obj(dict(parsed.args), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any],

@@ -263,7 +263,11 @@ def option(default: Any, help: str, role: str = RESULT, *, parse: Any = None,
 def check_model_args(model_args: str) -> None:
     """Refuse --model-args that name what the run sets itself (``ABLATION_FLAGS``'
     arguments, recorded as flags; ``HARNESS_MODEL_ARGS``), in one line naming why."""
-    given = ModelArgs.parse(model_args).names
+    parsed = ModelArgs.parse(model_args)
+    twice = parsed.given_twice()
+    if twice is not None:  # lm-eval keeps the last: the first would be dropped unsaid
+        raise UsageError(f"--model-args {twice}= is given twice; give it once")
+    given = parsed.names
     refused = {**{name: f"give it as {flag}, which the run records"
                   for name, flag in ABLATION_FLAGS.items()}, **HARNESS_MODEL_ARGS}
     clash = sorted(given & set(refused))
