@@ -109,6 +109,17 @@ def test_a_path_argument_that_is_no_path_is_named(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
+def test_a_file_given_as_the_run_folder_is_said_to_be_a_file(tmp_path):
+    """read_rankings("runs/x/heads.json") said "runs/x/heads.json is not a run folder (no
+    config.json)", as if the run's config.json were missing."""
+    from lm_eval_headloc.runs.record import read_rankings
+
+    run = finished_run(tmp_path / "run", tmp_path / "model", "tiny_copy", ("L0H1",))
+    with raises_naming(RunFolderError, f"{run / 'heads-tiny_copy.json'} is a file",
+                       f"run folder it is in, {run}"):
+        read_rankings(run / "heads-tiny_copy.json")
+
+
 def test_sweep_takes_one_value_as_a_grid_of_one(tiny_model_dir, tmp_path, monkeypatch,
                                                 no_model_loading):
     import importlib

@@ -383,6 +383,10 @@ class RunFolder:
         """config.json, or a one-line RunFolderError if there is none or it is unreadable."""
         path = self.file(self.CONFIG)
         if not path.is_file():
+            if self.path.is_file():  # read_rankings("runs/x/heads.json"): no config.json in it
+                inside = (f"; give the run folder it is in, {self.path.parent}"
+                          if (self.path.parent / self.CONFIG).is_file() else "")
+                raise RunFolderError(f"{self.path} is a file, not a run folder{inside}")
             raise RunFolderError(f"{self.path} is not a run folder (no {self.CONFIG})")
         config = read_json(path, RunFolderError)
         if not (isinstance(config, dict) and isinstance(config.get("command"), str)
