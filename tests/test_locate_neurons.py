@@ -139,6 +139,11 @@ def test_a_rerun_measures_nothing_and_refit_reads_it(neuron_run):
     refitted = strict_json(out / "heads.json")
     assert first not in [e["neuron"] for e in refitted["heads"]]
     assert refitted["excluded"] == [first] and len(refitted["top_k"]) == 3
+    # An --exclude of every candidate leaves nothing: refused as refit refuses it.
+    every = "+".join(strict_json(out / "config.json")["candidates"])
+    assert harness(*args, "--exclude", every, "--out", str(out)) == 2
+    assert harness("refit", str(out), "--exclude", every) == 2
+    assert harness("refit", str(out)) == 0  # the refused rerun recorded no --exclude
 
 
 def test_heads_and_neurons_share_one_design(tiny_model_dir, tmp_path):
@@ -195,6 +200,9 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     (["--components", "neurons", "--candidates", "64", "--never-ablate", "L1N*",
       "--neuron-groups", "2"], "--neuron-groups 2: --candidates 64 and --never-ablate's 64 "
      "take every one of the model's 128 MLP neurons"),
+    # Every neuron excluded: the run measured and wrote an empty ranking, "certified".
+    (["--components", "neurons", "--exclude", "L0N*+L1N*"],
+     "--exclude covers every component the run ranks (8); nothing is left to rank"),
 ])
 def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, options, message):
     out = tmp_path / "bad"

@@ -33,6 +33,7 @@ from lm_eval_headloc.measurement.attribution import PRIOR_POINTS
 from lm_eval_headloc.measurement.store import MeasurementStore, ReplayStore, SharingStore
 from lm_eval_headloc.method.budget import ALL_ALONE_MASKS, PRIOR_ALLOWANCE
 from lm_eval_headloc.method.columns import (
+    Columns,
     neuron_candidates,
 )
 from lm_eval_headloc.method.group_tests import (
@@ -176,6 +177,9 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if not all_alone:
             _check_cap_before_load(spec, setup)
         done = None if force or measure is not None else _finished(stored, folder, spec)
+        if stored is not None and stored.candidates is not None:
+            # Before config.json takes the new --exclude: a refused rerun left it there.
+            _check_ranks_some(stored.columns, setup.exclude)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
         assert isinstance(run, LocateRun)
@@ -220,6 +224,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns
+        _check_ranks_some(columns, setup.exclude)
         run.set_prior(None if estimates is None else column_prior(
                           estimates, columns, setup.heads_per_layer, run.neurons_per_layer),
                       method, (ALL_ALONE_NO_PRIOR if all_alone else measure.no_prior_reason())
@@ -368,10 +373,21 @@ def _planned_all_alone(stored: RunSpec, setup: Setup) -> bool:
 
 
 def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
-    """--exclude's components in a stored run (MLP neurons where it locates them)."""
-    return head_list(spec.exclude, *run.grid, "--exclude",
-                     neurons="neurons" in spec.components,
-                     neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
+    """--exclude's components in a stored run (MLP neurons where it locates them), refused
+    where they leave none of its columns ranked."""
+    excluded = head_list(spec.exclude, *run.grid, "--exclude",
+                         neurons="neurons" in spec.components,
+                         neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
+    _check_ranks_some(run.columns, excluded)
+    return excluded
+
+
+def _check_ranks_some(columns: Columns, excluded: Sequence[Component]) -> None:
+    """Refuse an --exclude that covers every column: the run would rank nothing (a neuron
+    run's columns are known only once its prior has named the candidates)."""
+    if len(columns.holding(excluded)) >= len(columns):
+        raise UsageError(f"--exclude covers every component the run ranks "
+                         f"({len(columns)}); nothing is left to rank")
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
@@ -404,9 +420,6 @@ def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
                              "components")
         excluded = _excluded(spec, run)
         spec = spec.replace(exclude=recorded_components(spec.exclude))
-        if len(columns.holding(excluded)) >= len(columns):
-            raise UsageError(f"--exclude covers every component the run ranks "
-                             f"({len(columns)}); nothing is left to rank")
         folder.lock()
         return _refit_stored(folder, run, spec, excluded)
 
