@@ -270,6 +270,17 @@ def test_cross_enhances_a_neuron_set(tiny_model_dir, tmp_path):
         _evaluate(model, "L1N5+L0N3", "tiny_copy_ppl"))
 
 
+def test_cross_takes_a_neuron_top_k_larger_than_the_models_heads(tiny_model_dir, tmp_path):
+    """cross --top-k 9 of a run ranking 10 neurons was refused: 'the model has only 8
+    heads' (the check of a heads run's --top-k, made of cross's own spec)."""
+    ranked = tuple(f"L0N{n}" for n in range(10))
+    run = finished_run(tmp_path / "neurons", tiny_model_dir("llama"), "tiny_copy", ranked)
+    out = tmp_path / "cross"
+    assert harness("cross", str(run), "--top-k", "9", "--num-samples", "4",
+                   "--out", str(out)) == 0
+    assert records(out)["set1"]["mask"] == "+".join(ranked[:9])
+
+
 def test_cross_refuses_a_neuron_outside_the_model_before_loading(tiny_model_dir, tmp_path,
                                                                   capsys, no_model_loading):
     run = of_wider_model(finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",

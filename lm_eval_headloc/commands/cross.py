@@ -111,7 +111,7 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
             for run in runs for task in (t.split(":")[0] for t in stored[run].tasks)]
     while True:
         try:
-            setup = prepare(spec)
+            setup = prepare(spec, ranks=False)  # each set's top-k: located_heads checked it
             break
         except NoEffectError as err:
             # A runs' option that would change nothing for these tasks (--gen-kwargs where

@@ -270,12 +270,14 @@ def tasks_from_files(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 @timed("tasks and checks")
-def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool = True
-            ) -> Setup:
+def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool = True,
+            ranks: bool = True) -> Setup:
     """Check the spec, the model (config only, no weights), the tasks (built once: names,
     metrics, whether they run model-written code) and every head list — all before any
     weights load. ``extra_tasks`` are measured too (verify's general tasks); ``generates``:
-    whether the command runs the generation tasks (``types`` only reads their prompts)."""
+    whether the command runs the generation tasks (``types`` only reads their prompts);
+    ``ranks``: whether its --top-k is of what this spec ranks (cross's is of its runs'
+    rankings, of whatever components they rank, each checked against its file)."""
     spec.validate()
     own, own_folders = tasks_from_files(spec.tasks)
     extra_tasks, extra_folders = tasks_from_files(extra_tasks)
@@ -367,7 +369,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
                             include_path=tuple(path_list(spec.include_path)))
     total = geometry.total_heads
     columns = _column_count(spec, geometry)
-    if spec.top_k > columns:
+    if ranks and spec.top_k > columns:
         raise UsageError(f"--top-k {spec.top_k}: the model has only {total} heads"
                          if spec.components == "heads" else
                          f"--top-k {spec.top_k}: the run ranks only {columns} components")
@@ -387,7 +389,7 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
                  "--exclude and --never-ablate together cover")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
     ranked = _heads_ranked(total, exclude, never)
-    if spec.components == "heads" and spec.top_k > ranked:
+    if ranks and spec.components == "heads" and spec.top_k > ranked:
         # A top-5 of 4 heads ran, and its report spoke of a top-5.
         raise UsageError(f"--top-k {spec.top_k}: the run ranks only {ranked} heads (the "
                          f"model's {total} less {total - ranked} in --exclude and "
