@@ -137,6 +137,7 @@ def test_a_rerun_measures_nothing_and_refit_reads_it(neuron_run):
     assert harness(*args, "--exclude", first, "--out", str(out)) == 0
     assert (out / "measurements.jsonl").read_text() == before
     refitted = strict_json(out / "heads.json")
+    refitted_text = (out / "heads.json").read_text()
     assert first not in [e["neuron"] for e in refitted["heads"]]
     assert refitted["excluded"] == [first] and len(refitted["top_k"]) == 3
     # An --exclude of every candidate leaves nothing: refused as refit refuses it.
@@ -144,6 +145,11 @@ def test_a_rerun_measures_nothing_and_refit_reads_it(neuron_run):
     assert harness(*args, "--exclude", every, "--out", str(out)) == 2
     assert harness("refit", str(out), "--exclude", every) == 2
     assert harness("refit", str(out)) == 0  # the refused rerun recorded no --exclude
+    # All but 2 candidates excluded under --top-k 3: a top-3 of 2 neurons, refused.
+    all_but_two = "+".join(strict_json(out / "config.json")["candidates"][2:])
+    assert harness(*args, "--exclude", all_but_two, "--out", str(out)) == 2
+    assert harness("refit", str(out), "--exclude", all_but_two) == 2
+    assert (out / "heads.json").read_text() == refitted_text
 
 
 def test_heads_and_neurons_share_one_design(tiny_model_dir, tmp_path):

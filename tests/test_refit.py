@@ -61,6 +61,10 @@ def test_refit_changes_settings_without_the_model(tiny_locate_run, tmp_path, cap
     heads = strict_json(out / "heads.json")
     assert heads["excluded"] == [] and len(heads["heads"]) == 8
     assert strict_json(out / "config.json")["settings"]["exclude"] is None
+    # A top-3 of 2 heads: refused, as locate refuses it (it wrote a top-3 of 2).
+    assert harness("refit", str(out), "--exclude", "L0H*+L1H0+L1H1", "--top-k", "3") == 2
+    assert "--top-k 3: the run ranks only 2 of its 8" in capsys.readouterr().err
+    assert strict_json(out / "config.json")["settings"]["exclude"] is None
 
 
 def test_refit_exclude_leaves_the_excluded_out_of_the_certificate(tiny_model_dir, tmp_path):

@@ -179,7 +179,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         done = None if force or measure is not None else _finished(stored, folder, spec)
         if stored is not None and stored.candidates is not None:
             # Before config.json takes the new --exclude: a refused rerun left it there.
-            _check_ranks_some(stored.columns, setup.exclude)
+            _check_ranks_some(stored.columns, setup.exclude, setup.never_ablate, spec.top_k)
         run = start_run(folder, "locate", spec, force=force,  # phase: started
                         fingerprint=setup.model_fingerprint)
         assert isinstance(run, LocateRun)
@@ -224,7 +224,7 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
         if "neurons" in kinds:
             run.candidates = [str(n) for n in _candidates(spec, setup, run, estimates)]
         columns = run.columns
-        _check_ranks_some(columns, setup.exclude)
+        _check_ranks_some(columns, setup.exclude, setup.never_ablate, spec.top_k)
         run.set_prior(None if estimates is None else column_prior(
                           estimates, columns, setup.heads_per_layer, run.neurons_per_layer),
                       method, (ALL_ALONE_NO_PRIOR if all_alone else measure.no_prior_reason())
@@ -378,16 +378,24 @@ def _excluded(spec: RunSpec, run: LocateRun) -> list[Component]:
     excluded = head_list(spec.exclude, *run.grid, "--exclude",
                          neurons="neurons" in spec.components,
                          neurons_per_layer=run.neurons_per_layer, head_layers=run.head_layers)
-    _check_ranks_some(run.columns, excluded)
+    _check_ranks_some(run.columns, excluded, _never(spec, run), spec.top_k)
     return excluded
 
 
-def _check_ranks_some(columns: Columns, excluded: Sequence[Component]) -> None:
-    """Refuse an --exclude that covers every column: the run would rank nothing (a neuron
-    run's columns are known only once its prior has named the candidates)."""
+def _check_ranks_some(columns: Columns, excluded: Sequence[Component],
+                      never: Sequence[Component], top_k: int) -> None:
+    """Refuse an --exclude that leaves no column ranked, or fewer than --top-k (a top-5
+    of 2 neurons ran, its report speaking of a top-5), as ``prepare`` refuses it for a
+    heads run: a neuron run's columns are known only once its prior has named them, and
+    refit's --exclude and --top-k are new."""
+    left_out = {*columns.holding(excluded), *(columns.index(c) for c in never if c in columns)}
     if len(columns.holding(excluded)) >= len(columns):
         raise UsageError(f"--exclude covers every component the run ranks "
                          f"({len(columns)}); nothing is left to rank")
+    if top_k > len(columns) - len(left_out):
+        raise UsageError(f"--top-k {top_k}: the run ranks only "
+                         f"{len(columns) - len(left_out)} of its {len(columns)} components "
+                         "(the rest are in --exclude or --never-ablate)")
 
 
 def refit(out: str | Path, **settings: Any) -> dict[str, Ranking]:
