@@ -209,6 +209,10 @@ def test_a_kill_mid_run_resumes_to_the_same_neurons(tiny_model_dir, tmp_path):
     # Every neuron excluded: the run measured and wrote an empty ranking, "certified".
     (["--components", "neurons", "--exclude", "L0N*+L1N*"],
      "--exclude covers every component the run ranks (8); nothing is left to rank"),
+    # Its neurons were left to rank: "nothing is left to rank" was false.
+    (["--components", "heads+neurons", "--never-ablate", "L0H*+L1H*"],
+     "--never-ablate covers every head (8); to rank MLP neurons alone, give --components "
+     "neurons"),
 ])
 def test_bad_neuron_options_are_one_line(tiny_model_dir, tmp_path, capsys, options, message):
     out = tmp_path / "bad"

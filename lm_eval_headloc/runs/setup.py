@@ -387,6 +387,9 @@ def prepare(spec: RunSpec, extra_tasks: Sequence[str] = (), *, generates: bool =
         which = ("--never-ablate covers" if len(never_heads) >= total else "--exclude covers"
                  if len(excluded_heads) >= total else
                  "--exclude and --never-ablate together cover")
+        if spec.components != "heads":  # its neurons are left: ranking no head is another run
+            raise UsageError(f"{which} every head ({total}); to rank MLP neurons alone, give "
+                             "--components neurons")
         raise UsageError(f"{which} every head ({total}); nothing is left to rank")
     ranked = _heads_ranked(total, exclude, never)
     if ranks and spec.components == "heads" and spec.top_k > ranked:
