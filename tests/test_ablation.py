@@ -738,3 +738,10 @@ def test_resample_picks_a_shared_rows_donor_whatever_order_its_requests_came_in(
                     ablation_data=str(reference_file))
     other.remember_prompts([([5, 6], [7, 8]), ([5, 6, 7], [8])])
     assert lm._unpadded([5, 6, 7, 0]) == other._unpadded([5, 6, 7, 0]) == [5, 6]
+    # Both its documents are kept, in either order; a row whose prompt is its one document
+    # keeps none (its prompt stands for it), however often its request comes.
+    assert lm._documents == other._documents == {(5, 6, 7): {(5, 6, 7), (5, 6)}}
+    plain = load_lm(tiny_model_dir("llama"), ablation="resample",
+                    ablation_data=str(reference_file))
+    plain.remember_prompts([([1, 2], [3]), ([4, 5], [6])] * 2)
+    assert plain._documents == {}

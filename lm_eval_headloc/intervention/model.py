@@ -484,9 +484,20 @@ class HFHeadAblateLM(HFLM):
             # ("the cat" + " sat on", "the cat sat" + " on"); HFLM and multimask answer them
             # from one row, so one donor, that none of them may be. The shortest prompt
             # picks it, whatever order the requests come in.
-            self._prompt_lengths[row] = min(prompt, self._prompt_lengths.get(row, prompt))
-            if not whole:  # a window's document is its whole text: loglikelihood_rolling
-                self._documents.setdefault(row, set()).add(tuple(context[-self.max_length:]))
+            earlier = self._prompt_lengths.get(row)
+            self._prompt_lengths[row] = prompt if earlier is None else min(prompt, earlier)
+            if whole:  # a window's document is its whole text: loglikelihood_rolling
+                continue
+            document = tuple(context[-self.max_length:])
+            documents = self._documents.get(row)
+            if documents is None and document == row[:prompt] and earlier in (None, prompt):
+                # The row's prompt is its one document, what ``_donors`` takes where none
+                # is kept: a copy of every request's context would double what is kept.
+                continue
+            if documents is None:  # the row's first request's was its prompt
+                documents = self._documents[row] = (set() if earlier is None
+                                                    else {row[:earlier]})
+            documents.add(document)
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
         if self.resampler is not None:
