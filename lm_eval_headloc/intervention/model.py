@@ -443,8 +443,8 @@ class HFHeadAblateLM(HFLM):
             rows = [row[start:] for row, start in zip(ids, starts, strict=True)]
         else:  # loglikelihood batches: right padding
             starts = [0] * len(ids)
-            rows = [self._unpadded(row) for row in ids]
-            inputs = [self._model_input(row) for row in ids]
+            inputs = [self._model_input(row) for row in ids]  # once a row: a hot path
+            rows = [self._prompt_of(key) for key in inputs]
             own = [self._documents.get(key) or {tuple(prompt)}
                    for key, prompt in zip(inputs, rows, strict=True)]
         knockout = self.knockout
@@ -468,7 +468,10 @@ class HFHeadAblateLM(HFLM):
         """A loglikelihood batch row without its right padding (``_model_input``), up to
         its prompt's end. The donor follows the prompt, not the answer scored after it, so
         every choice of a multiple-choice question gets the same donor."""
-        key = self._model_input(row)
+        return self._prompt_of(self._model_input(row))
+
+    def _prompt_of(self, key: tuple[int, ...]) -> list[int]:
+        """A model input's (``_model_input``) prompt: up to its remembered prompt's end."""
         return list(key[:self._prompt_lengths.get(key, len(key))])
     def remember_prompts(self, encoded: Iterable[tuple[list[int], list[int]]],
                          whole: bool = False) -> None:
