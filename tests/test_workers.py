@@ -34,6 +34,10 @@ pytestmark = [pytest.mark.slow, needs_ray]
 def local_ray():
     import ray
 
+    # A Ray an earlier test file left connected in this test process (the package's
+    # driver keeps its own for the process's life), as test_workers_gpus does.
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
