@@ -286,7 +286,8 @@ def test_force_deletes_only_what_the_commands_wrote(tiny_model_dir, tmp_path, ca
 
 def test_force_deletes_only_what_this_run_wrote(tiny_model_dir, tmp_path, capsys):
     """--force deleted a user's heads-mine.json and heads-notes.csv (named like a ranking,
-    of no task of the run) and a copy of another run put inside the folder (a run folder of
+    of no task of the run), their timing.json (named like the recovery benchmark's file)
+    and a copy of another run put inside the folder (a run folder of
     ours, not this run's). Only the run's own tasks' rankings and its own nested runs (its
     verify/, a sweep's cells) are its to delete."""
     run = tmp_path / "run"
@@ -297,14 +298,17 @@ def test_force_deletes_only_what_this_run_wrote(tiny_model_dir, tmp_path, capsys
     shutil.copytree(tmp_path / "backup", run / "backup")
     (run / "heads-mine.json").write_text("[]")
     (run / "heads-notes.csv").write_text("mine")
+    # The recovery benchmark's file name, in a locate run's folder: the user's own.
+    (run / "timing.json").write_text('{"locate_seconds": 12}')
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     assert harness(*args, "--seed", "1", "--force") == 2
     assert_names(last_error(capsys), "--force", str(run), "backup", "heads-mine.json",
-                 "heads-notes.csv")
+                 "heads-notes.csv", "timing.json")
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
     shutil.rmtree(run / "backup")
     (run / "heads-mine.json").unlink()
     (run / "heads-notes.csv").unlink()
+    (run / "timing.json").unlink()
     assert (run / "heads-tiny_copy.json").is_file()  # the run's own: cleared
     assert harness(*args, "--seed", "1", "--force") == 0
     assert strict_json(run / "config.json")["identity"]["seed"] == 1

@@ -135,6 +135,9 @@ WRITTEN = ("config.json", "measurements.jsonl", "design_matrix.npy", "prior.json
            "heatmap.png", "verify.json", "verify.md", "cross.json", "cross.md", "cross.png",
            "sweep.json", "sweep.md", "types.json", "types.csv", "lm_eval_files.json",
            "means", "timing.json", ".lock")
+#: Entries of WRITTEN that only one command writes (its ``config.json`` "command"): the
+#: same name in another run's folder is not the run's to delete.
+WRITTEN_BY = {"timing.json": "bench-prior"}
 #: The one entry of WRITTEN that is a folder, holding ``ablation.MEANS_FILE`` files only;
 #: every other entry is a file.
 WRITTEN_FOLDER = "means"
@@ -527,8 +530,9 @@ class RunFolder:
             run = _nested_run(entry, config)
             if run is not None:
                 found += [f"{entry.name}/{name}" for name in run._foreign()]
-            elif not _ours(entry) or (fnmatch.fnmatchcase(entry.name, "heads-*")
-                                      and entry.name not in rankings):
+            elif (not _ours(entry)
+                  or (fnmatch.fnmatchcase(entry.name, "heads-*") and entry.name not in rankings)
+                  or WRITTEN_BY.get(entry.name, config.get("command")) != config.get("command")):
                 found.append(entry.name)
         return found
 
