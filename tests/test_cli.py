@@ -31,8 +31,9 @@ LOCATE_BAD = [
     (["--max-measurements", "x"], ("--max-measurements 'x'", "from 1 to", "'auto'")),
     (["--max-measurements", "2.5"], ("--max-measurements",)),
     # The masks and the heads measured alone it was given take more than the cap.
-    (["--masks", "12", "--confirm", "34", "--prior", "atp-path", "--max-measurements", "53"],
-     ("--max-measurements 53", "54", "12 masks", "34 heads")),
+    # --confirm 34 on the model's 8 heads measures 8: 12 + 8 + the prior's 8 = 28.
+    (["--masks", "12", "--confirm", "34", "--prior", "atp-path", "--max-measurements", "27"],
+     ("--max-measurements 27", "28", "12 masks", "8 heads")),
     (["--masks", "10", "--confirm", "5", "--prior", "none", "--max-measurements", "14"],
      ("--max-measurements 14", "15")),
     (["--masks", "10", "--confirm", "1", "--prior", "none", "--max-measurements", "10"],

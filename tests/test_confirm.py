@@ -392,19 +392,34 @@ def test_a_default_run_measures_every_head_alone_where_half_the_heads_is_below_t
                                                                    confirm=8)
 
 
-@pytest.mark.parametrize("options, least", [
-    (dict(masks=12, confirm=34, prior="atp-path"), 54),  # the prior's 8 named outright
-    (dict(masks=12, confirm=34, prior="none"), 46),
-    (dict(masks=12, confirm=34), 46),  # auto: the prior not decided yet, at least 46
+@pytest.mark.parametrize("allowance, alone_at_most, least, named", [
+    (8, None, 54, "12 masks and 34 heads measured alone with the prior's 8"),
+    (0, None, 46, "12 masks and 34 heads measured alone"),
+    # On a model of 8 heads the confirmation measures 8 of the 34 asked.
+    (0, 8, 20, "12 masks and 8 heads measured alone"),
 ])
-def test_a_cap_below_the_runs_fixed_part_is_refused(options, least):
+def test_a_cap_below_the_runs_fixed_part_is_refused(allowance, alone_at_most, least, named):
     from helpers import raises_naming
 
     from lm_eval_headloc.runs.spec import RunSpec, UsageError
 
-    RunSpec(**options, max_measurements=least).validate()
-    with raises_naming(UsageError, f"--max-measurements {least - 1}", str(least)):
-        RunSpec(**options, max_measurements=least - 1).validate()
+    def check(cap: int) -> None:
+        RunSpec(masks=12, confirm=34, max_measurements=cap).check_cap(
+            allowance, alone_at_most=alone_at_most)
+
+    check(least)
+    with raises_naming(UsageError, f"--max-measurements {least - 1}", named,
+                       f"take {least}"):
+        check(least - 1)
+
+
+def test_a_cap_is_not_checked_before_the_heads_are_known():
+    """RunSpec.validate refused --masks 6 --confirm 20 --max-measurements 14, counting
+    the 20 heads whole: on a model of 8 heads the run measures 6 + 8 = 14. The cap is
+    checked where the model's heads are known (locate, before the weights load)."""
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    RunSpec(masks=6, confirm=20, max_measurements=14, prior="none").validate()
 
 
 def test_prior_rankings_and_weights_by_hand():
@@ -991,14 +1006,16 @@ def test_a_cap_below_the_default_split_is_refused_before_the_model_loads(
                  f"give at least {least}")
 
 
-def test_a_cap_that_holds_the_heads_a_small_model_has_runs(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("confirm", [[], ["--confirm", "20"]])
+def test_a_cap_that_holds_the_heads_a_small_model_has_runs(tiny_model_dir, tmp_path,
+                                                           confirm):
     """--masks 6 --max-measurements 14 on LAYERS x HEADS = 8 heads: the default
-    --confirm 27 (no prior) measures the 8 heads alone, 6 + 8 = 14 in all. The cap was
-    refused as below "6 masks and 27 heads measured alone" (33), which the run never
-    measures."""
+    --confirm 27 (no prior), or a --confirm 20 given, measures the 8 heads alone, 6 + 8 =
+    14 in all. The cap was refused as below "6 masks and 27 (20) heads measured alone"
+    (33, 26), which the run never measures."""
     out = tmp_path / "capped"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
-                   "--signal", "logprob", "--prior", "none", "--masks", "6",
+                   "--signal", "logprob", "--prior", "none", "--masks", "6", *confirm,
                    "--max-measurements", "14", "--out", str(out)) == 0
     certificate = strict_json(out / "heads.json")["certificate"]
     assert certificate["measurements_spent"] == 6 + 8

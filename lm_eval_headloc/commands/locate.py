@@ -283,21 +283,18 @@ def _resumed(folder: RunFolder, spec: RunSpec, setup: Setup, force: bool = False
 
 def _check_cap_before_load(spec: RunSpec, setup: Setup) -> None:
     """A --max-measurements below the run's fixed part, refused before the model loads:
-    --prior auto decides its prior once the model has loaded (``prior_method``), but it
-    only picks between the default budget's splits, so the cap fails either way or not."""
+    --prior auto decides its prior once the model has loaded (``prior_method``), between
+    the default budget's splits with a prior and without, so a cap below both fails
+    either way; the refusal names the smaller."""
     methods = ["atp-path", None] if spec.prior == "auto" else [
         None if spec.prior == "none" else spec.prior]
-    refusal = None
-    for method in methods:
-        try:
-            spec.budgeted(method).check_cap(PRIOR_ALLOWANCE[method] if method else 0,
-                                            alone_at_most=_alone_at_most(spec, setup))
-        except UsageError as err:
-            refusal = refusal or err
-        else:
-            return
-    assert refusal is not None
-    raise refusal
+    alone = _alone_at_most(spec, setup)
+    choices = [(spec.budgeted(method), PRIOR_ALLOWANCE[method] if method else 0)
+               for method in methods]
+    budgeted, allowance = min(choices, key=lambda choice: choice[0].fixed_part(choice[1],
+                                                                                alone))
+    budgeted.check_cap(allowance, alone_at_most=alone,
+                       prior_known=spec.prior != "auto" or allowance > 0)
 
 
 def _alone_at_most(spec: RunSpec, setup: Setup) -> int | None:

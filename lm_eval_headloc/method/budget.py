@@ -94,6 +94,12 @@ def measures_all_alone(heads: int) -> bool:
 ALL_ALONE_UP_TO = max(n for n in range(1, 4 * DEFAULT_BUDGET) if measures_all_alone(n))
 
 
+def fixed_part(masks: int | str | None, confirm: int, allowance: int) -> int:
+    """What a run measures whatever it finds: the prior's ``allowance``, its ``masks``
+    (not counted with ``auto``) and the ``confirm`` heads it measures alone."""
+    return allowance + (0 if masks in (None, "auto") else int(masks)) + int(confirm)
+
+
 def cap_refusal(cap: int, masks: int | str | None, confirm: int, allowance: int,
                 prior_known: bool = True) -> str | None:
     """Why ``--max-measurements cap`` is too small for a run's fixed part — the prior's
@@ -101,7 +107,7 @@ def cap_refusal(cap: int, masks: int | str | None, confirm: int, allowance: int,
     measures alone — or None where it is not. ``prior_known`` False: the prior is not
     decided yet (``--prior auto``), its allowance comes on top."""
     counted = 0 if masks in (None, "auto") else int(masks)
-    fixed = allowance + counted + int(confirm)
+    fixed = fixed_part(masks, confirm, allowance)
     if cap >= fixed:
         return None
     parts = (f"{words.counted(counted, 'mask')} and {words.counted(int(confirm), 'head')} "

@@ -43,9 +43,9 @@ from lm_eval_headloc.method.budget import (
     AUTO_CAP_SHARE,
     DEFAULT_ALONE,
     DEFAULT_MASKS,
-    PRIOR_ALLOWANCE,
     cap_refusal,
     default_split,
+    fixed_part,
     measurement_cap,
     measures_all_alone,
 )
@@ -442,20 +442,30 @@ class RunSpec:
         """``max_measurements`` as a number, for a run ranking ``columns`` components."""
         return measurement_cap(self.max_measurements, columns)
 
+    def fixed_part(self, allowance: int, alone_at_most: int | None = None) -> int:
+        """What the run measures whatever it finds (``budget.fixed_part``): 0 where its
+        confirmation is not decided. ``alone_at_most``: as for ``check_cap``."""
+        return 0 if self.confirm is None else fixed_part(
+            self.masks, self._alone(alone_at_most), allowance)
+
     def check_cap(self, allowance: int, *, prior_known: bool = True,
                   alone_at_most: int | None = None) -> None:
         """Refuse a numeric ``max_measurements`` below the run's fixed part
-        (``budget.cap_refusal``; ``prior_known`` False: the prior not decided yet).
-        ``alone_at_most``: the components the run can measure alone, where known (the
-        heads a heads run ranks): the confirmation measures no more than those."""
+        (``budget.cap_refusal``; ``prior_known`` False: the prior not decided yet, so
+        any allowance it has comes on top). ``alone_at_most``: the components the run
+        can measure alone, where known (the heads a heads run ranks): the confirmation
+        measures no more than those."""
         if self.max_measurements in (None, "auto") or self.confirm is None:
             return
-        alone = int(self.confirm) if alone_at_most is None else min(int(self.confirm),
-                                                                     alone_at_most)
-        refusal = cap_refusal(int(self.max_measurements), self.masks, alone, allowance,
-                              prior_known)
+        refusal = cap_refusal(int(self.max_measurements), self.masks,
+                              self._alone(alone_at_most), allowance, prior_known)
         if refusal:
             raise UsageError(refusal)
+
+    def _alone(self, alone_at_most: int | None) -> int:
+        assert self.confirm is not None
+        return int(self.confirm) if alone_at_most is None else min(int(self.confirm),
+                                                                   alone_at_most)
 
     def check_group_tests(self) -> None:
         """Refuse ``--group-tests`` with no heads measured alone (``--confirm 0``, given or
@@ -518,12 +528,8 @@ class RunSpec:
         if self.neuron_groups and "neurons" not in self.components:
             raise UsageError(f"--neuron-groups {self.neuron_groups}: groups are of MLP "
                              "neurons; add --components neurons or heads+neurons")
-        if self.max_measurements is not None and self.masks is not None \
-                and self.confirm is not None:
-            # What the prior costs is known once it is decided (commands.locate checks
-            # again then); a prior named outright costs its allowance already.
-            self.check_cap(PRIOR_ALLOWANCE.get(self.prior, 0),
-                           prior_known=self.prior != "auto")
+        # --max-measurements against the run's fixed part is checked by locate, which
+        # knows the heads a confirmation can measure (--confirm 20 on 8 heads measures 8).
         self.check_group_tests()
         if "neurons" in self.components and self.prior == "none":
             raise UsageError(f"--components {self.components} needs the attribution prior "
