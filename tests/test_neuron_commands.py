@@ -391,3 +391,21 @@ def test_verify_draws_random_neurons_where_only_the_run_knows_the_mlp_width(tmp_
     drawn = json.loads((out / "verify.json").read_text())["random"]["tiny_copy"]["sets"]
     neurons = [parse_components([n])[0] for s in drawn for n in s]
     assert len(drawn) == 2 and all(isinstance(n, Neuron) and n[1] < 128 for n in neurons)
+
+
+def test_a_neuron_group_is_one_component_in_the_words(tiny_model_dir, tmp_path, capsys,
+                                                      no_model_loading):
+    """A ranking's neuron group (its neurons '+'-joined) was called MLP neurons: verify
+    said "ranks only 3 MLP neurons" of 2 neurons and a group, and cross titled a set
+    knocking out 4 neurons "the top-3 MLP neurons"."""
+    from lm_eval_headloc.commands.verify import kind_words
+
+    assert kind_words(["L0N1+L0N2", "L1N5"]) == "components"
+    assert kind_words(["L0N1+L0N2"], plural=False) == "neuron group"
+    assert kind_words(["L0N1", "L1N5"]) == "MLP neurons"
+    assert kind_words(["L0H1", "L1H2"]) == "heads"
+    assert kind_words(["L0H1", "L1N2"]) == "components"
+    run = finished_run(tmp_path / "run", tiny_model_dir("llama"), "tiny_copy",
+                       ("L0N1+L0N2", "L1N5", "L0N3"))
+    assert harness("verify", str(run), "--general", "tiny_choice", "--top-k", "5") == 2
+    assert_names(last_error(capsys), "--top-k 5", "ranks only 3 components")

@@ -130,9 +130,15 @@ def _harmless_notes(ranking: RankingFile, top_k: int, method: object = None) -> 
 def kind_words(names: Iterable[str], plural: bool = True) -> str:
     """What a set of component names is, in the tables' words: ``heads``, ``MLP neurons``
     or, mixed, ``components`` (so a table of heads reads as it always has); with
-    ``plural=False`` what one of them is (``head``, ...)."""
-    kinds = {isinstance(c, Neuron) for c in parse_components(list(names))}
-    word = "component" if len(kinds) > 1 else "MLP neuron" if True in kinds else "head"
+    ``plural=False`` what one of them is (``head``, ...). A neuron group's entry
+    (its neurons '+'-joined) is one component, not neurons: "the top-8 MLP neurons" of a
+    ranking with a group of 2 among them knocked out 9 neurons."""
+    kinds: set[object] = set()
+    for name in names:
+        parsed = parse_components([name])
+        kinds.add("group" if len(parsed) > 1 else isinstance(parsed[0], Neuron))
+    word = ("component" if len(kinds) > 1 else "MLP neuron" if True in kinds
+            else "neuron group" if "group" in kinds else "head")
     return word + "s" if plural else word
 
 
@@ -559,7 +565,10 @@ def verification_markdown(table: Mapping[str, Any]) -> str:
         sizes = sorted({len(drawn) for entry in random.values() for drawn in entry["sets"]})
         size = (f"{sizes[0]:,}" if len(sizes) == 1 else
                 "as many as each task's top-k knocks out")
-        lines += ["", f"## Against random {word}: {counted(table['random_draws'], 'set')} "
+        drawn_word = kind_words(name for entry in random.values() for drawn in entry["sets"]
+                                for name in drawn)  # neurons, where the top has groups
+        lines += ["", f"## Against random {drawn_word}: "
+                      f"{counted(table['random_draws'], 'set')} "
                       f"of {size} per task (seed {first['seed']})", "",
                   "| task | ablation | top-k Task drop | random mean ± sd | random min – max "
                   "| top-k moves it more than | top-k Gen drop | random Gen drop (mean) |",
