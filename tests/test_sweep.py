@@ -82,11 +82,26 @@ def test_a_finished_sweep_rerun_prints_its_table_without_loading_the_model(
         assert harness(*args) == 0
     assert table() == printed
     assert (out / "sweep.json").read_text() == made
-    # A cell's check lost: the model loads to measure it again (once), the table the same.
-    loads = lose_last_measurement_and_count_loads(out, monkeypatch)
-    assert harness(*args) == 0
-    assert loads == [1] and table() == printed
+    # A cell's check lost, a copy of what a cell measured (its top head, measured
+    # alone): copied again without the model, the table the same. It loaded the model.
+    lost = json.loads((out / "measurements.jsonl").read_text().splitlines()[-1])
+    assert lost["key"] == "m4-p0.25-top1" and "/alone-" in lost["same_as"]
+    with monkeypatch.context() as patched:
+        loads = lose_last_measurement_and_count_loads(out, patched)
+        assert harness(*args) == 0
+    assert loads == [] and table() == printed
     assert (out / "sweep.json").read_text() == made
+    assert json.loads((out / "measurements.jsonl").read_text().splitlines()[-1]) == lost
+    # One measured nowhere else (no head measured alone): the model loads to measure it
+    # again (once).
+    alone = [*args[:args.index("--confirm")], "--confirm", "0", "--out", str(tmp_path / "0")]
+    assert harness(*alone) == 0
+    made = (tmp_path / "0" / "sweep.json").read_text()
+    lost = json.loads((tmp_path / "0" / "measurements.jsonl").read_text().splitlines()[-1])
+    assert "same_as" not in lost
+    loads = lose_last_measurement_and_count_loads(tmp_path / "0", monkeypatch)
+    assert harness(*alone) == 0
+    assert loads == [1] and (tmp_path / "0" / "sweep.json").read_text() == made
 
 
 def test_never_ablate_file_and_sweep(tiny_model_dir, tmp_path, capsys):

@@ -100,7 +100,7 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
             top = rankings[task].top(spec.top_k)
             key = f"{name}-top{spec.top_k}"
             plan: list[PlanEntry] = [(key, rankings[task].top_knocked_out(spec.top_k))]
-            check = run_plan(shared, measuring(plan), plan, desc=f"check {name}",
+            check = run_plan(shared, measuring(plan, shared), plan, desc=f"check {name}",
                              progress=False)[key]
             score = check["scores"][task]
             examples.append(check.get("examples", {}).get(task))

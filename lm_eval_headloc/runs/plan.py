@@ -20,7 +20,7 @@ from lm_eval_headloc.common.timing import timed
 from lm_eval_headloc.intervention.ablation import (
     AblationError,
 )
-from lm_eval_headloc.measurement.store import PlanEntry, _knockout_of, run_plan
+from lm_eval_headloc.measurement.store import PlanEntry, SharingStore, _knockout_of, run_plan
 from lm_eval_headloc.runs.folder import RunFolder
 from lm_eval_headloc.runs.folder_checks import RunFolderError
 from lm_eval_headloc.runs.option_values import parse_examples_part, parse_gen_kwargs
@@ -219,18 +219,32 @@ LM_EVAL_FILES = "lm_eval_files.json"
 
 
 def nothing_left(folder: RunFolder, plan: Sequence[PlanEntry],
-                 output_path: str | None = None, log_samples: bool = False) -> bool:
+                 output_path: str | None = None, log_samples: bool = False,
+                 shared: SharingStore | None = None) -> bool:
     """Every measurement of ``plan`` is on disk (and, with ``output_path``, every lm-eval
-    results file --output-path wants for it), so the model is not needed."""
-    done = {record["key"] for record in folder.measurements()}
+    results file --output-path wants for it), so the model is not needed. Without
+    ``output_path``, a knockout on disk under another key, or one another store of
+    ``shared``'s measurement made, counts: ``run_plan`` copies it (a twin) rather than
+    measuring it (a sweep rerun whose lost check is an earlier cell's loaded the model)."""
+    records = folder.measurements()
+    done = {record["key"] for record in records}
+    if output_path is None:
+        made = {(record["mask"], record.get("scale")) for record in records}
+        return all(entry[0] in done or (knockout := _knockout_of(*_heads_and_scale(entry)))
+                   in made or (shared is not None
+                               and shared.made_elsewhere(knockout) is not None)
+                   for entry in plan)
     if any(entry[0] not in done for entry in plan):
         return False
-    if output_path is None:
-        return True
     index = folder.file(LM_EVAL_FILES)
     written = read_json(index, RunFolderError) if index.is_file() else {}
     return all(_files_written(written.get(entry[0]), output_path, log_samples)
                for entry in plan)
+
+
+def _heads_and_scale(entry: PlanEntry) -> tuple[Sequence[Any], float | None]:
+    """A plan entry's heads and scale (None: the measurement's own)."""
+    return entry[1], (entry[2] if len(entry) > 2 else None)  # type: ignore[misc]
 
 
 class OnDemand:
@@ -243,9 +257,12 @@ class OnDemand:
         self.setup, self.folder, self.run, self.num_samples = setup, folder, run, num_samples
         self.measure: Measurement | None = None
 
-    def __call__(self, plan: Sequence[PlanEntry] = ()) -> Measurement | None:
-        """The measurement for ``plan`` (None while all of it is on disk); no plan: load."""
-        if self.measure is None and (not plan or not nothing_left(self.folder, plan)):
+    def __call__(self, plan: Sequence[PlanEntry] = (), shared: SharingStore | None = None
+                 ) -> Measurement | None:
+        """The measurement for ``plan`` (None while all of it is on disk, or in
+        ``shared``'s other stores); no plan: load."""
+        if self.measure is None and (not plan or not nothing_left(self.folder, plan,
+                                                                  shared=shared)):
             self.measure = open_measurement(self.setup, load_model(self.setup), self.folder,
                                             self.num_samples, run=self.run)
             self.run.save(self.folder, self.measure)
