@@ -287,6 +287,33 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     assert read_types(tmp_path) is None  # a folder without types.json has none
 
 
+def test_an_excluded_head_is_unknown_in_the_ranking_as_in_its_file():
+    """locate's (and refit's) Ranking held an --exclude'd head's fitted effect and
+    interval, where read_rankings of the same run reads NaN (the file lists only the
+    ranked): the one ranking said two things of the head."""
+    import numpy as np
+
+    from lm_eval_headloc.intervention.components import Head
+    from lm_eval_headloc.method.rank import fit_rankings
+    from lm_eval_headloc.method.ranking import ranked_heads_json, ranking_from_json
+
+    rng = np.random.default_rng(0)
+    design = rng.random((30, 6)) < 0.3
+    scores = 0.9 - 0.4 * design[:, 4] - 0.2 * design[:, 1]  # L1H1 and L0H1 hurt
+    base = {"scores": {"t": 0.9}, "higher_is_better": {"t": True}, "metrics": {"t": "acc"}}
+    records = {"baseline": base,
+               **{f"mask-{i:04d}": {"scores": {"t": float(y)}} for i, y in enumerate(scores)}}
+    ranking = fit_rankings(design, records, ["t"], 3, 0.01, [Head(1, 1)], bootstrap=20,
+                           top_k=2)["t"]
+    read = ranking_from_json(ranked_heads_json(ranking, 2), ranking.columns)
+    assert "L1H1" not in map(str, ranking.top(6))
+    assert np.isnan(read.effect("L1H1")) and np.isnan(ranking.effect("L1H1"))
+    assert ranking.confidence("L1H1") == read.confidence("L1H1") == {
+        "selected": 0.0, "effect_interval": None}
+    assert np.isnan(ranking.evidence["contrast"][4])
+    np.testing.assert_allclose(ranking.effects, read.effects, rtol=1e-9)  # NaN where NaN
+
+
 def test_components_to_keep_out_may_be_a_list():
     from lm_eval_headloc.intervention.components import Head
 

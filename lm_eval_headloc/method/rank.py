@@ -257,14 +257,21 @@ def fit_rankings(design: np.ndarray, records: Mapping[str, Mapping[str, Any]],
             # A head measured alone has one measurement, not a spread of Lasso refits.
             stability.low[list(alone)] = stability.high[list(alone)] = np.nan
         effects = fit.effects.copy()
-        effects[unmeasured] = np.nan  # never knocked out: the fit's 0 is no estimate
+        # What the ranking says of a column it does not rank is unknown (NaN), as its
+        # ranking file, which lists only the ranked, reads back (read_rankings): never
+        # knocked out, the fit's 0 is no estimate; --exclude'd, it is fitted, not ranked.
+        effects[left_out] = np.nan
+        if stability is not None:
+            stability.low[left_out] = stability.high[left_out] = np.nan
         # What the ranking ordered equal effects by, kept for orders that need it (export).
         logprob_change = logprob_changes(alone, len(effects))
         contrast = fit.contrast.copy()
         contrast[[*alone, *unmeasured]] = np.nan
         evidence = {"logprob_change": logprob_change, "contrast": contrast}
         if estimates is not None:
-            evidence["prior"] = np.atleast_2d(np.asarray(estimates, dtype=np.float64))
+            evidence["prior"] = np.atleast_2d(np.array(estimates, dtype=np.float64))
+        for values in evidence.values():
+            values[..., left_out] = np.nan
         rankings[task] = Ranking(
             task=task, metric=baseline["metrics"][task], higher_is_better=higher,
             baseline=float(baseline["scores"][task]), effects=effects,

@@ -187,7 +187,7 @@ def plot_heatmap(rankings: Sequence[Ranking], top_k: int, path: Path, title: str
         if hybrid:
             notes["grey rows: layers without attention heads"] = None
         if unknown:
-            notes["grey: no estimate (never knocked out or not measured)"] = None
+            notes["grey: no estimate (excluded, never knocked out or not measured)"] = None
         shown_types = {label for row in ranking.head_types.labels for label in row} if typed \
             else set()
         if shown_types - {None}:
