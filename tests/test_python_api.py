@@ -314,6 +314,29 @@ def test_an_excluded_head_is_unknown_in_the_ranking_as_in_its_file():
     np.testing.assert_allclose(ranking.effects, read.effects, rtol=1e-9)  # NaN where NaN
 
 
+def test_rankings_with_equal_contents_compare_equal(tiny_locate_run):
+    """Ranking == Ranking raised numpy's "truth value of an array is ambiguous" (the
+    dataclass compared its arrays as a tuple)."""
+    import copy
+
+    import numpy as np
+
+    from lm_eval_headloc import read_rankings
+    from lm_eval_headloc.method.ranking import Ranking
+
+    first, again = (read_rankings(tiny_locate_run)["tiny_choice"] for _ in range(2))
+    assert first.stability is not None and first.head_types is not None  # compared too
+    assert first == again and not first != again
+    unknown = Ranking("t", "acc", True, 0.5, np.array([-0.3, np.nan]), [0], 2)
+    assert unknown == copy.deepcopy(unknown)  # an unknown effect is the same unknown
+    changed = copy.deepcopy(first)
+    changed.effects[changed.order[0]] += 0.1
+    assert changed != first and first != "a ranking"
+    changed = copy.deepcopy(first)
+    changed.stability.low[0] -= 0.1
+    assert changed != first
+
+
 def test_components_to_keep_out_may_be_a_list():
     from lm_eval_headloc.intervention.components import Head
 
