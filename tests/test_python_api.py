@@ -4,7 +4,9 @@ package's top offers the public API (docs/python-api.md) and nothing more."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,6 +337,26 @@ def test_rankings_with_equal_contents_compare_equal(tiny_locate_run):
     changed = copy.deepcopy(first)
     changed.stability.low[0] -= 0.1
     assert changed != first
+
+
+def test_a_loaded_locate_run_holds_its_rankings(tiny_locate_run, tmp_path):
+    """load_run(run).rankings of a finished run was {}, as if it had ranked nothing."""
+    import shutil
+
+    from lm_eval_headloc import load_run, read_rankings
+
+    rankings = load_run(tiny_locate_run).rankings
+    assert list(rankings) == ["tiny_choice"]
+    assert rankings["tiny_choice"] == read_rankings(tiny_locate_run)["tiny_choice"]
+    # Read on first use: a ranking file altered by hand stops only what reads it (refit
+    # rewrites it from the record).
+    run = Path(shutil.copytree(tiny_locate_run, tmp_path / "run"))
+    data = strict_json(run / "heads-tiny_choice.json")
+    data["heads"][0]["effect"] = "large"
+    (run / "heads-tiny_choice.json").write_text(json.dumps(data))
+    record = load_run(run)
+    with raises_naming(RunFolderError, str(run / "heads-tiny_choice.json")):
+        record.rankings["tiny_choice"]
 
 
 def test_components_to_keep_out_may_be_a_list():

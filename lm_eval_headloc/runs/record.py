@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -309,7 +309,8 @@ class LocateRun(RunRecord):
     priors: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     records: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False,
                                                compare=False)
-    rankings: dict[str, Ranking] = field(default_factory=dict, repr=False, compare=False)
+    # load_run's of a ranked run: its ranking files, read on first use (``_StoredRankings``).
+    rankings: Mapping[str, Ranking] = field(default_factory=dict, repr=False, compare=False)
 
     KEYS: ClassVar[tuple[str, ...]] = (
         *RunRecord.KEYS[:-1], "candidates", "never_neurons", "pilot", "row_keys",
@@ -502,10 +503,42 @@ def load_run(folder: RunFolder | str | Path) -> RunRecord:
     """The record of the run in ``folder`` (a ``LocateRun`` for a locate run) from its
     config.json, once the folder is checked (``RunFolder.read_checked``: names, geometry,
     the other files agreeing with it; a config.json from a newer version is refused). The
-    files it points to are read on demand (``LocateRun.read_data``)."""
+    files it points to are read on demand (``LocateRun.read_data``); a locate run's
+    ``rankings``, those ``read_rankings`` reads, on first use."""
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     config = folder.read_checked()
-    return _RECORDS.get(config["command"], RunRecord).from_config(config)
+    record = _RECORDS.get(config["command"], RunRecord).from_config(config)
+    if isinstance(record, LocateRun) and any(folder.ranking_file(task).is_file()
+                                             for task in record.tasks):
+        record.rankings = _StoredRankings(folder, record)  # was {}: "ranked nothing"
+    return record
+
+
+class _StoredRankings(Mapping[str, Ranking]):
+    """A loaded run's rankings (``LocateRun.rankings``), read from its ranking files as
+    ``read_rankings`` reads them, on first use: a command that reads only the record
+    never reads them (refit rewrites a ranking file altered by hand)."""
+
+    def __init__(self, folder: RunFolder, record: RunRecord) -> None:
+        self._folder, self._record = folder, record
+        self._read: dict[str, Ranking] | None = None
+
+    def _rankings(self) -> dict[str, Ranking]:
+        if self._read is None:
+            self._read = _read_rankings(self._folder, self._record)
+        return self._read
+
+    def __getitem__(self, task: str) -> Ranking:
+        return self._rankings()[task]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rankings())
+
+    def __len__(self) -> int:
+        return len(self._rankings())
+
+    def __repr__(self) -> str:
+        return repr(self._rankings())
 
 
 #: The commands whose runs rank components (``heads-<task>.json``).
@@ -646,10 +679,14 @@ def read_ranking_file(path: Path) -> dict[str, Any]:
 def read_rankings(folder: RunFolder | str | Path) -> dict[str, Ranking]:
     """The rankings a finished locate or greedy run wrote (heads-<task>.json), by task,
     as ``Ranking``s: for a notebook, read only (``refit`` fits again and rewrites)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    return _read_rankings(folder, load_run(folder))
+
+
+def _read_rankings(folder: RunFolder, record: RunRecord) -> dict[str, Ranking]:
+    """``read_rankings`` of the run in ``folder`` whose record is ``record``."""
     from lm_eval_headloc.runs.types_file import read_types
 
-    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    record = load_run(folder)
     files = ranking_files(folder, record)
     if not record.has_geometry:
         raise RunFolderError(f"{folder.path} records no model geometry; finish the run first")
