@@ -181,6 +181,28 @@ def test_a_failed_means_pass_puts_the_old_ablation_back(tiny_model_dir, tmp_path
     torch.testing.assert_close(_logits(lm), zero, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("value", [0.5, 2.0, float("nan")])
+def test_a_row_mask_entry_other_than_0_or_1_is_refused(tiny_model_dir, value):
+    """knocking_out(row_masks=...) cast the masks to bool: 0.5 knocked its head out
+    whole, as 1 does (a partial knockout is the scale's)."""
+    lm = load_lm(tiny_model_dir("llama"))
+    width = lm.knockout.flat_width(["heads"])
+
+    def logits(entry: object, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        masks = torch.zeros(1, width, dtype=dtype)
+        masks[0, 1] = entry
+        with lm.knocking_out(row_masks=masks):
+            return _logits(lm)
+
+    with raises_naming(AblationError, "row_masks", repr(value), "(0, 1)"):
+        logits(value)
+    assert lm.intervention.row_masks is None  # refused before it was switched on
+    one = logits(True, torch.bool)
+    torch.testing.assert_close(logits(1.0), one, rtol=0, atol=0)  # 1/0 still read
+    torch.testing.assert_close(logits(1, torch.int64), one, rtol=0, atol=0)
+    assert not torch.equal(logits(0.0), one)
+
+
 def test_a_removed_knockout_refuses_rather_than_knocking_out_nothing(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

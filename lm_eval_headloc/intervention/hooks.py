@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lm_eval_headloc.intervention.ablation import check_scale
+from lm_eval_headloc.intervention.ablation import AblationError, check_scale
 from lm_eval_headloc.intervention.components import (
     Component,
     Neuron,
@@ -75,6 +75,8 @@ class Intervention:
     def __post_init__(self) -> None:
         # A NaN scale would make every knocked-out slice NaN, silently.
         object.__setattr__(self, "scale", check_scale(self.scale))
+        if self.row_masks is not None:
+            object.__setattr__(self, "row_masks", _checked_row_masks(self.row_masks))
 
     @property
     def any_knocked_out(self) -> bool:
@@ -94,6 +96,22 @@ class Intervention:
 
     def replace(self, **changes: Any) -> Intervention:
         return dataclasses.replace(self, **changes)
+
+
+def _checked_row_masks(masks: Any) -> torch.Tensor:
+    """Per-row masks as booleans. A knockout is all or nothing (a partial one is the
+    ``scale``): a value other than 0 or 1 (False or True) is refused, where a bool cast
+    counted 0.5 as knocked out."""
+    masks = torch.as_tensor(masks)
+    if masks.dtype == torch.bool:
+        return masks
+    stray = (masks != 0) & (masks != 1)  # NaN too
+    if stray.any():
+        at = tuple(torch.nonzero(stray)[0].tolist())
+        raise AblationError(f"row_masks holds {masks[at].item()!r} at {at}: each entry is "
+                            "True/False (or 1/0), knocked out or not; a partial knockout "
+                            "is scale=, e.g. scale=0.5")
+    return masks.bool()
 
 
 @dataclass
