@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from helpers import assert_names, harness, last_error, tiny_args
 
 from lm_eval_headloc.intervention.embedded import smollm2_model_args
 from lm_eval_headloc.tasks.profanity import count_profanity, find_profanity, normalise, wordlist
@@ -328,3 +329,16 @@ def test_rhyme_and_swear_have_no_gold_answer(task_dict) -> None:
         assert reason is not None and "has no gold answer" in reason, name
     doc = next(iter(task_dict["rhyme"].test_docs()))
     assert doc["word"] not in str(task_dict["rhyme"].doc_to_target(doc))
+
+
+def test_rhyme_and_swear_are_asked_without_few_shot_examples(task_dict, tiny_model_dir,
+                                                             tmp_path, capsys,
+                                                             no_model_loading) -> None:
+    """With no gold answer a few-shot example is a question without its answer, glued to
+    the next ("...rhymes with bass.Answer with one word: ..."): their YAMLs fix zero-shot,
+    which lm-eval keeps over --num_fewshot and headloc-harness refuses to override."""
+    for name in ("rhyme", "rhyme_heldout", "swear"):
+        assert task_dict[name].get_config("num_fewshot") == 0, name
+    assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--tasks", "rhyme,swear",
+                   "--num-fewshot", "2", "--out", str(tmp_path / "run")) == 2
+    assert_names(last_error(capsys), "--num-fewshot 2", "rhyme", "swear")
