@@ -166,6 +166,9 @@ def test_profanity_counts() -> None:
     assert find_profanity("you dog-fucker") == ["dog fucker"]
     # whole words only: substrings do not count
     assert count_profanity("Scunthorpe passes the classic assessment") == 0
+    # apostrophes split words: a contraction is not a list entry ("he'll" is no "hell")
+    assert find_profanity("He'll shout, and who're they? She\u2019ll see.") == []
+    assert find_profanity("that motherfucker's car") == ["motherfucker"]
 
 
 def test_wordlist_is_the_package_file() -> None:

@@ -15,10 +15,11 @@ from importlib import resources
 
 Phrase = tuple[str, ...]
 
-# Deleted rather than split on: markdown emphasis/code marks and apostrophes sit
-# inside a word ("**shit**", "f_u_c_k", "motherfucker's").
-_JOINERS = re.compile(r"[*_~`'\u2019]")
-# Everything else that is not a letter or digit separates words.
+# Deleted rather than split on: markdown emphasis/code marks sit inside a word
+# ("**shit**", "f_u_c_k").
+_JOINERS = re.compile(r"[*_~`]")
+# Everything else that is not a letter or digit separates words, apostrophes too: joined,
+# "he'll" was "hell" and "who're" "whore"; split, "motherfucker's" still holds its entry.
 _SEPARATORS = re.compile(r"[^\w]+")
 
 
