@@ -327,6 +327,26 @@ def _binomial_bar(chance: float, n: int, sigmas: float = 4.0) -> float:
     return chance + sigmas * math.sqrt(chance * (1 - chance) / n)
 
 
+def test_arith_prompts_never_show_the_questions_own_pair_even_asked_for_few_shot():
+    """lm-eval draws few-shot examples from the same documents, where every pair is asked
+    three times: --num_fewshot 2 showed 51 of 300 questions their own pair answered. The
+    YAML fixes 0 (the prompt holds its own examples), which lm-eval keeps."""
+    import re
+
+    from lm_eval_headloc.measurement.harness import configure_tasks
+    from lm_eval_headloc.tasks import make_task_manager
+
+    tasks = make_task_manager().load(["headloc_arith"])["tasks"]
+    configure_tasks(tasks, num_fewshot=2)  # as simple_evaluate applies --num_fewshot 2
+    task = tasks["headloc_arith"]
+    task.set_fewshot_seed(seed=1234)
+    for doc in task.test_docs():
+        a, b = doc["a"], doc["b"]
+        *shown, asked = task.fewshot_context(doc, task.get_config("num_fewshot")).split("\n")
+        assert asked == f"{a} + {b} ="
+        assert not [line for line in shown if re.match(rf"({a} \+ {b}|{b} \+ {a}) =", line)]
+
+
 @pytest.mark.slow
 def test_stock_cli_runs_every_task(smollm2, tmp_path):
     folder, gguf = smollm2
