@@ -309,7 +309,7 @@ def test_headloc_tag_covers_the_three_tasks_and_the_held_out_tag_the_others(task
 
 def test_every_task_is_scored_by_acc(task_dict):
     """The held-out tasks are in no table of metrics.py: they are scored by the first
-    metric lm-eval reports, so they list acc alone (perplexity would come first)."""
+    metric their YAML lists, and they list acc alone."""
     from lm_eval_headloc.measurement.metrics import default_metric
 
     tasks, _ = task_dict
