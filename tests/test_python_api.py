@@ -279,6 +279,37 @@ def test_a_model_argument_given_twice_is_refused_not_overwritten(tiny_model_dir,
         RunSpec(model_args=f"pretrained={folder},dtype=float32, dtype=float16").validate()
 
 
+@pytest.mark.parametrize("given", [["pretrained={folder},ablate=L0H1,ablate=L1H2"],
+                                   ["pretrained={folder},ablate=L0H1", "ablate=L1H2"],
+                                   ["pretrained={folder},ablate=L0H1", "--model_args",
+                                    "ablate=L1H2"]])
+def test_a_model_argument_given_twice_on_the_stock_command_line_is_refused(
+        tiny_model_dir, monkeypatch, given):
+    """lm-eval 0.4.13's ``lm_eval`` merges --model_args into a dict, keeping the last of a
+    name given twice (it only warns), and builds the model from that dict: 'ablate=L0H1,
+    ablate=L1H2' ran with L1H2 alone, exit 0."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    folder = tiny_model_dir("llama")
+    values = [value.format(folder=folder) for value in given]
+    monkeypatch.setattr("sys.argv", ["/somewhere/bin/lm_eval", "--model", "hf-headablate",
+                                     "--model_args", *values, "--tasks", "tiny_choice"])
+    lm_evals = {"pretrained": str(folder), "ablate": "L1H2"}  # what lm-eval hands over
+    with raises_naming(UsageError, "ablate= is given twice", "'+'"):
+        HFHeadAblateLM.create_from_arg_obj(lm_evals, {"batch_size": 1, "device": "cpu"})
+    # Given once, the arguments go on to the load.
+    monkeypatch.setattr("sys.argv", ["/somewhere/bin/lm_eval", "--model_args",
+                                     f"pretrained={folder},ablate=L1H2", "--device", "cpu"])
+    with pytest.raises(AssertionError, match="loaded before"):
+        HFHeadAblateLM.create_from_arg_obj(lm_evals, {"batch_size": 1, "device": "cpu"})
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "x", True])
 def test_a_scale_that_is_not_a_finite_number_is_refused(scale):
     with raises_naming(AblationError, f"scale={scale!r}"):

@@ -80,7 +80,7 @@ from lm_eval_headloc.intervention.prompt_start import (
     plain_cache,
     shared_start,
 )
-from lm_eval_headloc.intervention.registration import MODEL_NAME
+from lm_eval_headloc.intervention.registration import MODEL_NAME, lm_eval_cli_model_args
 
 __all__ = ["HFHeadAblateLM", "check_against_config"]
 
@@ -236,11 +236,7 @@ class HFHeadAblateLM(HFLM):
                                additional_config: dict[str, Any] | None = None
                                ) -> HFHeadAblateLM:
         parsed = ModelArgs.parse(arg_string)
-        twice = parsed.given_twice()
-        if twice is not None:
-            joined = " (its heads joined by '+': ablate=L0H29+L1H31)" if twice == "ablate" else ""
-            raise UsageError(f"model_args {twice}= is given twice ({arg_string}); lm-eval "
-                             f"keeps the last: give it once{joined}")
+        _refuse_given_twice(parsed)
         return cls.create_from_arg_obj(dict(parsed.args), additional_config)
 
     @classmethod
@@ -251,6 +247,10 @@ class HFHeadAblateLM(HFLM):
         one lm_eval's command line passes beside it (``device``, whose default there is
         cuda:0, ``batch_size``, ``max_batch_size``), where lm-eval's ``hf`` stops with
         "got multiple values for keyword argument"."""
+        # The stock `lm_eval` command hands over a dict, a name given twice already dropped.
+        command_line = lm_eval_cli_model_args()
+        if command_line:
+            _refuse_given_twice(ModelArgs.parse(command_line))
         extra = {key: value for key, value in (additional_config or {}).items()
                  if value is not None and key not in arg_dict}
         return cls(**arg_dict, **extra)
@@ -752,6 +752,16 @@ class HFHeadAblateLM(HFLM):
         if self.ablation == "resample":
             info["resample_seed"] = self.resample_seed
         return info
+
+
+def _refuse_given_twice(parsed: ModelArgs) -> None:
+    """A model argument given twice is refused: lm-eval keeps the last, so
+    ``ablate=L0H1,ablate=L1H2`` would knock out L1H2 alone."""
+    twice = parsed.given_twice()
+    if twice is not None:
+        joined = " (its heads joined by '+': ablate=L0H29+L1H31)" if twice == "ablate" else ""
+        raise UsageError(f"model_args {twice}= is given twice ({parsed.text}); lm-eval "
+                         f"keeps the last: give it once{joined}")
 
 
 def _is_component_name(name: str) -> bool:

@@ -166,6 +166,33 @@ def _running_lm_eval_cli() -> bool:
     return program in ("lm_eval", "lm-eval")
 
 
+def lm_eval_cli_model_args() -> str | None:
+    """In the ``lm_eval`` program, every ``--model_args`` (``-a``) value its command line
+    gives, joined by commas as one ``key=value,…`` text; None in any other program.
+
+    lm-eval 0.4.13's command line merges its model args into a dict before the model sees
+    them, keeping the last of a name given twice (``ablate=L0H1,ablate=L1H2``), so a name
+    given twice can only be told from the command line itself. A JSON value is left out:
+    lm-eval reads it as a dict, whose names cannot repeat."""
+    if not _running_lm_eval_cli():
+        return None
+    texts: list[str] = []
+    taking = False
+    for token in sys.argv[1:]:
+        name, equals, value = token.partition("=")
+        if token in ("--model_args", "-a"):
+            taking = True
+            continue
+        if token.startswith("-"):
+            taking = False
+            if equals and name == "--model_args":
+                texts.append(value)
+            continue
+        if taking and not token.lstrip().startswith("{"):
+            texts.append(token)
+    return ",".join(texts)
+
+
 def _install_cli_excepthook() -> None:
     # lm-eval's CLI lets a model's constructor errors end in a traceback through its
     # internals. A UserError (a bad head list, ablation kind, reference set) is the user's
