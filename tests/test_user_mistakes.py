@@ -121,6 +121,27 @@ def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny
         HFHeadAblateLM(pretrained=str(model), peft=str(tmp_path / "adapter"))
 
 
+@pytest.mark.parametrize("name", ["tokenizer", "delta"])
+def test_a_missing_local_tokenizer_or_delta_folder_is_one_line_before_the_load(
+        tmp_path, tiny_model_dir, name, monkeypatch):
+    """tokenizer=/a/missing/folder was transformers' OSError 'Repo id must use
+    alphanumeric chars…' (a traceback under the stock lm_eval), and delta= the same after
+    the weights loaded."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+
+    missing = str(tmp_path / "nope")
+    with raises_naming(UsageError, f"{name}={missing}", "no such folder"):
+        HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
+                       **{name: missing})
+
+
 def test_model_args_the_harness_sets_or_cannot_read_are_one_line(tiny_model_dir, tmp_path,
                                                                  capsys, no_model_loading):
     """batch_size= in --model-args was 'got multiple values for keyword argument' after the

@@ -126,10 +126,11 @@ def check_pretrained_given(pretrained: object) -> None:
 
 
 def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
-                    gguf_file: object = None) -> None:
+                    gguf_file: object = None, tokenizer: object = None,
+                    delta: object = None) -> None:
     """What Hugging Face would report in other words (or after the weights load),
     checked before anything loads: no ``pretrained=`` (None) or an empty one; a
-    ``pretrained=`` or ``peft=`` written as a local path
+    ``pretrained=``, ``peft=``, ``tokenizer=`` or ``delta=`` written as a local path
     that does not exist, which HF reads as a malformed Hub id, or beginning with ``~``,
     which nothing expands; a ``pretrained=`` that is a GGUF file (HF takes its folder and
     ``gguf_file=``); a ``gguf_file=`` missing from a local ``pretrained=`` folder; a
@@ -143,14 +144,15 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
                                                                   "GGUF file")):
         if isinstance(value, str) and not value.strip():  # HF reads '' as "none": a typo
             raise UsageError(f"{name}='': give a {what} or leave it out")
-    for name, value in (("pretrained", pretrained), ("peft", peft)):
+    for name, value in (("pretrained", pretrained), ("peft", peft), ("tokenizer", tokenizer),
+                        ("delta", delta)):
         if isinstance(value, str) and value.startswith("~"):
             # Neither the shell (not at a word's start) nor Hugging Face expands it.
             raise UsageError(f"{name}={value}: '~' is not expanded here; write the whole "
                              f"path ({os.path.expanduser(value)})")
         if _local_path(value) and not os.path.exists(value):  # type: ignore[arg-type]
-            hub = ("model", "meta-llama/Llama-3.2-1B") if name == "pretrained" else (
-                "adapter", "user/adapter")
+            hub = ("adapter", "user/adapter") if name == "peft" else (
+                "model", "meta-llama/Llama-3.2-1B")
             raise UsageError(f"{name}={value}: no such folder (a Hub {hub[0]} is named like "
                              f"{hub[1]})")
     if isinstance(pretrained, str) and pretrained.lower().endswith(".gguf") \
