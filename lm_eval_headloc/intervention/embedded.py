@@ -59,6 +59,11 @@ def local_pretrained(pretrained: object) -> object:
     as the folder it lies in here; anything else as it is."""
     if isinstance(pretrained, str) and pretrained.strip() == EMBEDDED:
         return _installed()[0]
+    if isinstance(pretrained, str) and pretrained.strip().startswith("package:") \
+            and not Path(pretrained).exists():
+        # Hugging Face would call it a malformed Hub id ('Repo id must use alphanumeric').
+        raise UserError(f"pretrained={pretrained}: the one model named by its package is "
+                        f"{EMBEDDED} (the embedded SmolLM2)")
     return pretrained
 
 
