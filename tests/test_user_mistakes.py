@@ -281,6 +281,28 @@ def test_a_mean_cache_that_cannot_be_a_folder_is_refused_before_the_means_are_co
     assert computed == [] and a_file.read_text() == "mine\n"
 
 
+def test_a_mean_cache_that_cannot_be_a_folder_is_refused_before_the_weights_load(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """hf-headablate's ablation_cache= naming a file was refused only after the weights
+    loaded (minutes, for a large model)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    (tmp_path / "reference.txt").write_text("the cat sat\nMary and John\n")
+    a_file = tmp_path / "cache"
+    a_file.write_text("mine\n")
+    with raises_naming(AblationError, f"ablation_cache={str(a_file)!r}"):
+        HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu", ablate="L0H1",
+                       ablation="mean", ablation_data=str(tmp_path / "reference.txt"),
+                       ablation_cache=str(a_file))
+    assert a_file.read_text() == "mine\n"
+
+
 def test_verify_output_path_that_cannot_be_written_fails_before_the_model(
         tiny_locate_run, tmp_path, capsys):  # noqa: F811
     a_file = tmp_path / "a_file"

@@ -51,7 +51,7 @@ from lm_eval_headloc.common.options import ABLATIONS
 
 __all__ = ["FLOAT32_OVERFLOW", "AblationError", "Resampler", "cached_head_means", "check_ablation",
            "check_reference_set", "check_scale", "default_cache_dir", "head_means", "head_outputs",
-           "pick_donor", "reference_texts", "scale_overflow", "task_texts"]
+           "means_folder", "pick_donor", "reference_texts", "scale_overflow", "task_texts"]
 
 
 class AblationError(UserError):
@@ -420,6 +420,19 @@ def default_cache_dir() -> Path:
     return cache_root() / "means"
 
 
+def means_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder mean ablation caches its statistics in (``ablation_cache=``, else
+    ``default_cache_dir``), made where it is missing; an ``AblationError`` where it cannot
+    be one (a file of that name, no permission)."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise AblationError(f"ablation_cache={str(folder)!r}: cannot be a folder of cached "
+                            f"means ({err.strerror or err})") from None
+    return folder
+
+
 def cached_head_means(key_fields: dict[str, Any], compute: Any,
                       cache_dir: str | os.PathLike | None = None
                       ) -> tuple[list[torch.Tensor], Path]:
@@ -429,12 +442,7 @@ def cached_head_means(key_fields: dict[str, Any], compute: Any,
     A file of that name whose stored fields differ is not ours to replace: refused.
     Written to a temporary name and renamed, so an interrupted run leaves no torn file.
     """
-    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    try:  # before the pass over the reference set, not after it
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise AblationError(f"ablation_cache={str(folder)!r}: cannot be a folder of cached "
-                            f"means ({err.strerror or err})") from None
+    folder = means_folder(cache_dir)  # before the pass over the reference set
     text = json.dumps(key_fields, sort_keys=True, default=str)
     path = folder / f"means-{hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_CHARS]}.pt"
     if path.exists():

@@ -50,6 +50,7 @@ from lm_eval_headloc.intervention.ablation import (
     check_reference_set,
     check_scale,
     head_means,
+    means_folder,
     reference_texts,
     scale_overflow,
 )
@@ -153,6 +154,8 @@ class HFHeadAblateLM(HFLM):
         if ablation_cache is not None and self.ablation != "mean":
             raise AblationError(f"ablation_cache={str(ablation_cache)!r}: only ablation=mean "
                                 f"caches statistics; ablation={self.ablation} keeps none")
+        if ablation_cache is not None:  # a file of that name: refused before the load
+            means_folder(ablation_cache)
         texts = _reference_set(self.ablation, ablation_data, ablation_field,
                                ablation_include_path)
         # The embedded model's name (a run's record) is the folder it lies in here.
