@@ -777,6 +777,27 @@ def test_a_baselines_config_is_what_its_model_args_record(model_dir, task_manage
         assert config.get(key) == rerun.get(key), key
 
 
+def test_a_jsonl_reference_sets_field_is_recorded(model_dir, tmp_path):
+    """A model built in Python (no model_args in the results) recorded ablation_data= but
+    not ablation_field=: a rerun from the record read another field of the file (or
+    none), with other means."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    data = tmp_path / "reference.jsonl"
+    data.write_text("".join(json.dumps({"text": "x", "body": body}) + "\n"
+                            for body in ("the cat sat on the mat", "Mary and John went")))
+    lm = load_lm(model_dir, ablate="L0H1", ablation="mean", ablation_data=str(data),
+                 ablation_field="body", ablation_cache=str(tmp_path / "cache"))
+    info = lm.get_model_info()
+    assert info["ablation_field"] == "body"
+    rerun = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
+                           **{key: info[key] for key in ("ablate", "ablation", "ablation_data",
+                                                         "ablation_field")},
+                           ablation_cache=str(tmp_path / "cache"))
+    assert rerun.get_model_info()["reference_digest"] == info["reference_digest"]
+    assert "ablation_field" not in load_lm(model_dir).get_model_info()
+
+
 def test_a_baseline_at_a_scale_records_no_scale(model_dir, task_manager):
     """A --scale run's baseline: no component is scaled, so its model_args name no scale
     (a rerun of them warned "nothing is knocked out") and its config says the scale a

@@ -750,6 +750,8 @@ class HFHeadAblateLM(HFLM):
         info["ablate"] = format_heads(self.knocked_out)
         info.update(ablation=self.ablation, scale=self.scale, ablation_data=self.ablation_data,
                     means_file=self.means_file, reference_digest=self.reference_digest)
+        if self.ablation_field is not None:  # which texts of ablation_data= were the set
+            info["ablation_field"] = self.ablation_field
         if self.neuron_means_file is not None:
             info["neuron_means_file"] = self.neuron_means_file
         if self.ablation == "resample":
