@@ -745,3 +745,24 @@ def test_resample_picks_a_shared_rows_donor_whatever_order_its_requests_came_in(
                     ablation_data=str(reference_file))
     plain.remember_prompts([([1, 2], [3]), ([4, 5], [6])] * 2)
     assert plain._documents == {}
+
+
+def test_resample_scores_of_a_call_do_not_depend_on_the_objects_earlier_calls(
+        tiny_model_dir, reference_file):
+    """One object evaluating task after task (simple_evaluate(model=lm) in a loop): an
+    earlier call's request of the same model input ('the cat' + ' sat on' before 'the cat
+    sat' + ' on') moved the later request's prompt, and so its donor: its score was not a
+    fresh object's, though lm-eval answered the two calls from separate rows."""
+    pairs = [("the cat sat", " on"), ("Mary and John went", " to the store"),
+             ("one two three", " four five"), ("the dog sat on", " the mat")]
+    earlier = [Request((context[:context.rindex(" ")], context[context.rindex(" "):] + more))
+               for context, more in pairs]  # the same model inputs, split one word sooner
+
+    def lm():
+        return load_lm(tiny_model_dir("llama"), ablate="L0H1+L1H2+L1H0", ablation="resample",
+                       ablation_data=str(reference_file))
+
+    fresh = lm().loglikelihood([Request(pair) for pair in pairs])
+    reused = lm()
+    reused.loglikelihood(earlier)
+    assert reused.loglikelihood([Request(pair) for pair in pairs]) == fresh

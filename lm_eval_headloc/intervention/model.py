@@ -505,7 +505,29 @@ class HFHeadAblateLM(HFLM):
                                                     else {row[:earlier]})
             documents.add(document)
 
+    @contextlib.contextmanager
+    def _requests_of_one_call(self) -> Iterator[None]:
+        """Inside, the model inputs and documents resample knows are those of one call of
+        lm-eval's (``loglikelihood``, ``loglikelihood_rolling``): the rows it answers. An
+        earlier call's (another task evaluated before on this object) would move a shared
+        input's prompt, and so its donor: a task's scores would depend on what the object
+        evaluated before. Those remembered outside (``remember_prompts``) are back after."""
+        saved = self._prompt_lengths, self._documents
+        self._prompt_lengths, self._documents = {}, {}
+        try:
+            yield
+        finally:
+            self._prompt_lengths, self._documents = saved
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
+        with self._requests_of_one_call():
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
+        with self._requests_of_one_call():
+            return self._loglikelihood_rolling(requests, disable_tqdm)
+
+    def _loglikelihood_rolling(self, requests: list, disable_tqdm: bool) -> list:
         if self.resampler is not None:
             # Each window's document is the whole text it is cut from (as the reference
             # set tokenizes it), which no window alone holds: noted per window's input.
