@@ -384,11 +384,14 @@ BAD_HEADS = {
     "ablate=L0H1+L1N64": r"hf-headablate: error: neuron L1N64 is outside the model: neuron "
                          r"64 not in 0\.\.63",
     "ablate=L0N1+L1Nx": r"hf-headablate: error: bad component name 'L1Nx'",
+    # lm-eval's command line merges --model_args into a dict, keeping the last: L1H2 alone.
+    "ablate=L0H1,ablate=L1H2": r"hf-headablate: error: model_args ablate= is given twice",
 }
 #: Through real ``lm_eval`` processes (each spends ~15 s importing lm-eval and indexing its
 #: tasks): both entry points, and an error the model raises from a missing file (a
 #: FileNotFoundError underneath). The others' messages go through the same hook in-process.
-STOCK_CLI = ("ablate=L99H0", "-m lm_eval: ablate=L0H1+X1", "ablate_file=/no/such/heads.json")
+STOCK_CLI = ("ablate=L99H0", "-m lm_eval: ablate=L0H1+X1", "ablate_file=/no/such/heads.json",
+             "ablate=L0H1,ablate=L1H2")
 
 
 @pytest.fixture(scope="module")
