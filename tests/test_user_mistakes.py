@@ -121,12 +121,13 @@ def test_adapter_and_gguf_paths_are_checked_before_anything_loads(tmp_path, tiny
         HFHeadAblateLM(pretrained=str(model), peft=str(tmp_path / "adapter"))
 
 
-@pytest.mark.parametrize("name", ["tokenizer", "delta"])
+@pytest.mark.parametrize("name", ["tokenizer", "delta", "subfolder"])
 def test_a_missing_local_tokenizer_or_delta_folder_is_one_line_before_the_load(
         tmp_path, tiny_model_dir, name, monkeypatch):
     """tokenizer=/a/missing/folder was transformers' OSError 'Repo id must use
     alphanumeric chars…' (a traceback under the stock lm_eval), and delta= the same after
-    the weights loaded."""
+    the weights loaded; subfolder=nope in a local model folder was "Unrecognized model in
+    <folder>. Should have a `model_type` key in its config.json", which it has."""
     from lm_eval.models.huggingface import HFLM
 
     from lm_eval_headloc.intervention.model import HFHeadAblateLM
@@ -136,7 +137,7 @@ def test_a_missing_local_tokenizer_or_delta_folder_is_one_line_before_the_load(
 
     monkeypatch.setattr(HFLM, "__init__", refuse)
 
-    missing = str(tmp_path / "nope")
+    missing = "nope" if name == "subfolder" else str(tmp_path / "nope")
     with raises_naming(UsageError, f"{name}={missing}", "no such folder"):
         HFHeadAblateLM(pretrained=str(tiny_model_dir("llama")), device="cpu",
                        **{name: missing})

@@ -127,13 +127,14 @@ def check_pretrained_given(pretrained: object) -> None:
 
 def check_load_args(pretrained: object, dtype: object = None, peft: object = None,
                     gguf_file: object = None, tokenizer: object = None,
-                    delta: object = None) -> None:
+                    delta: object = None, subfolder: object = None) -> None:
     """What Hugging Face would report in other words (or after the weights load),
     checked before anything loads: no ``pretrained=`` (None) or an empty one; a
     ``pretrained=``, ``peft=``, ``tokenizer=`` or ``delta=`` written as a local path
     that does not exist, which HF reads as a malformed Hub id, or beginning with ``~``,
     which nothing expands; a ``pretrained=`` that is a GGUF file (HF takes its folder and
     ``gguf_file=``); a ``gguf_file=`` missing from a local ``pretrained=`` folder; a
+    ``subfolder=`` missing from a local ``pretrained=`` folder; a
     ``peft=`` folder without ``adapter_config.json`` (PEFT says so only after the base
     model loads); a ``dtype=`` torch does not have, which lm-eval turns into an
     ``AttributeError``."""
@@ -166,6 +167,11 @@ def check_load_args(pretrained: object, dtype: object = None, peft: object = Non
         present = sorted(f for f in os.listdir(pretrained) if f.lower().endswith(".gguf"))
         raise UsageError(f"gguf_file={gguf_file}: no such file in {pretrained} (GGUF files "
                          f"there: {', '.join(present) or 'none'})")
+    if isinstance(subfolder, str) and subfolder and isinstance(pretrained, str) \
+            and os.path.isdir(pretrained) and not os.path.isdir(os.path.join(pretrained,
+                                                                          subfolder)):
+        # HF would say the folder's config.json has no model_type.
+        raise UsageError(f"subfolder={subfolder}: no such folder in {pretrained}")
     if isinstance(peft, str) and os.path.isdir(peft) \
             and not os.path.isfile(os.path.join(peft, "adapter_config.json")):
         raise UsageError(f"peft={peft}: no adapter_config.json in it (a PEFT adapter folder "

@@ -161,7 +161,8 @@ class HFHeadAblateLM(HFLM):
         # The embedded model's name (a run's record) is the folder it lies in here.
         named, pretrained = pretrained, local_pretrained(pretrained)
         check_load_args(pretrained, kwargs.get("dtype"), kwargs.get("peft"),
-                        kwargs.get("gguf_file"), kwargs.get("tokenizer"), kwargs.get("delta"))
+                        kwargs.get("gguf_file"), kwargs.get("tokenizer"), kwargs.get("delta"),
+                        kwargs.get("subfolder"))
         for name in ("softmax_dtype", "mixed_precision_dtype"):  # read after the load
             check_dtype(kwargs.get(name), name)
         if kwargs.get("max_length") is not None:  # HFLM takes 0 as unset, asserts on -1
