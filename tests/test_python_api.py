@@ -141,6 +141,18 @@ def test_sweep_takes_one_value_as_a_grid_of_one(tiny_model_dir, tmp_path, monkey
     assert cells == [100]
 
 
+def test_sweep_refuses_a_specs_masks_or_sparsity_the_default_grid_would_replace(
+        tiny_model_dir, tmp_path, no_model_loading):
+    """sweep(out, spec=RunSpec(masks=4)) ran the default grid (100 and 200 masks): the
+    spec's 4 was dropped without a word. The grid is sweep's masks= (the CLI's --masks)."""
+    for field, value in (("masks", 4), ("sparsity", 0.25)):
+        spec = RunSpec(tasks=("tiny_copy",), include_path=(TASKS,),
+                       model_args=f"pretrained={tiny_model_dir('llama')}", **{field: value})
+        with raises_naming(UsageError, "sweep()", f"{field}={value}", f"{field}="):
+            sweep(tmp_path / "s", spec=spec)
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- the model from Python -------------------------------------------------------------------
 
 TEXTS = ["the cat sat on the mat", "Mary and John went to the store"]

@@ -40,9 +40,20 @@ def sweep(out: str | Path, masks: Sequence[int] = SWEEP_MASKS,
     """Every (masks, sparsity) cell of the grid on one loaded model; returns the table.
 
     Each cell is ``spec`` with that cell's ``masks`` and ``sparsity`` (checked before the
-    model loads); its locate run goes to ``out/m{M}-p{P}``.
+    model loads); its locate run goes to ``out/m{M}-p{P}``. A ``spec`` setting masks or
+    sparsity is refused where that grid is left out.
     """
     spec = command_spec("sweep", spec, options)
+    for name, grid, default in (("masks", masks, SWEEP_MASKS),
+                                ("sparsity", sparsity, SWEEP_SPARSITY)):
+        value = getattr(spec, name)
+        # ``is``: the grid left out (masks=None is refused below, as a grid it is not).
+        if grid is default and value != getattr(RunSpec(), name):
+            # sweep(out, spec=RunSpec(masks=4)) ran the default grid, ignoring the 4.
+            raise UsageError(
+                f"sweep(): spec= sets {name}={value!r}, which each cell takes from the "
+                f"grid (default {','.join(map(str, default))}); give the grid as "
+                f"sweep's {name}= (one number is a grid of one)")
     for name, value in (("masks", masks), ("sparsity", sparsity)):
         if isinstance(value, RunSpec):  # locate(out, spec)'s order: sweep's spec is 4th
             raise TypeError(f"sweep(): {name}= is a RunSpec; give it as spec= (sweep's "
