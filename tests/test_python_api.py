@@ -404,6 +404,23 @@ def test_rankings_with_equal_contents_compare_equal(tiny_locate_run):
     assert changed != first
 
 
+def test_bootstrap_stabilities_with_equal_contents_compare_equal():
+    """Stability == Stability raised numpy's "truth value of an array is ambiguous" (a
+    frozen dataclass of arrays), where Ranking == Ranking compared contents."""
+    import numpy as np
+
+    from lm_eval_headloc.method.columns import Columns
+    from lm_eval_headloc.method.lasso import Stability
+
+    def stability(high: float) -> Stability:
+        return Stability(np.array([1.0, 0.5]), np.array([-0.2, np.nan]),
+                         np.array([high, np.nan]), 200)
+
+    assert stability(0.1) == stability(0.1) and not stability(0.1) != stability(0.1)
+    assert stability(0.1) != stability(0.2) and stability(0.1) != "a stability"
+    assert Columns.heads(2, 2) == Columns.heads(2, 2) != Columns.heads(2, 1)
+
+
 def test_a_loaded_locate_run_holds_its_rankings(tiny_locate_run, tmp_path):
     """load_run(run).rankings of a finished run was {}, as if it had ranked nothing."""
     import shutil

@@ -28,6 +28,7 @@ from sklearn.metrics import r2_score
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from lm_eval_headloc.common.checks import UsageError, check_number
+from lm_eval_headloc.common.equality import same_values
 from lm_eval_headloc.intervention.components import Head
 from lm_eval_headloc.method.designs import head_column_mask
 
@@ -359,6 +360,10 @@ class Stability:
     def __post_init__(self) -> None:
         for name in ("low", "high"):  # + 0.0: a zero estimate is 0, never "-0.0000"
             object.__setattr__(self, name, np.asarray(getattr(self, name), float) + 0.0)
+
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's own == raised on the arrays ("truth value ... is ambiguous").
+        return same_values(self, other) if isinstance(other, Stability) else NotImplemented
 
 
 def _alpha_max(design_matrix: np.ndarray, y: np.ndarray, intercept: bool) -> float:

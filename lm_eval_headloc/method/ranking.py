@@ -7,14 +7,14 @@ back, the one inverse of the other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from lm_eval_headloc.common.checks import check_number
+from lm_eval_headloc.common.equality import same_values
 from lm_eval_headloc.intervention.components import (
     Component,
     Head,
@@ -207,7 +207,7 @@ class Ranking:
     def __eq__(self, other: object) -> bool:
         # The dataclass's own == compared the numpy fields as a tuple, which raised
         # ("truth value of an array is ambiguous"): equal contents are equal rankings.
-        return _same(self, other) if isinstance(other, Ranking) else NotImplemented
+        return same_values(self, other) if isinstance(other, Ranking) else NotImplemented
 
     def top(self, k: int) -> list[Column]:
         """The first ``k`` columns (all of them where fewer are ranked)."""
@@ -265,33 +265,6 @@ class Ranking:
         harmless = set(self.harmless(k))
         return [h for h in self.top(k) if h not in harmless
                 and self.stability.selected[self.columns.index(h)] < STABLE]
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` hold the same values (``Ranking.__eq__``): arrays by shape
-    and values, NaN equal to NaN (an unknown effect is the same unknown); dataclasses,
-    mappings and sequences item by item; an object without an equality of its own (the
-    run's ``HeadTypes``) by its attributes."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        a, b = np.asarray(a), np.asarray(b)
-        try:
-            return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=True))
-        except TypeError:  # not numbers: no NaN to match
-            return a.shape == b.shape and bool(np.array_equal(a, b))
-    if type(a) is not type(b) and not (isinstance(a, float) and isinstance(b, float)):
-        return bool(a == b) if isinstance(a, (int, float)) else False
-    if is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)
-                   if f.compare)
-    if isinstance(a, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    if type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
-        return _same(vars(a), vars(b))
-    return bool(a == b)
 
 
 def relative_drop(baseline: float, score: float, higher_is_better: bool) -> float:
