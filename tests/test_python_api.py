@@ -354,6 +354,21 @@ def test_a_rankings_columns_are_read_by_name_and_counts_are_checked(tmp_path):
     assert read_types(tmp_path) is None  # a folder without types.json has none
 
 
+def test_a_design_row_is_all_or_nothing_as_the_knockout_hooks_rows():
+    """Columns.knocked_out counted a float design row's 0.5 as knocked out, where the
+    knockout hooks refuse a row mask other than 0/1 (a partial knockout is scale=)."""
+    import numpy as np
+
+    from lm_eval_headloc.intervention.components import Head
+    from lm_eval_headloc.method.columns import Columns
+
+    columns = Columns.heads(2, 2)
+    assert columns.knocked_out(np.array([1.0, 0.0, 0.0, 1.0])) == [Head(0, 0), Head(1, 1)]
+    for stray, shown in ((0.5, "0.5 at 1"), (np.nan, "nan at 1"), (2, "2.0 at 1")):
+        with raises_naming(ValueError, shown, "1/0"):
+            columns.knocked_out(np.array([1.0, stray, 0.0, 0.0]))
+
+
 def test_an_excluded_head_is_unknown_in_the_ranking_as_in_its_file():
     """locate's (and refit's) Ranking held an --exclude'd head's fitted effect and
     interval, where read_rankings of the same run reads NaN (the file lists only the

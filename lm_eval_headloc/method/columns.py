@@ -198,6 +198,14 @@ class Columns:
         if np.shape(row) != (len(self),):
             raise ValueError(f"a design row has one entry per column ({len(self)}), not "
                              f"shape {np.shape(row)}")
+        row = np.asarray(row)
+        # As the knockout hooks' row masks (hooks._checked_row_masks): all or nothing, so
+        # 0.5 (a float design's row) is refused, not counted as knocked out.
+        stray = (row != 0) & (row != 1)  # NaN too
+        if stray.any():
+            at = int(np.flatnonzero(stray)[0])
+            raise ValueError(f"a design row holds {row[at].item()!r} at {at}: each entry is "
+                             "True/False (or 1/0), knocked out or not")
         return [c for i in np.flatnonzero(row) for c in self.members(int(i))]
 
     @property
