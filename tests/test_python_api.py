@@ -15,9 +15,11 @@ from helpers import (
     TASKS,
     assert_names,
     finished_run,
+    harness,
     load_lm,
     raises_naming,
     strict_json,
+    tiny_args,
 )
 
 from lm_eval_headloc.commands import cross, greedy, locate, sweep, types, universal
@@ -434,6 +436,19 @@ def test_bootstrap_stabilities_with_equal_contents_compare_equal():
     assert stability(0.1) == stability(0.1) and not stability(0.1) != stability(0.1)
     assert stability(0.1) != stability(0.2) and stability(0.1) != "a stability"
     assert Columns.heads(2, 2) == Columns.heads(2, 2) != Columns.heads(2, 1)
+
+
+def test_a_loaded_greedy_run_holds_its_rankings(tiny_model_dir, tmp_path):
+    """load_run(greedy_run) was a plain RunRecord, without the .rankings a locate run's has,
+    though greedy writes heads-<task>.json and read_rankings reads them."""
+    from lm_eval_headloc import load_run, read_rankings
+
+    out = tmp_path / "greedy"
+    assert harness("greedy", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+                   "--num-samples", "3", "--top-k", "2", "--out", str(out)) == 0
+    rankings = load_run(out).rankings
+    assert list(rankings) == ["tiny_copy"]
+    assert rankings["tiny_copy"] == read_rankings(out)["tiny_copy"]
 
 
 def test_a_loaded_locate_run_holds_its_rankings(tiny_locate_run, tmp_path):

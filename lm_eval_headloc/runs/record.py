@@ -48,9 +48,10 @@ if TYPE_CHECKING:
     from lm_eval_headloc.measurement.measure import Measurement
     from lm_eval_headloc.runs.setup import Setup
 
-__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "LocateRun", "RunRecord", "check_model_files",
-           "column_prior", "load_run", "measured_on", "model_facts", "ranking_files",
-           "read_ranking_file", "read_rankings", "start_run", "stored_prior", "stored_priors"]
+__all__ = ["CONFIG_SCHEMA", "RANKING_COMMANDS", "GreedyRun", "LocateRun", "RunRecord",
+           "check_model_files", "column_prior", "load_run", "measured_on", "model_facts",
+           "ranking_files", "read_ranking_file", "read_rankings", "start_run", "stored_prior",
+           "stored_priors"]
 
 
 log = logging.getLogger("lm_eval_headloc")
@@ -496,28 +497,38 @@ def column_prior(priors: Mapping[str, Mapping[str, np.ndarray]], columns: Column
     return out
 
 
-_RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun}
+@dataclass
+class GreedyRun(RunRecord):
+    """A greedy run: its record, and (``load_run``'s of a ranked run) its rankings, as a
+    locate run's: greedy writes heads-<task>.json too."""
+
+    rankings: Mapping[str, Ranking] = field(default_factory=dict, repr=False, compare=False)
+
+
+_RECORDS: dict[str, type[RunRecord]] = {"locate": LocateRun, "greedy": GreedyRun}
 
 
 def load_run(folder: RunFolder | str | Path) -> RunRecord:
-    """The record of the run in ``folder`` (a ``LocateRun`` for a locate run) from its
-    config.json, once the folder is checked (``RunFolder.read_checked``: names, geometry,
-    the other files agreeing with it; a config.json from a newer version is refused). The
-    files it points to are read on demand (``LocateRun.read_data``); a locate run's
-    ``rankings``, those ``read_rankings`` reads, on first use."""
+    """The record of the run in ``folder`` (a ``LocateRun`` for a locate run, a
+    ``GreedyRun`` for a greedy one) from its config.json, once the folder is checked
+    (``RunFolder.read_checked``: names, geometry, the other files agreeing with it; a
+    config.json from a newer version is refused). The files it points to are read on
+    demand (``LocateRun.read_data``); a locate or greedy run's ``rankings``, those
+    ``read_rankings`` reads, on first use."""
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     config = folder.read_checked()
     record = _RECORDS.get(config["command"], RunRecord).from_config(config)
-    if isinstance(record, LocateRun) and any(folder.ranking_file(task).is_file()
-                                             for task in record.tasks):
+    if isinstance(record, (LocateRun, GreedyRun)) and any(
+            folder.ranking_file(task).is_file() for task in record.tasks):
         record.rankings = _StoredRankings(folder, record)  # was {}: "ranked nothing"
     return record
 
 
 class _StoredRankings(Mapping[str, Ranking]):
-    """A loaded run's rankings (``LocateRun.rankings``), read from its ranking files as
-    ``read_rankings`` reads them, on first use: a command that reads only the record
-    never reads them (refit rewrites a ranking file altered by hand)."""
+    """A loaded run's rankings (``LocateRun.rankings``, ``GreedyRun.rankings``), read
+    from its ranking files as ``read_rankings`` reads them, on first use: a command that
+    reads only the record never reads them (refit rewrites a ranking file altered by
+    hand)."""
 
     def __init__(self, folder: RunFolder, record: RunRecord) -> None:
         self._folder, self._record = folder, record
