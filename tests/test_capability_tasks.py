@@ -79,6 +79,23 @@ def test_main_rewrites_byte_identical_files(tmp_path):
     assert changed != data_file(TASK_CONFIGS, "headloc_ioi").read_bytes()
 
 
+def test_main_refuses_an_out_that_is_no_folder_in_one_line(tmp_path, capsys):
+    """--out naming a file ended in a NotADirectoryError traceback; a data file's place
+    taken by a folder in an IsADirectoryError, after the files before it were written."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    for out in (afile, afile / "sub"):
+        assert main(["--out", str(out)]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"--out {out}: {afile} is not a folder" in error
+    assert afile.read_text() == "mine"
+    taken = data_file(tmp_path / "tc", TASKS[-1])
+    taken.mkdir(parents=True)
+    assert main(["--out", str(tmp_path / "tc")]) == 2
+    assert f"{taken} is a folder" in capsys.readouterr().err
+    assert not data_file(tmp_path / "tc", TASKS[0]).exists()  # nothing written
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_at_least_200_docs_with_unique_ids(task):
     docs = _committed_docs(task)

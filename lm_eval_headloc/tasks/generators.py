@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from lm_eval_headloc.common.checks import UsageError
+from lm_eval_headloc.common.files import not_a_file
 
 __all__ = [
     "ARITH_SHOTS",
@@ -384,8 +389,27 @@ def data_file(task_configs: str | Path, task: str) -> Path:
     return Path(task_configs) / task / f"{task}.jsonl"
 
 
+def _refusal(task_configs: str | Path) -> str | None:
+    """Why ``write_task_data`` may not write under ``task_configs``, None where it may:
+    each folder on the way is a folder (or missing: made), each data file a regular file
+    (rewritten) or missing. Nothing that is not a folder or a data file is replaced."""
+    for task in GENERATORS:
+        path = data_file(task_configs, task)
+        # The nearest folder on the way that is there (a file there was NotADirectoryError).
+        there = next(f for f in (path.parent, *path.parent.parents) if os.path.lexists(f))
+        if not there.is_dir():
+            return f"{there} is not a folder"
+        if (what := not_a_file(path)) is not None or path.is_dir():
+            return what or f"{path} is a folder, not a data file"
+    return None
+
+
 def write_task_data(task_configs: str | Path, seed: int = SEED) -> list[Path]:
-    """(Re)write every task's JSONL under ``task_configs``; returns the files written."""
+    """(Re)write every task's JSONL under ``task_configs``; returns the files written.
+    Checked for every file before any is written: a ``UsageError`` naming the path."""
+    if (why := _refusal(task_configs)) is not None:
+        raise UsageError(f"--out {task_configs}: {why}; name the task_configs folder (made "
+                         "where missing)")
     written = []
     for task, generate in GENERATORS.items():
         path = data_file(task_configs, task)
@@ -404,7 +428,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the task_configs folder")
     parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED} (committed)")
     args = parser.parse_args(argv)
-    for path in write_task_data(args.out, args.seed):
+    try:
+        written = write_task_data(args.out, args.seed)
+    except UsageError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
         print(path)
     return 0
 
