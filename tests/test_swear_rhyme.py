@@ -150,6 +150,16 @@ def test_normalise_word() -> None:
     assert normalise_word("42 !!") == ""
 
 
+
+def test_a_curly_apostrophe_is_the_straight_one() -> None:
+    """rhyme's "Don’t" (a typographic apostrophe) was no CMU entry, where "don't" is: it
+    rhymed with nothing. swear splits words at either apostrophe alike."""
+    for curly in ("Don\u2019t", "\u2018don\u2019t\u2019", "**Don\u2019t!**"):
+        assert normalise_word(curly) == "don't"
+        assert rhymes("won't", curly) and rhymes("won\u2019t", "don't")
+    assert normalise("She\u2019ll who\u2018re") == normalise("She'll who're")
+
+
 # ---------------------------------------------------------------- profanity
 
 

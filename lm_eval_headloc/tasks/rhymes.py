@@ -18,6 +18,8 @@ Pronunciation = tuple[str, ...]
 
 # Characters a model wraps a one-word answer in: markdown emphasis and code marks.
 _MARKDOWN = re.compile(r"[*_~`]")
+# Typographic apostrophes, read as the straight one the CMU entries have ("don’t").
+_APOSTROPHES = str.maketrans("\u2019\u2018", "''")
 
 
 @lru_cache(maxsize=1)
@@ -63,9 +65,10 @@ def normalise_word(text: str) -> str:
 
     A "word" is the first whitespace-separated token that contains a letter, so list
     bullets and numbering ("1.", "-") are skipped; inner apostrophes and hyphens stay
-    ("don't" is a CMU entry). Returns "" when there is no word.
+    ("don't" is a CMU entry; a curly one, "don’t", is read as it). Returns "" when there
+    is no word.
     """
-    for token in _MARKDOWN.sub("", text).lower().split():
+    for token in _MARKDOWN.sub("", text).translate(_APOSTROPHES).lower().split():
         # Strip surrounding punctuation and quotes, straight or curly.
         word = re.sub(r"^[\W_]+|[\W_]+$", "", token)
         if any(c.isalpha() for c in word):
