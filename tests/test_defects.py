@@ -213,3 +213,17 @@ def test_locate_on_swear_with_prior_auto_uses_no_prior(tiny_model_dir, tmp_path)
     config = json.loads((out / "config.json").read_text())
     assert config["prior_used"] is False and config["prior_method"] is None
     assert not (out / "prior.json").exists()
+
+
+def test_workers_ended_after_ray_shut_down_start_no_new_ray():
+    """At the interpreter's exit Ray's own exit handler may run before the workers' end
+    (``weakref.finalize``): ray.kill then started a new local Ray to kill actors already
+    gone, some 20 s after the run's last line (and a Ctrl-C'd run died in a segfault, exit
+    139, not 130)."""
+    from lm_eval_headloc.distributed.workers import DistributedMeasurement
+
+    killed = []
+    ray = SimpleNamespace(is_initialized=lambda: False, kill=killed.append)
+    measurement = DistributedMeasurement(None, ["actor"], [{"pid": 1}], ray)
+    measurement.close()
+    assert killed == []

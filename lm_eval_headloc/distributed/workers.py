@@ -381,6 +381,10 @@ def start_workers(setup: Any, local: Any, build: Callable[..., Any], *,
 
 
 def _kill(ray: Any, actors: list[Any]) -> None:
+    if not ray.is_initialized():
+        # Ray already shut down (its exit handler ran first, at the interpreter's exit):
+        # the actors went with it, and ray.kill would start a new local Ray to kill them.
+        return
     for actor in actors:
         try:
             ray.kill(actor)
