@@ -355,3 +355,25 @@ def test_verify_generates_as_the_run_did_unless_given_other_gen_kwargs(tiny_mode
     assert (table["gen_kwargs"], table["run_gen_kwargs"]) == ('{"max_gen_toks": 3}',
                                                               '{"max_gen_toks": 2}')
     assert "not the run's (it gave `{\"max_gen_toks\": 2}`)" in (other / "verify.md").read_text()
+
+
+def test_ctrl_c_in_a_verify_into_its_default_folder_says_how_to_resume(
+        tiny_locate_run, tmp_path, monkeypatch, capsys):
+    """A verify without --out (its folder RUN/verify) stopped by Ctrl-C after its first
+    measurement said "it had not started its run folder, so nothing is kept": its folder
+    held config.json and the measurement, which the rerun continues from."""
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    append = RunFolder.append_measurement
+
+    def stopped(self, record):
+        append(self, record)
+        raise KeyboardInterrupt
+
+    run = shutil.copytree(tiny_locate_run, tmp_path / "run")  # the module's run stays bare
+    args = ["verify", str(run), "--top-k", "2", "--general", "tiny_copy", "--random-draws",
+            "0"]
+    monkeypatch.setattr(RunFolder, "append_measurement", stopped)
+    assert harness(*args) == 130
+    assert last_error(capsys).endswith("interrupted; rerun the same command to continue")
+    assert len((run / "verify" / "measurements.jsonl").read_text().splitlines()) == 1

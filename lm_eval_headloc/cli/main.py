@@ -354,6 +354,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
                 print(f"Time: {timing.timings_line([clock.snapshot()])}")
     except KeyboardInterrupt:
         out = getattr(args, "out", None)
+        if out is None and args.command == "verify":  # its default, RUN/verify
+            out = Path(args.run, "verify")
         started_run = args.command not in MEASURING or (
             out is not None and Path(out, "config.json").is_file())
         print("\nheadloc-harness: interrupted; " + (
