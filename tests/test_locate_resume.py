@@ -434,3 +434,29 @@ def test_a_chat_template_setting_given_as_the_run_decided_it_resumes(tiny_model_
     assert (out / "measurements.jsonl").read_text() == lines
     assert harness(*args, "--no-apply-chat-template") == 2
     assert "apply_chat_template" in last_error(capsys)
+
+
+def test_ctrl_c_in_a_forced_run_says_to_resume_without_force(tiny_model_dir, tmp_path,
+                                                            monkeypatch, capsys):
+    """A --force run stopped by Ctrl-C said "rerun the same command to continue": that
+    command, --force and all, cleared what the run had measured and started over."""
+    from lm_eval_headloc.runs.folder import RunFolder
+
+    append = RunFolder.append_measurement
+
+    def stopped(self, record):
+        append(self, record)
+        if len(self.measurements()) == 3:
+            raise KeyboardInterrupt
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", *LASSO_ONLY, "--masks", "5", "--out", str(run)]
+    with monkeypatch.context() as patched:
+        patched.setattr(RunFolder, "append_measurement", stopped)
+        assert harness(*args, "--force") == 130
+    assert last_error(capsys).endswith("interrupted; rerun it without --force to continue")
+    kept = (run / "measurements.jsonl").read_text().splitlines()
+    assert len(kept) == 3
+    assert harness(*args) == 0  # as it said: what was measured is kept
+    assert (run / "measurements.jsonl").read_text().splitlines()[:3] == kept

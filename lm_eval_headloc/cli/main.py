@@ -358,8 +358,11 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
             out = Path(args.run, "verify")
         started_run = args.command not in MEASURING or (
             out is not None and Path(out, "config.json").is_file())
+        # With --force the same command would clear what this one kept, and start over.
+        resume = ("rerun it without --force to continue" if getattr(args, "force", False)
+                  else "rerun the same command to continue")
         print("\nheadloc-harness: interrupted; " + (
-            "rerun the same command to continue" if started_run else
+            resume if started_run else
             "it had not started its run folder, so nothing is kept"), file=sys.stderr)
         return 130
     except USER_ERRORS as err:
