@@ -595,3 +595,31 @@ def test_a_fifo_in_place_of_a_runs_output_is_refused_when_it_resumes(tmp_path):
     with RunFolder(run) as folder, pytest.raises(RunFolderError,
                                                  match="report.md is a FIFO, not a regular"):
         folder.start("locate", {"seed": 0}, {})
+
+
+def test_a_full_disk_while_a_measurement_is_written_is_one_line(tiny_model_dir, tmp_path,
+                                                                capsys, monkeypatch):
+    """A disk that filled up during a run ended it in a traceback of some 30 lines
+    (OSError: No space left on device) out of measurements.jsonl's append; the rerun
+    keeps the lines before it."""
+    import errno
+
+    real = os.fsync
+    calls = []
+
+    def full(fd):
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--prior", "none", "--confirm", "0", "--masks", "5",
+            "--out", str(run)]
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", full)
+        assert harness(*args) == 2
+    assert_names(last_error(capsys), str(run / "measurements.jsonl"),
+                 "No space left on device")
+    assert harness(*args) == 0

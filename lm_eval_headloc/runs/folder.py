@@ -700,7 +700,12 @@ class RunFolder:
     def append_measurement(self, record: Mapping[str, Any]) -> None:
         """Append one line and force it to disk before the next measurement starts."""
         line = json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
-        with self.file(self.MEASUREMENTS).open("a") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        path = self.file(self.MEASUREMENTS)
+        try:
+            with path.open("a") as handle:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as err:  # a full disk: the lines before it are kept, a torn one cut
+            raise RunFolderError(f"cannot write {path}: {err.strerror or err}; the "
+                                 "measurements before it are kept for a rerun") from None
