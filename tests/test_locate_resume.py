@@ -460,3 +460,21 @@ def test_ctrl_c_in_a_forced_run_says_to_resume_without_force(tiny_model_dir, tmp
     assert len(kept) == 3
     assert harness(*args) == 0  # as it said: what was measured is kept
     assert (run / "measurements.jsonl").read_text().splitlines()[:3] == kept
+
+
+def test_a_measurement_recorded_twice_with_other_scores_is_refused(tiny_model_dir, tmp_path,
+                                                                  capsys):
+    """measurements.jsonl holding a key twice with different scores (two runs' files
+    mixed) was resumed, the later line silently taken over the first; reading the run
+    (refit) refuses it, and so does a rerun now."""
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", *LASSO_ONLY, "--masks", "5", "--out", str(run)]
+    assert harness(*args) == 0
+    log = run / "measurements.jsonl"
+    other = json.loads(log.read_text().splitlines()[2])
+    other["scores"] = {task: value + 1 for task, value in other["scores"].items()}
+    log.write_text(log.read_text() + json.dumps(other) + "\n")
+    assert harness(*args) == 2
+    error = last_error(capsys)
+    assert str(log.name) in error and f"holds {other['key']!r} twice" in error

@@ -326,11 +326,16 @@ def _check_prior(run: _Run) -> None:
 
 
 def _check_measurements(run: _Run) -> None:
+    scores: dict[str, Any] = {}  # by key, as first recorded
     for record in run.folder.measurements():
         missing = [t for t in run.tasks if t not in record["scores"]]
         if missing:
             raise run.disagree("measurements.jsonl", f"holds {record['key']!r} without a "
                                f"score of task {missing[0]!r}")
+        # Which of the two a resumed run would take could not be told (it took the last).
+        if scores.setdefault(record["key"], record["scores"]) != record["scores"]:
+            raise run.disagree("measurements.jsonl", f"holds {record['key']!r} twice, with "
+                               "different scores")
 
 
 def _check_ranking(run: _Run, task: str, columns: int | None) -> None:
