@@ -623,3 +623,32 @@ def test_a_full_disk_while_a_measurement_is_written_is_one_line(tiny_model_dir, 
     assert_names(last_error(capsys), str(run / "measurements.jsonl"),
                  "No space left on device")
     assert harness(*args) == 0
+
+
+def test_a_force_cut_short_while_clearing_leaves_a_folder_force_clears(tiny_model_dir,
+                                                                       tmp_path, monkeypatch):
+    """--force stopped (Ctrl-C) while it cleared the run's files left a folder without its
+    config.json, holding the rest of the run's files: refused for ever as no run of ours,
+    --force included. config.json goes last, so a second --force clears it."""
+    from lm_eval_headloc.runs import folder as folders
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out", str(run)]
+    assert harness(*args) == 0
+    deleted: list[str] = []
+    real = folders._delete
+
+    def cut_short(entry):
+        if len(deleted) == 2:
+            raise KeyboardInterrupt
+        deleted.append(entry.name)
+        real(entry)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(folders, "_delete", cut_short)
+        with pytest.raises(KeyboardInterrupt), folders.RunFolder(run) as folder:
+            folder.start("locate", {"seed": 1}, {}, force=True)
+    assert "config.json" not in deleted and (run / "config.json").is_file()
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert strict_json(run / "config.json")["identity"]["seed"] == 1

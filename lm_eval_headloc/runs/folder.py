@@ -212,6 +212,14 @@ def _own_rankings(config: Mapping[str, Any]) -> set[str]:
     return {f"heads-{name}{suffix}" for name in names for suffix in (".json", ".csv")}
 
 
+def _delete(entry: Path) -> None:
+    """Delete a file, or a folder with what it holds (not a link's target)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
+
+
 def _within(path: str | Path, folder: str | Path) -> bool:
     """Whether ``path`` is ``folder`` or inside it (links resolved)."""
     path, folder = Path(path).resolve(), Path(folder).resolve()
@@ -489,6 +497,9 @@ class RunFolder:
     def _entries(self) -> list[Path]:
         return [p for p in self.path.iterdir() if p.name != self.LOCK]
 
+    def _entries_config_last(self) -> list[Path]:
+        return sorted(self._entries(), key=lambda entry: entry.name == self.CONFIG)
+
     def _remove_partials(self) -> None:
         # Held under our lock: a partial file here is a killed writer's, never a live one.
         for entry in self._entries():
@@ -510,11 +521,13 @@ class RunFolder:
         try:
             for run in nested:
                 run._acquire()  # refuses a run another process is working in
-            for entry in self._entries():
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+            # config.json last, in each folder: a clearing cut short (Ctrl-C) leaves a
+            # run folder that --force clears again, not one refused as no run of ours.
+            for run in nested:
+                for entry in run._entries_config_last():
+                    _delete(entry)
+            for entry in self._entries_config_last():
+                _delete(entry)
         finally:
             for run in nested:
                 run.release()
