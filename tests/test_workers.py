@@ -114,7 +114,9 @@ def test_every_worker_gone_is_one_line_and_keeps_the_measurements(
     out = tmp_path / "gone"
     assert harness("locate", *tiny_args(tiny_model_dir("llama")), *LOCATE, "--workers", "2",
                    "--out", str(out)) != 0
-    assert "every worker has died" in last_error(capsys)
+    # Rerun as it was, --force included, the run would clear what it kept.
+    said = last_error(capsys)
+    assert "every worker has died" in said and "rerun without --force to resume" in said
     assert len(measurements_by_key(out)) >= 2
     # config.json says so: it said alive, 0 measurements each (as the workers started).
     workers = json.loads((out / "config.json").read_text())["workers"]

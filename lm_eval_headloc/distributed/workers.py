@@ -268,7 +268,8 @@ class DistributedMeasurement:
                 if self.on_all_dead is not None:
                     self.on_all_dead()
                 raise WorkerError(f"every worker has died ({counted(len(pending), 'chunk')} "
-                                  "of masks left); what was measured is on disk: rerun to resume")
+                                  "of masks left); what was measured is on disk: rerun "
+                                  "without --force to resume")
             (ref,), _ = ray.wait(list(running), num_returns=1)
             actor, index, started = running.pop(ref)
             try:
