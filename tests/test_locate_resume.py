@@ -243,6 +243,14 @@ def test_a_rerun_with_a_smaller_budget_fits_from_disk_as_a_fresh_run_with_it(
             assert replayed.get(field) == made.get(field), (name, field)
         np.testing.assert_array_equal(np.load(again / "design_matrix.npy"),
                                       np.load(fresh / "design_matrix.npy"))
+    # Back to the first budget: every measurement is still on disk (the rerun with fewer
+    # masks loaded the model for the masks it had left out of its fit).
+    again = tmp_path / "again masks"
+    assert harness(*base, "--masks", "12", "--confirm", "3", "--group-tests", "6",
+                   "--out", str(again)) == 0
+    assert (again / "measurements.jsonl").read_bytes() == measured
+    assert (again / "heads.json").read_text().replace(str(again), str(big)) == (
+        big / "heads.json").read_text()
 
 
 def test_a_killed_default_run_that_measures_every_head_alone_resumes_to_the_same(

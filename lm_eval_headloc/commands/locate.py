@@ -577,7 +577,10 @@ def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup:
         more = (stored.spec.masks == "auto" and spec.max_masks > stored.spec.max_masks
                 and stored.masks_used >= stored.spec.max_masks)
     else:
-        more = int(spec.masks) > stored.masks_used
+        # More masks than the stored run used may still be on disk: measured by an earlier
+        # run with more, before a rerun with fewer refitted it.
+        more = int(spec.masks) > stored.masks_used and any(
+            key not in stored.records for key in mask_keys(int(spec.masks)))
     if more:
         return None  # a replay would fit its first rounds for nothing
     method = stored.prior_kind
