@@ -16,6 +16,7 @@ from helpers import (
     assert_names,
     finished_run,
     harness,
+    last_logits,
     load_lm,
     raises_naming,
     strict_json,
@@ -250,6 +251,41 @@ def test_a_failed_knockout_leaves_the_callers_model_without_hooks(tiny_model_dir
     with raises_naming(MLPOutputNotFound, "nope.*"):
         ComponentKnockout(model, mlp_out="nope.*")
     assert hooks() == 0
+
+
+def test_a_model_wrapped_again_and_again_keeps_one_set_of_hooks(tiny_model_dir):
+    """HFHeadAblateLM(pretrained=model) in a notebook's loop: each wrapper hooked the model
+    again (one more idle hook per layer and site, every pass slower); now they share one
+    set, each wrapper's answers its own, and a failed one leaves the others' hooks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lm_eval_headloc.intervention.components import ComponentSpecError
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    folder = tiny_model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def hooks() -> int:
+        return sum(len(module._forward_pre_hooks) + len(module._forward_hooks)
+                   for module in model.modules())
+
+    def wrapped(heads: str) -> HFHeadAblateLM:
+        return HFHeadAblateLM(pretrained=model, tokenizer=tokenizer, device="cpu",
+                              ablate=heads or None)
+
+    first = wrapped("L0H1+L1N3")
+    one_set, answer = hooks(), last_logits(first)
+    later = [wrapped(heads) for heads in ("L1H2", "L0N5+L1H0", "")]
+    assert hooks() == one_set
+    torch.testing.assert_close(last_logits(first), answer, rtol=0, atol=0)
+    for lm, heads in zip(later, ("L1H2", "L0N5+L1H0", ""), strict=True):
+        with first.knocking_out(heads):
+            torch.testing.assert_close(last_logits(lm), last_logits(first), rtol=0, atol=0)
+    with raises_naming(ComponentSpecError, "L0H9"):
+        wrapped("L0H9")
+    assert hooks() == one_set
+    torch.testing.assert_close(last_logits(first), answer, rtol=0, atol=0)
 
 
 def test_heads_joined_by_a_comma_are_named_before_the_load(tiny_model_dir, monkeypatch):

@@ -187,7 +187,8 @@ class ComponentKnockout:
         modules = find_attention_outputs(model, attn_out)
         #: The first layer's head width (``geometry.Geometry.head_dim_of`` gives each layer's).
         self.head_dim = input_features(modules[0]) // self.heads_per_layer
-        self.mlp_out = mlp_out
+        self.attn_out, self.mlp_out = attn_out, mlp_out
+        self._shared = False  # whether ``on`` may hand it to another caller
         self._sites: dict[str, _Site] = {}
         self._active: ActivePass | None = None
         self._placed: tuple[Intervention, ActivePass] | None = None  # the last one placed
@@ -200,6 +201,25 @@ class ComponentKnockout:
             except BaseException:  # a bad mlp_out= leaves the caller's model unhooked
                 self.remove()
                 raise
+
+    @classmethod
+    def on(cls, model: nn.Module, attn_out: str | None = None, mlp_out: str | None = None
+           ) -> tuple[ComponentKnockout, bool]:
+        """A knockout for ``model`` that shares its hooks: the one an earlier ``on`` hooked
+        it with (the same ``attn_out``/``mlp_out``, not removed), else a new one. Returns
+        it and whether it is new. Its hooks only act inside ``applied``, so each caller's
+        passes stay its own; a new set per caller made every pass of a model wrapped again
+        and again (a notebook's loop) run one more idle hook per layer each time."""
+        for module in model.modules():
+            for hook in module._forward_pre_hooks.values():
+                knockout = getattr(hook, "knockout", None)
+                if (isinstance(knockout, cls) and knockout._shared and knockout.model is model
+                        and not knockout._removed
+                        and (knockout.attn_out, knockout.mlp_out) == (attn_out, mlp_out)):
+                    return knockout, False
+        knockout = cls(model, attn_out=attn_out, mlp_out=mlp_out)
+        knockout._shared = True
+        return knockout, True
 
     def _add_site(self, kind: str, modules: Mapping[int, nn.Module], units: int) -> None:
         every = [modules.get(layer) for layer in range(self.num_layers)]
@@ -274,6 +294,7 @@ class ComponentKnockout:
             out = per_unit.flatten(-2)
             return (out.flatten(0, 1) if flat else out, *rest)
 
+        knock_out.knockout = self  # what ``on`` finds on a hooked model
         return knock_out
 
     def _ablated(self, kind: str, layer: int, per_unit: torch.Tensor, mask: torch.Tensor

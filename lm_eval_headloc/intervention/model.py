@@ -194,7 +194,8 @@ class HFHeadAblateLM(HFLM):
             raise UsageError(f"model_args {unknown[1]}={kwargs[unknown[1]]!r}: neither "
                              "lm-eval's HFLM nor the model takes it; leave it out or check "
                              "its spelling") from None
-        self.knockout = ComponentKnockout(self.model, attn_out=attn_out, mlp_out=mlp_out)
+        # A model passed in and wrapped again (a notebook's loop) keeps one set of hooks.
+        self.knockout, hooked_here = ComponentKnockout.on(self.model, attn_out, mlp_out)
         # What the model's passes knock out: a value, applied around each forward pass
         # (``forward_pass``); ``knocking_out`` stands in another one for a while.
         self._means: dict[str, tuple] | None = None  # mean ablation's, per kind and layer
@@ -231,8 +232,9 @@ class HFHeadAblateLM(HFLM):
         except BaseException:
             # A model passed in (pretrained=<model>) is the caller's: a constructor that
             # fails here (a head past the model, a reference set too small) leaves it
-            # without hooks.
-            self.knockout.remove()
+            # without hooks (those an earlier wrapper of it uses stay).
+            if hooked_here:
+                self.knockout.remove()
             raise
 
     @classmethod
