@@ -431,6 +431,43 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
                                       BAD_HEADS[bad], monkeypatch, capsys)
 
 
+@pytest.mark.parametrize("bad, message", [
+    # `lm-eval run` reads [] as an empty list: nothing was knocked out, without a word.
+    ("ablate=[]", r"hf-headablate: error: ablate=\[\] names no heads"),
+    ("ablate=()", r"hf-headablate: error: ablate=\(\) names no heads"),
+    # An empty pattern was taken as none: the modules were found automatically, unasked.
+    ("attn_out=", r"hf-headablate: error: attn_out='': expected a module-name pattern"),
+    ("mlp_out=", r"hf-headablate: error: mlp_out='': expected a module-name pattern"),
+    ("mlp_out= ", r"hf-headablate: error: mlp_out=' ': expected a module-name pattern"),
+])
+def test_empty_knockout_args_from_lm_evals_command_line_are_one_line_before_the_load(
+        tiny_model_dir, bad, message, monkeypatch, capsys):
+    import re
+
+    from lm_eval._cli.utils import key_val_to_dict  # what `lm-eval run` gives the model
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention import registration
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    registration._install_cli_excepthook()
+    try:
+        HFHeadAblateLM.create_from_arg_obj(
+            key_val_to_dict(f"pretrained={tiny_model_dir('llama')},{bad}"), {"device": "cpu"})
+    except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
+        sys.excepthook(*sys.exc_info())
+    else:
+        pytest.fail(f"{bad} was accepted")
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert re.search(message, stderr.strip().splitlines()[-1])
+
+
 def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, capsys) -> None:
     """``HFHeadAblateLM`` built from ``args`` as lm_eval builds it fails, and the start-up
     hook's excepthook prints one line matching ``message``, no traceback."""

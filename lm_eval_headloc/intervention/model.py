@@ -129,12 +129,13 @@ class HFHeadAblateLM(HFLM):
         # a missing file or a malformed name fails fast; the layer/head ranges are
         # checked once the model is loaded.
         requested = requested_components(ablate, ablate_file, ablate_top)
-        if attn_out is not None and not isinstance(attn_out, str):
-            raise ComponentSpecError(f"attn_out={attn_out!r}: expected a module-name pattern, "
-                                "e.g. attn_out=model.layers.*.self_attn.o_proj")
-        if mlp_out is not None and not isinstance(mlp_out, str):
-            raise ComponentSpecError(f"mlp_out={mlp_out!r}: expected a module-name pattern, "
-                                "e.g. mlp_out=model.layers.*.mlp.down_proj")
+        for name, pattern, example in (("attn_out", attn_out, "model.layers.*.self_attn.o_proj"),
+                                       ("mlp_out", mlp_out, "model.layers.*.mlp.down_proj")):
+            # An empty one ('attn_out=') was taken as none: found automatically, unasked.
+            if pattern is not None and (not isinstance(pattern, str) or not pattern.strip()):
+                raise ComponentSpecError(f"{name}={pattern!r}: expected a module-name pattern, "
+                                         f"e.g. {name}={example}, or leave it out (found "
+                                         "automatically)")
         self._requested = requested  # checked against the config before the weights load
         self._ablate_file = ablate_file  # its model's geometry too, where it records one
         resample_seed = as_written(resample_seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +195,14 @@ def requested_components(ablate: object, ablate_file: object, ablate_top: object
                     f"ablate={ablate}: an empty component name (two '+' in a row, or a '+' "
                     "at an end); give heads like ablate=L0H29+L1H31")
             names.extend(ablate.split("+"))
-        elif isinstance(ablate, Iterable):  # from Python: names, Heads or (layer, head) pairs
-            names.extend(ablate)
+        elif isinstance(ablate, Iterable) and not isinstance(ablate, Mapping):
+            # From Python: names, Heads or (layer, head) pairs.
+            given = list(ablate)
+            if not given:  # the stock lm_eval command reads ablate=[] as an empty list
+                raise ComponentSpecError(
+                    f"ablate={ablate!r} names no heads; give heads like ablate=L0H29+L1H31 "
+                    "(or neurons like L3N1234), or leave it out")
+            names.extend(given)
         else:
             raise ComponentSpecError(
                 f"ablate={ablate!r}: expected heads like ablate=L0H29+L1H31 "
