@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_names, load_lm, raises_naming
+from helpers import TASKS, assert_names, load_lm, raises_naming
 
 from lm_eval_headloc.intervention.ablation import reference_texts
 from lm_eval_headloc.measurement.lm_eval_output import (
@@ -796,6 +796,26 @@ def test_a_jsonl_reference_sets_field_is_recorded(model_dir, tmp_path):
                            ablation_cache=str(tmp_path / "cache"))
     assert rerun.get_model_info()["reference_digest"] == info["reference_digest"]
     assert "ablation_field" not in load_lm(model_dir).get_model_info()
+
+
+def test_projections_and_a_reference_tasks_folder_are_recorded(model_dir, tmp_path):
+    """A model built in Python recorded neither attn_out=/mlp_out= (the projections named by
+    hand) nor ablation_include_path= (where its reference task was found): a rerun from
+    the record found the modules itself, and the task not at all."""
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    given = dict(attn_out="model.layers.*.self_attn.o_proj",
+                 mlp_out="model.layers.*.mlp.down_proj", ablation_include_path=TASKS)
+    lm = load_lm(model_dir, ablate="L0H1+L1N2", ablation="mean", ablation_data="tiny_copy",
+                 ablation_cache=str(tmp_path / "cache"), **given)
+    info = lm.get_model_info()
+    assert {key: info.get(key) for key in given} == given
+    rerun = HFHeadAblateLM(pretrained=str(model_dir), dtype="float32", device="cpu",
+                           ablation_cache=str(tmp_path / "cache"),
+                           **{key: info[key] for key in ("ablate", "ablation", "ablation_data",
+                                                         *given)})
+    assert rerun.get_model_info()["reference_digest"] == info["reference_digest"]
+    assert not set(given) & set(load_lm(model_dir).get_model_info())
 
 
 def test_a_baseline_at_a_scale_records_no_scale(model_dir, task_manager):

@@ -207,6 +207,7 @@ class HFHeadAblateLM(HFLM):
         self._said_plain = False  # forward_pass's warning, once
         self.ablation_data: str | None = None  # set_ablation's source and field
         self.ablation_field: str | None = None
+        self.ablation_include_path: str | None = None
         self.resample_seed = 0 if resample_seed is None else resample_seed
         self.means_file: str | None = None
         self.neuron_means_file: str | None = None
@@ -228,7 +229,7 @@ class HFHeadAblateLM(HFLM):
         try:
             if texts is not None:
                 self.set_ablation(self.ablation, texts, ablation_cache, ablation_data,
-                                  ablation_field)
+                                  ablation_field, ablation_include_path)
             self.set_heads(requested)
         except BaseException:
             # A model passed in (pretrained=<model>) is the caller's: a constructor that
@@ -287,13 +288,14 @@ class HFHeadAblateLM(HFLM):
     def set_ablation(self, kind: str, texts: list[str] | None = None,
                      cache_dir: str | os.PathLike | None = None,
                      source: str | os.PathLike | None = None,
-                     field: str | None = None) -> None:
+                     field: str | None = None,
+                     include_path: str | os.PathLike | None = None) -> None:
         """Switch the ablation kind on the live model (``ablation.py``). Mean and resample
         need the reference examples ``texts``: for mean their per-head means (from the
         cache under ``cache_dir``, or one pass over them), for resample the donors.
-        ``source``/``field``: the ``ablation_data=``/``ablation_field=`` the texts were read
-        from, as the model's arguments say it (None: texts handed over, e.g. a run's own
-        examples)."""
+        ``source``/``field``/``include_path``: the ``ablation_data=``/``ablation_field=``/
+        ``ablation_include_path=`` the texts were read from, as the model's arguments say
+        it (None: texts handed over, e.g. a run's own examples)."""
         kind = check_ablation(kind)
         if (kind == "zero") != (texts is None):
             raise AblationError(f"ablation={kind}: " + ("uses no reference set" if kind == "zero"
@@ -314,22 +316,25 @@ class HFHeadAblateLM(HFLM):
         saved = {name: getattr(self, name) for name in self._ABLATION_STATE
                  if hasattr(self, name)}
         try:
-            self._switch_ablation(kind, texts, cache_dir, source, field)
+            self._switch_ablation(kind, texts, cache_dir, source, field, include_path)
         except BaseException:  # a failed means pass (or Ctrl-C) leaves the old ablation
             for name, value in saved.items():
                 setattr(self, name, value)
             raise
 
     #: What ``set_ablation`` changes (and puts back when the switch fails).
-    _ABLATION_STATE = ("ablation_data", "ablation_field", "_means", "ablation", "resampler",
-                       "means_file", "neuron_means_file", "reference_digest", "_standing",
-                       "_reference_tokens", "_means_dir", "reference_examples")
+    _ABLATION_STATE = ("ablation_data", "ablation_field", "ablation_include_path", "_means",
+                       "ablation", "resampler", "means_file", "neuron_means_file",
+                       "reference_digest", "_standing", "_reference_tokens", "_means_dir",
+                       "reference_examples")
 
     def _switch_ablation(self, kind: str, texts: list[str] | None,
                          cache_dir: str | os.PathLike | None,
-                         source: str | os.PathLike | None, field: str | None) -> None:
+                         source: str | os.PathLike | None, field: str | None,
+                         include_path: str | os.PathLike | None = None) -> None:
         self.ablation_data = None if source is None else str(source)
         self.ablation_field = field
+        self.ablation_include_path = None if include_path is None else str(include_path)
         self._means = None
         self.ablation, self.resampler, self.means_file = kind, None, None
         self.neuron_means_file = None
@@ -778,6 +783,12 @@ class HFHeadAblateLM(HFLM):
                     means_file=self.means_file, reference_digest=self.reference_digest)
         if self.ablation_field is not None:  # which texts of ablation_data= were the set
             info["ablation_field"] = self.ablation_field
+        if self.ablation_include_path is not None:  # where ablation_data='s task was found
+            info["ablation_include_path"] = self.ablation_include_path
+        # The projections named by hand: a rerun finding others would knock out others.
+        for name in ("attn_out", "mlp_out"):
+            if getattr(self.knockout, name) is not None:
+                info[name] = getattr(self.knockout, name)
         if self.neuron_means_file is not None:
             info["neuron_means_file"] = self.neuron_means_file
         if self.ablation == "resample":
