@@ -98,6 +98,46 @@ def test_a_causal_lm_made_of_a_seq2seq_decoder_has_the_decoders_heads():
     assert torch.allclose(_knocked(model, "L1H1"), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("config, attention, mlp", [
+    (lambda: transformers.BartConfig(
+        vocab_size=128, d_model=64, encoder_layers=3, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+        decoder_ffn_dim=48, max_position_embeddings=32),
+     "model.decoder.layers.{}.self_attn.out_proj", "model.decoder.layers.{}.fc2"),
+    (lambda: transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=48, num_heads=4,
+                                   num_layers=3, num_decoder_layers=2, decoder_start_token_id=0),
+     "decoder.block.{}.layer.0.SelfAttention.o", "decoder.block.{}.layer.2.DenseReluDense.wo"),
+])
+def test_a_seq2seq_models_heads_are_its_decoders_self_attention_heads(config, attention, mlp):
+    """lm-eval runs an encoder-decoder model (backend=seq2seq) whole: its heads are the
+    decoder's self-attention heads, as in BartForCausalLM. T5's were counted by its
+    encoder's layers (num_layers), so a head past the decoder passed the check before the
+    load, and its decoder's attention to the encoder (EncDecAttention) was taken for self-
+    attention: refused after the load, or, where the encoder's layers outnumber the
+    decoder's, the encoder's heads knocked out instead."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(config()).eval()
+    assert Geometry.from_config(model.config).num_layers == 2
+    knockout = ComponentKnockout(model)
+    names = {module: name for name, module in model.named_modules()}
+    assert [names[m] for m in knockout.modules] == [attention.format(i) for i in (0, 1)]
+    assert [names[m] for m in knockout.mlp_modules] == [mlp.format(i) for i in (0, 1)]
+
+    def logits(of) -> torch.Tensor:
+        return of(input_ids=INPUT_IDS, decoder_input_ids=INPUT_IDS[:, :5]).logits
+
+    with torch.no_grad():
+        with knockout.knocking_out("L1H2+L0N7"):
+            knocked = logits(model)
+        reference = copy.deepcopy(model)
+        reference.get_submodule(attention.format(1)).weight[:, 32:48] = 0
+        reference.get_submodule(mlp.format(0)).weight[:, 7] = 0
+        assert torch.allclose(knocked, logits(reference), atol=1e-5)
+        assert not torch.allclose(knocked, logits(model), atol=1e-3)
+
+
 @pytest.mark.parametrize("config, values", [  # the config and what is wrong in it
     # No attention layer at all: nothing to name a head in.
     (lambda: transformers.Qwen3_5TextConfig(

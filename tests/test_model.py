@@ -468,6 +468,22 @@ def test_empty_knockout_args_from_lm_evals_command_line_are_one_line_before_the_
     assert re.search(message, stderr.strip().splitlines()[-1])
 
 
+def test_backend_seq2seq_on_a_decoder_only_model_is_one_line_before_the_load(
+        tiny_model_dir, monkeypatch, capsys):
+    """backend=seq2seq on a causal model was transformers' traceback from
+    AutoModelForSeq2SeqLM ("Unrecognized configuration class")."""
+    from lm_eval.models.huggingface import HFLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the backend was checked")
+
+    monkeypatch.setattr(HFLM, "_create_model", refuse)
+    _assert_one_line_through_the_hook(
+        f"pretrained={tiny_model_dir('llama')},backend=seq2seq",
+        r"hf-headablate: error: backend=seq2seq: llama is not an encoder-decoder model",
+        monkeypatch, capsys)
+
+
 def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, capsys) -> None:
     """``HFHeadAblateLM`` built from ``args`` as lm_eval builds it fails, and the start-up
     hook's excepthook prints one line matching ``message``, no traceback."""

@@ -37,9 +37,10 @@ _ATTENTION_HINTS = ("attn", "attention")
 
 
 # Attention blocks that are not the layer's own self-attention over the text: a
-# seq2seq decoder's attention to the encoder (BART's encoder_attn), which a causal LM made
-# of that decoder skips, and linear attention (not heads of softmax attention).
-_NOT_SELF_ATTENTION = ("encoder_attn", "linear")
+# seq2seq decoder's attention to the encoder (BART's encoder_attn, T5's EncDecAttention),
+# which a causal LM made of that decoder skips, and linear attention (not heads of softmax
+# attention).
+_NOT_SELF_ATTENTION = ("encoder_attn", "encdec", "linear")
 
 
 class AttentionOutputNotFound(ComponentSpecError):

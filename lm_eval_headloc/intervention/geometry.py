@@ -89,7 +89,10 @@ class Geometry:
         text = text_config(config)
         name = type(text).__name__
         try:
-            layers = int(_first_of(text, ("decoder_layers", "num_hidden_layers")))
+            # The decoder's (BART's decoder_layers, T5's num_decoder_layers): the encoder's
+            # heads are never knocked out.
+            layers = int(_first_of(text, ("decoder_layers", "num_decoder_layers",
+                                          "num_hidden_layers")))
             heads_each = _per_layer(text, layers, ("decoder_attention_heads",
                                                    "num_attention_heads"))
         except (AttributeError, TypeError) as err:

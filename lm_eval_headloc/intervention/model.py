@@ -266,6 +266,7 @@ class HFHeadAblateLM(HFLM):
     def _create_model(self, *args: Any, **kwargs: Any) -> None:
         # HFLM reads the config first: the requested components are checked against it
         # here, before the weights load (a neuron past the MLP's width fails in seconds).
+        _check_backend(getattr(self, "backend", None), self._config)
         check_against_config(self._requested, self._config)
         # A scale past the model's arithmetic made every knocked-out logit NaN, which
         # lm-eval then scored as answers (acc 0.75 against 0.25): refused before the load.
@@ -813,6 +814,20 @@ def _is_component_name(name: str) -> bool:
     except ComponentSpecError:
         return False
     return True
+
+
+def _check_backend(backend: str | None, config: Any) -> None:
+    """Refuse ``backend=seq2seq`` on a model AutoModelForSeq2SeqLM does not load (a
+    decoder-only one), which was transformers' traceback once the config was read."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if backend == "seq2seq" and model_type not in SEQ2SEQ:
+        raise UsageError(f"backend=seq2seq: {model_type} is not an encoder-decoder model "
+                         "(AutoModelForSeq2SeqLM does not load it); leave backend= out or "
+                         "give backend=causal")
 
 
 def check_against_config(names: Iterable[str | Component | tuple[int, int]],
