@@ -526,3 +526,37 @@ def test_a_vocabulary_padded_past_the_tokenizer_gets_lm_evals_own_answers(
     assert len({end for end in ends if end is not None}) > 2, ends
     for heads, answers in zip(masks, together, strict=True):
         assert answers == lm_evals_own(lm, instances, heads, 5, monkeypatch), heads
+
+
+def test_a_seq2seq_model_generates_as_lm_evals_own(tmp_path):
+    """A seq2seq model's ``generate`` returns the decoder's tokens, without the prompt's
+    columns: rows that stop on their own looked for their text past the prompt's width,
+    and every greedy generation request of an encoder-decoder model (BART) ended in an
+    IndexError."""
+    import transformers
+    from helpers import HIDDEN, VOCAB, save_tiny_tokenizer
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_headloc.intervention.model import HFHeadAblateLM
+
+    torch.manual_seed(0)
+    transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1)).save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    stock = HFLM(pretrained=str(tmp_path), device="cpu", batch_size=4)
+    lm = HFHeadAblateLM(pretrained=stock.model, tokenizer=stock.tokenizer, device="cpu",
+                        batch_size=4)
+    assert lm.backend == "seq2seq"
+
+    def requests() -> list:
+        return [Instance(request_type="generate_until", doc={}, idx=i, arguments=(
+            prompt, {"until": ["\n", "mat"], "max_gen_toks": 6, "do_sample": False}))
+            for i, prompt in enumerate(("the cat sat on the", "Mary and John went to",
+                                        "one two three"))]
+
+    assert lm.generate_until(requests()) == stock.generate_until(requests())
+    assert not multigen.stops_per_row(lm, {"do_sample": False})

@@ -151,7 +151,10 @@ def stops_per_row(lm: Any, generation_kwargs: dict[str, Any]) -> bool:
     if do_sample is None:
         do_sample = (generation_kwargs.get("temperature", 0.0) != 0.0
                      and bool(getattr(config, "do_sample", False)))
-    return (not do_sample and beams(lm.model, generation_kwargs) == 1
+    # A seq2seq model's generated sequence is the decoder's, without the prompt's columns
+    # that RowStops passes over.
+    return (getattr(lm, "backend", "causal") == "causal" and not do_sample
+            and beams(lm.model, generation_kwargs) == 1
             and getattr(lm, "think_end_token", None) is None
             and _padding_is_silent(lm.tokenizer))
 
