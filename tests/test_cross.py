@@ -136,6 +136,27 @@ def test_cross_of_chosen_tasks_erases_only(tiny_model_dir, tmp_path):
     assert math.isfinite(erase["drops"][f"{run}:tiny_copy_ppl"]["tiny_rolling"])
 
 
+def test_a_full_disk_while_cross_png_is_written_is_one_line(tiny_model_dir, tmp_path,
+                                                            capsys, monkeypatch):
+    """cross.png was written outside the folder's one-line errors: a full disk there
+    ended the command in a traceback."""
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    run = finished_run(tmp_path / "ppl", tiny_model_dir("llama"), "tiny_copy_ppl", PPL)
+    out = tmp_path / "cross"
+    monkeypatch.setattr(Figure, "savefig", full)
+    assert harness("cross", str(run), "--tasks", "tiny_rolling", "--top-k", "1",
+                   "--num-samples", "4", "--out", str(out)) == 2
+    assert_names(last_error(capsys), f"cannot write {out / 'cross.png'}",
+                 "No space left on device")
+
+
 def test_cross_checks_its_arguments_before_loading(tiny_model_dir, tmp_path, capsys,
                                                    no_model_loading):
     model = tiny_model_dir("llama")

@@ -625,6 +625,35 @@ def test_a_full_disk_while_a_measurement_is_written_is_one_line(tiny_model_dir, 
     assert harness(*args) == 0
 
 
+@pytest.mark.parametrize("name", ["heatmap.png", "design_matrix.npy"])
+def test_a_full_disk_while_a_figure_or_the_design_is_written_is_one_line(
+        tiny_model_dir, tmp_path, capsys, monkeypatch, name):
+    """heatmap.png and design_matrix.npy were written outside the folder's one-line
+    errors: a full disk there ended the run in a traceback."""
+    import errno
+    import importlib
+
+    from matplotlib.figure import Figure
+
+    locating = importlib.import_module("lm_eval_headloc.commands.locate")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--num-samples", "4", "--prior", "none", "--confirm", "0", "--masks", "3",
+            "--out", str(run)]
+    with monkeypatch.context() as patched:
+        if name == "heatmap.png":
+            patched.setattr(Figure, "savefig", full)
+        else:
+            patched.setattr(locating, "_save_array", full)
+        assert harness(*args) == 2
+    assert_names(last_error(capsys), f"cannot write {run / name}",
+                 "No space left on device")
+
+
 def test_a_force_cut_short_while_clearing_leaves_a_folder_force_clears(tiny_model_dir,
                                                                        tmp_path, monkeypatch):
     """--force stopped (Ctrl-C) while it cleared the run's files left a folder without its

@@ -144,7 +144,8 @@ def cross(runs: Sequence[str | Path], out: str | Path = "runs/cross",
             if (notes := ranking_notes(RunFolder(s.run), s.task, spec.top_k))}
         folder.write_json("cross.json", table)
         folder.write_text("cross.md", cross_markdown(table))
-        plot_cross(table, folder.file("cross.png"))
+        with folder.writing("cross.png") as path:
+            plot_cross(table, path)
     return table
 
 

@@ -236,8 +236,8 @@ def locate(out: str | Path, spec: RunSpec | None = None, *, force: bool = False,
                 design = run.design
                 with timing.phase("design"):
                     # Through a file object: np.save would add ".npy" to the partial name.
-                    write_atomically(folder.file("design_matrix.npy"),
-                                     lambda partial: _save_array(partial, design))
+                    with folder.writing("design_matrix.npy") as path:
+                        write_atomically(path, lambda partial: _save_array(partial, design))
             run.save(folder, measure)
 
         locate_loop(measure, store, columns, setup.task_names, spec, priors=run.priors,
@@ -602,8 +602,8 @@ def _replayed(stored: LocateRun | None, folder: RunFolder, spec: RunSpec, setup:
     design = state.design
     assert design is not None
     if stored.design is None or not np.array_equal(design, stored.design):
-        write_atomically(folder.file("design_matrix.npy"),
-                         lambda partial: _save_array(partial, design))
+        with folder.writing("design_matrix.npy") as path:
+            write_atomically(path, lambda partial: _save_array(partial, design))
     stored.design, stored.records = design, {r["key"]: r for r in store.measurements()}
     stored.pilot, stored.row_keys = state.pilot, state.row_keys
     stored.masks_used, stored.confirm = state.masks_used, state.confirm

@@ -323,7 +323,8 @@ def write_ranking(folder: RunFolder, rankings: Mapping[str, Ranking], top_k: int
     first = next(iter(rankings.values()))
     folder.write_json("heads.json", ranked_heads_json(first, top_k))
     folder.write_text("heads.csv", heads_table(first))
-    plot_heatmap(list(rankings.values()), top_k, folder.file("heatmap.png"), title=title)
+    with folder.writing("heatmap.png") as path:
+        plot_heatmap(list(rankings.values()), top_k, path, title=title)
     if before_report is not None:
         before_report()
     folder.write_text("report.md", report())

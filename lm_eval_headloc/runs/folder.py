@@ -30,7 +30,7 @@ import platform
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -651,13 +651,21 @@ class RunFolder:
         """Write config.json whole (atomically): every write of it goes through here."""
         self.write_json(self.CONFIG, config)
 
+    @contextlib.contextmanager
+    def writing(self, name: str) -> Iterator[Path]:
+        """The path of ``name``, for a write whose OSError (a full disk, a folder made
+        read-only since the run began) ends in one line naming the file, not a traceback:
+        every file of the run is written within it."""
+        path = self.file(name)
+        try:
+            yield path
+        except OSError as err:
+            raise RunFolderError(f"cannot write {path}: {err.strerror or err}") from None
+
     def write_text(self, name: str, text: str) -> None:
         """Write atomically: a reader never sees half a file."""
-        try:
-            write_atomically(self.file(name), lambda partial: partial.write_text(text))
-        except OSError as err:  # a folder made read-only since the run began
-            raise RunFolderError(f"cannot write {self.file(name)}: "
-                                 f"{err.strerror or err}") from None
+        with self.writing(name) as path:
+            write_atomically(path, lambda partial: partial.write_text(text))
 
     def write_json(self, name: str, data: Any) -> None:
         self.write_text(name, strict_json(data))
