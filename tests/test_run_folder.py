@@ -314,6 +314,39 @@ def test_force_deletes_only_what_this_run_wrote(tiny_model_dir, tmp_path, capsys
     assert strict_json(run / "config.json")["identity"]["seed"] == 1
 
 
+def test_force_clears_a_nested_run_killed_before_it_started(tiny_model_dir, tmp_path,
+                                                            capsys):
+    """A verify/ (or a sweep's cell) killed before its first config.json was written,
+    holding nothing or only its lock and our partial file, made --force refuse the run as
+    holding what it did not write. It is the run's own; anything else in it is not."""
+    from lm_eval_headloc.runs import folder as folders
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", "--out", str(run)]
+    assert harness(*args) == 0
+    (run / "verify").mkdir()
+    (run / "verify" / ".lock").write_text("123\n")
+    (run / "verify" / ".config.json.123.partial").write_text('{"command": "ver')
+    (run / "other").mkdir()  # empty, but named as no nested run of this one
+    assert harness(*args, "--seed", "1", "--force") == 2
+    assert_names(last_error(capsys), "--force", str(run), "(other)")
+    (run / "other").rmdir()
+    (run / "verify" / "notes.md").write_text("mine")
+    assert harness(*args, "--seed", "1", "--force") == 2
+    assert_names(last_error(capsys), "--force", str(run), "(verify)")
+    (run / "verify" / "notes.md").unlink()
+    assert harness(*args, "--seed", "1", "--force") == 0
+    assert not (run / "verify").exists()
+    assert strict_json(run / "config.json")["identity"]["seed"] == 1
+    # A sweep's cell, empty: its own; a folder of another name is not.
+    sweep = {"command": "sweep", "identity": {"masks": [3], "sparsity": [0.25]}}
+    for name in ("m3-p0.25", "m4-p0.25"):
+        (tmp_path / name).mkdir()
+    assert folders._nested_run(tmp_path / "m3-p0.25", sweep) is not None
+    assert folders._nested_run(tmp_path / "m4-p0.25", sweep) is None
+
+
 def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_dir, tmp_path):
     """A kill between writing config.json's partial file and its rename left a folder of
     .lock and .config.json.<pid>.partial, refused for ever ("not a run folder")."""

@@ -179,13 +179,10 @@ def _ours(entry: Path) -> bool:
 def _nested_run(entry: Path, config: Mapping[str, Any]) -> RunFolder | None:
     """``entry`` as a run folder that the run ``config`` records made, or None: its
     ``verify`` (verify's default --out) or, in a sweep's folder, one of its cells. Another
-    run folder put here (a copy of another run) is not this run's to delete."""
-    if not entry.is_dir() or entry.is_symlink() or not (entry / RunFolder.CONFIG).is_file():
-        return None
-    run = RunFolder(entry)
-    try:
-        command = run.read_config()["command"]
-    except RunFolderError:
+    run folder put here (a copy of another run) is not this run's to delete. One so named
+    that was killed before its first config.json, holding nothing but its lock and our
+    partial files, is the run's too."""
+    if not entry.is_dir() or entry.is_symlink():
         return None
     identity = config.get("identity")
     cells: set[str] = set()
@@ -194,6 +191,16 @@ def _nested_run(entry: Path, config: Mapping[str, Any]) -> RunFolder | None:
         if all(isinstance(values, list) for values in grid):
             cells = {f"m{m}-p{p:g}" for m in grid[0] for p in grid[1]
                      if isinstance(m, int) and isinstance(p, (int, float))}
+    run = RunFolder(entry)
+    if not (entry / RunFolder.CONFIG).is_file():
+        lock = entry / RunFolder.LOCK
+        unstarted = ((not os.path.lexists(lock) or (lock.is_file() and not lock.is_symlink()))
+                     and all(_is_partial(inner) for inner in run._entries()))
+        return run if unstarted and (entry.name == "verify" or entry.name in cells) else None
+    try:
+        command = run.read_config()["command"]
+    except RunFolderError:
+        return None
     if (entry.name, command) == ("verify", "verify") or (
             entry.name in cells and command == "locate"):
         return run
@@ -536,6 +543,8 @@ class RunFolder:
         """What is here that this folder's run did not write, nested runs' included
         (names): a file no command writes, a ranking file of no task of the run, a run
         folder that is not one of its own."""
+        if not self.file(self.CONFIG).is_file():  # a nested run killed before it started
+            return [entry.name for entry in self._entries() if not _is_partial(entry)]
         config = self.read_config()
         rankings = _own_rankings(config)
         found = []
