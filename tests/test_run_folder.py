@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    LASSO_ONLY,
     TASKS,
     assert_names,
     fake_run,
@@ -345,6 +346,34 @@ def test_force_clears_a_nested_run_killed_before_it_started(tiny_model_dir, tmp_
         (tmp_path / name).mkdir()
     assert folders._nested_run(tmp_path / "m3-p0.25", sweep) is not None
     assert folders._nested_run(tmp_path / "m4-p0.25", sweep) is None
+
+
+@pytest.mark.parametrize("field", ["higher_is_better", "metrics"])
+def test_a_baseline_without_its_direction_or_metric_is_skipped(tiny_model_dir, tmp_path,
+                                                              capsys, field):
+    """A baseline record edited to drop higher_is_better (or metrics) ended refit and a
+    resumed run in a KeyError traceback. It is skipped with a line naming the file and
+    the record, as other unusable records are, and measured again."""
+    from lm_eval_headloc.measurement.store import MemoryStore, StoreError
+
+    run = tmp_path / "run"
+    args = ["locate", *tiny_args(tiny_model_dir("llama")), "--tasks", "tiny_copy",
+            "--masks", "3", "--sparsity", "0.25", "--num-samples", "4", *LASSO_ONLY,
+            "--out", str(run)]
+    assert harness(*args) == 0
+    path = run / "measurements.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        if record["key"] == "baseline":
+            del record[field]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert harness("refit", str(run)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert_names(err, f"{path} line 1 (baseline)", field)
+    assert harness(*args) == 0  # measured again
+    with pytest.raises(StoreError, match=f"records\\[0\\] \\(baseline\\).*{field}"):
+        MemoryStore(records[:1])
 
 
 def test_a_kill_during_the_first_config_write_leaves_a_usable_folder(tiny_model_dir, tmp_path):

@@ -80,6 +80,14 @@ def unusable_score(record: Mapping[str, Any]) -> str | None:
                     or not math.isfinite(value) or abs(value) > _LARGEST_SCORE):
                 what = "score" if field == "scores" else "log-likelihood"
                 return f"the {what} of task {task!r} is {value!r}, not a finite number"
+    if record.get("key") == "baseline":  # each fit reads the tasks' metric and direction here
+        for field, kind in (("metrics", str), ("higher_is_better", bool)):
+            given = record.get(field)
+            if not isinstance(given, Mapping):
+                return f"it has no {field} by task"
+            for task in record.get("scores") or {}:
+                if not isinstance(given.get(task), kind):
+                    return f"its {field} has no {kind.__name__} for task {task!r}"
     return None
 
 
