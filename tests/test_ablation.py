@@ -329,6 +329,9 @@ metric_list: [{{metric: acc}}]
     (dict(ablation_cache="x"), ("ablation_cache='x'", "ablation=mean", "ablation=zero")),
     (dict(ablation="resample", ablation_data="JSONL", ablation_cache="x"),
      ("ablation_cache='x'", "ablation=mean", "ablation=resample")),
+    # '' was the current folder: the means cached wherever the command ran.
+    (dict(ablation="mean", ablation_data="JSONL", ablation_cache=""),
+     ("ablation_cache=''", "a folder")),
     (dict(ablation="mean", ablation_data="tiny_copy", ablation_include_path="NOFOLDER"),
      ("ablation_include_path='{NOFOLDER}'",)),
     (dict(ablation_include_path="TASKS"), ("ablation_include_path=", "mean", "resample")),

@@ -424,6 +424,10 @@ def means_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     """The folder mean ablation caches its statistics in (``ablation_cache=``, else
     ``default_cache_dir``), made where it is missing; an ``AblationError`` where it cannot
     be one (a file of that name, no permission)."""
+    if cache_dir is not None and not str(cache_dir).strip():
+        # '' would be the current folder, the means left wherever the command ran.
+        raise AblationError(f"ablation_cache={str(cache_dir)!r}: expected a folder, e.g. "
+                            "ablation_cache=means, or leave it out (the user's cache)")
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
