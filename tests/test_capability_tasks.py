@@ -79,6 +79,21 @@ def test_main_rewrites_byte_identical_files(tmp_path):
     assert changed != data_file(TASK_CONFIGS, "headloc_ioi").read_bytes()
 
 
+def test_main_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`python -m lm_eval_headloc.tasks.generators --out DIR | head -1` ended in a
+    BrokenPipeError traceback once head had stopped reading."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "lm_eval_headloc.tasks.generators",
+                               "--out", str(tmp_path)], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, check=False)
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and done.stderr == ""
+    assert all(data_file(tmp_path, task).is_file() for task in GENERATORS)
+
+
 def test_main_refuses_an_out_that_is_no_folder_in_one_line(tmp_path, capsys):
     """--out naming a file ended in a NotADirectoryError traceback; a data file's place
     taken by a folder in an IsADirectoryError, after the files before it were written."""

@@ -433,8 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    for path in written:
-        print(path)
+    try:
+        for path in written:
+            print(path)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped (`| head -1`): quiet, as Unix tools are. stdout then goes to
+        # devnull, else the flush at exit fails again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
