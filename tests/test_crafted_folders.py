@@ -589,3 +589,35 @@ def test_a_task_recorded_as_a_yaml_file_runs_no_code_from_the_working_directory(
     assert harness(*args) == 2
     assert_names(error_line(capsys), "'evil.yaml'", "task file")
     assert not (tmp_path / "marked").exists() and not out.exists()
+
+
+def _with_config(runs, tmp_path, alter) -> Path:
+    folder = tmp_path / "copy" / "run"
+    shutil.copytree(runs["locate"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    alter(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("top_k", None, "top_k None"),  # refit: '>' between None and int
+    ("scale", None, "scale None"),  # refit: float(None)
+    ("masks", None, "masks None"),  # refit: None - int
+    ("model_args", 5, "--model-args 5"),  # verify: 5.split
+    ("model_args", ["pretrained=x"], "--model-args"),
+    ("include_path", [5], "include_path [5]"),  # verify: os.fspath(5)
+    ("alpha", "x", "--alpha 'x'"),
+])
+@pytest.mark.parametrize("command", ["refit", "verify", "overlap"])
+def test_a_recorded_option_of_the_wrong_type_is_one_line(runs, tmp_path, capsys,
+                                                          no_model_loading, field, value,
+                                                          said, command):
+    """A recorded option the command line would refuse (null where a number is, model
+    args or include_path that are no strings) ended in a traceback deep in the command:
+    config.json is named, with the option."""
+    folder = _with_config(runs, tmp_path, lambda c: c["spec"].__setitem__(field, value))
+    capsys.readouterr()
+    assert harness(*command_line(command, folder, runs, tmp_path / "out")) == 2
+    assert_names(error_line(capsys), "config.json", said)
+

@@ -138,6 +138,7 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
             raise
         raise RunFolderError(f"{path}: its options are not a run's "
                              f"({str(err).splitlines()[0]})") from None
+    _check_options(config, path)
     for key in ("example_subset", "examples_used", "chat_template"):
         recorded = config.get(key)
         if recorded is None:
@@ -184,6 +185,36 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
         if names is not None and not (isinstance(names, list)
                                       and all(isinstance(n, str) for n in names)):
             raise RunFolderError(f"{path}: {key} is not a list of names")
+
+
+def _check_options(config: Mapping[str, Any], path: Path) -> None:
+    """Refuse recorded options the command line would refuse (a number as text, a null
+    count, model args that are no string): every reader takes them as a run's options,
+    and a wrong type ended in a traceback deep inside it, or a wrong number."""
+    from dataclasses import fields
+
+    from lm_eval_headloc.common.checks import UsageError
+    from lm_eval_headloc.runs.spec import RunSpec
+
+    try:
+        spec = RunSpec.from_config(config)
+        for spec_field in fields(RunSpec):
+            # A number option that has a default is never null in a run's record.
+            if (spec_field.metadata["number"] is not None and spec_field.default is not None
+                    and getattr(spec, spec_field.name) is None):
+                raise UsageError(f"{spec_field.name} None: must be a number")
+        if config["command"] == "locate":  # its budget, once decided, is recorded
+            for name in ("masks", "confirm"):
+                if getattr(spec, name) is None:
+                    raise UsageError(f"{name} None: a locate run records its number")
+        if not all(isinstance(folder, str) for folder in spec.include_path):
+            raise UsageError(f"include_path {list(spec.include_path)!r}: must be folders")
+        spec.replace(output_path=None, log_samples=False).validate()
+    except (UsageError, TypeError, ValueError) as err:
+        if isinstance(err, RunFolderError):
+            raise
+        raise RunFolderError(f"{path}: its options are not a run's "
+                             f"({str(err).splitlines()[0]})") from None
 
 
 # --- the other files against config.json ------------------------------------------------
