@@ -621,3 +621,17 @@ def test_a_recorded_option_of_the_wrong_type_is_one_line(runs, tmp_path, capsys,
     assert harness(*command_line(command, folder, runs, tmp_path / "out")) == 2
     assert_names(error_line(capsys), "config.json", said)
 
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("example_subset", None), ("example_subset", "0,1"), ("example_subset", [-1, 0]),
+    ("example_subset", [0.5]), ("examples_used", "4"), ("examples_used", -1)])
+def test_a_recorded_example_subset_that_is_no_list_of_indices_is_one_line(
+        runs, tmp_path, capsys, field, value):
+    """overlap took len() of a task's subset recorded as null (a TypeError) and counted a
+    string's characters as examples; negative or fractional indices passed silently."""
+    folder = _with_config(runs, tmp_path, lambda c: c[field].__setitem__(TASK, value))
+    capsys.readouterr()
+    assert harness(*command_line("overlap", folder, runs, tmp_path / "out")) == 2
+    assert_names(error_line(capsys), "config.json", field, repr(TASK))
+    with raises_naming(RunFolderError, field):
+        read_rankings(folder)

@@ -145,8 +145,18 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
             continue
         if not isinstance(recorded, Mapping):
             raise RunFolderError(f"{path}: {key} is not a mapping of tasks")
-        for task in recorded:
+        for task, value in recorded.items():
             plain_name(task, f"{key}'s task", path)
+            # overlap counts and intersects the subsets, verify reads their documents:
+            # each is a list of document indices, each count a whole number.
+            if key == "example_subset" and not (
+                    isinstance(value, list)
+                    and all(type(i) is int and i >= 0 for i in value)):
+                raise RunFolderError(f"{path}: example_subset of {task!r} is not a list of "
+                                     f"document indices (whole numbers >= 0): {value!r:.60}")
+            if key == "examples_used" and not (type(value) is int and value >= 0):
+                raise RunFolderError(f"{path}: examples_used of {task!r} {value!r:.60} is not "
+                                     "a whole number >= 0")
     layers = _whole(config, "layers", path)
     per_layer = _whole(config, "heads_per_layer", path)
     width = _whole(config, "neurons_per_layer", path)
