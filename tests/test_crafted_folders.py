@@ -603,7 +603,6 @@ def _with_config(runs, tmp_path, alter) -> Path:
 @pytest.mark.parametrize(("field", "value", "said"), [
     ("top_k", None, "top_k None"),  # refit: '>' between None and int
     ("scale", None, "scale None"),  # refit: float(None)
-    ("masks", None, "masks None"),  # refit: None - int
     ("model_args", 5, "--model-args 5"),  # verify: 5.split
     ("model_args", ["pretrained=x"], "--model-args"),
     ("include_path", [5], "include_path [5]"),  # verify: os.fspath(5)

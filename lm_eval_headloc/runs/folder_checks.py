@@ -138,7 +138,6 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
             raise
         raise RunFolderError(f"{path}: its options are not a run's "
                              f"({str(err).splitlines()[0]})") from None
-    _check_options(config, path)
     for key in ("example_subset", "examples_used", "chat_template"):
         recorded = config.get(key)
         if recorded is None:
@@ -195,6 +194,7 @@ def check_config(config: Mapping[str, Any], path: Path) -> None:
         if names is not None and not (isinstance(names, list)
                                       and all(isinstance(n, str) for n in names)):
             raise RunFolderError(f"{path}: {key} is not a list of names")
+    _check_options(config, path)  # the rest, as the command line checks them
 
 
 def _check_options(config: Mapping[str, Any], path: Path) -> None:
@@ -213,10 +213,6 @@ def _check_options(config: Mapping[str, Any], path: Path) -> None:
             if (spec_field.metadata["number"] is not None and spec_field.default is not None
                     and getattr(spec, spec_field.name) is None):
                 raise UsageError(f"{spec_field.name} None: must be a number")
-        if config["command"] == "locate":  # its budget, once decided, is recorded
-            for name in ("masks", "confirm"):
-                if getattr(spec, name) is None:
-                    raise UsageError(f"{name} None: a locate run records its number")
         if not all(isinstance(folder, str) for folder in spec.include_path):
             raise UsageError(f"include_path {list(spec.include_path)!r}: must be folders")
         spec.replace(output_path=None, log_samples=False).validate()
