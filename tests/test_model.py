@@ -442,30 +442,15 @@ def test_bad_heads_in_model_args_are_one_line_through_the_cli_hook(tiny_model_di
 ])
 def test_empty_knockout_args_from_lm_evals_command_line_are_one_line_before_the_load(
         tiny_model_dir, bad, message, monkeypatch, capsys):
-    import re
-
     from lm_eval._cli.utils import key_val_to_dict  # what `lm-eval run` gives the model
     from lm_eval.models.huggingface import HFLM
-
-    from lm_eval_headloc.intervention import registration
-    from lm_eval_headloc.intervention.model import HFHeadAblateLM
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
     monkeypatch.setattr(HFLM, "__init__", refuse)
-    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    registration._install_cli_excepthook()
-    try:
-        HFHeadAblateLM.create_from_arg_obj(
-            key_val_to_dict(f"pretrained={tiny_model_dir('llama')},{bad}"), {"device": "cpu"})
-    except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
-        sys.excepthook(*sys.exc_info())
-    else:
-        pytest.fail(f"{bad} was accepted")
-    stderr = capsys.readouterr().err
-    assert "Traceback" not in stderr
-    assert re.search(message, stderr.strip().splitlines()[-1])
+    _assert_one_line_through_the_hook(f"pretrained={tiny_model_dir('llama')},{bad}",
+                                      message, monkeypatch, capsys, parse=key_val_to_dict)
 
 
 def test_backend_seq2seq_on_a_decoder_only_model_is_one_line_before_the_load(
@@ -484,9 +469,11 @@ def test_backend_seq2seq_on_a_decoder_only_model_is_one_line_before_the_load(
         monkeypatch, capsys)
 
 
-def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, capsys) -> None:
+def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, capsys,
+                                      parse=None) -> None:
     """``HFHeadAblateLM`` built from ``args`` as lm_eval builds it fails, and the start-up
-    hook's excepthook prints one line matching ``message``, no traceback."""
+    hook's excepthook prints one line matching ``message``, no traceback. ``parse``: how
+    the command line reads ``args`` into a dict (``lm-eval run``'s), else the text."""
     import re
 
     from lm_eval_headloc.intervention import registration
@@ -495,7 +482,10 @@ def _assert_one_line_through_the_hook(args: str, message: str, monkeypatch, caps
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     registration._install_cli_excepthook()
     try:
-        HFHeadAblateLM.create_from_arg_string(args, {"device": "cpu"})
+        if parse is None:
+            HFHeadAblateLM.create_from_arg_string(args, {"device": "cpu"})
+        else:
+            HFHeadAblateLM.create_from_arg_obj(parse(args), {"device": "cpu"})
     except Exception:  # noqa: BLE001 — as an uncaught exception reaches the hook
         sys.excepthook(*sys.exc_info())
     else:
