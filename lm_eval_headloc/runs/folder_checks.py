@@ -215,7 +215,11 @@ def _check_options(config: Mapping[str, Any], path: Path) -> None:
                 raise UsageError(f"{spec_field.name} None: must be a number")
         if not all(isinstance(folder, str) for folder in spec.include_path):
             raise UsageError(f"include_path {list(spec.include_path)!r}: must be folders")
-        spec.replace(output_path=None, log_samples=False).validate()
+        if spec.model_args is not None and not isinstance(spec.model_args, str):
+            raise UsageError(f"--model-args {spec.model_args!r}: must be a string")
+        # Its type only: which model args the command line takes as its own options
+        # (batch_size=) is the command line's rule, not the record's (a run appends some).
+        spec.replace(output_path=None, log_samples=False, model_args=None).validate()
     except (UsageError, TypeError, ValueError) as err:
         if isinstance(err, RunFolderError):
             raise
