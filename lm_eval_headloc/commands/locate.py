@@ -385,8 +385,9 @@ def _check_ranks_some(columns: Columns, excluded: Sequence[Component],
     of 2 neurons ran, its report speaking of a top-5), as ``prepare`` refuses it for a
     heads run: a neuron run's columns are known only once its prior has named them, and
     refit's --exclude and --top-k are new."""
-    left_out = {*columns.holding(excluded), *(columns.index(c) for c in never if c in columns)}
-    if len(columns.holding(excluded)) >= len(columns):
+    held = columns.holding(excluded)
+    left_out = {*held, *(columns.index(c) for c in never if c in columns)}
+    if len(held) >= len(columns):
         raise UsageError(f"--exclude covers every component the run ranks "
                          f"({len(columns)}); nothing is left to rank")
     if top_k > len(columns) - len(left_out):

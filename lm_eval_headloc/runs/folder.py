@@ -661,15 +661,16 @@ class RunFolder:
         self.write_json(self.CONFIG, config)
 
     @contextlib.contextmanager
-    def writing(self, name: str) -> Iterator[Path]:
+    def writing(self, name: str, kept: str = "") -> Iterator[Path]:
         """The path of ``name``, for a write whose OSError (a full disk, a folder made
         read-only since the run began) ends in one line naming the file, not a traceback:
-        every file of the run is written within it."""
+        every file of the run is written within it. ``kept``: what the line adds of what
+        the failed write left."""
         path = self.file(name)
         try:
             yield path
         except OSError as err:
-            raise RunFolderError(f"cannot write {path}: {err.strerror or err}") from None
+            raise RunFolderError(f"cannot write {path}: {err.strerror or err}{kept}") from None
 
     def write_text(self, name: str, text: str) -> None:
         """Write atomically: a reader never sees half a file."""
@@ -730,12 +731,9 @@ class RunFolder:
     def append_measurement(self, record: Mapping[str, Any]) -> None:
         """Append one line and force it to disk before the next measurement starts."""
         line = json.dumps(_finite_or_none(record), allow_nan=False) + "\n"
-        path = self.file(self.MEASUREMENTS)
-        try:
-            with path.open("a") as handle:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as err:  # a full disk: the lines before it are kept, a torn one cut
-            raise RunFolderError(f"cannot write {path}: {err.strerror or err}; the "
-                                 "measurements before it are kept for a rerun") from None
+        # A full disk: the lines before it are kept, a torn one is cut when read.
+        with self.writing(self.MEASUREMENTS, "; the measurements before it are kept for a "
+                                             "rerun") as path, path.open("a") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
